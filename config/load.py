@@ -1,0 +1,76 @@
+"""Read a pipeline YAML file into a validated :class:`PipelineConfig`.
+
+A config error is reported once, naming every bad key by its dotted path and, for
+enumerated fields, the allowed values; nothing runs before the config validates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from config.schema import PipelineConfig
+
+
+class ConfigError(ValueError):
+    """A pipeline config that cannot be used; the message names the file and keys."""
+
+
+def _allowed_keys(model_cls: Any, loc: tuple) -> list[str] | None:
+    """Field names of the model at ``loc`` (so 'extra key' errors can list what is valid)."""
+    cls = model_cls
+    for part in loc[:-1]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        # Optional[Model] -> Model
+        for candidate in getattr(ann, "__args__", (ann,)):
+            if hasattr(candidate, "model_fields"):
+                cls = candidate
+                break
+        else:
+            return None
+    return sorted(getattr(cls, "model_fields", {}))
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One readable message for all problems of a config: ``key.path: problem``."""
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(PipelineConfig, loc)
+            hint = f" (allowed keys here: {', '.join(allowed)})" if allowed else ""
+            lines.append(f"  {key}: unknown key{hint}")
+        elif e["type"] == "missing":
+            lines.append(f"  {key}: required key is missing")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Parse and validate ``path``.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or fails validation (message lists
+            each bad key as a dotted path with the allowed keys or values).
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {p} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {p} must be a mapping of sections (run, data, model, ...), got {type(raw).__name__}")
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(p))) from None

@@ -1,0 +1,1 @@
+"""HF <-> Megatron parameter maps, HF/GGUF model sources and SafeTensors export."""

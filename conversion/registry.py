@@ -1,0 +1,103 @@
+"""Dispatch of HF <-> megatron-core parameter maps by HF ``architectures[0]``.
+
+The table is explicit: an architecture is supported only if it is a key here (no substring
+matching). Each family module provides ``hf_shapes``, ``mcore_shapes``, ``to_megatron`` and
+``to_hf``; this module checks names and shapes once, so every family gets the same errors.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from conversion import llama, qwen2
+from conversion.spec import GPTSpec
+
+FAMILIES: dict[str, ModuleType] = {"LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2}
+
+# HF checkpoints may carry these non-parameter buffers; they are recomputed, never mapped.
+_HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_MCORE_IGNORED_SUFFIXES = ("._extra_state",)
+
+
+class ConversionError(ValueError):
+    """A state dict does not match the architecture: names the offending tensor."""
+
+
+def family(hf_config: Mapping[str, Any]) -> tuple[GPTSpec, ModuleType]:
+    """The spec and family module for an HF config.
+
+    Raises:
+        ConversionError: ``architectures`` missing or not in :data:`FAMILIES`, or the
+            config has an unsupported field (message names the key).
+    """
+    archs = hf_config.get("architectures") or []
+    if not archs or archs[0] not in FAMILIES:
+        raise ConversionError(
+            f"config key 'architectures'={archs!r}: no parameter map; supported: {sorted(FAMILIES)}"
+        )
+    try:
+        return GPTSpec.from_hf_config(hf_config), FAMILIES[archs[0]]
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+
+
+def _check(kind: str, state: Mapping[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    missing = [n for n in expected if n not in state]
+    if missing:
+        raise ConversionError(f"{kind} state: missing tensor {missing[0]!r} ({len(missing)} missing in total)")
+    for name, t in state.items():
+        if name in expected:
+            if tuple(t.shape) != expected[name]:
+                raise ConversionError(
+                    f"{kind} state: tensor {name!r} has shape {tuple(t.shape)}, expected {expected[name]}"
+                )
+        elif not name.endswith(_HF_IGNORED_SUFFIXES + _MCORE_IGNORED_SUFFIXES):
+            raise ConversionError(f"{kind} state: unexpected tensor {name!r}")
+
+
+def hf_to_megatron(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map an HF state dict to megatron-core GPTModel (local spec) names and layouts.
+
+    Args:
+        hf_config: HF ``config.json`` dict; ``architectures[0]`` selects the map.
+        hf_state: HF name -> tensor. For tied embeddings ``lm_head.weight`` may be
+            present (``model.state_dict()`` includes it) if it equals the embedding.
+
+    Returns:
+        megatron name -> tensor (no ``_extra_state`` entries; load with
+        ``engine.megatron_model.load_mcore_state``).
+
+    Raises:
+        ConversionError: unknown architecture, or a missing, unexpected or
+            wrongly shaped tensor (message names it).
+    """
+    spec, fam = family(hf_config)
+    state = dict(hf_state)
+    if spec.tie_word_embeddings and llama.LM_HEAD[0] in state:
+        head = state.pop(llama.LM_HEAD[0])
+        embed = state.get("model.embed_tokens.weight")
+        if embed is not None and not torch.equal(head, embed):
+            raise ConversionError("HF state: tensor 'lm_head.weight' differs from the embedding of a tied model")
+    _check("HF", state, fam.hf_shapes(spec))
+    return fam.to_megatron(spec, state)
+
+
+def megatron_to_hf(
+    hf_config: Mapping[str, Any], mcore_state: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream HF-named tensors from a megatron-core state dict, one tensor at a time.
+
+    Used for rollout weight sync and SafeTensors export. Tied models yield no
+    ``lm_head.weight`` (as ``save_pretrained`` writes them). Names and shapes are checked
+    before the first tensor is yielded.
+
+    Raises:
+        ConversionError: unknown architecture, or a missing, unexpected or wrongly
+            shaped tensor (message names it).
+    """
+    spec, fam = family(hf_config)
+    _check("megatron", mcore_state, fam.mcore_shapes(spec))
+    return fam.to_hf(spec, mcore_state)

@@ -1,0 +1,1 @@
+"""Ray-hosted training and rollout engine (Megatron backend, vLLM rollout, RL algorithms)."""

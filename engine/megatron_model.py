@@ -1,0 +1,203 @@
+"""megatron-core GPTModel for Llama and Qwen2 decoders, built and run on CPU.
+
+:class:`GPTSpec` is the architecture (read from and written to an HF ``config.json``);
+:func:`build_gpt_model` builds the matching ``GPTModel`` with megatron-core's local layer
+spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, fp32 on CPU);
+:func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally.
+
+The local spec's core attention materialises the ``[B, heads, T, T]`` score matrix with
+``baddbmm``; ``core_attention="sdpa"`` swaps in :class:`SDPACoreAttention`, which calls
+``torch.nn.functional.scaled_dot_product_attention`` with the same causal semantics.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from conversion.spec import GPTSpec
+from engine.platform import init_model_parallel
+
+CoreAttention = Literal["local", "sdpa"]
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention via ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Drop-in for megatron's ``DotProductAttention`` in the local spec (same constructor and
+    forward signature). Computes softmax(Q K^T / sqrt(d) + causal mask) V (Vaswani et al.
+    2017) with grouped-query heads (Ainslie et al. 2023) broadcast by ``enable_gqa``.
+
+    Shapes: query ``[T, B, heads, d]``, key/value ``[T, B, kv_heads, d]`` -> ``[T, B, heads*d]``.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None or attention_mask is not None:
+            raise NotImplementedError("SDPACoreAttention supports plain causal attention only")
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, heads, T, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=q.size(2) > 1, dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1),
+        )
+        t, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(t, b, -1)
+
+
+def _layer_spec(core_attention: CoreAttention):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if core_attention == "sdpa":
+        spec = copy.deepcopy(spec)
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    elif core_attention != "local":
+        raise ValueError(f"core_attention must be 'local' or 'sdpa', got {core_attention!r}")
+    return spec
+
+
+def transformer_config(spec: GPTSpec):
+    """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        init_method_std=0.02,
+    )
+
+
+def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local"):
+    """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
+
+    Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
+    The global torch RNG state is left as it was. The returned model carries ``gpt_spec``.
+
+    Args:
+        spec: architecture.
+        seed: seed for the weight initialisation (normal, std 0.02, megatron's default).
+        core_attention: "local" (megatron's DotProductAttention) or "sdpa"
+            (:class:`SDPACoreAttention`, same results, faster on CPU).
+
+    Returns:
+        ``megatron.core.models.gpt.GPTModel`` in train mode, fp32, on CPU.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    init_model_parallel()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPTModel(
+            config=transformer_config(spec),
+            transformer_layer_spec=_layer_spec(core_attention),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            rotary_percent=1.0,
+        )
+    model.gpt_spec = spec
+    return model
+
+
+def _check_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
+    return input_ids.long()
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    b, t = input_ids.shape
+    return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+
+
+def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Causal next-token logits, batch-first.
+
+    Position ``t`` sees tokens ``0..t`` only, so right-padding never changes earlier
+    positions' logits. Runs under the caller's grad mode.
+
+    Args:
+        model: a GPTModel from :func:`build_gpt_model`.
+        input_ids: LongTensor ``[B, T]``.
+
+    Returns:
+        FloatTensor ``[B, T, V]`` (fp32 logits; position t predicts token t+1).
+    """
+    ids = _check_ids(input_ids)
+    return model(input_ids=ids, position_ids=_positions(ids), attention_mask=None)
+
+
+def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states (input of the output layer), batch-first.
+
+    Same causal semantics as :func:`gpt_logits`; the output projection is skipped, so a
+    scalar reward/value head can read ``[B, T, H]`` directly (equals HF's last entry of
+    ``hidden_states`` with ``output_hidden_states=True``).
+
+    Returns:
+        FloatTensor ``[B, T, H]``.
+    """
+    ids = _check_ids(input_ids)
+    # GPTModel returns the decoder output (which ends in final_layernorm) when post_process is
+    # off; toggling the flag skips the vocab projection without touching the decoder.
+    saved = model.post_process
+    model.post_process = False
+    try:
+        hidden = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None)
+    finally:
+        model.post_process = saved
+    return hidden.transpose(0, 1)
+
+
+def mcore_state(model) -> dict[str, torch.Tensor]:
+    """The model's parameters by megatron name (detached, sharing storage; no ``_extra_state``)."""
+    return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def load_mcore_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy a megatron-named state (e.g. from ``conversion.hf_to_megatron``) into ``model``.
+
+    Raises:
+        KeyError: naming the first missing or unexpected parameter (``_extra_state``
+            entries, which hold no tensors in the local spec, are exempt).
+    """
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    if missing or result.unexpected_keys:
+        bad = missing[0] if missing else result.unexpected_keys[0]
+        raise KeyError(f"megatron state: {'missing' if missing else 'unexpected'} parameter {bad!r}")

@@ -1,0 +1,151 @@
+"""Platform set-up for running megatron-core on CPU in one process.
+
+megatron-core 0.16.1 assumes a CUDA device in a few places that a CPU-only forward and
+backward pass still touches: tensors allocated with ``device=torch.cuda.current_device()``
+(rotary embeddings, linear layers), the CUDA RNG tracker that forks generator state around
+dropout, and ``torch.cuda.synchronize()`` in parallel-state and checkpoint code. On a
+machine without CUDA, :func:`setup_cpu_platform` maps those onto CPU equivalents; with CUDA
+it does nothing. :func:`init_model_parallel` then starts a single-process gloo
+``torch.distributed`` group and megatron's model-parallel state, and seeds the RNG tracker.
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+_LOCK = threading.Lock()
+_CPU_PLATFORM_READY = False
+
+
+def _cpu_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    # On CPU the "device generator" megatron forks around dropout is the CPU default generator.
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    # Same as megatron.core.transformer.utils.get_default_causal_mask (True = masked), on CPU.
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def setup_cpu_platform() -> bool:
+    """Map megatron-core's CUDA-only calls onto CPU equivalents (idempotent).
+
+    Patches, only when ``torch.cuda.is_available()`` is False:
+
+    - ``torch.cuda.current_device()`` returns ``torch.device("cpu")`` so megatron's
+      ``device=torch.cuda.current_device()`` allocations land on the CPU;
+    - ``torch.cuda.synchronize()`` becomes a no-op (CPU ops are synchronous);
+    - megatron's ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+      read and write the CPU default generator, so the RNG tracker's ``fork()`` (used around
+      dropout) swaps CPU generator states exactly as it swaps CUDA states on a GPU;
+    - megatron's default causal mask (built when ``attention_mask`` is None; its source
+      hard-codes ``device="cuda"``) is built on the CPU.
+
+    Returns:
+        True if the CPU shim is (now) active, False when CUDA is available and nothing
+        was changed.
+    """
+    global _CPU_PLATFORM_READY
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if _CPU_PLATFORM_READY:
+            return True
+        from megatron.core.fusions import fused_softmax
+        from megatron.core.tensor_parallel import random as mcore_random
+        from megatron.core.transformer import utils as mcore_utils
+
+        torch.cuda.current_device = lambda: torch.device("cpu")
+        torch.cuda.synchronize = lambda device=None: None
+        mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+        mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+        mcore_utils.get_default_causal_mask = _cpu_causal_mask
+        fused_softmax.get_default_causal_mask = _cpu_causal_mask
+        _CPU_PLATFORM_READY = True
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _seed_rng_tracker(seed: int) -> None:
+    """CPU equivalent of megatron's ``model_parallel_cuda_manual_seed`` for rank 0.
+
+    Registers the same three named states megatron registers (data-parallel = seed,
+    model-parallel = seed + 2718 + tp_rank, expert-parallel = seed + 1024), built from
+    fresh CPU generators so the global CPU generator is left untouched.
+    Source: megatron/core/tensor_parallel/random.py::model_parallel_cuda_manual_seed.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if torch.cuda.is_available():
+        mcore_random.model_parallel_cuda_manual_seed(seed)
+        return
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    tracker = mcore_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    named = {
+        mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+        mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718 + tp_rank,
+        mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + 1024,
+    }
+    tracker.set_states({name: torch.Generator().manual_seed(s).get_state() for name, s in named.items()})
+    tracker.seeds_.update(named.values())
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+    """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
+
+    In a process with no process group yet, creates a single-process gloo group on
+    127.0.0.1 at a free port (works in the main process, under pytest and inside a Ray
+    actor). Then initialises ``parallel_state`` with the given tensor/pipeline sizes and
+    seeds megatron's RNG tracker (CPU equivalent of ``model_parallel_cuda_manual_seed``).
+    A second call with the same sizes is a no-op.
+
+    Args:
+        tp: tensor-model-parallel size; world size must be divisible by ``tp * pp``
+            (a single process supports only 1).
+        pp: pipeline-model-parallel size.
+        seed: seed for the tracker's named RNG states.
+
+    Raises:
+        ValueError: the model-parallel state already exists with different sizes, or
+            ``tp * pp`` does not divide the world size.
+    """
+    from megatron.core import parallel_state
+
+    setup_cpu_platform()
+    with _LOCK:
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(
+                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
+        if parallel_state.model_parallel_is_initialized():
+            have = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+            )
+            if have != (tp, pp):
+                raise ValueError(f"model parallel already initialised with (tp, pp)={have}, asked for {(tp, pp)}")
+            return
+        world = dist.get_world_size()
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        _seed_rng_tracker(seed)

@@ -1,0 +1,47 @@
+"""The contract every rollout backend (vLLM, HF transformers) implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """How to sample: ``temperature`` 0 means greedy; ``max_new_tokens`` counts response tokens."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RolloutOutput:
+    """One sampled response.
+
+    token_ids: response tokens only, length L <= max_new_tokens; when generation stopped at
+        EOS the EOS token is the last element (it is part of what the policy sampled).
+    logprobs: length L, the rollout engine's log-probability of each sampled token (nats),
+        under the sampling distribution at temperature 1.0 when temperature is 1.0.
+    finish_reason: "stop" (EOS sampled) or "length" (hit max_new_tokens).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: Literal["stop", "length"]
+
+
+class RolloutEngine(Protocol):
+    """Token-in/token-out generation plus weight updates (HF-named tensors)."""
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
+        """Returns, for each prompt (in order), ``sampling.n`` outputs."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights given as HF parameter names and full (unsharded) tensors."""
+        ...

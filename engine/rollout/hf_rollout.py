@@ -1,0 +1,269 @@
+"""Rollout with HF transformers, for policies vLLM cannot serve on CPU (e.g. head_dim < 32).
+
+Token-in/token-out: prompts arrive as token ids, responses leave as token ids with the
+log-probability of every sampled token, exactly as :class:`engine.rollout.base.RolloutEngine`
+specifies. The decoding loop is our own (not ``model.generate``) so the sampling
+distribution, the seed and the reported log-probabilities are explicit; greedy decoding is
+tested token for token against ``model.generate(do_sample=False)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+
+from engine.rollout.base import RolloutOutput, SamplingSpec
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose mass reaches ``top_p``.
+
+    A token is kept when the probability mass of the tokens strictly more likely than it
+    (in sorted order) is below ``top_p``, so the most likely token is always kept.
+    Source: Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", sec. 3.1.
+
+    Args:
+        logits: ``[B, V]`` (already divided by the temperature).
+    Returns:
+        ``[B, V]``, removed tokens set to ``-inf``.
+    """
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+class HFRollout:
+    """A :class:`~engine.rollout.base.RolloutEngine` running an HF causal LM on CPU (or a device).
+
+    Sampling: with ``temperature == 0`` the argmax token (greedy); otherwise a draw from
+    ``softmax(logits / temperature)`` restricted to the top-p nucleus and renormalized.
+    Draws come from one ``torch.Generator`` seeded with ``SamplingSpec.seed`` at each
+    :meth:`generate` call, so a call is reproducible and a new seed gives new samples.
+
+    Reported log-probabilities (``RolloutOutput.logprobs``, nats):
+    ``log_softmax(logits / temperature)[token]``, i.e. the temperature-scaled distribution
+    *before* top-p truncation; with ``temperature == 0`` it is ``log_softmax(logits)[token]``.
+    At temperature 1 this is the policy's own distribution, which is what the RL loss compares.
+
+    Batching: each prompt is repeated ``n`` times; sequences are left-padded and decoded
+    in chunks of at most ``max_batch_size`` with a KV cache. Position ids count only real
+    tokens (padding does not shift positions). A sequence stops after sampling any EOS id
+    (``finish_reason="stop"``, EOS kept as its last token) or after ``max_new_tokens``
+    (``"length"``).
+
+    Args:
+        model_dir: HF model directory with ``config.json`` and SafeTensors weights
+            (``model.safetensors`` or a sharded index); a tokenizer may sit beside them but
+            is not needed (token-in/token-out).
+        dtype: parameter dtype for inference (default float32).
+        device: torch device (default CPU).
+        max_batch_size: sequences (prompts x n) decoded together.
+        eos_token_ids: overrides the EOS ids read from ``generation_config.json`` /
+            ``config.json``.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` lacks ``config.json`` or SafeTensors weights.
+        ValueError: no EOS id is known (give ``eos_token_ids``).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"HFRollout: {path / 'config.json'} not found (need an HF model directory)")
+        if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+            raise FileNotFoundError(f"HFRollout: no model.safetensors (or model.safetensors.index.json) in {path}")
+        if max_batch_size <= 0:
+            raise ValueError(f"HFRollout: max_batch_size must be positive, got {max_batch_size}")
+        # use_safetensors=True: never unpickle weights.
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
+        self.model.eval()
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+
+        try:
+            gen_cfg = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: fall back to config.json
+            gen_cfg = None
+        cfg = self.model.config
+        if eos_token_ids is not None:
+            eos = [int(t) for t in eos_token_ids]
+        else:
+            eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) or _as_id_list(cfg.eos_token_id)
+        if not eos:
+            raise ValueError(
+                f"HFRollout: no eos_token_id in {path}/generation_config.json or config.json; pass eos_token_ids"
+            )
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+        pad = getattr(gen_cfg, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(cfg, "pad_token_id", None)
+        # The pad id only fills masked positions and finished rows; any valid id works.
+        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_ids[0]
+        self.vocab_size: int = int(self.model.get_input_embeddings().weight.shape[0])
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
+        """Sample ``sampling.n`` responses for each prompt.
+
+        Args:
+            prompt_token_ids: ``P`` prompts, each a non-empty list of token ids in ``[0, V)``.
+            sampling: n, temperature (0 = greedy), top_p, max_new_tokens, seed.
+
+        Returns:
+            ``P`` lists of ``n`` :class:`RolloutOutput` each, in prompt order.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, or a bad
+                sampling field (the message names the prompt index or field).
+        """
+        self._check(prompt_token_ids, sampling)
+        generator = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        sequences = [list(p) for p in prompt_token_ids for _ in range(sampling.n)]
+        flat: list[RolloutOutput] = []
+        for start in range(0, len(sequences), self.max_batch_size):
+            flat.extend(self._generate_chunk(sequences[start : start + self.max_batch_size], sampling, generator))
+        return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
+
+    def _check(self, prompts: list[list[int]], sampling: SamplingSpec) -> None:
+        if sampling.n < 1:
+            raise ValueError(f"SamplingSpec.n must be >= 1, got {sampling.n}")
+        if sampling.temperature < 0:
+            raise ValueError(f"SamplingSpec.temperature must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError(f"SamplingSpec.top_p must be in (0, 1], got {sampling.top_p}")
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"SamplingSpec.max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"HFRollout.generate: prompt {i} is empty")
+            bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"HFRollout.generate: prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+
+    def _pick(self, logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator):
+        """Choose the next tokens. ``logits``: ``[B, V]`` float32. Returns ids ``[B]`` and logprobs ``[B]``."""
+        if sampling.temperature == 0:
+            tokens = torch.argmax(logits, dim=-1)
+            logp = torch.log_softmax(logits, dim=-1)
+        else:
+            scaled = logits / sampling.temperature
+            logp = torch.log_softmax(scaled, dim=-1)
+            if sampling.top_p < 1:
+                scaled = _top_p_filter(scaled, sampling.top_p)
+            probs = torch.softmax(scaled, dim=-1)
+            tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+    @torch.inference_mode()
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSpec, generator: torch.Generator) -> list[RolloutOutput]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, p in enumerate(prompts):  # left padding: the last prompt token is always at the end
+            input_ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[row, width - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        next_pos = position_ids[:, -1:] + 1
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.full((batch,), sampling.max_new_tokens, dtype=torch.long)
+        chosen, chosen_logp = [], []
+        for step in range(sampling.max_new_tokens):
+            tokens, logp = self._pick(out.logits[:, -1, :].float(), sampling, generator)
+            tokens = torch.where(finished, torch.full_like(tokens, self.pad_token_id), tokens)
+            chosen.append(tokens)
+            chosen_logp.append(logp)
+            stopped = torch.isin(tokens, eos) & ~finished
+            lengths[stopped.cpu()] = step + 1
+            finished |= stopped
+            if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], dim=-1)
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+
+        token_matrix = torch.stack(chosen, dim=1).cpu()
+        logp_matrix = torch.stack(chosen_logp, dim=1).cpu()
+        finished = finished.cpu()
+        results = []
+        for row in range(batch):
+            n = int(lengths[row])
+            results.append(
+                RolloutOutput(
+                    token_ids=tuple(int(t) for t in token_matrix[row, :n]),
+                    logprobs=tuple(float(x) for x in logp_matrix[row, :n]),
+                    finish_reason="stop" if bool(finished[row]) else "length",
+                )
+            )
+        return results
+
+    # ------------------------------------------------------------------ weight sync
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new policy weights into the model in place.
+
+        Args:
+            named_tensors: ``(hf_name, tensor)`` pairs, names as in the model's
+                ``state_dict()`` (e.g. ``model.layers.0.self_attn.q_proj.weight``), each tensor
+                full and of the parameter's shape; any dtype/device (cast on copy). A subset
+                of the parameters may be given; the others keep their values.
+
+        Raises:
+            KeyError: a name the model does not have (named in the message).
+            ValueError: a shape that differs from the parameter's (name and both shapes).
+            Every pair is checked before any is copied, so a failed update leaves the old
+            weights untouched.
+        """
+        state = self.model.state_dict(keep_vars=True)
+        pending = []
+        for name, tensor in named_tensors:
+            if name not in state:
+                raise KeyError(f"HFRollout.update_weights: unknown parameter name {name!r}")
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ValueError(
+                    f"HFRollout.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(state[name].shape)}"
+                )
+            pending.append((state[name], tensor))
+        for target, tensor in pending:
+            target.copy_(tensor)

@@ -1,0 +1,150 @@
+"""The one optimizer step every trainer uses (SFT, reward model, RL actor).
+
+Gradient accumulation lives here only, so it cannot drift between trainers: each
+micro-batch's loss *sum* is back-propagated unscaled, and once all micro-batches are done
+the accumulated gradients are divided by the global number of loss units (tokens, pairs,
+...). The result equals one big batch's mean loss, however the batch was split.
+Megatron-core's schedules and distributed optimizer hard-code CUDA, so on CPU the step
+uses ``torch.optim.AdamW`` and a warmup + cosine ``LambdaLR``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from config.schema import OptimConfig
+
+# loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
+LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor", dict[str, float]]]
+
+
+def warmup_cosine_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Learning-rate multiplier for optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps (Goyal
+    et al. 2017, "Accurate, Large Minibatch SGD"), so the first step already moves; then
+    cosine decay from 1 to ``min_ratio`` over the remaining steps (Loshchilov & Hutter 2017,
+    SGDR, without restarts): ``min_ratio + (1 - min_ratio) * 0.5 * (1 + cos(pi * p))`` with
+    ``p = (step - warmup_steps) / (total_steps - warmup_steps)``, clamped to [0, 1].
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (Loshchilov & Hutter 2019) with a warmup + cosine schedule over ``total_steps``.
+
+    Matrices get ``cfg.weight_decay``; 1-D tensors (biases, norm gains) get none, as in
+    Megatron-LM and GPT-2-style training. Peak learning rate ``cfg.lr`` decays to
+    ``cfg.min_lr`` (see :func:`warmup_cosine_factor`).
+
+    Raises:
+        ValueError: if there are no trainable parameters, ``total_steps < 1``, or
+            ``cfg.min_lr > cfg.lr``.
+    """
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if cfg.min_lr > cfg.lr:
+        raise ValueError(f"optim.min_lr={cfg.min_lr} must not exceed optim.lr={cfg.lr}")
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable:
+        raise ValueError("build_optimizer: no trainable parameters")
+    groups = [
+        {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2)
+    )
+    min_ratio = cfg.min_lr / cfg.lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine_factor(s, cfg.warmup_steps, total_steps, min_ratio)
+    )
+    return optimizer, scheduler
+
+
+def accumulate_gradients(
+    model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn
+) -> tuple[float, int, dict[str, float]]:
+    """Back-propagate every micro-batch and scale the summed gradients to a global mean.
+
+    After this call each parameter's ``.grad`` is ``d(sum of loss_sum) / d(param) / N``
+    with ``N`` the total of ``num_units`` over all micro-batches: the gradient of the
+    global-batch mean loss. Existing ``.grad`` values are cleared first.
+
+    Args:
+        model: the module whose parameters receive gradients (put in train mode).
+        micro_batches: anything ``loss_fn`` understands, one entry per micro-batch.
+        loss_fn: returns ``(loss_sum, num_units, metrics)``; ``loss_sum`` is a scalar sum
+            over the micro-batch's units, ``metrics`` are means over those units.
+
+    Returns:
+        ``(mean_loss, N, metrics)`` where metrics are unit-weighted means over micro-batches.
+
+    Raises:
+        ValueError: if there are no micro-batches or they hold no loss units at all.
+    """
+    if len(micro_batches) == 0:
+        raise ValueError("train step needs at least one micro-batch")
+    model.train()
+    for p in model.parameters():
+        p.grad = None
+    total_units, loss_total = 0, 0.0
+    metric_sums: dict[str, float] = {}
+    for mb in micro_batches:
+        loss_sum, units, metrics = loss_fn(model, mb)
+        units = int(units)
+        if units == 0:
+            continue  # nothing to learn from (e.g. every target truncated away)
+        loss_sum.backward()
+        total_units += units
+        loss_total += float(loss_sum.detach())
+        for k, v in metrics.items():
+            metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
+    if total_units == 0:
+        raise ValueError("train step: the micro-batches contain no loss units (all loss masks are empty)")
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(total_units)
+    return loss_total / total_units, total_units, {k: v / total_units for k, v in metric_sums.items()}
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    micro_batches: Sequence[Any],
+    loss_fn: LossFn,
+    grad_clip: float,
+) -> dict[str, float]:
+    """One optimizer step over a global batch given as micro-batches.
+
+    Accumulates gradients (:func:`accumulate_gradients`), clips their global L2 norm to
+    ``grad_clip`` (Pascanu et al. 2013), steps the optimizer and then the scheduler.
+
+    Returns:
+        ``{"loss", "grad_norm" (before clipping), "lr" (used by this step), "num_units",
+        **metrics}``.
+
+    Raises:
+        ValueError: see :func:`accumulate_gradients`.
+        FloatingPointError: if the gradient norm is NaN or infinite (the step is not taken).
+    """
+    loss, units, metrics = accumulate_gradients(model, micro_batches, loss_fn)
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss}); step not taken")
+    lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "num_units": float(units), **metrics}

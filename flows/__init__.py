@@ -1,0 +1,1 @@
+"""Prefect flows and the ``posttrain`` command line. Orchestration only: no tensors here."""

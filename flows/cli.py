@@ -1,0 +1,170 @@
+"""The ``posttrain`` command: run, stage, status, validate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+# Local services stay quiet and local unless the user says otherwise.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from config import ConfigError, load_config  # noqa: E402
+from flows.preflight import check_inputs  # noqa: E402
+
+console = Console()
+
+
+def _load(path: str):
+    cfg = load_config(path)
+    problems, notes = check_inputs(cfg)
+    return cfg, problems, notes
+
+
+def cmd_validate(args) -> int:
+    cfg, problems, notes = _load(args.config)
+    for n in notes:
+        console.print(f"[dim]note:[/] {n}")
+    if problems:
+        console.print(f"[red]config {args.config} has {len(problems)} problem(s):[/]")
+        for p in problems:
+            console.print(f"  {p}")
+        return 1
+    console.print(f"[green]config {args.config} is valid[/] ({cfg.run.name}: {', '.join(_stage_list(cfg))})")
+    return 0
+
+
+def _stage_list(cfg) -> list[str]:
+    from tasks.graph import enabled_stages
+
+    return (["prepare"] if cfg.prepare else []) + [s.name for s, _ in enabled_stages(cfg)]
+
+
+def cmd_run(args) -> int:
+    cfg, problems, _ = _load(args.config)
+    if problems:
+        raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
+    from flows.pipeline import pipeline
+
+    summary = pipeline(config_path=args.config)
+    _print_summary(summary)
+    return 0
+
+
+def _fmt_metric(metrics: dict, key: str) -> str:
+    if key not in metrics:
+        return "-"
+    se = metrics.get(f"{key}_se")
+    return f"{metrics[key]:.3f} ± {se:.3f}" if se is not None else f"{metrics[key]:.4g}"
+
+
+def _print_summary(summary: dict) -> None:
+    table = Table(title="posttrain: pipeline summary")
+    for col in ("stage", "wall time (s)", "artifact"):
+        table.add_column(col)
+    total = 0.0
+    for name, s in summary["stages"].items():
+        total += s["wall_s"]
+        table.add_row(name, f"{s['wall_s']:.1f}", s.get("artifact_id", "-"))
+    console.print(table)
+    ev = summary["stages"].get("evaluate", {}).get("metrics", {})
+    if ev:
+        console.print(f"SFT accuracy: {_fmt_metric(ev, 'sft/accuracy')}   (n={ev.get('sft/n', '?')})")
+        console.print(f"RL  accuracy: {_fmt_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
+    ex = summary["stages"].get("export")
+    if ex:
+        console.print(f"Exported model (HF SafeTensors): {Path(ex['uri']) / 'hf_model'}")
+    console.print(f"Total wall time: {total:.1f} s")
+
+
+def cmd_stage(args) -> int:
+    cfg, problems, _ = _load(args.config)
+    if args.name == "prepare":
+        if cfg.prepare is None:
+            raise ConfigError(f"{args.config} has no prepare section")
+        from tasks.prepare import prepare
+
+        prepare(cfg)
+        return 0
+    from tasks.graph import expected_fingerprints, stage
+    from tasks.runner import store_for
+
+    spec, task = stage(args.name)
+    if spec.name == "rm" and not cfg.rm.enabled:
+        raise ConfigError("rm.enabled is false in this config: the rm stage does not run")
+    fps = expected_fingerprints(cfg)
+    store = store_for(cfg)
+    inputs = {}
+    for up in spec.inputs(cfg):
+        ref = store.find(up, fps[up])
+        if ref is None:
+            raise SystemExit(
+                f"stage {args.name} needs the {up} artifact for this config (fingerprint {fps[up][:16]}), "
+                f"which is not published; run `posttrain stage {up} {args.config}` first"
+            )
+        inputs[up] = ref
+    os.environ.setdefault("POSTTRAIN_PIPELINE_RUN", f"{cfg.run.name}-stage")
+    ref = task.with_options(refresh_cache=store.find(spec.name, fps[spec.name]) is None)(cfg, inputs)
+    console.print(f"{args.name}: {ref.artifact_id} -> {ref.uri}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    cfg = load_config(args.config)
+    from flows.status import stage_status
+
+    rows = stage_status(cfg)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"posttrain status: {cfg.run.name} ({cfg.run.artifact_root})")
+    for col in ("stage", "latest artifact", "fingerprint", "created", "metrics", "up to date"):
+        table.add_column(col)
+    for r in rows:
+        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
+        table.add_row(
+            r["stage"],
+            r["artifact_id"] or "-",
+            (r["fingerprint"] or "-")[:16],
+            (r["created_at"] or "-")[:19],
+            metrics or "-",
+            "[green]yes[/]" if r["up_to_date"] else "[yellow]no[/]",
+        )
+    console.print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="posttrain", description="LLM post-training pipeline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run the whole pipeline as one Prefect flow")
+    p.add_argument("config")
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
+    p.add_argument("name", help="prepare, validate, convert, sft, rm, rl, evaluate or export")
+    p.add_argument("config")
+    p.set_defaults(fn=cmd_stage)
+    p = sub.add_parser("status", help="each stage's latest artifact and whether it is up to date")
+    p.add_argument("config")
+    p.add_argument("--json", action="store_true", help="print machine-readable rows")
+    p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("validate", help="check a config and its inputs without running anything")
+    p.add_argument("config")
+    p.set_defaults(fn=cmd_validate)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One Prefect task per pipeline stage; each reads artifact refs and publishes one artifact."""

@@ -1,0 +1,47 @@
+"""convert: HF model (directory, hub id or GGUF file) -> Megatron torch_dist model directory.
+
+Artifact: ``model/`` with ``megatron/`` (Megatron-LM layout, torch_dist) and ``hf/``
+(config, tokenizer, generation config) so later stages can map back to HF names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from config.schema import PipelineConfig
+from conversion.hf_source import load_hf_source
+from conversion.registry import hf_to_megatron
+from engine.megatron_model import GPTSpec, build_gpt_model
+from engine.model_dir import save_model_dir
+from engine.platform import init_model_parallel
+from tasks.runner import StageContext, StageSpec, stage_task
+
+
+def _raw(cfg: PipelineConfig) -> dict[str, str]:
+    # A local directory or GGUF file is hashed by content; a hub id is pinned by revision.
+    raw = {"model": cfg.model.source} if Path(cfg.model.source).exists() else {}
+    if cfg.model.tokenizer:
+        raw["tokenizer"] = cfg.model.tokenizer
+    return raw
+
+
+SPEC = StageSpec(
+    name="convert",
+    inputs=lambda cfg: (),
+    config=lambda cfg: {"model": cfg.model.model_dump(), "convert": cfg.convert.model_dump()},
+    raw_inputs=_raw,
+    summary=("model/parameters",),
+)
+
+
+@stage_task(SPEC)
+def convert(ctx: StageContext) -> dict:
+    """Load the HF weights, map them to Megatron names, save as torch_dist."""
+    m = ctx.cfg.model
+    source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
+    init_model_parallel()
+    spec = GPTSpec.from_hf_config(source.hf_config)
+    model = build_gpt_model(spec)
+    model.load_state_dict(hf_to_megatron(source.hf_config, source.state_dict), strict=True)
+    save_model_dir(ctx.workdir / "model", model, source.hf_config, source.tokenizer_dir)
+    return {"model/parameters": sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,84 @@
+"""prepare (quickstart only): build the example's own tokenizer, base model and datasets.
+
+Not an artifact stage: it writes plain files to ``prepare.output_dir`` that the config's
+``data.*.path`` and ``model.source`` point at, exactly as a user's own files would be.
+The directory is replaced atomically and skipped when its stamp matches the config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+from prefect import task
+from prefect.logging import get_run_logger
+
+from config.schema import PipelineConfig
+from conversion.random_init import init_random_hf_model
+from data.addition import make_addition_datasets
+from data.tokenizer_train import train_chat_tokenizer
+from tasks.fingerprint import code_version, fingerprint
+
+STAMP = ".prepare.json"
+
+
+def prepare_fingerprint(cfg: PipelineConfig) -> str:
+    return fingerprint("prepare", {}, {"prepare": cfg.prepare.model_dump(), "seed": cfg.run.seed}, code_version("tasks.prepare"))
+
+
+def _qwen2_config(p, vocab_size: int, tokenizer) -> dict:
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "max_position_embeddings": p.max_position_embeddings,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
+
+
+@task(name="prepare")
+def prepare(cfg: PipelineConfig) -> str:
+    """Write the quickstart inputs under ``prepare.output_dir``; returns that path."""
+    from transformers import AutoTokenizer
+
+    p = cfg.prepare
+    out = Path(p.output_dir)
+    fp = prepare_fingerprint(cfg)
+    stamp = out / STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fp:
+        get_run_logger().info("prepare: %s is up to date", out)
+        return str(out)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        files = make_addition_datasets(
+            tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
+        )
+        texts = []
+        for path in files.values():
+            texts.extend(Path(path).read_text(encoding="utf-8").splitlines())
+        tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        init_random_hf_model(tmp / "base_model", _qwen2_config(p, len(tokenizer), tokenizer), seed=cfg.run.seed, tokenizer_dir=tok_dir)
+        (tmp / STAMP).write_text(json.dumps({"fingerprint": fp}))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    get_run_logger().info("prepare: wrote %s", out)
+    return str(out)

@@ -1,0 +1,39 @@
+"""rl: GRPO on the Ray-hosted engine, starting from the SFT policy (also the reference).
+
+Artifact: ``model/`` (the RL policy) and ``metrics.jsonl`` (one line of metrics per RL
+step, used for the reward curve). Killed runs resume from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+from config.schema import PipelineConfig
+from engine.rl import run_rl
+from tasks.runner import StageContext, StageSpec, stage_task
+
+
+def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
+    return ("validate", "sft", "rm") if cfg.rl.reward.reward_model_weight and cfg.rm.enabled else ("validate", "sft")
+
+
+SPEC = StageSpec(
+    name="rl",
+    inputs=_inputs,
+    config=lambda cfg: {"rl": cfg.rl.model_dump(exclude={"engine": {"ray_address", "num_cpus"}}), "seed": cfg.run.seed},
+    summary=("critic/score/mean", "actor/pg_loss"),
+)
+
+
+@stage_task(SPEC)
+def rl(ctx: StageContext) -> dict:
+    """Run ``rl.steps`` GRPO iterations; checkpoint every ``rl.checkpoint_every``."""
+    rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
+    return run_rl(
+        ctx.input_path("sft") / "model",
+        ctx.input_path("validate") / "rl_train.jsonl",
+        ctx.cfg.rl,
+        ctx.workdir,
+        ctx.resume_dir,
+        seed=ctx.cfg.run.seed,
+        reward_model_dir=rm_dir,
+        log_metrics=ctx.log_metrics,
+    )

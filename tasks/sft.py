@@ -1,0 +1,31 @@
+"""sft: supervised fine-tuning of the converted model on the validated chat data.
+
+Artifact: ``model/`` (the fine-tuned policy). Resumes from its checkpoint under
+``run.checkpoint_root`` when a previous attempt with the same fingerprint was killed.
+"""
+
+from __future__ import annotations
+
+from engine.sft import train_sft
+from tasks.runner import StageContext, StageSpec, stage_task
+
+SPEC = StageSpec(
+    name="sft",
+    inputs=lambda cfg: ("validate", "convert"),
+    config=lambda cfg: {"sft": cfg.sft.model_dump(), "seed": cfg.run.seed},
+    summary=("train/loss",),
+)
+
+
+@stage_task(SPEC)
+def sft(ctx: StageContext) -> dict:
+    """Train ``sft.steps`` steps with loss on assistant tokens only."""
+    return train_sft(
+        ctx.input_path("convert") / "model",
+        ctx.input_path("validate") / "sft.jsonl",
+        ctx.cfg.sft,
+        ctx.workdir / "model",
+        ctx.resume_dir,
+        seed=ctx.cfg.run.seed,
+        log_metrics=ctx.log_metrics,
+    )

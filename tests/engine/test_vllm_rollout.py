@@ -1,0 +1,134 @@
+"""vLLM rollout against HF transformers on a tiny random Qwen2 model (one engine per module)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from engine.rollout.base import SamplingSpec
+from engine.rollout.vllm_rollout import VLLMRollout, eos_token_ids
+
+VOCAB = 400
+PROMPTS = [[5, 6, 7], [9, 9], [123, 4, 77, 300, 2]]
+
+
+def tiny_qwen2(seed: int, eos_id: int = 1) -> Qwen2ForCausalLM:
+    """A random 2-layer Qwen2 (hidden 64, head_dim 32, vocab 400), weights scaled up so that
+    next-token logits are well separated (greedy choices are not near-ties)."""
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=eos_id, pad_token_id=0, bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    return model
+
+
+def save_tiny(model: Qwen2ForCausalLM, out: Path) -> Path:
+    """save_pretrained plus a word-level tokenizer ("<pad>", "<eos>", "0".."397") built with tokenizers."""
+    words = ["<pad>", "<eos>"] + [str(i) for i in range(VOCAB - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model.save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>").save_pretrained(out)
+    return out
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                         eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Model A with its EOS chosen as the 4th greedy token of prompt 0 (so greedy stops there),
+    model B (other random weights, same config), and one vLLM engine loaded with model A."""
+    model_a = tiny_qwen2(seed=0)
+    greedy = hf_greedy(model_a, PROMPTS[0], 12, eos=-1)
+    eos = greedy[3]
+    assert eos not in greedy[:3], "pick another seed: the chosen EOS already appears earlier"
+    model_a.config.eos_token_id = model_a.generation_config.eos_token_id = eos
+    model_b = tiny_qwen2(seed=1, eos_id=eos)
+    path = save_tiny(model_a, tmp_path_factory.mktemp("tiny_qwen2"))
+    engine = VLLMRollout(path, gpu_memory_utilization=0.1, max_model_len=128)
+    return engine, model_a, model_b, eos
+
+
+def test_eos_from_model_dir(setup, tmp_path):
+    engine, _, _, eos = setup
+    assert engine.eos_token_ids == [eos]
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
+    assert eos_token_ids(tmp_path) == [3, 4]
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no eos_token_id"):
+        eos_token_ids(tmp_path)
+
+
+def test_greedy_matches_hf_and_stops_at_eos(setup):
+    engine, model_a, _, eos = setup
+    outs = engine.generate(PROMPTS, SamplingSpec(n=1, temperature=0.0, max_new_tokens=12))
+    assert [len(o) for o in outs] == [1, 1, 1]
+    for prompt, (o,) in zip(PROMPTS, outs):
+        expected = hf_greedy(model_a, prompt, 12, eos)
+        assert list(o.token_ids) == expected
+        assert o.finish_reason == ("stop" if expected[-1] == eos else "length")
+        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_a, prompt, expected), rtol=0, atol=1e-4)
+    first = outs[0][0]
+    assert len(first.token_ids) == 4 and first.token_ids[-1] == eos and first.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_hf(setup, temperature):
+    engine, model_a, _, eos = setup
+    spec = SamplingSpec(n=4, temperature=temperature, max_new_tokens=10, seed=3)
+    outs = engine.generate(PROMPTS, spec)
+    assert [len(o) for o in outs] == [4, 4, 4]
+    distinct = {o.token_ids for group in outs for o in group}
+    assert len(distinct) == 12  # every sample its own random stream
+    for prompt, group in zip(PROMPTS, outs):
+        for o in group:
+            assert len(o.logprobs) == len(o.token_ids) >= 1
+            assert (o.finish_reason == "stop") == (o.token_ids[-1] == eos)
+            ref = hf_logprobs(model_a, prompt, list(o.token_ids), temperature)
+            torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-4)
+    # the same seed reproduces the same samples
+    assert engine.generate(PROMPTS, spec) == outs
+
+
+def test_update_weights_switches_policy(setup):
+    engine, model_a, model_b, eos = setup
+    spec = SamplingSpec(n=1, temperature=0.0, max_new_tokens=12)
+    before = engine.generate(PROMPTS, spec)
+    engine.update_weights((k, v.clone()) for k, v in model_b.state_dict().items())
+    after = engine.generate(PROMPTS, spec)
+    assert [o[0].token_ids for o in after] != [o[0].token_ids for o in before]
+    for prompt, (o,) in zip(PROMPTS, after):
+        expected = hf_greedy(model_b, prompt, 12, eos)
+        assert list(o.token_ids) == expected
+        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4)
+    engine.update_weights(model_a.state_dict().items())
+    assert engine.generate(PROMPTS, spec) == before
+
+
+def test_empty_prompt_rejected(setup):
+    with pytest.raises(ValueError, match="prompt 1 has no tokens"):
+        setup[0].generate([[3], []], SamplingSpec())
