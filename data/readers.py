@@ -20,15 +20,18 @@ from typing import Any, Iterator
 
 import fsspec
 
-# The field named by errors that concern a whole record (syntax, encoding, not an object).
+# Fields named by errors about a whole record (syntax, encoding, not an object) and about
+# the whole file (a .json syntax error, an unreadable parquet or gzip stream).
 RECORD = "<record>"
+FILE = "<file>"
 SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
 
 
 @dataclass(frozen=True)
 class RowError:
-    """One problem in an input file: where (file, 1-based line or row; 0 = whole file), which
-    field (a path such as ``messages[2].role``, or ``<record>``) and what is wrong."""
+    """One problem in an input file: where (file, 1-based line or row), which field (a path
+    such as ``messages[2].role``, ``<record>`` for the whole record or ``<file>`` for the
+    whole file) and what is wrong."""
 
     file: str
     line: int
@@ -90,7 +93,7 @@ def _jsonl(name: str) -> Iterator[Item]:
                 if not raw.strip():
                     continue
                 try:
-                    text = raw.decode("utf-8")
+                    text = raw.rstrip(b"\r\n").decode("utf-8")
                 except UnicodeDecodeError as e:
                     yield line, RowError(
                         name, line, RECORD, f"not valid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
@@ -103,7 +106,7 @@ def _jsonl(name: str) -> Iterator[Item]:
                     continue
                 yield _as_record(name, line, value)
         except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt gzip stream
-            yield line + 1, RowError(name, line + 1, RECORD, f"cannot read further: {e}")
+            yield line + 1, RowError(name, line + 1, FILE, f"cannot read further: {e}")
 
 
 def _json_array(name: str) -> Iterator[Item]:
@@ -116,15 +119,15 @@ def _json_array(name: str) -> Iterator[Item]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        yield line, RowError(name, line, RECORD, f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {column}")
+        yield line, RowError(name, line, FILE, f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {column}")
         return
     try:
         elements = _array_elements(text)
     except json.JSONDecodeError as e:
-        yield e.lineno, RowError(name, e.lineno, RECORD, f"malformed JSON at column {e.colno}: {e.msg}")
+        yield e.lineno, RowError(name, e.lineno, FILE, f"malformed JSON at column {e.colno}: {e.msg}")
         return
     except ValueError as e:
-        yield 1, RowError(name, 1, RECORD, str(e))
+        yield 1, RowError(name, 1, FILE, str(e))
         return
     for line, value in elements:
         yield _as_record(name, line, value)
@@ -178,7 +181,7 @@ def _parquet(name: str) -> Iterator[Item]:
     except FileNotFoundError:
         raise
     except Exception as e:  # polars raises several error types for a damaged file
-        yield 0, RowError(name, 0, RECORD, f"cannot read parquet: {e}")
+        yield 0, RowError(name, 0, FILE, f"cannot read parquet: {e}")
         return
     for row, record in enumerate(frame.iter_rows(named=True), start=1):
         yield row, record

@@ -39,6 +39,11 @@ COLUMN_TYPES: dict[str, dict[str, pl.DataType]] = {
 Problem = tuple[str, str]
 
 
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
+
+
 def _is_blank(text: str | None) -> bool:
     return text is None or not text.strip()
 
@@ -57,16 +62,21 @@ def turn_problems(turns: list[dict[str, Any]]) -> list[Problem]:
 
 
 def conversation_problems(turns: list[dict[str, Any]]) -> list[Problem]:
-    """Shape of an SFT conversation: not empty, has an assistant turn, ends with one."""
+    """Shape of an SFT conversation: not empty, has an assistant turn, ends with one.
+
+    Skipped when a role is unknown (``turn_problems`` reports that), to give one error, not three.
+    """
     if not turns:
         return [("", "empty conversation")]
-    problems: list[Problem] = []
-    if not any(t.get("role") == "assistant" for t in turns):
-        problems.append(("", "no assistant turn"))
+    roles = [t.get("role") for t in turns]
+    if any(r not in ROLES for r in roles):
+        return []  # an unknown role is reported by turn_problems; its shape is undefined
+    if "assistant" not in roles:
+        return [("", "no assistant turn")]
     last = len(turns) - 1
-    if turns[last].get("role") != "assistant":
-        problems.append((f"[{last}].role", f"last turn must be 'assistant', got {turns[last].get('role')!r}"))
-    return problems
+    if roles[last] != "assistant":
+        return [(f"[{last}].role", f"last turn must be 'assistant', got {roles[last]!r}")]
+    return []
 
 
 def prompt_problems(turns: list[dict[str, Any]]) -> list[Problem]:
@@ -74,7 +84,7 @@ def prompt_problems(turns: list[dict[str, Any]]) -> list[Problem]:
     if not turns:
         return [("", "empty prompt")]
     last = len(turns) - 1
-    if turns[last].get("role") != "user":
+    if turns[last].get("role") in ROLES and turns[last].get("role") != "user":
         return [(f"[{last}].role", f"last prompt turn must be 'user', got {turns[last].get('role')!r}")]
     return []
 
@@ -192,8 +202,3 @@ def frame_problems(frame: pl.DataFrame, kind: str) -> list[tuple[int, str, str]]
             for sub, message in rule.explain(frame[column][index]):
                 problems.add((index, column + sub, message))
     return sorted(problems)
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from data.adapters import Example, FieldError, detect_format, get_adapter
-from data.readers import RowError, read_records
-from data.schemas import frame_problems, rows_to_frame
+from data.readers import FILE, RowError, read_records
+from data.schemas import KINDS, frame_problems, rows_to_frame
 
 __all__ = [
     "DataValidationError",
@@ -43,7 +43,7 @@ class ValidationResult:
         format: the adapter used (detected when ``format="auto"``).
         rows: the normalized valid rows, in file order.
         errors: every problem found, sorted by line.
-        n_total: records read (lines or rows; a file-level error counts none).
+        n_total: records read (lines or rows, bad ones included; a ``<file>`` error counts none).
         n_skipped: records that the format deliberately turns into no example (KTO false).
     """
 
@@ -112,20 +112,28 @@ def validate_dataset(
             that cannot be detected; each message names the file.
     """
     name = str(path)
+    if kind not in KINDS:
+        raise ValueError(f"{name}: unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
     items = list(read_records(name, limit=limit))
     records = [(line, r) for line, r in items if not isinstance(r, RowError)]
     errors = [r for _, r in items if isinstance(r, RowError)]
+    result = ValidationResult(
+        file=name, kind=kind, format=format, n_total=sum(1 for e in errors if e.field != FILE) + len(records)
+    )
+    if not records:
+        result.errors = errors
+        return result
     try:
         if format == "auto":
-            format = detect_format(r for _, r in records) if records else "unknown"
-        adapter = get_adapter(format) if records else None
-        if adapter is not None and kind not in adapter.kinds:
-            raise ValueError(f"format {format!r} gives kinds {', '.join(sorted(adapter.kinds))}, not {kind!r}")
-        rows_to_frame([], kind)  # rejects an unknown kind before any row is touched
+            result.format = detect_format(r for _, r in records)
+        adapter = get_adapter(result.format)
+        if kind not in adapter.kinds:
+            raise ValueError(
+                f"format {adapter.name!r} gives kinds {', '.join(sorted(adapter.kinds))}, not {kind!r}"
+            )
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
 
-    result = ValidationResult(file=name, kind=kind, format=format, n_total=len(items) - _file_errors(items))
     examples: list[tuple[int, Example]] = []
     for line, record in records:
         try:
@@ -137,25 +145,14 @@ def validate_dataset(
             result.n_skipped += 1
         examples += [(line, ex) for ex in produced]
 
-    problems = frame_problems(rows_to_frame([ex.row for _, ex in examples], kind), kind)
-    bad_lines = set()
-    for index, fld, message in problems:
+    # Schema problems come back as positions in the frame; map them to line and source field.
+    for index, fld, message in frame_problems(rows_to_frame([ex.row for _, ex in examples], kind), kind):
         line, ex = examples[index]
         errors.append(RowError(name, line, ex.origin.get(fld, fld), message))
-        bad_lines.add(line)
-    bad_lines.update(e.line for e in errors)
+    bad_lines = {e.line for e in errors}
     result.rows = [ex.row for line, ex in examples if line not in bad_lines]
     result.errors = sorted(errors, key=lambda e: e.line)
     return result
-
-
-def _file_errors(items: list[tuple[int, Any]]) -> int:
-    # A whole-file fault (.json syntax, unreadable parquet) is not a record.
-    return sum(
-        1
-        for _, r in items
-        if isinstance(r, RowError) and (r.line == 0 or (r.file.lower().endswith((".json", ".json.gz")) and len(items) == 1 and "JSON array" not in r.message and "expected a JSON object" not in r.message))
-    )
 
 
 def check_threshold(result: ValidationResult, max_bad_fraction: float = 0.0) -> None:
