@@ -19,6 +19,32 @@ class ConfigError(ValueError):
     """A pipeline config that cannot be used; the message names the file and keys."""
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (plain PyYAML keeps the last one silently, so an edited setting could be ignored)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    hash(key)
+                except TypeError:  # unhashable key: the base class reports it
+                    continue
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping",
+                        node.start_mark,
+                        f"found duplicate key {key!r} (first given on line {first_line[key] + 1})",
+                        key_node.start_mark,
+                    )
+                first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _allowed_keys(model_cls: Any, loc: tuple) -> list[str] | None:
     """Field names of the model at ``loc`` (so 'extra key' errors can list what is valid)."""
     cls = model_cls
@@ -58,14 +84,14 @@ def load_config(path: str | Path) -> PipelineConfig:
     """Parse and validate ``path``.
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or fails validation (message lists
-            each bad key as a dotted path with the allowed keys or values).
+        ConfigError: the file is missing, is not YAML, repeats a key, or fails validation
+            (message lists each bad key as a dotted path with the allowed keys or values).
     """
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -2,8 +2,9 @@
 
 Every model is frozen and forbids unknown keys, so a typo is an error naming the key
 instead of a silently ignored setting. Booleans are named ``<noun>_enabled`` or
-``<verb>_<noun>`` throughout; paths are plain strings resolved against the config
-file's directory by :func:`config.load.load_config`.
+``<verb>_<noun>`` throughout; paths are plain strings, and relative paths are taken
+relative to the current working directory (where ``posttrain`` and ``dvc repro`` run),
+not to the config file.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class PrepareConfig(Strict):
 
 
 DatasetFormat = Literal[
-    "auto", "messages", "alpaca", "sharegpt", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo", "kto"
+    "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo", "kto"
 ]
 
 

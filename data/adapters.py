@@ -1,6 +1,8 @@
 """Format adapters: turn one raw record into normalized examples of a kind (sft/preference/rl).
 
-Each adapter is ``fn(record, kind) -> list[Example]`` in the ``ADAPTERS`` registry. An
+Each entry of the ``ADAPTERS`` registry (name -> ``Adapter``) is called as
+``adapter(record, kind) -> list[Example]`` (usually one example; none for a skipped KTO row,
+several for a seed task with several instances). An
 ``Example`` holds the normalized row (see ``data.schemas``) and ``origin``, a map from
 normalized field paths to the source fields they came from, so that a problem found later
 by the schema (say an empty ``messages[1].content`` of an alpaca record) is reported under
@@ -25,6 +27,9 @@ KTO rows labelled false are skipped, not errors: they are responses the model sh
 imitate, and SFT has no way to use them (a KTO or preference stage would).
 
 Alpaca joins instruction and input with a newline, as LLaMA-Factory's alpaca converter does.
+GSM8K as sft keeps the answer verbatim, calculator annotations (``<<2*3=6>>``) included.
+``format="auto"`` detection (``detect_format``) takes the first format in the table order
+whose keys a record has, by majority over the first records of a file.
 """
 
 from __future__ import annotations
@@ -209,7 +214,10 @@ def _instruction_example(
     if record.get("system"):
         messages.append({"role": "system", "content": _text(record["system"], "system")})
         origin["messages[0].content"] = "system"
-    for i, pair in enumerate(record.get("history") or []):
+    history = record.get("history") or []
+    if not isinstance(history, list):
+        raise FieldError("history", f"expected a list of [query, response] pairs, got {_json_type(history)}")
+    for i, pair in enumerate(history):
         if not (isinstance(pair, list) and len(pair) == 2):
             raise FieldError(f"history[{i}]", "expected a [query, response] pair")
         for j, role in enumerate(("user", "assistant")):

@@ -14,12 +14,11 @@ evaluation measures addition rather than recall of a seen prompt.
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import tempfile
 from pathlib import Path
-from typing import Iterable
+
+from data.validate import write_jsonl_atomic
 
 MIN_OPERAND = 10
 MAX_OPERAND = 99
@@ -51,19 +50,6 @@ def wrong_sums(a: int, b: int) -> list[int]:
         if c != s and c >= 0 and c not in out:
             out.append(c)
     return out
-
-
-def _write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
-    # Write to a temporary sibling and rename, so a reader never sees half a file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def make_addition_datasets(
@@ -134,5 +120,5 @@ def make_addition_datasets(
     paths: dict[str, Path] = {}
     for split, rows in (("sft", sft), ("preference", preference), ("rl_train", rl_train), ("rl_eval", rl_eval)):
         paths[split] = out / SPLIT_FILES[split]
-        _write_jsonl_atomic(paths[split], rows)
+        write_jsonl_atomic(rows, paths[split])
     return paths

@@ -13,9 +13,9 @@ URLs; gzip is recognised from the ``.gz`` suffix.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import Any, Iterator
 
 import fsspec
@@ -45,7 +45,7 @@ class RowError:
 Item = tuple[int, "dict[str, Any] | RowError"]
 
 
-def read_records(path: str | PurePosixPath, limit: int | None = None) -> Iterator[Item]:
+def read_records(path: str | os.PathLike[str], limit: int | None = None) -> Iterator[Item]:
     """Iterate ``(line, record_or_error)`` over a dataset file, at most ``limit`` items.
 
     Raises:

@@ -192,7 +192,7 @@ def frame_problems(frame: pl.DataFrame, kind: str) -> list[tuple[int, str, str]]
         column, index, number = f["column"], f["index"], f["check_number"]
         if index is None:
             raise ValueError(f"{kind} frame: column {column!r}: {f['check']}: {f['failure_case']}")
-        if column is None:  # a frame-wide check
+        if f["schema_context"] == "DataFrameSchema":  # a frame-wide check (column = schema name)
             _, field, message = FRAME_RULES[kind][number]
             problems.add((index, field, message))
         elif f["check"] == "not_nullable":

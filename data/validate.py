@@ -42,6 +42,7 @@ class ValidationResult:
         kind: ``sft``, ``preference`` or ``rl``.
         format: the adapter used (detected when ``format="auto"``).
         rows: the normalized valid rows, in file order.
+        lines: the source line (or parquet row) of each entry of ``rows``.
         errors: every problem found, sorted by line.
         n_total: records read (lines or rows, bad ones included; a ``<file>`` error counts none).
         n_skipped: records that the format deliberately turns into no example (KTO false).
@@ -51,21 +52,24 @@ class ValidationResult:
     kind: str
     format: str
     rows: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
     n_total: int = 0
     n_skipped: int = 0
 
     @property
     def n_bad(self) -> int:
-        """Number of distinct lines with at least one error."""
-        return len({e.line for e in self.errors})
+        """Number of distinct records (lines) with at least one error."""
+        return len({e.line for e in self.errors if e.field != FILE})
 
     @property
     def bad_fraction(self) -> float:
-        """``n_bad / n_total``; 1.0 when the file has errors but no readable record."""
-        if self.n_total == 0:
-            return 1.0 if self.errors else 0.0
-        return self.n_bad / self.n_total
+        """``n_bad / n_total``; 1.0 when the file itself is damaged (a ``<file>`` error:
+        a .json syntax error, a truncated gzip, an unreadable parquet), since how much of
+        it is lost is unknown."""
+        if any(e.field == FILE for e in self.errors):
+            return 1.0
+        return self.n_bad / self.n_total if self.n_total else 0.0
 
     def report(self) -> dict[str, Any]:
         """A JSON-able summary: counts, bad fraction and the first 50 errors."""
@@ -150,7 +154,9 @@ def validate_dataset(
         line, ex = examples[index]
         errors.append(RowError(name, line, ex.origin.get(fld, fld), message))
     bad_lines = {e.line for e in errors}
-    result.rows = [ex.row for line, ex in examples if line not in bad_lines]
+    kept = [(line, ex.row) for line, ex in examples if line not in bad_lines]
+    result.lines = [line for line, _ in kept]
+    result.rows = [row for _, row in kept]
     result.errors = sorted(errors, key=lambda e: e.line)
     return result
 
@@ -165,8 +171,9 @@ def check_threshold(result: ValidationResult, max_bad_fraction: float = 0.0) -> 
     problems = []
     if result.bad_fraction > max_bad_fraction:
         problems.append(
-            f"{result.file}: {result.n_bad} of {result.n_total} records bad "
-            f"({result.bad_fraction:.4f} > allowed {max_bad_fraction})"
+            f"{result.file}: {result.n_bad} of {result.n_total} records bad"
+            + (", file damaged" if any(e.field == FILE for e in result.errors) else "")
+            + f" ({result.bad_fraction:.4f} > allowed {max_bad_fraction})"
         )
     if not result.rows:
         problems.append(f"{result.file}: no valid {result.kind} rows")

@@ -108,6 +108,14 @@ def split_micro_batches(items: Sequence[T], micro_batch_size: int) -> list[list[
     return [list(items[i : i + micro_batch_size]) for i in range(0, len(items), micro_batch_size)]
 
 
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad id, else its EOS id (padding is never a target, so either works)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("tokenizer has neither a pad nor an EOS token; set pad_token in tokenizer_config.json")
+    return int(pad)
+
+
 class EpochSampler:
     """Deterministic, resumable order over ``num_items`` dataset rows.
 

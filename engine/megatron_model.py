@@ -67,6 +67,16 @@ def _layer_spec(core_attention: CoreAttention):
     return spec
 
 
+def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """SiLU (Elfwing et al. 2018) on a contiguous copy of ``x``.
+
+    megatron's gated MLP applies the activation to a strided half of ``linear_fc1``'s output;
+    torch's strided SiLU kernel rounds differently (up to 1 ulp) from the contiguous one HF
+    uses, and over several layers that grows to ~1e-5 in the logits. Same math, same kernel.
+    """
+    return F.silu(x.contiguous())
+
+
 def transformer_config(spec: GPTSpec):
     """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -81,7 +91,7 @@ def transformer_config(spec: GPTSpec):
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=True,
-        activation_func=F.silu,
+        activation_func=silu_contiguous,
         add_bias_linear=False,
         add_qkv_bias=spec.add_qkv_bias,
         hidden_dropout=0.0,

@@ -135,7 +135,7 @@ def save_model_dir(
         else:
             gen = _generation_config(hf_config, hf)
             (hf / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-        save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration)
+        save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
         if heads:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in heads.items()}, str(tmp / HEADS_FILE))
         _replace_dir(tmp, out_dir)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config.schema import SFTConfig
-from engine.batching import EpochSampler, TokenBatch, collate_tokens, split_micro_batches
+from engine.batching import EpochSampler, TokenBatch, collate_tokens, pad_token_id, split_micro_batches
 from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.train_state import DataPosition, has_train_state, load_train_state, save_train_state
 from engine.train_step import build_optimizer, train_step
@@ -111,14 +111,6 @@ def encode_sft_dataset(path: str | Path, tokenizer, max_seq_len: int) -> list[tu
     if not out:
         raise ValueError(f"{path}: no row has an assistant token within max_seq_len={max_seq_len}")
     return out
-
-
-def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad id, else its EOS id (padding is never a target, so either works)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("tokenizer has neither a pad nor an EOS token; set pad_token in tokenizer_config.json")
-    return int(pad)
 
 
 def train_sft(

@@ -54,6 +54,9 @@ def cmd_run(args) -> int:
     from flows.pipeline import pipeline
 
     summary = pipeline(config_path=args.config)
+    out = Path("outputs") / cfg.run.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     _print_summary(summary)
     return 0
 
@@ -67,12 +70,12 @@ def _fmt_metric(metrics: dict, key: str) -> str:
 
 def _print_summary(summary: dict) -> None:
     table = Table(title="posttrain: pipeline summary")
-    for col in ("stage", "wall time (s)", "artifact"):
+    for col in ("stage", "state", "wall time (s)", "artifact"):
         table.add_column(col)
     total = 0.0
     for name, s in summary["stages"].items():
         total += s["wall_s"]
-        table.add_row(name, f"{s['wall_s']:.1f}", s.get("artifact_id", "-"))
+        table.add_row(name, s.get("state", "-"), f"{s['wall_s']:.1f}", s.get("artifact_id", "-"))
     console.print(table)
     ev = summary["stages"].get("evaluate", {}).get("metrics", {})
     if ev:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from prefect import flow
+from prefect.states import State
 from prefect.runtime import flow_run
 
 from config import load_config
@@ -22,13 +23,15 @@ from tasks.prepare import prepare
 from tasks.runner import store_for
 
 
-def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef]) -> ArtifactRef:
-    """Submit one stage's task with its upstream refs; bypass Prefect's cache if the artifact is gone."""
+def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef]) -> State:
+    """Run one stage's task with its upstream refs; bypass Prefect's cache if the artifact is gone.
+
+    Returns the final Prefect state ("Completed", or "Cached" for a cache hit)."""
     spec, stage_task = stage(name)
     inputs = {n: refs[n] for n in spec.inputs(cfg)}
     fp = spec.fingerprint(cfg, {k: v.fingerprint for k, v in inputs.items()})
     missing = store_for(cfg).find(name, fp) is None
-    return stage_task.with_options(refresh_cache=missing)(cfg, inputs)
+    return stage_task.with_options(refresh_cache=missing)(cfg, inputs, return_state=True)
 
 
 @flow(name="posttrain-pipeline", log_prints=True)
@@ -48,11 +51,14 @@ def pipeline(config_path: str) -> dict[str, Any]:
     store = store_for(cfg)
     for spec, _ in enabled_stages(cfg):
         t0 = time.time()
-        refs[spec.name] = run_stage_task(cfg, spec.name, refs)
+        state = run_stage_task(cfg, spec.name, refs)
+        refs[spec.name] = state.result()  # raises the stage's exception if it failed
         summary["stages"][spec.name] = {
+            "state": state.name,
             "wall_s": round(time.time() - t0, 2),
             "artifact_id": refs[spec.name].artifact_id,
             "uri": refs[spec.name].uri,
             "metrics": store.manifest(refs[spec.name]).get("metrics", {}),
         }
+    summary["flow_run_id"] = str(flow_run.get_id())
     return summary

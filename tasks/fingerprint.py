@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,12 @@ def _imports(path: Path, module: str) -> set[str]:
     return {m for m in closure if _module_file(m) is not None}
 
 
-@lru_cache(maxsize=None)
-def code_version(module: str) -> str:
-    """sha256 over the source of ``module`` and every project module it imports, recursively."""
+def _closure(module: str) -> dict[str, Path]:
+    """``module`` and every project module it imports, recursively, with their files.
+
+    Raises:
+        ValueError: ``module`` is not a module of this project.
+    """
     seen: dict[str, Path] = {}
     todo = [module]
     while todo:
@@ -71,6 +75,13 @@ def code_version(module: str) -> str:
             raise ValueError(f"{mod} is not a module of this project")
         seen[mod] = path
         todo.extend(_imports(path, mod) - seen.keys())
+    return seen
+
+
+@lru_cache(maxsize=None)
+def code_version(module: str) -> str:
+    """sha256 over the source of ``module`` and every project module it imports, recursively."""
+    seen = _closure(module)
     h = hashlib.sha256()
     for mod in sorted(seen):
         h.update(mod.encode())
@@ -79,20 +90,20 @@ def code_version(module: str) -> str:
 
 
 def modules_of(module: str) -> list[str]:
-    """The project modules ``code_version(module)`` covers (for docs and debugging)."""
-    seen: set[str] = set()
-    todo = [module]
-    while todo:
-        mod = todo.pop()
-        if mod in seen:
-            continue
-        seen.add(mod)
-        todo.extend(_imports(_module_file(mod), mod) - seen)
-    return sorted(seen)
+    """The project modules ``code_version(module)`` covers (for docs and debugging).
+
+    Raises:
+        ValueError: ``module`` is not a module of this project.
+    """
+    return sorted(_closure(module))
 
 
-@lru_cache(maxsize=256)
-def _hash_file_cached(path: str, size: int, mtime_ns: int) -> str:
+# A file whose mtime is this recent may still change within the same timestamp tick
+# (coarse on many kernels), so its hash is not cached (git's "racy" entries, same idea).
+_RACY_NS = 2_000_000_000
+
+
+def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -100,12 +111,24 @@ def _hash_file_cached(path: str, size: int, mtime_ns: int) -> str:
     return h.hexdigest()
 
 
+@lru_cache(maxsize=256)
+def _hash_file_cached(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+    # ctime and inode in the key: tools that restore mtime (cp -p, tar, rsync -t) or
+    # replace the file by rename would otherwise hit a stale entry.
+    return _sha256(path)
+
+
 def hash_path(path: str | Path) -> str:
-    """Content hash of a file or a directory tree (names + bytes); 'missing' if absent."""
+    """Content hash of a file or a directory tree (names + bytes); 'missing:<path>' if absent.
+
+    A file's hash is its hex sha256 (cached per path, size, mtime, ctime and inode).
+    """
     p = Path(path)
     if p.is_file():
         st = p.stat()
-        return _hash_file_cached(str(p.resolve()), st.st_size, st.st_mtime_ns)
+        if time.time_ns() - st.st_mtime_ns < _RACY_NS:
+            return _sha256(str(p))
+        return _hash_file_cached(str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
     if p.is_dir():
         h = hashlib.sha256()
         for f in sorted(q for q in p.rglob("*") if q.is_file()):

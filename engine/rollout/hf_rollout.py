@@ -53,10 +53,12 @@ class HFRollout:
     Draws come from one ``torch.Generator`` seeded with ``SamplingSpec.seed`` at each
     :meth:`generate` call, so a call is reproducible and a new seed gives new samples.
 
-    Reported log-probabilities (``RolloutOutput.logprobs``, nats):
-    ``log_softmax(logits / temperature)[token]``, i.e. the temperature-scaled distribution
-    *before* top-p truncation; with ``temperature == 0`` it is ``log_softmax(logits)[token]``.
-    At temperature 1 this is the policy's own distribution, which is what the RL loss compares.
+    Reported log-probabilities (``RolloutOutput.logprobs``, nats) are those of the
+    distribution each token was drawn from: ``log_softmax(logits / temperature)[token]``,
+    renormalized over the top-p nucleus when ``top_p < 1``; with ``temperature == 0`` they
+    are ``log_softmax(logits)[token]``. This is what vLLM reports with
+    ``logprobs_mode="processed_logprobs"``, so both backends agree. At temperature 1 and
+    top_p 1 it is the policy's own distribution, which is what the RL loss compares.
 
     Batching: each prompt is repeated ``n`` times; sequences are left-padded and decoded
     in chunks of at most ``max_batch_size`` with a KV cache. Position ids count only real
@@ -169,11 +171,10 @@ class HFRollout:
             logp = torch.log_softmax(logits, dim=-1)
         else:
             scaled = logits / sampling.temperature
-            logp = torch.log_softmax(scaled, dim=-1)
             if sampling.top_p < 1:
                 scaled = _top_p_filter(scaled, sampling.top_p)
-            probs = torch.softmax(scaled, dim=-1)
-            tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+            logp = torch.log_softmax(scaled, dim=-1)
+            tokens = torch.multinomial(logp.exp(), num_samples=1, generator=generator).squeeze(-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
     @torch.inference_mode()

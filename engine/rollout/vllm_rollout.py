@@ -72,6 +72,7 @@ class VLLMRollout:
         self.model_dir = Path(model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir)
         self.valid_vocab_size = valid_vocab_size
+        threads = torch.get_num_threads()
         self.llm = LLM(
             model=str(self.model_dir),
             dtype=dtype,
@@ -83,6 +84,9 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             seed=seed,
         )
+        # vLLM drops torch to 1 intra-op thread for serving; here generation alternates with
+        # training in the same processes, and 2 threads decode a 25M model ~2.5x faster.
+        torch.set_num_threads(threads)
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):
         from vllm import SamplingParams

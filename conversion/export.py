@@ -1,0 +1,111 @@
+"""Write an HF model directory (config.json, model.safetensors, tokenizer, generation config).
+
+The directory is assembled in a temporary sibling and renamed into place, so a reader
+never sees a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from safetensors.torch import save_file
+
+# Files transformers' tokenizers read; whichever exist in the tokenizer directory are copied.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def generation_config_from(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The token ids of ``hf_config`` that ``generation_config.json`` carries (bos/eos/pad)."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: hf_config[k] for k in keys if hf_config.get(k) is not None}
+
+
+def copy_tokenizer_files(tokenizer_dir: str | Path, out_dir: str | Path) -> list[str]:
+    """Copy the tokenizer files of ``tokenizer_dir`` into ``out_dir``; returns their names.
+
+    Raises:
+        FileNotFoundError: ``tokenizer_dir`` holds none of :data:`TOKENIZER_FILES`.
+    """
+    src = Path(tokenizer_dir)
+    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
+    if not names:
+        raise FileNotFoundError(f"{src}: no tokenizer files (expected some of {', '.join(TOKENIZER_FILES)})")
+    for n in names:
+        shutil.copy2(src / n, Path(out_dir) / n)
+    return names
+
+
+def replace_dir_atomically(tmp: Path, final: Path) -> None:
+    """Rename the finished ``tmp`` directory to ``final``, replacing an existing one."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+
+
+def write_hf_safetensors(
+    out_dir: str | Path,
+    hf_config: Mapping[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    tokenizer_dir: str | Path | None,
+    dtype: str = "float32",
+    generation_config: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write an HF model directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Args:
+        out_dir: destination directory (replaced if it exists).
+        hf_config: HF ``config.json`` dict; its ``dtype`` is set to ``dtype``.
+        tensors: HF-named tensors, e.g. ``conversion.megatron_to_hf(...)``; gathered into
+            one ``model.safetensors`` (single shard; fine for the model sizes run here).
+        tokenizer_dir: directory whose tokenizer files are copied (None: no tokenizer).
+        dtype: "float32", "bfloat16" or "float16" for the stored weights.
+        generation_config: ``generation_config.json`` contents; default: the bos/eos/pad
+            token ids of ``hf_config`` (not written if there are none).
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        ValueError: unknown dtype or a tensor name given twice.
+        FileNotFoundError: ``tokenizer_dir`` has no tokenizer files.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        state: dict[str, torch.Tensor] = {}
+        for name, t in tensors:
+            if name in state:
+                raise ValueError(f"tensor {name!r} given twice")
+            # clone: safetensors refuses tensors sharing storage (e.g. views of one fused QKV).
+            state[name] = t.detach().to(device="cpu", dtype=_DTYPES[dtype]).contiguous().clone()
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = {**dict(hf_config), "dtype": dtype}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        gen = dict(generation_config) if generation_config is not None else generation_config_from(hf_config)
+        if gen:
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        replace_dir_atomically(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -1,0 +1,209 @@
+"""Import a llama-architecture GGUF file (llama.cpp format) as an HF model directory.
+
+Reads the file with the ``gguf`` package (llama.cpp's reader) and writes config.json,
+model.safetensors (fp32), the tokenizer files and generation_config.json.
+
+Three things differ from the HF layout:
+
+- llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` so that its rotary
+  embedding, which rotates adjacent pairs (x[2i], x[2i+1]), matches HF's rotate-half
+  layout (x[i], x[i + d/2]); see ``permute`` in llama.cpp ``convert_hf_to_gguf.py``.
+  :func:`unpermute_qk` is its inverse.
+- Special-token ids may hold the uint32 "none" sentinel 4294967295 (stories260K's padding
+  and separator ids); those are treated as absent.
+- The tokenizer is stored as a SentencePiece vocabulary (tokens, scores, types); it is
+  rebuilt with transformers' GGUF tokenizer conversion on the corrected metadata.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from conversion.export import write_hf_safetensors
+from conversion.spec import GPTSpec
+
+NO_TOKEN_IDS = (0xFFFFFFFF, -1)  # llama.cpp's "no token" (LLAMA_TOKEN_NULL / uint32 max)
+_SUPPORTED_TYPES = ("F32", "F16", "BF16")
+
+# GGUF tensor name -> HF name; "{i}" is the layer index.
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: GGUF (pairwise rotary) -> HF (rotate-half) rows.
+
+    llama.cpp applies ``w.reshape(h, 2, r // h // 2, c).swapaxes(1, 2)``; this applies the
+    inverse, ``w.reshape(h, r // h // 2, 2, c).swapaxes(1, 2)``.
+
+    Args:
+        w: ``[num_heads * head_dim, in]`` projection weight.
+        num_heads: heads of this projection (query heads for q, KV heads for k).
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class _Gguf:
+    """Metadata access with errors naming the file and key."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+
+        self.path = path
+        self.reader = GGUFReader(str(path))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return value
+
+    def token_id(self, key: str, vocab_size: int) -> int | None:
+        value = self.get(key)
+        if value is None or value in NO_TOKEN_IDS:
+            return None
+        if not 0 <= value < vocab_size:
+            raise ValueError(f"{self.path}: GGUF metadata key {key!r}={value} is outside the vocabulary [0, {vocab_size})")
+        return int(value)
+
+
+def _tensor(g: _Gguf, t) -> torch.Tensor:
+    kind = t.tensor_type.name
+    if kind not in _SUPPORTED_TYPES:
+        raise ValueError(
+            f"{g.path}: tensor {t.name!r} has type {kind}; only {', '.join(_SUPPORTED_TYPES)} are supported "
+            "(dequantize with llama.cpp first)"
+        )
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = np.ascontiguousarray(t.data)
+    if kind == "BF16":  # the reader hands BF16 over as raw bytes
+        out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(data.copy())
+    return out.reshape(shape).to(torch.float32)
+
+
+def read_gguf_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(HF config dict, tokenizer metadata) of a llama GGUF; errors name the key."""
+    arch = g.need("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{g.path}: GGUF key 'general.architecture'={arch!r}; only 'llama' is supported")
+    tok_model = g.need("tokenizer.ggml.model")
+    if tok_model != "llama":
+        raise ValueError(f"{g.path}: GGUF key 'tokenizer.ggml.model'={tok_model!r}; only 'llama' (SentencePiece) is supported")
+    tokens = g.need("tokenizer.ggml.tokens")
+    vocab = len(tokens)
+    hidden, heads = int(g.need("llama.embedding_length")), int(g.need("llama.attention.head_count"))
+    head_dim = int(g.get("llama.attention.key_length", hidden // heads))
+    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
+        if int(g.get(key, head_dim)) != head_dim:
+            raise ValueError(f"{g.path}: GGUF key {key!r}={g.get(key)} != head_dim {head_dim} (not supported)")
+    scaling = g.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"{g.path}: GGUF key 'llama.rope.scaling.type'={scaling!r} is not supported")
+    untied = any(t.name == "output.weight" for t in g.reader.tensors)
+    spec = GPTSpec(
+        architecture="llama", vocab_size=vocab, hidden_size=hidden, num_layers=int(g.need("llama.block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(g.get("llama.attention.head_count_kv", heads)),
+        ffn_hidden_size=int(g.need("llama.feed_forward_length")),
+        max_position_embeddings=int(g.need("llama.context_length")),
+        rope_theta=float(g.get("llama.rope.freq_base", 10000.0)),
+        norm_epsilon=float(g.need("llama.attention.layer_norm_rms_epsilon")),
+        add_qkv_bias=False, tie_word_embeddings=not untied, head_dim=head_dim,
+    )
+    ids = {name: g.token_id(f"tokenizer.ggml.{key}", vocab) for name, key in
+           (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
+    config = spec.to_hf_config()
+    config.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    tok = {
+        "tokens": tokens, "scores": g.need("tokenizer.ggml.scores"), "token_type": g.need("tokenizer.ggml.token_type"),
+        "ids": ids, "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", True)),
+        "add_eos": bool(g.get("tokenizer.ggml.add_eos_token", False)), "chat_template": g.get("tokenizer.chat_template"),
+    }
+    return config, tok
+
+
+def _hf_tensors(g: _Gguf, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    n_layers = config["num_hidden_layers"]
+    heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+    for t in g.reader.tensors:
+        parts = t.name.split(".", 2)
+        if t.name in _GLOBAL_NAMES:
+            yield _GLOBAL_NAMES[t.name], _tensor(g, t)
+        elif parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers and parts[2] in _LAYER_NAMES:
+            w = _tensor(g, t)
+            if parts[2] in heads:
+                w = unpermute_qk(w, heads[parts[2]])
+            yield f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}", w
+        else:
+            raise ValueError(f"{g.path}: unexpected GGUF tensor {t.name!r} for a llama model")
+
+
+def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
+    from transformers import LlamaTokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer
+
+    tokens, ids = tok["tokens"], tok["ids"]
+    tokenizer_dict = {"tokenizer_type": "llama", "tokens": tokens, "scores": tok["scores"], "token_type": tok["token_type"]}
+    tokenizer_dict.update({f"{k}_token_id": v for k, v in ids.items() if v is not None})
+    backend, _ = convert_gguf_tokenizer("llama", tokenizer_dict)
+    names = {f"{k}_token": (tokens[v] if v is not None else None) for k, v in ids.items()}
+    extra = {"chat_template": tok["chat_template"]} if tok["chat_template"] else {}
+    tokenizer = LlamaTokenizer(tokenizer_object=backend, add_bos_token=tok["add_bos"], add_eos_token=tok["add_eos"],
+                               **names, **extra)
+    tokenizer.save_pretrained(out_dir)
+
+
+def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Convert a llama GGUF file into an HF model directory (atomically written).
+
+    Args:
+        gguf_path: the ``.gguf`` file (F32, F16 or BF16 tensors).
+        out_dir: destination; gets config.json, model.safetensors (float32),
+            tokenizer files and generation_config.json.
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: naming the file and the metadata key or tensor: non-llama architecture
+            or tokenizer, rotary scaling, partial rotary, quantized tensor types,
+            unexpected or missing tensors, token ids outside the vocabulary.
+    """
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    g = _Gguf(path)
+    config, tok = read_gguf_config(g)
+    from conversion.registry import ConversionError, family
+
+    spec, fam = family(config)
+    tensors = dict(_hf_tensors(g, config))
+    expected = fam.hf_shapes(spec)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"{path}: GGUF tensor for {name!r} is missing")
+        if tuple(tensors[name].shape) != shape:
+            raise ConversionError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    with tempfile.TemporaryDirectory() as tok_dir:
+        _write_tokenizer(tok, Path(tok_dir))
+        return write_hf_safetensors(out_dir, config, tensors.items(), tok_dir, generation_config=gen)

@@ -1,0 +1,104 @@
+"""Load an HF model source: a local directory, a hub id, or a llama GGUF file.
+
+Weights are read with safetensors, or ``torch.load(weights_only=True)`` for
+``pytorch_model*.bin`` (never a full unpickle).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from safetensors.torch import load_file
+
+from conversion.export import TOKENIZER_FILES
+from conversion.gguf import gguf_to_hf
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                 *TOKENIZER_FILES]
+
+
+class HFSource(NamedTuple):
+    """A loaded model: HF config dict, HF-named fp tensors, and the tokenizer directory."""
+
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    tokenizer_dir: Path
+
+
+def _load_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path}: missing (not an HF model directory)")
+    config = json.loads(cfg_path.read_text())
+    state: dict[str, torch.Tensor] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        for f in files:
+            state.update(load_file(str(f)))
+    else:
+        files = sorted(model_dir.glob("pytorch_model*.bin"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
+        for f in files:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    return config, state
+
+
+def _gguf_cache_dir(path: Path, cache_root: Path) -> Path:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return cache_root / f"{path.stem}-{h.hexdigest()[:16]}"
+
+
+def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: str | Path | None = None,
+                   cache_dir: str | Path | None = None) -> HFSource:
+    """Load a model from a directory, a ``.gguf`` file or an HF hub id.
+
+    Args:
+        source: HF model directory (config.json + weights), a llama ``.gguf`` file, or a
+            hub id ``org/name`` (downloaded with ``huggingface_hub.snapshot_download``).
+        revision: hub revision (hub ids only).
+        tokenizer: tokenizer directory, if not the model's own directory.
+        cache_dir: where GGUF imports and hub downloads are kept (default: the system
+            temporary directory / ``posttrain-models``). A GGUF import is keyed by the
+            file's sha256, so re-loading the same file reuses it.
+
+    Returns:
+        :class:`HFSource` ``(config, state, tokenizer_dir)``.
+
+    Raises:
+        FileNotFoundError: no such path (and not a hub id), no config.json, no weights, or
+            no tokenizer files in the tokenizer directory.
+        ValueError: from the GGUF import (naming the key or tensor).
+    """
+    cache_root = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "posttrain-models"
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        model_dir = _gguf_cache_dir(path, cache_root)
+        if not (model_dir / "config.json").is_file():
+            gguf_to_hf(path, model_dir)
+    elif path.is_dir():
+        model_dir = path
+    elif path.exists():
+        raise ValueError(f"{path}: model source must be a directory or a .gguf file")
+    elif _HUB_ID.match(str(source)):
+        from huggingface_hub import snapshot_download
+
+        model_dir = Path(snapshot_download(str(source), revision=revision, cache_dir=str(cache_root / "hub"),
+                                           allow_patterns=_HUB_PATTERNS))
+    else:
+        raise FileNotFoundError(f"{source}: no such model directory or .gguf file, and not a hub id (org/name)")
+    config, state = _load_dir(model_dir)
+    tok_dir = Path(tokenizer) if tokenizer else model_dir
+    if not any((tok_dir / n).is_file() for n in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{tok_dir}: no tokenizer files (expected some of {', '.join(TOKENIZER_FILES)})")
+    return HFSource(config, state, tok_dir)

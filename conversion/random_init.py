@@ -1,0 +1,56 @@
+"""A randomly initialised HF causal LM saved as SafeTensors (the quickstart's base model)."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from conversion.export import copy_tokenizer_files, replace_dir_atomically
+
+
+def init_random_hf_model(out_dir: str | Path, hf_config: Mapping[str, Any], seed: int,
+                         tokenizer_dir: str | Path | None = None) -> Path:
+    """Build ``AutoModelForCausalLM.from_config(hf_config)`` with seed ``seed`` and save it.
+
+    Weights follow the model class's own initialisation (transformers ``_init_weights``,
+    normal with std ``initializer_range``). The global RNG state is restored afterwards.
+
+    Args:
+        out_dir: destination (written to a temporary sibling, then renamed; replaced if present).
+        hf_config: HF config dict with ``model_type`` (e.g. "qwen2" or "llama").
+        seed: weight-initialisation seed.
+        tokenizer_dir: optional directory whose tokenizer files are copied in.
+
+    Returns:
+        ``Path(out_dir)`` holding config.json, model.safetensors, generation_config.json.
+
+    Raises:
+        ValueError: ``model_type`` missing or unknown to transformers.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(hf_config)
+    model_type = cfg.pop("model_type", None)
+    if not model_type:
+        raise ValueError("config key 'model_type' is missing")
+    cfg.pop("architectures", None)  # set by save_pretrained from the model class
+    config = AutoConfig.for_model(model_type, **cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        replace_dir_atomically(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -1,0 +1,3 @@
+"""Data layer: read dataset files, normalize them into the sft / preference / rl kinds and
+check them (``validate``), encode chats with loss masks (``chat``) and score responses
+(``rewards``). Imports nothing from engine, tasks or flows."""

@@ -1,0 +1,157 @@
+"""Ray for the RL engine: connect to (or start) a cluster, and place workers on it.
+
+Colocated placement (``EngineConfig.placement == "colocated"``): one placement group with a
+single bundle holding all the engine's CPUs; every worker (actor, reference, rollout,
+reward) is scheduled into that bundle with an equal fraction of it. The RL loop runs its
+phases one after another, so the workers take turns on the same cores, and each worker
+uses all of them while it runs (``torch.set_num_threads`` in the worker, see
+:func:`worker_threads`), instead of Ray's one-thread default for fractional actors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+_started_here = False
+
+
+def runtime_env() -> dict[str, Any]:
+    """Ray runtime environment that lets worker processes ``import engine`` (and the other
+    project packages): the project root is prepended to ``PYTHONPATH``. Also keeps the
+    workers' tokenizers single-threaded and vLLM in-process."""
+    path = [str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {
+        "env_vars": {
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+    }
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 1024) -> dict[str, Any]:
+    """Connect to a Ray cluster, or start a local one; idempotent.
+
+    Args:
+        address: an existing cluster (``"auto"``, ``"host:port"`` or ``"ray://..."``); None
+            starts a local cluster in this process.
+        num_cpus: CPUs of a locally started cluster (default: all of this machine's).
+            Ignored when connecting to an existing cluster.
+        object_store_mb: object store size of a locally started cluster, in MiB (weights
+            and trajectories pass through it; the default leaves host memory for training).
+
+    Returns:
+        ``ray.cluster_resources()`` of the cluster now connected.
+
+    A second call while connected does nothing (whatever its arguments). The dashboard is
+    off and Ray's own logging is kept at WARNING.
+    """
+    global _started_here
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        kwargs: dict[str, Any] = dict(
+            runtime_env=runtime_env(),
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
+        if address is None:
+            kwargs.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024 * 1024)
+            _started_here = True
+        ray.init(address=address, **kwargs)
+    return ray.cluster_resources()
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray (and stop the local cluster if :func:`init_ray` started one)."""
+    global _started_here
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _started_here = False
+
+
+@dataclass
+class ColocatedPlacement:
+    """One placement group, one bundle of ``num_cpus`` CPUs, shared by ``num_workers`` workers.
+
+    Attributes:
+        group: the Ray ``PlacementGroup`` (ready when constructed through :func:`colocated_placement`).
+        num_cpus: CPUs in the bundle.
+        num_workers: how many workers share it; each reserves ``num_cpus / num_workers``.
+    """
+
+    group: Any
+    num_cpus: float
+    num_workers: int
+
+    def actor_options(self) -> dict[str, Any]:
+        """``ActorClass.options(**...)`` that schedule one worker into the shared bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {
+            "num_cpus": self.num_cpus / self.num_workers,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=0
+            ),
+        }
+
+    def remove(self) -> None:
+        """Release the placement group (kill its actors first)."""
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout_s: float = 60.0) -> ColocatedPlacement:
+    """Reserve one bundle for ``num_workers`` colocated workers and wait until it is placed.
+
+    Args:
+        num_workers: workers that will share the bundle (>= 1).
+        num_cpus: CPUs to reserve; default all CPUs of the cluster (the reservation waits
+            until a previous run's placement group is released).
+        timeout_s: how long to wait for the reservation.
+
+    Raises:
+        ValueError: ``num_workers < 1`` or the cluster has no CPU.
+        TimeoutError: the bundle could not be placed in time (cluster too small or busy).
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    cpus = float(num_cpus if num_cpus is not None else ray.cluster_resources().get("CPU", 0.0))
+    if cpus <= 0:
+        raise ValueError("colocated_placement: the Ray cluster has no CPU")
+    group = placement_group([{"CPU": cpus}], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(group)
+        raise TimeoutError(f"colocated_placement: could not reserve {cpus} CPUs within {timeout_s} s")
+    return ColocatedPlacement(group=group, num_cpus=cpus, num_workers=num_workers)
+
+
+def worker_threads(num_threads: int | None = None) -> int:
+    """Set this process's torch intra-op threads for an engine worker and return the count.
+
+    Ray sets ``OMP_NUM_THREADS=1`` in workers that reserve a fraction of a CPU; colocated
+    workers run one at a time, so each should use every core: ``num_threads`` or
+    ``os.cpu_count()``.
+    """
+    import torch
+
+    n = int(num_threads or os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    return n

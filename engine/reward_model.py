@@ -1,0 +1,298 @@
+"""Reward model: the megatron-core GPTModel plus a scalar head, trained on preference pairs.
+
+The reward of a conversation is ``reward_head(h_last)``, where ``h_last`` is the final-normed
+hidden state of its last real token (the assistant's end-of-turn token). Training minimises
+the Bradley-Terry pairwise loss of InstructGPT (Ouyang et al. 2022, eq. 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from config.schema import RMConfig
+from engine.batching import EpochSampler, TokenBatch, collate_tokens, pad_token_id, split_micro_batches
+from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
+from engine.train_step import build_optimizer, train_step
+
+logger = logging.getLogger(__name__)
+
+HEAD_WEIGHT, HEAD_BIAS = "reward_head.weight", "reward_head.bias"
+
+
+class RewardModel(torch.nn.Module):
+    """GPTModel + ``Linear(hidden, 1)`` on the last real token's final-normed hidden state.
+
+    Attributes:
+        gpt: megatron-core GPTModel (its output layer is unused).
+        reward_head: ``Linear(hidden_size, 1)``; initialised ``N(0, 1/(H+1))`` with zero
+            bias, as OpenRLHF initialises its value head, from ``seed``.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, hidden_size: int, seed: int = 0):
+        super().__init__()
+        self.gpt = gpt
+        self.reward_head = torch.nn.Linear(hidden_size, 1)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.reward_head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=g)
+            self.reward_head.bias.zero_()
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Rewards of right-padded sequences.
+
+        Args:
+            input_ids: LongTensor ``[B, T]``.
+            lengths: LongTensor ``[B]``, real tokens per row (1..T).
+
+        Returns:
+            FloatTensor ``[B]``: ``reward_head(hidden[b, lengths[b] - 1])``.
+        """
+        from engine.megatron_model import gpt_hidden_states
+
+        hidden = gpt_hidden_states(self.gpt, input_ids)  # [B, T, H]
+        last = hidden[torch.arange(hidden.size(0)), lengths - 1]  # [B, H]
+        return self.reward_head(last).squeeze(-1)
+
+    def heads(self) -> dict[str, torch.Tensor]:
+        """The head tensors under the names stored in a model directory's heads.safetensors."""
+        return {HEAD_WEIGHT: self.reward_head.weight.detach(), HEAD_BIAS: self.reward_head.bias.detach()}
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """Per-pair Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)``.
+
+    InstructGPT (Ouyang et al. 2022), eq. 1; computed as ``softplus(r_rejected - r_chosen)``
+    via ``logsigmoid`` so large margins neither overflow nor lose precision.
+
+    Args:
+        r_chosen, r_rejected: ``[N]`` rewards of the preferred and the other response.
+
+    Returns:
+        ``[N]`` losses in nats (``log 2`` when the rewards are equal).
+    """
+    return -F.logsigmoid(r_chosen - r_rejected)
+
+
+def _conversation(prompt: Any, response: str) -> list[dict[str, str]]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return messages + [{"role": "assistant", "content": response}]
+
+
+def _encode(tokenizer, prompt: Any, response: str, max_len: int | None) -> list[int]:
+    from data.chat import encode_chat
+
+    return list(encode_chat(tokenizer, _conversation(prompt, response), max_len=max_len).input_ids)
+
+
+def encode_preference_dataset(path: str | Path, tokenizer, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """Tokenize ``{"prompt": [messages], "chosen": str, "rejected": str}`` rows.
+
+    Each side is the prompt plus one assistant turn, rendered with the chat template
+    (data.chat.encode_chat) and cut to ``max_seq_len`` tokens.
+
+    Returns:
+        ``[(chosen_ids, rejected_ids), ...]`` in file order.
+
+    Raises:
+        ValueError: naming ``file:line`` and the field, for a missing or mistyped field or
+            a row the chat template rejects; or for an empty file.
+    """
+    from data.readers import RowError, read_records
+
+    pairs = []
+    for line, row in read_records(str(path)):
+        if isinstance(row, RowError):
+            raise ValueError(str(row))
+        prompt = row.get("prompt")
+        if not isinstance(prompt, (list, str)) or not prompt:
+            raise ValueError(f"{path}:{line}: prompt: expected a non-empty list of messages")
+        for key in ("chosen", "rejected"):
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"{path}:{line}: {key}: expected a string")
+        try:
+            pairs.append(
+                (_encode(tokenizer, prompt, row["chosen"], max_seq_len), _encode(tokenizer, prompt, row["rejected"], max_seq_len))
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{line}: {e}") from e
+    if not pairs:
+        raise ValueError(f"{path}: dataset has no rows")
+    return pairs
+
+
+def collate_pairs(pairs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> TokenBatch:
+    """One right-padded batch ``[2N, T]``: the N chosen sequences, then the N rejected ones."""
+    return collate_tokens([p[0] for p in pairs] + [p[1] for p in pairs], None, pad_id)
+
+
+def pair_loss(model: RewardModel, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """Loss function for :func:`engine.train_step.train_step` on a :func:`collate_pairs` batch.
+
+    Returns:
+        ``(sum of Bradley-Terry losses, number of pairs, {"accuracy", "margin"})`` where
+        accuracy is the fraction with ``r_chosen > r_rejected`` and margin the mean
+        ``r_chosen - r_rejected``.
+    """
+    rewards = model(batch.input_ids, batch.lengths)
+    n = rewards.size(0) // 2
+    r_c, r_r = rewards[:n], rewards[n:]
+    metrics = {"accuracy": float((r_c > r_r).float().mean()), "margin": float((r_c - r_r).mean())}
+    return bradley_terry_loss(r_c, r_r).sum(), n, metrics
+
+
+@torch.no_grad()
+def evaluate_pairs(model: RewardModel, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
+                   micro_batch_size: int) -> dict[str, float]:
+    """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
+    wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats)."""
+    was_training = model.training
+    model.eval()
+    loss, correct = 0.0, 0
+    for chunk in split_micro_batches(pairs, micro_batch_size):
+        batch = collate_pairs(chunk, pad_id)
+        rewards = model(batch.input_ids, batch.lengths)
+        r_c, r_r = rewards[: len(chunk)], rewards[len(chunk) :]
+        loss += float(bradley_terry_loss(r_c, r_r).sum())
+        correct += int((r_c > r_r).sum())
+    model.train(was_training)
+    return {"rm/accuracy": correct / len(pairs), "rm/loss": loss / len(pairs)}
+
+
+def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) index split; at least one pair on each side.
+
+    Raises:
+        ValueError: fewer than 2 pairs.
+    """
+    if num_pairs < 2:
+        raise ValueError(f"reward model needs at least 2 preference pairs (one held out), got {num_pairs}")
+    order = np.random.default_rng([seed, 1]).permutation(num_pairs).tolist()
+    n_eval = min(num_pairs - 1, max(1, round(num_pairs * eval_fraction)))
+    return order[n_eval:], order[:n_eval]
+
+
+def train_reward_model(
+    base_model_dir: str | Path,
+    dataset_path: str | Path,
+    cfg: RMConfig,
+    out_dir: str | Path,
+    seed: int = 0,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+) -> dict[str, float]:
+    """Train a reward model from ``base_model_dir`` on preference pairs; write a model dir.
+
+    Holds out ``cfg.eval_fraction`` of the pairs (:func:`split_eval`), trains ``cfg.steps``
+    steps of ``cfg.global_batch_size`` pairs in micro-batches of ``cfg.micro_batch_size``
+    with the Bradley-Terry loss, evaluates on the held-out pairs every ``cfg.log_every``
+    steps and at the end, and saves the GPT weights plus ``heads.safetensors``
+    (``reward_head.weight`` ``[1, H]``, ``reward_head.bias`` ``[1]``).
+
+    Returns:
+        ``rm/accuracy``, ``rm/loss`` (held-out), ``train/loss``, ``train/accuracy``,
+        ``train/grad_norm``, ``train/lr``, ``perf/pairs_per_s`` of the last step,
+        ``rm/num_train_pairs``, ``rm/num_eval_pairs``.
+
+    Raises:
+        ValueError: bad dataset rows (names file, line and field) or fewer than 2 pairs.
+    """
+    loaded = load_model_dir(base_model_dir, seed=seed)
+    tokenizer = load_tokenizer(base_model_dir)
+    pairs = encode_preference_dataset(dataset_path, tokenizer, cfg.max_seq_len)
+    train_idx, eval_idx = split_eval(len(pairs), cfg.eval_fraction, seed)
+    train_pairs, eval_pairs = [pairs[i] for i in train_idx], [pairs[i] for i in eval_idx]
+    pad_id = pad_token_id(tokenizer)
+    model = RewardModel(loaded.model, loaded.spec.hidden_size, seed=seed)
+    optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
+    torch.manual_seed(seed)
+    sampler = EpochSampler(len(train_pairs), seed)
+
+    metrics: dict[str, float] = {}
+    for step in tqdm(range(cfg.steps), desc="reward model", dynamic_ncols=True):
+        chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
+        micro = [collate_pairs(c, pad_id) for c in split_micro_batches(chosen, cfg.micro_batch_size)]
+        t0 = time.perf_counter()
+        out = train_step(model, optimizer, scheduler, micro, pair_loss, cfg.optim.grad_clip)
+        seconds = time.perf_counter() - t0
+        done = step + 1
+        metrics = {
+            "train/loss": out["loss"],
+            "train/accuracy": out["accuracy"],
+            "train/margin": out["margin"],
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "perf/pairs_per_s": len(chosen) / seconds,
+        }
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            metrics.update(evaluate_pairs(model, eval_pairs, pad_id, cfg.micro_batch_size))
+            if log_metrics is not None:
+                log_metrics(metrics, done)
+
+    save_model_dir(out_dir, model.gpt, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps, heads=model.heads())
+    return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs))}
+
+
+def load_reward_model(model_dir: str | Path) -> RewardModel:
+    """A trained reward model (eval mode) from a model directory with a reward head.
+
+    Raises:
+        ValueError: naming the directory, when ``heads.safetensors`` lacks
+            ``reward_head.weight`` / ``reward_head.bias`` or their shapes do not match.
+    """
+    loaded = load_model_dir(model_dir)
+    missing = {HEAD_WEIGHT, HEAD_BIAS} - loaded.heads.keys()
+    if missing:
+        raise ValueError(f"{model_dir}: heads.safetensors lacks {sorted(missing)}; not a reward model directory")
+    model = RewardModel(loaded.model, loaded.spec.hidden_size)
+    try:
+        model.reward_head.load_state_dict({"weight": loaded.heads[HEAD_WEIGHT], "bias": loaded.heads[HEAD_BIAS]})
+    except RuntimeError as e:
+        raise ValueError(f"{model_dir}: reward head does not fit hidden size {loaded.spec.hidden_size}: {e}") from e
+    return model.eval()
+
+
+@torch.no_grad()
+def score(
+    model: RewardModel,
+    tokenizer,
+    prompts: Sequence[Any],
+    responses: Sequence[str],
+    max_len: int | None = None,
+    micro_batch_size: int = 16,
+) -> torch.Tensor:
+    """Rewards of (prompt, response) pairs, encoded exactly as in training.
+
+    Args:
+        model: from :func:`load_reward_model`.
+        tokenizer: the model directory's tokenizer (engine.model_dir.load_tokenizer).
+        prompts: N prompts, each a list of ``{"role", "content"}`` messages or a user string.
+        responses: N assistant responses (text).
+        max_len: cut each conversation to this many tokens (None: no cut).
+        micro_batch_size: conversations per forward pass.
+
+    Returns:
+        FloatTensor ``[N]`` of rewards.
+
+    Raises:
+        ValueError: if ``prompts`` and ``responses`` differ in length.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+    if len(prompts) == 0:
+        return torch.zeros(0)
+    was_training = model.training
+    model.eval()
+    seqs = [_encode(tokenizer, p, r, max_len) for p, r in zip(prompts, responses)]
+    out = []
+    for chunk in split_micro_batches(seqs, micro_batch_size):
+        batch = collate_tokens(chunk, None, pad_token_id(tokenizer))
+        out.append(model(batch.input_ids, batch.lengths))
+    model.train(was_training)
+    return torch.cat(out)

@@ -1,0 +1,287 @@
+"""The RL outer loop (GRPO) on Ray: one named call per phase.
+
+Per step: sample prompts -> rollout ``n_samples`` each -> rewards -> old and reference
+log-probs -> GRPO advantages -> policy update -> push weights to the rollout engine ->
+metrics -> checkpoint every ``checkpoint_every`` steps. A run whose ``resume_dir`` holds a
+checkpoint continues after it (weights, AdamW state, schedule, data position, RNG and the
+metrics so far), ending with the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import ray
+
+from config.schema import RLConfig
+from engine.algorithms import get_advantage_estimator
+from engine.batching import EpochSampler, pad_token_id
+from engine.rollout.base import SamplingSpec
+from engine.train_state import DataPosition, has_train_state
+from engine.types import Trajectory
+from engine.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker, spawn
+
+logger = logging.getLogger(__name__)
+
+MetricsLogger = Callable[[dict[str, float], int], None]
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class RLPrompt:
+    """One training prompt: chat messages, reference answer, token ids with the generation prompt."""
+
+    messages: list[dict[str, str]]
+    label: str
+    token_ids: list[int]
+
+
+@dataclass
+class Workers:
+    placement: Any
+    actor: Any
+    reference: Any
+    rollout: Any
+    reward: Any
+
+
+def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, out_dir: str | Path,
+           resume_dir: str | Path | None, seed: int = 0, reward_model_dir: str | Path | None = None,
+           log_metrics: MetricsLogger | None = None) -> dict[str, float]:
+    """Train the policy in ``policy_dir`` with GRPO for ``cfg.steps`` steps.
+
+    Args:
+        policy_dir: model directory of the starting policy (also the frozen reference).
+        train_prompts_path: JSONL of ``{"prompt": [messages], "label": str}`` rows.
+        cfg: the ``rl`` config section.
+        out_dir: receives ``model/`` (the final policy, a model directory) and
+            ``metrics.jsonl`` (one JSON object per step, with ``step``).
+        resume_dir: where the train state is checkpointed and resumed from (None: never).
+        seed: data-order and sampling seed.
+        reward_model_dir: reward-model directory, needed when ``cfg.reward.reward_model_weight != 0``.
+        log_metrics: called as ``log_metrics(metrics, step)`` after every step.
+
+    Returns: the last step's metrics plus ``rl/steps`` (total), ``rl/resumed_from_step``
+        (0 for a fresh start) and ``rl/steps_run`` (steps this call executed).
+
+    Raises:
+        ValueError: a bad prompt row (names file and line), a prompt too long for the model,
+            or a ``resume_dir`` written by a different config, prompt set or seed.
+    """
+    from engine.model_dir import load_tokenizer, read_hf_config
+    from engine.ray_cluster import colocated_placement, init_ray
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(policy_dir)
+    max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
+    prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens)
+    identity = {"config": cfg.model_dump(mode="json", exclude={"engine"}), "num_prompts": len(prompts), "seed": seed}
+
+    init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
+    placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
+    workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, max_len)
+    try:
+        start, position, history = resume(workers.actor, resume_dir, identity, seed)
+        write_metrics(out_dir / METRICS_FILE, history)
+        sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
+        update_weights(workers)
+        pad_id = pad_token_id(tokenizer)
+        metrics: dict[str, float] = history[-1] if history else {}
+        for step in range(start + 1, cfg.steps + 1):
+            t_step = time.perf_counter()
+            batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
+            traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id)
+            traj, reward_metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
+            traj, t_logprob = compute_logprobs(workers, traj)
+            traj = compute_advantages(traj, cfg.algorithm)
+            actor_metrics, t_update = update_actor(workers, traj)
+            t_sync = update_weights(workers)
+            timing = {"gen": t_gen, "reward": t_reward, "logprob": t_logprob, "update_actor": t_update,
+                      "update_weights": t_sync, "step": time.perf_counter() - t_step}
+            metrics = step_metrics(step, traj, actor_metrics, reward_metrics, timing)
+            history.append(metrics)
+            append_metrics(out_dir / METRICS_FILE, metrics)
+            if log_metrics is not None:
+                log_metrics(metrics, step)
+            if resume_dir is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                save_checkpoint(workers.actor, resume_dir, step, DataPosition(sampler.epoch, sampler.offset, seed),
+                                {**identity, "history": history})
+        ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
+    finally:
+        stop_workers(workers)
+        shutil.rmtree(out_dir / ".rollout", ignore_errors=True)
+    return {**metrics, "rl/steps": float(cfg.steps), "rl/resumed_from_step": float(start),
+            "rl/steps_run": float(cfg.steps - start)}
+
+
+# ----------------------------------------------------------------------------- phases
+
+
+def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int):
+    """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
+    ``(seed, step)``, so a resumed run samples what an uninterrupted one would."""
+    t0 = time.perf_counter()
+    spec = SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step))
+    prompt_ids = [p.token_ids for p in batch]
+    outputs = ray.get(workers.rollout.generate.remote(prompt_ids, spec))
+    return Trajectory.from_rollout(prompt_ids, outputs, pad_id), time.perf_counter() - t0
+
+
+def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
+    t0 = time.perf_counter()
+    responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
+    rows = [p for p in batch for _ in range(n)]
+    rewards, metrics = ray.get(workers.reward.score.remote([p.messages for p in rows], [p.label for p in rows], responses))
+    return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
+
+
+def compute_logprobs(workers: Workers, traj: Trajectory):
+    """Old (current policy, before the update) and reference log-probs, computed concurrently."""
+    t0 = time.perf_counter()
+    old, ref = ray.get([workers.actor.compute_logprobs.remote(traj), workers.reference.compute_logprobs.remote(traj)])
+    return traj.with_(old_logprobs=old, ref_logprobs=ref), time.perf_counter() - t0
+
+
+def compute_advantages(traj: Trajectory, algorithm: str) -> Trajectory:
+    return traj.with_(advantages=get_advantage_estimator(algorithm)(traj.rewards, traj.group_index))
+
+
+def update_actor(workers: Workers, traj: Trajectory):
+    t0 = time.perf_counter()
+    metrics = ray.get(workers.actor.update.remote(traj))
+    return metrics, time.perf_counter() - t0
+
+
+def update_weights(workers: Workers) -> float:
+    """Stream the policy's HF-named weights to the rollout engine; returns seconds."""
+    t0 = time.perf_counter()
+    ray.get(workers.rollout.update_weights.remote(workers.actor.hf_weights.remote()))
+    return time.perf_counter() - t0
+
+
+def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict) -> dict[str, float]:
+    """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
+    largest |rollout log-prob - trainer log-prob| over response tokens, for the same weights."""
+    mask = traj.response_mask.bool()
+    lengths = traj.response_lengths.float()
+    diff = (traj.rollout_logprobs - traj.old_logprobs).abs()[mask]
+    return {
+        "step": step,
+        **actor,
+        "critic/score/mean": float(traj.rewards.mean()),
+        "critic/score/max": float(traj.rewards.max()),
+        "critic/score/min": float(traj.rewards.min()),
+        "critic/advantages/mean": float(traj.advantages.mean()),
+        **reward,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(traj.truncated.float().mean()),
+        "rollout_vs_trainer/logprob_diff_max": float(diff.max()),
+        **{f"timing_s/{k}": v for k, v in timing.items()},
+        "perf/throughput": traj.num_tokens / timing["step"],
+    }
+
+
+# ----------------------------------------------------------------------------- set-up and state
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """A 31-bit rollout seed from ``(seed, step)`` (NumPy SeedSequence), independent across steps."""
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] >> 1)
+
+
+def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[RLPrompt]:
+    """Read and tokenize ``{"prompt": [messages], "label": str}`` rows (chat template, with
+    the generation prompt: ``data.chat.encode_prompt``).
+
+    Raises:
+        ValueError: ``file:line: field: problem`` for an unreadable row, a missing or
+            malformed ``prompt`` or ``label``, or a prompt longer than ``max_prompt_tokens``
+            (the model's context minus ``rollout.max_new_tokens``); or an empty file.
+    """
+    from data.chat import encode_prompt
+    from data.readers import RowError, read_records
+
+    out = []
+    for line, row in read_records(str(path)):
+        if isinstance(row, RowError):
+            raise ValueError(str(row))
+        messages, label = row.get("prompt"), row.get("label")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"{path}:{line}: prompt: expected a non-empty list of {{role, content}} messages")
+        if not isinstance(label, str):
+            raise ValueError(f"{path}:{line}: label: expected a string, got {type(label).__name__}")
+        ids = encode_prompt(tokenizer, messages)
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(f"{path}:{line}: prompt: {len(ids)} tokens leave no room for rl.rollout.max_new_tokens "
+                             f"within the model's max_position_embeddings (at most {max_prompt_tokens} prompt tokens)")
+        out.append(RLPrompt(messages, label, ids))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
+    threads = max(1, int(placement.num_cpus))
+    actor = spawn(ActorWorker, placement, str(policy_dir), cfg, seed, threads)
+    reference = spawn(ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads)
+    rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len, threads)
+    reward = spawn(RewardWorker, placement, str(policy_dir), cfg.reward,
+                   None if reward_model_dir is None else str(reward_model_dir), threads)
+    workers = Workers(placement, actor, reference, rollout, reward)
+    try:  # surface a constructor error here, not at the first call
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward)])
+    except BaseException:
+        stop_workers(workers)
+        raise
+    return workers
+
+
+def stop_workers(workers: Workers) -> None:
+    for w in (workers.actor, workers.reference, workers.rollout, workers.reward):
+        ray.kill(w)
+    workers.placement.remove()
+
+
+def resume(actor, resume_dir, identity: dict, seed: int) -> tuple[int, DataPosition, list[dict]]:
+    """Restore the actor from ``resume_dir`` if it holds a checkpoint of this run.
+
+    Returns: ``(step done, data position, metrics history)``; ``(0, start, [])`` when fresh.
+    """
+    if not has_train_state(resume_dir):
+        return 0, DataPosition(0, 0, seed), []
+    step, position, extra = ray.get(actor.load_state.remote(str(resume_dir)))
+    saved = {k: extra.get(k) for k in identity}
+    if saved != identity:
+        raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({saved}); "
+                         "use a fresh resume directory for this config")
+    logger.info("resuming RL from step %d (%s)", step, resume_dir)
+    return step, position, list(extra["history"])
+
+
+def save_checkpoint(actor, resume_dir, step: int, position: DataPosition, extra: dict) -> None:
+    ray.get(actor.save_state.remote(str(resume_dir), step, position, extra))
+
+
+def write_metrics(path: Path, history: list[dict]) -> None:
+    """Rewrite ``path`` atomically with one JSON line per step of ``history``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in history))
+    os.replace(tmp, path)
+
+
+def append_metrics(path: Path, metrics: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(metrics) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,351 @@
+"""The RL engine's workers: plain classes, run as Ray actors by :func:`spawn`.
+
+- :class:`ActorWorker`: the trainable policy (megatron-core GPTModel): log-probs of response
+  tokens, the GRPO/PPO update through the shared :func:`engine.train_step.train_step`,
+  HF-named weights for the rollout engine, resumable train state, the final model directory.
+- :class:`ReferenceWorker`: a frozen copy of the initial policy, for log-probs only.
+- :class:`RolloutWorker`: a rollout engine (vLLM or HF transformers, ``RolloutConfig.backend``).
+- :class:`RewardWorker`: rule verifier (``data.rewards``) plus an optional reward-model score.
+
+The classes stay plain so tests can also use them in-process.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from config.schema import RewardConfig, RLConfig, RolloutConfig
+from engine.algorithms import entropy_from_logits, kl_k3, logprobs_from_logits, masked_sum, ppo_clip_loss
+from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.types import Trajectory, pad_response_values
+
+
+def logit_temperature(temperature: float) -> float:
+    """The temperature the trainer divides logits by to match the rollout's sampling
+    distribution: the sampling temperature, or 1 for greedy (``temperature == 0``)."""
+    return temperature if temperature > 0 else 1.0
+
+
+def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0) -> torch.Tensor:
+    """Logits that predict each response token, divided by ``temperature``.
+
+    Row ``b``'s response token ``j`` sits at sequence position ``prompt_lengths[b] + j`` and
+    is predicted by the logits at the position before it.
+
+    Args:
+        model: megatron-core GPTModel (``engine.megatron_model.gpt_logits``).
+        batch: ``input_ids [B, T]``, ``prompt_lengths [B]``, ``response_ids [B, L]``.
+        temperature: > 0.
+
+    Returns: FloatTensor ``[B, L, V]`` (positions past a response's end hold arbitrary
+        logits; mask them with ``response_mask``).
+    """
+    from engine.megatron_model import gpt_logits
+
+    logits = gpt_logits(model, batch.input_ids)  # [B, T, V]
+    length = batch.response_ids.size(1)
+    pos = batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]
+    pos = pos.clamp(max=logits.size(1) - 1)
+    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.size(-1)))
+    return picked / temperature if temperature != 1.0 else picked
+
+
+@torch.no_grad()
+def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
+
+    Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``.
+    """
+    was_training = model.training
+    model.eval()
+    out = []
+    for mb in traj.micro_batches(micro_batch_size):
+        lp = logprobs_from_logits(response_logits(model, mb, temperature), mb.response_ids)
+        out.append(lp * mb.response_mask)
+    model.train(was_training)
+    return pad_response_values(out, traj.response_ids.size(1))
+
+
+def grpo_loss_fn(clip_ratio: float, kl_coef: float, entropy_coef: float, temperature: float):
+    """The per-micro-batch loss for :func:`engine.train_step.train_step` (token-mean GRPO).
+
+    Per response token ``t`` (advantage ``A`` of its response, broadcast):
+    ``loss_t = ppo_clip_t(A) + kl_coef * k3_t(policy || reference) - entropy_coef * H_t``;
+    the function returns ``sum_t loss_t`` and the token count, and ``train_step`` divides by
+    the global batch's token count, giving the token-mean loss of the whole batch (the GRPO
+    objective of Shao et al. 2024, eq. 3, with DAPO's token-level aggregation, Yu et al. 2025).
+    The KL term is skipped when ``kl_coef == 0``; the entropy is then only measured.
+
+    Returns: ``loss_fn(model, micro_batch: Trajectory) -> (loss_sum, num_tokens, metrics)``
+        with metrics ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``kl_loss``
+        (token means over the micro-batch). Needs ``old_logprobs`` (and ``ref_logprobs``
+        for the KL) on the micro-batch.
+    """
+
+    def loss_fn(model: torch.nn.Module, mb: Trajectory):
+        if mb.old_logprobs is None:
+            raise ValueError("GRPO loss: the trajectory has no old_logprobs")
+        mask = mb.response_mask
+        logits = response_logits(model, mb, temperature)
+        logprobs = logprobs_from_logits(logits, mb.response_ids)
+        advantages = mb.advantages[:, None].expand_as(mask)
+        pg = ppo_clip_loss(logprobs, mb.old_logprobs, advantages, mask, clip_ratio, num_tokens=1.0)
+        loss = pg.pg_loss
+        units = mask.sum()
+        entropy_sum = masked_sum(entropy_from_logits(logits if entropy_coef > 0 else logits.detach()), mask)
+        if entropy_coef > 0:
+            loss = loss - entropy_coef * entropy_sum
+        kl_sum = torch.zeros(())
+        if mb.ref_logprobs is not None:
+            kl_sum = masked_sum(kl_k3(logprobs if kl_coef > 0 else logprobs.detach(), mb.ref_logprobs), mask)
+            if kl_coef > 0:
+                loss = loss + kl_coef * kl_sum
+        n = max(float(units), 1.0)
+        metrics = {
+            "pg_loss": float(pg.pg_loss.detach()) / n,
+            "pg_clipfrac": float(pg.pg_clipfrac),
+            "ppo_kl": float(pg.ppo_kl),
+            "entropy": float(entropy_sum.detach()) / n,
+            "kl_loss": float(kl_sum.detach()) / n,
+        }
+        return loss, int(units), metrics
+
+    return loss_fn
+
+
+class ActorWorker:
+    """The trainable policy.
+
+    Args:
+        policy_dir: model directory (``engine.model_dir`` layout) to start from.
+        cfg: the ``rl`` config (optimizer, loss coefficients, epochs, micro-batch size,
+            rollout temperature).
+        seed: model-building seed (every weight is then loaded from ``policy_dir``).
+        num_threads: torch threads in this process (default: all cores).
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
+        from engine.model_dir import load_model_dir
+        from engine.ray_cluster import worker_threads
+        from engine.train_step import build_optimizer
+
+        worker_threads(num_threads)
+        loaded = load_model_dir(policy_dir, seed=seed)
+        self.model, self.hf_config, self.tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
+        self.cfg = cfg
+        self.temperature = logit_temperature(cfg.rollout.temperature)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.steps * cfg.ppo_epochs)
+
+    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`)."""
+        return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size)
+
+    def update(self, traj: Trajectory) -> dict[str, float]:
+        """``cfg.ppo_epochs`` optimizer steps on the whole batch, each over micro-batches of
+        ``cfg.micro_batch_size`` responses (:func:`engine.train_step.train_step`).
+
+        Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
+
+        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/entropy``,
+            ``actor/kl_loss``, ``actor/grad_norm``, ``actor/lr``: means over the epochs.
+        """
+        from engine.train_step import train_step
+
+        loss_fn = grpo_loss_fn(self.cfg.clip_ratio, self.cfg.kl_coef, self.cfg.entropy_coef, self.temperature)
+        micro = traj.micro_batches(self.cfg.micro_batch_size)
+        epochs = [
+            train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip)
+            for _ in range(self.cfg.ppo_epochs)
+        ]
+        keys = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
+        return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+
+    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights as HF-named full tensors (``conversion.registry.megatron_to_hf``)."""
+        from conversion.registry import megatron_to_hf
+        from engine.megatron_model import mcore_state
+
+        return [(name, t.detach().clone()) for name, t in megatron_to_hf(self.hf_config, mcore_state(self.model))]
+
+    def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
+        """Write the resumable train state (weights, AdamW, schedule, data position, RNG) atomically."""
+        from engine.train_state import save_train_state
+
+        save_train_state(
+            resume_dir, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            data_position=data_position, extra=extra,
+        )
+
+    def load_state(self, resume_dir: str | Path):
+        """Restore a train state written by :meth:`save_state`; returns ``(step, data_position, extra)``."""
+        from engine.train_state import load_train_state
+
+        state = load_train_state(resume_dir)
+        state.restore(self.model, self.optimizer, self.scheduler)
+        return state.step, state.data_position, state.extra
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's megatron-named tensors (copies)."""
+        from engine.megatron_model import mcore_state
+
+        return {k: v.clone() for k, v in mcore_state(self.model).items()}
+
+    def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
+        """Write the policy as a model directory (``engine.model_dir.save_model_dir``)."""
+        from engine.model_dir import save_model_dir
+
+        return str(save_model_dir(out_dir, self.model, self.hf_config, self.tokenizer_dir, iteration=iteration))
+
+
+class ReferenceWorker:
+    """A frozen policy (the RL starting point) that only computes log-probs.
+
+    Args: ``model_dir``, ``temperature`` (rollout sampling temperature), ``micro_batch_size``,
+    ``seed``, ``num_threads`` as for :class:`ActorWorker`.
+    """
+
+    def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
+                 num_threads: int | None = None):
+        from engine.model_dir import load_model_dir
+        from engine.ray_cluster import worker_threads
+
+        worker_threads(num_threads)
+        self.model = load_model_dir(model_dir, seed=seed).model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.temperature = logit_temperature(temperature)
+        self.micro_batch_size = micro_batch_size
+
+    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` reference log-probs of the response tokens."""
+        return compute_logprobs(self.model, traj, self.temperature, self.micro_batch_size)
+
+
+class RolloutWorker:
+    """A rollout engine serving the policy, started from the policy's model directory.
+
+    The model directory is exported once to an HF SafeTensors directory under ``scratch_dir``
+    (vLLM and transformers load that), which :meth:`close` removes.
+
+    Args:
+        policy_dir: model directory of the initial policy.
+        cfg: ``rl.rollout`` (backend, memory fraction).
+        scratch_dir: where to write the HF export.
+        max_model_len: longest prompt + response (vLLM's KV-cache budget); default the
+            model's ``max_position_embeddings``.
+        num_threads: torch threads in this process.
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
+                 max_model_len: int | None = None, num_threads: int | None = None):
+        from engine.hf_export import export_model_dir
+        from engine.model_dir import load_tokenizer, read_hf_config
+        from engine.ray_cluster import worker_threads
+
+        worker_threads(num_threads)
+        self.scratch_dir = Path(scratch_dir)
+        hf_dir = export_model_dir(policy_dir, self.scratch_dir / "hf")
+        if cfg.backend == "vllm":
+            from engine.rollout.vllm_rollout import VLLMRollout
+
+            vocab = int(read_hf_config(policy_dir)["vocab_size"])
+            tokens = len(load_tokenizer(policy_dir))
+            self.engine = VLLMRollout(
+                hf_dir, gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=max_model_len,
+                valid_vocab_size=tokens if tokens < vocab else None,
+            )
+        elif cfg.backend == "hf":
+            from engine.rollout.hf_rollout import HFRollout
+
+            self.engine = HFRollout(hf_dir)
+        else:
+            raise ValueError(f"rl.rollout.backend: unknown backend {cfg.backend!r}; expected 'vllm' or 'hf'")
+        worker_threads(num_threads)  # engines may lower the thread count while starting
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
+        """See :meth:`engine.rollout.base.RolloutEngine.generate`."""
+        return self.engine.generate(prompt_token_ids, sampling)
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """See :meth:`engine.rollout.base.RolloutEngine.update_weights`."""
+        self.engine.update_weights(named_tensors)
+
+    def close(self) -> None:
+        """Remove the HF export."""
+        shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+
+class RewardWorker:
+    """Scalar rewards of responses: ``verifier_weight * verifier(text, label) +
+    reward_model_weight * RM(prompt, text)``.
+
+    The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
+    reward model (``engine.reward_model``) is loaded only when its weight is non-zero.
+    Responses are decoded without special tokens (so a final EOS is not part of the text).
+
+    Raises:
+        ValueError: ``reward_model_weight != 0`` but no ``reward_model_dir``, or neither a
+            verifier nor a reward model is configured.
+    """
+
+    def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, reward_model_dir: str | Path | None = None,
+                 num_threads: int | None = None):
+        from data.rewards import get_verifier
+        from engine.model_dir import load_tokenizer
+        from engine.ray_cluster import worker_threads
+
+        worker_threads(num_threads)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(tokenizer_model_dir)
+        self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier)
+        self.reward_model = self.rm_tokenizer = None
+        if cfg.reward_model_weight != 0:
+            if reward_model_dir is None:
+                raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
+            from engine.reward_model import load_reward_model
+
+            self.reward_model = load_reward_model(reward_model_dir)
+            self.rm_tokenizer = load_tokenizer(reward_model_dir)
+        if self.verifier is None and self.reward_model is None:
+            raise ValueError("rl.reward: verifier is 'none' and reward_model_weight is 0: nothing gives a reward")
+
+    def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
+        """Response texts (special tokens, e.g. the final EOS, skipped)."""
+        return [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in response_ids]
+
+    def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards of ``B`` responses.
+
+        Args:
+            prompts: ``B`` prompts (message lists), for the reward model.
+            labels: ``B`` reference answers, for the verifier.
+            response_ids: ``B`` response token lists.
+
+        Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean`` and
+            ``reward/model_mean`` for the parts in use.
+        """
+        texts = self.decode(response_ids)
+        rewards = torch.zeros(len(texts))
+        metrics: dict[str, float] = {}
+        if self.verifier is not None:
+            verified = torch.tensor([self.verifier(t, label) for t, label in zip(texts, labels)], dtype=torch.float32)
+            rewards += self.cfg.verifier_weight * verified
+            metrics["reward/verifier_mean"] = float(verified.mean())
+        if self.reward_model is not None:
+            from engine.reward_model import score
+
+            rm = score(self.reward_model, self.rm_tokenizer, list(prompts), texts).float()
+            rewards += self.cfg.reward_model_weight * rm
+            metrics["reward/model_mean"] = float(rm.mean())
+        return rewards, metrics
+
+
+def spawn(cls, placement, *args, **kwargs):
+    """Start ``cls(*args, **kwargs)`` as a Ray actor in the colocated placement group."""
+    import ray
+
+    return ray.remote(cls).options(**placement.actor_options()).remote(*args, **kwargs)

@@ -1,0 +1,205 @@
+"""Pipeline config loading: the quickstart parses, and each kind of mistake is one
+ConfigError that names the file, the dotted key and what would be valid."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+
+from config import ConfigError, PipelineConfig, load_config
+from config.schema import DatasetConfig, SFTConfig
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+
+@pytest.fixture(scope="module")
+def quickstart_raw() -> dict:
+    return yaml.safe_load(QUICKSTART.read_text())
+
+
+def _write(tmp_path: Path, raw: dict, name: str = "config.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return p
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+def test_quickstart_loads_with_its_values_and_defaults():
+    cfg = load_config(QUICKSTART)
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.run.name == "quickstart"
+    assert cfg.run.artifact_root == "artifacts"
+    assert cfg.prepare is not None and cfg.prepare.hidden_size == 128 and cfg.prepare.num_attention_heads == 4
+    assert cfg.data.sft.path == "work/quickstart/sft.jsonl" and cfg.data.sft.format == "messages"
+    assert cfg.data.rl_eval.format == "prompt_label"
+    assert cfg.model.source == "work/quickstart/base_model"
+    assert (cfg.sft.steps, cfg.sft.global_batch_size, cfg.sft.micro_batch_size) == (60, 32, 32)
+    assert cfg.sft.optim.lr == 3.0e-3 and cfg.sft.optim.warmup_steps == 5
+    assert cfg.sft.log_every == 10  # not in the file: the schema default
+    assert cfg.rl.n_samples == 8 and cfg.rl.rollout.max_new_tokens == 8 and cfg.rl.rollout.backend == "vllm"
+    assert cfg.rl.optim.lr == 1.0e-3 and cfg.rl.optim.grad_clip == 1.0
+    assert cfg.rl.reward.verifier == "exact_match" and cfg.rl.engine.placement == "colocated"
+    assert cfg.evaluate.temperature == 0.0 and cfg.export.dtype == "float32"
+
+
+def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["stpes"] = 10
+    msg = _error(_write(tmp_path, raw))
+    assert msg.startswith(f"invalid config {tmp_path / 'config.yaml'}:")
+    allowed = "checkpoint_every, global_batch_size, log_every, max_seq_len, micro_batch_size, optim, steps"
+    assert sorted(SFTConfig.model_fields) == allowed.split(", ")
+    assert f"sft.stpes: unknown key (allowed keys here: {allowed})" in msg
+
+
+@pytest.mark.parametrize(
+    "path, allowed",
+    [
+        (("data", "sft", "fromat"), "format, limit, path"),
+        (("rl", "optim", "lrr"), "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
+        (("rl", "rollout", "temprature"), "backend, gpu_memory_utilization, max_new_tokens, temperature, top_p"),
+        (("stages",), "convert, data, evaluate, export, model, prepare, rl, rm, run, sft, wandb"),
+    ],
+)
+def test_unknown_nested_key(tmp_path, quickstart_raw, path, allowed):
+    raw = copy.deepcopy(quickstart_raw)
+    node = raw
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = 1
+    msg = _error(_write(tmp_path, raw))
+    assert f"{'.'.join(path)}: unknown key (allowed keys here: {allowed})" in msg
+
+
+def test_all_problems_in_one_message(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["stpes"] = 10
+    raw["rm"]["micro_batch_size"] = 0
+    raw["rl"]["rollout"]["backend"] = "vlm"
+    msg = _error(_write(tmp_path, raw))
+    body = msg.splitlines()[1:]
+    assert len(body) == 3
+    assert "  rm.micro_batch_size: Input should be greater than 0 (got 0)" in body
+    assert any(line.startswith("  sft.stpes: unknown key") for line in body)
+    assert any(line.startswith("  rl.rollout.backend: ") for line in body)
+
+
+def test_wrong_enum_value_names_key_and_allowed_values(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["rl"]["rollout"]["backend"] = "vlm"
+    msg = _error(_write(tmp_path, raw))
+    assert "rl.rollout.backend: Input should be 'vllm' or 'hf' (got 'vlm')" in msg
+
+    raw = copy.deepcopy(quickstart_raw)
+    raw["data"]["sft"]["format"] = "jsonl"
+    msg = _error(_write(tmp_path, raw))
+    assert "data.sft.format:" in msg and "(got 'jsonl')" in msg
+    for value in DatasetConfig.model_fields["format"].annotation.__args__:
+        assert f"'{value}'" in msg
+
+
+def test_wrong_type_names_key(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["steps"] = "many"
+    assert "sft.steps: Input should be a valid integer" in _error(_write(tmp_path, raw))
+    raw = copy.deepcopy(quickstart_raw)
+    raw["data"]["sft"] = "work/quickstart/sft.jsonl"
+    assert "data.sft: Input should be a valid dictionary or instance of DatasetConfig" in _error(_write(tmp_path, raw))
+
+
+def test_missing_required_section_and_key(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    del raw["model"]
+    assert "  model: required key is missing" in _error(_write(tmp_path, raw)).splitlines()
+    raw = copy.deepcopy(quickstart_raw)
+    del raw["run"]["name"]
+    assert "  run.name: required key is missing" in _error(_write(tmp_path, raw)).splitlines()
+    raw = copy.deepcopy(quickstart_raw)
+    del raw["data"]["sft"]["path"]
+    assert "  data.sft.path: required key is missing" in _error(_write(tmp_path, raw)).splitlines()
+
+
+def test_batch_size_must_be_multiple_of_micro_batch(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["global_batch_size"] = 48
+    raw["sft"]["micro_batch_size"] = 32
+    assert "sft.global_batch_size must be a multiple of sft.micro_batch_size" in _error(_write(tmp_path, raw))
+    raw = copy.deepcopy(quickstart_raw)
+    raw["rm"]["global_batch_size"] = 33
+    assert "rm.global_batch_size must be a multiple of rm.micro_batch_size" in _error(_write(tmp_path, raw))
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["global_batch_size"] = 64  # 2 micro-batches of 32: valid
+    assert load_config(_write(tmp_path, raw)).sft.global_batch_size == 64
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("run:\n  name: x\nsft:\n  steps: [1, 2\n")
+    msg = _error(p)
+    assert msg.startswith(f"config {p} is not valid YAML:")
+    assert "line 4" in msg or "line 5" in msg
+
+
+def test_non_mapping_and_empty_and_missing_files(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- run\n- data\n")
+    assert _error(p) == f"config {p} must be a mapping of sections (run, data, model, ...), got list"
+    e = tmp_path / "empty.yaml"
+    e.write_text("")
+    assert _error(e) == f"config {e} must be a mapping of sections (run, data, model, ...), got NoneType"
+    missing = tmp_path / "nope.yaml"
+    assert _error(missing) == f"config file not found: {missing}"
+
+
+def test_duplicate_key_is_an_error_naming_both_lines(tmp_path):
+    text = QUICKSTART.read_text() + "\nsft:\n  steps: 5\n"
+    first = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("sft:"))
+    p = tmp_path / "dup.yaml"
+    p.write_text(text)
+    msg = _error(p)
+    assert f"found duplicate key 'sft' (first given on line {first})" in msg
+    assert f"line {len(text.splitlines()) - 1}, column 1" in msg
+    nested = tmp_path / "dup_nested.yaml"
+    nested.write_text("run: {name: a}\ndata: {}\nmodel: {source: org/m}\nsft:\n  steps: 3\n  lr: 1\n  steps: 4\n")
+    assert "found duplicate key 'steps' (first given on line 5)" in _error(nested)
+
+
+def test_merge_key_override_is_allowed(tmp_path):
+    """YAML merge keys (`<<: *anchor`) may be overridden: that is not a duplicate."""
+    text = (
+        "run: {name: merged}\n"
+        "data: {sft: {path: a.jsonl}}\n"
+        "model: {source: org/model}\n"
+        "rm: &rm\n  enabled: false\n  steps: 10\n"
+        "rl:\n  optim: &opt {lr: 0.5, grad_clip: 2.0}\n"
+        "sft:\n  optim:\n    <<: *opt\n    lr: 0.25\n"
+    )
+    p = tmp_path / "merge.yaml"
+    p.write_text(text)
+    cfg = load_config(p)
+    assert cfg.sft.optim.lr == 0.25 and cfg.sft.optim.grad_clip == 2.0
+    assert cfg.rl.optim.lr == 0.5
+
+
+def test_models_are_frozen():
+    cfg = load_config(QUICKSTART)
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.sft.steps = 1
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.run = cfg.run
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.rl.rollout.temperature = 0.5
+    assert cfg.sft.steps == 60 and cfg.rl.rollout.temperature == 1.0
+    # Changing a value means building a new, validated config.
+    changed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"steps": 7})})
+    assert changed.sft.steps == 7 and cfg.sft.steps == 60

@@ -1,0 +1,96 @@
+"""Helpers for the end-to-end tests: a tiny pipeline config, running the real CLI, reading
+Prefect's task-run states and W&B's offline run files."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def tiny_config(workdir: Path, **overrides) -> dict:
+    """The quickstart config shrunk for tests (same sections, fewer examples and steps)."""
+    cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    cfg["run"].update(artifact_root=str(workdir / "artifacts"), checkpoint_root=str(workdir / "checkpoints"))
+    cfg["wandb"]["dir"] = str(workdir / "wandb")
+    cfg["prepare"].update(output_dir=str(workdir / "inputs"), num_sft=256, num_preference=96, num_rl=256, num_eval=48)
+    for name in ("sft", "preference", "rl_train", "rl_eval"):
+        cfg["data"][name]["path"] = str(workdir / "inputs" / Path(cfg["data"][name]["path"]).name)
+    cfg["model"]["source"] = str(workdir / "inputs" / "base_model")
+    cfg["sft"].update(steps=6, checkpoint_every=3)
+    cfg["rm"].update(steps=4)
+    cfg["rl"].update(steps=3, prompts_per_step=8, n_samples=4, checkpoint_every=1)
+    cfg["evaluate"]["num_prompts"] = 24
+    for dotted, value in overrides.items():
+        node = cfg
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def env_for(workdir: Path) -> dict:
+    env = dict(os.environ)
+    env.update(
+        PATH=f"{BIN}:{env.get('PATH', '')}",
+        WANDB_MODE="offline",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        PYTHONPATH=str(REPO),
+    )
+    return env
+
+
+def posttrain(args: list[str], cwd: Path, env: dict, timeout: float = 1500) -> subprocess.CompletedProcess:
+    """Run the real ``posttrain`` console script; raise with its output if it fails."""
+    proc = subprocess.run([str(BIN / "posttrain"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"posttrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def read_summary(cwd: Path, run_name: str) -> dict:
+    return json.loads((cwd / "outputs" / run_name / "summary.json").read_text())
+
+
+def wandb_records(run_file: Path):
+    """Parse a W&B ``.wandb`` transaction log (LevelDB log format: 32 KiB blocks of
+    crc32/length/type-framed chunks) into ``wandb_internal_pb2.Record`` messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", f"{run_file} is not a W&B transaction log"
+    pos, block, records, pending = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - (pos % block)
+        if left < 7:
+            pos += left
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if length == 0 and kind == 0:
+            continue
+        assert zlib.crc32(bytes([kind]) + chunk) & 0xFFFFFFFF == crc, f"{run_file}: bad record checksum at {pos}"
+        pending += chunk
+        if kind in (1, 4):  # FULL or LAST
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(pending)
+            records.append(rec)
+            pending = b""
+    return records

@@ -1,0 +1,305 @@
+"""Evaluation: standard errors by hand, scoring, the reward-curve PNG, the report files, and
+evaluate_policy / evaluate_model_dirs against independent generation loops."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.image import imread
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from config.schema import EvaluateConfig
+from data.addition import make_addition_datasets
+from data.rewards import exact_match, final_answer
+from data.tokenizer_train import train_chat_tokenizer
+from engine.evaluation import (
+    accuracy_with_se,
+    decode_response,
+    evaluate_generations,
+    evaluate_model_dirs,
+    evaluate_policy,
+    plot_reward_curve,
+    write_eval_report,
+)
+from engine.rollout.base import RolloutOutput
+from engine.rollout.hf_rollout import HFRollout
+
+MAX_NEW = 6
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_standard_error_by_hand():
+    # [1, 0, 1, 1]: mean 0.75; squared deviations 0.0625 * 3 + 0.5625 = 0.75; s^2 = 0.75 / 3
+    # = 0.25, s = 0.5; SE = 0.5 / sqrt(4) = 0.25.
+    assert accuracy_with_se([1, 0, 1, 1]) == (0.75, 0.25)
+    # [0.2, 0.4, 0.9]: mean 0.5; squared deviations 0.09 + 0.01 + 0.16 = 0.26; s^2 = 0.13;
+    # SE = sqrt(0.13 / 3) = 0.2081666...
+    mean, se = accuracy_with_se([0.2, 0.4, 0.9])
+    assert math.isclose(mean, 0.5) and math.isclose(se, math.sqrt(0.13 / 3)) and math.isclose(se, 0.2081666, rel_tol=1e-6)
+    assert accuracy_with_se([1.0, 1.0, 1.0]) == (1.0, 0.0)
+    mean, se = accuracy_with_se([0.5])
+    assert mean == 0.5 and math.isnan(se)
+    with pytest.raises(ValueError, match="no scores"):
+        accuracy_with_se([])
+    with pytest.raises(ValueError, match=r"scores\[1\]"):
+        accuracy_with_se([1.0, float("nan")])
+
+
+def test_evaluate_generations_by_hand():
+    result = evaluate_generations(
+        responses=["85", "84", " 85 \n", "The answer is\n85", "x"],
+        labels=["85", "85", "85", "85", "85"],
+        verifier=exact_match,
+        response_lengths=[3, 3, 5, 8, 6],
+        finish_reasons=["stop", "stop", "stop", "stop", "length"],
+    )
+    # Rewards 1, 0, 1, 1, 0: accuracy 0.6, s^2 = (3 * 0.16 + 2 * 0.36) / 4 = 0.3, SE = sqrt(0.3 / 5).
+    assert result["n"] == 5
+    assert math.isclose(result["accuracy"], 0.6) and math.isclose(result["accuracy_se"], math.sqrt(0.06))
+    assert result["mean_reward"] == result["accuracy"] and result["mean_reward_se"] == result["accuracy_se"]
+    assert result["response_length/mean"] == 5.0
+    assert result["response_length/clip_ratio"] == 0.2
+    assert [r["reward"] for r in result["records"]] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert [r["correct"] for r in result["records"]] == [True, False, True, True, False]
+    with pytest.raises(ValueError, match="2 labels"):
+        evaluate_generations(["a", "b", "c"], ["a", "b"], exact_match, [1, 1, 1], ["stop"] * 3)
+
+
+# ----------------------------------------------------------------------------- reward curve
+
+
+def test_reward_curve_png(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    values = [0.1, 0.15, 0.3, 0.28, 0.5, 0.55, 0.7]
+    lines = [json.dumps({"step": i + 1, "critic/score/mean": v, "actor/pg_loss": -v}) for i, v in enumerate(values)]
+    lines.insert(3, json.dumps({"step": 3, "eval/accuracy": 0.2}))  # a line without the key is skipped
+    metrics.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "plots" / "curve.png"
+    points = plot_reward_curve(metrics, out)
+    assert points.shape == (7, 2)
+    np.testing.assert_array_equal(points, np.array([[i + 1, v] for i, v in enumerate(values)]))
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    assert imread(out).shape == (400, 600, 4)  # 6 x 4 inches at 100 dpi, RGBA
+    assert [p.name for p in out.parent.iterdir()] == ["curve.png"]  # no temporary sibling left
+
+    # Another key; no "step" field: x is the 1-based line number.
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"actor/pg_loss": 1.5}\n{"actor/pg_loss": 0.5}\n')
+    np.testing.assert_array_equal(plot_reward_curve(plain, tmp_path / "loss.png", key="actor/pg_loss"), [[1, 1.5], [2, 0.5]])
+
+
+def test_reward_curve_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"critic/score/mean": 1}\n\n{"critic/score/mean": oops}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: invalid JSON"):
+        plot_reward_curve(bad, tmp_path / "x.png")
+    none = tmp_path / "none.jsonl"
+    none.write_text('{"actor/pg_loss": 1}\n')
+    with pytest.raises(ValueError, match="critic/score/mean"):
+        plot_reward_curve(none, tmp_path / "x.png")
+    text = tmp_path / "text.jsonl"
+    text.write_text('{"critic/score/mean": "high"}\n')
+    with pytest.raises(ValueError, match=r"text.jsonl:1: critic/score/mean = 'high'"):
+        plot_reward_curve(text, tmp_path / "x.png")
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        plot_reward_curve(tmp_path / "missing.jsonl", tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _result(responses, lengths, reasons):
+    r = evaluate_generations(responses, ["85", "12"][: len(responses)], exact_match, lengths, reasons)
+    for rec, q in zip(r["records"], ["What is 47 + 38?", "What is 5 + 7?"]):
+        rec["prompt"] = [{"role": "user", "content": q}]
+    return r
+
+
+def test_write_eval_report(tmp_path):
+    results = {
+        "sft": _result(["84", "12"], [2, 3], ["stop", "stop"]),
+        "rl": _result(["85", "12"], [2, 4], ["stop", "length"]),
+    }
+    markdown = write_eval_report(results, tmp_path / "report")
+    out = tmp_path / "report"
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "report.md", "samples.jsonl"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["sft"] == {
+        "n": 2, "accuracy": 0.5, "accuracy_se": 0.5, "mean_reward": 0.5, "mean_reward_se": 0.5,
+        "response_length/mean": 2.5, "response_length/clip_ratio": 0.0,
+    }
+    assert metrics["rl"]["accuracy"] == 1.0 and metrics["rl"]["accuracy_se"] == 0.0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(s["policy"], s["response"], s["correct"]) for s in samples] == [
+        ("sft", "84", False), ("sft", "12", True), ("rl", "85", True), ("rl", "12", True)
+    ]
+    assert (out / "report.md").read_text() == markdown
+    assert "| metric | sft | rl |" in markdown
+    assert "| accuracy | 50.00% ± 50.00% | 100.00% ± 0.00% |" in markdown
+    assert "| hit max_new_tokens | 0.00% | 50.00% |" in markdown
+    assert "| What is 47 + 38? | 85 | 84 (✗) | 85 (✓) |" in markdown
+
+    # One example: the SE is undefined, written as null and left out of the table.
+    single = {"sft": _result(["85"], [2], ["stop"])}
+    md = write_eval_report(single, tmp_path / "one")
+    assert json.loads((tmp_path / "one" / "metrics.json").read_text())["sft"]["accuracy_se"] is None
+    assert "| accuracy | 100.00% |" in md
+
+
+# ----------------------------------------------------------------------------- with a model
+
+
+@pytest.fixture(scope="module")
+def quickstart_inputs(tmp_path_factory):
+    """The quickstart's own tokenizer and held-out rows (as the prepare stage makes them)."""
+    root = tmp_path_factory.mktemp("quickstart")
+    paths = make_addition_datasets(root / "data", num_sft=300, num_preference=10, num_rl=10, num_eval=10, seed=1)
+    sft = [json.loads(line) for line in paths["sft"].read_text().splitlines()]
+    texts = ["".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in r["messages"]) for r in sft]
+    tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=300)
+    rows = [json.loads(line) for line in paths["rl_eval"].read_text().splitlines()]
+    return tok_dir, rows, paths["rl_eval"]
+
+
+def _prompt_ids(tok, row) -> list[int]:
+    # Rendered independently of data.chat: the template's text, then plain tokenization.
+    text = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def policy_dir(quickstart_inputs, tmp_path_factory):
+    """A random Qwen2 on the quickstart tokenizer whose greedy decoding sometimes emits EOS."""
+    tok_dir, rows, _ = quickstart_inputs
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    eos = tok.eos_token_id
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=128, max_position_embeddings=128, initializer_range=0.3, tie_word_embeddings=False,
+        eos_token_id=eos, pad_token_id=tok.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    # Make EOS win wherever the token greedy picks 3rd for row 0 would (with a positive
+    # logit), so some responses stop early and the EOS stripping is exercised.
+    ids = torch.tensor([_prompt_ids(tok, rows[0])])
+    free = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3,
+                          eos_token_id=len(tok) + 1, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        model.lm_head.weight[eos] = 1.2 * model.lm_head.weight[int(free[0, -1])]
+    out = tmp_path_factory.mktemp("policy")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_decode_response_strips_only_the_final_eos(quickstart_inputs):
+    tok = AutoTokenizer.from_pretrained(quickstart_inputs[0])
+    eight, five, end = tok.convert_tokens_to_ids(["8", "5", "<|im_end|>"])
+    assert decode_response(tok, RolloutOutput((eight, five, end), (0.0,) * 3, "stop")) == "85"
+    # Hitting the budget: nothing is dropped, special tokens stay visible.
+    assert decode_response(tok, RolloutOutput((eight, end, five), (0.0,) * 3, "length")) == "8<|im_end|>5"
+
+
+def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy_dir):
+    tok_dir, rows, _ = quickstart_inputs
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    reference = Qwen2ForCausalLM.from_pretrained(policy_dir).eval()
+    eos = tok.eos_token_id
+
+    # Manual loop: HF generate per prompt, cut at EOS, decode, verify.
+    manual = []
+    for row in rows:
+        ids = torch.tensor([_prompt_ids(tok, row)])
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
+        gen = out[0, ids.shape[1]:].tolist()
+        stopped = gen[-1] == eos
+        manual.append((tok.decode(gen[:-1] if stopped else gen), len(gen), "stop" if stopped else "length"))
+    assert any(m[2] == "stop" for m in manual)
+    # A random model never adds correctly; make every other label the manual loop's own final
+    # answer, so both outcomes occur and the expected accuracy is known from the manual loop.
+    rows = [dict(r, label=final_answer(m[0]) if i % 2 == 0 else r["label"]) for i, (r, m) in enumerate(zip(rows, manual))]
+    expected_rewards = [exact_match(m[0], r["label"]) for r, m in zip(rows, manual)]
+    assert 0 < sum(expected_rewards) < len(rows)
+
+    result = evaluate_policy(HFRollout(policy_dir), tok, rows, exact_match, max_new_tokens=MAX_NEW, temperature=0.0)
+    assert [r["response"] for r in result["records"]] == [m[0] for m in manual]
+    assert [(r["response_length"], r["finish_reason"]) for r in result["records"]] == [m[1:] for m in manual]
+    assert [r["reward"] for r in result["records"]] == expected_rewards
+    assert result["n"] == len(rows) == 10
+    assert result["accuracy"] == sum(expected_rewards) / len(rows)
+    assert result["accuracy_se"] == accuracy_with_se(expected_rewards)[1]
+    assert result["response_length/mean"] == sum(m[1] for m in manual) / len(rows)
+    assert not any("<|im_end|>" in r["response"] for r in result["records"] if r["finish_reason"] == "stop")
+    assert result["records"][3]["prompt"] == rows[3]["prompt"]
+
+
+def test_evaluate_policy_names_a_bad_row(quickstart_inputs, policy_dir):
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    rows = quickstart_inputs[1][:2] + [{"prompt": [{"role": "user", "content": "hi"}]}]
+    with pytest.raises(KeyError, match=r"eval_rows\[2\] has no 'label'"):
+        evaluate_policy(HFRollout(policy_dir), tok, rows, exact_match, max_new_tokens=2, temperature=0.0)
+
+
+def _megatron_greedy(model, prompt: list[int], max_new: int, eos: int) -> tuple[str, list[int]]:
+    """Greedy decoding with full megatron-core forward passes (no KV cache)."""
+    from engine.megatron_model import gpt_logits
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(gpt_logits(model, torch.tensor([ids]))[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == eos:
+                break
+    return ids[len(prompt):]
+
+
+def test_evaluate_model_dirs_two_policies(quickstart_inputs, tmp_path):
+    """Two Megatron model dirs, one HF engine (the second policy arrives by update_weights):
+    each policy's responses equal megatron-core's own greedy decoding of its weights."""
+    from engine.megatron_model import GPTSpec, build_gpt_model
+    from engine.model_dir import save_model_dir
+
+    tok_dir, rows, eval_path = quickstart_inputs
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    hf_config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
+        "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "hidden_act": "silu", "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+    }
+    models, dirs = {}, {}
+    for name, seed in (("sft", 1), ("rl", 2)):
+        model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=seed).eval()
+        with torch.no_grad():  # sharper logits: greedy choices far from ties
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.mul_(8.0)
+        models[name] = model
+        dirs[name] = save_model_dir(tmp_path / name, model, hf_config, tok_dir)
+
+    cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="hf")
+    results = evaluate_model_dirs(dirs, eval_path, cfg, verifier="exact_match", seed=0)
+    assert list(results) == ["sft", "rl"]
+    for name, model in models.items():
+        expected = []
+        for row in rows[:6]:
+            gen = _megatron_greedy(model, _prompt_ids(tok, row), MAX_NEW, tok.eos_token_id)
+            stopped = gen[-1] == tok.eos_token_id
+            expected.append(tok.decode(gen[:-1] if stopped else gen))
+        assert [r["response"] for r in results[name]["records"]] == expected, name
+        assert results[name]["n"] == 6
+    assert [r["response"] for r in results["sft"]["records"]] != [r["response"] for r in results["rl"]["records"]]
+
+    with pytest.raises(ValueError, match="unknown verifier 'nope'"):
+        evaluate_model_dirs(dirs, eval_path, cfg, verifier="nope")

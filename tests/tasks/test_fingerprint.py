@@ -1,0 +1,259 @@
+"""Fingerprints: stage identity, content hashes of inputs, and the code version of a stage.
+
+``code_version`` is exercised on a copy of the project's packages in tmp_path (only
+``*.py``), edited file by file, so the real checkout is never touched.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tasks.fingerprint as fp_mod
+from tasks.fingerprint import PROJECT_PACKAGES, _imports, code_version, fingerprint, hash_path, modules_of
+
+REPO = Path(__file__).resolve().parents[2]
+HOUR_NS = 3600 * 10**9
+
+
+# --- fingerprint -------------------------------------------------------------------------
+
+
+def test_fingerprint_is_deterministic_and_sensitive_to_each_part():
+    base = dict(stage="sft", inputs={"validate": "a" * 64, "convert": "b" * 64}, config={"sft": {"lr": 1e-3, "steps": 60}}, code="c" * 64)
+    f0 = fingerprint(**base)
+    assert len(f0) == 64 and int(f0, 16) >= 0
+    assert fingerprint(**base) == f0
+    # Key order is not identity: the same dicts built in another order give the same fingerprint.
+    reordered = dict(base, inputs={"convert": "b" * 64, "validate": "a" * 64}, config={"sft": {"steps": 60, "lr": 0.001}})
+    assert fingerprint(**reordered) == f0
+    variants = [
+        dict(base, stage="rm"),
+        dict(base, inputs={"validate": "a" * 64, "convert": "d" * 64}),
+        dict(base, inputs={"validate": "a" * 64}),
+        dict(base, config={"sft": {"lr": 2e-3, "steps": 60}}),
+        dict(base, config={"sft": {"lr": 1e-3, "steps": 61}}),
+        dict(base, code="e" * 64),
+    ]
+    fps = [fingerprint(**v) for v in variants]
+    assert f0 not in fps
+    assert len(set(fps)) == len(fps)
+
+
+# --- hash_path ---------------------------------------------------------------------------
+
+
+def test_hash_path_of_file_is_its_sha256(tmp_path):
+    data = bytes(range(256)) * 41 + b"tail"
+    p = tmp_path / "data.jsonl"
+    p.write_bytes(data)
+    assert hash_path(p) == hashlib.sha256(data).hexdigest()
+    assert hash_path(str(p)) == hashlib.sha256(data).hexdigest()
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert hash_path(empty) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_hash_path_of_missing_path(tmp_path):
+    assert hash_path(tmp_path / "nope.jsonl") == f"missing:{tmp_path / 'nope.jsonl'}"
+
+
+def _tree(root: Path) -> None:
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_bytes(b"alpha\n")
+    (root / "sub" / "b.bin").write_bytes(bytes(range(200)))
+    (root / "sub" / "c.json").write_bytes(b'{"k": 1}')
+
+
+def test_hash_path_of_directory_tracks_bytes_and_names(tmp_path):
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    _tree(d1)
+    _tree(d2)
+    h = hash_path(d1)
+    assert h == hash_path(d2)  # location does not matter, content and names do
+    assert len(h) == 64
+
+    b = d2 / "sub" / "b.bin"
+    data = bytearray(b.read_bytes())
+    data[100] ^= 0x01
+    b.write_bytes(bytes(data))  # same size, one bit
+    h_byte = hash_path(d2)
+    assert h_byte != h
+
+    b.write_bytes(bytes(range(200)))
+    assert hash_path(d2) == h  # restored content, restored hash
+
+    (d2 / "sub" / "c.json").rename(d2 / "sub" / "d.json")
+    h_rename = hash_path(d2)
+    assert h_rename not in (h, h_byte)
+
+    (d2 / "sub" / "d.json").rename(d2 / "sub" / "c.json")
+    (d2 / "empty_dir").mkdir()  # directories without files carry no content
+    assert hash_path(d2) == h
+
+
+def test_hash_path_sees_rewrite_with_restored_mtime(tmp_path):
+    """A same-size rewrite whose mtime is put back (cp -p, tar, rsync -t) is still seen."""
+    p = tmp_path / "train.jsonl"
+    p.write_bytes(b'{"q": "1+1", "a": "2"}\n')
+    old = p.stat().st_mtime_ns - HOUR_NS
+    os.utime(p, ns=(old, old))
+    assert hash_path(p) == hashlib.sha256(b'{"q": "1+1", "a": "2"}\n').hexdigest()
+    p.write_bytes(b'{"q": "1+1", "a": "3"}\n')
+    os.utime(p, ns=(old, old))
+    assert p.stat().st_mtime_ns == old
+    assert hash_path(p) == hashlib.sha256(b'{"q": "1+1", "a": "3"}\n').hexdigest()
+
+
+def test_hash_path_sees_immediate_same_size_rewrite(tmp_path):
+    p = tmp_path / "x.bin"
+    for i in range(20):
+        p.write_bytes(bytes([i]) * 64)
+        assert hash_path(p) == hashlib.sha256(bytes([i]) * 64).hexdigest()
+
+
+# --- code_version ------------------------------------------------------------------------
+
+
+def _only_python(directory: str, names: list[str]) -> list[str]:
+    """copytree filter: keep sub-packages and *.py files, drop caches and everything else."""
+    return [n for n in names if n == "__pycache__" or not (n.endswith(".py") or (Path(directory) / n).is_dir())]
+
+
+@pytest.fixture
+def project_copy(tmp_path, monkeypatch) -> Path:
+    """The project packages (only *.py) copied to tmp_path, with PROJECT_ROOT pointing there."""
+    root = tmp_path / "project"
+    for pkg in PROJECT_PACKAGES:
+        if (REPO / pkg).is_dir():
+            shutil.copytree(REPO / pkg, root / pkg, ignore=_only_python)
+    monkeypatch.setattr(fp_mod, "PROJECT_ROOT", root)
+    code_version.cache_clear()
+    yield root
+    code_version.cache_clear()
+
+
+def _version(module: str) -> str:
+    code_version.cache_clear()
+    return code_version(module)
+
+
+def _append(path: Path, text: str) -> bytes:
+    original = path.read_bytes()
+    path.write_bytes(original + text.encode())
+    return original
+
+
+def test_project_copy_is_faithful(project_copy):
+    assert modules_of("tasks.sft") == sorted(set(_closure_on(REPO, "tasks.sft")))
+    assert not list(project_copy.rglob("*.md")) and not list(project_copy.rglob("*.pyc"))
+
+
+def _closure_on(root: Path, module: str) -> list[str]:
+    saved = fp_mod.PROJECT_ROOT
+    fp_mod.PROJECT_ROOT = root
+    try:
+        return modules_of(module)
+    finally:
+        fp_mod.PROJECT_ROOT = saved
+
+
+def test_editing_any_module_the_stage_imports_changes_its_code_version(project_copy):
+    covered = modules_of("tasks.sft")
+    direct = _imports(project_copy / "tasks" / "sft.py", "tasks.sft")
+    transitive_only = [m for m in covered if m not in direct and m != "tasks.sft"]
+    # The stage reaches the training step only through engine.sft: a helper two hops away.
+    assert "engine.sft" in direct
+    assert transitive_only, covered
+    v0 = _version("tasks.sft")
+    assert _version("tasks.sft") == v0
+    # One module per package among those reached only through other modules (direct
+    # imports are the easy case), plus the stage module itself.
+    per_package = {m.split(".")[0]: m for m in sorted(transitive_only)}
+    assert {"engine", "config"} <= per_package.keys(), per_package
+    for mod in ["tasks.sft", *per_package.values()]:
+        path = fp_mod._module_file(mod)
+        original = _append(path, "\n\ndef _probe_edit():\n    return 1\n")
+        assert _version("tasks.sft") != v0, f"editing {mod} ({path}) did not change code_version('tasks.sft')"
+        path.write_bytes(original)
+    assert _version("tasks.sft") == v0
+
+
+def test_function_body_edit_in_a_transitive_helper(project_copy):
+    covered = modules_of("tasks.sft")
+    direct = _imports(project_copy / "tasks" / "sft.py", "tasks.sft")
+    # engine.train_step is reached only through engine.sft (it exists at the time of writing).
+    assert "engine.train_step" in covered and "engine.train_step" not in direct
+    path = fp_mod._module_file("engine.train_step")
+    src = path.read_text()
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and isinstance(n.body[-1], ast.Return))
+    ret = fn.body[-1]
+    lines = src.splitlines(keepends=True)
+    lines.insert(ret.lineno - 1, " " * ret.col_offset + "_probe = 0  # one statement added to a function body\n")
+    v0 = _version("tasks.sft")
+    path.write_text("".join(lines))
+    compile(path.read_text(), str(path), "exec")  # still valid Python
+    assert _version("tasks.sft") != v0
+
+
+def test_unrelated_stage_and_docs_do_not_change_code_version(project_copy):
+    covered = modules_of("tasks.sft")
+    assert "tasks.export" not in covered
+    v0 = _version("tasks.sft")
+    _append(project_copy / "tasks" / "export.py", "\n\ndef _probe_edit():\n    return 2\n")
+    assert _version("tasks.sft") == v0
+    (project_copy / "docs").mkdir()
+    (project_copy / "docs" / "stages.md").write_text("# Stages\n\nsft trains the policy.\n")
+    (project_copy / "README.md").write_text("# posttrain\n")
+    (project_copy / "engine" / "NOTES.md").write_text("engine notes\n")
+    (project_copy / "tests").mkdir()
+    (project_copy / "tests" / "test_sft_extra.py").write_text("import engine.sft\n")
+    assert _version("tasks.sft") == v0
+    # ...while the export stage does see its own edit.
+    assert "tasks.export" in modules_of("tasks.export")
+
+
+def test_relative_and_lazy_imports_are_followed(project_copy):
+    files = {
+        "tasks/_probe_stage.py": "from ._probe_helper import helper\n\n\ndef run():\n    import engine._probe_lazy\n    return helper()\n",
+        "tasks/_probe_helper.py": "from engine._probe import a\n\n\ndef helper():\n    return a.VALUE\n",
+        "engine/_probe/__init__.py": '"""probe package"""\n',
+        "engine/_probe/a.py": "from . import b\n\nVALUE = b.VALUE\n",
+        "engine/_probe/b.py": "from .._probe_top import VALUE\n",
+        "engine/_probe_top.py": "VALUE = 1\n",
+        "engine/_probe_lazy.py": "X = 0\n",
+        "engine/_probe_unused.py": "Y = 0\n",
+    }
+    for rel, text in files.items():
+        (project_copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project_copy / rel).write_text(text)
+    expected = {
+        "tasks._probe_stage", "tasks._probe_helper", "engine._probe", "engine._probe.a",
+        "engine._probe.b", "engine._probe_top", "engine._probe_lazy",
+    } | set(modules_of("tasks")) | set(modules_of("engine"))
+    assert set(modules_of("tasks._probe_stage")) == expected
+    v0 = _version("tasks._probe_stage")
+    (project_copy / "engine/_probe_top.py").write_text("VALUE = 2\n")
+    v1 = _version("tasks._probe_stage")
+    assert v1 != v0
+    (project_copy / "engine/_probe_lazy.py").write_text("X = 1\n")
+    v2 = _version("tasks._probe_stage")
+    assert v2 != v1
+    (project_copy / "engine/_probe_unused.py").write_text("Y = 1\n")
+    assert _version("tasks._probe_stage") == v2
+
+
+def test_real_project_closure_of_sft():
+    mods = modules_of("tasks.sft")
+    assert "tasks.sft" in mods and "engine.sft" in mods
+    assert "tasks.export" not in mods and "flows.cli" not in mods
+    assert all(m.split(".")[0] in PROJECT_PACKAGES for m in mods)
+    with pytest.raises(ValueError, match="numpy is not a module of this project"):
+        modules_of("numpy")
+    with pytest.raises(ValueError, match="tasks.no_such_stage is not a module of this project"):
+        code_version("tasks.no_such_stage")
