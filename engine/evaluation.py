@@ -25,9 +25,12 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
+
+if TYPE_CHECKING:
+    from config.schema import EngineConfig, EvaluateConfig
 
 logger = logging.getLogger(__name__)
 
@@ -256,10 +259,10 @@ def _build_engine(backend: str, hf_dir: Path, tokenizer, gpu_memory_utilization:
 def evaluate_model_dirs(
     model_dirs: Mapping[str, str | os.PathLike],
     eval_path: str | os.PathLike,
-    cfg,
+    cfg: EvaluateConfig,
     *,
     verifier: str,
-    engine_cfg=None,
+    engine_cfg: EngineConfig | None = None,
     gpu_memory_utilization: float = 0.1,
     seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
@@ -268,8 +271,10 @@ def evaluate_model_dirs(
     Each model directory (``megatron/`` + ``hf/``) is exported to a temporary HF SafeTensors
     directory (:func:`engine.hf_export.export_model_dir`). The first policy starts the
     engine; a later policy with the same ``config.json`` is swapped in with
-    ``engine.update_weights`` (vLLM on CPU is started once per process this way), one with
-    another architecture gets its own engine. All policies see the same prompts, budget,
+    ``engine.update_weights``; one with another architecture gets its own engine. (vLLM on
+    CPU cannot start a second engine in a process that already holds one: its memory check
+    counts the first engine's reservation, so sharing the engine is what makes the usual
+    SFT-vs-RL comparison work with the vLLM backend.) All policies see the same prompts, budget,
     temperature and seed.
 
     Args:

@@ -41,10 +41,13 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def _stage_list(cfg) -> list[str]:
-    from tasks.graph import enabled_stages
+# Kept here (and checked against tasks.graph by a test) so `validate` stays fast: it
+# must not import the training stack just to list stage names.
+STAGE_ORDER = ("validate", "convert", "sft", "rm", "rl", "evaluate", "export")
 
-    return (["prepare"] if cfg.prepare else []) + [s.name for s, _ in enabled_stages(cfg)]
+
+def _stage_list(cfg) -> list[str]:
+    return (["prepare"] if cfg.prepare else []) + [s for s in STAGE_ORDER if s != "rm" or cfg.rm.enabled]
 
 
 def cmd_run(args) -> int:

@@ -20,15 +20,20 @@ from engine.megatron_model import (
 from engine.platform import init_model_parallel, setup_cpu_platform
 
 TOL = 1e-5
+# Each megatron core attention against the HF attention that computes the same way:
+# megatron's unfused DotProductAttention vs HF "eager", our SDPA core vs HF "sdpa".
+# (HF's own eager and sdpa logits differ by up to ~2e-5 on stories260K.)
+ATTENTION_PAIRS = [("local", "eager"), ("sdpa", "sdpa")]
 
 
-def qwen2_quickstart_like() -> tuple[dict, Qwen2ForCausalLM]:
+def qwen2_quickstart_like(attn_implementation: str = "sdpa") -> tuple[dict, Qwen2ForCausalLM]:
     """A random Qwen2 shaped like the quickstart's base model (head_dim 32, QKV bias, tied)."""
     cfg = Qwen2Config(vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
+    model.set_attn_implementation(attn_implementation)
     with torch.no_grad():  # HF zero-initialises biases; random ones test the bias layout too
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -46,7 +51,8 @@ def megatron_copy(hf_config: dict, hf_state: dict, core_attention: str = "local"
 def stories(fixtures_dir, tmp_path_factory):
     """The real pretrained stories260K (Llama, untied, head_dim 8), imported from GGUF."""
     out = gguf_to_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", tmp_path_factory.mktemp("s") / "m")
-    return load_hf_source(out), AutoModelForCausalLM.from_pretrained(out).eval()
+    hf = {impl: AutoModelForCausalLM.from_pretrained(out, attn_implementation=impl).eval() for impl in ("eager", "sdpa")}
+    return load_hf_source(out), hf
 
 
 def test_platform_setup_is_idempotent():
@@ -58,9 +64,9 @@ def test_platform_setup_is_idempotent():
         init_model_parallel(tp=2)
 
 
-@pytest.mark.parametrize("core_attention", ["local", "sdpa"])
-def test_qwen2_logits_and_hidden_states_match_hf(core_attention):
-    cfg, hf = qwen2_quickstart_like()
+@pytest.mark.parametrize(("core_attention", "hf_attention"), ATTENTION_PAIRS)
+def test_qwen2_logits_and_hidden_states_match_hf(core_attention, hf_attention):
+    cfg, hf = qwen2_quickstart_like(hf_attention)
     mc = megatron_copy(cfg, hf.state_dict(), core_attention)
     ids = torch.randint(0, 400, (3, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -68,20 +74,21 @@ def test_qwen2_logits_and_hidden_states_match_hf(core_attention):
         logits, hidden = gpt_logits(mc, ids), gpt_hidden_states(mc, ids)
     assert logits.shape == (3, 37, 400) and hidden.shape == (3, 37, 128)
     err = (logits - ref.logits).abs().max().item()
-    print(f"qwen2 {core_attention}: max |logit diff| = {err:.3e}")
+    print(f"qwen2 {core_attention} vs HF {hf_attention}: max |logit diff| = {err:.3e}")
     assert err < TOL
     assert (hidden - ref.hidden_states[-1]).abs().max().item() < TOL
 
 
-def test_stories260k_logits_match_hf(stories):
+@pytest.mark.parametrize(("core_attention", "hf_attention"), ATTENTION_PAIRS)
+def test_stories260k_logits_match_hf(stories, core_attention, hf_attention):
     (cfg, state, _), hf = stories
-    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 512, (4, 96), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        ref = hf(ids).logits
-        for core_attention in ("local", "sdpa"):
-            err = (gpt_logits(megatron_copy(cfg, state, core_attention), ids) - ref).abs().max().item()
-            print(f"stories260K {core_attention}: max |logit diff| = {err:.3e} (logit scale {ref.abs().max():.1f})")
-            assert err < TOL
+        ref = hf[hf_attention](ids).logits
+        err = (gpt_logits(megatron_copy(cfg, state, core_attention), ids) - ref).abs().max().item()
+    print(f"stories260K {core_attention} vs HF {hf_attention}: max |logit diff| = {err:.3e} "
+          f"(logits up to {ref.abs().max():.1f})")
+    assert err < TOL
 
 
 def test_right_padding_does_not_change_earlier_positions():

@@ -163,7 +163,7 @@ def _closure_on(root: Path, module: str) -> list[str]:
         fp_mod.PROJECT_ROOT = saved
 
 
-def test_editing_any_module_the_stage_imports_changes_its_code_version(project_copy):
+def test_editing_a_module_reached_through_imports_changes_code_version(project_copy):
     covered = modules_of("tasks.sft")
     direct = _imports(project_copy / "tasks" / "sft.py", "tasks.sft")
     transitive_only = [m for m in covered if m not in direct and m != "tasks.sft"]

@@ -1,0 +1,51 @@
+"""Render the configuration reference (docs/configuration.md's key table) from the schema.
+
+Generated, not hand-written, so the docs cannot drift from the code; a test checks that
+docs/configuration.md contains exactly this text.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+
+from config.schema import PipelineConfig
+
+
+def _type_name(ann) -> str:
+    origin = typing.get_origin(ann)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{a}`" for a in typing.get_args(ann))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_type_name(a) for a in typing.get_args(ann))
+    if ann is type(None):
+        return "null"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        nested = [a for a in (typing.get_args(ann) or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if nested:
+            rows.append((key, "section", "required" if field.is_required() else "optional", (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
+            rows.extend(_rows(nested[0], f"{key}."))
+            continue
+        default = "required" if field.is_required() else f"`{field.default!r}`"
+        rows.append((key, _type_name(ann), default, field.description or ""))
+    return rows
+
+
+def render_reference() -> str:
+    """Markdown table of every config key: type, default, meaning."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, typ, default, desc in _rows(PipelineConfig, ""):
+        lines.append(f"| `{key}` | {typ} | {default} | {desc} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")
