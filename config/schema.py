@@ -49,7 +49,7 @@ class PrepareConfig(Strict):
     num_preference: int = Field(600, gt=0, description="Preference pairs (correct vs wrong sum).")
     num_rl: int = Field(2000, gt=0, description="RL training prompts.")
     num_eval: int = Field(300, gt=0, description="Held-out prompts, disjoint from all training prompts.")
-    vocab_size: int = Field(400, ge=64, description="BPE vocabulary size of the trained tokenizer.")
+    vocab_size: int = Field(400, ge=259, description="BPE vocabulary size of the trained tokenizer.")
     hidden_size: int = Field(128, gt=0, description="Base model width (Qwen2 architecture, random init).")
     num_layers: int = Field(2, gt=0, description="Transformer layers.")
     num_attention_heads: int = Field(4, gt=0, description="Query heads; hidden_size / heads must be >= 32 for vLLM on CPU.")

@@ -22,7 +22,7 @@ class GPTSpec(BaseModel):
 
     Attributes:
         architecture: "llama" (no QKV bias) or "qwen2" (QKV bias).
-        head_dim: per-head width (HF ``head_dim``); defaults to hidden_size / heads.
+        head_dim: per-head width (HF ``head_dim``); filled in as hidden_size / heads if None.
         rope_theta: rotary base (Su et al. 2021, RoFormer), non-interleaved (rotate-half) layout.
         norm_epsilon: RMSNorm epsilon (Zhang & Sennrich 2019).
     """
@@ -41,7 +41,19 @@ class GPTSpec(BaseModel):
     norm_epsilon: float = Field(gt=0)
     add_qkv_bias: bool
     tie_word_embeddings: bool
-    head_dim: int | None = Field(None, gt=0)
+    head_dim: int | None = Field(None, gt=0, description="None: hidden_size // num_attention_heads")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_head_dim(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("head_dim") is None:
+            hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+            if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+                if hidden % heads:
+                    raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+                                     "give head_dim explicitly")
+                data = {**data, "head_dim": hidden // heads}
+        return data
 
     @model_validator(mode="after")
     def _check_heads(self) -> "GPTSpec":
@@ -50,17 +62,12 @@ class GPTSpec(BaseModel):
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                f"{self.num_attention_heads}; give head_dim explicitly"
-            )
         return self
 
     @property
     def kv_channels(self) -> int:
         """Per-head width used by attention (HF ``head_dim``, Megatron ``kv_channels``)."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        return self.head_dim  # always set by _default_head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "GPTSpec":

@@ -121,15 +121,24 @@ def load_model_checkpoint(model, directory: str | Path) -> int | None:
 
     Raises:
         FileNotFoundError / ValueError: see :func:`latest_checkpoint`.
-        RuntimeError: the checkpoint's tensors do not match the model (from
-            ``load_state_dict``, naming the keys).
+        ValueError: the checkpoint's tensors do not fit the model (names the tensor).
     """
     from megatron.core import dist_checkpointing
 
     path, iteration = latest_checkpoint(directory)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    try:
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    except Exception as e:
+        raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e
     model.load_state_dict(state["model"], strict=True)
     return iteration
+
+
+def _root_cause(e: Exception) -> str:
+    # torch.distributed.checkpoint wraps per-rank errors as {rank: (exception, traceback)}.
+    for failure in getattr(e, "failures", {}).values():
+        return str(failure[0] if isinstance(failure, tuple) else failure)
+    return str(e)
 
 
 def load_checkpoint_hf_config(directory: str | Path) -> dict[str, Any]:

@@ -92,33 +92,20 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_stage(args) -> int:
     cfg, problems, _ = _load(args.config)
-    if args.name == "prepare":
-        if cfg.prepare is None:
-            raise ConfigError(f"{args.config} has no prepare section")
-        from tasks.prepare import prepare
-
-        prepare(cfg)
-        return 0
-    from tasks.graph import expected_fingerprints, stage
-    from tasks.runner import store_for
-
-    spec, task = stage(args.name)
-    if spec.name == "rm" and not cfg.rm.enabled:
+    if args.name == "prepare" and cfg.prepare is None:
+        raise ConfigError(f"{args.config} has no prepare section")
+    if args.name == "rm" and not cfg.rm.enabled:
         raise ConfigError("rm.enabled is false in this config: the rm stage does not run")
-    fps = expected_fingerprints(cfg)
-    store = store_for(cfg)
-    inputs = {}
-    for up in spec.inputs(cfg):
-        ref = store.find(up, fps[up])
-        if ref is None:
-            raise SystemExit(
-                f"stage {args.name} needs the {up} artifact for this config (fingerprint {fps[up][:16]}), "
-                f"which is not published; run `posttrain stage {up} {args.config}` first"
-            )
-        inputs[up] = ref
-    os.environ.setdefault("POSTTRAIN_PIPELINE_RUN", f"{cfg.run.name}-stage")
-    ref = task.with_options(refresh_cache=store.find(spec.name, fps[spec.name]) is None)(cfg, inputs)
-    console.print(f"{args.name}: {ref.artifact_id} -> {ref.uri}")
+    if args.name not in ("prepare", *STAGE_ORDER):
+        raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
+    from flows.pipeline import MissingUpstream, stage_flow
+
+    try:
+        result = stage_flow(config_path=args.config, name=args.name)
+    except MissingUpstream as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        return 3
+    console.print(f"{args.name}: {result.get('artifact_id', result)} ({result.get('state', 'done')})", highlight=False)
     return 0
 
 

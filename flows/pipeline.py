@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from config import load_config
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef
-from tasks.graph import enabled_stages, stage
+from tasks.graph import enabled_stages, expected_fingerprints, stage
 from tasks.prepare import prepare
 from tasks.runner import store_for
 
@@ -62,3 +62,36 @@ def pipeline(config_path: str) -> dict[str, Any]:
         }
     summary["flow_run_id"] = str(flow_run.get_id())
     return summary
+
+
+class MissingUpstream(RuntimeError):
+    """A stage was asked to run before the artifacts it reads were published."""
+
+
+@flow(name="posttrain-stage", log_prints=True)
+def stage_flow(config_path: str, name: str) -> dict[str, Any]:
+    """Run one stage (what ``posttrain stage`` and dvc.yaml call), reading the upstream
+    artifacts that match the current config.
+
+    Raises:
+        MissingUpstream: an upstream stage has no artifact for the current config.
+    """
+    cfg = load_config(config_path)
+    os.environ.setdefault("POSTTRAIN_PIPELINE_RUN", f"{cfg.run.name}-{(flow_run.get_id() or 'local')[:8]}")
+    if name == "prepare":
+        return {"prepare": prepare(cfg)}
+    spec, _ = stage(name)
+    fps = expected_fingerprints(cfg)
+    store = store_for(cfg)
+    refs = {}
+    for up in spec.inputs(cfg):
+        ref = store.find(up, fps[up])
+        if ref is None:
+            raise MissingUpstream(
+                f"stage {name} reads the {up} artifact of this config (fingerprint {fps[up][:16]}), which is not "
+                f"published; run `posttrain stage {up} {config_path}` first"
+            )
+        refs[up] = ref
+    state = run_stage_task(cfg, name, refs)
+    ref = state.result()
+    return {"state": state.name, **ref.model_dump()}

@@ -40,8 +40,8 @@ def convert(ctx: StageContext) -> dict:
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
     init_model_parallel()
-    spec = GPTSpec.from_hf_config(source.hf_config)
+    spec = GPTSpec.from_hf_config(source.config)
     model = build_gpt_model(spec)
-    model.load_state_dict(hf_to_megatron(source.hf_config, source.state_dict), strict=True)
-    save_model_dir(ctx.workdir / "model", model, source.hf_config, source.tokenizer_dir)
+    model.load_state_dict(hf_to_megatron(source.config, source.state), strict=True)
+    save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir)
     return {"model/parameters": sum(p.numel() for p in model.parameters())}

@@ -50,6 +50,25 @@ def _qwen2_config(p, vocab_size: int, tokenizer) -> dict:
     }
 
 
+def _strings(jsonl: Path) -> list[str]:
+    """Every string value of every record (the text the tokenizer will see, minus JSON syntax)."""
+    out: list[str] = []
+
+    def walk(value) -> None:
+        if isinstance(value, str):
+            out.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+
+    for line in jsonl.read_text(encoding="utf-8").splitlines():
+        walk(json.loads(line))
+    return out
+
+
 @task(name="prepare")
 def prepare(cfg: PipelineConfig) -> str:
     """Write the quickstart inputs under ``prepare.output_dir``; returns that path."""
@@ -68,9 +87,7 @@ def prepare(cfg: PipelineConfig) -> str:
         files = make_addition_datasets(
             tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
         )
-        texts = []
-        for path in files.values():
-            texts.extend(Path(path).read_text(encoding="utf-8").splitlines())
+        texts = [text for path in files.values() for text in _strings(Path(path))]
         tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
         init_random_hf_model(tmp / "base_model", _qwen2_config(p, len(tokenizer), tokenizer), seed=cfg.run.seed, tokenizer_dir=tok_dir)

@@ -1,0 +1,105 @@
+"""torch_dist checkpoints: Megatron-LM layout, atomic saves, bit-identical HF round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from conversion import hf_to_megatron, megatron_to_hf
+from engine.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint_hf_config,
+    load_model_checkpoint,
+    save_model_checkpoint,
+)
+from engine.megatron_model import GPTSpec, build_gpt_model, load_mcore_state, mcore_state
+
+
+def random_hf(arch: str):
+    torch.manual_seed(0)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):  # HF initialises these to constants
+                p.normal_()
+    # As read from a config.json (JSON turns id2label's int keys into strings).
+    cfg = json.loads(json.dumps({**model.config.to_dict(), "architectures": [type(model).__name__]}))
+    return cfg, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_hf_megatron_torch_dist_hf_round_trip_is_bit_identical(tmp_path, arch):
+    cfg, hf = random_hf(arch)
+    spec = GPTSpec.from_hf_config(cfg)
+    model = build_gpt_model(spec, seed=1)
+    load_mcore_state(model, hf_to_megatron(cfg, hf))
+    path = save_model_checkpoint(model, tmp_path / "ckpt", iteration=None, hf_config=cfg)
+    assert path == tmp_path / "ckpt" / "release"
+
+    fresh = build_gpt_model(spec, seed=2)  # different random weights, overwritten by the load
+    assert load_model_checkpoint(fresh, tmp_path / "ckpt") is None
+    restored_cfg = load_checkpoint_hf_config(tmp_path / "ckpt")
+    assert restored_cfg == cfg
+    back = dict(megatron_to_hf(restored_cfg, mcore_state(fresh)))
+    expected = {k: v for k, v in hf.items() if not (spec.tie_word_embeddings and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    for name, t in expected.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_megatron_lm_layout_and_latest_iteration(tmp_path):
+    cfg, hf = random_hf("qwen2")
+    spec = GPTSpec.from_hf_config(cfg)
+    model = build_gpt_model(spec, seed=1)
+    root = tmp_path / "ckpt"
+    save_model_checkpoint(model, root, iteration=5)
+    first = mcore_state(model)
+    first = {k: v.clone() for k, v in first.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    save_model_checkpoint(model, root, iteration=123)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "123"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000005", "iter_0000123", "latest_checkpointed_iteration.txt"]
+    assert {"metadata.json", "common.pt"} <= {p.name for p in (root / "iter_0000123").iterdir()}
+    assert latest_checkpoint(root) == (root / "iter_0000123", 123)
+
+    fresh = build_gpt_model(spec, seed=3)
+    assert load_model_checkpoint(fresh, root) == 123
+    loaded = mcore_state(fresh)
+    assert all(torch.equal(loaded[k], first[k] + 1.0) for k in first)
+
+    # Overwriting an iteration replaces it atomically; the tracker follows the newest save.
+    save_model_checkpoint(build_gpt_model(spec, seed=4), root, iteration=5)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000005", "iter_0000123", "latest_checkpointed_iteration.txt"]
+    with pytest.raises(FileNotFoundError, match="no HF config"):
+        load_checkpoint_hf_config(root)
+
+
+def test_bad_checkpoints_raise_clear_errors(tmp_path):
+    cfg, _ = random_hf("qwen2")
+    spec = GPTSpec.from_hf_config(cfg)
+    with pytest.raises(FileNotFoundError, match="latest_checkpointed_iteration.txt: no checkpoint tracker"):
+        load_model_checkpoint(build_gpt_model(spec), tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("banana")
+    with pytest.raises(ValueError, match="'banana'"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(FileNotFoundError, match="iter_0000007"):
+        latest_checkpoint(tmp_path)
+
+    save_model_checkpoint(build_gpt_model(spec), tmp_path / "small", iteration=1)
+    wider = build_gpt_model(spec.model_copy(update={"ffn_hidden_size": 384}))
+    with pytest.raises(ValueError, match=r"does not fit the model: .*shape mismatch.*mlp\.linear_fc1\.weight"):
+        load_model_checkpoint(wider, tmp_path / "small")
