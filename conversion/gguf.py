@@ -100,7 +100,7 @@ def _tensor(g: _Gguf, t) -> torch.Tensor:
     return out.reshape(shape).to(torch.float32)
 
 
-def read_gguf_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
     """(HF config dict, tokenizer metadata) of a llama GGUF; errors name the key."""
     arch = g.need("general.architecture")
     if arch != "llama":
@@ -192,7 +192,7 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     g = _Gguf(path)
-    config, tok = read_gguf_config(g)
+    config, tok = _read_config(g)
     from conversion.registry import ConversionError, family
 
     spec, fam = family(config)

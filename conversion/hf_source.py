@@ -65,7 +65,8 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
 
     Args:
         source: HF model directory (config.json + weights), a llama ``.gguf`` file, or a
-            hub id ``org/name`` (downloaded with ``huggingface_hub.snapshot_download``).
+            hub id ``org/name`` (``huggingface_hub.snapshot_download`` of config, SafeTensors
+            weights and tokenizer files only).
         revision: hub revision (hub ids only).
         tokenizer: tokenizer directory, if not the model's own directory.
         cache_dir: where GGUF imports and hub downloads are kept (default: the system

@@ -109,7 +109,11 @@ def split_micro_batches(items: Sequence[T], micro_batch_size: int) -> list[list[
 
 
 def pad_token_id(tokenizer) -> int:
-    """The tokenizer's pad id, else its EOS id (padding is never a target, so either works)."""
+    """The tokenizer's pad id, else its EOS id (padding is never a target, so either works).
+
+    Raises:
+        ValueError: the tokenizer has neither.
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
         raise ValueError("tokenizer has neither a pad nor an EOS token; set pad_token in tokenizer_config.json")

@@ -124,17 +124,18 @@ def load_model_checkpoint(model, directory: str | Path) -> int | None:
         ValueError: the checkpoint's tensors do not fit the model (names the tensor).
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
     path, iteration = latest_checkpoint(directory)
     try:
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e
     model.load_state_dict(state["model"], strict=True)
     return iteration
 
 
-def _root_cause(e: Exception) -> str:
+def _root_cause(e: BaseException) -> str:
     # torch.distributed.checkpoint wraps per-rank errors as {rank: (exception, traceback)}.
     for failure in getattr(e, "failures", {}).values():
         return str(failure[0] if isinstance(failure, tuple) else failure)

@@ -20,12 +20,15 @@ from typing import Any, Callable
 
 import numpy as np
 import ray
+import torch
+
+from tqdm import tqdm
 
 from config.schema import RLConfig
 from engine.algorithms import get_advantage_estimator
 from engine.batching import EpochSampler, pad_token_id
 from engine.rollout.base import SamplingSpec
-from engine.train_state import DataPosition, has_train_state
+from engine.train_state import STATE_FILE, DataPosition, has_train_state
 from engine.types import Trajectory
 from engine.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker, spawn
 
@@ -74,7 +77,9 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
 
     Raises:
         ValueError: a bad prompt row (names file and line), a prompt too long for the model,
-            or a ``resume_dir`` written by a different config, prompt set or seed.
+            or a ``resume_dir`` written by a different config, prompt set or seed (``steps``
+            and ``checkpoint_every`` may differ: a finished run can be continued for more
+            steps; the learning-rate schedule then follows the new total).
     """
     from engine.model_dir import load_tokenizer, read_hf_config
     from engine.ray_cluster import colocated_placement, init_ray
@@ -84,19 +89,23 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
     tokenizer = load_tokenizer(policy_dir)
     max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
     prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens)
-    identity = {"config": cfg.model_dump(mode="json", exclude={"engine"}), "num_prompts": len(prompts), "seed": seed}
+    # A checkpoint may be continued with a different `steps` (train longer) or checkpoint
+    # interval; everything else must match. Note the cosine schedule spans the new total.
+    run_config = cfg.model_dump(mode="json", exclude={"engine", "steps", "checkpoint_every"})
+    identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
 
+    check_checkpoint(resume_dir, identity)
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
     workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, max_len)
     try:
-        start, position, history = resume(workers.actor, resume_dir, identity, seed)
+        start, position, history = resume(workers.actor, resume_dir, seed)
         write_metrics(out_dir / METRICS_FILE, history)
         sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
         update_weights(workers)
         pad_id = pad_token_id(tokenizer)
         metrics: dict[str, float] = history[-1] if history else {}
-        for step in range(start + 1, cfg.steps + 1):
+        for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             t_step = time.perf_counter()
             batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
             traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id)
@@ -253,18 +262,32 @@ def stop_workers(workers: Workers) -> None:
     workers.placement.remove()
 
 
-def resume(actor, resume_dir, identity: dict, seed: int) -> tuple[int, DataPosition, list[dict]]:
-    """Restore the actor from ``resume_dir`` if it holds a checkpoint of this run.
+def check_checkpoint(resume_dir, identity: dict) -> int:
+    """The step of the checkpoint in ``resume_dir`` (0 if none), after checking it belongs to
+    this run. Reads only the small ``extra`` record (the weights stay memory-mapped), so a
+    wrong ``resume_dir`` fails before any worker starts.
+
+    Raises:
+        ValueError: the checkpoint was written with another config, prompt set or seed.
+    """
+    if not has_train_state(resume_dir):
+        return 0
+    state = torch.load(Path(resume_dir) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    saved = {k: state.get("extra", {}).get(k) for k in identity}
+    if saved != identity:
+        raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({saved}); "
+                         "use a fresh resume directory for this config")
+    return int(state["step"])
+
+
+def resume(actor, resume_dir, seed: int) -> tuple[int, DataPosition, list[dict]]:
+    """Restore the actor from ``resume_dir`` if it holds a checkpoint (see :func:`check_checkpoint`).
 
     Returns: ``(step done, data position, metrics history)``; ``(0, start, [])`` when fresh.
     """
     if not has_train_state(resume_dir):
         return 0, DataPosition(0, 0, seed), []
     step, position, extra = ray.get(actor.load_state.remote(str(resume_dir)))
-    saved = {k: extra.get(k) for k in identity}
-    if saved != identity:
-        raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({saved}); "
-                         "use a fresh resume directory for this config")
     logger.info("resuming RL from step %d (%s)", step, resume_dir)
     return step, position, list(extra["history"])
 

@@ -226,15 +226,18 @@ class ReferenceWorker:
 
 
 class RolloutWorker:
-    """A rollout engine serving the policy, started from the policy's model directory.
+    """A rollout engine serving the policy.
 
-    The model directory is exported once to an HF SafeTensors directory under ``scratch_dir``
-    (vLLM and transformers load that), which :meth:`close` removes.
+    vLLM starts from the policy's ``hf/config.json`` with placeholder weights
+    (``load_format="dummy"``): the trainer pushes the real ones with :meth:`update_weights`
+    before the first :meth:`generate`, so nothing is exported at start-up. The HF backend
+    needs SafeTensors to load, so the model directory is exported once under
+    ``scratch_dir`` (removed by :meth:`close`).
 
     Args:
         policy_dir: model directory of the initial policy.
         cfg: ``rl.rollout`` (backend, memory fraction).
-        scratch_dir: where to write the HF export.
+        scratch_dir: where the HF backend's export goes.
         max_model_len: longest prompt + response (vLLM's KV-cache budget); default the
             model's ``max_position_embeddings``.
         num_threads: torch threads in this process.
@@ -242,29 +245,27 @@ class RolloutWorker:
 
     def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
                  max_model_len: int | None = None, num_threads: int | None = None):
-        from engine.hf_export import export_model_dir
-        from engine.model_dir import load_tokenizer, read_hf_config
+        from engine.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
         from engine.ray_cluster import worker_threads
 
         worker_threads(num_threads)
         self.scratch_dir = Path(scratch_dir)
-        hf_dir = export_model_dir(policy_dir, self.scratch_dir / "hf")
         if cfg.backend == "vllm":
             from engine.rollout.vllm_rollout import VLLMRollout
 
             vocab = int(read_hf_config(policy_dir)["vocab_size"])
             tokens = len(load_tokenizer(policy_dir))
             self.engine = VLLMRollout(
-                hf_dir, gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=max_model_len,
-                valid_vocab_size=tokens if tokens < vocab else None,
+                Path(policy_dir) / HF_SUBDIR, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None, load_format="dummy",
             )
         elif cfg.backend == "hf":
+            from engine.hf_export import export_model_dir
             from engine.rollout.hf_rollout import HFRollout
 
-            self.engine = HFRollout(hf_dir)
+            self.engine = HFRollout(export_model_dir(policy_dir, self.scratch_dir / "hf"))
         else:
             raise ValueError(f"rl.rollout.backend: unknown backend {cfg.backend!r}; expected 'vllm' or 'hf'")
-        worker_threads(num_threads)  # engines may lower the thread count while starting
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
         """See :meth:`engine.rollout.base.RolloutEngine.generate`."""

@@ -100,6 +100,20 @@ def cmd_stage(args) -> int:
         raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
     from flows.pipeline import MissingUpstream, stage_flow
 
+    if args.name != "prepare":  # fail before starting Prefect if an upstream artifact is missing
+        from tasks.graph import expected_fingerprints, stage
+        from tasks.runner import store_for
+
+        spec, _ = stage(args.name)
+        fps, store = expected_fingerprints(cfg), store_for(cfg)
+        missing = [up for up in spec.inputs(cfg) if store.find(up, fps[up]) is None]
+        if missing:
+            console.print(
+                f"[red]error:[/] stage {args.name} reads the {', '.join(missing)} artifact(s) of this config, which are "
+                f"not published (or out of date); run `posttrain stage {missing[0]} {args.config}` first",
+                highlight=False,
+            )
+            return 3
     try:
         result = stage_flow(config_path=args.config, name=args.name)
     except MissingUpstream as exc:

@@ -47,6 +47,14 @@ class VLLMRollout:
         valid_vocab_size: when the model's embedding is padded past the tokenizer's vocabulary
             (Megatron pads to a multiple), only ids below this are ever sampled.
         seed: engine seed (sampling itself is seeded per request from :class:`SamplingSpec`).
+        load_format: ``"auto"`` reads the SafeTensors in ``model_dir``; ``"dummy"`` needs only
+            ``config.json`` and starts from random weights, for a trainer that pushes the
+            policy with :meth:`update_weights` before the first :meth:`generate` (no export
+            to disk at start-up).
+
+    Threads: vLLM's CPU worker binds its OpenMP threads and then replaces
+    ``torch.set_num_threads`` with a no-op for the whole process, so set the thread count
+    before constructing this.
 
     Log-probabilities are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` of the
     sampled token at temperature ``T`` (``T = 1`` for greedy), renormalised over the top-p
@@ -63,6 +71,7 @@ class VLLMRollout:
         dtype: str = "float32",
         valid_vocab_size: int | None = None,
         seed: int = 0,
+        load_format: str = "auto",
     ) -> None:
         # Must be set before vLLM builds the engine: the in-process engine is what makes
         # RL-style short generate calls and in-place weight reload cheap here.
@@ -72,7 +81,8 @@ class VLLMRollout:
         self.model_dir = Path(model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir)
         self.valid_vocab_size = valid_vocab_size
-        threads = torch.get_num_threads()
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.llm = LLM(
             model=str(self.model_dir),
             dtype=dtype,
@@ -83,10 +93,8 @@ class VLLMRollout:
             skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs",
             seed=seed,
+            load_format=load_format,
         )
-        # vLLM drops torch to 1 intra-op thread for serving; here generation alternates with
-        # training in the same processes, and 2 threads decode a 25M model ~2.5x faster.
-        torch.set_num_threads(threads)
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):
         from vllm import SamplingParams
@@ -136,11 +144,25 @@ class VLLMRollout:
         """Load new policy weights in place (HF parameter names, full tensors).
 
         Uses the workers' ``reload_weights``: plain ``model.load_weights`` breaks on CPU because
-        vLLM repacks linear weights after the first load. The prefix cache is then cleared,
-        since cached KV blocks were computed with the old weights.
+        vLLM repacks linear weights after the first load. With tied embeddings the output
+        layer is sent too (``lm_head.weight`` = ``model.embed_tokens.weight``): vLLM's in-place
+        reload leaves the output layer at its old values otherwise, although HF checkpoints of
+        tied models (and ``conversion.registry.megatron_to_hf``) omit it. The prefix cache is
+        then cleared, since cached KV blocks were computed with the old weights.
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+
+def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    embedding = None
+    for name, tensor in named_tensors:
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            embedding = tensor
+    if embedding is not None:
+        yield "lm_head.weight", embedding
 
 
 def _to_rollout_output(completion) -> RolloutOutput:

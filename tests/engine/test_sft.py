@@ -172,6 +172,15 @@ def test_sft_resumes_after_a_crash_to_identical_weights(base):
         if isinstance(v, torch.Tensor):
             assert torch.equal(v, b[k]), k
 
+    # A finished state only re-publishes the model dir: no step runs, same weights.
+    again_steps: list[int] = []
+    again = train_sft(base_dir, dataset, cfg, root / "again", root / "resume_b", seed=3,
+                      log_metrics=lambda m, s: again_steps.append(s))
+    n_rows = len(encode_sft_dataset(dataset, load_tokenizer(base_dir), 64))  # rows with a target in 64 tokens
+    assert again_steps == [] and again["train/steps"] == 4.0 and again["train/epoch"] == 4 * 12 / n_rows
+    c = load_model_dir(root / "again").model.state_dict()
+    assert all(torch.equal(v, c[k]) for k, v in a.items() if isinstance(v, torch.Tensor))
+
     other = cfg.model_copy(update={"steps": 5})
     with pytest.raises(ValueError, match="different run"):
         train_sft(base_dir, dataset, other, root / "x", root / "resume_b", seed=3)

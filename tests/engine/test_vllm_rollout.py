@@ -58,10 +58,17 @@ def hf_logprobs(model, prompt: list[int], response: list[int], temperature: floa
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
+def synced_weights(model):
+    """The tensors a trainer streams for a tied model: no ``lm_head.weight`` (as
+    ``conversion.registry.megatron_to_hf`` and ``save_pretrained`` omit it), fresh copies."""
+    return [(k, v.clone()) for k, v in model.state_dict().items() if k != "lm_head.weight"]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Model A with its EOS chosen as the 4th greedy token of prompt 0 (so greedy stops there),
-    model B (other random weights, same config), and one vLLM engine loaded with model A."""
+    model B (other random weights, same config), and one vLLM engine started with placeholder
+    weights (``load_format="dummy"``, as the RL rollout worker starts) and then given model A."""
     model_a = tiny_qwen2(seed=0)
     greedy = hf_greedy(model_a, PROMPTS[0], 12, eos=-1)
     eos = greedy[3]
@@ -69,7 +76,8 @@ def setup(tmp_path_factory):
     model_a.config.eos_token_id = model_a.generation_config.eos_token_id = eos
     model_b = tiny_qwen2(seed=1, eos_id=eos)
     path = save_tiny(model_a, tmp_path_factory.mktemp("tiny_qwen2"))
-    engine = VLLMRollout(path, gpu_memory_utilization=0.1, max_model_len=128)
+    engine = VLLMRollout(path, gpu_memory_utilization=0.1, max_model_len=128, load_format="dummy")
+    engine.update_weights(synced_weights(model_a))
     return engine, model_a, model_b, eos
 
 
@@ -118,14 +126,15 @@ def test_update_weights_switches_policy(setup):
     engine, model_a, model_b, eos = setup
     spec = SamplingSpec(n=1, temperature=0.0, max_new_tokens=12)
     before = engine.generate(PROMPTS, spec)
-    engine.update_weights((k, v.clone()) for k, v in model_b.state_dict().items())
+    # a generator, as streamed from the trainer; the tied output layer must follow the embedding
+    engine.update_weights(kv for kv in synced_weights(model_b))
     after = engine.generate(PROMPTS, spec)
     assert [o[0].token_ids for o in after] != [o[0].token_ids for o in before]
     for prompt, (o,) in zip(PROMPTS, after):
         expected = hf_greedy(model_b, prompt, 12, eos)
         assert list(o.token_ids) == expected
         torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4)
-    engine.update_weights(model_a.state_dict().items())
+    engine.update_weights(synced_weights(model_a))
     assert engine.generate(PROMPTS, spec) == before
 
 

