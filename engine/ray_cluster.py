@@ -18,8 +18,6 @@ from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
-_started_here = False
-
 
 def runtime_env() -> dict[str, Any]:
     """Ray runtime environment that lets worker processes ``import engine`` (and the other
@@ -50,9 +48,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
         ``ray.cluster_resources()`` of the cluster now connected.
 
     A second call while connected does nothing (whatever its arguments). The dashboard is
-    off and Ray's own logging is kept at WARNING.
+    off, Ray's own logging is kept at WARNING and worker output is not echoed to the driver
+    (failures still arrive as exceptions with the worker's traceback; full worker logs stay
+    in Ray's session directory, ``/tmp/ray/session_latest/logs``).
     """
-    global _started_here
     import ray
 
     if not ray.is_initialized():
@@ -61,23 +60,20 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
             runtime_env=runtime_env(),
             include_dashboard=False,
             logging_level=logging.WARNING,
-            log_to_driver=True,
+            log_to_driver=False,
         )
         if address is None:
             kwargs.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024 * 1024)
-            _started_here = True
         ray.init(address=address, **kwargs)
     return ray.cluster_resources()
 
 
 def shutdown_ray() -> None:
-    """Disconnect from Ray (and stop the local cluster if :func:`init_ray` started one)."""
-    global _started_here
+    """Disconnect from Ray (stopping the local cluster if this process started it)."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    _started_here = False
 
 
 @dataclass

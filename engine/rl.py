@@ -5,6 +5,10 @@ log-probs -> GRPO advantages -> policy update -> push weights to the rollout eng
 metrics -> checkpoint every ``checkpoint_every`` steps. A run whose ``resume_dir`` holds a
 checkpoint continues after it (weights, AdamW state, schedule, data position, RNG and the
 metrics so far), ending with the same weights as an uninterrupted run.
+
+The PPO ratio's "old" log-probs are recomputed by the trainer before the update (as verl
+does), not taken from the rollout engine; ``rollout_vs_trainer/logprob_diff_max`` watches how
+far the two disagree (fp32 noise when weight sync works).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ The classes stay plain so tests can also use them in-process.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -188,12 +187,6 @@ class ActorWorker:
         state.restore(self.model, self.optimizer, self.scheduler)
         return state.step, state.data_position, state.extra
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's megatron-named tensors (copies)."""
-        from engine.megatron_model import mcore_state
-
-        return {k: v.clone() for k, v in mcore_state(self.model).items()}
-
     def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
         """Write the policy as a model directory (``engine.model_dir.save_model_dir``)."""
         from engine.model_dir import save_model_dir
@@ -232,7 +225,7 @@ class RolloutWorker:
     (``load_format="dummy"``): the trainer pushes the real ones with :meth:`update_weights`
     before the first :meth:`generate`, so nothing is exported at start-up. The HF backend
     needs SafeTensors to load, so the model directory is exported once under
-    ``scratch_dir`` (removed by :meth:`close`).
+    ``scratch_dir`` (the caller removes it when the run ends).
 
     Args:
         policy_dir: model directory of the initial policy.
@@ -274,10 +267,6 @@ class RolloutWorker:
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """See :meth:`engine.rollout.base.RolloutEngine.update_weights`."""
         self.engine.update_weights(named_tensors)
-
-    def close(self) -> None:
-        """Remove the HF export."""
-        shutil.rmtree(self.scratch_dir, ignore_errors=True)
 
 
 class RewardWorker:

@@ -19,7 +19,7 @@ from config import load_config
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef
 from tasks.graph import enabled_stages, expected_fingerprints, stage
-from tasks.prepare import prepare
+from tasks.prepare import is_prepared, prepare
 from tasks.runner import store_for
 
 
@@ -45,8 +45,9 @@ def pipeline(config_path: str) -> dict[str, Any]:
     summary: dict[str, Any] = {"config": config_path, "stages": {}}
     if cfg.prepare is not None:
         t0 = time.time()
-        prepare(cfg)
-        summary["stages"]["prepare"] = {"wall_s": round(time.time() - t0, 2)}
+        state = prepare.with_options(refresh_cache=not is_prepared(cfg))(cfg, return_state=True)
+        state.result()
+        summary["stages"]["prepare"] = {"state": state.name, "wall_s": round(time.time() - t0, 2)}
     refs: dict[str, ArtifactRef] = {}
     store = store_for(cfg)
     for spec, _ in enabled_stages(cfg):
@@ -79,7 +80,8 @@ def stage_flow(config_path: str, name: str) -> dict[str, Any]:
     cfg = load_config(config_path)
     os.environ.setdefault("POSTTRAIN_PIPELINE_RUN", f"{cfg.run.name}-{(flow_run.get_id() or 'local')[:8]}")
     if name == "prepare":
-        return {"prepare": prepare(cfg)}
+        state = prepare.with_options(refresh_cache=not is_prepared(cfg))(cfg, return_state=True)
+        return {"state": state.name, "artifact_id": state.result()}
     spec, _ = stage(name)
     fps = expected_fingerprints(cfg)
     store = store_for(cfg)

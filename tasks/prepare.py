@@ -69,7 +69,13 @@ def _strings(jsonl: Path) -> list[str]:
     return out
 
 
-@task(name="prepare")
+def is_prepared(cfg: PipelineConfig) -> bool:
+    """True when ``prepare.output_dir`` holds the output of this exact prepare config and code."""
+    stamp = Path(cfg.prepare.output_dir) / STAMP
+    return stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == prepare_fingerprint(cfg)
+
+
+@task(name="prepare", cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}", persist_result=True)
 def prepare(cfg: PipelineConfig) -> str:
     """Write the quickstart inputs under ``prepare.output_dir``; returns that path."""
     from transformers import AutoTokenizer
@@ -77,8 +83,7 @@ def prepare(cfg: PipelineConfig) -> str:
     p = cfg.prepare
     out = Path(p.output_dir)
     fp = prepare_fingerprint(cfg)
-    stamp = out / STAMP
-    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fp:
+    if is_prepared(cfg):
         get_run_logger().info("prepare: %s is up to date", out)
         return str(out)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")

@@ -45,7 +45,8 @@ class VLLMRollout:
             ``max_position_embeddings``.
         dtype: parameter dtype, e.g. ``"float32"``.
         valid_vocab_size: when the model's embedding is padded past the tokenizer's vocabulary
-            (Megatron pads to a multiple), only ids below this are ever sampled.
+            (Megatron pads to a multiple), only ids below this are ever sampled, and log-probs
+            are normalised over them.
         seed: engine seed (sampling itself is seeded per request from :class:`SamplingSpec`).
         load_format: ``"auto"`` reads the SafeTensors in ``model_dir``; ``"dummy"`` needs only
             ``config.json`` and starts from random weights, for a trainer that pushes the
@@ -60,6 +61,10 @@ class VLLMRollout:
     sampled token at temperature ``T`` (``T = 1`` for greedy), renormalised over the top-p
     nucleus when ``top_p < 1``. A trainer comparing against them must scale its logits by
     the same temperature.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+        ValueError: no EOS id in ``generation_config.json`` / ``config.json``.
     """
 
     def __init__(

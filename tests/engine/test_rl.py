@@ -186,6 +186,34 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     assert margin(new) > margin(old) + 1e-3
 
 
+def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
+    """reward = verifier_weight * exact_match + reward_model_weight * RM score (independently
+    recomputed with engine.reward_model.score on the decoded texts)."""
+    from config.schema import RewardConfig
+    from engine.model_dir import load_model_dir, save_model_dir
+    from engine.reward_model import RewardModel, load_reward_model, score
+    from engine.workers import RewardWorker
+
+    loaded = load_model_dir(policy["dir"])
+    head = RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads()
+    rm_dir = save_model_dir(tmp_path / "rm", loaded.model, loaded.hf_config, loaded.tokenizer_dir, heads=head)
+    tok = policy["tokenizer"]
+    responses = [tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], tok("12", add_special_tokens=False)["input_ids"]]
+    prompts, labels = [question(3, 4), question(3, 4)], ["7", "7"]
+
+    worker = RewardWorker(policy["dir"], RewardConfig(verifier="exact_match", verifier_weight=2.0, reward_model_weight=0.5), rm_dir)
+    assert worker.decode(responses) == ["7", "12"]  # the final EOS is not part of the text
+    rewards, metrics = worker.score(prompts, labels, responses)
+    rm = score(load_reward_model(rm_dir), tok, prompts, ["7", "12"])
+    torch.testing.assert_close(rewards, torch.tensor([2.0, 0.0]) + 0.5 * rm, rtol=0, atol=1e-6)
+    assert metrics["reward/verifier_mean"] == 0.5 and metrics["reward/model_mean"] == pytest.approx(rm.mean().item(), abs=1e-6)
+
+    with pytest.raises(ValueError, match="nothing gives a reward"):
+        RewardWorker(policy["dir"], RewardConfig(verifier="none", reward_model_weight=0.0))
+    with pytest.raises(ValueError, match="no reward model directory"):
+        RewardWorker(policy["dir"], RewardConfig(reward_model_weight=1.0))
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

@@ -141,3 +141,22 @@ def test_update_weights_switches_policy(setup):
 def test_empty_prompt_rejected(setup):
     with pytest.raises(ValueError, match="prompt 1 has no tokens"):
         setup[0].generate([[3], []], SamplingSpec())
+
+
+def test_valid_vocab_size_masks_padding_rows(setup):
+    """With a padded embedding only ids below ``valid_vocab_size`` are sampled, and the
+    reported log-probs are normalised over those ids."""
+    engine, model_a, _, _ = setup
+    engine.valid_vocab_size = 50
+    try:
+        outs = engine.generate(PROMPTS, SamplingSpec(n=4, temperature=1.0, max_new_tokens=6, seed=11))
+    finally:
+        engine.valid_vocab_size = None
+    for prompt, group in zip(PROMPTS, outs):
+        for o in group:
+            assert max(o.token_ids) < 50
+            ids = torch.tensor([prompt + list(o.token_ids)])
+            with torch.no_grad():
+                logits = model_a(ids).logits[0, len(prompt) - 1 : -1, :50].double()
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-4)
