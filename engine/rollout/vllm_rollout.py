@@ -99,6 +99,12 @@ class VLLMRollout:
             logprobs_mode="processed_logprobs",
             seed=seed,
             load_format=load_format,
+            # Per-request seeds make rollouts reproducible (a resumed run samples what an
+            # uninterrupted one would). vLLM rewinds a request's generator when a chunked
+            # prefill discards its sampled token, which CPU generators cannot do
+            # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(8192, max_model_len or int(config.get("max_position_embeddings", 2048))),
         )
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):

@@ -61,7 +61,8 @@ def test_missing_data_file_names_key_and_path(real_inputs, tmp_path):
     assert problems == [f"data.rl_eval.path: file not found: {tmp_path / 'gone.jsonl'}"]
 
 
-def test_data_path_under_prepare_dir_is_a_note_only_with_prepare(tmp_path):
+def test_data_path_under_prepare_dir_is_a_note_only_with_prepare(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths: a fresh project dir where prepare never ran
     raw = yaml.safe_load(QUICKSTART.read_text())
     del raw["prepare"]
     problems, notes = check_inputs(_cfg(raw))
