@@ -87,8 +87,14 @@ def evaluate_generations(
     response_lengths: Sequence[int],
     finish_reasons: Sequence[str],
     correct_threshold: float = 1.0,
+    prompt_index: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Score decoded responses and summarize them.
+
+    With several samples per prompt (``prompt_index`` given), accuracy and mean reward are
+    means over all samples, and their standard errors are computed over the per-prompt
+    means (samples of one prompt are correlated; treating them as independent would
+    understate the SE). ``n`` is then the number of prompts, ``samples`` the responses.
 
     Args:
         responses: ``n`` decoded response texts (EOS already removed).
@@ -97,6 +103,7 @@ def evaluate_generations(
         response_lengths: ``n`` generated token counts (EOS included).
         finish_reasons: ``n`` of ``"stop"`` / ``"length"``.
         correct_threshold: a response counts as correct when its reward is at least this.
+        prompt_index: ``n`` prompt ids grouping responses of the same prompt (None: one each).
 
     Returns:
         The scalar metrics of the module docstring plus ``records``: per example
@@ -115,8 +122,16 @@ def evaluate_generations(
         raise ValueError("evaluate_generations: nothing to evaluate")
     rewards = [float(verifier(r, l)) for r, l in zip(responses, labels)]
     correct = [1.0 if r >= correct_threshold else 0.0 for r in rewards]
-    accuracy, accuracy_se = accuracy_with_se(correct)
-    mean_reward, mean_reward_se = accuracy_with_se(rewards)
+    groups = list(range(n)) if prompt_index is None else list(prompt_index)
+
+    def per_prompt(values: list[float]) -> list[float]:
+        sums: dict[int, list[float]] = {}
+        for g, v in zip(groups, values):
+            sums.setdefault(g, []).append(v)
+        return [sum(v) / len(v) for v in sums.values()]
+
+    accuracy, accuracy_se = accuracy_with_se(per_prompt(correct))
+    mean_reward, mean_reward_se = accuracy_with_se(per_prompt(rewards))
     records = [
         {
             "index": i,
@@ -130,7 +145,8 @@ def evaluate_generations(
         for i in range(n)
     ]
     return {
-        "n": n,
+        "n": len(set(groups)),
+        "samples": n,
         "accuracy": accuracy,
         "accuracy_se": accuracy_se,
         "mean_reward": mean_reward,
@@ -164,8 +180,9 @@ def evaluate_policy(
     temperature: float,
     *,
     seed: int = 0,
+    samples_per_prompt: int = 1,
 ) -> dict[str, Any]:
-    """Generate one response per prompt with ``engine`` and score it.
+    """Generate ``samples_per_prompt`` responses per prompt with ``engine`` and score them.
 
     Prompts are rendered with the tokenizer's chat template plus the generation prompt
     (:func:`data.chat.encode_prompt`, the same ids SFT and RL use), sampled with
@@ -180,6 +197,8 @@ def evaluate_policy(
         max_new_tokens: response token budget.
         temperature: sampling temperature (0 = greedy).
         seed: sampling seed.
+        samples_per_prompt: responses per prompt (>1 only makes sense with temperature > 0);
+            accuracy is then mean@k and its SE is over prompts.
 
     Returns:
         :func:`evaluate_generations`'s dict; each record also has ``prompt`` (the messages).
@@ -194,16 +213,20 @@ def evaluate_policy(
             if key not in row:
                 raise KeyError(f"evaluate_policy: eval_rows[{i}] has no {key!r}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in eval_rows]
-    spec = SamplingSpec(n=1, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
-    outputs = [group[0] for group in engine.generate(prompt_ids, spec)]
+    k = samples_per_prompt
+    spec = SamplingSpec(n=k, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    groups = engine.generate(prompt_ids, spec)
+    outputs = [o for group in groups for o in group]
+    rows = [row for row in eval_rows for _ in range(k)]
     result = evaluate_generations(
         responses=[decode_response(tokenizer, o) for o in outputs],
-        labels=[str(row["label"]) for row in eval_rows],
+        labels=[str(row["label"]) for row in rows],
         verifier=verifier,
         response_lengths=[len(o.token_ids) for o in outputs],
         finish_reasons=[o.finish_reason for o in outputs],
+        prompt_index=[i for i in range(len(eval_rows)) for _ in range(k)],
     )
-    for record, row in zip(result["records"], eval_rows):
+    for record, row in zip(result["records"], rows):
         record["prompt"] = list(row["prompt"])
     return result
 
@@ -315,7 +338,8 @@ def evaluate_model_dirs(
                 engine_config = config
             logger.info("evaluating policy %r on %d prompts (%s backend)", name, len(rows), cfg.backend)
             results[name] = evaluate_policy(
-                engine, tokenizer, rows, verify, cfg.max_new_tokens, cfg.temperature, seed=seed
+                engine, tokenizer, rows, verify, cfg.max_new_tokens, cfg.temperature, seed=seed,
+                samples_per_prompt=cfg.samples_per_prompt,
             )
             logger.info(
                 "policy %r: accuracy %.4f ± %.4f", name, results[name]["accuracy"], results[name]["accuracy_se"]

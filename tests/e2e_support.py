@@ -26,9 +26,9 @@ def tiny_config(workdir: Path, **overrides) -> dict:
     for name in ("sft", "preference", "rl_train", "rl_eval"):
         cfg["data"][name]["path"] = str(workdir / "inputs" / Path(cfg["data"][name]["path"]).name)
     cfg["model"]["source"] = str(workdir / "inputs" / "base_model")
-    cfg["sft"].update(steps=6, checkpoint_every=3)
+    cfg["sft"].update(steps=6, checkpoint_every=3, global_batch_size=32, micro_batch_size=32)
     cfg["rm"].update(steps=4)
-    cfg["rl"].update(steps=3, prompts_per_step=8, n_samples=4, checkpoint_every=1)
+    cfg["rl"].update(steps=3, prompts_per_step=8, n_samples=4, checkpoint_every=1, micro_batch_size=32)
     cfg["evaluate"]["num_prompts"] = 24
     for dotted, value in overrides.items():
         node = cfg

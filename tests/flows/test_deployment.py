@@ -5,70 +5,22 @@ quickstart triggered through the deployment."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 import yaml
 
 from e2e_support import BIN, REPO, env_for, tiny_config, write_config
-from test_dvc import copy_project
+from test_dvc import Service, copy_project, start_prefect_server
 
 pytestmark = pytest.mark.slow
 DEPLOYMENT = "quickstart-nightly"
 STAGES = ["validate", "convert", "sft", "rm", "rl", "evaluate", "export"]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 6000) -> str:
-    return path.read_text(errors="replace")[-n:] if path.exists() else f"({path} not written)"
-
-
-class Service:
-    """A long-running CLI process in its own process group, logging to a file."""
-
-    def __init__(self, args: list[str], cwd: Path, env: dict, log: Path):
-        self.log = log
-        self._out = log.open("w")
-        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the process group, SIGKILL it after ``grace_s``, then kill any descendant
-        that left the group (flow-run subprocesses, Ray)."""
-        try:
-            family = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            family = []
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        for child in family:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(family, timeout=5)
-        self._out.close()
 
 
 def _cli(args: list[str], cwd: Path, env: dict, timeout: float = 180) -> str:
@@ -88,33 +40,21 @@ def deployed(tmp_path_factory):
     work = tmp / "run"
     work.mkdir()
     config = write_config(work / "tiny.yaml", tiny_config(work))
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
     env = env_for(work)
     env.update(
         PYTHONPATH=str(root),  # the worker's flow-run subprocess imports the copy's modules
         POSTTRAIN_HOME=str(root),
         PREFECT_HOME=str(tmp / "prefect"),
-        PREFECT_API_URL=api,
         PREFECT_UI_ENABLED="false",
         # the cron schedule is stored and inspected, but no scheduled runs are created
         PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
         PREFECT_WORKER_QUERY_SECONDS="2",
     )
-    services: list[Service] = []
+    env.pop("PREFECT_API_URL", None)
+    server, api = start_prefect_server(env, tmp / "server.log")
+    env["PREFECT_API_URL"] = api
+    services: list[Service] = [server]
     try:
-        server = Service([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], tmp, env, tmp / "server.log")
-        services.append(server)
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.proc.poll() is None, f"prefect server exited:\n{_tail(server.log)}"
-            assert time.time() < deadline, f"prefect server not healthy after 180 s:\n{_tail(server.log)}"
-            time.sleep(1)
         _cli(["work-pool", "create", "posttrain-process", "--type", "process"], root, env)
         started = time.time()
         _cli(["--no-prompt", "deploy", "--name", DEPLOYMENT], root, env)
@@ -129,14 +69,21 @@ def deployed(tmp_path_factory):
             flow_run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()
             if flow_run["state_type"] in TERMINAL:
                 break
-            assert worker.proc.poll() is None, f"worker exited:\n{_tail(worker.log)}"
-            assert time.time() - started < 600, f"flow run still {flow_run['state_name']} after 600 s:\n{_tail(worker.log)}"
+            assert worker.proc.poll() is None, f"worker exited:\n{worker.tail()}"
+            assert time.time() - started < 600, f"flow run still {flow_run['state_name']} after 600 s:\n{worker.tail()}"
             time.sleep(3)
         run_s = time.time() - started
-        task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}, timeout=10).json()
+        # task-run states reach the database through the server's event pipeline: allow it a moment
+        deadline = time.time() + 60
+        while True:
+            task_runs = httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}, timeout=10).json()
+            done = len(task_runs) >= 1 + len(STAGES) and all(t["state_type"] in TERMINAL for t in task_runs)
+            if done or time.time() > deadline:
+                break
+            time.sleep(2)
         print(f"deploy: {deploy_s:.1f} s, flow run (trigger to terminal): {run_s:.1f} s")
         yield {"root": root, "config": config, "inspected": inspected, "flow_run": flow_run, "task_runs": task_runs,
-               "worker_log": worker.log}
+               "worker": worker}
     finally:
         for service in reversed(services):  # worker first: it owns the flow-run subprocess
             service.stop()
@@ -157,7 +104,7 @@ def test_deploy_registers_the_prefect_yaml_deployment_with_its_cron_schedule(dep
 
 def test_triggered_run_completes_every_stage(deployed):
     flow_run = deployed["flow_run"]
-    assert flow_run["state_type"] == "COMPLETED", f"{flow_run['state_name']}: {flow_run['state'].get('message')}\n{_tail(deployed['worker_log'])}"
+    assert flow_run["state_type"] == "COMPLETED", f"{flow_run['state_name']}: {flow_run['state'].get('message')}\n{deployed['worker'].tail()}"
     assert flow_run["deployment_id"] == deployed["inspected"]["id"]
     assert flow_run["parameters"] == {"config_path": str(deployed["config"])}
     states = {t["name"].rsplit("-", 1)[0]: t["state_type"] for t in deployed["task_runs"]}

@@ -1,19 +1,30 @@
 """DVC: dvc.yaml agrees with the stages' fingerprints (fast checks), and the real ``dvc repro``
 runs the tiny quickstart in a fresh git + DVC copy of the project, skips it when nothing
-changed, reports the evaluate metrics, and flags only rl after an rl parameter changes."""
+changed, reports the evaluate metrics, and flags only rl after an rl parameter changes.
+
+The stages report to one local Prefect server (PREFECT_API_URL, as a team would run it):
+eight ephemeral servers, one per stage, cost minutes on this 2-core machine, and
+``posttrain stage`` in ephemeral mode is exercised by tests/flows/test_faults.py.
+Also holds the project-copy and service helpers tests/flows/test_deployment.py uses.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import time
 import types
 import typing
 from pathlib import Path
 
+import httpx
+import psutil
 import pytest
 import yaml
 from pydantic import BaseModel
@@ -46,6 +57,75 @@ def copy_project(dest: Path) -> Path:
         shutil.copy2(src, dest / rel)
     return dest
 
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else f"({path} not written)"
+
+
+class Service:
+    """A long-running CLI process in its own process group (session), logging to ``log``."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict, log: Path):
+        self.log = log
+        self._out = log.open("w")
+        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def tail(self) -> str:
+        return _tail(self.log)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``, then kill every
+        descendant that left the group (flow-run subprocesses, Ray daemons)."""
+        try:
+            family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            family = []
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        for child in family:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(family, timeout=5)
+        self._out.close()
+
+
+def start_prefect_server(env: dict, log: Path, timeout_s: float = 180) -> tuple[Service, str]:
+    """``prefect server start`` on a free local port (PREFECT_HOME etc. from ``env``);
+    returns (service, API URL) once /api/health answers. The caller stops the service.
+
+    Raises:
+        AssertionError: the server exited or was not healthy within ``timeout_s``.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api"
+    server = Service([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], log.parent, env, log)
+    deadline = time.time() + timeout_s
+    try:
+        while True:
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    return server, api
+            except httpx.HTTPError:
+                pass
+            assert server.proc.poll() is None, f"prefect server exited {server.proc.returncode}:\n{server.tail()}"
+            assert time.time() < deadline, f"prefect server not healthy after {timeout_s:.0f} s:\n{server.tail()}"
+            time.sleep(1)
+    except BaseException:
+        server.stop()
+        raise
 
 # ---------------------------------------------------------------- fast: dvc.yaml vs fingerprints
 
@@ -197,9 +277,9 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> subproce
     return proc
 
 
-def _quickstart_tiny(root: Path) -> dict:
+def _quickstart_tiny() -> dict:
     """tiny_config with the quickstart's relative paths: prepare writes work/quickstart (the
-    path dvc.yaml names) and artifacts, checkpoints and W&B files stay inside ``root``."""
+    path dvc.yaml names) and artifacts, checkpoints and W&B files stay inside the project."""
     cfg = tiny_config(Path("."))
     quick = yaml.safe_load((REPO / PARAMS_FILE).read_text())
     cfg["prepare"]["output_dir"] = quick["prepare"]["output_dir"]
@@ -223,17 +303,17 @@ def _code_versions(root: Path, env: dict) -> tuple[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def dvc_project(tmp_path_factory):
     """A git + DVC copy of the project whose quickstart config is the tiny one, after one
-    ``dvc repro``; the stages run the copy's code (PYTHONPATH), in ephemeral Prefect mode."""
+    ``dvc repro``; the stages run the copy's code (PYTHONPATH) against a local Prefect server."""
     tmp = tmp_path_factory.mktemp("dvc")
     root = copy_project(tmp / "project")
     with (root / "config" / "schema.py").open("a") as f:
         f.write(COPY_MARKER)
-    write_config(root / PARAMS_FILE, _quickstart_tiny(root))
+    write_config(root / PARAMS_FILE, _quickstart_tiny())
     env = env_for(root)
-    env.pop("PREFECT_API_URL", None)
     env.update(
         PYTHONPATH=str(root),  # the editable install points at the checkout; the copy must win
         PREFECT_HOME=str(tmp / "prefect"),
+        PREFECT_UI_ENABLED="false",
         DVC_NO_ANALYTICS="1",
         DVC_SITE_CACHE_DIR=str(tmp / "dvc-site"),
         GIT_CONFIG_NOSYSTEM="1",
@@ -241,36 +321,55 @@ def dvc_project(tmp_path_factory):
         GIT_AUTHOR_NAME="posttrain", GIT_AUTHOR_EMAIL="posttrain@localhost",
         GIT_COMMITTER_NAME="posttrain", GIT_COMMITTER_EMAIL="posttrain@localhost",
     )
-    dvc = str(BIN / "dvc")
-    _run(["git", "init", "-q"], root, env)
-    _run(["git", "add", "-A"], root, env)
-    _run(["git", "commit", "-qm", "project"], root, env)
-    _run([dvc, "init", "-q"], root, env)
-    _run(["git", "add", "-A"], root, env)
-    _run(["git", "commit", "-qm", "dvc init"], root, env)
-    started = time.time()
-    first = _run([dvc, "repro"], root, env, timeout=1500)
-    wall = time.time() - started
-    print(f"dvc repro (all stages): {wall:.1f} s")
-    return {"root": root, "env": env, "dvc": dvc, "first": first, "first_wall": wall}
+    env.pop("PREFECT_API_URL", None)
+    server, env["PREFECT_API_URL"] = start_prefect_server(env, tmp / "prefect_server.log")
+    try:
+        dvc = str(BIN / "dvc")
+        for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "project"],
+                    [dvc, "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "dvc init"]):
+            _run(cmd, root, env)
+        started = time.time()
+        first = _run([dvc, "repro"], root, env, timeout=1500)
+        wall = time.time() - started
+        print(f"dvc repro (all stages): {wall:.1f} s")
+        yield {"root": root, "env": env, "dvc": dvc, "first": first, "first_wall": wall}
+    finally:
+        server.stop()
 
 
 def _pointer(root: Path, name: str) -> dict:
     return json.loads((root / "outputs" / "quickstart" / f"{name}.json").read_text())
 
 
+def _manifest(root: Path, pointer: dict) -> tuple[Path, dict]:
+    """(artifact directory, its manifest) of the artifact a pointer file names."""
+    uri = Path(pointer["uri"]) if Path(pointer["uri"]).is_absolute() else root / pointer["uri"]
+    return uri, json.loads((uri / "manifest.json").read_text())
+
+
+def _upstream() -> dict[str, set[str]]:
+    """Stage -> the stages whose outs it lists as deps (DVC's DAG)."""
+    producer = {}
+    for name, stage in DVC.items():
+        for out in stage["outs"]:
+            producer[out if isinstance(out, str) else next(iter(out))] = name
+    return {name: {producer[d] for d in stage["deps"] if d in producer} for name, stage in DVC.items()}
+
+
 @pytest.mark.slow
 def test_dvc_repro_runs_every_stage_with_the_copys_code(dvc_project):
     root, out = dvc_project["root"], dvc_project["first"].stdout
-    assert re.findall(r"Running stage '(\w+)'", out) == STAGES
+    ran = re.findall(r"Running stage '(\w+)'", out)
+    assert sorted(ran) == sorted(STAGES)  # each stage exactly once
+    for name, ups in _upstream().items():
+        assert all(ran.index(up) < ran.index(name) for up in ups), (name, ups, ran)
     file, versions = _code_versions(root, dvc_project["env"])
     assert Path(file).resolve() == (root / "tasks" / "fingerprint.py").resolve()
     from tasks.fingerprint import code_version  # this checkout's sources (no marker)
 
     for name in ARTIFACT_STAGES:
         pointer = _pointer(root, name)
-        uri = Path(pointer["uri"]) if Path(pointer["uri"]).is_absolute() else root / pointer["uri"]
-        manifest = json.loads((uri / "manifest.json").read_text())
+        uri, manifest = _manifest(root, pointer)
         assert uri.parent == root / "artifacts" / name
         assert (manifest["stage"], manifest["artifact_id"], manifest["fingerprint"]) == (name, pointer["artifact_id"], pointer["fingerprint"])
         # the stage ran the copy's modules: its code version hashes the copy's marked sources
@@ -289,7 +388,7 @@ def test_second_repro_runs_nothing_and_keeps_the_lock(dvc_project):
     out = _run([dvc_project["dvc"], "repro"], root, dvc_project["env"]).stdout
     wall = time.time() - started
     assert "Running stage" not in out
-    assert re.findall(r"Stage '(\w+)' didn't change, skipping", out) == STAGES
+    assert sorted(re.findall(r"Stage '(\w+)' didn't change, skipping", out)) == sorted(STAGES)
     assert "Data and pipelines are up to date." in out
     assert (root / "dvc.lock").read_bytes() == lock
     assert wall < 30.0, f"no-op dvc repro took {wall:.1f} s"
@@ -302,7 +401,7 @@ def test_exp_show_lists_the_evaluate_metrics(dvc_project):
     workspace = next(r for r in rows if r["rev"] == "workspace")
     shown = workspace["data"]["metrics"]["outputs/quickstart/evaluate.metrics.json"]["data"]
     on_disk = json.loads((root / "outputs" / "quickstart" / "evaluate.metrics.json").read_text())
-    manifest = json.loads((Path(_pointer(root, "evaluate")["uri"]) / "manifest.json").read_text())
+    _, manifest = _manifest(root, _pointer(root, "evaluate"))
     for key in ("sft/accuracy", "rl/accuracy", "sft/n", "rl/n"):
         assert shown[key] == on_disk[key] == manifest["metrics"][key], key
     assert shown["sft/n"] == shown["rl/n"] == 24  # tiny_config's evaluate.num_prompts
@@ -324,8 +423,8 @@ def test_changing_an_rl_parameter_flags_rl_and_reruns_only_rl_evaluate_export(dv
         # and export change once rl publishes a new artifact and rewrites its pointer.
         assert status == {"rl": [{"changed deps": {PARAMS_FILE: {"rl": "modified"}}}]}
         dry = _run([dvc, "repro", "--dry", "--force-downstream"], root, env).stdout
-        assert re.findall(r"Running stage '(\w+)'", dry) == ["rl", "evaluate", "export"]
-        assert re.findall(r"Stage '(\w+)' didn't change", dry) == ["prepare", "validate", "convert", "sft", "rm"]
+        assert sorted(re.findall(r"Running stage '(\w+)'", dry)) == ["evaluate", "export", "rl"]
+        assert sorted(re.findall(r"Stage '(\w+)' didn't change", dry)) == ["convert", "prepare", "rm", "sft", "validate"]
         # the project's own fingerprints agree on what is stale
         rows = json.loads(_run([str(BIN / "posttrain"), "status", PARAMS_FILE, "--json"], root, env).stdout)
         assert {r["stage"]: r["up_to_date"] for r in rows} == {s: s not in ("rl", "evaluate", "export") for s in ARTIFACT_STAGES}
