@@ -12,6 +12,8 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Prefect's 20 s default for starting its temporary server is too short on a busy 2-core box.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402

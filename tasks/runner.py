@@ -159,7 +159,7 @@ def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], An
         def body(cfg: PipelineConfig, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
             return run_stage(spec, build, cfg, inputs)
 
-        body.__name__ = spec.name
+        body.__name__ = body.__qualname__ = spec.name  # Prefect derives the task key from these
         body.__doc__ = build.__doc__
         return task(
             name=spec.name,

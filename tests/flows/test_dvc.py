@@ -127,6 +127,7 @@ def start_prefect_server(env: dict, log: Path, timeout_s: float = 180) -> tuple[
         server.stop()
         raise
 
+
 # ---------------------------------------------------------------- fast: dvc.yaml vs fingerprints
 
 DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
@@ -332,7 +333,7 @@ def dvc_project(tmp_path_factory):
         first = _run([dvc, "repro"], root, env, timeout=1500)
         wall = time.time() - started
         print(f"dvc repro (all stages): {wall:.1f} s")
-        yield {"root": root, "env": env, "dvc": dvc, "first": first, "first_wall": wall}
+        yield {"root": root, "env": env, "dvc": dvc, "first": first}
     finally:
         server.stop()
 

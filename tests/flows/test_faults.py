@@ -637,6 +637,7 @@ def test_corrupted_input_artifact_is_never_consumed_silently(project):
     fps = fingerprints(project.config)
     store = ArtifactStore(str(project.artifacts))
     rl_ref = store.find("rl", fps["rl"])
+    assert rl_ref is not None, "no rl artifact for this config to corrupt (an earlier test did not publish it)"
     rl_dir = Path(rl_ref.uri)
     target = max((rl_dir / "model" / "megatron").rglob("*.distcp"), key=lambda p: p.stat().st_size)
     original = target.read_bytes()
