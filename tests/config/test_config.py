@@ -43,13 +43,13 @@ def test_quickstart_loads_with_its_values_and_defaults():
     assert cfg.data.sft.path == "work/quickstart/sft.jsonl" and cfg.data.sft.format == "messages"
     assert cfg.data.rl_eval.format == "prompt_label"
     assert cfg.model.source == "work/quickstart/base_model"
-    assert (cfg.sft.steps, cfg.sft.global_batch_size, cfg.sft.micro_batch_size) == (60, 32, 32)
+    assert (cfg.sft.steps, cfg.sft.global_batch_size, cfg.sft.micro_batch_size) == (300, 512, 512)
     assert cfg.sft.optim.lr == 3.0e-3 and cfg.sft.optim.warmup_steps == 5
     assert cfg.sft.log_every == 10  # not in the file: the schema default
-    assert cfg.rl.n_samples == 8 and cfg.rl.rollout.max_new_tokens == 8 and cfg.rl.rollout.backend == "vllm"
-    assert cfg.rl.optim.lr == 1.0e-3 and cfg.rl.optim.grad_clip == 1.0
+    assert cfg.rl.n_samples == 8 and cfg.rl.rollout.max_new_tokens == 6 and cfg.rl.rollout.backend == "vllm"
+    assert cfg.rl.optim.lr == 5.0e-5 and cfg.rl.optim.grad_clip == 1.0
     assert cfg.rl.reward.verifier == "exact_match" and cfg.rl.engine.placement == "colocated"
-    assert cfg.evaluate.temperature == 0.0 and cfg.export.dtype == "float32"
+    assert cfg.evaluate.temperature == 1.0 and cfg.evaluate.samples_per_prompt == 8 and cfg.export.dtype == "float32"
 
 
 def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw):
@@ -139,6 +139,7 @@ def test_batch_size_must_be_multiple_of_micro_batch(tmp_path, quickstart_raw):
     assert "rm.global_batch_size must be a multiple of rm.micro_batch_size" in _error(_write(tmp_path, raw))
     raw = copy.deepcopy(quickstart_raw)
     raw["sft"]["global_batch_size"] = 64  # 2 micro-batches of 32: valid
+    raw["sft"]["micro_batch_size"] = 32
     assert load_config(_write(tmp_path, raw)).sft.global_batch_size == 64
 
 
@@ -199,7 +200,7 @@ def test_models_are_frozen():
         cfg.run = cfg.run
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.rl.rollout.temperature = 0.5
-    assert cfg.sft.steps == 60 and cfg.rl.rollout.temperature == 1.0
+    assert cfg.sft.steps == 300 and cfg.rl.rollout.temperature == 1.0
     # Changing a value means building a new, validated config.
     changed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"steps": 7})})
-    assert changed.sft.steps == 7 and cfg.sft.steps == 60
+    assert changed.sft.steps == 7 and cfg.sft.steps == 300
