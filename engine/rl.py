@@ -276,7 +276,12 @@ def check_checkpoint(resume_dir, identity: dict) -> int:
     """
     if not has_train_state(resume_dir):
         return 0
-    state = torch.load(Path(resume_dir) / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    path = Path(resume_dir) / STATE_FILE
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise ValueError(f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
+                         f"delete {resume_dir} to start this stage over") from exc
     saved = {k: state.get("extra", {}).get(k) for k in identity}
     if saved != identity:
         raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({saved}); "

@@ -204,4 +204,5 @@ def train_sft(
             log_metrics(metrics, done)
 
     save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
-    return {**metrics, "train/steps": float(cfg.steps)}
+    return {**metrics, "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
+            "train/steps_run": float(cfg.steps - start)}

@@ -187,7 +187,11 @@ def load_train_state(directory: str | Path) -> TrainState:
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no train state at {path}")
-    raw = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated or foreign file: say which, and how to recover
+        raise ValueError(f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
+                         f"delete {Path(path).parent} to start this stage over") from exc
     if not isinstance(raw, dict) or raw.get("format_version") != _FORMAT_VERSION:
         raise ValueError(f"{path}: not a train state of format version {_FORMAT_VERSION}")
     missing = {"step", "data_position", "model", "optimizer", "scheduler", "rng"} - raw.keys()

@@ -94,6 +94,8 @@ def _print_summary(summary: dict) -> None:
 
 def cmd_stage(args) -> int:
     cfg, problems, _ = _load(args.config)
+    if problems and args.name in ("prepare", "validate", "convert"):  # the stages that read raw inputs
+        raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     if args.name == "prepare" and cfg.prepare is None:
         raise ConfigError(f"{args.config} has no prepare section")
     if args.name == "rm" and not cfg.rm.enabled:

@@ -20,7 +20,7 @@ from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef
 from tasks.graph import enabled_stages, expected_fingerprints, stage
 from tasks.prepare import is_prepared, prepare
-from tasks.runner import store_for
+from tasks.runner import store_for, write_pointer
 
 
 def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef]) -> State:
@@ -54,6 +54,7 @@ def pipeline(config_path: str) -> dict[str, Any]:
         t0 = time.time()
         state = run_stage_task(cfg, spec.name, refs)
         refs[spec.name] = state.result()  # raises the stage's exception if it failed
+        write_pointer(cfg, refs[spec.name], store.manifest(refs[spec.name]).get("metrics"))  # also on cache hits
         summary["stages"][spec.name] = {
             "state": state.name,
             "wall_s": round(time.time() - t0, 2),
@@ -96,4 +97,5 @@ def stage_flow(config_path: str, name: str) -> dict[str, Any]:
         refs[up] = ref
     state = run_stage_task(cfg, name, refs)
     ref = state.result()
+    write_pointer(cfg, ref, store.manifest(ref).get("metrics"))  # DVC deleted it before running us
     return {"state": state.name, **ref.model_dump()}

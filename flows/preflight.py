@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -47,4 +48,20 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
         problems.append(f"model.source: not a file, directory or hub id: {src}")
     if cfg.model.tokenizer and not Path(cfg.model.tokenizer).exists() and not _made_by_prepare(cfg, cfg.model.tokenizer):
         problems.append(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
+    problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(cfg.run.checkpoint_root, "run.checkpoint_root")
     return problems, notes
+
+
+def _unwritable(root: str, key: str) -> list[str]:
+    """A real create-and-remove probe (``os.access`` says yes to root even on read-only dirs)."""
+    if "://" in root and not root.startswith("file://"):
+        return []  # remote stores: credentials and buckets are checked when the stage publishes
+    path = Path(root.removeprefix("file://"))
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    probe = (existing or Path(".")) / f".posttrain-write-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        return [f"{key}: cannot write under {path} ({exc.strerror})"]
+    return []

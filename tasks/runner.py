@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,10 +61,20 @@ class StageContext:
     resume_dir: Path
     tracker: StageTracker
     markdown: list[str] = field(default_factory=list)
+    verified: set[str] = field(default_factory=set)
 
     def input_path(self, stage: str) -> Path:
-        """Local directory of the upstream artifact of ``stage``."""
-        return self.store.local_path(self.inputs[stage])
+        """Local directory of the upstream artifact of ``stage``, checked against its manifest
+        (every file's sha256) the first time it is read.
+
+        Raises:
+            ArtifactError: a file is missing or corrupt (names the file and the artifact).
+        """
+        ref = self.inputs[stage]
+        if ref.artifact_id not in self.verified:
+            self.store.verify(ref)
+            self.verified.add(ref.artifact_id)
+        return self.store.local_path(ref)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.tracker.log(metrics, step)
@@ -116,7 +125,11 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
         return existing
     resume_dir = Path(cfg.run.checkpoint_root) / spec.name / fp[:16]
     resume_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=f"posttrain-{spec.name}-"))
+    # The work dir sits beside the checkpoint (not in $TMPDIR) so a killed attempt's
+    # leftovers are found and removed by the next attempt of the same fingerprint.
+    workdir = resume_dir.with_name(f".work-{fp[:16]}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir()
     tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), spec.config(cfg), logger)
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
     started = time.time()
