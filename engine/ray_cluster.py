@@ -64,7 +64,18 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
         )
         if address is None:
             kwargs.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024 * 1024)
-        ray.init(address=address, **kwargs)
+        # Ray waits a hard-coded 30 s for a new local node; on a saturated machine (load far
+        # above the core count) that can expire. Starting a local node again is safe.
+        attempts = 3 if address is None else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(address=address, **kwargs)
+                break
+            except Exception as exc:
+                if attempt == attempts or "timed out during startup" not in str(exc):
+                    raise
+                logging.getLogger(__name__).warning("Ray start-up timed out (attempt %d of %d); retrying", attempt, attempts)
+                ray.shutdown()
     return ray.cluster_resources()
 
 

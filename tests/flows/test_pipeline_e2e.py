@@ -93,7 +93,7 @@ def test_wandb_has_one_run_per_stage_grouped_by_pipeline_run(project):
     for run_file in (project["work"] / "wandb").glob("wandb/offline-run-*/run-*.wandb"):
         records = wandb_records(run_file)
         run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-        keys = {i.key for r in records if r.WhichOneof("record_type") == "history" for i in r.history.item}
+        keys = {i.key or "/".join(i.nested_key) for r in records if r.WhichOneof("record_type") == "history" for i in r.history.item}
         runs[run.display_name] = (run.run_group, run.job_type, keys)
     first_ids = {summary["stages"][s]["artifact_id"]: s for s in STAGES}
     first_runs = {name: v for name, v in runs.items() if name in first_ids}
