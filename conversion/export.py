@@ -10,8 +10,9 @@ import json
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -56,6 +57,24 @@ def replace_dir_atomically(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
 
 
+@contextmanager
+def atomic_hf_dir(out_dir: str | Path, tokenizer_dir: str | Path | None) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out_dir`` to fill; on success copy the tokenizer files
+    into it and rename it over ``out_dir``; on any error remove it (nothing half-written)."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        replace_dir_atomically(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_hf_safetensors(
     out_dir: str | Path,
     hf_config: Mapping[str, Any],
@@ -85,11 +104,7 @@ def write_hf_safetensors(
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    final = Path(out_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with atomic_hf_dir(out_dir, tokenizer_dir) as tmp:
         state: dict[str, torch.Tensor] = {}
         for name, t in tensors:
             if name in state:
@@ -102,10 +117,4 @@ def write_hf_safetensors(
         gen = dict(generation_config) if generation_config is not None else generation_config_from(hf_config)
         if gen:
             (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True))
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
-        replace_dir_atomically(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return Path(out_dir)

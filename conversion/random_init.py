@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from conversion.export import copy_tokenizer_files, replace_dir_atomically
+from conversion.export import atomic_hf_dir
 
 
 def init_random_hf_model(out_dir: str | Path, hf_config: Mapping[str, Any], seed: int,
@@ -42,15 +40,6 @@ def init_random_hf_model(out_dir: str | Path, hf_config: Mapping[str, Any], seed
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    final = Path(out_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_hf_dir(out_dir, tokenizer_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
-        replace_dir_atomically(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return Path(out_dir)
