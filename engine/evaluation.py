@@ -135,6 +135,7 @@ def evaluate_generations(
     records = [
         {
             "index": i,
+            "prompt_index": groups[i],
             "label": labels[i],
             "response": responses[i],
             "reward": rewards[i],
@@ -155,6 +156,44 @@ def evaluate_generations(
         "response_length/clip_ratio": sum(f == "length" for f in finish_reasons) / n,
         "records": records,
     }
+
+
+def paired_difference(
+    baseline: Mapping[str, Any], candidate: Mapping[str, Any], key: str = "correct"
+) -> tuple[float, float]:
+    """Mean of ``candidate − baseline`` over prompts both saw, with its paired standard error.
+
+    Both policies answer the same prompts, so the comparison is paired: for every prompt
+    ``i`` take the difference ``d_i`` of its per-prompt means (mean@k over that prompt's
+    samples), then ``delta = mean(d)`` and ``SE = std(d, ddof=1) / sqrt(n)``. Prompt
+    difficulty cancels in ``d_i``, so this SE is smaller than combining the two unpaired
+    SEs and is the one to use for "does RL beat SFT". Source: E. Miller, "Adding Error
+    Bars to Evals" (arXiv:2411.00640, 2024), section on paired differences.
+
+    Args:
+        baseline: an :func:`evaluate_generations` result (its ``records``).
+        candidate: the same for the other policy, on the same prompts.
+        key: record field to compare (``"correct"`` or ``"reward"``).
+
+    Returns:
+        ``(delta, se)``; ``delta > 2 * se`` means the candidate is better by more than two SE.
+
+    Raises:
+        ValueError: the two results do not cover the same prompts, or there are none.
+    """
+
+    def by_prompt(result: Mapping[str, Any]) -> dict[int, float]:
+        values: dict[int, list[float]] = {}
+        for r in result["records"]:
+            values.setdefault(int(r.get("prompt_index", r["index"])), []).append(float(r[key]))
+        return {i: sum(v) / len(v) for i, v in values.items()}
+
+    a, b = by_prompt(baseline), by_prompt(candidate)
+    if a.keys() != b.keys():
+        raise ValueError(
+            f"paired_difference: the policies were evaluated on different prompts ({len(a)} vs {len(b)} prompt ids)"
+        )
+    return accuracy_with_se([b[i] - a[i] for i in sorted(a)])
 
 
 # ----------------------------------------------------------------------------- one policy
@@ -487,6 +526,10 @@ def write_eval_report(results: Mapping[str, Mapping[str, Any]], out_dir: str | o
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Accuracy and mean reward: value ± standard error of the mean (sample std, ddof=1, / sqrt(n)).")
+    if len(policies) == 2 and all("records" in results[p] for p in policies):
+        base, cand = policies
+        delta, se = paired_difference(results[base], results[cand])
+        lines.append(f"Accuracy {_md(cand)} − {_md(base)}: {delta:+.4f} ± {se:.4f} (paired over prompts).")
 
     first = results[policies[0]].get("records", [])[:num_samples]
     if first:

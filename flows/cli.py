@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -86,6 +87,10 @@ def _print_summary(summary: dict) -> None:
     if ev:
         console.print(f"SFT accuracy: {_fmt_metric(ev, 'sft/accuracy')}   (n={ev.get('sft/n', '?')})")
         console.print(f"RL  accuracy: {_fmt_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
+        if "rl_minus_sft/accuracy" in ev:
+            delta, se = ev["rl_minus_sft/accuracy"], ev["rl_minus_sft/accuracy_se"]
+            ratio = f"{delta / se:+.1f} SE" if se > 0 else "SE 0"
+            console.print(f"RL − SFT:     {delta:+.3f} ± {se:.3f}   (paired over prompts; {ratio})")
     ex = summary["stages"].get("export")
     if ex:
         console.print(f"Exported model (HF SafeTensors): {Path(ex['uri']) / 'hf_model'}")
@@ -175,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2
+    finally:
+        # Interpreter shutdown garbage-collects every object torch, transformers and the
+        # Prefect server created (seconds of CPU after the work is done); frozen objects
+        # are skipped by that final collection.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -9,11 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from config.schema import PipelineConfig
-from conversion.hf_source import load_hf_source
-from conversion.registry import hf_to_megatron
-from engine.megatron_model import GPTSpec, build_gpt_model
-from engine.model_dir import save_model_dir
-from engine.platform import init_model_parallel
 from tasks.runner import StageContext, StageSpec, stage_task
 
 
@@ -37,6 +32,13 @@ SPEC = StageSpec(
 @stage_task(SPEC)
 def convert(ctx: StageContext) -> dict:
     """Load the HF weights, map them to Megatron names, save as torch_dist."""
+    # imported here, not at module level: a cached run must not pay for torch's import
+    from conversion.hf_source import load_hf_source
+    from conversion.registry import hf_to_megatron
+    from engine.megatron_model import GPTSpec, build_gpt_model
+    from engine.model_dir import save_model_dir
+    from engine.platform import init_model_parallel
+
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
     init_model_parallel()

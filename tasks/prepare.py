@@ -16,9 +16,6 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from config.schema import PipelineConfig
-from conversion.random_init import init_random_hf_model
-from data.addition import make_addition_datasets
-from data.tokenizer_train import train_chat_tokenizer
 from tasks.fingerprint import code_version, fingerprint
 
 STAMP = ".prepare.json"
@@ -78,6 +75,11 @@ def is_prepared(cfg: PipelineConfig) -> bool:
 @task(name="prepare", cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}", persist_result=True)
 def prepare(cfg: PipelineConfig) -> str:
     """Write the quickstart inputs under ``prepare.output_dir``; returns that path."""
+    # imported here, not at module level: a cached run must not pay for torch's import
+    from conversion.random_init import init_random_hf_model
+    from data.addition import make_addition_datasets
+    from data.tokenizer_train import train_chat_tokenizer
+
     from transformers import AutoTokenizer
 
     p = cfg.prepare

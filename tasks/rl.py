@@ -7,7 +7,6 @@ step, used for the reward curve). Killed runs resume from the last checkpoint.
 from __future__ import annotations
 
 from config.schema import PipelineConfig
-from engine.rl import run_rl
 from tasks.runner import StageContext, StageSpec, stage_task
 
 
@@ -26,6 +25,9 @@ SPEC = StageSpec(
 @stage_task(SPEC)
 def rl(ctx: StageContext) -> dict:
     """Run ``rl.steps`` GRPO iterations; checkpoint every ``rl.checkpoint_every``."""
+    # imported here, not at module level: a cached run must not pay for torch's import
+    from engine.rl import run_rl
+
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
     return run_rl(
         ctx.input_path("sft") / "model",

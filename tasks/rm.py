@@ -6,7 +6,6 @@ Artifact: ``model/`` with the reward head in ``heads.safetensors``; metrics incl
 
 from __future__ import annotations
 
-from engine.reward_model import train_reward_model
 from tasks.runner import StageContext, StageSpec, stage_task
 
 SPEC = StageSpec(
@@ -20,6 +19,9 @@ SPEC = StageSpec(
 @stage_task(SPEC)
 def rm(ctx: StageContext) -> dict:
     """Train the reward model on ``preference.jsonl``; report held-out pairwise accuracy."""
+    # imported here, not at module level: a cached run must not pay for torch's import
+    from engine.reward_model import train_reward_model
+
     return train_reward_model(
         ctx.input_path("sft") / "model",
         ctx.input_path("validate") / "preference.jsonl",

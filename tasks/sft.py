@@ -6,7 +6,6 @@ Artifact: ``model/`` (the fine-tuned policy). Resumes from its checkpoint under
 
 from __future__ import annotations
 
-from engine.sft import train_sft
 from tasks.runner import StageContext, StageSpec, stage_task
 
 SPEC = StageSpec(
@@ -20,6 +19,9 @@ SPEC = StageSpec(
 @stage_task(SPEC)
 def sft(ctx: StageContext) -> dict:
     """Train ``sft.steps`` steps with loss on assistant tokens only."""
+    # imported here, not at module level: a cached run must not pay for torch's import
+    from engine.sft import train_sft
+
     return train_sft(
         ctx.input_path("convert") / "model",
         ctx.input_path("validate") / "sft.jsonl",

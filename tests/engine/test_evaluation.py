@@ -22,6 +22,7 @@ from engine.evaluation import (
     evaluate_generations,
     evaluate_model_dirs,
     evaluate_policy,
+    paired_difference,
     plot_reward_curve,
     write_eval_report,
 )
@@ -69,6 +70,29 @@ def test_evaluate_generations_by_hand():
     assert [r["correct"] for r in result["records"]] == [True, False, True, True, False]
     with pytest.raises(ValueError, match="2 labels"):
         evaluate_generations(["a", "b", "c"], ["a", "b"], exact_match, [1, 1, 1], ["stop"] * 3)
+
+
+def test_paired_difference_by_hand():
+    # Three prompts, two samples each (prompt_index 0,0,1,1,2,2).
+    # baseline correct: [1,0 | 0,0 | 1,1] -> per prompt 0.5, 0.0, 1.0
+    # candidate correct: [1,1 | 1,0 | 1,1] -> per prompt 1.0, 0.5, 1.0
+    # d = [0.5, 0.5, 0.0]: mean 1/3; deviations 1/6, 1/6, -1/3; s^2 = (1/36 + 1/36 + 1/9) / 2 = 1/12;
+    # SE = sqrt(1/12 / 3) = 1/6.
+    def result(responses):
+        return evaluate_generations(
+            responses, ["85"] * 6, exact_match, [2] * 6, ["stop"] * 6, prompt_index=[0, 0, 1, 1, 2, 2]
+        )
+
+    base = result(["85", "1", "2", "3", "85", "85"])
+    cand = result(["85", "85", "85", "4", "85", "85"])
+    delta, se = paired_difference(base, cand)
+    assert math.isclose(delta, 1 / 3) and math.isclose(se, 1 / 6)
+    # The unpaired SEs would be larger: the prompt effect (prompt 2 is easy for both) cancels.
+    assert se < math.hypot(base["accuracy_se"], cand["accuracy_se"])
+    assert paired_difference(base, base) == (0.0, 0.0)
+    other = evaluate_generations(["85"], ["85"], exact_match, [2], ["stop"], prompt_index=[7])
+    with pytest.raises(ValueError, match="different prompts"):
+        paired_difference(base, other)
 
 
 # ----------------------------------------------------------------------------- reward curve
@@ -146,6 +170,8 @@ def test_write_eval_report(tmp_path):
     assert "| accuracy | 50.00% ± 50.00% | 100.00% ± 0.00% |" in markdown
     assert "| hit max_new_tokens | 0.00% | 50.00% |" in markdown
     assert "| What is 47 + 38? | 85 | 84 (✗) | 85 (✓) |" in markdown
+    # Paired over the 2 prompts: d = [1, 0], mean 0.5, s = sqrt(0.5), SE = 0.5.
+    assert "Accuracy rl − sft: +0.5000 ± 0.5000 (paired over prompts)." in markdown
 
     # One example: the SE is undefined, written as null and left out of the table.
     single = {"sft": _result(["85"], [2], ["stop"])}
