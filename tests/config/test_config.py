@@ -47,7 +47,7 @@ def test_quickstart_loads_with_its_values_and_defaults():
     assert cfg.sft.optim.lr == 3.0e-3 and cfg.sft.optim.warmup_steps == 5
     assert cfg.sft.log_every == 10  # not in the file: the schema default
     assert cfg.rl.n_samples == 8 and cfg.rl.rollout.max_new_tokens == 6 and cfg.rl.rollout.backend == "vllm"
-    assert cfg.rl.optim.lr == 5.0e-5 and cfg.rl.optim.grad_clip == 1.0
+    assert (cfg.rl.steps, cfg.rl.optim.lr, cfg.rl.optim.warmup_steps, cfg.rl.optim.grad_clip) == (100, 2.0e-4, 10, 1.0)
     assert cfg.rl.reward.verifier == "exact_match" and cfg.rl.engine.placement == "colocated"
     assert cfg.evaluate.temperature == 1.0 and cfg.evaluate.samples_per_prompt == 8 and cfg.export.dtype == "float32"
 
