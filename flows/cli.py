@@ -58,8 +58,10 @@ def cmd_run(args) -> int:
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     from flows.pipeline import pipeline
+    from flows.prefect_server import prefect_api
 
-    summary = pipeline(config_path=args.config)
+    with prefect_api():
+        summary = pipeline(config_path=args.config)
     out = Path("outputs") / cfg.run.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -108,6 +110,7 @@ def cmd_stage(args) -> int:
     if args.name not in ("prepare", *STAGE_ORDER):
         raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
     from flows.pipeline import MissingUpstream, stage_flow
+    from flows.prefect_server import prefect_api
 
     if args.name != "prepare":  # fail before starting Prefect if an upstream artifact is missing
         from tasks.graph import expected_fingerprints, stage
@@ -124,7 +127,8 @@ def cmd_stage(args) -> int:
             )
             return 3
     try:
-        result = stage_flow(config_path=args.config, name=args.name)
+        with prefect_api():
+            result = stage_flow(config_path=args.config, name=args.name)
     except MissingUpstream as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 3

@@ -107,14 +107,14 @@ def logs_of(project: Project, tag: str) -> str:
     return (project.work / "logs" / f"{tag}.out").read_text() + (project.work / "logs" / f"{tag}.err").read_text()
 
 
-def session_processes(sid: int) -> list[tuple[int, str]]:
-    """Live (not zombie) processes of session ``sid`` as (pid, command line)."""
+def session_processes(sid: int | None) -> list[tuple[int, str]]:
+    """Live (not zombie) processes of session ``sid`` (None: of any session) as (pid, command line)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getsid(int(entry.name)) != sid:
+            if sid is not None and os.getsid(int(entry.name)) != sid:
                 continue
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -456,15 +456,24 @@ def _sft_resume_dir(project: Project) -> Path:
     return project.work / "checkpoints" / "sft" / fingerprints(project.config)["sft"][:16]
 
 
+def temporary_server_pids(project: Project, tag: str) -> list[int]:
+    """Pids of the temporary Prefect server the command ``tag`` started (port from its log)."""
+    found = re.search(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", logs_of(project, tag))
+    assert found, f"{tag} did not start a temporary Prefect server"
+    wanted = f"--port {found.group(1)} "
+    return [pid for pid, cmd in session_processes(None) if "prefect.server.api.server:create_app" in cmd and wanted in cmd]
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known defect: Ctrl-C also stops Prefect's temporary server (same process "
-                   "group) and the CLI retries the dead API for ~150 s; fix: start the server in its own session")
 def test_ctrl_c_during_sft_exits_promptly_and_keeps_the_checkpoint(project):
-    """Ctrl-C in a terminal signals the whole foreground process group (here with Prefect's
-    default temporary server, which is in that group)."""
+    """Ctrl-C in a terminal signals the whole foreground process group; the temporary Prefect
+    server runs in its own session, so it survives to record the interrupted run, and the
+    command stops it on its way out."""
     resume_dir = _sft_resume_dir(project)
     proc = start(project, ["stage", "sft", project.config], "sft-ctrl-c", env=project.ephemeral_env)
     wait_for_checkpoints(proc, resume_dir, 1, 600, "sft-ctrl-c", project)
+    server = temporary_server_pids(project, "sft-ctrl-c")
+    assert len(server) == 1
     os.killpg(proc.pid, signal.SIGINT)
     try:
         proc.wait(timeout=20)
@@ -474,6 +483,27 @@ def test_ctrl_c_during_sft_exits_promptly_and_keeps_the_checkpoint(project):
     assert proc.returncode != 0
     assert published(project, "sft") == []
     assert checkpoint_step(resume_dir) >= SFT_EVERY
+    assert session_processes(proc.pid) == []
+    assert temporary_server_pids(project, "sft-ctrl-c") == []
+    assert "Stopping temporary server" in logs_of(project, "sft-ctrl-c")
+
+
+@pytest.mark.slow
+def test_temporary_server_exits_when_the_command_is_sigkilled(project):
+    """SIGKILL leaves no chance to clean up: the server goes because the kernel signals it
+    when its parent dies (PR_SET_PDEATHSIG)."""
+    proc = start(project, ["stage", "sft", project.config], "sft-kill-cli", env=project.ephemeral_env)
+    wait_for_checkpoints(proc, _sft_resume_dir(project), 1, 600, "sft-kill-cli", project)
+    server = temporary_server_pids(project, "sft-kill-cli")
+    assert len(server) == 1
+    os.kill(proc.pid, signal.SIGKILL)  # the command only, not its session
+    proc.wait(timeout=30)
+    deadline = time.time() + 20
+    while temporary_server_pids(project, "sft-kill-cli") and time.time() < deadline:
+        time.sleep(0.5)
+    assert temporary_server_pids(project, "sft-kill-cli") == []
+    kill_session(proc)
+    assert published(project, "sft") == []
     assert session_processes(proc.pid) == []
 
 
