@@ -24,7 +24,6 @@ from pathlib import Path
 import prefect
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
-from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -40,28 +39,36 @@ def _detach_from_parent_signals(parent_pid: int) -> None:
             os._exit(1)
 
 
-class SessionServer(SubprocessASGIServer):
-    """Prefect's temporary API server, started in a new session (see the module docstring)."""
+def _session_server():
+    """A :class:`SubprocessASGIServer` whose uvicorn process starts in a new session.
 
-    def _run_uvicorn_command(self) -> subprocess.Popen:
-        env = {
-            **os.environ,
-            **get_current_settings().to_environment_variables(exclude_unset=True),
-            "PREFECT_UI_ENABLED": "0",
-            "PREFECT__SERVER_EPHEMERAL": "1",
-            "PREFECT__SERVER_FINAL": "1",
-        }
-        command = [
-            sys.executable, "-m", "uvicorn",
-            "--app-dir", str(Path(prefect.__file__).parent.parent),
-            "--factory", "prefect.server.api.server:create_app",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--log-level", "error", "--lifespan", "on",
-        ]  # fmt: skip
-        parent = os.getpid()
-        return subprocess.Popen(
-            command, env=env, start_new_session=True, preexec_fn=lambda: _detach_from_parent_signals(parent)
-        )
+    Built on first use: importing Prefect's server module takes seconds, and commands that
+    use a configured API never need it.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class SessionServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            env = {
+                **os.environ,
+                **get_current_settings().to_environment_variables(exclude_unset=True),
+                "PREFECT_UI_ENABLED": "0",
+                "PREFECT__SERVER_EPHEMERAL": "1",
+                "PREFECT__SERVER_FINAL": "1",
+            }
+            command = [
+                sys.executable, "-m", "uvicorn",
+                "--app-dir", str(Path(prefect.__file__).parent.parent),
+                "--factory", "prefect.server.api.server:create_app",
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--log-level", "error", "--lifespan", "on",
+            ]  # fmt: skip
+            parent = os.getpid()
+            return subprocess.Popen(
+                command, env=env, start_new_session=True, preexec_fn=lambda: _detach_from_parent_signals(parent)
+            )
+
+    return SessionServer()
 
 
 @contextmanager
@@ -69,8 +76,9 @@ def prefect_api() -> Iterator[str]:
     """Make a Prefect API available for the duration of the block; yield its URL.
 
     A configured ``PREFECT_API_URL`` (a running server or Prefect Cloud) is used as is.
-    Otherwise a :class:`SessionServer` is started on a free local port, ``PREFECT_API_URL``
-    points at it inside the block, and it is stopped when the block exits, however it exits.
+    Otherwise Prefect's temporary server is started in a session of its own on a free
+    local port, ``PREFECT_API_URL`` points at it inside the block, and it is stopped when
+    the block exits, however it exits.
 
     Raises:
         RuntimeError: the temporary server did not answer within
@@ -80,7 +88,7 @@ def prefect_api() -> Iterator[str]:
     if configured:
         yield configured
         return
-    server = SessionServer()
+    server = _session_server()
     try:
         server.start()
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
