@@ -7,7 +7,8 @@ HF                                      megatron-core
 ======================================  ==============================================
 input_layernorm.weight                  input_layernorm.weight
 self_attn.{q,k,v}_proj.weight (+bias)   self_attention.linear_qkv.weight (+bias), fused
-self_attn.o_proj.weight                 self_attention.linear_proj.weight
+self_attn.o_proj.weight (+bias)         self_attention.linear_proj.weight (+bias)
+self_attn.{q,k}_norm.weight             self_attention.{q,k}_layernorm.weight
 post_attention_layernorm.weight         pre_mlp_layernorm.weight
 mlp.{gate,up}_proj.weight               mlp.linear_fc1.weight, fused [gate; up]
 mlp.down_proj.weight                    mlp.linear_fc2.weight
@@ -16,7 +17,9 @@ mlp.down_proj.weight                    mlp.linear_fc2.weight
 plus ``model.embed_tokens.weight`` <-> ``embedding.word_embeddings.weight``,
 ``model.norm.weight`` <-> ``decoder.final_layernorm.weight`` and, for untied embeddings,
 ``lm_head.weight`` <-> ``output_layer.weight``. The QKV biases exist only when
-``spec.add_qkv_bias`` (Qwen2 reuses this map with them, see ``conversion.qwen2``).
+``spec.add_qkv_bias`` (Qwen2 reuses this map with them, see ``conversion.qwen2``); the
+per-head q/k norms only when ``spec.qk_layernorm`` and the output-projection bias only when
+``spec.add_proj_bias`` (both Qwen3, see ``conversion.qwen3``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,26 @@ GLOBAL_DIRECT = {
     "model.norm.weight": "decoder.final_layernorm.weight",
 }
 LM_HEAD = ("lm_head.weight", "output_layer.weight")
+QK_NORMS = {  # per-head RMSNorm weights [head_dim], when spec.qk_layernorm
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+PROJ_BIAS = ("self_attn.o_proj.bias", "self_attention.linear_proj.bias")  # when spec.add_proj_bias
+
+
+def _optional_direct(spec: GPTSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """One-to-one per-layer tensors only some specs have: HF suffix -> (megatron suffix, shape)."""
+    out = {}
+    if spec.qk_layernorm:
+        out.update({h: (m, (spec.kv_channels,)) for h, m in QK_NORMS.items()})
+    if spec.add_proj_bias:
+        out[PROJ_BIAS[0]] = (PROJ_BIAS[1], (spec.hidden_size,))
+    return out
+
+
+def _layer_direct(spec: GPTSpec) -> dict[str, str]:
+    """All one-to-one per-layer tensors of ``spec``: HF suffix -> megatron suffix."""
+    return LAYER_DIRECT | {h: m for h, (m, _) in _optional_direct(spec).items()}
 
 
 def _qkv_kinds(spec: GPTSpec) -> tuple[str, ...]:
@@ -58,6 +81,7 @@ def hf_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                     p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.gate_proj.weight": (f, h),
                     p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+        out.update({p + name: shape for name, (_, shape) in _optional_direct(spec).items()})
         for kind in _qkv_kinds(spec):
             for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
                 out[f"{p}self_attn.{name}.{kind}"] = (rows, h) if kind == "weight" else (rows,)
@@ -77,6 +101,7 @@ def mcore_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
                     p + "self_attention.linear_qkv.weight": (qkv_out, h),
                     p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d),
                     p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
+        out.update({p + name: shape for name, shape in _optional_direct(spec).values()})
         if spec.add_qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = (qkv_out,)
     return out
@@ -87,9 +112,10 @@ def to_megatron(spec: GPTSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, torc
     out = {m: hf[h] for h, m in GLOBAL_DIRECT.items()}
     if not spec.tie_word_embeddings:
         out[LM_HEAD[1]] = hf[LM_HEAD[0]]
+    direct = _layer_direct(spec)
     for i in range(spec.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out.update({mp + m: hf[hp + h] for h, m in LAYER_DIRECT.items()})
+        out.update({mp + m: hf[hp + h] for h, m in direct.items()})
         for kind in _qkv_kinds(spec):
             q, k, v = (hf[f"{hp}self_attn.{n}_proj.{kind}"] for n in "qkv")
             out[f"{mp}self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, spec.num_key_value_heads)
@@ -101,9 +127,10 @@ def to_hf(spec: GPTSpec, mcore: Mapping[str, torch.Tensor]) -> Iterator[tuple[st
     """Megatron state (names checked by the caller) -> HF-named tensors, one at a time."""
     for h, m in GLOBAL_DIRECT.items():
         yield h, mcore[m]
+    direct = _layer_direct(spec)
     for i in range(spec.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for h, m in LAYER_DIRECT.items():
+        for h, m in direct.items():
             yield hp + h, mcore[mp + m]
         for kind in _qkv_kinds(spec):
             q, k, v = split_qkv(mcore[f"{mp}self_attention.linear_qkv.{kind}"], spec.num_attention_heads,

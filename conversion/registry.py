@@ -12,10 +12,10 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from conversion import llama, qwen2
+from conversion import llama, qwen2, qwen3
 from conversion.spec import GPTSpec
 
-FAMILIES: dict[str, ModuleType] = {"LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2}
+FAMILIES: dict[str, ModuleType] = {"LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
 
 # HF checkpoints may carry these non-parameter buffers; they are recomputed, never mapped.
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

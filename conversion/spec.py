@@ -10,10 +10,12 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Architecture = Literal["llama", "qwen2"]
+Architecture = Literal["llama", "qwen2", "qwen3"]
 
 # Exact HF names -> our architecture key (no substring matching).
-HF_ARCHITECTURES: dict[str, Architecture] = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+HF_ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+}
 _HF_CLASS_OF: dict[Architecture, str] = {v: k for k, v in HF_ARCHITECTURES.items()}
 
 
@@ -21,10 +23,20 @@ class GPTSpec(BaseModel):
     """Decoder-only transformer architecture shared by HF configs and megatron-core.
 
     Attributes:
-        architecture: "llama" (no QKV bias) or "qwen2" (QKV bias).
+        architecture: "llama" (no QKV bias), "qwen2" (QKV bias) or "qwen3" (per-head q/k
+            RMSNorm; q/k/v/o biases only with HF ``attention_bias``).
         head_dim: per-head width (HF ``head_dim``); filled in as hidden_size / heads if None.
         rope_theta: rotary base (Su et al. 2021, RoFormer), non-interleaved (rotate-half) layout.
-        norm_epsilon: RMSNorm epsilon (Zhang & Sennrich 2019).
+            Unscaled: configs asking for rotary scaling are rejected.
+        norm_epsilon: RMSNorm epsilon (Zhang & Sennrich 2019); Qwen3's q/k norms use it too.
+        add_qkv_bias: biases on the q/k/v projections (megatron ``linear_qkv.bias``).
+        add_proj_bias: bias on the attention output projection (HF ``o_proj.bias``, megatron
+            ``linear_proj.bias``); Qwen3 with ``attention_bias`` only. Default: qwen3 and
+            ``add_qkv_bias``.
+        qk_layernorm: RMSNorm over ``head_dim`` of every query and key head before RoPE
+            (Qwen3: transformers ``modeling_qwen3.py`` ``q_norm``/``k_norm``; Qwen3 technical
+            report, arXiv:2505.09388); megatron ``q_layernorm``/``k_layernorm``. Default
+            (and only valid value): architecture == "qwen3".
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,17 +54,26 @@ class GPTSpec(BaseModel):
     add_qkv_bias: bool
     tie_word_embeddings: bool
     head_dim: int | None = Field(None, gt=0, description="None: hidden_size // num_attention_heads")
+    add_proj_bias: bool = False
+    qk_layernorm: bool = False
 
     @model_validator(mode="before")
     @classmethod
-    def _default_head_dim(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("head_dim") is None:
+    def _defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("head_dim") is None:
             hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
             if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
                 if hidden % heads:
                     raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
                                      "give head_dim explicitly")
-                data = {**data, "head_dim": hidden // heads}
+                data["head_dim"] = hidden // heads
+        # Both follow from the architecture (and Qwen3's attention_bias) unless given.
+        qwen3 = data.get("architecture") == "qwen3"
+        data.setdefault("qk_layernorm", qwen3)
+        data.setdefault("add_proj_bias", qwen3 and bool(data.get("add_qkv_bias")))
         return data
 
     @model_validator(mode="after")
@@ -62,6 +83,16 @@ class GPTSpec(BaseModel):
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        # The flags must match what the HF class builds, or to_hf_config would describe a
+        # model whose HF parameters differ from the megatron ones.
+        qwen3 = self.architecture == "qwen3"
+        if self.qk_layernorm != qwen3:
+            raise ValueError(f"qk_layernorm={self.qk_layernorm} does not fit architecture {self.architecture!r} "
+                             "(Qwen3 always normalises queries and keys, Llama and Qwen2 never)")
+        if self.add_proj_bias and not qwen3:
+            raise ValueError(f"add_proj_bias=True does not fit architecture {self.architecture!r} (Qwen3 only)")
+        if qwen3 and self.add_qkv_bias != self.add_proj_bias:
+            raise ValueError("qwen3: add_qkv_bias and add_proj_bias must be equal (HF 'attention_bias' sets both)")
         return self
 
     @property
@@ -75,9 +106,10 @@ class GPTSpec(BaseModel):
 
         Raises:
             ValueError: naming the key, for an unsupported architecture (only
-                LlamaForCausalLM and Qwen2ForCausalLM), activation other than SiLU, rotary
-                scaling, sliding-window attention, attention/MLP output biases, or a
-                missing required key.
+                LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM), activation other
+                than SiLU, rotary scaling (``rope_scaling``, or a non-default
+                ``rope_parameters.rope_type``), partial rotary, sliding-window attention,
+                Llama attention biases, MLP biases, or a missing required key.
         """
         archs = cfg.get("architectures") or []
         if not archs:
@@ -105,17 +137,27 @@ class GPTSpec(BaseModel):
             reject("attention_bias", False, "attention biases in Llama")
         if any(t != "full_attention" for t in cfg.get("layer_types") or []):
             raise ValueError(f"config key 'layer_types'={cfg['layer_types']!r} is not supported (full attention only)")
-        rope = dict(cfg.get("rope_parameters") or {})
+        # Rotary scaling (linear, dynamic, yarn, llama3, ...) changes the frequencies or
+        # positions; megatron is built with plain RoPE only, so any scaling is an error rather
+        # than silently dropped. transformers 4.x writes it as 'rope_scaling', 5.x folds it
+        # into 'rope_parameters'; both are checked, and the message names the key found.
         legacy_scaling = cfg.get("rope_scaling")
-        if legacy_scaling:
-            rope.update(legacy_scaling)
+        if legacy_scaling:  # None or {}: no scaling
+            scaling = legacy_scaling if isinstance(legacy_scaling, Mapping) else {}
+            if scaling.get("rope_type", scaling.get("type")) != "default":
+                raise ValueError(f"config key 'rope_scaling'={legacy_scaling!r} is not supported "
+                                 "(rotary scaling; only default RoPE converts to megatron)")
+        rope = dict(cfg.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"config key 'rope_parameters.rope_type'={rope_type!r} is not supported (default RoPE only)")
+            raise ValueError(f"config key 'rope_parameters.rope_type'={rope_type!r} is not supported "
+                             "(rotary scaling, HF 'rope_scaling'; only default RoPE converts to megatron)")
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("config key 'partial_rotary_factor' is not supported (full rotary only)")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = need("num_attention_heads")
+        # Qwen3's attention_bias puts biases on q_proj, k_proj, v_proj and o_proj (modeling_qwen3.py).
+        qwen3_bias = arch == "qwen3" and bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -127,9 +169,11 @@ class GPTSpec(BaseModel):
             max_position_embeddings=need("max_position_embeddings"),
             rope_theta=float(rope_theta),
             norm_epsilon=float(need("rms_norm_eps")),
-            add_qkv_bias=arch == "qwen2",
+            add_qkv_bias=arch == "qwen2" or qwen3_bias,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             head_dim=cfg.get("head_dim"),
+            add_proj_bias=qwen3_bias,
+            qk_layernorm=arch == "qwen3",
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -156,6 +200,8 @@ class GPTSpec(BaseModel):
         }
         if self.architecture == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
-        else:
+        elif self.architecture == "qwen2":
             cfg.update(use_sliding_window=False)
+        else:
+            cfg.update(attention_bias=self.add_qkv_bias, use_sliding_window=False)
         return cfg

@@ -1,8 +1,9 @@
-"""megatron-core GPTModel for Llama and Qwen2 decoders, built and run on CPU.
+"""megatron-core GPTModel for Llama, Qwen2 and Qwen3 decoders, built and run on CPU.
 
 :class:`GPTSpec` is the architecture (read from and written to an HF ``config.json``);
 :func:`build_gpt_model` builds the matching ``GPTModel`` with megatron-core's local layer
-spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, fp32 on CPU);
+spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, fp32 on CPU; plus
+per-head q/k RMSNorm for Qwen3);
 :func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally.
 
 The local spec's core attention materialises the ``[B, heads, T, T]`` score matrix with
@@ -13,6 +14,7 @@ The local spec's core attention materialises the ``[B, heads, T, T]`` score matr
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Literal
 
@@ -55,16 +57,39 @@ class SDPACoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(t, b, -1)
 
 
-def _layer_spec(core_attention: CoreAttention):
+@functools.cache
+def _row_parallel_linear_with_bias() -> type:
+    """megatron's ``RowParallelLinear`` that always has a bias.
+
+    Attention builds ``linear_proj`` with ``bias=config.add_bias_linear``, a flag that also
+    gives the MLP biases; Qwen3 with ``attention_bias`` has an o_proj bias but no MLP ones,
+    so the layer spec swaps this class in for ``linear_proj`` alone. (Cached: one class.)
+    """
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class RowParallelLinearWithBias(RowParallelLinear):
+        def __init__(self, *args, bias: bool, **kwargs):
+            super().__init__(*args, bias=True, **kwargs)
+
+    return RowParallelLinearWithBias
+
+
+def _layer_spec(spec: GPTSpec, core_attention: CoreAttention):
+    """megatron's local layer spec (RMSNorm) for ``spec``: q/k layernorms when
+    ``spec.qk_layernorm``, a ``linear_proj`` bias when ``spec.add_proj_bias``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if core_attention == "sdpa":
-        spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    elif core_attention != "local":
+    if core_attention not in ("local", "sdpa"):
         raise ValueError(f"core_attention must be 'local' or 'sdpa', got {core_attention!r}")
-    return spec
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    if core_attention == "sdpa" or spec.add_proj_bias:
+        layer = copy.deepcopy(layer)
+        attention = layer.submodules.self_attention.submodules
+        if core_attention == "sdpa":
+            attention.core_attention = SDPACoreAttention
+        if spec.add_proj_bias:
+            attention.linear_proj = _row_parallel_linear_with_bias()
+    return layer
 
 
 def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +119,7 @@ def transformer_config(spec: GPTSpec):
         activation_func=silu_contiguous,
         add_bias_linear=False,
         add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
@@ -130,14 +156,14 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
         torch.manual_seed(seed)
         model = GPTModel(
             config=transformer_config(spec),
-            transformer_layer_spec=_layer_spec(core_attention),
+            transformer_layer_spec=_layer_spec(spec, core_attention),
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=True,
             post_process=True,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=spec.rope_theta,
+            rotary_base=spec.rope_theta,  # unscaled RoPE: GPTSpec rejects HF rotary scaling
             rotary_percent=1.0,
         )
     model.gpt_spec = spec

@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from conversion import ConversionError, hf_to_megatron, megatron_to_hf
 from conversion.layout import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 
-def random_hf(arch: str, tied: bool):
+CLASSES = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+           "qwen3": (Qwen3ForCausalLM, Qwen3Config)}
+
+
+def random_hf(arch: str, tied: bool, **extra):
+    """A random tiny HF model: 8 query heads, 2 KV heads; Qwen3 with head_dim 16 != 64 / 8."""
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tied)
-    cls, cfg_cls = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[arch]
+    if arch == "qwen3":
+        common["head_dim"] = 16
+    cls, cfg_cls = CLASSES[arch]
     torch.manual_seed(0)
-    model = cls(cfg_cls(**common))
+    model = cls(cfg_cls(**common, **extra))
+    with torch.no_grad():  # HF initialises norms to ones and biases to zeros: make every tensor distinct
+        for p in model.parameters():
+            p.normal_()
     cfg = {**model.config.to_dict(), "architectures": [cls.__name__]}
     return cfg, {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -39,13 +56,26 @@ def test_fc1_is_gate_then_up():
     assert torch.equal(g2, gate) and torch.equal(u2, up)
 
 
-@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False)])
-def test_round_trip_is_bit_identical(arch, tied):
-    cfg, hf = random_hf(arch, tied)
+@pytest.mark.parametrize(
+    ("arch", "tied", "extra"),
+    [("llama", False, {}), ("llama", True, {}), ("qwen2", True, {}), ("qwen2", False, {}),
+     ("qwen3", True, {}), ("qwen3", False, {}), ("qwen3", False, {"attention_bias": True})],
+)
+def test_round_trip_is_bit_identical(arch, tied, extra):
+    cfg, hf = random_hf(arch, tied, **extra)
     mc = hf_to_megatron(cfg, hf)
+    attn = "decoder.layers.0.self_attention."
+    head_dim = 16 if arch == "qwen3" else 8
     assert ("output_layer.weight" in mc) is not tied
-    assert ("decoder.layers.0.self_attention.linear_qkv.bias" in mc) is (arch == "qwen2")
-    assert mc["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((8 + 2 * 2) * 8, 64)
+    assert (attn + "linear_qkv.bias" in mc) is (arch == "qwen2" or bool(extra))
+    assert (attn + "linear_proj.bias" in mc) is bool(extra)
+    assert mc["decoder.layers.1.self_attention.linear_qkv.weight"].shape == ((8 + 2 * 2) * head_dim, 64)
+    if arch == "qwen3":
+        assert torch.equal(mc[attn + "q_layernorm.weight"], hf["model.layers.0.self_attn.q_norm.weight"])
+        assert torch.equal(mc[attn + "k_layernorm.weight"], hf["model.layers.0.self_attn.k_norm.weight"])
+        assert mc[attn + "linear_proj.weight"].shape == (64, 8 * head_dim)
+    else:
+        assert not any("layernorm" in k and "self_attention" in k for k in mc)
     back = dict(megatron_to_hf(cfg, mc))
     expected = {k: v for k, v in hf.items() if not (tied and k == "lm_head.weight")}
     assert back.keys() == expected.keys()
@@ -74,6 +104,51 @@ def test_missing_tensor_is_named():
     del hf["model.layers.1.self_attn.k_proj.bias"]
     with pytest.raises(ConversionError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
         hf_to_megatron(cfg, hf)
+    cfg, hf = random_hf("qwen3", False)
+    del hf["model.layers.1.self_attn.q_norm.weight"]
+    with pytest.raises(ConversionError, match=r"missing tensor 'model\.layers\.1\.self_attn\.q_norm\.weight'"):
+        hf_to_megatron(cfg, hf)
+
+
+def test_qwen3_norm_shape_and_checkpoint_mixups_are_named():
+    cfg, hf = random_hf("qwen3", True)
+    hf["model.layers.0.self_attn.k_norm.weight"] = torch.ones(8)  # hidden / heads, not head_dim
+    with pytest.raises(ConversionError, match=r"'model\.layers\.0\.self_attn\.k_norm\.weight' has shape \(8,\), "
+                                              r"expected \(16,\)"):
+        hf_to_megatron(cfg, hf)
+    # Qwen2 weights under a Qwen3 config lack the q/k norms; Qwen3 weights (with attention
+    # biases) under a Qwen2 config have tensors the Qwen2 map does not know.
+    q2_cfg, q2 = random_hf("qwen2", True)
+    with pytest.raises(ConversionError, match=r"missing tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'"):
+        hf_to_megatron({**q2_cfg, "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, q2)
+    q3_cfg, q3 = random_hf("qwen3", True, attention_bias=True)
+    as_q2 = {**q3_cfg, "architectures": ["Qwen2ForCausalLM"]}
+    with pytest.raises(ConversionError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.(o_proj\.bias|q_norm)"):
+        hf_to_megatron(as_q2, q3)
+    with pytest.raises(ConversionError, match=r"unexpected tensor 'decoder\.layers\.0\.self_attention\."
+                                              r"(linear_proj\.bias|[qk]_layernorm)"):
+        megatron_to_hf(as_q2, hf_to_megatron(q3_cfg, q3))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_rotary_scaling_is_rejected_naming_the_key(arch):
+    cfg, hf = random_hf(arch, True)
+    # A transformers 4.x config.json (Llama 3.1 style): rope_theta and rope_scaling at the top.
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 5e5, "rope_scaling": llama3}
+    with pytest.raises(ConversionError, match=r"config key 'rope_scaling'=.*'llama3'.*not supported"):
+        hf_to_megatron(legacy, hf)
+    with pytest.raises(ConversionError, match=r"'rope_scaling'=\{'type': 'linear'"):
+        megatron_to_hf(legacy | {"rope_scaling": {"type": "linear", "factor": 2.0}}, {})
+    # transformers 5 folds rope_scaling into rope_parameters (e.g. Qwen3's YaRN recipe).
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    folded = {**cfg, "rope_parameters": CLASSES[arch][1](rope_scaling=yarn).to_dict()["rope_parameters"]}
+    with pytest.raises(ConversionError, match=r"'rope_parameters\.rope_type'='yarn'.*'rope_scaling'"):
+        hf_to_megatron(folded, hf)
+    # No scaling, spelled either way, still converts.
+    for no_scaling in (None, {}, {"rope_type": "default"}):
+        assert hf_to_megatron(legacy | {"rope_scaling": no_scaling}, hf).keys() == hf_to_megatron(cfg, hf).keys()
 
 
 def test_shape_mismatch_is_named():

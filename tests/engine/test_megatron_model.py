@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from conversion import hf_to_megatron
+from conversion import hf_to_megatron, megatron_to_hf
 from conversion.gguf import gguf_to_hf
 from conversion.hf_source import load_hf_source
 from engine.megatron_model import (
@@ -39,6 +39,26 @@ def qwen2_quickstart_like(attn_implementation: str = "sdpa") -> tuple[dict, Qwen
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
     return {**cfg.to_dict(), "architectures": ["Qwen2ForCausalLM"]}, model
+
+
+def qwen3_tiny(tied: bool, kv_heads: int, attn_implementation: str = "eager",
+               attention_bias: bool = False) -> tuple[dict, Qwen3ForCausalLM]:
+    """A random tiny Qwen3 (transformers ``modeling_qwen3.py``): hidden 64, 4 query heads of
+    head_dim 32 (not 64 / 4), kv_heads 4 (MHA) or 2 (GQA), Qwen3's rope_theta 1e6."""
+    cfg = Qwen3Config(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=64,
+                      tie_word_embeddings=tied, attention_bias=attention_bias, initializer_range=0.1,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.set_attn_implementation(attn_implementation)
+    with torch.no_grad():  # HF starts norms at one and biases at zero; random ones test their layouts
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return {**cfg.to_dict(), "architectures": ["Qwen3ForCausalLM"]}, model
 
 
 def megatron_copy(hf_config: dict, hf_state: dict, core_attention: str = "local"):
@@ -77,6 +97,107 @@ def test_qwen2_logits_and_hidden_states_match_hf(core_attention, hf_attention):
     print(f"qwen2 {core_attention} vs HF {hf_attention}: max |logit diff| = {err:.3e}")
     assert err < TOL
     assert (hidden - ref.hidden_states[-1]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize(("core_attention", "hf_attention"), ATTENTION_PAIRS)
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen3_logits_and_hidden_states_match_hf(tied, kv_heads, core_attention, hf_attention):
+    cfg, hf = qwen3_tiny(tied, kv_heads, hf_attention)
+    mc = megatron_copy(cfg, hf.state_dict(), core_attention)
+    attn = mc.decoder.layers[0].self_attention
+    assert attn.q_layernorm.weight.shape == attn.k_layernorm.weight.shape == (32,)
+    assert ("output_layer.weight" in mcore_state(mc)) is not tied
+    # rope_theta 1e6 reaches megatron's rotary embedding: the same frequencies as HF's.
+    assert torch.equal(mc.rotary_pos_emb.inv_freq, hf.model.rotary_emb.inv_freq)
+    ids = torch.randint(0, 160, (3, 41), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        logits, hidden = gpt_logits(mc, ids), gpt_hidden_states(mc, ids)
+    assert logits.shape == (3, 41, 160) and hidden.shape == (3, 41, 64)
+    err = (logits - ref.logits).abs().max().item()
+    print(f"qwen3 {'tied' if tied else 'untied'} kv_heads={kv_heads} {core_attention} vs HF {hf_attention}: "
+          f"max |logit diff| = {err:.3e} (logits up to {ref.logits.abs().max():.2f})")
+    assert err < TOL
+    assert (hidden - ref.hidden_states[-1]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize(("core_attention", "hf_attention"), ATTENTION_PAIRS)
+def test_qwen3_attention_bias_logits_match_hf(core_attention, hf_attention):
+    """attention_bias: biases on q/k/v (fused linear_qkv.bias) and o_proj (linear_proj.bias), none in the MLP."""
+    cfg, hf = qwen3_tiny(False, 2, hf_attention, attention_bias=True)
+    mc = megatron_copy(cfg, hf.state_dict(), core_attention)
+    layer = mc.decoder.layers[1]
+    assert layer.self_attention.linear_proj.bias is not None and layer.self_attention.linear_qkv.bias is not None
+    assert layer.mlp.linear_fc1.bias is None and layer.mlp.linear_fc2.bias is None
+    ids = torch.randint(0, 160, (2, 33), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        err = (gpt_logits(mc, ids) - ref).abs().max().item()
+    print(f"qwen3 attention_bias {core_attention} vs HF {hf_attention}: max |logit diff| = {err:.3e}")
+    assert err < TOL
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen3_trained_weights_go_back_to_hf(tied):
+    """After a training step in megatron, the weights streamed back load into transformers'
+    Qwen3 (built from GPTSpec.to_hf_config) and give megatron's logits."""
+    cfg, hf = qwen3_tiny(tied, 2, attention_bias=not tied)
+    mc = megatron_copy(cfg, hf.state_dict()).train()
+    ids = torch.randint(0, 160, (2, 24), generator=torch.Generator().manual_seed(7))
+    logits = gpt_logits(mc, ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 160), ids[:, 1:].reshape(-1)).backward()
+    for name, p in mc.named_parameters():  # the q/k norms and the o_proj bias train too
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    with torch.no_grad():
+        for p in mc.parameters():
+            p -= 0.1 * p.grad
+    mc.eval()
+    spec_cfg = mc.gpt_spec.to_hf_config()
+    assert GPTSpec.from_hf_config(spec_cfg) == mc.gpt_spec
+    back = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in spec_cfg.items() if k != "architectures"})).eval()
+    back.set_attn_implementation("eager")
+    result = back.load_state_dict(dict(megatron_to_hf(spec_cfg, mcore_state(mc))), strict=False)
+    assert result.unexpected_keys == [] and result.missing_keys == (["lm_head.weight"] if tied else [])
+    if tied:
+        assert back.lm_head.weight is back.model.embed_tokens.weight
+    with torch.no_grad():
+        err = (back(ids).logits - gpt_logits(mc, ids)).abs().max().item()
+    assert err < TOL
+
+
+def test_qwen3_hub_config_json():
+    """A Qwen3-0.6B-style config.json (transformers 4.51 keys): head_dim 128 != 1024 / 16,
+    top-level rope_theta 1e6, rope_scaling null, tied embeddings, no attention bias."""
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+           "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+           "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+           "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_scaling": None,
+           "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "use_sliding_window": False,
+           "vocab_size": 151936}
+    spec = GPTSpec.from_hf_config(cfg)
+    assert (spec.architecture, spec.kv_channels, spec.rope_theta, spec.qk_layernorm) == ("qwen3", 128, 1e6, True)
+    assert (spec.add_qkv_bias, spec.add_proj_bias, spec.tie_word_embeddings) == (False, False, True)
+    assert GPTSpec.from_hf_config(spec.to_hf_config()) == spec
+    with pytest.raises(ValueError, match=r"config key 'rope_scaling'=\{'rope_type': 'yarn'"):
+        GPTSpec.from_hf_config(cfg | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 32768}})
+
+
+def test_spec_flags_must_fit_the_architecture():
+    base = dict(vocab_size=32, hidden_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                ffn_hidden_size=96, max_position_embeddings=64, rope_theta=1e4, norm_epsilon=1e-6,
+                tie_word_embeddings=True)
+    q3 = GPTSpec(architecture="qwen3", add_qkv_bias=True, head_dim=32, **base)
+    assert (q3.qk_layernorm, q3.add_proj_bias) == (True, True)  # filled in from the architecture
+    with pytest.raises(ValueError, match="qk_layernorm=True does not fit architecture 'llama'"):
+        GPTSpec(architecture="llama", add_qkv_bias=False, qk_layernorm=True, **base)
+    with pytest.raises(ValueError, match="qk_layernorm=False does not fit architecture 'qwen3'"):
+        GPTSpec(architecture="qwen3", add_qkv_bias=False, qk_layernorm=False, **base)
+    with pytest.raises(ValueError, match="add_proj_bias=True does not fit architecture 'qwen2'"):
+        GPTSpec(architecture="qwen2", add_qkv_bias=True, add_proj_bias=True, **base)
+    with pytest.raises(ValueError, match="add_qkv_bias and add_proj_bias must be equal"):
+        GPTSpec(architecture="qwen3", add_qkv_bias=True, add_proj_bias=False, **base)
 
 
 @pytest.mark.parametrize(("core_attention", "hf_attention"), ATTENTION_PAIRS)
@@ -132,6 +253,9 @@ def test_spec_round_trips_through_hf_config():
     assert GPTSpec.from_hf_config(spec.to_hf_config()) == spec
     legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 500.0}
     assert GPTSpec.from_hf_config(legacy).rope_theta == 500.0
+    # ... and reaches megatron's rotary embedding (no scaling): inv_freq_i = theta^(-2i/d).
+    inv_freq = build_gpt_model(GPTSpec.from_hf_config(legacy)).rotary_pos_emb.inv_freq
+    assert torch.allclose(inv_freq, 500.0 ** -(torch.arange(0, 32, 2, dtype=torch.float32) / 32), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -142,6 +266,8 @@ def test_spec_round_trips_through_hf_config():
         ({"hidden_act": "gelu"}, "'hidden_act'='gelu'"),
         ({"use_sliding_window": True}, "'use_sliding_window'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type'='yarn'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "config key 'rope_scaling'={'type': 'linear'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'rope_scaling'={'rope_type': 'dynamic'"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads=3"),
         ({"intermediate_size": None}, "'intermediate_size' is missing"),
     ],
