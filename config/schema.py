@@ -93,6 +93,11 @@ class ConvertConfig(Strict):
     """HF -> Megatron conversion (stage convert)."""
 
     params_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Megatron parameter dtype (float32 on CPU).")
+    make_vocab_size_divisible_by: int = Field(
+        128, gt=0,
+        description="Pad megatron's vocabulary to a multiple of this (Megatron-LM's default 128; times the "
+        "tensor-parallel size when training is sharded); padding rows are zero, never sampled, stripped on export.",
+    )
 
 
 class OptimConfig(Strict):
@@ -168,6 +173,11 @@ class EngineConfig(Strict):
     placement: Literal["colocated"] = Field("colocated", description="Actor, reference and rollout share one Ray placement group.")
     ray_address: str | None = Field(None, description="Existing Ray cluster (ray://... or auto); None starts a local one.")
     num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster.")
+    weight_sync_bucket_mb: int = Field(
+        256, gt=0,
+        description="Weight sync to the rollout engine: MiB of HF tensors per transfer, one bucket in flight "
+                    "(a module's tensors larger than this go alone). Bounds the actor's extra memory; results do not change.",
+    )
 
 
 class RLConfig(Strict):
@@ -186,7 +196,7 @@ class RLConfig(Strict):
     checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
     reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier and/or the trained reward model.")
-    engine: EngineConfig = Field(EngineConfig(), description="Ray cluster and placement.")
+    engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
 
 
 class EvaluateConfig(Strict):

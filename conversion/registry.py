@@ -58,13 +58,22 @@ def _check(kind: str, state: Mapping[str, torch.Tensor], expected: dict[str, tup
             raise ConversionError(f"{kind} state: unexpected tensor {name!r}")
 
 
-def hf_to_megatron(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+# megatron tensors with one row per vocabulary entry (padded with zero rows on import).
+VOCAB_ROWS = ("embedding.word_embeddings.weight", llama.LM_HEAD[1])
+
+
+def hf_to_megatron(
+    hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Tensor], padded_vocab_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Map an HF state dict to megatron-core GPTModel (local spec) names and layouts.
 
     Args:
         hf_config: HF ``config.json`` dict; ``architectures[0]`` selects the map.
         hf_state: HF name -> tensor. For tied embeddings ``lm_head.weight`` may be
             present (``model.state_dict()`` includes it) if it equals the embedding.
+        padded_vocab_size: megatron's vocabulary rows (``GPTSpec.padded_vocab_size``);
+            the embedding and output layer get zero rows from ``vocab_size`` up to it.
+            None: no padding.
 
     Returns:
         megatron name -> tensor (no ``_extra_state`` entries; load with
@@ -82,7 +91,15 @@ def hf_to_megatron(hf_config: Mapping[str, Any], hf_state: Mapping[str, torch.Te
         if embed is not None and not torch.equal(head, embed):
             raise ConversionError("HF state: tensor 'lm_head.weight' differs from the embedding of a tied model")
     _check("HF", state, fam.hf_shapes(spec))
-    return fam.to_megatron(spec, state)
+    out = fam.to_megatron(spec, state)
+    if padded_vocab_size is not None:
+        if padded_vocab_size < spec.vocab_size:
+            raise ConversionError(f"padded_vocab_size={padded_vocab_size} is smaller than vocab_size={spec.vocab_size}")
+        for name in VOCAB_ROWS:
+            if name in out and padded_vocab_size > spec.vocab_size:
+                t = out[name]
+                out[name] = torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
+    return out
 
 
 def megatron_to_hf(
@@ -91,7 +108,8 @@ def megatron_to_hf(
     """Stream HF-named tensors from a megatron-core state dict, one tensor at a time.
 
     Used for rollout weight sync and SafeTensors export. Tied models yield no
-    ``lm_head.weight`` (as ``save_pretrained`` writes them). Names and shapes are checked
+    ``lm_head.weight`` (as ``save_pretrained`` writes them). Vocabulary padding (embedding
+    and output-layer rows past ``vocab_size``) is stripped. Names and shapes are checked
     before the first tensor is yielded.
 
     Raises:
@@ -99,5 +117,15 @@ def megatron_to_hf(
             shaped tensor (message names it).
     """
     spec, fam = family(hf_config)
-    _check("megatron", mcore_state, fam.mcore_shapes(spec))
-    return fam.to_hf(spec, mcore_state)
+    state = dict(mcore_state)
+    for name in VOCAB_ROWS:  # rows past vocab_size are megatron's padding (views, no copy)
+        t = state.get(name)
+        if t is not None and t.dim() == 2 and t.shape[0] > spec.vocab_size:
+            if torch.count_nonzero(t[spec.vocab_size :]):  # padding is zero on import and gets no gradient
+                raise ConversionError(
+                    f"megatron state: tensor {name!r} has {t.shape[0]} rows, vocab_size is {spec.vocab_size}, "
+                    "and the rows past it are not zero padding"
+                )
+            state[name] = t[: spec.vocab_size]
+    _check("megatron", state, fam.mcore_shapes(spec))
+    return fam.to_hf(spec, state)

@@ -56,6 +56,9 @@ class GPTSpec(BaseModel):
     head_dim: int | None = Field(None, gt=0, description="None: hidden_size // num_attention_heads")
     add_proj_bias: bool = False
     qk_layernorm: bool = False
+    padded_vocab_size: int | None = Field(
+        None, gt=0, description="Rows of megatron's embedding and output layer (None: vocab_size)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -93,7 +96,31 @@ class GPTSpec(BaseModel):
             raise ValueError(f"add_proj_bias=True does not fit architecture {self.architecture!r} (Qwen3 only)")
         if qwen3 and self.add_qkv_bias != self.add_proj_bias:
             raise ValueError("qwen3: add_qkv_bias and add_proj_bias must be equal (HF 'attention_bias' sets both)")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
         return self
+
+    @property
+    def megatron_vocab_size(self) -> int:
+        """Rows of megatron's ``word_embeddings`` and ``output_layer`` (padded vocabulary)."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def with_vocab_padding(self, multiple: int) -> "GPTSpec":
+        """This spec with megatron's vocabulary rounded up to a multiple of ``multiple``.
+
+        Megatron-LM pads the vocabulary to ``make_vocab_size_divisible_by × TP`` so that it
+        splits evenly across tensor-parallel ranks and matmuls get friendly sizes
+        (Megatron-LM ``megatron/training/tokenizer`` ``_vocab_size_with_padding``). The HF
+        side keeps ``vocab_size``: padding rows are added on import, stripped on export,
+        and their logits are never used (``engine.megatron_model.gpt_logits`` drops them).
+
+        Raises:
+            ValueError: ``multiple`` < 1.
+        """
+        if multiple < 1:
+            raise ValueError(f"vocabulary padding multiple must be >= 1, got {multiple}")
+        padded = -(-self.vocab_size // multiple) * multiple
+        return self.model_copy(update={"padded_vocab_size": padded if padded != self.vocab_size else None})
 
     @property
     def kv_channels(self) -> int:

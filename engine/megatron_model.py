@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from conversion.spec import GPTSpec
-from engine.platform import init_model_parallel
+from engine.platform import ensure_model_parallel
 
 CoreAttention = Literal["local", "sdpa"]
 
@@ -102,11 +102,16 @@ def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x.contiguous())
 
 
-def transformer_config(spec: GPTSpec):
-    """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout."""
+def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1):
+    """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
+
+    ``tensor_model_parallel_size`` must equal the model-parallel state's TP size (megatron's
+    layers shard by the state's group; the config records the size for code that reads it).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
+        tensor_model_parallel_size=tensor_model_parallel_size,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -138,7 +143,11 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
-    The global torch RNG state is left as it was. The returned model carries ``gpt_spec``.
+    In a rank of a tensor-parallel group (``engine.platform.init_model_parallel(tp=N)`` called
+    first) it builds that rank's shard: megatron's layers hold 1/N of the vocabulary, heads
+    and FFN width (layouts: ``conversion.tensor_parallel``); every rank initialises the same
+    full weights from ``seed`` and keeps its part. The global torch RNG state is left as it
+    was. The returned model carries ``gpt_spec``.
 
     Args:
         spec: architecture.
@@ -151,13 +160,13 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     """
     from megatron.core.models.gpt import GPTModel
 
-    init_model_parallel()
+    tp = ensure_model_parallel()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
-            config=transformer_config(spec),
+            config=transformer_config(spec, tensor_model_parallel_size=tp),
             transformer_layer_spec=_layer_spec(spec, core_attention),
-            vocab_size=spec.vocab_size,
+            vocab_size=spec.megatron_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=True,
             post_process=True,
@@ -185,17 +194,30 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Causal next-token logits, batch-first.
 
     Position ``t`` sees tokens ``0..t`` only, so right-padding never changes earlier
-    positions' logits. Runs under the caller's grad mode.
+    positions' logits. Runs under the caller's grad mode. At tensor-parallel size > 1 it
+    is a collective: every rank of the group calls it with the same ``input_ids`` and gets
+    the full (gathered) logits.
 
     Args:
         model: a GPTModel from :func:`build_gpt_model`.
         input_ids: LongTensor ``[B, T]``.
 
     Returns:
-        FloatTensor ``[B, T, V]`` (fp32 logits; position t predicts token t+1).
+        FloatTensor ``[B, T, V]`` (fp32 logits; position t predicts token t+1). ``V`` is
+        the HF vocabulary: the rows megatron's vocabulary padding adds
+        (``GPTSpec.padded_vocab_size``) are dropped, so they never enter a softmax, a
+        loss or a sample.
     """
     ids = _check_ids(input_ids)
-    return model(input_ids=ids, position_ids=_positions(ids), attention_mask=None)
+    # Under tensor parallelism the output layer leaves each rank its vocabulary slice;
+    # megatron's all-gather (differentiable: its backward keeps the rank's slice of the
+    # gradient) gives every rank the full logits. None: the constructor's default (TP=1).
+    gather = True if model.config.tensor_model_parallel_size > 1 else None
+    logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None, runtime_gather_output=gather)
+    spec = getattr(model, "gpt_spec", None)
+    if spec is not None and logits.shape[-1] > spec.vocab_size:
+        logits = logits[..., : spec.vocab_size]
+    return logits
 
 
 def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:

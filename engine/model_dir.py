@@ -7,6 +7,8 @@ Layout::
       hf/                  config.json (HF architecture), generation_config.json and the
                            tokenizer files; no weights
       heads.safetensors    optional extra heads (e.g. reward_head.weight / .bias)
+      megatron_spec.json   what megatron's model has beyond hf/config.json: today the
+                           padded vocabulary size, when the vocabulary is padded
 
 ``hf/`` alone is enough for ``AutoTokenizer.from_pretrained`` and for building the HF
 architecture; export to SafeTensors and rollout weight sync map ``megatron/`` onto it.
@@ -27,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from conversion.spec import GPTSpec
 
 MEGATRON_SUBDIR = "megatron"
+MEGATRON_SPEC_FILE = "megatron_spec.json"
 HF_SUBDIR = "hf"
 HEADS_FILE = "heads.safetensors"
 
@@ -116,8 +119,10 @@ def save_model_dir(
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     spec = GPTSpec.from_hf_config(hf_config)
     model_spec = getattr(model, "gpt_spec", None)
-    if model_spec is not None and model_spec != spec:
-        raise ValueError(f"hf_config describes {spec!r} but the model was built as {model_spec!r}")
+    if model_spec is not None:
+        if model_spec.model_copy(update={"padded_vocab_size": None}) != spec:
+            raise ValueError(f"hf_config describes {spec!r} but the model was built as {model_spec!r}")
+        spec = model_spec
     tok_files = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
     if not tok_files:
         raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
@@ -130,6 +135,8 @@ def save_model_dir(
         for f in tok_files:
             shutil.copy2(f, hf / f.name)
         (hf / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if spec.padded_vocab_size is not None:
+            (tmp / MEGATRON_SPEC_FILE).write_text(json.dumps({"padded_vocab_size": spec.padded_vocab_size}) + "\n")
         if (tokenizer_dir / "generation_config.json").is_file():
             shutil.copy2(tokenizer_dir / "generation_config.json", hf / "generation_config.json")
         else:
@@ -198,6 +205,14 @@ def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "
     if not ckpt.is_dir():
         raise FileNotFoundError(f"{ckpt}: missing torch_dist checkpoint directory")
     spec = GPTSpec.from_hf_config(hf_config)
+    extra = model_dir / MEGATRON_SPEC_FILE
+    if extra.is_file():
+        try:
+            padded = json.loads(extra.read_text())["padded_vocab_size"]
+            spec = spec.model_copy(update={"padded_vocab_size": padded})
+            GPTSpec.model_validate(spec.model_dump())
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{extra}: expected {{\"padded_vocab_size\": <int >= vocab_size>}} ({e})") from e
     model = build_gpt_model(spec, seed=seed, core_attention=core_attention)
     load_model_checkpoint(model, ckpt)
     heads_path = model_dir / HEADS_FILE

@@ -7,6 +7,9 @@ dropout, and ``torch.cuda.synchronize()`` in parallel-state and checkpoint code.
 machine without CUDA, :func:`setup_cpu_platform` maps those onto CPU equivalents; with CUDA
 it does nothing. :func:`init_model_parallel` then starts a single-process gloo
 ``torch.distributed`` group and megatron's model-parallel state, and seeds the RNG tracker.
+For tensor parallelism the caller starts the multi-process gloo group first (one process per
+rank) and then calls ``init_model_parallel(tp=...)``; :func:`ensure_model_parallel` is what
+model builders call to use whatever state exists.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def _free_port() -> int:
 
 
 def _seed_rng_tracker(seed: int) -> None:
-    """CPU equivalent of megatron's ``model_parallel_cuda_manual_seed`` for rank 0.
+    """CPU equivalent of megatron's ``model_parallel_cuda_manual_seed`` for this rank.
 
     Registers the same three named states megatron registers (data-parallel = seed,
     model-parallel = seed + 2718 + tp_rank, expert-parallel = seed + 1024), built from
@@ -149,3 +152,21 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
             raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         _seed_rng_tracker(seed)
+
+
+def ensure_model_parallel() -> int:
+    """Megatron's tensor-parallel size, starting the single-process state (tp=pp=1) if none exists.
+
+    Model builders call this: in a plain process it is ``init_model_parallel()``; in a rank of
+    a tensor-parallel group (``torch.distributed`` started by the caller, then
+    ``init_model_parallel(tp=N)``) it leaves that state alone and returns N.
+
+    Returns:
+        ``parallel_state.get_tensor_model_parallel_world_size()`` (1 unless the caller set up TP).
+    """
+    from megatron.core import parallel_state
+
+    setup_cpu_platform()
+    if not parallel_state.model_parallel_is_initialized():
+        init_model_parallel()
+    return parallel_state.get_tensor_model_parallel_world_size()

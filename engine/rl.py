@@ -176,9 +176,17 @@ def update_actor(workers: Workers, traj: Trajectory):
 
 
 def update_weights(workers: Workers) -> float:
-    """Stream the policy's HF-named weights to the rollout engine; returns seconds."""
+    """Stream the policy's HF-named weights to the rollout engine bucket by bucket
+    (``rl.engine.weight_sync_bucket_mb`` each, ``engine.weight_sync``); returns seconds.
+
+    Each bucket's ObjectRef goes straight from the actor to the rollout worker (the driver
+    never holds the tensors), and the next bucket is requested only once the rollout has
+    loaded the previous one: at most one bucket is in flight.
+    """
     t0 = time.perf_counter()
-    ray.get(workers.rollout.update_weights.remote(workers.actor.hf_weights.remote()))
+    plan = ray.get(workers.actor.hf_bucket_plan.remote())
+    for index in range(plan.num_buckets):
+        ray.get(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)))
     return time.perf_counter() - t0
 
 

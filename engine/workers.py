@@ -2,7 +2,8 @@
 
 - :class:`ActorWorker`: the trainable policy (megatron-core GPTModel): log-probs of response
   tokens, the GRPO/PPO update through the shared :func:`engine.train_step.train_step`,
-  HF-named weights for the rollout engine, resumable train state, the final model directory.
+  HF-named weights for the rollout engine, bucket by bucket (``engine.weight_sync``),
+  resumable train state, the final model directory.
 - :class:`ReferenceWorker`: a frozen copy of the initial policy, for log-probs only.
 - :class:`RolloutWorker`: a rollout engine (vLLM or HF transformers, ``RolloutConfig.backend``).
 - :class:`RewardWorker`: rule verifier (``data.rewards``) plus an optional reward-model score.
@@ -138,6 +139,7 @@ class ActorWorker:
         self.cfg = cfg
         self.temperature = logit_temperature(cfg.rollout.temperature)
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.steps * cfg.ppo_epochs)
+        self._bucket_server = None
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`)."""
@@ -163,12 +165,25 @@ class ActorWorker:
         keys = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
         return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
 
-    def hf_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights as HF-named full tensors (``conversion.registry.megatron_to_hf``)."""
-        from conversion.registry import megatron_to_hf
-        from engine.megatron_model import mcore_state
+    def hf_bucket_plan(self):
+        """How the policy's HF-named weights are cut for weight sync: an
+        :class:`engine.weight_sync.BucketPlan` of ``cfg.engine.weight_sync_bucket_mb`` MiB
+        buckets (planned on first use; shapes do not change in training)."""
+        return self._weight_buckets().plan
 
-        return [(name, t.detach().clone()) for name, t in megatron_to_hf(self.hf_config, mcore_state(self.model))]
+    def hf_bucket(self, index: int) -> list[tuple[str, torch.Tensor]]:
+        """Bucket ``index`` of the policy's weights: HF-named full tensors that own their
+        memory (:class:`engine.weight_sync.BucketServer`; asking for ``0, 1, ...`` in order
+        converts each tensor once). Raises IndexError outside ``[0, plan.num_buckets)``."""
+        return self._weight_buckets().bucket(index)
+
+    def _weight_buckets(self):
+        if self._bucket_server is None:
+            from engine.weight_sync import BucketServer
+
+            budget = self.cfg.engine.weight_sync_bucket_mb * 2**20
+            self._bucket_server = BucketServer(self.hf_config, self.model, budget)
+        return self._bucket_server
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the resumable train state (weights, AdamW, schedule, data position, RNG) atomically."""
@@ -265,7 +280,8 @@ class RolloutWorker:
         return self.engine.generate(prompt_token_ids, sampling)
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """See :meth:`engine.rollout.base.RolloutEngine.update_weights`."""
+        """Load some of the policy's weights, e.g. one bucket of :meth:`ActorWorker.hf_bucket`
+        (see :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
         self.engine.update_weights(named_tensors)
 
 

@@ -42,8 +42,9 @@ def convert(ctx: StageContext) -> dict:
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
     init_model_parallel()
-    spec = GPTSpec.from_hf_config(source.config)
+    # Megatron-LM pads to make_vocab_size_divisible_by × TP; training here runs at TP=1.
+    spec = GPTSpec.from_hf_config(source.config).with_vocab_padding(ctx.cfg.convert.make_vocab_size_divisible_by)
     model = build_gpt_model(spec)
-    model.load_state_dict(hf_to_megatron(source.config, source.state), strict=True)
+    model.load_state_dict(hf_to_megatron(source.config, source.state, spec.padded_vocab_size), strict=True)
     save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir)
     return {"model/parameters": sum(p.numel() for p in model.parameters())}

@@ -14,10 +14,13 @@ def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
     return ("validate", "sft", "rm") if cfg.rl.reward.reward_model_weight and cfg.rm.enabled else ("validate", "sft")
 
 
+# Where the engine runs and how weights are chunked for sync: they do not change results.
+_NOT_FINGERPRINTED = {"engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb"}}
+
 SPEC = StageSpec(
     name="rl",
     inputs=_inputs,
-    config=lambda cfg: {"rl": cfg.rl.model_dump(exclude={"engine": {"ray_address", "num_cpus"}}), "seed": cfg.run.seed},
+    config=lambda cfg: {"rl": cfg.rl.model_dump(exclude=_NOT_FINGERPRINTED), "seed": cfg.run.seed},
     summary=("critic/score/mean", "actor/pg_loss"),
 )
 

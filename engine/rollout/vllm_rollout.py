@@ -8,7 +8,9 @@ and avoids the per-step IPC that makes the multiprocess engine ~20x slower, and 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Iterable
@@ -160,10 +162,41 @@ class VLLMRollout:
         reload leaves the output layer at its old values otherwise, although HF checkpoints of
         tied models (and ``conversion.registry.megatron_to_hf``) omit it. The prefix cache is
         then cleared, since cached KV blocks were computed with the old weights.
+
+        Partial updates (one bucket of ``engine.weight_sync`` per call) work module by module:
+        vLLM's layerwise reload rebuilds a module once every tensor it holds has arrived in the
+        call, and puts modules that received nothing back as they were. A module that receives
+        only some of its tensors (say ``q_proj`` without ``v_proj``, which vLLM fuses into
+        ``qkv_proj``) gets uninitialised memory for the rest, so each call must carry whole
+        modules, as :func:`engine.weight_sync.plan_buckets` guarantees. vLLM's warnings about
+        the modules a partial call leaves alone are silenced.
         """
         weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        with _quiet_partial_reload():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+
+# vLLM's in-place reload warns about every module a call did not load; with one bucket per
+# call that is every other module of the model, each call.
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
+
+
+def _not_a_partial_reload_warning(record: logging.LogRecord) -> bool:
+    msg = str(record.msg)
+    return not (msg.startswith("Following weights were not loaded") or msg.endswith(": Failed to load weights"))
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload():
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    for logger in loggers:
+        logger.addFilter(_not_a_partial_reload_warning)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_not_a_partial_reload_warning)
 
 
 def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]):

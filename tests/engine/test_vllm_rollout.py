@@ -138,6 +138,29 @@ def test_update_weights_switches_policy(setup):
     assert engine.generate(PROMPTS, spec) == before
 
 
+def test_update_weights_bucket_by_bucket(setup):
+    """One reload call per bucket of ``engine.weight_sync`` (modules never split across
+    calls) ends with the same policy as one full update; the tied output layer follows the
+    embedding's bucket."""
+    from engine.weight_sync import plan_buckets
+
+    engine, model_a, model_b, eos = setup
+    spec = SamplingSpec(n=1, temperature=0.0, max_new_tokens=12)
+    weights = synced_weights(model_b)
+    plan = plan_buckets(((name, t.shape, t.dtype) for name, t in weights), bucket_bytes=20_000)
+    assert plan.num_buckets > 3
+    try:
+        for i in range(plan.num_buckets):
+            engine.update_weights(weights[plan.starts[i] : plan.starts[i + 1]])
+        for prompt, (o,) in zip(PROMPTS, engine.generate(PROMPTS, spec)):
+            expected = hf_greedy(model_b, prompt, 12, eos)
+            assert list(o.token_ids) == expected
+            torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64),
+                                       hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4)
+    finally:
+        engine.update_weights(synced_weights(model_a))
+
+
 def test_empty_prompt_rejected(setup):
     with pytest.raises(ValueError, match="prompt 1 has no tokens"):
         setup[0].generate([[3], []], SamplingSpec())

@@ -1,0 +1,1 @@
+"""Stand-alone measurements, run as modules (``python -m benchmarks.<name>``); not tests."""

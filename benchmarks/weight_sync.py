@@ -1,0 +1,224 @@
+"""Peak extra memory and throughput of rollout weight sync: whole model vs buckets.
+
+    python -m benchmarks.weight_sync                # full, 64 MiB and 256 MiB buckets
+    python -m benchmarks.weight_sync --bucket-mb 16 64
+
+Builds a Qwen2-shaped megatron-core policy on CPU in float32 (default ~98M parameters:
+Qwen2-0.5B-like layers of hidden 768, 14 layers, a 16k vocabulary, tied embeddings) and, in
+a fresh subprocess per mode, turns it into HF-named tensors the way the trainer hands them
+to the rollout engine:
+
+- ``full``: the old way, one list with a cloned copy of every HF tensor
+  (``[(n, t.clone()) for n, t in megatron_to_hf(...)]``), then consumed;
+- ``bucketed-<N>``: ``engine.weight_sync.BucketServer`` buckets of N MiB requested in order,
+  as ``engine.rl.update_weights`` does, each consumed and dropped before the next.
+
+"Consumed" means every tensor is summed (touching all its bytes). Each mode runs
+``--repeats`` passes; the time is the fastest pass, the memory the peak over all passes.
+
+Peak extra memory is the process's peak resident set size during the passes minus its
+resident size just before them (model built, bucket plan made, freed heap returned with
+``malloc_trim``). The peak comes from ``VmHWM`` in ``/proc/self/status`` after resetting
+it (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0); where that reset is refused, a
+thread samples the resident size every millisecond instead (the table says which).
+Throughput is the model's HF bytes (MiB) over the pass's wall time.
+
+glibc keeps some freed memory mapped (its mmap threshold grows after large frees, so later
+tensors come from the heap, which is not always returned), and that shows in the peak.
+``--malloc-mmap-threshold 1048576`` runs the subprocesses with ``MALLOC_MMAP_THRESHOLD_``
+fixed, so every large tensor is mapped and unmapped on its own and the peak is the live
+tensors' memory: compare the two to tell the sync's own footprint from the allocator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MIB = 2**20
+
+
+def model_config(layers: int, vocab: int) -> dict:
+    """A Qwen2 ``config.json`` dict: Qwen2-0.5B-like layer shape (GQA 12/2, head_dim 64, QKV
+    bias), ``layers`` layers, ``vocab`` tokens, tied embeddings."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": 768,
+        "num_hidden_layers": layers, "num_attention_heads": 12, "num_key_value_heads": 2,
+        "intermediate_size": 2048, "max_position_embeddings": 2048, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+    }
+
+
+# ----------------------------------------------------------------------------- memory probes
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def _trim_heap() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """Peak resident set size (bytes) between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self):
+        self.method = "VmHWM reset"
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.method = "1 ms sampling"
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._samples.append(_rss_bytes())
+            time.sleep(0.001)
+
+    def stop(self) -> int:
+        if self._thread is None:
+            return _status_kib("VmHWM") * 1024
+        self._stop.set()
+        self._thread.join()
+        return max(self._samples + [_rss_bytes()])
+
+
+# ----------------------------------------------------------------------------- one mode (child)
+
+
+def _consume(named_tensors, total: float) -> float:
+    """``total`` plus the sum of every tensor (in order, so every mode adds the same floats)."""
+    for _, t in named_tensors:
+        total += float(t.sum())
+    return total
+
+
+def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int) -> dict:
+    """Measure one mode in this process; returns the row as a dict."""
+    import torch
+
+    from conversion.registry import megatron_to_hf
+    from engine.megatron_model import GPTSpec, build_gpt_model, mcore_state
+    from engine.weight_sync import BucketServer
+
+    torch.set_num_threads(threads)
+    cfg = model_config(layers, vocab)
+    model = build_gpt_model(GPTSpec.from_hf_config(cfg), seed=0, core_attention="sdpa").eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = sum(p.numel() for p in model.parameters())
+    model_bytes = sum(t.numel() * t.element_size() for _, t in megatron_to_hf(cfg, mcore_state(model)))
+
+    server = None
+    if mode.startswith("bucketed-"):
+        server = BucketServer(cfg, model, int(mode.split("-", 1)[1]) * MIB)  # the plan: made once per run
+    elif mode != "full":
+        raise ValueError(f"unknown mode {mode!r}")
+
+    _trim_heap()
+    baseline = _rss_bytes()
+    peak = PeakRSS()
+    peak.start()
+    times, checksum, buckets = [], 0.0, 1
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        if server is None:
+            weights = [(name, t.detach().clone()) for name, t in megatron_to_hf(cfg, mcore_state(model))]
+            checksum = _consume(weights, 0.0)
+            del weights
+        else:
+            checksum, buckets = 0.0, server.plan.num_buckets
+            for index in range(buckets):
+                bucket = server.bucket(index)
+                checksum = _consume(bucket, checksum)
+                del bucket
+        times.append(time.perf_counter() - t0)
+    peak_bytes = peak.stop()
+    return {
+        "mode": mode, "params": params, "model_mb": model_bytes / MIB, "buckets": buckets,
+        "peak_extra_mb": (peak_bytes - baseline) / MIB, "seconds": min(times),
+        "mb_per_s": model_bytes / MIB / min(times), "checksum": checksum, "method": peak.method,
+    }
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _child(mode: str, args) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.weight_sync", "--child", mode, "--layers", str(args.layers),
+           "--vocab", str(args.vocab), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    env = dict(os.environ)
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode}: benchmark subprocess failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def render(rows: list[dict]) -> str:
+    """The table: one row per mode, ratios against the ``full`` row."""
+    full = next(r for r in rows if r["mode"] == "full")
+    head = ("mode", "buckets", "model MiB", "peak extra MiB", "extra/model", "MiB/s", "extra vs full", "MiB/s vs full")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = (r["mode"], str(r["buckets"]), f"{r['model_mb']:.0f}", f"{r['peak_extra_mb']:.0f}",
+                 f"{r['peak_extra_mb'] / r['model_mb']:.2f}", f"{r['mb_per_s']:.0f}",
+                 f"{r['peak_extra_mb'] / full['peak_extra_mb']:.2f}", f"{r['mb_per_s'] / full['mb_per_s']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256], help="bucket sizes (MiB) to compare")
+    parser.add_argument("--layers", type=int, default=14, help="decoder layers (14: ~98M parameters)")
+    parser.add_argument("--vocab", type=int, default=16384, help="vocabulary size")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per mode (fastest is reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in each subprocess")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
+                        help="run the subprocesses with glibc's MALLOC_MMAP_THRESHOLD_ fixed to this many bytes")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_mode(args.child, args.layers, args.vocab, args.repeats, args.threads)))
+        return
+    rows = [_child(mode, args) for mode in ["full", *(f"bucketed-{mb}" for mb in args.bucket_mb)]]
+    checksums = {r["checksum"] for r in rows}
+    first = rows[0]
+    malloc = "" if args.malloc_mmap_threshold is None else f"; MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}"
+    print(f"Qwen2-shaped policy: {first['params'] / 1e6:.1f}M parameters, {first['model_mb']:.0f} MiB of HF tensors "
+          f"(float32, CPU, {args.threads} thread(s)); peak via {first['method']}; best of {args.repeats} passes{malloc}")
+    print(render(rows))
+    if len(checksums) != 1:
+        print(f"WARNING: modes saw different weights (checksums {sorted(checksums)})")
+
+
+if __name__ == "__main__":
+    main()
