@@ -36,18 +36,27 @@ def _load_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path}: missing (not an HF model directory)")
-    config = json.loads(cfg_path.read_text())
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object")
     state: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        for f in files:
-            state.update(load_file(str(f)))
-    else:
+    if not files:
         files = sorted(model_dir.glob("pytorch_model*.bin"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
-        for f in files:
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
+    for f in files:
+        try:
+            part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # safetensors' and torch's errors do not name the file
+            raise ValueError(f"{f}: cannot read the weights (corrupt or truncated file?): {e}") from e
+        repeated = sorted(part.keys() & state.keys())
+        if repeated:
+            raise ValueError(f"{f}: tensor {repeated[0]!r} is also in another weights file of {model_dir}")
+        state.update(part)
     return config, state
 
 

@@ -98,3 +98,28 @@ def test_hf_source_reads_pytorch_bin_and_reports_bad_sources(base, tmp_path):
         load_hf_source(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such model directory"):
         load_hf_source(str(tmp_path / "absent"))
+
+
+def test_corrupt_weights_and_config_are_named(base, tmp_path):
+    """A truncated or garbled weights file, a broken config.json and a tensor in two shards
+    each give one error naming the file (and tensor); the convert stage writes nothing."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(base, bad)
+    weights = bad / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated: the header promises more bytes
+    with pytest.raises(ValueError, match=r"model\.safetensors: cannot read the weights \(corrupt or truncated"):
+        load_hf_source(bad)
+    weights.write_bytes(b"\xff" * 64)  # garbage header length
+    with pytest.raises(ValueError, match=r"model\.safetensors: cannot read the weights"):
+        load_hf_source(bad)
+    weights.write_bytes(data)
+    shutil.copy2(weights, bad / "model-00002.safetensors")  # every tensor twice
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor '.+' is also in another weights file"):
+        load_hf_source(bad)
+    (bad / "model-00002.safetensors").unlink()
+    (bad / "config.json").write_text('{"vocab_size": 400,\n  "hidden_size": }')
+    with pytest.raises(ValueError, match=r"config\.json: invalid JSON at line 2"):
+        load_hf_source(bad)
