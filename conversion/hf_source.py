@@ -95,7 +95,12 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
     if path.is_file() and path.suffix == ".gguf":
         model_dir = _gguf_cache_dir(path, cache_root)
         if not (model_dir / "config.json").is_file():
-            gguf_to_hf(path, model_dir)
+            try:
+                gguf_to_hf(path, model_dir)
+            except (ValueError, KeyError, OSError, EOFError) as e:
+                if str(path) in str(e):
+                    raise
+                raise ValueError(f"{path}: cannot import this GGUF file (not GGUF, corrupt or truncated?): {e}") from e
     elif path.is_dir():
         model_dir = path
     elif path.exists():
@@ -112,3 +117,23 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
     if not any((tok_dir / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"{tok_dir}: no tokenizer files (expected some of {', '.join(TOKENIZER_FILES)})")
     return HFSource(config, state, tok_dir)
+
+
+def check_tokenizer_fits(source: HFSource) -> None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows.
+
+    Its ids past ``vocab_size`` would crash training with an index error far from the
+    cause (the convert stage calls this before writing anything).
+
+    Raises:
+        ValueError: naming the tokenizer directory, both sizes and ``model.tokenizer``.
+    """
+    from transformers import AutoTokenizer
+
+    vocab = source.config.get("vocab_size")
+    tokens = len(AutoTokenizer.from_pretrained(str(source.tokenizer_dir))) if isinstance(vocab, int) else 0
+    if tokens > vocab:
+        raise ValueError(
+            f"{source.tokenizer_dir}: the tokenizer has {tokens} tokens but the model's config.json has "
+            f"vocab_size={vocab}: model.tokenizer does not belong to this model"
+        )

@@ -17,9 +17,14 @@ from __future__ import annotations
 import functools
 import socket
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
+
+# On CPU, megatron-core's fallbacks to torch implementations are the intended path, not a
+# problem to report on every import (one warning per module otherwise).
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 
 _LOCK = threading.Lock()
 _CPU_PLATFORM_READY = False

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # Local services stay quiet and local unless the user says otherwise.
@@ -22,7 +22,9 @@ from rich.table import Table  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import check_inputs  # noqa: E402
 
-console = Console()
+# Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
+# artifact ids and wrap paths.
+console = Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _load(path: str):
@@ -53,6 +55,31 @@ def _stage_list(cfg) -> list[str]:
     return (["prepare"] if cfg.prepare else []) + [s for s in STAGE_ORDER if s != "rm" or cfg.rm.enabled]
 
 
+class StageFailed(Exception):
+    """A stage raised; Prefect has logged its traceback, the CLI ends with one line."""
+
+    exit_code = 1
+
+
+class Interrupted(StageFailed):
+    exit_code = 130  # the shell convention for SIGINT
+
+
+@contextmanager
+def _stage_errors():
+    """Turn a failed or interrupted flow into one closing line and an exit code."""
+    from flows.pipeline import MissingUpstream
+
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        raise Interrupted("interrupted: nothing was published; checkpoints are kept, rerun to resume") from exc
+    except (ConfigError, MissingUpstream):
+        raise
+    except Exception as exc:
+        raise StageFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
 def cmd_run(args) -> int:
     cfg, problems, _ = _load(args.config)
     if problems:
@@ -60,7 +87,7 @@ def cmd_run(args) -> int:
     from flows.pipeline import pipeline
     from flows.prefect_server import prefect_api
 
-    with prefect_api():
+    with _stage_errors(), prefect_api():
         summary = pipeline(config_path=args.config)
     out = Path("outputs") / cfg.run.name
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +122,7 @@ def _print_summary(summary: dict) -> None:
             console.print(f"RL − SFT:     {delta:+.3f} ± {se:.3f}   (paired over prompts; {ratio})")
     ex = summary["stages"].get("export")
     if ex:
-        console.print(f"Exported model (HF SafeTensors): {Path(ex['uri']) / 'hf_model'}")
+        console.print(f"Exported model (HF SafeTensors): {Path(ex['uri']) / 'hf_model'}", soft_wrap=True)
     console.print(f"Total wall time: {total:.1f} s")
 
 
@@ -127,7 +154,7 @@ def cmd_stage(args) -> int:
             )
             return 3
     try:
-        with prefect_api():
+        with _stage_errors(), prefect_api():
             result = stage_flow(config_path=args.config, name=args.name)
     except MissingUpstream as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
@@ -184,11 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 2
-    finally:
-        # Interpreter shutdown garbage-collects every object torch, transformers and the
-        # Prefect server created (seconds of CPU after the work is done); frozen objects
-        # are skipped by that final collection.
-        gc.freeze()
+    except StageFailed as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -75,7 +75,10 @@ def _check_files(fs: Any, url: str, manifest: dict[str, Any], action: str) -> No
         except FileNotFoundError:
             raise ArtifactError(f"file {entry['path']} is missing while {action} {manifest['artifact_id']} ({url})") from None
         if h.hexdigest() != entry["sha256"]:
-            raise ArtifactError(f"checksum mismatch for {entry['path']} while {action} {manifest['artifact_id']} ({url})")
+            raise ArtifactError(
+                f"checksum mismatch for {entry['path']} while {action} {manifest['artifact_id']} ({url}): the "
+                "artifact was modified after publishing; delete that directory and rerun to rebuild it"
+            )
 
 
 class ArtifactStore:

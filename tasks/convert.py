@@ -33,7 +33,7 @@ SPEC = StageSpec(
 def convert(ctx: StageContext) -> dict:
     """Load the HF weights, map them to Megatron names, save as torch_dist."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from conversion.hf_source import load_hf_source
+    from conversion.hf_source import check_tokenizer_fits, load_hf_source
     from conversion.registry import hf_to_megatron
     from engine.megatron_model import GPTSpec, build_gpt_model
     from engine.model_dir import save_model_dir
@@ -41,6 +41,7 @@ def convert(ctx: StageContext) -> dict:
 
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
+    check_tokenizer_fits(source)
     init_model_parallel()
     # Megatron-LM pads to make_vocab_size_divisible_by × TP; training here runs at TP=1.
     spec = GPTSpec.from_hf_config(source.config).with_vocab_padding(ctx.cfg.convert.make_vocab_size_divisible_by)

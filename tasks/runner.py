@@ -8,13 +8,15 @@ stage fingerprint, so a rerun with the same inputs, config and code shows as Cac
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 from prefect import task
 from prefect.context import TaskRunContext
@@ -113,6 +115,34 @@ def _cache_key(spec: StageSpec) -> Callable:
     return key
 
 
+def _attempt_workdir(parent: Path, fp16: str) -> tuple[Path, IO[str]]:
+    """A fresh work directory for one attempt at a stage, and the open lock file that marks it live.
+
+    The directory sits beside the checkpoint (not in ``$TMPDIR``) so that a killed
+    attempt's leftovers are found: every attempt first removes the ``.work-<fp16>-*``
+    directories whose lock no process holds (``flock`` locks die with their process).
+    Each attempt has its own directory, so two concurrent runs of the same stage never
+    write into, or publish, each other's files.
+    """
+    parent.mkdir(parents=True, exist_ok=True)
+    for stale in parent.glob(f".work-{fp16}-*"):
+        if not stale.is_dir():
+            continue
+        lock_path = stale.with_name(stale.name + ".lock")
+        with open(lock_path, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live attempt owns it
+            shutil.rmtree(stale, ignore_errors=True)
+            lock_path.unlink(missing_ok=True)
+    workdir = parent / f".work-{fp16}-{uuid.uuid4().hex[:8]}"
+    lock = open(workdir.with_name(workdir.name + ".lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the directory exists: it is never seen unlocked
+    workdir.mkdir()
+    return workdir, lock
+
+
 def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: PipelineConfig, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
     """Run ``build`` unless the fingerprint's artifact exists; publish its work dir atomically."""
     store = store_for(cfg)
@@ -125,11 +155,7 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
         return existing
     resume_dir = Path(cfg.run.checkpoint_root) / spec.name / fp[:16]
     resume_dir.mkdir(parents=True, exist_ok=True)
-    # The work dir sits beside the checkpoint (not in $TMPDIR) so a killed attempt's
-    # leftovers are found and removed by the next attempt of the same fingerprint.
-    workdir = resume_dir.with_name(f".work-{fp[:16]}")
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir()
+    workdir, workdir_lock = _attempt_workdir(resume_dir.parent, fp[:16])
     tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), spec.config(cfg), logger)
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
     started = time.time()
@@ -152,9 +178,13 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
         tracker.finish(metrics, ok=True)
     except BaseException:
         tracker.finish({}, ok=False)
+        if resume_dir.is_dir() and not any(resume_dir.iterdir()):
+            resume_dir.rmdir()  # nothing to resume from: leave no empty directory behind
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        Path(workdir_lock.name).unlink(missing_ok=True)
+        workdir_lock.close()
     shutil.rmtree(resume_dir, ignore_errors=True)  # published: nothing left to resume
     if ctx.markdown:
         from prefect.artifacts import create_markdown_artifact

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conversion import hf_to_megatron, megatron_to_hf
 from conversion.export import write_hf_safetensors
-from conversion.hf_source import load_hf_source
+from conversion.hf_source import check_tokenizer_fits, load_hf_source
 from conversion.random_init import init_random_hf_model
 
 QWEN2 = {
@@ -123,3 +123,15 @@ def test_corrupt_weights_and_config_are_named(base, tmp_path):
     (bad / "config.json").write_text('{"vocab_size": 400,\n  "hidden_size": }')
     with pytest.raises(ValueError, match=r"config\.json: invalid JSON at line 2"):
         load_hf_source(bad)
+
+
+def test_tokenizer_of_another_model_and_a_broken_gguf_are_named(base, fixtures_dir, tmp_path):
+    # The random test model here has vocab_size 400; the real Qwen2.5 tokenizer has 151,665 tokens.
+    with pytest.raises(ValueError, match=r"the tokenizer has 151665 tokens but .*vocab_size=400: model.tokenizer does not"):
+        check_tokenizer_fits(load_hf_source(base, tokenizer=fixtures_dir / "qwen2.5-tokenizer"))
+    stories = load_hf_source(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", cache_dir=tmp_path / "c")
+    check_tokenizer_fits(stories)  # 512 tokens, vocab_size 512: fits
+    fake = tmp_path / "random.gguf"
+    fake.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match=r"random\.gguf: cannot import this GGUF file"):
+        load_hf_source(fake, cache_dir=tmp_path / "cache")
