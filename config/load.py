@@ -75,6 +75,12 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  {key}: unknown key{hint}")
         elif e["type"] == "missing":
             lines.append(f"  {key}: required key is missing")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):
+            # A check across keys of a section: its message names the keys; echoing the
+            # whole section would bury it.
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
+        elif e["type"] in ("model_type", "model_attributes_type") and e.get("input") is None:
+            lines.append(f"  {key}: section is empty: give its keys (or remove the line to use the defaults of an optional section)")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -88,12 +94,16 @@ def load_config(path: str | Path) -> PipelineConfig:
             (message lists each bad key as a dotted path with the allowed keys or values).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config {p} is a directory; give the YAML file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
         raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from exc
+    if raw is None:
+        raise ConfigError(f"config {p} is empty: it needs at least the run, data and model sections")
     if not isinstance(raw, dict):
         raise ConfigError(f"config {p} must be a mapping of sections (run, data, model, ...), got {type(raw).__name__}")
     try:

@@ -157,7 +157,7 @@ def test_non_mapping_and_empty_and_missing_files(tmp_path):
     assert _error(p) == f"config {p} must be a mapping of sections (run, data, model, ...), got list"
     e = tmp_path / "empty.yaml"
     e.write_text("")
-    assert _error(e) == f"config {e} must be a mapping of sections (run, data, model, ...), got NoneType"
+    assert _error(e) == f"config {e} is empty: it needs at least the run, data and model sections"
     missing = tmp_path / "nope.yaml"
     assert _error(missing) == f"config file not found: {missing}"
 
@@ -204,3 +204,22 @@ def test_models_are_frozen():
     # Changing a value means building a new, validated config.
     changed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"steps": 7})})
     assert changed.sft.steps == 7 and cfg.sft.steps == 300
+
+
+def test_cross_key_check_empty_section_empty_file_and_directory(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"].update(global_batch_size=10, micro_batch_size=3)
+    raw["model"] = None
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, raw))
+    lines = str(info.value).splitlines()[1:]
+    assert lines == [
+        "  model: section is empty: give its keys (or remove the line to use the defaults of an optional section)",
+        "  sft: sft.global_batch_size must be a multiple of sft.micro_batch_size",  # no dump of the section
+    ]
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="empty.yaml is empty: it needs at least the run, data and model sections"):
+        load_config(empty)
+    with pytest.raises(ConfigError, match="is a directory; give the YAML file"):
+        load_config(tmp_path)
