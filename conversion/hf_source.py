@@ -32,16 +32,26 @@ class HFSource(NamedTuple):
     tokenizer_dir: Path
 
 
-def _load_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: missing (not an HF model directory)")
+def read_config_json(path: Path, what: str = "not an HF model directory") -> dict[str, Any]:
+    """An HF ``config.json`` as a dict.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing (the message adds ``what``).
+        ValueError: naming the file and the line and column, if it is not a JSON object.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing ({what})")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+        raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
     if not isinstance(config, dict):
-        raise ValueError(f"{cfg_path}: expected a JSON object")
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+def _load_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    config = read_config_json(model_dir / "config.json")
     state: dict[str, torch.Tensor] = {}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

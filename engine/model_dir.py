@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from conversion.hf_source import read_config_json
 from conversion.spec import GPTSpec
 
 MEGATRON_SUBDIR = "megatron"
@@ -170,16 +171,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         FileNotFoundError: naming the missing file.
         ValueError: naming the file, if it is not a JSON object.
     """
-    path = Path(model_dir) / HF_SUBDIR / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; {model_dir} is not a model directory")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return cfg
+    return read_config_json(Path(model_dir) / HF_SUBDIR / "config.json", f"{model_dir} is not a model directory")
 
 
 def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "sdpa") -> LoadedModel:
