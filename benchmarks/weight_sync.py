@@ -11,7 +11,7 @@ to the rollout engine:
 - ``full``: the old way, one list with a cloned copy of every HF tensor
   (``[(n, t.clone()) for n, t in megatron_to_hf(...)]``), then consumed;
 - ``bucketed-<N>``: ``engine.weight_sync.BucketServer`` buckets of N MiB requested in order,
-  as ``engine.rl.update_weights`` does, each consumed and dropped before the next.
+  as ``engine.rl_step.update_weights`` does, each consumed and dropped before the next.
 
 "Consumed" means every tensor is summed (touching all its bytes). Each mode runs
 ``--repeats`` passes; the time is the fastest pass, the memory the peak over all passes.

@@ -24,15 +24,32 @@ def _type_name(ann) -> str:
     return getattr(ann, "__name__", str(ann))
 
 
+def _models(ann) -> list[type[BaseModel]]:
+    """The config sections an annotation allows (through Optional, unions and Annotated)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    args = typing.get_args(ann)
+    if typing.get_origin(ann) is typing.Annotated:
+        args = args[:1]
+    return [m for a in args for m in _models(a)]
+
+
 def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
-        nested = [a for a in (typing.get_args(ann) or (ann,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if nested:
-            rows.append((key, "section", "required" if field.is_required() else "optional", (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
+        nested = _models(ann)
+        required = "required" if field.is_required() else "optional"
+        if len(nested) == 1:
+            rows.append((key, "section", required, (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
             rows.extend(_rows(nested[0], f"{key}."))
+            continue
+        for variant in nested:  # a tagged union: one block per `kind`
+            kind = typing.get_args(variant.model_fields["kind"].annotation)[0]
+            rows.append((key, f"section, `kind: {kind}`", required, (variant.__doc__ or "").strip().split("\n")[0]))
+            rows.extend(_rows(variant, f"{key}."))
+        if nested:
             continue
         default = "required" if field.is_required() else f"`{field.default!r}`"
         rows.append((key, _type_name(ann), default, field.description or ""))

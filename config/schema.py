@@ -9,7 +9,7 @@ not to the config file.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -40,7 +40,7 @@ class WandbConfig(Strict):
     dir: str = Field("wandb", description="Directory for offline run files.")
 
 
-class PrepareConfig(Strict):
+class AdditionPrepareConfig(Strict):
     """Builds the quickstart's own base model, tokenizer and data (no hub access needed)."""
 
     kind: Literal["addition"] = Field("addition", description="The synthetic task: 2-digit addition.")
@@ -56,6 +56,18 @@ class PrepareConfig(Strict):
     num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA).")
     intermediate_size: int = Field(256, gt=0, description="SwiGLU MLP width.")
     max_position_embeddings: int = Field(128, gt=0, description="Longest sequence the model supports.")
+
+
+class StoriesPrepareConfig(Strict):
+    """Writes story-opening prompts for a pretrained story model (the model itself is model.source)."""
+
+    kind: Literal["stories"] = Field(description="Story openings: 'Once upon a time, there was a little dog named Max.'")
+    output_dir: str = Field("work/tinystories", description="Where rl_train.jsonl and rl_eval.jsonl are written.")
+    num_rl: int = Field(2000, gt=0, description="RL training prompts (drawn with repetition from the training openings).")
+    num_eval: int = Field(200, gt=0, description="Held-out openings: no (character, name) pair of them is trained on.")
+
+
+PrepareConfig = Annotated[AdditionPrepareConfig | StoriesPrepareConfig, Field(discriminator="kind")]
 
 
 DatasetFormat = Literal[
@@ -87,6 +99,11 @@ class ModelConfig(Strict):
     source: str = Field(description="HF model directory, HF hub id (org/name) or a .gguf file.")
     revision: str | None = Field(None, description="Hub revision when source is a hub id.")
     tokenizer: str | None = Field(None, description="Tokenizer directory if not inside the model directory.")
+    eos_token_ids: list[int] | None = Field(
+        None, min_length=1,
+        description="Token ids that end a response, replacing generation_config.json's eos_token_id for every later "
+        "stage and the export (llama2.c-trained models such as stories260K end a story with BOS, id 1).",
+    )
 
 
 class ConvertConfig(Strict):
@@ -115,6 +132,7 @@ class OptimConfig(Strict):
 class SFTConfig(Strict):
     """Supervised fine-tuning (stage sft)."""
 
+    enabled: bool = Field(True, description="Fine-tune before RL; false starts RL (and the reward model) from the converted base model.")
     steps: int = Field(100, gt=0, description="Optimizer steps.")
     global_batch_size: int = Field(32, gt=0, description="Sequences per optimizer step.")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between).")
@@ -162,7 +180,9 @@ class RolloutConfig(Strict):
 class RewardConfig(Strict):
     """How rollouts are scored."""
 
-    verifier: Literal["exact_match", "gsm8k", "none"] = Field("exact_match", description="Rule reward comparing the response's final answer with the label.")
+    verifier: Literal["exact_match", "gsm8k", "math", "story", "none"] = Field(
+        "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
+    )
     verifier_weight: float = Field(1.0, description="Weight of the verifier score in the reward.")
     reward_model_weight: float = Field(0.0, description="Weight of the trained RM score; 0 disables it.")
 
@@ -180,27 +200,68 @@ class EngineConfig(Strict):
     )
 
 
+class KLConfig(Strict):
+    """KL divergence to the reference policy: a loss term or a reward penalty."""
+
+    coef: float = Field(0.0, ge=0, description="KL weight (the starting value with an adaptive controller); 0 turns the KL off.")
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3", description="Per-token estimator (Schulman 2020): k1 = log ratio, k2 = half its square, k3 = "
+        "exp(-x) - 1 + x; low_var_kl = k3 clamped to [-10, 10] as verl does.")
+    in_reward: bool = Field(False, description="Subtract coef * KL from each token's reward (InstructGPT style) "
+                                               "instead of adding coef * KL to the loss (GRPO style).")
+    target: float | None = Field(None, gt=0, description="With in_reward: steer coef towards this KL per sequence "
+                                                         "(adaptive controller, Ziegler et al. 2019); None keeps coef fixed.")
+    horizon: int = Field(10000, gt=0, description="Adaptive controller horizon, in responses.")
+
+
+class DynamicSamplingConfig(Strict):
+    """DAPO dynamic sampling: train only on groups whose rewards differ."""
+
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal (zero GRPO advantage) and "
+                                             "sample more prompts until prompts_per_step groups remain.")
+    max_rounds: int = Field(4, gt=0, description="Generation rounds per step at most (the first included).")
+    on_shortfall: Literal["warn", "error"] = Field(
+        "warn", description="When max_rounds leave the batch short: train on the groups kept (warn) or fail (error).")
+
+
 class RLConfig(Strict):
     """RL on the Ray engine (stage rl)."""
 
-    algorithm: Literal["grpo"] = Field("grpo", description="Advantage estimator / algorithm.")
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="Advantage estimator (engine.algorithms.ADVANTAGE_ESTIMATORS; docs/algorithms.md).")
     steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update.")
-    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon of the importance ratio.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL-to-reference loss term.")
+    policy_loss: Literal["ppo_clip", "gspo"] = Field(
+        "ppo_clip", description="ppo_clip: token-level PPO ratio; gspo: sequence-level ratio (set clip ratios ~3e-4/4e-4).")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon of the importance ratio (both sides).")
+    clip_ratio_low: float | None = Field(None, gt=0, description="Lower clip epsilon (1 - eps_low); None uses clip_ratio.")
+    clip_ratio_high: float | None = Field(None, gt=0, description="Upper clip epsilon (clip-higher, DAPO: e.g. 0.28); None uses clip_ratio.")
+    clip_ratio_c: float | None = Field(None, gt=1, description="Dual-clip bound c for negative advantages (e.g. 3.0); None turns it off.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number (docs/algorithms.md).")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling: weight tokens by "
+                                                          "min(p_trainer / p_rollout, cap); None turns it off.")
+    kl: KLConfig = Field(KLConfig(), description="KL to the reference policy.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description="DAPO dynamic sampling.")
     optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Policy optimizer and schedule.")
     checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
     reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier and/or the trained reward model.")
     engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
 
+    @model_validator(mode="after")
+    def _kl(self):
+        if self.kl.target is not None and not (self.kl.in_reward and self.kl.coef > 0):
+            raise ValueError("rl.kl.target (adaptive KL) needs rl.kl.in_reward: true and rl.kl.coef > 0")
+        return self
+
 
 class EvaluateConfig(Strict):
-    """Side-by-side evaluation of the SFT and RL policies (stage evaluate)."""
+    """The starting policy (SFT, or the base model when sft is disabled) and the RL policy side by side (stage evaluate)."""
 
     @model_validator(mode="after")
     def _samples(self):

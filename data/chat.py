@@ -59,10 +59,24 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def encode_prompt(tokenizer: Any, prompt_messages: Sequence[dict[str, str]]) -> list[int]:
-    """Token ids of a prompt rendered with the chat template and the generation prompt.
+    """Token ids of a prompt: the chat template with the generation prompt, or plain text.
 
-    ``encode_chat(tok, prompt + [assistant]).input_ids`` starts with exactly these ids.
+    With a chat template, ``encode_chat(tok, prompt + [assistant]).input_ids`` starts with
+    exactly these ids. A tokenizer without one (a pretrained base model such as a
+    TinyStories Llama) continues plain text: the prompt must be a single user turn, whose
+    content is tokenized with the tokenizer's own special tokens (a leading BOS for Llama
+    tokenizers), as ``tokenizer(text)`` does.
+
+    Raises:
+        ChatTemplateError: no chat template and the prompt is not exactly one user turn.
     """
+    if getattr(tokenizer, "chat_template", None) is None:
+        roles = [m.get("role") for m in prompt_messages]
+        if roles != ["user"]:
+            raise ChatTemplateError(
+                f"the tokenizer has no chat template, so a prompt must be one plain-text user turn; got roles {roles}"
+            )
+        return list(tokenizer(prompt_messages[0]["content"])["input_ids"])
     return _ids(tokenizer, _render(tokenizer, prompt_messages, generation_prompt=True))
 
 

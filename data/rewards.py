@@ -8,21 +8,43 @@ Registry ``VERIFIERS``:
   write it); else the text after the last ``####`` (GSM8K style); else the last non-blank
   line of the response.
 - ``gsm8k``: numeric equality of the final number. The response's number is the first
-  number after its last ``####`` if it has one, else the last number anywhere in it
-  (as in the GSM8K paper's "last number" extraction, Cobbe et al. 2021, arXiv:2110.14168);
-  thousands commas are removed and values compare as exact decimals, so ``1,000.00``
-  equals ``1000``. No number scores 0.
+  number after its last ``####`` if it has one; else the first number in its last
+  ``\\boxed{...}``; else the last number anywhere in it (as in the GSM8K paper's "last
+  number" extraction, Cobbe et al. 2021, arXiv:2110.14168). A number is digits with an
+  optional decimal part (``.5`` too), thousands commas only in groups of three
+  (``1,000.00`` is one thousand, ``1,2`` is 1 then 2), and a minus sign only where it
+  cannot be subtraction (not right after a digit, letter or closing bracket: ``5-3`` is
+  5 then 3). Values compare as exact decimals, so ``1,000.00`` equals ``1000`` and
+  ``18.0`` equals ``18``. No number scores 0.
+- ``math``: boxed answers (MATH, MATH-500; label = the reference ``answer``). The final
+  answer is the last ``\\boxed{...}`` or ``\\fbox{...}`` (no box, or an unclosed last box,
+  scores 0); it equals the label after the normalisation documented in
+  ``data.math_answer``. In short, equal: ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` =
+  ``\\dfrac12`` = ``\\tfrac{1}{2}`` (rationals compare exactly); ``1,000`` = ``1,\\!000``
+  = ``1000``; ``5.0`` = ``5``; ``\\$5`` = ``5``; ``50\\%`` = ``50``; ``90^\\circ`` = ``90``;
+  ``12\\text{ cm}`` = ``12``; ``\\left( 1, 2 \\right)`` = ``(1,2)``; spaces ignored;
+  ``x = 3`` = ``3``; ``1\\frac{4}{5}`` = ``9/5``; ``\\sqrt2`` = ``\\sqrt{2}``;
+  ``\\frac{\\sqrt3}{3}`` = ``\\frac{1}{\\sqrt3}`` and ``2k+2`` = ``2(k+1)`` (equal values at
+  fixed sample points); ``\\text{East}`` = ``east``; ``(C)`` = ``C``; tuples and intervals
+  item by item in order, ``\\{...\\}`` sets and bare ``a, b`` lists in any order.
+  Not equal: ``1/2`` vs ``2``, ``0.5`` vs ``0.05``, ``1/3`` vs ``0.333``, ``(1,2)`` vs
+  ``(2,1)``, ``(1,2)`` vs ``[1,2]``, ``52_8`` vs ``52``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
+from data.math_answer import answers_equal, last_boxed_answer
+from data.stories import story_reward
+
 Verifier = Callable[[str, str], float]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 _BOXED = "\\boxed{"
 
 
@@ -70,6 +92,11 @@ def final_number(response: str) -> Decimal | None:
     if "####" in response:
         found = _NUMBER.search(response.rsplit("####", 1)[1])
         return _decimal(found.group()) if found else None
+    boxed = last_boxed(response)
+    if boxed is not None:
+        found = _NUMBER.search(boxed)
+        if found:
+            return _decimal(found.group())
     numbers = _NUMBER.findall(response)
     return _decimal(numbers[-1]) if numbers else None
 
@@ -87,15 +114,40 @@ def gsm8k(response: str, label: str) -> float:
     return 1.0 if got is not None and got == expected else 0.0
 
 
-VERIFIERS: dict[str, Verifier] = {"exact_match": exact_match, "gsm8k": gsm8k}
+def math_boxed(response: str, label: str) -> float:
+    """1.0 when the response's last boxed answer equals the label (see ``math`` above).
+
+    Raises:
+        ValueError: the label is empty (a data error, not a wrong response).
+    """
+    expected = last_boxed_answer(label)
+    if expected is None:
+        expected = label
+    if not expected.strip():
+        raise ValueError(f"math label {label!r} is empty")
+    got = last_boxed_answer(response)
+    return 1.0 if got is not None and answers_equal(got, expected) else 0.0
 
 
-def get_verifier(name: str) -> Verifier:
-    """The verifier registered as ``name``.
+VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward}
+
+
+def _scorer(fn: Callable[..., float], response: str, label: str, finish_reason: str) -> float:
+    if "finish_reason" in inspect.signature(fn).parameters:
+        return float(fn(response, label, finish_reason=finish_reason))
+    return float(fn(response, label))
+
+
+def get_verifier(name: str) -> Callable[[str, str, str], float]:
+    """The verifier registered as ``name``, called as ``fn(response, label, finish_reason)``.
+
+    Verifiers that judge the answer only take ``(response, label)``; those that also judge
+    how generation ended (``story``: it must stop at EOS) take a keyword ``finish_reason``
+    (``"stop"`` or ``"length"``). The returned callable accepts all three either way.
 
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; expected one of {', '.join(VERIFIERS)}")
-    return VERIFIERS[name]
+    return functools.partial(_scorer, VERIFIERS[name])

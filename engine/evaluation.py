@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Verifier = Callable[[str, str], float]
+Verifier = Callable[[str, str, str], float]  # (response, label, finish_reason) -> reward: data.rewards.get_verifier
 SCALAR_KEYS = (
     "n",
     "accuracy",
@@ -99,7 +99,7 @@ def evaluate_generations(
     Args:
         responses: ``n`` decoded response texts (EOS already removed).
         labels: ``n`` reference answers.
-        verifier: ``verifier(response, label) -> reward`` (see ``data.rewards``).
+        verifier: ``verifier(response, label, finish_reason) -> reward`` (``data.rewards.get_verifier``).
         response_lengths: ``n`` generated token counts (EOS included).
         finish_reasons: ``n`` of ``"stop"`` / ``"length"``.
         correct_threshold: a response counts as correct when its reward is at least this.
@@ -120,7 +120,7 @@ def evaluate_generations(
         )
     if n == 0:
         raise ValueError("evaluate_generations: nothing to evaluate")
-    rewards = [float(verifier(r, l)) for r, l in zip(responses, labels)]
+    rewards = [float(verifier(r, l, f)) for r, l, f in zip(responses, labels, finish_reasons)]
     correct = [1.0 if r >= correct_threshold else 0.0 for r in rewards]
     groups = list(range(n)) if prompt_index is None else list(prompt_index)
 
@@ -232,7 +232,7 @@ def evaluate_policy(
         engine: a rollout engine holding the policy.
         tokenizer: transformers tokenizer with a chat template.
         eval_rows: ``{"prompt": [messages], "label": str}`` rows (the ``rl`` kind).
-        verifier: ``verifier(response, label) -> reward``.
+        verifier: ``verifier(response, label, finish_reason) -> reward``.
         max_new_tokens: response token budget.
         temperature: sampling temperature (0 = greedy).
         seed: sampling seed.

@@ -92,6 +92,7 @@ def save_model_dir(
     tokenizer_dir: str | Path,
     iteration: int | None = None,
     heads: dict[str, torch.Tensor] | None = None,
+    generation_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a model directory atomically (temporary sibling, then rename).
 
@@ -106,6 +107,8 @@ def save_model_dir(
             ``hf/``); its ``generation_config.json`` is copied too when present.
         iteration: training iteration recorded by the checkpoint (None: a release checkpoint).
         heads: extra tensors (name -> tensor), stored in ``heads.safetensors``.
+        generation_overrides: keys replaced in ``generation_config.json`` (e.g.
+            ``{"eos_token_id": [2, 1]}``); later stages copy the file on, so it holds for good.
 
     Returns:
         ``Path(out_dir)``.
@@ -139,10 +142,10 @@ def save_model_dir(
         if spec.padded_vocab_size is not None:
             (tmp / MEGATRON_SPEC_FILE).write_text(json.dumps({"padded_vocab_size": spec.padded_vocab_size}) + "\n")
         if (tokenizer_dir / "generation_config.json").is_file():
-            shutil.copy2(tokenizer_dir / "generation_config.json", hf / "generation_config.json")
+            gen = json.loads((tokenizer_dir / "generation_config.json").read_text())
         else:
             gen = _generation_config(hf_config, hf)
-            (hf / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        (hf / "generation_config.json").write_text(json.dumps({**gen, **(generation_overrides or {})}, indent=2, sort_keys=True) + "\n")
         save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
         if heads:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in heads.items()}, str(tmp / HEADS_FILE))

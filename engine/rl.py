@@ -1,8 +1,10 @@
-"""The RL outer loop (GRPO) on Ray: one named call per phase.
+"""The RL outer loop (GRPO and its relatives) on Ray; the phases are in ``engine.rl_step``.
 
-Per step: sample prompts -> rollout ``n_samples`` each -> rewards -> old and reference
-log-probs -> GRPO advantages -> policy update -> push weights to the rollout engine ->
-metrics -> checkpoint every ``checkpoint_every`` steps. A run whose ``resume_dir`` holds a
+Per step: sample prompts -> rollout ``n_samples`` each -> rewards (with DAPO dynamic
+sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> old and
+reference log-probs -> KL reward penalty (if ``kl.in_reward``) -> advantages
+(``rl.algorithm``) -> policy update -> push weights to the rollout engine -> metrics ->
+checkpoint every ``checkpoint_every`` steps. A run whose ``resume_dir`` holds a
 checkpoint continues after it (weights, AdamW state, schedule, data position, RNG and the
 metrics so far), ending with the same weights as an uninterrupted run.
 
@@ -18,22 +20,21 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-import numpy as np
 import ray
 import torch
 
 from tqdm import tqdm
 
 from config.schema import RLConfig
-from engine.algorithms import get_advantage_estimator
 from engine.batching import EpochSampler, pad_token_id
-from engine.rollout.base import SamplingSpec
+from engine.rl_step import (
+    RLPrompt, Workers, compute_advantages, compute_logprobs, kl_controller, kl_reward_penalty, rollout_batch,
+    step_metrics, update_actor, update_weights,
+)
 from engine.train_state import STATE_FILE, DataPosition, has_train_state
-from engine.types import Trajectory
 from engine.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker, spawn
 
 logger = logging.getLogger(__name__)
@@ -42,28 +43,10 @@ MetricsLogger = Callable[[dict[str, float], int], None]
 METRICS_FILE = "metrics.jsonl"
 
 
-@dataclass(frozen=True)
-class RLPrompt:
-    """One training prompt: chat messages, reference answer, token ids with the generation prompt."""
-
-    messages: list[dict[str, str]]
-    label: str
-    token_ids: list[int]
-
-
-@dataclass
-class Workers:
-    placement: Any
-    actor: Any
-    reference: Any
-    rollout: Any
-    reward: Any
-
-
 def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, out_dir: str | Path,
            resume_dir: str | Path | None, seed: int = 0, reward_model_dir: str | Path | None = None,
            log_metrics: MetricsLogger | None = None) -> dict[str, float]:
-    """Train the policy in ``policy_dir`` with GRPO for ``cfg.steps`` steps.
+    """Train the policy in ``policy_dir`` for ``cfg.steps`` RL steps (``cfg.algorithm``, GRPO by default).
 
     Args:
         policy_dir: model directory of the starting policy (also the frozen reference).
@@ -109,18 +92,20 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         update_weights(workers)
         pad_id = pad_token_id(tokenizer)
         metrics: dict[str, float] = history[-1] if history else {}
+        kl_ctl = kl_controller(cfg, metrics)
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             t_step = time.perf_counter()
-            batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
-            traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id)
-            traj, reward_metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
+            traj, reward_metrics, t_gen, t_reward = rollout_batch(workers, prompts, sampler, cfg, seed, step, pad_id)
             traj, t_logprob = compute_logprobs(workers, traj)
+            t0 = time.perf_counter()
+            traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl)
             traj = compute_advantages(traj, cfg.algorithm)
+            t_adv = time.perf_counter() - t0
             actor_metrics, t_update = update_actor(workers, traj)
             t_sync = update_weights(workers)
-            timing = {"gen": t_gen, "reward": t_reward, "logprob": t_logprob, "update_actor": t_update,
-                      "update_weights": t_sync, "step": time.perf_counter() - t_step}
-            metrics = step_metrics(step, traj, actor_metrics, reward_metrics, timing)
+            timing = {"gen": t_gen, "reward": t_reward, "old_log_prob": t_logprob, "adv": t_adv,
+                      "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
+            metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing)
             history.append(metrics)
             append_metrics(out_dir / METRICS_FILE, metrics)
             if log_metrics is not None:
@@ -136,89 +121,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             "rl/steps_run": float(cfg.steps - start)}
 
 
-# ----------------------------------------------------------------------------- phases
-
-
-def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int):
-    """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
-    ``(seed, step)``, so a resumed run samples what an uninterrupted one would."""
-    t0 = time.perf_counter()
-    spec = SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step))
-    prompt_ids = [p.token_ids for p in batch]
-    outputs = ray.get(workers.rollout.generate.remote(prompt_ids, spec))
-    return Trajectory.from_rollout(prompt_ids, outputs, pad_id), time.perf_counter() - t0
-
-
-def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
-    t0 = time.perf_counter()
-    responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
-    rows = [p for p in batch for _ in range(n)]
-    rewards, metrics = ray.get(workers.reward.score.remote([p.messages for p in rows], [p.label for p in rows], responses))
-    return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
-
-
-def compute_logprobs(workers: Workers, traj: Trajectory):
-    """Old (current policy, before the update) and reference log-probs, computed concurrently."""
-    t0 = time.perf_counter()
-    old, ref = ray.get([workers.actor.compute_logprobs.remote(traj), workers.reference.compute_logprobs.remote(traj)])
-    return traj.with_(old_logprobs=old, ref_logprobs=ref), time.perf_counter() - t0
-
-
-def compute_advantages(traj: Trajectory, algorithm: str) -> Trajectory:
-    return traj.with_(advantages=get_advantage_estimator(algorithm)(traj.rewards, traj.group_index))
-
-
-def update_actor(workers: Workers, traj: Trajectory):
-    t0 = time.perf_counter()
-    metrics = ray.get(workers.actor.update.remote(traj))
-    return metrics, time.perf_counter() - t0
-
-
-def update_weights(workers: Workers) -> float:
-    """Stream the policy's HF-named weights to the rollout engine bucket by bucket
-    (``rl.engine.weight_sync_bucket_mb`` each, ``engine.weight_sync``); returns seconds.
-
-    Each bucket's ObjectRef goes straight from the actor to the rollout worker (the driver
-    never holds the tensors), and the next bucket is requested only once the rollout has
-    loaded the previous one: at most one bucket is in flight.
-    """
-    t0 = time.perf_counter()
-    plan = ray.get(workers.actor.hf_bucket_plan.remote())
-    for index in range(plan.num_buckets):
-        ray.get(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)))
-    return time.perf_counter() - t0
-
-
-def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict) -> dict[str, float]:
-    """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
-    largest |rollout log-prob - trainer log-prob| over response tokens, for the same weights."""
-    mask = traj.response_mask.bool()
-    lengths = traj.response_lengths.float()
-    diff = (traj.rollout_logprobs - traj.old_logprobs).abs()[mask]
-    return {
-        "step": step,
-        **actor,
-        "critic/score/mean": float(traj.rewards.mean()),
-        "critic/score/max": float(traj.rewards.max()),
-        "critic/score/min": float(traj.rewards.min()),
-        "critic/advantages/mean": float(traj.advantages.mean()),
-        **reward,
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": float(traj.truncated.float().mean()),
-        "rollout_vs_trainer/logprob_diff_max": float(diff.max()),
-        **{f"timing_s/{k}": v for k, v in timing.items()},
-        "perf/throughput": traj.num_tokens / timing["step"],
-    }
-
-
 # ----------------------------------------------------------------------------- set-up and state
-
-
-def sampling_seed(seed: int, step: int) -> int:
-    """A 31-bit rollout seed from ``(seed, step)`` (NumPy SeedSequence), independent across steps."""
-    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0] >> 1)
 
 
 def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list[RLPrompt]:

@@ -72,22 +72,28 @@ def build_optimizer(
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn
+    model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, normalized: bool = False
 ) -> tuple[float, int, dict[str, float]]:
     """Back-propagate every micro-batch and scale the summed gradients to a global mean.
 
     After this call each parameter's ``.grad`` is ``d(sum of loss_sum) / d(param) / N``
     with ``N`` the total of ``num_units`` over all micro-batches: the gradient of the
-    global-batch mean loss. Existing ``.grad`` values are cleared first.
+    global-batch mean loss. With ``normalized=True`` the losses are already divided by
+    their global normalisers (the RL actor's ``loss_agg_mode``s,
+    ``engine.algorithms.aggregation``), so the gradients are summed and not divided.
+    Existing ``.grad`` values are cleared first.
 
     Args:
         model: the module whose parameters receive gradients (put in train mode).
         micro_batches: anything ``loss_fn`` understands, one entry per micro-batch.
         loss_fn: returns ``(loss_sum, num_units, metrics)``; ``loss_sum`` is a scalar sum
-            over the micro-batch's units, ``metrics`` are means over those units.
+            over the micro-batch's units (or its globally normalised loss, see
+            ``normalized``), ``metrics`` are means over those units.
+        normalized: the losses need no division by ``N``.
 
     Returns:
-        ``(mean_loss, N, metrics)`` where metrics are unit-weighted means over micro-batches.
+        ``(loss, N, metrics)``: the global mean loss (the sum of the micro-batch losses when
+        ``normalized``) and unit-weighted means of the metrics over micro-batches.
 
     Raises:
         ValueError: if there are no micro-batches or they hold no loss units at all.
@@ -111,10 +117,12 @@ def accumulate_gradients(
             metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
     if total_units == 0:
         raise ValueError("train step: the micro-batches contain no loss units (all loss masks are empty)")
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.div_(total_units)
-    return loss_total / total_units, total_units, {k: v / total_units for k, v in metric_sums.items()}
+    if not normalized:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(total_units)
+    loss = loss_total if normalized else loss_total / total_units
+    return loss, total_units, {k: v / total_units for k, v in metric_sums.items()}
 
 
 def train_step(
@@ -124,10 +132,11 @@ def train_step(
     micro_batches: Sequence[Any],
     loss_fn: LossFn,
     grad_clip: float,
+    normalized: bool = False,
 ) -> dict[str, float]:
     """One optimizer step over a global batch given as micro-batches.
 
-    Accumulates gradients (:func:`accumulate_gradients`), clips their global L2 norm to
+    Accumulates gradients (:func:`accumulate_gradients`, with ``normalized``), clips their global L2 norm to
     ``grad_clip`` (Pascanu et al. 2013), steps the optimizer and then the scheduler.
 
     Returns:
@@ -138,7 +147,7 @@ def train_step(
         ValueError: see :func:`accumulate_gradients`.
         FloatingPointError: if the gradient norm is NaN or infinite (the step is not taken).
     """
-    loss, units, metrics = accumulate_gradients(model, micro_batches, loss_fn)
+    loss, units, metrics = accumulate_gradients(model, micro_batches, loss_fn, normalized)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     if not math.isfinite(grad_norm):

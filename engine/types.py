@@ -27,14 +27,16 @@ class Trajectory:
             each response token; 0 on padding.
         group_index: LongTensor ``[B]``, the prompt each response answers (GRPO group id).
         rewards: FloatTensor ``[B]``, scalar reward per response (0 until scored).
-        advantages: FloatTensor ``[B]``, per-response advantage (0 until computed);
-            broadcast over the response's tokens by the loss.
+        advantages: FloatTensor ``[B, L]``, per-token advantage (0 until computed and on
+            padding); outcome estimators (GRPO) give every token of a response the same value.
         truncated: BoolTensor ``[B]``, True if the response hit ``max_new_tokens``
             (``finish_reason == "length"``).
         pad_id: the padding token id.
         old_logprobs: FloatTensor ``[B, L]`` or None: the trainer's log-probs of the response
             tokens under the policy that generated them (before this step's update).
         ref_logprobs: FloatTensor ``[B, L]`` or None: the same under the reference policy.
+        token_rewards: FloatTensor ``[B, L]`` or None: per-token rewards when the KL to the
+            reference is a reward penalty (the score on the last token minus ``coef * KL_t``).
     """
 
     input_ids: torch.Tensor
@@ -49,6 +51,7 @@ class Trajectory:
     pad_id: int = 0
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    token_rewards: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
@@ -108,7 +111,7 @@ class Trajectory:
             rollout_logprobs=logprobs,
             group_index=torch.tensor([g for _, _, g in rows]),
             rewards=torch.zeros(b),
-            advantages=torch.zeros(b),
+            advantages=torch.zeros((b, length)),
             truncated=torch.tensor([o.finish_reason == "length" for _, o, _ in rows]),
             pad_id=pad_id,
         )
@@ -129,12 +132,47 @@ class Trajectory:
             rollout_logprobs=self.rollout_logprobs[start:stop, :length],
             group_index=self.group_index[start:stop],
             rewards=self.rewards[start:stop],
-            advantages=self.advantages[start:stop],
+            advantages=self.advantages[start:stop, :length],
             truncated=self.truncated[start:stop],
             pad_id=self.pad_id,
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[start:stop, :length],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop, :length],
+            token_rewards=None if self.token_rewards is None else self.token_rewards[start:stop, :length],
         )
+
+    def select(self, index: torch.Tensor) -> "Trajectory":
+        """The rows ``index`` (LongTensor ``[K]``) in that order, trimmed like :meth:`rows`."""
+        picked = Trajectory(**{f: (v[index] if isinstance(v, torch.Tensor) else v) for f, v in vars(self).items()})
+        return picked.rows(0, len(index))
+
+    @classmethod
+    def cat(cls, parts: Sequence["Trajectory"]) -> "Trajectory":
+        """Rows of several batches in order, padded to the widest; group ids are renumbered so
+        groups of different parts stay apart (part ``k``'s ids are offset past part ``k-1``'s).
+
+        Raises: ValueError for no parts or parts with different ``pad_id``.
+        """
+        if not parts or len({p.pad_id for p in parts}) != 1:
+            raise ValueError("Trajectory.cat needs at least one part, all with the same pad_id")
+
+        def stack(name: str, fill) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values):
+                return None
+            if values[0].dim() == 1:
+                return torch.cat(values)
+            width = max(v.size(1) for v in values)
+            return torch.cat([torch.nn.functional.pad(v, (0, width - v.size(1)), value=fill) for v in values])
+
+        offsets, groups = 0, []
+        for p in parts:
+            groups.append(p.group_index - p.group_index.min() + offsets)
+            offsets = int(groups[-1].max()) + 1
+        pad = parts[0].pad_id
+        fields = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
+                  for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
+                               "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards")}
+        return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
     def micro_batches(self, micro_batch_size: int) -> list["Trajectory"]:
         """Consecutive row slices of at most ``micro_batch_size`` rows (see :meth:`rows`).

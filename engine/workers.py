@@ -19,102 +19,10 @@ from typing import Any, Sequence
 import torch
 
 from config.schema import RewardConfig, RLConfig, RolloutConfig
-from engine.algorithms import entropy_from_logits, kl_k3, logprobs_from_logits, masked_sum, ppo_clip_loss
+from engine.actor_loss import actor_loss_fn, compute_logprobs, logit_temperature
+from engine.algorithms import global_norm
 from engine.rollout.base import RolloutOutput, SamplingSpec
-from engine.types import Trajectory, pad_response_values
-
-
-def logit_temperature(temperature: float) -> float:
-    """The temperature the trainer divides logits by to match the rollout's sampling
-    distribution: the sampling temperature, or 1 for greedy (``temperature == 0``)."""
-    return temperature if temperature > 0 else 1.0
-
-
-def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0) -> torch.Tensor:
-    """Logits that predict each response token, divided by ``temperature``.
-
-    Row ``b``'s response token ``j`` sits at sequence position ``prompt_lengths[b] + j`` and
-    is predicted by the logits at the position before it.
-
-    Args:
-        model: megatron-core GPTModel (``engine.megatron_model.gpt_logits``).
-        batch: ``input_ids [B, T]``, ``prompt_lengths [B]``, ``response_ids [B, L]``.
-        temperature: > 0.
-
-    Returns: FloatTensor ``[B, L, V]`` (positions past a response's end hold arbitrary
-        logits; mask them with ``response_mask``).
-    """
-    from engine.megatron_model import gpt_logits
-
-    logits = gpt_logits(model, batch.input_ids)  # [B, T, V]
-    length = batch.response_ids.size(1)
-    pos = batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]
-    pos = pos.clamp(max=logits.size(1) - 1)
-    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.size(-1)))
-    return picked / temperature if temperature != 1.0 else picked
-
-
-@torch.no_grad()
-def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
-
-    Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``.
-    """
-    was_training = model.training
-    model.eval()
-    out = []
-    for mb in traj.micro_batches(micro_batch_size):
-        lp = logprobs_from_logits(response_logits(model, mb, temperature), mb.response_ids)
-        out.append(lp * mb.response_mask)
-    model.train(was_training)
-    return pad_response_values(out, traj.response_ids.size(1))
-
-
-def grpo_loss_fn(clip_ratio: float, kl_coef: float, entropy_coef: float, temperature: float):
-    """The per-micro-batch loss for :func:`engine.train_step.train_step` (token-mean GRPO).
-
-    Per response token ``t`` (advantage ``A`` of its response, broadcast):
-    ``loss_t = ppo_clip_t(A) + kl_coef * k3_t(policy || reference) - entropy_coef * H_t``;
-    the function returns ``sum_t loss_t`` and the token count, and ``train_step`` divides by
-    the global batch's token count, giving the token-mean loss of the whole batch (the GRPO
-    objective of Shao et al. 2024, eq. 3, with DAPO's token-level aggregation, Yu et al. 2025).
-    The KL term is skipped when ``kl_coef == 0``; the entropy is then only measured.
-
-    Returns: ``loss_fn(model, micro_batch: Trajectory) -> (loss_sum, num_tokens, metrics)``
-        with metrics ``pg_loss``, ``pg_clipfrac``, ``ppo_kl``, ``entropy``, ``kl_loss``
-        (token means over the micro-batch). Needs ``old_logprobs`` (and ``ref_logprobs``
-        for the KL) on the micro-batch.
-    """
-
-    def loss_fn(model: torch.nn.Module, mb: Trajectory):
-        if mb.old_logprobs is None:
-            raise ValueError("GRPO loss: the trajectory has no old_logprobs")
-        mask = mb.response_mask
-        logits = response_logits(model, mb, temperature)
-        logprobs = logprobs_from_logits(logits, mb.response_ids)
-        advantages = mb.advantages[:, None].expand_as(mask)
-        pg = ppo_clip_loss(logprobs, mb.old_logprobs, advantages, mask, clip_ratio, num_tokens=1.0)
-        loss = pg.pg_loss
-        units = mask.sum()
-        entropy_sum = masked_sum(entropy_from_logits(logits if entropy_coef > 0 else logits.detach()), mask)
-        if entropy_coef > 0:
-            loss = loss - entropy_coef * entropy_sum
-        kl_sum = torch.zeros(())
-        if mb.ref_logprobs is not None:
-            kl_sum = masked_sum(kl_k3(logprobs if kl_coef > 0 else logprobs.detach(), mb.ref_logprobs), mask)
-            if kl_coef > 0:
-                loss = loss + kl_coef * kl_sum
-        n = max(float(units), 1.0)
-        metrics = {
-            "pg_loss": float(pg.pg_loss.detach()) / n,
-            "pg_clipfrac": float(pg.pg_clipfrac),
-            "ppo_kl": float(pg.ppo_kl),
-            "entropy": float(entropy_sum.detach()) / n,
-            "kl_loss": float(kl_sum.detach()) / n,
-        }
-        return loss, int(units), metrics
-
-    return loss_fn
+from engine.types import Trajectory
 
 
 class ActorWorker:
@@ -151,18 +59,21 @@ class ActorWorker:
 
         Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
 
-        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/entropy``,
-            ``actor/kl_loss``, ``actor/grad_norm``, ``actor/lr``: means over the epochs.
+        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+            ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
+            ``actor/lr``: means over the epochs.
         """
         from engine.train_step import train_step
 
-        loss_fn = grpo_loss_fn(self.cfg.clip_ratio, self.cfg.kl_coef, self.cfg.entropy_coef, self.temperature)
         micro = traj.micro_batches(self.cfg.micro_batch_size)
+        # normalisers of the whole batch, so the loss does not depend on the micro-batch split
+        norm = global_norm([mb.response_mask for mb in micro], max_response_length=self.cfg.rollout.max_new_tokens)
+        loss_fn = actor_loss_fn(self.cfg, self.temperature, norm)
         epochs = [
-            train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip)
+            train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip, normalized=True)
             for _ in range(self.cfg.ppo_epochs)
         ]
-        keys = ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
+        keys = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
         return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
 
     def hf_bucket_plan(self):
@@ -286,7 +197,7 @@ class RolloutWorker:
 
 
 class RewardWorker:
-    """Scalar rewards of responses: ``verifier_weight * verifier(text, label) +
+    """Scalar rewards of responses: ``verifier_weight * verifier(text, label, finish_reason) +
     reward_model_weight * RM(prompt, text)``.
 
     The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
@@ -323,13 +234,15 @@ class RewardWorker:
         """Response texts (special tokens, e.g. the final EOS, skipped)."""
         return [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in response_ids]
 
-    def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
+              finish_reasons: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of ``B`` responses.
 
         Args:
             prompts: ``B`` prompts (message lists), for the reward model.
             labels: ``B`` reference answers, for the verifier.
             response_ids: ``B`` response token lists.
+            finish_reasons: ``B`` of ``"stop"`` (ended with EOS) / ``"length"`` (hit the budget).
 
         Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean`` and
             ``reward/model_mean`` for the parts in use.
@@ -338,7 +251,8 @@ class RewardWorker:
         rewards = torch.zeros(len(texts))
         metrics: dict[str, float] = {}
         if self.verifier is not None:
-            verified = torch.tensor([self.verifier(t, label) for t, label in zip(texts, labels)], dtype=torch.float32)
+            verified = torch.tensor([self.verifier(t, label, f) for t, label, f in zip(texts, labels, finish_reasons)],
+                                    dtype=torch.float32)
             rewards += self.cfg.verifier_weight * verified
             metrics["reward/verifier_mean"] = float(verified.mean())
         if self.reward_model is not None:

@@ -52,7 +52,12 @@ STAGE_ORDER = ("validate", "convert", "sft", "rm", "rl", "evaluate", "export")
 
 
 def _stage_list(cfg) -> list[str]:
-    return (["prepare"] if cfg.prepare else []) + [s for s in STAGE_ORDER if s != "rm" or cfg.rm.enabled]
+    return (["prepare"] if cfg.prepare else []) + [s for s in STAGE_ORDER if _enabled(cfg, s)]
+
+
+def _enabled(cfg, name: str) -> bool:
+    """sft and rm can be switched off (``<stage>.enabled``); every other stage always runs."""
+    return cfg.sft.enabled if name == "sft" else cfg.rm.enabled if name == "rm" else True
 
 
 class StageFailed(Exception):
@@ -114,12 +119,14 @@ def _print_summary(summary: dict) -> None:
     console.print(table)
     ev = summary["stages"].get("evaluate", {}).get("metrics", {})
     if ev:
-        console.print(f"SFT accuracy: {_fmt_metric(ev, 'sft/accuracy')}   (n={ev.get('sft/n', '?')})")
-        console.print(f"RL  accuracy: {_fmt_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
-        if "rl_minus_sft/accuracy" in ev:
-            delta, se = ev["rl_minus_sft/accuracy"], ev["rl_minus_sft/accuracy_se"]
+        base = "sft" if "sft/accuracy" in ev else "base"
+        label = {"sft": "SFT", "base": "base"}[base]
+        console.print(f"{label + ' accuracy:':<15}{_fmt_metric(ev, f'{base}/accuracy')}   (n={ev.get(f'{base}/n', '?')})")
+        console.print(f"{'RL accuracy:':<15}{_fmt_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
+        if f"rl_minus_{base}/accuracy" in ev:
+            delta, se = ev[f"rl_minus_{base}/accuracy"], ev[f"rl_minus_{base}/accuracy_se"]
             ratio = f"{delta / se:+.1f} SE" if se > 0 else "SE 0"
-            console.print(f"RL − SFT:     {delta:+.3f} ± {se:.3f}   (paired over prompts; {ratio})")
+            console.print(f"{'RL − ' + label + ':':<15}{delta:+.3f} ± {se:.3f}   (paired over prompts; {ratio})")
     ex = summary["stages"].get("export")
     if ex:
         console.print(f"Exported model (HF SafeTensors): {Path(ex['uri']) / 'hf_model'}", soft_wrap=True)
@@ -132,8 +139,8 @@ def cmd_stage(args) -> int:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     if args.name == "prepare" and cfg.prepare is None:
         raise ConfigError(f"{args.config} has no prepare section")
-    if args.name == "rm" and not cfg.rm.enabled:
-        raise ConfigError("rm.enabled is false in this config: the rm stage does not run")
+    if args.name in ("sft", "rm") and not _enabled(cfg, args.name):
+        raise ConfigError(f"{args.name}.enabled is false in this config: the {args.name} stage does not run")
     if args.name not in ("prepare", *STAGE_ORDER):
         raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
     from flows.pipeline import MissingUpstream, stage_flow

@@ -30,8 +30,9 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
         elif not Path(ds.path).is_file():
             problems.append(f"data.{name}.path: file not found: {ds.path}")
     for key in ("sft", "rl_train", "rl_eval"):
-        if getattr(cfg.data, key) is None:
-            problems.append(f"data.{key}: required by the {'sft' if key == 'sft' else 'rl/evaluate'} stage but not set")
+        if getattr(cfg.data, key) is None and (key != "sft" or cfg.sft.enabled):
+            needs = "the sft stage (or set sft.enabled: false)" if key == "sft" else "the rl/evaluate stages"
+            problems.append(f"data.{key}: required by {needs} but not set")
     if cfg.rm.enabled and cfg.data.preference is None:
         problems.append("data.preference: required when rm.enabled is true (set rm.enabled: false to skip the reward model)")
     if cfg.rl.reward.reward_model_weight and not cfg.rm.enabled:

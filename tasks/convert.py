@@ -47,5 +47,10 @@ def convert(ctx: StageContext) -> dict:
     spec = GPTSpec.from_hf_config(source.config).with_vocab_padding(ctx.cfg.convert.make_vocab_size_divisible_by)
     model = build_gpt_model(spec)
     model.load_state_dict(hf_to_megatron(source.config, source.state, spec.padded_vocab_size), strict=True)
-    save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir)
+    vocab = int(source.config["vocab_size"])
+    bad = [t for t in m.eos_token_ids or () if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"model.eos_token_ids: {bad} outside the vocabulary of {m.source} (0..{vocab - 1})")
+    overrides = {"eos_token_id": list(m.eos_token_ids)} if m.eos_token_ids else None
+    save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir, generation_overrides=overrides)
     return {"model/parameters": sum(p.numel() for p in model.parameters())}

@@ -25,8 +25,9 @@ STAGE_NAMES = [spec.name for spec, _ in STAGES]
 
 
 def enabled_stages(cfg: PipelineConfig) -> list[tuple[StageSpec, object]]:
-    """Stages this config runs (rm only when ``rm.enabled``)."""
-    return [(s, t) for s, t in STAGES if s.name != "rm" or cfg.rm.enabled]
+    """Stages this config runs (sft only when ``sft.enabled``, rm only when ``rm.enabled``)."""
+    switch = {"sft": cfg.sft.enabled, "rm": cfg.rm.enabled}
+    return [(s, t) for s, t in STAGES if switch.get(s.name, True)]
 
 
 def stage(name: str) -> tuple[StageSpec, object]:

@@ -1,4 +1,8 @@
-"""prepare (quickstart only): build the example's own tokenizer, base model and datasets.
+"""prepare (example configs only): write the example's own inputs.
+
+``kind: addition`` (the quickstart) builds a tokenizer, a random-init base model and the
+addition datasets; ``kind: stories`` (configs/tinystories.yaml) writes story-opening prompts
+for a pretrained model that ``model.source`` names.
 
 Not an artifact stage: it writes plain files to ``prepare.output_dir`` that the config's
 ``data.*.path`` and ``model.source`` point at, exactly as a user's own files would be.
@@ -72,9 +76,7 @@ def is_prepared(cfg: PipelineConfig) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == prepare_fingerprint(cfg)
 
 
-@task(name="prepare", cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}", persist_result=True)
-def prepare(cfg: PipelineConfig) -> str:
-    """Write the quickstart inputs under ``prepare.output_dir``; returns that path."""
+def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
     # imported here, not at module level: a cached run must not pay for torch's import
     from conversion.random_init import init_random_hf_model
     from data.addition import make_addition_datasets
@@ -82,6 +84,25 @@ def prepare(cfg: PipelineConfig) -> str:
 
     from transformers import AutoTokenizer
 
+    p = cfg.prepare
+    files = make_addition_datasets(
+        tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
+    )
+    texts = [text for path in files.values() for text in _strings(Path(path))]
+    tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    init_random_hf_model(tmp / "base_model", _qwen2_config(p, len(tokenizer), tokenizer), seed=cfg.run.seed, tokenizer_dir=tok_dir)
+
+
+def _write_stories(cfg: PipelineConfig, tmp: Path) -> None:
+    from data.stories import make_story_datasets
+
+    make_story_datasets(tmp, num_rl=cfg.prepare.num_rl, num_eval=cfg.prepare.num_eval, seed=cfg.run.seed)
+
+
+@task(name="prepare", cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}", persist_result=True)
+def prepare(cfg: PipelineConfig) -> str:
+    """Write the example's inputs under ``prepare.output_dir``; returns that path."""
     p = cfg.prepare
     out = Path(p.output_dir)
     fp = prepare_fingerprint(cfg)
@@ -91,13 +112,7 @@ def prepare(cfg: PipelineConfig) -> str:
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        files = make_addition_datasets(
-            tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
-        )
-        texts = [text for path in files.values() for text in _strings(Path(path))]
-        tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
-        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-        init_random_hf_model(tmp / "base_model", _qwen2_config(p, len(tokenizer), tokenizer), seed=cfg.run.seed, tokenizer_dir=tok_dir)
+        {"addition": _write_addition, "stories": _write_stories}[p.kind](cfg, tmp)
         (tmp / STAMP).write_text(json.dumps({"fingerprint": fp}))
         if out.exists():
             shutil.rmtree(out)

@@ -1,4 +1,5 @@
-"""rl: GRPO on the Ray-hosted engine, starting from the SFT policy (also the reference).
+"""rl: GRPO on the Ray-hosted engine, starting from the SFT policy (or the converted base
+model when ``sft.enabled`` is false), which is also the frozen reference.
 
 Artifact: ``model/`` (the RL policy) and ``metrics.jsonl`` (one line of metrics per RL
 step, used for the reward curve). Killed runs resume from the last checkpoint.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 from config.schema import PipelineConfig
 from tasks.runner import StageContext, StageSpec, stage_task
+from tasks.sft import starting_policy
 
 
 def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
-    return ("validate", "sft", "rm") if cfg.rl.reward.reward_model_weight and cfg.rm.enabled else ("validate", "sft")
+    uses_rm = cfg.rl.reward.reward_model_weight and cfg.rm.enabled
+    return ("validate", starting_policy(cfg), "rm") if uses_rm else ("validate", starting_policy(cfg))
 
 
 # Where the engine runs and how weights are chunked for sync: they do not change results.
@@ -33,7 +36,7 @@ def rl(ctx: StageContext) -> dict:
 
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
     return run_rl(
-        ctx.input_path("sft") / "model",
+        ctx.input_path(starting_policy(ctx.cfg)) / "model",
         ctx.input_path("validate") / "rl_train.jsonl",
         ctx.cfg.rl,
         ctx.workdir,

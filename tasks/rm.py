@@ -1,4 +1,4 @@
-"""rm: reward model (SFT model + scalar head) trained with the Bradley-Terry loss.
+"""rm: reward model (SFT model, or the base model without SFT, + scalar head) trained with the Bradley-Terry loss.
 
 Artifact: ``model/`` with the reward head in ``heads.safetensors``; metrics include
 ``rm/accuracy`` on held-out preference pairs.
@@ -7,10 +7,11 @@ Artifact: ``model/`` with the reward head in ``heads.safetensors``; metrics incl
 from __future__ import annotations
 
 from tasks.runner import StageContext, StageSpec, stage_task
+from tasks.sft import starting_policy
 
 SPEC = StageSpec(
     name="rm",
-    inputs=lambda cfg: ("validate", "sft"),
+    inputs=lambda cfg: ("validate", starting_policy(cfg)),
     config=lambda cfg: {"rm": cfg.rm.model_dump(), "seed": cfg.run.seed},
     summary=("rm/accuracy",),
 )
@@ -23,7 +24,7 @@ def rm(ctx: StageContext) -> dict:
     from engine.reward_model import train_reward_model
 
     return train_reward_model(
-        ctx.input_path("sft") / "model",
+        ctx.input_path(starting_policy(ctx.cfg)) / "model",
         ctx.input_path("validate") / "preference.jsonl",
         ctx.cfg.rm,
         ctx.workdir / "model",

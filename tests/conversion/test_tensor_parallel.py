@@ -181,6 +181,7 @@ TP_CASES = {  # name -> (arch, tied, extra); every family, tied and untied, GQA,
     "qwen2": ("qwen2", True, {}),
     "qwen3": ("qwen3", True, {}),
     "qwen3-attention-bias": ("qwen3", False, {"attention_bias": True}),
+    "stories260K": None,  # the real pretrained Llama (GGUF fixture): 8 heads, 4 KV heads, head_dim 8
 }
 TP_TIMEOUT_S = 240
 
@@ -239,18 +240,31 @@ def _run_ranks(world: int, workdir: str, names: list[str]) -> None:
                 p.join(5)
 
 
+def stories260k_hf(gguf_path, out_dir):
+    """The real stories260K as an HF model (our GGUF import), eager attention."""
+    from conversion.gguf import gguf_to_hf
+
+    model = LlamaForCausalLM.from_pretrained(gguf_to_hf(gguf_path, out_dir)).eval()
+    model.set_attn_implementation("eager")
+    return {**model.config.to_dict(), "architectures": ["LlamaForCausalLM"]}, model
+
+
 @pytest.fixture(scope="module")
-def tp2_runs(tmp_path_factory):
+def tp2_runs(tmp_path_factory, fixtures_dir):
     """Per case: the HF model, input ids, and both ranks' outputs from one spawn of 2 processes."""
     workdir = tmp_path_factory.mktemp("tp2")
     cases = {}
-    for name, (arch, tied, extra) in TP_CASES.items():
-        cfg, hf = tiny_hf(arch, tied, **extra)
+    for name, case in TP_CASES.items():
+        if case is None:
+            cfg, hf = stories260k_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", workdir / "stories_hf")
+        else:
+            arch, tied, extra = case
+            cfg, hf = tiny_hf(arch, tied, **extra)
         spec = GPTSpec.from_hf_config(cfg)
         ids = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(11))
         full = hf_to_megatron(cfg, hf.state_dict())
-        case = {"spec": spec.model_dump(), "ids": ids, "shards": shard_state(spec, full, 2)}
-        torch.save(case, workdir / f"{name}.pt")
+        payload = {"spec": spec.model_dump(), "ids": ids, "shards": shard_state(spec, full, 2)}
+        torch.save(payload, workdir / f"{name}.pt")
         cases[name] = (cfg, hf, spec, ids, full)
     start = time.monotonic()
     _run_ranks(2, str(workdir), list(TP_CASES))

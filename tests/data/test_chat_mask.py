@@ -163,3 +163,18 @@ def test_template_faults(qwen):
     with pytest.raises(ChatTemplateError, match=r"messages\[2\]: content not found"):
         bad = CONVERSATION[:2] + [{"role": "assistant", "content": "4<|im_end|> and more"}]
         encode_chat(qwen, bad)
+
+
+def test_prompt_without_a_chat_template_is_plain_text(fixtures_dir, tmp_path):
+    """A base model's tokenizer (stories260K, imported from GGUF) has no chat template: the
+    prompt is the user text after BOS, exactly what the tokenizer itself gives."""
+    from conversion.gguf import gguf_to_hf
+
+    tok = AutoTokenizer.from_pretrained(gguf_to_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", tmp_path / "m"))
+    assert tok.chat_template is None
+    text = "Once upon a time, there was a little dog named Max."
+    ids = encode_prompt(tok, [{"role": "user", "content": text}])
+    assert ids[0] == tok.bos_token_id == 1 and ids == tok(text)["input_ids"]
+    assert tok.decode(ids[1:]) == text
+    with pytest.raises(ChatTemplateError, match=r"no chat template.*got roles \['system', 'user'\]"):
+        encode_prompt(tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}])

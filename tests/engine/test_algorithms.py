@@ -51,8 +51,10 @@ def test_grpo_rejects_bad_input():
 def test_registries():
     assert get_advantage_estimator("grpo") is grpo_advantages
     assert get_policy_loss("ppo_clip") is ppo_clip_loss
-    with pytest.raises(KeyError, match="known: \\['grpo'\\]"):
-        get_advantage_estimator("gae")
+    with pytest.raises(KeyError, match="unknown advantage estimator 'ppo'; known: .*'grpo'"):
+        get_advantage_estimator("ppo")
+    with pytest.raises(KeyError, match="known: \\['gspo', 'ppo_clip'\\]"):
+        get_policy_loss("dpo")
 
 
 def _ppo_case():

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from config.schema import EvaluateConfig
 from data.addition import make_addition_datasets
-from data.rewards import exact_match, final_answer
+from data.rewards import final_answer, get_verifier
 from data.tokenizer_train import train_chat_tokenizer
 from engine.evaluation import (
     accuracy_with_se,
@@ -28,6 +28,8 @@ from engine.evaluation import (
 )
 from engine.rollout.base import RolloutOutput
 from engine.rollout.hf_rollout import HFRollout
+
+exact_match = get_verifier("exact_match")  # (response, label, finish_reason) -> reward
 
 MAX_NEW = 6
 
@@ -254,7 +256,7 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
     # A random model never adds correctly; make every other label the manual loop's own final
     # answer, so both outcomes occur and the expected accuracy is known from the manual loop.
     rows = [dict(r, label=final_answer(m[0]) if i % 2 == 0 else r["label"]) for i, (r, m) in enumerate(zip(rows, manual))]
-    expected_rewards = [exact_match(m[0], r["label"]) for r, m in zip(rows, manual)]
+    expected_rewards = [exact_match(m[0], r["label"], m[2]) for r, m in zip(rows, manual)]
     assert 0 < sum(expected_rewards) < len(rows)
 
     result = evaluate_policy(HFRollout(policy_dir), tok, rows, exact_match, max_new_tokens=MAX_NEW, temperature=0.0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from config.schema import EngineConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
+from config.schema import EngineConfig, KLConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
 from engine.rollout.base import RolloutOutput
 from engine.types import Trajectory
 
@@ -86,7 +86,7 @@ def ray_address():
 def rl_config(backend: str, steps: int, **overrides) -> RLConfig:
     # min_lr == lr: a constant schedule, so a run continued to more steps equals a longer one.
     fields = dict(
-        steps=steps, prompts_per_step=8, n_samples=8, micro_batch_size=16, ppo_epochs=1, kl_coef=0.05,
+        steps=steps, prompts_per_step=8, n_samples=8, micro_batch_size=16, ppo_epochs=1, kl=KLConfig(coef=0.05),
         optim=OptimConfig(lr=2e-3, min_lr=2e-3), checkpoint_every=1,
         rollout=RolloutConfig(backend=backend, temperature=1.0, max_new_tokens=6), engine=EngineConfig(num_cpus=2),
     )
@@ -134,6 +134,21 @@ def test_trajectory_from_rollout_and_micro_batches():
         Trajectory.from_rollout([[1]], [[RolloutOutput((3,), (0.0,), "stop"), RolloutOutput((3, 4), (0.0,), "stop")]], 0)
 
 
+def test_trajectory_select_and_cat():
+    outs = [[RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
+            [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")]]
+    traj = Trajectory.from_rollout([[1, 2, 3], [4]], outs, pad_id=0).with_(rewards=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    second = traj.select(torch.tensor([3, 2]))  # group 1, reordered, trimmed to its own widths
+    assert second.input_ids.tolist() == [[4, 5, 2], [4, 4, 0]] and second.response_mask.tolist() == [[1, 1], [1, 0]]
+    assert second.rewards.tolist() == [4.0, 3.0] and second.group_index.tolist() == [1, 1]
+    both = Trajectory.cat([second, traj.select(torch.tensor([0, 1]))])
+    assert both.input_ids.tolist() == [[4, 5, 2, 0, 0, 0], [4, 4, 0, 0, 0, 0], [1, 2, 3, 7, 2, 0], [1, 2, 3, 9, 9, 9]]
+    assert both.response_ids.tolist() == [[5, 2, 0], [4, 0, 0], [7, 2, 0], [9, 9, 9]]
+    assert both.group_index.tolist() == [0, 0, 1, 1]  # renumbered: the parts' groups stay apart
+    assert both.rewards.tolist() == [4.0, 3.0, 1.0, 2.0] and both.old_logprobs is None
+    assert both.rollout_logprobs[3].tolist() == [-1.0, -2.0, -3.0] and both.truncated.tolist() == [False, True, False, True]
+
+
 def test_load_rl_prompts_errors_name_file_and_line(policy, tmp_path):
     from engine.rl import load_rl_prompts
 
@@ -162,7 +177,7 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     outs = [[RolloutOutput(tuple(right), (0.0,) * 2, "stop"), RolloutOutput(tuple(wrong), (0.0,) * 3, "stop")]]
     traj = Trajectory.from_rollout([prompt], outs, pad_id=tok.pad_token_id)
     # a small step, so the first-order effect of the update decides what moves
-    cfg = rl_config("hf", 1, kl_coef=0.0, optim=OptimConfig(lr=1e-4, min_lr=1e-4))
+    cfg = rl_config("hf", 1, optim=OptimConfig(lr=1e-4, min_lr=1e-4))
     actor = ActorWorker(policy["dir"], cfg)
 
     old = actor.compute_logprobs(traj)
@@ -173,10 +188,11 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
         torch.testing.assert_close(old[row, : len(resp)], expected, rtol=0, atol=1e-6)
     assert old[0, 2].item() == 0.0  # padding
 
-    adv = grpo_advantages(torch.tensor([1.0, 0.0]), traj.group_index)
+    adv = grpo_advantages(torch.tensor([1.0, 0.0]), traj.group_index, traj.response_mask)
     metrics = actor.update(traj.with_(rewards=torch.tensor([1.0, 0.0]), advantages=adv, old_logprobs=old, ref_logprobs=old))
     # ratio 1 everywhere: pg_loss = -(A_right * 2 + A_wrong * 3) / 5 tokens, A = +-1/sqrt(2)
-    assert metrics["actor/pg_loss"] == pytest.approx(-(adv[0].item() * 2 + adv[1].item() * 3) / 5, abs=1e-6)
+    assert torch.equal(adv[:, :2], adv[:, :1].expand(2, 2)) and adv[0, 2].item() == 0.0  # per token; 0 on padding
+    assert metrics["actor/pg_loss"] == pytest.approx(-(adv[0, 0].item() * 2 + adv[1, 0].item() * 3) / 5, abs=1e-6)
     assert metrics["actor/pg_loss"] == pytest.approx(math.sqrt(0.5) / 5, abs=1e-5)
     assert metrics["actor/pg_clipfrac"] == 0.0 and abs(metrics["actor/ppo_kl"]) < 1e-7
     assert metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7) and metrics["actor/grad_norm"] > 0
@@ -184,6 +200,38 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     new = actor.compute_logprobs(traj)
     margin = lambda lp: (lp[0, :2].sum() - lp[1, :3].sum()).item()  # noqa: E731
     assert margin(new) > margin(old) + 1e-3
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_actor_update_does_not_depend_on_the_micro_batch_split(policy, mode):
+    """Every loss_agg_mode, with GSPO-free PPO plus dual-clip, TIS, KL loss and entropy: one
+    micro-batch of 6 responses or micro-batches of 4 + 2 (different padded lengths) give the
+    same loss, gradient norm and updated weights."""
+    from data.chat import encode_prompt
+    from engine.megatron_model import mcore_state
+    from engine.workers import ActorWorker
+
+    tok = policy["tokenizer"]
+    prompt = encode_prompt(tok, question(2, 2))
+    lengths = [1, 4, 2, 6, 3, 5]
+    gen = torch.Generator().manual_seed(0)
+    outs = [[RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in lengths]]
+    traj = Trajectory.from_rollout([prompt], outs, pad_id=tok.pad_token_id)
+    results = []
+    for micro in (6, 4):
+        cfg = rl_config("hf", 1, micro_batch_size=micro, loss_agg_mode=mode, clip_ratio_c=3.0, tis_cap=2.0,
+                        entropy_coef=0.01, kl=KLConfig(coef=0.1, estimator="k2"), optim=OptimConfig(lr=1e-3, min_lr=1e-3))
+        actor = ActorWorker(policy["dir"], cfg)
+        old = actor.compute_logprobs(traj)
+        adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * traj.response_mask
+        ref = old - 0.05 * traj.response_mask  # a reference that differs, so the KL term has a gradient
+        metrics = actor.update(traj.with_(advantages=adv, old_logprobs=old, ref_logprobs=ref))
+        results.append((metrics, mcore_state(actor.model)))
+    (one, w_one), (split, w_split) = results
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
+        assert split[key] == pytest.approx(one[key], abs=1e-6, rel=1e-6), key
+    for k in w_one:
+        torch.testing.assert_close(w_split[k], w_one[k], rtol=0, atol=1e-6)
 
 
 def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
@@ -203,7 +251,7 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
 
     worker = RewardWorker(policy["dir"], RewardConfig(verifier="exact_match", verifier_weight=2.0, reward_model_weight=0.5), rm_dir)
     assert worker.decode(responses) == ["7", "12"]  # the final EOS is not part of the text
-    rewards, metrics = worker.score(prompts, labels, responses)
+    rewards, metrics = worker.score(prompts, labels, responses, ["stop", "length"])
     rm = score(load_reward_model(rm_dir), tok, prompts, ["7", "12"])
     torch.testing.assert_close(rewards, torch.tensor([2.0, 0.0]) + 0.5 * rm, rtol=0, atol=1e-6)
     assert metrics["reward/verifier_mean"] == 0.5 and metrics["reward/model_mean"] == pytest.approx(rm.mean().item(), abs=1e-6)
@@ -267,7 +315,7 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
     assert_same_weights(policy_weights(tmp_path / "b" / "model"), policy_weights(full_out / "model"))
     with pytest.raises(ValueError, match="different RL run"):
-        run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl_coef=0.1), tmp_path / "c", resume, seed=0)
+        run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl=KLConfig(coef=0.1)), tmp_path / "c", resume, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +337,31 @@ def test_grpo_hf_backend_end_to_end(hf_run):
         assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
         # the second epoch is off-policy: its ratios differ from 1
         assert r["actor/ppo_kl"] != 0.0
+
+
+def test_dynamic_sampling_and_adaptive_kl_penalty(policy, ray_address, tmp_path):
+    """DAPO dynamic sampling keeps only groups with differing rewards; the KL reward penalty's
+    coefficient follows the adaptive controller's rule step by step (Ziegler et al. 2019)."""
+    from engine.rl import run_rl
+
+    target, horizon, coef = 0.01, 200, 0.05
+    cfg = rl_config("hf", 3, algorithm="rloo", kl=KLConfig(coef=coef, in_reward=True, target=target, horizon=horizon),
+                    dynamic_sampling={"enabled": True, "max_rounds": 3},
+                    engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
+    rows = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 1 <= r["dynamic_sampling/rounds"] <= 3 and 1 <= r["dynamic_sampling/kept_groups"] <= 8
+        assert r["dynamic_sampling/dropped_groups"] >= 0 and r["actor/reward_kl_penalty"] >= 0.0
+        # a kept group has differing rewards: the batch's scores are not all equal
+        assert r["critic/score/max"] > r["critic/score/min"]
+    assert rows[0]["actor/reward_kl_coef"] == coef
+    for prev, cur in zip(rows, rows[1:]):
+        error = min(max(prev["actor/reward_kl_penalty"] / target - 1.0, -0.2), 0.2)
+        responses = prev["batch/responses"]
+        assert responses == prev["dynamic_sampling/kept_groups"] * 8
+        assert cur["actor/reward_kl_coef"] == pytest.approx(prev["actor/reward_kl_coef"] * (1 + error * responses / horizon), rel=1e-12)
 
 
 def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tmp_path):

@@ -277,9 +277,9 @@ class _Handle:
 
 
 def test_rl_update_weights_sends_every_bucket_in_order(actor_worker, monkeypatch):
-    """engine.rl.update_weights drives the actor and rollout workers bucket by bucket (Ray's
+    """engine.rl_step.update_weights drives the actor and rollout workers bucket by bucket (Ray's
     ``get`` replaced by the identity: the handles here return values, not ObjectRefs)."""
-    import engine.rl as rl
+    import engine.rl_step as rl
 
     received: list[list[str]] = []
 

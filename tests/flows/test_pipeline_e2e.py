@@ -36,7 +36,7 @@ def test_first_run_runs_every_stage_and_prints_the_summary(project):
     summary = project["first"]
     assert _states(summary) == {s: "Completed" for s in STAGES}
     out = project["first_stdout"]
-    for needle in ("SFT accuracy:", "RL  accuracy:", "Exported model (HF SafeTensors):"):
+    for needle in ("SFT accuracy:", "RL accuracy:", "Exported model (HF SafeTensors):"):
         assert needle in out
     ev = summary["stages"]["evaluate"]["metrics"]
     assert ev["sft/n"] == ev["rl/n"] == 24

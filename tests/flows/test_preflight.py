@@ -77,14 +77,14 @@ def test_required_datasets_and_reward_model_consistency(real_inputs):
     del raw["data"]["preference"]
     problems, _ = check_inputs(_cfg(raw))
     assert problems == [
-        "data.rl_eval: required by the rl/evaluate stage but not set",
+        "data.rl_eval: required by the rl/evaluate stages but not set",
         "data.preference: required when rm.enabled is true (set rm.enabled: false to skip the reward model)",
     ]
     raw["rm"] = {"enabled": False}
     raw["rl"] = {"reward": {"reward_model_weight": 0.5}}
     problems, _ = check_inputs(_cfg(raw))
     assert problems == [
-        "data.rl_eval: required by the rl/evaluate stage but not set",
+        "data.rl_eval: required by the rl/evaluate stages but not set",
         "rl.reward.reward_model_weight: needs rm.enabled: true",
     ]
 

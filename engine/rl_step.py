@@ -1,0 +1,213 @@
+"""One RL step's phases, each a named call on the Ray workers (driven by ``engine.rl.run_rl``).
+
+rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs -> KL reward
+penalty -> advantages -> actor update -> weight sync to the rollout engine -> metrics.
+Every phase returns its result and its wall time, reported as ``timing_s/<phase>``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from config.schema import RLConfig
+from engine.algorithms import KL_CONTROLLERS, apply_kl_penalty, fill_batch, get_advantage_estimator
+from engine.batching import EpochSampler
+from engine.rollout.base import SamplingSpec
+from engine.types import Trajectory
+
+
+@dataclass(frozen=True)
+class RLPrompt:
+    """One training prompt: chat messages, reference answer, token ids with the generation prompt."""
+
+    messages: list[dict[str, str]]
+    label: str
+    token_ids: list[int]
+
+
+@dataclass
+class Workers:
+    placement: Any
+    actor: Any
+    reference: Any
+    rollout: Any
+    reward: Any
+
+
+def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
+    """A 31-bit rollout seed from ``(seed, step)`` (and the dynamic-sampling round after the
+    first) by NumPy's SeedSequence: independent across steps and rounds."""
+    entropy = [seed, step] if round_index == 0 else [seed, step, round_index]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
+
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One prompt's scored responses (a unit of DAPO dynamic sampling)."""
+
+    traj: Trajectory
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.traj.rewards.tolist()
+
+
+def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler, cfg: RLConfig, seed: int,
+                  step: int, pad_id: int) -> tuple[Trajectory, dict[str, float], float, float]:
+    """The step's scored batch: ``prompts_per_step`` prompts x ``n_samples`` responses.
+
+    With ``dynamic_sampling.enabled`` (DAPO, Yu et al. 2025, arXiv:2503.14476, section 3.2)
+    groups whose rewards are all equal are dropped (they have zero GRPO advantage) and
+    further rounds of ``prompts_per_step`` prompts are generated until enough groups
+    remain, for at most ``max_rounds`` rounds (``engine.algorithms.fill_batch``); a short
+    batch then trains as it is (``on_shortfall: warn``) or fails (``error``).
+
+    Returns: ``(trajectory, reward metrics, generation s, reward s)``; with dynamic sampling
+        the metrics include ``dynamic_sampling/rounds``, ``/kept_groups`` and ``/dropped_groups``.
+
+    Raises:
+        RuntimeError: dynamic sampling kept no group at all, or kept too few with ``on_shortfall: error``.
+    """
+    ds = cfg.dynamic_sampling
+    timing = {"gen": 0.0, "reward": 0.0}
+    rounds: list[dict[str, float]] = []
+
+    def one_round() -> list[_Group]:
+        batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
+        traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+        traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
+        timing["gen"] += t_gen
+        timing["reward"] += t_reward
+        rounds.append(metrics)
+        return [_Group(traj.select(torch.nonzero(traj.group_index == g).flatten())) for g in range(len(batch))]
+
+    if not ds.enabled:
+        groups = one_round()
+        extra: dict[str, float] = {}
+    else:
+        filled = fill_batch(one_round, cfg.prompts_per_step, ds.max_rounds, strict=ds.on_shortfall == "error")
+        if not filled.groups:
+            raise RuntimeError(f"dynamic sampling: every one of {filled.num_generated} groups had equal rewards "
+                               f"in {filled.rounds} rounds; nothing to train on at step {step}")
+        groups = filled.groups
+        extra = {"dynamic_sampling/rounds": float(filled.rounds), "dynamic_sampling/kept_groups": float(len(groups)),
+                 "dynamic_sampling/dropped_groups": float(filled.num_dropped)}
+    reward_metrics = {k: sum(r[k] for r in rounds) / len(rounds) for k in rounds[0]}
+    return Trajectory.cat([g.traj for g in groups]), {**reward_metrics, **extra}, timing["gen"], timing["reward"]
+
+
+def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
+             round_index: int = 0):
+    """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
+    ``(seed, step, round_index)``, so a resumed run samples what an uninterrupted one would."""
+    t0 = time.perf_counter()
+    spec = SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step, round_index))
+    prompt_ids = [p.token_ids for p in batch]
+    outputs = ray.get(workers.rollout.generate.remote(prompt_ids, spec))
+    return Trajectory.from_rollout(prompt_ids, outputs, pad_id), time.perf_counter() - t0
+
+
+def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
+    t0 = time.perf_counter()
+    responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
+    rows = [p for p in batch for _ in range(n)]
+    finish_reasons = ["length" if t else "stop" for t in traj.truncated.tolist()]
+    rewards, metrics = ray.get(workers.reward.score.remote([p.messages for p in rows], [p.label for p in rows], responses,
+                                                           finish_reasons))
+    return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
+
+
+def compute_logprobs(workers: Workers, traj: Trajectory):
+    """Old (current policy, before the update) and reference log-probs, computed concurrently."""
+    t0 = time.perf_counter()
+    old, ref = ray.get([workers.actor.compute_logprobs.remote(traj), workers.reference.compute_logprobs.remote(traj)])
+    return traj.with_(old_logprobs=old, ref_logprobs=ref), time.perf_counter() - t0
+
+
+def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
+    """The KL-penalty coefficient's controller: fixed, or adaptive when ``kl.target`` is set.
+    A resumed run replays the last step's update from its metrics (the coefficient it used,
+    its KL and batch size), so it continues with the coefficient an uninterrupted run has."""
+    if cfg.kl.target is None:
+        return KL_CONTROLLERS["fixed"](cfg.kl.coef)
+    controller = KL_CONTROLLERS["adaptive"](last_metrics.get("actor/reward_kl_coef", cfg.kl.coef), cfg.kl.target, cfg.kl.horizon)
+    if "actor/reward_kl_coef" in last_metrics:
+        controller.update(last_metrics["actor/reward_kl_penalty"], int(last_metrics["batch/responses"]))
+    return controller
+
+
+def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller) -> tuple[Trajectory, dict[str, float]]:
+    """With ``kl.in_reward``: token rewards ``r_t = score [t = last] - coef * KL_t`` (InstructGPT's
+    penalty, ``engine.algorithms.apply_kl_penalty``), then the controller's update with the
+    batch's mean sequence KL. Otherwise the trajectory is returned unchanged.
+
+    Returns: ``(trajectory, metrics)`` with ``actor/reward_kl_penalty`` (mean sequence KL, nats)
+        and ``actor/reward_kl_coef`` (the coefficient used) when the penalty is on.
+    """
+    if not cfg.kl.in_reward or cfg.kl.coef == 0:
+        return traj, {}
+    coef = controller.value
+    token_rewards, seq_kl = apply_kl_penalty(traj.rewards, traj.old_logprobs, traj.ref_logprobs, traj.response_mask,
+                                             coef, cfg.kl.estimator)
+    controller.update(float(seq_kl.mean()), len(traj))
+    return traj.with_(token_rewards=token_rewards), {"actor/reward_kl_penalty": float(seq_kl.mean()),
+                                                     "actor/reward_kl_coef": coef}
+
+
+def compute_advantages(traj: Trajectory, algorithm: str) -> Trajectory:
+    """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token rewards)."""
+    rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
+    return traj.with_(advantages=get_advantage_estimator(algorithm)(rewards, traj.group_index, traj.response_mask))
+
+
+def update_actor(workers: Workers, traj: Trajectory):
+    t0 = time.perf_counter()
+    metrics = ray.get(workers.actor.update.remote(traj))
+    return metrics, time.perf_counter() - t0
+
+
+def update_weights(workers: Workers) -> float:
+    """Stream the policy's HF-named weights to the rollout engine bucket by bucket
+    (``rl.engine.weight_sync_bucket_mb`` each, ``engine.weight_sync``); returns seconds.
+
+    Each bucket's ObjectRef goes straight from the actor to the rollout worker (the driver
+    never holds the tensors), and the next bucket is requested only once the rollout has
+    loaded the previous one: at most one bucket is in flight.
+    """
+    t0 = time.perf_counter()
+    plan = ray.get(workers.actor.hf_bucket_plan.remote())
+    for index in range(plan.num_buckets):
+        ray.get(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)))
+    return time.perf_counter() - t0
+
+
+def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict) -> dict[str, float]:
+    """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
+    largest |rollout log-prob - trainer log-prob| over response tokens, for the same weights."""
+    mask = traj.response_mask.bool()
+    lengths = traj.response_lengths.float()
+    diff = (traj.rollout_logprobs - traj.old_logprobs).abs()[mask]
+    return {
+        "step": step,
+        **actor,
+        "batch/responses": float(len(traj)),
+        "critic/score/mean": float(traj.rewards.mean()),
+        "critic/score/max": float(traj.rewards.max()),
+        "critic/score/min": float(traj.rewards.min()),
+        "critic/advantages/mean": float((traj.advantages * traj.response_mask).sum() / traj.response_mask.sum()),
+        **reward,
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(traj.truncated.float().mean()),
+        "rollout_vs_trainer/logprob_diff_max": float(diff.max()),
+        **{f"timing_s/{k}": v for k, v in timing.items()},
+        "perf/throughput": traj.num_tokens / timing["step"],
+    }
