@@ -49,6 +49,8 @@ def _allowed_keys(model_cls: Any, loc: tuple) -> list[str] | None:
     """Field names of the model at ``loc`` (so 'extra key' errors can list what is valid)."""
     cls = model_cls
     for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
         field = getattr(cls, "model_fields", {}).get(part)
         if field is None:
             return None
@@ -68,7 +70,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         loc = tuple(e["loc"])
-        key = ".".join(str(p) for p in loc) or "(top level)"
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(PipelineConfig, loc)
             hint = f" (allowed keys here: {', '.join(allowed)})" if allowed else ""

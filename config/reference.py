@@ -41,6 +41,11 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
         ann = field.annotation
         nested = _models(ann)
         required = "required" if field.is_required() else "optional"
+        if typing.get_origin(ann) is list and len(nested) == 1:  # a list of sections: keys of one item
+            default = "required" if field.is_required() else f"`{field.default!r}`"
+            rows.append((key, "list of sections", default, field.description or ""))
+            rows.extend(_rows(nested[0], f"{key}[]."))
+            continue
         if len(nested) == 1:
             rows.append((key, "section", required, (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
             rows.extend(_rows(nested[0], f"{key}."))

@@ -9,9 +9,10 @@ not to the config file.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Strict(BaseModel):
@@ -177,14 +178,61 @@ class RolloutConfig(Strict):
     gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction (host memory on CPU).")
 
 
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class RewardFunctionConfig(Strict):
+    """A reward plug-in: your function, imported by path when the RL reward worker starts
+    (calling convention: data/reward_plugins.py, docs/algorithms.md)."""
+
+    path: str = Field(description="Import path 'package.module:function'.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the function's score in the reward.")
+    batched: bool = Field(False, description="The function scores the whole batch (lists in, list out) "
+                                             "instead of one response per call.")
+    name: str | None = Field(None, description="Metric name (logged as reward/<name>_mean); None uses the function's name.")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        if not _IMPORT_PATH.fullmatch(value):
+            raise ValueError("expected an import path 'package.module:function' (module dotted, one colon, "
+                             "then the function's name)")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not _METRIC_NAME.fullmatch(value):
+            raise ValueError("expected letters, digits, '_', '.' or '-' (it becomes the metric reward/<name>_mean)")
+        return value
+
+    @property
+    def metric_name(self) -> str:
+        """``name``, or the function's name when unset."""
+        return self.name if self.name is not None else self.path.rpartition(":")[2]
+
+
 class RewardConfig(Strict):
-    """How rollouts are scored."""
+    """How rollouts are scored: the sum of the weighted parts in use."""
 
     verifier: Literal["exact_match", "gsm8k", "math", "story", "none"] = Field(
         "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
     )
     verifier_weight: float = Field(1.0, description="Weight of the verifier score in the reward.")
-    reward_model_weight: float = Field(0.0, description="Weight of the trained RM score; 0 disables it.")
+    reward_model_weight: float = Field(0.0, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
+    functions: list[RewardFunctionConfig] = Field(
+        [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
+
+    @model_validator(mode="after")
+    def _function_names(self):
+        seen = {"verifier": "the verifier", "model": "the reward model"}
+        for i, f in enumerate(self.functions):
+            if f.metric_name in seen:
+                raise ValueError(f"rl.reward.functions[{i}]: metric name {f.metric_name!r} is already used by "
+                                 f"{seen[f.metric_name]} (reward/{f.metric_name}_mean); set a distinct name")
+            seen[f.metric_name] = f"rl.reward.functions[{i}]"
+        return self
 
 
 class EngineConfig(Strict):
@@ -250,7 +298,7 @@ class RLConfig(Strict):
     optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Policy optimizer and schedule.")
     checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
-    reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier and/or the trained reward model.")
+    reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier, trained reward model and plug-in functions.")
     engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
 
     @model_validator(mode="after")

@@ -6,7 +6,8 @@
   resumable train state, the final model directory.
 - :class:`ReferenceWorker`: a frozen copy of the initial policy, for log-probs only.
 - :class:`RolloutWorker`: a rollout engine (vLLM or HF transformers, ``RolloutConfig.backend``).
-- :class:`RewardWorker`: rule verifier (``data.rewards``) plus an optional reward-model score.
+- :class:`RewardWorker`: rule verifier (``data.rewards``), an optional reward-model score and
+  reward plug-ins (``data.reward_plugins``), weighted and summed.
 
 The classes stay plain so tests can also use them in-process.
 """
@@ -198,19 +199,24 @@ class RolloutWorker:
 
 class RewardWorker:
     """Scalar rewards of responses: ``verifier_weight * verifier(text, label, finish_reason) +
-    reward_model_weight * RM(prompt, text)``.
+    reward_model_weight * RM(prompt, text) + sum_i functions[i].weight * functions[i](text, ...)``.
 
     The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
-    reward model (``engine.reward_model``) is loaded only when its weight is non-zero.
+    reward model (``engine.reward_model``) is loaded only when its weight is non-zero; the
+    plug-ins (``cfg.functions``) are imported here, so a bad path fails when the worker
+    starts, not at the first step (calling convention: ``data.reward_plugins``).
     Responses are decoded without special tokens (so a final EOS is not part of the text).
 
     Raises:
-        ValueError: ``reward_model_weight != 0`` but no ``reward_model_dir``, or neither a
-            verifier nor a reward model is configured.
+        ImportError: a plug-in cannot be loaded (the message names ``rl.reward.functions[i].path``
+            and the cause).
+        ValueError: ``reward_model_weight != 0`` but no ``reward_model_dir``, or nothing
+            gives a reward (no verifier, no reward model, no plug-in).
     """
 
     def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, reward_model_dir: str | Path | None = None,
                  num_threads: int | None = None):
+        from data.reward_plugins import load_reward_function
         from data.rewards import get_verifier
         from engine.model_dir import load_tokenizer
         from engine.ray_cluster import worker_threads
@@ -219,6 +225,12 @@ class RewardWorker:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(tokenizer_model_dir)
         self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier)
+        self.functions = []
+        for i, f in enumerate(cfg.functions):
+            try:
+                self.functions.append(load_reward_function(f.path, batched=f.batched, name=f.metric_name))
+            except ImportError as exc:
+                raise ImportError(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}") from exc
         self.reward_model = self.rm_tokenizer = None
         if cfg.reward_model_weight != 0:
             if reward_model_dir is None:
@@ -227,8 +239,9 @@ class RewardWorker:
 
             self.reward_model = load_reward_model(reward_model_dir)
             self.rm_tokenizer = load_tokenizer(reward_model_dir)
-        if self.verifier is None and self.reward_model is None:
-            raise ValueError("rl.reward: verifier is 'none' and reward_model_weight is 0: nothing gives a reward")
+        if self.verifier is None and self.reward_model is None and not self.functions:
+            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0 and functions is empty: "
+                             "nothing gives a reward")
 
     def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
         """Response texts (special tokens, e.g. the final EOS, skipped)."""
@@ -239,13 +252,17 @@ class RewardWorker:
         """Rewards of ``B`` responses.
 
         Args:
-            prompts: ``B`` prompts (message lists), for the reward model.
-            labels: ``B`` reference answers, for the verifier.
+            prompts: ``B`` prompts (message lists), for the reward model and the plug-ins.
+            labels: ``B`` reference answers, for the verifier and the plug-ins.
             response_ids: ``B`` response token lists.
             finish_reasons: ``B`` of ``"stop"`` (ended with EOS) / ``"length"`` (hit the budget).
 
-        Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean`` and
-            ``reward/model_mean`` for the parts in use.
+        Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean``,
+            ``reward/model_mean`` and ``reward/<name>_mean`` per plug-in, for the parts in use
+            (means of the unweighted scores).
+
+        Raises:
+            ValueError: a plug-in returned the wrong number of values or a non-finite one.
         """
         texts = self.decode(response_ids)
         rewards = torch.zeros(len(texts))
@@ -261,6 +278,10 @@ class RewardWorker:
             rm = score(self.reward_model, self.rm_tokenizer, list(prompts), texts).float()
             rewards += self.cfg.reward_model_weight * rm
             metrics["reward/model_mean"] = float(rm.mean())
+        for fn, f in zip(self.functions, self.cfg.functions):
+            values = torch.tensor(fn(texts, labels, prompts, finish_reasons), dtype=torch.float32)
+            rewards += f.weight * values
+            metrics[f"reward/{fn.name}_mean"] = float(values.mean())
         return rewards, metrics
 
 

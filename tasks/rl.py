@@ -7,6 +7,8 @@ step, used for the reward curve). Killed runs resume from the last checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
+
 from config.schema import PipelineConfig
 from tasks.runner import StageContext, StageSpec, stage_task
 from tasks.sft import starting_policy
@@ -17,6 +19,21 @@ def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
     return ("validate", starting_policy(cfg), "rm") if uses_rm else ("validate", starting_policy(cfg))
 
 
+def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
+    """Source files of the reward plug-ins (``rl.reward.functions``), hashed by content into
+    the fingerprint, so editing a plug-in retrains. A module that cannot be found is left
+    out here; the reward worker then fails naming ``rl.reward.functions[i].path``."""
+    files = {}
+    for i, fn in enumerate(cfg.rl.reward.functions):
+        try:
+            spec = importlib.util.find_spec(fn.path.partition(":")[0])
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            files[f"reward_function_{i}"] = spec.origin
+    return files
+
+
 # Where the engine runs and how weights are chunked for sync: they do not change results.
 _NOT_FINGERPRINTED = {"engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb"}}
 
@@ -24,6 +41,7 @@ SPEC = StageSpec(
     name="rl",
     inputs=_inputs,
     config=lambda cfg: {"rl": cfg.rl.model_dump(exclude=_NOT_FINGERPRINTED), "seed": cfg.run.seed},
+    raw_inputs=_reward_plugin_files,
     summary=("critic/score/mean", "actor/pg_loss"),
 )
 
