@@ -96,14 +96,14 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             t_step = time.perf_counter()
             traj, reward_metrics, t_gen, t_reward = rollout_batch(workers, prompts, sampler, cfg, seed, step, pad_id)
-            traj, t_logprob = compute_logprobs(workers, traj)
+            traj, t_logprobs = compute_logprobs(workers, traj)
             t0 = time.perf_counter()
             traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl)
             traj = compute_advantages(traj, cfg.algorithm)
             t_adv = time.perf_counter() - t0
             actor_metrics, t_update = update_actor(workers, traj)
             t_sync = update_weights(workers)
-            timing = {"gen": t_gen, "reward": t_reward, "old_log_prob": t_logprob, "adv": t_adv,
+            timing = {"gen": t_gen, "reward": t_reward, **t_logprobs, "adv": t_adv,
                       "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
             metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing)
             history.append(metrics)

@@ -125,11 +125,22 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
     return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
 
 
-def compute_logprobs(workers: Workers, traj: Trajectory):
-    """Old (current policy, before the update) and reference log-probs, computed concurrently."""
+def compute_logprobs(workers: Workers, traj: Trajectory) -> tuple[Trajectory, dict[str, float]]:
+    """Old (current policy, before the update) and reference log-probs, computed concurrently.
+
+    Returns: the trajectory with both, and ``{"old_log_prob": s, "ref": s}``: the seconds
+        from the start until each result was ready (they overlap).
+    """
     t0 = time.perf_counter()
-    old, ref = ray.get([workers.actor.compute_logprobs.remote(traj), workers.reference.compute_logprobs.remote(traj)])
-    return traj.with_(old_logprobs=old, ref_logprobs=ref), time.perf_counter() - t0
+    pending = {workers.actor.compute_logprobs.remote(traj): "old_log_prob",
+               workers.reference.compute_logprobs.remote(traj): "ref"}
+    results, timing = {}, {}
+    while pending:
+        [done], _ = ray.wait(list(pending), num_returns=1)
+        name = pending.pop(done)
+        results[name] = ray.get(done)
+        timing[name] = time.perf_counter() - t0
+    return traj.with_(old_logprobs=results["old_log_prob"], ref_logprobs=results["ref"]), timing
 
 
 def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):

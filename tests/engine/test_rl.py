@@ -27,8 +27,9 @@ from engine.types import Trajectory
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = (
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
-    "critic/score/mean", "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
-    "timing_s/step", "perf/throughput", "rollout_vs_trainer/logprob_diff_max",
+    "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio", "timing_s/gen",
+    "timing_s/reward", "timing_s/ref", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
+    "timing_s/update_weights", "timing_s/step", "perf/throughput", "rollout_vs_trainer/logprob_diff_max",
 )
 
 
