@@ -18,6 +18,32 @@ HF_ARCHITECTURES: dict[str, Architecture] = {
 }
 _HF_CLASS_OF: dict[Architecture, str] = {v: k for k, v in HF_ARCHITECTURES.items()}
 
+# megatron-core's RotaryEmbedding._apply_scaling hard-codes these (Llama 3.1 and 3.2 use them).
+LLAMA3_SCALING_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama3_scaling_factor(scaling: Mapping[str, Any], key: str, shown: Any) -> float | None:
+    """The factor of a Llama 3.1-style rotary scaling that megatron-core can build, None for
+    default RoPE.
+
+    Raises:
+        ValueError: another scaling type, or llama3 constants megatron does not implement
+            (the message names ``key`` and the field).
+    """
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"config key '{key}'={shown!r} is not supported (rotary scaling {kind!r}; megatron "
+                         "converts default RoPE and Llama 3.1's 'llama3' scaling only)")
+    for field, value in LLAMA3_SCALING_CONSTANTS.items():
+        if float(scaling.get(field, float("nan"))) != value:
+            raise ValueError(f"config key '{key}.{field}'={scaling.get(field)!r} is not supported (megatron-core's "
+                             f"llama3 rotary scaling is built with {field}={value:g})")
+    if not scaling.get("factor"):
+        raise ValueError(f"config key '{key}.factor' is missing (llama3 rotary scaling)")
+    return float(scaling["factor"])
+
 
 class GPTSpec(BaseModel):
     """Decoder-only transformer architecture shared by HF configs and megatron-core.
@@ -27,7 +53,10 @@ class GPTSpec(BaseModel):
             RMSNorm; q/k/v/o biases only with HF ``attention_bias``).
         head_dim: per-head width (HF ``head_dim``); filled in as hidden_size / heads if None.
         rope_theta: rotary base (Su et al. 2021, RoFormer), non-interleaved (rotate-half) layout.
-            Unscaled: configs asking for rotary scaling are rejected.
+        rope_scaling_factor: Llama 3.1-style rotary scaling (HF ``rope_type: llama3``) with
+            this factor, or None for plain RoPE. megatron-core implements it with fixed
+            ``low_freq_factor=1``, ``high_freq_factor=4``, ``original_max_position_embeddings=8192``
+            (the Llama 3.1/3.2 values), so other values, and every other scaling type, are rejected.
         norm_epsilon: RMSNorm epsilon (Zhang & Sennrich 2019); Qwen3's q/k norms use it too.
         add_qkv_bias: biases on the q/k/v projections (megatron ``linear_qkv.bias``).
         add_proj_bias: bias on the attention output projection (HF ``o_proj.bias``, megatron
@@ -50,6 +79,7 @@ class GPTSpec(BaseModel):
     ffn_hidden_size: int = Field(gt=0)
     max_position_embeddings: int = Field(gt=0)
     rope_theta: float = Field(gt=0)
+    rope_scaling_factor: float | None = Field(None, gt=0)
     norm_epsilon: float = Field(gt=0)
     add_qkv_bias: bool
     tie_word_embeddings: bool
@@ -164,21 +194,18 @@ class GPTSpec(BaseModel):
             reject("attention_bias", False, "attention biases in Llama")
         if any(t != "full_attention" for t in cfg.get("layer_types") or []):
             raise ValueError(f"config key 'layer_types'={cfg['layer_types']!r} is not supported (full attention only)")
-        # Rotary scaling (linear, dynamic, yarn, llama3, ...) changes the frequencies or
-        # positions; megatron is built with plain RoPE only, so any scaling is an error rather
+        # Rotary scaling changes the frequencies or positions. megatron-core builds plain RoPE
+        # and Llama 3.1's scaling (with its fixed constants); anything else is an error rather
         # than silently dropped. transformers 4.x writes it as 'rope_scaling', 5.x folds it
         # into 'rope_parameters'; both are checked, and the message names the key found.
         legacy_scaling = cfg.get("rope_scaling")
+        scaling_factor = None
         if legacy_scaling:  # None or {}: no scaling
             scaling = legacy_scaling if isinstance(legacy_scaling, Mapping) else {}
-            if scaling.get("rope_type", scaling.get("type")) != "default":
-                raise ValueError(f"config key 'rope_scaling'={legacy_scaling!r} is not supported "
-                                 "(rotary scaling; only default RoPE converts to megatron)")
+            scaling_factor = _llama3_scaling_factor(scaling, "rope_scaling", legacy_scaling)
         rope = dict(cfg.get("rope_parameters") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"config key 'rope_parameters.rope_type'={rope_type!r} is not supported "
-                             "(rotary scaling, HF 'rope_scaling'; only default RoPE converts to megatron)")
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            scaling_factor = _llama3_scaling_factor(rope, "rope_parameters", rope)
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
             raise ValueError("config key 'partial_rotary_factor' is not supported (full rotary only)")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -195,6 +222,7 @@ class GPTSpec(BaseModel):
             ffn_hidden_size=need("intermediate_size"),
             max_position_embeddings=need("max_position_embeddings"),
             rope_theta=float(rope_theta),
+            rope_scaling_factor=scaling_factor,
             norm_epsilon=float(need("rms_norm_eps")),
             add_qkv_bias=arch == "qwen2" or qwen3_bias,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -202,6 +230,12 @@ class GPTSpec(BaseModel):
             add_proj_bias=qwen3_bias,
             qk_layernorm=arch == "qwen3",
         )
+
+    def _hf_rope_parameters(self) -> dict[str, Any]:
+        if self.rope_scaling_factor is None:
+            return {"rope_type": "default", "rope_theta": self.rope_theta}
+        return {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": self.rope_scaling_factor,
+                **LLAMA3_SCALING_CONSTANTS}
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (transformers 5 keys) describing this architecture.
@@ -221,7 +255,7 @@ class GPTSpec(BaseModel):
             "hidden_act": "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.norm_epsilon,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": self._hf_rope_parameters(),
             "tie_word_embeddings": self.tie_word_embeddings,
             "dtype": "float32",
         }

@@ -172,7 +172,9 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
             post_process=True,
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=spec.rope_theta,  # unscaled RoPE: GPTSpec rejects HF rotary scaling
+            rotary_base=spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor is not None,  # Llama 3.1's, the only scaling GPTSpec accepts
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
             rotary_percent=1.0,
         )
     model.gpt_spec = spec

@@ -131,24 +131,58 @@ def test_qwen3_norm_shape_and_checkpoint_mixups_are_named():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_rotary_scaling_is_rejected_naming_the_key(arch):
+def test_rotary_scaling_other_than_llama3_is_rejected_naming_the_key(arch):
     cfg, hf = random_hf(arch, True)
     # A transformers 4.x config.json (Llama 3.1 style): rope_theta and rope_scaling at the top.
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
     legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 5e5, "rope_scaling": llama3}
-    with pytest.raises(ConversionError, match=r"config key 'rope_scaling'=.*'llama3'.*not supported"):
-        hf_to_megatron(legacy, hf)
-    with pytest.raises(ConversionError, match=r"'rope_scaling'=\{'type': 'linear'"):
+    assert hf_to_megatron(legacy, hf).keys() == hf_to_megatron(cfg, hf).keys()  # megatron builds llama3 scaling
+    with pytest.raises(ConversionError, match=r"'rope_scaling.high_freq_factor'=2.0 is not supported .*high_freq_factor=4"):
+        hf_to_megatron(legacy | {"rope_scaling": {**llama3, "high_freq_factor": 2.0}}, hf)
+    with pytest.raises(ConversionError, match=r"'rope_scaling'=\{'type': 'linear'.*'linear'"):
         megatron_to_hf(legacy | {"rope_scaling": {"type": "linear", "factor": 2.0}}, {})
     # transformers 5 folds rope_scaling into rope_parameters (e.g. Qwen3's YaRN recipe).
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     folded = {**cfg, "rope_parameters": CLASSES[arch][1](rope_scaling=yarn).to_dict()["rope_parameters"]}
-    with pytest.raises(ConversionError, match=r"'rope_parameters\.rope_type'='yarn'.*'rope_scaling'"):
+    with pytest.raises(ConversionError, match=r"'rope_parameters'=.*'yarn'.*not supported \(rotary scaling 'yarn'"):
         hf_to_megatron(folded, hf)
     # No scaling, spelled either way, still converts.
     for no_scaling in (None, {}, {"rope_type": "default"}):
         assert hf_to_megatron(legacy | {"rope_scaling": no_scaling}, hf).keys() == hf_to_megatron(cfg, hf).keys()
+
+
+def test_llama3_rotary_scaling_gives_transformers_logits():
+    """Llama 3.1's scaling (factor 8, as HF's rope_type 'llama3') is carried into megatron's
+    RotaryEmbedding: logits equal transformers' with scaling, and differ from unscaled RoPE."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conversion.spec import GPTSpec
+    from engine.megatron_model import build_gpt_model, gpt_logits
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+    kwargs = dict(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**kwargs, rope_parameters=scaling)).eval()
+    hf.set_attn_implementation("eager")
+    plain = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    plain.load_state_dict(hf.state_dict())
+    plain.set_attn_implementation("eager")
+    cfg = {**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    spec = GPTSpec.from_hf_config(cfg)
+    assert spec.rope_scaling_factor == 8.0 and GPTSpec.from_hf_config(spec.to_hf_config()) == spec
+    model = build_gpt_model(spec)
+    model.load_state_dict(hf_to_megatron(cfg, hf.state_dict()), strict=True)
+    model.eval()
+    ids = torch.randint(0, 96, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, ref, unscaled = gpt_logits(model, ids), hf(ids).logits, plain(ids).logits
+    err = (ours - ref).abs().max().item()
+    print(f"llama3 rope scaling: max |logit diff| vs transformers = {err:.2e}, "
+          f"scaled vs unscaled transformers = {(ref - unscaled).abs().max().item():.2e}")
+    assert err < 1e-5 and (ref - unscaled).abs().max().item() > 1e-3
 
 
 def test_shape_mismatch_is_named():
