@@ -203,11 +203,16 @@ def _unwrap_optional(ann):
 
 
 def _annotation(path: tuple[str, ...]):
-    """The annotation of the PipelineConfig field at ``path`` (``X | None`` read as ``X``)."""
+    """The annotation of the PipelineConfig field at ``path`` (``X | None`` read as ``X``; in a
+    tagged union of sections, the first section that has the next key)."""
+    from config.reference import _models
+
     model, ann = PipelineConfig, None
-    for key in path:
+    for i, key in enumerate(path):
         ann = _unwrap_optional(model.model_fields[key].annotation)
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        sections = _models(ann)
+        nxt = path[i + 1] if i + 1 < len(path) else None
+        model = next((m for m in sections if nxt in m.model_fields), sections[0] if sections else None)
     return ann
 
 
@@ -222,7 +227,14 @@ def _alternatives(value, ann) -> list:
         return [value * 2 + 0.5, value / 2]
     if isinstance(value, str):
         return [value + "-changed"]
-    return [1, 0.5, "changed"]  # an unset optional
+    if isinstance(value, list) or typing.get_origin(_unwrap_optional(ann)) is list:
+        return [[1], [{"path": "my_rewards:score"}]]  # a list of ids, or of reward plug-in sections
+    return [1, 0.5, 2, "changed", "my_module:factory"]  # an unset optional (an import path last)
+
+
+# Keys valid only together with others (cross-key checks of the schema).
+COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
+              ("rl", "max_turns"): {"environment": "my_module:factory"}}
 
 
 def _with(raw: dict, path: tuple[str, ...], value) -> PipelineConfig | None:
@@ -231,6 +243,7 @@ def _with(raw: dict, path: tuple[str, ...], value) -> PipelineConfig | None:
     for key in path[:-1]:
         node = node[key]
     node[path[-1]] = value
+    node.update(COMPANIONS.get(path, {}))
     try:
         return PipelineConfig.model_validate(changed)
     except ValueError:
