@@ -182,6 +182,14 @@ _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _METRIC_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+def _import_path(value: str, attr: str) -> str:
+    """``value`` if it is an import path ``package.module:<attr>``; else ValueError."""
+    if not _IMPORT_PATH.fullmatch(value):
+        raise ValueError(f"expected an import path 'package.module:{attr}' (module dotted, one colon, "
+                         f"then the {attr}'s name)")
+    return value
+
+
 class RewardFunctionConfig(Strict):
     """A reward plug-in: your function, imported by path when the RL reward worker starts
     (calling convention: data/reward_plugins.py, docs/algorithms.md)."""
@@ -195,10 +203,7 @@ class RewardFunctionConfig(Strict):
     @field_validator("path")
     @classmethod
     def _path(cls, value: str) -> str:
-        if not _IMPORT_PATH.fullmatch(value):
-            raise ValueError("expected an import path 'package.module:function' (module dotted, one colon, "
-                             "then the function's name)")
-        return value
+        return _import_path(value, "function")
 
     @field_validator("name")
     @classmethod
@@ -300,11 +305,30 @@ class RLConfig(Strict):
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
     reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier, trained reward model and plug-in functions.")
     engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
+    environment: str | None = Field(
+        None, description="Multi-turn RL: import path 'package.module:factory' of a zero-argument callable returning an "
+                          "environment (engine/environment.py); its summed step rewards replace rl.reward. None: single-turn.")
+    max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
+                                                "rollout.max_new_tokens bounds all turns and observations together.")
 
     @model_validator(mode="after")
     def _kl(self):
         if self.kl.target is not None and not (self.kl.in_reward and self.kl.coef > 0):
             raise ValueError("rl.kl.target (adaptive KL) needs rl.kl.in_reward: true and rl.kl.coef > 0")
+        return self
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_path(cls, value: str | None) -> str | None:
+        return None if value is None else _import_path(value, "factory")
+
+    @model_validator(mode="after")
+    def _multi_turn(self):
+        if self.environment is None and self.max_turns > 1:
+            raise ValueError("rl.max_turns > 1 needs rl.environment (an environment to answer the turns)")
+        if self.environment is not None and (self.reward.functions or self.reward.reward_model_weight != 0):
+            raise ValueError("rl.environment gives the rewards: rl.reward.functions and rl.reward.reward_model_weight "
+                             "would be ignored; remove them (rl.reward.verifier is still used by the evaluate stage)")
         return self
 
 

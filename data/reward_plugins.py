@@ -36,12 +36,13 @@ workers inherit it).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+from data.import_path import import_callable
 
 SINGLE_KEYWORDS = ("prompt", "finish_reason")
 BATCHED_KEYWORDS = ("prompts", "finish_reasons")
@@ -132,18 +133,8 @@ def load_reward_function(path: str, batched: bool = False, name: str | None = No
             callable, or its signature cannot take ``(response, label)`` (``(responses,
             labels)`` when batched) plus the keyword arguments it names.
     """
-    module_name, colon, attr = path.partition(":")
-    if not colon or not module_name or not attr:
-        raise ImportError(f"{path!r} is not 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ImportError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
-    if not hasattr(module, attr):
-        raise ImportError(f"module {module_name!r} ({getattr(module, '__file__', '?')}) has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise ImportError(f"{path} is not callable (type {type(fn).__name__})")
+    fn = import_callable(path)
+    attr = path.partition(":")[2]
     options = BATCHED_KEYWORDS if batched else SINGLE_KEYWORDS
     try:
         signature = inspect.signature(fn)

@@ -52,6 +52,9 @@ def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: floa
 def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int) -> torch.Tensor:
     """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
 
+    Covers every real response token (``response_valid``), environment tokens of a
+    multi-turn sample included (harmless: the loss masks them out).
+
     Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``.
     """
     was_training = model.training
@@ -59,7 +62,7 @@ def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: floa
     out = []
     for mb in traj.micro_batches(micro_batch_size):
         lp = logprobs_from_logits(response_logits(model, mb, temperature), mb.response_ids)
-        out.append(lp * mb.response_mask)
+        out.append(lp * mb.response_valid)
     model.train(was_training)
     return pad_response_values(out, traj.response_ids.size(1))
 

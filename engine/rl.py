@@ -4,7 +4,9 @@ Per step: sample prompts -> rollout ``n_samples`` each -> rewards (with DAPO dyn
 sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> old and
 reference log-probs -> KL reward penalty (if ``kl.in_reward``) -> advantages
 (``rl.algorithm``) -> policy update -> push weights to the rollout engine -> metrics ->
-checkpoint every ``checkpoint_every`` steps. A run whose ``resume_dir`` holds a
+checkpoint every ``checkpoint_every`` steps. With ``rl.environment`` the rollout is
+multi-turn and the environment scores it (no reward worker is started; ``engine.environment``).
+A run whose ``resume_dir`` holds a
 checkpoint continues after it (weights, AdamW state, schedule, data position, RNG and the
 metrics so far), ending with the same weights as an uninterrupted run.
 
@@ -63,6 +65,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         (0 for a fresh start) and ``rl/steps_run`` (steps this call executed).
 
     Raises:
+        ImportError: ``cfg.environment`` cannot be loaded (checked before any worker starts).
         ValueError: a bad prompt row (names file and line), a prompt too long for the model,
             or a ``resume_dir`` written by a different config, prompt set or seed (``steps``
             and ``checkpoint_every`` may differ: a finished run can be continued for more
@@ -82,6 +85,13 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
     identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
 
     check_checkpoint(resume_dir, identity)
+    if cfg.environment is not None:  # fail here, not in the rollout worker at the first step
+        from engine.environment import load_environment_factory
+
+        try:
+            load_environment_factory(cfg.environment)
+        except ImportError as exc:
+            raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
     workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, max_len)
@@ -160,11 +170,12 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     actor = spawn(ActorWorker, placement, str(policy_dir), cfg, seed, threads)
     reference = spawn(ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads)
     rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len, threads)
-    reward = spawn(RewardWorker, placement, str(policy_dir), cfg.reward,
-                   None if reward_model_dir is None else str(reward_model_dir), threads)
+    reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
+        RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
+        threads)
     workers = Workers(placement, actor, reference, rollout, reward)
     try:  # surface a constructor error here, not at the first call
-        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward)])
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward) if w is not None])
     except BaseException:
         stop_workers(workers)
         raise
@@ -173,7 +184,8 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
 
 def stop_workers(workers: Workers) -> None:
     for w in (workers.actor, workers.reference, workers.rollout, workers.reward):
-        ray.kill(w)
+        if w is not None:
+            ray.kill(w)
     workers.placement.remove()
 
 

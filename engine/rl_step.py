@@ -2,6 +2,8 @@
 
 rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs -> KL reward
 penalty -> advantages -> actor update -> weight sync to the rollout engine -> metrics.
+With ``rl.environment`` the rollout is multi-turn and the environment's rewards replace the
+reward worker's (``engine.environment``).
 Every phase returns its result and its wall time, reported as ``timing_s/<phase>``.
 """
 
@@ -18,6 +20,7 @@ import torch
 from config.schema import RLConfig
 from engine.algorithms import KL_CONTROLLERS, apply_kl_penalty, fill_batch, get_advantage_estimator
 from engine.batching import EpochSampler
+from engine.environment import multi_turn_metrics
 from engine.rollout.base import SamplingSpec
 from engine.types import Trajectory
 
@@ -37,7 +40,7 @@ class Workers:
     actor: Any
     reference: Any
     rollout: Any
-    reward: Any
+    reward: Any  # None with rl.environment (the environment gives the rewards)
 
 
 def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
@@ -69,6 +72,9 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
     remain, for at most ``max_rounds`` rounds (``engine.algorithms.fill_batch``); a short
     batch then trains as it is (``on_shortfall: warn``) or fails (``error``).
 
+    With ``cfg.environment`` each round is a multi-turn rollout (:func:`generate_multi_turn`)
+    scored by the environment; the reward worker is not called (reward time 0).
+
     Returns: ``(trajectory, reward metrics, generation s, reward s)``; with dynamic sampling
         the metrics include ``dynamic_sampling/rounds``, ``/kept_groups`` and ``/dropped_groups``.
 
@@ -81,8 +87,12 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
 
     def one_round() -> list[_Group]:
         batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
-        traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
-        traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
+        if cfg.environment is None:
+            traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+            traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
+        else:
+            traj, metrics, t_gen = generate_multi_turn(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+            t_reward = 0.0
         timing["gen"] += t_gen
         timing["reward"] += t_reward
         rounds.append(metrics)
@@ -108,11 +118,35 @@ def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, 
     """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
     ``(seed, step, round_index)``, so a resumed run samples what an uninterrupted one would."""
     t0 = time.perf_counter()
-    spec = SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step, round_index))
+    spec = sampling_spec(cfg, seed, step, round_index)
     prompt_ids = [p.token_ids for p in batch]
     outputs = ray.get(workers.rollout.generate.remote(prompt_ids, spec))
     return Trajectory.from_rollout(prompt_ids, outputs, pad_id), time.perf_counter() - t0
+
+
+def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
+                        round_index: int = 0) -> tuple[Trajectory, dict[str, float], float]:
+    """Multi-turn rollout of ``cfg.n_samples`` samples per prompt against ``cfg.environment``
+    (at most ``cfg.max_turns`` turns, ``rollout.max_new_tokens`` tokens in all), seeded as
+    :func:`generate`.
+
+    Returns: ``(trajectory with the environment's rewards, engine.environment.multi_turn_metrics,
+        seconds)``.
+    """
+    t0 = time.perf_counter()
+    prompt_ids = [p.token_ids for p in batch]
+    rows = [{"prompt": p.messages, "label": p.label} for p in batch]
+    samples = ray.get(workers.rollout.generate_multi_turn.remote(
+        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns))
+    traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id)
+    return traj, multi_turn_metrics(samples), time.perf_counter() - t0
+
+
+def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> SamplingSpec:
+    """The rollout's sampling: ``n_samples`` per prompt, ``rl.rollout``'s temperature, top-p and
+    budget, the seed of :func:`sampling_seed`."""
+    return SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step, round_index))
 
 
 def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
@@ -202,7 +236,9 @@ def update_weights(workers: Workers) -> float:
 
 def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict) -> dict[str, float]:
     """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
-    largest |rollout log-prob - trainer log-prob| over response tokens, for the same weights."""
+    largest |rollout log-prob - trainer log-prob| over the policy's tokens (the loss mask: not
+    a multi-turn sample's environment tokens, which have no rollout log-prob), for the same
+    weights. ``response_length/*`` count every response token, environment tokens included."""
     mask = traj.response_mask.bool()
     lengths = traj.response_lengths.float()
     diff = (traj.rollout_logprobs - traj.old_logprobs).abs()[mask]

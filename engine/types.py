@@ -7,11 +7,26 @@ a prompt are consecutive), ``T`` the longest prompt + response, ``L`` the longes
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import torch
 
 from engine.rollout.base import RolloutOutput
+
+if TYPE_CHECKING:
+    from engine.environment import MultiTurnSample
+
+
+class _Row(NamedTuple):
+    """One response before padding: its prompt, tokens and per-token values."""
+
+    prompt: list[int]
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    loss_mask: Sequence[int] | None  # None: every token is trained (single-turn)
+    group: int
+    finish_reason: str
+    reward: float
 
 
 @dataclass(frozen=True)
@@ -22,9 +37,12 @@ class Trajectory:
         input_ids: LongTensor ``[B, T]``, prompt then response tokens, right-padded with ``pad_id``.
         prompt_lengths: LongTensor ``[B]``, prompt tokens per row (>= 1).
         response_ids: LongTensor ``[B, L]``, response tokens, right-padded with ``pad_id``.
-        response_mask: FloatTensor ``[B, L]``, 1.0 on real response tokens (EOS included).
+            Multi-turn: every token after the prompt, the policy's and the environment's.
+        response_mask: FloatTensor ``[B, L]``, the *loss* mask: 1.0 on the tokens the policy
+            sampled (EOS included), 0 on padding and on environment tokens (multi-turn). Every
+            loss term, advantage, KL and per-token metric uses it.
         rollout_logprobs: FloatTensor ``[B, L]``, the rollout engine's log-prob (nats) of
-            each response token; 0 on padding.
+            each policy token; 0 on padding and environment tokens.
         group_index: LongTensor ``[B]``, the prompt each response answers (GRPO group id).
         rewards: FloatTensor ``[B]``, scalar reward per response (0 until scored).
         advantages: FloatTensor ``[B, L]``, per-token advantage (0 until computed and on
@@ -37,6 +55,10 @@ class Trajectory:
         ref_logprobs: FloatTensor ``[B, L]`` or None: the same under the reference policy.
         token_rewards: FloatTensor ``[B, L]`` or None: per-token rewards when the KL to the
             reference is a reward penalty (the score on the last token minus ``coef * KL_t``).
+        response_valid: FloatTensor ``[B, L]``: 1.0 on every real response token (policy and
+            environment), 0 on padding; a prefix of each row. It defines
+            :attr:`response_lengths` (and so how :meth:`rows` trims). Given as None it is
+            ``response_mask`` (single-turn: every real token is trained).
     """
 
     input_ids: torch.Tensor
@@ -52,14 +74,19 @@ class Trajectory:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    response_valid: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.response_valid is None:
+            object.__setattr__(self, "response_valid", self.response_mask)
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
 
     @property
     def response_lengths(self) -> torch.Tensor:
-        """LongTensor ``[B]``: tokens per response."""
-        return self.response_mask.sum(-1).long()
+        """LongTensor ``[B]``: real tokens per response (policy and environment tokens)."""
+        return self.response_valid.sum(-1).long()
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +105,7 @@ class Trajectory:
         """
         if len(prompt_token_ids) != len(outputs):
             raise ValueError(f"{len(prompt_token_ids)} prompts but {len(outputs)} rollout output groups")
-        rows: list[tuple[list[int], RolloutOutput, int]] = []
+        rows: list[_Row] = []
         for i, (prompt, group) in enumerate(zip(prompt_token_ids, outputs)):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -87,33 +114,76 @@ class Trajectory:
                     raise ValueError(
                         f"prompt {i} sample {j}: {len(out.token_ids)} tokens, {len(out.logprobs)} logprobs (need equal, >= 1)"
                     )
-                rows.append((list(prompt), out, i))
+                rows.append(_Row(list(prompt), out.token_ids, out.logprobs, None, i, out.finish_reason, 0.0))
+        return cls._build(rows, pad_id)
+
+    @classmethod
+    def from_multi_turn(
+        cls, prompt_token_ids: Sequence[Sequence[int]], samples: Sequence[Sequence["MultiTurnSample"]], pad_id: int
+    ) -> "Trajectory":
+        """Build a batch from a multi-turn rollout (:func:`engine.environment.multi_turn_rollout`).
+
+        Prompt ``i``'s samples get group index ``i``. ``response_ids`` hold every token after
+        the prompt (policy and environment), ``response_mask`` is the samples' loss mask (1 on
+        policy tokens, 0 on environment tokens), ``response_valid`` is 1 on all of them,
+        ``rollout_logprobs`` are 0 on environment tokens, ``rewards`` are the environments'
+        (``MultiTurnSample.reward``) and ``truncated`` marks ``finish_reason == "length"``.
+
+        Raises:
+            ValueError: prompts and sample groups differ in count, a prompt is empty, or a
+                sample is empty, has a log-prob or loss-mask entry count different from its
+                token count, or a loss-mask value other than 0/1.
+        """
+        if len(prompt_token_ids) != len(samples):
+            raise ValueError(f"{len(prompt_token_ids)} prompts but {len(samples)} multi-turn sample groups")
+        rows: list[_Row] = []
+        for i, (prompt, group) in enumerate(zip(prompt_token_ids, samples)):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            for j, smp in enumerate(group):
+                n = len(smp.token_ids)
+                if n == 0 or len(smp.logprobs) != n or len(smp.loss_mask) != n:
+                    raise ValueError(f"prompt {i} sample {j}: {n} tokens, {len(smp.logprobs)} logprobs, "
+                                     f"{len(smp.loss_mask)} loss-mask entries (need equal, >= 1)")
+                if any(m not in (0, 1) for m in smp.loss_mask):
+                    raise ValueError(f"prompt {i} sample {j}: loss mask values must be 0 or 1")
+                rows.append(_Row(list(prompt), smp.token_ids, smp.logprobs, smp.loss_mask, i, smp.finish_reason,
+                                 float(smp.reward)))
+        return cls._build(rows, pad_id)
+
+    @classmethod
+    def _build(cls, rows: Sequence[_Row], pad_id: int) -> "Trajectory":
+        """Pad ``rows`` into a batch (shapes in the class docstring). Raises ValueError for no rows."""
         if not rows:
             raise ValueError("rollout produced no responses")
         b = len(rows)
-        t = max(len(p) + len(o.token_ids) for p, o, _ in rows)
-        length = max(len(o.token_ids) for _, o, _ in rows)
+        t = max(len(r.prompt) + len(r.token_ids) for r in rows)
+        length = max(len(r.token_ids) for r in rows)
         input_ids = torch.full((b, t), pad_id, dtype=torch.long)
         response_ids = torch.full((b, length), pad_id, dtype=torch.long)
+        valid = torch.zeros((b, length))
         mask = torch.zeros((b, length))
         logprobs = torch.zeros((b, length))
-        for r, (prompt, out, _) in enumerate(rows):
-            n = len(out.token_ids)
-            input_ids[r, : len(prompt) + n] = torch.tensor(prompt + list(out.token_ids))
-            response_ids[r, :n] = torch.tensor(out.token_ids)
-            mask[r, :n] = 1.0
-            logprobs[r, :n] = torch.tensor(out.logprobs)
+        for k, r in enumerate(rows):
+            n = len(r.token_ids)
+            input_ids[k, : len(r.prompt) + n] = torch.tensor(r.prompt + list(r.token_ids))
+            response_ids[k, :n] = torch.tensor(list(r.token_ids))
+            valid[k, :n] = 1.0
+            mask[k, :n] = 1.0 if r.loss_mask is None else torch.tensor(list(r.loss_mask), dtype=torch.float32)
+            logprobs[k, :n] = torch.tensor(list(r.logprobs), dtype=torch.float32) * mask[k, :n]
+        single_turn = all(r.loss_mask is None for r in rows)
         return cls(
             input_ids=input_ids,
-            prompt_lengths=torch.tensor([len(p) for p, _, _ in rows]),
+            prompt_lengths=torch.tensor([len(r.prompt) for r in rows]),
             response_ids=response_ids,
             response_mask=mask,
             rollout_logprobs=logprobs,
-            group_index=torch.tensor([g for _, _, g in rows]),
-            rewards=torch.zeros(b),
+            group_index=torch.tensor([r.group for r in rows]),
+            rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
             advantages=torch.zeros((b, length)),
-            truncated=torch.tensor([o.finish_reason == "length" for _, o, _ in rows]),
+            truncated=torch.tensor([r.finish_reason == "length" for r in rows]),
             pad_id=pad_id,
+            response_valid=None if single_turn else valid,
         )
 
     def with_(self, **fields) -> "Trajectory":
@@ -138,6 +208,7 @@ class Trajectory:
             old_logprobs=None if self.old_logprobs is None else self.old_logprobs[start:stop, :length],
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop, :length],
             token_rewards=None if self.token_rewards is None else self.token_rewards[start:stop, :length],
+            response_valid=self.response_valid[start:stop, :length],
         )
 
     def select(self, index: torch.Tensor) -> "Trajectory":
@@ -171,7 +242,8 @@ class Trajectory:
         pad = parts[0].pad_id
         fields = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
                   for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
-                               "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards")}
+                               "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards",
+                               "response_valid")}
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
     def micro_batches(self, micro_batch_size: int) -> list["Trajectory"]:

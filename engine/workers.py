@@ -5,7 +5,8 @@
   HF-named weights for the rollout engine, bucket by bucket (``engine.weight_sync``),
   resumable train state, the final model directory.
 - :class:`ReferenceWorker`: a frozen copy of the initial policy, for log-probs only.
-- :class:`RolloutWorker`: a rollout engine (vLLM or HF transformers, ``RolloutConfig.backend``).
+- :class:`RolloutWorker`: a rollout engine (vLLM or HF transformers, ``RolloutConfig.backend``),
+  also running multi-turn rollouts against an environment (``engine.environment``).
 - :class:`RewardWorker`: rule verifier (``data.rewards``), an optional reward-model score and
   reward plug-ins (``data.reward_plugins``), weighted and summed.
 
@@ -169,7 +170,10 @@ class RolloutWorker:
         from engine.ray_cluster import worker_threads
 
         worker_threads(num_threads)
+        self.policy_dir = Path(policy_dir)
         self.scratch_dir = Path(scratch_dir)
+        self._tokenizer = None
+        self._env_factories: dict[str, Any] = {}
         if cfg.backend == "vllm":
             from engine.rollout.vllm_rollout import VLLMRollout
 
@@ -190,6 +194,35 @@ class RolloutWorker:
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
         """See :meth:`engine.rollout.base.RolloutEngine.generate`."""
         return self.engine.generate(prompt_token_ids, sampling)
+
+    def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
+                            sampling: SamplingSpec, max_turns: int):
+        """Multi-turn samples against the environment factory at import path ``environment``
+        (``package.module:factory``, imported here once per path), with this worker's engine
+        and the policy's tokenizer (see :func:`engine.environment.multi_turn_rollout`).
+
+        Args:
+            prompt_token_ids: ``P`` prompts; rows: their ``P`` data rows ``{"prompt", "label"}``.
+            sampling: as for :meth:`generate`; ``max_new_tokens`` bounds all response tokens.
+            max_turns: policy turns per sample at most.
+
+        Returns: ``P`` lists of ``sampling.n`` :class:`engine.environment.MultiTurnSample`.
+
+        Raises:
+            ImportError: the factory cannot be loaded (the message names ``rl.environment``).
+        """
+        from engine.environment import load_environment_factory, multi_turn_rollout
+        from engine.model_dir import load_tokenizer
+
+        if environment not in self._env_factories:
+            try:
+                self._env_factories[environment] = load_environment_factory(environment)
+            except ImportError as exc:
+                raise ImportError(f"rl.environment: cannot load {environment!r}: {exc}") from exc
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.policy_dir)
+        return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
+                                  self._env_factories[environment], sampling, max_turns)
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of :meth:`ActorWorker.hf_bucket`

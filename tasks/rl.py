@@ -20,17 +20,21 @@ def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
 
 
 def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
-    """Source files of the reward plug-ins (``rl.reward.functions``), hashed by content into
-    the fingerprint, so editing a plug-in retrains. A module that cannot be found is left
-    out here; the reward worker then fails naming ``rl.reward.functions[i].path``."""
+    """Source files of the reward plug-ins (``rl.reward.functions``) and of the multi-turn
+    environment (``rl.environment``), hashed by content into the fingerprint, so editing one
+    retrains. A module that cannot be found is left out here; the run then fails naming
+    ``rl.reward.functions[i].path`` or ``rl.environment``."""
+    paths = {f"reward_function_{i}": fn.path for i, fn in enumerate(cfg.rl.reward.functions)}
+    if cfg.rl.environment is not None:
+        paths["environment"] = cfg.rl.environment
     files = {}
-    for i, fn in enumerate(cfg.rl.reward.functions):
+    for key, path in paths.items():
         try:
-            spec = importlib.util.find_spec(fn.path.partition(":")[0])
+            spec = importlib.util.find_spec(path.partition(":")[0])
         except (ImportError, ValueError):
             continue
         if spec is not None and spec.origin and spec.origin.endswith(".py"):
-            files[f"reward_function_{i}"] = spec.origin
+            files[key] = spec.origin
     return files
 
 

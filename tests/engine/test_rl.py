@@ -365,6 +365,25 @@ def test_dynamic_sampling_and_adaptive_kl_penalty(policy, ray_address, tmp_path)
         assert cur["actor/reward_kl_coef"] == pytest.approx(prev["actor/reward_kl_coef"] * (1 + error * responses / horizon), rel=1e-12)
 
 
+def test_multi_turn_environment_run_on_ray(policy, ray_address, tmp_path):
+    """rl.environment through the real engine: the rollout worker runs the episodes, the
+    environment's rewards are the scores (no reward worker), and the update trains."""
+    from engine.rl import run_rl
+
+    cfg = rl_config("hf", 2, environment="tests.engine.multi_turn_env_example:make_counter_env", max_turns=2,
+                    rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
+                    engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
+    rows = read_metrics(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 1.0 <= r["env/turns_mean"] <= 2.0 and 0.0 <= r["env/observation_token_fraction"] < 1.0
+        assert r["critic/score/mean"] == pytest.approx(r["reward/env_mean"]) and 0.0 <= r["reward/env_mean"] <= 2.0
+        assert math.isfinite(r["actor/pg_loss"]) and r["actor/grad_norm"] > 0
+        assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4  # policy tokens only
+    assert (tmp_path / "out" / "model").is_dir()
+
+
 def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tmp_path):
     """A driver killed with SIGKILL after its first checkpoint; a new run resumes from the
     last checkpoint and reaches the uninterrupted run's weights exactly."""
