@@ -259,7 +259,7 @@ class KLConfig(Strict):
     coef: float = Field(0.0, ge=0, description="KL weight (the starting value with an adaptive controller); 0 turns the KL off.")
     estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "k3", description="Per-token estimator (Schulman 2020): k1 = log ratio, k2 = half its square, k3 = "
-        "exp(-x) - 1 + x; low_var_kl = k3 clamped to [-10, 10] as verl does.")
+        "exp(-x) - 1 + x, clamped to [-10, 10] as verl does; low_var_kl is verl's name for it.")
     in_reward: bool = Field(False, description="Subtract coef * KL from each token's reward (InstructGPT style) "
                                                "instead of adding coef * KL to the loss (GRPO style).")
     target: float | None = Field(None, gt=0, description="With in_reward: steer coef towards this KL per sequence "

@@ -34,7 +34,8 @@ def _llama3_scaling_factor(scaling: Mapping[str, Any], key: str, shown: Any) -> 
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ValueError(f"config key '{key}'={shown!r} is not supported (rotary scaling {kind!r}; megatron "
+        named = f"'{key}'={shown!r}" if key == "rope_scaling" else f"'{key}.rope_type'={kind!r}"
+        raise ValueError(f"config key {named} is not supported (rotary scaling {kind!r}; megatron "
                          "converts default RoPE and Llama 3.1's 'llama3' scaling only)")
     for field, value in LLAMA3_SCALING_CONSTANTS.items():
         if float(scaling.get(field, float("nan"))) != value:

@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.set_defaults(fn=cmd_validate)
     args = parser.parse_args(argv)
+    # Reward plug-ins and environments (`module:function` in the config) import from the
+    # directory posttrain runs in, as `python -m` would and as Ray's workers already do.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.fn(args)
     except ConfigError as exc:

@@ -35,6 +35,9 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
             problems.append(f"data.{key}: required by {needs} but not set")
     if cfg.rm.enabled and cfg.data.preference is None:
         problems.append("data.preference: required when rm.enabled is true (set rm.enabled: false to skip the reward model)")
+    if cfg.rl.reward.verifier == "none":
+        problems.append("rl.reward.verifier: 'none' leaves the evaluate stage nothing to score with; "
+                        "set a verifier (it is also the rl reward unless rl.reward.verifier_weight is 0)")
     if cfg.rl.reward.reward_model_weight and not cfg.rm.enabled:
         problems.append("rl.reward.reward_model_weight: needs rm.enabled: true")
     src = cfg.model.source
@@ -43,6 +46,8 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     elif Path(src).exists():
         if Path(src).is_dir() and not (Path(src) / "config.json").is_file():
             problems.append(f"model.source: {src} has no config.json (not an HF model directory)")
+    elif src.endswith(".gguf"):
+        problems.append(f"model.source: GGUF file not found: {src}")
     elif HUB_ID.match(src):
         notes.append(f"model.source: {src} will be downloaded from the Hugging Face hub")
     else:

@@ -65,3 +65,21 @@ def test_validate_missing_config_file_exits_2(tmp_path):
     proc = _posttrain("validate", str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2, _out(proc)
     assert f"error: config file not found: {tmp_path / 'nope.yaml'}" in _out(proc)
+
+
+def test_plugins_in_the_working_directory_are_importable(tmp_path, monkeypatch):
+    """posttrain puts the directory it runs in on sys.path (as Ray's workers do), so a reward
+    plug-in there is found and its source is part of the rl fingerprint."""
+    from config import load_config
+    from flows.cli import main
+    from tasks import rl
+
+    (tmp_path / "cwd_rewards.py").write_text("def score(response, label):\n    return 1.0\n")
+    cfg = yaml.safe_load(QUICKSTART.read_text())
+    cfg["rl"]["reward"]["functions"] = [{"path": "cwd_rewards:score"}]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {}  # not importable yet
+    main(["validate", str(tmp_path / "c.yaml")])
+    assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {"reward_function_0": str(tmp_path / "cwd_rewards.py")}

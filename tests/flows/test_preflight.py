@@ -107,5 +107,16 @@ def test_model_source_kinds(real_inputs, tmp_path, fixtures_dir):
     raw["model"] = {"source": "./no/such/model"}
     assert check_inputs(_cfg(raw))[0] == ["model.source: not a file, directory or hub id: ./no/such/model"]
 
+    raw["model"] = {"source": "models/stories260K.gguf"}  # looks like org/name, but is a missing file
+    assert check_inputs(_cfg(raw))[0] == ["model.source: GGUF file not found: models/stories260K.gguf"]
+
     raw["model"] = {"source": real_inputs["model"]["source"], "tokenizer": str(tmp_path / "tok")}
     assert check_inputs(_cfg(raw))[0] == [f"model.tokenizer: directory not found: {tmp_path / 'tok'}"]
+
+
+def test_no_verifier_is_refused_because_evaluate_scores_with_it(real_inputs):
+    raw = copy.deepcopy(real_inputs)
+    raw["rl"] = {"reward": {"verifier": "none", "functions": [{"path": "my_rewards:score"}]}}
+    problems, _ = check_inputs(_cfg(raw))
+    assert problems == ["rl.reward.verifier: 'none' leaves the evaluate stage nothing to score with; set a verifier "
+                        "(it is also the rl reward unless rl.reward.verifier_weight is 0)"]
