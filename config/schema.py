@@ -65,7 +65,7 @@ class StoriesPrepareConfig(Strict):
     kind: Literal["stories"] = Field(description="Story openings: 'Once upon a time, there was a little dog named Max.'")
     output_dir: str = Field("work/tinystories", description="Where rl_train.jsonl and rl_eval.jsonl are written.")
     num_rl: int = Field(2000, gt=0, description="RL training prompts (drawn with repetition from the training openings).")
-    num_eval: int = Field(200, gt=0, description="Held-out openings: no (character, name) pair of them is trained on.")
+    num_eval: int = Field(200, gt=0, le=639, description="Held-out openings (of 640): no (character, name) pair of them is trained on.")
 
 
 PrepareConfig = Annotated[AdditionPrepareConfig | StoriesPrepareConfig, Field(discriminator="kind")]
@@ -224,8 +224,8 @@ class RewardConfig(Strict):
     verifier: Literal["exact_match", "gsm8k", "math", "story", "none"] = Field(
         "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
     )
-    verifier_weight: float = Field(1.0, description="Weight of the verifier score in the reward.")
-    reward_model_weight: float = Field(0.0, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
+    verifier_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the verifier score in the reward.")
+    reward_model_weight: float = Field(0.0, allow_inf_nan=False, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
     functions: list[RewardFunctionConfig] = Field(
         [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
 
@@ -256,7 +256,7 @@ class EngineConfig(Strict):
 class KLConfig(Strict):
     """KL divergence to the reference policy: a loss term or a reward penalty."""
 
-    coef: float = Field(0.0, ge=0, description="KL weight (the starting value with an adaptive controller); 0 turns the KL off.")
+    coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="KL weight (the starting value with an adaptive controller); 0 turns the KL off.")
     estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "k3", description="Per-token estimator (Schulman 2020): k1 = log ratio, k2 = half its square, k3 = "
         "exp(-x) - 1 + x, clamped to [-10, 10] as verl does; low_var_kl is verl's name for it.")
@@ -310,6 +310,13 @@ class RLConfig(Strict):
                           "environment (engine/environment.py); its summed step rewards replace rl.reward. None: single-turn.")
     max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
                                                 "rollout.max_new_tokens bounds all turns and observations together.")
+
+    @model_validator(mode="after")
+    def _group_size(self):
+        if self.n_samples == 1 and self.algorithm != "reinforce_plus_plus":
+            raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
+                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus")
+        return self
 
     @model_validator(mode="after")
     def _kl(self):

@@ -109,6 +109,9 @@ def prepare(cfg: PipelineConfig) -> str:
     if is_prepared(cfg):
         get_run_logger().info("prepare: %s is up to date", out)
         return str(out)
+    if out.is_dir() and any(out.iterdir()) and not (out / STAMP).is_file():
+        raise ValueError(f"prepare.output_dir: {out} holds files prepare did not write; it would replace the "
+                         "whole directory, so point prepare.output_dir at a new or prepare-made directory")
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:

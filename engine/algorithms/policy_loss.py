@@ -23,6 +23,8 @@ import torch
 
 from engine.algorithms.aggregation import GlobalNorm, aggregate_loss, global_norm, masked_mean
 
+# GSPO's clip range in Zheng et al. 2025's experiments (lower, upper).
+_GSPO_CLIP = (3e-4, 4e-4)
 # exp() of a log-ratio beyond this is clamped (a finite loss, no gradient there), as verl does.
 _MAX_LOG_RATIO = 20.0
 
@@ -172,8 +174,8 @@ def gspo_loss(
     clip_ratio: float | None = None,
     num_tokens: float | torch.Tensor | None = None,
     *,
-    clip_ratio_low: float | None = 3e-4,
-    clip_ratio_high: float | None = 4e-4,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     tis_cap: float | None = None,
@@ -193,8 +195,9 @@ def gspo_loss(
     eqs. 5-7 and 10-11 (clip range 3e-4 / 4e-4 in their experiments); verl
     ``compute_policy_loss_gspo``.
 
-    Args: as :func:`ppo_clip_loss`; ``clip_ratio``, if given, sets both sides. Note: with
-        TIS on, the per-token weights use the token log-probs, as in :func:`ppo_clip_loss`.
+    Args: as :func:`ppo_clip_loss`: each side's bound is ``clip_ratio_low`` /
+        ``clip_ratio_high`` when given, else ``clip_ratio``, else the paper's 3e-4 / 4e-4. Note: with TIS on, the per-token
+        weights use the token log-probs, as in :func:`ppo_clip_loss`.
 
     Returns / Raises: as :func:`ppo_clip_loss`. ``ppo_kl`` is the token-level k1 mean.
     """
@@ -203,10 +206,9 @@ def gspo_loss(
     seq_log_ratio = (token_log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [B]
     log_s = seq_log_ratio.detach()[:, None] + logprobs - logprobs.detach()
     log_s = torch.clamp(log_s, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    low = clip_ratio if clip_ratio is not None else clip_ratio_low
-    high = clip_ratio if clip_ratio is not None else clip_ratio_high
-    if low is None or high is None:
-        raise ValueError("gspo_loss needs clip_ratio or both clip_ratio_low and clip_ratio_high")
+    # a side's own bound, else clip_ratio, else the paper's (3e-4 below, 4e-4 above)
+    low = next(v for v in (clip_ratio_low, clip_ratio, _GSPO_CLIP[0]) if v is not None)
+    high = next(v for v in (clip_ratio_high, clip_ratio, _GSPO_CLIP[1]) if v is not None)
     return _clipped_objective(
         torch.exp(log_s), token_log_ratio, old_logprobs, advantages, mask, low, high,
         clip_ratio_c, rollout_logprobs, tis_cap, loss_agg_mode, _with_num_tokens(mask, norm, num_tokens),

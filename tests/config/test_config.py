@@ -223,3 +223,15 @@ def test_cross_key_check_empty_section_empty_file_and_directory(tmp_path, quicks
         load_config(empty)
     with pytest.raises(ConfigError, match="is a directory; give the YAML file"):
         load_config(tmp_path)
+
+
+def test_rl_options_that_cannot_train_are_refused():
+    from config.schema import RLConfig
+
+    with pytest.raises(ValueError, match="n_samples: 1 gives every response a zero grpo advantage"):
+        RLConfig(n_samples=1)
+    assert RLConfig(n_samples=1, algorithm="reinforce_plus_plus").n_samples == 1
+    with pytest.raises(ValueError, match="verifier_weight"):
+        RLConfig.model_validate({"reward": {"verifier_weight": float("nan")}})
+    with pytest.raises(ValueError, match="coef"):
+        RLConfig.model_validate({"kl": {"coef": float("inf")}})

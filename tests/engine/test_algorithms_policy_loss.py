@@ -106,3 +106,14 @@ def test_entropy_bonus_and_registry():
     assert get_policy_loss("gspo") is gspo_loss
     with pytest.raises(KeyError, match="known"):
         get_policy_loss("gpg")
+
+
+def test_gspo_side_bounds_take_precedence_over_clip_ratio():
+    """How the actor calls it: clip_ratio from the config plus rl.clip_ratio_low/high."""
+    mask = torch.ones(1, 4)
+    old = torch.zeros(1, 4)
+    new = torch.full((1, 4), 0.01)  # sequence ratio e^0.01: outside 1 +- 4e-4, inside 1 +- 0.2
+    adv = torch.ones(1, 4)
+    assert gspo_loss(new, old, adv, mask, 0.2, clip_ratio_low=3e-4, clip_ratio_high=4e-4).pg_clipfrac.item() == 1.0
+    assert gspo_loss(new, old, adv, mask, 0.2).pg_clipfrac.item() == 0.0
+    assert gspo_loss(new, old, adv, mask).pg_clipfrac.item() == 1.0  # the paper's range by default
