@@ -74,7 +74,17 @@ class RewardFunction:
         Raises:
             ValueError: the function returned the wrong number of values, or a value that is
                 not a finite real number (the message names the function and the response index).
+            RewardFunctionError: the function itself raised (the message names it; the
+                original exception is chained).
         """
+        try:
+            return self._call(responses, labels, prompts, finish_reasons)
+        except Exception as exc:
+            if isinstance(exc, ValueError) and str(exc).startswith(self._who()):
+                raise  # our own check of what the function returned
+            raise RewardFunctionError(f"{self._who()} raised {type(exc).__name__}: {exc}") from exc
+
+    def _call(self, responses, labels, prompts, finish_reasons) -> list[float]:
         n = len(responses)
         if self.batched:
             given = {"prompts": list(prompts), "finish_reasons": list(finish_reasons)}
@@ -100,12 +110,20 @@ class RewardFunction:
         return f"reward function {self.name!r} ({self.path})"
 
     def _checked(self, value: Any, index: int) -> float:
-        if not isinstance(value, numbers.Real):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
             raise ValueError(f"{self._who()} returned {value!r} ({type(value).__name__}) for response {index}; "
                              "expected a float")
-        if not math.isfinite(value):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
             raise ValueError(f"{self._who()} returned {value!r} for response {index}; expected a finite float")
         return float(value)
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward plug-in raised while scoring (the message names the function)."""
 
 
 async def _wait(awaitable):

@@ -260,3 +260,23 @@ def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
     assert metrics["reward/model_mean"] == pytest.approx(rm.mean().item(), abs=1e-6)
     assert metrics["reward/verifier_mean"] == 0.5 and metrics["reward/length_penalty_mean"] == -0.25
     assert not any(math.isnan(v) for v in metrics.values())
+
+
+def test_a_plugin_that_raises_is_named(tmp_path, monkeypatch):
+    from data.reward_plugins import RewardFunctionError
+
+    (tmp_path / "raising_plugins.py").write_text(
+        "def boom(response, label):\n    raise RuntimeError('boom in plugin')\n\n"
+        "def bad_value(response, label):\n    raise ValueError('no score for ' + response)\n\n"
+        "def huge(response, label):\n    return 10 ** 400\n\n"
+        "def flag(response, label):\n    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    call = lambda name: load_reward_function(f"raising_plugins:{name}")(["a"], ["b"], [None], ["stop"])  # noqa: E731
+    with pytest.raises(RewardFunctionError, match=r"reward function 'boom' \(raising_plugins:boom\) raised RuntimeError: boom in plugin"):
+        call("boom")
+    with pytest.raises(RewardFunctionError, match=r"'bad_value' .* raised ValueError: no score for a"):
+        call("bad_value")
+    with pytest.raises(ValueError, match=r"'huge' .* returned 1000.* for response 0; expected a finite float"):
+        call("huge")
+    with pytest.raises(ValueError, match=r"'flag' .* returned True \(bool\) for response 0; expected a float"):
+        call("flag")
