@@ -50,7 +50,6 @@ def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
 
 
-
 @dataclass(frozen=True)
 class _Group:
     """One prompt's scored responses (a unit of DAPO dynamic sampling)."""
