@@ -267,6 +267,19 @@ class KLConfig(Strict):
     horizon: int = Field(10000, gt=0, description="Adaptive controller horizon, in responses.")
 
 
+class CriticConfig(Strict):
+    """The PPO critic (rl.algorithm: gae): a value head on a copy of the starting policy."""
+
+    optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Critic optimizer and schedule.")
+    cliprange_value: float = Field(0.5, gt=0, allow_inf_nan=False,
+                                   description="Clipped value loss: how far one update may move a value from the "
+                                               "rollout's, in reward units (verl's default 0.5).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (bias-variance trade-off; 1 = Monte-Carlo returns).")
+    warmup_steps: int = Field(0, ge=0, description="First RL steps that train only the critic (the policy is not "
+                                                   "updated while the values are still untrained).")
+
+
 class DynamicSamplingConfig(Strict):
     """DAPO dynamic sampling: train only on groups whose rewards differ."""
 
@@ -277,16 +290,34 @@ class DynamicSamplingConfig(Strict):
         "warn", description="When max_rounds leave the batch short: train on the groups kept (warn) or fail (error).")
 
 
+class DeepSpeedConfig(Strict):
+    """DeepSpeed training backend of the RL actor (rl.backend: deepspeed; docs/algorithms.md)."""
+
+    zero_stage: int = Field(
+        2, ge=0, le=3, description="ZeRO stage: 0 plain data parallel, 1 shards the optimizer state, 2 also the "
+                                   "gradients, 3 also the weights (across data-parallel ranks; one rank here).")
+    param_persistence_threshold: int = Field(
+        100000, ge=0, description="ZeRO-3: parameters with fewer elements than this stay whole on every rank "
+                                  "instead of being sharded (DeepSpeed's stage3_param_persistence_threshold).")
+
+
 class RLConfig(Strict):
     """RL on the Ray engine (stage rl)."""
 
-    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
-        "grpo", description="Advantage estimator (engine.algorithms.ADVANTAGE_ESTIMATORS; docs/algorithms.md).")
+    algorithm: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = Field(
+        "grpo", description="Advantage estimator (engine.algorithms.ADVANTAGE_ESTIMATORS; docs/algorithms.md); "
+                            "gae is PPO with a critic (rl.critic).")
     steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update.")
+    packing: bool = Field(False, description="Sequence packing: no pad tokens in micro-batches (each micro-batch's "
+                                             "sequences run end to end in one row; docs/algorithms.md#batching).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
+                                "most this many real (prompt + response) tokens each, balanced by Karmarkar-Karp; a "
+                                "longer sequence runs alone. None: micro_batch_size sequences each.")
     policy_loss: Literal["ppo_clip", "gspo"] = Field(
         "ppo_clip", description="ppo_clip: token-level PPO ratio; gspo: sequence-level ratio (set clip ratios ~3e-4/4e-4).")
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon of the importance ratio (both sides).")
@@ -298,9 +329,14 @@ class RLConfig(Strict):
     tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling: weight tokens by "
                                                           "min(p_trainer / p_rollout, cap); None turns it off.")
     kl: KLConfig = Field(KLConfig(), description="KL to the reference policy.")
+    critic: CriticConfig = Field(CriticConfig(), description="PPO critic; used only with algorithm gae.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description="DAPO dynamic sampling.")
     optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Policy optimizer and schedule.")
+    backend: Literal["megatron", "deepspeed"] = Field(
+        "megatron", description="Actor training backend: megatron-core GPTModel with the repository's optimizer step, "
+                                "or an HF transformers model trained by DeepSpeed (rl.deepspeed).")
+    deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
     checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
     reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier, trained reward model and plug-in functions.")
@@ -313,9 +349,23 @@ class RLConfig(Strict):
 
     @model_validator(mode="after")
     def _group_size(self):
-        if self.n_samples == 1 and self.algorithm != "reinforce_plus_plus":
+        if self.n_samples == 1 and self.algorithm not in ("reinforce_plus_plus", "gae"):
             raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
-                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus")
+                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus or gae")
+        return self
+
+    @model_validator(mode="after")
+    def _critic(self):
+        if self.algorithm == "gae" and self.critic.warmup_steps >= self.steps:
+            raise ValueError(f"rl.critic.warmup_steps ({self.critic.warmup_steps}) must be below rl.steps ({self.steps}): "
+                             "the policy would never be trained")
+        return self
+
+    @model_validator(mode="after")
+    def _backend(self):
+        if self.backend == "deepspeed" and self.packing:
+            raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches); "
+                             "set rl.packing: false or rl.backend: megatron")
         return self
 
     @model_validator(mode="after")

@@ -27,6 +27,17 @@ logger = logging.getLogger(__name__)
 HEAD_WEIGHT, HEAD_BIAS = "reward_head.weight", "reward_head.bias"
 
 
+def scalar_head(hidden_size: int, seed: int) -> torch.nn.Linear:
+    """``Linear(hidden_size, 1)`` with weights ``N(0, 1/(H+1))`` drawn from ``seed`` and zero
+    bias, as OpenRLHF initialises its reward and value heads (outputs start near 0)."""
+    head = torch.nn.Linear(hidden_size, 1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=g)
+        head.bias.zero_()
+    return head
+
+
 class RewardModel(torch.nn.Module):
     """GPTModel + ``Linear(hidden, 1)`` on the last real token's final-normed hidden state.
 
@@ -39,11 +50,7 @@ class RewardModel(torch.nn.Module):
     def __init__(self, gpt: torch.nn.Module, hidden_size: int, seed: int = 0):
         super().__init__()
         self.gpt = gpt
-        self.reward_head = torch.nn.Linear(hidden_size, 1)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            self.reward_head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=g)
-            self.reward_head.bias.zero_()
+        self.reward_head = scalar_head(hidden_size, seed)
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Rewards of right-padded sequences.

@@ -2,8 +2,9 @@
 
 Per step: sample prompts -> rollout ``n_samples`` each -> rewards (with DAPO dynamic
 sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> old and
-reference log-probs -> KL reward penalty (if ``kl.in_reward``) -> advantages
-(``rl.algorithm``) -> policy update -> push weights to the rollout engine -> metrics ->
+reference log-probs (and the critic's values with ``rl.algorithm: gae``, PPO) -> KL reward
+penalty (if ``kl.in_reward``) -> advantages (``rl.algorithm``) -> critic update (PPO) ->
+policy update -> push weights to the rollout engine -> metrics ->
 checkpoint every ``checkpoint_every`` steps. With ``rl.environment`` the rollout is
 multi-turn and the environment scores it (no reward worker is started; ``engine.environment``).
 A run whose ``resume_dir`` holds a
@@ -37,6 +38,7 @@ from engine.rl_step import (
     step_metrics, update_actor, update_weights,
 )
 from engine.train_state import STATE_FILE, DataPosition, has_train_state
+from engine.critic import CriticWorker
 from engine.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker, spawn
 
 logger = logging.getLogger(__name__)
@@ -93,10 +95,10 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         except ImportError as exc:
             raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
-    placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
+    placement = colocated_placement(num_workers=5 if cfg.algorithm == "gae" else 4, num_cpus=cfg.engine.num_cpus)
     workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, max_len)
     try:
-        start, position, history = resume(workers.actor, resume_dir, seed)
+        start, position, history = resume(workers, resume_dir, seed)
         write_metrics(out_dir / METRICS_FILE, history)
         sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
         update_weights(workers)
@@ -109,11 +111,13 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             traj, t_logprobs = compute_logprobs(workers, traj)
             t0 = time.perf_counter()
             traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl)
-            traj = compute_advantages(traj, cfg.algorithm)
+            traj = compute_advantages(traj, cfg)
             t_adv = time.perf_counter() - t0
-            actor_metrics, t_update = update_actor(workers, traj)
-            t_sync = update_weights(workers)
+            train_policy = workers.critic is None or step > cfg.critic.warmup_steps
+            actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
+            t_sync = update_weights(workers) if train_policy else 0.0
             timing = {"gen": t_gen, "reward": t_reward, **t_logprobs, "adv": t_adv,
+                      **({"update_critic": t_critic} if workers.critic is not None else {}),
                       "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
             metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing)
             history.append(metrics)
@@ -121,7 +125,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             if log_metrics is not None:
                 log_metrics(metrics, step)
             if resume_dir is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-                save_checkpoint(workers.actor, resume_dir, step, DataPosition(sampler.epoch, sampler.offset, seed),
+                save_checkpoint(workers, resume_dir, step, DataPosition(sampler.epoch, sampler.offset, seed),
                                 {**identity, "history": history})
         ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
     finally:
@@ -173,9 +177,10 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
         threads)
-    workers = Workers(placement, actor, reference, rollout, reward)
+    critic = spawn(CriticWorker, placement, str(policy_dir), cfg, seed, threads) if cfg.algorithm == "gae" else None
+    workers = Workers(placement, actor, reference, rollout, reward, critic)
     try:  # surface a constructor error here, not at the first call
-        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward) if w is not None])
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward, critic) if w is not None])
     except BaseException:
         stop_workers(workers)
         raise
@@ -183,7 +188,7 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
 
 
 def stop_workers(workers: Workers) -> None:
-    for w in (workers.actor, workers.reference, workers.rollout, workers.reward):
+    for w in (workers.actor, workers.reference, workers.rollout, workers.reward, workers.critic):
         if w is not None:
             ray.kill(w)
     workers.placement.remove()
@@ -212,20 +217,32 @@ def check_checkpoint(resume_dir, identity: dict) -> int:
     return int(state["step"])
 
 
-def resume(actor, resume_dir, seed: int) -> tuple[int, DataPosition, list[dict]]:
-    """Restore the actor from ``resume_dir`` if it holds a checkpoint (see :func:`check_checkpoint`).
+def resume(workers: Workers, resume_dir, seed: int) -> tuple[int, DataPosition, list[dict]]:
+    """Restore the actor (and the critic) from ``resume_dir`` if it holds a checkpoint (see
+    :func:`check_checkpoint`).
 
     Returns: ``(step done, data position, metrics history)``; ``(0, start, [])`` when fresh.
+
+    Raises: FileNotFoundError when the critic has no state for the actor's step.
     """
     if not has_train_state(resume_dir):
         return 0, DataPosition(0, 0, seed), []
-    step, position, extra = ray.get(actor.load_state.remote(str(resume_dir)))
+    step, position, extra = ray.get(workers.actor.load_state.remote(str(resume_dir)))
+    if workers.critic is not None:
+        ray.get(workers.critic.load_state.remote(str(resume_dir), step))
     logger.info("resuming RL from step %d (%s)", step, resume_dir)
     return step, position, list(extra["history"])
 
 
-def save_checkpoint(actor, resume_dir, step: int, position: DataPosition, extra: dict) -> None:
-    ray.get(actor.save_state.remote(str(resume_dir), step, position, extra))
+def save_checkpoint(workers: Workers, resume_dir, step: int, position: DataPosition, extra: dict) -> None:
+    """The critic's state first (kept per step), then the actor's: the actor's file marks a
+    checkpoint as complete (:func:`check_checkpoint` reads it), so a crash in between resumes
+    from the previous pair; then the critic's older states are deleted."""
+    if workers.critic is not None:
+        ray.get(workers.critic.save_state.remote(str(resume_dir), step, position, {}))
+    ray.get(workers.actor.save_state.remote(str(resume_dir), step, position, extra))
+    if workers.critic is not None:
+        ray.get(workers.critic.prune_states.remote(str(resume_dir), step))
 
 
 def write_metrics(path: Path, history: list[dict]) -> None:

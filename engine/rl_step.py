@@ -1,7 +1,8 @@
 """One RL step's phases, each a named call on the Ray workers (driven by ``engine.rl.run_rl``).
 
-rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs -> KL reward
-penalty -> advantages -> actor update -> weight sync to the rollout engine -> metrics.
+rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs (and the
+critic's values, PPO) -> KL reward penalty -> advantages -> critic update (PPO) -> actor
+update -> weight sync to the rollout engine -> metrics.
 With ``rl.environment`` the rollout is multi-turn and the environment's rewards replace the
 reward worker's (``engine.environment``).
 Every phase returns its result and its wall time, reported as ``timing_s/<phase>``.
@@ -18,7 +19,9 @@ import ray
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms import KL_CONTROLLERS, apply_kl_penalty, fill_batch, get_advantage_estimator
+from engine.algorithms import (
+    KL_CONTROLLERS, apply_kl_penalty, compute_gae, fill_batch, get_advantage_estimator, masked_whiten,
+)
 from engine.batching import EpochSampler
 from engine.environment import multi_turn_metrics
 from engine.rollout.base import SamplingSpec
@@ -41,6 +44,7 @@ class Workers:
     reference: Any
     rollout: Any
     reward: Any  # None with rl.environment (the environment gives the rewards)
+    critic: Any = None  # PPO (rl.algorithm gae) only
 
 
 def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
@@ -159,21 +163,25 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
 
 
 def compute_logprobs(workers: Workers, traj: Trajectory) -> tuple[Trajectory, dict[str, float]]:
-    """Old (current policy, before the update) and reference log-probs, computed concurrently.
+    """Old (current policy, before the update) and reference log-probs, and with a critic its
+    values, computed concurrently.
 
-    Returns: the trajectory with both, and ``{"old_log_prob": s, "ref": s}``: the seconds
-        from the start until each result was ready (they overlap).
+    Returns: the trajectory with them, and ``{"old_log_prob": s, "ref": s[, "values": s]}``:
+        the seconds from the start until each result was ready (they overlap).
     """
     t0 = time.perf_counter()
     pending = {workers.actor.compute_logprobs.remote(traj): "old_log_prob",
                workers.reference.compute_logprobs.remote(traj): "ref"}
+    if workers.critic is not None:
+        pending[workers.critic.compute_values.remote(traj)] = "values"
     results, timing = {}, {}
     while pending:
         [done], _ = ray.wait(list(pending), num_returns=1)
         name = pending.pop(done)
         results[name] = ray.get(done)
         timing[name] = time.perf_counter() - t0
-    return traj.with_(old_logprobs=results["old_log_prob"], ref_logprobs=results["ref"]), timing
+    return traj.with_(old_logprobs=results["old_log_prob"], ref_logprobs=results["ref"],
+                      values=results.get("values")), timing
 
 
 def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
@@ -206,16 +214,42 @@ def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller) -> tuple[Traj
                                                      "actor/reward_kl_coef": coef}
 
 
-def compute_advantages(traj: Trajectory, algorithm: str) -> Trajectory:
-    """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token rewards)."""
+def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
+    """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token
+    rewards) by ``cfg.algorithm``.
+
+    ``gae`` (PPO): :func:`engine.algorithms.compute_gae` with the critic's ``traj.values``
+    and ``rl.critic.gamma``/``lam`` (the score sits on each response's last loss-mask token),
+    then whitened over the batch's loss-mask tokens (:func:`engine.algorithms.masked_whiten`,
+    as verl and OpenAI baselines do); the critic's targets ``returns = A + V`` (before
+    whitening) are set too.
+
+    Raises: ValueError for ``gae`` without values.
+    """
     rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
-    return traj.with_(advantages=get_advantage_estimator(algorithm)(rewards, traj.group_index, traj.response_mask))
+    mask = traj.response_mask
+    if cfg.algorithm != "gae":
+        return traj.with_(advantages=get_advantage_estimator(cfg.algorithm)(rewards, traj.group_index, mask))
+    if traj.values is None:
+        raise ValueError("rl.algorithm gae needs the critic's values")
+    if rewards.dim() == 1:  # the outcome score on the last loss-mask token
+        last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
+        rewards = rewards[:, None] * last
+    advantages, returns = compute_gae(rewards.float(), traj.values, mask, cfg.critic.gamma, cfg.critic.lam)
+    return traj.with_(advantages=masked_whiten(advantages, mask).float(), returns=returns)
 
 
-def update_actor(workers: Workers, traj: Trajectory):
+def update_actor(workers: Workers, traj: Trajectory, train_policy: bool = True):
+    """The critic's update (PPO), then the policy's (skipped while ``train_policy`` is false:
+    the critic warm-up). Returns ``(metrics, seconds of the critic update, seconds of the actor update)``."""
+    metrics: dict[str, float] = {}
     t0 = time.perf_counter()
-    metrics = ray.get(workers.actor.update.remote(traj))
-    return metrics, time.perf_counter() - t0
+    if workers.critic is not None:
+        metrics.update(ray.get(workers.critic.update.remote(traj)))
+    t1 = time.perf_counter()
+    if train_policy:
+        metrics.update(ray.get(workers.actor.update.remote(traj)))
+    return metrics, t1 - t0, time.perf_counter() - t1
 
 
 def update_weights(workers: Workers) -> float:
@@ -231,6 +265,19 @@ def update_weights(workers: Workers) -> float:
     for index in range(plan.num_buckets):
         ray.get(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)))
     return time.perf_counter() - t0
+
+
+def value_metrics(traj: Trajectory) -> dict[str, float]:
+    """The critic's fit (PPO): ``critic/values/mean``, ``critic/returns/mean`` over the loss-mask
+    tokens and ``critic/vf_explained_var = 1 - Var[R - V] / Var[R]`` (1: perfect, 0: no better
+    than a constant; as verl reports it; left out when the returns are all equal)."""
+    mask = traj.response_mask.bool()
+    v, r = traj.values[mask].double(), traj.returns[mask].double()
+    out = {"critic/values/mean": float(v.mean()), "critic/returns/mean": float(r.mean())}
+    var_r = float(r.var(unbiased=False))
+    if var_r > 0:
+        out["critic/vf_explained_var"] = 1.0 - float((r - v).var(unbiased=False)) / var_r
+    return out
 
 
 def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict) -> dict[str, float]:
@@ -249,6 +296,7 @@ def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing:
         "critic/score/max": float(traj.rewards.max()),
         "critic/score/min": float(traj.rewards.min()),
         "critic/advantages/mean": float((traj.advantages * traj.response_mask).sum() / traj.response_mask.sum()),
+        **(value_metrics(traj) if traj.values is not None and traj.returns is not None else {}),
         **reward,
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),

@@ -59,6 +59,9 @@ class Trajectory:
             environment), 0 on padding; a prefix of each row. It defines
             :attr:`response_lengths` (and so how :meth:`rows` trims). Given as None it is
             ``response_mask`` (single-turn: every real token is trained).
+        values: FloatTensor ``[B, L]`` or None: the critic's value of the state before each
+            response token (PPO with GAE), 0 on padding.
+        returns: FloatTensor ``[B, L]`` or None: the critic's targets ``A + V`` (GAE).
     """
 
     input_ids: torch.Tensor
@@ -75,6 +78,8 @@ class Trajectory:
     ref_logprobs: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
     response_valid: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_valid is None:
@@ -209,6 +214,8 @@ class Trajectory:
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[start:stop, :length],
             token_rewards=None if self.token_rewards is None else self.token_rewards[start:stop, :length],
             response_valid=self.response_valid[start:stop, :length],
+            values=None if self.values is None else self.values[start:stop, :length],
+            returns=None if self.returns is None else self.returns[start:stop, :length],
         )
 
     def select(self, index: torch.Tensor) -> "Trajectory":
@@ -243,7 +250,7 @@ class Trajectory:
         fields = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
                   for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
                                "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards",
-                               "response_valid")}
+                               "response_valid", "values", "returns")}
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
     def micro_batches(self, micro_batch_size: int) -> list["Trajectory"]:

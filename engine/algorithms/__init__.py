@@ -15,6 +15,7 @@ One job per module:
   make micro-batch losses sum to the global-batch loss.
 - :mod:`.kl`: :data:`KL_ESTIMATORS` (``k1``, ``k2``, ``k3`` / ``low_var_kl``), KL as a loss
   (:func:`kl_loss`) or reward penalty (:func:`apply_kl_penalty`), KL controllers.
+- :mod:`.value_loss`: PPO's clipped value loss for the critic (:func:`clipped_value_loss`).
 - :mod:`.dynamic_sampling`: DAPO group filtering and :func:`fill_batch`.
 - :mod:`.logits`: log-probs and entropy from logits.
 
@@ -28,6 +29,7 @@ from engine.algorithms.advantages import (
     gae_advantages,
     get_advantage_estimator,
     grpo_advantages,
+    masked_whiten,
     reinforce_plus_plus_advantages,
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
@@ -54,6 +56,7 @@ from engine.algorithms.kl import (
     kl_loss,
 )
 from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from engine.algorithms.value_loss import ValueLossOutput, clipped_value_loss
 from engine.algorithms.policy_loss import (
     POLICY_LOSSES,
     PolicyLossOutput,
@@ -66,11 +69,11 @@ from engine.algorithms.policy_loss import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES",
-    "AdaptiveKLController", "FilledBatch", "FixedKLController", "GlobalNorm", "PolicyLossOutput",
-    "aggregate_loss", "apply_kl_penalty", "compute_gae", "dr_grpo_advantages", "entropy_bonus",
+    "AdaptiveKLController", "FilledBatch", "FixedKLController", "GlobalNorm", "PolicyLossOutput", "ValueLossOutput",
+    "aggregate_loss", "apply_kl_penalty", "clipped_value_loss", "compute_gae", "dr_grpo_advantages", "entropy_bonus",
     "entropy_from_logits", "fill_batch", "gae_advantages", "get_advantage_estimator", "get_kl_estimator",
     "get_policy_loss", "global_norm", "grpo_advantages", "gspo_loss", "informative_group_mask", "kl_k1",
-    "kl_k2", "kl_k3", "kl_loss", "logprobs_from_logits", "masked_mean", "masked_sum", "ppo_clip_loss",
+    "kl_k2", "kl_k3", "kl_loss", "logprobs_from_logits", "masked_mean", "masked_whiten", "masked_sum", "ppo_clip_loss",
     "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages", "rloo_advantages",
     "truncated_is_weight",
 ]

@@ -72,9 +72,11 @@ def _group_stats(scores: torch.Tensor, group_index: torch.Tensor):
     return mean[inverse], std[inverse], counts[inverse]
 
 
-def _masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
     """``(v - mean) / (std + eps)`` with mean and unbiased std over the mask tokens; 0 on
-    padding. With ``shift_mean=False`` only the division is applied. Fewer than 2 tokens: 0."""
+    padding. With ``shift_mean=False`` only the division is applied. Fewer than 2 tokens: 0.
+    Shapes: ``values``, ``mask`` ``[B, L]``; returns ``[B, L]``. PPO whitens its GAE
+    advantages over the batch this way (verl ``masked_whiten``; OpenAI baselines PPO2)."""
     m = mask.double()
     n = m.sum()
     if n < 2:
@@ -201,7 +203,7 @@ def reinforce_plus_plus_advantages(
     for t in reversed(range(r.size(1))):
         running = r[:, t] + gamma * running
         returns[:, t] = running
-    return _finish(_masked_whiten(returns, mask, eps), rewards, mask)
+    return _finish(masked_whiten(returns, mask, eps), rewards, mask)
 
 
 def reinforce_plus_plus_baseline_advantages(
@@ -226,7 +228,7 @@ def reinforce_plus_plus_baseline_advantages(
     scores = _scores(rewards, mask)
     mean, _, _ = _group_stats(scores, group_index)
     m = torch.ones_like(scores)[:, None] if mask is None else mask.double()
-    adv = _masked_whiten((scores - mean)[:, None] * m, m, eps, shift_mean=False)
+    adv = masked_whiten((scores - mean)[:, None] * m, m, eps, shift_mean=False)
     return _finish(adv if mask is not None else adv[:, 0], rewards, mask)
 
 

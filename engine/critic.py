@@ -1,0 +1,167 @@
+"""The PPO critic: a value head on the megatron-core GPTModel, trained with the clipped value loss.
+
+Shapes: ``B`` responses, ``T`` prompt + response positions, ``L`` response tokens, ``H``
+hidden size. The value of response token ``j`` is the value of the state *before* it (the
+prompt and tokens ``< j``), read at sequence position ``prompt_length - 1 + j``: the same
+position whose logits sample token ``j`` (``engine.actor_loss.response_logits``). This is
+the convention of verl's critic (``values[:, -L - 1 : -1]``) and OpenRLHF's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from config.schema import RLConfig
+from engine.algorithms import clipped_value_loss, global_norm, masked_sum
+from engine.types import Trajectory, pad_response_values
+
+CRITIC_STATE_SUBDIR = "critic"
+
+
+class ValueModel(torch.nn.Module):
+    """GPTModel + ``Linear(H, 1)`` on every position's final-normed hidden state.
+
+    The head is initialised ``N(0, 1/(H+1))`` with zero bias from ``seed`` (as OpenRLHF
+    initialises its value head), so the first values are near 0.
+
+    Attributes:
+        gpt: megatron-core GPTModel (its output layer is unused).
+        value_head: ``Linear(hidden_size, 1)``.
+    """
+
+    def __init__(self, gpt: torch.nn.Module, hidden_size: int, seed: int = 0):
+        super().__init__()
+        from engine.reward_model import scalar_head
+
+        self.gpt = gpt
+        self.value_head = scalar_head(hidden_size, seed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Values of every position: FloatTensor ``[B, T]`` for ``input_ids`` LongTensor ``[B, T]``
+        (causal: right padding never changes earlier positions)."""
+        from engine.megatron_model import gpt_hidden_states
+
+        return self.value_head(gpt_hidden_states(self.gpt, input_ids)).squeeze(-1)
+
+
+def response_values(model: ValueModel, batch: Trajectory) -> torch.Tensor:
+    """The critic's value before each response token.
+
+    Args:
+        model: a :class:`ValueModel`.
+        batch: ``input_ids [B, T]``, ``prompt_lengths [B]``, ``response_ids [B, L]``.
+
+    Returns: FloatTensor ``[B, L]``; row ``b``'s entry ``j`` is the value at position
+        ``prompt_lengths[b] - 1 + j`` (positions past a response's end hold arbitrary values:
+        mask them).
+    """
+    values = model(batch.input_ids)  # [B, T]
+    length = batch.response_ids.size(1)
+    pos = (batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]).clamp(max=values.size(1) - 1)
+    return torch.gather(values, 1, pos)
+
+
+class CriticWorker:
+    """The PPO critic, initialised from the starting policy's weights with a fresh value head.
+
+    Args:
+        policy_dir: model directory (``engine.model_dir`` layout) the critic's body starts from.
+        cfg: the ``rl`` config (``rl.critic`` for the optimizer and clip range; ``ppo_epochs``,
+            ``micro_batch_size``, ``steps`` as for the actor).
+        seed: model-building and value-head seed.
+        num_threads: torch threads in this process (default: all cores).
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
+        from engine.model_dir import load_model_dir
+        from engine.ray_cluster import worker_threads
+        from engine.train_step import build_optimizer
+
+        worker_threads(num_threads)
+        loaded = load_model_dir(policy_dir, seed=seed)
+        self.model = ValueModel(loaded.model, int(loaded.hf_config["hidden_size"]), seed)
+        self.cfg = cfg
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model.parameters(), cfg.critic.optim, cfg.steps * cfg.ppo_epochs)
+
+    @torch.no_grad()
+    def compute_values(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` values (see :func:`response_values`) in eval mode, 0 on padding."""
+        was_training = self.model.training
+        self.model.eval()
+        out = [response_values(self.model, mb) * mb.response_valid for mb in traj.micro_batches(self.cfg.micro_batch_size)]
+        self.model.train(was_training)
+        return pad_response_values(out, traj.response_ids.size(1))
+
+    def update(self, traj: Trajectory) -> dict[str, float]:
+        """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
+        (:func:`engine.algorithms.clipped_value_loss`, token-mean over the loss mask of the
+        whole batch, so the micro-batch split does not change it).
+
+        Needs ``traj.values`` (the values the advantages were computed with) and ``traj.returns``.
+
+        Returns: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean`` (mean value
+            over the loss-mask tokens, before each step), ``critic/grad_norm``, ``critic/lr``:
+            means over the epochs.
+
+        Raises: ValueError when ``values`` or ``returns`` is missing.
+        """
+        from engine.train_step import train_step
+
+        if traj.values is None or traj.returns is None:
+            raise ValueError("critic update: the trajectory has no values/returns (compute GAE first)")
+        micro = traj.micro_batches(self.cfg.micro_batch_size)
+        norm = global_norm([mb.response_mask for mb in micro])
+        clip = self.cfg.critic.cliprange_value
+
+        def loss_fn(model: torch.nn.Module, mb: Trajectory):
+            mask = mb.response_mask
+            values = response_values(model, mb)
+            out = clipped_value_loss(values, mb.values, mb.returns, mask, clip, "token-mean", norm)
+            n = max(float(mask.sum()), 1.0)
+            metrics = {"vf_loss": float(out.vf_loss.detach()) * norm.num_tokens / n,
+                       "vf_clipfrac": float(out.vf_clipfrac),
+                       "vpred_mean": float(masked_sum(values.detach(), mask)) / n}
+            return out.vf_loss, int(mask.sum()), metrics
+
+        epochs = [train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.critic.optim.grad_clip,
+                             normalized=True) for _ in range(self.cfg.ppo_epochs)]
+        keys = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")
+        return {f"critic/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+
+    def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
+        """Write the critic's train state (weights with the head, AdamW, schedule) atomically
+        under ``resume_dir/critic/step_<step>``; earlier steps' states stay until
+        :meth:`prune_states` (so a crash before the actor's checkpoint leaves a matching pair)."""
+        from engine.train_state import save_train_state
+
+        save_train_state(_state_dir(resume_dir, step), step=step, model=self.model, optimizer=self.optimizer,
+                         scheduler=self.scheduler, data_position=data_position, extra=extra)
+
+    def prune_states(self, resume_dir: str | Path, keep_step: int) -> None:
+        """Delete the critic states of every step except ``keep_step``."""
+        import shutil
+
+        keep = _state_dir(resume_dir, keep_step)
+        for d in (Path(resume_dir) / CRITIC_STATE_SUBDIR).glob("step_*"):
+            if d != keep:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def load_state(self, resume_dir: str | Path, step: int) -> None:
+        """Restore the state :meth:`save_state` wrote for ``step`` (the actor's checkpoint step).
+
+        Raises: FileNotFoundError naming the directory when there is none."""
+        from engine.train_state import has_train_state, load_train_state
+
+        directory = _state_dir(resume_dir, step)
+        if not has_train_state(directory):
+            raise FileNotFoundError(f"{directory}: no critic train state for step {step}; delete {resume_dir} "
+                                    "to start this stage over")
+        load_train_state(directory).restore(self.model, self.optimizer, self.scheduler)
+
+
+def _state_dir(resume_dir: str | Path, step: int) -> Path:
+    return Path(resume_dir) / CRITIC_STATE_SUBDIR / f"step_{step:08d}"
