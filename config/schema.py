@@ -251,6 +251,9 @@ class EngineConfig(Strict):
         description="Weight sync to the rollout engine: MiB of HF tensors per transfer, one bucket in flight "
                     "(a module's tensors larger than this go alone). Bounds the actor's extra memory; results do not change.",
     )
+    weight_sync_timeout_s: float | None = Field(
+        600.0, gt=0, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
+                                 "instead of hanging; None waits forever.")
 
 
 class KLConfig(Strict):

@@ -101,7 +101,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         start, position, history = resume(workers, resume_dir, seed)
         write_metrics(out_dir / METRICS_FILE, history)
         sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
-        update_weights(workers)
+        update_weights(workers, cfg.engine.weight_sync_timeout_s)
         pad_id = pad_token_id(tokenizer)
         metrics: dict[str, float] = history[-1] if history else {}
         kl_ctl = kl_controller(cfg, metrics)
@@ -115,7 +115,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             t_adv = time.perf_counter() - t0
             train_policy = workers.critic is None or step > cfg.critic.warmup_steps
             actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
-            t_sync = update_weights(workers) if train_policy else 0.0
+            t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s) if train_policy else 0.0
             timing = {"gen": t_gen, "reward": t_reward, **t_logprobs, "adv": t_adv,
                       **({"update_critic": t_critic} if workers.critic is not None else {}),
                       "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}

@@ -252,18 +252,42 @@ def update_actor(workers: Workers, traj: Trajectory, train_policy: bool = True):
     return metrics, t1 - t0, time.perf_counter() - t1
 
 
-def update_weights(workers: Workers) -> float:
+def update_weights(workers: Workers, timeout_s: float | None = None) -> float:
     """Stream the policy's HF-named weights to the rollout engine bucket by bucket
     (``rl.engine.weight_sync_bucket_mb`` each, ``engine.weight_sync``); returns seconds.
 
     Each bucket's ObjectRef goes straight from the actor to the rollout worker (the driver
     never holds the tensors), and the next bucket is requested only once the rollout has
     loaded the previous one: at most one bucket is in flight.
+
+    Args:
+        timeout_s: the whole sync's deadline in seconds (``rl.engine.weight_sync_timeout_s``);
+            None waits forever.
+
+    Raises:
+        TimeoutError: the sync did not finish within ``timeout_s`` (names the bucket it waited on).
+        RuntimeError: the actor or the rollout worker failed on a bucket (names it; the
+            worker's error is the cause).
     """
+    from ray.exceptions import GetTimeoutError, RayError
+
     t0 = time.perf_counter()
-    plan = ray.get(workers.actor.hf_bucket_plan.remote())
+
+    def wait(ref, what: str):
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+        try:
+            return ray.get(ref, timeout=left)
+        except GetTimeoutError as exc:
+            raise TimeoutError(f"weight sync: {what} not done within rl.engine.weight_sync_timeout_s="
+                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
+        except RayError as exc:
+            cause = getattr(exc, "cause", None) or exc  # a worker's own exception, without Ray's traceback
+            raise RuntimeError(f"weight sync: {what} failed: {type(cause).__name__}: {cause}") from exc
+
+    plan = wait(workers.actor.hf_bucket_plan.remote(), "planning the buckets")
     for index in range(plan.num_buckets):
-        ray.get(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)))
+        wait(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)),
+             f"bucket {index + 1} of {plan.num_buckets}")
     return time.perf_counter() - t0
 
 

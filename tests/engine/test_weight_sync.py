@@ -287,10 +287,49 @@ def test_rl_update_weights_sends_every_bucket_in_order(actor_worker, monkeypatch
         def update_weights(self, named_tensors):
             received.append([name for name, _ in named_tensors])
 
-    monkeypatch.setattr(rl.ray, "get", lambda value: value)
+    monkeypatch.setattr(rl.ray, "get", lambda value, timeout=None: value)
     workers = rl.Workers(placement=None, actor=_Handle(actor_worker), reference=None, rollout=_Handle(Rollout()),
                          reward=None)
     seconds = rl.update_weights(workers)
     plan = actor_worker.hf_bucket_plan()
     assert seconds > 0 and len(received) == plan.num_buckets
     assert received == [[t.name for t in plan.bucket(i)] for i in range(plan.num_buckets)]
+
+
+def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
+    """A real ActorWorker on Ray streams to rollout workers that hang or fail (test doubles:
+    neither failure can be caused in a real engine on demand). The hung sync raises
+    TimeoutError at the deadline instead of waiting; the failing one names its bucket."""
+    import time
+
+    import ray
+
+    import engine.rl_step as rl
+    from engine.model_dir import save_model_dir
+    from engine.ray_cluster import init_ray, shutdown_ray
+    from engine.workers import ActorWorker
+
+    class HangingRollout:
+        def update_weights(self, named_tensors):
+            time.sleep(120)
+
+    class FailingRollout:
+        def update_weights(self, named_tensors):
+            raise KeyError(f"no parameter {named_tensors[0][0]!r} in the rollout model")
+
+    cfg = hf_config("qwen2")
+    policy_dir = save_model_dir(tmp_path / "policy", policy(cfg, seed=3), cfg, fixtures_dir / "qwen2.5-tokenizer")
+    init_ray(num_cpus=2)
+    try:
+        actor = ray.remote(ActorWorker).options(num_cpus=0).remote(str(policy_dir), RLConfig(), 0, 1)
+        ray.get(actor.__ray_ready__.remote())
+        hanging = ray.remote(HangingRollout).options(num_cpus=0, max_concurrency=2).remote()
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match=r"bucket 1 of 1 not done within rl.engine.weight_sync_timeout_s=2.0 s"):
+            rl.update_weights(rl.Workers(None, actor, None, hanging, None), timeout_s=2.0)
+        assert time.perf_counter() - t0 < 30  # the deadline, not the rollout's 120 s
+        failing = ray.remote(FailingRollout).options(num_cpus=0).remote()
+        with pytest.raises(RuntimeError, match=r"bucket 1 of 1 failed: .*no parameter 'model.embed_tokens.weight'"):
+            rl.update_weights(rl.Workers(None, actor, None, failing, None), timeout_s=30.0)
+    finally:
+        shutdown_ray()
