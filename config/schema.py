@@ -243,7 +243,18 @@ class RewardConfig(Strict):
 class EngineConfig(Strict):
     """Where the RL engine runs."""
 
-    placement: Literal["colocated"] = Field("colocated", description="Actor, reference and rollout share one Ray placement group.")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: every worker shares one Ray bundle and the phases take turns on all "
+                                 "cores; disaggregated: the rollout worker gets its own bundle (rollout_cpus), so "
+                                 "rollout and training can overlap (off_policy_steps).")
+    rollout_cpus: float = Field(1.0, gt=0, description="disaggregated: CPUs of the rollout bundle; training gets the rest.")
+    off_policy_steps: int = Field(
+        0, ge=0, description="Asynchronous RL (disaggregated only): the rollout for step s starts at step s - k and "
+                             "overlaps training, so samples are at most k policy versions stale. 0: synchronous.")
+    partial_rollout_chunk_tokens: int | None = Field(
+        None, gt=0, description="Asynchronous RL: generate in chunks of this many tokens, so a weight update lands "
+                                "between chunks and unfinished responses continue under the new weights (partial "
+                                "rollouts). None: a weight update waits for the running generation to end.")
     ray_address: str | None = Field(None, description="Existing Ray cluster (ray://... or auto); None starts a local one.")
     num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster.")
     weight_sync_bucket_mb: int = Field(
@@ -254,6 +265,17 @@ class EngineConfig(Strict):
     weight_sync_timeout_s: float | None = Field(
         600.0, gt=0, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
                                  "instead of hanging; None waits forever.")
+
+
+    @model_validator(mode="after")
+    def _async(self):
+        if self.off_policy_steps > 0 and self.placement != "disaggregated":
+            raise ValueError("rl.engine.off_policy_steps > 0 needs rl.engine.placement: disaggregated (colocated "
+                             "workers share the cores, so rollout cannot overlap training)")
+        if self.partial_rollout_chunk_tokens is not None and self.off_policy_steps == 0:
+            raise ValueError("rl.engine.partial_rollout_chunk_tokens needs rl.engine.off_policy_steps > 0 "
+                             "(partial rollouts happen only when a weight update interrupts generation)")
+        return self
 
 
 class KLConfig(Strict):
@@ -381,6 +403,13 @@ class RLConfig(Strict):
     @classmethod
     def _environment_path(cls, value: str | None) -> str | None:
         return None if value is None else _import_path(value, "factory")
+
+    @model_validator(mode="after")
+    def _async_single_turn(self):
+        if self.engine.off_policy_steps > 0 and self.environment is not None:
+            raise ValueError("rl.engine.off_policy_steps > 0 is not supported with rl.environment (multi-turn "
+                             "rollouts are synchronous)")
+        return self
 
     @model_validator(mode="after")
     def _multi_turn(self):

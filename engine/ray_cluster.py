@@ -6,6 +6,11 @@ reward) is scheduled into that bundle with an equal fraction of it. The RL loop 
 phases one after another, so the workers take turns on the same cores, and each worker
 uses all of them while it runs (``torch.set_num_threads`` in the worker, see
 :func:`worker_threads`), instead of Ray's one-thread default for fractional actors.
+
+Disaggregated placement (``"disaggregated"``): one placement group with two bundles, one for
+the training workers (actor, reference, critic, reward) and one for the rollout worker, so
+rollout and training run at the same time on separate cores (asynchronous RL,
+``rl.engine.off_policy_steps``). Each side's workers use their own bundle's cores.
 """
 
 from __future__ import annotations
@@ -101,8 +106,9 @@ class ColocatedPlacement:
     num_cpus: float
     num_workers: int
 
-    def actor_options(self) -> dict[str, Any]:
-        """``ActorClass.options(**...)`` that schedule one worker into the shared bundle."""
+    def actor_options(self, role: str = "train") -> dict[str, Any]:
+        """``ActorClass.options(**...)`` that schedule one worker into the shared bundle
+        (``role`` is accepted for symmetry with :class:`DisaggregatedPlacement`)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return {
@@ -112,11 +118,85 @@ class ColocatedPlacement:
             ),
         }
 
+    def threads(self, role: str = "train") -> int:
+        """Torch threads for a worker: every CPU of the bundle (the workers take turns)."""
+        return max(1, int(self.num_cpus))
+
     def remove(self) -> None:
         """Release the placement group (kill its actors first)."""
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
+
+
+@dataclass
+class DisaggregatedPlacement:
+    """One placement group of two bundles: training (index 0) and rollout (index 1).
+
+    Attributes:
+        group: the Ray ``PlacementGroup``.
+        train_cpus, rollout_cpus: CPUs of each bundle.
+        num_train_workers: workers sharing the training bundle (the rollout bundle has one).
+    """
+
+    group: Any
+    train_cpus: float
+    rollout_cpus: float
+    num_train_workers: int
+
+    def actor_options(self, role: str = "train") -> dict[str, Any]:
+        """``ActorClass.options(**...)`` for a ``"train"`` or ``"rollout"`` worker.
+
+        Raises: ValueError for another role."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if role not in ("train", "rollout"):
+            raise ValueError(f"placement role must be 'train' or 'rollout', got {role!r}")
+        index, cpus = (0, self.train_cpus / self.num_train_workers) if role == "train" else (1, self.rollout_cpus)
+        return {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=index)}
+
+    def threads(self, role: str = "train") -> int:
+        """Torch threads for a worker: the CPUs of its own bundle."""
+        return max(1, int(self.train_cpus if role == "train" else self.rollout_cpus))
+
+    def remove(self) -> None:
+        """Release the placement group (kill its actors first)."""
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpus: float | None = None,
+                            timeout_s: float = 60.0) -> DisaggregatedPlacement:
+    """Reserve a training bundle and a rollout bundle and wait until both are placed.
+
+    Args:
+        num_train_workers: workers that share the training bundle (>= 1).
+        rollout_cpus: CPUs of the rollout bundle; the training bundle gets the rest.
+        num_cpus: CPUs to reserve in all; default all CPUs of the cluster.
+        timeout_s: how long to wait for the reservation.
+
+    Raises:
+        ValueError: ``num_train_workers < 1``, or ``rollout_cpus`` leaves no CPU for training
+            (names ``rl.engine.rollout_cpus``).
+        TimeoutError: the bundles could not be placed in time.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if num_train_workers < 1:
+        raise ValueError(f"num_train_workers must be >= 1, got {num_train_workers}")
+    cpus = float(num_cpus if num_cpus is not None else ray.cluster_resources().get("CPU", 0.0))
+    if not 0 < rollout_cpus < cpus:
+        raise ValueError(f"rl.engine.rollout_cpus={rollout_cpus} must leave training part of the {cpus} CPUs "
+                         "(0 < rollout_cpus < num_cpus)")
+    group = placement_group([{"CPU": cpus - rollout_cpus}, {"CPU": float(rollout_cpus)}], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise TimeoutError(f"disaggregated_placement: could not reserve {cpus} CPUs within {timeout_s} s")
+    return DisaggregatedPlacement(group, cpus - rollout_cpus, float(rollout_cpus), num_train_workers)
 
 
 def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout_s: float = 60.0) -> ColocatedPlacement:

@@ -37,6 +37,7 @@ from engine.rl_step import (
     RLPrompt, Workers, compute_advantages, compute_logprobs, kl_controller, kl_reward_penalty, rollout_batch,
     step_metrics, update_actor, update_weights,
 )
+from engine.rollout_pipeline import RolloutPipeline
 from engine.train_state import STATE_FILE, DataPosition, has_train_state
 from engine.critic import CriticWorker
 from engine.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker, spawn
@@ -74,7 +75,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             steps; the learning-rate schedule then follows the new total).
     """
     from engine.model_dir import load_tokenizer, read_hf_config
-    from engine.ray_cluster import colocated_placement, init_ray
+    from engine.ray_cluster import init_ray
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,19 +96,30 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         except ImportError as exc:
             raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
-    placement = colocated_placement(num_workers=5 if cfg.algorithm == "gae" else 4, num_cpus=cfg.engine.num_cpus)
+    placement = make_placement(cfg)
     workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, max_len)
+    pipeline = None
     try:
         start, position, history = resume(workers, resume_dir, seed)
         write_metrics(out_dir / METRICS_FILE, history)
         sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
-        update_weights(workers, cfg.engine.weight_sync_timeout_s)
+        asynchronous = cfg.engine.off_policy_steps > 0
+        version = start  # the policy version (steps whose update was applied) the rollout engine holds
+        update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
         pad_id = pad_token_id(tokenizer)
         metrics: dict[str, float] = history[-1] if history else {}
         kl_ctl = kl_controller(cfg, metrics)
+
+        def produce(step: int):
+            """Step ``step``'s scored batch and the sampler position after it (``RolloutPipeline``)."""
+            batch = rollout_batch(workers, prompts, sampler, cfg, seed, step, pad_id)
+            return batch, DataPosition(sampler.epoch, sampler.offset, seed)
+
+        pipeline = RolloutPipeline(produce, cfg.steps, cfg.engine.off_policy_steps)
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             t_step = time.perf_counter()
-            traj, reward_metrics, t_gen, t_reward = rollout_batch(workers, prompts, sampler, cfg, seed, step, pad_id)
+            (traj, reward_metrics, t_gen, t_reward), data_position = pipeline.get(step)
+            t_wait = time.perf_counter() - t_step  # the rollout's time on the critical path
             traj, t_logprobs = compute_logprobs(workers, traj)
             t0 = time.perf_counter()
             traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl)
@@ -115,20 +127,25 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             t_adv = time.perf_counter() - t0
             train_policy = workers.critic is None or step > cfg.critic.warmup_steps
             actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
-            t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s) if train_policy else 0.0
-            timing = {"gen": t_gen, "reward": t_reward, **t_logprobs, "adv": t_adv,
-                      **({"update_critic": t_critic} if workers.critic is not None else {}),
+            policy_version = version
+            t_sync = 0.0
+            if train_policy:
+                version = step
+                t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
+            timing = {"gen": t_gen, "reward": t_reward, **({"rollout_wait": t_wait} if asynchronous else {}),
+                      **t_logprobs, "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
                       "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
-            metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing)
+            metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing, policy_version)
             history.append(metrics)
             append_metrics(out_dir / METRICS_FILE, metrics)
             if log_metrics is not None:
                 log_metrics(metrics, step)
             if resume_dir is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-                save_checkpoint(workers, resume_dir, step, DataPosition(sampler.epoch, sampler.offset, seed),
-                                {**identity, "history": history})
+                save_checkpoint(workers, resume_dir, step, data_position, {**identity, "history": history})
         ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
     finally:
+        if pipeline is not None:
+            pipeline.close()
         stop_workers(workers)
         shutil.rmtree(out_dir / ".rollout", ignore_errors=True)
     return {**metrics, "rl/steps": float(cfg.steps), "rl/resumed_from_step": float(start),
@@ -169,11 +186,24 @@ def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list
     return out
 
 
+def make_placement(cfg: RLConfig):
+    """The Ray placement of ``rl.engine.placement``: one shared bundle (colocated), or a
+    training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated)."""
+    from engine.ray_cluster import colocated_placement, disaggregated_placement
+
+    train_workers = 3 + (cfg.algorithm == "gae") - (cfg.environment is not None)  # actor, reference, reward, critic
+    if cfg.engine.placement == "disaggregated":
+        return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus)
+    return colocated_placement(num_workers=train_workers + 1, num_cpus=cfg.engine.num_cpus)
+
+
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
-    threads = max(1, int(placement.num_cpus))
+    threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
     actor = spawn(ActorWorker, placement, str(policy_dir), cfg, seed, threads)
     reference = spawn(ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads)
-    rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len, threads)
+    # asynchronous: a weight update's calls must reach the rollout worker while it generates
+    rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
+                    rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
         threads)

@@ -119,12 +119,19 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
 def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
              round_index: int = 0):
     """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
-    ``(seed, step, round_index)``, so a resumed run samples what an uninterrupted one would."""
+    ``(seed, step, round_index)``, so a resumed run samples what an uninterrupted one would.
+    With ``rl.engine.off_policy_steps > 0`` generation runs in chunks of
+    ``partial_rollout_chunk_tokens`` that a weight update may interrupt (partial rollouts);
+    each response's policy versions are recorded (``Trajectory.rollout_version``)."""
     t0 = time.perf_counter()
     spec = sampling_spec(cfg, seed, step, round_index)
     prompt_ids = [p.token_ids for p in batch]
-    outputs = ray.get(workers.rollout.generate.remote(prompt_ids, spec))
-    return Trajectory.from_rollout(prompt_ids, outputs, pad_id), time.perf_counter() - t0
+    chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
+    out = ray.get(workers.rollout.generate_versioned.remote(prompt_ids, spec, chunk))
+    traj = Trajectory.from_rollout(prompt_ids, out.outputs, pad_id).with_(
+        rollout_version=torch.tensor([v for group in out.version_start for v in group]),
+        rollout_version_end=torch.tensor([v for group in out.version_end for v in group]))
+    return traj, time.perf_counter() - t0
 
 
 def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
@@ -252,7 +259,7 @@ def update_actor(workers: Workers, traj: Trajectory, train_policy: bool = True):
     return metrics, t1 - t0, time.perf_counter() - t1
 
 
-def update_weights(workers: Workers, timeout_s: float | None = None) -> float:
+def update_weights(workers: Workers, timeout_s: float | None = None, version: int | None = None) -> float:
     """Stream the policy's HF-named weights to the rollout engine bucket by bucket
     (``rl.engine.weight_sync_bucket_mb`` each, ``engine.weight_sync``); returns seconds.
 
@@ -263,6 +270,10 @@ def update_weights(workers: Workers, timeout_s: float | None = None) -> float:
     Args:
         timeout_s: the whole sync's deadline in seconds (``rl.engine.weight_sync_timeout_s``);
             None waits forever.
+        version: the policy version being sent (None: not recorded). The rollout worker's
+            generation is then paused at its next chunk boundary for the whole sync
+            (``RolloutWorker.begin_weight_update``; in asynchronous RL the deadline includes
+            that wait) and records ``version`` once the last bucket has loaded.
 
     Raises:
         TimeoutError: the sync did not finish within ``timeout_s`` (names the bucket it waited on).
@@ -285,9 +296,13 @@ def update_weights(workers: Workers, timeout_s: float | None = None) -> float:
             raise RuntimeError(f"weight sync: {what} failed: {type(cause).__name__}: {cause}") from exc
 
     plan = wait(workers.actor.hf_bucket_plan.remote(), "planning the buckets")
+    if version is not None:
+        wait(workers.rollout.begin_weight_update.remote(timeout_s), "pausing generation")
     for index in range(plan.num_buckets):
         wait(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)),
              f"bucket {index + 1} of {plan.num_buckets}")
+    if version is not None:
+        wait(workers.rollout.end_weight_update.remote(version), "resuming generation")
     return time.perf_counter() - t0
 
 
@@ -304,11 +319,23 @@ def value_metrics(traj: Trajectory) -> dict[str, float]:
     return out
 
 
-def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict) -> dict[str, float]:
+def staleness_metrics(traj: Trajectory, policy_version: int) -> dict[str, float]:
+    """Off-policy-ness of the batch: ``async/staleness_mean`` and ``_max`` (policy version
+    that trains on a response minus the version of its first token; 0 when synchronous) and
+    ``async/partial_fraction`` (responses whose tokens span two or more versions)."""
+    stale = (policy_version - traj.rollout_version).double()
+    return {"async/staleness_mean": float(stale.mean()), "async/staleness_max": float(stale.max()),
+            "async/partial_fraction": float((traj.rollout_version != traj.rollout_version_end).double().mean())}
+
+
+def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict,
+                 policy_version: int | None = None) -> dict[str, float]:
     """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
     largest |rollout log-prob - trainer log-prob| over the policy's tokens (the loss mask: not
     a multi-turn sample's environment tokens, which have no rollout log-prob), for the same
-    weights. ``response_length/*`` count every response token, environment tokens included."""
+    weights. ``response_length/*`` count every response token, environment tokens included.
+    ``policy_version`` (default ``step - 1``): the version of the policy before this step's update."""
+    policy_version = step - 1 if policy_version is None else policy_version
     mask = traj.response_mask.bool()
     lengths = traj.response_lengths.float()
     diff = (traj.rollout_logprobs - traj.old_logprobs).abs()[mask]
@@ -321,6 +348,7 @@ def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing:
         "critic/score/min": float(traj.rewards.min()),
         "critic/advantages/mean": float((traj.advantages * traj.response_mask).sum() / traj.response_mask.sum()),
         **(value_metrics(traj) if traj.values is not None and traj.returns is not None else {}),
+        **(staleness_metrics(traj, policy_version) if traj.rollout_version is not None else {}),
         **reward,
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),

@@ -62,6 +62,9 @@ class Trajectory:
         values: FloatTensor ``[B, L]`` or None: the critic's value of the state before each
             response token (PPO with GAE), 0 on padding.
         returns: FloatTensor ``[B, L]`` or None: the critic's targets ``A + V`` (GAE).
+        rollout_version, rollout_version_end: LongTensor ``[B]`` or None: the policy version
+            (steps whose update the rollout engine had loaded) of each response's first and
+            last token; they differ for a partial rollout (``engine.rollout.partial``).
     """
 
     input_ids: torch.Tensor
@@ -80,6 +83,8 @@ class Trajectory:
     response_valid: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    rollout_version: torch.Tensor | None = None
+    rollout_version_end: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_valid is None:
@@ -216,6 +221,8 @@ class Trajectory:
             response_valid=self.response_valid[start:stop, :length],
             values=None if self.values is None else self.values[start:stop, :length],
             returns=None if self.returns is None else self.returns[start:stop, :length],
+            rollout_version=None if self.rollout_version is None else self.rollout_version[start:stop],
+            rollout_version_end=None if self.rollout_version_end is None else self.rollout_version_end[start:stop],
         )
 
     def select(self, index: torch.Tensor) -> "Trajectory":
@@ -250,7 +257,7 @@ class Trajectory:
         fields = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
                   for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
                                "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards",
-                               "response_valid", "values", "returns")}
+                               "response_valid", "values", "returns", "rollout_version", "rollout_version_end")}
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
     def micro_batches(self, micro_batch_size: int) -> list["Trajectory"]:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from config.schema import RewardConfig, RLConfig, RolloutConfig
-from engine.actor_loss import actor_loss_fn, compute_logprobs, logit_temperature
+from engine.actor_loss import actor_loss_fn, actor_micro_batches, compute_logprobs, logit_temperature
 from engine.algorithms import global_norm
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.types import Trajectory
@@ -52,12 +52,18 @@ class ActorWorker:
         self._bucket_server = None
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
-        """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`)."""
-        return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size)
+        """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
+        in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
+        tokens, packed when ``cfg.packing``."""
+        return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size,
+                                self.cfg.max_tokens_per_micro_batch, self.cfg.packing)
 
     def update(self, traj: Trajectory) -> dict[str, float]:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch, each over micro-batches of
-        ``cfg.micro_batch_size`` responses (:func:`engine.train_step.train_step`).
+        ``cfg.micro_batch_size`` responses, or of at most ``cfg.max_tokens_per_micro_batch``
+        real tokens when set (:func:`engine.actor_loss.micro_batch_rows`), each run packed when
+        ``cfg.packing`` (:func:`engine.train_step.train_step`). The split and the packing
+        change neither the loss nor the gradients (global normalisers).
 
         Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
 
@@ -67,7 +73,7 @@ class ActorWorker:
         """
         from engine.train_step import train_step
 
-        micro = traj.micro_batches(self.cfg.micro_batch_size)
+        micro = actor_micro_batches(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
         # normalisers of the whole batch, so the loss does not depend on the micro-batch split
         norm = global_norm([mb.response_mask for mb in micro], max_response_length=self.cfg.rollout.max_new_tokens)
         loss_fn = actor_loss_fn(self.cfg, self.temperature, norm)
@@ -126,11 +132,13 @@ class ReferenceWorker:
     """A frozen policy (the RL starting point) that only computes log-probs.
 
     Args: ``model_dir``, ``temperature`` (rollout sampling temperature), ``micro_batch_size``,
-    ``seed``, ``num_threads`` as for :class:`ActorWorker`.
+    ``seed``, ``num_threads`` as for :class:`ActorWorker`; ``packing`` and
+    ``max_tokens_per_micro_batch`` as ``rl.packing`` and ``rl.max_tokens_per_micro_batch``.
     """
 
     def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, *, packing: bool = False,
+                 max_tokens_per_micro_batch: int | None = None):
         from engine.model_dir import load_model_dir
         from engine.ray_cluster import worker_threads
 
@@ -140,10 +148,14 @@ class ReferenceWorker:
             p.requires_grad_(False)
         self.temperature = logit_temperature(temperature)
         self.micro_batch_size = micro_batch_size
+        self.packing = packing
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
-        """``[B, L]`` reference log-probs of the response tokens."""
-        return compute_logprobs(self.model, traj, self.temperature, self.micro_batch_size)
+        """``[B, L]`` reference log-probs of the response tokens (micro-batches and packing as
+        configured; see :func:`compute_logprobs`)."""
+        return compute_logprobs(self.model, traj, self.temperature, self.micro_batch_size,
+                                self.max_tokens_per_micro_batch, self.packing)
 
 
 class RolloutWorker:
@@ -169,7 +181,10 @@ class RolloutWorker:
         from engine.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
         from engine.ray_cluster import worker_threads
 
+        from engine.rollout.partial import WeightGate
+
         worker_threads(num_threads)
+        self.gate = WeightGate()
         self.policy_dir = Path(policy_dir)
         self.scratch_dir = Path(scratch_dir)
         self._tokenizer = None
@@ -194,6 +209,25 @@ class RolloutWorker:
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
         """See :meth:`engine.rollout.base.RolloutEngine.generate`."""
         return self.engine.generate(prompt_token_ids, sampling)
+
+    def generate_versioned(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
+                           chunk_tokens: int | None = None):
+        """:meth:`generate` in chunks of ``chunk_tokens`` tokens that a weight update
+        (:meth:`begin_weight_update` ... :meth:`end_weight_update`) may interrupt: unfinished
+        samples continue under the new weights (partial rollouts,
+        :func:`engine.rollout.partial.generate_in_chunks`). Returns
+        :class:`engine.rollout.partial.VersionedOutputs`."""
+        from engine.rollout.partial import generate_in_chunks
+
+        return generate_in_chunks(self.engine, prompt_token_ids, sampling, chunk_tokens, self.gate)
+
+    def begin_weight_update(self, timeout_s: float | None = None) -> None:
+        """Pause generation at the next chunk boundary until :meth:`end_weight_update`."""
+        self.gate.begin_update(timeout_s)
+
+    def end_weight_update(self, version: int) -> None:
+        """The weights loaded since :meth:`begin_weight_update` are policy version ``version``."""
+        self.gate.end_update(version)
 
     def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
                             sampling: SamplingSpec, max_turns: int):
@@ -318,8 +352,11 @@ class RewardWorker:
         return rewards, metrics
 
 
-def spawn(cls, placement, *args, **kwargs):
-    """Start ``cls(*args, **kwargs)`` as a Ray actor in the colocated placement group."""
+def spawn(cls, placement, *args, role: str = "train", max_concurrency: int = 1, **kwargs):
+    """Start ``cls(*args, **kwargs)`` as a Ray actor in ``placement``'s bundle for ``role``
+    (``"train"`` or ``"rollout"``; one shared bundle when colocated, see
+    ``engine.ray_cluster``), serving ``max_concurrency`` calls at once."""
     import ray
 
-    return ray.remote(cls).options(**placement.actor_options()).remote(*args, **kwargs)
+    options = {**placement.actor_options(role), "max_concurrency": max_concurrency}
+    return ray.remote(cls).options(**options).remote(*args, **kwargs)
