@@ -338,7 +338,7 @@ class RLConfig(Strict):
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update.")
     packing: bool = Field(False, description="Sequence packing: no pad tokens in micro-batches (each micro-batch's "
-                                             "sequences run end to end in one row; docs/algorithms.md#batching).")
+                                             "sequences run end to end in one row; docs/algorithms.md, Batching).")
     max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
                                 "most this many real (prompt + response) tokens each, balanced by Karmarkar-Karp; a "

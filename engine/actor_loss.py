@@ -1,9 +1,11 @@
-"""The actor's side of the policy update: response log-probs and the per-micro-batch loss.
+"""The actor's side of the policy update: micro-batches, response log-probs and the per-micro-batch loss.
 
 Shapes: ``B`` responses, ``T`` prompt + response positions, ``L`` response tokens, ``V``
 vocabulary. The loss is built from ``engine.algorithms`` (policy loss, KL, entropy,
 aggregation) and normalised by the *global* batch (:class:`GlobalNorm`), so summing the
-micro-batch losses gives the one-batch loss for every ``loss_agg_mode``.
+micro-batch losses gives the one-batch loss for every ``loss_agg_mode``, however the rows
+are grouped into micro-batches (by count or by token budget) and whether each micro-batch
+is right-padded or packed (``rl.packing``, ``engine.packing``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from engine.algorithms import (
     GlobalNorm, aggregate_loss, entropy_bonus, entropy_from_logits, get_kl_estimator, get_policy_loss,
     logprobs_from_logits, masked_sum,
 )
-from engine.types import Trajectory, pad_response_values
+from engine.types import Trajectory
 
 
 def logit_temperature(temperature: float) -> float:
@@ -24,47 +26,148 @@ def logit_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0) -> torch.Tensor:
+def micro_batch_rows(traj: Trajectory, micro_batch_size: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """How the rows of a batch are grouped into micro-batches.
+
+    Without ``max_tokens``: consecutive runs of ``micro_batch_size`` rows (the last may be
+    shorter). With ``max_tokens`` (``rl.max_tokens_per_micro_batch``): groups whose real
+    tokens (prompt + response, padding not counted) stay within the budget, a longer row
+    alone, balanced by Karmarkar-Karp (:func:`engine.balancing.token_budget_micro_batches`);
+    ``micro_batch_size`` is then not used.
+
+    Returns: LongTensors of row indices (ascending); every row is in exactly one.
+
+    Raises:
+        ValueError: ``micro_batch_size < 1`` (without a budget) or ``max_tokens < 1``.
+    """
+    b = len(traj)
+    if max_tokens is None:
+        if micro_batch_size < 1:
+            raise ValueError(f"rl.micro_batch_size must be >= 1, got {micro_batch_size}")
+        return [torch.arange(i, min(i + micro_batch_size, b)) for i in range(0, b, micro_batch_size)]
+    from engine.balancing import token_budget_micro_batches
+
+    lengths = (traj.prompt_lengths + traj.response_lengths).tolist()
+    return [torch.tensor(g, dtype=torch.long) for g in token_budget_micro_batches(lengths, max_tokens)]
+
+
+def actor_micro_batches(traj: Trajectory, micro_batch_size: int, max_tokens: int | None = None) -> list[Trajectory]:
+    """The micro-batches of :func:`micro_batch_rows`, each trimmed to its own widths
+    (:meth:`Trajectory.select`). Raises as :func:`micro_batch_rows`."""
+    return [traj.select(rows) for rows in micro_batch_rows(traj, micro_batch_size, max_tokens)]
+
+
+def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0,
+                    packed: bool = False) -> torch.Tensor:
     """Logits that predict each response token, divided by ``temperature``.
 
     Row ``b``'s response token ``j`` sits at sequence position ``prompt_lengths[b] + j`` and
     is predicted by the logits at the position before it.
 
     Args:
-        model: megatron-core GPTModel (``engine.megatron_model.gpt_logits``).
+        model: megatron-core GPTModel, or (unpacked only) an HF causal LM or DeepSpeed engine
+            (``engine.backends.causal_logits``).
         batch: ``input_ids [B, T]``, ``prompt_lengths [B]``, ``response_ids [B, L]``.
         temperature: > 0.
+        packed: run the rows' real tokens packed into one row, no padding
+            (``engine.packing``, :func:`engine.megatron_model.gpt_logits_packed`; needs the
+            ``sdpa`` core attention). The response logits equal the padded forward's (up to
+            float rounding); only the masked positions past a response's end differ.
 
     Returns: FloatTensor ``[B, L, V]`` (positions past a response's end hold arbitrary
         logits; mask them with ``response_mask``).
-    """
-    from engine.megatron_model import gpt_logits
 
-    logits = gpt_logits(model, batch.input_ids)  # [B, T, V]
+    Raises: ValueError from :func:`engine.megatron_model.gpt_logits_packed` when ``packed``
+        and the model's core attention cannot run packed sequences.
+    """
     length = batch.response_ids.size(1)
-    pos = batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]
-    pos = pos.clamp(max=logits.size(1) - 1)
-    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.size(-1)))
+    if packed:
+        from engine.megatron_model import gpt_logits_packed
+        from engine.packing import pack_sequences, packed_response_index
+
+        seqs = pack_sequences(batch.input_ids, batch.prompt_lengths + batch.response_lengths)
+        logits = gpt_logits_packed(model, seqs)  # [N, V]
+        picked = logits[packed_response_index(seqs.cu_seqlens, batch.prompt_lengths, length)]  # [B, L, V]
+    else:
+        from engine.backends import causal_logits
+
+        logits = causal_logits(model, batch.input_ids)  # [B, T, V]; megatron or HF (rl.backend)
+        pos = batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]
+        pos = pos.clamp(max=logits.size(1) - 1)
+        picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.size(-1)))
     return picked / temperature if temperature != 1.0 else picked
 
 
+def response_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0, packed: bool = False,
+                      entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (nats) of the response tokens and, optionally, the entropy of each position's
+    distribution (nats), from the logits of :func:`response_logits` divided by ``temperature``.
+
+    Right-padded (``packed`` false): computed on the whole ``[B, L, V]`` block. Packed:
+    computed only where ``response_valid`` is 1, from the packed ``[N, V]`` logits, so
+    neither the output layer nor the vocabulary-wide softmax run on padding; other positions
+    hold 0. On real response tokens both give the same values (up to float rounding), and
+    the loss masks the rest, so the loss and its gradients do not depend on ``packed``.
+
+    Args:
+        model, batch, temperature, packed: as :func:`response_logits`.
+        entropy: also return the entropies.
+        entropy_grad: let gradients flow through the entropies (False: computed on detached
+            logits, for a metric only).
+
+    Returns: ``(logprobs [B, L], entropy [B, L] or None)``, float32.
+
+    Raises: ValueError as :func:`response_logits`.
+    """
+    if not packed:
+        logits = response_logits(model, batch, temperature)
+        ent = entropy_from_logits(logits if entropy_grad else logits.detach()) if entropy else None
+        return logprobs_from_logits(logits, batch.response_ids), ent
+    from engine.megatron_model import gpt_logits_packed
+    from engine.packing import pack_sequences, packed_response_index
+
+    seqs = pack_sequences(batch.input_ids, batch.prompt_lengths + batch.response_lengths)
+    logits = gpt_logits_packed(model, seqs)  # [N, V]
+    valid = batch.response_valid > 0  # [B, L]
+    index = packed_response_index(seqs.cu_seqlens, batch.prompt_lengths, batch.response_ids.size(1))[valid]
+    picked = logits[index]  # [n, V]: the real response tokens only
+    if temperature != 1.0:
+        picked = picked / temperature
+    lp = logprobs_from_logits(picked, batch.response_ids[valid])
+    logprobs = lp.new_zeros(valid.shape).masked_scatter(valid, lp)
+    if not entropy:
+        return logprobs, None
+    ent = entropy_from_logits(picked if entropy_grad else picked.detach())
+    return logprobs, ent.new_zeros(valid.shape).masked_scatter(valid, ent)
+
+
 @torch.no_grad()
-def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int) -> torch.Tensor:
+def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int,
+                     max_tokens: int | None = None, packed: bool = False) -> torch.Tensor:
     """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
 
     Covers every real response token (``response_valid``), environment tokens of a
-    multi-turn sample included (harmless: the loss masks them out).
+    multi-turn sample included (harmless: the loss masks them out). The rows are run in the
+    micro-batches of :func:`micro_batch_rows` (``micro_batch_size`` rows, or
+    ``max_tokens`` real tokens), padded or ``packed`` (see :func:`response_logprobs`); the
+    result does not depend on either choice (up to float rounding).
 
-    Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``.
+    Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``, rows
+        in ``traj``'s order.
+
+    Raises: ValueError as :func:`micro_batch_rows` and :func:`response_logits`.
     """
     was_training = model.training
     model.eval()
-    out = []
-    for mb in traj.micro_batches(micro_batch_size):
-        lp = logprobs_from_logits(response_logits(model, mb, temperature), mb.response_ids)
-        out.append(lp * mb.response_valid)
-    model.train(was_training)
-    return pad_response_values(out, traj.response_ids.size(1))
+    out = torch.zeros(traj.response_ids.shape)
+    try:
+        for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
+            mb = traj.select(rows)
+            lp, _ = response_logprobs(model, mb, temperature, packed)
+            out[rows, : lp.size(1)] = lp * mb.response_valid
+    finally:
+        model.train(was_training)
+    return out
 
 
 def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
@@ -73,7 +176,8 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
     Per micro-batch: ``pg_loss`` of ``cfg.policy_loss`` (PPO clip or GSPO, with clip-higher,
     dual-clip and TIS as configured) ``+ kl.coef * aggregate(KL_t)`` when the KL is a loss
     term (``kl.in_reward`` false, ``kl.coef > 0``) ``- entropy_coef * aggregate(H_t)``; every
-    term aggregated by ``cfg.loss_agg_mode`` with the global batch's ``norm``. The GRPO
+    term aggregated by ``cfg.loss_agg_mode`` with the global batch's ``norm``; the forward runs
+    packed when ``cfg.packing`` (:func:`response_logprobs`). The GRPO
     objective is Shao et al. 2024 (arXiv:2402.03300) eq. 3; token-mean aggregation is DAPO's
     (Yu et al. 2025); the terms' formulas and sources are in ``engine.algorithms``.
 
@@ -94,12 +198,11 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
         if mb.old_logprobs is None:
             raise ValueError("actor loss: the trajectory has no old_logprobs")
         mask = mb.response_mask
-        logits = response_logits(model, mb, temperature)
-        logprobs = logprobs_from_logits(logits, mb.response_ids)
+        logprobs, entropy = response_logprobs(model, mb, temperature, cfg.packing, entropy=True,
+                                              entropy_grad=cfg.entropy_coef > 0)
         pg = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.clip_ratio,
                          rollout_logprobs=mb.rollout_logprobs, loss_agg_mode=cfg.loss_agg_mode, norm=norm, **clip)
         loss = pg.pg_loss
-        entropy = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach())
         if cfg.entropy_coef > 0:
             loss = loss + entropy_bonus(entropy, mask, cfg.entropy_coef, cfg.loss_agg_mode, norm)
         kl = torch.zeros_like(logprobs)

@@ -4,11 +4,13 @@
 :func:`build_gpt_model` builds the matching ``GPTModel`` with megatron-core's local layer
 spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, fp32 on CPU; plus
 per-head q/k RMSNorm for Qwen3);
-:func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally.
+:func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally;
+:func:`gpt_logits_packed` runs packed sequences (``engine.packing``) without padding.
 
 The local spec's core attention materialises the ``[B, heads, T, T]`` score matrix with
 ``baddbmm``; ``core_attention="sdpa"`` swaps in :class:`SDPACoreAttention`, which calls
-``torch.nn.functional.scaled_dot_product_attention`` with the same causal semantics.
+``torch.nn.functional.scaled_dot_product_attention`` with the same causal semantics and
+also runs megatron's packed (THD) sequences, attention kept inside each sequence.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
 from conversion.spec import GPTSpec
 from engine.platform import ensure_model_parallel
+
+if TYPE_CHECKING:
+    from engine.packing import PackedSequences
 
 CoreAttention = Literal["local", "sdpa"]
 
@@ -35,6 +40,15 @@ class SDPACoreAttention(torch.nn.Module):
     2017) with grouped-query heads (Ainslie et al. 2023) broadcast by ``enable_gqa``.
 
     Shapes: query ``[T, B, heads, d]``, key/value ``[T, B, kv_heads, d]`` -> ``[T, B, heads*d]``.
+
+    Packed sequences (``engine.packing``): given megatron's ``PackedSeqParams`` with
+    ``qkv_format="thd"`` (what ``GPTModel.forward`` passes through to every layer), the
+    inputs are query ``[N, heads, d]``, key/value ``[N, kv_heads, d]`` holding the
+    sequences ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` end to end, and the output is
+    ``[N, heads*d]``. Attention is causal *within* each sequence and never crosses into
+    another (block-diagonal causal); it is computed segment by segment, so the cost is
+    ``sum_b n_b^2``, not ``N^2``. megatron applies the rotary embedding per segment
+    (positions restart at 0) before calling this module.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
@@ -44,17 +58,46 @@ class SDPACoreAttention(torch.nn.Module):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None or attention_mask is not None:
-            raise NotImplementedError("SDPACoreAttention supports plain causal attention only")
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, heads, T, d]
-        out = F.scaled_dot_product_attention(
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA on ``[B, heads, T, d]`` (queries) / ``[B, kv_heads, T, d]`` (keys, values)."""
+        return F.scaled_dot_product_attention(
             q, k, v, is_causal=q.size(2) > 1, dropout_p=self.dropout_p if self.training else 0.0,
             scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1),
         )
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None or attention_mask is not None:
+            raise NotImplementedError("SDPACoreAttention supports causal attention only (no attention_mask or bias)")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, packed_seq_params)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, heads, T, d]
+        out = self._attend(q, k, v)
         t, b = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(t, b, -1)
+
+    def _forward_packed(self, query, key, value, params) -> torch.Tensor:
+        """Block-diagonal causal attention over THD-packed sequences (see the class docstring).
+
+        Raises:
+            NotImplementedError: ``qkv_format`` is not ``"thd"``, or the query and key/value
+                packings differ (cross attention).
+        """
+        if params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"SDPACoreAttention: packed sequences need qkv_format 'thd', got {params.qkv_format!r}")
+        cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_q, cu_kv):
+            raise NotImplementedError("SDPACoreAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        bounds = cu_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.size(0):
+            raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the "
+                             f"{query.size(0)} packed tokens")
+        out = query.new_empty(query.size(0), query.size(1) * query.size(2))
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (x[start:stop].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, n, d]
+            out[start:stop] = self._attend(q, k, v)[0].permute(1, 0, 2).reshape(stop - start, -1)
+        return out
 
 
 @functools.cache
@@ -216,6 +259,54 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     # gradient) gives every rank the full logits. None: the constructor's default (TP=1).
     gather = True if model.config.tensor_model_parallel_size > 1 else None
     logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None, runtime_gather_output=gather)
+    spec = getattr(model, "gpt_spec", None)
+    if spec is not None and logits.shape[-1] > spec.vocab_size:
+        logits = logits[..., : spec.vocab_size]
+    return logits
+
+
+def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
+    """Causal next-token logits of packed sequences (``engine.packing``), no padding.
+
+    Runs megatron-core's GPTModel on the packed row with ``PackedSeqParams(qkv_format="thd")``:
+    megatron restarts the rotary positions at every ``cu_seqlens`` boundary and
+    :class:`SDPACoreAttention` keeps attention inside each sequence, so sequence ``b``'s
+    logits equal row ``b`` of :func:`gpt_logits` on the right-padded batch (up to float
+    rounding, ~1e-7 in fp32). Runs under the caller's grad mode; a collective under
+    tensor parallelism, like :func:`gpt_logits`.
+
+    Args:
+        model: a GPTModel from :func:`build_gpt_model` with ``core_attention="sdpa"`` (the
+            default of ``engine.model_dir.load_model_dir``).
+        packed: :class:`engine.packing.PackedSequences` (``input_ids [1, N]``, ``cu_seqlens [B + 1]``).
+
+    Returns:
+        FloatTensor ``[N, V]`` (fp32; packed position ``t`` predicts packed token ``t + 1``
+        inside its sequence; a sequence's last position predicts past its end). ``V`` is the
+        HF vocabulary, as in :func:`gpt_logits`. ``engine.packing.unpack_sequences`` turns it
+        into ``[B, T, V]``.
+
+    Raises:
+        ValueError: the model's core attention is megatron's ``DotProductAttention``
+            (``core_attention="local"``), which refuses packed sequences: set ``rl.packing``
+            false or build the model with ``core_attention="sdpa"``.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        if not isinstance(core, SDPACoreAttention):
+            raise ValueError(f"sequence packing (rl.packing) needs the 'sdpa' core attention, but the model's is "
+                             f"{type(core).__name__}; build it with core_attention='sdpa' or set rl.packing: false")
+    ids = _check_ids(packed.input_ids)
+    if ids.size(0) != 1:
+        raise ValueError(f"gpt_logits_packed: packed input_ids must be [1, N], got {tuple(ids.shape)}")
+    cu = packed.cu_seqlens.to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+    gather = True if model.config.tensor_model_parallel_size > 1 else None
+    logits = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
+                   packed_seq_params=params, runtime_gather_output=gather)[0]
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]

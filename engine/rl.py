@@ -39,8 +39,9 @@ from engine.rl_step import (
 )
 from engine.rollout_pipeline import RolloutPipeline
 from engine.train_state import STATE_FILE, DataPosition, has_train_state
+from engine.backends import actor_worker_class
 from engine.critic import CriticWorker
-from engine.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker, spawn
+from engine.workers import ReferenceWorker, RewardWorker, RolloutWorker, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -199,8 +200,9 @@ def make_placement(cfg: RLConfig):
 
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
     threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
-    actor = spawn(ActorWorker, placement, str(policy_dir), cfg, seed, threads)
-    reference = spawn(ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads)
+    actor = spawn(actor_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads)
+    reference = spawn(ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads,
+                      packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
     # asynchronous: a weight update's calls must reach the rollout worker while it generates
     rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
                     rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1)

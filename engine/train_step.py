@@ -72,7 +72,8 @@ def build_optimizer(
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, normalized: bool = False
+    model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, normalized: bool = False,
+    backward: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[float, int, dict[str, float]]:
     """Back-propagate every micro-batch and scale the summed gradients to a global mean.
 
@@ -90,6 +91,10 @@ def accumulate_gradients(
             over the micro-batch's units (or its globally normalised loss, see
             ``normalized``), ``metrics`` are means over those units.
         normalized: the losses need no division by ``N``.
+        backward: how a micro-batch loss is back-propagated when an engine owns the
+            gradients (e.g. ``deepspeed_engine.backward``); its gradients are then neither
+            cleared first nor divided here (use it with ``normalized=True``). Default
+            ``loss.backward()``.
 
     Returns:
         ``(loss, N, metrics)``: the global mean loss (the sum of the micro-batch losses when
@@ -101,8 +106,9 @@ def accumulate_gradients(
     if len(micro_batches) == 0:
         raise ValueError("train step needs at least one micro-batch")
     model.train()
-    for p in model.parameters():
-        p.grad = None
+    if backward is None:
+        for p in model.parameters():
+            p.grad = None
     total_units, loss_total = 0, 0.0
     metric_sums: dict[str, float] = {}
     for mb in micro_batches:
@@ -110,7 +116,7 @@ def accumulate_gradients(
         units = int(units)
         if units == 0:
             continue  # nothing to learn from (e.g. every target truncated away)
-        loss_sum.backward()
+        loss_sum.backward() if backward is None else backward(loss_sum)
         total_units += units
         loss_total += float(loss_sum.detach())
         for k, v in metrics.items():

@@ -18,6 +18,12 @@ into one module (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj`` into ``gate_
 a weight and its bias). vLLM's in-place reload processes a module once all its tensors have
 arrived within one call; a module that receives only some of them in a call is rebuilt
 with uninitialised memory in place of the missing parts.
+
+A policy already held in HF names (the DeepSpeed backend's transformers model) takes part
+through a *weight source*: any object with a method ``hf_tensors()`` that yields
+``(hf_name, tensor)`` in a fixed order. Wherever a function here takes ``model``, such a
+source may be given instead; its stream is used as it is (no conversion) and every tensor
+of it is copied into the bucket.
 """
 
 from __future__ import annotations
@@ -164,8 +170,12 @@ def plan_buckets(
     return BucketPlan(bucket_bytes=int(bucket_bytes), tensors=tuple(metas), starts=tuple(starts))
 
 
-def _hf_stream(hf_config: Mapping[str, Any], model) -> tuple[Iterator[tuple[str, torch.Tensor]], set[int]]:
-    """The model's HF tensor stream and the storage addresses of its parameters."""
+def _hf_stream(hf_config: Mapping[str, Any], model) -> tuple[Iterator[tuple[str, torch.Tensor]], set[int] | None]:
+    """The model's HF tensor stream and the storage addresses of its parameters (None for a
+    weight source's stream: copy every tensor)."""
+    hf_tensors = getattr(model, "hf_tensors", None)
+    if callable(hf_tensors):
+        return iter(hf_tensors()), None
     from conversion.registry import megatron_to_hf
     from engine.megatron_model import mcore_state
 
@@ -180,7 +190,8 @@ def plan_policy(hf_config: Mapping[str, Any], model, bucket_bytes: int) -> Bucke
 
     Args:
         hf_config: the policy's HF ``config.json`` dict (selects the tensor map).
-        model: megatron-core GPTModel (``engine.megatron_model.build_gpt_model``).
+        model: megatron-core GPTModel (``engine.megatron_model.build_gpt_model``) or a weight
+            source (module docstring).
         bucket_bytes: budget per bucket, in bytes (> 0).
 
     Raises:
@@ -193,12 +204,12 @@ def plan_policy(hf_config: Mapping[str, Any], model, bucket_bytes: int) -> Bucke
     return plan_buckets(((name, t.shape, t.dtype) for name, t in stream), bucket_bytes)
 
 
-def _owned(tensor: torch.Tensor, aliased: set[int]) -> torch.Tensor:
+def _owned(tensor: torch.Tensor, aliased: set[int] | None) -> torch.Tensor:
     """``tensor`` if it is a contiguous tensor that owns its whole storage and shares none
-    with the model; otherwise a contiguous copy."""
+    with the model; otherwise (always when ``aliased`` is None) a contiguous copy."""
     tensor = tensor.detach()
     storage = tensor.untyped_storage()
-    if (storage.data_ptr() in aliased or not tensor.is_contiguous() or tensor.storage_offset() != 0
+    if (aliased is None or storage.data_ptr() in aliased or not tensor.is_contiguous() or tensor.storage_offset() != 0
             or storage.nbytes() != tensor.numel() * tensor.element_size()):
         return tensor.clone(memory_format=torch.contiguous_format)
     return tensor
@@ -217,7 +228,7 @@ def _next_checked(stream: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta, 
     return tensor
 
 
-def _take(stream, plan: BucketPlan, index: int, aliased: set[int]) -> NamedTensors:
+def _take(stream, plan: BucketPlan, index: int, aliased: set[int] | None) -> NamedTensors:
     first = plan.starts[index]
     return [(meta.name, _owned(_next_checked(stream, meta, first + k), aliased))
             for k, meta in enumerate(plan.bucket(index))]
@@ -238,7 +249,7 @@ def iter_buckets(hf_config: Mapping[str, Any], model, plan: BucketPlan, start: i
 
     Args:
         hf_config: the policy's HF ``config.json`` dict.
-        model: megatron-core GPTModel.
+        model: megatron-core GPTModel or a weight source (module docstring).
         plan: from :func:`plan_policy` for this model (shapes and dtypes must match).
         start: first bucket to yield, in ``[0, plan.num_buckets]``.
 
@@ -286,7 +297,8 @@ class BucketServer:
 
     Args:
         hf_config: the policy's HF ``config.json`` dict.
-        model: megatron-core GPTModel (read at each pass; updated in place by training).
+        model: megatron-core GPTModel or a weight source (read at each pass; updated in place
+            by training).
         bucket_bytes: budget per bucket, in bytes (> 0).
 
     Raises:
