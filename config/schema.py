@@ -149,6 +149,17 @@ class SFTConfig(Strict):
         return self
 
 
+class DeepSpeedConfig(Strict):
+    """DeepSpeed training backend (rl.backend / rm.backend: deepspeed; docs/algorithms.md)."""
+
+    zero_stage: int = Field(
+        2, ge=0, le=3, description="ZeRO stage: 0 plain data parallel, 1 shards the optimizer state, 2 also the "
+                                   "gradients, 3 also the weights (across data-parallel ranks; one rank here).")
+    param_persistence_threshold: int = Field(
+        100000, ge=0, description="ZeRO-3: parameters with fewer elements than this stay whole on every rank "
+                                  "instead of being sharded (DeepSpeed's stage3_param_persistence_threshold).")
+
+
 class RMConfig(Strict):
     """Reward model: SFT model + scalar head, Bradley-Terry loss (stage rm)."""
 
@@ -160,6 +171,12 @@ class RMConfig(Strict):
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for rm/accuracy.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
+    backend: Literal["megatron", "deepspeed"] = Field(
+        "megatron", description="Training backend: megatron-core GPTModel with the repository's optimizer step, or an "
+                                "HF transformers model trained by DeepSpeed (rm.deepspeed); both write the same model "
+                                "directory (docs/algorithms.md, Training backends).")
+    # DeepSpeedConfig is defined further down (with the RL sections); the factory defers the name lookup.
+    deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
 
     @model_validator(mode="after")
     def _batch(self):
@@ -315,17 +332,6 @@ class DynamicSamplingConfig(Strict):
         "warn", description="When max_rounds leave the batch short: train on the groups kept (warn) or fail (error).")
 
 
-class DeepSpeedConfig(Strict):
-    """DeepSpeed training backend of the RL actor (rl.backend: deepspeed; docs/algorithms.md)."""
-
-    zero_stage: int = Field(
-        2, ge=0, le=3, description="ZeRO stage: 0 plain data parallel, 1 shards the optimizer state, 2 also the "
-                                   "gradients, 3 also the weights (across data-parallel ranks; one rank here).")
-    param_persistence_threshold: int = Field(
-        100000, ge=0, description="ZeRO-3: parameters with fewer elements than this stay whole on every rank "
-                                  "instead of being sharded (DeepSpeed's stage3_param_persistence_threshold).")
-
-
 class RLConfig(Strict):
     """RL on the Ray engine (stage rl)."""
 
@@ -359,7 +365,7 @@ class RLConfig(Strict):
     dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description="DAPO dynamic sampling.")
     optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Policy optimizer and schedule.")
     backend: Literal["megatron", "deepspeed"] = Field(
-        "megatron", description="Actor training backend: megatron-core GPTModel with the repository's optimizer step, "
+        "megatron", description="Actor and critic training backend: megatron-core GPTModel with the repository's optimizer step, "
                                 "or an HF transformers model trained by DeepSpeed (rl.deepspeed).")
     deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
     checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")

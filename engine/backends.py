@@ -1,10 +1,12 @@
-"""The RL actor's training backends (``rl.backend``): which worker class trains the policy,
-and the one forward both kinds of model share.
+"""The RL training backends (``rl.backend``): which worker classes train the policy and the
+PPO critic, and the one forward both kinds of policy share.
 
-- ``megatron`` (default): :class:`engine.workers.ActorWorker`, a megatron-core GPTModel
-  with this repository's own optimizer step (``engine.train_step``).
-- ``deepspeed``: :class:`engine.deepspeed_backend.DeepSpeedActorWorker`, an HF transformers
-  model trained by a DeepSpeed engine (ZeRO stage ``rl.deepspeed.zero_stage``).
+- ``megatron`` (default): :class:`engine.workers.ActorWorker` and
+  :class:`engine.critic.CriticWorker`, megatron-core GPTModels with this repository's own
+  optimizer step (``engine.train_step``).
+- ``deepspeed``: :class:`engine.deepspeed_backend.DeepSpeedActorWorker` and
+  :class:`engine.deepspeed_critic.DeepSpeedCriticWorker`, HF transformers models trained by
+  DeepSpeed engines (ZeRO stage ``rl.deepspeed.zero_stage``).
 
 Both compute the same loss (``engine.actor_loss.actor_loss_fn``): its forward,
 :func:`causal_logits`, dispatches on the model. Nothing here imports DeepSpeed, so the
@@ -34,6 +36,25 @@ def actor_worker_class(cfg: RLConfig) -> type:
         from engine.deepspeed_backend import DeepSpeedActorWorker
 
         return DeepSpeedActorWorker
+    raise ValueError(f"rl.backend: unknown backend {cfg.backend!r}; expected 'megatron' or 'deepspeed'")
+
+
+def critic_worker_class(cfg: RLConfig) -> type:
+    """The PPO critic's worker class of ``cfg.backend`` (the key that chooses the actor's);
+    both take ``(policy_dir, cfg, seed, num_threads)`` and offer the same methods
+    (``compute_values``, ``update``, ``save_state``, ``load_state``, ``prune_states``).
+
+    Raises:
+        ValueError: an unknown ``rl.backend`` (names the key).
+    """
+    if cfg.backend == "megatron":
+        from engine.critic import CriticWorker
+
+        return CriticWorker
+    if cfg.backend == "deepspeed":
+        from engine.deepspeed_critic import DeepSpeedCriticWorker
+
+        return DeepSpeedCriticWorker
     raise ValueError(f"rl.backend: unknown backend {cfg.backend!r}; expected 'megatron' or 'deepspeed'")
 
 

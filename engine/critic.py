@@ -5,12 +5,19 @@ hidden size. The value of response token ``j`` is the value of the state *before
 prompt and tokens ``< j``), read at sequence position ``prompt_length - 1 + j``: the same
 position whose logits sample token ``j`` (``engine.actor_loss.response_logits``). This is
 the convention of verl's critic (``values[:, -L - 1 : -1]``) and OpenRLHF's.
+
+What any critic backend shares lives here as functions: the value positions
+(:func:`response_values`), evaluation (:func:`compute_response_values`), the update
+(:func:`critic_update`: clipped value loss, batch-wide normaliser, epochs, metrics) and the
+per-step state directories (:func:`critic_state_dir`, :func:`prune_critic_states`).
+:class:`CriticWorker` runs them on megatron-core; ``engine.deepspeed_critic`` on an HF model
+under DeepSpeed (``rl.backend``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -47,21 +54,100 @@ class ValueModel(torch.nn.Module):
         return self.value_head(gpt_hidden_states(self.gpt, input_ids)).squeeze(-1)
 
 
-def response_values(model: ValueModel, batch: Trajectory) -> torch.Tensor:
+def response_values(values_of: Callable[[torch.Tensor], torch.Tensor], batch: Trajectory) -> torch.Tensor:
     """The critic's value before each response token.
 
     Args:
-        model: a :class:`ValueModel`.
+        values_of: per-position values of a batch: LongTensor ``[B, T]`` -> FloatTensor
+            ``[B, T]``, causal (a :class:`ValueModel`, an ``engine.deepspeed_critic.HFValueModel``
+            or the DeepSpeed engine wrapping one).
         batch: ``input_ids [B, T]``, ``prompt_lengths [B]``, ``response_ids [B, L]``.
 
     Returns: FloatTensor ``[B, L]``; row ``b``'s entry ``j`` is the value at position
         ``prompt_lengths[b] - 1 + j`` (positions past a response's end hold arbitrary values:
         mask them).
     """
-    values = model(batch.input_ids)  # [B, T]
+    values = values_of(batch.input_ids)  # [B, T]
     length = batch.response_ids.size(1)
     pos = (batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]).clamp(max=values.size(1) - 1)
     return torch.gather(values, 1, pos)
+
+
+@torch.no_grad()
+def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batch_size: int) -> torch.Tensor:
+    """``[B, L]`` values (:func:`response_values`) of ``traj`` in micro-batches of
+    ``micro_batch_size`` rows, with ``model`` in eval mode (its mode is restored), 0 on padding."""
+    was_training = model.training
+    model.eval()
+    out = [response_values(model, mb) * mb.response_valid for mb in traj.micro_batches(micro_batch_size)]
+    model.train(was_training)
+    return pad_response_values(out, traj.response_ids.size(1))
+
+
+# step(micro_batches, loss_fn) -> {"grad_norm", "lr", **loss metrics}: one optimizer step with
+# the contract of engine.train_step.train_step(normalized=True).
+CriticStep = Callable[[Sequence[Trajectory], Callable], dict[str, float]]
+
+
+def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep) -> dict[str, float]:
+    """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
+    (:func:`engine.algorithms.clipped_value_loss` with clip range ``cfg.critic.cliprange_value``,
+    token-mean over the loss mask of the whole batch, so the micro-batch split of
+    ``cfg.micro_batch_size`` rows does not change it).
+
+    Args:
+        traj: needs ``values`` (the values the advantages were computed with, ``[B, L]``)
+            and ``returns`` (``[B, L]``, reward units).
+        cfg: the ``rl`` config.
+        step: the backend's optimizer step; it calls ``loss_fn(model, micro_batch)``, whose
+            ``model`` maps ``input_ids [B, T]`` to values ``[B, T]``.
+
+    Returns: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean`` (mean value
+        over the loss-mask tokens, before each step), ``critic/grad_norm``, ``critic/lr``:
+        means over the epochs.
+
+    Raises: ValueError when ``values`` or ``returns`` is missing.
+    """
+    if traj.values is None or traj.returns is None:
+        raise ValueError("critic update: the trajectory has no values/returns (compute GAE first)")
+    micro = traj.micro_batches(cfg.micro_batch_size)
+    norm = global_norm([mb.response_mask for mb in micro])
+    clip = cfg.critic.cliprange_value
+
+    def loss_fn(model: Callable[[torch.Tensor], torch.Tensor], mb: Trajectory):
+        mask = mb.response_mask
+        values = response_values(model, mb)
+        out = clipped_value_loss(values, mb.values, mb.returns, mask, clip, "token-mean", norm)
+        n = max(float(mask.sum()), 1.0)
+        metrics = {"vf_loss": float(out.vf_loss.detach()) * norm.num_tokens / n,
+                   "vf_clipfrac": float(out.vf_clipfrac),
+                   "vpred_mean": float(masked_sum(values.detach(), mask)) / n}
+        return out.vf_loss, int(mask.sum()), metrics
+
+    epochs = [step(micro, loss_fn) for _ in range(cfg.ppo_epochs)]
+    keys = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")
+    return {f"critic/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+
+
+def critic_state_dir(resume_dir: str | Path, step: int) -> Path:
+    """Where the critic's train state of RL step ``step`` lives: ``resume_dir/critic/step_<step:08d>``."""
+    return Path(resume_dir) / CRITIC_STATE_SUBDIR / f"step_{step:08d}"
+
+
+def prune_critic_states(resume_dir: str | Path, keep_step: int) -> None:
+    """Delete the critic states under ``resume_dir/critic`` of every step except ``keep_step``."""
+    import shutil
+
+    keep = critic_state_dir(resume_dir, keep_step)
+    for d in (Path(resume_dir) / CRITIC_STATE_SUBDIR).glob("step_*"):
+        if d != keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def missing_critic_state(resume_dir: str | Path, step: int) -> FileNotFoundError:
+    """The error of a resume whose critic has no state for the actor's checkpoint step."""
+    return FileNotFoundError(f"{critic_state_dir(resume_dir, step)}: no critic train state for step {step}; "
+                             f"delete {resume_dir} to start this stage over")
 
 
 class CriticWorker:
@@ -87,19 +173,14 @@ class CriticWorker:
         self.optimizer, self.scheduler = build_optimizer(
             self.model.parameters(), cfg.critic.optim, cfg.steps * cfg.ppo_epochs)
 
-    @torch.no_grad()
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (see :func:`response_values`) in eval mode, 0 on padding."""
-        was_training = self.model.training
-        self.model.eval()
-        out = [response_values(self.model, mb) * mb.response_valid for mb in traj.micro_batches(self.cfg.micro_batch_size)]
-        self.model.train(was_training)
-        return pad_response_values(out, traj.response_ids.size(1))
+        return compute_response_values(self.model, traj, self.cfg.micro_batch_size)
 
     def update(self, traj: Trajectory) -> dict[str, float]:
-        """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
-        (:func:`engine.algorithms.clipped_value_loss`, token-mean over the loss mask of the
-        whole batch, so the micro-batch split does not change it).
+        """``cfg.ppo_epochs`` optimizer steps of the clipped value loss (:func:`critic_update`,
+        each step :func:`engine.train_step.train_step` with ``normalized=True`` and
+        ``cfg.critic.optim.grad_clip``).
 
         Needs ``traj.values`` (the values the advantages were computed with) and ``traj.returns``.
 
@@ -111,26 +192,9 @@ class CriticWorker:
         """
         from engine.train_step import train_step
 
-        if traj.values is None or traj.returns is None:
-            raise ValueError("critic update: the trajectory has no values/returns (compute GAE first)")
-        micro = traj.micro_batches(self.cfg.micro_batch_size)
-        norm = global_norm([mb.response_mask for mb in micro])
-        clip = self.cfg.critic.cliprange_value
-
-        def loss_fn(model: torch.nn.Module, mb: Trajectory):
-            mask = mb.response_mask
-            values = response_values(model, mb)
-            out = clipped_value_loss(values, mb.values, mb.returns, mask, clip, "token-mean", norm)
-            n = max(float(mask.sum()), 1.0)
-            metrics = {"vf_loss": float(out.vf_loss.detach()) * norm.num_tokens / n,
-                       "vf_clipfrac": float(out.vf_clipfrac),
-                       "vpred_mean": float(masked_sum(values.detach(), mask)) / n}
-            return out.vf_loss, int(mask.sum()), metrics
-
-        epochs = [train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.critic.optim.grad_clip,
-                             normalized=True) for _ in range(self.cfg.ppo_epochs)]
-        keys = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")
-        return {f"critic/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+        clip = self.cfg.critic.optim.grad_clip
+        return critic_update(traj, self.cfg, lambda micro, loss_fn: train_step(
+            self.model, self.optimizer, self.scheduler, micro, loss_fn, clip, normalized=True))
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW, schedule) atomically
@@ -138,17 +202,12 @@ class CriticWorker:
         :meth:`prune_states` (so a crash before the actor's checkpoint leaves a matching pair)."""
         from engine.train_state import save_train_state
 
-        save_train_state(_state_dir(resume_dir, step), step=step, model=self.model, optimizer=self.optimizer,
+        save_train_state(critic_state_dir(resume_dir, step), step=step, model=self.model, optimizer=self.optimizer,
                          scheduler=self.scheduler, data_position=data_position, extra=extra)
 
     def prune_states(self, resume_dir: str | Path, keep_step: int) -> None:
         """Delete the critic states of every step except ``keep_step``."""
-        import shutil
-
-        keep = _state_dir(resume_dir, keep_step)
-        for d in (Path(resume_dir) / CRITIC_STATE_SUBDIR).glob("step_*"):
-            if d != keep:
-                shutil.rmtree(d, ignore_errors=True)
+        prune_critic_states(resume_dir, keep_step)
 
     def load_state(self, resume_dir: str | Path, step: int) -> None:
         """Restore the state :meth:`save_state` wrote for ``step`` (the actor's checkpoint step).
@@ -156,12 +215,7 @@ class CriticWorker:
         Raises: FileNotFoundError naming the directory when there is none."""
         from engine.train_state import has_train_state, load_train_state
 
-        directory = _state_dir(resume_dir, step)
+        directory = critic_state_dir(resume_dir, step)
         if not has_train_state(directory):
-            raise FileNotFoundError(f"{directory}: no critic train state for step {step}; delete {resume_dir} "
-                                    "to start this stage over")
+            raise missing_critic_state(resume_dir, step)
         load_train_state(directory).restore(self.model, self.optimizer, self.scheduler)
-
-
-def _state_dir(resume_dir: str | Path, step: int) -> Path:
-    return Path(resume_dir) / CRITIC_STATE_SUBDIR / f"step_{step:08d}"

@@ -1,15 +1,20 @@
-"""The DeepSpeed training backend of the RL actor (``rl.backend: deepspeed``).
+"""The DeepSpeed training backend (``rl.backend: deepspeed``, ``rm.backend: deepspeed``) and its RL actor.
+
+:class:`DeepSpeedTrainer` is what every DeepSpeed-trained model here shares: a module handed
+to ``deepspeed.initialize`` with ZeRO stage ``zero_stage`` (0-3) and this repository's
+optimizer and schedule (``engine.train_step.build_optimizer``: AdamW, weight decay on
+matrices only, warmup + cosine ``LambdaLR``, given to DeepSpeed as a client optimizer and
+scheduler), one optimizer step per batch with gradient clipping, ZeRO-3 gathering, and the
+train-state file (``engine.train_state``). Its users: :class:`DeepSpeedActorWorker` (below),
+``engine.deepspeed_critic.DeepSpeedCriticWorker`` and ``engine.deepspeed_reward_model``.
 
 :class:`DeepSpeedActorWorker` offers :class:`engine.workers.ActorWorker`'s methods with the
 same arguments and results, but holds the policy as an HF transformers causal LM
-(``engine.hf_model``) trained through ``deepspeed.initialize`` with ZeRO stage
-``rl.deepspeed.zero_stage`` (0-3). What stays shared with the megatron backend, so the two
-train the same way: the loss (``engine.actor_loss.actor_loss_fn``, global normalisers), the
-micro-batching (``engine.actor_loss.actor_micro_batches``), the optimizer and schedule
-(``engine.train_step.build_optimizer``: AdamW, weight decay on matrices only, warmup +
-cosine ``LambdaLR``, handed to DeepSpeed as a client optimizer and scheduler), gradient
-clipping to ``rl.optim.grad_clip``, the train-state file (``engine.train_state``) and the
-model directory written at the end (``engine.hf_model.save_hf_as_model_dir``).
+(``engine.hf_model``). What stays shared with the megatron backend, so the two train the
+same way: the loss (``engine.actor_loss.actor_loss_fn``, global normalisers), the
+micro-batching (``engine.actor_loss.actor_micro_batches``), the optimizer and schedule,
+gradient clipping to ``rl.optim.grad_clip``, the train-state file and the model directory
+written at the end (``engine.hf_model.save_hf_as_model_dir``).
 
 DeepSpeed runs here as a one-process world on CPU: ``DS_ACCELERATOR=cpu``, a gloo process
 group, and the launcher's variables (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,
@@ -31,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from config.schema import RLConfig
+from config.schema import DeepSpeedConfig, OptimConfig, RLConfig
 from engine.actor_loss import actor_loss_fn, actor_micro_batches, compute_logprobs, logit_temperature
 from engine.algorithms import global_norm
 from engine.types import Trajectory
@@ -57,14 +62,16 @@ def import_deepspeed():
     """
     accelerator = os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if accelerator != "cpu":
-        raise RuntimeError(f"rl.backend deepspeed runs on CPU; DS_ACCELERATOR is {accelerator!r} (unset it or set 'cpu')")
+        raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DS_ACCELERATOR "
+                           f"is {accelerator!r} (unset it or set 'cpu')")
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
     ds_logger.setLevel(logging.WARNING)
     name = deepspeed.get_accelerator().device_name()
     if name != "cpu":
-        raise RuntimeError(f"rl.backend deepspeed runs on CPU; DeepSpeed's accelerator is {name!r}")
+        raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DeepSpeed's "
+                           f"accelerator is {name!r}")
     return deepspeed
 
 
@@ -89,25 +96,27 @@ def init_single_process_group() -> None:
         if world == 1:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     if world != 1:
-        raise RuntimeError(f"rl.backend deepspeed trains in one process, but the world size is {world}")
+        raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) trains in one process, but "
+                           f"the world size is {world}")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
 
 
-def deepspeed_config(cfg: RLConfig) -> dict[str, Any]:
-    """The DeepSpeed config dict of an RL config: fp32, ZeRO stage ``cfg.deepspeed.zero_stage``,
-    gradient clipping to ``cfg.optim.grad_clip`` (global L2 norm, as ``torch.nn.utils.clip_grad_norm_``),
-    the caller's gradient accumulation (one ``engine.step()`` per batch, losses not divided by
-    DeepSpeed), client optimizer allowed under ZeRO. Keys: DeepSpeed's config reference
-    (https://www.deepspeed.ai/docs/config-json/)."""
+def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float) -> dict[str, Any]:
+    """The DeepSpeed config dict of a trainer: fp32, ZeRO stage ``ds.zero_stage``, gradient
+    clipping to ``grad_clip`` (global L2 norm, as ``torch.nn.utils.clip_grad_norm_``), the
+    caller's gradient accumulation (one ``engine.step()`` per batch, losses not divided by
+    DeepSpeed), client optimizer allowed under ZeRO. ``micro_batch_size`` is informational
+    (DeepSpeed requires it; the caller forms the micro-batches). Keys: DeepSpeed's config
+    reference (https://www.deepspeed.ai/docs/config-json/)."""
     return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.optim.grad_clip,
+        "gradient_clipping": grad_clip,
         "zero_optimization": {
-            "stage": cfg.deepspeed.zero_stage,
-            "stage3_param_persistence_threshold": cfg.deepspeed.param_persistence_threshold,
+            "stage": ds.zero_stage,
+            "stage3_param_persistence_threshold": ds.param_persistence_threshold,
         },
         "zero_allow_untested_optimizer": True,
         "fp16": {"enabled": False},
@@ -117,91 +126,65 @@ def deepspeed_config(cfg: RLConfig) -> dict[str, Any]:
     }
 
 
-class DeepSpeedActorWorker:
-    """The trainable policy as an HF causal LM under a DeepSpeed engine.
+def deepspeed_config(cfg: RLConfig) -> dict[str, Any]:
+    """The RL actor's DeepSpeed config (:func:`engine_config` of ``cfg.deepspeed``,
+    ``cfg.micro_batch_size`` and ``cfg.optim.grad_clip``)."""
+    return engine_config(cfg.deepspeed, cfg.micro_batch_size, cfg.optim.grad_clip)
 
-    Same constructor arguments, methods and results as :class:`engine.workers.ActorWorker`;
-    the weights start as the HF form of ``policy_dir`` (:func:`engine.hf_model.load_hf_causal_lm`).
+
+class DeepSpeedTrainer:
+    """A module trained by a one-process DeepSpeed engine with this repository's optimizer step.
+
+    Builds AdamW + warmup/cosine schedule (``engine.train_step.build_optimizer``) over the
+    module's parameters, hands both to ``deepspeed.initialize`` as client optimizer and
+    scheduler (DeepSpeed steps the scheduler after each optimizer step, as
+    ``engine.train_step.train_step`` does) and runs :meth:`train_step` with the contract of
+    ``train_step(..., normalized=True)``.
 
     Args:
-        policy_dir: model directory (``engine.model_dir`` layout) to start from.
-        cfg: the ``rl`` config (``deepspeed.zero_stage``, optimizer, loss, epochs,
-            micro-batches, rollout temperature).
-        seed: model-building seed (every weight is then loaded from ``policy_dir``).
-        num_threads: torch threads in this process (default: all cores).
+        module: the model to train (fp32, CPU); DeepSpeed takes it over (``self.module`` is it).
+        optim: optimizer and schedule settings (``grad_clip`` too).
+        total_steps: optimizer steps of the schedule.
+        ds: ZeRO stage and ZeRO-3 persistence threshold.
+        micro_batch_size: recorded in DeepSpeed's config (see :func:`engine_config`).
+
+    Attributes:
+        engine: the DeepSpeed engine (call it to run the module's forward; ZeRO-3 gathers
+            the weights on the way).
+        module: the trained module (``engine.module``).
+        optimizer, scheduler: the client AdamW and ``LambdaLR``.
+        zero_stage: ``ds.zero_stage``.
 
     Raises:
-        ValueError: ``cfg.packing`` (the HF model runs padded micro-batches only; the config
-            rejects the pair too).
         RuntimeError: see :func:`import_deepspeed` and :func:`init_single_process_group`.
+        ValueError: from ``build_optimizer`` (no trainable parameters, bad schedule).
     """
 
-    def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
-        from engine.hf_model import load_hf_causal_lm
-        from engine.ray_cluster import worker_threads
+    def __init__(self, module: torch.nn.Module, optim: OptimConfig, total_steps: int, ds: DeepSpeedConfig,
+                 micro_batch_size: int):
         from engine.train_step import build_optimizer
 
-        if cfg.packing:
-            raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches)")
-        worker_threads(num_threads)
         self.deepspeed = import_deepspeed()
         init_single_process_group()
-        loaded = load_hf_causal_lm(policy_dir, seed=seed)
-        self.hf_config, self.spec, self.tokenizer_dir = loaded.hf_config, loaded.spec, loaded.tokenizer_dir
-        self.cfg = cfg
-        self.seed = seed
-        self.zero_stage = cfg.deepspeed.zero_stage
-        self.temperature = logit_temperature(cfg.rollout.temperature)
-        # DeepSpeed keeps this AdamW as its base optimizer (under ZeRO over flat fp32
-        # partitions) and steps the scheduler after each optimizer step, as train_step does.
-        self.optimizer, self.scheduler = build_optimizer(loaded.model.parameters(), cfg.optim, cfg.steps * cfg.ppo_epochs)
+        self.zero_stage = ds.zero_stage
+        self.optimizer, self.scheduler = build_optimizer(module.parameters(), optim, total_steps)
         self.engine, _, _, _ = self.deepspeed.initialize(
-            model=loaded.model, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=deepspeed_config(cfg))
+            model=module, optimizer=self.optimizer, lr_scheduler=self.scheduler,
+            config=engine_config(ds, micro_batch_size, optim.grad_clip))
         self.module = self.engine.module
-        self._bucket_server = None
 
-    # ------------------------------------------------------------------ forward and update
-
-    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
-        """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on
-        padding (:func:`engine.actor_loss.compute_logprobs`; micro-batches of
-        ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens)."""
-        return compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
-                                self.cfg.max_tokens_per_micro_batch)
-
-    def update(self, traj: Trajectory) -> dict[str, float]:
-        """``cfg.ppo_epochs`` optimizer steps on the whole batch, each over the micro-batches
-        of :func:`engine.actor_loss.actor_micro_batches` (:meth:`_train_step`).
-
-        Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
-
-        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
-            ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
-            ``actor/lr``: means over the epochs (as :meth:`engine.workers.ActorWorker.update`).
-
-        Raises:
-            ValueError: no ``old_logprobs``, or the batch has no loss tokens.
-            FloatingPointError: a non-finite gradient norm (that step is not taken).
-        """
-        micro = actor_micro_batches(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
-        # normalisers of the whole batch, so the loss does not depend on the micro-batch split
-        norm = global_norm([mb.response_mask for mb in micro], max_response_length=self.cfg.rollout.max_new_tokens)
-        loss_fn = actor_loss_fn(self.cfg, self.temperature, norm)
-        epochs = [self._train_step(micro, loss_fn) for _ in range(self.cfg.ppo_epochs)]
-        keys = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
-        return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
-
-    def _train_step(self, micro: list[Trajectory], loss_fn) -> dict[str, float]:
+    def train_step(self, micro: list[Any], loss_fn) -> dict[str, float]:
         """One optimizer step over the batch's micro-batches; the contract of
-        :func:`engine.train_step.train_step` with ``normalized=True``: the micro-batch losses
-        (already divided by the global normalisers) are summed, the gradient's global L2
-        norm (before clipping) is reported, clipped to ``cfg.optim.grad_clip``, then AdamW
-        and the scheduler step. Metrics are token-weighted means over micro-batches.
+        :func:`engine.train_step.train_step` with ``normalized=True``: ``loss_fn(engine, mb)``
+        returns ``(loss already divided by the batch's global normaliser, units, metrics)``,
+        the micro-batch losses are summed, the gradient's global L2 norm (before clipping)
+        is reported, clipped to the configured ``grad_clip``, then AdamW and the scheduler
+        step. Metrics are unit-weighted means over micro-batches.
 
         Returns: ``{"loss", "grad_norm", "lr" (used by this step), "num_units", **metrics}``.
 
         Raises:
-            ValueError: no micro-batch holds a loss token.
+            ValueError: no micro-batch holds a loss unit.
             FloatingPointError: the gradient norm is NaN or infinite (DeepSpeed's ZeRO skips
                 such a step, and below ZeRO it is not taken either).
         """
@@ -225,24 +208,157 @@ class DeepSpeedActorWorker:
                                          "DeepSpeed skipped the step")
         return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, "num_units": float(total_units), **metrics}
 
-    # ------------------------------------------------------------------ weights out
-
-    def _gathered(self, params, modifier_rank: int | None = None):
+    def gathered(self, params, modifier_rank: int | None = None):
         """ZeRO-3: a context in which ``params`` hold their full data (``modifier_rank=0``:
         changes made inside are kept); a no-op below ZeRO-3, where parameters are whole."""
         if self.zero_stage < 3:
             return contextlib.nullcontext()
         return self.deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank)
 
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's parameters by name, one at a time, in module order (a tied weight
+        once). Below ZeRO-3 the tensors are the live parameters (the caller copies what it
+        keeps); under ZeRO-3 each is gathered and copied."""
+        for name, p in self.module.named_parameters():
+            with self.gathered([p]):
+                tensor = p.detach().clone() if self.zero_stage == 3 else p.detach()
+            yield name, tensor
+
+    @contextlib.contextmanager
+    def _optimizer_param_groups(self):
+        """ZeRO-3 takes its flat fp32 partitions out of the base AdamW's param groups between
+        steps; they are put back for the duration of this context (as DeepSpeed's own
+        ``_rigid_state_dict`` does), so the AdamW state maps onto its parameters. A no-op
+        below ZeRO-3."""
+        if self.zero_stage < 3:
+            yield
+            return
+        self.engine.optimizer._set_fp32_optimizer_param_groups()
+        try:
+            yield
+        finally:
+            self.engine.optimizer._clear_fp32_optimizer_param_groups()
+
+    def state_tag(self) -> dict[str, Any]:
+        """What a saved state's layout depends on: the backend and the ZeRO stage."""
+        return {"backend": "deepspeed", "zero_stage": self.zero_stage}
+
+    def save_state(self, directory: str | Path, tag_key: str, step: int, data_position, extra: dict[str, Any]) -> None:
+        """Write ``directory/train_state.pt`` atomically (``engine.train_state``): the module's
+        weights by name, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32
+        partitions), the schedule, data position, RNG states and ``extra`` plus
+        ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``."""
+        from engine.train_state import save_train_state
+
+        with self.gathered(self.module.parameters()), self._optimizer_param_groups():
+            save_train_state(
+                directory, step=step, model=self.module, optimizer=self.optimizer, scheduler=self.scheduler,
+                data_position=data_position, extra={**extra, tag_key: self.state_tag()},
+            )
+
+    def load_state(self, directory: str | Path, tag_key: str, config_keys: str):
+        """Restore a state :meth:`save_state` wrote with the same ZeRO stage (weights,
+        AdamW, schedule, RNG); returns the :class:`engine.train_state.TrainState` with
+        ``tag_key`` taken out of ``extra``.
+
+        Raises:
+            FileNotFoundError / ValueError from :func:`engine.train_state.load_train_state`.
+            ValueError: the state was written by another backend or ZeRO stage (the message
+                names ``config_keys``, e.g. ``"rl.backend and rl.deepspeed.zero_stage"``).
+        """
+        from engine.train_state import load_train_state
+
+        state = load_train_state(directory)
+        written_by = state.extra.pop(tag_key, {"backend": "megatron"})
+        if written_by != self.state_tag():
+            raise ValueError(f"{directory}: train state was written with {written_by}, this worker runs "
+                             f"{self.state_tag()}; resume with the same {config_keys}")
+        with self.gathered(self.module.parameters(), modifier_rank=0), self._optimizer_param_groups():
+            state.restore(self.module, self.optimizer, self.scheduler)
+        if self.zero_stage > 0:  # ZeRO's fp32 master partitions follow the restored weights
+            self.engine.optimizer.refresh_fp32_params()
+        return state
+
+
+class DeepSpeedActorWorker:
+    """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
+
+    Same constructor arguments, methods and results as :class:`engine.workers.ActorWorker`;
+    the weights start as the HF form of ``policy_dir`` (:func:`engine.hf_model.load_hf_causal_lm`).
+
+    Args:
+        policy_dir: model directory (``engine.model_dir`` layout) to start from.
+        cfg: the ``rl`` config (``deepspeed.zero_stage``, optimizer, loss, epochs,
+            micro-batches, rollout temperature).
+        seed: model-building seed (every weight is then loaded from ``policy_dir``).
+        num_threads: torch threads in this process (default: all cores).
+
+    Raises:
+        ValueError: ``cfg.packing`` (the HF model runs padded micro-batches only; the config
+            rejects the pair too).
+        RuntimeError: see :func:`import_deepspeed` and :func:`init_single_process_group`.
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
+        from engine.hf_model import load_hf_causal_lm
+        from engine.ray_cluster import worker_threads
+
+        if cfg.packing:
+            raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches)")
+        worker_threads(num_threads)
+        import_deepspeed()
+        init_single_process_group()
+        loaded = load_hf_causal_lm(policy_dir, seed=seed)
+        self.hf_config, self.spec, self.tokenizer_dir = loaded.hf_config, loaded.spec, loaded.tokenizer_dir
+        self.cfg = cfg
+        self.seed = seed
+        self.temperature = logit_temperature(cfg.rollout.temperature)
+        self.trainer = DeepSpeedTrainer(loaded.model, cfg.optim, cfg.steps * cfg.ppo_epochs, cfg.deepspeed,
+                                        cfg.micro_batch_size)
+        self.engine, self.module = self.trainer.engine, self.trainer.module
+        self.optimizer, self.scheduler = self.trainer.optimizer, self.trainer.scheduler
+        self.zero_stage = cfg.deepspeed.zero_stage
+        self._bucket_server = None
+
+    # ------------------------------------------------------------------ forward and update
+
+    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on
+        padding (:func:`engine.actor_loss.compute_logprobs`; micro-batches of
+        ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens)."""
+        return compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
+                                self.cfg.max_tokens_per_micro_batch)
+
+    def update(self, traj: Trajectory) -> dict[str, float]:
+        """``cfg.ppo_epochs`` optimizer steps on the whole batch, each over the micro-batches
+        of :func:`engine.actor_loss.actor_micro_batches` (:meth:`DeepSpeedTrainer.train_step`).
+
+        Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
+
+        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+            ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
+            ``actor/lr``: means over the epochs (as :meth:`engine.workers.ActorWorker.update`).
+
+        Raises:
+            ValueError: no ``old_logprobs``, or the batch has no loss tokens.
+            FloatingPointError: a non-finite gradient norm (that step is not taken).
+        """
+        micro = actor_micro_batches(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        # normalisers of the whole batch, so the loss does not depend on the micro-batch split
+        norm = global_norm([mb.response_mask for mb in micro], max_response_length=self.cfg.rollout.max_new_tokens)
+        loss_fn = actor_loss_fn(self.cfg, self.temperature, norm)
+        epochs = [self.trainer.train_step(micro, loss_fn) for _ in range(self.cfg.ppo_epochs)]
+        keys = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
+        return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+
+    # ------------------------------------------------------------------ weights out
+
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's HF-named weights, one at a time, in module order (a tied model's
         ``lm_head.weight`` is the embedding and is not repeated): the weight source of
         ``engine.weight_sync``. Below ZeRO-3 the tensors are the live parameters (the caller
         copies what it keeps); under ZeRO-3 each is gathered and copied."""
-        for name, p in self.module.named_parameters():
-            with self._gathered([p]):
-                tensor = p.detach().clone() if self.zero_stage == 3 else p.detach()
-            yield name, tensor
+        return self.trainer.named_tensors()
 
     def hf_bucket_plan(self):
         """How the policy's HF-named weights are cut for weight sync: an
@@ -275,36 +391,12 @@ class DeepSpeedActorWorker:
 
     # ------------------------------------------------------------------ resumable state
 
-    @contextlib.contextmanager
-    def _optimizer_param_groups(self):
-        """ZeRO-3 takes its flat fp32 partitions out of the base AdamW's param groups between
-        steps; they are put back for the duration of this context (as DeepSpeed's own
-        ``_rigid_state_dict`` does), so the AdamW state maps onto its parameters. A no-op
-        below ZeRO-3."""
-        if self.zero_stage < 3:
-            yield
-            return
-        self.engine.optimizer._set_fp32_optimizer_param_groups()
-        try:
-            yield
-        finally:
-            self.engine.optimizer._clear_fp32_optimizer_param_groups()
-
-    def _state_tag(self) -> dict[str, Any]:
-        return {"backend": "deepspeed", "zero_stage": self.zero_stage}
-
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the resumable train state atomically (``engine.train_state``): HF-named
         weights, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32 partitions),
         the schedule, data position, RNG states and ``extra`` (plus the backend and ZeRO stage,
         which the state's layout depends on). Loads with ``torch.load(weights_only=True)``."""
-        from engine.train_state import save_train_state
-
-        with self._gathered(self.module.parameters()), self._optimizer_param_groups():
-            save_train_state(
-                resume_dir, step=step, model=self.module, optimizer=self.optimizer, scheduler=self.scheduler,
-                data_position=data_position, extra={**extra, STATE_TAG_KEY: self._state_tag()},
-            )
+        self.trainer.save_state(resume_dir, STATE_TAG_KEY, step, data_position, extra)
 
     def load_state(self, resume_dir: str | Path):
         """Restore a train state written by :meth:`save_state` with the same ZeRO stage;
@@ -316,15 +408,5 @@ class DeepSpeedActorWorker:
             ValueError: the state was written by another backend or ZeRO stage (names
                 ``rl.backend`` / ``rl.deepspeed.zero_stage``).
         """
-        from engine.train_state import load_train_state
-
-        state = load_train_state(resume_dir)
-        written_by = state.extra.pop(STATE_TAG_KEY, {"backend": "megatron"})
-        if written_by != self._state_tag():
-            raise ValueError(f"{resume_dir}: train state was written with {written_by}, this actor runs "
-                             f"{self._state_tag()}; resume with the same rl.backend and rl.deepspeed.zero_stage")
-        with self._gathered(self.module.parameters(), modifier_rank=0), self._optimizer_param_groups():
-            state.restore(self.module, self.optimizer, self.scheduler)
-        if self.zero_stage > 0:  # ZeRO's fp32 master partitions follow the restored weights
-            self.engine.optimizer.refresh_fp32_params()
+        state = self.trainer.load_state(resume_dir, STATE_TAG_KEY, "rl.backend and rl.deepspeed.zero_stage")
         return state.step, state.data_position, state.extra

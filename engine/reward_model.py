@@ -3,6 +3,11 @@
 The reward of a conversation is ``reward_head(h_last)``, where ``h_last`` is the final-normed
 hidden state of its last real token (the assistant's end-of-turn token). Training minimises
 the Bradley-Terry pairwise loss of InstructGPT (Ouyang et al. 2022, eq. 1).
+
+``rm.backend`` chooses what trains the weights (:func:`reward_trainer`): megatron-core with
+this repository's optimizer step (:class:`MegatronRewardTrainer`), or the HF transformers
+form of the model under DeepSpeed (``engine.deepspeed_reward_model``). The data, batches,
+schedule, evaluation and the model directory written at the end are the same for both.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -26,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 HEAD_WEIGHT, HEAD_BIAS = "reward_head.weight", "reward_head.bias"
 
+# A reward model's call: (input_ids LongTensor [B, T], lengths LongTensor [B]) -> rewards FloatTensor [B].
+RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def scalar_head(hidden_size: int, seed: int) -> torch.nn.Linear:
     """``Linear(hidden_size, 1)`` with weights ``N(0, 1/(H+1))`` drawn from ``seed`` and zero
@@ -36,6 +44,13 @@ def scalar_head(hidden_size: int, seed: int) -> torch.nn.Linear:
         head.weight.normal_(0.0, 1.0 / (hidden_size + 1), generator=g)
         head.bias.zero_()
     return head
+
+
+def last_token_scores(head: torch.nn.Linear, hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``head`` applied to each row's last real token: hidden ``[B, T, H]``, lengths ``[B]``
+    (1..T) -> FloatTensor ``[B]``."""
+    last = hidden[torch.arange(hidden.size(0)), lengths - 1]  # [B, H]
+    return head(last).squeeze(-1)
 
 
 class RewardModel(torch.nn.Module):
@@ -64,9 +79,7 @@ class RewardModel(torch.nn.Module):
         """
         from engine.megatron_model import gpt_hidden_states
 
-        hidden = gpt_hidden_states(self.gpt, input_ids)  # [B, T, H]
-        last = hidden[torch.arange(hidden.size(0)), lengths - 1]  # [B, H]
-        return self.reward_head(last).squeeze(-1)
+        return last_token_scores(self.reward_head, gpt_hidden_states(self.gpt, input_ids), lengths)
 
     def heads(self) -> dict[str, torch.Tensor]:
         """The head tensors under the names stored in a model directory's heads.safetensors."""
@@ -140,8 +153,9 @@ def collate_pairs(pairs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> 
     return collate_tokens([p[0] for p in pairs] + [p[1] for p in pairs], None, pad_id)
 
 
-def pair_loss(model: RewardModel, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
-    """Loss function for :func:`engine.train_step.train_step` on a :func:`collate_pairs` batch.
+def pair_loss(model: RewardFn, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """Loss function for :func:`engine.train_step.train_step` on a :func:`collate_pairs` batch
+    (``model``: a :class:`RewardModel` or any :data:`RewardFn`).
 
     Returns:
         ``(sum of Bradley-Terry losses, number of pairs, {"accuracy", "margin"})`` where
@@ -156,10 +170,11 @@ def pair_loss(model: RewardModel, batch: TokenBatch) -> tuple[torch.Tensor, int,
 
 
 @torch.no_grad()
-def evaluate_pairs(model: RewardModel, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
+def evaluate_pairs(model: RewardFn, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
                    micro_batch_size: int) -> dict[str, float]:
     """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
-    wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats)."""
+    wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (a :class:`RewardModel`
+    or any module with its call signature, run in eval mode; its mode is restored)."""
     was_training = model.training
     model.eval()
     loss, correct = 0.0, 0
@@ -186,6 +201,67 @@ def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[in
     return order[n_eval:], order[:n_eval]
 
 
+class RewardTrainer(Protocol):
+    """What :func:`train_reward_model` needs of a backend.
+
+    Attributes:
+        model: called as ``model(input_ids [B, T], lengths [B]) -> rewards [B]``; has
+            ``train()`` / ``eval()`` (:func:`evaluate_pairs` runs it).
+    """
+
+    model: Any
+
+    def step(self, micro: list[TokenBatch]) -> dict[str, float]:
+        """One optimizer step on :func:`collate_pairs` micro-batches: the Bradley-Terry loss
+        averaged over all their pairs, clipped to ``rm.optim.grad_clip``. Returns
+        ``{"loss", "accuracy", "margin", "grad_norm", "lr", "num_units"}`` (as
+        :func:`engine.train_step.train_step` with :func:`pair_loss`)."""
+        ...
+
+    def save(self, out_dir: str | Path, iteration: int) -> Path:
+        """Write the model directory (GPT weights + ``heads.safetensors``) that
+        :func:`load_reward_model` reads."""
+        ...
+
+
+class MegatronRewardTrainer:
+    """``rm.backend: megatron``: a :class:`RewardModel` on the base model's GPTModel, trained by
+    :func:`engine.train_step.train_step` with AdamW + warmup/cosine over ``cfg.steps``.
+
+    Raises: FileNotFoundError / ValueError from ``engine.model_dir.load_model_dir``.
+    """
+
+    def __init__(self, base_model_dir: str | Path, cfg: RMConfig, seed: int = 0):
+        self.loaded = load_model_dir(base_model_dir, seed=seed)
+        self.model = RewardModel(self.loaded.model, self.loaded.spec.hidden_size, seed=seed)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.steps)
+        self.grad_clip = cfg.optim.grad_clip
+
+    def step(self, micro: list[TokenBatch]) -> dict[str, float]:
+        return train_step(self.model, self.optimizer, self.scheduler, micro, pair_loss, self.grad_clip)
+
+    def save(self, out_dir: str | Path, iteration: int) -> Path:
+        return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
+                              iteration=iteration, heads=self.model.heads())
+
+
+def reward_trainer(base_model_dir: str | Path, cfg: RMConfig, seed: int = 0) -> RewardTrainer:
+    """The :class:`RewardTrainer` of ``cfg.backend``, starting from ``base_model_dir``'s weights
+    with a fresh reward head drawn from ``seed`` (the same head for both backends).
+
+    Raises:
+        ValueError: an unknown ``rm.backend`` (names the key).
+        RuntimeError: ``deepspeed`` cannot run here (``engine.deepspeed_backend.import_deepspeed``).
+    """
+    if cfg.backend == "megatron":
+        return MegatronRewardTrainer(base_model_dir, cfg, seed)
+    if cfg.backend == "deepspeed":
+        from engine.deepspeed_reward_model import DeepSpeedRewardTrainer
+
+        return DeepSpeedRewardTrainer(base_model_dir, cfg, seed)
+    raise ValueError(f"rm.backend: unknown backend {cfg.backend!r}; expected 'megatron' or 'deepspeed'")
+
+
 def train_reward_model(
     base_model_dir: str | Path,
     dataset_path: str | Path,
@@ -198,9 +274,10 @@ def train_reward_model(
 
     Holds out ``cfg.eval_fraction`` of the pairs (:func:`split_eval`), trains ``cfg.steps``
     steps of ``cfg.global_batch_size`` pairs in micro-batches of ``cfg.micro_batch_size``
-    with the Bradley-Terry loss, evaluates on the held-out pairs every ``cfg.log_every``
-    steps and at the end, and saves the GPT weights plus ``heads.safetensors``
-    (``reward_head.weight`` ``[1, H]``, ``reward_head.bias`` ``[1]``).
+    with the Bradley-Terry loss on the ``cfg.backend`` backend (:func:`reward_trainer`),
+    evaluates on the held-out pairs every ``cfg.log_every`` steps and at the end, and saves
+    the GPT weights plus ``heads.safetensors`` (``reward_head.weight`` ``[1, H]``,
+    ``reward_head.bias`` ``[1]``).
 
     Returns:
         ``rm/accuracy``, ``rm/loss`` (held-out), ``train/loss``, ``train/accuracy``,
@@ -208,16 +285,16 @@ def train_reward_model(
         ``rm/num_train_pairs``, ``rm/num_eval_pairs``.
 
     Raises:
-        ValueError: bad dataset rows (names file, line and field) or fewer than 2 pairs.
+        ValueError: bad dataset rows (names file, line and field), fewer than 2 pairs, or an
+            unknown ``rm.backend``.
+        RuntimeError: ``rm.backend: deepspeed`` cannot run here.
     """
-    loaded = load_model_dir(base_model_dir, seed=seed)
+    trainer = reward_trainer(base_model_dir, cfg, seed)
     tokenizer = load_tokenizer(base_model_dir)
     pairs = encode_preference_dataset(dataset_path, tokenizer, cfg.max_seq_len)
     train_idx, eval_idx = split_eval(len(pairs), cfg.eval_fraction, seed)
     train_pairs, eval_pairs = [pairs[i] for i in train_idx], [pairs[i] for i in eval_idx]
     pad_id = pad_token_id(tokenizer)
-    model = RewardModel(loaded.model, loaded.spec.hidden_size, seed=seed)
-    optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
     torch.manual_seed(seed)
     sampler = EpochSampler(len(train_pairs), seed)
 
@@ -226,7 +303,7 @@ def train_reward_model(
         chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
         micro = [collate_pairs(c, pad_id) for c in split_micro_batches(chosen, cfg.micro_batch_size)]
         t0 = time.perf_counter()
-        out = train_step(model, optimizer, scheduler, micro, pair_loss, cfg.optim.grad_clip)
+        out = trainer.step(micro)
         seconds = time.perf_counter() - t0
         done = step + 1
         metrics = {
@@ -238,11 +315,11 @@ def train_reward_model(
             "perf/pairs_per_s": len(chosen) / seconds,
         }
         if done % cfg.log_every == 0 or done == cfg.steps:
-            metrics.update(evaluate_pairs(model, eval_pairs, pad_id, cfg.micro_batch_size))
+            metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
             if log_metrics is not None:
                 log_metrics(metrics, done)
 
-    save_model_dir(out_dir, model.gpt, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps, heads=model.heads())
+    trainer.save(out_dir, iteration=cfg.steps)
     return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs))}
 
 

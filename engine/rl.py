@@ -39,8 +39,7 @@ from engine.rl_step import (
 )
 from engine.rollout_pipeline import RolloutPipeline
 from engine.train_state import STATE_FILE, DataPosition, has_train_state
-from engine.backends import actor_worker_class
-from engine.critic import CriticWorker
+from engine.backends import actor_worker_class, critic_worker_class
 from engine.workers import ReferenceWorker, RewardWorker, RolloutWorker, spawn
 
 logger = logging.getLogger(__name__)
@@ -209,7 +208,7 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
         threads)
-    critic = spawn(CriticWorker, placement, str(policy_dir), cfg, seed, threads) if cfg.algorithm == "gae" else None
+    critic = spawn(critic_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads) if cfg.algorithm == "gae" else None
     workers = Workers(placement, actor, reference, rollout, reward, critic)
     try:  # surface a constructor error here, not at the first call
         ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward, critic) if w is not None])

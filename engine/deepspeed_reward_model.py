@@ -1,0 +1,158 @@
+"""The reward model on the DeepSpeed backend (``rm.backend: deepspeed``).
+
+:class:`DeepSpeedRewardTrainer` is the ``engine.reward_model.RewardTrainer`` that
+``engine.reward_model.train_reward_model`` runs when ``rm.backend`` is ``deepspeed``: the
+same data, batches, Bradley-Terry loss, schedule and evaluation as the megatron backend, but
+the weights are the HF transformers form of the base model (``engine.hf_model.load_hf_causal_lm``)
+with the same reward head (:class:`HFRewardModel`), trained by an
+``engine.deepspeed_backend.DeepSpeedTrainer`` at ZeRO stage ``rm.deepspeed.zero_stage``.
+
+At the end it writes the model directory the megatron backend writes: the body's weights
+converted back to megatron names and vocabulary padding (``conversion.registry.hf_to_megatron``)
+in a torch_dist checkpoint (``engine.model_dir.save_model_dir``), with the reward head in
+``heads.safetensors``. ``engine.reward_model.load_reward_model``, ``score`` and the RL
+reward worker read it unchanged.
+
+Shapes: ``B`` sequences, ``T`` positions, ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from config.schema import RMConfig
+from engine.batching import TokenBatch
+from engine.deepspeed_backend import DeepSpeedTrainer, import_deepspeed, init_single_process_group
+from engine.deepspeed_critic import hf_final_hidden_states
+from engine.reward_model import last_token_scores, pair_loss, scalar_head
+
+BODY_PREFIX = "body."
+
+
+class HFRewardModel(torch.nn.Module):
+    """An HF decoder body + ``Linear(H, 1)`` on the last real token's final-normed hidden
+    state: :class:`engine.reward_model.RewardModel` with the transformers model in place of
+    the GPTModel.
+
+    Args:
+        causal_lm: a transformers ``*ForCausalLM``; its ``base_model`` becomes :attr:`body`
+            (the output layer is left out: a reward model does not use it).
+        hidden_size: ``H``.
+        seed: reward-head seed (:func:`engine.reward_model.scalar_head`: the megatron reward
+            model's head for the same seed).
+
+    Attributes:
+        body: the decoder body (e.g. ``Qwen2Model``).
+        reward_head: ``Linear(hidden_size, 1)``.
+    """
+
+    def __init__(self, causal_lm: torch.nn.Module, hidden_size: int, seed: int = 0):
+        super().__init__()
+        self.body = causal_lm.base_model
+        self.reward_head = scalar_head(hidden_size, seed)
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Rewards of right-padded sequences.
+
+        Args:
+            input_ids: LongTensor ``[B, T]``.
+            lengths: LongTensor ``[B]``, real tokens per row (1..T).
+
+        Returns:
+            FloatTensor ``[B]``: ``reward_head(hidden[b, lengths[b] - 1])``.
+        """
+        return last_token_scores(self.reward_head, hf_final_hidden_states(self.body, input_ids), lengths)
+
+
+class DeepSpeedRewardTrainer:
+    """``rm.backend: deepspeed``: an :class:`HFRewardModel` trained through DeepSpeed
+    (the ``engine.reward_model.RewardTrainer`` protocol).
+
+    Args:
+        base_model_dir: model directory to start from.
+        cfg: the ``rm`` config (``optim``, ``steps``, ``micro_batch_size``, ``deepspeed``).
+        seed: model-building and reward-head seed.
+
+    Attributes:
+        model: the DeepSpeed engine; ``model(input_ids, lengths)`` gives rewards ``[B]``.
+
+    Raises:
+        RuntimeError: see ``engine.deepspeed_backend.import_deepspeed`` and
+            ``init_single_process_group``.
+        FileNotFoundError / ValueError: from ``engine.hf_model.load_hf_causal_lm``.
+    """
+
+    def __init__(self, base_model_dir: str | Path, cfg: RMConfig, seed: int = 0):
+        from engine.hf_model import load_hf_causal_lm
+
+        import_deepspeed()
+        init_single_process_group()
+        loaded = load_hf_causal_lm(base_model_dir, seed=seed)
+        self.spec, self.hf_config, self.tokenizer_dir, self.seed = loaded.spec, loaded.hf_config, loaded.tokenizer_dir, seed
+        causal_lm = loaded.model
+        self.body_prefix = f"{causal_lm.base_model_prefix}."
+        # Weights outside the body (an untied output layer, e.g. lm_head.weight): not trained,
+        # as in the megatron reward model, and written back unchanged. A tied output layer is
+        # the embedding, which named_parameters lists once, under the body.
+        self.untrained = {name: p.detach().clone() for name, p in causal_lm.named_parameters()
+                          if not name.startswith(self.body_prefix)}
+        module = HFRewardModel(causal_lm, self.spec.hidden_size, seed)
+        self.trainer = DeepSpeedTrainer(module, cfg.optim, cfg.steps, cfg.deepspeed, cfg.micro_batch_size)
+        self.model = self.trainer.engine
+
+    def step(self, micro: list[TokenBatch]) -> dict[str, float]:
+        """One optimizer step on :func:`engine.reward_model.collate_pairs` micro-batches: each
+        micro-batch's summed Bradley-Terry loss (:func:`engine.reward_model.pair_loss`) divided
+        by the pairs of the whole batch, so the gradient is the batch mean's, as the megatron
+        backend's ``train_step`` divides after accumulating.
+
+        Returns: ``{"loss" (mean over the batch's pairs, nats), "accuracy", "margin",
+            "grad_norm" (before clipping), "lr", "num_units" (pairs)}``.
+
+        Raises:
+            ValueError: no micro-batches.
+            FloatingPointError: a non-finite gradient norm.
+        """
+        total = sum(batch.input_ids.size(0) // 2 for batch in micro)
+
+        def loss_fn(model, batch: TokenBatch):
+            loss_sum, pairs, metrics = pair_loss(model, batch)
+            return loss_sum / total, pairs, metrics
+
+        return self.trainer.train_step(micro, loss_fn)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The model's HF-named weights without the reward head (copies under ZeRO-3, else
+        the live tensors): the body under the causal LM's names, plus the untrained ones."""
+        state = dict(self.untrained)
+        for name, tensor in self.trainer.named_tensors():
+            if name.startswith(BODY_PREFIX):
+                state[self.body_prefix + name[len(BODY_PREFIX):]] = tensor
+        return state
+
+    def heads(self) -> dict[str, torch.Tensor]:
+        """``reward_head.weight`` ``[1, H]`` and ``reward_head.bias`` ``[1]`` (copies), the names
+        ``engine.reward_model.load_reward_model`` reads from ``heads.safetensors``."""
+        return {name: tensor.clone() for name, tensor in self.trainer.named_tensors() if name.startswith("reward_head.")}
+
+    def save(self, out_dir: str | Path, iteration: int) -> Path:
+        """Write the reward model as a model directory, atomically: :meth:`hf_state` through
+        ``conversion.registry.hf_to_megatron`` (vocabulary padded to the base model's
+        ``padded_vocab_size`` with zero rows) into a megatron-core GPTModel, saved by
+        ``engine.model_dir.save_model_dir`` with :meth:`heads` in ``heads.safetensors``.
+
+        Returns: ``Path(out_dir)``.
+
+        Raises:
+            conversion.registry.ConversionError: a tensor is missing, unexpected or misshapen.
+        """
+        from conversion.registry import hf_to_megatron
+        from engine.megatron_model import build_gpt_model, load_mcore_state
+        from engine.model_dir import save_model_dir
+
+        mcore = hf_to_megatron(self.hf_config, self.hf_state(), padded_vocab_size=self.spec.padded_vocab_size)
+        gpt = build_gpt_model(self.spec, seed=self.seed)
+        load_mcore_state(gpt, mcore)
+        return save_model_dir(out_dir, gpt, self.hf_config, self.tokenizer_dir, iteration=iteration, heads=self.heads())
