@@ -34,11 +34,14 @@ def _models(ann) -> list[type[BaseModel]]:
     return [m for a in args for m in _models(a)]
 
 
-def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
+def _rows(model: type[BaseModel], prefix: str, instance: BaseModel | None = None) -> list[tuple[str, str, str, str]]:
+    """Table rows of ``model``'s keys. ``instance``: the section's default value when the
+    parent gives it one (e.g. ``OptimConfig(lr=1e-4)``), whose values are the defaults shown."""
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
+        value = getattr(instance, name) if instance is not None else field.default
         nested = _models(ann)
         required = "required" if field.is_required() else "optional"
         if typing.get_origin(ann) is list and len(nested) == 1:  # a list of sections: keys of one item
@@ -48,7 +51,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
             continue
         if len(nested) == 1:
             rows.append((key, "section", required, (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
-            rows.extend(_rows(nested[0], f"{key}."))
+            rows.extend(_rows(nested[0], f"{key}.", value if isinstance(value, BaseModel) else None))
             continue
         for variant in nested:  # a tagged union: one block per `kind`
             kind = typing.get_args(variant.model_fields["kind"].annotation)[0]
@@ -56,7 +59,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]
             rows.extend(_rows(variant, f"{key}."))
         if nested:
             continue
-        default = "required" if field.is_required() else f"`{field.default!r}`"
+        default = "required" if field.is_required() and instance is None else f"`{value!r}`"
         rows.append((key, _type_name(ann), default, field.description or ""))
     return rows
 

@@ -280,7 +280,7 @@ class EngineConfig(Strict):
                     "(a module's tensors larger than this go alone). Bounds the actor's extra memory; results do not change.",
     )
     weight_sync_timeout_s: float | None = Field(
-        600.0, gt=0, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
+        600.0, gt=0, le=1e7, allow_inf_nan=False, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
                                  "instead of hanging; None waits forever.")
 
 
@@ -289,6 +289,9 @@ class EngineConfig(Strict):
         if self.off_policy_steps > 0 and self.placement != "disaggregated":
             raise ValueError("rl.engine.off_policy_steps > 0 needs rl.engine.placement: disaggregated (colocated "
                              "workers share the cores, so rollout cannot overlap training)")
+        if self.placement == "disaggregated" and self.num_cpus is not None and self.rollout_cpus >= self.num_cpus:
+            raise ValueError(f"rl.engine.rollout_cpus={self.rollout_cpus} must leave training part of "
+                             f"rl.engine.num_cpus={self.num_cpus}")
         if self.partial_rollout_chunk_tokens is not None and self.off_policy_steps == 0:
             raise ValueError("rl.engine.partial_rollout_chunk_tokens needs rl.engine.off_policy_steps > 0 "
                              "(partial rollouts happen only when a weight update interrupts generation)")
@@ -343,8 +346,9 @@ class RLConfig(Strict):
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update.")
-    packing: bool = Field(False, description="Sequence packing: no pad tokens in micro-batches (each micro-batch's "
-                                             "sequences run end to end in one row; docs/algorithms.md, Batching).")
+    packing: bool = Field(False, description="Sequence packing: no pad tokens in the policy's and the reference's "
+                                             "micro-batches (each micro-batch's sequences run end to end in one row; the "
+                                             "critic stays padded; docs/algorithms.md, Batching).")
     max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
                                 "most this many real (prompt + response) tokens each, balanced by Karmarkar-Karp; a "
@@ -383,6 +387,20 @@ class RLConfig(Strict):
         if self.n_samples == 1 and self.algorithm not in ("reinforce_plus_plus", "gae"):
             raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
                              "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus or gae")
+        return self
+
+    def policy_updates(self, steps: int) -> int:
+        """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
+        warm-up steps with ``algorithm: gae`` (the policy's schedule and version count these)."""
+        warmup = self.critic.warmup_steps if self.algorithm == "gae" else 0
+        return max(0, steps - warmup)
+
+    @model_validator(mode="after")
+    def _dynamic_sampling(self):
+        if self.dynamic_sampling.enabled and (self.n_samples == 1 or self.algorithm in ("gae", "reinforce_plus_plus")):
+            raise ValueError("rl.dynamic_sampling.enabled drops groups of equal rewards, which only group-baseline "
+                             f"estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline) with n_samples >= 2 "
+                             f"learn nothing from; here algorithm is {self.algorithm} and n_samples {self.n_samples}")
         return self
 
     @model_validator(mode="after")

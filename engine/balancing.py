@@ -123,6 +123,9 @@ def partition_sums(sizes: Sequence[int], parts: Sequence[Sequence[int]]) -> list
     return [sum(int(sizes[i]) for i in p) for p in parts]
 
 
+KK_ATTEMPTS = 4  # micro-batch counts tried with Karmarkar-Karp before first-fit decreasing
+
+
 def _first_fit_decreasing(values: list[int], budget: int) -> list[list[int]]:
     """Bin packing, first fit decreasing (Johnson 1973): each item, longest first, goes into
     the first micro-batch it fits in, else a new one. At most ``11/9 OPT + 6/9`` bins
@@ -143,10 +146,12 @@ def token_budget_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[
     """Group sequences into micro-batches of at most ``max_tokens`` real tokens each.
 
     A sequence longer than the budget forms a micro-batch of its own. The others are split
-    into as few micro-batches as the heuristics find, with balanced token counts: for
-    ``m = ceil(total / max_tokens)`` upward, the first :func:`karmarkar_karp` partition into
-    ``m`` parts that respects the budget; if none does before first-fit decreasing's count
-    (which always respects it), first-fit decreasing's micro-batches are used.
+    into as few micro-batches as the heuristics find, with balanced token counts: for ``m``
+    from a lower bound (``ceil(total / max_tokens)``, and at least one per sequence longer
+    than half the budget) upward, at most :data:`KK_ATTEMPTS` values, the first
+    :func:`karmarkar_karp` partition into ``m`` parts that respects the budget; if none does
+    before first-fit decreasing's count (which always respects it), first-fit decreasing's
+    micro-batches are used. Cost: ``O(KK_ATTEMPTS * B * m)``.
 
     Every index appears in exactly one micro-batch. Micro-batches come in the order of their
     smallest index, each sorted ascending. How the batch is split does not change the
@@ -175,7 +180,9 @@ def token_budget_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[
         sub = [values[i] for i in rest]
         ffd = _first_fit_decreasing(sub, max_tokens)
         groups = ffd
-        for m in range(math.ceil(sum(sub) / max_tokens), len(ffd)):
+        # no two sequences longer than half the budget can share a micro-batch
+        lower = max(math.ceil(sum(sub) / max_tokens), sum(2 * n > max_tokens for n in sub))
+        for m in range(lower, min(len(ffd), lower + KK_ATTEMPTS)):
             parts = [p for p in karmarkar_karp(sub, m) if p]
             if all(s <= max_tokens for s in partition_sums(sub, parts)):
                 groups = parts

@@ -23,7 +23,7 @@ import torch
 
 from config.schema import RLConfig
 from engine.algorithms import clipped_value_loss, global_norm, masked_sum
-from engine.types import Trajectory, pad_response_values
+from engine.types import Trajectory
 
 CRITIC_STATE_SUBDIR = "critic"
 
@@ -74,14 +74,22 @@ def response_values(values_of: Callable[[torch.Tensor], torch.Tensor], batch: Tr
 
 
 @torch.no_grad()
-def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batch_size: int) -> torch.Tensor:
-    """``[B, L]`` values (:func:`response_values`) of ``traj`` in micro-batches of
-    ``micro_batch_size`` rows, with ``model`` in eval mode (its mode is restored), 0 on padding."""
+def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batch_size: int,
+                            max_tokens: int | None = None) -> torch.Tensor:
+    """``[B, L]`` values (:func:`response_values`) of ``traj`` in the actor's micro-batches
+    (``micro_batch_size`` rows, or ``max_tokens`` real tokens each:
+    :func:`engine.actor_loss.micro_batch_rows`), with ``model`` in eval mode (its mode is
+    restored), 0 on padding."""
+    from engine.actor_loss import micro_batch_rows
+
     was_training = model.training
     model.eval()
-    out = [response_values(model, mb) * mb.response_valid for mb in traj.micro_batches(micro_batch_size)]
+    out = torch.zeros(traj.response_ids.shape)
+    for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
+        mb = traj.select(rows)
+        out[rows, : mb.response_ids.size(1)] = response_values(model, mb) * mb.response_valid
     model.train(was_training)
-    return pad_response_values(out, traj.response_ids.size(1))
+    return out
 
 
 # step(micro_batches, loss_fn) -> {"grad_norm", "lr", **loss metrics}: one optimizer step with
@@ -110,7 +118,9 @@ def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep) -> dict[str
     """
     if traj.values is None or traj.returns is None:
         raise ValueError("critic update: the trajectory has no values/returns (compute GAE first)")
-    micro = traj.micro_batches(cfg.micro_batch_size)
+    from engine.actor_loss import actor_micro_batches
+
+    micro = actor_micro_batches(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     norm = global_norm([mb.response_mask for mb in micro])
     clip = cfg.critic.cliprange_value
 
@@ -175,7 +185,7 @@ class CriticWorker:
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (see :func:`response_values`) in eval mode, 0 on padding."""
-        return compute_response_values(self.model, traj, self.cfg.micro_batch_size)
+        return compute_response_values(self.model, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def update(self, traj: Trajectory) -> dict[str, float]:
         """``cfg.ppo_epochs`` optimizer steps of the clipped value loss (:func:`critic_update`,

@@ -313,7 +313,7 @@ class DeepSpeedActorWorker:
         self.cfg = cfg
         self.seed = seed
         self.temperature = logit_temperature(cfg.rollout.temperature)
-        self.trainer = DeepSpeedTrainer(loaded.model, cfg.optim, cfg.steps * cfg.ppo_epochs, cfg.deepspeed,
+        self.trainer = DeepSpeedTrainer(loaded.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.deepspeed,
                                         cfg.micro_batch_size)
         self.engine, self.module = self.trainer.engine, self.trainer.module
         self.optimizer, self.scheduler = self.trainer.optimizer, self.trainer.scheduler

@@ -120,7 +120,7 @@ class DeepSpeedCriticWorker:
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (``engine.critic.response_values``) in eval mode, 0 on padding."""
-        return compute_response_values(self.engine, traj, self.cfg.micro_batch_size)
+        return compute_response_values(self.engine, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def update(self, traj: Trajectory) -> dict[str, float]:
         """``cfg.ppo_epochs`` optimizer steps of the clipped value loss

@@ -104,7 +104,8 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         write_metrics(out_dir / METRICS_FILE, history)
         sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
         asynchronous = cfg.engine.off_policy_steps > 0
-        version = start  # the policy version (steps whose update was applied) the rollout engine holds
+        # the policy version: updates applied so far (critic warm-up steps apply none), what the rollout engine holds
+        version = cfg.policy_updates(start)
         update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
         pad_id = pad_token_id(tokenizer)
         metrics: dict[str, float] = history[-1] if history else {}
@@ -122,15 +123,15 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             t_wait = time.perf_counter() - t_step  # the rollout's time on the critical path
             traj, t_logprobs = compute_logprobs(workers, traj)
             t0 = time.perf_counter()
-            traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl)
+            train_policy = cfg.policy_updates(step) > cfg.policy_updates(step - 1)  # false in the critic warm-up
+            traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl, adapt=train_policy)
             traj = compute_advantages(traj, cfg)
             t_adv = time.perf_counter() - t0
-            train_policy = workers.critic is None or step > cfg.critic.warmup_steps
             actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
             policy_version = version
             t_sync = 0.0
             if train_policy:
-                version = step
+                version += 1
                 t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
             timing = {"gen": t_gen, "reward": t_reward, **({"rollout_wait": t_wait} if asynchronous else {}),
                       **t_logprobs, "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
@@ -243,9 +244,19 @@ def check_checkpoint(resume_dir, identity: dict) -> int:
                          f"delete {resume_dir} to start this stage over") from exc
     saved = {k: state.get("extra", {}).get(k) for k in identity}
     if saved != identity:
-        raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({saved}); "
+        changed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in _differences(saved, identity)[:5])
+        raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({changed}); "
                          "use a fresh resume directory for this config")
     return int(state["step"])
+
+
+def _differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
+    """Dotted keys whose values differ between two nested dicts, with both values (config keys
+    under ``config`` are the ``rl`` section's, e.g. ``config.kl.coef``)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new), key=str)
+                for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
 
 
 def resume(workers: Workers, resume_dir, seed: int) -> tuple[int, DataPosition, list[dict]]:

@@ -203,10 +203,11 @@ def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
     return controller
 
 
-def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller) -> tuple[Trajectory, dict[str, float]]:
+def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool = True) -> tuple[Trajectory, dict[str, float]]:
     """With ``kl.in_reward``: token rewards ``r_t = score [t = last] - coef * KL_t`` (InstructGPT's
     penalty, ``engine.algorithms.apply_kl_penalty``), then the controller's update with the
-    batch's mean sequence KL. Otherwise the trajectory is returned unchanged.
+    batch's mean sequence KL (skipped when ``adapt`` is false: the critic warm-up, where the
+    policy does not move). Otherwise the trajectory is returned unchanged.
 
     Returns: ``(trajectory, metrics)`` with ``actor/reward_kl_penalty`` (mean sequence KL, nats)
         and ``actor/reward_kl_coef`` (the coefficient used) when the penalty is on.
@@ -216,7 +217,8 @@ def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller) -> tuple[Traj
     coef = controller.value
     token_rewards, seq_kl = apply_kl_penalty(traj.rewards, traj.old_logprobs, traj.ref_logprobs, traj.response_mask,
                                              coef, cfg.kl.estimator)
-    controller.update(float(seq_kl.mean()), len(traj))
+    if adapt:
+        controller.update(float(seq_kl.mean()), len(traj))
     return traj.with_(token_rewards=token_rewards), {"actor/reward_kl_penalty": float(seq_kl.mean()),
                                                      "actor/reward_kl_coef": coef}
 

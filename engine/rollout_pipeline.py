@@ -40,19 +40,25 @@ class RolloutPipeline(Generic[R]):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if ahead else None
         self._pending: dict[int, Future] = {}
         self._next_submit: int | None = None
+        self._taken: int | None = None
+        self._closed = False
 
     def get(self, step: int) -> R:
         """Step ``step``'s rollout; first starts those of steps ``step + 1 .. step + ahead``
         (up to ``last_step``) behind it. Steps must be asked for in increasing order.
 
-        Raises: whatever ``produce`` raised for this step; RuntimeError when a step is skipped.
+        Raises: whatever ``produce`` raised for this step; RuntimeError when a step is asked
+            for out of order (not the one after the previous) or after :meth:`close`.
         """
+        if self._closed:
+            raise RuntimeError("rollout pipeline: closed")
+        if self._taken is not None and step != self._taken + 1:
+            raise RuntimeError(f"rollout pipeline: asked for step {step} after step {self._taken}; steps go in order")
+        self._taken = step
         if self._executor is None:
             return self._produce(step)
         if self._next_submit is None:
             self._next_submit = step
-        if step not in self._pending and step < self._next_submit:
-            raise RuntimeError(f"rollout pipeline: step {step} was already taken")
         while self._next_submit <= min(step + self.ahead, self._last):
             self._pending[self._next_submit] = self._executor.submit(self._produce, self._next_submit)
             self._next_submit += 1
@@ -66,6 +72,7 @@ class RolloutPipeline(Generic[R]):
     def close(self) -> None:
         """Cancel rollouts that have not started; a running one finishes (or fails once its
         workers are stopped) on its own."""
+        self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._pending.clear()

@@ -48,7 +48,7 @@ class ActorWorker:
         self.model, self.hf_config, self.tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.cfg = cfg
         self.temperature = logit_temperature(cfg.rollout.temperature)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.steps * cfg.ppo_epochs)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs)
         self._bucket_server = None
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:

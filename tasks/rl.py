@@ -39,7 +39,7 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
 
 
 # Where the engine runs and how weights are chunked for sync: they do not change results.
-_NOT_FINGERPRINTED = {"engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb"}}
+_NOT_FINGERPRINTED = {"engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb", "weight_sync_timeout_s"}}
 
 SPEC = StageSpec(
     name="rl",

@@ -74,17 +74,19 @@ def _group_stats(scores: torch.Tensor, group_index: torch.Tensor):
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
     """``(v - mean) / (std + eps)`` with mean and unbiased std over the mask tokens; 0 on
-    padding. With ``shift_mean=False`` only the division is applied. Fewer than 2 tokens: 0.
+    padding (whatever it holds). With ``shift_mean=False`` only the division is applied.
+    Fewer than 2 tokens: 0. The result has ``values``' dtype (computed in float64).
     Shapes: ``values``, ``mask`` ``[B, L]``; returns ``[B, L]``. PPO whitens its GAE
     advantages over the batch this way (verl ``masked_whiten``; OpenAI baselines PPO2)."""
-    m = mask.double()
-    n = m.sum()
+    keep = mask.bool()
+    n = int(keep.sum())
     if n < 2:
         return torch.zeros_like(values)
-    mean = (values * m).sum() / n
-    std = torch.sqrt((((values - mean) * m) ** 2).sum() / (n - 1))
-    centered = values - mean if shift_mean else values
-    return centered / (std + eps) * m
+    v = torch.where(keep, values.double(), 0.0)  # padding never enters, even when it holds NaN
+    mean = v.sum() / n
+    std = torch.sqrt((torch.where(keep, v - mean, 0.0) ** 2).sum() / (n - 1))
+    centered = v - mean if shift_mean else v
+    return torch.where(keep, centered / (std + eps), 0.0).to(values.dtype)
 
 
 def _finish(adv: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

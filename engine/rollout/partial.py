@@ -44,11 +44,10 @@ class WeightGate:
         Raises: TimeoutError when the chunk does not end within ``timeout_s``; RuntimeError
             when an update is already open.
         """
+        if self._updating:
+            raise RuntimeError("weight update: begin_update called twice without end_update")
         if not self._lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
             raise TimeoutError(f"weight update: generation did not pause within {timeout_s} s")
-        if self._updating:
-            self._lock.release()
-            raise RuntimeError("weight update: begin_update called twice without end_update")
         self._updating = True
 
     def end_update(self, version: int) -> None:

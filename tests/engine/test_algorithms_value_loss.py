@@ -71,3 +71,11 @@ def test_gae_config_rules():
         RLConfig(algorithm="grpo", n_samples=1)
     with pytest.raises(ValueError, match="rl.critic.warmup_steps"):
         RLConfig(algorithm="gae", steps=3, critic=CriticConfig(warmup_steps=3))
+    with pytest.raises(ValueError, match="rl.dynamic_sampling.enabled drops groups"):
+        RLConfig(algorithm="gae", n_samples=4, dynamic_sampling={"enabled": True})
+    with pytest.raises(ValueError, match="n_samples 1"):
+        RLConfig(algorithm="reinforce_plus_plus", n_samples=1, dynamic_sampling={"enabled": True})
+    # the critic warm-up updates no policy: the policy's schedule and version count the rest
+    cfg = RLConfig(algorithm="gae", steps=10, critic=CriticConfig(warmup_steps=4))
+    assert [cfg.policy_updates(s) for s in (0, 3, 4, 5, 10)] == [0, 0, 0, 1, 6]
+    assert RLConfig(steps=10, critic=CriticConfig(warmup_steps=4)).policy_updates(10) == 10  # grpo: no critic

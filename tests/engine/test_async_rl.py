@@ -25,6 +25,11 @@ def test_async_config_rules():
         EngineConfig(off_policy_steps=1)
     with pytest.raises(ValueError, match="partial_rollout_chunk_tokens needs rl.engine.off_policy_steps"):
         EngineConfig(placement="disaggregated", partial_rollout_chunk_tokens=4)
+    with pytest.raises(ValueError, match="rollout_cpus=2.0 must leave training part of rl.engine.num_cpus=2"):
+        EngineConfig(placement="disaggregated", num_cpus=2, rollout_cpus=2)
+    for bad in (float("inf"), 1e12):
+        with pytest.raises(ValueError, match="weight_sync_timeout_s"):
+            EngineConfig(weight_sync_timeout_s=bad)
     with pytest.raises(ValueError, match="not supported with rl.environment"):
         RLConfig(engine=engine_config(off_policy_steps=1), environment="tests.engine.multi_turn_env_example:make")
 

@@ -102,6 +102,8 @@ def test_weight_gate_waits_for_the_running_chunk():
     assert gate.updating
     with pytest.raises(RuntimeError, match="twice"):
         gate.begin_update(timeout_s=0.2)
+    with pytest.raises(RuntimeError, match="twice"):
+        gate.begin_update()  # no timeout: still an error, not a wait forever
     done = []
     waiting = threading.Thread(target=lambda: (gate.__enter__(), done.append(gate.version), gate.__exit__()))
     waiting.start()

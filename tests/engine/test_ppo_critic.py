@@ -54,6 +54,8 @@ def test_critic_values_are_read_before_each_response_token(policy):
         assert torch.all(values[b, n:] == 0)
     critic.cfg = ppo_config(1, micro_batch_size=16)
     torch.testing.assert_close(critic.compute_values(traj), values, rtol=0, atol=1e-6)
+    critic.cfg = ppo_config(1, max_tokens_per_micro_batch=40)  # rows regrouped by tokens, scattered back in place
+    torch.testing.assert_close(critic.compute_values(traj), values, rtol=0, atol=1e-6)
 
 
 def test_critic_update_fits_the_returns_and_ignores_the_split(policy):

@@ -47,8 +47,10 @@ def test_a_failed_rollout_raises_at_its_step():
     assert pipe.get(1) == 1
     with pytest.raises(RuntimeError, match="rollout worker died"):
         pipe.get(2)
-    with pytest.raises(RuntimeError, match="step 1 was already taken"):
+    with pytest.raises(RuntimeError, match="asked for step 1 after step 2; steps go in order"):
         pipe.get(1)
     pipe.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.get(3)
     with pytest.raises(ValueError, match="off_policy_steps must be >= 0"):
         RolloutPipeline(produce, 3, ahead=-1)
