@@ -130,6 +130,12 @@ class OptimConfig(Strict):
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient L2 norm to this value.")
 
 
+class RLOptimConfig(OptimConfig):
+    """AdamW with linear warm-up and cosine decay, at an RL-sized default learning rate."""
+
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+
+
 class SFTConfig(Strict):
     """Supervised fine-tuning (stage sft)."""
 
@@ -315,7 +321,7 @@ class KLConfig(Strict):
 class CriticConfig(Strict):
     """The PPO critic (rl.algorithm: gae): a value head on a copy of the starting policy."""
 
-    optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Critic optimizer and schedule.")
+    optim: RLOptimConfig = Field(RLOptimConfig(), description="Critic optimizer and schedule.")
     cliprange_value: float = Field(0.5, gt=0, allow_inf_nan=False,
                                    description="Clipped value loss: how far one update may move a value from the "
                                                "rollout's, in reward units (verl's default 0.5).")
@@ -345,7 +351,8 @@ class RLConfig(Strict):
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update.")
+    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update, the log-prob "
+                                                            "passes and the critic; unused when max_tokens_per_micro_batch is set.")
     packing: bool = Field(False, description="Sequence packing: no pad tokens in the policy's and the reference's "
                                              "micro-batches (each micro-batch's sequences run end to end in one row; the "
                                              "critic stays padded; docs/algorithms.md, Batching).")
@@ -367,7 +374,7 @@ class RLConfig(Strict):
     critic: CriticConfig = Field(CriticConfig(), description="PPO critic; used only with algorithm gae.")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description="DAPO dynamic sampling.")
-    optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Policy optimizer and schedule.")
+    optim: RLOptimConfig = Field(RLOptimConfig(), description="Policy optimizer and schedule.")
     backend: Literal["megatron", "deepspeed"] = Field(
         "megatron", description="Actor and critic training backend: megatron-core GPTModel with the repository's optimizer step, "
                                 "or an HF transformers model trained by DeepSpeed (rl.deepspeed).")
