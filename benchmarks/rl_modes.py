@@ -4,6 +4,8 @@ Runs the quickstart's RL section (configs/quickstart.yaml) from the same SFT pol
 
 - ``colocated``: GRPO, one shared bundle, synchronous (the shipped setting);
 - ``async``: GRPO, disaggregated bundles, one step off-policy with partial rollouts;
+- ``async_tis``: the same with truncated importance sampling (``rl.tis_cap: 2``) correcting
+  for the stale sampling policy;
 - ``ppo``: PPO with a critic (``rl.algorithm: gae``), colocated.
 
 Each trained policy and the SFT policy are then evaluated on the same held-out prompts
@@ -32,14 +34,16 @@ def mode_config(base: RLConfig, mode: str, steps: int) -> RLConfig:
     """The quickstart ``rl`` section adapted to ``mode`` (colocated | async | ppo)."""
     engine = base.engine.model_dump()
     update: dict = {"steps": steps}
-    if mode == "async":
+    if mode in ("async", "async_tis"):
         update["engine"] = EngineConfig(**{**engine, "placement": "disaggregated", "rollout_cpus": 1,
                                            "off_policy_steps": 1, "partial_rollout_chunk_tokens": 2})
+        if mode == "async_tis":  # weight stale tokens by p_trainer / p_rollout (AReaL's decoupled PPO), capped
+            update["tis_cap"] = 2.0
     elif mode == "ppo":
         update |= {"algorithm": "gae", "kl": base.kl.model_copy(update={"coef": 0.01, "in_reward": True}),
                    "critic": CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=5), lam=1.0, warmup_steps=5)}
     elif mode != "colocated":
-        raise ValueError(f"unknown mode {mode!r}; expected colocated, async or ppo")
+        raise ValueError(f"unknown mode {mode!r}; expected colocated, async, async_tis or ppo")
     return RLConfig.model_validate({**base.model_dump(), **{k: v.model_dump() if hasattr(v, "model_dump") else v
                                                             for k, v in update.items()}})
 
