@@ -135,6 +135,12 @@ class RLOptimConfig(OptimConfig):
 
     lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_optim_config(cls, value):
+        # an OptimConfig given in code keeps every value it holds, its lr included
+        return value.model_dump() if isinstance(value, OptimConfig) else value
+
 
 class SFTConfig(Strict):
     """Supervised fine-tuning (stage sft)."""

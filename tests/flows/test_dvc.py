@@ -234,7 +234,9 @@ def _alternatives(value, ann) -> list:
 
 # Keys valid only together with others (cross-key checks of the schema).
 COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
-              ("rl", "max_turns"): {"environment": "my_module:factory"}}
+              ("rl", "max_turns"): {"environment": "my_module:factory"},
+              ("rl", "engine", "off_policy_steps"): {"placement": "disaggregated"},
+              ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1}}
 
 
 def _with(raw: dict, path: tuple[str, ...], value) -> PipelineConfig | None:
