@@ -138,16 +138,15 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     ``engine.rl_step.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
     import ray
 
-    from config.schema import RLConfig, RolloutConfig
+    from config.schema import RLConfig
     from engine.batching import pad_token_id
     from engine.model_dir import load_tokenizer, read_hf_config
     from engine.ray_cluster import colocated_placement, init_ray, shutdown_ray
     from engine.rl_step import RLPrompt, Workers, generate
     from engine.workers import RolloutWorker, spawn
 
-    cfg = RLConfig(n_samples=samples, prompts_per_step=len(prompts),
-                   rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=tokens,
-                                         gpu_memory_utilization=GPU_MEMORY_UTILIZATION))
+    cfg = RLConfig.model_validate({"n_samples": samples, "prompts_per_step": len(prompts), "rollout": {
+        "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION}})
     batch = [RLPrompt([], "", p) for p in prompts]
     pad_id = pad_token_id(load_tokenizer(model_dir))
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)

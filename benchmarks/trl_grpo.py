@@ -99,9 +99,10 @@ def summarize(records: list[StepRecord], skip_first: int = 1, reward_window: int
         skip_first: steps left out of the timing (kept when that would leave none).
         reward_window: the reward is the mean over the last this many steps.
 
-    Returns: ``s_per_step`` (mean over the timed steps), ``gen_tok_s`` and ``train_tok_s``
-        (the timed steps' tokens over their total seconds), ``reward_last`` and
-        ``timed_steps``.
+    Returns: ``s_per_step`` (mean over the timed steps) and ``s_per_step_median`` (their
+        median, less moved by a burst of other work on a shared machine), ``gen_tok_s`` and
+        ``train_tok_s`` (the timed steps' tokens over their total seconds), ``reward_last``
+        and ``timed_steps``.
 
     Raises:
         ValueError: no records.
@@ -112,6 +113,7 @@ def summarize(records: list[StepRecord], skip_first: int = 1, reward_window: int
     seconds = sum(r.seconds for r in timed)
     return {
         "s_per_step": seconds / len(timed),
+        "s_per_step_median": statistics.median(r.seconds for r in timed),
         "gen_tok_s": sum(r.generated_tokens for r in timed) / seconds,
         "train_tok_s": sum(r.trained_tokens for r in timed) / seconds,
         "reward_last": statistics.fmean(r.reward for r in records[-reward_window:]),
@@ -172,18 +174,19 @@ def _stale(hf_dir: Path, source: Path) -> bool:
 
 def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int) -> dict:
     """``engine.rl.run_rl`` for ``steps`` steps; per-step records and the wall time of the call."""
-    from config.schema import KLConfig, OptimConfig, RewardConfig, RLConfig, RolloutConfig
+    from config.schema import RLConfig
     from engine.ray_cluster import shutdown_ray
     from engine.rl import run_rl
 
     s = SETTINGS[size]
-    cfg = RLConfig(
-        algorithm="grpo", steps=steps, prompts_per_step=s.prompts_per_step, n_samples=s.n_samples,
-        micro_batch_size=s.micro_batch_size, clip_ratio=0.2, kl=KLConfig(coef=0.0),
-        optim=OptimConfig(lr=s.lr, warmup_steps=s.warmup_steps, grad_clip=1.0), checkpoint_every=steps,
-        rollout=RolloutConfig(backend="vllm", temperature=s.temperature, max_new_tokens=s.max_new_tokens),
-        reward=RewardConfig(verifier="exact_match"),
-    )
+    # the `rl:` section as a config file would give it
+    cfg = RLConfig.model_validate({
+        "algorithm": "grpo", "steps": steps, "prompts_per_step": s.prompts_per_step, "n_samples": s.n_samples,
+        "micro_batch_size": s.micro_batch_size, "clip_ratio": 0.2, "kl": {"coef": 0.0},
+        "optim": {"lr": s.lr, "warmup_steps": s.warmup_steps, "grad_clip": 1.0}, "checkpoint_every": steps,
+        "rollout": {"backend": "vllm", "temperature": s.temperature, "max_new_tokens": s.max_new_tokens},
+        "reward": {"verifier": "exact_match"},
+    })
     out_dir = WORK_DIR / "trl_grpo" / size / "engine"
     shutil.rmtree(out_dir, ignore_errors=True)
     history: list[dict] = []
@@ -311,17 +314,18 @@ def _child(side: str, size: str, paths: dict[str, Path], args) -> dict:
 
 def render(rows: list[dict]) -> str:
     """The results table: per size, the engine, TRL and engine/TRL rows."""
-    head = ("size", "side", "s/step", "generated tok/s", "trained tok/s", "reward (last steps)", "timed steps")
+    head = ("size", "side", "s/step", "s/step median", "generated tok/s", "trained tok/s", "reward (last steps)",
+            "timed steps")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         for side in SIDES:
             m = r[side]
-            lines.append(f"| {r['size']} | {side} | {m['s_per_step']:.2f} | {m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} "
-                         f"| {m['reward_last']:.3f} | {m['timed_steps']:.0f} |")
+            lines.append(f"| {r['size']} | {side} | {m['s_per_step']:.2f} | {m['s_per_step_median']:.2f} | "
+                         f"{m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} | {m['reward_last']:.3f} | {m['timed_steps']:.0f} |")
         e, t = r["engine"], r["trl"]
         lines.append(f"| {r['size']} | engine/TRL | {e['s_per_step'] / t['s_per_step']:.2f} | "
-                     f"{e['gen_tok_s'] / t['gen_tok_s']:.2f} | {e['train_tok_s'] / t['train_tok_s']:.2f} | "
-                     f"{e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
+                     f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
+                     f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ def test_summarize_leaves_the_first_step_out_of_the_timing_and_averages_the_last
     s = summarize(records, skip_first=1, reward_window=2)
     assert s["timed_steps"] == 3
     assert s["s_per_step"] == pytest.approx(10.0 / 3)
+    assert s["s_per_step_median"] == 3.0
     assert s["gen_tok_s"] == pytest.approx(200 / 10.0)  # (40 + 60 + 100) tokens over 2 + 3 + 5 s
     assert s["train_tok_s"] == pytest.approx(600 / 10.0)
     assert s["reward_last"] == pytest.approx(0.75)  # mean of the last two steps
