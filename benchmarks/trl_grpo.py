@@ -34,7 +34,11 @@ Per step: seconds (the engine's ``timing_s/step``; for TRL the time between cons
 batch, padding excluded) and the mean reward of the step's responses. The summary leaves
 the first step out of the timing (start-up work lands in it) and averages the reward over
 the last ``--reward-window`` steps. Ratios are engine / TRL: above 1 means the engine is
-faster (seconds per step: below 1).
+faster (seconds per step: below 1). Each side also prints its mean phase times over the
+timed steps: the engine's ``timing_s/*`` metrics (``old_log_prob`` and ``ref`` run at the same
+time, so they overlap), and for TRL ``gen`` (step start until the reward function is called:
+tokenization, generation, decoding) and ``rest`` (scoring, advantages, the forward and
+backward passes, the optimizer step, logging).
 """
 
 from __future__ import annotations
@@ -223,9 +227,11 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
     eos_ids = {tokenizer.eos_token_id}
     generated: list[int] = []
     rewards: list[float] = []
+    to_reward: list[float] = []
 
     def exact_match_reward(prompts, completions, completion_ids, label, **kwargs) -> list[float]:
         """The engine's reward worker's score: the verifier on the decoded response text."""
+        to_reward.append(time.perf_counter() - clock.step_start)  # tokenize + generate + decode
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         finish = ["stop" if ids and ids[-1] in eos_ids else "length" for ids in completion_ids]
         scores = [float(verifier(t, lab, f)) for t, lab, f in zip(texts, label, finish)]
@@ -237,12 +243,15 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
         """Wall time of each optimizer step and the running token total TRL logs."""
 
         def __init__(self):
-            self.last = 0.0
+            self.last = self.step_start = 0.0
             self.seconds: list[float] = []
             self.num_tokens: list[float] = []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.step_start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
@@ -293,7 +302,10 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
         raise RuntimeError(f"TRL generation {generation!r} did not run every response to {s.max_new_tokens} tokens "
                            f"(generated per step: {generated}); use --trl-generation generate")
     records = [StepRecord(sec, gen, round(tr), r) for sec, gen, tr, r in zip(clock.seconds, generated, trained, rewards)]
-    return {"records": [asdict(r) for r in records], "wall_s": wall}
+    timed = slice(1, None) if steps > 1 else slice(None)
+    gen = statistics.fmean(to_reward[timed])
+    phases = {"gen": gen, "rest": statistics.fmean(clock.seconds[timed]) - gen}
+    return {"records": [asdict(r) for r in records], "wall_s": wall, "phases_s": phases}
 
 
 # ----------------------------------------------------------------------------- driver

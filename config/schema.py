@@ -402,6 +402,21 @@ class RLConfig(Strict):
                              "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus or gae")
         return self
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run needs the frozen reference policy: only for a KL term
+        (``kl.coef > 0``, loss or reward). Without one no reference model is loaded and
+        ``actor/kl_loss`` is not logged (verl starts no reference worker then either)."""
+        return self.kl.coef > 0
+
+    @property
+    def precomputes_old_logprobs(self) -> bool:
+        """Whether the old log-probs get their own forward pass before the update: only for
+        the KL reward penalty (``kl.in_reward``), which needs them before the advantages.
+        Otherwise the update's first forward, at the same weights, gives them
+        (``engine.actor_loss.actor_update``)."""
+        return self.kl.in_reward and self.kl.coef > 0
+
     def policy_updates(self, steps: int) -> int:
         """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
         warm-up steps with ``algorithm: gae`` (the policy's schedule and version count these)."""

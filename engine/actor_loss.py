@@ -10,11 +10,14 @@ is right-padded or packed (``rl.packing``, ``engine.packing``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from config.schema import RLConfig
 from engine.algorithms import (
-    GlobalNorm, aggregate_loss, entropy_bonus, entropy_from_logits, get_kl_estimator, get_policy_loss,
+    GlobalNorm, aggregate_loss, entropy_bonus, entropy_from_logits, get_kl_estimator, get_policy_loss, global_norm,
     logprobs_from_logits, masked_sum,
 )
 from engine.types import Trajectory
@@ -170,8 +173,13 @@ def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: floa
     return out
 
 
-def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
+def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured: dict[int, torch.Tensor] | None = None):
     """The per-micro-batch actor loss for :func:`engine.train_step.train_step` (``normalized=True``).
+
+    A micro-batch without ``old_logprobs`` is on-policy: its old log-probs are this forward's
+    own, detached (the ratio is exactly 1 and its gradient is ``grad log pi``, the
+    policy-gradient estimator; TRL's ``GRPOTrainer`` does the same when each batch is used for
+    one optimizer step). They are stored in ``captured`` under ``id(micro_batch)``.
 
     Per micro-batch: ``pg_loss`` of ``cfg.policy_loss`` (PPO clip or GSPO, with clip-higher,
     dual-clip and TIS as configured) ``+ kl.coef * aggregate(KL_t)`` when the KL is a loss
@@ -186,7 +194,8 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
         ``pg_loss`` (scaled so that train_step's token-weighted mean is the batch's pg_loss), ``pg_clipfrac``, ``pg_clipfrac_lower``,
         ``ppo_kl``, ``entropy``, ``kl_loss`` (the KL estimate, also when it only is measured).
 
-    Raises (from the returned function): ValueError when ``old_logprobs`` are missing.
+    Raises (from the returned function): ValueError when ``old_logprobs`` are missing and
+        there is no ``captured`` to put them in.
     """
     policy_loss = get_policy_loss(cfg.policy_loss)
     kl_estimate = get_kl_estimator(cfg.kl.estimator)
@@ -195,12 +204,15 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
             "clip_ratio_c": cfg.clip_ratio_c, "tis_cap": cfg.tis_cap}
 
     def loss_fn(model: torch.nn.Module, mb: Trajectory):
-        if mb.old_logprobs is None:
+        if mb.old_logprobs is None and captured is None:
             raise ValueError("actor loss: the trajectory has no old_logprobs")
         mask = mb.response_mask
         logprobs, entropy = response_logprobs(model, mb, temperature, cfg.packing, entropy=True,
                                               entropy_grad=cfg.entropy_coef > 0)
-        pg = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, cfg.clip_ratio,
+        old_logprobs = mb.old_logprobs
+        if old_logprobs is None:
+            old_logprobs = captured[id(mb)] = (logprobs.detach() * mb.response_valid).float()
+        pg = policy_loss(logprobs, old_logprobs, mb.advantages, mask, cfg.clip_ratio,
                          rollout_logprobs=mb.rollout_logprobs, loss_agg_mode=cfg.loss_agg_mode, norm=norm, **clip)
         loss = pg.pg_loss
         if cfg.entropy_coef > 0:
@@ -219,8 +231,66 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm):
             "pg_clipfrac_lower": float(pg.pg_clipfrac_lower),
             "ppo_kl": float(pg.ppo_kl),
             "entropy": float(masked_sum(entropy.detach(), mask)) / n,
-            "kl_loss": float(masked_sum(kl.detach(), mask)) / n,
+            **({"kl_loss": float(masked_sum(kl.detach(), mask)) / n} if mb.ref_logprobs is not None else {}),
         }
         return loss, int(units), metrics
 
     return loss_fn
+
+
+ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
+
+
+@dataclass(frozen=True)
+class ActorUpdate:
+    """What an actor update returns.
+
+    Attributes:
+        metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
+            ``actor/ppo_kl``, ``actor/entropy``, ``actor/grad_norm``, ``actor/lr`` (means over
+            the epochs), and ``actor/kl_loss`` when the batch has reference log-probs.
+        old_logprobs: FloatTensor ``[B, L]`` (0 on padding): the old log-probs the loss used,
+            the batch's own or, for an on-policy batch, those of the first epoch's forward.
+    """
+
+    metrics: dict[str, float]
+    old_logprobs: torch.Tensor
+
+
+def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable) -> ActorUpdate:
+    """``cfg.ppo_epochs`` optimizer steps on the whole batch in the micro-batches of
+    :func:`actor_micro_batches`, the loss of :func:`actor_loss_fn` normalised by the whole
+    batch (:func:`engine.algorithms.global_norm`), so neither the split nor packing changes
+    the loss or the gradients.
+
+    Without ``traj.old_logprobs`` the batch is on-policy (sampled by the weights being
+    trained): the first epoch's forward gives the old log-probs, detached, and later epochs
+    use those (the PPO ratio is measured from the pre-update policy), which saves the
+    separate forward pass verl and OpenRLHF make before the update.
+
+    Args:
+        traj: the batch with ``advantages`` (and ``ref_logprobs`` for a KL term).
+        cfg: the ``rl`` section (micro-batching, loss settings, ``ppo_epochs``).
+        temperature: the logit temperature (:func:`logit_temperature`).
+        step: ``step(micro_batches, loss_fn) -> metrics``: one optimizer step of a backend
+            (``engine.train_step.train_step`` or the DeepSpeed trainer's).
+
+    Raises: ValueError as :func:`micro_batch_rows`, or when the batch has no loss tokens.
+    """
+    rows = micro_batch_rows(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
+    micro = [traj.select(r) for r in rows]
+    norm = global_norm([mb.response_mask for mb in micro], max_response_length=cfg.rollout.max_new_tokens)
+    captured: dict[int, torch.Tensor] | None = {} if traj.old_logprobs is None else None
+    loss_fn = actor_loss_fn(cfg, temperature, norm, captured)
+    epochs = []
+    for _ in range(cfg.ppo_epochs):
+        epochs.append(step(micro, loss_fn))
+        if captured:  # later epochs keep the pre-update log-probs
+            micro = [mb.with_(old_logprobs=captured.pop(id(mb))) for mb in micro]
+    old = traj.old_logprobs
+    if old is None:
+        old = torch.zeros(traj.response_ids.shape)
+        for r, mb in zip(rows, micro):
+            old[r, : mb.old_logprobs.size(1)] = mb.old_logprobs
+    keys = [k for k in ACTOR_METRICS if k in epochs[0]]
+    return ActorUpdate({f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}, old)

@@ -37,8 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from config.schema import DeepSpeedConfig, OptimConfig, RLConfig
-from engine.actor_loss import actor_loss_fn, actor_micro_batches, compute_logprobs, logit_temperature
-from engine.algorithms import global_norm
+from engine.actor_loss import ActorUpdate, actor_update, compute_logprobs, logit_temperature
 from engine.types import Trajectory
 
 # train_state.pt's ``extra`` key recording which backend (and ZeRO stage) wrote the state:
@@ -329,27 +328,19 @@ class DeepSpeedActorWorker:
         return compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
                                 self.cfg.max_tokens_per_micro_batch)
 
-    def update(self, traj: Trajectory) -> dict[str, float]:
-        """``cfg.ppo_epochs`` optimizer steps on the whole batch, each over the micro-batches
-        of :func:`engine.actor_loss.actor_micro_batches` (:meth:`DeepSpeedTrainer.train_step`).
+    def update(self, traj: Trajectory) -> ActorUpdate:
+        """``cfg.ppo_epochs`` optimizer steps on the whole batch
+        (:func:`engine.actor_loss.actor_update` with :meth:`DeepSpeedTrainer.train_step`), as
+        :meth:`engine.workers.ActorWorker.update`; without ``traj.old_logprobs`` the batch is
+        on-policy and the update's first forward gives them.
 
-        Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
-
-        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
-            ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
-            ``actor/lr``: means over the epochs (as :meth:`engine.workers.ActorWorker.update`).
+        Returns: :class:`engine.actor_loss.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
 
         Raises:
-            ValueError: no ``old_logprobs``, or the batch has no loss tokens.
+            ValueError: the batch has no loss tokens.
             FloatingPointError: a non-finite gradient norm (that step is not taken).
         """
-        micro = actor_micro_batches(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
-        # normalisers of the whole batch, so the loss does not depend on the micro-batch split
-        norm = global_norm([mb.response_mask for mb in micro], max_response_length=self.cfg.rollout.max_new_tokens)
-        loss_fn = actor_loss_fn(self.cfg, self.temperature, norm)
-        epochs = [self.trainer.train_step(micro, loss_fn) for _ in range(self.cfg.ppo_epochs)]
-        keys = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
-        return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+        return actor_update(traj, self.cfg, self.temperature, self.trainer.train_step)
 
     # ------------------------------------------------------------------ weights out
 

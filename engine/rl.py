@@ -1,9 +1,9 @@
 """The RL outer loop (GRPO and its relatives) on Ray; the phases are in ``engine.rl_step``.
 
 Per step: sample prompts -> rollout ``n_samples`` each -> rewards (with DAPO dynamic
-sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> old and
-reference log-probs (and the critic's values with ``rl.algorithm: gae``, PPO) -> KL reward
-penalty (if ``kl.in_reward``) -> advantages (``rl.algorithm``) -> critic update (PPO) ->
+sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> reference
+log-probs (with a KL term), old log-probs (for the KL reward penalty) and the critic's values
+(``rl.algorithm: gae``, PPO) -> KL reward penalty (if ``kl.in_reward``) -> advantages (``rl.algorithm``) -> critic update (PPO) ->
 policy update -> push weights to the rollout engine -> metrics ->
 checkpoint every ``checkpoint_every`` steps. With ``rl.environment`` the rollout is
 multi-turn and the environment scores it (no reward worker is started; ``engine.environment``).
@@ -11,9 +11,11 @@ A run whose ``resume_dir`` holds a
 checkpoint continues after it (weights, AdamW state, schedule, data position, RNG and the
 metrics so far), ending with the same weights as an uninterrupted run.
 
-The PPO ratio's "old" log-probs are recomputed by the trainer before the update (as verl
-does), not taken from the rollout engine; ``rollout_vs_trainer/logprob_diff_max`` watches how
-far the two disagree (fp32 noise when weight sync works).
+The PPO ratio's "old" log-probs are the trainer's, not the rollout engine's: computed in a
+pass before the update when the KL reward penalty needs them (as verl always does), otherwise
+taken from the update's own first forward at the same weights (as TRL does), which saves a
+forward pass per step; ``rollout_vs_trainer/logprob_diff_max`` watches how far the trainer's
+and the rollout engine's disagree (fp32 noise when weight sync works).
 """
 
 from __future__ import annotations
@@ -121,20 +123,20 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             t_step = time.perf_counter()
             (traj, reward_metrics, t_gen, t_reward), data_position = pipeline.get(step)
             t_wait = time.perf_counter() - t_step  # the rollout's time on the critical path
-            traj, t_logprobs = compute_logprobs(workers, traj)
+            traj, t_logprobs = compute_logprobs(workers, traj, old=cfg.precomputes_old_logprobs)
             t0 = time.perf_counter()
             train_policy = cfg.policy_updates(step) > cfg.policy_updates(step - 1)  # false in the critic warm-up
             traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl, adapt=train_policy)
             traj = compute_advantages(traj, cfg)
             t_adv = time.perf_counter() - t0
-            actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
+            traj, actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
             policy_version = version
             t_sync = 0.0
             if train_policy:
                 version += 1
                 t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
             timing = {"gen": t_gen, "reward": t_reward, **({"rollout_wait": t_wait} if asynchronous else {}),
-                      **t_logprobs, "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
+                      "old_log_prob": 0.0, "ref": 0.0, **t_logprobs, "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
                       "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
             metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing, policy_version)
             history.append(metrics)
@@ -192,7 +194,8 @@ def make_placement(cfg: RLConfig):
     training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated)."""
     from engine.ray_cluster import colocated_placement, disaggregated_placement
 
-    train_workers = 3 + (cfg.algorithm == "gae") - (cfg.environment is not None)  # actor, reference, reward, critic
+    # actor, reference, reward, critic
+    train_workers = 2 + cfg.uses_reference + (cfg.algorithm == "gae") - (cfg.environment is not None)
     if cfg.engine.placement == "disaggregated":
         return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus)
     return colocated_placement(num_workers=train_workers + 1, num_cpus=cfg.engine.num_cpus)
@@ -201,8 +204,9 @@ def make_placement(cfg: RLConfig):
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
     threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
     actor = spawn(actor_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads)
-    reference = spawn(ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads,
-                      packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+    reference = None if not cfg.uses_reference else spawn(  # only a KL term needs the reference
+        ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads,
+        packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
     # asynchronous: a weight update's calls must reach the rollout worker while it generates
     rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
                     rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1)

@@ -1,6 +1,6 @@
 """One RL step's phases, each a named call on the Ray workers (driven by ``engine.rl.run_rl``).
 
-rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs (and the
+rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs as needed (and the
 critic's values, PPO) -> KL reward penalty -> advantages -> critic update (PPO) -> actor
 update -> weight sync to the rollout engine -> metrics.
 With ``rl.environment`` the rollout is multi-turn and the environment's rewards replace the
@@ -41,7 +41,7 @@ class RLPrompt:
 class Workers:
     placement: Any
     actor: Any
-    reference: Any
+    reference: Any  # None without a KL term (RLConfig.uses_reference)
     rollout: Any
     reward: Any  # None with rl.environment (the environment gives the rewards)
     critic: Any = None  # PPO (rl.algorithm gae) only
@@ -169,16 +169,21 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
     return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
 
 
-def compute_logprobs(workers: Workers, traj: Trajectory) -> tuple[Trajectory, dict[str, float]]:
-    """Old (current policy, before the update) and reference log-probs, and with a critic its
-    values, computed concurrently.
+def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tuple[Trajectory, dict[str, float]]:
+    """What the update needs before it runs, computed concurrently: the old log-probs
+    (current policy, before the update) when ``old``, the reference log-probs when the run
+    has a reference worker, and with a critic its values. Without old log-probs the actor
+    update takes them from its own first forward (``engine.actor_loss.actor_update``).
 
-    Returns: the trajectory with them, and ``{"old_log_prob": s, "ref": s[, "values": s]}``:
-        the seconds from the start until each result was ready (they overlap).
+    Returns: the trajectory with them, and ``{"old_log_prob": s, "ref": s, "values": s}`` for
+        the passes that ran: the seconds from the start until each result was ready (they overlap).
     """
     t0 = time.perf_counter()
-    pending = {workers.actor.compute_logprobs.remote(traj): "old_log_prob",
-               workers.reference.compute_logprobs.remote(traj): "ref"}
+    pending = {}
+    if old:
+        pending[workers.actor.compute_logprobs.remote(traj)] = "old_log_prob"
+    if workers.reference is not None:
+        pending[workers.reference.compute_logprobs.remote(traj)] = "ref"
     if workers.critic is not None:
         pending[workers.critic.compute_values.remote(traj)] = "values"
     results, timing = {}, {}
@@ -187,7 +192,7 @@ def compute_logprobs(workers: Workers, traj: Trajectory) -> tuple[Trajectory, di
         name = pending.pop(done)
         results[name] = ray.get(done)
         timing[name] = time.perf_counter() - t0
-    return traj.with_(old_logprobs=results["old_log_prob"], ref_logprobs=results["ref"],
+    return traj.with_(old_logprobs=results.get("old_log_prob"), ref_logprobs=results.get("ref"),
                       values=results.get("values")), timing
 
 
@@ -250,15 +255,24 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
 
 def update_actor(workers: Workers, traj: Trajectory, train_policy: bool = True):
     """The critic's update (PPO), then the policy's (skipped while ``train_policy`` is false:
-    the critic warm-up). Returns ``(metrics, seconds of the critic update, seconds of the actor update)``."""
+    the critic warm-up).
+
+    Returns: ``(trajectory, metrics, seconds of the critic update, seconds of the actor
+        update)``; the trajectory has the old log-probs the actor update used (from its own
+        forward when it had none; a warm-up step without them computes them).
+    """
     metrics: dict[str, float] = {}
     t0 = time.perf_counter()
     if workers.critic is not None:
         metrics.update(ray.get(workers.critic.update.remote(traj)))
     t1 = time.perf_counter()
     if train_policy:
-        metrics.update(ray.get(workers.actor.update.remote(traj)))
-    return metrics, t1 - t0, time.perf_counter() - t1
+        update = ray.get(workers.actor.update.remote(traj))
+        metrics.update(update.metrics)
+        traj = traj.with_(old_logprobs=update.old_logprobs)
+    elif traj.old_logprobs is None:  # for the rollout-vs-trainer metric
+        traj = traj.with_(old_logprobs=ray.get(workers.actor.compute_logprobs.remote(traj)))
+    return traj, metrics, t1 - t0, time.perf_counter() - t1
 
 
 def update_weights(workers: Workers, timeout_s: float | None = None, version: int | None = None) -> float:

@@ -21,8 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from config.schema import RewardConfig, RLConfig, RolloutConfig
-from engine.actor_loss import actor_loss_fn, actor_micro_batches, compute_logprobs, logit_temperature
-from engine.algorithms import global_norm
+from engine.actor_loss import ActorUpdate, actor_update, compute_logprobs, logit_temperature
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.types import Trajectory
 
@@ -58,31 +57,24 @@ class ActorWorker:
         return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size,
                                 self.cfg.max_tokens_per_micro_batch, self.cfg.packing)
 
-    def update(self, traj: Trajectory) -> dict[str, float]:
-        """``cfg.ppo_epochs`` optimizer steps on the whole batch, each over micro-batches of
-        ``cfg.micro_batch_size`` responses, or of at most ``cfg.max_tokens_per_micro_batch``
-        real tokens when set (:func:`engine.actor_loss.micro_batch_rows`), each run packed when
-        ``cfg.packing`` (:func:`engine.train_step.train_step`). The split and the packing
-        change neither the loss nor the gradients (global normalisers).
+    def update(self, traj: Trajectory) -> ActorUpdate:
+        """``cfg.ppo_epochs`` optimizer steps on the whole batch
+        (:func:`engine.actor_loss.actor_update`: micro-batches of ``cfg.micro_batch_size``
+        responses or ``cfg.max_tokens_per_micro_batch`` real tokens, packed when
+        ``cfg.packing``, :func:`engine.train_step.train_step`). Without
+        ``traj.old_logprobs`` the batch is on-policy and the update's first forward gives them.
 
-        Needs ``traj.old_logprobs`` and ``traj.advantages`` (and ``ref_logprobs`` for the KL).
+        Needs ``traj.advantages`` (and ``ref_logprobs`` for the KL).
 
-        Returns: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
-            ``actor/ppo_kl``, ``actor/entropy``, ``actor/kl_loss``, ``actor/grad_norm``,
-            ``actor/lr``: means over the epochs.
+        Returns: :class:`engine.actor_loss.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
         """
         from engine.train_step import train_step
 
-        micro = actor_micro_batches(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
-        # normalisers of the whole batch, so the loss does not depend on the micro-batch split
-        norm = global_norm([mb.response_mask for mb in micro], max_response_length=self.cfg.rollout.max_new_tokens)
-        loss_fn = actor_loss_fn(self.cfg, self.temperature, norm)
-        epochs = [
-            train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip, normalized=True)
-            for _ in range(self.cfg.ppo_epochs)
-        ]
-        keys = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
-        return {f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}
+        def step(micro, loss_fn):
+            return train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip,
+                              normalized=True)
+
+        return actor_update(traj, self.cfg, self.temperature, step)
 
     def hf_bucket_plan(self):
         """How the policy's HF-named weights are cut for weight sync: an

@@ -129,7 +129,7 @@ def megatron_reference(policy) -> dict:
     traj = batch(policy["tokenizer"], seed=0)
     old = actor.compute_logprobs(traj)
     before = hf_weights(actor)
-    metrics = actor.update(with_targets(traj, old))
+    metrics = actor.update(with_targets(traj, old)).metrics
     return {"traj": traj, "old": old, "before": before, "metrics": metrics, "after": hf_weights(actor)}
 
 
@@ -192,7 +192,7 @@ def test_one_update_equals_the_megatron_actor(policy, megatron_reference, stage)
 
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
                                                                                "param_persistence_threshold": 0}))
-    metrics = ds.update(with_targets(megatron_reference["traj"], megatron_reference["old"]))
+    metrics = ds.update(with_targets(megatron_reference["traj"], megatron_reference["old"])).metrics
     ref = megatron_reference["metrics"]
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
         assert metrics[key] == pytest.approx(ref[key], abs=1e-6), key
@@ -282,7 +282,7 @@ def test_resume_continues_bit_for_bit(policy, tmp_path, stage):
     a.save_state(tmp_path, 1, DataPosition(0, 6, 0), {"note": "kept"})
     draw_a = torch.rand(4)
     old_a = a.compute_logprobs(second)
-    metrics_a = a.update(with_targets(second, old_a))
+    metrics_a = a.update(with_targets(second, old_a)).metrics
 
     b = DeepSpeedActorWorker(policy["dir"], cfg)
     step, position, extra = b.load_state(tmp_path)
@@ -290,7 +290,7 @@ def test_resume_continues_bit_for_bit(policy, tmp_path, stage):
     assert torch.equal(torch.rand(4), draw_a)
     old_b = b.compute_logprobs(second)
     assert torch.equal(old_b, old_a)
-    assert b.update(with_targets(second, old_b)) == metrics_a
+    assert b.update(with_targets(second, old_b)).metrics == metrics_a
     wa, wb = hf_weights(a), hf_weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a.scheduler.last_epoch == b.scheduler.last_epoch == 2

@@ -190,7 +190,7 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     assert old[0, 2].item() == 0.0  # padding
 
     adv = grpo_advantages(torch.tensor([1.0, 0.0]), traj.group_index, traj.response_mask)
-    metrics = actor.update(traj.with_(rewards=torch.tensor([1.0, 0.0]), advantages=adv, old_logprobs=old, ref_logprobs=old))
+    metrics = actor.update(traj.with_(rewards=torch.tensor([1.0, 0.0]), advantages=adv, old_logprobs=old, ref_logprobs=old)).metrics
     # ratio 1 everywhere: pg_loss = -(A_right * 2 + A_wrong * 3) / 5 tokens, A = +-1/sqrt(2)
     assert torch.equal(adv[:, :2], adv[:, :1].expand(2, 2)) and adv[0, 2].item() == 0.0  # per token; 0 on padding
     assert metrics["actor/pg_loss"] == pytest.approx(-(adv[0, 0].item() * 2 + adv[1, 0].item() * 3) / 5, abs=1e-6)
@@ -226,13 +226,48 @@ def test_actor_update_does_not_depend_on_the_micro_batch_split(policy, mode):
         old = actor.compute_logprobs(traj)
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * traj.response_mask
         ref = old - 0.05 * traj.response_mask  # a reference that differs, so the KL term has a gradient
-        metrics = actor.update(traj.with_(advantages=adv, old_logprobs=old, ref_logprobs=ref))
+        metrics = actor.update(traj.with_(advantages=adv, old_logprobs=old, ref_logprobs=ref)).metrics
         results.append((metrics, mcore_state(actor.model)))
     (one, w_one), (split, w_split) = results
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         assert split[key] == pytest.approx(one[key], abs=1e-6, rel=1e-6), key
     for k in w_one:
         torch.testing.assert_close(w_split[k], w_one[k], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs):
+    """Without old log-probs the update uses its first forward's (detached): the same loss,
+    clip fractions, gradient norm and weights as an update given the separately computed
+    ones, also over 2 PPO epochs (the second epoch's ratio is against the pre-update policy),
+    and it returns old log-probs equal to that separate pass."""
+    from data.chat import encode_prompt
+    from engine.megatron_model import mcore_state
+    from engine.workers import ActorWorker
+
+    tok = policy["tokenizer"]
+    prompt = encode_prompt(tok, question(3, 4))
+    lengths = [2, 5, 1, 4, 3]
+    gen = torch.Generator().manual_seed(1)
+    outs = [[RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-2.0,) * n, "stop") for n in lengths]]
+    traj = Trajectory.from_rollout([prompt], outs, pad_id=tok.pad_token_id)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5])[:, None] * traj.response_mask
+    cfg = rl_config("hf", 1, micro_batch_size=3, ppo_epochs=epochs, tis_cap=2.0, kl=KLConfig(coef=0.0),
+                    optim=OptimConfig(lr=5e-3, min_lr=5e-3))
+    precomputed, on_policy = ActorWorker(policy["dir"], cfg), ActorWorker(policy["dir"], cfg)
+    old = precomputed.compute_logprobs(traj)
+    given = precomputed.update(traj.with_(advantages=adv, old_logprobs=old))
+    taken = on_policy.update(traj.with_(advantages=adv))
+    torch.testing.assert_close(taken.old_logprobs, old, rtol=0, atol=1e-6)
+    assert torch.equal(given.old_logprobs, old)
+    assert "actor/kl_loss" not in taken.metrics  # no reference log-probs: the KL is not measured
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
+        assert taken.metrics[key] == pytest.approx(given.metrics[key], abs=1e-6, rel=1e-6), key
+    if epochs == 2:  # the second epoch moved off-policy: the ratio is no longer 1
+        assert abs(taken.metrics["actor/ppo_kl"]) > 1e-6
+    w_given, w_taken = mcore_state(precomputed.model), mcore_state(on_policy.model)
+    for k in w_given:
+        torch.testing.assert_close(w_taken[k], w_given[k], rtol=0, atol=1e-6)
 
 
 def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
