@@ -3,6 +3,7 @@
     python -m benchmarks.trl_grpo                               # both sizes, default steps
     python -m benchmarks.trl_grpo --sizes quickstart --steps 30 --sft-steps 300
     python -m benchmarks.trl_grpo --sizes 25m --steps 6 --trl-generation vllm
+    python -m benchmarks.trl_grpo --sides engine trl                 # without the asynchronous engine
 
 Both sides train the same starting weights on the same prompts with the same GRPO settings:
 group size, prompts per step, response budget, temperature 1, AdamW at the same learning
@@ -20,8 +21,11 @@ one optimizer step per rollout batch, and the quickstart's exact-match verifier
   directory names an EOS it never samples; TRL gets ``min_new_tokens=128``), micro-batches
   of 16 on both sides. The reward is 0 throughout: this size measures throughput only.
 
-Engine side: a local Ray cluster, the colocated workers, in-process vLLM rollout, the
-megatron-core policy, from the converted model directory (``benchmarks.models``). TRL side:
+Engine sides: a local Ray cluster, in-process vLLM rollout, the megatron-core policy, from
+the converted model directory (``benchmarks.models``); ``engine`` is the shipped default
+(colocated workers, synchronous), ``engine_async`` the disaggregated placement with one
+CPU for rollout and step ``s + 1``'s rollout overlapping step ``s``'s training
+(``rl.engine.off_policy_steps: 1``, ``rl.tis_cap: 2``, as docs/algorithms.md recommends). TRL side:
 ``GRPOTrainer`` on the HF weights of the same policy, fp32 on CPU, gradient checkpointing
 off, ``--trl-generation``: ``generate`` (transformers ``generate``, padded batch, KV cache:
 TRL's default), ``continuous`` (transformers' continuous batching) or ``vllm`` (TRL's
@@ -58,7 +62,13 @@ from benchmarks.models import (
     PROJECT_ROOT, RAY_EQUAL_PRIORITY_ENV, WORK_DIR, benchmark_model, load_avg, matmul_gflops, prepare_quickstart,
 )
 
-SIDES = ("engine", "trl")
+SIDES = ("engine", "engine_async", "trl")
+ENGINE_SIDES = {
+    "engine": {},  # the shipped default: colocated, synchronous
+    # disaggregated bundles (1 CPU rollout, the rest training), step s+1's rollout overlapping
+    # step s's training, stale tokens reweighted by truncated importance sampling (docs/algorithms.md)
+    "engine_async": {"engine": {"placement": "disaggregated", "rollout_cpus": 1, "off_policy_steps": 1}, "tis_cap": 2.0},
+}
 TRL_GENERATION = ("generate", "continuous", "vllm")
 
 
@@ -176,8 +186,9 @@ def _stale(hf_dir: Path, source: Path) -> bool:
 # ----------------------------------------------------------------------------- engine side (child)
 
 
-def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int) -> dict:
-    """``engine.rl.run_rl`` for ``steps`` steps; per-step records and the wall time of the call."""
+def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int, side: str = "engine") -> dict:
+    """``engine.rl.run_rl`` for ``steps`` steps in the mode of ``side`` (:data:`ENGINE_SIDES`);
+    per-step records and the wall time of the call."""
     from config.schema import RLConfig
     from engine.ray_cluster import shutdown_ray
     from engine.rl import run_rl
@@ -189,9 +200,9 @@ def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int) -> dict
         "micro_batch_size": s.micro_batch_size, "clip_ratio": 0.2, "kl": {"coef": 0.0},
         "optim": {"lr": s.lr, "warmup_steps": s.warmup_steps, "grad_clip": 1.0}, "checkpoint_every": steps,
         "rollout": {"backend": "vllm", "temperature": s.temperature, "max_new_tokens": s.max_new_tokens},
-        "reward": {"verifier": "exact_match"},
+        "reward": {"verifier": "exact_match"}, **ENGINE_SIDES[side],
     })
-    out_dir = WORK_DIR / "trl_grpo" / size / "engine"
+    out_dir = WORK_DIR / "trl_grpo" / size / side
     shutil.rmtree(out_dir, ignore_errors=True)
     history: list[dict] = []
     t0 = time.perf_counter()
@@ -200,7 +211,7 @@ def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int) -> dict
                log_metrics=lambda m, step: history.append(dict(m)))
     finally:
         shutdown_ray()
-    phases = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights")
+    phases = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights") + (("rollout_wait",) if "engine" in ENGINE_SIDES[side] else ())
     breakdown = {p: statistics.fmean(m.get(f"timing_s/{p}", 0.0) for m in history[1:] or history) for p in phases}
     return {"records": [asdict(engine_record(m)) for m in history], "wall_s": time.perf_counter() - t0,
             "phases_s": breakdown}
@@ -325,19 +336,24 @@ def _child(side: str, size: str, paths: dict[str, Path], args) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-    """The results table: per size, the engine, TRL and engine/TRL rows."""
+    """The results table: per size, a row per side and an engine/TRL ratio row per engine mode."""
     head = ("size", "side", "s/step", "s/step median", "generated tok/s", "trained tok/s", "reward (last steps)",
             "timed steps")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        for side in SIDES:
+        sides = [side for side in SIDES if side in r]
+        for side in sides:
             m = r[side]
             lines.append(f"| {r['size']} | {side} | {m['s_per_step']:.2f} | {m['s_per_step_median']:.2f} | "
                          f"{m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} | {m['reward_last']:.3f} | {m['timed_steps']:.0f} |")
-        e, t = r["engine"], r["trl"]
-        lines.append(f"| {r['size']} | engine/TRL | {e['s_per_step'] / t['s_per_step']:.2f} | "
-                     f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
-                     f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
+        t = r.get("trl")
+        for side in sides:
+            if t is None or side == "trl":
+                continue
+            e = r[side]
+            lines.append(f"| {r['size']} | {side}/TRL | {e['s_per_step'] / t['s_per_step']:.2f} | "
+                         f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
+                         f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
     return "\n".join(lines)
 
 
@@ -353,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="data-order and sampling seed (both sides)")
     parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate",
                         help="TRL's generation backend (see the module docstring)")
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
+                        help="what to run: the engine colocated (engine), asynchronous (engine_async), TRL (trl)")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--child-paths", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -360,8 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         size = args.sizes[0]
         paths = {k: Path(v) for k, v in json.loads(args.child_paths).items()}
-        if args.child == "engine":
-            result = run_engine(size, paths, args.steps_for(size), args.seed)
+        if args.child in ENGINE_SIDES:
+            result = run_engine(size, paths, args.steps_for(size), args.seed, args.child)
         else:
             result = run_trl(size, paths, args.steps_for(size), args.seed, args.trl_generation)
         print(json.dumps(result))
@@ -373,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = inputs_for(size, args.sft_steps)
         params = _parameters(paths["hf_model"])
         row = {"size": size, "params": params}
-        for side in SIDES:
+        for side in args.sides:
             print(f"{size} {side}: {args.steps_for(size)} steps, load average {load_avg():.1f}", flush=True)
             result = _child(side, size, paths, args)
             records = [StepRecord(**r) for r in result["records"]]

@@ -69,3 +69,18 @@ def test_parameter_count_formula_matches_transformers(shape):
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
     assert shape.num_parameters(384) == sum(p.numel() for p in model.parameters())
+
+
+def test_render_gives_each_engine_mode_its_ratio_to_trl():
+    from benchmarks.trl_grpo import render
+
+    def side(s, gen, reward):
+        return {"s_per_step": s, "s_per_step_median": s, "gen_tok_s": gen, "train_tok_s": 2 * gen,
+                "reward_last": reward, "timed_steps": 3.0}
+
+    table = render([{"size": "25m", "engine": side(2.0, 100.0, 0.5), "engine_async": side(1.0, 200.0, 0.25),
+                     "trl": side(4.0, 50.0, 0.5)}]).splitlines()
+    assert table[-2] == "| 25m | engine/TRL | 0.50 | 0.50 | 2.00 | 2.00 | +0.000 (difference) | |"
+    assert table[-1] == "| 25m | engine_async/TRL | 0.25 | 0.25 | 4.00 | 4.00 | -0.250 (difference) | |"
+    # without TRL there is nothing to divide by: the sides' rows only
+    assert len(render([{"size": "25m", "engine": side(2.0, 100.0, 0.5)}]).splitlines()) == 3
