@@ -192,7 +192,8 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured:
     Returns: ``loss_fn(model, micro_batch: Trajectory) -> (loss, num_tokens, metrics)``; the
         loss is already normalised globally. Metrics (token means over the micro-batch):
         ``pg_loss`` (scaled so that train_step's token-weighted mean is the batch's pg_loss), ``pg_clipfrac``, ``pg_clipfrac_lower``,
-        ``ppo_kl``, ``entropy``, ``kl_loss`` (the KL estimate, also when it only is measured).
+        ``ppo_kl``, ``entropy``, and ``kl_loss`` (the KL estimate, also when it is only measured:
+        ``kl.coef`` 0 with reference log-probs given) when the micro-batch has ``ref_logprobs``.
 
     Raises (from the returned function): ValueError when ``old_logprobs`` are missing and
         there is no ``captured`` to put them in.

@@ -3,8 +3,8 @@
 Per step: sample prompts -> rollout ``n_samples`` each -> rewards (with DAPO dynamic
 sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> reference
 log-probs (with a KL term), old log-probs (for the KL reward penalty) and the critic's values
-(``rl.algorithm: gae``, PPO) -> KL reward penalty (if ``kl.in_reward``) -> advantages (``rl.algorithm``) -> critic update (PPO) ->
-policy update -> push weights to the rollout engine -> metrics ->
+(``rl.algorithm: gae``, PPO) -> KL reward penalty (if ``kl.in_reward``) -> advantages
+(``rl.algorithm``) -> critic update (PPO) -> policy update -> push weights to the rollout engine -> metrics ->
 checkpoint every ``checkpoint_every`` steps. With ``rl.environment`` the rollout is
 multi-turn and the environment scores it (no reward worker is started; ``engine.environment``).
 A run whose ``resume_dir`` holds a
@@ -136,7 +136,8 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
                 version += 1
                 t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
             timing = {"gen": t_gen, "reward": t_reward, **({"rollout_wait": t_wait} if asynchronous else {}),
-                      "old_log_prob": 0.0, "ref": 0.0, **t_logprobs, "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
+                      "old_log_prob": 0.0, "ref": 0.0, **t_logprobs,  # 0: the pass did not run
+                      "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
                       "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
             metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing, policy_version)
             history.append(metrics)

@@ -137,6 +137,8 @@ def test_ppo_end_to_end_on_ray(ppo_run):
         # whitened GAE advantages: mean 0 over the batch's tokens
         assert r["critic/advantages/mean"] == pytest.approx(0.0, abs=1e-5)
         assert r["critic/vf_clipfrac"] == 0.0  # one epoch: the update starts at V == V_old
+        # the KL reward penalty needs the old and the reference log-probs before the advantages
+        assert r["timing_s/old_log_prob"] > 0 and r["timing_s/ref"] > 0
     # the reward penalty is on: its KL is 0 at step 1 (policy == reference), > 0 after updates
     assert rows[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
     assert rows[2]["actor/reward_kl_penalty"] > 0

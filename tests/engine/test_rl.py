@@ -324,6 +324,8 @@ def test_grpo_vllm_end_to_end(vllm_run, policy):
         assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
         # one optimizer step per batch: the update starts on-policy, ratio exactly 1
         assert r["actor/pg_clipfrac"] == 0.0 and abs(r["actor/ppo_kl"]) < 1e-6
+        # a KL loss: the reference pass runs; the old log-probs come from the update's forward
+        assert r["timing_s/ref"] > 0 and r["timing_s/old_log_prob"] == 0.0
         assert 0.0 <= r["critic/score/mean"] <= 1.0 and 1.0 <= r["response_length/mean"] <= 6.0
     assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at step 1
     assert rows[1]["actor/kl_loss"] > 0 and rows[2]["actor/kl_loss"] > 0
