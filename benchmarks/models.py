@@ -92,7 +92,8 @@ def quickstart_config(sft_steps: int, root: Path = WORK_DIR) -> dict[str, Any]:
         if isinstance(section, dict) and "path" in section:
             section["path"] = str(data_dir / Path(section["path"]).name)
     cfg["model"] = {**cfg["model"], "source": str(data_dir / "base_model")}
-    cfg["sft"] = {**cfg["sft"], "steps": sft_steps, "checkpoint_every": min(cfg["sft"]["checkpoint_every"], sft_steps)}
+    cfg["sft"] = {**cfg["sft"], "steps": sft_steps, "checkpoint_every": min(cfg["sft"]["checkpoint_every"], sft_steps),
+                  "optim": {**cfg["sft"]["optim"], "warmup_steps": min(cfg["sft"]["optim"]["warmup_steps"], sft_steps)}}
     return cfg
 
 

@@ -53,10 +53,6 @@ from benchmarks.models import (
 )
 
 MODES = ("standalone", "standalone-eager", "vllm-rollout", "engine")
-# Four engines are alive at once (taking turns): a smaller host-memory reservation each than
-# the engine's default 0.1 keeps them within this machine's memory; the KV cache still holds
-# thousands of times what one call needs, so throughput does not change.
-GPU_MEMORY_UTILIZATION = 0.05
 MARK = "@@rollout-bench "  # prefixes the protocol lines on a child's stdout (vLLM logs there too)
 
 Call = Callable[[int], tuple[int, float]]  # call(index) -> (generated tokens, seconds)
@@ -85,8 +81,14 @@ def open_standalone(hf_dir: Path, prompts: list[list[int]], samples: int, tokens
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from engine.rollout.kv_cache import kv_cache_bytes
+
     vocab = len(AutoTokenizer.from_pretrained(str(hf_dir)))
-    llm = LLM(model=str(hf_dir), dtype="float32", gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+    config = json.loads((hf_dir / "config.json").read_text())
+    max_len = int(config["max_position_embeddings"])
+    # the KV cache the engine's VLLMRollout asks for the same call (every sequence at full length)
+    llm = LLM(model=str(hf_dir), dtype="float32", max_model_len=max_len,
+              kv_cache_memory_bytes=kv_cache_bytes(config, len(prompts) * samples, max_len),
               skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0, enforce_eager=eager)
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
                             allowed_token_ids=list(range(vocab)))
@@ -116,7 +118,7 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
     from engine.rollout.base import SamplingSpec
     from engine.rollout.vllm_rollout import VLLMRollout
 
-    engine = VLLMRollout(model_dir / HF_SUBDIR, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+    engine = VLLMRollout(model_dir / HF_SUBDIR, num_sequences=len(prompts) * samples,
                          max_model_len=int(read_hf_config(model_dir)["max_position_embeddings"]),
                          valid_vocab_size=len(load_tokenizer(model_dir)), load_format="dummy")
     engine.update_weights(_hf_weights(hf_dir))
@@ -146,7 +148,7 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     from engine.workers import RolloutWorker, spawn
 
     cfg = RLConfig.model_validate({"n_samples": samples, "prompts_per_step": len(prompts), "rollout": {
-        "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION}})
+        "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens}})
     batch = [RLPrompt([], "", p) for p in prompts]
     pad_id = pad_token_id(load_tokenizer(model_dir))
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
@@ -154,7 +156,7 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
     max_len = int(read_hf_config(model_dir)["max_position_embeddings"])
     rollout = spawn(RolloutWorker, placement, str(model_dir), cfg.rollout, str(WORK_DIR / "scratch"), max_len,
-                    max(1, int(placement.num_cpus)))
+                    max(1, int(placement.num_cpus)), num_sequences=len(prompts) * samples)
 
     def close() -> None:
         ray.kill(rollout)

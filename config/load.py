@@ -84,7 +84,7 @@ def format_validation_error(err: ValidationError, source: str) -> str:
         elif e["type"] in ("model_type", "model_attributes_type") and e.get("input") is None:
             lines.append(f"  {key}: section is empty: give its keys (or remove the line to use the defaults of an optional section)")
         else:
-            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return "\n".join(lines)
 
 

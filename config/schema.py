@@ -9,25 +9,111 @@ not to the config file.
 
 from __future__ import annotations
 
+import os
 import re
+import types
+import typing
+from decimal import Decimal, InvalidOperation
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+
+def _number_types(annotation) -> set:
+    """The number types (int, float, bool) a field annotation allows, looking through
+    ``X | None`` and ``list[X]``."""
+    if annotation in (int, float, bool):
+        return {annotation}
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
+        return set().union(*(_number_types(a) for a in typing.get_args(annotation)))
+    return set()
+
+
+def _number(value, kinds: set):
+    """``value`` for a field of number ``kinds``: exponent strings made ints; bools refused."""
+    if isinstance(value, list):
+        return [_number(v, kinds) for v in value]
+    if isinstance(value, bool) and bool not in kinds:
+        raise PydanticCustomError(
+            "bool_not_number", "expected {what}, not a boolean", {"what": "a number" if float in kinds else "an integer"})
+    if isinstance(value, str) and int in kinds and float not in kinds:
+        try:  # YAML 1.1 reads 1e3 as a string; an exact integer in exponent form is that integer
+            exact = Decimal(value.strip().replace("_", ""))
+        except InvalidOperation:
+            return value
+        if exact.is_finite() and exact == exact.to_integral_value():
+            return int(exact)
+    return value
+
+
+def _expand_home(value: str | None) -> str | None:
+    """``~`` and ``file://~`` expanded to the home directory, as fsspec does for the
+    artifact store, so every local path of a config means the same directory."""
+    if value is None:
+        return None
+    if value.startswith("file://~"):
+        return "file://" + os.path.expanduser(value.removeprefix("file://"))
+    return os.path.expanduser(value) if value.startswith("~") else value
+
+
+LocalPath = Annotated[str, AfterValidator(_expand_home)]
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_REFUSED = object()  # stands in for a refused number value (see Strict._numbers)
 
 
 class Strict(BaseModel):
-    """Base: frozen, unknown keys rejected."""
+    """Base: frozen, unknown keys rejected, numbers finite, booleans not numbers."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _numbers(cls, data, handler):
+        # pydantic takes `steps: true` as 1 and `lr: yes` as 1.0: a boolean in a number
+        # field is a mistake, not a number. Integer fields also take YAML 1.1's string
+        # reading of exponent spellings (PyYAML reads `steps: 1e3` as '1e3'). A model
+        # validator, not a field one: pydantic refuses field validators on a discriminator.
+        if not isinstance(data, dict):
+            return handler(data)
+        data, refused = dict(data), {}
+        for name, value in data.items():
+            field = cls.model_fields.get(name) if isinstance(name, str) else None
+            kinds = _number_types(field.annotation) if field is not None else set()
+            if kinds - {bool}:
+                try:
+                    data[name] = _number(value, kinds)
+                except PydanticCustomError as e:
+                    refused[name] = (value, e)
+                    data[name] = _REFUSED  # fails the field's own validation; the section's other keys still run
+        if not refused:
+            return handler(data)
+        errors = [InitErrorDetails(type=e, loc=(name,), input=value) for name, (value, e) in refused.items()]
+        try:
+            handler(data)
+        except ValidationError as exc:  # every other problem of the section, in the same message
+            errors += [InitErrorDetails(type=PydanticCustomError(d["type"], d["msg"]), loc=d["loc"], input=d["input"])
+                       for d in exc.errors() if d["input"] is not _REFUSED]
+        raise ValidationError.from_exception_data(cls.__name__, errors)
 
 
 class RunConfig(Strict):
     """Shared run settings: name, where artifacts and checkpoints live, seed."""
 
-    name: str = Field(description="Pipeline name; groups runs in W&B and names the Prefect flow run.")
-    artifact_root: str = Field("artifacts", description="fsspec URL or path where stage artifacts are published.")
-    checkpoint_root: str = Field("checkpoints", description="Where resumable training checkpoints live (outside artifacts).")
-    seed: int = Field(0, description="Global seed; each stage derives its own from it.")
+    name: str = Field(description="Pipeline name; groups runs in W&B, names the Prefect flow run and the directory "
+                                  "outputs/<name>: letters, digits, '.', '_' and '-', starting with a letter or digit.")
+    artifact_root: LocalPath = Field("artifacts", description="fsspec URL or path where stage artifacts are published (~ is your home).")
+    checkpoint_root: LocalPath = Field("checkpoints", description="Where resumable training checkpoints live (outside artifacts; ~ is your home).")
+    seed: int = Field(0, ge=0, lt=2**32, description="Global seed; each stage derives its own from it "
+                                                     "(0 <= seed < 2^32, what numpy's and torch's generators accept).")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _RUN_NAME.fullmatch(value):
+            raise ValueError("expected a plain name of letters, digits, '.', '_' or '-', starting with a letter or "
+                             "digit, at most 100 characters (it names the directory outputs/<run.name>)")
+        return value
 
 
 class WandbConfig(Strict):
@@ -38,14 +124,14 @@ class WandbConfig(Strict):
     mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="Default W&B mode; the WANDB_MODE environment variable overrides it."
     )
-    dir: str = Field("wandb", description="Directory for offline run files.")
+    dir: LocalPath = Field("wandb", description="Directory for offline run files.")
 
 
 class AdditionPrepareConfig(Strict):
     """Builds the quickstart's own base model, tokenizer and data (no hub access needed)."""
 
     kind: Literal["addition"] = Field("addition", description="The synthetic task: 2-digit addition.")
-    output_dir: str = Field("work/quickstart", description="Where the model, tokenizer and JSONL files are written.")
+    output_dir: LocalPath = Field("work/quickstart", description="Where the model, tokenizer and JSONL files are written.")
     num_sft: int = Field(2000, gt=0, description="SFT conversations.")
     num_preference: int = Field(600, gt=0, description="Preference pairs (correct vs wrong sum).")
     num_rl: int = Field(2000, gt=0, description="RL training prompts.")
@@ -63,7 +149,7 @@ class StoriesPrepareConfig(Strict):
     """Writes story-opening prompts for a pretrained story model (the model itself is model.source)."""
 
     kind: Literal["stories"] = Field(description="Story openings: 'Once upon a time, there was a little dog named Max.'")
-    output_dir: str = Field("work/tinystories", description="Where rl_train.jsonl and rl_eval.jsonl are written.")
+    output_dir: LocalPath = Field("work/tinystories", description="Where rl_train.jsonl and rl_eval.jsonl are written.")
     num_rl: int = Field(2000, gt=0, description="RL training prompts (drawn with repetition from the training openings).")
     num_eval: int = Field(200, gt=0, le=639, description="Held-out openings (of 640): no (character, name) pair of them is trained on.")
 
@@ -72,16 +158,20 @@ PrepareConfig = Annotated[AdditionPrepareConfig | StoriesPrepareConfig, Field(di
 
 
 DatasetFormat = Literal[
-    "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo", "kto"
+    "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo",
+    "dpo_messages", "kto"
 ]
 
 
 class DatasetConfig(Strict):
     """One dataset file."""
 
-    path: str = Field(description="JSON, JSONL(.gz) or parquet file.")
-    format: DatasetFormat = Field("auto", description="Source format; auto detects it from the records' keys.")
-    limit: int | None = Field(None, gt=0, description="Use only the first N valid rows.")
+    path: LocalPath = Field(description="JSON, JSONL(.gz) or parquet file.")
+    format: DatasetFormat = Field("auto", description="Source format; auto picks, among the formats whose keys the "
+                                  "records have, the one under which most of the first 32 records are valid "
+                                  "(report.json says which and why).")
+    limit: int | None = Field(None, gt=0, description="Use only the first N valid rows (rows that pass validation; "
+                              "the file is read until N have passed).")
 
 
 class DataConfig(Strict):
@@ -92,18 +182,26 @@ class DataConfig(Strict):
     rl_train: DatasetConfig | None = Field(None, description="RL prompts with reference answers (prompt, label).")
     rl_eval: DatasetConfig | None = Field(None, description="Held-out prompts with labels for evaluation.")
     max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Fail the stage above this fraction of bad rows.")
+    allow_eval_overlap: bool = Field(True, description="Allow rl_eval prompts that are also rl_train prompts (counted "
+                                     "and warned about in the report); false makes any such overlap an error.")
 
 
 class ModelConfig(Strict):
     """The base model to post-train (stage convert)."""
 
-    source: str = Field(description="HF model directory, HF hub id (org/name) or a .gguf file.")
+    source: LocalPath = Field(description="HF model directory, HF hub id (org/name) or a .gguf file.")
     revision: str | None = Field(None, description="Hub revision when source is a hub id.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory if not inside the model directory.")
+    tokenizer: LocalPath | None = Field(None, description="Tokenizer directory if not inside the model directory.")
     eos_token_ids: list[int] | None = Field(
         None, min_length=1,
         description="Token ids that end a response, replacing generation_config.json's eos_token_id for every later "
         "stage and the export (llama2.c-trained models such as stories260K end a story with BOS, id 1).",
+    )
+    end_of_turn: str | None = Field(
+        None, min_length=1,
+        description="Text that ends an assistant turn (e.g. `<end_of_turn>`); default derived from the chat template "
+        "(what it writes after an assistant message; EOS if it writes nothing). SFT trains it, and its token id is "
+        "added to the EOS ids generation stops on (see Chat templates and the turn end, above).",
     )
 
 
@@ -125,9 +223,23 @@ class OptimConfig(Strict):
     min_lr: float = Field(0.0, ge=0, description="Learning rate at the end of the cosine decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    adam_beta1: float = Field(0.9, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, description="AdamW beta2.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1, in [0, 1).")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2, in [0, 1).")
     grad_clip: float = Field(1.0, gt=0, description="Clip the global gradient L2 norm to this value.")
+
+    @model_validator(mode="after")
+    def _min_lr(self):
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr:g}) is above lr ({self.lr:g}): the cosine decay goes from lr "
+                             "down to min_lr")
+        return self
+
+    def check_warmup(self, key: str, total_steps: int, run: str) -> None:
+        """Raise when the linear warm-up is longer than the ``total_steps`` optimizer steps
+        of the run (described by ``run``): the learning rate would never reach ``lr``."""
+        if self.warmup_steps > total_steps:
+            raise ValueError(f"{key}.warmup_steps ({self.warmup_steps}) is longer than the run ({run} = {total_steps} "
+                             f"optimizer steps): the learning rate would never reach {key}.lr")
 
 
 class RLOptimConfig(OptimConfig):
@@ -158,6 +270,7 @@ class SFTConfig(Strict):
     def _batch(self):
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError("sft.global_batch_size must be a multiple of sft.micro_batch_size")
+        self.optim.check_warmup("sft.optim", self.steps, "sft.steps")
         return self
 
 
@@ -194,6 +307,7 @@ class RMConfig(Strict):
     def _batch(self):
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError("rm.global_batch_size must be a multiple of rm.micro_batch_size")
+        self.optim.check_warmup("rm.optim", self.steps, "rm.steps")
         return self
 
 
@@ -204,7 +318,11 @@ class RolloutConfig(Strict):
     temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_new_tokens: int = Field(32, gt=0, description="Response length budget in tokens.")
-    gpu_memory_utilization: float = Field(0.1, gt=0, le=1, description="vLLM memory fraction (host memory on CPU).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="None: vLLM's KV cache is sized from the run (prompts x samples, each up to the longest "
+                                      "prompt + max_new_tokens, +10%; docs/platforms.md). A fraction: an explicit override, "
+                                      "vLLM reserves that share of device memory (on CPU: of the NUMA node's memory, minus "
+                                      "the process's RSS; fails when the process holds more). Also used by evaluate.")
 
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -285,7 +403,8 @@ class EngineConfig(Strict):
                                 "between chunks and unfinished responses continue under the new weights (partial "
                                 "rollouts). None: a weight update waits for the running generation to end.")
     ray_address: str | None = Field(None, description="Existing Ray cluster (ray://... or auto); None starts a local one.")
-    num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster.")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster, and the torch threads "
+                                                         "of the evaluate stage's in-process engine. None: every core.")
     weight_sync_bucket_mb: int = Field(
         256, gt=0,
         description="Weight sync to the rollout engine: MiB of HF tensors per transfer, one bucket in flight "
@@ -436,6 +555,20 @@ class RLConfig(Strict):
         if self.algorithm == "gae" and self.critic.warmup_steps >= self.steps:
             raise ValueError(f"rl.critic.warmup_steps ({self.critic.warmup_steps}) must be below rl.steps ({self.steps}): "
                              "the policy would never be trained")
+        return self
+
+    @model_validator(mode="after")
+    def _warmup(self):
+        # the schedules count optimizer steps: ppo_epochs per RL step (engine.workers, engine.critic)
+        steps = f"rl.steps {self.steps}" if self.ppo_epochs > 1 else "rl.steps"
+        epochs = f" x rl.ppo_epochs {self.ppo_epochs}" if self.ppo_epochs > 1 else ""
+        policy = steps + epochs
+        if self.algorithm == "gae" and self.critic.warmup_steps:
+            policy = f"(rl.steps {self.steps} - rl.critic.warmup_steps {self.critic.warmup_steps}){epochs}" if epochs \
+                else f"rl.steps {self.steps} - rl.critic.warmup_steps {self.critic.warmup_steps}"
+        self.optim.check_warmup("rl.optim", self.policy_updates(self.steps) * self.ppo_epochs, policy)
+        if self.algorithm == "gae":
+            self.critic.optim.check_warmup("rl.critic.optim", self.steps * self.ppo_epochs, steps + epochs)
         return self
 
     @model_validator(mode="after")

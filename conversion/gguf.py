@@ -207,3 +207,24 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     with tempfile.TemporaryDirectory() as tok_dir:
         _write_tokenizer(tok, Path(tok_dir))
         return write_hf_safetensors(out_dir, config, tensors.items(), tok_dir, generation_config=gen)
+
+
+def read_gguf_metadata(gguf_path: str | Path, tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` dict of a llama GGUF file, from its metadata alone: no tensor
+    is read (``posttrain validate`` checks a model this way without importing it).
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        tokenizer_dir: if given, the tokenizer :func:`gguf_to_hf` would write is saved here.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: as :func:`gguf_to_hf` for the metadata (naming the file and key).
+    """
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    config, tok = _read_config(_Gguf(path))
+    if tokenizer_dir is not None:
+        _write_tokenizer(tok, Path(tokenizer_dir))
+    return config

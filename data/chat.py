@@ -1,33 +1,77 @@
-"""Chat templating: token ids and the SFT loss mask of a conversation.
+"""Chat templating: token ids and the SFT loss mask of a conversation, and the turn end.
 
 ``encode_chat`` renders a conversation with the tokenizer's own chat template (transformers
-``apply_chat_template``) and marks with ``loss_mask = 1`` exactly the tokens of each
-assistant turn's content and of its end-of-turn token (``<|im_end|>`` in Qwen templates);
-system and user turns, role headers and template text around turns get 0.
+``apply_chat_template``, with ``tools=`` when the record has tools) and marks with
+``loss_mask = 1`` exactly the tokens of each assistant turn (its content, or the tool calls
+the template renders for it) and of the turn's end marker; system, user and tool turns, role
+headers and template text around turns get 0.
+
+**The turn end** (:func:`end_of_turn`) is derived from the template, not taken to be
+``tokenizer.eos_token``: a probe conversation with sentinel contents is rendered, and the
+text the template writes right after an assistant message's content, both before the next
+turn and at the end of the conversation, is compared. Their common start holds the marker:
+the first special token in it (``<|im_end|>`` for Qwen, whose ``\\n`` after it belongs to the
+next segment; ``<end_of_turn>`` for Gemma, ``<|end|>`` for Phi-4, ``</s>`` for Llama-2 /
+Mistral ``[/INST]`` templates), else its non-blank text. A template that writes nothing
+after an assistant turn (NVIDIA's ``<extra_id_1>`` Mistral template) has no marker of its own:
+the turn end is then the EOS generation stops on, appended (and trained) after the last
+assistant turn; earlier assistant turns of such a template are trained on their content
+only, since the template's text follows them directly. ``model.end_of_turn`` overrides the
+derivation; the convert stage records the turn end in the model directory's
+``tokenizer_config.json`` (key ``posttrain_end_of_turn``) and adds its token id to the EOS ids of
+``generation_config.json``, so SFT, the reward model, RL and evaluation use one marker and
+every rollout engine (and exported model) stops on it.
 
 How the assistant spans are found, for any template: the conversation is rendered once as
 text; for assistant turn ``i`` the prefix ``messages[:i]`` rendered with the generation
 prompt must be a prefix of that text, so the turn's trainable text starts right after it and
-runs to the first end-of-turn marker that follows. Templates that write earlier turns
-differently once later turns exist (Qwen3 drops ``<think>`` blocks from past turns) still
-work, since only prompts are rendered incrementally. ``return_assistant_tokens_mask`` is not
-used because it needs ``{% generation %}`` markers that Qwen2.5's template lacks.
+runs to the first turn end that follows (before the next assistant turn's prompt). Templates
+that write earlier turns differently once later turns exist (Qwen3 drops ``<think>`` blocks
+from past turns) still work, since only prompts are rendered incrementally.
+``return_assistant_tokens_mask`` is not used because it needs ``{% generation %}`` markers
+that most templates (Qwen2.5's among them) lack.
 
-The text is tokenized segment by segment (prompt part, trainable part, ...), not as one
-string, so the ids of a prompt are exactly ``encode_prompt`` of it and the response tokens
-start fresh after the generation prompt, as they do when a rollout engine generates them.
-(Byte-level BPE would otherwise merge, e.g., the header's ``\\n`` with a leading ``\\n`` of
-the content.)
+**Boundary-token contract.** The text is tokenized segment by segment (prompt part,
+trainable part, prompt part, ...), never as one string. So a conversation's ids are the
+concatenation of its segments' ids, and the ids up to any assistant turn are exactly
+``encode_prompt`` of the messages before it (``encode_prompt`` cuts the same segments): what
+RL and evaluation feed the model, and where a rollout engine's response tokens start fresh.
+Segments after the first are tokenized as a *continuation* (:func:`encode_continuation`):
+after a special-token anchor whose id is dropped, so a SentencePiece tokenizer (Metaspace
+``prepend_scheme: first``, Llama / Gemma style) does not put a ``▁`` word marker on each
+segment's first token, and a newline the template writes after a turn end stays the same
+``<0x0A>`` token it is in the whole string. What may still differ from tokenizing the whole
+rendered string is confined to the tokens at a segment boundary: a merge across it
+(byte-level BPE merges the header's ``\\n`` with a content that starts with ``\\n``); the
+segment ids are the ones kept, as a rollout produces them. For the Qwen templates on
+ordinary text the two are equal (tested), and for the Gemma / Phi-4 / Mistral templates on
+BPE and SentencePiece tokenizers too.
+
+**Tools.** ``tools`` (JSON-schema dicts) is passed to ``apply_chat_template``; assistant
+messages may carry ``tool_calls`` (transformers' convention ``[{"type": "function",
+"function": {"name", "arguments": dict}}]``) and are trained on what the template renders for
+them up to and including the turn end; ``tool`` messages are never trained on.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+Message = dict[str, Any]
+
+# Key under which the convert stage records the resolved turn end in tokenizer_config.json;
+# transformers keeps unknown keys in ``tokenizer.init_kwargs`` and writes them back on save.
+RECORDED_KEY = "posttrain_end_of_turn"
+
+# Sentinel contents of the probe conversation (unique, no whitespace, survive trim/strip).
+_PROBE = {"system": "PROBESYSTEMq7", "user": ("PROBEUSERq1", "PROBEUSERq2"), "assistant": ("PROBEREPLYq1", "PROBEREPLYq2")}
+
 
 class ChatTemplateError(ValueError):
-    """The chat template renders a conversation in a way whose assistant spans cannot be found."""
+    """The chat template cannot render a conversation, or its assistant spans or turn end cannot be found."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +80,7 @@ class EncodedChat:
 
     Attributes:
         input_ids: ``[seq_len]`` token ids.
-        loss_mask: ``[seq_len]`` 1 on assistant content and end-of-turn tokens, else 0.
+        loss_mask: ``[seq_len]`` 1 on assistant content (or tool calls) and turn-end tokens, else 0.
         n_truncated: tokens cut from the end to respect ``max_len`` (0 if none were).
     """
 
@@ -49,8 +93,176 @@ class EncodedChat:
         return self.n_truncated > 0
 
 
-def _render(tokenizer: Any, messages: Sequence[dict[str, str]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+@dataclass(frozen=True)
+class _TurnEnd:
+    text: str
+    # False: the template writes nothing after an assistant turn; ``text`` is appended after
+    # the last assistant turn only.
+    emitted: bool
+
+
+_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _name(tokenizer: Any) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or "the tokenizer")
+
+
+def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=generation_prompt
+    )
+
+
+def _render_or_raise(tokenizer, messages, generation_prompt, tools, what: str) -> str:
+    try:
+        return _render(tokenizer, messages, generation_prompt, tools)
+    except Exception as e:  # templates raise anything: raise_exception's TemplateError, jinja errors, TypeError
+        roles = ", ".join(str(m.get("role")) for m in messages) if all(isinstance(m, dict) for m in messages) else "?"
+        raise ChatTemplateError(f"the chat template of {_name(tokenizer)} cannot render {what} (roles: {roles}): {e}") from e
+
+
+def _added_tokens(tokenizer: Any) -> list[tuple[str, bool]]:
+    """``(text, special)`` of every added token, the tokenizer's named special tokens included."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    out = {t: True for t in special if t}
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        content = str(getattr(tok, "content", tok))
+        if content:
+            out[content] = out.get(content, False) or bool(getattr(tok, "special", False))
+    return list(out.items())
+
+
+def _probe_after_texts(tokenizer: Any) -> tuple[str, str]:
+    """What the template writes after an assistant message's content: before the next turn
+    and at the end of the conversation. Raises the first template error if no probe renders."""
+    (u1, u2), (a1, a2) = _PROBE["user"], _PROBE["assistant"]
+    turns = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
+             {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
+    error: Exception | None = None
+    for messages in (turns, [{"role": "system", "content": _PROBE["system"]}] + turns):
+        try:
+            text = _render(tokenizer, messages, generation_prompt=False)
+        except Exception as e:  # noqa: BLE001 - try the next probe, report the first error
+            error = error or e
+            continue
+        i1, i2 = text.find(a1), text.rfind(a2)
+        j = text.find(u2, i1)
+        if min(i1, i2, j) < 0 or not i1 < j < i2:
+            error = error or ValueError("the probe's assistant contents do not appear in the rendered text")
+            continue
+        return text[i1 + len(a1) : j], text[i2 + len(a2) :]
+    assert error is not None
+    raise error
+
+
+def _marker_in(text: str, tokenizer: Any) -> str:
+    """The turn-end marker in ``text`` (what the template writes after every assistant turn):
+    the first special token, else the first added token, else the non-blank text ('' if none)."""
+    hits = [(not special, text.find(t), -len(t), t) for t, special in _added_tokens(tokenizer) if t in text]
+    return min(hits)[3] if hits else text.strip()
+
+
+def _resolve(tokenizer: Any, override: str | None) -> _TurnEnd:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ChatTemplateError(
+            f"{_name(tokenizer)}: the tokenizer has no chat template, so SFT cannot find the assistant turns of "
+            "a conversation; use a model (or model.tokenizer) with a chat template, or set sft.enabled: false"
+        )
+    if override is not None and not override:
+        raise ChatTemplateError("model.end_of_turn: must not be empty")
+    # a tokenizer whose template or tokens change (tests do that) is resolved again
+    key = (str(tokenizer.chat_template), override, getattr(tokenizer, "eos_token", None), len(tokenizer))
+    try:
+        cache = _CACHE.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cache
+        cache = {}
+    if key in cache:
+        return cache[key]
+    recorded = (getattr(tokenizer, "init_kwargs", None) or {}).get(RECORDED_KEY)
+    wanted = override or recorded
+    try:
+        after_next, after_last = _probe_after_texts(tokenizer)
+    except Exception as e:  # noqa: BLE001
+        if wanted:
+            result = _TurnEnd(wanted, emitted=True)
+            cache[key] = result
+            return result
+        raise ChatTemplateError(
+            f"{_name(tokenizer)}: cannot derive the end of an assistant turn from the chat template (a probe "
+            f"conversation user/assistant/user/assistant does not render: {e}); set model.end_of_turn"
+        ) from e
+    derived = _marker_in(os.path.commonprefix([after_next, after_last]), tokenizer)
+    if wanted:
+        if wanted in after_next or wanted in after_last:
+            result = _TurnEnd(wanted, emitted=True)
+        elif not derived:
+            result = _TurnEnd(wanted, emitted=False)
+        else:
+            source = "model.end_of_turn" if override else f"{RECORDED_KEY} in tokenizer_config.json"
+            raise ChatTemplateError(
+                f"{_name(tokenizer)}: {source} {wanted!r} never follows an assistant turn in the chat template's "
+                f"output, which ends an assistant turn with {derived!r}; fix or remove {source}"
+            )
+    elif derived:
+        result = _TurnEnd(derived, emitted=True)
+    elif getattr(tokenizer, "eos_token", None):
+        result = _TurnEnd(str(tokenizer.eos_token), emitted=False)
+    else:
+        raise ChatTemplateError(
+            f"{_name(tokenizer)}: the chat template writes nothing after an assistant turn and the tokenizer has no "
+            "eos_token, so nothing can end a turn; set model.end_of_turn"
+        )
+    cache[key] = result
+    return result
+
+
+def end_of_turn(tokenizer: Any, override: str | None = None) -> str:
+    """The text that ends an assistant turn: what SFT trains, and what generation stops on.
+
+    Resolution: ``override`` (``model.end_of_turn``) if given; else the turn end the convert
+    stage recorded in the model directory (``tokenizer_config.json`` key ``posttrain_end_of_turn``);
+    else derived from the chat template (module docstring): Qwen ``<|im_end|>``, Gemma
+    ``<end_of_turn>``, Phi-4 ``<|end|>``, and ``tokenizer.eos_token`` for a template that
+    writes nothing after an assistant turn (it is then appended after the last one).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        override: the configured turn end (``model.end_of_turn``), or None.
+
+    Returns:
+        The marker text (non-empty), e.g. ``"<|im_end|>"``.
+
+    Raises:
+        ChatTemplateError: the tokenizer has no chat template (names the model and
+            ``sft.enabled: false``); the template renders no probe conversation and no
+            override is given; it writes nothing after an assistant turn and there is no
+            ``eos_token``; or ``override`` is not what the template writes after an assistant
+            turn (names the marker it does write). Each names ``model.end_of_turn``.
+    """
+    return _resolve(tokenizer, override).text
+
+
+def turn_end_token_id(tokenizer: Any, override: str | None = None) -> int | None:
+    """The token id generation must stop on to end an assistant turn.
+
+    The turn end (:func:`end_of_turn`) tokenized; a single token is its id, a marker of
+    several tokens is stopped on at its last token when that is an added (special) token, so
+    it cannot occur inside ordinary text. Otherwise there is no stop id (vLLM's stop strings
+    are not available with ``skip_tokenizer_init``): None, and generation ends only at the
+    model's EOS ids.
+
+    Raises:
+        ChatTemplateError: as :func:`end_of_turn`.
+    """
+    marker = end_of_turn(tokenizer, override)
+    ids = list(tokenizer(marker, add_special_tokens=False)["input_ids"])
+    if len(ids) == 1:
+        return int(ids[0])
+    added = {t for t, _ in _added_tokens(tokenizer)}
+    if ids and tokenizer.convert_ids_to_tokens(ids[-1]) in added:
+        return int(ids[-1])
+    return None
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
@@ -58,90 +270,209 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def encode_prompt(tokenizer: Any, prompt_messages: Sequence[dict[str, str]]) -> list[int]:
+def _anchor(tokenizer: Any) -> tuple[str, int] | None:
+    """A special token that tokenizes alone to one id and eats no whitespace after it."""
+    try:
+        cache = _CACHE.setdefault(tokenizer, {})
+    except TypeError:
+        cache = {}
+    key = ("anchor", len(tokenizer))
+    if key in cache:
+        return cache[key]
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    by_text = {str(getattr(t, "content", t)): (i, t) for i, t in decoder.items()}
+    named = [getattr(tokenizer, k, None) for k in ("eos_token", "bos_token", "pad_token", "unk_token")]
+    found = None
+    for text in [t for t in named if t] + [t for t, special in _added_tokens(tokenizer) if special]:
+        entry = by_text.get(text)
+        if entry is None or getattr(entry[1], "rstrip", False) or getattr(entry[1], "lstrip", False):
+            continue
+        if _ids(tokenizer, text) == [entry[0]] and _ids(tokenizer, text + "a")[:1] == [entry[0]]:
+            found = (text, int(entry[0]))
+            break
+    cache[key] = found
+    return found
+
+
+def encode_continuation(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as it continues a sequence (after a turn, an observation, ...).
+
+    Tokenized after a special-token anchor whose id is then dropped, so a SentencePiece
+    tokenizer adds no ``▁`` word marker to the first token (it would for a string of its
+    own) and no BOS is added: the ids are those ``text`` has after a special token inside a
+    whole rendered string. Tokenizers without a usable anchor tokenize ``text`` plainly
+    (``add_special_tokens=False``).
+
+    Returns:
+        ``[n]`` token ids (``[]`` for empty text).
+    """
+    if not text:
+        return []
+    anchor = _anchor(tokenizer)
+    if anchor is None:
+        return _ids(tokenizer, text)
+    ids = _ids(tokenizer, anchor[0] + text)
+    if ids[:1] != [anchor[1]]:  # cannot happen for a token that is split out before tokenization
+        return _ids(tokenizer, text)
+    return ids[1:]
+
+
+def _content_probe(message: Message) -> str:
+    """The part of the content the rendered turn must contain ('' if there is nothing to check)."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return ""
+    # Qwen3-style templates move a leading <think> block out of past turns' content.
+    return content.split("</think>")[-1].strip()
+
+
+def _segments(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: Sequence[dict] | None,
+    turn_end: _TurnEnd,
+    generation_prompt: bool,
+) -> list[tuple[str, int]]:
+    """The rendered conversation cut into ``(text, trained)`` segments (module docstring)."""
+    full = _render_or_raise(tokenizer, messages, generation_prompt, tools, "this conversation")
+    assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    heads: list[int] = []
+    for i in assistant:
+        head = _render_or_raise(tokenizer, messages[:i], True, tools, f"the prompt before messages[{i}]")
+        if not full.startswith(head) or (heads and len(head) < heads[-1]):
+            at = len(os.path.commonprefix([full, head]))
+            raise ChatTemplateError(
+                f"messages[{i}]: the chat template renders the conversation before this turn differently once later "
+                f"turns follow (first difference at character {at}: {head[at:at + 40]!r} as a prompt, "
+                f"{full[at:at + 40]!r} in the whole conversation), so the turn's tokens cannot be located; "
+                "templates that move or merge turns (e.g. a system turn that is not first) are not supported"
+            )
+        heads.append(len(head))
+    marker = turn_end.text
+    segments: list[tuple[str, int]] = []
+    pos = 0
+    for k, i in enumerate(assistant):
+        start = heads[k]
+        limit = heads[k + 1] if k + 1 < len(assistant) else len(full)
+        content = _content_probe(messages[i])
+        at = full.find(content, start, limit) if content else start
+        if at < 0:
+            raise ChatTemplateError(f"messages[{i}]: content not found in the rendered turn")
+        content_end = at + len(content)
+        found = full.find(marker, start, limit)
+        appended = ""
+        if found >= 0:
+            stop = found + len(marker)
+            if content_end > found:
+                raise ChatTemplateError(
+                    f"messages[{i}]: content not found before the end-of-turn marker {marker!r} (does it contain it?)"
+                )
+        elif i == len(messages) - 1 and not generation_prompt and not full[content_end:].strip():
+            # The template writes nothing (but whitespace) after the last turn: append the turn end.
+            stop, appended = len(full), marker
+        elif not turn_end.emitted:
+            stop = content_end  # the template's own text follows the turn directly
+        else:
+            raise ChatTemplateError(
+                f"messages[{i}]: no end-of-turn marker {marker!r} after this turn; set model.end_of_turn"
+            )
+        segments += [(full[pos:start], 0), (full[start:stop] + appended, 1)]
+        pos = stop
+    segments.append((full[pos:], 0))
+    return segments
+
+
+def _tokenize(tokenizer: Any, segments: Sequence[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
+    for text, flag in segments:
+        ids = encode_continuation(tokenizer, text) if input_ids else _ids(tokenizer, text)
+        input_ids += ids
+        loss_mask += [flag] * len(ids)
+    return input_ids, loss_mask
+
+
+def encode_prompt(
+    tokenizer: Any,
+    prompt_messages: Sequence[Message],
+    tools: Sequence[dict] | None = None,
+    end_of_turn: str | None = None,
+) -> list[int]:
     """Token ids of a prompt: the chat template with the generation prompt, or plain text.
 
-    With a chat template, ``encode_chat(tok, prompt + [assistant]).input_ids`` starts with
-    exactly these ids. A tokenizer without one (a pretrained base model such as a
-    TinyStories Llama) continues plain text: the prompt must be a single user turn, whose
-    content is tokenized with the tokenizer's own special tokens (a leading BOS for Llama
-    tokenizers), as ``tokenizer(text)`` does.
+    With a chat template, the prompt is cut into the same segments :func:`encode_chat` cuts
+    (earlier assistant turns are segments of their own), so
+    ``encode_chat(tok, prompt + [assistant, ...]).input_ids`` starts with exactly these ids,
+    for a prompt that holds earlier assistant turns too. A tokenizer without one (a pretrained
+    base model such as a TinyStories Llama) continues plain text: the prompt must be a single
+    user turn, whose content is tokenized with the tokenizer's own special tokens (a leading
+    BOS for Llama tokenizers), as ``tokenizer(text)`` does.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        prompt_messages: ``[{"role", "content", "tool_calls"?}, ...]``.
+        tools: JSON-schema tool definitions given to the template (None: no tools).
+        end_of_turn: the turn end override (``model.end_of_turn``), see :func:`end_of_turn`.
+
+    Returns:
+        ``[prompt_len]`` token ids.
 
     Raises:
-        ChatTemplateError: no chat template and the prompt is not exactly one user turn.
+        ChatTemplateError: no chat template and the prompt is not exactly one user turn (or
+            has tools); the template cannot render the prompt (its own message, e.g.
+            "System role not supported"), or an earlier assistant turn cannot be located.
     """
     if getattr(tokenizer, "chat_template", None) is None:
         roles = [m.get("role") for m in prompt_messages]
-        if roles != ["user"]:
+        if roles != ["user"] or tools:
             raise ChatTemplateError(
-                f"the tokenizer has no chat template, so a prompt must be one plain-text user turn; got roles {roles}"
+                "the tokenizer has no chat template, so a prompt must be one plain-text user turn without tools; "
+                f"got roles {roles}" + (" and tools" if tools else "")
             )
         return list(tokenizer(prompt_messages[0]["content"])["input_ids"])
-    return _ids(tokenizer, _render(tokenizer, prompt_messages, generation_prompt=True))
+    if not any(m.get("role") == "assistant" for m in prompt_messages):
+        text = _render_or_raise(tokenizer, prompt_messages, True, tools, "this prompt")
+        return _ids(tokenizer, text)
+    segments = _segments(tokenizer, prompt_messages, tools, _resolve(tokenizer, end_of_turn), generation_prompt=True)
+    return _tokenize(tokenizer, segments)[0]
 
 
 def encode_chat(
     tokenizer: Any,
-    messages: Sequence[dict[str, str]],
+    messages: Sequence[Message],
     max_len: int | None = None,
     end_of_turn: str | None = None,
+    tools: Sequence[dict] | None = None,
 ) -> EncodedChat:
     """Token ids and loss mask of a conversation (see the module docstring for the method).
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
-        messages: ``[{"role", "content"}, ...]`` with at least one assistant turn.
+        messages: ``[{"role", "content", "tool_calls"?}, ...]`` with at least one assistant turn.
         max_len: keep at most this many tokens, cutting the end (``n_truncated`` says how many).
-        end_of_turn: the text that closes an assistant turn; default ``tokenizer.eos_token``
-            (``<|im_end|>`` for Qwen2.5 instruct tokenizers).
+        end_of_turn: the turn end override (``model.end_of_turn``); default derived from the
+            template (:func:`end_of_turn`).
+        tools: JSON-schema tool definitions given to the template (None: no tools).
+
+    Returns:
+        :class:`EncodedChat`; ``loss_mask`` is 1 on each assistant turn from its first content
+        (or tool-call) token through its turn end, and on the turn end appended after the
+        last turn when the template writes none.
 
     Raises:
-        ChatTemplateError: no assistant turn; a rendered prompt is not a prefix of the whole
-            conversation; no end-of-turn marker follows an assistant turn; or the turn's
-            content is not inside its span. The message names ``messages[i]``.
+        ChatTemplateError: no chat template; no assistant turn; the template cannot render the
+            conversation or a prompt of it (with the template's own message, e.g. Gemma's
+            "System role not supported"); a rendered prompt is not a prefix of the whole
+            conversation; no turn end follows an assistant turn; or the turn's content is not
+            inside its span. Per-turn messages name ``messages[i]``.
         ValueError: ``max_len`` < 1.
     """
     if max_len is not None and max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
-    eot = end_of_turn or tokenizer.eos_token
-    if not eot:
-        raise ChatTemplateError("the tokenizer has no eos_token; pass end_of_turn")
-    full = _render(tokenizer, messages, generation_prompt=False)
-    segments: list[tuple[str, int]] = []
-    pos = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        try:
-            head = _render(tokenizer, messages[:i], generation_prompt=True)
-        except Exception as e:  # templates raise anything (jinja errors, IndexError) on odd input
-            raise ChatTemplateError(f"messages[{i}]: cannot render the prompt before this turn: {e}") from e
-        start = len(head)
-        if not full.startswith(head) or start < pos:
-            raise ChatTemplateError(
-                f"messages[{i}]: the template renders the prompt before this turn differently from the "
-                "whole conversation, so the turn's tokens cannot be located"
-            )
-        stop = full.find(eot, start)
-        if stop < 0:
-            raise ChatTemplateError(f"messages[{i}]: no end-of-turn marker {eot!r} after this turn; pass end_of_turn")
-        stop += len(eot)
-        if message["content"].strip() not in full[start:stop]:
-            raise ChatTemplateError(
-                f"messages[{i}]: content not found before the end-of-turn marker {eot!r} (does it contain it?)"
-            )
-        segments += [(full[pos:start], 0), (full[start:stop], 1)]
-        pos = stop
-    if not segments:
+    turn_end = _resolve(tokenizer, end_of_turn)
+    if not any(m.get("role") == "assistant" for m in messages):
         raise ChatTemplateError("no assistant turn: nothing to train on")
-    segments.append((full[pos:], 0))
-
-    input_ids: list[int] = []
-    loss_mask: list[int] = []
-    for text, flag in segments:
-        ids = _ids(tokenizer, text)
-        input_ids += ids
-        loss_mask += [flag] * len(ids)
+    input_ids, loss_mask = _tokenize(tokenizer, _segments(tokenizer, messages, tools, turn_end, generation_prompt=False))
     cut = 0
     if max_len is not None and len(input_ids) > max_len:
         cut = len(input_ids) - max_len

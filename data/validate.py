@@ -1,10 +1,16 @@
 """Validate a dataset file into normalized rows of one kind, with every bad row reported.
 
 ``validate_dataset`` reads the file (``data.readers``), converts each record with its format
-adapter (``data.adapters``) and checks the normalized rows against the kind's pandera schema
-(``data.schemas``). Every problem is a ``RowError`` naming file, line and source field; a
-row with any problem is left out of ``rows``. ``check_threshold`` turns too many bad rows
-into one ``DataValidationError``.
+adapter (``data.adapters``; with ``format="auto"`` the format is detected from the first
+records, preferring the reading under which they are valid) and checks the normalized rows
+against the kind's pandera schema (``data.schemas``). Every problem is a ``RowError`` naming
+file, line and source field; a row with any problem is left out of ``rows``. ``limit``
+counts valid rows: reading stops once that many have passed. ``check_threshold`` turns too
+many bad rows into one ``DataValidationError``.
+
+``validate_data`` does this for every dataset of a pipeline's ``data`` section (what the
+validate stage and ``posttrain validate`` both run), and also counts duplicate rows and
+``rl_eval`` prompts that are in ``rl_train`` (an error with ``data.allow_eval_overlap: false``).
 """
 
 from __future__ import annotations
@@ -13,24 +19,39 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
-from data.adapters import Example, FieldError, detect_format, get_adapter
-from data.readers import FILE, RowError, read_records
-from data.schemas import KINDS, frame_problems, rows_to_frame
+from data.adapters import ADAPTERS, DETECT_SAMPLE, Example, FieldError, detect, get_adapter
+from data.readers import FILE, Item, RowError, read_records
+from data.schemas import KINDS, frame_problems, natural_key, rows_to_frame
+
+if TYPE_CHECKING:
+    from config.schema import DataConfig
 
 __all__ = [
+    "DATASET_KINDS",
+    "DataReport",
     "DataValidationError",
+    "Overlap",
     "RowError",
     "ValidationResult",
     "check_threshold",
+    "validate_data",
     "validate_dataset",
     "write_jsonl_atomic",
 ]
 
 REPORT_ERRORS = 50
 MESSAGE_ERRORS = 5
+CHUNK = 256  # records converted and schema-checked together
+DATASET_KINDS = {"sft": "sft", "preference": "preference", "rl_train": "rl", "rl_eval": "rl"}
+
+
+def _lines_text(lines: list[int], shown: int = 10) -> str:
+    head = ", ".join(str(n) for n in lines[:shown])
+    return head + (f" and {len(lines) - shown} more" if len(lines) > shown else "")
 
 
 @dataclass
@@ -41,21 +62,29 @@ class ValidationResult:
         file: the path as given.
         kind: ``sft``, ``preference`` or ``rl``.
         format: the adapter used (detected when ``format="auto"``).
-        rows: the normalized valid rows, in file order.
+        format_reason: how the format was chosen (the detection's reason, or the config key).
+        rows: the normalized valid rows, in file order (at most ``limit``).
         lines: the source line (or parquet row) of each entry of ``rows``.
-        errors: every problem found, sorted by line.
-        n_total: records read (lines or rows, bad ones included; a ``<file>`` error counts none).
+        errors: every problem found, sorted by line, then field (numerically).
+        n_total: records read (lines or rows, bad ones included; a ``<file>`` error counts
+            none); with ``limit``, those up to the one that gave the last row kept.
         n_skipped: records that the format deliberately turns into no example (KTO false).
+        duplicates: ``(line, line of its first copy)`` for each row of ``rows`` identical
+            (after normalization) to an earlier one; duplicates are kept, only counted.
+        limit: the valid-row limit applied, if any.
     """
 
     file: str
     kind: str
     format: str
+    format_reason: str = ""
     rows: list[dict[str, Any]] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     errors: list[RowError] = field(default_factory=list)
     n_total: int = 0
     n_skipped: int = 0
+    duplicates: list[tuple[int, int]] = field(default_factory=list)
+    limit: int | None = None
 
     @property
     def n_bad(self) -> int:
@@ -72,11 +101,14 @@ class ValidationResult:
         return self.n_bad / self.n_total if self.n_total else 0.0
 
     def report(self) -> dict[str, Any]:
-        """A JSON-able summary: counts, bad fraction and the first 50 errors."""
+        """A JSON-able summary: format and why, counts, bad fraction, the first 50 errors
+        and the first 50 duplicates."""
         return {
             "file": self.file,
             "kind": self.kind,
             "format": self.format,
+            "format_reason": self.format_reason,
+            "limit": self.limit,
             "n_total": self.n_total,
             "n_valid": len(self.rows),
             "n_bad": self.n_bad,
@@ -84,15 +116,42 @@ class ValidationResult:
             "n_errors": len(self.errors),
             "bad_fraction": self.bad_fraction,
             "errors": [vars(e).copy() for e in self.errors[:REPORT_ERRORS]],
+            "n_duplicates": len(self.duplicates),
+            "duplicates": [{"line": a, "same_as_line": b} for a, b in self.duplicates[:REPORT_ERRORS]],
         }
 
 
 class DataValidationError(Exception):
-    """A dataset has more bad rows than allowed; ``errors`` holds all of them."""
+    """A dataset has more bad rows than allowed (or cannot be read, or overlaps a held-out
+    set when that is not allowed); ``errors`` holds the row errors."""
 
     def __init__(self, message: str, errors: list[RowError]):
         super().__init__(message)
         self.errors = errors
+
+
+def _source_field(origin: dict[str, str], path: str) -> str:
+    """The source field of a normalized path: its own entry, else that of its longest
+    mapped parent (``messages[3].tool_calls[0].function.name`` -> ``conversations[3].value``)."""
+    if path in origin:
+        return origin[path]
+    parents = [k for k in origin if path.startswith(k) and path[len(k)] in ".["]
+    return origin[max(parents, key=len)] if parents else path
+
+
+def _formats_for(kind: str) -> str:
+    return ", ".join(name for name, a in ADAPTERS.items() if kind in a.kinds)
+
+
+def _read_head(items: Iterator[Item]) -> list[Item]:
+    """Items up to and including the ``DETECT_SAMPLE``-th record (errors included)."""
+    head, n = [], 0
+    for item in items:
+        head.append(item)
+        n += not isinstance(item[1], RowError)
+        if n >= DETECT_SAMPLE:
+            break
+    return head
 
 
 def validate_dataset(
@@ -100,6 +159,7 @@ def validate_dataset(
     kind: Literal["sft", "preference", "rl"],
     format: str = "auto",
     limit: int | None = None,
+    key: str | None = None,
 ) -> ValidationResult:
     """Read, normalize and check a dataset file (.json, .jsonl, .jsonl.gz, .parquet).
 
@@ -107,73 +167,117 @@ def validate_dataset(
         path: local path or fsspec URL.
         kind: the normalized kind wanted.
         format: an adapter name from ``data.adapters.ADAPTERS`` or ``"auto"`` (detected from
-            the keys of the first records).
-        limit: read at most this many records (lines / rows).
+            the first records: ``data.adapters.detect``).
+        limit: keep the first ``limit`` valid rows; records after the one that gives the
+            last of them are not read (nor counted, nor reported).
+        key: the config key of this dataset (``data.rl_train``), named in error messages.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: unknown kind or format, a format that cannot give ``kind``, or a format
-            that cannot be detected; each message names the file.
+            that cannot be detected; each message names the file and the config key to set.
     """
     name = str(path)
+    key = key or "data.<dataset>"
     if kind not in KINDS:
         raise ValueError(f"{name}: unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
-    items = list(read_records(name, limit=limit))
-    records = [(line, r) for line, r in items if not isinstance(r, RowError)]
-    errors = [r for _, r in items if isinstance(r, RowError)]
-    result = ValidationResult(
-        file=name, kind=kind, format=format, n_total=sum(1 for e in errors if e.field != FILE) + len(records)
-    )
-    if not records:
-        result.errors = errors
+    items = iter(read_records(name))
+    head = _read_head(items)
+    result = ValidationResult(file=name, kind=kind, format=format, limit=limit)
+    sample = [r for _, r in head if not isinstance(r, RowError)]
+    if not sample:
+        result.errors = sorted((r for _, r in head), key=lambda e: (e.line, natural_key(e.field)))
+        result.n_total = sum(1 for e in result.errors if e.field != FILE)
         return result
+    detected = ""
     try:
         if format == "auto":
-            result.format = detect_format(r for _, r in records)
+            detection = detect(sample, kind)
+            result.format = detection.format
+            detected = f" (auto-detected: {detection.reason})"
+            result.format_reason = f"auto-detected: {detection.reason}"
+        else:
+            result.format_reason = f"set by {key}.format"
         adapter = get_adapter(result.format)
         if kind not in adapter.kinds:
             raise ValueError(
-                f"format {adapter.name!r} gives kinds {', '.join(sorted(adapter.kinds))}, not {kind!r}"
+                f"format {adapter.name!r} gives kinds {', '.join(sorted(adapter.kinds))}, not {kind!r}{detected}"
             )
     except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+        raise ValueError(f"{name}: {e}; set {key}.format to a format that gives {kind}: {_formats_for(kind)}") from None
 
+    chunk: list[Item] = []
+    for item in chain(head, items):
+        chunk.append(item)
+        if len(chunk) >= CHUNK:
+            if _take(result, adapter, chunk):
+                break
+            chunk = []
+    else:
+        _take(result, adapter, chunk)
+    result.errors.sort(key=lambda e: (e.line, natural_key(e.field)))
+    first: dict[str, int] = {}
+    for line, row in zip(result.lines, result.rows):
+        text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+        if text in first:
+            result.duplicates.append((line, first[text]))
+        else:
+            first[text] = line
+    return result
+
+
+def _take(result: ValidationResult, adapter, chunk: list[Item]) -> bool:
+    """Convert and check one chunk of items into ``result``, in file order; True once
+    ``result.limit`` valid rows are kept (the rest of the chunk is dropped unread)."""
+    name, kind = result.file, result.kind
+    errors: dict[int, list[RowError]] = {}
+    produced: dict[int, list[Example]] = {}
     examples: list[tuple[int, Example]] = []
-    for line, record in records:
-        try:
-            produced = adapter(record, kind)
-        except FieldError as e:
-            errors.append(RowError(name, line, e.field, e.message))
+    for pos, (line, record) in enumerate(chunk):
+        if isinstance(record, RowError):
+            errors[pos] = [record]
             continue
-        if not produced:
-            result.n_skipped += 1
-        examples += [(line, ex) for ex in produced]
-
+        try:
+            produced[pos] = adapter(record, kind)
+        except FieldError as e:
+            errors[pos] = [RowError(name, line, e.field, e.message)]
+            continue
+        examples += [(pos, ex) for ex in produced[pos]]
     # Schema problems come back as positions in the frame; map them to line and source field.
     for index, fld, message in frame_problems(rows_to_frame([ex.row for _, ex in examples], kind), kind):
-        line, ex = examples[index]
-        errors.append(RowError(name, line, ex.origin.get(fld, fld), message))
-    bad_lines = {e.line for e in errors}
-    kept = [(line, ex.row) for line, ex in examples if line not in bad_lines]
-    result.lines = [line for line, _ in kept]
-    result.rows = [row for _, row in kept]
-    result.errors = sorted(errors, key=lambda e: e.line)
-    return result
+        pos, ex = examples[index]
+        errors.setdefault(pos, []).append(RowError(name, chunk[pos][0], _source_field(dict(ex.origin), fld), message))
+    for pos, (line, _) in enumerate(chunk):
+        if pos in errors:
+            result.errors += errors[pos]
+            result.n_total += any(e.field != FILE for e in errors[pos])
+            continue
+        result.n_total += 1
+        if not produced[pos]:
+            result.n_skipped += 1
+        for ex in produced[pos]:
+            if result.limit is not None and len(result.rows) >= result.limit:
+                break
+            result.rows.append(ex.row)
+            result.lines.append(line)
+        if result.limit is not None and len(result.rows) >= result.limit:
+            return True
+    return False
 
 
 def check_threshold(result: ValidationResult, max_bad_fraction: float = 0.0) -> None:
     """Raise when the bad-row fraction exceeds ``max_bad_fraction`` or no valid row is left.
 
     Raises:
-        DataValidationError: message ``"<file>: N of M records bad (f > max)"`` followed by
-            the first errors as ``file:line: field: message``.
+        DataValidationError: message ``"<file>: N of M records bad (f > data.max_bad_fraction
+            = max)"`` followed by the first errors as ``file:line: field: message``.
     """
     problems = []
     if result.bad_fraction > max_bad_fraction:
         problems.append(
             f"{result.file}: {result.n_bad} of {result.n_total} records bad"
             + (", file damaged" if any(e.field == FILE for e in result.errors) else "")
-            + f" ({result.bad_fraction:.4f} > allowed {max_bad_fraction})"
+            + f" ({result.bad_fraction:.4f} > data.max_bad_fraction = {max_bad_fraction})"
         )
     if not result.rows:
         problems.append(f"{result.file}: no valid {result.kind} rows")
@@ -182,6 +286,139 @@ def check_threshold(result: ValidationResult, max_bad_fraction: float = 0.0) -> 
         more = len(result.errors) - len(shown)
         lines = problems + shown + ([f"... and {more} more"] if more > 0 else [])
         raise DataValidationError("\n".join(lines), result.errors)
+
+
+# --- all datasets of a pipeline ------------------------------------------------------------------
+
+
+def _prompt_key(row: dict[str, Any]) -> str:
+    return json.dumps(row["prompt"], sort_keys=True, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """``rl_eval`` rows whose prompt (the normalized message list) is also an ``rl_train``
+    prompt: how many rows, how many distinct prompts, and their ``rl_eval`` lines (sorted)."""
+
+    n_rows: int
+    n_prompts: int
+    lines: list[int]
+
+    @classmethod
+    def between(cls, train: ValidationResult, held_out: ValidationResult) -> "Overlap":
+        seen = {_prompt_key(r) for r in train.rows}
+        shared = [(line, _prompt_key(r)) for line, r in zip(held_out.lines, held_out.rows) if _prompt_key(r) in seen]
+        return cls(len(shared), len({k for _, k in shared}), sorted(line for line, _ in shared))
+
+    def describe(self) -> str:
+        return (f"data.rl_eval: {self.n_rows} rows ({self.n_prompts} distinct prompts) have a prompt that is also "
+                f"in data.rl_train (rl_eval lines {_lines_text(self.lines)})")
+
+
+@dataclass
+class DataReport:
+    """What ``validate_data`` found for each configured dataset.
+
+    Attributes:
+        results: dataset name (``sft``, ``preference``, ``rl_train``, ``rl_eval``) -> result.
+        failures: dataset name -> why it could not be validated at all (missing file, a
+            format that cannot be detected or cannot give the kind), naming the config key.
+        overlap: rl_eval prompts found in rl_train (None unless both were validated).
+        max_bad_fraction, allow_eval_overlap: the settings the problems are judged by.
+    """
+
+    results: dict[str, ValidationResult] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    overlap: Overlap | None = None
+    max_bad_fraction: float = 0.0
+    allow_eval_overlap: bool = True
+
+    def problems(self) -> list[str]:
+        """Each fault that fails the validate stage, as text naming the config key, the file
+        and the first bad lines and fields (one entry per dataset, possibly several lines)."""
+        problems = []
+        for name in DATASET_KINDS:  # in config order
+            if name in self.failures:
+                problems.append(f"data.{name}: {self.failures[name]}")
+            elif name in self.results:
+                try:
+                    check_threshold(self.results[name], self.max_bad_fraction)
+                except DataValidationError as e:
+                    problems.append(f"data.{name}: {e}")
+        if self.overlap and self.overlap.n_rows and not self.allow_eval_overlap:
+            problems.append(f"{self.overlap.describe()}; held-out prompts should not be trained on "
+                            "(remove them, or set data.allow_eval_overlap: true to allow it)")
+        return problems
+
+    def warnings(self) -> list[str]:
+        """Findings that do not fail the stage: duplicate rows, an allowed overlap."""
+        notes = []
+        for name, result in self.results.items():
+            if result.duplicates:
+                pairs = ", ".join(f"{a} (= {b})" for a, b in result.duplicates[:10])
+                more = f" and {len(result.duplicates) - 10} more" if len(result.duplicates) > 10 else ""
+                notes.append(f"data.{name}: {len(result.duplicates)} duplicate rows (identical after normalization) "
+                             f"in {result.file}: lines {pairs}{more}")
+        if self.overlap and self.overlap.n_rows and self.allow_eval_overlap:
+            notes.append(f"{self.overlap.describe()}; set data.allow_eval_overlap: false to make this an error")
+        return notes
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able: dataset name -> ``ValidationResult.report()``; rl_eval's also holds
+        ``overlap_with_rl_train`` ({n_rows, n_prompts, lines (first 50)})."""
+        report = {name: result.report() for name, result in self.results.items()}
+        for name, message in self.failures.items():
+            report[name] = {"error": message}
+        if self.overlap is not None and "rl_eval" in report:
+            report["rl_eval"]["overlap_with_rl_train"] = {
+                "n_rows": self.overlap.n_rows, "n_prompts": self.overlap.n_prompts,
+                "lines": self.overlap.lines[:REPORT_ERRORS],
+            }
+        return report
+
+    def raise_for_problems(self) -> None:
+        """Raises:
+            DataValidationError: ``problems()`` joined by newlines; ``errors`` holds every
+                row error of the failing datasets.
+        """
+        problems = self.problems()
+        if problems:
+            failing = {p.split(":", 1)[0].removeprefix("data.") for p in problems}
+            errors = [e for name, r in self.results.items() if name in failing for e in r.errors]
+            raise DataValidationError("\n".join(problems), errors)
+
+
+def validate_data(data: "DataConfig", names: Iterable[str] | None = None) -> DataReport:
+    """Validate every dataset of a pipeline's ``data`` section, as the validate stage does.
+
+    Args:
+        data: the ``data`` config (``sft``/``preference``/``rl_train``/``rl_eval``, each
+            with ``path``, ``format``, ``limit`` or None; ``max_bad_fraction``;
+            ``allow_eval_overlap``).
+        names: only these datasets (default: every one that is set), e.g. to skip files
+            that the prepare step has not written yet.
+
+    Returns:
+        a ``DataReport``; nothing is raised for bad data: call ``problems()`` for the
+        messages or ``raise_for_problems()`` to fail.
+    """
+    wanted = list(DATASET_KINDS) if names is None else [n for n in DATASET_KINDS if n in set(names)]
+    out = DataReport(max_bad_fraction=data.max_bad_fraction,
+                     allow_eval_overlap=getattr(data, "allow_eval_overlap", True))
+    for name in wanted:
+        ds = getattr(data, name)
+        if ds is None:
+            continue
+        try:
+            out.results[name] = validate_dataset(ds.path, DATASET_KINDS[name], format=ds.format,
+                                                 limit=ds.limit, key=f"data.{name}")
+        except FileNotFoundError:
+            out.failures[name] = f"file not found: {ds.path} (data.{name}.path)"
+        except ValueError as e:
+            out.failures[name] = str(e)
+    if "rl_train" in out.results and "rl_eval" in out.results:
+        out.overlap = Overlap.between(out.results["rl_train"], out.results["rl_eval"])
+    return out
 
 
 def write_jsonl_atomic(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:

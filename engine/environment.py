@@ -8,9 +8,10 @@ An environment is a gym-like object the policy talks to for several turns. Per s
 3. ``env.step(text)`` gets the turn's text (decoded without special tokens, so a final EOS
    is not part of it) and returns a :class:`StepResult` (observation, reward, done);
 4. unless the environment is done, ``max_turns`` turns were taken or the budget is spent,
-   the observation text is appended *verbatim* as tokens (``tokenizer(observation,
-   add_special_tokens=False)``; special-token strings in it, e.g. ``<|im_end|>``, become
-   their ids) and the policy continues at 2. The environment formats its observation, e.g.
+   the observation text is appended *verbatim* as tokens (``data.chat.encode_continuation``:
+   as it is tokenized after a turn end inside a rendered conversation, without BOS or a
+   SentencePiece ``▁`` on its first token; special-token strings in it, e.g. ``<|im_end|>``,
+   become their ids) and the policy continues at 2. The environment formats its observation, e.g.
    opens a user turn and the next assistant turn with the chat template's markers (a turn
    that ended at EOS keeps the EOS, e.g. ``<|im_end|>``, as its last token).
 
@@ -47,6 +48,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
+from data.chat import encode_continuation
 from engine.rollout.base import RolloutEngine, SamplingSpec
 
 
@@ -69,8 +71,9 @@ class Environment(Protocol):
 
     ``reset`` starts an episode for a data row ``{"prompt": messages or text, "label": str}``;
     ``step`` takes the text of the policy's latest turn (special tokens removed) and returns
-    a :class:`StepResult`. The observation is appended verbatim as tokens (tokenized with
-    ``add_special_tokens=False``) and the policy then continues from the full context.
+    a :class:`StepResult`. The observation is appended verbatim as tokens (tokenized as a
+    continuation, ``data.chat.encode_continuation``) and the policy then continues from the
+    full context.
     """
 
     def reset(self, prompt_row: dict[str, Any]) -> None: ...
@@ -199,7 +202,7 @@ def _play_turn(ep: _Episode, out, left: int, tokenizer, last_turn: bool) -> None
     elif ep.done or last_turn:
         ep.close("stop")
     else:
-        observation = tokenizer(result.observation, add_special_tokens=False)["input_ids"]
+        observation = encode_continuation(tokenizer, result.observation)
         room = left - len(tokens)
         ep.extend(observation[:room], [0.0] * min(room, len(observation)), loss=0)
         if len(observation) >= room:

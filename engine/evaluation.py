@@ -251,7 +251,7 @@ def evaluate_policy(
         for key in ("prompt", "label"):
             if key not in row:
                 raise KeyError(f"evaluate_policy: eval_rows[{i}] has no {key!r}")
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"]) for row in eval_rows]
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"], tools=row.get("tools")) for row in eval_rows]
     k = samples_per_prompt
     spec = SamplingSpec(n=k, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
     groups = engine.generate(prompt_ids, spec)
@@ -302,7 +302,8 @@ def _hf_tensors(hf_dir: Path):
         yield from load_file(str(shard)).items()
 
 
-def _build_engine(backend: str, hf_dir: Path, tokenizer, gpu_memory_utilization: float, seed: int) -> RolloutEngine:
+def _build_engine(backend: str, hf_dir: Path, tokenizer, gpu_memory_utilization: float | None, seed: int,
+                  num_sequences: int, max_model_len: int) -> RolloutEngine:
     if backend == "hf":
         from engine.rollout.hf_rollout import HFRollout
 
@@ -314,7 +315,8 @@ def _build_engine(backend: str, hf_dir: Path, tokenizer, gpu_memory_utilization:
         # A padded embedding (Megatron rounds the vocabulary up) must never emit ids the
         # tokenizer cannot decode.
         valid = len(tokenizer) if len(tokenizer) < vocab else None
-        return VLLMRollout(hf_dir, gpu_memory_utilization=gpu_memory_utilization, seed=seed, valid_vocab_size=valid)
+        return VLLMRollout(hf_dir, gpu_memory_utilization=gpu_memory_utilization, seed=seed, valid_vocab_size=valid,
+                           num_sequences=num_sequences, max_model_len=max_model_len)
     raise ValueError(f"evaluate.backend: unknown rollout backend {backend!r}; expected 'vllm' or 'hf'")
 
 
@@ -325,7 +327,7 @@ def evaluate_model_dirs(
     *,
     verifier: str,
     engine_cfg: EngineConfig | None = None,
-    gpu_memory_utilization: float = 0.1,
+    gpu_memory_utilization: float | None = None,
     seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Evaluate several policies on the same held-out prompts with one rollout engine.
@@ -333,11 +335,10 @@ def evaluate_model_dirs(
     Each model directory (``megatron/`` + ``hf/``) is exported to a temporary HF SafeTensors
     directory (:func:`engine.hf_export.export_model_dir`). The first policy starts the
     engine; a later policy with the same ``config.json`` is swapped in with
-    ``engine.update_weights``; one with another architecture gets its own engine. (vLLM on
-    CPU cannot start a second engine in a process that already holds one: its memory check
-    counts the first engine's reservation, so sharing the engine is what makes the usual
-    SFT-vs-RL comparison work with the vLLM backend.) All policies see the same prompts, budget,
-    temperature and seed.
+    ``engine.update_weights``; one with another architecture gets its own engine (sharing
+    saves a start-up; with the KV cache sized from the run a second vLLM engine in the process
+    also starts, which vLLM's fraction-of-memory default did not allow, as it counted the first
+    engine's reservation as used). All policies see the same prompts, budget, temperature and seed.
 
     Args:
         model_dirs: ``{policy_name: model_dir}``, e.g. ``{"sft": ..., "rl": ...}``.
@@ -346,8 +347,13 @@ def evaluate_model_dirs(
             ``temperature``, ``backend``).
         verifier: a ``data.rewards.VERIFIERS`` name.
         engine_cfg: ``config.schema.EngineConfig``; evaluation runs its rollout engine in
-            this process, so placement and Ray settings do not apply to it.
-        gpu_memory_utilization: vLLM's memory fraction (host memory on CPU).
+            this process, so placement and Ray settings do not apply to it; ``num_cpus`` is
+            this process's torch thread count (None: every core, ``os.cpu_count()``), set
+            before the engine starts (vLLM's CPU worker then pins it).
+        gpu_memory_utilization: an explicit vLLM memory fraction (see
+            :class:`engine.rollout.vllm_rollout.VLLMRollout`); None sizes vLLM's KV cache for
+            all prompts x ``samples_per_prompt`` at once, each up to the longest prompt plus
+            ``max_new_tokens`` (within the model's ``max_position_embeddings``).
         seed: sampling seed (and vLLM's engine seed).
 
     Returns:
@@ -358,11 +364,15 @@ def evaluate_model_dirs(
     """
     from transformers import AutoTokenizer
 
+    from data.chat import encode_prompt
     from data.rewards import get_verifier
     from engine.hf_export import export_model_dir
+    from engine.ray_cluster import worker_threads
 
     verify = get_verifier(verifier)
     rows = read_eval_rows(eval_path, cfg.num_prompts)
+    # explicit, not torch's default: under load the default oversubscribed the cores
+    worker_threads(engine_cfg.num_cpus if engine_cfg is not None else None)
     results: dict[str, dict[str, Any]] = {}
     engine, engine_config = None, None
     with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp:
@@ -373,7 +383,11 @@ def evaluate_model_dirs(
             if engine is not None and config == engine_config:
                 engine.update_weights(_hf_tensors(hf_dir))
             else:
-                engine = _build_engine(cfg.backend, hf_dir, tokenizer, gpu_memory_utilization, seed)
+                # the ids evaluate_policy will submit
+                longest = max(len(encode_prompt(tokenizer, row["prompt"], tools=row.get("tools"))) for row in rows)
+                max_len = min(int(config["max_position_embeddings"]), longest + cfg.max_new_tokens)
+                engine = _build_engine(cfg.backend, hf_dir, tokenizer, gpu_memory_utilization, seed,
+                                       num_sequences=len(rows) * cfg.samples_per_prompt, max_model_len=max_len)
                 engine_config = config
             logger.info("evaluating policy %r on %d prompts (%s backend)", name, len(rows), cfg.backend)
             results[name] = evaluate_policy(

@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -74,8 +74,8 @@ def _generation_config(hf_config: dict[str, Any], tokenizer_dir: Path) -> dict[s
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     gen: dict[str, Any] = {}
-    # The tokenizer's EOS ends a chat turn (e.g. <|im_end|>), which is where generation must
-    # stop; fall back to the model config's ids when the tokenizer has none.
+    # The tokenizer's EOS (Qwen instruct: <|im_end|>), else the model config's ids; the convert
+    # stage adds the chat template's own turn end (stop_token_ids) when it is another token.
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(tok, key, None)
         if value is None:
@@ -93,6 +93,8 @@ def save_model_dir(
     iteration: int | None = None,
     heads: dict[str, torch.Tensor] | None = None,
     generation_overrides: dict[str, Any] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    tokenizer_config_updates: dict[str, Any] | None = None,
 ) -> Path:
     """Write a model directory atomically (temporary sibling, then rename).
 
@@ -109,6 +111,11 @@ def save_model_dir(
         heads: extra tensors (name -> tensor), stored in ``heads.safetensors``.
         generation_overrides: keys replaced in ``generation_config.json`` (e.g.
             ``{"eos_token_id": [2, 1]}``); later stages copy the file on, so it holds for good.
+        stop_token_ids: ids added (after the overrides) to ``generation_config.json``'s
+            ``eos_token_id`` list where missing, e.g. the chat template's turn end
+            (``data.chat.turn_end_token_id``), so every rollout engine and the export stop on them.
+        tokenizer_config_updates: keys merged into the copied ``tokenizer_config.json``
+            (created if absent), e.g. the recorded turn end (``data.chat.RECORDED_KEY``).
 
     Returns:
         ``Path(out_dir)``.
@@ -138,6 +145,10 @@ def save_model_dir(
         hf.mkdir()
         for f in tok_files:
             shutil.copy2(f, hf / f.name)
+        if tokenizer_config_updates:
+            tc_path = hf / "tokenizer_config.json"
+            tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+            tc_path.write_text(json.dumps({**tc, **tokenizer_config_updates}, indent=2, ensure_ascii=False) + "\n")
         (hf / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         if spec.padded_vocab_size is not None:
             (tmp / MEGATRON_SPEC_FILE).write_text(json.dumps({"padded_vocab_size": spec.padded_vocab_size}) + "\n")
@@ -145,7 +156,13 @@ def save_model_dir(
             gen = json.loads((tokenizer_dir / "generation_config.json").read_text())
         else:
             gen = _generation_config(hf_config, hf)
-        (hf / "generation_config.json").write_text(json.dumps({**gen, **(generation_overrides or {})}, indent=2, sort_keys=True) + "\n")
+        gen = {**gen, **(generation_overrides or {})}
+        eos = gen.get("eos_token_id")
+        eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+        extra = [int(t) for t in dict.fromkeys(stop_token_ids) if int(t) not in eos]
+        if extra:  # ids already there leave the file as it was
+            gen["eos_token_id"] = eos + extra
+        (hf / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
         if heads:
             save_file({k: v.detach().to("cpu").contiguous() for k, v in heads.items()}, str(tmp / HEADS_FILE))

@@ -99,7 +99,10 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     placement = make_placement(cfg)
-    workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, max_len)
+    # the rollout engine's context (and KV cache) covers the longest prompt and its whole response
+    # budget (multi-turn observations and partial-rollout continuations count against the budget)
+    rollout_len = min(max_len, max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens)
+    workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, rollout_len)
     pipeline = None
     try:
         start, position, history = resume(workers, resume_dir, seed)
@@ -180,7 +183,7 @@ def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int) -> list
             raise ValueError(f"{path}:{line}: prompt: expected a non-empty list of {{role, content}} messages")
         if not isinstance(label, str):
             raise ValueError(f"{path}:{line}: label: expected a string, got {type(label).__name__}")
-        ids = encode_prompt(tokenizer, messages)
+        ids = encode_prompt(tokenizer, messages, tools=row.get("tools"))
         if len(ids) > max_prompt_tokens:
             raise ValueError(f"{path}:{line}: prompt: {len(ids)} tokens leave no room for rl.rollout.max_new_tokens "
                              f"within the model's max_position_embeddings (at most {max_prompt_tokens} prompt tokens)")
@@ -210,7 +213,8 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
     # asynchronous: a weight update's calls must reach the rollout worker while it generates
     rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
-                    rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1)
+                    rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1,
+                    num_sequences=cfg.prompts_per_step * cfg.n_samples)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
         threads)

@@ -78,28 +78,42 @@ def _read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
-def encode_sft_dataset(path: str | Path, tokenizer, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
-    """Tokenize every ``{"messages": [...]}`` row with the chat template.
+def encode_sft_dataset(
+    path: str | Path, tokenizer, max_seq_len: int, end_of_turn: str | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """Tokenize every ``{"messages": [...], "tools"?: [...]}`` row with the chat template.
 
+    The loss mask covers each assistant turn (content or tool calls) and its turn end
+    (:func:`data.chat.encode_chat`); ``tools`` (JSON-schema dicts) is passed to the template.
     Rows left with no target token after truncation to ``max_seq_len`` are dropped (and
     counted in a warning).
+
+    Args:
+        end_of_turn: the turn end override (``model.end_of_turn``); default the one the model
+            directory records, else derived from the template (:func:`data.chat.end_of_turn`).
 
     Returns:
         ``[(input_ids, loss_mask), ...]`` in file order.
 
     Raises:
-        ValueError: naming ``file:line``, for a row without a ``messages`` list, a row the
-            chat template rejects, or if no row has a target token.
+        ValueError: the tokenizer has no chat template or no turn end can be found (before
+            any row is read; names ``sft.enabled: false`` / ``model.end_of_turn``); naming
+            ``file:line``, for a row without a ``messages`` list, with ``tools`` that is not a
+            list of objects, or that the chat template rejects (its message, e.g. "System
+            role not supported"); or if no row has a target token.
     """
-    from data.chat import encode_chat
+    from data.chat import encode_chat, end_of_turn as resolve_end_of_turn
 
+    resolve_end_of_turn(tokenizer, end_of_turn)  # one clear error for the model, not one per row
     out, dropped = [], 0
     for line, row in _read_rows(path):
-        messages = row.get("messages")
+        messages, tools = row.get("messages"), row.get("tools")
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{path}:{line}: messages: expected a non-empty list of {{role, content}}")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"{path}:{line}: tools: expected a list of JSON-schema objects")
         try:
-            enc = encode_chat(tokenizer, messages, max_len=max_seq_len)
+            enc = encode_chat(tokenizer, messages, max_len=max_seq_len, end_of_turn=end_of_turn, tools=tools)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{line}: messages: {e}") from e
         if sum(enc.loss_mask[1:]) == 0:

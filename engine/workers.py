@@ -161,15 +161,19 @@ class RolloutWorker:
 
     Args:
         policy_dir: model directory of the initial policy.
-        cfg: ``rl.rollout`` (backend, memory fraction).
+        cfg: ``rl.rollout`` (backend, ``gpu_memory_utilization`` override).
         scratch_dir: where the HF backend's export goes.
-        max_model_len: longest prompt + response (vLLM's KV-cache budget); default the
-            model's ``max_position_embeddings``.
+        max_model_len: longest prompt + response in tokens; default the model's
+            ``max_position_embeddings``.
         num_threads: torch threads in this process.
+        num_sequences: sequences one generate call submits (``prompts_per_step x n_samples``);
+            with ``max_model_len`` it sizes vLLM's KV cache (see
+            :class:`engine.rollout.vllm_rollout.VLLMRollout`).
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
-                 max_model_len: int | None = None, num_threads: int | None = None):
+                 max_model_len: int | None = None, num_threads: int | None = None,
+                 num_sequences: int | None = None):
         from engine.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
         from engine.ray_cluster import worker_threads
 
@@ -186,8 +190,9 @@ class RolloutWorker:
 
             vocab = int(read_hf_config(policy_dir)["vocab_size"])
             tokens = len(load_tokenizer(policy_dir))
+            sized = {} if num_sequences is None else {"num_sequences": num_sequences}
             self.engine = VLLMRollout(
-                Path(policy_dir) / HF_SUBDIR, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                Path(policy_dir) / HF_SUBDIR, gpu_memory_utilization=cfg.gpu_memory_utilization, **sized,
                 max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None, load_format="dummy",
             )
         elif cfg.backend == "hf":

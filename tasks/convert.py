@@ -52,5 +52,32 @@ def convert(ctx: StageContext) -> dict:
     if bad:
         raise ValueError(f"model.eos_token_ids: {bad} outside the vocabulary of {m.source} (0..{vocab - 1})")
     overrides = {"eos_token_id": list(m.eos_token_ids)} if m.eos_token_ids else None
-    save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir, generation_overrides=overrides)
+    stop_ids, record = _turn_end(source.tokenizer_dir, m.end_of_turn, ctx.logger)
+    save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir, generation_overrides=overrides,
+                   stop_token_ids=stop_ids, tokenizer_config_updates=record)
     return {"model/parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict | None]:
+    """The chat template's turn end (``data.chat.end_of_turn``): its stop id, added to the EOS
+    ids generation stops on, and the marker, recorded in the model directory's
+    tokenizer_config.json so every later stage (and the export) uses the same one."""
+    from transformers import AutoTokenizer
+
+    from data.chat import RECORDED_KEY, ChatTemplateError, end_of_turn, turn_end_token_id
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if getattr(tokenizer, "chat_template", None) is None:
+        if override is not None:
+            raise ValueError(f"model.end_of_turn: {tokenizer_dir} has no chat template, so there is no turn to end; remove it")
+        return [], None
+    try:
+        marker = end_of_turn(tokenizer, override)
+        stop = turn_end_token_id(tokenizer, override)
+    except ChatTemplateError as e:
+        raise ValueError(f"model.end_of_turn: {e}") from e
+    log.info("convert: an assistant turn ends with %r (stop id %s)", marker, stop)
+    if stop is None:
+        log.warning("the turn end %r is several tokens and its last one is not a special token: generation stops "
+                    "only at the EOS ids (stop strings are not available with token-in/token-out rollout)", marker)
+    return ([] if stop is None else [stop]), {RECORDED_KEY: marker}

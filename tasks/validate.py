@@ -1,9 +1,12 @@
 """validate: check every configured dataset against its schema and publish normalized JSONL.
 
 Artifact: ``<name>.jsonl`` for each of sft, preference, rl_train, rl_eval that the config
-names, plus ``report.json`` (row counts and the first bad rows with file, line, field).
-The stage fails, publishing nothing, when a dataset's bad-row fraction exceeds
-``data.max_bad_fraction``.
+names, plus ``report.json`` (per dataset: the format used and why, row counts, the first
+bad rows with file, line, field, duplicate rows; for rl_eval, the prompts shared with
+rl_train). The stage fails, publishing nothing, when a dataset's bad-row fraction exceeds
+``data.max_bad_fraction``, or when rl_eval shares prompts with rl_train and
+``data.allow_eval_overlap`` is false. ``posttrain validate`` runs the same checks
+(``data.validate.validate_data``) before anything runs.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 import json
 
 from config.schema import PipelineConfig
-from data.validate import check_threshold, validate_dataset, write_jsonl_atomic
+from data.validate import DATASET_KINDS, validate_data, write_jsonl_atomic
 from tasks.runner import StageContext, StageSpec, stage_task
 
-KINDS = {"sft": "sft", "preference": "preference", "rl_train": "rl", "rl_eval": "rl"}
+KINDS = DATASET_KINDS
 
 
 def datasets(cfg: PipelineConfig) -> dict:
@@ -32,20 +35,23 @@ SPEC = StageSpec(
 
 @stage_task(SPEC)
 def validate(ctx: StageContext) -> dict:
-    """Validate and normalize each dataset; raise DataValidationError above the threshold."""
-    report, metrics = {}, {}
-    results = {}
-    for name, ds in datasets(ctx.cfg).items():
-        result = validate_dataset(ds.path, KINDS[name], format=ds.format, limit=ds.limit)
-        report[name] = result.report()
+    """Validate and normalize each dataset; raise DataValidationError on the problems
+    ``DataReport.problems`` lists (every dataset is reported before the stage fails)."""
+    checked = validate_data(ctx.cfg.data)
+    metrics = {}
+    for name, result in checked.results.items():
+        ctx.logger.info("data.%s: %s: format %s", name, result.file, result.format_reason)
         metrics[f"rows/{name}"] = len(result.rows)
         metrics[f"bad_rows/{name}"] = len(result.errors)
+        metrics[f"duplicate_rows/{name}"] = len(result.duplicates)
         for err in result.errors[:5]:
             ctx.logger.warning("%s", err)
-        results[name] = result
-    for result in results.values():  # every dataset reported before the first failure
-        check_threshold(result, ctx.cfg.data.max_bad_fraction)
-    for name, result in results.items():
+    if checked.overlap is not None:
+        metrics["overlap_rows/rl_eval"] = checked.overlap.n_rows
+    for note in checked.warnings():
+        ctx.logger.warning("%s", note)
+    checked.raise_for_problems()
+    for name, result in checked.results.items():
         write_jsonl_atomic(result.rows, ctx.workdir / f"{name}.jsonl")
-    (ctx.workdir / "report.json").write_text(json.dumps(report, indent=2))
+    (ctx.workdir / "report.json").write_text(json.dumps(checked.report(), indent=2))
     return metrics

@@ -29,6 +29,7 @@ def tiny_config(workdir: Path, **overrides) -> dict:
     cfg["sft"].update(steps=6, checkpoint_every=3, global_batch_size=32, micro_batch_size=32)
     cfg["rm"].update(steps=4)
     cfg["rl"].update(steps=3, prompts_per_step=8, n_samples=4, checkpoint_every=1, micro_batch_size=32)
+    cfg["rl"]["optim"]["warmup_steps"] = 3  # the quickstart's 10 would outlast the run (refused by the schema)
     cfg["evaluate"]["num_prompts"] = 24
     for dotted, value in overrides.items():
         node = cfg

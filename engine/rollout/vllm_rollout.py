@@ -18,6 +18,9 @@ from typing import Iterable
 import torch
 
 from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def eos_token_ids(model_dir: str | Path) -> list[int]:
@@ -42,9 +45,17 @@ class VLLMRollout:
     Args:
         model_dir: HF model directory (config.json + SafeTensors) vLLM can load. Its tokenizer
             is not used: prompts and responses are token ids (``skip_tokenizer_init``).
-        gpu_memory_utilization: fraction of device memory vLLM reserves (host memory on CPU).
+        num_sequences: sequences the caller submits to one :meth:`generate` at once (prompts
+            x samples per prompt); with ``max_model_len`` it sizes the KV cache
+            (:func:`engine.rollout.kv_cache.kv_cache_bytes`, passed as vLLM's
+            ``kv_cache_memory_bytes``) and, capped at vLLM's default 256, is vLLM's
+            ``max_num_seqs``. More sequences still run; they queue for KV blocks.
         max_model_len: longest prompt + response in tokens; default the model's
             ``max_position_embeddings``.
+        gpu_memory_utilization: an explicit override: vLLM sizes the KV cache itself as this
+            fraction of device memory (on CPU: of the NUMA node's memory, minus this
+            process's RSS, which fails when the process already holds more than the fraction).
+            None (the default) sizes it from ``num_sequences`` and ``max_model_len``.
         dtype: parameter dtype, e.g. ``"float32"``.
         valid_vocab_size: when the model's embedding is padded past the tokenizer's vocabulary
             (Megatron pads to a multiple), only ids below this are ever sampled, and log-probs
@@ -64,17 +75,23 @@ class VLLMRollout:
     nucleus when ``top_p < 1``. A trainer comparing against them must scale its logits by
     the same temperature.
 
+    Attributes:
+        kv_cache_memory_bytes: the KV cache size asked of vLLM, bytes (None with
+            ``gpu_memory_utilization``).
+
     Raises:
         FileNotFoundError: ``model_dir`` has no ``config.json``.
-        ValueError: no EOS id in ``generation_config.json`` / ``config.json``.
+        ValueError: no EOS id in ``generation_config.json`` / ``config.json``; vLLM's own
+            error when the node has less free memory than the KV cache asked for.
     """
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
-        gpu_memory_utilization: float = 0.1,
+        num_sequences: int = VLLM_MAX_NUM_SEQS,
         max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
         dtype: str = "float32",
         valid_vocab_size: int | None = None,
         seed: int = 0,
@@ -90,11 +107,24 @@ class VLLMRollout:
         self.valid_vocab_size = valid_vocab_size
         config = json.loads((self.model_dir / "config.json").read_text())
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        max_model_len = int(max_model_len or config.get("max_position_embeddings", 2048))
+        max_num_seqs = min(num_sequences, VLLM_MAX_NUM_SEQS)
+        if gpu_memory_utilization is None:
+            # vLLM's own default (a fraction of the node's memory minus this process's RSS)
+            # depends on what the host reports and fails once the process holds a model.
+            self.kv_cache_memory_bytes = kv_cache_bytes(config, max_num_seqs, max_model_len, dtype)
+            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes}
+            logger.info("vLLM KV cache: %s bytes for %d sequences of %d tokens", f"{self.kv_cache_memory_bytes:,}",
+                        max_num_seqs, max_model_len)
+        else:
+            self.kv_cache_memory_bytes = None
+            memory = {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = LLM(
             model=str(self.model_dir),
             dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
+            **memory,
             max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             enforce_eager=True,
             distributed_executor_backend="uni",
             skip_tokenizer_init=True,
@@ -106,7 +136,7 @@ class VLLMRollout:
             # prefill discards its sampled token, which CPU generators cannot do
             # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
             enable_chunked_prefill=False,
-            max_num_batched_tokens=max(8192, max_model_len or int(config.get("max_position_embeddings", 2048))),
+            max_num_batched_tokens=max(8192, max_model_len),
         )
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):

@@ -235,3 +235,162 @@ def test_rl_options_that_cannot_train_are_refused():
         RLConfig.model_validate({"reward": {"verifier_weight": float("nan")}})
     with pytest.raises(ValueError, match="coef"):
         RLConfig.model_validate({"kl": {"coef": float("inf")}})
+
+
+# ----------------------------------------------------------------------------- value checks (bad-input trials)
+
+
+def _yaml_error(tmp_path: Path, quickstart_raw: dict, section: str, text: str) -> list[str]:
+    """The problem lines of the quickstart with ``text`` (YAML, as a user types it) replacing
+    keys of ``section`` (a dotted path)."""
+    raw = copy.deepcopy(quickstart_raw)
+    node = raw
+    *parents, last = section.split(".")
+    for part in parents:
+        node = node[part]
+    node[last] = {**node.get(last, {}), **yaml.safe_load(text)}
+    return _error(_write(tmp_path, raw)).splitlines()[1:]
+
+
+@pytest.mark.parametrize("section, text, line", [
+    ("sft", "steps: true", "  sft.steps: expected an integer, not a boolean (got True)"),
+    ("rl", "prompts_per_step: false", "  rl.prompts_per_step: expected an integer, not a boolean (got False)"),
+    ("sft.optim", "lr: yes", "  sft.optim.lr: expected a number, not a boolean (got True)"),
+    ("evaluate", "num_prompts: on", "  evaluate.num_prompts: expected an integer, not a boolean (got True)"),  # int | None
+    ("run", "seed: true", "  run.seed: expected an integer, not a boolean (got True)"),
+    ("model", "eos_token_ids: [true]", "  model.eos_token_ids: expected an integer, not a boolean (got [True])"),
+])
+def test_booleans_are_not_numbers(tmp_path, quickstart_raw, section, text, line):
+    """pydantic's lax mode took `steps: true` as 1 (and `lr: yes` as 1.0)."""
+    assert _yaml_error(tmp_path, quickstart_raw, section, text) == [line]
+
+
+def test_yaml_number_spellings_still_work(tmp_path, quickstart_raw):
+    """PyYAML (YAML 1.1) reads `1e-4` and `1e3` as strings, `1.0e-4` as a float: floats take all of
+    them; integer fields take an exponent spelling of an exact integer and refuse any other."""
+    assert yaml.safe_load("a: 1e3")["a"] == "1e3" and yaml.safe_load("a: 1.0e-4")["a"] == 1.0e-4
+    raw = copy.deepcopy(quickstart_raw)
+    text = _write(tmp_path, raw).read_text()
+    text = text.replace("steps: 300", "steps: 1e3").replace("lr: 0.003", "lr: 1e-4").replace("warmup_steps: 5", "warmup_steps: 1.5e1")
+    p = tmp_path / "spellings.yaml"
+    p.write_text(text)
+    cfg = load_config(p)
+    assert (cfg.sft.steps, cfg.sft.optim.lr, cfg.sft.optim.warmup_steps) == (1000, 1e-4, 15)
+    assert isinstance(cfg.sft.steps, int) and isinstance(cfg.sft.optim.warmup_steps, int)
+    assert _yaml_error(tmp_path, quickstart_raw, "sft", "steps: 1e-3") == [
+        "  sft.steps: Input should be a valid integer, unable to parse string as an integer (got '1e-3')"]
+    assert _yaml_error(tmp_path, quickstart_raw, "sft", "steps: 1.5") == [
+        "  sft.steps: Input should be a valid integer, got a number with a fractional part (got 1.5)"]
+
+
+@pytest.mark.parametrize("section, text, line", [
+    ("sft.optim", "lr: .inf", "  sft.optim.lr: Input should be a finite number (got inf)"),
+    ("rl.optim", "weight_decay: .nan", "  rl.optim.weight_decay: Input should be a finite number (got nan)"),
+    ("rl.rollout", "temperature: .inf", "  rl.rollout.temperature: Input should be a finite number (got inf)"),
+    ("sft.optim", "adam_beta1: 1.5", "  sft.optim.adam_beta1: Input should be less than 1 (got 1.5)"),
+    ("rm.optim", "adam_beta2: 1.0", "  rm.optim.adam_beta2: Input should be less than 1 (got 1.0)"),
+    ("rl.optim", "adam_beta1: -0.1", "  rl.optim.adam_beta1: Input should be greater than or equal to 0 (got -0.1)"),
+    ("run", "seed: 4294967296", "  run.seed: Input should be less than 4294967296 (got 4294967296)"),
+    ("run", "seed: -1", "  run.seed: Input should be greater than or equal to 0 (got -1)"),
+])
+def test_non_finite_betas_and_seed_out_of_range(tmp_path, quickstart_raw, section, text, line):
+    assert _yaml_error(tmp_path, quickstart_raw, section, text) == [line]
+
+
+def test_seed_bounds_are_what_the_generators_accept(tmp_path, quickstart_raw):
+    import numpy as np
+    import torch
+
+    top = 2**32 - 1
+    raw = copy.deepcopy(quickstart_raw)
+    raw["run"]["seed"] = top
+    assert load_config(_write(tmp_path, raw)).run.seed == top
+    np.random.seed(top)
+    np.random.default_rng(top)
+    torch.manual_seed(top)
+    with pytest.raises(ValueError):
+        np.random.seed(top + 1)
+
+
+def test_min_lr_above_lr(tmp_path, quickstart_raw):
+    assert _yaml_error(tmp_path, quickstart_raw, "sft.optim", "min_lr: 0.01") == [
+        "  sft.optim: min_lr (0.01) is above lr (0.003): the cosine decay goes from lr down to min_lr"]
+    assert _yaml_error(tmp_path, quickstart_raw, "rl.critic", "optim: {lr: 1.0e-4, min_lr: 2.0e-4}") == [
+        "  rl.critic.optim: min_lr (0.0002) is above lr (0.0001): the cosine decay goes from lr down to min_lr"]
+
+
+@pytest.mark.parametrize("section, text, line", [
+    ("sft", "optim: {lr: 3.0e-3, warmup_steps: 301}",
+     "  sft: sft.optim.warmup_steps (301) is longer than the run (sft.steps = 300 optimizer steps): the learning rate "
+     "would never reach sft.optim.lr"),
+    ("rm", "optim: {warmup_steps: 41}",
+     "  rm: rm.optim.warmup_steps (41) is longer than the run (rm.steps = 40 optimizer steps): the learning rate "
+     "would never reach rm.optim.lr"),
+    ("rl", "optim: {warmup_steps: 101}",
+     "  rl: rl.optim.warmup_steps (101) is longer than the run (rl.steps = 100 optimizer steps): the learning "
+     "rate would never reach rl.optim.lr"),
+    ("rl", "{ppo_epochs: 2, optim: {warmup_steps: 201}}",
+     "  rl: rl.optim.warmup_steps (201) is longer than the run (rl.steps 100 x rl.ppo_epochs 2 = 200 optimizer steps): "
+     "the learning rate would never reach rl.optim.lr"),
+    ("rl", "{algorithm: gae, critic: {warmup_steps: 10}, optim: {warmup_steps: 91}}",
+     "  rl: rl.optim.warmup_steps (91) is longer than the run (rl.steps 100 - rl.critic.warmup_steps 10 = 90 "
+     "optimizer steps): the learning rate would never reach rl.optim.lr"),
+    ("rl", "{algorithm: gae, critic: {optim: {warmup_steps: 101}}}",
+     "  rl: rl.critic.optim.warmup_steps (101) is longer than the run (rl.steps = 100 optimizer steps): the "
+     "learning rate would never reach rl.critic.optim.lr"),
+])
+def test_warmup_longer_than_the_run(tmp_path, quickstart_raw, section, text, line):
+    raw = copy.deepcopy(quickstart_raw)
+    raw[section].update(yaml.safe_load(text))
+    assert _error(_write(tmp_path, raw)).splitlines()[1:] == [line]
+    # as long as the run is allowed: the schedule peaks at the last step
+    raw[section]["optim"]["warmup_steps"] -= 1
+    if "critic" in raw[section] and "optim" in raw[section]["critic"]:
+        raw[section]["critic"]["optim"]["warmup_steps"] -= 1
+    assert load_config(_write(tmp_path, raw))
+
+
+@pytest.mark.parametrize("name", ["../..", "", "runs/a", "/tmp/x", ".hidden", "-x", "a b", "x" * 101])
+def test_run_name_must_be_a_plain_name(tmp_path, quickstart_raw, name):
+    """The name becomes outputs/<run.name>: `../..` wrote the stage pointers outside outputs/."""
+    assert _yaml_error(tmp_path, quickstart_raw, "run", yaml.safe_dump({"name": name})) == [
+        "  run.name: expected a plain name of letters, digits, '.', '_' or '-', starting with a letter or digit, at "
+        f"most 100 characters (it names the directory outputs/<run.name>) (got {name!r})"]
+
+
+def test_run_name_accepts_ordinary_names(tmp_path, quickstart_raw):
+    for name in ("quickstart", "gsm8k-qwen2.5_0.5b", "2026-12-01", "x" * 100):
+        raw = copy.deepcopy(quickstart_raw)
+        raw["run"]["name"] = name
+        assert load_config(_write(tmp_path, raw)).run.name == name
+
+
+def test_home_is_expanded_in_every_local_path(tmp_path, quickstart_raw):
+    """`~` meant the home directory in run.artifact_root (fsspec expands it) but made a literal
+    ./~ directory for run.checkpoint_root; now every local path of the config expands it."""
+    home = str(Path.home())
+    raw = copy.deepcopy(quickstart_raw)
+    raw["run"].update(artifact_root="~/pt/artifacts", checkpoint_root="~/pt/checkpoints")
+    raw["wandb"]["dir"] = "~/pt/wandb"
+    raw["prepare"]["output_dir"] = "~/pt/work"
+    raw["data"]["sft"]["path"] = "~/pt/work/sft.jsonl"
+    raw["model"] = {"source": "~/pt/work/base_model", "tokenizer": "~/pt/tok"}
+    cfg = load_config(_write(tmp_path, raw))
+    assert cfg.run.artifact_root == f"{home}/pt/artifacts" and cfg.run.checkpoint_root == f"{home}/pt/checkpoints"
+    assert cfg.wandb.dir == f"{home}/pt/wandb" and cfg.prepare.output_dir == f"{home}/pt/work"
+    assert cfg.data.sft.path == f"{home}/pt/work/sft.jsonl"
+    assert (cfg.model.source, cfg.model.tokenizer) == (f"{home}/pt/work/base_model", f"{home}/pt/tok")
+    raw["run"].update(artifact_root="file://~/pt/artifacts", checkpoint_root="s3://bucket/~x")
+    cfg = load_config(_write(tmp_path, raw))
+    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == (f"file://{home}/pt/artifacts", "s3://bucket/~x")
+    raw["run"].update(artifact_root="artifacts", checkpoint_root="./checkpoints")  # relative paths stay relative
+    cfg = load_config(_write(tmp_path, raw))
+    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == ("artifacts", "./checkpoints")
+
+
+def test_a_refused_boolean_does_not_hide_the_sections_other_problems(tmp_path, quickstart_raw):
+    assert _yaml_error(tmp_path, quickstart_raw, "sft", "{steps: true, micro_batch_size: 0, optim: {lr: .inf}}") == [
+        "  sft.steps: expected an integer, not a boolean (got True)",
+        "  sft.micro_batch_size: Input should be greater than 0 (got 0)",
+        "  sft.optim.lr: Input should be a finite number (got inf)",
+    ]

@@ -152,37 +152,101 @@ def test_rotary_scaling_other_than_llama3_is_rejected_naming_the_key(arch):
         assert hf_to_megatron(legacy | {"rope_scaling": no_scaling}, hf).keys() == hf_to_megatron(cfg, hf).keys()
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
+LLAMA_SHAPE = dict(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+
+
+def llama_pair(rope_parameters: dict | None, rope_theta: float = 10000.0, seed: int = 0):
+    """A random tiny HF Llama (eager attention) and the megatron-core GPTModel converted from it."""
+    from conversion.spec import GPTSpec
+    from engine.megatron_model import build_gpt_model
+
+    rope = rope_parameters or {"rope_type": "default", "rope_theta": rope_theta}
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE, rope_parameters=rope)).eval()
+    hf.set_attn_implementation("eager")
+    cfg = {**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    spec = GPTSpec.from_hf_config(cfg)
+    assert GPTSpec.from_hf_config(spec.to_hf_config()) == spec
+    model = build_gpt_model(spec)
+    model.load_state_dict(hf_to_megatron(cfg, hf.state_dict()), strict=True)
+    return hf, model.eval(), spec
+
+
+def compare_to_transformers(hf, model, ids: torch.Tensor) -> tuple[float, str]:
+    """Max |logit difference| between megatron and transformers on ``ids``, and a diagnosis
+    for a failure message: where the logits differ, both sides' rotary tables (inverse
+    frequencies and cos/sin), and the process state that could change either side."""
+    from engine.megatron_model import gpt_logits
+
+    with torch.no_grad():
+        ours, ref = gpt_logits(model, ids), hf(ids).logits
+        diff = (ours - ref).abs().amax(-1)  # [B, T]
+        t = ids.shape[1]
+        hf_rope = hf.model.rotary_emb
+        cos_hf, _ = hf_rope(ref, torch.arange(t)[None])
+        emb = model.rotary_pos_emb(t)  # [T, 1, 1, d]: megatron's cached table
+        cos_ours = torch.cos(emb[:, 0, 0, :])
+    err = diff.max().item()
+    worst = diff.flatten().topk(min(5, diff.numel()))
+    positions = [divmod(int(i), t) for i in worst.indices]
+    over = torch.nonzero(diff.amax(0) > 1e-5).flatten().tolist()
+    inv_ours, inv_hf = model.rotary_pos_emb.inv_freq, hf_rope.inv_freq
+    report = (
+        f"max |logit diff| {err:.3e} (logits up to {ref.abs().max().item():.2f}); worst (batch, position): "
+        f"{[(b, p, round(v, 7)) for (b, p), v in zip(positions, worst.values.tolist())]}; positions over 1e-5: "
+        f"{int((diff > 1e-5).sum())} of {diff.numel()}{f', from position {over[0]}' if over else ''}. "
+        f"rope: transformers {hf.config.rope_parameters} (attention_scaling {hf_rope.attention_scaling}), megatron "
+        f"rope_scaling={model.rotary_scaling} factor={getattr(model.gpt_spec, 'rope_scaling_factor', None)} "
+        f"base={model.rotary_base}; inv_freq max diff {(inv_ours - inv_hf).abs().max().item():.3e} "
+        f"({inv_ours.dtype}, {inv_ours.device}); cos table max diff {(cos_ours - cos_hf[0]).abs().max().item():.3e}. "
+        f"process: torch threads {torch.get_num_threads()}, default dtype {torch.get_default_dtype()}, fp32 matmul "
+        f"precision {torch.get_float32_matmul_precision()}, deterministic {torch.are_deterministic_algorithms_enabled()}, "
+        f"cpu {torch.backends.cpu.get_cpu_capability()}, grad {torch.is_grad_enabled()}, "
+        f"megatron rotary cache {type(model.rotary_pos_emb).forward.cache_info()}"
+    )
+    return err, report
+
+
 def test_llama3_rotary_scaling_gives_transformers_logits():
     """Llama 3.1's scaling (factor 8, as HF's rope_type 'llama3') is carried into megatron's
     RotaryEmbedding: logits equal transformers' with scaling, and differ from unscaled RoPE."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conversion.spec import GPTSpec
-    from engine.megatron_model import build_gpt_model, gpt_logits
-
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
-    kwargs = dict(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**kwargs, rope_parameters=scaling)).eval()
-    hf.set_attn_implementation("eager")
-    plain = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    hf, model, spec = llama_pair(LLAMA3_SCALING)
+    assert spec.rope_scaling_factor == 8.0
+    plain = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPE)).eval()
     plain.load_state_dict(hf.state_dict())
     plain.set_attn_implementation("eager")
-    cfg = {**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]}
-    spec = GPTSpec.from_hf_config(cfg)
-    assert spec.rope_scaling_factor == 8.0 and GPTSpec.from_hf_config(spec.to_hf_config()) == spec
-    model = build_gpt_model(spec)
-    model.load_state_dict(hf_to_megatron(cfg, hf.state_dict()), strict=True)
-    model.eval()
     ids = torch.randint(0, 96, (2, 100), generator=torch.Generator().manual_seed(1))
+    err, report = compare_to_transformers(hf, model, ids)
     with torch.no_grad():
-        ours, ref, unscaled = gpt_logits(model, ids), hf(ids).logits, plain(ids).logits
-    err = (ours - ref).abs().max().item()
-    print(f"llama3 rope scaling: max |logit diff| vs transformers = {err:.2e}, "
-          f"scaled vs unscaled transformers = {(ref - unscaled).abs().max().item():.2e}")
-    assert err < 1e-5 and (ref - unscaled).abs().max().item() > 1e-3
+        scaled_vs_unscaled = (hf(ids).logits - plain(ids).logits).abs().max().item()
+    print(f"llama3 rope scaling: {report}; scaled vs unscaled transformers = {scaled_vs_unscaled:.2e}")
+    assert err < 1e-5, report
+    assert scaled_vs_unscaled > 1e-3
+
+
+@pytest.mark.parametrize("first", ["default_rope", "llama3"])
+def test_a_second_model_in_the_process_gives_transformers_logits(first):
+    """Models built one after another in one process (evaluate builds several) each compute
+    their own logits: a first model, run at the same and at another sequence length (filling
+    megatron's per-module rotary cache and the CPU causal-mask cache), leaves the second one,
+    with other rotary parameters, equal to transformers."""
+    ids = torch.randint(0, 96, (2, 100), generator=torch.Generator().manual_seed(1))
+    short = ids[:, :37]
+    rope = {"default_rope": (None, 5e5), "llama3": (LLAMA3_SCALING, 10000.0)}
+    second = "llama3" if first == "default_rope" else "default_rope"
+    hf_a, model_a, _ = llama_pair(*rope[first], seed=1)
+    err_a, report_a = compare_to_transformers(hf_a, model_a, ids)
+    assert err_a < 1e-5, f"first model ({first}): {report_a}"
+    assert compare_to_transformers(hf_a, model_a, short)[0] < 1e-5
+    hf_b, model_b, _ = llama_pair(*rope[second], seed=2)
+    for x in (ids, short, ids):  # the second model at both lengths, and again from its cache
+        err_b, report_b = compare_to_transformers(hf_b, model_b, x)
+        assert err_b < 1e-5, f"second model ({second}, after {first}), length {x.shape[1]}: {report_b}"
+    err_a, report_a = compare_to_transformers(hf_a, model_a, ids)  # and the first is unchanged
+    assert err_a < 1e-5, f"first model ({first}) after the second was built: {report_a}"
 
 
 def test_shape_mismatch_is_named():

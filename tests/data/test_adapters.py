@@ -59,9 +59,12 @@ def test_seed_task_with_two_instances_gives_two_examples():
         ({"conversations": []}, "sharegpt"),
         ({"instruction": "", "instances": []}, "seed_tasks"),
         ({"instruction": "", "input": "", "output": ""}, "alpaca"),
-        ({"question": "", "answer": ""}, "gsm8k"),
+        ({"question": "", "answer": "#### 4"}, "gsm8k"),  # GSM8K only when the answer has its "####" line
+        ({"question": "", "answer": "4"}, "math"),
+        ({"question": "", "answer": 4}, "math"),
         ({"problem": "", "answer": "", "solution": ""}, "math"),
         ({"prompt": "", "chosen": "", "rejected": ""}, "preference"),
+        ({"chosen_messages": [], "rejected_messages": []}, "dpo_messages"),
         ({"chosen": "", "rejected": ""}, "hh_rlhf"),
         ({"prompt": "", "label": ""}, "prompt_label"),
     ],

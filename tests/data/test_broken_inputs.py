@@ -52,7 +52,7 @@ def test_each_fault_names_line_and_field(broken_sft):
         (4, "messages", "expected a list of turns, got string"),
         (5, "messages[0].content", "expected a string or a list of text parts, got number"),
         (6, "messages[1].content", "empty content"),
-        (7, "messages[2].role", "unknown role 'robot' (expected one of system, user, assistant)"),
+        (7, "messages[2].role", "unknown role 'robot' (expected one of system, user, assistant, tool)"),
         (8, RECORD, "not valid UTF-8: byte 0xe9 at column 47"),
         (10, "messages[2].role", "last turn must be 'assistant', got 'user'"),
     ]
@@ -67,7 +67,7 @@ def test_threshold(broken_sft):
     with pytest.raises(DataValidationError) as info:
         check_threshold(result)  # default: no bad row allowed
     text = str(info.value)
-    assert text.splitlines()[0] == f"{broken_sft}: 8 of 12 records bad (0.6667 > allowed 0.0)"
+    assert text.splitlines()[0] == f"{broken_sft}: 8 of 12 records bad (0.6667 > data.max_bad_fraction = 0.0)"
     assert f"{broken_sft}:2: <record>: malformed JSON" in text
     assert f"{broken_sft}:6: messages[1].content: empty content" in text
     assert text.splitlines()[-1] == "... and 3 more"
@@ -111,7 +111,7 @@ def test_json_file_non_utf8(tmp_path):
         ("alpaca", {"instruction": "q", "input": "", "output": ""}, "output", "empty content"),
         ("alpaca", {"instruction": "q", "input": 3, "output": "a"}, "input", "expected a string, got number"),
         ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
-         "conversations[1].from", "unknown role 'bot' (expected one of system, user, assistant)"),
+         "conversations[1].from", "unknown role 'bot' (expected one of system, user, assistant, tool)"),
         ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
          "conversations[1].value", "empty content"),
         ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "value": "x.png"}]}]},
@@ -140,7 +140,7 @@ def test_sft_adapter_faults_name_source_field(tmp_path, fmt, record, field, mess
          "final answer 'four' after '####' is not a number"),
         ("rl", "gsm8k", {"question": " ", "answer": "#### 4"}, "question", "empty content"),
         ("rl", "math", {"problem": "p", "answer": " "}, "answer", "empty label"),
-        ("rl", "prompt_label", {"prompt": "p", "label": None}, "label", "expected a string, got null"),
+        ("rl", "prompt_label", {"prompt": "p", "label": None}, "label", "expected a string or a number, got null"),
         ("rl", "prompt_label",
          {"prompt": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}], "label": "x"},
          "prompt[1].role", "last prompt turn must be 'user', got 'assistant'"),

@@ -156,7 +156,7 @@ def test_qwen3_template_drops_think_from_past_turns(qwen, fixtures_dir):
 
 
 def test_template_faults(qwen):
-    with pytest.raises(ChatTemplateError, match="no end-of-turn marker '<\\|eot_id\\|>'"):
+    with pytest.raises(ChatTemplateError, match="model.end_of_turn '<\\|eot_id\\|>' never follows an assistant turn"):
         encode_chat(qwen, CONVERSATION, end_of_turn="<|eot_id|>")
     with pytest.raises(ChatTemplateError, match="no assistant turn"):
         encode_chat(qwen, CONVERSATION[:2])

@@ -57,7 +57,7 @@ def test_function_config_defaults_and_metric_name():
 @pytest.mark.parametrize("path", [f"{EX}", "a.b.c", "a:b:c", "a/b.py:f", ":f", "a:", "a.b:c.d", "1a:f", "a b:f", "a..b:f"])
 def test_bad_import_path_is_a_config_error_naming_the_key(tmp_path, path):
     msg = _config_error(tmp_path, [{"path": f"{EX}:stopped"}, {"path": path}])
-    assert f"  rl.reward.functions[1].path: Value error, expected an import path 'package.module:function'" in msg
+    assert f"  rl.reward.functions[1].path: expected an import path 'package.module:function'" in msg
     assert msg.rstrip().endswith(f"(got {path!r})") and len(msg.splitlines()) == 2
 
 
@@ -67,7 +67,7 @@ def test_function_config_key_errors(tmp_path):
     assert "  rl.reward.functions[0].path: required key is missing" in _config_error(tmp_path, [{"weight": 1.0}])
     assert "rl.reward.functions[0].weight: Input should be a finite number" in _config_error(
         tmp_path, [{"path": "a:f", "weight": float("nan")}])
-    assert "rl.reward.functions[0].name: Value error, expected letters, digits" in _config_error(
+    assert "rl.reward.functions[0].name: expected letters, digits" in _config_error(
         tmp_path, [{"path": "a:f", "name": "a/b"}])
 
 

@@ -24,14 +24,14 @@ def test_valid_frames_pass_pandera():
 def test_every_bad_row_with_its_field():
     rows = [
         {"messages": _m(("user", "q"), ("assistant", "a"))},
-        {"messages": _m(("user", ""), ("assistant", "a"), ("tool", "x"), ("assistant", " \n"))},
+        {"messages": _m(("user", ""), ("assistant", "a"), ("robot", "x"), ("assistant", " \n"))},
         {"messages": []},
         {"messages": _m(("user", "q"))},
         {"messages": _m(("user", "q"), ("assistant", "a"), ("user", "more?"))},
     ]
     assert frame_problems(rows_to_frame(rows, "sft"), "sft") == [
         (1, "messages[0].content", "empty content"),
-        (1, "messages[2].role", "unknown role 'tool' (expected one of system, user, assistant)"),
+        (1, "messages[2].role", "unknown role 'robot' (expected one of system, user, assistant, tool)"),
         (1, "messages[3].content", "empty content"),
         (2, "messages", "empty conversation"),
         (3, "messages", "no assistant turn"),

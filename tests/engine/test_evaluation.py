@@ -292,13 +292,15 @@ def _megatron_greedy(model, prompt: list[int], max_new: int, eos: int) -> tuple[
     return ids[len(prompt):]
 
 
-def test_evaluate_model_dirs_two_policies(quickstart_inputs, tmp_path):
-    """Two Megatron model dirs, one HF engine (the second policy arrives by update_weights):
-    each policy's responses equal megatron-core's own greedy decoding of its weights."""
+@pytest.fixture(scope="module")
+def two_policies(quickstart_inputs, tmp_path_factory):
+    """Two Megatron model dirs (random weights, sharpened so greedy choices are far from ties)
+    and each one's responses to the first 6 held-out prompts under megatron-core's own greedy
+    decoding: ``(dirs, expected)``."""
     from engine.megatron_model import GPTSpec, build_gpt_model
     from engine.model_dir import save_model_dir
 
-    tok_dir, rows, eval_path = quickstart_inputs
+    tok_dir, rows, _ = quickstart_inputs
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64,
@@ -306,28 +308,67 @@ def test_evaluate_model_dirs_two_policies(quickstart_inputs, tmp_path):
         "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "hidden_act": "silu", "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
     }
-    models, dirs = {}, {}
+    root = tmp_path_factory.mktemp("two_policies")
+    dirs, expected = {}, {}
     for name, seed in (("sft", 1), ("rl", 2)):
         model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=seed).eval()
         with torch.no_grad():  # sharper logits: greedy choices far from ties
             for p in model.parameters():
                 if p.dim() == 2:
                     p.mul_(8.0)
-        models[name] = model
-        dirs[name] = save_model_dir(tmp_path / name, model, hf_config, tok_dir)
-
-    cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="hf")
-    results = evaluate_model_dirs(dirs, eval_path, cfg, verifier="exact_match", seed=0)
-    assert list(results) == ["sft", "rl"]
-    for name, model in models.items():
-        expected = []
+        dirs[name] = save_model_dir(root / name, model, hf_config, tok_dir)
+        expected[name] = []
         for row in rows[:6]:
             gen = _megatron_greedy(model, _prompt_ids(tok, row), MAX_NEW, tok.eos_token_id)
             stopped = gen[-1] == tok.eos_token_id
-            expected.append(tok.decode(gen[:-1] if stopped else gen))
-        assert [r["response"] for r in results[name]["records"]] == expected, name
+            expected[name].append(tok.decode(gen[:-1] if stopped else gen))
+    assert expected["sft"] != expected["rl"]
+    return dirs, expected
+
+
+def test_evaluate_model_dirs_two_policies(quickstart_inputs, two_policies):
+    """Two Megatron model dirs, one HF engine (the second policy arrives by update_weights):
+    each policy's responses equal megatron-core's own greedy decoding of its weights."""
+    dirs, expected = two_policies
+    cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="hf")
+    results = evaluate_model_dirs(dirs, quickstart_inputs[2], cfg, verifier="exact_match", seed=0)
+    assert list(results) == ["sft", "rl"]
+    for name in dirs:
+        assert [r["response"] for r in results[name]["records"]] == expected[name], name
         assert results[name]["n"] == 6
-    assert [r["response"] for r in results["sft"]["records"]] != [r["response"] for r in results["rl"]["records"]]
 
     with pytest.raises(ValueError, match="unknown verifier 'nope'"):
-        evaluate_model_dirs(dirs, eval_path, cfg, verifier="nope")
+        evaluate_model_dirs(dirs, quickstart_inputs[2], cfg, verifier="nope")
+
+
+def test_evaluate_model_dirs_vllm_starts_beside_a_2gib_ballast(quickstart_inputs, two_policies, caplog):
+    """The evaluate stage's path with vLLM in a process (this one) holding a 2 GiB ballast, so
+    its RSS is above 10% of the node's memory and vLLM's old default (gpu_memory_utilization
+    0.1) would budget a negative KV cache: sized from the run, the engine starts, and both
+    policies (the second by update_weights) give megatron-core's greedy responses."""
+    import logging
+
+    from config.schema import EngineConfig
+    from data.chat import encode_prompt
+    from tests.engine.ballast import ballast_bytes, hold_ballast, memory_report
+
+    dirs, expected = two_policies
+    tok_dir, rows, eval_path = quickstart_inputs
+    ballast = hold_ballast(ballast_bytes())
+    try:
+        before = memory_report(ballast)
+        assert before["ballast"] >= 2 * 2**30 and before["old_default_kv_budget"] < 0, before
+        cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="vllm")
+        with caplog.at_level(logging.INFO, logger="engine.rollout.vllm_rollout"):
+            results = evaluate_model_dirs(dirs, eval_path, cfg, verifier="exact_match", seed=0,
+                                          engine_cfg=EngineConfig(num_cpus=2))
+    finally:
+        del ballast
+    for name in dirs:
+        assert [r["response"] for r in results[name]["records"]] == expected[name], name
+    assert torch.get_num_threads() == 2  # rl.engine.num_cpus, set before vLLM pinned it
+    # 6 prompts x 1 sample, each up to the longest prompt + 6 tokens: one 128-token block
+    # per token 2 layers x 2 (K and V) x 1 KV head x 32 dims x 4 bytes = 512; a block 65,536 bytes
+    # 6 blocks + 1 null block = 458,752 bytes; +10% = 504,627.2 -> 504,628
+    longest = max(len(encode_prompt(AutoTokenizer.from_pretrained(tok_dir), r["prompt"])) for r in rows[:6])
+    assert f"vLLM KV cache: 504,628 bytes for 6 sequences of {longest + MAX_NEW} tokens" in caplog.text

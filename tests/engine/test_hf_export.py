@@ -87,7 +87,7 @@ VLLM_SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams
     path, prompts, max_new = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.1,
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, kv_cache_memory_bytes=2**26,
               enable_chunked_prefill=False, max_num_batched_tokens=8192)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new))
     print("TOKENS=" + json.dumps([list(o.outputs[0].token_ids) for o in outs]))

@@ -303,12 +303,37 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_run(policy, ray_address, tmp_path_factory):
-    """An uninterrupted 3-step GRPO run with vLLM rollout."""
-    from engine.rl import run_rl
+    """An uninterrupted 3-step GRPO run with vLLM rollout, whose rollout worker's Ray actor
+    holds a 2 GiB ballast (tests/engine/ballast.py) from before its engine starts."""
+    import engine.rl
+    from tests.engine.ballast import BallastRolloutWorker
 
     out = tmp_path_factory.mktemp("rl_vllm")
-    result = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), out, None, seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.rl, "RolloutWorker", BallastRolloutWorker)
+        result = engine.rl.run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), out, None, seed=0)
     return out, result
+
+
+def test_rollout_actor_starts_vllm_beside_a_2gib_ballast(vllm_run, policy):
+    """The rollout actor's RSS is above 10% of the node's memory before its engine starts, so
+    vLLM's old default (gpu_memory_utilization 0.1) would budget a negative KV cache; sized from
+    the run, the engine starts and the 3 steps generate (test_grpo_vllm_end_to_end checks them)."""
+    from engine.model_dir import read_hf_config
+    from engine.rl import load_rl_prompts
+    from engine.rollout.kv_cache import kv_cache_bytes
+
+    out, result = vllm_run
+    report = json.loads((out / "rollout_ballast.json").read_text())
+    assert report["ballast"] >= 2 * 2**30 and report["rss"] > report["ballast"], report
+    assert report["old_default_kv_budget"] < 0, report
+    # 8 prompts x 8 samples; the longest prompt plus 6 new tokens fits one 128-token block
+    longest = max(len(p.token_ids) for p in load_rl_prompts(policy["prompts"], policy["tokenizer"], 64))
+    assert (report["max_model_len"], report["max_num_seqs"]) == (longest + 6, 64)
+    # per token: 2 layers x 2 (K and V) x 1 KV head x 32 dims x 4 bytes = 512; a block 65,536 bytes
+    # 64 sequences x 1 block + 1 null block = 65 blocks = 4,259,840 bytes; +10% = 4,685,824
+    assert report["kv_cache_memory_bytes"] == 4_685_824 == kv_cache_bytes(read_hf_config(policy["dir"]), 64, longest + 6)
+    assert result["response_length/mean"] >= 1
 
 
 def test_grpo_vllm_end_to_end(vllm_run, policy):

@@ -197,3 +197,51 @@ def test_bad_row_names_file_and_line(base, tmp_path):
     no_answer = write_jsonl(tmp_path / "user_only.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(ValueError, match=r"user_only.jsonl:1: messages: no assistant turn"):
         encode_sft_dataset(no_answer, load_tokenizer(base_dir), 64)
+
+
+def test_template_errors_name_the_row(fixtures_dir, tmp_path):
+    """Gemma's template raises on a system turn: the SFT data error names file, line and the
+    template's own message; a tokenizer without a chat template fails before any row."""
+    from transformers import AutoTokenizer
+
+    from tests.data.chat_tokenizers import paired_tokenizer
+
+    gemma = paired_tokenizer(fixtures_dir, "gemma", fixtures_dir / "qwen2.5-tokenizer")
+    rows = write_jsonl(tmp_path / "chat.jsonl", [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}]},
+    ])
+    with pytest.raises(ValueError, match=r"chat.jsonl:2: messages: the chat template of .* cannot render this "
+                                         r"conversation \(roles: system, user, assistant\): System role not supported"):
+        encode_sft_dataset(rows, gemma, 64)
+    first = write_jsonl(tmp_path / "one.jsonl", [json.loads(rows.read_text().splitlines()[0])])
+    [(ids, mask)] = encode_sft_dataset(first, gemma, 64)
+    assert gemma.decode([t for t, m in zip(ids, mask) if m]) == "hello<end_of_turn>"
+    plain = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
+    plain.chat_template = None
+    with pytest.raises(ValueError, match=r"qwen2.5-tokenizer: the tokenizer has no chat template.*sft.enabled: false"):
+        encode_sft_dataset(rows, plain, 64)
+
+
+def test_tool_call_rows_train_on_the_calls(fixtures_dir, tmp_path):
+    """A normalized SFT record with ``tools`` and an assistant tool-call turn (transformers'
+    convention): the calls and turn ends are trained, the tool result is not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    record = {"messages": [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "2+3 is 5."},
+    ], "tools": tools}
+    [(ids, mask)] = encode_sft_dataset(write_jsonl(tmp_path / "tools.jsonl", [record]), tok, 512)
+    assert tok.decode([t for t, m in zip(ids, mask) if m]) == (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>2+3 is 5.<|im_end|>')
+    assert "# Tools" in tok.decode(ids)
+    assert "<tool_response>\n5\n</tool_response>" in tok.decode([t for t, m in zip(ids, mask) if not m])
+    with pytest.raises(ValueError, match=r"bad_tools.jsonl:1: tools: expected a list of JSON-schema objects"):
+        encode_sft_dataset(write_jsonl(tmp_path / "bad_tools.jsonl", [{**record, "tools": "add"}]), tok, 512)

@@ -76,9 +76,23 @@ def setup(tmp_path_factory):
     model_a.config.eos_token_id = model_a.generation_config.eos_token_id = eos
     model_b = tiny_qwen2(seed=1, eos_id=eos)
     path = save_tiny(model_a, tmp_path_factory.mktemp("tiny_qwen2"))
-    engine = VLLMRollout(path, gpu_memory_utilization=0.1, max_model_len=128, load_format="dummy")
+    # the KV cache for the largest call below: 3 prompts x 4 samples
+    engine = VLLMRollout(path, num_sequences=12, max_model_len=128, load_format="dummy")
     engine.update_weights(synced_weights(model_a))
     return engine, model_a, model_b, eos
+
+
+def test_kv_cache_is_the_size_asked_for(setup):
+    """vLLM honours the explicit kv_cache_memory_bytes and cuts it into the blocks the hand
+    count predicts (its block size and max_num_seqs are the ones engine.rollout.kv_cache assumes)."""
+    engine = setup[0]
+    # per token: 2 layers x 2 (K and V) x 1 KV head x 32 dims x 4 bytes = 512 bytes; a 128-token block 65,536
+    # 12 sequences x 1 block + 1 null block = 13 blocks = 851,968 bytes; +10% = 937,164.8 -> 937,165
+    assert engine.kv_cache_memory_bytes == 937_165
+    vllm_config = engine.llm.llm_engine.vllm_config
+    assert vllm_config.cache_config.kv_cache_memory_bytes == 937_165
+    assert vllm_config.cache_config.block_size == 128 and vllm_config.scheduler_config.max_num_seqs == 12
+    assert vllm_config.cache_config.num_gpu_blocks == 937_165 // 65_536 == 14
 
 
 def test_eos_from_model_dir(setup, tmp_path):

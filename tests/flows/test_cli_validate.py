@@ -13,12 +13,12 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 
-def _posttrain(*args: str) -> subprocess.CompletedProcess:
+def _posttrain(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     script = Path(sys.executable).parent / "posttrain"
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "flows.cli"]
     # Wide terminal: rich would otherwise wrap long paths across lines.
     env = {**os.environ, "COLUMNS": "500", "NO_COLOR": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _out(proc: subprocess.CompletedProcess) -> str:
@@ -83,3 +83,142 @@ def test_plugins_in_the_working_directory_are_importable(tmp_path, monkeypatch):
     assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {}  # not importable yet
     main(["validate", str(tmp_path / "c.yaml")])
     assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {"reward_function_0": str(tmp_path / "cwd_rewards.py")}
+
+
+# ----------------------------------------------------------------------------- what validate reads
+
+
+def test_validate_tinystories_reads_the_gguf_metadata():
+    proc = _posttrain("validate", "configs/tinystories.yaml")
+    out = _out(proc)
+    assert proc.returncode == 0, out
+    gguf = "../shared/fixtures/tiny-model-stories260K/stories260K.gguf"
+    assert (f"note: model.source: {gguf}: head_dim 8, context 2048 tokens, vocab_size 512; tokenizer of {gguf}: "
+            "512 tokens, no chat template") in out
+    assert "config configs/tinystories.yaml is valid (tinystories: prepare, validate, convert, rl, evaluate, export)" in out
+
+
+def test_validate_after_prepare_checks_the_prepared_prompts(tmp_path, fixtures_dir):
+    """Once prepare has written this config's prompts, validate reads them too."""
+    from prefect.logging import disable_run_logger
+
+    from config import load_config
+    from tasks.prepare import prepare
+
+    raw = yaml.safe_load((REPO / "configs" / "tinystories.yaml").read_text())
+    raw["model"]["source"] = str(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf")
+    cfg = tmp_path / "tinystories.yaml"
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with disable_run_logger():
+            prepare.fn(load_config(cfg))
+    finally:
+        os.chdir(cwd)
+    proc = _posttrain("validate", str(cfg), cwd=tmp_path)
+    out = _out(proc)
+    assert proc.returncode == 0, out
+    assert "note: prepare.output_dir: work/tinystories holds this config's prepare output: checked" in out
+    assert "note: data.rl_train: 4000 valid rows of 4000 in work/tinystories/rl_train.jsonl (format prompt_label)" in out
+    assert "note: data.rl_eval: 200 valid rows of 200 in work/tinystories/rl_eval.jsonl (format prompt_label)" in out
+    assert "(at most 1792 fit)" in out  # 2048 - rl.rollout.max_new_tokens 256
+
+
+def test_validate_names_each_bad_value(tmp_path):
+    """Values that passed validate before and failed (or misbehaved) later, all in one message."""
+    text = QUICKSTART.read_text()
+    for old, new in (("name: quickstart", "name: ../.."), ("seed: 0", "seed: 4294967296"),
+                     ("  steps: 300", "  steps: true"), ("{lr: 3.0e-3, warmup_steps: 5, weight_decay: 0.0}",
+                                                         "{lr: .inf, adam_beta1: 1.5}"),
+                     ("optim: {lr: 1.0e-3}", "optim: {lr: 1.0e-3, min_lr: 1.0e-2}"),
+                     ("{lr: 2.0e-4, warmup_steps: 10}", "{lr: 2.0e-4, warmup_steps: 1e3}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    cfg = tmp_path / "bad_values.yaml"
+    cfg.write_text(text)
+    proc = _posttrain("validate", str(cfg))
+    out = _out(proc)
+    assert proc.returncode == 2, out
+    assert out.splitlines()[1:] == [
+        "  run.name: expected a plain name of letters, digits, '.', '_' or '-', starting with a letter or digit, at most "
+        "100 characters (it names the directory outputs/<run.name>) (got '../..')",
+        "  run.seed: Input should be less than 4294967296 (got 4294967296)",
+        "  sft.steps: expected an integer, not a boolean (got True)",
+        "  sft.optim.lr: Input should be a finite number (got inf)",
+        "  sft.optim.adam_beta1: Input should be less than 1 (got 1.5)",
+        "  rm.optim: min_lr (0.01) is above lr (0.001): the cosine decay goes from lr down to min_lr",
+        "  rl: rl.optim.warmup_steps (1000) is longer than the run (rl.steps = 100 optimizer steps): the learning "
+        "rate would never reach rl.optim.lr",
+    ]
+    assert out.startswith(f"error: invalid config {cfg}:")
+
+
+def test_validate_model_problems_of_a_gguf_model(tmp_path, fixtures_dir):
+    """stories260K: head_dim 8 with vLLM, no chat template with SFT on, a context shorter than
+    max_seq_len, and a reward plug-in that does not import."""
+    gguf = fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf"
+    math500 = str(fixtures_dir / "math500" / "test.jsonl")
+    raw = {
+        "run": {"name": "stories-sft"},
+        "data": {"sft": {"path": str(fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json"), "limit": 20},
+                 "rl_train": {"path": math500}, "rl_eval": {"path": math500}},
+        "model": {"source": str(gguf)},
+        "sft": {"max_seq_len": 4096}, "rm": {"enabled": False},
+        "rl": {"rollout": {"backend": "vllm"}, "reward": {"verifier": "math", "functions": [{"path": "absent_rewards:brevity"}]}},
+        "evaluate": {"backend": "hf"},
+    }
+    cfg = tmp_path / "stories_sft.yaml"
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc = _posttrain("validate", str(cfg))
+    out = _out(proc)
+    assert proc.returncode == 1, out
+    assert out.split(f"config {cfg} has 4 problem(s):\n")[1].splitlines() == [
+        f"  rl.rollout.backend: vllm on CPU supports head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; {gguf} "
+        "has head_dim 8: set rl.rollout.backend: hf",
+        f"  sft.max_seq_len: 4096 is above the context of {gguf} (max_position_embeddings 2048)",
+        f"  sft.enabled: the tokenizer of {gguf} has no chat template, which the sft stage needs to render "
+        "conversations; set sft.enabled: false (or model.tokenizer to a tokenizer with one)",
+        "  rl.reward.functions[0].path: cannot load 'absent_rewards:brevity': cannot import module 'absent_rewards': "
+        "ModuleNotFoundError: No module named 'absent_rewards'",
+    ]
+    assert "Traceback" not in out
+
+
+def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_dir):
+    """The real Qwen2.5 tokenizer on a model config with a 512-token context and a smaller
+    embedding, MATH-500 prompts and a GSM8K file with one broken answer."""
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151643, "hidden_size": 896,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24, "intermediate_size": 4864,
+        "max_position_embeddings": 512}))
+    lines = (fixtures_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:50]
+    lines[6] = lines[6].replace("####", "so")
+    gsm8k = tmp_path / "gsm8k_50.jsonl"
+    gsm8k.write_text("\n".join(lines) + "\n")
+    math500 = fixtures_dir / "math500" / "test.jsonl"
+    raw = {
+        "run": {"name": "qwen-math"},
+        "data": {"rl_train": {"path": str(math500), "format": "math"}, "rl_eval": {"path": str(gsm8k), "format": "gsm8k"}},
+        "model": {"source": str(model), "tokenizer": str(fixtures_dir / "qwen2.5-tokenizer")},
+        "sft": {"enabled": False}, "rm": {"enabled": False},
+        "rl": {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}},
+    }
+    cfg = tmp_path / "qwen_math.yaml"
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc = _posttrain("validate", str(cfg))
+    out = _out(proc)
+    assert proc.returncode == 1, out
+    problems = out.split(f"config {cfg} has 3 problem(s):\n")[1].splitlines()
+    assert problems[0].startswith(f"  data.rl_eval: {gsm8k}: 1 of 50 records bad")
+    assert problems[1].startswith(f"    {gsm8k}:7: answer:")
+    assert problems[2:] == [
+        f"  model.tokenizer: the tokenizer of {fixtures_dir / 'qwen2.5-tokenizer'} has 151665 tokens but {model} has "
+        "vocab_size 151643 (embedding rows): the tokenizer does not belong to this model",
+        f"  data.rl_train: 83 of 500 prompts are longer than 128 tokens (the context of {model}, max_position_embeddings "
+        f"512, minus rl.rollout.max_new_tokens 384; the longest has 820): lines 2, 5, 10, 14, 15, ... of {math500}",
+    ]
