@@ -100,10 +100,20 @@ def load_config(path: str | Path) -> PipelineConfig:
         raise ConfigError(f"config {p} is a directory; give the YAML file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
+    data = p.read_bytes()
     try:
-        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError(f"config {p} is not valid UTF-8: byte 0x{data[exc.start]:02x} at line {line}, "
+                          f"column {column}") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from exc
+    except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of > 4300 digits
+        raise ConfigError(f"config {p} cannot be read: {type(exc).__name__}: {exc}") from None
     if raw is None:
         raise ConfigError(f"config {p} is empty: it needs at least the run, data and model sections")
     if not isinstance(raw, dict):

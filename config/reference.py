@@ -19,6 +19,8 @@ def _type_name(ann) -> str:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(ann))
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return " or ".join(_type_name(a) for a in typing.get_args(ann))
+    if origin is typing.Annotated:  # LocalPath = Annotated[str, ...]: the type it annotates
+        return _type_name(typing.get_args(ann)[0])
     if ann is type(None):
         return "null"
     return getattr(ann, "__name__", str(ann))

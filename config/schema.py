@@ -42,16 +42,31 @@ def _number(value, kinds: set):
             exact = Decimal(value.strip().replace("_", ""))
         except InvalidOperation:
             return value
+        if exact.is_finite() and exact.adjusted() >= _MAX_DIGITS:  # before int(): 1e1000000 takes a minute
+            raise _too_large(value)
         if exact.is_finite() and exact == exact.to_integral_value():
-            return int(exact)
+            value = int(exact)
+    if isinstance(value, int) and not isinstance(value, bool) and float not in kinds and abs(value) > _MAX_INT:
+        raise _too_large(value)
     return value
+
+
+_MAX_INT = 2**63 - 1
+_MAX_DIGITS = len(str(_MAX_INT))  # 19: a number with more integer digits is above 2^63 - 1
+
+
+def _too_large(value) -> PydanticCustomError:
+    return PydanticCustomError("int_too_large", "too large for an integer setting (at most 2^63 - 1)")
 
 
 def _expand_home(value: str | None) -> str | None:
     """``~`` and ``file://~`` expanded to the home directory, as fsspec does for the
-    artifact store, so every local path of a config means the same directory."""
+    artifact store, so every local path of a config means the same directory. An empty
+    path is refused (it would silently mean the current directory, or be ignored)."""
     if value is None:
         return None
+    if not value.strip():
+        raise ValueError("empty path; give a path (or remove the key to use its default)")
     if value.startswith("file://~"):
         return "file://" + os.path.expanduser(value.removeprefix("file://"))
     return os.path.expanduser(value) if value.startswith("~") else value

@@ -11,18 +11,18 @@ invalid JSON inside a field) raise ``FieldError`` naming the source field.
 
 | format | keys that identify it | kinds |
 |---|---|---|
-| kto | messages + label (boolean) | sft: rows labelled true only; false rows are skipped |
+| kto | messages + label (boolean; any ``label`` key beside messages makes it KTO, a non-boolean label is a bad row) | sft: rows labelled true only; false rows are skipped |
 | messages | messages (role/content; content may be typed parts ``[{"type": "text", "value"}]``; assistant ``tool_calls``, ``tool`` turns), optional tools | sft |
 | dpo | conversations + chosen + rejected (``{from, value}``) | preference |
 | sharegpt | conversations (``from``: system/human/gpt/function_call/observation, ``value``), optional system, tools | sft |
 | seed_tasks | instruction + instances (``[{input, output}]``): one example per instance | sft |
 | alpaca | instruction + output, optional input, system, history (``[[query, response]]``) | sft |
 | gsm8k | question + answer ending ``#### N`` | rl (label N, commas removed), sft (full answer) |
-| math | problem or question + answer without ``####`` (+ solution) | rl (label = answer), sft (solution, else answer) |
+| math | problem or question + answer without ``####`` (+ solution); an answer with ``#### `` is an error (format gsm8k) | rl (label = answer), sft (solution, else answer) |
 | preference | prompt + chosen + rejected (already normalized) | preference |
 | dpo_messages | chosen_messages + rejected_messages (two conversations sharing the prompt) | preference |
 | hh_rlhf | chosen + rejected transcripts ``\\n\\nHuman: ...\\n\\nAssistant: ...`` | preference |
-| prompt_label | prompt (string or messages) + label | rl |
+| prompt_label | prompt (string or messages) + label, optional tools | rl |
 
 KTO rows labelled false are skipped, not errors: they are responses the model should *not*
 imitate, and SFT has no way to use them (a KTO or preference stage would).
@@ -40,7 +40,9 @@ assistant turn ``{"role": "assistant", "content": "", "tool_calls": [{"type": "f
 "function": {"name", "arguments": {...}}}]}``, a ``{"role": "tool", "content"}`` turn for
 each result, and the row's ``tools`` as ``[{"type": "function", "function": <JSON schema>}]``
 (what ``apply_chat_template(tools=...)`` takes). Rows without tools keep the plain
-``{role, content}`` shape.
+``{role, content}`` shape. RL prompts (prompt_label, gsm8k, math) keep their ``tools`` the
+same way (checked as for SFT; the RL and evaluation prompts are rendered with them); prompt
+turns themselves carry no tool calls.
 
 Detection (``detect_format``): the candidates are the formats whose keys the first records
 have; given the kind wanted, the one under which most of those records are valid wins (the
@@ -83,8 +85,12 @@ class Example:
 
 
 def _json_type(value: Any) -> str:
+    """The JSON name of a value's type; the Python type name for what JSON has no name for
+    (a parquet ``date``, ``bytes``, ``timedelta``)."""
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
+    if type(value) in names:
+        return names[type(value)]
+    return "number" if isinstance(value, (int, float, Decimal)) else type(value).__name__
 
 
 def _get(record: Mapping[str, Any], key: str, path: str | None = None) -> Any:
@@ -99,7 +105,7 @@ def _text(value: Any, path: str) -> str:
     return value
 
 
-def canonical_number(value: int | float) -> str:
+def canonical_number(value: int | float | Decimal) -> str:
     """The canonical text of a finite JSON number used as a label.
 
     Integers (and floats with an integral value) are written without a decimal point:
@@ -107,11 +113,12 @@ def canonical_number(value: int | float) -> str:
     Other floats are their shortest round-tripping decimal (Python's ``repr``) written
     positionally, never with an exponent: ``0.5`` -> ``"0.5"``, ``1e-07`` -> ``"0.0000001"``
     (models write decimals, and the math verifier would read ``1e-07`` as ``1*e - 7``).
-    ``-0.0`` is ``"0"``.
+    ``-0.0`` is ``"0"``. A ``Decimal`` (a parquet decimal column) is written the same way:
+    ``Decimal("72.00")`` -> ``"72"``.
     """
     if isinstance(value, int):
         return str(value)
-    number = Decimal(repr(value))
+    number = value if isinstance(value, Decimal) else Decimal(repr(value))
     if number == 0:
         return "0"
     return format(number.normalize(), "f")
@@ -125,10 +132,11 @@ def label_text(value: Any, path: str) -> str:
     """
     if isinstance(value, str):
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)):
         raise FieldError(path, f"expected a string or a number, got {_json_type(value)}")
-    if isinstance(value, float) and not math.isfinite(value):
-        spelled = "NaN" if math.isnan(value) else ("-Infinity" if value < 0 else "Infinity")
+    finite = value.is_finite() if isinstance(value, Decimal) else not isinstance(value, float) or math.isfinite(value)
+    if not finite:
+        spelled = "NaN" if value != value else ("-Infinity" if value < 0 else "Infinity")
         raise FieldError(path, f"{spelled} is not a valid label (expected a string or a finite number)")
     return canonical_number(value)
 
@@ -515,8 +523,9 @@ def gsm8k_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
             answer = gsm8k_label(answer)
         except ValueError as e:
             raise FieldError("answer", str(e)) from None
-    return [Example({"prompt": [{"role": "user", "content": question}], "label": answer},
-                    {"prompt[0].content": "question", "label": "answer"})]
+    origin = {"prompt[0].content": "question", "label": "answer"}
+    return [Example(_with_tools({"prompt": [{"role": "user", "content": question}], "label": answer}, record, origin),
+                    origin)]
 
 
 def math_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
@@ -527,6 +536,10 @@ def math_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     """
     key = "question" if "problem" not in record and "question" in record else "problem"
     problem = _text(_get(record, key), key)
+    answer = record.get("answer")
+    if isinstance(answer, str) and GSM8K_MARK + " " in answer:
+        # a GSM8K solution: as math its whole text (working and '#### 72') would be the label
+        raise FieldError("answer", "a GSM8K answer ('#### <number>' final answer); set the dataset's format: gsm8k")
     if kind == "sft":
         src = "solution" if "solution" in record else "answer"
         reply = _text(record[src], src) if src == "solution" else label_text(_get(record, src), src)
@@ -535,8 +548,9 @@ def math_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
             {"messages[0].content": key, "messages[1].content": src},
         )]
     label = label_text(_get(record, "answer"), "answer").strip()
-    return [Example({"prompt": [{"role": "user", "content": problem}], "label": label},
-                    {"prompt[0].content": key, "label": "answer"})]
+    origin = {"prompt[0].content": key, "label": "answer"}
+    return [Example(_with_tools({"prompt": [{"role": "user", "content": problem}], "label": label}, record, origin),
+                    origin)]
 
 
 def preference_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
@@ -594,7 +608,8 @@ def prompt_label_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     """``{"prompt": str | messages, "label": str | number}`` -> rl (a number label as ``label_text``)."""
     origin: dict[str, str] = {}
     prompt = _prompt(_get(record, "prompt"), "prompt", origin)
-    return [Example({"prompt": prompt, "label": label_text(_get(record, "label"), "label")}, origin)]
+    row = {"prompt": prompt, "label": label_text(_get(record, "label"), "label")}
+    return [Example(_with_tools(row, record, origin), origin)]
 
 
 @dataclass(frozen=True)
@@ -628,8 +643,10 @@ def _gsm8k_answer(record: Mapping[str, Any]) -> bool:
 ADAPTERS: dict[str, Adapter] = {
     a.name: a
     for a in (
-        _adapter("kto", kto_adapter, {"sft"}, {"messages", "label"}, lambda r: isinstance(r["label"], bool)),
-        _adapter("messages", messages_adapter, {"sft"}, {"messages"}),
+        # A label beside messages makes a KTO file: a row whose label is not a boolean is a bad
+        # KTO row, not a plain conversation (reading it as one would train on false rows).
+        _adapter("kto", kto_adapter, {"sft"}, {"messages", "label"}),
+        _adapter("messages", messages_adapter, {"sft"}, {"messages"}, lambda r: "label" not in r),
         _adapter("dpo", dpo_adapter, {"preference"}, {"conversations", "chosen", "rejected"}),
         _adapter("sharegpt", sharegpt_adapter, {"sft"}, {"conversations"}),
         _adapter("seed_tasks", seed_tasks_adapter, {"sft"}, {"instruction", "instances"}),

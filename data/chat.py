@@ -12,7 +12,13 @@ text the template writes right after an assistant message's content, both before
 turn and at the end of the conversation, is compared. Their common start holds the marker:
 the first special token in it (``<|im_end|>`` for Qwen, whose ``\\n`` after it belongs to the
 next segment; ``<end_of_turn>`` for Gemma, ``<|end|>`` for Phi-4, ``</s>`` for Llama-2 /
-Mistral ``[/INST]`` templates), else its non-blank text. A template that writes nothing
+Mistral ``[/INST]`` templates), else its non-blank text, cut before the next turn's header
+(its first added token, e.g. Phi-4's ``<|user|>`` on a tokenizer without ``<|end|>``). The
+turn end must be a whole run of tokens where the template writes it (the tokens of the whole
+rendered probe conversation): ``im_end`` or ``<|im_end`` (inside Qwen's ``<|im_end|>`` token)
+is refused (``model.end_of_turn``). Its stop id (:func:`turn_end_token_id`) exists only for
+an added/special token or EOS; ``posttrain validate`` reports a turn end without one when RL
+or evaluation generate with the chat template. A template that writes nothing
 after an assistant turn (NVIDIA's ``<extra_id_1>`` Mistral template) has no marker of its own:
 the turn end is then the EOS generation stops on, appended (and trained) after the last
 assistant turn; earlier assistant turns of such a template are trained on their content
@@ -50,7 +56,17 @@ BPE and SentencePiece tokenizers too.
 **Tools.** ``tools`` (JSON-schema dicts) is passed to ``apply_chat_template``; assistant
 messages may carry ``tool_calls`` (transformers' convention ``[{"type": "function",
 "function": {"name", "arguments": dict}}]``) and are trained on what the template renders for
-them up to and including the turn end; ``tool`` messages are never trained on.
+them up to and including the turn end; ``tool`` messages are never trained on. A template
+that drops them is refused (ChatTemplateError "the chat template of X does not render tool
+calls"): a call's function name must be in its turn's rendered span and, with ``tools``, each
+tool's name in the rendered text (Phi-4's and NVIDIA-Mistral's templates fail this). A turn
+end inside a call's arguments is refused as it is inside content.
+
+**Qwen3** adds ``<think>\n\n</think>\n\n`` to the *last* assistant turn only (and drops
+``<think>`` blocks from earlier ones), so SFT trains that empty think block on the last
+answer of a conversation and not on earlier answers; the prompts of RL and evaluation end
+with the generation prompt ``<|im_start|>assistant\n``, after which the model writes the
+think block itself.
 """
 
 from __future__ import annotations
@@ -133,9 +149,10 @@ def _added_tokens(tokenizer: Any) -> list[tuple[str, bool]]:
     return list(out.items())
 
 
-def _probe_after_texts(tokenizer: Any) -> tuple[str, str]:
+def _probe_after_texts(tokenizer: Any) -> tuple[str, str, str, str]:
     """What the template writes after an assistant message's content: before the next turn
-    and at the end of the conversation. Raises the first template error if no probe renders."""
+    and at the end of the conversation; the text before the first user content, and the
+    whole rendered probe. Raises the first template error if no probe renders."""
     (u1, u2), (a1, a2) = _PROBE["user"], _PROBE["assistant"]
     turns = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
              {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
@@ -151,16 +168,65 @@ def _probe_after_texts(tokenizer: Any) -> tuple[str, str]:
         if min(i1, i2, j) < 0 or not i1 < j < i2:
             error = error or ValueError("the probe's assistant contents do not appear in the rendered text")
             continue
-        return text[i1 + len(a1) : j], text[i2 + len(a2) :]
+        return text[i1 + len(a1) : j], text[i2 + len(a2) :], text[: text.find(u1)], text
     assert error is not None
     raise error
 
 
-def _marker_in(text: str, tokenizer: Any) -> str:
+def _marker_in(text: str, tokenizer: Any, after_next: str = "", after_last: str = "", before_user: str = "") -> str:
     """The turn-end marker in ``text`` (what the template writes after every assistant turn):
-    the first special token, else the first added token, else the non-blank text ('' if none)."""
-    hits = [(not special, text.find(t), -len(t), t) for t, special in _added_tokens(tokenizer) if t in text]
-    return min(hits)[3] if hits else text.strip()
+    the first special token, else the first added token, else the non-blank text ('' if none).
+
+    The plain-text fallback never reaches into the next turn's header: it is cut at the first
+    added token of ``after_next`` / ``after_last`` (e.g. Phi-4's ``<|user|>`` when the
+    tokenizer lacks ``<|end|>``: ``<|end|>``, not ``<|end|><|``), and at the start of the
+    next user header (the end of ``after_next`` it shares with ``before_user``, the text
+    before the first user content) when text remains before it."""
+    added = _added_tokens(tokenizer)
+    hits = [(not special, text.find(t), -len(t), t) for t, special in added if t in text]
+    if hits:
+        return min(hits)[3]
+    cut = len(text)
+    for after in (after_next, after_last):
+        cut = min([cut] + [after.find(t) for t, _ in added if t in after])
+    if after_next and before_user:
+        shared = len(os.path.commonprefix([after_next[::-1], before_user[::-1]]))
+        header = len(after_next) - shared
+        if text[: min(cut, header)].strip():
+            cut = min(cut, header)
+    return text[:cut].strip()
+
+
+def _token_spans(tokenizer: Any, text: str) -> list[tuple[int, int, int]] | None:
+    """``(start, end, id)`` of each token of ``text`` tokenized whole (None: no offsets)."""
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):  # slow tokenizers have no offsets
+        return None
+    return [(int(a), int(b), int(i)) for (a, b), i in zip(enc["offset_mapping"], enc["input_ids"])]
+
+
+def _check_token_boundaries(tokenizer: Any, text: str, marker: str, source: str) -> None:
+    """Raise unless every occurrence of ``marker`` in ``text`` is a contiguous run of the
+    tokens of ``text`` tokenized whole, and that run is the marker's own tokens."""
+    spans = _token_spans(tokenizer, text)
+    if spans is None:
+        return
+    own = (_ids(tokenizer, marker), encode_continuation(tokenizer, marker))
+    at = text.find(marker)
+    while at >= 0:
+        end = at + len(marker)
+        cut = [(a, b, i) for a, b, i in spans if (a < at < b) or (a < end < b)]
+        run = [i for a, b, i in spans if at <= a and b <= end and b > a]
+        if cut or run not in own:
+            pieces = [tokenizer.convert_ids_to_tokens(i) for a, b, i in spans if a < end and b > at]
+            raise ChatTemplateError(
+                f"{_name(tokenizer)}: {source} {marker!r} is not a whole run of tokens where the chat template writes "
+                f"it (at character {at} of a rendered conversation it is tokenized as part of {pieces}), so it would "
+                "split a token and the real turn end would be lost; set model.end_of_turn to the whole token the "
+                "template writes after an assistant turn (a single special token such as '<|im_end|>')"
+            )
+        at = text.find(marker, at + 1)
 
 
 def _resolve(tokenizer: Any, override: str | None) -> _TurnEnd:
@@ -182,7 +248,7 @@ def _resolve(tokenizer: Any, override: str | None) -> _TurnEnd:
     recorded = (getattr(tokenizer, "init_kwargs", None) or {}).get(RECORDED_KEY)
     wanted = override or recorded
     try:
-        after_next, after_last = _probe_after_texts(tokenizer)
+        after_next, after_last, before_user, probe_text = _probe_after_texts(tokenizer)
     except Exception as e:  # noqa: BLE001
         if wanted:
             result = _TurnEnd(wanted, emitted=True)
@@ -192,10 +258,12 @@ def _resolve(tokenizer: Any, override: str | None) -> _TurnEnd:
             f"{_name(tokenizer)}: cannot derive the end of an assistant turn from the chat template (a probe "
             f"conversation user/assistant/user/assistant does not render: {e}); set model.end_of_turn"
         ) from e
-    derived = _marker_in(os.path.commonprefix([after_next, after_last]), tokenizer)
+    derived = _marker_in(os.path.commonprefix([after_next, after_last]), tokenizer, after_next, after_last, before_user)
     if wanted:
         if wanted in after_next or wanted in after_last:
             result = _TurnEnd(wanted, emitted=True)
+            source = "model.end_of_turn" if override else f"{RECORDED_KEY} in tokenizer_config.json"
+            _check_token_boundaries(tokenizer, probe_text, wanted, source)
         elif not derived:
             result = _TurnEnd(wanted, emitted=False)
         else:
@@ -206,6 +274,9 @@ def _resolve(tokenizer: Any, override: str | None) -> _TurnEnd:
             )
     elif derived:
         result = _TurnEnd(derived, emitted=True)
+        _check_token_boundaries(
+            tokenizer, probe_text, derived,
+            "the turn end derived from the chat template")
     elif getattr(tokenizer, "eos_token", None):
         result = _TurnEnd(str(tokenizer.eos_token), emitted=False)
     else:
@@ -246,21 +317,25 @@ def end_of_turn(tokenizer: Any, override: str | None = None) -> str:
 def turn_end_token_id(tokenizer: Any, override: str | None = None) -> int | None:
     """The token id generation must stop on to end an assistant turn.
 
-    The turn end (:func:`end_of_turn`) tokenized; a single token is its id, a marker of
-    several tokens is stopped on at its last token when that is an added (special) token, so
-    it cannot occur inside ordinary text. Otherwise there is no stop id (vLLM's stop strings
-    are not available with ``skip_tokenizer_init``): None, and generation ends only at the
-    model's EOS ids.
+    The turn end (:func:`end_of_turn`) tokenized; a single token is its id when it is an
+    added (special) token or the tokenizer's EOS, and a marker of several tokens is stopped on
+    at its last token when that is an added (special) token: such tokens cannot occur inside
+    ordinary text. Otherwise (several plain tokens such as ``</answer>``, or one ordinary
+    vocabulary word such as ``END``, which also ends ``BACKEND`` as ``BACK`` + ``END``) there
+    is no stop id (vLLM's stop strings are not available with ``skip_tokenizer_init``): None,
+    and generation ends only at the model's EOS ids (``posttrain validate`` reports it when
+    RL or evaluation generate with the chat template).
 
     Raises:
         ChatTemplateError: as :func:`end_of_turn`.
     """
     marker = end_of_turn(tokenizer, override)
     ids = list(tokenizer(marker, add_special_tokens=False)["input_ids"])
-    if len(ids) == 1:
-        return int(ids[0])
     added = {t for t, _ in _added_tokens(tokenizer)}
-    if ids and tokenizer.convert_ids_to_tokens(ids[-1]) in added:
+    if len(ids) == 1 and (ids[0] == getattr(tokenizer, "eos_token_id", None)
+                          or tokenizer.convert_ids_to_tokens(ids[0]) in added):
+        return int(ids[0])
+    if len(ids) > 1 and tokenizer.convert_ids_to_tokens(ids[-1]) in added:
         return int(ids[-1])
     return None
 
@@ -326,6 +401,58 @@ def _content_probe(message: Message) -> str:
     return content.split("</think>")[-1].strip()
 
 
+def _string_leaves(value: Any) -> list[str]:
+    """The strings of a JSON value (keys and values, in order)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() for t in [str(k), *_string_leaves(v)]]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _string_leaves(v)]
+    return []
+
+
+def _tool_calls_end(tokenizer: Any, message: Message, i: int, full: str, start: int, limit: int, found: int) -> int:
+    """Where the rendered tool calls of assistant ``messages[i]`` end in ``full`` (``start``
+    if it has none): after the last call's name and the last of its argument strings found
+    in order. Raises ChatTemplateError when a call's function name is not in the turn's
+    rendered span (before its turn end at ``found``, if any): the template drops tool calls."""
+    calls = message.get("tool_calls") or []
+    pos = end = start
+    for n, call in enumerate(calls if isinstance(calls, list) else []):
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            continue
+        at = full.find(name, pos, limit)
+        if at < 0 or (n == 0 and found >= 0 and at >= found):
+            raise ChatTemplateError(
+                f"messages[{i}]: the chat template of {_name(tokenizer)} does not render tool calls; the call to "
+                f"{name!r} is not in what the template renders for the assistant turn (before its turn end) {full[start:found if found >= 0 else limit][:80]!r}, "
+                "so SFT would train a turn without it; use a model (or model.tokenizer) whose template renders "
+                "tool_calls, or data without tool calls"
+            )
+        pos = end = at + len(name)
+        for leaf in _string_leaves(fn.get("arguments")):
+            at = full.find(leaf, pos, limit) if leaf else -1
+            if at >= 0:
+                pos = end = at + len(leaf)
+    return end
+
+
+def _check_tools_rendered(tokenizer: Any, full: str, tools: Sequence[dict] | None) -> None:
+    """Raise ChatTemplateError when a tool definition's name is not in the rendered text."""
+    for tool in tools or []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str) and name and name not in full:
+            raise ChatTemplateError(
+                f"the chat template of {_name(tokenizer)} does not render tool calls; the tool definition {name!r} "
+                "(tools) is not in the rendered conversation, so the model would be trained on tools it is never "
+                "shown; use a model (or model.tokenizer) whose template renders tools, or data without tools"
+            )
+
+
 def _segments(
     tokenizer: Any,
     messages: Sequence[Message],
@@ -360,6 +487,8 @@ def _segments(
             raise ChatTemplateError(f"messages[{i}]: content not found in the rendered turn")
         content_end = at + len(content)
         found = full.find(marker, start, limit)
+        calls_end = _tool_calls_end(tokenizer, messages[i], i, full, start, limit, found)
+        turn_end_at = max(content_end, calls_end)  # where the turn's own text (content, calls) ends
         appended = ""
         if found >= 0:
             stop = found + len(marker)
@@ -367,11 +496,16 @@ def _segments(
                 raise ChatTemplateError(
                     f"messages[{i}]: content not found before the end-of-turn marker {marker!r} (does it contain it?)"
                 )
-        elif i == len(messages) - 1 and not generation_prompt and not full[content_end:].strip():
+            if calls_end > found:
+                raise ChatTemplateError(
+                    f"messages[{i}]: tool calls not found before the end-of-turn marker {marker!r} (do their "
+                    "arguments contain it?)"
+                )
+        elif i == len(messages) - 1 and not generation_prompt and not full[turn_end_at:].strip():
             # The template writes nothing (but whitespace) after the last turn: append the turn end.
             stop, appended = len(full), marker
         elif not turn_end.emitted:
-            stop = content_end  # the template's own text follows the turn directly
+            stop = turn_end_at  # the template's own text follows the turn directly
         else:
             raise ChatTemplateError(
                 f"messages[{i}]: no end-of-turn marker {marker!r} after this turn; set model.end_of_turn"
@@ -472,7 +606,9 @@ def encode_chat(
     turn_end = _resolve(tokenizer, end_of_turn)
     if not any(m.get("role") == "assistant" for m in messages):
         raise ChatTemplateError("no assistant turn: nothing to train on")
-    input_ids, loss_mask = _tokenize(tokenizer, _segments(tokenizer, messages, tools, turn_end, generation_prompt=False))
+    segments = _segments(tokenizer, messages, tools, turn_end, generation_prompt=False)
+    _check_tools_rendered(tokenizer, "".join(text for text, _ in segments), tools)
+    input_ids, loss_mask = _tokenize(tokenizer, segments)
     cut = 0
     if max_len is not None and len(input_ids) > max_len:
         cut = len(input_ids) - max_len

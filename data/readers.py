@@ -6,16 +6,24 @@ that line only; the rest of the file is still read. A .json file (one array of o
 parsed whole: a syntax error in it is one error for the file, at the line of the fault.
 
 Line numbers are 1-based text lines for JSON files (for a .json array, the line where each
-element starts) and 1-based row numbers for parquet. Paths may be local paths or fsspec
-URLs; gzip is recognised from the ``.gz`` suffix.
+element starts) and 1-based row numbers for parquet. Elements of a .json array also carry
+their 1-based index (``iter_located`` gives it; a ``RowError`` names it as ``file:line
+[record N]``), since a minified array holds every record on line 1. Paths may be local
+paths or fsspec URLs; gzip is recognised from the ``.gz`` suffix.
+
+A record holding a lone UTF-16 surrogate escape (``"\\ud800"``, not valid Unicode) or an
+integer of more digits than Python converts (``sys.get_int_max_str_digits()``), or nested
+too deeply to parse, is an error for that record only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import zlib
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Iterator
 
 import fsspec
@@ -37,12 +45,21 @@ class RowError:
     line: int
     field: str
     message: str
+    record: int | None = None  # 1-based element index in a .json array; None for lines and rows
+
+    @property
+    def where(self) -> str:
+        """``file:line``, or ``file:line [record N]`` for an element of a .json array."""
+        return f"{self.file}:{self.line}" + (f" [record {self.record}]" if self.record is not None else "")
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
+        return f"{self.where}: {self.field}: {self.message}"
 
 
 Item = tuple[int, "dict[str, Any] | RowError"]
+# (line, record index or None): where a record is; the index only for .json array elements
+Location = tuple[int, "int | None"]
+LocatedItem = tuple[Location, "dict[str, Any] | RowError"]
 
 
 def read_records(path: str | os.PathLike[str], limit: int | None = None) -> Iterator[Item]:
@@ -52,12 +69,19 @@ def read_records(path: str | os.PathLike[str], limit: int | None = None) -> Iter
         ValueError: the file name has none of the supported suffixes (``SUFFIXES``).
         FileNotFoundError: the file does not exist.
     """
+    for (line, _), item in iter_located(path, limit):
+        yield line, item
+
+
+def iter_located(path: str | os.PathLike[str], limit: int | None = None) -> Iterator[LocatedItem]:
+    """As ``read_records``, with ``(line, record index)`` for each item: the 1-based index of
+    a .json array element, None for JSONL lines and parquet rows (the line says it all)."""
     name = str(path)
     lower = name.lower()
     if lower.endswith(".parquet"):
-        items = _parquet(name)
+        items = (((where, None), item) for where, item in _parquet(name))
     elif lower.endswith((".jsonl", ".jsonl.gz")):
-        items = _jsonl(name)
+        items = (((where, None), item) for where, item in _jsonl(name))
     elif lower.endswith((".json", ".json.gz")):
         items = _json_array(name)
     else:
@@ -74,13 +98,70 @@ def _open(name: str):
 
 def _json_type(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
+    if type(value) in names:
+        return names[type(value)]
+    return "number" if isinstance(value, (int, float, Decimal)) else type(value).__name__
 
 
-def _as_record(name: str, line: int, value: Any) -> Item:
+class _LongInt(str):
+    """An integer literal too long for ``int()`` (``sys.get_int_max_str_digits``), kept as text
+    so that the record, not the whole file, is reported."""
+
+
+def _parse_int(text: str) -> int | _LongInt:
+    limit = sys.get_int_max_str_digits()
+    digits = len(text) - text.startswith("-")
+    return _LongInt(text) if limit and digits > limit else int(text)
+
+
+_DECODER = json.JSONDecoder(parse_int=_parse_int)
+
+
+def _loads(text: str) -> Any:
+    return _DECODER.decode(text)
+
+
+def _unicode_problem(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The first lone surrogate or over-long integer in a decoded value, as (field, problem)."""
+    if isinstance(value, _LongInt):
+        limit = sys.get_int_max_str_digits()
+        return (path or RECORD, f"integer of {len(value) - value.startswith('-')} digits "
+                f"(at most {limit} are read; write it as a string if it is meant as text)")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (path or RECORD, f"lone surrogate escape \\u{ord(value[e.start]):04x} at character "
+                    f"{e.start + 1} (not valid Unicode)")
+        return None
     if isinstance(value, dict):
-        return line, value
-    return line, RowError(name, line, RECORD, f"expected a JSON object, got {_json_type(value)}")
+        for k, v in value.items():
+            found = _unicode_problem(k, path or RECORD) or _unicode_problem(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for j, v in enumerate(value):
+            found = _unicode_problem(v, f"{path}[{j}]")
+            if found:
+                return found
+    return None
+
+
+def _may_be_bad(text: str) -> bool:
+    """Cheap pre-check: only text with a ``\\u`` escape or a long digit run can hold what
+    ``_unicode_problem`` looks for."""
+    limit = sys.get_int_max_str_digits()
+    return "\\u" in text or bool(limit and len(text) > limit)
+
+
+def _as_record(name: str, line: int, value: Any, raw: str, record: int | None = None) -> RowError | dict:
+    if not isinstance(value, dict):
+        return RowError(name, line, RECORD, f"expected a JSON object, got {_json_type(value)}", record)
+    if _may_be_bad(raw):
+        found = _unicode_problem(value)
+        if found:
+            return RowError(name, line, *found, record)
+    return value
 
 
 def _jsonl(name: str) -> Iterator[Item]:
@@ -100,18 +181,28 @@ def _jsonl(name: str) -> Iterator[Item]:
                     )
                     continue
                 try:
-                    value = json.loads(text)
+                    value = _loads(text)
                 except json.JSONDecodeError as e:
                     yield line, RowError(name, line, RECORD, f"malformed JSON at column {e.colno}: {e.msg}")
                     continue
-                yield _as_record(name, line, value)
+                except RecursionError:
+                    yield line, RowError(name, line, RECORD, "JSON nested too deeply to read")
+                    continue
+                yield line, _as_record(name, line, value, text)
         except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt gzip stream
             yield line + 1, RowError(name, line + 1, FILE, f"cannot read further: {e}")
 
 
-def _json_array(name: str) -> Iterator[Item]:
+def _json_array(name: str) -> Iterator[LocatedItem]:
     with _open(name) as f:
-        data = f.read()
+        try:
+            data = f.read()
+        except (EOFError, zlib.error) as e:  # a truncated gzip stream
+            yield (1, None), RowError(name, 1, FILE, f"cannot read: truncated or corrupt gzip stream ({e})")
+            return
+        except OSError as e:  # gzip.BadGzipFile: not gzip at all
+            yield (1, None), RowError(name, 1, FILE, f"cannot read: {e}")
+            return
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     try:
@@ -119,34 +210,37 @@ def _json_array(name: str) -> Iterator[Item]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        yield line, RowError(name, line, FILE, f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {column}")
+        yield (line, None), RowError(name, line, FILE, f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {column}")
         return
     try:
         elements = _array_elements(text)
     except json.JSONDecodeError as e:
-        yield e.lineno, RowError(name, e.lineno, FILE, f"malformed JSON at column {e.colno}: {e.msg}")
+        yield (e.lineno, None), RowError(name, e.lineno, FILE, f"malformed JSON at column {e.colno}: {e.msg}")
         return
     except ValueError as e:
-        yield 1, RowError(name, 1, FILE, str(e))
+        yield (1, None), RowError(name, 1, FILE, str(e))
         return
-    for line, value in elements:
-        yield _as_record(name, line, value)
+    for index, (line, value, raw) in enumerate(elements, start=1):
+        yield (line, index), _as_record(name, line, value, raw, index)
 
 
-def _array_elements(text: str) -> list[tuple[int, Any]]:
+def _array_elements(text: str) -> list[tuple[int, Any, str]]:
     """Parse a JSON array, keeping the line where each element starts.
 
     The whole array is parsed before anything is returned, so a file with a syntax error
     yields no records at all (its valid head is not mistaken for the dataset).
     """
-    decoder = json.JSONDecoder()
+    decoder = _DECODER
     ws = " \t\n\r"
     i = len(text) - len(text.lstrip(ws))
     if not text.startswith("[", i):
-        json.loads(text)  # raises JSONDecodeError with line/column if this is not JSON at all
-        raise ValueError(f"expected a JSON array of objects, got a top-level {_json_type(json.loads(text))}")
+        try:
+            value = _loads(text)  # raises JSONDecodeError with line/column if this is not JSON at all
+        except RecursionError:
+            raise json.JSONDecodeError("JSON nested too deeply to read", text, i) from None
+        raise ValueError(f"expected a JSON array of objects, got a top-level {_json_type(value)}")
     i += 1
-    elements: list[tuple[int, Any]] = []
+    elements: list[tuple[int, Any, str]] = []
     line, counted = 1, 0
     while True:
         while i < len(text) and text[i] in ws:
@@ -156,8 +250,12 @@ def _array_elements(text: str) -> list[tuple[int, Any]]:
             break
         line += text.count("\n", counted, i)
         counted = i
-        value, i = decoder.raw_decode(text, i)
-        elements.append((line, value))
+        start = i
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except RecursionError:
+            raise json.JSONDecodeError("JSON nested too deeply to read", text, i) from None
+        elements.append((line, value, text[start:i]))
         while i < len(text) and text[i] in ws:
             i += 1
         if text.startswith(",", i):

@@ -132,6 +132,23 @@ def math_boxed(response: str, label: str) -> float:
 VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward}
 
 
+def label_problem(name: str, label: str) -> str | None:
+    """Why verifier ``name`` cannot score against ``label`` (the ValueError it would raise at
+    RL or evaluation time: ``gsm8k`` needs a number, ``math`` and ``story`` a non-blank
+    label), or None when it can. The verifier is run on an empty response, which reads
+    the label exactly as scoring does.
+
+    Raises:
+        ValueError: unknown verifier name.
+    """
+    fn = get_verifier(name)
+    try:
+        fn("", label, "stop")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _scorer(fn: Callable[..., float], response: str, label: str, finish_reason: str) -> float:
     if "finish_reason" in inspect.signature(fn).parameters:
         return float(fn(response, label, finish_reason=finish_reason))

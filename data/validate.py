@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
 from data.adapters import ADAPTERS, DETECT_SAMPLE, Example, FieldError, detect, get_adapter
-from data.readers import FILE, Item, RowError, read_records
+from data.readers import FILE, LocatedItem, RowError, iter_located
 from data.schemas import KINDS, frame_problems, natural_key, rows_to_frame
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ class ValidationResult:
         format_reason: how the format was chosen (the detection's reason, or the config key).
         rows: the normalized valid rows, in file order (at most ``limit``).
         lines: the source line (or parquet row) of each entry of ``rows``.
-        errors: every problem found, sorted by line, then field (numerically).
+        errors: every problem found, sorted by line, then record index (.json arrays), then
+            field (numerically).
         n_total: records read (lines or rows, bad ones included; a ``<file>`` error counts
             none); with ``limit``, those up to the one that gave the last row kept.
         n_skipped: records that the format deliberately turns into no example (KTO false).
@@ -88,8 +89,9 @@ class ValidationResult:
 
     @property
     def n_bad(self) -> int:
-        """Number of distinct records (lines) with at least one error."""
-        return len({e.line for e in self.errors if e.field != FILE})
+        """Number of distinct records with at least one error (by line, and by element index
+        in a .json array, where one line may hold every record)."""
+        return len({(e.line, e.record) for e in self.errors if e.field != FILE})
 
     @property
     def bad_fraction(self) -> float:
@@ -115,10 +117,19 @@ class ValidationResult:
             "n_skipped": self.n_skipped,
             "n_errors": len(self.errors),
             "bad_fraction": self.bad_fraction,
-            "errors": [vars(e).copy() for e in self.errors[:REPORT_ERRORS]],
+            "errors": [_error_dict(e) for e in self.errors[:REPORT_ERRORS]],
             "n_duplicates": len(self.duplicates),
             "duplicates": [{"line": a, "same_as_line": b} for a, b in self.duplicates[:REPORT_ERRORS]],
         }
+
+
+def _error_dict(e: RowError) -> dict[str, Any]:
+    """A report entry: file, line, field, message, and ``record`` (the element index) for a
+    .json array."""
+    out = vars(e).copy()
+    if out["record"] is None:
+        del out["record"]
+    return out
 
 
 class DataValidationError(Exception):
@@ -143,7 +154,7 @@ def _formats_for(kind: str) -> str:
     return ", ".join(name for name, a in ADAPTERS.items() if kind in a.kinds)
 
 
-def _read_head(items: Iterator[Item]) -> list[Item]:
+def _read_head(items: Iterator[LocatedItem]) -> list[LocatedItem]:
     """Items up to and including the ``DETECT_SAMPLE``-th record (errors included)."""
     head, n = [], 0
     for item in items:
@@ -181,12 +192,12 @@ def validate_dataset(
     key = key or "data.<dataset>"
     if kind not in KINDS:
         raise ValueError(f"{name}: unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
-    items = iter(read_records(name))
+    items = iter(iter_located(name))
     head = _read_head(items)
     result = ValidationResult(file=name, kind=kind, format=format, limit=limit)
     sample = [r for _, r in head if not isinstance(r, RowError)]
     if not sample:
-        result.errors = sorted((r for _, r in head), key=lambda e: (e.line, natural_key(e.field)))
+        result.errors = sorted((r for _, r in head), key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
         result.n_total = sum(1 for e in result.errors if e.field != FILE)
         return result
     detected = ""
@@ -206,7 +217,7 @@ def validate_dataset(
     except ValueError as e:
         raise ValueError(f"{name}: {e}; set {key}.format to a format that gives {kind}: {_formats_for(kind)}") from None
 
-    chunk: list[Item] = []
+    chunk: list[LocatedItem] = []
     for item in chain(head, items):
         chunk.append(item)
         if len(chunk) >= CHUNK:
@@ -215,7 +226,7 @@ def validate_dataset(
             chunk = []
     else:
         _take(result, adapter, chunk)
-    result.errors.sort(key=lambda e: (e.line, natural_key(e.field)))
+    result.errors.sort(key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
     first: dict[str, int] = {}
     for line, row in zip(result.lines, result.rows):
         text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
@@ -226,28 +237,29 @@ def validate_dataset(
     return result
 
 
-def _take(result: ValidationResult, adapter, chunk: list[Item]) -> bool:
+def _take(result: ValidationResult, adapter, chunk: list[LocatedItem]) -> bool:
     """Convert and check one chunk of items into ``result``, in file order; True once
     ``result.limit`` valid rows are kept (the rest of the chunk is dropped unread)."""
     name, kind = result.file, result.kind
     errors: dict[int, list[RowError]] = {}
     produced: dict[int, list[Example]] = {}
     examples: list[tuple[int, Example]] = []
-    for pos, (line, record) in enumerate(chunk):
+    for pos, ((line, index), record) in enumerate(chunk):
         if isinstance(record, RowError):
             errors[pos] = [record]
             continue
         try:
             produced[pos] = adapter(record, kind)
         except FieldError as e:
-            errors[pos] = [RowError(name, line, e.field, e.message)]
+            errors[pos] = [RowError(name, line, e.field, e.message, index)]
             continue
         examples += [(pos, ex) for ex in produced[pos]]
     # Schema problems come back as positions in the frame; map them to line and source field.
     for index, fld, message in frame_problems(rows_to_frame([ex.row for _, ex in examples], kind), kind):
         pos, ex = examples[index]
-        errors.setdefault(pos, []).append(RowError(name, chunk[pos][0], _source_field(dict(ex.origin), fld), message))
-    for pos, (line, _) in enumerate(chunk):
+        line, index = chunk[pos][0]
+        errors.setdefault(pos, []).append(RowError(name, line, _source_field(dict(ex.origin), fld), message, index))
+    for pos, ((line, _), _) in enumerate(chunk):
         if pos in errors:
             result.errors += errors[pos]
             result.n_total += any(e.field != FILE for e in errors[pos])

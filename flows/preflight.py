@@ -123,6 +123,7 @@ def check_contents(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     notes: list[str] = []
     prepared = _prepared(cfg, notes)
     rows = _check_datasets(cfg, prepared, problems, notes)
+    problems += _check_labels(cfg, rows)
     model = _model(cfg, prepared, problems, notes)
     if model is not None:
         notes.append(_describe(model))
@@ -178,6 +179,35 @@ def _check_datasets(cfg: PipelineConfig, prepared: bool, problems: list[str], no
                          f"(format {result.format}{', detected' if getattr(cfg.data, name).format == 'auto' else ''})")
     notes += checked.warnings()
     return checked.results
+
+
+def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
+    """Every rl_eval label (and rl_train's, when the verifier scores RL: no rl.environment
+    and rl.reward.verifier_weight != 0) can be scored by ``rl.reward.verifier``: a gsm8k
+    label must be a number, a math one non-blank (``data.rewards.label_problem``)."""
+    from data.rewards import label_problem
+
+    verifier = cfg.rl.reward.verifier
+    if verifier == "none":
+        return []  # check_inputs reports it
+    names = ["rl_eval"]
+    if cfg.rl.environment is None and cfg.rl.reward.verifier_weight != 0:
+        names.insert(0, "rl_train")
+    problems = []
+    for name in names:
+        if name not in rows:
+            continue
+        result = rows[name]
+        bad = []
+        for line, row in zip(result.lines, result.rows):
+            why = label_problem(verifier, row["label"])
+            if why is not None:
+                bad.append(f"{result.file}:{line}: label: {why}")
+        if bad:
+            problems.append(_listed(f"data.{name}: {len(bad)} of {len(result.rows)} labels cannot be scored by "
+                                    f"rl.reward.verifier: {verifier} (a wrong verifier for this data, or bad labels):",
+                                    bad))
+    return problems
 
 
 def _model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> _Model | None:
@@ -310,9 +340,18 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict) -> list[str]:
     override = cfg.model.end_of_turn
     try:  # the turn end SFT trains and generation stops on
         eot = chat.end_of_turn(tok, override)
+        stop = chat.turn_end_token_id(tok, override)
     except chat.ChatTemplateError as exc:  # its message names model.end_of_turn
         return [f"model.end_of_turn: {exc}"]
     problems = []
+    generating = [key for key, data in (("rl", cfg.data.rl_train), ("evaluate", cfg.data.rl_eval)) if data is not None]
+    if stop is None and generating:  # rollouts would run past the end of a turn to max_new_tokens / EOS
+        n = len(tok(eot, add_special_tokens=False)["input_ids"])
+        problems.append(
+            f"model.end_of_turn: the turn end {eot!r} of the chat template of {m.tokenizer_name} has no stop id "
+            f"({n} token{'s' if n != 1 else ''}, not a single special token), so {' and '.join(generating)}, which "
+            "generate with this chat template, would not stop at the end of an assistant turn (only at the EOS ids); "
+            "set model.end_of_turn to a single special token the template writes after an assistant turn")
     for name, stage, conversations in (("sft", "sft", _sft_conversations), ("preference", "rm", _pair_conversations)):
         if name not in rows or not getattr(cfg, stage).enabled:
             continue

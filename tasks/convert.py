@@ -78,6 +78,6 @@ def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict
         raise ValueError(f"model.end_of_turn: {e}") from e
     log.info("convert: an assistant turn ends with %r (stop id %s)", marker, stop)
     if stop is None:
-        log.warning("the turn end %r is several tokens and its last one is not a special token: generation stops "
+        log.warning("the turn end %r is not a single special token (nor ends with one): generation stops "
                     "only at the EOS ids (stop strings are not available with token-in/token-out rollout)", marker)
     return ([] if stop is None else [stop]), {RECORDED_KEY: marker}

@@ -33,21 +33,29 @@ SPEC = StageSpec(
 )
 
 
+def stage_metrics(checked) -> dict:
+    """``rows/<name>``, ``bad_rows/<name>`` (records with at least one error, not errors),
+    ``duplicate_rows/<name>`` per dataset and ``overlap_rows/rl_eval`` of a ``DataReport``."""
+    metrics = {}
+    for name, result in checked.results.items():
+        metrics[f"rows/{name}"] = len(result.rows)
+        metrics[f"bad_rows/{name}"] = result.n_bad
+        metrics[f"duplicate_rows/{name}"] = len(result.duplicates)
+    if checked.overlap is not None:
+        metrics["overlap_rows/rl_eval"] = checked.overlap.n_rows
+    return metrics
+
+
 @stage_task(SPEC)
 def validate(ctx: StageContext) -> dict:
     """Validate and normalize each dataset; raise DataValidationError on the problems
     ``DataReport.problems`` lists (every dataset is reported before the stage fails)."""
     checked = validate_data(ctx.cfg.data)
-    metrics = {}
     for name, result in checked.results.items():
         ctx.logger.info("data.%s: %s: format %s", name, result.file, result.format_reason)
-        metrics[f"rows/{name}"] = len(result.rows)
-        metrics[f"bad_rows/{name}"] = len(result.errors)
-        metrics[f"duplicate_rows/{name}"] = len(result.duplicates)
         for err in result.errors[:5]:
             ctx.logger.warning("%s", err)
-    if checked.overlap is not None:
-        metrics["overlap_rows/rl_eval"] = checked.overlap.n_rows
+    metrics = stage_metrics(checked)
     for note in checked.warnings():
         ctx.logger.warning("%s", note)
     checked.raise_for_problems()

@@ -394,3 +394,60 @@ def test_a_refused_boolean_does_not_hide_the_sections_other_problems(tmp_path, q
         "  sft.micro_batch_size: Input should be greater than 0 (got 0)",
         "  sft.optim.lr: Input should be a finite number (got inf)",
     ]
+
+
+# --- unreadable bytes, huge exponents, empty paths, the keys table's types --------------------
+
+
+def test_non_utf8_config_is_one_error_naming_line_and_column(tmp_path, quickstart_raw):
+    p = _write(tmp_path, quickstart_raw)
+    p.write_bytes(p.read_bytes().replace(b"name: quickstart", b"name: quick\xe9start", 1))
+    line = next(i for i, text in enumerate(p.read_bytes().split(b"\n"), start=1) if b"\xe9" in text)
+    assert _error(p) == f"config {p} is not valid UTF-8: byte 0xe9 at line {line}, column 14"  # "  name: quick" is 13 characters
+
+
+@pytest.mark.parametrize("text", ["1e1000000", "1e400", "9.3e18", "-1e19"])
+def test_huge_exponent_integers_are_refused_quickly(tmp_path, quickstart_raw, text):
+    import time
+
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["steps"] = "PLACEHOLDER"
+    p = _write(tmp_path, raw)
+    p.write_text(p.read_text().replace("PLACEHOLDER", text))
+    start = time.monotonic()
+    message = _error(p)
+    assert time.monotonic() - start < 5
+    assert f"  sft.steps: too large for an integer setting (at most 2^63 - 1) (got '{text}')" in message.splitlines()
+
+
+def test_exponent_integers_within_range_still_load(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["sft"]["steps"] = "PLACEHOLDER"
+    p = _write(tmp_path, raw)
+    p.write_text(p.read_text().replace("PLACEHOLDER", "9.2e18"))
+    assert load_config(p).sft.steps == 9_200_000_000_000_000_000
+    raw["sft"]["steps"] = 2**63
+    assert "  sft.steps: too large for an integer setting (at most 2^63 - 1) (got 9223372036854775808)" in \
+        _error(_write(tmp_path, raw)).splitlines()
+
+
+def test_empty_paths_are_refused(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["model"]["tokenizer"] = ""
+    raw["run"]["artifact_root"] = "  "
+    lines = _error(_write(tmp_path, raw)).splitlines()
+    assert "  run.artifact_root: empty path; give a path (or remove the key to use its default) (got '  ')" in lines
+    assert "  model.tokenizer: empty path; give a path (or remove the key to use its default) (got '')" in lines
+    raw["run"]["artifact_root"] = "~/artifacts"
+    raw["model"].pop("tokenizer")
+    cfg = load_config(_write(tmp_path, raw))
+    assert cfg.model.tokenizer is None and cfg.run.artifact_root == str(Path.home() / "artifacts")
+
+
+def test_reference_table_names_path_types():
+    from config.reference import render_reference
+
+    table = render_reference()
+    assert "| `model.tokenizer` | str or null | `None` |" in table
+    assert "| `run.artifact_root` | str | `'artifacts'` |" in table
+    assert "Annotated" not in table

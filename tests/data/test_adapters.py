@@ -54,7 +54,7 @@ def test_seed_task_with_two_instances_gives_two_examples():
     "record, fmt",
     [
         ({"messages": [], "label": True}, "kto"),
-        ({"messages": [], "label": "4"}, "messages"),  # a non-boolean label is not KTO
+        ({"messages": [], "label": "4"}, "kto"),  # a label beside messages is KTO (a non-boolean one a bad row)
         ({"conversations": [], "chosen": {}, "rejected": {}}, "dpo"),
         ({"conversations": []}, "sharegpt"),
         ({"instruction": "", "instances": []}, "seed_tasks"),

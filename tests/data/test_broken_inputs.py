@@ -245,3 +245,105 @@ def test_history_must_be_a_list(tmp_path):
     path.write_text(json.dumps({"instruction": "q", "output": "a", "history": 5}) + "\n")
     result = validate_dataset(path, "sft")
     assert [(e.line, e.field) for e in result.errors] == [(1, "history")]
+
+
+# --- records, not lines; unreadable .json.gz; deep nesting; surrogates; long integers ----------
+
+
+def _rl(prompt, label="1") -> dict:
+    return {"prompt": prompt, "label": label}
+
+
+def test_minified_json_array_counts_records_and_names_their_index(tmp_path):
+    rows = [_rl(f"q{i}") if i % 10 else _rl("   ") for i in range(1, 101)]  # records 10, 20, ..., 100 bad
+    minified = tmp_path / "min.json"
+    minified.write_text(json.dumps(rows))  # the whole array on line 1
+    result = validate_dataset(minified, "rl")
+    assert (result.n_total, result.n_bad, len(result.rows)) == (100, 10, 90)
+    assert result.bad_fraction == pytest.approx(0.1)
+    assert [(e.line, e.record) for e in result.errors] == [(1, n) for n in range(10, 101, 10)]
+    assert str(result.errors[0]) == f"{minified}:1 [record 10]: prompt: empty content"
+    assert result.report()["errors"][0] == {"file": str(minified), "line": 1, "field": "prompt",
+                                            "message": "empty content", "record": 10}
+    check_threshold(result, 0.1)  # 10 of 100 is within 0.1; it was 1 of 100 "lines" before
+    with pytest.raises(DataValidationError, match=r"10 of 100 records bad \(0\.1000 > data\.max_bad_fraction = 0\.05\)"):
+        check_threshold(result, 0.05)
+
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text(json.dumps(rows[:20], indent=1))
+    result = validate_dataset(pretty, "rl")
+    lines = pretty.read_text().splitlines()
+    starts = [i + 1 for i, text in enumerate(lines) if text == " {"]  # each element's first line
+    assert result.n_bad == 2 and [(e.line, e.record) for e in result.errors] == [(starts[9], 10), (starts[19], 20)]
+    assert str(result.errors[0]).startswith(f"{pretty}:{starts[9]} [record 10]: ")
+
+
+def test_validate_stage_metric_counts_bad_rows_not_errors(tmp_path):
+    from data.validate import DataReport
+    from tasks.validate import stage_metrics
+
+    two_errors = {"messages": [{"role": "robot", "content": " "}, {"role": "assistant", "content": "x"}]}
+    path = tmp_path / "sft.jsonl"
+    path.write_bytes(_line(GOOD) + _line(two_errors) + _line(GOOD))
+    result = validate_dataset(path, "sft")
+    assert (len(result.errors), result.n_bad) == (2, 1)
+    metrics = stage_metrics(DataReport(results={"sft": result}))
+    assert metrics == {"rows/sft": 2, "bad_rows/sft": 1, "duplicate_rows/sft": 1}
+
+
+def test_unreadable_json_gz_is_one_file_error(tmp_path):
+    import gzip
+
+    not_gzip = tmp_path / "a.json.gz"
+    not_gzip.write_bytes(b'[{"prompt": "q", "label": "1"}]')
+    result = validate_dataset(not_gzip, "rl")
+    assert [(e.line, e.field) for e in result.errors] == [(1, FILE)]
+    assert result.errors[0].message.startswith("cannot read: Not a gzipped file")
+    assert result.bad_fraction == 1.0 and result.rows == []
+
+    truncated = tmp_path / "b.json.gz"
+    truncated.write_bytes(gzip.compress(json.dumps([_rl(f"q{i}") for i in range(200)]).encode())[:60])
+    result = validate_dataset(truncated, "rl")
+    assert [(e.line, e.field) for e in result.errors] == [(1, FILE)]
+    assert "truncated or corrupt gzip stream" in result.errors[0].message
+    with pytest.raises(DataValidationError, match=r"b\.json\.gz: 0 of 0 records bad, file damaged"):
+        check_threshold(result, 0.5)
+
+
+def test_deep_nesting_is_one_bad_row(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_bytes(_line(_rl("q1")) + b"[" * 100_000 + b"\n" + _line(_rl("q3")))
+    result = validate_dataset(path, "rl")
+    assert [(e.line, e.field, e.message) for e in result.errors] == [(2, RECORD, "JSON nested too deeply to read")]
+    assert (result.n_total, result.n_bad, result.lines) == (3, 1, [1, 3])
+
+    array = tmp_path / "deep.json"
+    array.write_text('[\n{"prompt": "q", "label": "1"},\n' + "[" * 100_000 + "\n]")
+    result = validate_dataset(array, "rl")
+    assert [(e.line, e.field) for e in result.errors] == [(3, FILE)]
+    assert "nested too deeply" in result.errors[0].message
+
+
+def test_lone_surrogate_and_long_integer_are_bad_rows_at_their_line(tmp_path):
+    path = tmp_path / "rl.jsonl"
+    path.write_bytes(
+        _line(_rl("q1"))
+        + b'{"prompt": "bad \\ud800", "label": "1"}\n'
+        + b'{"prompt": "emoji \\ud83d\\ude00", "label": "2"}\n'  # a valid surrogate pair
+        + b'{"prompt": "q4", "label": ' + b"7" * 5001 + b"}\n"
+        + _line(_rl("q5"))
+    )
+    result = validate_dataset(path, "rl")
+    assert [(e.line, e.field, e.message) for e in result.errors] == [
+        (2, "prompt", "lone surrogate escape \\ud800 at character 5 (not valid Unicode)"),
+        (4, "label", "integer of 5001 digits (at most 4300 are read; write it as a string if it is meant as text)"),
+    ]
+    assert (result.n_total, result.n_bad, result.lines) == (5, 2, [1, 3, 5])
+    assert result.rows[1]["prompt"][0]["content"] == "emoji \U0001F600"
+
+    array = tmp_path / "rl.json"
+    array.write_text('[{"prompt": "q1", "label": "1"}, {"prompt": [{"role": "user", "content": "x\\udfff"}], '
+                     '"label": "1"}, {"prompt": "q3", "label": ' + "9" * 4400 + '}]')
+    result = validate_dataset(array, "rl")
+    assert [(e.line, e.record, e.field) for e in result.errors] == [(1, 2, "prompt[0].content"), (1, 3, "label")]
+    assert len(result.rows) == 1

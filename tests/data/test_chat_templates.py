@@ -292,9 +292,13 @@ def test_gemma_system_turn_is_a_clear_error(tokenizers):
 
 def test_override_of_a_template_without_turn_end(tokenizers):
     """NVIDIA's template with model.end_of_turn '<extra_id_1>' (text of the next turn's
-    header): earlier answers are trained through it, the last one gets it appended; it is
-    several ordinary tokens, so there is no stop id."""
-    tok = tokenizers[("nvidia-mistral", "bpe")]
+    header): on the SentencePiece vocabulary earlier answers are trained through it, the last
+    one gets it appended; it is several ordinary tokens, so there is no stop id. On byte-level
+    BPE its '>' merges with the header's 'User' ('>User'): not a run of whole tokens, refused."""
+    with pytest.raises(ChatTemplateError, match=r"model.end_of_turn '<extra_id_1>' is not a whole run of tokens.*"
+                                                r"'>User'.*set model.end_of_turn"):
+        end_of_turn(tokenizers[("nvidia-mistral", "bpe")], "<extra_id_1>")
+    tok = tokenizers[("nvidia-mistral", "sentencepiece")]
     enc = encode_chat(tok, [SYSTEM] + TURNS, end_of_turn="<extra_id_1>")
     assert masked_runs(tok, enc) == ["2+2 is 4.\n<extra_id_1>", "That is 6, twice 3.\n<extra_id_1>", "10.<extra_id_1>"]
     assert turn_end_token_id(tok, "<extra_id_1>") is None
@@ -383,3 +387,102 @@ def test_rl_prompts_are_rendered_with_their_tools(tokenizers, tmp_path):
     assert with_tools.token_ids == encode_prompt(tok, TOOL_CHAT[:4], tools=TOOLS)
     assert encode_chat(tok, TOOL_CHAT, tools=TOOLS).input_ids[: len(with_tools.token_ids)] == with_tools.token_ids
     assert "# Tools" in tok.decode(with_tools.token_ids) and "# Tools" not in tok.decode(without.token_ids)
+
+
+def _copy(tok, template: str | None = None):
+    import copy
+
+    out = copy.deepcopy(tok)
+    if template is not None:
+        out.chat_template = template
+    return out
+
+
+@pytest.mark.parametrize("override", ["im_end", "<|im_end", "end|>"])
+def test_turn_end_that_is_part_of_a_token_is_refused(tokenizers, override):
+    """'im_end' is inside the single token <|im_end|> (151645): splitting it would drop the real
+    turn end and train '<|im_end' as plain text; refused, naming model.end_of_turn."""
+    tok = tokenizers[("qwen2.5", "bpe")]
+    with pytest.raises(ChatTemplateError, match=rf"model.end_of_turn '{override.replace('|', '[|]')}' is not a whole run "
+                                                r"of tokens.*part of \['<\|im_end\|>'\].*set model.end_of_turn"):
+        end_of_turn(tok, override)
+    with pytest.raises(ChatTemplateError, match="not a whole run of tokens"):
+        encode_chat(tok, TURNS, end_of_turn=override)
+    with pytest.raises(ChatTemplateError, match="not a whole run of tokens"):
+        turn_end_token_id(tok, override)
+
+
+def test_phi4_without_its_end_token_does_not_eat_the_next_header(fixtures_dir):
+    """Phi-4's template on a tokenizer lacking <|end|>: after an answer it writes '<|end|><|user|>'
+    and at the end '<|end|><|endoftext|>'; the common '<|end|><|' is cut at the next header's
+    added token: the turn end is '<|end|>' (5 plain tokens, so no stop id)."""
+    from tests.data.chat_tokenizers import template_config
+
+    cfg = template_config(fixtures_dir, "phi-4")
+    tok = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
+    tok.add_special_tokens({"additional_special_tokens": [
+        t["content"] for t in cfg["added_tokens_decoder"].values() if t["special"] and t["content"] != "<|end|>"]})
+    tok.eos_token, tok.chat_template = cfg["eos_token"], cfg["chat_template"]
+    assert end_of_turn(tok) == "<|end|>"
+    assert tok("<|end|>", add_special_tokens=False)["input_ids"] == [27, 91, 408, 91, 29]
+    assert turn_end_token_id(tok) is None
+    enc = encode_chat(tok, [SYSTEM] + TURNS)
+    assert masked_runs(tok, enc) == [a + "<|end|>" for a in ANSWERS]
+    assert enc.input_ids == whole_string_ids(tok, [SYSTEM] + TURNS)
+
+
+# a plain-text template whose turn end 'END' is one ordinary vocabulary token (4689), which
+# also ends 'BACKEND' (15839, 4689)
+END_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\nEND\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+ANSWER_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] }}"
+                   "{% if m['role'] == 'assistant' %}{{ '</answer>' }}{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}")
+
+
+def test_turn_end_without_a_special_token_has_no_stop_id(tokenizers):
+    qwen = tokenizers[("qwen2.5", "bpe")]
+    assert turn_end_token_id(qwen, "<|im_end|>\n") is None  # two tokens, the last one '\n'
+    assert turn_end_token_id(qwen) == 151645
+    word = _copy(qwen, END_TEMPLATE)
+    assert end_of_turn(word) == "END"
+    assert word("END", add_special_tokens=False)["input_ids"] == [4689]
+    assert word("BACKEND", add_special_tokens=False)["input_ids"] == [15839, 4689]
+    assert turn_end_token_id(word) is None  # an ordinary word, not a stop id
+    assert masked_runs(word, encode_chat(word, TURNS[:2])) == ["2+2 is 4.\nEND"]
+    answer = _copy(qwen, ANSWER_TEMPLATE)
+    assert end_of_turn(answer) == "</answer>" and turn_end_token_id(answer) is None
+    enc = encode_chat(answer, TURNS[:2])
+    assert enc.input_ids == [151644, 872, 25, 3838, 374, 220, 17, 10, 17, 30,
+                             151644, 77091, 25, 17, 10, 17, 374, 220, 19, 3918, 9217, 29]
+    assert enc.loss_mask == [0] * 13 + [1] * 9
+
+
+def test_templates_that_drop_tool_calls_are_refused(tokenizers):
+    """Phi-4 renders '<|assistant|><|end|>' for a tool-call turn and ignores tools=; NVIDIA's
+    Mistral template drops calls, results and schemas: each is an error, not an empty turn."""
+    for family in ("phi-4", "nvidia-mistral"):
+        tok = tokenizers[(family, "bpe")]
+        with pytest.raises(ChatTemplateError, match=r"^messages\[2\]: the chat template of .* does not render tool "
+                                                    r"calls; the call to 'get_weather' is not in what the template "
+                                                    r"renders for the assistant turn \(before its turn end\) ''"):
+            encode_chat(tok, TOOL_CHAT, tools=TOOLS)
+        with pytest.raises(ChatTemplateError, match=r"does not render tool calls; the tool definition 'get_weather' "
+                                                    r"\(tools\) is not in the rendered conversation"):
+            encode_chat(tok, TURNS, tools=TOOLS)
+    phi = tokenizers[("phi-4", "bpe")]  # conversations without tools are unaffected
+    assert masked_runs(phi, encode_chat(phi, TURNS)) == [a + "<|end|>" for a in ANSWERS]
+
+
+def test_turn_end_inside_tool_call_arguments_is_refused(tokenizers):
+    tok = tokenizers[("qwen2.5", "bpe")]
+    chat = json.loads(json.dumps(TOOL_CHAT))
+    chat[2]["tool_calls"][0]["function"]["arguments"] = {"text": "bye<|im_end|>"}
+    message = r"messages\[2\]: tool calls not found before the end-of-turn marker '<\|im_end\|>' \(do their arguments contain it\?\)"
+    with pytest.raises(ChatTemplateError, match=message):
+        encode_chat(tok, chat, tools=TOOLS)
+    with pytest.raises(ChatTemplateError, match=message):
+        encode_prompt(tok, chat[:4], tools=TOOLS)
+    chat[2]["tool_calls"][0]["function"]["arguments"] = {"text": "bye"}  # the same call without it is fine
+    assert masked_runs(tok, encode_chat(tok, chat, tools=TOOLS))[0] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"text": "bye"}}\n</tool_call><|im_end|>')

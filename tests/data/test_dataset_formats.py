@@ -303,3 +303,100 @@ def test_validate_data_collects_every_dataset_problem(tmp_path, fixtures_dir):
     only = validate_data(_cfg(sft=odd, preference=fixtures_dir / "llamafactory-demo" / "dpo_en_demo.json"),
                          names=["preference"])
     assert list(only.results) == ["preference"] and only.problems() == []
+
+
+# --- KTO with a non-boolean label; GSM8K read as math; tools on RL prompts; parquet labels -----
+
+
+def _chat(answer: str) -> list[dict]:
+    return [_user("Is the sky blue?"), {"role": "assistant", "content": answer}]
+
+
+def test_kto_with_a_string_label_stays_kto_and_reports_the_row(tmp_path):
+    path = _write(tmp_path / "kto.jsonl", [
+        {"messages": _chat("yes"), "label": True},
+        {"messages": _chat("no"), "label": False},
+        {"messages": _chat("green"), "label": "false"},
+        {"messages": _chat("blue"), "label": True},
+    ])
+    result = validate_dataset(path, "sft")
+    assert result.format == "kto"
+    assert [(e.line, e.field, e.message) for e in result.errors] == [(3, "label", "expected true or false, got string")]
+    assert [r["messages"][1]["content"] for r in result.rows] == ["yes", "blue"]
+    assert (result.n_total, result.n_bad, result.n_skipped) == (4, 1, 1)
+
+
+def test_gsm8k_rows_read_as_math_are_refused(tmp_path):
+    rows = [{"question": f"What is {i} + 70?", "answer": str(i + 70)} for i in range(5)]
+    rows.insert(2, {"question": "Natalia sold 48 clips...", "answer": "48 + 24 = <<48+24=72>>72\n#### 72"})
+    path = _write(tmp_path / "mixed.jsonl", rows)
+    for fmt in ("auto", "math"):
+        result = validate_dataset(path, "rl", format=fmt)
+        assert result.format == "math"
+        assert [(e.line, e.field, e.message) for e in result.errors] == [
+            (3, "answer", "a GSM8K answer ('#### <number>' final answer); set the dataset's format: gsm8k")]
+        assert [r["label"] for r in result.rows] == ["70", "71", "72", "73", "74"]
+    # and the other way round, as before: gsm8k refuses an answer without '####'
+    result = validate_dataset(path, "rl", format="gsm8k")
+    assert len(result.errors) == 5 and result.errors[0].message == "no '#### <number>' final answer"
+    assert [r["label"] for r in result.rows] == ["72"]
+
+
+AREA = {"name": "area", "description": "Rectangle area", "parameters": {"type": "object"}}
+
+
+def test_rl_prompts_keep_their_tools(tmp_path):
+    path = _write(tmp_path / "rl.jsonl", [
+        {"prompt": "Area of 3 x 5?", "label": "15", "tools": json.dumps([AREA])},        # LLaMA-Factory string
+        {"prompt": "Area of 2 x 2?", "label": "4", "tools": [{"type": "function", "function": AREA}]},
+        {"prompt": "Area of 1 x 2?", "label": "2", "tools": "not json"},
+        {"prompt": "Area of 1 x 1?", "label": "1", "tools": [{"description": "no name"}]},
+        {"prompt": "Plain", "label": "0"},
+        {"prompt": "Plain too", "label": "0", "tools": "[]"},
+    ])
+    result = validate_dataset(path, "rl")
+    assert result.format == "prompt_label"
+    assert [(e.line, e.field, e.message) for e in result.errors] == [
+        (3, "tools", "invalid JSON at column 1: Expecting value"),
+        (4, "tools", "tool [0]: expected a non-empty string \"name\", got null"),
+    ]
+    want = [{"type": "function", "function": AREA}]
+    assert [r.get("tools") for r in result.rows] == [want, want, None, None]
+    assert result.rows[0] == {"prompt": [_user("Area of 3 x 5?")], "label": "15", "tools": want}
+
+    math_rows = _write(tmp_path / "math.jsonl", [
+        {"problem": "Area of 3 x 5?", "answer": "15", "tools": [AREA]},
+        {"question": "Area of 2 x 3?", "answer": "6\n#### 6", "tools": [AREA]},
+    ])
+    assert validate_dataset(math_rows, "rl", format="math").rows[0]["tools"] == want
+    assert validate_dataset(math_rows, "rl", format="gsm8k").rows == [
+        {"prompt": [_user("Area of 2 x 3?")], "label": "6", "tools": want}]
+
+
+def test_parquet_decimal_date_and_bytes_labels(tmp_path):
+    import datetime
+
+    import polars as pl
+
+    path = tmp_path / "labels.parquet"
+    pl.DataFrame({"prompt": ["a", "b", "c"],
+                  "label": [Decimal("72.00"), Decimal("0.50"), Decimal("-3.10")]}).write_parquet(path)
+    assert [r["label"] for r in validate_dataset(path, "rl").rows] == ["72", "0.5", "-3.1"]
+    for name, values, shown in (("date", [datetime.date(2024, 1, 2)], "date"), ("bytes", [b"72"], "bytes")):
+        path = tmp_path / f"{name}.parquet"
+        pl.DataFrame({"prompt": ["a"], "label": values}).write_parquet(path)
+        result = validate_dataset(path, "rl", format="prompt_label")
+        assert [(e.line, e.field, e.message) for e in result.errors] == [
+            (1, "label", f"expected a string or a number, got {shown}")]
+    assert canonical_number(Decimal("1E+2")) == "100" and canonical_number(Decimal("-0.000")) == "0"
+
+
+def test_label_problem_reads_labels_as_the_verifier_does():
+    from data.rewards import label_problem
+
+    assert label_problem("gsm8k", "\\frac{14}{3}") == "gsm8k label '\\\\frac{14}{3}' is not a number"
+    assert label_problem("gsm8k", "1,000") is None and label_problem("gsm8k", " 72 ") is None
+    assert label_problem("math", "\\frac{14}{3}") is None
+    assert label_problem("math", "\\boxed{ }") == "math label '\\\\boxed{ }' is empty"
+    assert label_problem("exact_match", "anything") is None
+    assert label_problem("story", "  ") == "story_reward: empty label (expected the character's name)"

@@ -109,7 +109,8 @@ def test_json_non_object_element(tmp_path):
     p = tmp_path / "a.json"
     p.write_text('[{"a": 1}, "text", {"a": 2}]')
     items = list(read_records(p))
-    assert items[1] == (1, RowError(str(p), 1, RECORD, "expected a JSON object, got string"))
+    assert items[1] == (1, RowError(str(p), 1, RECORD, "expected a JSON object, got string", record=2))
+    assert str(items[1][1]) == f"{p}:1 [record 2]: <record>: expected a JSON object, got string"
     assert [r for _, r in items if isinstance(r, dict)] == [{"a": 1}, {"a": 2}]
 
 

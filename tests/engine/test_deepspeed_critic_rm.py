@@ -214,11 +214,14 @@ def preferences(policy, tmp_path_factory) -> Path:
     return path
 
 
+RM_OPTIM = OptimConfig(lr=3e-3, warmup_steps=3, weight_decay=0.1, grad_clip=0.5)
+
+
 def rm_config(backend: str, **overrides) -> RMConfig:
     """test_reward_model's schedule (12 steps, warm-up, held-out quarter) plus weight decay
     and a clip below the early gradient norms."""
     fields = dict(steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25, log_every=4,
-                  optim=OptimConfig(lr=3e-3, warmup_steps=3, weight_decay=0.1, grad_clip=0.5),
+                  optim=RM_OPTIM,
                   backend=backend, deepspeed={"zero_stage": 2})
     fields.update(overrides)
     return RMConfig(**fields)
@@ -343,7 +346,10 @@ def test_reward_model_keeps_an_untied_output_layer(fixtures_dir, tmp_path):
     zero_vocab_padding(model, spec.vocab_size)
     save_model_dir(tmp_path / "base", model, spec.to_hf_config() | {"eos_token_id": 2}, fixtures_dir / "qwen2.5-tokenizer")
     start = mcore_state(load_model_dir(tmp_path / "base").model)
-    trainer = DeepSpeedRewardTrainer(tmp_path / "base", rm_config("deepspeed", steps=1), seed=0)
+    # One step, so a one-step warm-up (the schema refuses a warm-up longer than the run);
+    # the step runs at the full lr, so the body moves.
+    one_step = RM_OPTIM.model_copy(update={"warmup_steps": 1})
+    trainer = DeepSpeedRewardTrainer(tmp_path / "base", rm_config("deepspeed", steps=1, optim=one_step), seed=0)
     gen = torch.Generator().manual_seed(5)
     seqs = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 3, 4, 6)]
     trainer.step([collate_tokens(seqs, None, 0)])

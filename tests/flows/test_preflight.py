@@ -437,3 +437,35 @@ def test_eval_overlap_is_a_problem_when_not_allowed(stories):
     assert problems[0].startswith("data.rl_eval: 500 rows (500 distinct prompts) have a prompt that is also in "
                                   "data.rl_train")
     assert "data.allow_eval_overlap: true" in problems[0]
+
+
+def test_labels_the_verifier_cannot_read_are_reported(stories, fixtures_dir):
+    math500 = fixtures_dir / "math500" / "test.jsonl"
+    stories["rl"]["reward"]["verifier"] = "gsm8k"  # MATH-500 answers scored as GSM8K numbers
+    problems, _ = _contents(stories)
+    labels = [p for p in problems if "labels cannot be scored" in p]
+    assert len(labels) == 2
+    for name, text in zip(("rl_train", "rl_eval"), labels):
+        first, *rest = text.split("\n    ")
+        assert first == (f"data.{name}: 175 of 500 labels cannot be scored by rl.reward.verifier: gsm8k "
+                         "(a wrong verifier for this data, or bad labels):")
+        assert rest[:3] == [
+            f"{math500}:1: label: gsm8k label '\\\\left( 3, \\\\frac{{\\\\pi}}{{2}} \\\\right)' is not a number",
+            f"{math500}:2: label: gsm8k label 'p - q' is not a number",
+            f"{math500}:3: label: gsm8k label '\\\\frac{{14}}{{3}}' is not a number",
+        ]
+        assert rest[-1] == "... and 170 more"
+    stories["rl"]["reward"]["verifier"] = "math"
+    assert [p for p in _contents(stories)[0] if "labels cannot be scored" in p] == []
+
+
+def test_turn_end_without_stop_id_is_a_problem_when_rl_generates(qwen):
+    """'<|im_end|>\n' is two tokens ending in '\n': rollouts could not stop at a turn end."""
+    qwen["model"]["end_of_turn"] = "<|im_end|>\n"
+    qwen["data"]["sft"]["limit"] = qwen["data"]["preference"]["limit"] = 5
+    tok = qwen["model"]["tokenizer"]
+    assert _contents(qwen)[0] == [
+        f"model.end_of_turn: the turn end '<|im_end|>\\n' of the chat template of {tok} has no stop id (2 tokens, not "
+        "a single special token), so rl and evaluate, which generate with this chat template, would not stop at the "
+        "end of an assistant turn (only at the EOS ids); set model.end_of_turn to a single special token the template "
+        "writes after an assistant turn"]
