@@ -63,6 +63,8 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     """
     from megatron.core import dist_checkpointing
 
+    from engine.platform import ensure_process_group
+
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / iteration_dir_name(iteration)
@@ -71,6 +73,7 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     try:
         state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
                  "iteration": -1 if iteration is None else iteration}
+        ensure_process_group()
         dist_checkpointing.save(state, str(tmp))
         if hf_config is not None:
             (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
@@ -126,8 +129,11 @@ def load_model_checkpoint(model, directory: str | Path) -> int | None:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException subclass
 
+    from engine.platform import ensure_process_group
+
     path, iteration = latest_checkpoint(directory)
     try:
+        ensure_process_group()
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
     except (Exception, CheckpointException) as e:
         raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e

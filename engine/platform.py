@@ -116,6 +116,26 @@ def _seed_rng_tracker(seed: int) -> None:
     tracker.seeds_.update(named.values())
 
 
+def ensure_process_group() -> None:
+    """Make sure a default torch.distributed process group exists in this process.
+
+    Creates a single-process group (gloo on CPU, NCCL on CUDA) on 127.0.0.1 at a free port
+    when there is none. A process whose group was destroyed after megatron's
+    ``parallel_state`` was built (vLLM's in-process engine tears down the distributed
+    environment when it shuts down) would keep megatron's groups pointing at the dead one,
+    so that stale state is dropped first; the next :func:`init_model_parallel` rebuilds it.
+    Used before torch_dist checkpoint I/O, which asks the default group for its rank.
+    """
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        return
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
     """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
 
@@ -139,11 +159,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
 
     setup_cpu_platform()
     with _LOCK:
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(
-                backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-            )
+        ensure_process_group()
         if parallel_state.model_parallel_is_initialized():
             have = (
                 parallel_state.get_tensor_model_parallel_world_size(),

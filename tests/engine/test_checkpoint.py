@@ -105,3 +105,27 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path):
     wider = build_gpt_model(spec.model_copy(update={"ffn_hidden_size": 384}))
     with pytest.raises(ValueError, match=r"does not fit the model: .*shape mismatch.*mlp\.linear_fc1\.weight"):
         load_model_checkpoint(wider, tmp_path / "small")
+
+
+def test_checkpoint_io_after_the_process_group_was_destroyed(tmp_path):
+    """vLLM's in-process engine tears down torch.distributed when it shuts down; a model
+    built before must still save and load (torch_dist asks the default group for its rank),
+    and megatron's parallel state is rebuilt on a live group rather than left stale."""
+    from megatron.core import parallel_state
+
+    from engine.platform import init_model_parallel
+
+    cfg, hf = random_hf("qwen2")
+    spec = GPTSpec.from_hf_config(cfg)
+    model = build_gpt_model(spec, seed=1)
+    load_mcore_state(model, hf_to_megatron(cfg, hf))
+    torch.distributed.destroy_process_group()
+    assert not torch.distributed.is_initialized()
+    save_model_checkpoint(model, tmp_path / "ckpt", iteration=None, hf_config=cfg)
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+    init_model_parallel()
+    assert parallel_state.get_tensor_model_parallel_world_size() == 1
+    fresh = build_gpt_model(spec, seed=2)
+    load_model_checkpoint(fresh, tmp_path / "ckpt")
+    saved = mcore_state(model)
+    assert all(torch.equal(t, saved[k]) for k, t in mcore_state(fresh).items())
