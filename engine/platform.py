@@ -188,6 +188,8 @@ def ensure_model_parallel() -> int:
     from megatron.core import parallel_state
 
     setup_cpu_platform()
-    if not parallel_state.model_parallel_is_initialized():
+    # No default group but megatron state: vLLM's engine shut down and destroyed the group
+    # under it (ensure_process_group); rebuild both rather than build on dead groups.
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
         init_model_parallel()
     return parallel_state.get_tensor_model_parallel_world_size()

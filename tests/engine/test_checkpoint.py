@@ -129,3 +129,20 @@ def test_checkpoint_io_after_the_process_group_was_destroyed(tmp_path):
     load_model_checkpoint(fresh, tmp_path / "ckpt")
     saved = mcore_state(model)
     assert all(torch.equal(t, saved[k]) for k, t in mcore_state(fresh).items())
+
+
+def test_a_model_built_after_the_process_group_was_destroyed_runs():
+    """The model builder rebuilds megatron's state on a live group when the default group
+    died under it (as after a vLLM engine's shutdown), so the new model's forward works."""
+    from engine.megatron_model import gpt_logits
+
+    cfg, hf = random_hf("llama")
+    spec = GPTSpec.from_hf_config(cfg)
+    build_gpt_model(spec, seed=1)
+    torch.distributed.destroy_process_group()
+    model = build_gpt_model(spec, seed=1).eval()
+    load_mcore_state(model, hf_to_megatron(cfg, hf))
+    ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert gpt_logits(model, ids).shape == (1, 7, 300)
+    assert torch.distributed.is_initialized()
