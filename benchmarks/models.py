@@ -141,9 +141,8 @@ def prepare_quickstart(sft_steps: int | None = None, root: Path = WORK_DIR) -> d
         plus ``"sft": the SFT policy's model directory`` when ``sft_steps`` is given.
     """
     from config.load import load_config
-    from tasks.graph import expected_fingerprints
+    from tasks.graph import stage_states
     from tasks.prepare import is_prepared
-    from tasks.runner import store_for
 
     config_path = write_quickstart_config(sft_steps, root)
     if not is_prepared(load_config(config_path)):
@@ -151,10 +150,9 @@ def prepare_quickstart(sft_steps: int | None = None, root: Path = WORK_DIR) -> d
     out = {"data": root / "quickstart", "config": config_path}
     if not sft_steps:
         return out
-    cfg = load_config(config_path)  # after prepare: the fingerprints hash the prepared files
-    fingerprints, store = expected_fingerprints(cfg), store_for(cfg)
     for name in ("validate", "convert", "sft"):
-        if store.find(name, fingerprints[name]) is None:
+        # Read again after each stage: a stage's fingerprint uses its inputs' content hashes.
+        if stage_states(load_config(config_path))[name].ref is None:
             print(f"  posttrain stage {name}: {run_posttrain_stage(name, config_path):.1f} s", flush=True)
     out["sft"] = stage_model_dir(config_path, "sft")
     return out
@@ -167,12 +165,12 @@ def stage_model_dir(config_path: Path, stage: str) -> Path:
         FileNotFoundError: that stage has no artifact for this config (run it first).
     """
     from config.load import load_config
-    from tasks.graph import expected_fingerprints
+    from tasks.graph import stage_states
     from tasks.runner import store_for
 
     cfg = load_config(config_path)
+    ref = stage_states(cfg)[stage].ref
     store = store_for(cfg)
-    ref = store.find(stage, expected_fingerprints(cfg)[stage])
     if ref is None:
         raise FileNotFoundError(f"no {stage} artifact for {config_path}; run `posttrain stage {stage} {config_path}`")
     return store.local_path(ref) / "model"

@@ -59,20 +59,25 @@ def _too_large(value) -> PydanticCustomError:
     return PydanticCustomError("int_too_large", "too large for an integer setting (at most 2^63 - 1)")
 
 
-def _expand_home(value: str | None) -> str | None:
-    """``~`` and ``file://~`` expanded to the home directory, as fsspec does for the
-    artifact store, so every local path of a config means the same directory. An empty
-    path is refused (it would silently mean the current directory, or be ignored)."""
+def _local_path(value: str | None) -> str | None:
+    """A config path in one spelling: ``~`` and ``file://~`` expanded to the home directory
+    (as fsspec does for the artifact store), ``.`` and ``..`` segments and doubled slashes
+    folded (``./work//x`` is ``work/x``). An absolute path stays absolute (messages name it
+    as given); the fingerprint takes a path inside the working directory in its relative
+    form (``tasks.fingerprint.fingerprint``). URLs (``scheme://``) are kept as given. An
+    empty path is refused (it would silently mean the current directory, or be ignored)."""
     if value is None:
         return None
     if not value.strip():
         raise ValueError("empty path; give a path (or remove the key to use its default)")
     if value.startswith("file://~"):
         return "file://" + os.path.expanduser(value.removeprefix("file://"))
-    return os.path.expanduser(value) if value.startswith("~") else value
+    if "://" in value:
+        return value
+    return os.path.normpath(os.path.expanduser(value))
 
 
-LocalPath = Annotated[str, AfterValidator(_expand_home)]
+LocalPath = Annotated[str, AfterValidator(_local_path)]
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _REFUSED = object()  # stands in for a refused number value (see Strict._numbers)
 
@@ -118,7 +123,7 @@ class RunConfig(Strict):
     name: str = Field(description="Pipeline name; groups runs in W&B, names the Prefect flow run and the directory "
                                   "outputs/<name>: letters, digits, '.', '_' and '-', starting with a letter or digit.")
     artifact_root: LocalPath = Field("artifacts", description="fsspec URL or path where stage artifacts are published (~ is your home).")
-    checkpoint_root: LocalPath = Field("checkpoints", description="Where resumable training checkpoints live (outside artifacts; ~ is your home).")
+    checkpoint_root: LocalPath = Field("checkpoints", description="Local directory where resumable training checkpoints live (outside artifacts; ~ is your home).")
     seed: int = Field(0, ge=0, lt=2**32, description="Global seed; each stage derives its own from it "
                                                      "(0 <= seed < 2^32, what numpy's and torch's generators accept).")
 
@@ -129,6 +134,26 @@ class RunConfig(Strict):
             raise ValueError("expected a plain name of letters, digits, '.', '_' or '-', starting with a letter or "
                              "digit, at most 100 characters (it names the directory outputs/<run.name>)")
         return value
+
+    @field_validator("artifact_root")
+    @classmethod
+    def _artifact_root(cls, value: str) -> str:
+        # fsspec's memory:// lives in one process: every artifact would vanish with it, and the
+        # stage, status and dvc commands (other processes) would never see one.
+        if any(part.strip().lower().startswith("memory://") for part in value.split("::")):
+            raise ValueError("memory:// keeps artifacts in this process's memory only, so nothing would survive the run; "
+                             "give a local directory or a persistent fsspec URL such as s3://bucket/artifacts")
+        return value
+
+    @field_validator("checkpoint_root")
+    @classmethod
+    def _checkpoint_root(cls, value: str) -> str:
+        # Resume state is written with local file writes and locks (torch_dist, flock): a URL
+        # would become a local directory named after it.
+        if "://" in value and not value.startswith("file://"):
+            raise ValueError(f"resumable checkpoints are written to a local (or mounted) directory; {value} is a URL "
+                             "(only run.artifact_root may be one)")
+        return value.removeprefix("file://")
 
 
 class WandbConfig(Strict):
@@ -310,7 +335,8 @@ class RMConfig(Strict):
     max_seq_len: int = Field(256, gt=0, description="Longer sequences are truncated.")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for rm/accuracy.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
-    log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
+    checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
+    log_every: int = Field(10, gt=0, description="Log metrics every N steps (with the held-out evaluation).")
     backend: Literal["megatron", "deepspeed"] = Field(
         "megatron", description="Training backend: megatron-core GPTModel with the repository's optimizer step, or an "
                                 "HF transformers model trained by DeepSpeed (rm.deepspeed); both write the same model "

@@ -1,4 +1,4 @@
-"""Chat templating: token ids and the SFT loss mask of a conversation, and the turn end.
+"""Chat templating: token ids and the SFT loss mask of a conversation, the turn end, and response text.
 
 ``encode_chat`` renders a conversation with the tokenizer's own chat template (transformers
 ``apply_chat_template``, with ``tools=`` when the record has tools) and marks with
@@ -27,6 +27,11 @@ derivation; the convert stage records the turn end in the model directory's
 ``tokenizer_config.json`` (key ``posttrain_end_of_turn``) and adds its token id to the EOS ids of
 ``generation_config.json``, so SFT, the reward model, RL and evaluation use one marker and
 every rollout engine (and exported model) stops on it.
+
+**Response text** (:func:`response_text`): what rewards, verifiers, environments and
+evaluation reports read of a generated response, one rule for RL and evaluation: the ids
+decoded without special tokens, and a plain-text turn end (one that is not a special token)
+cut from the end of the text. The ids themselves are never changed.
 
 How the assistant spans are found, for any template: the conversation is rendered once as
 text; for assistant turn ``i`` the prefix ``messages[:i]`` rendered with the generation
@@ -338,6 +343,66 @@ def turn_end_token_id(tokenizer: Any, override: str | None = None) -> int | None
     if len(ids) > 1 and tokenizer.convert_ids_to_tokens(ids[-1]) in added:
         return int(ids[-1])
     return None
+
+
+def _plain_turn_end(tokenizer: Any, override: str | None) -> str:
+    """What of the turn end is left in text decoded without special tokens ('' if nothing):
+    the marker with the contents of the tokenizer's special tokens removed, stripped."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return ""
+    try:
+        cache = _CACHE.setdefault(tokenizer, {})
+    except TypeError:
+        cache = {}
+    key = ("plain_turn_end", str(tokenizer.chat_template), override, getattr(tokenizer, "eos_token", None),
+           len(tokenizer))
+    if key not in cache:
+        marker = end_of_turn(tokenizer, override)
+        for text, special in _added_tokens(tokenizer):
+            if special:
+                marker = marker.replace(text, "")
+        cache[key] = marker.strip()
+    return cache[key]
+
+
+def response_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | None = None) -> str:
+    """The text of a generated response that rewards, verifiers, environments and reports read.
+
+    One rule for RL (the reward worker, the multi-turn environment) and evaluation, so a
+    response scores the same in both: the ids are decoded with ``skip_special_tokens=True``,
+    so every special token is removed wherever it is (the EOS or special turn end the rollout
+    stopped on, such as ``<|im_end|>`` / ``<end_of_turn>`` / ``</s>``, and any other
+    ``<|endoftext|>`` / ``<|im_start|>`` the policy emitted); added tokens that are not
+    special (Qwen's ``<tool_call>``) stay. A turn end that is not (only) special tokens (a
+    plain-text marker such as ``</answer>``, or Phi-4's ``<|end|>`` on a tokenizer without
+    that token) is removed too when the text ends with it (after trailing whitespace): the
+    rollout stops at its stop id if it has one, and the marker is the template's, not the
+    answer's. Such a marker earlier in the text stays (a marker without a stop id does not end
+    generation, which ``posttrain validate`` reports). The match is on text, since the marker's
+    first token can merge with the answer's last (``.<`` in ``4.<|end|>``), so a marker that is
+    an ordinary word (``END``) is also cut from a last word ending in it. A tokenizer without a
+    chat template has no turn end: only its special tokens are removed. Only the text changes:
+    log-probs, training and RL's trajectories use the ids as sampled.
+
+    Args:
+        tokenizer: the policy's transformers tokenizer (its model directory records the turn end).
+        token_ids: the response's token ids as sampled (e.g. ending with the stop token).
+        end_of_turn: the turn end override (``model.end_of_turn``), see :func:`end_of_turn`.
+
+    Returns:
+        The response text.
+
+    Raises:
+        ChatTemplateError: the tokenizer has a chat template whose turn end cannot be resolved
+            (as :func:`end_of_turn`).
+    """
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    marker = _plain_turn_end(tokenizer, end_of_turn)
+    if marker:
+        body = text.rstrip()
+        if body.endswith(marker):
+            return body[: len(body) - len(marker)]
+    return text
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:

@@ -11,7 +11,9 @@ At the end it writes the model directory the megatron backend writes: the body's
 converted back to megatron names and vocabulary padding (``conversion.registry.hf_to_megatron``)
 in a torch_dist checkpoint (``engine.model_dir.save_model_dir``), with the reward head in
 ``heads.safetensors``. ``engine.reward_model.load_reward_model``, ``score`` and the RL
-reward worker read it unchanged.
+reward worker read it unchanged. Its resumable train state is the
+``engine.deepspeed_backend.DeepSpeedTrainer`` one (weights by module name, the AdamW state
+DeepSpeed steps, schedule, data position, RNG), tagged with the ZeRO stage it depends on.
 
 Shapes: ``B`` sequences, ``T`` positions, ``H`` hidden size.
 """
@@ -19,6 +21,7 @@ Shapes: ``B`` sequences, ``T`` positions, ``H`` hidden size.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,8 +30,11 @@ from engine.batching import TokenBatch
 from engine.deepspeed_backend import DeepSpeedTrainer, import_deepspeed, init_single_process_group
 from engine.deepspeed_critic import hf_final_hidden_states
 from engine.reward_model import last_token_scores, pair_loss, scalar_head
+from engine.train_state import DataPosition, TrainState
 
 BODY_PREFIX = "body."
+# train_state.pt's ``extra`` key recording which backend (and ZeRO stage) wrote a reward-model state.
+RM_TAG_KEY = "rm_backend"
 
 
 class HFRewardModel(torch.nn.Module):
@@ -136,6 +142,24 @@ class DeepSpeedRewardTrainer:
         """``reward_head.weight`` ``[1, H]`` and ``reward_head.bias`` ``[1]`` (copies), the names
         ``engine.reward_model.load_reward_model`` reads from ``heads.safetensors``."""
         return {name: tensor.clone() for name, tensor in self.trainer.named_tensors() if name.startswith("reward_head.")}
+
+    def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
+        """``engine.reward_model.RewardTrainer.save_state``: ``directory/train_state.pt`` with the
+        :class:`HFRewardModel`'s ``body.*`` and ``reward_head.*`` tensors, the AdamW state as
+        DeepSpeed steps it (under ZeRO: over its flat fp32 partitions), the schedule, RNG states,
+        ``data_position`` and ``extra`` (``engine.deepspeed_backend.DeepSpeedTrainer.save_state``)."""
+        self.trainer.save_state(directory, RM_TAG_KEY, step, data_position, extra)
+
+    def load_state(self, directory: str | Path) -> TrainState:
+        """``engine.reward_model.RewardTrainer.load_state``: restore a state :meth:`save_state`
+        wrote at the same ZeRO stage; returns it (its ``extra`` without the backend tag).
+
+        Raises:
+            FileNotFoundError / ValueError: from ``engine.train_state.load_train_state``.
+            ValueError: the state was written by the megatron backend or at another ZeRO stage
+                (names ``rm.backend`` and ``rm.deepspeed.zero_stage``).
+        """
+        return self.trainer.load_state(directory, RM_TAG_KEY, "rm.backend and rm.deepspeed.zero_stage")
 
     def save(self, out_dir: str | Path, iteration: int) -> Path:
         """Write the reward model as a model directory, atomically: :meth:`hf_state` through

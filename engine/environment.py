@@ -5,8 +5,9 @@ An environment is a gym-like object the policy talks to for several turns. Per s
 1. ``env.reset(row)`` with the prompt's data row ``{"prompt": messages, "label": str}``;
 2. the policy generates a turn from the whole context so far (prompt, earlier turns and
    observations), ending at EOS or at the token budget;
-3. ``env.step(text)`` gets the turn's text (decoded without special tokens, so a final EOS
-   is not part of it) and returns a :class:`StepResult` (observation, reward, done);
+3. ``env.step(text)`` gets the turn's text (``data.chat.response_text``, the rule RL rewards
+   and evaluation use: special tokens removed, so a final EOS is not part of it, and a
+   plain-text turn end at its end cut) and returns a :class:`StepResult` (observation, reward, done);
 4. unless the environment is done, ``max_turns`` turns were taken or the budget is spent,
    the observation text is appended *verbatim* as tokens (``data.chat.encode_continuation``:
    as it is tokenized after a turn end inside a rendered conversation, without BOS or a
@@ -48,7 +49,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
-from data.chat import encode_continuation
+from data.chat import encode_continuation, response_text
 from engine.rollout.base import RolloutEngine, SamplingSpec
 
 
@@ -192,7 +193,7 @@ def _play_turn(ep: _Episode, out, left: int, tokenizer, last_turn: bool) -> None
     tokens, logprobs = out.token_ids[:left], out.logprobs[:left]
     cut = out.finish_reason == "length" or len(tokens) < len(out.token_ids)
     ep.extend(tokens, logprobs, loss=1)
-    result = ep.env.step(tokenizer.decode(list(tokens), skip_special_tokens=True))
+    result = ep.env.step(response_text(tokenizer, tokens))
     if not isinstance(result, StepResult) or not math.isfinite(float(result.reward)):
         raise ValueError(f"Environment.step must return a StepResult with a finite reward, got {result!r}")
     ep.rewards.append(float(result.reward))

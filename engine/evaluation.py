@@ -200,14 +200,16 @@ def paired_difference(
 
 
 def decode_response(tokenizer, output: RolloutOutput) -> str:
-    """Response text for the verifier: the sampled tokens without the final EOS.
+    """Response text for the verifier: :func:`data.chat.response_text` of the sampled tokens.
 
-    By the rollout contract a ``"stop"`` output ends with the EOS token it sampled (e.g.
-    ``<|im_end|>``); that token is dropped. Other special tokens the policy emitted stay in
-    the text, so a response cannot pass by hiding junk behind them.
+    The same rule RL's rewards use: special tokens are removed (the final EOS or turn end a
+    ``"stop"`` output ends with, e.g. ``<|im_end|>``, and any other special token the policy
+    emitted, also in a ``"length"`` output), and so is a plain-text turn end at the end of
+    the text. ``response_length`` is still counted on the ids.
     """
-    ids = list(output.token_ids[:-1] if output.finish_reason == "stop" else output.token_ids)
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    from data.chat import response_text
+
+    return response_text(tokenizer, output.token_ids)
 
 
 def evaluate_policy(

@@ -7,7 +7,10 @@ the Bradley-Terry pairwise loss of InstructGPT (Ouyang et al. 2022, eq. 1).
 ``rm.backend`` chooses what trains the weights (:func:`reward_trainer`): megatron-core with
 this repository's optimizer step (:class:`MegatronRewardTrainer`), or the HF transformers
 form of the model under DeepSpeed (``engine.deepspeed_reward_model``). The data, batches,
-schedule, evaluation and the model directory written at the end are the same for both.
+schedule, evaluation and the model directory written at the end are the same for both, and
+so is resuming: every ``rm.checkpoint_every`` steps the backend writes its train state
+(``engine.train_state``: weights with the head, AdamW moments, schedule, data position, RNG)
+to ``resume_dir``, and a later run continues from it to the weights of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ from tqdm import tqdm
 from config.schema import RMConfig
 from engine.batching import EpochSampler, TokenBatch, collate_tokens, pad_token_id, split_micro_batches
 from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
+from engine.train_state import (
+    DataPosition,
+    TrainState,
+    check_run_identity,
+    has_train_state,
+    load_train_state,
+    save_train_state,
+)
 from engine.train_step import build_optimizer, train_step
 
 logger = logging.getLogger(__name__)
@@ -223,6 +234,20 @@ class RewardTrainer(Protocol):
         :func:`load_reward_model` reads."""
         ...
 
+    def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
+        """Write ``directory/train_state.pt`` atomically (``engine.train_state``): the weights
+        with the reward head, the AdamW moments, the schedule, ``data_position``, the RNG
+        states and ``extra``."""
+        ...
+
+    def load_state(self, directory: str | Path) -> TrainState:
+        """Restore a state :meth:`save_state` wrote (weights, head, AdamW, schedule, RNG) and
+        return it (its ``step``, ``data_position`` and ``extra``).
+
+        Raises: FileNotFoundError / ValueError from :func:`engine.train_state.load_train_state`;
+        ValueError if the state does not fit this trainer's model (or backend)."""
+        ...
+
 
 class MegatronRewardTrainer:
     """``rm.backend: megatron``: a :class:`RewardModel` on the base model's GPTModel, trained by
@@ -244,6 +269,21 @@ class MegatronRewardTrainer:
         return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
                               iteration=iteration, heads=self.model.heads())
 
+    def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
+        """:meth:`RewardTrainer.save_state`: the :class:`RewardModel`'s ``gpt.*`` and
+        ``reward_head.*`` tensors, AdamW and the ``LambdaLR`` schedule."""
+        save_train_state(directory, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         data_position=data_position, extra=extra)
+
+    def load_state(self, directory: str | Path) -> TrainState:
+        """:meth:`RewardTrainer.load_state`.
+
+        Raises: FileNotFoundError / ValueError from :func:`engine.train_state.load_train_state`;
+        ValueError naming mismatched keys (e.g. a state of the deepspeed backend)."""
+        state = load_train_state(directory)
+        state.restore(self.model, self.optimizer, self.scheduler)
+        return state
+
 
 def reward_trainer(base_model_dir: str | Path, cfg: RMConfig, seed: int = 0) -> RewardTrainer:
     """The :class:`RewardTrainer` of ``cfg.backend``, starting from ``base_model_dir``'s weights
@@ -262,11 +302,17 @@ def reward_trainer(base_model_dir: str | Path, cfg: RMConfig, seed: int = 0) -> 
     raise ValueError(f"rm.backend: unknown backend {cfg.backend!r}; expected 'megatron' or 'deepspeed'")
 
 
+# Neither changes the trained weights or the final metrics: a run resumes across a change of
+# them (tasks/rm.py leaves them out of the fingerprint too, so it reuses the resume directory).
+_NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every"}
+
+
 def train_reward_model(
     base_model_dir: str | Path,
     dataset_path: str | Path,
     cfg: RMConfig,
     out_dir: str | Path,
+    resume_dir: str | Path | None = None,
     seed: int = 0,
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
 ) -> dict[str, float]:
@@ -279,14 +325,32 @@ def train_reward_model(
     the GPT weights plus ``heads.safetensors`` (``reward_head.weight`` ``[1, H]``,
     ``reward_head.bias`` ``[1]``).
 
+    Every ``cfg.checkpoint_every`` steps and after the last one the backend's full train
+    state goes to ``resume_dir`` (:meth:`RewardTrainer.save_state`); a later call with the
+    same arguments (``log_every`` and ``checkpoint_every`` may differ) continues from it and
+    ends with the weights and head of an uninterrupted run, bit for bit.
+
+    Args:
+        base_model_dir: model directory (engine.model_dir layout) to start from.
+        dataset_path: normalized JSONL of ``{"prompt", "chosen", "rejected"}`` rows.
+        cfg: the ``rm`` config section.
+        out_dir: model directory to write (replaced if it exists).
+        resume_dir: directory for the resumable train state (None: no checkpoints).
+        seed: held-out split, data-order, reward-head and RNG seed.
+        log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps
+            and at the last step, after that step's checkpoint (if any) is written.
+
     Returns:
         ``rm/accuracy``, ``rm/loss`` (held-out), ``train/loss``, ``train/accuracy``,
-        ``train/grad_norm``, ``train/lr``, ``perf/pairs_per_s`` of the last step,
-        ``rm/num_train_pairs``, ``rm/num_eval_pairs``.
+        ``train/margin``, ``train/grad_norm``, ``train/lr``, ``perf/pairs_per_s`` of the last
+        step, ``rm/num_train_pairs``, ``rm/num_eval_pairs``,
+        and as SFT reports a resume: ``train/steps`` (total), ``train/resumed_from_step``
+        (0 when fresh) and ``train/steps_run`` (steps taken by this call).
 
     Raises:
-        ValueError: bad dataset rows (names file, line and field), fewer than 2 pairs, or an
-            unknown ``rm.backend``.
+        ValueError: bad dataset rows (names file, line and field), fewer than 2 pairs, an
+            unknown ``rm.backend``, or a ``resume_dir`` written with a different config,
+            dataset size or seed (:func:`engine.train_state.check_run_identity`).
         RuntimeError: ``rm.backend: deepspeed`` cannot run here.
     """
     trainer = reward_trainer(base_model_dir, cfg, seed)
@@ -296,10 +360,19 @@ def train_reward_model(
     train_pairs, eval_pairs = [pairs[i] for i in train_idx], [pairs[i] for i in eval_idx]
     pad_id = pad_token_id(tokenizer)
     torch.manual_seed(seed)
-    sampler = EpochSampler(len(train_pairs), seed)
 
-    metrics: dict[str, float] = {}
-    for step in tqdm(range(cfg.steps), desc="reward model", dynamic_ncols=True):
+    start, position, metrics = 0, DataPosition(0, 0, seed), {}
+    identity = {"config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY), "num_pairs": len(pairs),
+                "seed": seed}
+    if has_train_state(resume_dir):
+        check_run_identity(resume_dir, identity)
+        state = trainer.load_state(resume_dir)
+        start, position, metrics = state.step, state.data_position, dict(state.extra["metrics"])
+        logger.info("resuming the reward model from step %d (%s)", start, resume_dir)
+    sampler = EpochSampler(len(train_pairs), seed, position.epoch, position.offset)
+
+    for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
+                     dynamic_ncols=True):
         chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
         micro = [collate_pairs(c, pad_id) for c in split_micro_batches(chosen, cfg.micro_batch_size)]
         t0 = time.perf_counter()
@@ -314,13 +387,19 @@ def train_reward_model(
             "train/lr": out["lr"],
             "perf/pairs_per_s": len(chosen) / seconds,
         }
-        if done % cfg.log_every == 0 or done == cfg.steps:
+        log_now = done % cfg.log_every == 0 or done == cfg.steps
+        if log_now:
             metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
-            if log_metrics is not None:
-                log_metrics(metrics, done)
+        if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            trainer.save_state(resume_dir, done, DataPosition(sampler.epoch, sampler.offset, seed),
+                               {**identity, "metrics": metrics})
+        if log_now and log_metrics is not None:
+            log_metrics(metrics, done)
 
     trainer.save(out_dir, iteration=cfg.steps)
-    return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs))}
+    return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs)),
+            "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
+            "train/steps_run": float(cfg.steps - start)}
 
 
 def load_reward_model(model_dir: str | Path) -> RewardModel:

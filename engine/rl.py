@@ -40,7 +40,7 @@ from engine.rl_step import (
     step_metrics, update_actor, update_weights,
 )
 from engine.rollout_pipeline import RolloutPipeline
-from engine.train_state import STATE_FILE, DataPosition, has_train_state
+from engine.train_state import DataPosition, check_run_identity, has_train_state
 from engine.backends import actor_worker_class, critic_worker_class
 from engine.workers import ReferenceWorker, RewardWorker, RolloutWorker, spawn
 
@@ -237,35 +237,16 @@ def stop_workers(workers: Workers) -> None:
 
 def check_checkpoint(resume_dir, identity: dict) -> int:
     """The step of the checkpoint in ``resume_dir`` (0 if none), after checking it belongs to
-    this run. Reads only the small ``extra`` record (the weights stay memory-mapped), so a
-    wrong ``resume_dir`` fails before any worker starts.
+    this run (``engine.train_state.check_run_identity``: the weights stay memory-mapped), so
+    a wrong ``resume_dir`` fails before any worker starts.
 
     Raises:
-        ValueError: the checkpoint was written with another config, prompt set or seed.
+        ValueError: the checkpoint is unreadable, or was written with another config,
+            prompt set or seed (naming the keys that differ).
     """
     if not has_train_state(resume_dir):
         return 0
-    path = Path(resume_dir) / STATE_FILE
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:
-        raise ValueError(f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
-                         f"delete {resume_dir} to start this stage over") from exc
-    saved = {k: state.get("extra", {}).get(k) for k in identity}
-    if saved != identity:
-        changed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in _differences(saved, identity)[:5])
-        raise ValueError(f"{resume_dir}: checkpoint was written by a different RL run ({changed}); "
-                         "use a fresh resume directory for this config")
-    return int(state["step"])
-
-
-def _differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
-    """Dotted keys whose values differ between two nested dicts, with both values (config keys
-    under ``config`` are the ``rl`` section's, e.g. ``config.kl.coef``)."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [d for k in sorted(set(old) | set(new), key=str)
-                for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
-    return [] if old == new else [(prefix.rstrip("."), old, new)]
+    return check_run_identity(resume_dir, identity, "RL run")
 
 
 def resume(workers: Workers, resume_dir, seed: int) -> tuple[int, DataPosition, list[dict]]:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from config.schema import SFTConfig
 from engine.batching import EpochSampler, TokenBatch, collate_tokens, pad_token_id, split_micro_batches
 from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
-from engine.train_state import DataPosition, has_train_state, load_train_state, save_train_state
+from engine.train_state import DataPosition, check_run_identity, has_train_state, load_train_state, save_train_state
 from engine.train_step import build_optimizer, train_step
 
 logger = logging.getLogger(__name__)
@@ -173,15 +173,13 @@ def train_sft(
     torch.manual_seed(seed)
 
     start, position, tokens, metrics = 0, DataPosition(0, 0, seed), 0, {}
-    identity = {"config": cfg.model_dump(mode="json"), "num_examples": len(examples), "seed": seed}
+    # How often metrics are logged and checkpoints written may change between attempts
+    # (they are not part of the stage's fingerprint either).
+    config = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every"})
+    identity = {"config": config, "num_examples": len(examples), "seed": seed}
     if has_train_state(resume_dir):
+        check_run_identity(resume_dir, identity)
         state = load_train_state(resume_dir)
-        saved = {k: state.extra.get(k) for k in identity}
-        if saved != identity:
-            raise ValueError(
-                f"{resume_dir}: train state was written by a different run ({saved}); "
-                "use a fresh resume directory for this config"
-            )
         state.restore(model, optimizer, scheduler)
         start, position = state.step, state.data_position
         tokens, metrics = int(state.extra["tokens"]), dict(state.extra["metrics"])

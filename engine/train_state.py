@@ -177,18 +177,13 @@ def has_train_state(directory: str | Path | None) -> bool:
     return directory is not None and (Path(directory) / STATE_FILE).is_file()
 
 
-def load_train_state(directory: str | Path) -> TrainState:
-    """Read ``directory/train_state.pt`` with ``torch.load(weights_only=True)``.
-
-    Raises:
-        FileNotFoundError: naming the missing file.
-        ValueError: naming the file, if it is not a train state of a supported version.
-    """
+def _read_state_file(directory: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """The checked payload of ``directory/train_state.pt`` (``mmap``: tensors stay on disk)."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no train state at {path}")
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # truncated or foreign file: say which, and how to recover
         raise ValueError(f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
                          f"delete {Path(path).parent} to start this stage over") from exc
@@ -197,6 +192,49 @@ def load_train_state(directory: str | Path) -> TrainState:
     missing = {"step", "data_position", "model", "optimizer", "scheduler", "rng"} - raw.keys()
     if missing:
         raise ValueError(f"{path}: train state lacks keys {sorted(missing)}")
+    return raw
+
+
+def check_run_identity(directory: str | Path, identity: dict[str, Any], what: str = "run") -> int:
+    """The step of the train state in ``directory``, after checking it was written by this run.
+
+    ``identity`` is what must not change between the run that wrote the state and the one
+    resuming it (e.g. the stage config, dataset size, seed); the writer stores it in
+    ``extra``. Reads the file memory-mapped, so the check costs no weight loading and a
+    wrong directory fails before anything is restored. ``what`` names the run in the
+    message ("RL run").
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`load_train_state` (missing, unreadable file).
+        ValueError: ``extra`` records other values for ``identity``'s keys (names the
+            directory and up to five differing dotted keys with both values).
+    """
+    raw = _read_state_file(directory, mmap=True)
+    extra = raw.get("extra", {})
+    saved = {k: extra.get(k) for k in identity}
+    if saved != identity:
+        changed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in _differences(saved, identity)[:5])
+        raise ValueError(f"{directory}: train state was written by a different {what} ({changed}); "
+                         "use a fresh resume directory for this config")
+    return int(raw["step"])
+
+
+def _differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
+    """Dotted keys whose values differ between two nested dicts, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new), key=str)
+                for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
+
+
+def load_train_state(directory: str | Path) -> TrainState:
+    """Read ``directory/train_state.pt`` with ``torch.load(weights_only=True)``.
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: naming the file, if it is not a train state of a supported version.
+    """
+    raw = _read_state_file(directory)
     return TrainState(
         step=raw["step"],
         data_position=DataPosition(**raw["data_position"]),

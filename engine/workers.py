@@ -269,7 +269,8 @@ class RewardWorker:
     reward model (``engine.reward_model``) is loaded only when its weight is non-zero; the
     plug-ins (``cfg.functions``) are imported here, so a bad path fails when the worker
     starts, not at the first step (calling convention: ``data.reward_plugins``).
-    Responses are decoded without special tokens (so a final EOS is not part of the text).
+    Responses are decoded by ``data.chat.response_text`` (special tokens removed, so a final EOS
+    is not part of the text), as evaluation decodes them.
 
     Raises:
         ImportError: a plug-in cannot be loaded (the message names ``rl.reward.functions[i].path``
@@ -308,8 +309,11 @@ class RewardWorker:
                              "nothing gives a reward")
 
     def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
-        """Response texts (special tokens, e.g. the final EOS, skipped)."""
-        return [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in response_ids]
+        """Response texts by :func:`data.chat.response_text` (special tokens, e.g. the final
+        EOS, and a plain-text turn end at the end removed), the rule evaluation uses too."""
+        from data.chat import response_text
+
+        return [response_text(self.tokenizer, ids) for ids in response_ids]
 
     def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
               finish_reasons: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:

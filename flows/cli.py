@@ -134,7 +134,8 @@ def _print_summary(summary: dict) -> None:
             console.print(f"{'RL − ' + label + ':':<15}{delta:+.3f} ± {se:.3f}   (paired over prompts; {ratio})")
     ex = summary["stages"].get("export")
     if ex:
-        console.print(f"Exported model (HF SafeTensors): {Path(ex['uri']) / 'hf_model'}", soft_wrap=True)
+        # A URI, not a Path: Path("s3://b/x") would print s3:/b/x.
+        console.print(f"Exported model (HF SafeTensors): {ex['uri'].rstrip('/')}/hf_model", soft_wrap=True, highlight=False)
     console.print(f"Total wall time: {total:.1f} s")
 
 
@@ -152,12 +153,11 @@ def cmd_stage(args) -> int:
     from flows.prefect_server import prefect_api
 
     if args.name != "prepare":  # fail before starting Prefect if an upstream artifact is missing
-        from tasks.graph import expected_fingerprints, stage
-        from tasks.runner import store_for
+        from tasks.graph import stage, stage_states
 
         spec, _ = stage(args.name)
-        fps, store = expected_fingerprints(cfg), store_for(cfg)
-        missing = [up for up in spec.inputs(cfg) if store.find(up, fps[up]) is None]
+        states = stage_states(cfg)
+        missing = [up for up in spec.inputs(cfg) if states[up].ref is None]
         if missing:
             console.print(
                 f"[red]error:[/] stage {args.name} reads the {', '.join(missing)} artifact(s) of this config, which are "
@@ -175,16 +175,27 @@ def cmd_stage(args) -> int:
     return 0
 
 
+def _state_cell(row: dict) -> str:
+    if row["up_to_date"]:
+        return "[green]yes[/]"
+    if row["state"] == "waiting":
+        return f"[yellow]after {row['waiting_on']}[/]"
+    if row["state"] == "broken":
+        return f"[red]broken[/]: {escape(row['problem'] or '')}"
+    return "[yellow]no[/]"
+
+
 def cmd_status(args) -> int:
     cfg = load_config(args.config)
     from flows.status import stage_status
 
-    rows = stage_status(cfg)
+    rows = stage_status(cfg, verify=args.verify)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    table = Table(title=f"posttrain status: {cfg.run.name} ({cfg.run.artifact_root})")
-    for col in ("stage", "latest artifact", "fingerprint", "created", "metrics", "up to date"):
+    checked = "files re-hashed" if args.verify else "files checked by size; --verify re-hashes them"
+    table = Table(title=f"posttrain status: {cfg.run.name} ({cfg.run.artifact_root}; {checked})")
+    for col in ("stage", "artifact", "fingerprint", "created", "metrics", "up to date"):
         table.add_column(col)
     for r in rows:
         metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["metrics"].items())
@@ -194,9 +205,12 @@ def cmd_status(args) -> int:
             (r["fingerprint"] or "-")[:16],
             (r["created_at"] or "-")[:19],
             metrics or "-",
-            "[green]yes[/]" if r["up_to_date"] else "[yellow]no[/]",
+            _state_cell(r),
         )
     console.print(table)
+    if any(r["state"] == "waiting" for r in rows):
+        console.print("[dim]after X: X has no artifact for this config yet; whether this stage reruns is known once X "
+                      "has run (a byte-identical X leaves it as it is)[/]")
     return 0
 
 
@@ -210,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", help="prepare, validate, convert, sft, rm, rl, evaluate or export")
     p.add_argument("config")
     p.set_defaults(fn=cmd_stage)
-    p = sub.add_parser("status", help="each stage's latest artifact and whether it is up to date")
+    p = sub.add_parser("status", help="each stage's artifact for this config and whether it is up to date")
     p.add_argument("config")
     p.add_argument("--json", action="store_true", help="print machine-readable rows")
+    p.add_argument("--verify", action="store_true", help="re-hash every file of each current artifact (sha256)")
     p.set_defaults(fn=cmd_status)
     p = sub.add_parser("validate", help="check a config and its inputs without running anything")
     p.add_argument("config")

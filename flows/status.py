@@ -1,32 +1,52 @@
-"""``posttrain status``: each stage's latest artifact and whether it matches the config now."""
+"""``posttrain status``: for each stage, the artifact of the config as it is now.
+
+A stage is up to date when the artifact of its current fingerprint is published and its
+files are all there with the sizes its manifest records (``verify``: and their sha256).
+Because fingerprints chain on upstream *content*, a stage after one that has no current
+artifact is "waiting": whether it will rerun is known only once the upstream stage has run
+(a byte-identical rebuild upstream leaves it up to date).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from config.schema import PipelineConfig
-from tasks.graph import enabled_stages, expected_fingerprints
+from tasks.graph import enabled_stages, stage_states
 from tasks.runner import store_for
 
 
-def stage_status(cfg: PipelineConfig) -> list[dict[str, Any]]:
-    """One row per enabled stage: latest artifact id/fingerprint/created/metrics, up_to_date."""
+def stage_status(cfg: PipelineConfig, verify: bool = False) -> list[dict[str, Any]]:
+    """One row per enabled stage: ``state`` (published, missing, broken or waiting),
+    ``up_to_date``, the current artifact's id, fingerprint, created time and summary
+    metrics, ``problem`` (broken: which file and what), ``waiting_on`` (waiting: which
+    upstream stage must run first) and ``latest`` (the newest version of the stage in the
+    store, whatever its config)."""
     store = store_for(cfg)
-    expected = expected_fingerprints(cfg)
+    states = stage_states(cfg, store, verify=verify)
     rows = []
     for spec, _ in enabled_stages(cfg):
+        s = states[spec.name]
         latest = store.latest(spec.name)
-        current = store.find(spec.name, expected[spec.name])
-        row = {"stage": spec.name, "artifact_id": None, "fingerprint": None, "created_at": None, "metrics": {}}
-        if latest is not None:
-            metrics = latest.get("metrics", {})
+        row: dict[str, Any] = {
+            "stage": spec.name,
+            "state": "waiting" if s.waiting_on else s.check.state,
+            "up_to_date": s.ref is not None,
+            "artifact_id": None,
+            "fingerprint": s.fingerprint,
+            "created_at": None,
+            "metrics": {},
+            "problem": s.check.problem if s.check is not None else None,
+            "waiting_on": s.waiting_on,
+            "latest": latest["artifact_id"] if latest else None,
+        }
+        manifest = s.check.manifest if s.check is not None else None
+        if manifest is not None:
+            metrics = manifest.get("metrics", {})
             row.update(
-                artifact_id=latest["artifact_id"],
-                fingerprint=latest["fingerprint"],
-                created_at=latest["created_at"],
+                artifact_id=manifest.get("artifact_id"),
+                created_at=manifest.get("created_at"),
                 metrics={k: metrics[k] for k in spec.summary if k in metrics},
             )
-        row["up_to_date"] = current is not None and latest is not None and latest["fingerprint"] == expected[spec.name]
-        row["current_published"] = current is not None
         rows.append(row)
     return rows

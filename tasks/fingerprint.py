@@ -1,10 +1,18 @@
 """Fingerprints: what makes two runs of a stage the same.
 
-fingerprint = sha256(stage name + input fingerprints + resolved stage config + code version).
-The code version hashes the project source a stage actually runs: the transitive closure of
-project modules its task module imports (found by reading import statements, not by
-executing them), so editing a helper the stage uses invalidates the stage and editing
-docs, tests or an unrelated stage invalidates nothing.
+fingerprint = sha256(stage name + upstream content hashes + raw input hashes + resolved
+stage config + code version).
+
+- Upstream artifacts enter by their *content* hash (``ArtifactRef.content_hash``: their
+  files' sha256s), not by their fingerprint, so a rebuild that produces byte-identical
+  files reruns nothing after it (early cut-off).
+- The code version hashes the project source a stage actually runs: the transitive closure
+  of project modules its task module imports (found by reading import statements, not by
+  executing them), each file by its syntax tree with docstrings removed, so editing a
+  comment, a docstring or blank lines invalidates nothing, editing a helper the stage uses
+  invalidates the stage, and editing docs, tests or an unrelated stage invalidates nothing.
+- User code the config names (reward plug-ins, environments) enters with its own import
+  closure inside the user's code (:func:`user_modules`), by file content.
 """
 
 from __future__ import annotations
@@ -12,10 +20,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
+import site
+import sys
+import sysconfig
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("config", "data", "conversion", "engine", "tasks", "flows")
@@ -33,8 +45,9 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """Project modules imported by the file (absolute and relative imports, any depth)."""
+def _imported_names(path: Path, module: str) -> set[str]:
+    """Every module name the file imports (absolute and relative imports, at any depth of
+    the file, with the parent packages an import runs), whether or not it exists."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -55,7 +68,30 @@ def _imports(path: Path, module: str) -> set[str]:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
             closure.add(".".join(parts[:i]))
-    return {m for m in closure if _module_file(m) is not None}
+    return {m for m in closure if m}
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Project modules imported by the file (absolute and relative imports, any depth)."""
+    return {m for m in _imported_names(path, module) if _module_file(m) is not None}
+
+
+def _import_closure(module: str, locate: Callable[[str], Path | None]) -> dict[str, Path]:
+    """``module`` and every module it imports, recursively, that ``locate`` maps to a file
+    (modules it maps to None are not followed). A file that does not parse is kept but not
+    followed (hashing or importing it reports the error)."""
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        mod = todo.pop()
+        if mod in seen or (path := locate(mod)) is None:
+            continue
+        seen[mod] = path
+        try:
+            todo.extend(_imported_names(path, mod) - seen.keys())
+        except SyntaxError:
+            pass
+    return seen
 
 
 def _closure(module: str) -> dict[str, Path]:
@@ -64,29 +100,95 @@ def _closure(module: str) -> dict[str, Path]:
     Raises:
         ValueError: ``module`` is not a module of this project.
     """
-    seen: dict[str, Path] = {}
-    todo = [module]
-    while todo:
-        mod = todo.pop()
-        if mod in seen:
-            continue
-        path = _module_file(mod)
-        if path is None:
-            raise ValueError(f"{mod} is not a module of this project")
-        seen[mod] = path
-        todo.extend(_imports(path, mod) - seen.keys())
-    return seen
+    if _module_file(module) is None:
+        raise ValueError(f"{module} is not a module of this project")
+    return _import_closure(module, _module_file)
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    """``tree`` without the docstrings of its module, classes and functions (in place)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def source_digest(path: Path) -> bytes:
+    """What of a Python file can change what it does: its syntax tree without docstrings,
+    line numbers or comments (``ast.dump`` without attributes). Code that reads its own
+    ``__doc__`` at run time would be missed; the stages' code does not use docstrings for
+    anything but help texts and Prefect's task descriptions.
+
+    Raises:
+        SyntaxError: the file does not parse (names the file and line).
+    """
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return ast.dump(_strip_docstrings(tree), include_attributes=False).encode()
 
 
 @lru_cache(maxsize=None)
 def code_version(module: str) -> str:
-    """sha256 over the source of ``module`` and every project module it imports, recursively."""
+    """sha256 over :func:`source_digest` of ``module`` and every project module it imports,
+    recursively (module names included, so moving code between modules counts)."""
     seen = _closure(module)
     h = hashlib.sha256()
     for mod in sorted(seen):
         h.update(mod.encode())
-        h.update(seen[mod].read_bytes())
+        h.update(hashlib.sha256(source_digest(seen[mod])).digest())
     return h.hexdigest()
+
+
+def _library_dirs() -> list[Path]:
+    """Where installed packages and the standard library live (never user code)."""
+    dirs = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()}
+    dirs.update(v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    return [Path(d).resolve() for d in dirs if d]
+
+
+def _find_module_file(module: str, search: list[Path]) -> tuple[Path, Path] | None:
+    """(file, search entry) of what ``import module`` would run, looked up on ``search`` as
+    the import system does for plain source packages (``a/b.py`` or ``a/b/__init__.py``),
+    without importing anything."""
+    parts = module.split(".")
+    for entry in search:
+        base = entry.joinpath(*parts)
+        if (base / "__init__.py").is_file():
+            return base / "__init__.py", entry
+        if base.with_suffix(".py").is_file():
+            return base.with_suffix(".py"), entry
+    return None
+
+
+def user_modules(module: str, root: str | Path | None = None) -> dict[str, Path]:
+    """``module`` and every module it imports, recursively, that is the user's own code:
+    a source file outside the Python installation and its site-packages, under ``root``
+    (default: the working directory) or under the directory ``module`` itself was found
+    in (a plug-in kept outside the project, on ``PYTHONPATH``). Imports are read, not
+    executed, as for the product's own code; libraries are not followed.
+
+    Returns:
+        module name -> file; empty when ``module`` is not found or is a library module.
+    """
+    root = Path(root or os.getcwd()).resolve()
+    libraries = _library_dirs()
+    search = [root] + [Path(p or os.getcwd()).resolve() for p in sys.path]
+    found = _find_module_file(module, search)
+    if found is None or any(found[0].resolve().is_relative_to(lib) for lib in libraries):
+        return {}
+    roots = [root, found[1]]
+
+    def locate(mod: str) -> Path | None:
+        hit = _find_module_file(mod, search)
+        if hit is None:
+            return None
+        path = hit[0].resolve()
+        mine = any(path.is_relative_to(r) for r in roots) and not any(path.is_relative_to(lib) for lib in libraries)
+        return hit[0] if mine else None
+
+    return _import_closure(module, locate)
 
 
 def modules_of(module: str) -> list[str]:
@@ -138,7 +240,24 @@ def hash_path(path: str | Path) -> str:
     return f"missing:{p}"
 
 
+def _relative_paths(value: Any, cwd: str) -> Any:
+    """``value`` with every string that is an absolute path inside ``cwd`` made relative to
+    it (recursively through dicts and lists), so ``$PWD/work/x`` and ``work/x`` fingerprint
+    alike, also in a copy of the project elsewhere (DVC's temporary experiment directories)."""
+    if isinstance(value, dict):
+        return {k: _relative_paths(v, cwd) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_relative_paths(v, cwd) for v in value]
+    if isinstance(value, str) and value.startswith(os.sep) and os.path.isabs(value):
+        inside = os.path.relpath(os.path.normpath(value), cwd)
+        if inside != ".." and not inside.startswith(".." + os.sep):
+            return inside
+    return value
+
+
 def fingerprint(stage: str, inputs: dict[str, str], config: Any, code: str) -> str:
-    """sha256 of the canonical JSON of (stage, inputs, config, code)."""
+    """sha256 of the canonical JSON of (stage, inputs, config, code); paths in ``config``
+    inside the working directory count in their relative form."""
+    config = _relative_paths(config, os.getcwd())
     payload = json.dumps({"stage": stage, "inputs": inputs, "config": config, "code": code}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()

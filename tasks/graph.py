@@ -1,15 +1,21 @@
 """The pipeline DAG: stages in run order and how their fingerprints chain.
 
-Fingerprints depend only on config, code and raw input files, never on outputs, so the
-expected fingerprint of every stage can be computed without running anything (what
-``posttrain status`` compares against the published artifacts).
+A stage's fingerprint covers the *content* hashes of its upstream artifacts (early
+cut-off: a byte-identical rebuild upstream changes nothing downstream). So the
+fingerprint a stage would have now is known only once each upstream stage has an
+artifact for the current config; until then the stage is "waiting" on that upstream
+stage (what ``posttrain status`` shows), and its fingerprint is unknown.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from config.schema import PipelineConfig
 from tasks import convert, evaluate, export, rl, rm, sft, validate
-from tasks.runner import StageSpec
+from tasks.artifacts import ArtifactCheck, ArtifactRef, ArtifactStore, content_hash
+from tasks.runner import StageSpec, store_for
 
 # (spec, Prefect task) in topological order.
 STAGES = [
@@ -37,9 +43,55 @@ def stage(name: str) -> tuple[StageSpec, object]:
     raise KeyError(f"unknown stage {name!r}; stages are: {', '.join(STAGE_NAMES)} (and prepare)")
 
 
-def expected_fingerprints(cfg: PipelineConfig) -> dict[str, str]:
-    """Fingerprint each enabled stage would have now, in run order."""
-    fps: dict[str, str] = {}
+@dataclass(frozen=True)
+class StageState:
+    """Where one stage stands for a config.
+
+    fingerprint: what the stage's fingerprint is now; None while ``waiting_on`` is set.
+    check: the store's check of that fingerprint's artifact (state published / missing /
+        broken, the problem, the manifest); None while waiting.
+    waiting_on: the nearest upstream stage that has no usable artifact for this config,
+        so this stage's inputs (and fingerprint) are not known yet.
+    """
+
+    name: str
+    fingerprint: str | None
+    check: ArtifactCheck | None
+    waiting_on: str | None
+
+    @property
+    def ref(self) -> ArtifactRef | None:
+        """The published artifact of the current fingerprint (passes the check), or None."""
+        return self.check.ref if self.check is not None and self.check.state == "published" else None
+
+    @property
+    def content_hash(self) -> str | None:
+        """The content hash downstream fingerprints use: the published artifact's, or what a
+        broken one's manifest records (its rebuild normally restores the same bytes)."""
+        if self.ref is not None:
+            return self.ref.content_hash
+        manifest: dict[str, Any] | None = self.check.manifest if self.check is not None else None
+        if manifest and isinstance(manifest.get("files"), list):
+            return manifest.get("content_hash") or content_hash(manifest["files"])
+        return None
+
+
+def stage_states(cfg: PipelineConfig, store: ArtifactStore | None = None, verify: bool = False) -> dict[str, StageState]:
+    """Each enabled stage's :class:`StageState`, in run order. ``verify`` re-hashes every
+    file of each current artifact (otherwise files are checked for presence and size)."""
+    store = store or store_for(cfg)
+    states: dict[str, StageState] = {}
     for spec, _ in enabled_stages(cfg):
-        fps[spec.name] = spec.fingerprint(cfg, {n: fps[n] for n in spec.inputs(cfg)})
-    return fps
+        ups = spec.inputs(cfg)
+        waiting = next((u for u in ups if states[u].content_hash is None), None)
+        if waiting is not None:
+            states[spec.name] = StageState(spec.name, None, None, waiting)
+            continue
+        fp = spec.fingerprint(cfg, {u: states[u].content_hash for u in ups})
+        states[spec.name] = StageState(spec.name, fp, store.check(spec.name, fp, verify=verify), None)
+    return states
+
+
+def expected_fingerprints(cfg: PipelineConfig) -> dict[str, str | None]:
+    """Fingerprint each enabled stage has now, in run order (None: waiting on an upstream stage)."""
+    return {name: s.fingerprint for name, s in stage_states(cfg).items()}

@@ -7,9 +7,8 @@ step, used for the reward curve). Killed runs resume from the last checkpoint.
 
 from __future__ import annotations
 
-import importlib.util
-
 from config.schema import PipelineConfig
+from tasks.fingerprint import user_modules
 from tasks.runner import StageContext, StageSpec, stage_task
 from tasks.sft import starting_policy
 
@@ -21,25 +20,29 @@ def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
 
 def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
     """Source files of the reward plug-ins (``rl.reward.functions``) and of the multi-turn
-    environment (``rl.environment``), hashed by content into the fingerprint, so editing one
-    retrains. A module that cannot be found is left out here; the run then fails naming
-    ``rl.reward.functions[i].path`` or ``rl.environment``."""
+    environment (``rl.environment``) with every module of the user's own code they import,
+    recursively (``tasks.fingerprint.user_modules``), hashed by content into the
+    fingerprint, so editing one of them, or a helper it imports, retrains. Keys:
+    ``reward_function_<i>`` / ``environment`` for the named module, ``<that key>/<module>``
+    for what it imports. A module that cannot be found is left out here; the run then
+    fails naming ``rl.reward.functions[i].path`` or ``rl.environment``."""
     paths = {f"reward_function_{i}": fn.path for i, fn in enumerate(cfg.rl.reward.functions)}
     if cfg.rl.environment is not None:
         paths["environment"] = cfg.rl.environment
     files = {}
     for key, path in paths.items():
-        try:
-            spec = importlib.util.find_spec(path.partition(":")[0])
-        except (ImportError, ValueError):
-            continue
-        if spec is not None and spec.origin and spec.origin.endswith(".py"):
-            files[key] = spec.origin
+        module = path.partition(":")[0]
+        for name, file in sorted(user_modules(module).items()):
+            files[key if name == module else f"{key}/{name}"] = str(file)
     return files
 
 
-# Where the engine runs and how weights are chunked for sync: they do not change results.
-_NOT_FINGERPRINTED = {"engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb", "weight_sync_timeout_s"}}
+# Where the engine runs, how weights are chunked for sync, how often metrics are logged and
+# checkpoints written: none of them changes the result (resume is bit-identical).
+_NOT_FINGERPRINTED = {
+    "engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb", "weight_sync_timeout_s"},
+    "checkpoint_every": True,
+}
 
 SPEC = StageSpec(
     name="rl",

@@ -1,7 +1,8 @@
 """rm: reward model (SFT model, or the base model without SFT, + scalar head) trained with the Bradley-Terry loss.
 
 Artifact: ``model/`` with the reward head in ``heads.safetensors``; metrics include
-``rm/accuracy`` on held-out preference pairs.
+``rm/accuracy`` on held-out preference pairs. Resumes from its checkpoint under
+``run.checkpoint_root`` when a previous attempt with the same fingerprint was killed.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from tasks.sft import starting_policy
 SPEC = StageSpec(
     name="rm",
     inputs=lambda cfg: ("validate", starting_policy(cfg)),
-    config=lambda cfg: {"rm": cfg.rm.model_dump(), "seed": cfg.run.seed},
+    # how often metrics are logged and checkpoints written does not change the result (resume is bit-identical)
+    config=lambda cfg: {"rm": cfg.rm.model_dump(exclude={"log_every", "checkpoint_every"}), "seed": cfg.run.seed},
     summary=("rm/accuracy",),
 )
 
 
 @stage_task(SPEC)
 def rm(ctx: StageContext) -> dict:
-    """Train the reward model on ``preference.jsonl``; report held-out pairwise accuracy."""
+    """Train the reward model on ``preference.jsonl``; report held-out pairwise accuracy.
+    Checkpoints every ``rm.checkpoint_every`` steps."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.reward_model import train_reward_model
 
@@ -28,6 +31,7 @@ def rm(ctx: StageContext) -> dict:
         ctx.input_path("validate") / "preference.jsonl",
         ctx.cfg.rm,
         ctx.workdir / "model",
+        ctx.resume_dir,
         seed=ctx.cfg.run.seed,
         log_metrics=ctx.log_metrics,
     )

@@ -3,20 +3,29 @@
 A stage module defines a :class:`StageSpec` and a ``build(ctx) -> metrics`` function;
 :func:`stage_task` turns them into a Prefect task with the signature
 ``(cfg, inputs: dict[str, ArtifactRef]) -> ArtifactRef``. Prefect's cache key is the
-stage fingerprint, so a rerun with the same inputs, config and code shows as Cached.
+stage fingerprint plus the artifact store, so a rerun with the same inputs, config and code
+on the same store shows as Cached.
+
+One attempt at a stage: compute the fingerprint (upstream content hashes, raw input
+hashes, config, code); return the published artifact if there is one (removing what a
+killed earlier attempt left behind); else take the fingerprint's lock (a second run of
+the same fingerprint waits for the first), build into a fresh work directory, check that
+the raw inputs still hash as they did when the fingerprint was taken, publish atomically.
 """
 
 from __future__ import annotations
 
-import fcntl
+import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 from prefect import task
 from prefect.context import TaskRunContext
@@ -25,6 +34,8 @@ from prefect.logging import get_run_logger
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef, ArtifactStore
 from tasks.fingerprint import code_version, fingerprint, hash_path
+from tasks.locks import lock_path_of, open_locked, owned_dir, release, remove_if_unowned
+from tasks.reaper import ensure_reaper
 from tasks.tracking import StageTracker
 
 
@@ -46,9 +57,25 @@ class StageSpec:
     raw_inputs: Callable[[PipelineConfig], dict[str, str]] = lambda cfg: {}
     summary: tuple[str, ...] = ()
 
-    def fingerprint(self, cfg: PipelineConfig, input_fingerprints: dict[str, str]) -> str:
-        raw = {f"file:{k}": hash_path(v) for k, v in self.raw_inputs(cfg).items()}
-        return fingerprint(self.name, {**input_fingerprints, **raw}, self.config(cfg), code_version(f"tasks.{self.name}"))
+    def raw_hashes(self, cfg: PipelineConfig) -> dict[str, str]:
+        """``file:<key>`` -> content hash of each raw input, as they are on disk now."""
+        return {f"file:{k}": hash_path(v) for k, v in self.raw_inputs(cfg).items()}
+
+    def fingerprint(self, cfg: PipelineConfig, input_hashes: dict[str, str], raw: dict[str, str] | None = None) -> str:
+        """The stage's fingerprint given ``input_hashes`` (upstream stage -> the content hash
+        of its artifact, ``ArtifactRef.content_hash``) and ``raw`` (:meth:`raw_hashes`,
+        computed now when not given)."""
+        raw = self.raw_hashes(cfg) if raw is None else raw
+        return fingerprint(self.name, {**input_hashes, **raw}, self.config(cfg), code_version(f"tasks.{self.name}"))
+
+
+def input_hashes(inputs: dict[str, ArtifactRef]) -> dict[str, str]:
+    """What of the upstream artifacts enters a fingerprint: their content hashes."""
+    return {k: v.content_hash for k, v in inputs.items()}
+
+
+class InputChanged(RuntimeError):
+    """A raw input file changed while the stage was reading it (nothing was published)."""
 
 
 @dataclass
@@ -107,12 +134,65 @@ def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any]
         tmp.replace(out / name)
 
 
+def store_key(store: ArtifactStore) -> str:
+    """16 hex digits naming the store (protocol + absolute location): part of Prefect's
+    cache key, so two configs that differ only in ``run.artifact_root`` never share a
+    cache entry (a hit would hand back a ref into the other store)."""
+    return hashlib.sha256(json.dumps([str(store.fs.protocol), store.base]).encode()).hexdigest()[:16]
+
+
 def _cache_key(spec: StageSpec) -> Callable:
     def key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
         cfg, inputs = parameters["cfg"], parameters["inputs"]
-        return f"{spec.name}-{spec.fingerprint(cfg, {k: v.fingerprint for k, v in inputs.items()})}"
+        return f"{spec.name}-{spec.fingerprint(cfg, input_hashes(inputs))}-{store_key(store_for(cfg))}"
 
     return key
+
+
+def _remove_dead_workdirs(parent: Path, fp16: str) -> None:
+    """Remove the ``.work-<fp16>-*`` directories whose lock no live process holds."""
+    for stale in parent.glob(f".work-{fp16}-*"):
+        if stale.is_dir():
+            remove_if_unowned(stale)
+
+
+@contextmanager
+def fingerprint_lock(parent: Path, fp16: str, what: str, log: Callable[[str], None]) -> Iterator[None]:
+    """Own the fingerprint ``fp16`` of a stage (its resume directory and its publish) for the
+    block: ``<parent>/<fp16>.lock``, ``flock``-ed. A second run of the same fingerprint
+    logs which process owns it and waits until that run ends (then normally finds the
+    artifact published); a killed owner's lock dies with it."""
+    parent.mkdir(parents=True, exist_ok=True)
+    lock_path = lock_path_of(parent / fp16)
+    f = open_locked(lock_path, blocking=False)
+    if f is None:
+        try:
+            owner = lock_path.read_text().strip() or "another process"
+        except FileNotFoundError:
+            owner = "another process"
+        log(f"{what} is being built by another run ({owner}); waiting for it to finish")
+        f = open_locked(lock_path, blocking=True)
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    try:
+        yield
+    finally:
+        release(f)
+
+
+def clean_leftovers(spec: StageSpec, cfg: PipelineConfig, fp: str) -> None:
+    """What a killed attempt at a now-published fingerprint left behind: its resume
+    directory (a kill after the publish, before the checkpoint was removed), dead attempts'
+    work directories and the store's stale temporary publish copies. Anything a live
+    process owns is left alone."""
+    parent = Path(cfg.run.checkpoint_root) / spec.name
+    if parent.is_dir():
+        _remove_dead_workdirs(parent, fp[:16])
+        if (parent / fp[:16]).exists():
+            remove_if_unowned(parent / fp[:16])  # its lock is the fingerprint's: a live run keeps it
+    store_for(cfg).clean_stale_tmp(spec.name)
 
 
 def _attempt_workdir(parent: Path, fp16: str) -> tuple[Path, IO[str]]:
@@ -125,50 +205,84 @@ def _attempt_workdir(parent: Path, fp16: str) -> tuple[Path, IO[str]]:
     write into, or publish, each other's files.
     """
     parent.mkdir(parents=True, exist_ok=True)
-    for stale in parent.glob(f".work-{fp16}-*"):
-        if not stale.is_dir():
-            continue
-        lock_path = stale.with_name(stale.name + ".lock")
-        with open(lock_path, "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live attempt owns it
-            shutil.rmtree(stale, ignore_errors=True)
-            lock_path.unlink(missing_ok=True)
+    _remove_dead_workdirs(parent, fp16)
     workdir = parent / f".work-{fp16}-{uuid.uuid4().hex[:8]}"
-    lock = open(workdir.with_name(workdir.name + ".lock"), "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the directory exists: it is never seen unlocked
-    workdir.mkdir()
-    return workdir, lock
+    return workdir, owned_dir(workdir)
+
+
+def _check_raw_unchanged(spec: StageSpec, cfg: PipelineConfig, before: dict[str, str]) -> None:
+    """Raise InputChanged if a raw input no longer hashes as it did when the fingerprint was
+    taken: the stage may have read the new bytes, which must not be filed under the old
+    content's fingerprint (restoring the old file would then hit a wrong result)."""
+    after = spec.raw_hashes(cfg)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        paths = spec.raw_inputs(cfg)
+        names = ", ".join(f"{paths.get(k.removeprefix('file:'), k.removeprefix('file:'))} ({k.removeprefix('file:')})" for k in changed)
+        raise InputChanged(f"{spec.name}: {names} changed while the stage was running; nothing was published (the "
+                           "result could hold rows of either version). Rerun once the file is no longer being written.")
 
 
 def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: PipelineConfig, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
-    """Run ``build`` unless the fingerprint's artifact exists; publish its work dir atomically."""
+    """Run ``build`` unless the fingerprint's artifact exists; publish its work dir atomically.
+
+    Raises:
+        InputChanged: a raw input changed while ``build`` ran (nothing published).
+        ArtifactError: publishing failed (nothing published).
+    """
+    ensure_reaper()  # whatever the stage starts dies with this process, however it dies
     store = store_for(cfg)
-    fp = spec.fingerprint(cfg, {k: v.fingerprint for k, v in inputs.items()})
+    raw = spec.raw_hashes(cfg)
+    fp = spec.fingerprint(cfg, input_hashes(inputs), raw)
     logger = get_run_logger()
     existing = store.find(spec.name, fp)
     if existing is not None:
         logger.info("%s: up to date (%s)", spec.name, existing.artifact_id)
+        clean_leftovers(spec, cfg, fp)
         write_pointer(cfg, existing, store.manifest(existing).get("metrics"))
         return existing
-    resume_dir = Path(cfg.run.checkpoint_root) / spec.name / fp[:16]
+    parent = Path(cfg.run.checkpoint_root) / spec.name
+    with fingerprint_lock(parent, fp[:16], f"{spec.name} {store.artifact_id(spec.name, fp)}", logger.info):
+        existing = store.find(spec.name, fp)  # the run we waited for may have published it
+        if existing is not None:
+            logger.info("%s: published by the other run meanwhile (%s)", spec.name, existing.artifact_id)
+            clean_leftovers(spec, cfg, fp)
+            write_pointer(cfg, existing, store.manifest(existing).get("metrics"))
+            return existing
+        broken = store.check(spec.name, fp)
+        if broken.state == "broken":
+            logger.warning("%s: artifact %s is broken (%s); rebuilding it", spec.name, store.artifact_id(spec.name, fp), broken.problem)
+            store.discard(spec.name, store.artifact_id(spec.name, fp))
+        ref, metrics, ctx, started = _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
+    if ctx.markdown:
+        from prefect.artifacts import create_markdown_artifact
+
+        create_markdown_artifact("\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}")
+    write_pointer(cfg, ref, metrics)
+    logger.info("%s: published %s in %.1f s", spec.name, ref.artifact_id, time.time() - started)
+    return ref
+
+
+def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger):
+    """The locked part of :func:`run_stage`: build in a fresh work dir, check the raw inputs,
+    publish, remove the resume directory. Returns (ref, metrics, ctx, start time)."""
+    resume_dir = parent / fp[:16]
     resume_dir.mkdir(parents=True, exist_ok=True)
-    workdir, workdir_lock = _attempt_workdir(resume_dir.parent, fp[:16])
+    workdir, workdir_lock = _attempt_workdir(parent, fp[:16])
     tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), spec.config(cfg), logger)
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
     started = time.time()
     try:
         metrics = build(ctx) or {}
         metrics = {**metrics, "timing_s/stage": round(time.time() - started, 3)}
+        _check_raw_unchanged(spec, cfg, raw)
         ref = store.publish(
             spec.name,
             fp,
             workdir,
             {
                 "inputs": {k: v.model_dump() for k, v in inputs.items()},
-                "raw_inputs": {k: {"path": v, "sha256": hash_path(v)} for k, v in spec.raw_inputs(cfg).items()},
+                "raw_inputs": {k: {"path": v, "sha256": raw[f"file:{k}"]} for k, v in spec.raw_inputs(cfg).items()},
                 "config": spec.config(cfg),
                 "code_version": code_version(f"tasks.{spec.name}"),
                 "metrics": metrics,
@@ -183,16 +297,9 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
         raise
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        Path(workdir_lock.name).unlink(missing_ok=True)
-        workdir_lock.close()
+        release(workdir_lock)
     shutil.rmtree(resume_dir, ignore_errors=True)  # published: nothing left to resume
-    if ctx.markdown:
-        from prefect.artifacts import create_markdown_artifact
-
-        create_markdown_artifact("\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}")
-    write_pointer(cfg, ref, metrics)
-    logger.info("%s: published %s in %.1f s", spec.name, ref.artifact_id, time.time() - started)
-    return ref
+    return ref, metrics, ctx, started
 
 
 def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], Any]:
@@ -204,6 +311,7 @@ def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], An
 
         body.__name__ = body.__qualname__ = spec.name  # Prefect derives the task key from these
         body.__doc__ = build.__doc__
+        body.build = build  # the stage's own computation, for tests and tools: ``<task>.fn.build``
         return task(
             name=spec.name,
             cache_key_fn=_cache_key(spec),

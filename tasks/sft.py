@@ -19,7 +19,8 @@ def starting_policy(cfg: PipelineConfig) -> str:
 SPEC = StageSpec(
     name="sft",
     inputs=lambda cfg: ("validate", "convert"),
-    config=lambda cfg: {"sft": cfg.sft.model_dump(), "seed": cfg.run.seed},
+    # How often metrics are logged and checkpoints written cannot change the result.
+    config=lambda cfg: {"sft": cfg.sft.model_dump(exclude={"log_every", "checkpoint_every"}), "seed": cfg.run.seed},
     summary=("train/loss",),
 )
 

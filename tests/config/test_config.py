@@ -380,12 +380,54 @@ def test_home_is_expanded_in_every_local_path(tmp_path, quickstart_raw):
     assert cfg.wandb.dir == f"{home}/pt/wandb" and cfg.prepare.output_dir == f"{home}/pt/work"
     assert cfg.data.sft.path == f"{home}/pt/work/sft.jsonl"
     assert (cfg.model.source, cfg.model.tokenizer) == (f"{home}/pt/work/base_model", f"{home}/pt/tok")
-    raw["run"].update(artifact_root="file://~/pt/artifacts", checkpoint_root="s3://bucket/~x")
+    raw["run"].update(artifact_root="s3://bucket/~x", checkpoint_root="file://~/pt/checkpoints")
     cfg = load_config(_write(tmp_path, raw))
-    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == (f"file://{home}/pt/artifacts", "s3://bucket/~x")
+    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == ("s3://bucket/~x", f"{home}/pt/checkpoints")
+    raw["run"].update(checkpoint_root="s3://bucket/checkpoints")  # resume state is local: refused, naming the key
+    with pytest.raises(ConfigError, match=r"run\.checkpoint_root: .*s3://bucket/checkpoints is a URL"):
+        load_config(_write(tmp_path, raw))
+    raw["run"]["checkpoint_root"] = "checkpoints"
     raw["run"].update(artifact_root="artifacts", checkpoint_root="./checkpoints")  # relative paths stay relative
     cfg = load_config(_write(tmp_path, raw))
-    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == ("artifacts", "./checkpoints")
+    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == ("artifacts", "checkpoints")
+
+
+def test_one_spelling_per_local_path(tmp_path, quickstart_raw, monkeypatch):
+    """`work/x`, `./work/x`, `work//x` and `work/y/../x` are one path; absolute paths stay
+    absolute (messages name them as given) and URLs stay as given."""
+    monkeypatch.chdir(tmp_path)
+    seen = set()
+    for spelling in ["work/sft.jsonl", "./work/sft.jsonl", "work//sft.jsonl", "work/y/../sft.jsonl"]:
+        raw = copy.deepcopy(quickstart_raw)
+        raw["data"]["sft"]["path"] = spelling
+        raw["model"]["source"] = spelling.replace("sft.jsonl", "base_model")
+        cfg = load_config(_write(tmp_path, raw))
+        seen.add((cfg.data.sft.path, cfg.model.source))
+    assert seen == {("work/sft.jsonl", "work/base_model")}
+    raw = copy.deepcopy(quickstart_raw)
+    raw["data"]["sft"]["path"] = "/elsewhere//data/./sft.jsonl"
+    raw["model"]["source"] = "Qwen/Qwen2.5-0.5B"  # a hub id is a name, not a path: unchanged
+    raw["run"].update(artifact_root="s3://bucket//a/./b", checkpoint_root=f"{tmp_path}/ckpt/")
+    cfg = load_config(_write(tmp_path, raw))
+    assert cfg.data.sft.path == "/elsewhere/data/sft.jsonl" and cfg.model.source == "Qwen/Qwen2.5-0.5B"
+    assert cfg.run.artifact_root == "s3://bucket//a/./b" and cfg.run.checkpoint_root == f"{tmp_path}/ckpt"
+
+
+def test_path_spellings_give_one_fingerprint(tmp_path, quickstart_raw, monkeypatch):
+    from tasks.graph import stage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "sft.jsonl").write_text('{"messages": []}\n')
+    spec, _ = stage("validate")
+    fps = set()
+    for spelling in ("work/sft.jsonl", "./work/sft.jsonl", f"{tmp_path}/work/sft.jsonl", f"{tmp_path}//work/./sft.jsonl"):
+        raw = copy.deepcopy(quickstart_raw)
+        raw["data"]["sft"]["path"] = spelling
+        fps.add(spec.fingerprint(load_config(_write(tmp_path, raw)), {}))
+    assert len(fps) == 1
+    raw["data"]["sft"]["path"] = "work/other.jsonl"  # another path is another fingerprint
+    assert spec.fingerprint(load_config(_write(tmp_path, raw)), {}) not in fps
 
 
 def test_a_refused_boolean_does_not_hide_the_sections_other_problems(tmp_path, quickstart_raw):

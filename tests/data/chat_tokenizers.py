@@ -51,3 +51,17 @@ def paired_tokenizer(fixtures_dir: Path, family: str, base_dir: Path):
             setattr(tok, key, cfg[key])
     tok.chat_template = cfg["chat_template"]
     return tok
+
+
+def every_template_tokenizer(fixtures_dir: Path, sp_dir: Path) -> dict:
+    """``{(family, base): tokenizer}``: Qwen2.5 and Qwen3 on their own vocabulary, and every
+    other family's template on both the byte-level BPE and the SentencePiece vocabulary."""
+    qwen_dir = fixtures_dir / "qwen2.5-tokenizer"
+    out = {("qwen2.5", "bpe"): AutoTokenizer.from_pretrained(qwen_dir)}
+    qwen3 = AutoTokenizer.from_pretrained(qwen_dir)
+    qwen3.chat_template = json.loads((qwen_dir / "qwen3" / "tokenizer_config.json").read_text())["chat_template"]
+    out[("qwen3", "bpe")] = qwen3
+    for family in FAMILIES:
+        for base, path in (("bpe", qwen_dir), ("sentencepiece", sp_dir)):
+            out[(family, base)] = paired_tokenizer(fixtures_dir, family, path)
+    return out

@@ -21,7 +21,7 @@ from data.chat import (
     end_of_turn,
     turn_end_token_id,
 )
-from tests.data.chat_tokenizers import BASES, FAMILIES, paired_tokenizer, sentencepiece_dir
+from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir
 
 SYSTEM = {"role": "system", "content": "You answer arithmetic questions briefly."}
 TURNS = [
@@ -50,15 +50,7 @@ def sp_dir(fixtures_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizers(fixtures_dir, sp_dir):
     """``{(family, base): tokenizer}`` for every template on every vocabulary it is tested with."""
-    qwen_dir = fixtures_dir / "qwen2.5-tokenizer"
-    out = {("qwen2.5", "bpe"): AutoTokenizer.from_pretrained(qwen_dir)}
-    qwen3 = AutoTokenizer.from_pretrained(qwen_dir)
-    qwen3.chat_template = json.loads((qwen_dir / "qwen3" / "tokenizer_config.json").read_text())["chat_template"]
-    out[("qwen3", "bpe")] = qwen3
-    for family in FAMILIES:
-        for base, path in (("bpe", qwen_dir), ("sentencepiece", sp_dir)):
-            out[(family, base)] = paired_tokenizer(fixtures_dir, family, path)
-    return out
+    return every_template_tokenizer(fixtures_dir, sp_dir)
 
 
 CASES = [("qwen2.5", "bpe"), ("qwen3", "bpe")] + [(f, b) for f in FAMILIES for b in BASES]

@@ -359,6 +359,62 @@ def test_reward_model_keeps_an_untied_output_layer(fixtures_dir, tmp_path):
     assert not final["embedding.word_embeddings.weight"][300:].any()
 
 
+@pytest.mark.parametrize("stage", (2, 3))
+def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, stage):
+    """rm.backend deepspeed: 6 steps straight vs. checkpoints every 2 steps and a crash at
+    step 5; a freshly built DeepSpeedRewardTrainer resumes at step 4 (its state tagged with the
+    ZeRO stage) and the written model directory, every body weight and the head, is
+    bit-identical to the straight run's, as are the metrics of the resumed steps."""
+    from engine.reward_model import train_reward_model
+    from engine.train_state import load_train_state
+    from tests.engine.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
+
+    root, data, _ = setup
+    cfg = rm_config("deepspeed", steps=6, checkpoint_every=2, log_every=1,
+                    deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
+    straight_log: list[tuple[int, dict]] = []
+    straight = train_reward_model(root / "base", data, cfg, tmp_path / "straight", None, seed=0,
+                                  log_metrics=lambda m, s: straight_log.append((s, dict(m))))
+
+    resume = tmp_path / "resume"
+    with pytest.raises(Crash):
+        train_reward_model(root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
+                           log_metrics=crash_after(5, []))
+    state = load_train_state(resume)
+    assert state.step == 4 and state.data_position == DataPosition(1, 4, 0)
+    assert state.extra["rm_backend"] == {"backend": "deepspeed", "zero_stage": stage}
+
+    resumed_log: list[tuple[int, dict]] = []
+    resumed = train_reward_model(root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
+                                 log_metrics=lambda m, s: resumed_log.append((s, dict(m))))
+    assert [s for s, _ in resumed_log] == [5, 6]
+    assert (resumed["train/resumed_from_step"], resumed["train/steps_run"]) == (4.0, 2.0)
+    assert [untimed(m) for _, m in resumed_log] == [untimed(m) for _, m in straight_log[4:]]
+    assert untimed(resumed) == untimed(straight) | {"train/resumed_from_step": 4.0, "train/steps_run": 2.0}
+
+    a, b = model_dir_tensors(tmp_path / "straight"), model_dir_tensors(tmp_path / "resumed")
+    assert a.keys() == b.keys() and {"reward_head.weight", "reward_head.bias"} <= a.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    base = model_dir_tensors(root / "base")
+    assert [k for k in base if not torch.equal(base[k], a[k])]  # it trained
+
+
+def test_reward_model_state_of_the_other_backend_is_refused(setup, tmp_path):
+    """A megatron reward-model state given to the DeepSpeed trainer names rm.backend; a
+    DeepSpeed one given to the megatron trainer names the mismatched weights."""
+    from engine.deepspeed_reward_model import DeepSpeedRewardTrainer
+    from engine.reward_model import MegatronRewardTrainer
+
+    root, _, _ = setup
+    MegatronRewardTrainer(root / "base", rm_config("megatron")).save_state(tmp_path / "megatron", 1, DataPosition(0, 0, 0), {})
+    ds = DeepSpeedRewardTrainer(root / "base", rm_config("deepspeed"))
+    ds.save_state(tmp_path / "deepspeed", 1, DataPosition(0, 0, 0), {})
+    with pytest.raises(ValueError, match=r"written with \{'backend': 'megatron'\}.*rm.backend and rm.deepspeed.zero_stage"):
+        ds.load_state(tmp_path / "megatron")
+    with pytest.raises(ValueError, match=r"does not match the model: mismatched keys \['gpt\."):
+        MegatronRewardTrainer(root / "base", rm_config("megatron")).load_state(tmp_path / "deepspeed")
+
+
 # ----------------------------------------------------------------------------- on Ray
 
 

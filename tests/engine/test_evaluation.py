@@ -229,12 +229,14 @@ def policy_dir(quickstart_inputs, tmp_path_factory):
     return out
 
 
-def test_decode_response_strips_only_the_final_eos(quickstart_inputs):
+def test_decode_response_removes_special_tokens(quickstart_inputs):
+    """The rule RL rewards use (data.chat.response_text): every special token is removed."""
     tok = AutoTokenizer.from_pretrained(quickstart_inputs[0])
-    eight, five, end = tok.convert_tokens_to_ids(["8", "5", "<|im_end|>"])
+    eight, five, end, start = tok.convert_tokens_to_ids(["8", "5", "<|im_end|>", "<|im_start|>"])
     assert decode_response(tok, RolloutOutput((eight, five, end), (0.0,) * 3, "stop")) == "85"
-    # Hitting the budget: nothing is dropped, special tokens stay visible.
-    assert decode_response(tok, RolloutOutput((eight, end, five), (0.0,) * 3, "length")) == "8<|im_end|>5"
+    # Hitting the budget, or a special token inside the response: removed as well.
+    assert decode_response(tok, RolloutOutput((eight, end, five), (0.0,) * 3, "length")) == "85"
+    assert decode_response(tok, RolloutOutput((eight, start, five, end), (0.0,) * 4, "stop")) == "85"
 
 
 def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy_dir):
@@ -243,7 +245,7 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
     reference = Qwen2ForCausalLM.from_pretrained(policy_dir).eval()
     eos = tok.eos_token_id
 
-    # Manual loop: HF generate per prompt, cut at EOS, decode, verify.
+    # Manual loop: HF generate per prompt, cut at EOS, decode without special tokens, verify.
     manual = []
     for row in rows:
         ids = torch.tensor([_prompt_ids(tok, row)])
@@ -251,7 +253,7 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
                                  eos_token_id=eos, pad_token_id=tok.pad_token_id)
         gen = out[0, ids.shape[1]:].tolist()
         stopped = gen[-1] == eos
-        manual.append((tok.decode(gen[:-1] if stopped else gen), len(gen), "stop" if stopped else "length"))
+        manual.append((tok.decode(gen, skip_special_tokens=True), len(gen), "stop" if stopped else "length"))
     assert any(m[2] == "stop" for m in manual)
     # A random model never adds correctly; make every other label the manual loop's own final
     # answer, so both outcomes occur and the expected accuracy is known from the manual loop.
@@ -320,8 +322,7 @@ def two_policies(quickstart_inputs, tmp_path_factory):
         expected[name] = []
         for row in rows[:6]:
             gen = _megatron_greedy(model, _prompt_ids(tok, row), MAX_NEW, tok.eos_token_id)
-            stopped = gen[-1] == tok.eos_token_id
-            expected[name].append(tok.decode(gen[:-1] if stopped else gen))
+            expected[name].append(tok.decode(gen, skip_special_tokens=True))
     assert expected["sft"] != expected["rl"]
     return dirs, expected
 

@@ -131,3 +131,88 @@ def test_bad_inputs_raise_clear_errors(setup, tmp_path):
         load_reward_model(root / "base")
     with pytest.raises(ValueError, match="at least 2 preference pairs"):
         split_eval(1, 0.2, seed=0)
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def model_dir_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every GPT weight of a model directory plus its ``heads.safetensors`` tensors."""
+    loaded = load_model_dir(model_dir)
+    out = {k: v for k, v in loaded.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return {**out, **loaded.heads}
+
+
+def crash_after(step: int, logged: list[tuple[int, dict]]):
+    """A log_metrics that records ``(step, metrics)`` and raises :class:`Crash` at ``step``."""
+
+    def log(metrics: dict, done: int) -> None:
+        logged.append((done, dict(metrics)))
+        if done == step:
+            raise Crash()
+
+    return log
+
+
+def untimed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k != "perf/pairs_per_s"}
+
+
+def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_path):
+    """6 steps straight (no checkpoints) vs. checkpoints every 2 steps and a crash at step 5
+    (done, not checkpointed); a freshly built trainer resumes at step 4 (past an epoch end:
+    60 training pairs, 16 a step) and ends with every GPT weight and the head bit-identical,
+    and the logged metrics of steps 5 and 6 equal. log_every and checkpoint_every may change
+    across the resume; any other config change is refused; a finished state only rewrites
+    the model directory."""
+    from engine.train_state import DataPosition, load_train_state
+
+    root, data, _ = setup
+    cfg = RMConfig(steps=6, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
+                   optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5),
+                   checkpoint_every=2, log_every=1)
+    straight_log: list[tuple[int, dict]] = []
+    straight = train_reward_model(root / "base", data, cfg, tmp_path / "straight", None, seed=0,
+                                  log_metrics=lambda m, s: straight_log.append((s, dict(m))))
+    assert (straight["train/resumed_from_step"], straight["train/steps_run"]) == (0.0, 6.0)
+
+    resume = tmp_path / "resume"
+    first_log: list[tuple[int, dict]] = []
+    with pytest.raises(Crash):
+        train_reward_model(root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
+                           log_metrics=crash_after(5, first_log))
+    assert not (tmp_path / "resumed").exists()
+    state = load_train_state(resume)
+    assert state.step == 4 and state.data_position == DataPosition(1, 4, 0)  # 64 pairs drawn of 60
+    assert [untimed(m) for _, m in first_log] == [untimed(m) for _, m in straight_log[:5]]
+
+    later = cfg.model_copy(update={"log_every": 2, "checkpoint_every": 5})  # neither changes the result
+    resumed_log: list[tuple[int, dict]] = []
+    resumed = train_reward_model(root / "base", data, later, tmp_path / "resumed", resume, seed=0,
+                                 log_metrics=lambda m, s: resumed_log.append((s, dict(m))))
+    assert [s for s, _ in resumed_log] == [6]  # steps 5 and 6 ran; step 6 is logged (log_every 2)
+    assert (resumed["train/resumed_from_step"], resumed["train/steps_run"], resumed["train/steps"]) == (4.0, 2.0, 6.0)
+    assert untimed(resumed_log[0][1]) == untimed(straight_log[5][1])
+    assert untimed(resumed) == untimed(straight) | {"train/resumed_from_step": 4.0, "train/steps_run": 2.0}
+    assert load_train_state(resume).step == 6
+
+    a, b = model_dir_tensors(tmp_path / "straight"), model_dir_tensors(tmp_path / "resumed")
+    assert a.keys() == b.keys() and {"reward_head.weight", "reward_head.bias"} <= a.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    base = model_dir_tensors(root / "base")
+    assert [k for k in base if not torch.equal(base[k], a[k])]  # it trained
+
+    # A finished state: no step runs, the same weights and metrics are written again.
+    again_log: list[int] = []
+    again = train_reward_model(root / "base", data, cfg, tmp_path / "again", resume, seed=0,
+                               log_metrics=lambda m, s: again_log.append(s))
+    assert again_log == [] and (again["train/resumed_from_step"], again["train/steps_run"]) == (6.0, 0.0)
+    assert untimed(again) == untimed(resumed) | {"train/resumed_from_step": 6.0, "train/steps_run": 0.0}
+    c = model_dir_tensors(tmp_path / "again")
+    assert [k for k in a if not torch.equal(a[k], c[k])] == []
+
+    with pytest.raises(ValueError, match="train state was written by a different run"):
+        train_reward_model(root / "base", data, cfg.model_copy(update={"steps": 7}), tmp_path / "x", resume, seed=0)
+    with pytest.raises(ValueError, match="different run"):
+        train_reward_model(root / "base", data, cfg, tmp_path / "x", resume, seed=1)

@@ -377,7 +377,7 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3]  # history restored from the checkpoint
     assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
     assert_same_weights(policy_weights(tmp_path / "b" / "model"), policy_weights(full_out / "model"))
-    with pytest.raises(ValueError, match=r"different RL run \(config.kl.coef: 0.05 -> 0.1\)"):
+    with pytest.raises(ValueError, match=r"train state was written by a different RL run \(config.kl.coef: 0.05 -> 0.1\)"):
         run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl=KLConfig(coef=0.1)), tmp_path / "c", resume, seed=0)
 
 

@@ -127,16 +127,30 @@ def test_changing_an_sft_parameter_reruns_sft_and_everything_after(project):
     assert _states(summary) == {s: "Cached" if s in cached else "Completed" for s in STAGES}
 
 
-def test_status_reports_latest_artifacts_and_freshness(project):
+def test_a_byte_identical_upstream_rebuild_reruns_nothing_after_it(project):
+    """data.max_bad_fraction is part of validate's fingerprint, but with no bad rows the
+    rebuilt files are byte-identical: every later stage is Cached (early cut-off)."""
+    summary = _rerun_with(project, "threshold_change", **{"data.max_bad_fraction": 0.05})
+    assert _states(summary) == {s: "Completed" if s == "validate" else "Cached" for s in STAGES}
+    first = project["first"]["stages"]
+    assert summary["stages"]["validate"]["artifact_id"] != first["validate"]["artifact_id"]
+    assert all(summary["stages"][s]["artifact_id"] == first[s]["artifact_id"] for s in STAGES if s != "validate")
+
+
+def test_status_reports_each_configs_own_artifacts(project):
     work = project["work"]
     out = posttrain(["status", str(work / "sft_change.yaml"), "--json"], cwd=work, env=project["env"]).stdout
     rows = {r["stage"]: r for r in json.loads(out)}
     assert list(rows) == STAGES
-    assert all(r["up_to_date"] for r in rows.values())
+    assert all(r["up_to_date"] and r["state"] == "published" for r in rows.values())
     assert rows["rm"]["metrics"].keys() == {"rm/accuracy"}
-    # the original config: validate/convert are still its latest; sft onwards were superseded
-    out = posttrain(["status", str(project["config"]), "--json"], cwd=work, env=project["env"]).stdout
-    fresh = {r["stage"]: r["up_to_date"] for r in json.loads(out)}
-    assert fresh == {"validate": True, "convert": True, "sft": False, "rm": False, "rl": False, "evaluate": False, "export": False}
+    # The original config (an edit, then its revert): its artifacts are still in the store,
+    # so every stage is up to date and Cached, although newer versions exist.
+    out = posttrain(["status", str(project["config"]), "--json", "--verify"], cwd=work, env=project["env"]).stdout
+    rows = {r["stage"]: r for r in json.loads(out)}
+    assert {s: r["up_to_date"] for s, r in rows.items()} == {s: True for s in STAGES}
     first = project["first"]["stages"]
-    assert {r["stage"]: r["artifact_id"] for r in json.loads(out)}["validate"] == first["validate"]["artifact_id"]
+    assert {s: r["artifact_id"] for s, r in rows.items()} == {s: first[s]["artifact_id"] for s in STAGES}
+    assert rows["sft"]["latest"] != first["sft"]["artifact_id"]  # the sft_change run's is the newest
+    again = posttrain(["run", str(project["config"])], cwd=work, env=project["env"])
+    assert _states(read_summary(work, "quickstart")) == {s: "Cached" for s in STAGES}, again.stdout[-3000:]

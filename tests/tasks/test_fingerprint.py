@@ -257,3 +257,62 @@ def test_real_project_closure_of_sft():
         modules_of("numpy")
     with pytest.raises(ValueError, match="tasks.no_such_stage is not a module of this project"):
         code_version("tasks.no_such_stage")
+
+
+def test_comments_docstrings_and_blank_lines_do_not_change_code_version(project_copy):
+    """The code version hashes each module's syntax tree without docstrings: edits that
+    cannot change what the code does leave every stage cached; a real edit does not."""
+    path = fp_mod._module_file("engine.train_step")
+    original = path.read_text()
+    v0 = _version("tasks.sft")
+    tree = ast.parse(original)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and ast.get_docstring(n))
+    doc = ast.get_docstring(fn, clean=False)
+    edits = {
+        "comment": original.replace("\n", "\n# a comment added by an edit\n", 3),
+        "blank lines": original.replace("\n\n", "\n\n\n\n"),
+        "docstring": original.replace(doc, doc + " (reworded)", 1),
+        "module docstring removed": original.replace(ast.get_docstring(tree, clean=False), "", 1),
+    }
+    for what, text in edits.items():
+        assert text != original, what
+        path.write_text(text)
+        assert _version("tasks.sft") == v0, f"a {what} edit changed the code version"
+    # A string that is not a docstring, and a changed constant, are code.
+    path.write_text(original.replace(doc, doc + " (reworded)", 1) + "\n\n_PROBE = 'x'\n")
+    assert _version("tasks.sft") != v0
+    path.write_text(original)
+    assert _version("tasks.sft") == v0
+
+
+def test_source_digest_ignores_positions_only(tmp_path):
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text('"""Doc."""\nimport os\n\n\ndef f(x):\n    """Doc of f."""\n    return x + 1  # one\n')
+    b.write_text("import os\ndef f(x):\n\n    return x + 1\n")
+    c.write_text("import os\ndef f(x):\n    return x + 2\n")
+    assert fp_mod.source_digest(a) == fp_mod.source_digest(b)
+    assert fp_mod.source_digest(a) != fp_mod.source_digest(c)
+    # A function whose only statement was its docstring still has a body.
+    (tmp_path / "d.py").write_text('def g():\n    """Only a docstring."""\n')
+    (tmp_path / "e.py").write_text("def g():\n    pass\n")
+    assert fp_mod.source_digest(tmp_path / "d.py") == fp_mod.source_digest(tmp_path / "e.py")
+
+
+def test_user_modules_follow_imports_inside_the_working_directory_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    pkg = tmp_path / "myplug"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rewards.py").write_text("import json\nimport numpy\nfrom . import helper\nfrom .sub.deep import k\n")
+    (pkg / "helper.py").write_text("from myplug import sub\n\ndef h():\n    return 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "deep.py").write_text("k = 3\nimport myplug.missing_module\n")
+    found = fp_mod.user_modules("myplug.rewards")
+    assert {m: p.relative_to(tmp_path).as_posix() for m, p in found.items()} == {
+        "myplug.rewards": "myplug/rewards.py",
+        "myplug": "myplug/__init__.py",
+        "myplug.helper": "myplug/helper.py",
+        "myplug.sub": "myplug/sub/__init__.py",
+        "myplug.sub.deep": "myplug/sub/deep.py",
+    }  # json (stdlib) and numpy (site-packages) are libraries: not followed
+    assert fp_mod.user_modules("json") == {} and fp_mod.user_modules("no_such_module_anywhere") == {}

@@ -43,3 +43,40 @@ def test_editing_the_environment_changes_the_rl_fingerprint(tmp_path, monkeypatc
     (tmp_path / "my_env_fp.py").write_text("def make():\n    return 1\n")
     assert rl.SPEC.fingerprint(cfg, ups) != before
     sys.modules.pop("my_env_fp", None)
+
+
+def test_editing_a_helper_the_plugin_imports_changes_the_rl_fingerprint(tmp_path, monkeypatch):
+    """myplug/rewards.py imports myplug/helper.py: the helper is part of the fingerprint."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "myplug").mkdir()
+    (tmp_path / "myplug" / "__init__.py").write_text("")
+    (tmp_path / "myplug" / "rewards.py").write_text("from myplug.helper import bonus\n\ndef score(response, label):\n    return bonus()\n")
+    helper = tmp_path / "myplug" / "helper.py"
+    helper.write_text("def bonus():\n    return 1.0\n")
+    cfg = _cfg("myplug.rewards:score")
+    ups = {"validate": "v" * 64, "sft": "s" * 64}
+    assert rl._reward_plugin_files(cfg) == {
+        "reward_function_0": str(tmp_path / "myplug" / "rewards.py"),
+        "reward_function_0/myplug": str(tmp_path / "myplug" / "__init__.py"),
+        "reward_function_0/myplug.helper": str(helper),
+    }
+    before = rl.SPEC.fingerprint(cfg, ups)
+    helper.write_text("def bonus():\n    return 2.0\n")
+    assert rl.SPEC.fingerprint(cfg, ups) != before
+    helper.write_text("def bonus():\n    return 1.0\n")
+    assert rl.SPEC.fingerprint(cfg, ups) == before
+
+
+def test_logging_and_checkpoint_cadence_are_not_fingerprinted():
+    from tasks import rm, sft
+
+    base = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"}})
+    ups = {"validate": "v" * 64, "convert": "c" * 64}
+    for stage, spec, keys in (("sft", sft.SPEC, {"log_every": 1, "checkpoint_every": 1}),
+                              ("rm", rm.SPEC, {"log_every": 1, "checkpoint_every": 1}),
+                              ("rl", rl.SPEC, {"checkpoint_every": 1, "engine": base.rl.engine.model_copy(update={"num_cpus": 1})})):
+        changed = base.model_copy(update={stage: getattr(base, stage).model_copy(update=keys)})
+        assert spec.fingerprint(changed, ups) == spec.fingerprint(base, ups), stage
+        steps = base.model_copy(update={stage: getattr(base, stage).model_copy(update={"steps": 7})})
+        assert spec.fingerprint(steps, ups) != spec.fingerprint(base, ups), stage
