@@ -75,6 +75,7 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
                  "iteration": -1 if iteration is None else iteration}
         ensure_process_group()
         dist_checkpointing.save(state, str(tmp))
+        _reproducible_metadata(tmp)
         if hf_config is not None:
             (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         if final.exists():  # overwrite: move the old one aside first (rename onto a non-empty dir fails)
@@ -89,6 +90,26 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
         raise
     _atomic_write_text(root / TRACKER, RELEASE if iteration is None else str(iteration))
     return final
+
+
+def _reproducible_metadata(checkpoint_dir: Path) -> None:
+    """Drop what makes two saves of the same weights differ byte for byte: torch.distributed
+    checkpoint's ``.metadata`` (a pickled ``Metadata``) records a ``storage_meta`` with the
+    directory it was written to (here a temporary one) and a random ``save_id``. Loading does
+    not need it (the reader makes a fresh one), and without it a rebuilt model directory has
+    the same content hash as before, so the stages after it stay cached (early cut-off)."""
+    import pickle
+
+    for path in checkpoint_dir.glob("*.metadata"):
+        with open(path, "rb") as f:
+            metadata = pickle.load(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            continue
+        metadata.storage_meta = None
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(metadata, f)
+        os.replace(tmp, path)
 
 
 def latest_checkpoint(directory: str | Path) -> tuple[Path, int | None]:

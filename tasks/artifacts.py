@@ -158,7 +158,7 @@ def _check_files(fs: Any, url: str, manifest: dict[str, Any], action: str, stage
         if digest != entry["sha256"]:
             raise CorruptArtifact(
                 f"checksum mismatch for {entry['path']} while {action} {artifact_id} ({url}): the artifact was "
-                "modified after publishing; delete that directory and rerun to rebuild it",
+                "modified after publishing (a pipeline run discards it and rebuilds its stage)",
                 stage,
                 artifact_id,
                 entry["path"],

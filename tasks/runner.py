@@ -66,7 +66,20 @@ class StageSpec:
         of its artifact, ``ArtifactRef.content_hash``) and ``raw`` (:meth:`raw_hashes`,
         computed now when not given)."""
         raw = self.raw_hashes(cfg) if raw is None else raw
-        return fingerprint(self.name, {**input_hashes, **raw}, self.config(cfg), code_version(f"tasks.{self.name}"))
+        # A raw input enters by its content: where it lies (its path's spelling, the working
+        # directory, a copy of the project elsewhere) does not change the result.
+        by_content = {path: f"<content of {key}>" for key, path in self.raw_inputs(cfg).items()}
+        config = _replace_strings(self.config(cfg), by_content)
+        return fingerprint(self.name, {**input_hashes, **raw}, config, code_version(f"tasks.{self.name}"))
+
+
+def _replace_strings(value: Any, table: dict[str, str]) -> Any:
+    """``value`` with every string that is a key of ``table`` replaced (through dicts and lists)."""
+    if isinstance(value, dict):
+        return {k: _replace_strings(v, table) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_replace_strings(v, table) for v in value]
+    return table.get(value, value) if isinstance(value, str) else value
 
 
 def input_hashes(inputs: dict[str, ArtifactRef]) -> dict[str, str]:

@@ -4,6 +4,7 @@ ConfigError that names the file, the dotted key and what would be valid."""
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import pydantic
@@ -426,8 +427,18 @@ def test_path_spellings_give_one_fingerprint(tmp_path, quickstart_raw, monkeypat
         raw["data"]["sft"]["path"] = spelling
         fps.add(spec.fingerprint(load_config(_write(tmp_path, raw)), {}))
     assert len(fps) == 1
-    raw["data"]["sft"]["path"] = "work/other.jsonl"  # another path is another fingerprint
-    assert spec.fingerprint(load_config(_write(tmp_path, raw)), {}) not in fps
+    # A raw input enters by content, not by where it lies: from another working directory, or
+    # in a copy of the project elsewhere (DVC's temporary experiment directories), it still hits.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    raw["data"]["sft"]["path"] = f"{tmp_path}/work/sft.jsonl"
+    assert spec.fingerprint(load_config(_write(tmp_path, raw)), {}) in fps
+    shutil.copytree(tmp_path / "work", elsewhere / "work")
+    raw["data"]["sft"]["path"] = "work/sft.jsonl"
+    assert spec.fingerprint(load_config(_write(tmp_path, raw)), {}) in fps
+    (elsewhere / "work" / "sft.jsonl").write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
+    assert spec.fingerprint(load_config(_write(tmp_path, raw)), {}) not in fps  # other content
 
 
 def test_a_refused_boolean_does_not_hide_the_sections_other_problems(tmp_path, quickstart_raw):

@@ -146,3 +146,51 @@ def test_a_model_built_after_the_process_group_was_destroyed_runs():
     with torch.no_grad():
         assert gpt_logits(model, ids).shape == (1, 7, 300)
     assert torch.distributed.is_initialized()
+
+
+_SAVE_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+import torch
+from engine.checkpoint import save_model_checkpoint
+from engine.megatron_model import GPTSpec, build_gpt_model, load_mcore_state
+from engine.platform import init_model_parallel
+from conversion import hf_to_megatron
+from tests.engine.test_checkpoint import random_hf
+
+if __name__ == "__main__":  # megatron's save spawns a helper process that imports this file
+    init_model_parallel()
+    cfg, state = random_hf("qwen2")
+    spec = GPTSpec.from_hf_config(cfg)
+    model = build_gpt_model(spec, seed=1)
+    load_mcore_state(model, hf_to_megatron(cfg, state))
+    save_model_checkpoint(model, sys.argv[1], iteration=3, hf_config=cfg)
+"""
+
+
+def test_two_saves_of_the_same_weights_are_byte_identical(tmp_path):
+    """A rebuilt model directory must have the content hash of the first build (early cut-off):
+    torch.distributed checkpoint's .metadata held the temporary directory it was written to
+    and a random save id, so every save differed."""
+    import hashlib
+    import pickle
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    script = tmp_path / "save.py"
+    script.write_text(_SAVE_SCRIPT.format(repo=str(repo)))
+    digests = []
+    for name in ("a", "b"):  # separate processes: other temp names, other uuids, other hash seeds
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path / name)], capture_output=True, text=True, cwd=repo)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        root = tmp_path / name
+        digests.append({p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                        for p in sorted(root.rglob("*")) if p.is_file()})
+    assert digests[0] == digests[1]
+    assert ".metadata" in {Path(k).name for k in digests[0]}
+    with open(tmp_path / "a" / "iter_0000003" / ".metadata", "rb") as f:
+        assert pickle.load(f).storage_meta is None
+    model = build_gpt_model(GPTSpec.from_hf_config(random_hf("qwen2")[0]), seed=2)
+    assert load_model_checkpoint(model, tmp_path / "b") == 3  # still loads

@@ -632,7 +632,7 @@ def test_deleted_artifact_is_rebuilt_while_the_rest_stays_cached(project):
     # reruns is not known (a byte-identical sft leaves it cached, as happens below).
     assert {name: (r["state"], r["waiting_on"]) for name, r in status.items()} == {
         "validate": ("published", None), "convert": ("published", None), "sft": ("missing", None),
-        "rl": ("waiting", "sft"), "evaluate": ("waiting", "rl"), "export": ("waiting", "rl")}
+        "rl": ("waiting", "sft"), "evaluate": ("waiting", "sft"), "export": ("waiting", "rl")}
 
     posttrain(["run", str(project.config)], cwd=project.work, env=project.env)
     second = stage_states(read_summary(project.work, RUN))
