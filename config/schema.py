@@ -60,11 +60,11 @@ def _too_large(value) -> PydanticCustomError:
 
 
 def _local_path(value: str | None) -> str | None:
-    """A config path in one spelling: ``~`` and ``file://~`` expanded to the home directory
-    (as fsspec does for the artifact store), ``.`` and ``..`` segments and doubled slashes
-    folded (``./work//x`` is ``work/x``). An absolute path stays absolute (messages name it
-    as given); the fingerprint takes a path inside the working directory in its relative
-    form (``tasks.fingerprint.fingerprint``). URLs (``scheme://``) are kept as given. An
+    """A config path with ``~`` and ``file://~`` expanded to the home directory (as fsspec
+    does for the artifact store), so every local path of a config means the same directory;
+    otherwise kept as given (``./org/name`` is a local directory where ``org/name`` is a hub
+    id). Spellings do not split fingerprints: raw inputs enter them by content, and other
+    paths inside the working directory in their relative form (``tasks.fingerprint``). An
     empty path is refused (it would silently mean the current directory, or be ignored)."""
     if value is None:
         return None
@@ -72,9 +72,7 @@ def _local_path(value: str | None) -> str | None:
         raise ValueError("empty path; give a path (or remove the key to use its default)")
     if value.startswith("file://~"):
         return "file://" + os.path.expanduser(value.removeprefix("file://"))
-    if "://" in value:
-        return value
-    return os.path.normpath(os.path.expanduser(value))
+    return os.path.expanduser(value) if value.startswith("~") else value
 
 
 LocalPath = Annotated[str, AfterValidator(_local_path)]

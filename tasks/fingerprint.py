@@ -174,7 +174,7 @@ def user_modules(module: str, root: str | Path | None = None) -> dict[str, Path]
     """
     root = Path(root or os.getcwd()).resolve()
     libraries = _library_dirs()
-    search = [root] + [Path(p or os.getcwd()).resolve() for p in sys.path]
+    search = [Path(p or os.getcwd()).resolve() for p in sys.path]  # where `import` looks
     found = _find_module_file(module, search)
     if found is None or any(found[0].resolve().is_relative_to(lib) for lib in libraries):
         return {}

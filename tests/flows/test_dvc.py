@@ -38,8 +38,9 @@ STAGES = ["prepare", "validate", "convert", "sft", "rm", "rl", "evaluate", "expo
 ARTIFACT_STAGES = STAGES[1:]
 # Never copied into a project copy: the venv and everything a run produces.
 NOT_COPIED = {".venv", "artifacts", "checkpoints", "work", "outputs", "wandb", ".dvc", ".git"}
-# Appended to a module every stage hashes, so the copy's code versions differ from the checkout's.
-COPY_MARKER = "\n# project copy used by tests/flows/test_dvc.py\n"
+# Appended to a module every stage hashes, so the copy's code versions differ from the checkout's
+# (a statement: code versions hash the syntax tree, so a comment would change nothing).
+COPY_MARKER = "\n_PROJECT_COPY_USED_BY_TEST_DVC = True\n"
 
 
 def copy_project(dest: Path) -> Path:

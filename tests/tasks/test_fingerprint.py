@@ -300,6 +300,7 @@ def test_source_digest_ignores_positions_only(tmp_path):
 
 def test_user_modules_follow_imports_inside_the_working_directory_only(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as the CLI does for the directory it runs in
     pkg = tmp_path / "myplug"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
