@@ -77,6 +77,7 @@ think block itself.
 from __future__ import annotations
 
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -403,6 +404,76 @@ def response_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | N
         if body.endswith(marker):
             return body[: len(body) - len(marker)]
     return text
+
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def readable_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | None = None) -> str:
+    """:func:`response_text` for people to read: bytes that do not form a whole UTF-8
+    character are shown as ``\\xNN`` escapes instead of U+FFFD.
+
+    A policy can sample a byte-level token that holds only part of a character (the first
+    byte of ``é`` followed by ``46``); the tokenizer then decodes it to U+FFFD, and a report
+    would show ``\ufffd46``. Here the sampled bytes are recovered from the tokens
+    (byte-level BPE: the GPT-2 byte alphabet; SentencePiece byte fallback: ``<0xNN>``
+    pieces) and decoded with ``errors="backslashreplace"``, giving ``\\xc346``. Text without
+    U+FFFD is returned as :func:`response_text` returns it; so is text whose tokenizer has
+    neither decoder (nothing to recover). Verifiers and rewards keep reading
+    :func:`response_text`.
+
+    Args / Raises: as :func:`response_text`.
+    """
+    text = response_text(tokenizer, token_ids, end_of_turn)
+    if "\ufffd" not in text:
+        return text
+    raw = _sampled_bytes(tokenizer, token_ids)
+    if raw is None:
+        return text
+    shown = raw.decode("utf-8", errors="backslashreplace")
+    marker = _plain_turn_end(tokenizer, end_of_turn)
+    if marker and shown.rstrip().endswith(marker):
+        shown = shown.rstrip()[: len(shown.rstrip()) - len(marker)]
+    # The escapes must stand exactly where the tokenizer put U+FFFD; otherwise keep its text.
+    collapse = lambda t, pattern: re.sub(pattern, "\ufffd", t)
+    if collapse(collapse(shown, r"(?:\\x[0-9a-f]{2})+"), "\ufffd+") != collapse(text, "\ufffd+"):
+        return text
+    return shown
+
+
+def _sampled_bytes(tokenizer: Any, token_ids: Sequence[int]) -> bytes | None:
+    """The bytes the non-special tokens stand for, or None when the tokenizer's decoder is
+    neither byte-level BPE nor SentencePiece with byte fallback."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    special = set(getattr(tokenizer, "all_special_ids", []))
+    added = {i: str(getattr(t, "content", t)) for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    ids = [int(i) for i in token_ids if int(i) not in special]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    if "ByteLevel" in kinds:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # the GPT-2 byte alphabet
+
+        byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        try:
+            return b"".join(added[i].encode() if i in added else bytes(byte_of[c] for c in p) for i, p in zip(ids, pieces))
+        except KeyError:  # a piece outside the byte alphabet: not what this decoder reads
+            return None
+    if "ByteFallback" in kinds:
+        out = b"".join(
+            added[i].encode() if i in added else bytes([int(m.group(1), 16)]) if (m := _BYTE_PIECE.fullmatch(p)) else p.replace("\u2581", " ").encode()
+            for i, p in zip(ids, pieces)
+        )
+        strip = next((d for d in decoder.get("decoders", []) if d.get("type") == "Strip"), None)
+        if strip and strip.get("start", 0) and out.startswith(strip.get("content", " ").encode()):
+            out = out[len(strip.get("content", " ").encode()):]
+        return out
+    return None
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:

@@ -242,7 +242,10 @@ def evaluate_policy(
             accuracy is then mean@k and its SE is over prompts.
 
     Returns:
-        :func:`evaluate_generations`'s dict; each record also has ``prompt`` (the messages).
+        :func:`evaluate_generations`'s dict; each record also has ``prompt`` (the messages)
+        and, when the response holds bytes that are not a whole character,
+        ``response_readable`` (:func:`data.chat.readable_text`: those bytes as ``\\xNN``),
+        which the report shows instead of U+FFFD.
 
     Raises:
         KeyError: a row lacks ``prompt`` or ``label`` (names the row index).
@@ -267,8 +270,13 @@ def evaluate_policy(
         finish_reasons=[o.finish_reason for o in outputs],
         prompt_index=[i for i in range(len(eval_rows)) for _ in range(k)],
     )
-    for record, row in zip(result["records"], rows):
+    from data.chat import readable_text
+
+    for record, row, output in zip(result["records"], rows, outputs):
         record["prompt"] = list(row["prompt"])
+        shown = readable_text(tokenizer, output.token_ids)
+        if shown != record["response"]:  # a byte-level token held part of a character
+            record["response_readable"] = shown
     return result
 
 
@@ -556,7 +564,8 @@ def write_eval_report(results: Mapping[str, Mapping[str, Any]], out_dir: str | o
             for p in policies:
                 recs = results[p].get("records", [])
                 r = recs[i] if i < len(recs) else None
-                cells.append("-" if r is None else f"{_md(r['response'])} ({'✓' if r['correct'] else '✗'})")
+                shown = "-" if r is None else r.get("response_readable", r["response"])
+                cells.append("-" if r is None else f"{_md(shown)} ({'✓' if r['correct'] else '✗'})")
             lines.append(f"| {_md(prompt[-1]['content'])} | {_md(record['label'])} | " + " | ".join(cells) + " |")
     markdown = "\n".join(lines) + "\n"
     _replace_from_temp(out / "report.md", lambda f: f.write(markdown), "w")

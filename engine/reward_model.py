@@ -390,11 +390,12 @@ def train_reward_model(
         log_now = done % cfg.log_every == 0 or done == cfg.steps
         if log_now:
             metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
+        # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
+        if log_now and log_metrics is not None:
+            log_metrics(metrics, done)
         if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             trainer.save_state(resume_dir, done, DataPosition(sampler.epoch, sampler.offset, seed),
                                {**identity, "metrics": metrics})
-        if log_now and log_metrics is not None:
-            log_metrics(metrics, done)
 
     trainer.save(out_dir, iteration=cfg.steps)
     return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs)),

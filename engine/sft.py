@@ -206,14 +206,15 @@ def train_sft(
             "perf/tokens_per_s": sum(mb.num_tokens for mb in micro) / seconds,
             "timing_s/step": seconds,
         }
+        # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
+        if log_metrics is not None and (done % cfg.log_every == 0 or done == cfg.steps):
+            log_metrics(metrics, done)
         if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             save_train_state(
                 resume_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
                 data_position=DataPosition(sampler.epoch, sampler.offset, seed),
                 extra={**identity, "tokens": tokens, "metrics": metrics},
             )
-        if log_metrics is not None and (done % cfg.log_every == 0 or done == cfg.steps):
-            log_metrics(metrics, done)
 
     save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
     return {**metrics, "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),

@@ -106,49 +106,51 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _fmt_metric(metrics: dict, key: str) -> str:
-    if key not in metrics:
-        return "-"
-    se = metrics.get(f"{key}_se")
-    return f"{metrics[key]:.3f} ± {se:.3f}" if se is not None else f"{metrics[key]:.4g}"
-
-
 def _print_summary(summary: dict) -> None:
+    from flows.reports import result_lines
+
     table = Table(title="posttrain: pipeline summary")
     for col in ("stage", "state", "wall time (s)", "artifact"):
         table.add_column(col)
-    total = 0.0
     for name, s in summary["stages"].items():
-        total += s["wall_s"]
         table.add_row(name, s.get("state", "-"), f"{s['wall_s']:.1f}", s.get("artifact_id", "-"))
     console.print(table)
-    ev = summary["stages"].get("evaluate", {}).get("metrics", {})
-    if ev:
-        base = "sft" if "sft/accuracy" in ev else "base"
-        label = {"sft": "SFT", "base": "base"}[base]
-        console.print(f"{label + ' accuracy:':<15}{_fmt_metric(ev, f'{base}/accuracy')}   (n={ev.get(f'{base}/n', '?')})")
-        console.print(f"{'RL accuracy:':<15}{_fmt_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
-        if f"rl_minus_{base}/accuracy" in ev:
-            delta, se = ev[f"rl_minus_{base}/accuracy"], ev[f"rl_minus_{base}/accuracy_se"]
-            ratio = f"{delta / se:+.1f} SE" if se > 0 else "SE 0"
-            console.print(f"{'RL − ' + label + ':':<15}{delta:+.3f} ± {se:.3f}   (paired over prompts; {ratio})")
-    ex = summary["stages"].get("export")
-    if ex:
-        # A URI, not a Path: Path("s3://b/x") would print s3:/b/x.
-        console.print(f"Exported model (HF SafeTensors): {ex['uri'].rstrip('/')}/hf_model", soft_wrap=True, highlight=False)
-    console.print(f"Total wall time: {total:.1f} s")
+    for line in result_lines(summary):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 def cmd_stage(args) -> int:
+    """``posttrain stage NAME CONFIG``: run one stage (what each dvc.yaml stage runs).
+
+    The stage ends with the process that started it (flows/parent_watch.py: a killed
+    ``dvc repro`` takes its stage along). A stage switched off in the config (``sft.enabled``
+    or ``rm.enabled`` false) completes at once: it writes a pointer saying so and an empty
+    metrics file (tasks.runner.write_disabled_pointer) and exits 0.
+
+    Returns 0 (done), 3 (an upstream artifact of this config is not published).
+
+    Raises:
+        ConfigError: the config is invalid, names an unknown stage, has no prepare section
+            for ``prepare``, or its raw inputs are unusable (prepare, validate, convert); rl
+            with ``rl.reward.reward_model_weight`` above 0 and rm switched off.
+        StageFailed: the stage raised, or was interrupted (exit code 130).
+    """
+    from flows.parent_watch import watch_parent
+
+    watch_parent()
+    if args.name not in ("prepare", *STAGE_ORDER):
+        raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
     cfg, problems, _ = _load(args.config)
     if problems and args.name in ("prepare", "validate", "convert"):  # the stages that read raw inputs
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     if args.name == "prepare" and cfg.prepare is None:
         raise ConfigError(f"{args.config} has no prepare section")
-    if args.name in ("sft", "rm") and not _enabled(cfg, args.name):
-        raise ConfigError(f"{args.name}.enabled is false in this config: the {args.name} stage does not run")
-    if args.name not in ("prepare", *STAGE_ORDER):
-        raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
+    if not _enabled(cfg, args.name):
+        return _skip_disabled(cfg, args.name)
+    if args.name == "rl" and cfg.rl.reward.reward_model_weight and not cfg.rm.enabled:
+        # validate reports it too, but a DVC experiment that switches rm off reruns only rm and rl
+        raise ConfigError(f"{args.config}: rl.reward.reward_model_weight is {cfg.rl.reward.reward_model_weight}, which needs "
+                          "rm.enabled: true (set the weight to 0 to train without the reward model)")
     from flows.pipeline import MissingUpstream, stage_flow
     from flows.prefect_server import prefect_api
 
@@ -172,6 +174,16 @@ def cmd_stage(args) -> int:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 3
     console.print(f"{args.name}: {result.get('artifact_id', result)} ({result.get('state', 'done')})", highlight=False)
+    return 0
+
+
+def _skip_disabled(cfg, name: str) -> int:
+    """A stage switched off by ``<name>.enabled: false``: record it (pointer ``{"disabled":
+    true}``, empty metrics) so that DVC's stage completes; nothing else runs. Returns 0."""
+    from tasks.runner import write_disabled_pointer
+
+    write_disabled_pointer(cfg, name)
+    console.print(f"{name}: disabled ({name}.enabled is false in this config); nothing to run", highlight=False)
     return 0
 
 

@@ -10,8 +10,8 @@ stage runs again (once per upstream stage).
 
 from __future__ import annotations
 
-import os
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -20,17 +20,32 @@ from prefect.runtime import flow_run
 
 from config import load_config
 from config.schema import PipelineConfig
+from flows import reports
 from tasks.artifacts import ArtifactRef, CorruptArtifact
 from tasks.graph import enabled_stages, stage, stage_states
 from tasks.prepare import is_prepared, prepare
 from tasks.runner import clean_leftovers, input_hashes, store_for, write_pointer
 
 
+def result_storage(cfg: PipelineConfig) -> Path:
+    """Where Prefect persists this config's task results (the records its cache hits are
+    read from): ``<run.checkpoint_root>/prefect-results``, as an absolute local path.
+
+    Kept beside the checkpoints, like the rest of the run's local state, instead of Prefect's
+    default ``PREFECT_RESULTS_LOCAL_STORAGE_PATH``, which in Prefect 3.7 is
+    ``~/.prefect/storage`` whatever ``PREFECT_HOME`` says. The CLI, ``dvc repro`` and the
+    deployment's runs of a config share them, and removing the checkpoints removes them too.
+    """
+    return Path(cfg.run.checkpoint_root).expanduser().absolute() / "prefect-results"
+
+
 def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef]) -> tuple[State, ArtifactRef]:
     """Run one stage's task with its upstream refs; bypass Prefect's cache if the artifact is
     gone or broken. On a cache hit, what a killed earlier attempt left is removed first
-    (Prefect then does not run the task body at all), and the ref is the store's: a
-    Prefect record older than a republish of the same fingerprint holds a stale content hash.
+    (Prefect then does not run the task body at all), the ref is the store's (a Prefect
+    record older than a republish of the same fingerprint holds a stale content hash), and
+    the hit is reported as a short W&B run in the pipeline's group
+    (``tasks.tracking.log_cached_stage``).
 
     Returns:
         (the final Prefect state: "Completed", or "Cached" for a cache hit; the artifact ref).
@@ -44,9 +59,20 @@ def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef])
     found = store_for(cfg).find(name, fp)
     if found is not None:
         clean_leftovers(spec, cfg, fp)
-    state = stage_task.with_options(refresh_cache=found is None)(cfg, inputs, return_state=True)
+    state = stage_task.with_options(refresh_cache=found is None, result_storage=result_storage(cfg))(cfg, inputs, return_state=True)
     ref = state.result()  # raises the stage's exception if it failed
-    return state, (found if found is not None and state.is_completed() and ref != found else ref)
+    if found is None:
+        return state, ref
+    from tasks.tracking import log_cached_stage
+
+    reported = log_cached_stage(cfg, found, store_for(cfg).manifest(found))  # the group shows every stage of the run
+    if reported is not None:
+        _cached_runs[found.artifact_id] = reported
+    return state, (found if state.is_completed() and ref != found else ref)
+
+
+# The short W&B runs that reported cache hits in this process, by artifact id (the summary shows them).
+_cached_runs: dict[str, dict[str, Any]] = {}
 
 
 def _run_rebuilding_corrupt(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef], rebuild: set[str]) -> tuple[State, ArtifactRef]:
@@ -79,11 +105,11 @@ def pipeline(config_path: str) -> dict[str, Any]:
     Returns a JSON-able summary: per stage the artifact ref, wall time (s) and metrics.
     """
     cfg = load_config(config_path)
-    os.environ["POSTTRAIN_PIPELINE_RUN"] = f"{cfg.run.name}-{(flow_run.get_id() or 'local')[:8]}"
     summary: dict[str, Any] = {"config": config_path, "stages": {}}
+    reports.publish_config(cfg, config_path)
     if cfg.prepare is not None:
         t0 = time.time()
-        state = prepare.with_options(refresh_cache=not is_prepared(cfg))(cfg, return_state=True)
+        state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(cfg, return_state=True)
         state.result()
         summary["stages"]["prepare"] = {"state": state.name, "wall_s": round(time.time() - t0, 2)}
     refs: dict[str, ArtifactRef] = {}
@@ -101,17 +127,31 @@ def pipeline(config_path: str) -> dict[str, Any]:
             _discard_corrupt(cfg, name, exc, refs, rebuilt)
             i = names.index(exc.stage)
             continue
-        write_pointer(cfg, refs[name], store.manifest(refs[name]).get("metrics"))  # also on cache hits
-        summary["stages"][name] = {
-            "state": state.name,
-            "wall_s": round(time.time() - t0, 2),
-            "artifact_id": refs[name].artifact_id,
-            "uri": refs[name].uri,
-            "metrics": store.manifest(refs[name]).get("metrics", {}),
-        }
+        manifest = store.manifest(refs[name])
+        write_pointer(cfg, refs[name], manifest.get("metrics"))  # also on cache hits
+        summary["stages"][name] = _stage_entry(state, refs[name], manifest, time.time() - t0)
+        reports.publish_stage(cfg, name, summary["stages"][name], stage(name)[0].summary)
         i += 1
     summary["flow_run_id"] = str(flow_run.get_id())
+    reports.publish_summary(cfg, summary)
     return summary
+
+
+def _stage_entry(state: State, ref: ArtifactRef, manifest: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """A stage's entry of the run summary: Prefect state name, wall time (s), artifact id, URI,
+    fingerprint, metrics, and the W&B run that built (or, cached, reported) it."""
+    entry = {
+        "state": state.name,
+        "wall_s": round(wall_s, 2),
+        "artifact_id": ref.artifact_id,
+        "uri": ref.uri,
+        "fingerprint": ref.fingerprint,
+        "metrics": manifest.get("metrics", {}),
+    }
+    run = _cached_runs.pop(ref.artifact_id, None) or manifest.get("wandb")  # a cache hit's own short run first
+    if run:
+        entry["wandb"] = run
+    return entry
 
 
 class MissingUpstream(RuntimeError):
@@ -127,9 +167,8 @@ def stage_flow(config_path: str, name: str) -> dict[str, Any]:
         MissingUpstream: an upstream stage has no artifact for the current config.
     """
     cfg = load_config(config_path)
-    os.environ.setdefault("POSTTRAIN_PIPELINE_RUN", f"{cfg.run.name}-{(flow_run.get_id() or 'local')[:8]}")
     if name == "prepare":
-        state = prepare.with_options(refresh_cache=not is_prepared(cfg))(cfg, return_state=True)
+        state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(cfg, return_state=True)
         return {"state": state.name, "artifact_id": state.result()}
     spec, _ = stage(name)
     store = store_for(cfg)
@@ -143,8 +182,11 @@ def stage_flow(config_path: str, name: str) -> dict[str, Any]:
     # An upstream artifact found corrupt is rebuilt from its own (published) inputs.
     for up in list(refs):
         refs.update({k: states[k].ref for k in stage(up)[0].inputs(cfg) if states[k].ref is not None})
+    started = time.time()
     state, ref = _run_rebuilding_corrupt(cfg, name, refs, set())
-    write_pointer(cfg, ref, store.manifest(ref).get("metrics"))  # DVC deleted it before running us
+    manifest = store.manifest(ref)
+    write_pointer(cfg, ref, manifest.get("metrics"))  # DVC deleted it before running us
+    reports.publish_stage(cfg, name, _stage_entry(state, ref, manifest, time.time() - started), spec.summary)
     return {"state": state.name, **ref.model_dump()}
 
 

@@ -1,6 +1,7 @@
-"""The temporary Prefect API server a CLI command uses when no server is configured.
+"""Prefect servers: the temporary one a CLI command uses when no server is configured, and
+a log filter for the long-running ``prefect server start`` on SQLite.
 
-Prefect starts such a server by itself, but as a child in the CLI's process group: a
+Prefect starts a temporary server by itself, but as a child in the CLI's process group: a
 Ctrl-C in the terminal signals the whole foreground group, the server dies with the
 command, and the flow engine then retries the dead API for minutes before giving up. This
 module starts the same server (Prefect's ``create_app`` under uvicorn, as Prefect does) in
@@ -8,26 +9,70 @@ its own session, so Ctrl-C reaches only the command, which reports the interrupt
 a live API and stops the server on its way out. On Linux the server also receives SIGTERM
 when the command dies without cleaning up (``PR_SET_PDEATHSIG``), so a SIGKILL of the
 command does not leave it behind.
+
+Only the standard library is imported at module level: the logging configuration
+``prefect-server-logging.yml`` names :class:`RetriedSQLiteLockFilter`, and Prefect loads that
+configuration while ``import prefect`` is still running.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import prefect
-from prefect.events.worker import EventsWorker
-from prefect.logging.handlers import APILogWorker
-from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
-
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _DRAIN_TIMEOUT_S = 10.0
+_SQLITE_BUSY_NAMES = {"SQLITE_BUSY", "SQLITE_BUSY_SNAPSHOT"}
+# Logger -> the start of the messages it logs for a failure that is tried again.
+_RETRIED_FAILURES = {
+    # pydocket 0.27: Retry and Perpetual log "↩ [duration] call" when they reschedule a failed task
+    "docket.dependencies": "↩",
+    # prefect/server/orchestration/rules.py (logger "prefect.server") logs this, then re-raises a
+    # retryable error: the API answers 503 and the client retries, or the docket task fails and
+    # its service tries again on its next loop
+    "prefect.server": "Encountered error during state validation",
+}
+
+
+class RetriedSQLiteLockFilter(logging.Filter):
+    """Drop the log record of a Prefect server failure that hit SQLite's "database is locked"
+    and is tried again, unless ``PREFECT_SERVER_LOG_RETRYABLE_ERRORS`` is true: Prefect's own
+    rule for retryable SQLite errors, applied to the loggers it misses.
+
+    Prefect 3.7.7 hides these errors with a filter on the ``uvicorn.error`` and
+    ``docket.worker`` loggers (``prefect/server/api/server.py``,
+    ``_install_sqlite_locked_log_filter``), but two more report them, with the traceback, at
+    ERROR: pydocket 0.27 logs each failed attempt it retries (``Retry``) or reschedules
+    (``Perpetual``) from ``docket.dependencies``, and the orchestration rules log a failed
+    state change before re-raising it for a retry. With one polling worker the first comes
+    about every 10 s: ``mark_deployments_ready`` reads, then writes, in a deferred SQLite
+    transaction, and loses the write lock to ``mark_work_queues_ready``, queued by the same
+    poll; SQLite then fails at once, without waiting out its busy timeout, and docket retries
+    the task (5 attempts, 0.5 s apart). Only those records (``_RETRIED_FAILURES``: logger and
+    message) whose exception is SQLite's SQLITE_BUSY / "database is locked" are dropped; every
+    other record passes, as does a task's final failure (logged by ``docket.worker``).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Return False to drop ``record`` (see the class docstring), True to keep it."""
+        retried = _RETRIED_FAILURES.get(record.name)
+        exc = record.exc_info[1] if record.exc_info else None
+        orig = getattr(exc, "orig", None)
+        if not (retried and isinstance(record.msg, str) and record.msg.startswith(retried) and isinstance(orig, sqlite3.OperationalError)):
+            return True
+        if getattr(orig, "sqlite_errorname", None) not in _SQLITE_BUSY_NAMES and "database is locked" not in orig.args:
+            return True
+        from prefect.settings import get_current_settings
+
+        return get_current_settings().server.log_retryable_errors
 
 
 def _detach_from_parent_signals(parent_pid: int) -> None:
@@ -45,7 +90,9 @@ def _session_server():
     Built on first use: importing Prefect's server module takes seconds, and commands that
     use a configured API never need it.
     """
+    import prefect
     from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
 
     class SessionServer(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:
@@ -84,6 +131,10 @@ def prefect_api() -> Iterator[str]:
         RuntimeError: the temporary server did not answer within
             ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
     """
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     configured = PREFECT_API_URL.value()
     if configured:
         yield configured

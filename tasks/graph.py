@@ -9,6 +9,8 @@ stage (what ``posttrain status`` shows), and its fingerprint is unknown.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,3 +97,29 @@ def stage_states(cfg: PipelineConfig, store: ArtifactStore | None = None, verify
 def expected_fingerprints(cfg: PipelineConfig) -> dict[str, str | None]:
     """Fingerprint each enabled stage has now, in run order (None: waiting on an upstream stage)."""
     return {name: s.fingerprint for name, s in stage_states(cfg).items()}
+
+
+def pipeline_identity(cfg: PipelineConfig) -> str:
+    """64 hex digits naming the pipeline this config describes, computable before any stage
+    has run (every process of a pipeline run, and every later run of the same pipeline,
+    gets the same value; W&B groups a pipeline's stage runs by it).
+
+    A stage's fingerprint chains on the content hashes of its upstream artifacts, which
+    are known only once those are built, so the identity is taken from what the config and
+    the files on disk give up front: for each enabled stage in run order, its name, its
+    upstream stage names and its *recipe*, ``StageSpec.fingerprint(cfg, {})``: the sha256
+    of the stage name, the content hashes of its raw inputs (``StageSpec.raw_hashes``),
+    its fingerprinted config slice (``StageSpec.config``, raw input paths replaced by
+    their content) and its code version (``tasks.fingerprint.code_version``). So a
+    changed parameter of any stage, a changed dataset file, model or reward plug-in, or
+    changed stage code gives a new identity; what the fingerprints leave out (``run.name``,
+    ``run.artifact_root``, ``run.checkpoint_root``, ``wandb.*``, logging and checkpoint cadence, engine placement) and how a raw input's
+    path is spelled do not. Since the upstream artifacts enter only through the recipes
+    that produce them, a non-deterministic stage (rl) rebuilt under the same config keeps
+    the identity.
+
+    identity = sha256(canonical JSON of [{stage, inputs, recipe} for each enabled stage])
+    """
+    recipes = [{"stage": spec.name, "inputs": list(spec.inputs(cfg)), "recipe": spec.fingerprint(cfg, {})}
+               for spec, _ in enabled_stages(cfg)]
+    return hashlib.sha256(json.dumps(recipes, sort_keys=True).encode()).hexdigest()

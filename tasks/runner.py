@@ -130,21 +130,53 @@ def store_for(cfg: PipelineConfig) -> ArtifactStore:
     return ArtifactStore(cfg.run.artifact_root)
 
 
-def pipeline_run_id() -> str:
-    """Groups the stage runs of one pipeline execution (W&B group, manifests)."""
-    return os.environ.get("POSTTRAIN_PIPELINE_RUN") or time.strftime("run-%Y%m%d-%H%M%S")
+def headline_metrics(stage: str, metrics: dict[str, Any] | None) -> dict[str, int | float]:
+    """The figures of a stage's metrics that ``dvc exp show`` / ``dvc metrics diff`` compare:
+    each key of the stage's ``StageSpec.summary`` that is in ``metrics`` (numbers only), with
+    its standard error ``<key>_se`` and its sample count ``<prefix>/n`` when the metrics have
+    them (evaluate: ``sft/accuracy``, ``sft/accuracy_se``, ``sft/n``, ...). Raises
+    ModuleNotFoundError for an unknown stage."""
+    # By name, not `import tasks.graph`: which figures DVC shows changes no artifact, so the
+    # stage modules stay out of every fingerprint's import closure (tasks.fingerprint).
+    import importlib
+
+    spec: StageSpec = importlib.import_module(f"tasks.{stage}").SPEC
+    metrics = metrics or {}
+    keys: list[str] = []
+    for key in spec.summary:
+        if key in metrics:
+            keys += [key, f"{key}_se", f"{key.rsplit('/', 1)[0]}/n"] if "/" in key else [key, f"{key}_se"]
+    return {k: metrics[k] for k in dict.fromkeys(keys)
+            if k in metrics and isinstance(metrics[k], (int, float)) and not isinstance(metrics[k], bool)}
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any] | None = None) -> None:
-    """Record ``outputs/<run>/<stage>.json`` (the stage's current artifact: DVC's out) and
-    ``outputs/<run>/<stage>.metrics.json`` (its numeric metrics: DVC's metrics file)."""
+    """Record ``outputs/<run>/<stage>.json`` (the stage's current artifact and all its metrics:
+    DVC's out) and ``outputs/<run>/<stage>.metrics.json`` (its :func:`headline_metrics`:
+    DVC's metrics file). Both are small, git-tracked files, so an experiment's commit (and
+    the baseline commit) holds them. Raises OSError if ``outputs/<run>`` is not writable."""
     out = Path("outputs") / cfg.run.name
     out.mkdir(parents=True, exist_ok=True)
-    numeric = {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    for name, payload in ((f"{ref.stage}.json", {**ref.model_dump(), "metrics": metrics or {}}), (f"{ref.stage}.metrics.json", numeric)):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True))
-        tmp.replace(out / name)
+    _write_json(out / f"{ref.stage}.json", {**ref.model_dump(), "metrics": metrics or {}})
+    _write_json(out / f"{ref.stage}.metrics.json", headline_metrics(ref.stage, metrics))
+
+
+def write_disabled_pointer(cfg: PipelineConfig, stage: str) -> None:
+    """Record that ``stage`` (sft or rm) is switched off in this config (``<stage>.enabled:
+    false``): ``outputs/<run>/<stage>.json`` is ``{"stage": ..., "disabled": true, ...}`` and
+    its metrics file is ``{}``, so a DVC pipeline that lists the stage still completes.
+    Downstream stages do not read a disabled stage (their ``StageSpec.inputs`` leave it out).
+    Raises OSError if ``outputs/<run>`` is not writable."""
+    out = Path("outputs") / cfg.run.name
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / f"{stage}.json", {"stage": stage, "disabled": True, "reason": f"{stage}.enabled is false", "metrics": {}})
+    _write_json(out / f"{stage}.metrics.json", {})
 
 
 def store_key(store: ArtifactStore) -> str:
@@ -282,7 +314,8 @@ def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
     resume_dir = parent / fp[:16]
     resume_dir.mkdir(parents=True, exist_ok=True)
     workdir, workdir_lock = _attempt_workdir(parent, fp[:16])
-    tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), spec.config(cfg), logger)
+    tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), logger, fingerprint=fp, inputs=inputs,
+                           resume_dir=resume_dir, store=store)
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
     started = time.time()
     try:
@@ -299,7 +332,8 @@ def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
                 "config": spec.config(cfg),
                 "code_version": code_version(f"tasks.{spec.name}"),
                 "metrics": metrics,
-                "pipeline_run": tracker.group,
+                "pipeline_run": tracker.pipeline_run,  # group, identity, Prefect flow run, deployment, DVC experiment
+                "wandb": tracker.wandb,  # the W&B run that built it (None: W&B disabled)
             },
         )
         tracker.finish(metrics, ok=True)

@@ -54,6 +54,9 @@ def env_for(workdir: Path) -> dict:
         DO_NOT_TRACK="1",
         PYTHONPATH=str(REPO),
     )
+    # A wandb-core started by this test process must not serve the commands' runs: they would
+    # outlive a killed command, as they never do for a user.
+    env.pop("WANDB_SERVICE", None)
     return env
 
 
@@ -95,3 +98,46 @@ def wandb_records(run_file: Path):
             records.append(rec)
             pending = b""
     return records
+
+
+def _item_key(item) -> str:
+    return item.key or ".".join(item.nested_key)
+
+
+def offline_run(run_file: Path) -> dict:
+    """One W&B transaction log as a dict: ``id``, ``name``, ``group``, ``job_type``, ``tags``,
+    ``config`` (flat: key -> value), ``history`` (rows as dicts with ``_step``, in file
+    order), ``summary`` (key -> last value, without ``_wandb``), ``exit_code`` (None if the
+    process died before finishing the run), ``superseded`` (a ``.wandb.synced`` marker lies
+    beside it: ``wandb sync`` skips it), ``file`` and ``dir``."""
+    run, config, summary, history, exit_code = None, {}, {}, [], None
+    for rec in wandb_records(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run = rec.run
+            for item in rec.run.config.update:
+                config[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "config":
+            for item in rec.config.update:
+                config[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "history":
+            history.append({_item_key(i): json.loads(i.value_json) for i in rec.history.item})
+        elif kind == "summary":
+            for item in rec.summary.update:
+                summary[_item_key(item)] = json.loads(item.value_json)
+        elif kind == "exit":
+            exit_code = rec.exit.exit_code
+    assert run is not None, f"{run_file} has no run record"
+    config.pop("_wandb", None)
+    summary = {k: v for k, v in summary.items() if not k.startswith("_wandb")}
+    return {"id": run.run_id, "name": run.display_name, "group": run.run_group, "job_type": run.job_type,
+            "tags": list(run.tags), "config": config, "history": history, "summary": summary, "exit_code": exit_code,
+            "superseded": run_file.with_suffix(".wandb.synced").exists(), "file": run_file, "dir": run_file.parent}
+
+
+def offline_runs(wandb_dir: Path) -> list[dict]:
+    """Every offline W&B run under ``wandb_dir`` (the config's ``wandb.dir``; wandb writes into
+    its own ``wandb/`` folder there: ``<wandb_dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb``),
+    oldest first, each as :func:`offline_run`."""
+    files = sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"), key=lambda f: f.parent.name)
+    return [offline_run(f) for f in files]

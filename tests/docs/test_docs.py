@@ -40,9 +40,19 @@ def test_cli_stage_list_matches_the_graph():
 
 
 def test_every_dvc_stage_runs_posttrain_stage():
+    """Each stage's cmd as DVC runs it (dvc.yaml's vars interpolated by DVC's own resolver)."""
     import yaml
+    from dvc.parsing import DataResolver
+    from dvc.repo import Repo
 
-    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
-    assert list(stages) == ["prepare", *STAGE_NAMES]
+    raw = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    repo = Repo(str(REPO), uninitialized=True)
+    try:
+        stages = DataResolver(repo, repo.root_dir, raw).resolve()["stages"]
+    finally:
+        repo.close()
+    assert raw["vars"] == [{"config": "configs/quickstart.yaml", "run": "quickstart"}]
+    assert list(stages) == list(raw["stages"]) == ["prepare", *STAGE_NAMES]
     for name, st in stages.items():
+        assert raw["stages"][name]["cmd"] == f"posttrain stage {name} ${{config}}"
         assert st["cmd"] == f"posttrain stage {name} configs/quickstart.yaml"

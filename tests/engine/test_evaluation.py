@@ -16,6 +16,7 @@ from config.schema import EvaluateConfig
 from data.addition import make_addition_datasets
 from data.rewards import final_answer, get_verifier
 from data.tokenizer_train import train_chat_tokenizer
+from data.chat import readable_text
 from engine.evaluation import (
     accuracy_with_se,
     decode_response,
@@ -253,7 +254,7 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
                                  eos_token_id=eos, pad_token_id=tok.pad_token_id)
         gen = out[0, ids.shape[1]:].tolist()
         stopped = gen[-1] == eos
-        manual.append((tok.decode(gen, skip_special_tokens=True), len(gen), "stop" if stopped else "length"))
+        manual.append((tok.decode(gen, skip_special_tokens=True), len(gen), "stop" if stopped else "length", gen))
     assert any(m[2] == "stop" for m in manual)
     # A random model never adds correctly; make every other label the manual loop's own final
     # answer, so both outcomes occur and the expected accuracy is known from the manual loop.
@@ -263,7 +264,11 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
 
     result = evaluate_policy(HFRollout(policy_dir), tok, rows, exact_match, max_new_tokens=MAX_NEW, temperature=0.0)
     assert [r["response"] for r in result["records"]] == [m[0] for m in manual]
-    assert [(r["response_length"], r["finish_reason"]) for r in result["records"]] == [m[1:] for m in manual]
+    assert [(r["response_length"], r["finish_reason"]) for r in result["records"]] == [m[1:3] for m in manual]
+    # The report's text: the sampled bytes, escaped where they are not whole characters
+    # (the random byte-level model emits such bytes), never U+FFFD.
+    assert [r.get("response_readable", r["response"]) for r in result["records"]] == [readable_text(tok, m[3]) for m in manual]
+    assert not any("\ufffd" in r.get("response_readable", r["response"]) for r in result["records"])
     assert [r["reward"] for r in result["records"]] == expected_rewards
     assert result["n"] == len(rows) == 10
     assert result["accuracy"] == sum(expected_rewards) / len(rows)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import BIN, env_for, posttrain, read_summary, tiny_config, wandb_records, write_config
+from e2e_support import BIN, env_for, offline_runs, posttrain, read_summary, tiny_config, wandb_records, write_config
 
 RUN = "quickstart"
 SFT_STEPS, SFT_EVERY = 40, 5
@@ -473,6 +473,42 @@ def test_two_commands_at_once_on_one_artifact_root_publish_one_artifact(project)
     assert list((project.work / "checkpoints" / "validate").glob(".work-*")) == []  # both attempts cleaned up
 
 
+def wait_until_closed(path: Path, timeout: float = 30.0) -> None:
+    """Return once no process holds ``path`` open (read from /proc/*/fd)."""
+    deadline = time.time() + timeout
+    target = str(path.resolve())
+    while time.time() < deadline:
+        holders = []
+        for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+            try:
+                holders += [fd for fd in fd_dir.iterdir() if os.readlink(fd) == target]
+            except OSError:
+                continue
+        if not holders:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} still open after {timeout} s")
+
+
+def stage_wandb_runs(project: Project, artifact_id: str) -> list[dict]:
+    """The offline W&B runs of the attempts at building ``artifact_id`` (cached runs left out), oldest first."""
+    return [r for r in offline_runs(project.work / "wandb") if r["name"] == artifact_id and "cached" not in r["tags"]]
+
+
+def assert_one_complete_wandb_run(project: Project, artifact_id: str, steps: list[int]) -> dict:
+    """After kills and a resume that published ``artifact_id``: every attempt is one W&B run (one
+    id, one group); the newest file holds ``steps``, each once, and is the only one ``wandb
+    sync`` uploads (the earlier attempts' files are marked superseded). Returns that run."""
+    runs = stage_wandb_runs(project, artifact_id)
+    live = [r for r in runs if not r["superseded"]]
+    assert len(runs) >= 2 and len(live) == 1, [(r["dir"].name, r["superseded"], r["exit_code"]) for r in runs]
+    done = live[0]
+    assert done is runs[-1] and done["exit_code"] == 0 and "resumed" in done["tags"]
+    assert {r["id"] for r in runs} == {done["id"]} and {r["group"] for r in runs} == {done["group"]}
+    assert [row["_step"] for row in done["history"]] == steps
+    return done
+
+
 # ----------------------------------------------------------------------------- SFT: Ctrl-C, kill, resume
 
 
@@ -553,6 +589,10 @@ def test_sft_killed_with_sigkill_resumes_from_its_checkpoint(project):
     assert manifest(project, "sft", artifact_id)["metrics"]["train/steps"] == SFT_STEPS
     assert not resume_dir.exists()  # published: the checkpoint is removed
     project.state.update(sft_killed_at=killed_at, sft_id=artifact_id, sft_tmp=tmp)
+    from config import load_config
+
+    every = load_config(project.config).sft.log_every
+    assert_one_complete_wandb_run(project, artifact_id, [s for s in range(1, SFT_STEPS + 1) if s % every == 0 or s == SFT_STEPS])
 
 
 @pytest.mark.slow
@@ -594,11 +634,24 @@ def test_rl_killed_with_sigkill_resumes_and_publishes_each_step_once(project):
     resume_dir = project.work / "checkpoints" / "rl" / fp[:16]
     proc = start(project, ["stage", "rl", project.config], "rl-kill")
     wait_for_checkpoints(proc, resume_dir, 2, 900, "rl-kill", project)
+    kill_time = time.time()
     left = kill_session(proc)  # the CLI, Ray's GCS/raylet and the Ray workers (vLLM runs in the rollout worker)
     assert left == [], f"processes of the killed rl stage still alive: {left}"
     killed_at = checkpoint_step(resume_dir)
     assert 2 <= killed_at < RL_STEPS
     assert published(project, "rl") == []
+
+    # What the killed attempt logged (history.jsonl, written as each step is logged) reached its
+    # W&B file, except at most the last FLUSH_INTERVAL_S (1 s) before the kill, + 2 s of slack.
+    logged = [json.loads(line) for line in (resume_dir / "history.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == list(range(1, len(logged) + 1)) and len(logged) >= killed_at
+    for run_file in (project.work / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"):
+        wait_until_closed(run_file)  # the killed stage's wandb-core is gone
+    [killed] = stage_wandb_runs(project, f"rl-{fp[:16]}")
+    assert killed["exit_code"] is None  # never finished: the process was killed
+    in_wandb = {row["_step"] for row in killed["history"]}
+    ages = {row["step"]: round(kill_time - row["t"], 2) for row in logged}
+    assert {s for s, age in ages.items() if age > 3.0} <= in_wandb, f"seconds before the kill: {ages}; in W&B: {sorted(in_wandb)}"
 
     rerun = posttrain(["stage", "rl", str(project.config)], cwd=project.work, env=project.env)
     artifact_id = f"rl-{fp[:16]}"
@@ -610,6 +663,13 @@ def test_rl_killed_with_sigkill_resumes_and_publishes_each_step_once(project):
     lines = (project.artifacts / "rl" / artifact_id / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, RL_STEPS + 1))
     assert not resume_dir.exists()
+    done = assert_one_complete_wandb_run(project, artifact_id, list(range(1, RL_STEPS + 1)))
+    assert done["id"] == killed["id"]
+    restored = {row["_step"]: row for row in done["history"]}
+    for row in logged:  # the steps before the checkpoint, re-logged with the values and times the killed attempt logged
+        if row["step"] <= metrics["rl/resumed_from_step"]:
+            assert restored[row["step"]]["_timestamp"] == row["t"]
+            assert restored[row["step"]]["actor/pg_loss"] == row["metrics"]["actor/pg_loss"]
 
 
 # ----------------------------------------------------------------------------- deleted and stale artifacts

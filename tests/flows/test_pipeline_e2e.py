@@ -3,13 +3,16 @@ W&B offline) on a tiny version of the quickstart, then reruns it to check cachin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from e2e_support import env_for, posttrain, read_summary, tiny_config, wandb_records, write_config
+from e2e_support import env_for, offline_runs, posttrain, read_summary, tiny_config, write_config
 
 pytestmark = pytest.mark.slow
 STAGES = ["validate", "convert", "sft", "rm", "rl", "evaluate", "export"]
@@ -30,6 +33,22 @@ def project(tmp_path_factory):
 
 def _states(summary: dict) -> dict[str, str]:
     return {name: s.get("state") for name, s in summary["stages"].items() if name in STAGES}
+
+
+def _group_of(work: Path, config: Path) -> str:
+    """The W&B group of a config: ``<run.name>-<identity[:12]>``, computed here from the config
+    and the files on disk, as every stage process computes it (paths relative to ``work``)."""
+    from config import load_config
+    from tasks.graph import pipeline_identity
+
+    with contextlib.chdir(work):
+        cfg = load_config(config)
+        return f"{cfg.run.name}-{pipeline_identity(cfg)[:12]}"
+
+
+def _runs_of(project, flow_run_id: str) -> list[dict]:
+    """The offline W&B runs one `posttrain run` (its Prefect flow run) wrote."""
+    return [r for r in offline_runs(project["work"] / "wandb") if f"flow-run:{flow_run_id}" in r["tags"]]
 
 
 def test_first_run_runs_every_stage_and_prints_the_summary(project):
@@ -76,35 +95,77 @@ def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project)
 def test_second_run_is_all_cache_hits_and_fast(project):
     work = project["work"]
     artifacts_before = sorted(p.name for p in (work / "artifacts").glob("*/*"))
-    wandb_before = sorted((work / "wandb").glob("wandb/*run-*"))
+    wandb_before = {r["file"] for r in offline_runs(work / "wandb")}
     started = time.time()
     posttrain(["run", str(project["config"])], cwd=work, env=project["env"])
     wall = time.time() - started
     summary = read_summary(work, "quickstart")
     assert _states(summary) == {s: "Cached" for s in STAGES}
     assert sorted(p.name for p in (work / "artifacts").glob("*/*")) == artifacts_before  # nothing new published
-    assert sorted((work / "wandb").glob("wandb/*run-*")) == wandb_before  # nothing trained or logged
+    # nothing trained or logged: each stage is a short run tagged `cached` in the first run's group
+    new = [r for r in offline_runs(work / "wandb") if r["file"] not in wandb_before]
+    first = project["first"]
+    assert sorted(r["job_type"] for r in new) == sorted(STAGES)
+    for run in new:
+        name = run["job_type"]
+        assert run["name"] == first["stages"][name]["artifact_id"] == summary["stages"][name]["artifact_id"]
+        assert run["tags"] == ["cached", f"flow-run:{summary['flow_run_id']}"], run["tags"]
+        assert run["group"] == _group_of(work, project["config"]), name
+        assert run["history"] == [] and run["exit_code"] == 0
+        metrics = {k: v for k, v in summary["stages"][name]["metrics"].items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+        assert {k: run["summary"][k] for k in metrics} == metrics, name
+    project["cached_runs"] = new
     assert wall < 30.0, f"cached rerun took {wall:.1f} s"
 
 
 def test_wandb_has_one_run_per_stage_grouped_by_pipeline_run(project):
     summary = project["first"]
-    runs = {}
-    for run_file in (project["work"] / "wandb").glob("wandb/offline-run-*/run-*.wandb"):
-        records = wandb_records(run_file)
-        run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
-        keys = {i.key or "/".join(i.nested_key) for r in records if r.WhichOneof("record_type") == "history" for i in r.history.item}
-        runs[run.display_name] = (run.run_group, run.job_type, keys)
     first_ids = {summary["stages"][s]["artifact_id"]: s for s in STAGES}
-    first_runs = {name: v for name, v in runs.items() if name in first_ids}
-    assert {v[1] for v in first_runs.values()} == set(STAGES)  # job_type = stage, one run each
+    first_runs = {r["name"]: r for r in _runs_of(project, summary["flow_run_id"])}
+    assert set(first_runs) == set(first_ids)
+    assert {r["job_type"] for r in first_runs.values()} == set(STAGES)  # job_type = stage, one run each
     assert len(first_runs) == len(STAGES)
-    assert len({v[0] for v in first_runs.values()}) == 1  # one group: the pipeline run
-    rl_keys = runs[summary["stages"]["rl"]["artifact_id"]][2]
+    assert {r["group"] for r in first_runs.values()} == {_group_of(project["work"], project["config"])}  # one group: the pipeline
+    assert all("cached" not in r["tags"] and r["exit_code"] == 0 for r in first_runs.values())
+    keys = {name: {k for row in r["history"] for k in row} for name, r in first_runs.items()}
+    rl_keys = keys[summary["stages"]["rl"]["artifact_id"]]
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                 "critic/score/mean", "response_length/mean", "timing_s/gen", "perf/throughput"):
         assert key in rl_keys, key
-    assert "train/loss" in runs[summary["stages"]["sft"]["artifact_id"]][2]
+    assert "train/loss" in keys[summary["stages"]["sft"]["artifact_id"]]
+    rl_run = first_runs[summary["stages"]["rl"]["artifact_id"]]
+    assert [row["_step"] for row in rl_run["history"]] == list(range(1, project["cfg"]["rl"]["steps"] + 1))
+    # The run with the accuracies carries the RL settings and the artifacts it evaluated.
+    ev = first_runs[summary["stages"]["evaluate"]["artifact_id"]]
+    assert (ev["config"]["rl.steps"], ev["config"]["rl.optim.lr"], ev["config"]["sft.steps"]) == (
+        project["cfg"]["rl"]["steps"], project["cfg"]["rl"]["optim"]["lr"], project["cfg"]["sft"]["steps"])
+    assert {s: ev["config"][f"upstream/{s}/artifact_id"] for s in ("validate", "convert", "sft", "rl")} == {
+        s: summary["stages"][s]["artifact_id"] for s in ("validate", "convert", "sft", "rl")}
+    assert ev["summary"]["rl/accuracy"] == summary["stages"]["evaluate"]["metrics"]["rl/accuracy"]
+    # Each artifact's manifest names the pipeline run and the W&B run that built it.
+    for name in STAGES:
+        manifest = json.loads((Path(summary["stages"][name]["uri"]) / "manifest.json").read_text())
+        run = first_runs[summary["stages"][name]["artifact_id"]]
+        assert manifest["pipeline_run"]["group"] == run["group"] and manifest["pipeline_run"]["flow_run_id"] == summary["flow_run_id"]
+        assert manifest["wandb"]["run_id"] == run["id"]
+
+
+def test_the_documented_offline_run_commands_list_the_real_run_files(project):
+    """docs/quickstart.md "Compare runs (W&B)": its listing and dry-run commands, run as written
+    from the project directory (``wandb.dir`` is ``wandb`` there, as in the quickstart)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text()
+    section = doc.split("## Compare runs (W&B)", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+                for line in block.splitlines() if line.startswith(("ls ", "wandb sync --dry-run"))]
+    assert [c.split()[0] for c in commands] == ["ls", "wandb"], commands
+    runs = offline_runs(project["work"] / "wandb")
+    listed = subprocess.run(["bash", "-c", commands[0]], cwd=project["work"], env=project["env"], capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    assert sorted(listed.stdout.split()) == sorted(str(r["dir"].relative_to(project["work"])) for r in runs)
+    dry = subprocess.run(["bash", "-c", commands[1]], cwd=project["work"], env=project["env"], capture_output=True, text=True, timeout=300)
+    out = dry.stdout + dry.stderr
+    assert dry.returncode == 0, out
+    assert f"Would sync {len([r for r in runs if not r['superseded']])} run(s)" in out, out
 
 
 def _rerun_with(project, name: str, **overrides) -> dict:
@@ -119,6 +180,14 @@ def test_changing_an_rl_parameter_reruns_only_rl_evaluate_export(project):
     summary = _rerun_with(project, "rl_change", **{"rl.optim": {"lr": 5.0e-4}})
     cached = {"validate", "convert", "sft", "rm"}
     assert _states(summary) == {s: "Cached" if s in cached else "Completed" for s in STAGES}
+    # A new pipeline, a new W&B group, holding every stage: the unchanged ones as cached runs.
+    runs = {r["job_type"]: r for r in _runs_of(project, summary["flow_run_id"])}
+    group = _group_of(project["work"], project["work"] / "rl_change.yaml")
+    assert group != _group_of(project["work"], project["config"])
+    assert set(runs) == set(STAGES) and {r["group"] for r in runs.values()} == {group}
+    assert {s for s, r in runs.items() if "cached" in r["tags"]} == cached
+    assert runs["evaluate"]["config"]["rl.optim.lr"] == 5.0e-4
+    assert runs["evaluate"]["config"]["upstream/rl/artifact_id"] == summary["stages"]["rl"]["artifact_id"]
 
 
 def test_changing_an_sft_parameter_reruns_sft_and_everything_after(project):

@@ -1,15 +1,24 @@
 """The temporary Prefect server of CLI commands: its own session, stopped after the block,
-and not started at all when an API is configured."""
+and not started at all when an API is configured. And the log filter of the long-running
+server on SQLite (prefect-server-logging.yml), on real SQLite lock errors."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sqlite3
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
+import sqlalchemy
 from prefect import flow
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_LOG_RETRYABLE_ERRORS, temporary_settings
 
-from flows.prefect_server import prefect_api
+from flows.prefect_server import RetriedSQLiteLockFilter, prefect_api
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @flow
@@ -43,3 +52,92 @@ def test_configured_api_is_used_as_is():
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         with prefect_api() as url:
             assert url == "http://127.0.0.1:9/api"  # nothing started, nothing contacted
+
+
+# ---------------------------------------------------------------- the server's SQLite retry filter
+
+
+def _database_locked(tmp_path: Path) -> sqlalchemy.exc.OperationalError:
+    """A real "database is locked": SQLAlchemy writing to a SQLite file whose write lock another
+    connection holds (timeout 0, so SQLite answers at once, as it does for a deferred upgrade)."""
+    path = tmp_path / "locked.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}", connect_args={"timeout": 0})
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("INSERT INTO t VALUES (1)")
+    except sqlalchemy.exc.OperationalError as exc:
+        return exc
+    finally:
+        engine.dispose()
+        holder.close()
+    raise AssertionError("the write did not fail")
+
+
+def _kept(records: list[tuple[str, str, BaseException]]) -> list[str]:
+    """The messages of the (logger, message, exception) ERROR records the filter keeps."""
+    filter_ = RetriedSQLiteLockFilter()
+    kept = []
+    for name, message, exc in records:
+        args = ("12ms", "mark_deployments_ready(...)") if "%s" in message else ()
+        record = logging.LogRecord(name, logging.ERROR, __file__, 0, message, args, (type(exc), exc, exc.__traceback__))
+        if filter_.filter(record):
+            kept.append(f"{name}: {record.getMessage()}")
+    return kept
+
+
+def test_filter_drops_only_retried_sqlite_lock_errors(tmp_path):
+    locked = _database_locked(tmp_path)
+    assert "database is locked" in str(locked.orig) and locked.orig.sqlite_errorname == "SQLITE_BUSY"
+    other = sqlalchemy.exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError("no such table: deployment"))
+    validation = "Encountered error during state validation"
+    records = [
+        ("docket.dependencies", "↩ [%s] %s", locked),  # dropped: docket retries it
+        ("prefect.server", validation, locked),  # dropped: re-raised for a retry
+        ("docket.dependencies", "↩ [%s] %s", other),  # another SQLite error
+        ("docket.dependencies", "↩ [%s] %s", ValueError("x")),  # not a database error
+        ("docket.dependencies", "❌ [%s] %s", locked),  # not a retry
+        ("prefect.server", "Unexpected error in %s: %s", locked),  # not a retried failure
+        ("prefect.server.services", validation, locked),  # another logger
+    ]
+    assert _kept(records) == [
+        "docket.dependencies: ↩ [12ms] mark_deployments_ready(...)",
+        "docket.dependencies: ↩ [12ms] mark_deployments_ready(...)",
+        "docket.dependencies: ❌ [12ms] mark_deployments_ready(...)",
+        "prefect.server: Unexpected error in 12ms: mark_deployments_ready(...)",
+        f"prefect.server.services: {validation}",
+    ]
+    with temporary_settings(updates={PREFECT_SERVER_LOG_RETRYABLE_ERRORS: True}):
+        assert len(_kept(records)) == len(records)  # Prefect's switch for retryable errors shows them all again
+
+
+def test_filter_matches_what_docket_and_prefect_log_for_a_retry():
+    """The installed pydocket's Retry and Perpetual log a rescheduled failure as "↩ [duration]
+    call" on docket.dependencies, and Prefect's orchestration rules log "Encountered error
+    during state validation" on prefect.server and re-raise a retryable error: the loggers
+    and messages the filter (and prefect-server-logging.yml) name."""
+    import docket.dependencies._perpetual as perpetual
+    import docket.dependencies._retry as retry
+    import prefect.server.orchestration.rules as rules
+
+    for module in (retry, perpetual):
+        source = Path(module.__file__).read_text()
+        assert 'logger = logging.getLogger("docket.dependencies")' in source and '"↩ [%s] %s",' in source
+    source = Path(rules.__file__).read_text()
+    assert 'logger: "Logger" = get_logger("server")' in source and rules.logger.name == "prefect.server"
+    assert """logger.exception("Encountered error during state validation")
+            self.proposed_state: states.State[Any] | None = None
+
+            if is_client_retryable_exception(exc):
+                # Do not capture retryable database exceptions, this exception will be
+                # raised as a 503 in the API layer
+                raise""" in source
+
+
+def test_module_imports_without_prefect():
+    """Prefect's logging set-up imports the filter while ``import prefect`` is still running."""
+    probe = "import sys, flows.prefect_server; print(sorted(m for m in sys.modules if m.split('.')[0] == 'prefect'))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

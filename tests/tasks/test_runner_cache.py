@@ -35,6 +35,12 @@ def prefect_server():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Stages write their pointers under ``outputs/<run>/`` of the working directory: the test's own."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def data(tmp_path, fixtures_dir) -> Path:
     """A real alpaca-format SFT file (LLaMA-Factory's demo set), copied so tests may edit it."""
