@@ -25,6 +25,7 @@ from tasks.artifacts import ArtifactRef, CorruptArtifact
 from tasks.graph import enabled_stages, stage, stage_states
 from tasks.prepare import is_prepared, prepare
 from tasks.runner import clean_leftovers, input_hashes, store_for, write_pointer
+from tasks.tracking import log_cached_stage, pipeline_run_info, wandb_mode
 
 
 def result_storage(cfg: PipelineConfig) -> Path:
@@ -63,8 +64,6 @@ def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef])
     ref = state.result()  # raises the stage's exception if it failed
     if found is None:
         return state, ref
-    from tasks.tracking import log_cached_stage
-
     reported = log_cached_stage(cfg, found, store_for(cfg).manifest(found))  # the group shows every stage of the run
     if reported is not None:
         _cached_runs[found.artifact_id] = reported
@@ -133,6 +132,8 @@ def pipeline(config_path: str) -> dict[str, Any]:
         reports.publish_stage(cfg, name, summary["stages"][name], stage(name)[0].summary)
         i += 1
     summary["flow_run_id"] = str(flow_run.get_id())
+    if wandb_mode(cfg) != "disabled":
+        summary["wandb_group"] = pipeline_run_info(cfg)["group"]
     reports.publish_summary(cfg, summary)
     return summary
 

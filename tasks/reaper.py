@@ -16,7 +16,8 @@ EOF and the reaper is re-parented (the stage process is gone, however it went), 
    and to every process whose environment carries this reaper's token (started by the
    stage process after the reaper, but missed by the last snapshot);
 2. sends SIGKILL to what is left after a grace: 5 s for W&B processes (:func:`is_wandb`:
-   ``wandb-core`` and the like), so they can flush what they hold, 2 s for the rest, and 1 s more
+   ``wandb-core`` and the like; it does not flush on SIGTERM, which is why stage runs
+   flush every second, tasks/tracking.py), 2 s for the rest, and 1 s more
    for Python's resource trackers (they ignore SIGTERM and, once every process holding
    their pipe is gone, remove the semaphores and shared memory the dead processes leaked);
 3. exits.

@@ -1,6 +1,6 @@
 """The Prefect deployment in prefect.yaml, the way docs/quickstart.md "Run it on a schedule
 (Prefect)" runs it: the commands of that section's bash blocks are read from the page and run
-as they are (a free port for 4200, the tiny config for configs/my-run.yaml, a 30 s interval
+as they are (a free port for 4200, the tiny config for configs/my_run.yaml, a 30 s interval
 for 21600 s) in a copy of the project. A real ``prefect server start`` with its scheduler on,
 the process work pool with a concurrency limit of 1, ``prefect deploy``, a worker; then two
 flow runs *created by the scheduler*: the first runs every stage, the second, after the
@@ -223,7 +223,7 @@ def scheduled(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    steps = doc_steps({"4200": str(port), "configs/my-run.yaml": str(config), "--interval 21600": f"--interval {INTERVAL_S}"})
+    steps = doc_steps({"4200": str(port), "configs/my_run.yaml": str(config), "--interval 21600": f"--interval {INTERVAL_S}"})
     assert [s.argv[:3] for s in steps] == [
         [".", ".venv/bin/activate"], ["export", f"PREFECT_API_URL=http://127.0.0.1:{port}/api"],
         ["prefect", "server", "start"], ["prefect", "work-pool", "create"], ["prefect", "work-pool", "set-concurrency-limit"],
@@ -532,6 +532,7 @@ def test_wandb_has_one_complete_group_per_scheduled_run(scheduled):
         assert {r["job_type"] for r in mine if "cached" in r["tags"]} == cached
         assert len({r["group"] for r in mine}) == 1
         groups.append(mine[0]["group"])
+        assert f"W&B group: `{mine[0]['group']}`" in _artifacts(scheduled["api"], run_id)["quickstart-summary"]["data"]
         evaluate = next(r for r in mine if r["job_type"] == "evaluate")
         assert evaluate["config"]["rl.steps"] == steps
     assert groups[0] != groups[1] and all(g.startswith("quickstart-") for g in groups)

@@ -78,7 +78,7 @@ APPLY = "dvc exp apply rm-0.5"
 COMMIT_KEPT = f'git add dvc.lock {PARAMS_FILE} {OUT} && git commit -m "rl: reward model weight 0.5"'
 NO_RM = (f"dvc exp run -n no-rm -S {PARAMS_FILE}:rm.enabled=false "
          f"-S {PARAMS_FILE}:rl.reward.reward_model_weight=0")
-WALKTHROUGH = [INIT, ACTIVATE, REPRO, COMMIT_BASELINE, *EXP_RUNS.values(), SHOW, DIFF, BRANCH, APPLY, COMMIT_KEPT, NO_RM]
+WALKTHROUGH = [ACTIVATE, INIT, REPRO, COMMIT_BASELINE, *EXP_RUNS.values(), SHOW, DIFF, BRANCH, APPLY, COMMIT_KEPT, NO_RM]
 OWN_VARS = {"config": "configs/my_run.yaml", "run": "my_run"}
 OWN_STATUS = "dvc status"
 # Never copied into a project copy: the venv and everything a run produces.
@@ -413,7 +413,7 @@ def _kill_all(proc: subprocess.Popen, family: list) -> None:
 
 # A stand-in for `posttrain stage`: what cmd_stage does first, then a long "stage".
 WATCHED = ("import time; from flows.parent_watch import owners, watch_parent; "
-           "print(' '.join(p.name() for p in owners()), flush=True); watch_parent(); time.sleep(60)")
+           "watch_parent(); print(' '.join(p.name() for p in owners()), flush=True); time.sleep(60)")
 
 
 @pytest.mark.parametrize("shell, watch", [("/bin/sh", "1"), ("/bin/bash", "1"), ("/bin/bash", "0")],

@@ -69,6 +69,8 @@ def test_result_lines_are_the_cli_summary():
     assert "| evaluate | Cached | 0.2 | evaluate-0a | https://wandb.ai/me/posttrain/runs/ev-1 |" in markdown
     assert "| export | Cached | 0.5 | export-0b | - |" in markdown
     assert all(f"    {line}" in markdown for line in lines)
+    assert "W&B group" not in markdown
+    assert "W&B group: `quickstart-0123456789ab`" in reports.summary_markdown({**SUMMARY, "wandb_group": "quickstart-0123456789ab"})
 
 
 def test_config_markdown_diffs_against_the_previous_run():
