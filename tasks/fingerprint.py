@@ -45,7 +45,25 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
-def _imported_names(path: Path, module: str) -> set[str]:
+def _per_file(compute: Callable[..., Any]) -> Callable[..., Any]:
+    """``compute(path, *args)`` cached per file version (path, size, mtime, ctime, inode, as
+    :func:`hash_path`; a file modified within the last 2 s is read again each time), so the
+    code versions of several stages, which share most of their modules, parse each file once
+    per process. Results are treated as read-only."""
+    cached = lru_cache(maxsize=4096)(lambda key, path, *args: compute(path, *args))
+
+    def wrapper(path: Path, *args):
+        st = path.stat()
+        if time.time_ns() - st.st_mtime_ns < _RACY_NS:
+            return compute(path, *args)
+        return cached((str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino), path, *args)
+
+    wrapper.__doc__ = compute.__doc__
+    return wrapper
+
+
+@_per_file
+def _imported_names(path: Path, module: str) -> frozenset[str]:
     """Every module name the file imports (absolute and relative imports, at any depth of
     the file, with the parent packages an import runs), whether or not it exists."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
@@ -68,7 +86,7 @@ def _imported_names(path: Path, module: str) -> set[str]:
         parts = name.split(".")
         for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__
             closure.add(".".join(parts[:i]))
-    return {m for m in closure if m}
+    return frozenset(m for m in closure if m)
 
 
 def _imports(path: Path, module: str) -> set[str]:
@@ -116,6 +134,7 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
+@_per_file
 def source_digest(path: Path) -> bytes:
     """What of a Python file can change what it does: its syntax tree without docstrings,
     line numbers or comments (``ast.dump`` without attributes). Code that reads its own
