@@ -227,9 +227,10 @@ def convert_model_dir(hf_dir: Path, out_dir: Path, eos_token_ids: list[int] | No
     """
     from conversion.hf_source import check_tokenizer_fits, load_hf_source
     from conversion.registry import hf_to_megatron
-    from engine.megatron_model import GPTSpec, build_gpt_model
-    from engine.model_dir import save_model_dir
-    from engine.platform import init_model_parallel
+    from conversion.spec import GPTSpec
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import save_model_dir
+    from engine.models.platform import init_model_parallel
 
     if (out_dir / "hf" / "config.json").is_file():
         return out_dir

@@ -9,7 +9,7 @@ attention) and one batch of ``--num-seqs`` prompt + response sequences whose len
 a long-tailed distribution: prompts ``lognormal(median 48, sigma 0.5)``, responses
 ``lognormal(median 64, sigma 1.0)``, each clipped to ``[1, --max-len / 2]``, so a few
 responses are many times the median. The rows are shuffled (as a rollout batch is), and
-the same model, batch and loss (``engine.actor_loss.actor_loss_fn``, token-mean PPO clip)
+the same model, batch and loss (``engine.training.actor.actor_loss_fn``, token-mean PPO clip)
 are timed in three ways:
 
 - ``padded``: micro-batches of ``--micro-batch-size`` consecutive rows, each right-padded to
@@ -20,7 +20,7 @@ are timed in three ways:
   by Karmarkar-Karp (``rl.packing: true``, ``rl.max_tokens_per_micro_batch``).
 
 One pass is the forward and backward of the actor loss over every micro-batch
-(``engine.train_step.accumulate_gradients``; no optimizer step). The time is the fastest of
+(``engine.training.optimizer_step.accumulate_gradients``; no optimizer step). The time is the fastest of
 ``--repeats`` passes after one untimed warm-up pass, the modes' passes interleaved (so load
 from other processes hits them alike); trained tokens/s is the batch's real
 (prompt + response) tokens over that time, the same numerator for every mode. The process's
@@ -51,11 +51,11 @@ def model_config(hidden: int, layers: int, vocab: int) -> dict:
 
 
 def long_tail_batch(num_seqs: int, max_len: int, vocab: int, seed: int):
-    """A shuffled :class:`engine.types.Trajectory` with lognormal prompt and response lengths
+    """A shuffled :class:`engine.trajectory.Trajectory` with lognormal prompt and response lengths
     (see the module docstring), random tokens, unit advantages of random sign and
     old log-probs of ``-log(vocab)``."""
     from engine.rollout.base import RolloutOutput
-    from engine.types import Trajectory
+    from engine.trajectory import Trajectory
 
     gen = torch.Generator().manual_seed(seed)
     half = max_len // 2
@@ -79,7 +79,8 @@ def long_tail_batch(num_seqs: int, max_len: int, vocab: int, seed: int):
 def prepare_mode(traj, packing: bool, micro_batch_size: int, max_tokens: int | None) -> dict:
     """One mode's micro-batches and actor loss (token-mean PPO clip, no KL, no entropy bonus)."""
     from config.schema import KLConfig, RLConfig, RolloutConfig
-    from engine.actor_loss import actor_loss_fn, actor_micro_batches
+    from engine.training.actor import actor_loss_fn
+    from engine.trajectory import actor_micro_batches
     from engine.algorithms import global_norm
 
     cfg = RLConfig(packing=packing, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens,
@@ -93,8 +94,8 @@ def prepare_mode(traj, packing: bool, micro_batch_size: int, max_tokens: int | N
 
 def time_pass(model, mode: dict) -> None:
     """One forward + backward pass of the actor loss over every micro-batch of ``mode``
-    (``engine.train_step.accumulate_gradients``); appends ``(wall s, process CPU s)`` to ``mode["times"]``."""
-    from engine.train_step import accumulate_gradients
+    (``engine.training.optimizer_step.accumulate_gradients``); appends ``(wall s, process CPU s)`` to ``mode["times"]``."""
+    from engine.training.optimizer_step import accumulate_gradients
 
     t0, c0 = time.perf_counter(), time.process_time()
     mode["loss"], _, _ = accumulate_gradients(model, mode["micro"], mode["loss_fn"], normalized=True)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from conversion.spec import GPTSpec
-    from engine.megatron_model import build_gpt_model
+    from engine.models.megatron import build_gpt_model
 
     torch.set_num_threads(args.threads)
     cfg = model_config(args.hidden, args.layers, args.vocab)

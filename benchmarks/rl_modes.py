@@ -57,9 +57,10 @@ def latest_sft_model() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from engine.evaluation import evaluate_model_dirs, paired_difference
-    from engine.ray_cluster import shutdown_ray
-    from engine.rl import run_rl
+    from engine.evaluation.scoring import evaluate_model_dirs
+    from engine.evaluation.statistics import paired_difference
+    from engine.rl.placement import shutdown_ray
+    from engine.rl.loop import run_rl
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"))

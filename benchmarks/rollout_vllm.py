@@ -16,10 +16,10 @@ weights (``benchmarks.models.SHAPES``), on this machine's CPU. Modes (``--modes`
 - ``vllm-rollout``: the engine's ``engine.rollout.vllm_rollout.VLLMRollout`` in this process,
   built as the rollout worker builds it (placeholder weights, then ``update_weights``),
   ``generate`` with a ``SamplingSpec`` (per-request seeds, log-probs of the sampled tokens).
-- ``engine``: what ``engine.rl.run_rl`` does for a rollout. A local Ray cluster, the
-  colocated placement group, an ``engine.workers.RolloutWorker`` actor started from the
+- ``engine``: what ``engine.rl.loop.run_rl`` does for a rollout. A local Ray cluster, the
+  colocated placement group, an ``engine.rl.workers.RolloutWorker`` actor started from the
   converted model directory, the weights pushed through ``RolloutWorker.update_weights``,
-  then ``engine.rl_step.generate`` (the Ray call and the ``Trajectory`` built from the outputs).
+  then ``engine.rl.phases.generate`` (the Ray call and the ``Trajectory`` built from the outputs).
 
 The engine's Ray workers run at the benchmark's own priority (``RAY_worker_niceness=0``; Ray's
 default 15 would make them yield to every other process on this shared machine).
@@ -113,8 +113,8 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
                       tokens: int) -> tuple[Call, Callable[[], None]]:
     """The engine's ``VLLMRollout`` in this process, built as ``RolloutWorker`` builds it
     (placeholder weights, then ``update_weights``), without Ray. Returns ``(call, close)``."""
-    from engine.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
-    from engine.rl_step import sampling_seed
+    from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
+    from engine.rl.phases import sampling_seed
     from engine.rollout.base import SamplingSpec
     from engine.rollout.vllm_rollout import VLLMRollout
 
@@ -137,22 +137,24 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
                 tokens: int) -> tuple[Call, Callable[[], None]]:
     """The RL engine's rollout path (see the module docstring): a local Ray cluster, the
     colocated placement group and a ``RolloutWorker`` actor given the weights; a call is one
-    ``engine.rl_step.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
+    ``engine.rl.phases.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
     import ray
 
     from config.schema import RLConfig
-    from engine.batching import pad_token_id
-    from engine.model_dir import load_tokenizer, read_hf_config
-    from engine.ray_cluster import colocated_placement, init_ray, shutdown_ray
-    from engine.rl_step import RLPrompt, Workers, generate
-    from engine.workers import RolloutWorker, spawn
+    from engine.batching.collate import pad_token_id
+    from engine.storage.model_dir import load_tokenizer, read_hf_config
+    from engine.rl.placement import colocated_placement, init_ray, shutdown_ray
+    from engine.rl.prompts import RLPrompt
+    from engine.rl.workers import Workers
+    from engine.rl.phases import generate
+    from engine.rl.workers import RolloutWorker, spawn
 
     cfg = RLConfig.model_validate({"n_samples": samples, "prompts_per_step": len(prompts), "rollout": {
         "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens}})
     batch = [RLPrompt([], "", p) for p in prompts]
     pad_id = pad_token_id(load_tokenizer(model_dir))
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
-    # as engine.rl.start_workers: four colocated workers share the bundle; only the rollout one is needed here
+    # as engine.rl.workers.start_workers: four colocated workers share the bundle; only the rollout one is needed here
     placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
     max_len = int(read_hf_config(model_dir)["max_position_embeddings"])
     rollout = spawn(RolloutWorker, placement, str(model_dir), cfg.rollout, str(WORK_DIR / "scratch"), max_len,

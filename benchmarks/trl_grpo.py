@@ -1,4 +1,4 @@
-"""GRPO throughput and reward: the RL engine (``engine.rl.run_rl``) vs TRL's ``GRPOTrainer``.
+"""GRPO throughput and reward: the RL engine (``engine.rl.loop.run_rl``) vs TRL's ``GRPOTrainer``.
 
     python -m benchmarks.trl_grpo                               # both sizes, default steps
     python -m benchmarks.trl_grpo --sizes quickstart --steps 30 --sft-steps 300
@@ -146,7 +146,7 @@ def increments(cumulative: list[float], start: float = 0.0) -> list[float]:
 
 
 def engine_record(metrics: dict[str, float]) -> StepRecord:
-    """A :class:`StepRecord` from one step's ``engine.rl`` metrics: ``timing_s/step``,
+    """A :class:`StepRecord` from one step's ``engine.rl.loop`` metrics: ``timing_s/step``,
     ``response_length/mean`` x ``batch/responses`` response tokens, ``perf/throughput`` x
     ``timing_s/step`` trained tokens (``Trajectory.num_tokens``), ``critic/score/mean``."""
     seconds = float(metrics["timing_s/step"])
@@ -167,7 +167,7 @@ def inputs_for(size: str, sft_steps: int) -> dict[str, Path]:
     prepared = prepare_quickstart(sft_steps if size == "quickstart" else None)
     prompts = prepared["data"] / "rl_train.jsonl"
     if size == "quickstart":
-        from engine.hf_export import export_model_dir
+        from engine.storage.hf_io import export_model_dir
 
         hf_dir = WORK_DIR / "trl_grpo" / f"sft{sft_steps}_hf"
         if not (hf_dir / "model.safetensors").is_file() or _stale(hf_dir, prepared["sft"]):
@@ -187,11 +187,11 @@ def _stale(hf_dir: Path, source: Path) -> bool:
 
 
 def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int, side: str = "engine") -> dict:
-    """``engine.rl.run_rl`` for ``steps`` steps in the mode of ``side`` (:data:`ENGINE_SIDES`);
+    """``engine.rl.loop.run_rl`` for ``steps`` steps in the mode of ``side`` (:data:`ENGINE_SIDES`);
     per-step records and the wall time of the call."""
     from config.schema import RLConfig
-    from engine.ray_cluster import shutdown_ray
-    from engine.rl import run_rl
+    from engine.rl.placement import shutdown_ray
+    from engine.rl.loop import run_rl
 
     s = SETTINGS[size]
     # the `rl:` section as a config file would give it

@@ -10,8 +10,8 @@ to the rollout engine:
 
 - ``full``: the old way, one list with a cloned copy of every HF tensor
   (``[(n, t.clone()) for n, t in megatron_to_hf(...)]``), then consumed;
-- ``bucketed-<N>``: ``engine.weight_sync.BucketServer`` buckets of N MiB requested in order,
-  as ``engine.rl_step.update_weights`` does, each consumed and dropped before the next.
+- ``bucketed-<N>``: ``engine.models.weight_buckets.BucketServer`` buckets of N MiB requested in order,
+  as ``engine.rl.phases.update_weights`` does, each consumed and dropped before the next.
 
 "Consumed" means every tensor is summed (touching all its bytes). Each mode runs
 ``--repeats`` passes; the time is the fastest pass, the memory the peak over all passes.
@@ -124,8 +124,9 @@ def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int) -> 
     import torch
 
     from conversion.registry import megatron_to_hf
-    from engine.megatron_model import GPTSpec, build_gpt_model, mcore_state
-    from engine.weight_sync import BucketServer
+    from conversion.spec import GPTSpec
+    from engine.models.megatron import build_gpt_model, mcore_state
+    from engine.models.weight_buckets import BucketServer
 
     torch.set_num_threads(threads)
     cfg = model_config(layers, vocab)

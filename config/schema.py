@@ -549,7 +549,7 @@ class RLConfig(Strict):
     engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
     environment: str | None = Field(
         None, description="Multi-turn RL: import path 'package.module:factory' of a zero-argument callable returning an "
-                          "environment (engine/environment.py); its summed step rewards replace rl.reward. None: single-turn.")
+                          "environment (engine/rollout/multi_turn.py); its summed step rewards replace rl.reward. None: single-turn.")
     max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
                                                 "rollout.max_new_tokens bounds all turns and observations together.")
 
@@ -572,7 +572,7 @@ class RLConfig(Strict):
         """Whether the old log-probs get their own forward pass before the update: only for
         the KL reward penalty (``kl.in_reward``), which needs them before the advantages.
         Otherwise the update's first forward, at the same weights, gives them
-        (``engine.actor_loss.actor_update``)."""
+        (``engine.training.actor.actor_update``)."""
         return self.kl.in_reward and self.kl.coef > 0
 
     def policy_updates(self, steps: int) -> int:
@@ -598,7 +598,7 @@ class RLConfig(Strict):
 
     @model_validator(mode="after")
     def _warmup(self):
-        # the schedules count optimizer steps: ppo_epochs per RL step (engine.workers, engine.critic)
+        # the schedules count optimizer steps: ppo_epochs per RL step (engine.rl.workers, engine.training.critic)
         steps = f"rl.steps {self.steps}" if self.ppo_epochs > 1 else "rl.steps"
         epochs = f" x rl.ppo_epochs {self.ppo_epochs}" if self.ppo_epochs > 1 else ""
         policy = steps + epochs

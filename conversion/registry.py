@@ -77,7 +77,7 @@ def hf_to_megatron(
 
     Returns:
         megatron name -> tensor (no ``_extra_state`` entries; load with
-        ``engine.megatron_model.load_mcore_state``).
+        ``engine.models.megatron.load_mcore_state``).
 
     Raises:
         ConversionError: unknown architecture, or a missing, unexpected or

@@ -1,7 +1,7 @@
 """Decoder architecture shared by HF ``config.json`` and megatron-core's GPTModel.
 
 Lives in ``conversion`` (not ``engine``) because the parameter maps need it and
-``conversion`` never imports ``engine``; ``engine.megatron_model`` re-exports it.
+``conversion`` never imports ``engine``; ``engine.models.megatron`` re-exports it.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class GPTSpec(BaseModel):
         splits evenly across tensor-parallel ranks and matmuls get friendly sizes
         (Megatron-LM ``megatron/training/tokenizer`` ``_vocab_size_with_padding``). The HF
         side keeps ``vocab_size``: padding rows are added on import, stripped on export,
-        and their logits are never used (``engine.megatron_model.gpt_logits`` drops them).
+        and their logits are never used (``engine.models.megatron.gpt_logits`` drops them).
 
         Raises:
             ValueError: ``multiple`` < 1.

@@ -199,7 +199,7 @@ def merge_shards(spec: GPTSpec, shards: Sequence[Mapping[str, torch.Tensor]]) ->
     Args:
         spec: architecture of the model.
         shards: one state dict per TP rank, in rank order (e.g. each rank's
-            ``engine.megatron_model.mcore_state``); ``_extra_state`` entries are ignored.
+            ``engine.models.megatron.mcore_state``); ``_extra_state`` entries are ignored.
 
     Returns:
         megatron name -> full tensor, as ``conversion.megatron_to_hf`` takes it.

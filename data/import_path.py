@@ -1,7 +1,7 @@
 """Load a user-supplied callable named by import path ``package.module:attr``.
 
 Shared by the reward plug-ins (``data.reward_plugins``) and the RL environments
-(``engine.environment``), so both report a bad path the same way.
+(``engine.rollout.multi_turn``), so both report a bad path the same way.
 """
 
 from __future__ import annotations

@@ -436,7 +436,7 @@ def _check_plugins(cfg: PipelineConfig) -> list[str]:
             except ImportError as exc:
                 problems.append(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}")
     if cfg.rl.environment is not None:
-        from engine.environment import load_environment_factory
+        from engine.rollout.multi_turn import load_environment_factory
 
         try:
             load_environment_factory(cfg.rl.environment)

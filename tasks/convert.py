@@ -35,9 +35,10 @@ def convert(ctx: StageContext) -> dict:
     # imported here, not at module level: a cached run must not pay for torch's import
     from conversion.hf_source import check_tokenizer_fits, load_hf_source
     from conversion.registry import hf_to_megatron
-    from engine.megatron_model import GPTSpec, build_gpt_model
-    from engine.model_dir import save_model_dir
-    from engine.platform import init_model_parallel
+    from conversion.spec import GPTSpec
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import save_model_dir
+    from engine.models.platform import init_model_parallel
 
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)

@@ -38,7 +38,9 @@ SPEC = StageSpec(
 def evaluate(ctx: StageContext) -> dict:
     """Generations of both policies on ``rl_eval`` (greedy by default), scored by the verifier."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.evaluation import evaluate_model_dirs, paired_difference, plot_reward_curve, write_eval_report
+    from engine.evaluation.scoring import evaluate_model_dirs
+    from engine.evaluation.statistics import paired_difference
+    from engine.evaluation.report import plot_reward_curve, write_eval_report
 
     cfg = ctx.cfg
     base = baseline_name(cfg)

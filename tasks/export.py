@@ -20,7 +20,7 @@ SPEC = StageSpec(
 def export(ctx: StageContext) -> dict:
     """Convert the RL policy's Megatron checkpoint to HF names and write SafeTensors."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.hf_export import export_model_dir
+    from engine.storage.hf_io import export_model_dir
 
     out = export_model_dir(ctx.input_path("rl") / "model", ctx.workdir / "hf_model", dtype=ctx.cfg.export.dtype)
     return {"export/bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file())}

@@ -57,7 +57,7 @@ SPEC = StageSpec(
 def rl(ctx: StageContext) -> dict:
     """Run ``rl.steps`` GRPO iterations; checkpoint every ``rl.checkpoint_every``."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
     return run_rl(

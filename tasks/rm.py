@@ -24,10 +24,11 @@ def rm(ctx: StageContext) -> dict:
     """Train the reward model on ``preference.jsonl``; report held-out pairwise accuracy.
     Checkpoints every ``rm.checkpoint_every`` steps."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.reward_model import train_reward_model
+    from engine.backends.select import reward_trainer
+    from engine.training.reward_model import train_reward_model
 
     return train_reward_model(
-        ctx.input_path(starting_policy(ctx.cfg)) / "model",
+        reward_trainer, ctx.input_path(starting_policy(ctx.cfg)) / "model",
         ctx.input_path("validate") / "preference.jsonl",
         ctx.cfg.rm,
         ctx.workdir / "model",

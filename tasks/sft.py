@@ -29,7 +29,7 @@ SPEC = StageSpec(
 def sft(ctx: StageContext) -> dict:
     """Train ``sft.steps`` steps with loss on assistant tokens only."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.sft import train_sft
+    from engine.training.sft import train_sft
 
     return train_sft(
         ctx.input_path("convert") / "model",

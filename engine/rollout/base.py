@@ -46,7 +46,7 @@ class RolloutEngine(Protocol):
         """Load new policy weights given as HF parameter names and full (unsharded) tensors.
 
         A call may carry all parameters or a subset (the trainer sends one bucket of
-        ``engine.weight_sync`` per call); parameters not given keep their values. A subset
+        ``engine.models.weight_buckets`` per call); parameters not given keep their values. A subset
         holds every tensor of each module it touches (q/k/v, gate/up, weight and bias), as
         vLLM reloads a module only from tensors that arrive in one call.
         """

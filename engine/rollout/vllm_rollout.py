@@ -193,12 +193,12 @@ class VLLMRollout:
         tied models (and ``conversion.registry.megatron_to_hf``) omit it. The prefix cache is
         then cleared, since cached KV blocks were computed with the old weights.
 
-        Partial updates (one bucket of ``engine.weight_sync`` per call) work module by module:
+        Partial updates (one bucket of ``engine.models.weight_buckets`` per call) work module by module:
         vLLM's layerwise reload rebuilds a module once every tensor it holds has arrived in the
         call, and puts modules that received nothing back as they were. A module that receives
         only some of its tensors (say ``q_proj`` without ``v_proj``, which vLLM fuses into
         ``qkv_proj``) gets uninitialised memory for the rest, so each call must carry whole
-        modules, as :func:`engine.weight_sync.plan_buckets` guarantees. vLLM's warnings about
+        modules, as :func:`engine.models.weight_buckets.plan_buckets` guarantees. vLLM's warnings about
         the modules a partial call leaves alone are silenced.
         """
         weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)

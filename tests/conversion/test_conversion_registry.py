@@ -161,7 +161,7 @@ LLAMA_SHAPE = dict(vocab_size=96, hidden_size=128, intermediate_size=96, num_hid
 def llama_pair(rope_parameters: dict | None, rope_theta: float = 10000.0, seed: int = 0):
     """A random tiny HF Llama (eager attention) and the megatron-core GPTModel converted from it."""
     from conversion.spec import GPTSpec
-    from engine.megatron_model import build_gpt_model
+    from engine.models.megatron import build_gpt_model
 
     rope = rope_parameters or {"rope_type": "default", "rope_theta": rope_theta}
     torch.manual_seed(seed)
@@ -179,7 +179,7 @@ def compare_to_transformers(hf, model, ids: torch.Tensor) -> tuple[float, str]:
     """Max |logit difference| between megatron and transformers on ``ids``, and a diagnosis
     for a failure message: where the logits differ, both sides' rotary tables (inverse
     frequencies and cos/sin), and the process state that could change either side."""
-    from engine.megatron_model import gpt_logits
+    from engine.models.megatron import gpt_logits
 
     with torch.no_grad():
         ours, ref = gpt_logits(model, ids), hf(ids).logits

@@ -161,7 +161,7 @@ def test_table_matches_megatrons_parameter_attributes(arch, tied, extra):
     """megatron marks each parameter with tensor_model_parallel / partition_dim /
     partition_stride (tensor_parallel.layers.set_tensor_model_parallel_attributes); our table
     must say the same for every parameter, including Qwen3's q/k norms and o_proj bias."""
-    from engine.megatron_model import build_gpt_model
+    from engine.models.megatron import build_gpt_model
 
     cfg, hf = tiny_hf(arch, tied, **extra)
     model = build_gpt_model(GPTSpec.from_hf_config(cfg))
@@ -198,8 +198,8 @@ def _tp_rank(rank: int, world: int, port: int, workdir: str, names: list[str]) -
     initialisation, loads its shard, and saves logits, gradients and the loaded state."""
     import torch.distributed as dist
 
-    from engine.megatron_model import build_gpt_model, gpt_logits, load_mcore_state, mcore_state
-    from engine.platform import init_model_parallel
+    from engine.models.megatron import build_gpt_model, gpt_logits, load_mcore_state, mcore_state
+    from engine.models.platform import init_model_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -315,7 +315,7 @@ def test_tp2_matches_megatrons_own_sharding_and_gradients(tp2_runs, name):
     keeps, on each rank, exactly shard_state's part of the TP=1 model from the same seed (the
     fc1 stride-2 layout included); and the TP=2 gradients, reduced as megatron does and
     merged, equal TP=1's (so gpt_logits' vocabulary gather is differentiable)."""
-    from engine.megatron_model import build_gpt_model, gpt_logits, load_mcore_state, mcore_state
+    from engine.models.megatron import build_gpt_model, gpt_logits, load_mcore_state, mcore_state
 
     cfg, hf, spec, ids, full, ranks = tp2_runs[name]
     reference = build_gpt_model(spec, seed=3)

@@ -191,7 +191,7 @@ def test_sentencepiece_segments_get_no_word_marker(tokenizers):
 
 def test_observation_continues_a_policy_turn_as_the_template_renders_it(tokenizers):
     """Multi-turn RL: prompt + the policy's turn (ending at the turn end it stops on) + the
-    environment's observation (engine.environment tokenizes it with encode_continuation) is
+    environment's observation (engine.rollout.multi_turn tokenizes it with encode_continuation) is
     exactly the prompt of the next turn."""
     for case in [("gemma", "sentencepiece"), ("phi-4", "sentencepiece"), ("qwen2.5", "bpe")]:
         tok = tokenizers[case]
@@ -367,9 +367,9 @@ def test_mistral_inst_template_ends_turns_with_eos(tokenizers, base):
 
 
 def test_rl_prompts_are_rendered_with_their_tools(tokenizers, tmp_path):
-    """engine.rl.load_rl_prompts passes a row's ``tools`` to the template (as evaluation does):
+    """engine.rl.prompts.load_rl_prompts passes a row's ``tools`` to the template (as evaluation does):
     the prompt ids are the start of the SFT ids of the same tool conversation."""
-    from engine.rl import load_rl_prompts
+    from engine.rl.prompts import load_rl_prompts
 
     tok = tokenizers[("qwen2.5", "bpe")]
     row = {"prompt": TOOL_CHAT[:4], "label": "21", "tools": TOOLS}

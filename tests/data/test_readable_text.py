@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from data.chat import end_of_turn, readable_text, response_text, turn_end_token_id
-from engine.evaluation import write_eval_report
+from engine.evaluation.report import write_eval_report
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir
 
 CASES = [("qwen2.5", "bpe"), ("qwen3", "bpe")] + [(f, b) for f in FAMILIES for b in BASES]

@@ -15,10 +15,11 @@ from transformers import AutoTokenizer
 from config.schema import RewardConfig
 from data.chat import encode_continuation, end_of_turn, response_text, turn_end_token_id
 from data.rewards import exact_match, get_verifier
-from engine.environment import _Episode, _play_turn
-from engine.evaluation import decode_response, evaluate_generations
+from engine.rollout.multi_turn import _Episode, _play_turn
+from engine.evaluation.scoring import decode_response
+from engine.evaluation.statistics import evaluate_generations
 from engine.rollout.base import RolloutOutput
-from engine.workers import RewardWorker
+from engine.rl.workers import RewardWorker
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir, template_config
 from tests.engine.multi_turn_env_example import CounterEnv
 

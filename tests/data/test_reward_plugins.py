@@ -3,7 +3,7 @@
 the function or the config key, and the reward worker's weighted sum of verifier, reward
 model and plug-ins against hand-computed values.
 
-No Ray: :class:`engine.workers.RewardWorker` is a plain class, used in-process here; it needs
+No Ray: :class:`engine.rl.workers.RewardWorker` is a plain class, used in-process here; it needs
 only a tokenizer under ``<dir>/hf`` (and a reward-model directory when its weight is set).
 The plug-ins are in tests/data/reward_plugins_example.py.
 """
@@ -185,7 +185,7 @@ def test_reward_worker_sums_the_weighted_verifier_and_plugins(tokenizer_dir):
     exact_match [1, 0, 0] x 2; length_penalty [0, -0.25, -0.25] x 4; stopped [1, 0, 1] x -1;
     shortest_in_batch [1, 0, 0] x 0.5 (batched); async_exact [1, 0, 0] x 1
     -> [2 + 0 - 1 + 0.5 + 1, 0 - 1 + 0 + 0 + 0, 0 - 1 - 1 + 0 + 0] = [2.5, -1, -2]."""
-    from engine.workers import RewardWorker
+    from engine.rl.workers import RewardWorker
 
     cfg = RewardConfig(verifier="exact_match", verifier_weight=2.0, functions=[
         {"path": f"{EX}:length_penalty", "weight": 4.0},
@@ -205,7 +205,7 @@ def test_reward_worker_sums_the_weighted_verifier_and_plugins(tokenizer_dir):
 
 
 def test_reward_worker_with_plugins_only_and_its_errors(tokenizer_dir):
-    from engine.workers import RewardWorker
+    from engine.rl.workers import RewardWorker
 
     worker = RewardWorker(tokenizer_dir, RewardConfig(verifier="none", functions=[{"path": f"{EX}:length_penalty", "weight": 2.0}]))
     rewards, metrics = worker.score([question(3, 4)] * 2, ["7", "7"], _responses(worker, ["7", "123"], [True, True]),
@@ -229,15 +229,16 @@ def test_reward_worker_with_plugins_only_and_its_errors(tokenizer_dir):
 def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
     """rl.reward.reward_model_weight brings in the rm stage's model directory (here: a tiny
     random model with a reward head, saved the way the rm stage saves it); its score is
-    recomputed independently with engine.reward_model.score. Responses "7" (label "7", stop) and
+    recomputed independently with engine.training.reward_scoring.score. Responses "7" (label "7", stop) and
     "123" (label "3", cut off): exact_match [1, 0]; length_penalty [0, -0.5] x 2."""
     from transformers import AutoTokenizer
 
     from conversion.spec import GPTSpec
-    from engine.megatron_model import build_gpt_model
-    from engine.model_dir import load_tokenizer, save_model_dir
-    from engine.reward_model import RewardModel, load_reward_model, score
-    from engine.workers import RewardWorker
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.models.heads import RewardModel
+    from engine.training.reward_scoring import load_reward_model, score
+    from engine.rl.workers import RewardWorker
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
     hf_config = GPTSpec(

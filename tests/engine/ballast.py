@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from engine.workers import RolloutWorker
+from engine.rl.workers import RolloutWorker
 
 GiB = 2**30
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from engine.environment import StepResult
+from engine.rollout.multi_turn import StepResult
 
 CREATED: list["CounterEnv"] = []  # every environment the factories made, in order (tests clear it)
 

@@ -7,7 +7,7 @@ import torch
 
 from config.schema import CriticConfig, RLConfig
 from engine.algorithms import clipped_value_loss
-from engine.types import Trajectory
+from engine.trajectory import Trajectory
 
 
 def test_clipped_value_loss_by_hand():
@@ -45,7 +45,7 @@ def test_value_loss_rejects_bad_input():
 def test_gae_advantages_and_returns_in_the_rl_step():
     """rl.algorithm gae: GAE over the loss mask (gamma 1, lambda 0.5), score on the last
     token, advantages whitened over the batch's mask tokens; returns = A + V before whitening."""
-    from engine.rl_step import compute_advantages
+    from engine.rl.phases import compute_advantages
 
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     traj = Trajectory(

@@ -35,7 +35,7 @@ def test_async_config_rules():
 
 
 def test_disaggregated_placement_splits_the_cpus(ray_address):
-    from engine.ray_cluster import disaggregated_placement
+    from engine.rl.placement import disaggregated_placement
 
     with pytest.raises(ValueError, match="rl.engine.rollout_cpus=2"):
         disaggregated_placement(3, rollout_cpus=2, num_cpus=2)
@@ -56,7 +56,7 @@ def test_disaggregated_synchronous_run_is_on_policy(policy, ray_address, tmp_pat
     """Separate bundles, no overlap: every sample comes from the current policy. Without a KL
     term no reference worker runs and the old log-probs come from the update's forward: no
     pass before the update, and those log-probs still match the rollout engine's."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     cfg = rl_config("vllm", 2, engine=engine_config(), kl=KLConfig(coef=0.0))
     assert not cfg.uses_reference and not cfg.precomputes_old_logprobs
@@ -71,7 +71,7 @@ def test_disaggregated_synchronous_run_is_on_policy(policy, ray_address, tmp_pat
 @pytest.fixture(scope="module")
 def async_run(policy, ray_address, tmp_path_factory):
     """4 steps, one step off-policy, partial rollouts in 2-token chunks, checkpoint every step."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     out = tmp_path_factory.mktemp("async")
     cfg = rl_config("vllm", 4, engine=engine_config(off_policy_steps=1, partial_rollout_chunk_tokens=2))
@@ -100,8 +100,8 @@ def test_async_run_resumes_from_its_checkpoint(async_run, policy, tmp_path):
     continuing to 5 steps runs only step 5, after step 4's history."""
     import shutil
 
-    from engine.rl import run_rl
-    from engine.train_state import load_train_state
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import load_train_state
 
     out, _ = async_run
     resume = tmp_path / "resume"

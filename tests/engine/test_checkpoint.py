@@ -9,13 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from conversion import hf_to_megatron, megatron_to_hf
-from engine.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint_hf_config,
-    load_model_checkpoint,
-    save_model_checkpoint,
-)
-from engine.megatron_model import GPTSpec, build_gpt_model, load_mcore_state, mcore_state
+from engine.storage.torch_dist import latest_checkpoint, load_checkpoint_hf_config, load_model_checkpoint, save_model_checkpoint
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, load_mcore_state, mcore_state
 
 
 def random_hf(arch: str):
@@ -113,7 +109,7 @@ def test_checkpoint_io_after_the_process_group_was_destroyed(tmp_path):
     and megatron's parallel state is rebuilt on a live group rather than left stale."""
     from megatron.core import parallel_state
 
-    from engine.platform import init_model_parallel
+    from engine.models.platform import init_model_parallel
 
     cfg, hf = random_hf("qwen2")
     spec = GPTSpec.from_hf_config(cfg)
@@ -134,7 +130,7 @@ def test_checkpoint_io_after_the_process_group_was_destroyed(tmp_path):
 def test_a_model_built_after_the_process_group_was_destroyed_runs():
     """The model builder rebuilds megatron's state on a live group when the default group
     died under it (as after a vLLM engine's shutdown), so the new model's forward works."""
-    from engine.megatron_model import gpt_logits
+    from engine.models.megatron import gpt_logits
 
     cfg, hf = random_hf("llama")
     spec = GPTSpec.from_hf_config(cfg)
@@ -152,9 +148,9 @@ _SAVE_SCRIPT = """
 import sys
 sys.path.insert(0, {repo!r})
 import torch
-from engine.checkpoint import save_model_checkpoint
-from engine.megatron_model import GPTSpec, build_gpt_model, load_mcore_state
-from engine.platform import init_model_parallel
+from engine.storage.torch_dist import save_model_checkpoint
+from engine.models.megatron import GPTSpec, build_gpt_model, load_mcore_state
+from engine.models.platform import init_model_parallel
 from conversion import hf_to_megatron
 from tests.engine.test_checkpoint import random_hf
 

@@ -1,7 +1,7 @@
-"""The DeepSpeed actor backend (engine.deepspeed_backend) against the megatron actor.
+"""The DeepSpeed actor backend (engine.backends.deepspeed.runtime) against the megatron actor.
 
 In process (no Ray): the same log-probs, the same loss and, after one AdamW step, the same
-weights as engine.workers.ActorWorker on the same model directory and batch, for ZeRO
+weights as engine.backends.megatron.ActorWorker on the same model directory and batch, for ZeRO
 stages 0-3; weight-sync buckets equal to the megatron actor's; save_model round-trips
 through load_model_dir exactly; save_state/load_state resumes bit for bit. Then one short
 GRPO run on Ray with rl.backend deepspeed.
@@ -23,10 +23,10 @@ import torch
 
 from config.schema import EngineConfig, KLConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
 from conversion.registry import megatron_to_hf
-from engine.megatron_model import gpt_logits, mcore_state
+from engine.models.megatron import gpt_logits, mcore_state
 from engine.rollout.base import RolloutOutput
-from engine.train_state import DataPosition
-from engine.types import Trajectory
+from engine.storage.train_state import DataPosition
+from engine.trajectory import Trajectory
 
 STAGES = (0, 1, 2, 3)
 
@@ -50,9 +50,9 @@ def policy(tmp_path_factory) -> dict:
 
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
-    from engine.megatron_model import build_gpt_model
-    from engine.model_dir import load_tokenizer, save_model_dir
-    from engine.sft import train_sft
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.training.sft import train_sft
 
     root = tmp_path_factory.mktemp("ds_policy")
     pairs = [(a, b) for a in range(5) for b in range(5)]
@@ -123,7 +123,7 @@ def hf_weights(worker) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def megatron_reference(policy) -> dict:
     """The megatron actor's log-probs, one update's metrics and the weights before and after it."""
-    from engine.workers import ActorWorker
+    from engine.backends.megatron import ActorWorker
 
     actor = ActorWorker(policy["dir"], rl_config("megatron"))
     traj = batch(policy["tokenizer"], seed=0)
@@ -138,9 +138,10 @@ def megatron_reference(policy) -> dict:
 
 
 def test_config_selects_the_backend():
-    from engine.backends import actor_worker_class
-    from engine.deepspeed_backend import DeepSpeedActorWorker, deepspeed_config
-    from engine.workers import ActorWorker
+    from engine.backends.select import actor_worker_class
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.backends.deepspeed.runtime import deepspeed_config
+    from engine.backends.megatron import ActorWorker
 
     assert actor_worker_class(RLConfig()) is ActorWorker
     assert actor_worker_class(rl_config(stage=3)) is DeepSpeedActorWorker
@@ -156,7 +157,7 @@ def test_config_selects_the_backend():
 
 
 def test_logprobs_equal_the_megatron_actor(policy, megatron_reference):
-    from engine.deepspeed_backend import DeepSpeedActorWorker
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
 
     traj, old = megatron_reference["traj"], megatron_reference["old"]
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=2))
@@ -191,7 +192,7 @@ def test_one_update_equals_the_megatron_actor(policy, megatron_reference, stage)
     that differ by a fraction of lr (the step's sensitivity is lr * (1 - gain)^2 * dg / eps).
     Each bound is at least twice what megatron's own step moves when the same rows are summed
     in another order (this CPU's fp32 rounding), whichever is larger."""
-    from engine.deepspeed_backend import DeepSpeedActorWorker
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
 
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
                                                                                "param_persistence_threshold": 0}))
@@ -236,9 +237,9 @@ def step_tolerance(gain: torch.Tensor, scale: torch.Tensor, lr: float, clip: flo
 
 @pytest.mark.parametrize("stage", (2, 3))
 def test_weight_sync_buckets_equal_the_megatron_actor(policy, stage):
-    from engine.deepspeed_backend import DeepSpeedActorWorker
-    from engine.weight_sync import BucketServer, load_group
-    from engine.workers import ActorWorker
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.models.weight_buckets import BucketServer, load_group
+    from engine.backends.megatron import ActorWorker
 
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
                                                                                "param_persistence_threshold": 0}))
@@ -263,8 +264,8 @@ def test_weight_sync_buckets_equal_the_megatron_actor(policy, stage):
 
 
 def test_save_model_round_trips_through_load_model_dir(policy, megatron_reference, tmp_path):
-    from engine.deepspeed_backend import DeepSpeedActorWorker
-    from engine.model_dir import load_model_dir
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.storage.model_dir import load_model_dir
 
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=2))
     ds.update(with_targets(megatron_reference["traj"], megatron_reference["old"]))
@@ -292,7 +293,7 @@ def test_save_model_round_trips_through_load_model_dir(policy, megatron_referenc
 def test_resume_continues_bit_for_bit(policy, tmp_path, stage):
     """Step 1, save, step 2 in one worker; a fresh worker loads the state and takes step 2:
     the same old log-probs, metrics and weights, exactly, and the same RNG stream."""
-    from engine.deepspeed_backend import DeepSpeedActorWorker
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
 
     cfg = rl_config(stage=stage, deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
     first, second = batch(policy["tokenizer"], seed=1), batch(policy["tokenizer"], seed=2)
@@ -316,8 +317,8 @@ def test_resume_continues_bit_for_bit(policy, tmp_path, stage):
 
 
 def test_load_state_rejects_another_backend_or_stage(policy, tmp_path):
-    from engine.deepspeed_backend import DeepSpeedActorWorker
-    from engine.workers import ActorWorker
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.backends.megatron import ActorWorker
 
     ActorWorker(policy["dir"], rl_config("megatron")).save_state(tmp_path / "megatron", 1, DataPosition(0, 0, 0), {})
     DeepSpeedActorWorker(policy["dir"], rl_config(stage=1)).save_state(tmp_path / "zero1", 1, DataPosition(0, 0, 0), {})
@@ -331,10 +332,10 @@ def test_load_state_rejects_another_backend_or_stage(policy, tmp_path):
 def test_untied_llama_matches_and_round_trips(fixtures_dir, tmp_path):
     """An untied output layer (lm_head.weight of its own, padded like the embedding)."""
     from conversion.spec import GPTSpec
-    from engine.deepspeed_backend import DeepSpeedActorWorker
-    from engine.megatron_model import build_gpt_model
-    from engine.model_dir import load_model_dir, save_model_dir
-    from engine.workers import ActorWorker
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_model_dir, save_model_dir
+    from engine.backends.megatron import ActorWorker
 
     spec = GPTSpec(
         architecture="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
@@ -367,10 +368,10 @@ def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     """Two GRPO steps with vLLM rollout and a ZeRO-2 actor: the rollout engine samples with
     exactly the trainer's weights after each sync, the checkpoint is the DeepSpeed actor's,
     and the final model directory loads and differs from the start."""
-    from engine.model_dir import load_model_dir
-    from engine.ray_cluster import shutdown_ray
-    from engine.rl import run_rl
-    from engine.train_state import load_train_state
+    from engine.storage.model_dir import load_model_dir
+    from engine.rl.placement import shutdown_ray
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import load_train_state
 
     cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=8, micro_batch_size=16, checkpoint_every=1,
                     rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),

@@ -1,12 +1,12 @@
-"""The DeepSpeed backend of the PPO critic (engine.deepspeed_critic) and of the reward model
-(engine.deepspeed_reward_model) against their megatron counterparts.
+"""The DeepSpeed backend of the PPO critic (engine.backends.deepspeed.critic) and of the reward model
+(engine.backends.deepspeed.reward_model) against their megatron counterparts.
 
 In process (no Ray): the DeepSpeed critic's values, one clipped-value-loss update (metrics
-and weights, ZeRO 0-3) and its train state against engine.critic.CriticWorker on the same
+and weights, ZeRO 0-3) and its train state against engine.backends.megatron.CriticWorker on the same
 model directory; the DeepSpeed reward model trained by train_reward_model against the
 megatron one (held-out metrics, training curve), its model directory read back exactly by
 load_model_dir / load_reward_model, and an untied output layer kept as it was. Then a short
-PPO run (rl.algorithm gae) on Ray with rl.backend deepspeed, which needs engine.rl's
+PPO run (rl.algorithm gae) on Ray with rl.backend deepspeed, which needs engine.rl.loop's
 start_workers to spawn backends.critic_worker_class(cfg).
 
 Reuses test_deepspeed_backend's tiny Qwen2 policy (tied embeddings, megatron vocabulary
@@ -26,8 +26,8 @@ import torch
 
 from config.schema import CriticConfig, EngineConfig, OptimConfig, RLConfig, RMConfig, RolloutConfig
 from conversion.registry import megatron_to_hf
-from engine.megatron_model import mcore_state
-from engine.train_state import DataPosition
+from engine.models.megatron import mcore_state
+from engine.storage.train_state import DataPosition
 from tests.engine.test_deepspeed_backend import STAGES, batch, first_step_gain, policy, question  # noqa: F401
 from tests.engine.test_deepspeed_backend import rl_config as actor_rl_config
 from tests.engine.test_reward_model import setup  # noqa: F401
@@ -55,7 +55,7 @@ def targets(traj, values: torch.Tensor):
 
 
 def megatron_critic_weights(critic, hf_config: dict) -> dict[str, torch.Tensor]:
-    """HF-named body weights and the value head of engine.critic.CriticWorker (copies)."""
+    """HF-named body weights and the value head of engine.backends.megatron.CriticWorker (copies)."""
     out = {k: v.clone() for k, v in megatron_to_hf(hf_config, mcore_state(critic.model.gpt))}
     out.update({f"value_head.{k}": v.detach().clone() for k, v in critic.model.value_head.named_parameters()})
     return out
@@ -75,7 +75,7 @@ def hf_config(policy) -> dict:
 @pytest.fixture(scope="module")
 def megatron_critic(policy, hf_config) -> dict:
     """The megatron critic's values, one update's metrics and its weights before and after."""
-    from engine.critic import CriticWorker
+    from engine.backends.megatron import CriticWorker
 
     critic = CriticWorker(policy["dir"], rl_config("megatron"), seed=3)
     traj = batch(policy["tokenizer"], seed=0)
@@ -90,10 +90,10 @@ def megatron_critic(policy, hf_config) -> dict:
 
 
 def test_config_selects_the_backends():
-    from engine.backends import critic_worker_class
-    from engine.critic import CriticWorker
-    from engine.deepspeed_critic import DeepSpeedCriticWorker
-    from engine.reward_model import reward_trainer
+    from engine.backends.select import critic_worker_class
+    from engine.backends.megatron import CriticWorker
+    from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
+    from engine.backends.select import reward_trainer
 
     assert critic_worker_class(RLConfig()) is CriticWorker
     assert critic_worker_class(rl_config(stage=3)) is DeepSpeedCriticWorker
@@ -111,7 +111,7 @@ def test_config_selects_the_backends():
 def test_critic_values_equal_the_megatron_critic(policy, megatron_critic):
     """Same body weights (exactly), the same head for the same seed (exactly), values within
     1e-5 at the same positions; 0 on padding."""
-    from engine.deepspeed_critic import DeepSpeedCriticWorker
+    from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
 
     traj, expected = megatron_critic["traj"], megatron_critic["values"]
     ds = DeepSpeedCriticWorker(policy["dir"], rl_config(stage=2), seed=3)
@@ -134,7 +134,7 @@ def test_critic_update_equals_the_megatron_critic(policy, megatron_critic, stage
     weights as the megatron critic: within 1e-6 where AdamW's first step is stable and within
     5% of lr on the few elements whose gradient is near AdamW's eps (see
     test_deepspeed_backend.first_step_gain)."""
-    from engine.deepspeed_critic import DeepSpeedCriticWorker
+    from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
 
     ds = DeepSpeedCriticWorker(policy["dir"], rl_config(stage=stage), seed=3)
     traj = megatron_critic["traj"]
@@ -170,8 +170,8 @@ def test_critic_state_round_trip(policy, tmp_path, stage):
     """save_state/load_state restore the weights with the head, AdamW and the schedule bit
     for bit (another head seed is overwritten); the next update is identical; only the kept
     step survives prune_states; a missing step and a megatron critic's state are refused."""
-    from engine.critic import CriticWorker
-    from engine.deepspeed_critic import DeepSpeedCriticWorker
+    from engine.backends.megatron import CriticWorker
+    from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
 
     cfg = rl_config(stage=stage)
     traj = batch(policy["tokenizer"], seed=1)
@@ -231,12 +231,13 @@ def rm_config(backend: str, **overrides) -> RMConfig:
 def megatron_rm(setup, tmp_path_factory) -> dict:
     """The megatron reward model trained on test_reward_model's learnable preferences (random
     base model, approving vs disapproving words)."""
-    from engine.reward_model import train_reward_model
+    from engine.backends.select import reward_trainer
+    from engine.training.reward_model import train_reward_model
 
     root, data, _ = setup
     out = tmp_path_factory.mktemp("megatron_rm") / "rm"
     logged: list[tuple[int, dict]] = []
-    metrics = train_reward_model(root / "base", data, rm_config("megatron"), out, seed=0,
+    metrics = train_reward_model(reward_trainer, root / "base", data, rm_config("megatron"), out, seed=0,
                                  log_metrics=lambda m, s: logged.append((s, dict(m))))
     return {"dir": out, "metrics": metrics, "logged": logged}
 
@@ -247,13 +248,15 @@ def test_reward_model_trains_like_the_megatron_one(setup, megatron_rm, tmp_path,
     and, at every logged step, held-out and training losses, margins and gradient norms
     within small bounds of the megatron backend's (same data order, head and schedule);
     load_reward_model + score on the saved directory reproduce the held-out metrics."""
-    from engine.model_dir import load_tokenizer
-    from engine.reward_model import bradley_terry_loss, load_reward_model, score, split_eval, train_reward_model
+    from engine.storage.model_dir import load_tokenizer
+    from engine.backends.select import reward_trainer
+    from engine.training.reward_model import bradley_terry_loss, split_eval, train_reward_model
+    from engine.training.reward_scoring import load_reward_model, score
 
     root, data, rows = setup
     cfg = rm_config("deepspeed", deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
     logged: list[tuple[int, dict]] = []
-    metrics = train_reward_model(root / "base", data, cfg, tmp_path / "rm", seed=0,
+    metrics = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "rm", seed=0,
                                  log_metrics=lambda m, s: logged.append((s, dict(m))))
     ref = megatron_rm["metrics"]
     assert [s for s, _ in logged] == [s for s, _ in megatron_rm["logged"]] == [4, 8, 12]
@@ -287,10 +290,11 @@ def test_reward_model_directory_reads_back_exactly(policy, preferences, tmp_path
     weights bit for bit (megatron's padding rows zero), heads.safetensors its head, and the
     rewards load_reward_model computes from the directory equal the trainer's in-memory
     rewards exactly (the HF and megatron forwards run the same operations on CPU)."""
-    from engine.batching import split_micro_batches
-    from engine.deepspeed_reward_model import DeepSpeedRewardTrainer
-    from engine.model_dir import load_model_dir, load_tokenizer
-    from engine.reward_model import collate_pairs, encode_preference_dataset, load_reward_model, score
+    from engine.batching.collate import split_micro_batches
+    from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
+    from engine.storage.model_dir import load_model_dir, load_tokenizer
+    from engine.training.preference_data import collate_pairs, encode_preference_dataset
+    from engine.training.reward_scoring import load_reward_model, score
 
     tok = load_tokenizer(policy["dir"])
     pairs = encode_preference_dataset(preferences, tok, 64)
@@ -331,10 +335,10 @@ def test_reward_model_keeps_an_untied_output_layer(fixtures_dir, tmp_path):
     """An untied Llama: the output layer is not part of the reward model, so the saved
     directory holds it unchanged while the body has moved."""
     from conversion.spec import GPTSpec
-    from engine.batching import collate_tokens
-    from engine.deepspeed_reward_model import DeepSpeedRewardTrainer
-    from engine.megatron_model import build_gpt_model
-    from engine.model_dir import load_model_dir, save_model_dir
+    from engine.batching.collate import collate_tokens
+    from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_model_dir, save_model_dir
     from tests.engine.test_deepspeed_backend import zero_vocab_padding
 
     spec = GPTSpec(
@@ -365,27 +369,28 @@ def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, sta
     step 5; a freshly built DeepSpeedRewardTrainer resumes at step 4 (its state tagged with the
     ZeRO stage) and the written model directory, every body weight and the head, is
     bit-identical to the straight run's, as are the metrics of the resumed steps."""
-    from engine.reward_model import train_reward_model
-    from engine.train_state import load_train_state
+    from engine.backends.select import reward_trainer
+    from engine.training.reward_model import train_reward_model
+    from engine.storage.train_state import load_train_state
     from tests.engine.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
 
     root, data, _ = setup
     cfg = rm_config("deepspeed", steps=6, checkpoint_every=2, log_every=1,
                     deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
     straight_log: list[tuple[int, dict]] = []
-    straight = train_reward_model(root / "base", data, cfg, tmp_path / "straight", None, seed=0,
+    straight = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "straight", None, seed=0,
                                   log_metrics=lambda m, s: straight_log.append((s, dict(m))))
 
     resume = tmp_path / "resume"
     with pytest.raises(Crash):
-        train_reward_model(root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
+        train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
                            log_metrics=crash_after(5, []))
     state = load_train_state(resume)
     assert state.step == 4 and state.data_position == DataPosition(1, 4, 0)
     assert state.extra["rm_backend"] == {"backend": "deepspeed", "zero_stage": stage}
 
     resumed_log: list[tuple[int, dict]] = []
-    resumed = train_reward_model(root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
+    resumed = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
                                  log_metrics=lambda m, s: resumed_log.append((s, dict(m))))
     assert [s for s, _ in resumed_log] == [5, 6]
     assert (resumed["train/resumed_from_step"], resumed["train/steps_run"]) == (4.0, 2.0)
@@ -402,8 +407,8 @@ def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, sta
 def test_reward_model_state_of_the_other_backend_is_refused(setup, tmp_path):
     """A megatron reward-model state given to the DeepSpeed trainer names rm.backend; a
     DeepSpeed one given to the megatron trainer names the mismatched weights."""
-    from engine.deepspeed_reward_model import DeepSpeedRewardTrainer
-    from engine.reward_model import MegatronRewardTrainer
+    from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
+    from engine.backends.megatron import MegatronRewardTrainer
 
     root, _, _ = setup
     MegatronRewardTrainer(root / "base", rm_config("megatron")).save_state(tmp_path / "megatron", 1, DataPosition(0, 0, 0), {})
@@ -422,11 +427,11 @@ def test_ppo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     """Two PPO steps (gae, KL in the reward) with vLLM rollout, a ZeRO-2 actor and a ZeRO-2
     critic: finite critic metrics, the first epoch starts at V == V_old (clip fraction 0),
     and the checkpoint holds the DeepSpeed critic's state next to the DeepSpeed actor's.
-    Needs engine.rl.start_workers to spawn engine.backends.critic_worker_class(cfg)."""
+    Needs engine.rl.workers.start_workers to spawn engine.backends.select.critic_worker_class(cfg)."""
     from config.schema import KLConfig
-    from engine.ray_cluster import shutdown_ray
-    from engine.rl import run_rl
-    from engine.train_state import load_train_state
+    from engine.rl.placement import shutdown_ray
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import load_train_state
 
     cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=4, micro_batch_size=16, checkpoint_every=1,
                     kl=KLConfig(coef=0.05, in_reward=True), deepspeed={"zero_stage": 2},
@@ -452,6 +457,6 @@ def test_ppo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     critic = load_train_state(tmp_path / "resume" / "critic" / "step_00000002")
     assert critic.step == 2
     assert critic.extra.get("critic_backend") == {"backend": "deepspeed", "zero_stage": 2}, (
-        "the megatron CriticWorker wrote the critic state: engine.rl.start_workers must spawn "
-        "engine.backends.critic_worker_class(cfg)")
+        "the megatron CriticWorker wrote the critic state: engine.rl.workers.start_workers must spawn "
+        "engine.backends.select.critic_worker_class(cfg)")
     assert "value_head.weight" in critic.model and "body.embed_tokens.weight" in critic.model

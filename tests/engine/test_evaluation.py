@@ -17,16 +17,9 @@ from data.addition import make_addition_datasets
 from data.rewards import final_answer, get_verifier
 from data.tokenizer_train import train_chat_tokenizer
 from data.chat import readable_text
-from engine.evaluation import (
-    accuracy_with_se,
-    decode_response,
-    evaluate_generations,
-    evaluate_model_dirs,
-    evaluate_policy,
-    paired_difference,
-    plot_reward_curve,
-    write_eval_report,
-)
+from engine.evaluation.statistics import accuracy_with_se, evaluate_generations, paired_difference
+from engine.evaluation.scoring import decode_response, evaluate_model_dirs, evaluate_policy
+from engine.evaluation.report import plot_reward_curve, write_eval_report
 from engine.rollout.base import RolloutOutput
 from engine.rollout.hf_rollout import HFRollout
 
@@ -287,7 +280,7 @@ def test_evaluate_policy_names_a_bad_row(quickstart_inputs, policy_dir):
 
 def _megatron_greedy(model, prompt: list[int], max_new: int, eos: int) -> tuple[str, list[int]]:
     """Greedy decoding with full megatron-core forward passes (no KV cache)."""
-    from engine.megatron_model import gpt_logits
+    from engine.models.megatron import gpt_logits
 
     ids = list(prompt)
     with torch.no_grad():
@@ -304,8 +297,9 @@ def two_policies(quickstart_inputs, tmp_path_factory):
     """Two Megatron model dirs (random weights, sharpened so greedy choices are far from ties)
     and each one's responses to the first 6 held-out prompts under megatron-core's own greedy
     decoding: ``(dirs, expected)``."""
-    from engine.megatron_model import GPTSpec, build_gpt_model
-    from engine.model_dir import save_model_dir
+    from conversion.spec import GPTSpec
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import save_model_dir
 
     tok_dir, rows, _ = quickstart_inputs
     tok = AutoTokenizer.from_pretrained(tok_dir)

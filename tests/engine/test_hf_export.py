@@ -16,9 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data.addition import make_addition_datasets
 from data.tokenizer_train import train_chat_tokenizer
-from engine.hf_export import export_model_dir
-from engine.megatron_model import GPTSpec, build_gpt_model, gpt_logits
-from engine.model_dir import save_model_dir
+from engine.storage.hf_io import export_model_dir
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, gpt_logits
+from engine.storage.model_dir import save_model_dir
 
 MAX_NEW = 8
 QUESTIONS = ["What is 47 + 38?", "What is 5 + 7?", "What is 90 + 19?", "What is 33 + 66?"]

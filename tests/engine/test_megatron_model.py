@@ -9,15 +9,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qw
 from conversion import hf_to_megatron, megatron_to_hf
 from conversion.gguf import gguf_to_hf
 from conversion.hf_source import load_hf_source
-from engine.megatron_model import (
-    GPTSpec,
-    build_gpt_model,
-    gpt_hidden_states,
-    gpt_logits,
-    load_mcore_state,
-    mcore_state,
-)
-from engine.platform import init_model_parallel, setup_cpu_platform
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, gpt_hidden_states, gpt_logits, load_mcore_state, mcore_state
+from engine.models.platform import init_model_parallel, setup_cpu_platform
 from tests.numerics import hf_logits_reference
 
 TOL = 1e-5

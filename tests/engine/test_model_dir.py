@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from engine.megatron_model import GPTSpec, build_gpt_model, gpt_logits
-from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, gpt_logits
+from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 
 HF_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],

@@ -1,4 +1,4 @@
-"""Multi-turn RL (engine/environment.py): environment tokens join the context with loss mask
+"""Multi-turn RL (engine/rollout/multi_turn.py): environment tokens join the context with loss mask
 0 and never receive gradient.
 
 In-process and without Ray: a tiny random Qwen2 policy (megatron model directory), its HF
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from config.schema import KLConfig, RewardConfig, RewardFunctionConfig, RLConfig, RolloutConfig
-from engine.environment import MultiTurnSample, StepResult, load_environment_factory, multi_turn_metrics, multi_turn_rollout
+from engine.rollout.multi_turn import MultiTurnSample, StepResult, load_environment_factory, multi_turn_metrics, multi_turn_rollout
 from engine.rollout.base import RolloutOutput, SamplingSpec
-from engine.types import Trajectory
+from engine.trajectory import Trajectory
 from tests.engine import multi_turn_env_example as example
 
 EX = "tests.engine.multi_turn_env_example"
@@ -37,9 +37,9 @@ def policy(tmp_path_factory) -> dict:
     from conversion.spec import GPTSpec
     from data.chat import encode_prompt
     from data.tokenizer_train import train_chat_tokenizer
-    from engine.megatron_model import build_gpt_model
-    from engine.model_dir import save_model_dir
-    from engine.workers import RolloutWorker
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import save_model_dir
+    from engine.rl.workers import RolloutWorker
 
     root = tmp_path_factory.mktemp("multi_turn")
     texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
@@ -226,7 +226,7 @@ def test_single_turn_batches_are_unchanged():
 
 
 def test_logprob_diff_metric_ignores_environment_tokens():
-    from engine.rl_step import step_metrics
+    from engine.rl.metrics import step_metrics
 
     traj = Trajectory.from_multi_turn([[1]], [[sample([5, 40, 6], [1, 0, 1], reward=1.0)]], pad_id=0)
     # the trainer has log-probs for environment tokens; the rollout has none (0): not a mismatch
@@ -251,10 +251,10 @@ def test_environment_tokens_get_no_gradient(policy, monkeypatch):
     those that predict policy tokens do not; and whatever sits in the per-token fields at
     observation positions (advantages, old/ref/rollout log-probs) changes neither loss nor
     gradients."""
-    import engine.megatron_model as megatron_model
-    from engine.actor_loss import actor_loss_fn, compute_logprobs
+    import engine.models.megatron as megatron_model
+    from engine.training.actor import actor_loss_fn, compute_logprobs
     from engine.algorithms import global_norm
-    from engine.model_dir import load_model_dir
+    from engine.storage.model_dir import load_model_dir
 
     samples, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
     traj = Trajectory.from_multi_turn(policy["prompt_ids"], samples, pad_id=policy["tokenizer"].pad_token_id)
@@ -336,15 +336,17 @@ class _Remote:
 
 
 def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeypatch):
-    from engine import rl_step
-    from engine.batching import EpochSampler
+    from engine.rl.loop import phases
+    from engine.rl.prompts import RLPrompt
+    from engine.rl.workers import Workers
+    from engine.batching.sampler import EpochSampler
 
-    monkeypatch.setattr(rl_step.ray, "get", lambda x: x)  # in-process: handles return values directly
-    prompts = [rl_step.RLPrompt(r["prompt"], r["label"], ids) for r, ids in zip(policy["rows"], policy["prompt_ids"])]
+    monkeypatch.setattr(phases.ray, "get", lambda x: x)  # in-process: handles return values directly
+    prompts = [RLPrompt(r["prompt"], r["label"], ids) for r, ids in zip(policy["rows"], policy["prompt_ids"])]
     cfg = RLConfig(prompts_per_step=2, n_samples=3, environment=f"{EX}:make_counter_env", max_turns=3,
                    rollout=RolloutConfig(backend="hf", max_new_tokens=24))
-    workers = rl_step.Workers(None, None, None, _Remote(policy["worker"]), reward=None)
-    traj, metrics, t_gen, t_reward = rl_step.rollout_batch(workers, prompts, EpochSampler(2, 0), cfg, 0, 1,
+    workers = Workers(None, None, None, _Remote(policy["worker"]), reward=None)
+    traj, metrics, t_gen, t_reward = phases.rollout_batch(workers, prompts, EpochSampler(2, 0), cfg, 0, 1,
                                                            pad_id=policy["tokenizer"].pad_token_id)
     assert len(traj) == 6 and t_reward == 0.0 and t_gen > 0
     assert set(metrics) == {"reward/env_mean", "env/turns_mean", "env/done_fraction", "env/observation_token_fraction"}

@@ -16,16 +16,15 @@ import torch
 
 from config.schema import KLConfig, OptimConfig, RLConfig, RolloutConfig
 from conversion.spec import GPTSpec
-from engine.actor_loss import (
-    actor_loss_fn, actor_micro_batches, compute_logprobs, micro_batch_rows, response_logits, response_logprobs,
-)
+from engine.training.actor import actor_loss_fn, compute_logprobs, response_logits, response_logprobs
+from engine.trajectory import actor_micro_batches, micro_batch_rows
 from engine.algorithms import LOSS_AGG_MODES, global_norm
-from engine.balancing import greedy_partition, karmarkar_karp, partition_sums, token_budget_micro_batches
-from engine.megatron_model import SDPACoreAttention, build_gpt_model, gpt_logits, gpt_logits_packed
-from engine.packing import cu_seqlens_of, pack_sequences, packed_position_ids, packed_response_index, unpack_sequences
+from engine.batching.balancing import greedy_partition, karmarkar_karp, partition_sums, token_budget_micro_batches
+from engine.models.megatron import SDPACoreAttention, build_gpt_model, gpt_logits, gpt_logits_packed
+from engine.batching.packing import cu_seqlens_of, pack_sequences, packed_position_ids, packed_response_index, unpack_sequences
 from engine.rollout.base import RolloutOutput
-from engine.train_step import accumulate_gradients
-from engine.types import Trajectory
+from engine.training.optimizer_step import accumulate_gradients
+from engine.trajectory import Trajectory
 
 VOCAB = 101
 
@@ -353,7 +352,7 @@ def test_karmarkar_karp_against_brute_force_and_greedy():
 
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory, fixtures_dir):
-    from engine.model_dir import save_model_dir
+    from engine.storage.model_dir import save_model_dir
 
     spec = tiny_spec("qwen2")
     hf_config = spec.to_hf_config()
@@ -370,8 +369,9 @@ def test_actor_worker_update_with_and_without_packing(policy_dir):
     rounding difference of 1e-10 in ``g`` moves the weight by ~0.1 * lr; at lr 1e-3 one such
     coordinate differs by 6.5e-6 while every gradient agrees within 3e-8 (the gradients are
     compared directly, to 1e-6, in the loss test above)."""
-    from engine.megatron_model import mcore_state
-    from engine.workers import ActorWorker, ReferenceWorker
+    from engine.models.megatron import mcore_state
+    from engine.backends.megatron import ActorWorker
+    from engine.rl.workers import ReferenceWorker
 
     traj = random_trajectory([5, 3], [[2, 8, 4, 1], [6, 3, 10, 2]], seed=9)
     results = {}

@@ -13,7 +13,7 @@ import torch
 
 from config.schema import CriticConfig, KLConfig, OptimConfig
 from engine.rollout.base import RolloutOutput
-from engine.types import Trajectory
+from engine.trajectory import Trajectory
 from tests.engine.test_rl import REQUIRED, policy, question, ray_address, read_metrics, rl_config, untimed  # noqa: F401
 
 PPO_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
@@ -41,7 +41,7 @@ def batch(policy) -> Trajectory:
 def test_critic_values_are_read_before_each_response_token(policy):
     """Value j of a response is the value head at position prompt_length - 1 + j of an
     unpadded single-row forward; padding is 0; the micro-batch size changes nothing."""
-    from engine.critic import CriticWorker
+    from engine.backends.megatron import CriticWorker
 
     traj = batch(policy)
     critic = CriticWorker(policy["dir"], ppo_config(1, micro_batch_size=2))
@@ -62,7 +62,7 @@ def test_critic_update_fits_the_returns_and_ignores_the_split(policy):
     """One clipped-value-loss step: the first epoch starts at V == V_old (clip fraction 0, loss
     = half the mean squared error); splitting 6 responses as 6 or 4 + 2 gives the same loss,
     gradient norm and weights; repeated steps move the values towards the returns."""
-    from engine.critic import CriticWorker
+    from engine.backends.megatron import CriticWorker
 
     traj = batch(policy)
     returns = torch.linspace(-1.0, 1.0, len(traj))[:, None] * traj.response_mask
@@ -93,8 +93,8 @@ def test_critic_update_fits_the_returns_and_ignores_the_split(policy):
 def test_critic_state_round_trip(policy, tmp_path):
     """save_state/load_state restore weights (with the head) and AdamW exactly; only the
     step the actor checkpointed is kept after prune_states; a missing step is named."""
-    from engine.critic import CriticWorker
-    from engine.train_state import DataPosition
+    from engine.backends.megatron import CriticWorker
+    from engine.storage.train_state import DataPosition
 
     traj = batch(policy)
     returns = torch.ones_like(traj.response_mask) * traj.response_mask
@@ -120,7 +120,7 @@ def test_critic_state_round_trip(policy, tmp_path):
 @pytest.fixture(scope="module")
 def ppo_run(policy, ray_address, tmp_path_factory):
     """A 3-step PPO run (critic, GAE, KL in the reward) with vLLM rollout."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     out = tmp_path_factory.mktemp("ppo")
     return out, run_rl(policy["dir"], policy["prompts"], ppo_config(3), out, None, seed=0)
@@ -147,7 +147,7 @@ def test_ppo_end_to_end_on_ray(ppo_run):
 def test_ppo_resume_continues_to_the_same_weights(ppo_run, policy, tmp_path):
     """2 steps then a resumed 3rd end with the metrics of the uninterrupted 3-step run: the
     critic's weights and optimizer are restored with the actor's."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     resume = tmp_path / "resume"
     run_rl(policy["dir"], policy["prompts"], ppo_config(2), tmp_path / "a", resume, seed=0)

@@ -13,18 +13,15 @@ import torch
 
 from config.schema import OptimConfig, RMConfig
 from data.tokenizer_train import train_chat_tokenizer
-from engine.batching import collate_tokens
-from engine.megatron_model import GPTSpec, build_gpt_model, gpt_hidden_states
-from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
-from engine.reward_model import (
-    RewardModel,
-    bradley_terry_loss,
-    encode_preference_dataset,
-    load_reward_model,
-    score,
-    split_eval,
-    train_reward_model,
-)
+from engine.batching.collate import collate_tokens
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, gpt_hidden_states
+from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
+from engine.models.heads import RewardModel
+from engine.backends.select import reward_trainer
+from engine.training.reward_model import bradley_terry_loss, split_eval, train_reward_model
+from engine.training.preference_data import encode_preference_dataset
+from engine.training.reward_scoring import load_reward_model, score
 
 GOOD = ["great", "helpful", "correct", "clear", "kind", "precise"]
 BAD = ["wrong", "rude", "useless", "vague", "lazy", "false"]
@@ -95,7 +92,7 @@ def test_training_reaches_high_held_out_accuracy_and_round_trips(setup):
     cfg = RMConfig(steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
                    optim=OptimConfig(lr=3e-3, warmup_steps=3), log_every=4)
     logged: list[int] = []
-    metrics = train_reward_model(root / "base", data, cfg, root / "rm", seed=0,
+    metrics = train_reward_model(reward_trainer, root / "base", data, cfg, root / "rm", seed=0,
                                  log_metrics=lambda m, s: logged.append(s))
     assert logged == [4, 8, 12]
     assert metrics["rm/num_eval_pairs"] == 20 and metrics["rm/num_train_pairs"] == 60
@@ -166,21 +163,21 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
     and the logged metrics of steps 5 and 6 equal. log_every and checkpoint_every may change
     across the resume; any other config change is refused; a finished state only rewrites
     the model directory."""
-    from engine.train_state import DataPosition, load_train_state
+    from engine.storage.train_state import DataPosition, load_train_state
 
     root, data, _ = setup
     cfg = RMConfig(steps=6, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
                    optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5),
                    checkpoint_every=2, log_every=1)
     straight_log: list[tuple[int, dict]] = []
-    straight = train_reward_model(root / "base", data, cfg, tmp_path / "straight", None, seed=0,
+    straight = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "straight", None, seed=0,
                                   log_metrics=lambda m, s: straight_log.append((s, dict(m))))
     assert (straight["train/resumed_from_step"], straight["train/steps_run"]) == (0.0, 6.0)
 
     resume = tmp_path / "resume"
     first_log: list[tuple[int, dict]] = []
     with pytest.raises(Crash):
-        train_reward_model(root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
+        train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
                            log_metrics=crash_after(5, first_log))
     assert not (tmp_path / "resumed").exists()
     state = load_train_state(resume)
@@ -189,7 +186,7 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
 
     later = cfg.model_copy(update={"log_every": 2, "checkpoint_every": 5})  # neither changes the result
     resumed_log: list[tuple[int, dict]] = []
-    resumed = train_reward_model(root / "base", data, later, tmp_path / "resumed", resume, seed=0,
+    resumed = train_reward_model(reward_trainer, root / "base", data, later, tmp_path / "resumed", resume, seed=0,
                                  log_metrics=lambda m, s: resumed_log.append((s, dict(m))))
     assert [s for s, _ in resumed_log] == [6]  # steps 5 and 6 ran; step 6 is logged (log_every 2)
     assert (resumed["train/resumed_from_step"], resumed["train/steps_run"], resumed["train/steps"]) == (4.0, 2.0, 6.0)
@@ -205,7 +202,7 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
 
     # A finished state: no step runs, the same weights and metrics are written again.
     again_log: list[int] = []
-    again = train_reward_model(root / "base", data, cfg, tmp_path / "again", resume, seed=0,
+    again = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "again", resume, seed=0,
                                log_metrics=lambda m, s: again_log.append(s))
     assert again_log == [] and (again["train/resumed_from_step"], again["train/steps_run"]) == (6.0, 0.0)
     assert untimed(again) == untimed(resumed) | {"train/resumed_from_step": 6.0, "train/steps_run": 0.0}
@@ -213,6 +210,6 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
     assert [k for k in a if not torch.equal(a[k], c[k])] == []
 
     with pytest.raises(ValueError, match="train state was written by a different run"):
-        train_reward_model(root / "base", data, cfg.model_copy(update={"steps": 7}), tmp_path / "x", resume, seed=0)
+        train_reward_model(reward_trainer, root / "base", data, cfg.model_copy(update={"steps": 7}), tmp_path / "x", resume, seed=0)
     with pytest.raises(ValueError, match="different run"):
-        train_reward_model(root / "base", data, cfg, tmp_path / "x", resume, seed=1)
+        train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "x", resume, seed=1)

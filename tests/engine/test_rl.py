@@ -22,7 +22,7 @@ import torch
 
 from config.schema import EngineConfig, KLConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
 from engine.rollout.base import RolloutOutput
-from engine.types import Trajectory
+from engine.trajectory import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = (
@@ -42,9 +42,9 @@ def policy(tmp_path_factory) -> dict:
     """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps."""
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
-    from engine.megatron_model import build_gpt_model
-    from engine.model_dir import load_tokenizer, save_model_dir
-    from engine.sft import train_sft
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.training.sft import train_sft
 
     root = tmp_path_factory.mktemp("rl_policy")
     pairs = [(a, b) for a in range(5) for b in range(5)]
@@ -75,7 +75,7 @@ def policy(tmp_path_factory) -> dict:
 def ray_address():
     import ray
 
-    from engine.ray_cluster import init_ray, shutdown_ray
+    from engine.rl.placement import init_ray, shutdown_ray
 
     first = init_ray(num_cpus=2)
     assert init_ray(num_cpus=1) == ray.cluster_resources()  # idempotent: still the first cluster
@@ -100,8 +100,8 @@ def read_metrics(out_dir: Path) -> list[dict]:
 
 
 def policy_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from engine.megatron_model import mcore_state
-    from engine.model_dir import load_model_dir
+    from engine.models.megatron import mcore_state
+    from engine.storage.model_dir import load_model_dir
 
     return mcore_state(load_model_dir(model_dir, seed=123).model)
 
@@ -151,7 +151,7 @@ def test_trajectory_select_and_cat():
 
 
 def test_load_rl_prompts_errors_name_file_and_line(policy, tmp_path):
-    from engine.rl import load_rl_prompts
+    from engine.rl.prompts import load_rl_prompts
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": question(1, 2), "label": "3"}) + "\n" + json.dumps({"prompt": question(1, 2), "label": 3}) + "\n")
@@ -166,8 +166,8 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     hand-computed token mean; the update raises the rewarded answer's likelihood."""
     from data.chat import encode_prompt
     from engine.algorithms import grpo_advantages
-    from engine.megatron_model import gpt_logits
-    from engine.workers import ActorWorker
+    from engine.models.megatron import gpt_logits
+    from engine.backends.megatron import ActorWorker
 
     tok = policy["tokenizer"]
     eos = tok.eos_token_id
@@ -209,8 +209,8 @@ def test_actor_update_does_not_depend_on_the_micro_batch_split(policy, mode):
     micro-batch of 6 responses or micro-batches of 4 + 2 (different padded lengths) give the
     same loss, gradient norm and updated weights."""
     from data.chat import encode_prompt
-    from engine.megatron_model import mcore_state
-    from engine.workers import ActorWorker
+    from engine.models.megatron import mcore_state
+    from engine.backends.megatron import ActorWorker
 
     tok = policy["tokenizer"]
     prompt = encode_prompt(tok, question(2, 2))
@@ -242,8 +242,8 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
     ones, also over 2 PPO epochs (the second epoch's ratio is against the pre-update policy),
     and it returns old log-probs equal to that separate pass."""
     from data.chat import encode_prompt
-    from engine.megatron_model import mcore_state
-    from engine.workers import ActorWorker
+    from engine.models.megatron import mcore_state
+    from engine.backends.megatron import ActorWorker
 
     tok = policy["tokenizer"]
     prompt = encode_prompt(tok, question(3, 4))
@@ -272,11 +272,12 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
 
 def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
     """reward = verifier_weight * exact_match + reward_model_weight * RM score (independently
-    recomputed with engine.reward_model.score on the decoded texts)."""
+    recomputed with engine.training.reward_scoring.score on the decoded texts)."""
     from config.schema import RewardConfig
-    from engine.model_dir import load_model_dir, save_model_dir
-    from engine.reward_model import RewardModel, load_reward_model, score
-    from engine.workers import RewardWorker
+    from engine.storage.model_dir import load_model_dir, save_model_dir
+    from engine.models.heads import RewardModel
+    from engine.training.reward_scoring import load_reward_model, score
+    from engine.rl.workers import RewardWorker
 
     loaded = load_model_dir(policy["dir"])
     head = RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads()
@@ -305,13 +306,14 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
 def vllm_run(policy, ray_address, tmp_path_factory):
     """An uninterrupted 3-step GRPO run with vLLM rollout, whose rollout worker's Ray actor
     holds a 2 GiB ballast (tests/engine/ballast.py) from before its engine starts."""
-    import engine.rl
+    import engine.rl.workers
+    from engine.rl.loop import run_rl
     from tests.engine.ballast import BallastRolloutWorker
 
     out = tmp_path_factory.mktemp("rl_vllm")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(engine.rl, "RolloutWorker", BallastRolloutWorker)
-        result = engine.rl.run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), out, None, seed=0)
+        mp.setattr(engine.rl.workers, "RolloutWorker", BallastRolloutWorker)
+        result = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), out, None, seed=0)
     return out, result
 
 
@@ -319,8 +321,8 @@ def test_rollout_actor_starts_vllm_beside_a_2gib_ballast(vllm_run, policy):
     """The rollout actor's RSS is above 10% of the node's memory before its engine starts, so
     vLLM's old default (gpu_memory_utilization 0.1) would budget a negative KV cache; sized from
     the run, the engine starts and the 3 steps generate (test_grpo_vllm_end_to_end checks them)."""
-    from engine.model_dir import read_hf_config
-    from engine.rl import load_rl_prompts
+    from engine.storage.model_dir import read_hf_config
+    from engine.rl.prompts import load_rl_prompts
     from engine.rollout.kv_cache import kv_cache_bytes
 
     out, result = vllm_run
@@ -364,8 +366,8 @@ def test_grpo_vllm_end_to_end(vllm_run, policy):
 def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     """2 steps with a checkpoint each step; then steps=3 with the same resume_dir does only
     step 3 and ends with exactly (bit for bit) the weights and metrics of the 3-step run."""
-    from engine.rl import run_rl
-    from engine.train_state import load_train_state
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import load_train_state
 
     resume = tmp_path / "resume"
     first = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 2), tmp_path / "a", resume, seed=0)
@@ -384,7 +386,7 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
 @pytest.fixture(scope="module")
 def hf_run(policy, ray_address, tmp_path_factory):
     """An uninterrupted 3-step run with the HF rollout backend and two PPO epochs per batch."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     out = tmp_path_factory.mktemp("rl_hf")
     result = run_rl(policy["dir"], policy["prompts"], rl_config("hf", 3, ppo_epochs=2), out, None, seed=0)
@@ -405,7 +407,7 @@ def test_grpo_hf_backend_end_to_end(hf_run):
 def test_dynamic_sampling_and_adaptive_kl_penalty(policy, ray_address, tmp_path):
     """DAPO dynamic sampling keeps only groups with differing rewards; the KL reward penalty's
     coefficient follows the adaptive controller's rule step by step (Ziegler et al. 2019)."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     target, horizon, coef = 0.01, 200, 0.05
     cfg = rl_config("hf", 3, algorithm="rloo", kl=KLConfig(coef=coef, in_reward=True, target=target, horizon=horizon),
@@ -435,7 +437,7 @@ def test_dynamic_sampling_and_adaptive_kl_penalty(policy, ray_address, tmp_path)
 def test_multi_turn_environment_run_on_ray(policy, ray_address, tmp_path):
     """rl.environment through the real engine: the rollout worker runs the episodes, the
     environment's rewards are the scores (no reward worker), and the update trains."""
-    from engine.rl import run_rl
+    from engine.rl.loop import run_rl
 
     cfg = rl_config("hf", 2, environment="tests.engine.multi_turn_env_example:make_counter_env", max_turns=2,
                     rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
@@ -456,8 +458,8 @@ def test_multi_turn_environment_run_on_ray(policy, ray_address, tmp_path):
 def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tmp_path):
     """A driver killed with SIGKILL after its first checkpoint; a new run resumes from the
     last checkpoint and reaches the uninterrupted run's weights exactly."""
-    from engine.rl import run_rl
-    from engine.train_state import has_train_state, load_train_state
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import has_train_state, load_train_state
 
     resume, out = tmp_path / "resume", tmp_path / "killed"
     cfg = rl_config("hf", 3, ppo_epochs=2, engine=EngineConfig(ray_address=ray_address, num_cpus=2))
@@ -465,7 +467,7 @@ def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tm
     script.write_text(
         "import sys\n"
         "from config.schema import RLConfig\n"
-        "from engine.rl import run_rl\n"
+        "from engine.rl.loop import run_rl\n"
         "if __name__ == '__main__':\n"
         f"    run_rl({str(policy['dir'])!r}, {str(policy['prompts'])!r}, RLConfig.model_validate_json({cfg.model_dump_json()!r}),"
         f" {str(out)!r}, {str(resume)!r}, seed=0)\n"

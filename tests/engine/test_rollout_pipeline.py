@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine.rollout_pipeline import RolloutPipeline
+from engine.rl.prefetch import RolloutPipeline
 
 
 def test_synchronous_pipeline_runs_inline():

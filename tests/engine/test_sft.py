@@ -14,10 +14,11 @@ from config.schema import OptimConfig, SFTConfig
 from conversion.registry import hf_to_megatron
 from data.chat import encode_chat
 from data.tokenizer_train import train_chat_tokenizer
-from engine.batching import collate_tokens
-from engine.megatron_model import GPTSpec, build_gpt_model, load_mcore_state
-from engine.model_dir import load_model_dir, load_tokenizer, save_model_dir
-from engine.sft import encode_sft_dataset, sft_loss, train_sft
+from engine.batching.collate import collate_tokens
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, load_mcore_state
+from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
+from engine.training.sft import encode_sft_dataset, sft_loss, train_sft
 
 
 def qwen2_config(vocab_size: int, hidden: int = 64) -> dict:

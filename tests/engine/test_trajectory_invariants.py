@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.rollout.base import RolloutOutput
-from engine.types import Trajectory
+from engine.trajectory import Trajectory
 
 EOS = PAD = 2
 

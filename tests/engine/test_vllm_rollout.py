@@ -153,10 +153,10 @@ def test_update_weights_switches_policy(setup):
 
 
 def test_update_weights_bucket_by_bucket(setup):
-    """One reload call per bucket of ``engine.weight_sync`` (modules never split across
+    """One reload call per bucket of ``engine.models.weight_buckets`` (modules never split across
     calls) ends with the same policy as one full update; the tied output layer follows the
     embedding's bucket."""
-    from engine.weight_sync import plan_buckets
+    from engine.models.weight_buckets import plan_buckets
 
     engine, model_a, model_b, eos = setup
     spec = SamplingSpec(n=1, temperature=0.0, max_new_tokens=12)

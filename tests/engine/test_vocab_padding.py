@@ -10,8 +10,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from conversion import hf_to_megatron, megatron_to_hf
 from conversion.registry import ConversionError
-from engine.megatron_model import GPTSpec, build_gpt_model, gpt_logits, load_mcore_state, mcore_state
-from engine.model_dir import MEGATRON_SPEC_FILE, load_model_dir, save_model_dir
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, gpt_logits, load_mcore_state, mcore_state
+from engine.storage.model_dir import MEGATRON_SPEC_FILE, load_model_dir, save_model_dir
 from tests.numerics import hf_logits_reference
 
 VOCAB, PADDED = 300, 384  # 300 rounded up to a multiple of 128

@@ -1,4 +1,4 @@
-"""Bucketed weight sync (engine.weight_sync) against the whole-model stream it replaces:
+"""Bucketed weight sync (engine.models.weight_buckets) against the whole-model stream it replaces:
 same tensors in the same order, buckets within budget, no aliasing of the live model, and a
 rollout engine updated bucket by bucket ending with exactly the weights of a full update."""
 
@@ -10,16 +10,10 @@ import torch
 from config.schema import EngineConfig, RLConfig
 from conversion.export import write_hf_safetensors
 from conversion.registry import megatron_to_hf
-from engine.megatron_model import GPTSpec, build_gpt_model, gpt_logits, mcore_state
+from conversion.spec import GPTSpec
+from engine.models.megatron import build_gpt_model, gpt_logits, mcore_state
 from engine.rollout.hf_rollout import HFRollout
-from engine.weight_sync import (
-    BucketServer,
-    hf_bucket,
-    iter_buckets,
-    load_group,
-    plan_buckets,
-    plan_policy,
-)
+from engine.models.weight_buckets import BucketServer, hf_bucket, iter_buckets, load_group, plan_buckets, plan_policy
 
 # qwen2: tied embeddings and QKV biases; llama: untied output layer, no biases.
 ARCHS = {"qwen2": ("Qwen2ForCausalLM", True), "llama": ("LlamaForCausalLM", False)}
@@ -245,8 +239,8 @@ def test_hf_rollout_updated_bucket_by_bucket_equals_a_full_update(setup, tmp_pat
 def actor_worker(tmp_path_factory, fixtures_dir):
     """ActorWorker in-process, from a model directory, with 1 MiB buckets. The Qwen2.5
     tokenizer's vocabulary makes the embedding ~19 MiB: over budget, a bucket of its own."""
-    from engine.model_dir import save_model_dir
-    from engine.workers import ActorWorker
+    from engine.storage.model_dir import save_model_dir
+    from engine.backends.megatron import ActorWorker
 
     threads = torch.get_num_threads()
     cfg = {**hf_config("qwen2"), "vocab_size": 151665, "hidden_size": 32, "intermediate_size": 64}
@@ -277,9 +271,10 @@ class _Handle:
 
 
 def test_rl_update_weights_sends_every_bucket_in_order(actor_worker, monkeypatch):
-    """engine.rl_step.update_weights drives the actor and rollout workers bucket by bucket (Ray's
+    """engine.rl.phases.update_weights drives the actor and rollout workers bucket by bucket (Ray's
     ``get`` replaced by the identity: the handles here return values, not ObjectRefs)."""
-    import engine.rl_step as rl
+    import engine.rl.phases as rl
+    from engine.rl.workers import Workers
 
     received: list[list[str]] = []
 
@@ -288,7 +283,7 @@ def test_rl_update_weights_sends_every_bucket_in_order(actor_worker, monkeypatch
             received.append([name for name, _ in named_tensors])
 
     monkeypatch.setattr(rl.ray, "get", lambda value, timeout=None: value)
-    workers = rl.Workers(placement=None, actor=_Handle(actor_worker), reference=None, rollout=_Handle(Rollout()),
+    workers = Workers(placement=None, actor=_Handle(actor_worker), reference=None, rollout=_Handle(Rollout()),
                          reward=None)
     seconds = rl.update_weights(workers)
     plan = actor_worker.hf_bucket_plan()
@@ -304,10 +299,11 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
 
     import ray
 
-    import engine.rl_step as rl
-    from engine.model_dir import save_model_dir
-    from engine.ray_cluster import init_ray, shutdown_ray
-    from engine.workers import ActorWorker
+    import engine.rl.phases as rl
+    from engine.rl.workers import Workers
+    from engine.storage.model_dir import save_model_dir
+    from engine.rl.placement import init_ray, shutdown_ray
+    from engine.backends.megatron import ActorWorker
 
     class HangingRollout:
         def update_weights(self, named_tensors):
@@ -326,10 +322,10 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
         hanging = ray.remote(HangingRollout).options(num_cpus=0, max_concurrency=2).remote()
         t0 = time.perf_counter()
         with pytest.raises(TimeoutError, match=r"bucket 1 of 1 not done within rl.engine.weight_sync_timeout_s=2.0 s"):
-            rl.update_weights(rl.Workers(None, actor, None, hanging, None), timeout_s=2.0)
+            rl.update_weights(Workers(None, actor, None, hanging, None), timeout_s=2.0)
         assert time.perf_counter() - t0 < 30  # the deadline, not the rollout's 120 s
         failing = ray.remote(FailingRollout).options(num_cpus=0).remote()
         with pytest.raises(RuntimeError, match=r"bucket 1 of 1 failed: .*no parameter 'model.embed_tokens.weight'"):
-            rl.update_weights(rl.Workers(None, actor, None, failing, None), timeout_s=30.0)
+            rl.update_weights(Workers(None, actor, None, failing, None), timeout_s=30.0)
     finally:
         shutdown_ray()

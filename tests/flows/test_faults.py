@@ -220,8 +220,8 @@ def stage_states(summary: dict) -> dict[str, str]:
 
 
 def model_tensors(model_dir: Path) -> dict:
-    from engine.model_dir import load_model_dir
-    from engine.platform import init_model_parallel
+    from engine.storage.model_dir import load_model_dir
+    from engine.models.platform import init_model_parallel
 
     init_model_parallel()
     return {k: v.clone() for k, v in load_model_dir(model_dir).model.state_dict().items() if hasattr(v, "dtype")}

@@ -74,9 +74,9 @@ def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.megatron_model import gpt_logits
-    from engine.model_dir import load_model_dir
-    from engine.platform import init_model_parallel
+    from engine.models.megatron import gpt_logits
+    from engine.storage.model_dir import load_model_dir
+    from engine.models.platform import init_model_parallel
 
     summary = project["first"]
     hf_dir = Path(summary["stages"]["export"]["uri"]) / "hf_model"

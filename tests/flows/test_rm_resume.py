@@ -44,8 +44,8 @@ def reward_model_tensors(model_dir) -> dict:
     """Every GPT weight of a published reward model's directory and its head tensors."""
     import torch
 
-    from engine.model_dir import load_model_dir
-    from engine.platform import init_model_parallel
+    from engine.storage.model_dir import load_model_dir
+    from engine.models.platform import init_model_parallel
 
     init_model_parallel()
     loaded = load_model_dir(model_dir)

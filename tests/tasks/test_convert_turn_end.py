@@ -15,8 +15,8 @@ import pytest
 
 from conversion.spec import GPTSpec
 from data.chat import RECORDED_KEY, encode_chat, end_of_turn
-from engine.megatron_model import build_gpt_model
-from engine.model_dir import load_tokenizer, save_model_dir
+from engine.models.megatron import build_gpt_model
+from engine.storage.model_dir import load_tokenizer, save_model_dir
 from tasks.convert import _turn_end
 from tests.data.chat_tokenizers import paired_tokenizer, sentencepiece_dir
 
@@ -46,7 +46,7 @@ def tiny_model(vocab_size: int, eos: int):
 
 
 def test_gemma_turn_end_stops_generation_and_is_recorded(tokenizer_dirs, tmp_path):
-    from engine.hf_export import export_model_dir
+    from engine.storage.hf_io import export_model_dir
     from engine.rollout.hf_rollout import HFRollout
     from engine.rollout.vllm_rollout import eos_token_ids
 

@@ -167,8 +167,8 @@ def test_editing_a_module_reached_through_imports_changes_code_version(project_c
     covered = modules_of("tasks.sft")
     direct = _imports(project_copy / "tasks" / "sft.py", "tasks.sft")
     transitive_only = [m for m in covered if m not in direct and m != "tasks.sft"]
-    # The stage reaches the training step only through engine.sft: a helper two hops away.
-    assert "engine.sft" in direct
+    # The stage reaches the training step only through engine.training.sft: a helper two hops away.
+    assert "engine.training.sft" in direct
     assert transitive_only, covered
     v0 = _version("tasks.sft")
     assert _version("tasks.sft") == v0
@@ -187,9 +187,9 @@ def test_editing_a_module_reached_through_imports_changes_code_version(project_c
 def test_function_body_edit_in_a_transitive_helper(project_copy):
     covered = modules_of("tasks.sft")
     direct = _imports(project_copy / "tasks" / "sft.py", "tasks.sft")
-    # engine.train_step is reached only through engine.sft (it exists at the time of writing).
-    assert "engine.train_step" in covered and "engine.train_step" not in direct
-    path = fp_mod._module_file("engine.train_step")
+    # engine.training.optimizer_step is reached only through engine.training.sft (it exists at the time of writing).
+    assert "engine.training.optimizer_step" in covered and "engine.training.optimizer_step" not in direct
+    path = fp_mod._module_file("engine.training.optimizer_step")
     src = path.read_text()
     fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and isinstance(n.body[-1], ast.Return))
     ret = fn.body[-1]
@@ -212,7 +212,7 @@ def test_unrelated_stage_and_docs_do_not_change_code_version(project_copy):
     (project_copy / "README.md").write_text("# posttrain\n")
     (project_copy / "engine" / "NOTES.md").write_text("engine notes\n")
     (project_copy / "tests").mkdir()
-    (project_copy / "tests" / "test_sft_extra.py").write_text("import engine.sft\n")
+    (project_copy / "tests" / "test_sft_extra.py").write_text("import engine.training.sft\n")
     assert _version("tasks.sft") == v0
     # ...while the export stage does see its own edit.
     assert "tasks.export" in modules_of("tasks.export")
@@ -250,7 +250,7 @@ def test_relative_and_lazy_imports_are_followed(project_copy):
 
 def test_real_project_closure_of_sft():
     mods = modules_of("tasks.sft")
-    assert "tasks.sft" in mods and "engine.sft" in mods
+    assert "tasks.sft" in mods and "engine.training.sft" in mods
     assert "tasks.export" not in mods and "flows.cli" not in mods
     assert all(m.split(".")[0] in PROJECT_PACKAGES for m in mods)
     with pytest.raises(ValueError, match="numpy is not a module of this project"):
@@ -262,7 +262,7 @@ def test_real_project_closure_of_sft():
 def test_comments_docstrings_and_blank_lines_do_not_change_code_version(project_copy):
     """The code version hashes each module's syntax tree without docstrings: edits that
     cannot change what the code does leave every stage cached; a real edit does not."""
-    path = fp_mod._module_file("engine.train_step")
+    path = fp_mod._module_file("engine.training.optimizer_step")
     original = path.read_text()
     v0 = _version("tasks.sft")
     tree = ast.parse(original)

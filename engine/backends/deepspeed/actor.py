@@ -1,0 +1,151 @@
+"""The DeepSpeed RL actor: a transformers causal LM under a DeepSpeed engine (ZeRO 0-3),
+with the same losses as the megatron-core actor (:mod:`engine.training.actor`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from config.schema import RLConfig
+from engine.backends.deepspeed.runtime import (
+    DeepSpeedTrainer,
+    import_deepspeed,
+    init_single_process_group,
+)
+from engine.training.actor import (
+    ActorUpdate,
+    actor_update,
+    compute_logprobs,
+    logit_temperature,
+)
+from engine.trajectory import Trajectory
+
+# train_state.pt's ``extra`` key recording which backend (and ZeRO stage) wrote the state:
+# the optimizer state's layout depends on both.
+STATE_TAG_KEY = "actor_backend"
+
+
+class DeepSpeedActorWorker:
+    """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
+
+    Same constructor arguments, methods and results as :class:`engine.backends.megatron.ActorWorker`;
+    the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
+
+    Args:
+        policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
+        cfg: the ``rl`` config (``deepspeed.zero_stage``, optimizer, loss, epochs,
+            micro-batches, rollout temperature).
+        seed: model-building seed (every weight is then loaded from ``policy_dir``).
+        num_threads: torch threads in this process (default: all cores).
+
+    Raises:
+        ValueError: ``cfg.packing`` (the HF model runs padded micro-batches only; the config
+            rejects the pair too).
+        RuntimeError: see :func:`import_deepspeed` and :func:`init_single_process_group`.
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
+        from engine.models.platform import worker_threads
+        from engine.storage.hf_io import load_hf_causal_lm
+
+        if cfg.packing:
+            raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches)")
+        worker_threads(num_threads)
+        import_deepspeed()
+        init_single_process_group()
+        loaded = load_hf_causal_lm(policy_dir, seed=seed)
+        self.hf_config, self.spec, self.tokenizer_dir = loaded.hf_config, loaded.spec, loaded.tokenizer_dir
+        self.cfg = cfg
+        self.seed = seed
+        self.temperature = logit_temperature(cfg.rollout.temperature)
+        self.trainer = DeepSpeedTrainer(loaded.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.deepspeed,
+                                        cfg.micro_batch_size)
+        self.engine, self.module = self.trainer.engine, self.trainer.module
+        self.optimizer, self.scheduler = self.trainer.optimizer, self.trainer.scheduler
+        self.zero_stage = cfg.deepspeed.zero_stage
+        self._bucket_server = None
+
+    # ------------------------------------------------------------------ forward and update
+
+    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on
+        padding (:func:`engine.training.actor.compute_logprobs`; micro-batches of
+        ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens)."""
+        return compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
+                                self.cfg.max_tokens_per_micro_batch)
+
+    def update(self, traj: Trajectory) -> ActorUpdate:
+        """``cfg.ppo_epochs`` optimizer steps on the whole batch
+        (:func:`engine.training.actor.actor_update` with :meth:`DeepSpeedTrainer.train_step`), as
+        :meth:`engine.backends.megatron.ActorWorker.update`; without ``traj.old_logprobs`` the batch is
+        on-policy and the update's first forward gives them.
+
+        Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
+
+        Raises:
+            ValueError: the batch has no loss tokens.
+            FloatingPointError: a non-finite gradient norm (that step is not taken).
+        """
+        return actor_update(traj, self.cfg, self.temperature, self.trainer.train_step)
+
+    # ------------------------------------------------------------------ weights out
+
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's HF-named weights, one at a time, in module order (a tied model's
+        ``lm_head.weight`` is the embedding and is not repeated): the weight source of
+        ``engine.models.weight_buckets``. Below ZeRO-3 the tensors are the live parameters (the caller
+        copies what it keeps); under ZeRO-3 each is gathered and copied."""
+        return self.trainer.named_tensors()
+
+    def hf_bucket_plan(self):
+        """How the policy's HF-named weights are cut for weight sync: an
+        :class:`engine.models.weight_buckets.BucketPlan` of ``cfg.engine.weight_sync_bucket_mb`` MiB
+        buckets over :meth:`hf_tensors` (planned on first use; shapes do not change in training)."""
+        return self._weight_buckets().plan
+
+    def hf_bucket(self, index: int) -> list[tuple[str, torch.Tensor]]:
+        """Bucket ``index`` of the policy's weights: HF-named full tensors that own their
+        memory (:class:`engine.models.weight_buckets.BucketServer`). Raises IndexError outside
+        ``[0, plan.num_buckets)``."""
+        return self._weight_buckets().bucket(index)
+
+    def _weight_buckets(self):
+        if self._bucket_server is None:
+            from engine.models.weight_buckets import BucketServer
+
+            budget = self.cfg.engine.weight_sync_bucket_mb * 2**20
+            self._bucket_server = BucketServer(self.hf_config, self, budget)
+        return self._bucket_server
+
+    def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
+        """Write the policy as a model directory (megatron torch_dist + ``hf/``; see
+        :func:`engine.storage.hf_io.save_hf_as_model_dir`), which ``load_model_dir``, evaluation
+        and export read like the megatron backend's."""
+        from engine.storage.hf_io import save_hf_as_model_dir
+
+        return str(save_hf_as_model_dir(out_dir, dict(self.hf_tensors()), self.spec, self.hf_config,
+                                        self.tokenizer_dir, iteration=iteration, seed=self.seed))
+
+    # ------------------------------------------------------------------ resumable state
+
+    def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
+        """Write the resumable train state atomically (``engine.storage.train_state``): HF-named
+        weights, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32 partitions),
+        the schedule, data position, RNG states and ``extra`` (plus the backend and ZeRO stage,
+        which the state's layout depends on). Loads with ``torch.load(weights_only=True)``."""
+        self.trainer.save_state(resume_dir, STATE_TAG_KEY, step, data_position, extra)
+
+    def load_state(self, resume_dir: str | Path):
+        """Restore a train state written by :meth:`save_state` with the same ZeRO stage;
+        returns ``(step, data_position, extra)``. Training then continues bit for bit as if
+        it had not stopped (tests/engine/test_deepspeed_backend.py).
+
+        Raises:
+            FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`.
+            ValueError: the state was written by another backend or ZeRO stage (names
+                ``rl.backend`` / ``rl.deepspeed.zero_stage``).
+        """
+        state = self.trainer.load_state(resume_dir, STATE_TAG_KEY, "rl.backend and rl.deepspeed.zero_stage")
+        return state.step, state.data_position, state.extra

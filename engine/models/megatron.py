@@ -1,0 +1,356 @@
+"""megatron-core GPTModel for Llama, Qwen2 and Qwen3 decoders, built and run on CPU.
+
+:class:`GPTSpec` is the architecture (read from and written to an HF ``config.json``);
+:func:`build_gpt_model` builds the matching ``GPTModel`` with megatron-core's local layer
+spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, fp32 on CPU; plus
+per-head q/k RMSNorm for Qwen3);
+:func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally;
+:func:`gpt_logits_packed` runs packed sequences (``engine.batching.packing``) without padding.
+
+The local spec's core attention materialises the ``[B, heads, T, T]`` score matrix with
+``baddbmm``; ``core_attention="sdpa"`` swaps in :class:`SDPACoreAttention`, which calls
+``torch.nn.functional.scaled_dot_product_attention`` with the same causal semantics and
+also runs megatron's packed (THD) sequences, attention kept inside each sequence.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+
+from conversion.spec import GPTSpec
+from engine.models.platform import ensure_model_parallel
+
+if TYPE_CHECKING:
+    from engine.batching.packing import PackedSequences
+
+
+
+CoreAttention = Literal["local", "sdpa"]
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention via ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Drop-in for megatron's ``DotProductAttention`` in the local spec (same constructor and
+    forward signature). Computes softmax(Q K^T / sqrt(d) + causal mask) V (Vaswani et al.
+    2017) with grouped-query heads (Ainslie et al. 2023) broadcast by ``enable_gqa``.
+
+    Shapes: query ``[T, B, heads, d]``, key/value ``[T, B, kv_heads, d]`` -> ``[T, B, heads*d]``.
+
+    Packed sequences (``engine.batching.packing``): given megatron's ``PackedSeqParams`` with
+    ``qkv_format="thd"`` (what ``GPTModel.forward`` passes through to every layer), the
+    inputs are query ``[N, heads, d]``, key/value ``[N, kv_heads, d]`` holding the
+    sequences ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` end to end, and the output is
+    ``[N, heads*d]``. Attention is causal *within* each sequence and never crosses into
+    another (block-diagonal causal); it is computed segment by segment, so the cost is
+    ``sum_b n_b^2``, not ``N^2``. megatron applies the rotary embedding per segment
+    (positions restart at 0) before calling this module.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal SDPA on ``[B, heads, T, d]`` (queries) / ``[B, kv_heads, T, d]`` (keys, values)."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=q.size(2) > 1, dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1),
+        )
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None or attention_mask is not None:
+            raise NotImplementedError("SDPACoreAttention supports causal attention only (no attention_mask or bias)")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, packed_seq_params)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [B, heads, T, d]
+        out = self._attend(q, k, v)
+        t, b = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(t, b, -1)
+
+    def _forward_packed(self, query, key, value, params) -> torch.Tensor:
+        """Block-diagonal causal attention over THD-packed sequences (see the class docstring).
+
+        Raises:
+            NotImplementedError: ``qkv_format`` is not ``"thd"``, or the query and key/value
+                packings differ (cross attention).
+        """
+        if params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"SDPACoreAttention: packed sequences need qkv_format 'thd', got {params.qkv_format!r}")
+        cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        if cu_kv is not None and not torch.equal(cu_q, cu_kv):
+            raise NotImplementedError("SDPACoreAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        bounds = cu_q.tolist()
+        if bounds[0] != 0 or bounds[-1] != query.size(0):
+            raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the "
+                             f"{query.size(0)} packed tokens")
+        out = query.new_empty(query.size(0), query.size(1) * query.size(2))
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (x[start:stop].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, n, d]
+            out[start:stop] = self._attend(q, k, v)[0].permute(1, 0, 2).reshape(stop - start, -1)
+        return out
+
+
+@functools.cache
+def _row_parallel_linear_with_bias() -> type:
+    """megatron's ``RowParallelLinear`` that always has a bias.
+
+    Attention builds ``linear_proj`` with ``bias=config.add_bias_linear``, a flag that also
+    gives the MLP biases; Qwen3 with ``attention_bias`` has an o_proj bias but no MLP ones,
+    so the layer spec swaps this class in for ``linear_proj`` alone. (Cached: one class.)
+    """
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class RowParallelLinearWithBias(RowParallelLinear):
+        def __init__(self, *args, bias: bool, **kwargs):
+            super().__init__(*args, bias=True, **kwargs)
+
+    return RowParallelLinearWithBias
+
+
+def _layer_spec(spec: GPTSpec, core_attention: CoreAttention):
+    """megatron's local layer spec (RMSNorm) for ``spec``: q/k layernorms when
+    ``spec.qk_layernorm``, a ``linear_proj`` bias when ``spec.add_proj_bias``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if core_attention not in ("local", "sdpa"):
+        raise ValueError(f"core_attention must be 'local' or 'sdpa', got {core_attention!r}")
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    if core_attention == "sdpa" or spec.add_proj_bias:
+        layer = copy.deepcopy(layer)
+        attention = layer.submodules.self_attention.submodules
+        if core_attention == "sdpa":
+            attention.core_attention = SDPACoreAttention
+        if spec.add_proj_bias:
+            attention.linear_proj = _row_parallel_linear_with_bias()
+    return layer
+
+
+def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """SiLU (Elfwing et al. 2018) on a contiguous copy of ``x``.
+
+    megatron's gated MLP applies the activation to a strided half of ``linear_fc1``'s output;
+    torch's strided SiLU kernel rounds differently (up to 1 ulp) from the contiguous one HF
+    uses, and over several layers that grows to ~1e-5 in the logits. Same math, same kernel.
+    """
+    return F.silu(x.contiguous())
+
+
+def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1):
+    """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
+
+    ``tensor_model_parallel_size`` must equal the model-parallel state's TP size (megatron's
+    layers shard by the state's group; the config records the size for code that reads it).
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.kv_channels,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=silu_contiguous,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        init_method_std=0.02,
+    )
+
+
+def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local"):
+    """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
+
+    Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
+    In a rank of a tensor-parallel group (``engine.models.platform.init_model_parallel(tp=N)`` called
+    first) it builds that rank's shard: megatron's layers hold 1/N of the vocabulary, heads
+    and FFN width (layouts: ``conversion.tensor_parallel``); every rank initialises the same
+    full weights from ``seed`` and keeps its part. The global torch RNG state is left as it
+    was. The returned model carries ``gpt_spec``.
+
+    Args:
+        spec: architecture.
+        seed: seed for the weight initialisation (normal, std 0.02, megatron's default).
+        core_attention: "local" (megatron's DotProductAttention) or "sdpa"
+            (:class:`SDPACoreAttention`, same results, faster on CPU).
+
+    Returns:
+        ``megatron.core.models.gpt.GPTModel`` in train mode, fp32, on CPU.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    tp = ensure_model_parallel()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPTModel(
+            config=transformer_config(spec, tensor_model_parallel_size=tp),
+            transformer_layer_spec=_layer_spec(spec, core_attention),
+            vocab_size=spec.megatron_vocab_size,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=True,
+            post_process=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=spec.rope_theta,
+            rope_scaling=spec.rope_scaling_factor is not None,  # Llama 3.1's, the only scaling GPTSpec accepts
+            rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+            rotary_percent=1.0,
+        )
+    model.gpt_spec = spec
+    return model
+
+
+def _check_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
+    return input_ids.long()
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    b, t = input_ids.shape
+    return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
+
+
+def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Causal next-token logits, batch-first.
+
+    Position ``t`` sees tokens ``0..t`` only, so right-padding never changes earlier
+    positions' logits. Runs under the caller's grad mode. At tensor-parallel size > 1 it
+    is a collective: every rank of the group calls it with the same ``input_ids`` and gets
+    the full (gathered) logits.
+
+    Args:
+        model: a GPTModel from :func:`build_gpt_model`.
+        input_ids: LongTensor ``[B, T]``.
+
+    Returns:
+        FloatTensor ``[B, T, V]`` (fp32 logits; position t predicts token t+1). ``V`` is
+        the HF vocabulary: the rows megatron's vocabulary padding adds
+        (``GPTSpec.padded_vocab_size``) are dropped, so they never enter a softmax, a
+        loss or a sample.
+    """
+    ids = _check_ids(input_ids)
+    # Under tensor parallelism the output layer leaves each rank its vocabulary slice;
+    # megatron's all-gather (differentiable: its backward keeps the rank's slice of the
+    # gradient) gives every rank the full logits. None: the constructor's default (TP=1).
+    gather = True if model.config.tensor_model_parallel_size > 1 else None
+    logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None, runtime_gather_output=gather)
+    spec = getattr(model, "gpt_spec", None)
+    if spec is not None and logits.shape[-1] > spec.vocab_size:
+        logits = logits[..., : spec.vocab_size]
+    return logits
+
+
+def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
+    """Causal next-token logits of packed sequences (``engine.batching.packing``), no padding.
+
+    Runs megatron-core's GPTModel on the packed row with ``PackedSeqParams(qkv_format="thd")``:
+    megatron restarts the rotary positions at every ``cu_seqlens`` boundary and
+    :class:`SDPACoreAttention` keeps attention inside each sequence, so sequence ``b``'s
+    logits equal row ``b`` of :func:`gpt_logits` on the right-padded batch (up to float
+    rounding, ~1e-7 in fp32). Runs under the caller's grad mode; a collective under
+    tensor parallelism, like :func:`gpt_logits`.
+
+    Args:
+        model: a GPTModel from :func:`build_gpt_model` with ``core_attention="sdpa"`` (the
+            default of ``engine.storage.model_dir.load_model_dir``).
+        packed: :class:`engine.batching.packing.PackedSequences` (``input_ids [1, N]``, ``cu_seqlens [B + 1]``).
+
+    Returns:
+        FloatTensor ``[N, V]`` (fp32; packed position ``t`` predicts packed token ``t + 1``
+        inside its sequence; a sequence's last position predicts past its end). ``V`` is the
+        HF vocabulary, as in :func:`gpt_logits`. ``engine.batching.packing.unpack_sequences`` turns it
+        into ``[B, T, V]``.
+
+    Raises:
+        ValueError: the model's core attention is megatron's ``DotProductAttention``
+            (``core_attention="local"``), which refuses packed sequences: set ``rl.packing``
+            false or build the model with ``core_attention="sdpa"``.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        if not isinstance(core, SDPACoreAttention):
+            raise ValueError(f"sequence packing (rl.packing) needs the 'sdpa' core attention, but the model's is "
+                             f"{type(core).__name__}; build it with core_attention='sdpa' or set rl.packing: false")
+    ids = _check_ids(packed.input_ids)
+    if ids.size(0) != 1:
+        raise ValueError(f"gpt_logits_packed: packed input_ids must be [1, N], got {tuple(ids.shape)}")
+    cu = packed.cu_seqlens.to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+    gather = True if model.config.tensor_model_parallel_size > 1 else None
+    logits = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
+                   packed_seq_params=params, runtime_gather_output=gather)[0]
+    spec = getattr(model, "gpt_spec", None)
+    if spec is not None and logits.shape[-1] > spec.vocab_size:
+        logits = logits[..., : spec.vocab_size]
+    return logits
+
+
+def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states (input of the output layer), batch-first.
+
+    Same causal semantics as :func:`gpt_logits`; the output projection is skipped, so a
+    scalar reward/value head can read ``[B, T, H]`` directly (equals HF's last entry of
+    ``hidden_states`` with ``output_hidden_states=True``).
+
+    Returns:
+        FloatTensor ``[B, T, H]``.
+    """
+    ids = _check_ids(input_ids)
+    # GPTModel returns the decoder output (which ends in final_layernorm) when post_process is
+    # off; toggling the flag skips the vocab projection without touching the decoder.
+    saved = model.post_process
+    model.post_process = False
+    try:
+        hidden = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None)
+    finally:
+        model.post_process = saved
+    return hidden.transpose(0, 1)
+
+
+def mcore_state(model) -> dict[str, torch.Tensor]:
+    """The model's parameters by megatron name (detached, sharing storage; no ``_extra_state``)."""
+    return {k: v.detach() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def load_mcore_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Copy a megatron-named state (e.g. from ``conversion.hf_to_megatron``) into ``model``.
+
+    Raises:
+        KeyError: naming the first missing or unexpected parameter (``_extra_state``
+            entries, which hold no tensors in the local spec, are exempt).
+    """
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("._extra_state")]
+    if missing or result.unexpected_keys:
+        bad = missing[0] if missing else result.unexpected_keys[0]
+        raise KeyError(f"megatron state: {'missing' if missing else 'unexpected'} parameter {bad!r}")

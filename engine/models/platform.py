@@ -1,0 +1,213 @@
+"""Platform set-up for running megatron-core on CPU in one process.
+
+megatron-core 0.16.1 assumes a CUDA device in a few places that a CPU-only forward and
+backward pass still touches: tensors allocated with ``device=torch.cuda.current_device()``
+(rotary embeddings, linear layers), the CUDA RNG tracker that forks generator state around
+dropout, and ``torch.cuda.synchronize()`` in parallel-state and checkpoint code. On a
+machine without CUDA, :func:`setup_cpu_platform` maps those onto CPU equivalents; with CUDA
+it does nothing. :func:`init_model_parallel` then starts a single-process gloo
+``torch.distributed`` group and megatron's model-parallel state, and seeds the RNG tracker.
+For tensor parallelism the caller starts the multi-process gloo group first (one process per
+rank) and then calls ``init_model_parallel(tp=...)``; :func:`ensure_model_parallel` is what
+model builders call to use whatever state exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import threading
+import warnings
+
+import torch
+import torch.distributed as dist
+
+# On CPU, megatron-core's fallbacks to torch implementations are the intended path, not a
+# problem to report on every import (one warning per module otherwise).
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+
+
+_LOCK = threading.Lock()
+
+
+_CPU_PLATFORM_READY = False
+
+
+def _cpu_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    # On CPU the "device generator" megatron forks around dropout is the CPU default generator.
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+@functools.lru_cache(maxsize=32)
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    # Same as megatron.core.transformer.utils.get_default_causal_mask (True = masked), on CPU.
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def setup_cpu_platform() -> bool:
+    """Map megatron-core's CUDA-only calls onto CPU equivalents (idempotent).
+
+    Patches, only when ``torch.cuda.is_available()`` is False:
+
+    - ``torch.cuda.current_device()`` returns ``torch.device("cpu")`` so megatron's
+      ``device=torch.cuda.current_device()`` allocations land on the CPU;
+    - ``torch.cuda.synchronize()`` becomes a no-op (CPU ops are synchronous);
+    - megatron's ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
+      read and write the CPU default generator, so the RNG tracker's ``fork()`` (used around
+      dropout) swaps CPU generator states exactly as it swaps CUDA states on a GPU;
+    - megatron's default causal mask (built when ``attention_mask`` is None; its source
+      hard-codes ``device="cuda"``) is built on the CPU.
+
+    Returns:
+        True if the CPU shim is (now) active, False when CUDA is available and nothing
+        was changed.
+    """
+    global _CPU_PLATFORM_READY
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if _CPU_PLATFORM_READY:
+            return True
+        from megatron.core.fusions import fused_softmax
+        from megatron.core.tensor_parallel import random as mcore_random
+        from megatron.core.transformer import utils as mcore_utils
+
+        torch.cuda.current_device = lambda: torch.device("cpu")
+        torch.cuda.synchronize = lambda device=None: None
+        mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+        mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+        mcore_utils.get_default_causal_mask = _cpu_causal_mask
+        fused_softmax.get_default_causal_mask = _cpu_causal_mask
+        _CPU_PLATFORM_READY = True
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _seed_rng_tracker(seed: int) -> None:
+    """CPU equivalent of megatron's ``model_parallel_cuda_manual_seed`` for this rank.
+
+    Registers the same three named states megatron registers (data-parallel = seed,
+    model-parallel = seed + 2718 + tp_rank, expert-parallel = seed + 1024), built from
+    fresh CPU generators so the global CPU generator is left untouched.
+    Source: megatron/core/tensor_parallel/random.py::model_parallel_cuda_manual_seed.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if torch.cuda.is_available():
+        mcore_random.model_parallel_cuda_manual_seed(seed)
+        return
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    tracker = mcore_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    named = {
+        mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+        mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + 2718 + tp_rank,
+        mcore_random._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + 1024,
+    }
+    tracker.set_states({name: torch.Generator().manual_seed(s).get_state() for name, s in named.items()})
+    tracker.seeds_.update(named.values())
+
+
+def ensure_process_group() -> None:
+    """Make sure a default torch.distributed process group exists in this process.
+
+    Creates a single-process group (gloo on CPU, NCCL on CUDA) on 127.0.0.1 at a free port
+    when there is none. A process whose group was destroyed after megatron's
+    ``parallel_state`` was built (vLLM's in-process engine tears down the distributed
+    environment when it shuts down) would keep megatron's groups pointing at the dead one,
+    so that stale state is dropped first; the next :func:`init_model_parallel` rebuilds it.
+    Used before torch_dist checkpoint I/O, which asks the default group for its rank.
+    """
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        return
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+    """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
+
+    In a process with no process group yet, creates a single-process gloo group on
+    127.0.0.1 at a free port (works in the main process, under pytest and inside a Ray
+    actor). Then initialises ``parallel_state`` with the given tensor/pipeline sizes and
+    seeds megatron's RNG tracker (CPU equivalent of ``model_parallel_cuda_manual_seed``).
+    A second call with the same sizes is a no-op.
+
+    Args:
+        tp: tensor-model-parallel size; world size must be divisible by ``tp * pp``
+            (a single process supports only 1).
+        pp: pipeline-model-parallel size.
+        seed: seed for the tracker's named RNG states.
+
+    Raises:
+        ValueError: the model-parallel state already exists with different sizes, or
+            ``tp * pp`` does not divide the world size.
+    """
+    from megatron.core import parallel_state
+
+    setup_cpu_platform()
+    with _LOCK:
+        ensure_process_group()
+        if parallel_state.model_parallel_is_initialized():
+            have = (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+            )
+            if have != (tp, pp):
+                raise ValueError(f"model parallel already initialised with (tp, pp)={have}, asked for {(tp, pp)}")
+            return
+        world = dist.get_world_size()
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        _seed_rng_tracker(seed)
+
+
+def ensure_model_parallel() -> int:
+    """Megatron's tensor-parallel size, starting the single-process state (tp=pp=1) if none exists.
+
+    Model builders call this: in a plain process it is ``init_model_parallel()``; in a rank of
+    a tensor-parallel group (``torch.distributed`` started by the caller, then
+    ``init_model_parallel(tp=N)``) it leaves that state alone and returns N.
+
+    Returns:
+        ``parallel_state.get_tensor_model_parallel_world_size()`` (1 unless the caller set up TP).
+    """
+    from megatron.core import parallel_state
+
+    setup_cpu_platform()
+    # No default group but megatron state: vLLM's engine shut down and destroyed the group
+    # under it (ensure_process_group); rebuild both rather than build on dead groups.
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
+        init_model_parallel()
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def worker_threads(num_threads: int | None = None) -> int:
+    """Set this process's torch intra-op threads for an engine worker and return the count.
+
+    Ray sets ``OMP_NUM_THREADS=1`` in workers that reserve a fraction of a CPU; colocated
+    workers run one at a time, so each should use every core: ``num_threads`` or
+    ``os.cpu_count()``.
+    """
+    import torch
+
+    n = int(num_threads or os.cpu_count() or 1)
+    torch.set_num_threads(n)
+    return n

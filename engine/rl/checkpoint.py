@@ -1,0 +1,55 @@
+"""RL resume: the run identity check, restoring every worker's state and writing a
+checkpoint of all of them."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from engine.rl.workers import Workers
+from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
+
+logger = logging.getLogger(__name__)
+
+
+def check_checkpoint(resume_dir, identity: dict) -> int:
+    """The step of the checkpoint in ``resume_dir`` (0 if none), after checking it belongs to
+    this run (``engine.storage.train_state.check_run_identity``: the weights stay memory-mapped), so
+    a wrong ``resume_dir`` fails before any worker starts.
+
+    Raises:
+        ValueError: the checkpoint is unreadable, or was written with another config,
+            prompt set or seed (naming the keys that differ).
+    """
+    if not has_train_state(resume_dir):
+        return 0
+    return check_run_identity(resume_dir, identity, "RL run")
+
+
+def resume(workers: Workers, resume_dir, seed: int) -> tuple[int, DataPosition, list[dict]]:
+    """Restore the actor (and the critic) from ``resume_dir`` if it holds a checkpoint (see
+    :func:`check_checkpoint`).
+
+    Returns: ``(step done, data position, metrics history)``; ``(0, start, [])`` when fresh.
+
+    Raises: FileNotFoundError when the critic has no state for the actor's step.
+    """
+    if not has_train_state(resume_dir):
+        return 0, DataPosition(0, 0, seed), []
+    step, position, extra = ray.get(workers.actor.load_state.remote(str(resume_dir)))
+    if workers.critic is not None:
+        ray.get(workers.critic.load_state.remote(str(resume_dir), step))
+    logger.info("resuming RL from step %d (%s)", step, resume_dir)
+    return step, position, list(extra["history"])
+
+
+def save_checkpoint(workers: Workers, resume_dir, step: int, position: DataPosition, extra: dict) -> None:
+    """The critic's state first (kept per step), then the actor's: the actor's file marks a
+    checkpoint as complete (:func:`check_checkpoint` reads it), so a crash in between resumes
+    from the previous pair; then the critic's older states are deleted."""
+    if workers.critic is not None:
+        ray.get(workers.critic.save_state.remote(str(resume_dir), step, position, {}))
+    ray.get(workers.actor.save_state.remote(str(resume_dir), step, position, extra))
+    if workers.critic is not None:
+        ray.get(workers.critic.prune_states.remote(str(resume_dir), step))

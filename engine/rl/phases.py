@@ -1,0 +1,309 @@
+"""One RL step's phases, each a named call on the Ray workers (driven by ``engine.rl.loop.run_rl``).
+
+rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs as needed (and the
+critic's values, PPO) -> KL reward penalty -> advantages -> critic update (PPO) -> actor
+update -> weight sync to the rollout engine -> metrics.
+With ``rl.environment`` the rollout is multi-turn and the environment's rewards replace the
+reward worker's (``engine.rollout.multi_turn``).
+Every phase returns its result and its wall time, reported as ``timing_s/<phase>``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from config.schema import RLConfig
+from engine.algorithms import (
+    KL_CONTROLLERS,
+    apply_kl_penalty,
+    compute_gae,
+    fill_batch,
+    get_advantage_estimator,
+    masked_whiten,
+)
+from engine.batching.sampler import EpochSampler
+from engine.rl.prompts import RLPrompt
+from engine.rl.workers import Workers
+from engine.rollout.base import SamplingSpec
+from engine.rollout.multi_turn import multi_turn_metrics
+from engine.trajectory import Trajectory
+
+
+def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
+    """A 31-bit rollout seed from ``(seed, step)`` (and the dynamic-sampling round after the
+    first) by NumPy's SeedSequence: independent across steps and rounds."""
+    entropy = [seed, step] if round_index == 0 else [seed, step, round_index]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One prompt's scored responses (a unit of DAPO dynamic sampling)."""
+
+    traj: Trajectory
+
+    @property
+    def rewards(self) -> list[float]:
+        return self.traj.rewards.tolist()
+
+
+def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler, cfg: RLConfig, seed: int,
+                  step: int, pad_id: int) -> tuple[Trajectory, dict[str, float], float, float]:
+    """The step's scored batch: ``prompts_per_step`` prompts x ``n_samples`` responses.
+
+    With ``dynamic_sampling.enabled`` (DAPO, Yu et al. 2025, arXiv:2503.14476, section 3.2)
+    groups whose rewards are all equal are dropped (they have zero GRPO advantage) and
+    further rounds of ``prompts_per_step`` prompts are generated until enough groups
+    remain, for at most ``max_rounds`` rounds (``engine.algorithms.fill_batch``); a short
+    batch then trains as it is (``on_shortfall: warn``) or fails (``error``).
+
+    With ``cfg.environment`` each round is a multi-turn rollout (:func:`generate_multi_turn`)
+    scored by the environment; the reward worker is not called (reward time 0).
+
+    Returns: ``(trajectory, reward metrics, generation s, reward s)``; with dynamic sampling
+        the metrics include ``dynamic_sampling/rounds``, ``/kept_groups`` and ``/dropped_groups``.
+
+    Raises:
+        RuntimeError: dynamic sampling kept no group at all, or kept too few with ``on_shortfall: error``.
+    """
+    ds = cfg.dynamic_sampling
+    timing = {"gen": 0.0, "reward": 0.0}
+    rounds: list[dict[str, float]] = []
+
+    def one_round() -> list[_Group]:
+        batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
+        if cfg.environment is None:
+            traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+            traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
+        else:
+            traj, metrics, t_gen = generate_multi_turn(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+            t_reward = 0.0
+        timing["gen"] += t_gen
+        timing["reward"] += t_reward
+        rounds.append(metrics)
+        return [_Group(traj.select(torch.nonzero(traj.group_index == g).flatten())) for g in range(len(batch))]
+
+    if not ds.enabled:
+        groups = one_round()
+        extra: dict[str, float] = {}
+    else:
+        filled = fill_batch(one_round, cfg.prompts_per_step, ds.max_rounds, strict=ds.on_shortfall == "error")
+        if not filled.groups:
+            raise RuntimeError(f"dynamic sampling: every one of {filled.num_generated} groups had equal rewards "
+                               f"in {filled.rounds} rounds; nothing to train on at step {step}")
+        groups = filled.groups
+        extra = {"dynamic_sampling/rounds": float(filled.rounds), "dynamic_sampling/kept_groups": float(len(groups)),
+                 "dynamic_sampling/dropped_groups": float(filled.num_dropped)}
+    reward_metrics = {k: sum(r[k] for r in rounds) / len(rounds) for k in rounds[0]}
+    return Trajectory.cat([g.traj for g in groups]), {**reward_metrics, **extra}, timing["gen"], timing["reward"]
+
+
+def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
+             round_index: int = 0):
+    """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
+    ``(seed, step, round_index)``, so a resumed run samples what an uninterrupted one would.
+    With ``rl.engine.off_policy_steps > 0`` generation runs in chunks of
+    ``partial_rollout_chunk_tokens`` that a weight update may interrupt (partial rollouts);
+    each response's policy versions are recorded (``Trajectory.rollout_version``)."""
+    t0 = time.perf_counter()
+    spec = sampling_spec(cfg, seed, step, round_index)
+    prompt_ids = [p.token_ids for p in batch]
+    chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
+    out = ray.get(workers.rollout.generate_versioned.remote(prompt_ids, spec, chunk))
+    traj = Trajectory.from_rollout(prompt_ids, out.outputs, pad_id).with_(
+        rollout_version=torch.tensor([v for group in out.version_start for v in group]),
+        rollout_version_end=torch.tensor([v for group in out.version_end for v in group]))
+    return traj, time.perf_counter() - t0
+
+
+def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
+                        round_index: int = 0) -> tuple[Trajectory, dict[str, float], float]:
+    """Multi-turn rollout of ``cfg.n_samples`` samples per prompt against ``cfg.environment``
+    (at most ``cfg.max_turns`` turns, ``rollout.max_new_tokens`` tokens in all), seeded as
+    :func:`generate`.
+
+    Returns: ``(trajectory with the environment's rewards, engine.rollout.multi_turn.multi_turn_metrics,
+        seconds)``.
+    """
+    t0 = time.perf_counter()
+    prompt_ids = [p.token_ids for p in batch]
+    rows = [{"prompt": p.messages, "label": p.label} for p in batch]
+    samples = ray.get(workers.rollout.generate_multi_turn.remote(
+        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns))
+    traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id)
+    return traj, multi_turn_metrics(samples), time.perf_counter() - t0
+
+
+def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> SamplingSpec:
+    """The rollout's sampling: ``n_samples`` per prompt, ``rl.rollout``'s temperature, top-p and
+    budget, the seed of :func:`sampling_seed`."""
+    return SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step, round_index))
+
+
+def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
+    t0 = time.perf_counter()
+    responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
+    rows = [p for p in batch for _ in range(n)]
+    finish_reasons = ["length" if t else "stop" for t in traj.truncated.tolist()]
+    rewards, metrics = ray.get(workers.reward.score.remote([p.messages for p in rows], [p.label for p in rows], responses,
+                                                           finish_reasons))
+    return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
+
+
+def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tuple[Trajectory, dict[str, float]]:
+    """What the update needs before it runs, computed concurrently: the old log-probs
+    (current policy, before the update) when ``old``, the reference log-probs when the run
+    has a reference worker, and with a critic its values. Without old log-probs the actor
+    update takes them from its own first forward (``engine.training.actor.actor_update``).
+
+    Returns: the trajectory with them, and ``{"old_log_prob": s, "ref": s, "values": s}`` for
+        the passes that ran: the seconds from the start until each result was ready (they overlap).
+    """
+    t0 = time.perf_counter()
+    pending = {}
+    if old:
+        pending[workers.actor.compute_logprobs.remote(traj)] = "old_log_prob"
+    if workers.reference is not None:
+        pending[workers.reference.compute_logprobs.remote(traj)] = "ref"
+    if workers.critic is not None:
+        pending[workers.critic.compute_values.remote(traj)] = "values"
+    results, timing = {}, {}
+    while pending:
+        [done], _ = ray.wait(list(pending), num_returns=1)
+        name = pending.pop(done)
+        results[name] = ray.get(done)
+        timing[name] = time.perf_counter() - t0
+    return traj.with_(old_logprobs=results.get("old_log_prob"), ref_logprobs=results.get("ref"),
+                      values=results.get("values")), timing
+
+
+def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
+    """The KL-penalty coefficient's controller: fixed, or adaptive when ``kl.target`` is set.
+    A resumed run replays the last step's update from its metrics (the coefficient it used,
+    its KL and batch size), so it continues with the coefficient an uninterrupted run has."""
+    if cfg.kl.target is None:
+        return KL_CONTROLLERS["fixed"](cfg.kl.coef)
+    controller = KL_CONTROLLERS["adaptive"](last_metrics.get("actor/reward_kl_coef", cfg.kl.coef), cfg.kl.target, cfg.kl.horizon)
+    if "actor/reward_kl_coef" in last_metrics:
+        controller.update(last_metrics["actor/reward_kl_penalty"], int(last_metrics["batch/responses"]))
+    return controller
+
+
+def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool = True) -> tuple[Trajectory, dict[str, float]]:
+    """With ``kl.in_reward``: token rewards ``r_t = score [t = last] - coef * KL_t`` (InstructGPT's
+    penalty, ``engine.algorithms.apply_kl_penalty``), then the controller's update with the
+    batch's mean sequence KL (skipped when ``adapt`` is false: the critic warm-up, where the
+    policy does not move). Otherwise the trajectory is returned unchanged.
+
+    Returns: ``(trajectory, metrics)`` with ``actor/reward_kl_penalty`` (mean sequence KL, nats)
+        and ``actor/reward_kl_coef`` (the coefficient used) when the penalty is on.
+    """
+    if not cfg.kl.in_reward or cfg.kl.coef == 0:
+        return traj, {}
+    coef = controller.value
+    token_rewards, seq_kl = apply_kl_penalty(traj.rewards, traj.old_logprobs, traj.ref_logprobs, traj.response_mask,
+                                             coef, cfg.kl.estimator)
+    if adapt:
+        controller.update(float(seq_kl.mean()), len(traj))
+    return traj.with_(token_rewards=token_rewards), {"actor/reward_kl_penalty": float(seq_kl.mean()),
+                                                     "actor/reward_kl_coef": coef}
+
+
+def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
+    """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token
+    rewards) by ``cfg.algorithm``.
+
+    ``gae`` (PPO): :func:`engine.algorithms.compute_gae` with the critic's ``traj.values``
+    and ``rl.critic.gamma``/``lam`` (the score sits on each response's last loss-mask token),
+    then whitened over the batch's loss-mask tokens (:func:`engine.algorithms.masked_whiten`,
+    as verl and OpenAI baselines do); the critic's targets ``returns = A + V`` (before
+    whitening) are set too.
+
+    Raises: ValueError for ``gae`` without values.
+    """
+    rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
+    mask = traj.response_mask
+    if cfg.algorithm != "gae":
+        return traj.with_(advantages=get_advantage_estimator(cfg.algorithm)(rewards, traj.group_index, mask))
+    if traj.values is None:
+        raise ValueError("rl.algorithm gae needs the critic's values")
+    if rewards.dim() == 1:  # the outcome score on the last loss-mask token
+        last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
+        rewards = rewards[:, None] * last
+    advantages, returns = compute_gae(rewards.float(), traj.values, mask, cfg.critic.gamma, cfg.critic.lam)
+    return traj.with_(advantages=masked_whiten(advantages, mask).float(), returns=returns)
+
+
+def update_actor(workers: Workers, traj: Trajectory, train_policy: bool = True):
+    """The critic's update (PPO), then the policy's (skipped while ``train_policy`` is false:
+    the critic warm-up).
+
+    Returns: ``(trajectory, metrics, seconds of the critic update, seconds of the actor
+        update)``; the trajectory has the old log-probs the actor update used (from its own
+        forward when it had none; a warm-up step without them computes them).
+    """
+    metrics: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if workers.critic is not None:
+        metrics.update(ray.get(workers.critic.update.remote(traj)))
+    t1 = time.perf_counter()
+    if train_policy:
+        update = ray.get(workers.actor.update.remote(traj))
+        metrics.update(update.metrics)
+        traj = traj.with_(old_logprobs=update.old_logprobs)
+    elif traj.old_logprobs is None:  # for the rollout-vs-trainer metric
+        traj = traj.with_(old_logprobs=ray.get(workers.actor.compute_logprobs.remote(traj)))
+    return traj, metrics, t1 - t0, time.perf_counter() - t1
+
+
+def update_weights(workers: Workers, timeout_s: float | None = None, version: int | None = None) -> float:
+    """Stream the policy's HF-named weights to the rollout engine bucket by bucket
+    (``rl.engine.weight_sync_bucket_mb`` each, ``engine.models.weight_buckets``); returns seconds.
+
+    Each bucket's ObjectRef goes straight from the actor to the rollout worker (the driver
+    never holds the tensors), and the next bucket is requested only once the rollout has
+    loaded the previous one: at most one bucket is in flight.
+
+    Args:
+        timeout_s: the whole sync's deadline in seconds (``rl.engine.weight_sync_timeout_s``);
+            None waits forever.
+        version: the policy version being sent (None: not recorded). The rollout worker's
+            generation is then paused at its next chunk boundary for the whole sync
+            (``RolloutWorker.begin_weight_update``; in asynchronous RL the deadline includes
+            that wait) and records ``version`` once the last bucket has loaded.
+
+    Raises:
+        TimeoutError: the sync did not finish within ``timeout_s`` (names the bucket it waited on).
+        RuntimeError: the actor or the rollout worker failed on a bucket (names it; the
+            worker's error is the cause).
+    """
+    from ray.exceptions import GetTimeoutError, RayError
+
+    t0 = time.perf_counter()
+
+    def wait(ref, what: str):
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+        try:
+            return ray.get(ref, timeout=left)
+        except GetTimeoutError as exc:
+            raise TimeoutError(f"weight sync: {what} not done within rl.engine.weight_sync_timeout_s="
+                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
+        except RayError as exc:
+            cause = getattr(exc, "cause", None) or exc  # a worker's own exception, without Ray's traceback
+            raise RuntimeError(f"weight sync: {what} failed: {type(cause).__name__}: {cause}") from exc
+
+    plan = wait(workers.actor.hf_bucket_plan.remote(), "planning the buckets")
+    if version is not None:
+        wait(workers.rollout.begin_weight_update.remote(timeout_s), "pausing generation")
+    for index in range(plan.num_buckets):
+        wait(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)),
+             f"bucket {index + 1} of {plan.num_buckets}")
+    if version is not None:
+        wait(workers.rollout.end_weight_update.remote(version), "resuming generation")
+    return time.perf_counter() - t0

@@ -1,0 +1,302 @@
+"""The RL engine's backend-neutral workers (reference, rollout, reward), run as Ray actors by
+:func:`spawn`, and the set of workers one RL run starts and stops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import ray
+import torch
+
+from config.schema import RewardConfig, RLConfig, RolloutConfig
+from engine.backends.select import actor_worker_class, critic_worker_class
+from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.training.actor import compute_logprobs, logit_temperature
+from engine.trajectory import Trajectory
+
+
+def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
+    threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
+    actor = spawn(actor_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads)
+    reference = None if not cfg.uses_reference else spawn(  # only a KL term needs the reference
+        ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads,
+        packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+    # asynchronous: a weight update's calls must reach the rollout worker while it generates
+    rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
+                    rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1,
+                    num_sequences=cfg.prompts_per_step * cfg.n_samples)
+    reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
+        RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
+        threads)
+    critic = spawn(critic_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads) if cfg.algorithm == "gae" else None
+    workers = Workers(placement, actor, reference, rollout, reward, critic)
+    try:  # surface a constructor error here, not at the first call
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward, critic) if w is not None])
+    except BaseException:
+        stop_workers(workers)
+        raise
+    return workers
+
+
+def stop_workers(workers: Workers) -> None:
+    for w in (workers.actor, workers.reference, workers.rollout, workers.reward, workers.critic):
+        if w is not None:
+            ray.kill(w)
+    workers.placement.remove()
+
+
+@dataclass
+class Workers:
+    placement: Any
+    actor: Any
+    reference: Any  # None without a KL term (RLConfig.uses_reference)
+    rollout: Any
+    reward: Any  # None with rl.environment (the environment gives the rewards)
+    critic: Any = None  # PPO (rl.algorithm gae) only
+
+
+class ReferenceWorker:
+    """A frozen policy (the RL starting point) that only computes log-probs.
+
+    Args: ``model_dir``, ``temperature`` (rollout sampling temperature), ``micro_batch_size``,
+    ``seed``, ``num_threads`` as for :class:`ActorWorker`; ``packing`` and
+    ``max_tokens_per_micro_batch`` as ``rl.packing`` and ``rl.max_tokens_per_micro_batch``.
+    """
+
+    def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
+                 num_threads: int | None = None, *, packing: bool = False,
+                 max_tokens_per_micro_batch: int | None = None):
+        from engine.models.platform import worker_threads
+        from engine.storage.model_dir import load_model_dir
+
+        worker_threads(num_threads)
+        self.model = load_model_dir(model_dir, seed=seed).model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.temperature = logit_temperature(temperature)
+        self.micro_batch_size = micro_batch_size
+        self.packing = packing
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+
+    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` reference log-probs of the response tokens (micro-batches and packing as
+        configured; see :func:`compute_logprobs`)."""
+        return compute_logprobs(self.model, traj, self.temperature, self.micro_batch_size,
+                                self.max_tokens_per_micro_batch, self.packing)
+
+
+class RolloutWorker:
+    """A rollout engine serving the policy.
+
+    vLLM starts from the policy's ``hf/config.json`` with placeholder weights
+    (``load_format="dummy"``): the trainer pushes the real ones with :meth:`update_weights`
+    before the first :meth:`generate`, so nothing is exported at start-up. The HF backend
+    needs SafeTensors to load, so the model directory is exported once under
+    ``scratch_dir`` (the caller removes it when the run ends).
+
+    Args:
+        policy_dir: model directory of the initial policy.
+        cfg: ``rl.rollout`` (backend, ``gpu_memory_utilization`` override).
+        scratch_dir: where the HF backend's export goes.
+        max_model_len: longest prompt + response in tokens; default the model's
+            ``max_position_embeddings``.
+        num_threads: torch threads in this process.
+        num_sequences: sequences one generate call submits (``prompts_per_step x n_samples``);
+            with ``max_model_len`` it sizes vLLM's KV cache (see
+            :class:`engine.rollout.vllm_rollout.VLLMRollout`).
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
+                 max_model_len: int | None = None, num_threads: int | None = None,
+                 num_sequences: int | None = None):
+        from engine.models.platform import worker_threads
+        from engine.rollout.partial import WeightGate
+        from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
+
+        worker_threads(num_threads)
+        self.gate = WeightGate()
+        self.policy_dir = Path(policy_dir)
+        self.scratch_dir = Path(scratch_dir)
+        self._tokenizer = None
+        self._env_factories: dict[str, Any] = {}
+        if cfg.backend == "vllm":
+            from engine.rollout.vllm_rollout import VLLMRollout
+
+            vocab = int(read_hf_config(policy_dir)["vocab_size"])
+            tokens = len(load_tokenizer(policy_dir))
+            sized = {} if num_sequences is None else {"num_sequences": num_sequences}
+            self.engine = VLLMRollout(
+                Path(policy_dir) / HF_SUBDIR, gpu_memory_utilization=cfg.gpu_memory_utilization, **sized,
+                max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None, load_format="dummy",
+            )
+        elif cfg.backend == "hf":
+            from engine.rollout.hf_rollout import HFRollout
+            from engine.storage.hf_io import export_model_dir
+
+            self.engine = HFRollout(export_model_dir(policy_dir, self.scratch_dir / "hf"))
+        else:
+            raise ValueError(f"rl.rollout.backend: unknown backend {cfg.backend!r}; expected 'vllm' or 'hf'")
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
+        """See :meth:`engine.rollout.base.RolloutEngine.generate`."""
+        return self.engine.generate(prompt_token_ids, sampling)
+
+    def generate_versioned(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
+                           chunk_tokens: int | None = None):
+        """:meth:`generate` in chunks of ``chunk_tokens`` tokens that a weight update
+        (:meth:`begin_weight_update` ... :meth:`end_weight_update`) may interrupt: unfinished
+        samples continue under the new weights (partial rollouts,
+        :func:`engine.rollout.partial.generate_in_chunks`). Returns
+        :class:`engine.rollout.partial.VersionedOutputs`."""
+        from engine.rollout.partial import generate_in_chunks
+
+        return generate_in_chunks(self.engine, prompt_token_ids, sampling, chunk_tokens, self.gate)
+
+    def begin_weight_update(self, timeout_s: float | None = None) -> None:
+        """Pause generation at the next chunk boundary until :meth:`end_weight_update`."""
+        self.gate.begin_update(timeout_s)
+
+    def end_weight_update(self, version: int) -> None:
+        """The weights loaded since :meth:`begin_weight_update` are policy version ``version``."""
+        self.gate.end_update(version)
+
+    def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
+                            sampling: SamplingSpec, max_turns: int):
+        """Multi-turn samples against the environment factory at import path ``environment``
+        (``package.module:factory``, imported here once per path), with this worker's engine
+        and the policy's tokenizer (see :func:`engine.rollout.multi_turn.multi_turn_rollout`).
+
+        Args:
+            prompt_token_ids: ``P`` prompts; rows: their ``P`` data rows ``{"prompt", "label"}``.
+            sampling: as for :meth:`generate`; ``max_new_tokens`` bounds all response tokens.
+            max_turns: policy turns per sample at most.
+
+        Returns: ``P`` lists of ``sampling.n`` :class:`engine.rollout.multi_turn.MultiTurnSample`.
+
+        Raises:
+            ImportError: the factory cannot be loaded (the message names ``rl.environment``).
+        """
+        from engine.rollout.multi_turn import (
+            load_environment_factory,
+            multi_turn_rollout,
+        )
+        from engine.storage.model_dir import load_tokenizer
+
+        if environment not in self._env_factories:
+            try:
+                self._env_factories[environment] = load_environment_factory(environment)
+            except ImportError as exc:
+                raise ImportError(f"rl.environment: cannot load {environment!r}: {exc}") from exc
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.policy_dir)
+        return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
+                                  self._env_factories[environment], sampling, max_turns)
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load some of the policy's weights, e.g. one bucket of :meth:`ActorWorker.hf_bucket`
+        (see :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
+        self.engine.update_weights(named_tensors)
+
+
+class RewardWorker:
+    """Scalar rewards of responses: ``verifier_weight * verifier(text, label, finish_reason) +
+    reward_model_weight * RM(prompt, text) + sum_i functions[i].weight * functions[i](text, ...)``.
+
+    The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
+    reward model (``engine.training.reward_model``) is loaded only when its weight is non-zero; the
+    plug-ins (``cfg.functions``) are imported here, so a bad path fails when the worker
+    starts, not at the first step (calling convention: ``data.reward_plugins``).
+    Responses are decoded by ``data.chat.response_text`` (special tokens removed, so a final EOS
+    is not part of the text), as evaluation decodes them.
+
+    Raises:
+        ImportError: a plug-in cannot be loaded (the message names ``rl.reward.functions[i].path``
+            and the cause).
+        ValueError: ``reward_model_weight != 0`` but no ``reward_model_dir``, or nothing
+            gives a reward (no verifier, no reward model, no plug-in).
+    """
+
+    def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, reward_model_dir: str | Path | None = None,
+                 num_threads: int | None = None):
+        from data.reward_plugins import load_reward_function
+        from data.rewards import get_verifier
+        from engine.models.platform import worker_threads
+        from engine.storage.model_dir import load_tokenizer
+
+        worker_threads(num_threads)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(tokenizer_model_dir)
+        self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier)
+        self.functions = []
+        for i, f in enumerate(cfg.functions):
+            try:
+                self.functions.append(load_reward_function(f.path, batched=f.batched, name=f.metric_name))
+            except ImportError as exc:
+                raise ImportError(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}") from exc
+        self.reward_model = self.rm_tokenizer = None
+        if cfg.reward_model_weight != 0:
+            if reward_model_dir is None:
+                raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
+            from engine.training.reward_scoring import load_reward_model
+
+            self.reward_model = load_reward_model(reward_model_dir)
+            self.rm_tokenizer = load_tokenizer(reward_model_dir)
+        if self.verifier is None and self.reward_model is None and not self.functions:
+            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0 and functions is empty: "
+                             "nothing gives a reward")
+
+    def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
+        """Response texts by :func:`data.chat.response_text` (special tokens, e.g. the final
+        EOS, and a plain-text turn end at the end removed), the rule evaluation uses too."""
+        from data.chat import response_text
+
+        return [response_text(self.tokenizer, ids) for ids in response_ids]
+
+    def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
+              finish_reasons: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards of ``B`` responses.
+
+        Args:
+            prompts: ``B`` prompts (message lists), for the reward model and the plug-ins.
+            labels: ``B`` reference answers, for the verifier and the plug-ins.
+            response_ids: ``B`` response token lists.
+            finish_reasons: ``B`` of ``"stop"`` (ended with EOS) / ``"length"`` (hit the budget).
+
+        Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean``,
+            ``reward/model_mean`` and ``reward/<name>_mean`` per plug-in, for the parts in use
+            (means of the unweighted scores).
+
+        Raises:
+            ValueError: a plug-in returned the wrong number of values or a non-finite one.
+        """
+        texts = self.decode(response_ids)
+        rewards = torch.zeros(len(texts))
+        metrics: dict[str, float] = {}
+        if self.verifier is not None:
+            verified = torch.tensor([self.verifier(t, label, f) for t, label, f in zip(texts, labels, finish_reasons)],
+                                    dtype=torch.float32)
+            rewards += self.cfg.verifier_weight * verified
+            metrics["reward/verifier_mean"] = float(verified.mean())
+        if self.reward_model is not None:
+            from engine.training.reward_scoring import score
+
+            rm = score(self.reward_model, self.rm_tokenizer, list(prompts), texts).float()
+            rewards += self.cfg.reward_model_weight * rm
+            metrics["reward/model_mean"] = float(rm.mean())
+        for fn, f in zip(self.functions, self.cfg.functions):
+            values = torch.tensor(fn(texts, labels, prompts, finish_reasons), dtype=torch.float32)
+            rewards += f.weight * values
+            metrics[f"reward/{fn.name}_mean"] = float(values.mean())
+        return rewards, metrics
+
+
+def spawn(cls, placement, *args, role: str = "train", max_concurrency: int = 1, **kwargs):
+    """Start ``cls(*args, **kwargs)`` as a Ray actor in ``placement``'s bundle for ``role``
+    (``"train"`` or ``"rollout"``; one shared bundle when colocated, see
+    ``engine.rl.placement``), serving ``max_concurrency`` calls at once."""
+    import ray
+
+    options = {**placement.actor_options(role), "max_concurrency": max_concurrency}
+    return ray.remote(cls).options(**options).remote(*args, **kwargs)

@@ -1,0 +1,253 @@
+"""The on-disk model directory every model artifact uses (base, SFT, reward model, policy).
+
+Layout::
+
+    <model_dir>/
+      megatron/            torch_dist checkpoint in Megatron-LM layout (engine.storage.torch_dist)
+      hf/                  config.json (HF architecture), generation_config.json and the
+                           tokenizer files; no weights
+      heads.safetensors    optional extra heads (e.g. reward_head.weight / .bias)
+      megatron_spec.json   what megatron's model has beyond hf/config.json: today the
+                           padded vocabulary size, when the vocabulary is padded
+
+``hf/`` alone is enough for ``AutoTokenizer.from_pretrained`` and for building the HF
+architecture; export to SafeTensors and rollout weight sync map ``megatron/`` onto it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from conversion.hf_source import read_config_json
+from conversion.spec import GPTSpec
+
+MEGATRON_SUBDIR = "megatron"
+
+
+MEGATRON_SPEC_FILE = "megatron_spec.json"
+
+
+HF_SUBDIR = "hf"
+
+
+HEADS_FILE = "heads.safetensors"
+
+
+# Files that make up a transformers tokenizer (slow or fast) plus its chat template.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class LoadedModel:
+    """A model directory brought into memory.
+
+    Attributes:
+        spec: the architecture.
+        hf_config: ``hf/config.json`` as a dict.
+        model: megatron-core ``GPTModel`` (train mode, fp32, CPU) with the saved weights.
+        tokenizer_dir: the ``hf/`` directory (tokenizer files live there).
+        heads: extra head tensors from ``heads.safetensors`` (empty if there is none).
+        path: the model directory.
+    """
+
+    spec: GPTSpec
+    hf_config: dict[str, Any]
+    model: torch.nn.Module
+    tokenizer_dir: Path
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
+    path: Path | None = None
+
+
+def _generation_config(hf_config: dict[str, Any], tokenizer_dir: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    gen: dict[str, Any] = {}
+    # The tokenizer's EOS (Qwen instruct: <|im_end|>), else the model config's ids; the convert
+    # stage adds the chat template's own turn end (stop_token_ids) when it is another token.
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tok, key, None)
+        if value is None:
+            value = hf_config.get(key)
+        if value is not None:
+            gen[key] = value
+    return gen
+
+
+def save_model_dir(
+    out_dir: str | Path,
+    model: torch.nn.Module,
+    hf_config: dict[str, Any],
+    tokenizer_dir: str | Path,
+    iteration: int | None = None,
+    heads: dict[str, torch.Tensor] | None = None,
+    generation_overrides: dict[str, Any] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    tokenizer_config_updates: dict[str, Any] | None = None,
+) -> Path:
+    """Write a model directory atomically (temporary sibling, then rename).
+
+    An existing ``out_dir`` is replaced as a whole, so readers see either the old or the
+    new directory, never a mix.
+
+    Args:
+        out_dir: directory to create.
+        model: megatron-core ``GPTModel`` whose weights are saved (torch_dist).
+        hf_config: HF ``config.json`` dict describing ``model``'s architecture.
+        tokenizer_dir: directory holding the tokenizer files (e.g. another model dir's
+            ``hf/``); its ``generation_config.json`` is copied too when present.
+        iteration: training iteration recorded by the checkpoint (None: a release checkpoint).
+        heads: extra tensors (name -> tensor), stored in ``heads.safetensors``.
+        generation_overrides: keys replaced in ``generation_config.json`` (e.g.
+            ``{"eos_token_id": [2, 1]}``); later stages copy the file on, so it holds for good.
+        stop_token_ids: ids added (after the overrides) to ``generation_config.json``'s
+            ``eos_token_id`` list where missing, e.g. the chat template's turn end
+            (``data.chat.turn_end_token_id``), so every rollout engine and the export stop on them.
+        tokenizer_config_updates: keys merged into the copied ``tokenizer_config.json``
+            (created if absent), e.g. the recorded turn end (``data.chat.RECORDED_KEY``).
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        ValueError: ``hf_config`` is not a supported architecture or does not match
+            ``model.gpt_spec``.
+        FileNotFoundError: ``tokenizer_dir`` holds none of :data:`TOKENIZER_FILES`.
+    """
+    from engine.storage.torch_dist import save_model_checkpoint
+
+    out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    spec = GPTSpec.from_hf_config(hf_config)
+    model_spec = getattr(model, "gpt_spec", None)
+    if model_spec is not None:
+        if model_spec.model_copy(update={"padded_vocab_size": None}) != spec:
+            raise ValueError(f"hf_config describes {spec!r} but the model was built as {model_spec!r}")
+        spec = model_spec
+    tok_files = [tokenizer_dir / n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    if not tok_files:
+        raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        hf = tmp / HF_SUBDIR
+        hf.mkdir()
+        for f in tok_files:
+            shutil.copy2(f, hf / f.name)
+        if tokenizer_config_updates:
+            tc_path = hf / "tokenizer_config.json"
+            tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+            tc_path.write_text(json.dumps({**tc, **tokenizer_config_updates}, indent=2, ensure_ascii=False) + "\n")
+        (hf / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if spec.padded_vocab_size is not None:
+            (tmp / MEGATRON_SPEC_FILE).write_text(json.dumps({"padded_vocab_size": spec.padded_vocab_size}) + "\n")
+        if (tokenizer_dir / "generation_config.json").is_file():
+            gen = json.loads((tokenizer_dir / "generation_config.json").read_text())
+        else:
+            gen = _generation_config(hf_config, hf)
+        gen = {**gen, **(generation_overrides or {})}
+        eos = gen.get("eos_token_id")
+        eos = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+        extra = [int(t) for t in dict.fromkeys(stop_token_ids) if int(t) not in eos]
+        if extra:  # ids already there leave the file as it was
+            gen["eos_token_id"] = eos + extra
+        (hf / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+        save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
+        if heads:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in heads.items()}, str(tmp / HEADS_FILE))
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if not target.exists():
+        new.rename(target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+    old.rmdir()
+    target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """``<model_dir>/hf/config.json`` as a dict.
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: naming the file, if it is not a JSON object.
+    """
+    return read_config_json(Path(model_dir) / HF_SUBDIR / "config.json", f"{model_dir} is not a model directory")
+
+
+def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "sdpa") -> LoadedModel:
+    """Build the megatron-core model of a model directory and load its weights.
+
+    Args:
+        model_dir: a directory written by :func:`save_model_dir` (or the convert stage).
+        seed: initialisation seed of the model before the checkpoint overwrites it
+            (only matters for tensors a checkpoint does not hold).
+        core_attention: "sdpa" (faster on CPU) or "local"; same results
+            (see ``engine.models.megatron.build_gpt_model``).
+
+    Raises:
+        FileNotFoundError: ``hf/config.json`` or ``megatron/`` is missing (names the path).
+        ValueError: the config is not a supported architecture (names the key).
+    """
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.torch_dist import load_model_checkpoint
+
+    model_dir = Path(model_dir)
+    hf_config = read_hf_config(model_dir)
+    ckpt = model_dir / MEGATRON_SUBDIR
+    if not ckpt.is_dir():
+        raise FileNotFoundError(f"{ckpt}: missing torch_dist checkpoint directory")
+    spec = GPTSpec.from_hf_config(hf_config)
+    extra = model_dir / MEGATRON_SPEC_FILE
+    if extra.is_file():
+        try:
+            padded = json.loads(extra.read_text())["padded_vocab_size"]
+            spec = spec.model_copy(update={"padded_vocab_size": padded})
+            GPTSpec.model_validate(spec.model_dump())
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{extra}: expected {{\"padded_vocab_size\": <int >= vocab_size>}} ({e})") from e
+    model = build_gpt_model(spec, seed=seed, core_attention=core_attention)
+    load_model_checkpoint(model, ckpt)
+    heads_path = model_dir / HEADS_FILE
+    heads = load_file(str(heads_path)) if heads_path.is_file() else {}
+    return LoadedModel(spec, hf_config, model, model_dir / HF_SUBDIR, heads, model_dir)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """``transformers.AutoTokenizer`` from ``<model_dir>/hf``.
+
+    Raises:
+        FileNotFoundError: naming ``<model_dir>/hf`` when it does not exist.
+    """
+    hf = Path(model_dir) / HF_SUBDIR
+    if not hf.is_dir():
+        raise FileNotFoundError(f"{hf}: missing; {model_dir} is not a model directory")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf))

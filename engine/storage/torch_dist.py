@@ -1,0 +1,190 @@
+"""torch_dist model checkpoints in Megatron-LM's directory layout.
+
+::
+
+    DIRECTORY/
+      latest_checkpointed_iteration.txt   "123" or "release"
+      iter_0000123/  (or release/)        megatron-core dist_checkpointing (torch_dist) files:
+        metadata.json, .metadata, common.pt, __*_*.distcp, [hf_config.json]
+
+As in Megatron-LM, the saved state is ``{"model": model.sharded_state_dict(),
+"iteration": N, "checkpoint_version": 3.0}``. Every save writes a temporary sibling
+directory and renames it into place, then replaces the tracker file atomically, so a crash
+leaves either the previous or the new checkpoint, never a partial one.
+
+Note: megatron-core's torch_dist writer starts a ``spawn`` multiprocessing manager on the
+first save in a process (a few seconds once) and forks writer processes; entry points
+need a ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+RELEASE = "release"
+
+
+HF_CONFIG = "hf_config.json"
+
+
+CHECKPOINT_VERSION = 3.0
+
+
+def iteration_dir_name(iteration: int | None) -> str:
+    """``release`` for None, else Megatron-LM's ``iter_{iteration:07d}``."""
+    if iteration is None:
+        return RELEASE
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
+                          hf_config: dict[str, Any] | None = None) -> Path:
+    """Save ``model`` (megatron-core module) as a torch_dist checkpoint, atomically.
+
+    Args:
+        model: a megatron-core module with ``sharded_state_dict()`` (e.g. GPTModel).
+        directory: checkpoint root; created if missing.
+        iteration: training iteration, or None for a ``release`` checkpoint.
+        hf_config: optional HF ``config.json`` dict stored beside the weights
+            (read back with :func:`load_checkpoint_hf_config`).
+
+    Returns:
+        The iteration directory written (``directory/iter_0000123`` or ``directory/release``).
+    """
+    from megatron.core import dist_checkpointing
+
+    from engine.models.platform import ensure_process_group
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / iteration_dir_name(iteration)
+    tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
+                 "iteration": -1 if iteration is None else iteration}
+        ensure_process_group()
+        dist_checkpointing.save(state, str(tmp))
+        _reproducible_metadata(tmp)
+        if hf_config is not None:
+            (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        if final.exists():  # overwrite: move the old one aside first (rename onto a non-empty dir fails)
+            old = root / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _atomic_write_text(root / TRACKER, RELEASE if iteration is None else str(iteration))
+    return final
+
+
+def _reproducible_metadata(checkpoint_dir: Path) -> None:
+    """Drop what makes two saves of the same weights differ byte for byte: torch.distributed
+    checkpoint's ``.metadata`` (a pickled ``Metadata``) records a ``storage_meta`` with the
+    directory it was written to (here a temporary one) and a random ``save_id``. Loading does
+    not need it (the reader makes a fresh one), and without it a rebuilt model directory has
+    the same content hash as before, so the stages after it stay cached (early cut-off)."""
+    import pickle
+
+    for path in checkpoint_dir.glob("*.metadata"):
+        with open(path, "rb") as f:
+            metadata = pickle.load(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            continue
+        metadata.storage_meta = None
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(metadata, f)
+        os.replace(tmp, path)
+
+
+def latest_checkpoint(directory: str | Path) -> tuple[Path, int | None]:
+    """The iteration directory named by the tracker file, and its iteration (None = release).
+
+    Raises:
+        FileNotFoundError: no tracker file, or the directory it names is missing.
+        ValueError: the tracker file holds neither an integer nor ``release``.
+    """
+    root = Path(directory)
+    tracker = root / TRACKER
+    if not tracker.is_file():
+        raise FileNotFoundError(f"{tracker}: no checkpoint tracker file")
+    text = tracker.read_text().strip()
+    if text == RELEASE:
+        iteration = None
+    else:
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise ValueError(f"{tracker}: expected an iteration number or 'release', got {text!r}") from None
+    path = root / iteration_dir_name(iteration)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: checkpoint named by {tracker} is missing")
+    return path, iteration
+
+
+def load_model_checkpoint(model, directory: str | Path) -> int | None:
+    """Load the latest torch_dist checkpoint under ``directory`` into ``model`` (strict).
+
+    Returns:
+        The checkpoint's iteration (None for ``release``).
+
+    Raises:
+        FileNotFoundError / ValueError: see :func:`latest_checkpoint`.
+        ValueError: the checkpoint's tensors do not fit the model (names the tensor).
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import (
+        CheckpointException,  # a BaseException subclass
+    )
+
+    from engine.models.platform import ensure_process_group
+
+    path, iteration = latest_checkpoint(directory)
+    try:
+        ensure_process_group()
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e
+    model.load_state_dict(state["model"], strict=True)
+    return iteration
+
+
+def _root_cause(e: BaseException) -> str:
+    # torch.distributed.checkpoint wraps per-rank errors as {rank: (exception, traceback)}.
+    for failure in getattr(e, "failures", {}).values():
+        return str(failure[0] if isinstance(failure, tuple) else failure)
+    return str(e)
+
+
+def load_checkpoint_hf_config(directory: str | Path) -> dict[str, Any]:
+    """The HF config stored with the latest checkpoint under ``directory``.
+
+    Raises:
+        FileNotFoundError: the checkpoint was saved without ``hf_config``.
+    """
+    path, _ = latest_checkpoint(directory)
+    cfg = path / HF_CONFIG
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{cfg}: checkpoint has no HF config")
+    return json.loads(cfg.read_text())

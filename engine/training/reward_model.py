@@ -1,0 +1,210 @@
+"""Reward model: the megatron-core GPTModel plus a scalar head, trained on preference pairs.
+
+The reward of a conversation is ``reward_head(h_last)``, where ``h_last`` is the final-normed
+hidden state of its last real token (the assistant's end-of-turn token). Training minimises
+the Bradley-Terry pairwise loss of InstructGPT (Ouyang et al. 2022, eq. 1).
+
+``rm.backend`` chooses what trains the weights (:func:`reward_trainer`): megatron-core with
+this repository's optimizer step (:class:`MegatronRewardTrainer`), or the HF transformers
+form of the model under DeepSpeed (``engine.backends.deepspeed.reward_model``). The data, batches,
+schedule, evaluation and the model directory written at the end are the same for both, and
+so is resuming: every ``rm.checkpoint_every`` steps the backend writes its train state
+(``engine.storage.train_state``: weights with the head, AdamW moments, schedule, data position, RNG)
+to ``resume_dir``, and a later run continues from it to the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from config.schema import RMConfig
+from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batches
+from engine.batching.sampler import EpochSampler
+from engine.storage.model_dir import load_tokenizer
+from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
+from engine.training.contracts import RewardTrainer
+from engine.training.preference_data import collate_pairs, encode_preference_dataset
+
+logger = logging.getLogger(__name__)
+
+
+
+
+# A reward model's call: (input_ids LongTensor [B, T], lengths LongTensor [B]) -> rewards FloatTensor [B].
+RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """Per-pair Bradley-Terry loss ``-log sigmoid(r_chosen - r_rejected)``.
+
+    InstructGPT (Ouyang et al. 2022), eq. 1; computed as ``softplus(r_rejected - r_chosen)``
+    via ``logsigmoid`` so large margins neither overflow nor lose precision.
+
+    Args:
+        r_chosen, r_rejected: ``[N]`` rewards of the preferred and the other response.
+
+    Returns:
+        ``[N]`` losses in nats (``log 2`` when the rewards are equal).
+    """
+    return -F.logsigmoid(r_chosen - r_rejected)
+
+
+def pair_loss(model: RewardFn, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """Loss function for :func:`engine.training.optimizer_step.train_step` on a :func:`collate_pairs` batch
+    (``model``: a :class:`RewardModel` or any :data:`RewardFn`).
+
+    Returns:
+        ``(sum of Bradley-Terry losses, number of pairs, {"accuracy", "margin"})`` where
+        accuracy is the fraction with ``r_chosen > r_rejected`` and margin the mean
+        ``r_chosen - r_rejected``.
+    """
+    rewards = model(batch.input_ids, batch.lengths)
+    n = rewards.size(0) // 2
+    r_c, r_r = rewards[:n], rewards[n:]
+    metrics = {"accuracy": float((r_c > r_r).float().mean()), "margin": float((r_c - r_r).mean())}
+    return bradley_terry_loss(r_c, r_r).sum(), n, metrics
+
+
+@torch.no_grad()
+def evaluate_pairs(model: RewardFn, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
+                   micro_batch_size: int) -> dict[str, float]:
+    """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
+    wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (a :class:`RewardModel`
+    or any module with its call signature, run in eval mode; its mode is restored)."""
+    was_training = model.training
+    model.eval()
+    loss, correct = 0.0, 0
+    for chunk in split_micro_batches(pairs, micro_batch_size):
+        batch = collate_pairs(chunk, pad_id)
+        rewards = model(batch.input_ids, batch.lengths)
+        r_c, r_r = rewards[: len(chunk)], rewards[len(chunk) :]
+        loss += float(bradley_terry_loss(r_c, r_r).sum())
+        correct += int((r_c > r_r).sum())
+    model.train(was_training)
+    return {"rm/accuracy": correct / len(pairs), "rm/loss": loss / len(pairs)}
+
+
+def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) index split; at least one pair on each side.
+
+    Raises:
+        ValueError: fewer than 2 pairs.
+    """
+    if num_pairs < 2:
+        raise ValueError(f"reward model needs at least 2 preference pairs (one held out), got {num_pairs}")
+    order = np.random.default_rng([seed, 1]).permutation(num_pairs).tolist()
+    n_eval = min(num_pairs - 1, max(1, round(num_pairs * eval_fraction)))
+    return order[n_eval:], order[:n_eval]
+
+
+# Neither changes the trained weights or the final metrics: a run resumes across a change of
+# them (tasks/rm.py leaves them out of the fingerprint too, so it reuses the resume directory).
+_NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every"}
+
+
+def train_reward_model(
+    make_trainer: Callable[[str | Path, RMConfig, int], RewardTrainer],
+    base_model_dir: str | Path,
+    dataset_path: str | Path,
+    cfg: RMConfig,
+    out_dir: str | Path,
+    resume_dir: str | Path | None = None,
+    seed: int = 0,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+) -> dict[str, float]:
+    """Train a reward model from ``base_model_dir`` on preference pairs; write a model dir.
+
+    Holds out ``cfg.eval_fraction`` of the pairs (:func:`split_eval`), trains ``cfg.steps``
+    steps of ``cfg.global_batch_size`` pairs in micro-batches of ``cfg.micro_batch_size``
+    with the Bradley-Terry loss on the trainer ``make_trainer`` builds,
+    evaluates on the held-out pairs every ``cfg.log_every`` steps and at the end, and saves
+    the GPT weights plus ``heads.safetensors`` (``reward_head.weight`` ``[1, H]``,
+    ``reward_head.bias`` ``[1]``).
+
+    Every ``cfg.checkpoint_every`` steps and after the last one the backend's full train
+    state goes to ``resume_dir`` (:meth:`RewardTrainer.save_state`); a later call with the
+    same arguments (``log_every`` and ``checkpoint_every`` may differ) continues from it and
+    ends with the weights and head of an uninterrupted run, bit for bit.
+
+    Args:
+        make_trainer: ``make_trainer(base_model_dir, cfg, seed)`` builds the backend's
+            :class:`engine.training.contracts.RewardTrainer`; the stage passes
+            :func:`engine.backends.select.reward_trainer` (``rm.backend``).
+        base_model_dir: model directory (``engine.storage.model_dir`` layout) to start from.
+        dataset_path: normalized JSONL of ``{"prompt", "chosen", "rejected"}`` rows.
+        cfg: the ``rm`` config section.
+        out_dir: model directory to write (replaced if it exists).
+        resume_dir: directory for the resumable train state (None: no checkpoints).
+        seed: held-out split, data-order, reward-head and RNG seed.
+        log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps
+            and at the last step, after that step's checkpoint (if any) is written.
+
+    Returns:
+        ``rm/accuracy``, ``rm/loss`` (held-out), ``train/loss``, ``train/accuracy``,
+        ``train/margin``, ``train/grad_norm``, ``train/lr``, ``perf/pairs_per_s`` of the last
+        step, ``rm/num_train_pairs``, ``rm/num_eval_pairs``,
+        and as SFT reports a resume: ``train/steps`` (total), ``train/resumed_from_step``
+        (0 when fresh) and ``train/steps_run`` (steps taken by this call).
+
+    Raises:
+        ValueError: bad dataset rows (names file, line and field), fewer than 2 pairs, an
+            unknown ``rm.backend``, or a ``resume_dir`` written with a different config,
+            dataset size or seed (:func:`engine.storage.train_state.check_run_identity`).
+        RuntimeError: ``rm.backend: deepspeed`` cannot run here.
+    """
+    trainer = make_trainer(base_model_dir, cfg, seed)
+    tokenizer = load_tokenizer(base_model_dir)
+    pairs = encode_preference_dataset(dataset_path, tokenizer, cfg.max_seq_len)
+    train_idx, eval_idx = split_eval(len(pairs), cfg.eval_fraction, seed)
+    train_pairs, eval_pairs = [pairs[i] for i in train_idx], [pairs[i] for i in eval_idx]
+    pad_id = pad_token_id(tokenizer)
+    torch.manual_seed(seed)
+
+    start, position, metrics = 0, DataPosition(0, 0, seed), {}
+    identity = {"config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY), "num_pairs": len(pairs),
+                "seed": seed}
+    if has_train_state(resume_dir):
+        check_run_identity(resume_dir, identity)
+        state = trainer.load_state(resume_dir)
+        start, position, metrics = state.step, state.data_position, dict(state.extra["metrics"])
+        logger.info("resuming the reward model from step %d (%s)", start, resume_dir)
+    sampler = EpochSampler(len(train_pairs), seed, position.epoch, position.offset)
+
+    for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
+                     dynamic_ncols=True):
+        chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
+        micro = [collate_pairs(c, pad_id) for c in split_micro_batches(chosen, cfg.micro_batch_size)]
+        t0 = time.perf_counter()
+        out = trainer.step(micro)
+        seconds = time.perf_counter() - t0
+        done = step + 1
+        metrics = {
+            "train/loss": out["loss"],
+            "train/accuracy": out["accuracy"],
+            "train/margin": out["margin"],
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "perf/pairs_per_s": len(chosen) / seconds,
+        }
+        log_now = done % cfg.log_every == 0 or done == cfg.steps
+        if log_now:
+            metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
+        # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
+        if log_now and log_metrics is not None:
+            log_metrics(metrics, done)
+        if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            trainer.save_state(resume_dir, done, DataPosition(sampler.epoch, sampler.offset, seed),
+                               {**identity, "metrics": metrics})
+
+    trainer.save(out_dir, iteration=cfg.steps)
+    return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs)),
+            "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
+            "train/steps_run": float(cfg.steps - start)}

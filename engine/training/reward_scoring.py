@@ -1,0 +1,73 @@
+"""RL-time scoring with a trained reward model: load it from its model directory and score
+prompt + response token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from engine.batching.collate import collate_tokens, pad_token_id, split_micro_batches
+from engine.models.heads import HEAD_BIAS, HEAD_WEIGHT, RewardModel
+from engine.storage.model_dir import load_model_dir
+from engine.training.preference_data import _encode
+
+
+def load_reward_model(model_dir: str | Path) -> RewardModel:
+    """A trained reward model (eval mode) from a model directory with a reward head.
+
+    Raises:
+        ValueError: naming the directory, when ``heads.safetensors`` lacks
+            ``reward_head.weight`` / ``reward_head.bias`` or their shapes do not match.
+    """
+    loaded = load_model_dir(model_dir)
+    missing = {HEAD_WEIGHT, HEAD_BIAS} - loaded.heads.keys()
+    if missing:
+        raise ValueError(f"{model_dir}: heads.safetensors lacks {sorted(missing)}; not a reward model directory")
+    model = RewardModel(loaded.model, loaded.spec.hidden_size)
+    try:
+        model.reward_head.load_state_dict({"weight": loaded.heads[HEAD_WEIGHT], "bias": loaded.heads[HEAD_BIAS]})
+    except RuntimeError as e:
+        raise ValueError(f"{model_dir}: reward head does not fit hidden size {loaded.spec.hidden_size}: {e}") from e
+    return model.eval()
+
+
+@torch.no_grad()
+def score(
+    model: RewardModel,
+    tokenizer,
+    prompts: Sequence[Any],
+    responses: Sequence[str],
+    max_len: int | None = None,
+    micro_batch_size: int = 16,
+) -> torch.Tensor:
+    """Rewards of (prompt, response) pairs, encoded exactly as in training.
+
+    Args:
+        model: from :func:`load_reward_model`.
+        tokenizer: the model directory's tokenizer (engine.storage.model_dir.load_tokenizer).
+        prompts: N prompts, each a list of ``{"role", "content"}`` messages or a user string.
+        responses: N assistant responses (text).
+        max_len: cut each conversation to this many tokens (None: no cut).
+        micro_batch_size: conversations per forward pass.
+
+    Returns:
+        FloatTensor ``[N]`` of rewards.
+
+    Raises:
+        ValueError: if ``prompts`` and ``responses`` differ in length.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+    if len(prompts) == 0:
+        return torch.zeros(0)
+    was_training = model.training
+    model.eval()
+    seqs = [_encode(tokenizer, p, r, max_len) for p, r in zip(prompts, responses)]
+    out = []
+    for chunk in split_micro_batches(seqs, micro_batch_size):
+        batch = collate_tokens(chunk, None, pad_token_id(tokenizer))
+        out.append(model(batch.input_ids, batch.lengths))
+    model.train(was_training)
+    return torch.cat(out)
