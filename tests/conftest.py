@@ -20,7 +20,7 @@ def _fixtures_dir() -> Path:
     """The shared real inputs: $POSTTRAIN_FIXTURES, else ../shared/fixtures beside the checkout."""
     env = os.environ.get("POSTTRAIN_FIXTURES")
     candidates = [Path(env)] if env else []
-    candidates += [REPO.parent / "shared" / "fixtures", Path("/work/shared/fixtures")]
+    candidates += [REPO.parent / "shared" / "fixtures"]
     for c in candidates:
         if (c / "README.md").is_file():
             return c

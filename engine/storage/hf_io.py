@@ -44,7 +44,7 @@ def load_hf_causal_lm(model_dir: str | Path, seed: int = 0) -> LoadedHFModel:
     HF-named tensors (``conversion.registry.megatron_to_hf``: megatron's vocabulary padding
     stripped, fused QKV and gate/up split) into :func:`build_hf_causal_lm`'s model; the
     megatron model is dropped afterwards. The HF logits equal megatron's up to float
-    rounding (~1e-6, tests/engine/test_deepspeed_backend.py).
+    rounding (~1e-6, tests/engine/backends/test_deepspeed_backend.py).
 
     Args:
         model_dir: a model directory (``engine.storage.model_dir`` layout).

@@ -1,4 +1,4 @@
-"""Deterministic environments for tests/engine/test_multi_turn.py, loadable by import path
+"""Deterministic environments for tests/engine/rollout/test_multi_turn.py, loadable by import path
 (``tests.engine.multi_turn_env_example:make_counter_env``) like a user's ``rl.environment``."""
 
 from __future__ import annotations

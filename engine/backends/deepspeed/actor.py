@@ -140,7 +140,7 @@ class DeepSpeedActorWorker:
     def load_state(self, resume_dir: str | Path):
         """Restore a train state written by :meth:`save_state` with the same ZeRO stage;
         returns ``(step, data_position, extra)``. Training then continues bit for bit as if
-        it had not stopped (tests/engine/test_deepspeed_backend.py).
+        it had not stopped (tests/engine/backends/test_deepspeed_backend.py).
 
         Raises:
             FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`.

@@ -152,7 +152,7 @@ from engine.storage.torch_dist import save_model_checkpoint
 from engine.models.megatron import GPTSpec, build_gpt_model, load_mcore_state
 from engine.models.platform import init_model_parallel
 from conversion import hf_to_megatron
-from tests.engine.test_checkpoint import random_hf
+from tests.engine.storage.test_checkpoint import random_hf
 
 if __name__ == "__main__":  # megatron's save spawns a helper process that imports this file
     init_model_parallel()
@@ -174,7 +174,7 @@ def test_two_saves_of_the_same_weights_are_byte_identical(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     script = tmp_path / "save.py"
     script.write_text(_SAVE_SCRIPT.format(repo=str(repo)))
     digests = []

@@ -24,7 +24,7 @@ from config.schema import EngineConfig, KLConfig, OptimConfig, RLConfig, Rollout
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 REQUIRED = (
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
     "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio", "timing_s/gen",

@@ -12,7 +12,7 @@ import torch
 from engine.rollout.base import SamplingSpec
 from engine.rollout.hf_rollout import HFRollout
 from engine.rollout.partial import WeightGate, generate_in_chunks
-from tests.engine.test_hf_rollout import MAX_NEW, PROMPTS, _tiny_qwen2, model_dir  # noqa: F401
+from tests.engine.rollout.test_hf_rollout import MAX_NEW, PROMPTS, _tiny_qwen2, model_dir  # noqa: F401
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,9 @@ from config.schema import CriticConfig, EngineConfig, OptimConfig, RLConfig, RMC
 from conversion.registry import megatron_to_hf
 from engine.models.megatron import mcore_state
 from engine.storage.train_state import DataPosition
-from tests.engine.test_deepspeed_backend import STAGES, batch, first_step_gain, policy, question  # noqa: F401
-from tests.engine.test_deepspeed_backend import rl_config as actor_rl_config
-from tests.engine.test_reward_model import setup  # noqa: F401
+from tests.engine.backends.test_deepspeed_backend import STAGES, batch, first_step_gain, policy, question  # noqa: F401
+from tests.engine.backends.test_deepspeed_backend import rl_config as actor_rl_config
+from tests.engine.training.test_reward_model import setup  # noqa: F401
 
 CRITIC_LR, CRITIC_WD = 1e-3, 0.1
 
@@ -339,7 +339,7 @@ def test_reward_model_keeps_an_untied_output_layer(fixtures_dir, tmp_path):
     from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import load_model_dir, save_model_dir
-    from tests.engine.test_deepspeed_backend import zero_vocab_padding
+    from tests.engine.backends.test_deepspeed_backend import zero_vocab_padding
 
     spec = GPTSpec(
         architecture="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
@@ -372,7 +372,7 @@ def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, sta
     from engine.backends.select import reward_trainer
     from engine.training.reward_model import train_reward_model
     from engine.storage.train_state import load_train_state
-    from tests.engine.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
+    from tests.engine.training.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
 
     root, data, _ = setup
     cfg = rm_config("deepspeed", steps=6, checkpoint_every=2, log_every=1,

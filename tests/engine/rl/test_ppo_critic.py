@@ -14,7 +14,7 @@ import torch
 from config.schema import CriticConfig, KLConfig, OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
-from tests.engine.test_rl import REQUIRED, policy, question, ray_address, read_metrics, rl_config, untimed  # noqa: F401
+from tests.engine.rl.test_rl import REQUIRED, policy, question, ray_address, read_metrics, rl_config, untimed  # noqa: F401
 
 PPO_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
             "critic/values/mean", "critic/returns/mean", "timing_s/update_critic")
