@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from config.load import load_config
-from config.schema import CriticConfig, EngineConfig, OptimConfig, RLConfig
+from config.rl import CriticConfig, EngineConfig, RLConfig
+from config.training import OptimConfig
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "work" / "benchmarks" / "rl_modes"

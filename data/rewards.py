@@ -19,7 +19,7 @@ Registry ``VERIFIERS``:
 - ``math``: boxed answers (MATH, MATH-500; label = the reference ``answer``). The final
   answer is the last ``\\boxed{...}`` or ``\\fbox{...}`` (no box, or an unclosed last box,
   scores 0); it equals the label after the normalisation documented in
-  ``data.math_answer``. In short, equal: ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` =
+  ``data.math_normalize``. In short, equal: ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` =
   ``\\dfrac12`` = ``\\tfrac{1}{2}`` (rationals compare exactly); ``1,000`` = ``1,\\!000``
   = ``1000``; ``5.0`` = ``5``; ``\\$5`` = ``5``; ``50\\%`` = ``50``; ``90^\\circ`` = ``90``;
   ``12\\text{ cm}`` = ``12``; ``\\left( 1, 2 \\right)`` = ``(1,2)``; spaces ignored;
@@ -39,7 +39,8 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
-from data.math_answer import answers_equal, last_boxed_answer
+from data.math_answer import answers_equal
+from data.math_extraction import last_boxed_answer
 from data.stories import story_reward
 
 Verifier = Callable[[str, str], float]

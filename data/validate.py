@@ -23,7 +23,8 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
-from data.adapters import ADAPTERS, DETECT_SAMPLE, Example, FieldError, detect, get_adapter
+from data.adapter_fields import Example, FieldError
+from data.adapters import ADAPTERS, DETECT_SAMPLE, detect, get_adapter
 from data.readers import FILE, LocatedItem, RowError, iter_located
 from data.schemas import KINDS, frame_problems, natural_key, rows_to_frame
 

@@ -330,7 +330,7 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
 def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict) -> list[str]:
     """The chat template: present where SFT or the reward model need it, its turn end found,
     and every SFT conversation and preference pair rendered with it."""
-    from data import chat
+    from data import chat, chat_template
 
     tok = m.tokenizer
     if getattr(tok, "chat_template", None) is None:
@@ -339,9 +339,9 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict) -> list[str]:
                 for stage in ("sft", "rm") if getattr(cfg, stage).enabled]
     override = cfg.model.end_of_turn
     try:  # the turn end SFT trains and generation stops on
-        eot = chat.end_of_turn(tok, override)
-        stop = chat.turn_end_token_id(tok, override)
-    except chat.ChatTemplateError as exc:  # its message names model.end_of_turn
+        eot = chat_template.end_of_turn(tok, override)
+        stop = chat_template.turn_end_token_id(tok, override)
+    except chat_template.ChatTemplateError as exc:  # its message names model.end_of_turn
         return [f"model.end_of_turn: {exc}"]
     problems = []
     generating = [key for key, data in (("rl", cfg.data.rl_train), ("evaluate", cfg.data.rl_eval)) if data is not None]

@@ -12,8 +12,7 @@ reward per step) and ``report.md``; the report is also a Prefect markdown artifa
 from __future__ import annotations
 
 from config.schema import PipelineConfig
-from tasks.runner import StageContext, StageSpec, stage_task
-from tasks.sft import starting_policy
+from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 
 
 def baseline_name(cfg: PipelineConfig) -> str:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from config.schema import PipelineConfig
 from tasks.fingerprint import user_modules
-from tasks.runner import StageContext, StageSpec, stage_task
-from tasks.sft import starting_policy
+from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 
 
 def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
@@ -19,16 +18,22 @@ def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
 
 
 def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
-    """Source files of the reward plug-ins (``rl.reward.functions``) and of the multi-turn
-    environment (``rl.environment``) with every module of the user's own code they import,
+    """Source files of the plug-ins the rl stage runs: the reward plug-ins
+    (``rl.reward.functions``), the multi-turn environment (``rl.environment``) and an
+    advantage estimator or policy loss given by import path (``rl.algorithm``,
+    ``rl.policy_loss``), each with every module of the user's own code it imports,
     recursively (``tasks.fingerprint.user_modules``), hashed by content into the
     fingerprint, so editing one of them, or a helper it imports, retrains. Keys:
-    ``reward_function_<i>`` / ``environment`` for the named module, ``<that key>/<module>``
-    for what it imports. A module that cannot be found is left out here; the run then
-    fails naming ``rl.reward.functions[i].path`` or ``rl.environment``."""
+    ``reward_function_<i>`` / ``environment`` / ``algorithm`` / ``policy_loss`` for the
+    named module, ``<that key>/<module>`` for what it imports. A module that cannot be
+    found is left out here; the run then fails naming ``rl.reward.functions[i].path``,
+    ``rl.environment``, ``rl.algorithm`` or ``rl.policy_loss``."""
     paths = {f"reward_function_{i}": fn.path for i, fn in enumerate(cfg.rl.reward.functions)}
     if cfg.rl.environment is not None:
         paths["environment"] = cfg.rl.environment
+    for key in ("algorithm", "policy_loss"):  # a built-in's name has no colon and no file
+        if ":" in getattr(cfg.rl, key):
+            paths[key] = getattr(cfg.rl, key)
     files = {}
     for key, path in paths.items():
         module = path.partition(":")[0]

@@ -7,8 +7,7 @@ Artifact: ``model/`` with the reward head in ``heads.safetensors``; metrics incl
 
 from __future__ import annotations
 
-from tasks.runner import StageContext, StageSpec, stage_task
-from tasks.sft import starting_policy
+from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 
 SPEC = StageSpec(
     name="rm",
@@ -24,7 +23,7 @@ def rm(ctx: StageContext) -> dict:
     """Train the reward model on ``preference.jsonl``; report held-out pairwise accuracy.
     Checkpoints every ``rm.checkpoint_every`` steps."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.backends.select import reward_trainer
+    from engine.backends.select_rm import reward_trainer
     from engine.training.reward_model import train_reward_model
 
     return train_reward_model(

@@ -367,3 +367,9 @@ def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], An
         )(body)
 
     return wrap
+
+
+def starting_policy(cfg: PipelineConfig) -> str:
+    """The stage whose ``model/`` RL, the reward model and evaluation start from: ``sft``,
+    or ``convert`` (the base model as converted) when ``sft.enabled`` is false."""
+    return "sft" if cfg.sft.enabled else "convert"

@@ -6,14 +6,7 @@ Artifact: ``model/`` (the fine-tuned policy). Resumes from its checkpoint under
 
 from __future__ import annotations
 
-from config.schema import PipelineConfig
 from tasks.runner import StageContext, StageSpec, stage_task
-
-
-def starting_policy(cfg: PipelineConfig) -> str:
-    """The stage whose ``model/`` RL, the reward model and evaluation start from: ``sft``,
-    or ``convert`` (the base model as converted) when ``sft.enabled`` is false."""
-    return "sft" if cfg.sft.enabled else "convert"
 
 
 SPEC = StageSpec(

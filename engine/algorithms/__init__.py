@@ -18,62 +18,10 @@ One job per module:
 - :mod:`.value_loss`: PPO's clipped value loss for the critic (:func:`clipped_value_loss`).
 - :mod:`.dynamic_sampling`: DAPO group filtering and :func:`fill_batch`.
 - :mod:`.logits`: log-probs and entropy from logits.
+- :mod:`.plugins`: an advantage estimator or policy loss given by import path
+  ``package.module:function`` instead of a registry name (``rl.algorithm``, ``rl.policy_loss``).
 
-Look registries up with the ``get_*`` functions, which name the known keys when a name is wrong.
+This package re-exports nothing (import from the modules). Look registries up with the ``get_*``
+functions, which name the known keys when a name is wrong;
+:func:`get_advantage_estimator` and :func:`get_policy_loss` also load a plug-in's import path.
 """
-
-from engine.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    compute_gae,
-    dr_grpo_advantages,
-    gae_advantages,
-    get_advantage_estimator,
-    grpo_advantages,
-    masked_whiten,
-    reinforce_plus_plus_advantages,
-    reinforce_plus_plus_baseline_advantages,
-    rloo_advantages,
-)
-from engine.algorithms.aggregation import (
-    LOSS_AGG_MODES,
-    GlobalNorm,
-    aggregate_loss,
-    global_norm,
-    masked_mean,
-    masked_sum,
-)
-from engine.algorithms.dynamic_sampling import FilledBatch, fill_batch, informative_group_mask
-from engine.algorithms.kl import (
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    get_kl_estimator,
-    kl_k1,
-    kl_k2,
-    kl_k3,
-    kl_loss,
-)
-from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
-from engine.algorithms.value_loss import ValueLossOutput, clipped_value_loss
-from engine.algorithms.policy_loss import (
-    POLICY_LOSSES,
-    PolicyLossOutput,
-    entropy_bonus,
-    get_policy_loss,
-    gspo_loss,
-    ppo_clip_loss,
-    truncated_is_weight,
-)
-
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "KL_CONTROLLERS", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSSES",
-    "AdaptiveKLController", "FilledBatch", "FixedKLController", "GlobalNorm", "PolicyLossOutput", "ValueLossOutput",
-    "aggregate_loss", "apply_kl_penalty", "clipped_value_loss", "compute_gae", "dr_grpo_advantages", "entropy_bonus",
-    "entropy_from_logits", "fill_batch", "gae_advantages", "get_advantage_estimator", "get_kl_estimator",
-    "get_policy_loss", "global_norm", "grpo_advantages", "gspo_loss", "informative_group_mask", "kl_k1",
-    "kl_k2", "kl_k3", "kl_loss", "logprobs_from_logits", "masked_mean", "masked_whiten", "masked_sum", "ppo_clip_loss",
-    "reinforce_plus_plus_advantages", "reinforce_plus_plus_baseline_advantages", "rloo_advantages",
-    "truncated_is_weight",
-]

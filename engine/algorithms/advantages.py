@@ -18,13 +18,28 @@ Every registered estimator has the same signature::
 Statistics are computed in float64. Degenerate inputs give finite values: a group of one
 response or of all-equal rewards has advantage 0, and a ``std`` below ``eps`` cannot blow a
 tiny reward difference up (``|A| <= |r - mean| / eps``; see :func:`grpo_advantages`).
+
+Plug-ins: ``rl.algorithm: package.module:function`` names your own estimator
+(:func:`get_advantage_estimator`, :mod:`engine.algorithms.plugins`). It has the signature
+above and is called as ``fn(rewards, group_index, mask)`` by the RL step
+(``engine.rl.phases.compute_advantages``) with ``[B]`` float32 scores (or ``[B, L]``
+KL-penalised token rewards with ``rl.kl.in_reward``), ``[B]`` int64 group ids (the
+``rl.n_samples`` responses of one prompt share an id) and the ``[B, L]`` response mask;
+it returns finite ``[B, L]`` advantages (``[B]`` when ``mask`` is None), 0 where the mask is 0,
+which are cast to the dtype of ``rewards``. A wrong shape or a non-finite value is a
+ValueError naming the plug-in. The configuration treats a plug-in as a group-baseline
+estimator without a critic (like ``grpo``): ``rl.n_samples`` must be >= 2, DAPO dynamic
+sampling may be on, and no critic is trained.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
+
+from engine.algorithms.plugins import is_import_path, load_plugin
 
 
 def _check(rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -307,8 +322,45 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
+def _checked_plugin(fn: AdvantageEstimator, path: str) -> AdvantageEstimator:
+    """``fn`` with its result checked: a tensor of ``[B]`` (no mask) or the mask's
+    ``[B, L]`` shape, all finite; cast to the dtype of ``rewards``."""
+
+    @functools.wraps(fn)
+    def estimator(rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor | None = None,
+                  **options) -> torch.Tensor:
+        out = fn(rewards, group_index, mask, **options)
+        expected = tuple(rewards.shape[:1]) if mask is None else tuple(mask.shape)
+        who = f"rl.algorithm plug-in {path}"
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"{who} returned {type(out).__name__}; expected a tensor of shape {list(expected)}")
+        if tuple(out.shape) != expected:
+            raise ValueError(f"{who} returned shape {list(out.shape)}; expected {list(expected)} "
+                             f"(rewards {list(rewards.shape)}, mask {None if mask is None else list(mask.shape)})")
+        if not torch.isfinite(out).all():
+            raise ValueError(f"{who} returned non-finite advantages")
+        return out.to(_out_dtype(rewards))
+
+    return estimator
+
+
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The advantage function registered as ``name``. Raises KeyError listing the known names."""
+    """The advantage function registered as ``name``, or the plug-in at the import path
+    ``name`` (``package.module:function``: any name with a colon; ``rl.algorithm``).
+
+    A plug-in must take ``(rewards, group_index, mask)`` positionally (the module
+    docstring has the contract); the returned callable checks its result (a ValueError
+    naming the plug-in for a wrong shape or a non-finite value) and casts it to the dtype
+    of ``rewards``.
+
+    Raises:
+        KeyError: ``name`` has no colon and is not registered (the message lists the known names).
+        ImportError: a plug-in that cannot be loaded or cannot take the three arguments (the
+            message names ``rl.algorithm``, the path and the reason).
+    """
+    if is_import_path(name):
+        fn = load_plugin(name, "rl.algorithm", "advantage estimator", positional=("rewards", "group_index", "mask"))
+        return _checked_plugin(fn, name)
     if name not in ADVANTAGE_ESTIMATORS:
         raise KeyError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")
     return ADVANTAGE_ESTIMATORS[name]

@@ -11,10 +11,26 @@ trainer's log-probs of the policy that sampled the batch), ``advantages`` (per t
 sequence advantage broadcast), ``mask``, and ``rollout_logprobs`` (the rollout engine's own
 log-probs, for truncated importance sampling). The per-token loss is reduced by
 :func:`engine.algorithms.aggregation.aggregate_loss` with ``loss_agg_mode`` and ``norm``.
+
+Plug-ins: ``rl.policy_loss: package.module:function`` names your own loss
+(:func:`get_policy_loss`, :mod:`engine.algorithms.plugins`). The actor
+(``engine.training.actor.actor_loss_fn``) calls it once per micro-batch as::
+
+    loss(logprobs, old_logprobs, advantages, mask, clip_ratio, clip_ratio_low=...,
+         clip_ratio_high=..., clip_ratio_c=..., tis_cap=..., rollout_logprobs=...,
+         loss_agg_mode=..., norm=...)
+
+with the ``rl.*`` settings of the same names (a ``**options`` parameter may collect the
+ones it ignores), and it returns a :class:`PolicyLossOutput` whose ``pg_loss`` is a
+differentiable scalar. For the micro-batch losses to add up to the global batch's, reduce
+the per-token loss with ``aggregate_loss(l, mask, loss_agg_mode, norm)`` as the built-ins
+do. Anything but a :class:`PolicyLossOutput` with a scalar ``pg_loss`` is a TypeError
+naming the plug-in.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -22,6 +38,7 @@ from typing import Callable
 import torch
 
 from engine.algorithms.aggregation import GlobalNorm, aggregate_loss, global_norm, masked_mean
+from engine.algorithms.plugins import is_import_path, load_plugin
 
 # GSPO's clip range in Zheng et al. 2025's experiments (lower, upper).
 _GSPO_CLIP = (3e-4, 4e-4)
@@ -240,8 +257,48 @@ PolicyLoss = Callable[..., PolicyLossOutput]
 POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_loss}
 
 
+# The arguments the actor passes a policy loss (engine.training.actor.actor_loss_fn): by position, by keyword.
+PLUGIN_POSITIONAL = ("logprobs", "old_logprobs", "advantages", "mask", "clip_ratio")
+PLUGIN_KEYWORDS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tis_cap", "rollout_logprobs",
+                   "loss_agg_mode", "norm")
+
+
+def _checked_plugin(fn: PolicyLoss, path: str) -> PolicyLoss:
+    """``fn`` with its result checked: a :class:`PolicyLossOutput` with a scalar ``pg_loss``."""
+
+    @functools.wraps(fn)
+    def loss(*args, **kwargs) -> PolicyLossOutput:
+        out = fn(*args, **kwargs)
+        who = f"rl.policy_loss plug-in {path}"
+        if not isinstance(out, PolicyLossOutput):
+            raise TypeError(f"{who} returned {type(out).__name__}; "
+                            "expected engine.algorithms.policy_loss.PolicyLossOutput")
+        if not isinstance(out.pg_loss, torch.Tensor) or out.pg_loss.dim() != 0:
+            shape = list(out.pg_loss.shape) if isinstance(out.pg_loss, torch.Tensor) else type(out.pg_loss).__name__
+            raise TypeError(f"{who} returned pg_loss {shape}; expected a scalar tensor")
+        return out
+
+    return loss
+
+
 def get_policy_loss(name: str) -> PolicyLoss:
-    """The policy loss registered as ``name``. Raises KeyError listing the known names."""
+    """The policy loss registered as ``name``, or the plug-in at the import path ``name``
+    (``package.module:function``: any name with a colon; ``rl.policy_loss``).
+
+    A plug-in must take the :data:`PLUGIN_POSITIONAL` and :data:`PLUGIN_KEYWORDS` arguments the
+    actor passes (the module docstring has the contract); the returned callable checks
+    that it returns a :class:`PolicyLossOutput` with a scalar ``pg_loss`` (else TypeError
+    naming the plug-in).
+
+    Raises:
+        KeyError: ``name`` has no colon and is not registered (the message lists the known names).
+        ImportError: a plug-in that cannot be loaded or cannot take those arguments (the
+            message names ``rl.policy_loss``, the path and the reason).
+    """
+    if is_import_path(name):
+        fn = load_plugin(name, "rl.policy_loss", "policy loss", positional=PLUGIN_POSITIONAL,
+                         keywords=PLUGIN_KEYWORDS)
+        return _checked_plugin(fn, name)
     if name not in POLICY_LOSSES:
         raise KeyError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]

@@ -30,7 +30,8 @@ from engine.evaluation.statistics import Verifier, evaluate_generations
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
 
 if TYPE_CHECKING:
-    from config.schema import EngineConfig, EvaluateConfig
+    from config.evaluate import EvaluateConfig
+    from config.rl import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +40,14 @@ logger = logging.getLogger(__name__)
 
 
 def decode_response(tokenizer, output: RolloutOutput) -> str:
-    """Response text for the verifier: :func:`data.chat.response_text` of the sampled tokens.
+    """Response text for the verifier: :func:`data.chat_response.response_text` of the sampled tokens.
 
     The same rule RL's rewards use: special tokens are removed (the final EOS or turn end a
     ``"stop"`` output ends with, e.g. ``<|im_end|>``, and any other special token the policy
     emitted, also in a ``"length"`` output), and so is a plain-text turn end at the end of
     the text. ``response_length`` is still counted on the ids.
     """
-    from data.chat import response_text
+    from data.chat_response import response_text
 
     return response_text(tokenizer, output.token_ids)
 
@@ -83,7 +84,7 @@ def evaluate_policy(
     Returns:
         :func:`evaluate_generations`'s dict; each record also has ``prompt`` (the messages)
         and, when the response holds bytes that are not a whole character,
-        ``response_readable`` (:func:`data.chat.readable_text`: those bytes as ``\\xNN``),
+        ``response_readable`` (:func:`data.chat_response.readable_text`: those bytes as ``\\xNN``),
         which the report shows instead of U+FFFD.
 
     Raises:
@@ -109,7 +110,7 @@ def evaluate_policy(
         finish_reasons=[o.finish_reason for o in outputs],
         prompt_index=[i for i in range(len(eval_rows)) for _ in range(k)],
     )
-    from data.chat import readable_text
+    from data.chat_response import readable_text
 
     for record, row, output in zip(result["records"], rows, outputs):
         record["prompt"] = list(row["prompt"])
@@ -149,24 +150,6 @@ def _hf_tensors(hf_dir: Path):
 
     for shard in sorted(hf_dir.glob("*.safetensors")):
         yield from load_file(str(shard)).items()
-
-
-def _build_engine(backend: str, hf_dir: Path, tokenizer, gpu_memory_utilization: float | None, seed: int,
-                  num_sequences: int, max_model_len: int) -> RolloutEngine:
-    if backend == "hf":
-        from engine.rollout.hf_rollout import HFRollout
-
-        return HFRollout(hf_dir)
-    if backend == "vllm":
-        from engine.rollout.vllm_rollout import VLLMRollout
-
-        vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-        # A padded embedding (Megatron rounds the vocabulary up) must never emit ids the
-        # tokenizer cannot decode.
-        valid = len(tokenizer) if len(tokenizer) < vocab else None
-        return VLLMRollout(hf_dir, gpu_memory_utilization=gpu_memory_utilization, seed=seed, valid_vocab_size=valid,
-                           num_sequences=num_sequences, max_model_len=max_model_len)
-    raise ValueError(f"evaluate.backend: unknown rollout backend {backend!r}; expected 'vllm' or 'hf'")
 
 
 def evaluate_model_dirs(
@@ -216,6 +199,7 @@ def evaluate_model_dirs(
     from data.chat import encode_prompt
     from data.rewards import get_verifier
     from engine.models.platform import worker_threads
+    from engine.rollout.factory import build_rollout_engine
     from engine.storage.hf_io import export_model_dir
 
     verify = get_verifier(verifier)
@@ -235,8 +219,10 @@ def evaluate_model_dirs(
                 # the ids evaluate_policy will submit
                 longest = max(len(encode_prompt(tokenizer, row["prompt"], tools=row.get("tools"))) for row in rows)
                 max_len = min(int(config["max_position_embeddings"]), longest + cfg.max_new_tokens)
-                engine = _build_engine(cfg.backend, hf_dir, tokenizer, gpu_memory_utilization, seed,
-                                       num_sequences=len(rows) * cfg.samples_per_prompt, max_model_len=max_len)
+                engine = build_rollout_engine(
+                    cfg.backend, hf_dir, what="evaluate.backend", tokenizer=tokenizer,
+                    gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                    num_sequences=len(rows) * cfg.samples_per_prompt, max_model_len=max_len)
                 engine_config = config
             logger.info("evaluating policy %r on %d prompts (%s backend)", name, len(rows), cfg.backend)
             results[name] = evaluate_policy(

@@ -12,8 +12,48 @@ from engine.models.hf import hf_final_hidden_states
 HEAD_WEIGHT, HEAD_BIAS = "reward_head.weight", "reward_head.bias"
 
 
+class _ValueHeadModel(torch.nn.Module):
+    """A body's final-normed hidden states with ``value_head`` applied at every position: the
+    forward of :class:`ValueModel` and :class:`HFValueModel`, which hold the body and the head
+    and give the hidden states (``_hidden_states``)."""
 
-class ValueModel(torch.nn.Module):
+    value_head: torch.nn.Linear
+
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states FloatTensor ``[B, T, H]`` of ``input_ids`` LongTensor ``[B, T]``."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Values of every position: FloatTensor ``[B, T]`` for ``input_ids`` LongTensor ``[B, T]``
+        (causal: right padding never changes earlier positions)."""
+        return self.value_head(self._hidden_states(input_ids)).squeeze(-1)
+
+
+class _RewardHeadModel(torch.nn.Module):
+    """A body's final-normed hidden state of each sequence's last real token scored by
+    ``reward_head``: the forward of :class:`RewardModel` and :class:`HFRewardModel`, which hold
+    the body and the head and give the hidden states (``_hidden_states``)."""
+
+    reward_head: torch.nn.Linear
+
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states FloatTensor ``[B, T, H]`` of ``input_ids`` LongTensor ``[B, T]``."""
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Rewards of right-padded sequences.
+
+        Args:
+            input_ids: LongTensor ``[B, T]``.
+            lengths: LongTensor ``[B]``, real tokens per row (1..T).
+
+        Returns:
+            FloatTensor ``[B]``: ``reward_head(hidden[b, lengths[b] - 1])``.
+        """
+        return last_token_scores(self.reward_head, self._hidden_states(input_ids), lengths)
+
+
+class ValueModel(_ValueHeadModel):
     """GPTModel + ``Linear(H, 1)`` on every position's final-normed hidden state.
 
     The head is initialised ``N(0, 1/(H+1))`` with zero bias from ``seed`` (as OpenRLHF
@@ -30,15 +70,13 @@ class ValueModel(torch.nn.Module):
         self.gpt = gpt
         self.value_head = scalar_head(hidden_size, seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Values of every position: FloatTensor ``[B, T]`` for ``input_ids`` LongTensor ``[B, T]``
-        (causal: right padding never changes earlier positions)."""
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         from engine.models.megatron import gpt_hidden_states
 
-        return self.value_head(gpt_hidden_states(self.gpt, input_ids)).squeeze(-1)
+        return gpt_hidden_states(self.gpt, input_ids)
 
 
-class HFValueModel(torch.nn.Module):
+class HFValueModel(_ValueHeadModel):
     """An HF decoder body + ``Linear(H, 1)`` on every position's final-normed hidden state:
     :class:`engine.models.heads.ValueModel` with the transformers model in place of the GPTModel.
 
@@ -60,15 +98,14 @@ class HFValueModel(torch.nn.Module):
         self.body = causal_lm.base_model
         self.value_head = scalar_head(hidden_size, seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Values of every position: FloatTensor ``[B, T]`` for ``input_ids`` LongTensor ``[B, T]``."""
-        return self.value_head(hf_final_hidden_states(self.body, input_ids)).squeeze(-1)
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return hf_final_hidden_states(self.body, input_ids)
 
 
 BODY_PREFIX = "body."
 
 
-class HFRewardModel(torch.nn.Module):
+class HFRewardModel(_RewardHeadModel):
     """An HF decoder body + ``Linear(H, 1)`` on the last real token's final-normed hidden
     state: :class:`engine.models.heads.RewardModel` with the transformers model in place of
     the GPTModel.
@@ -90,17 +127,8 @@ class HFRewardModel(torch.nn.Module):
         self.body = causal_lm.base_model
         self.reward_head = scalar_head(hidden_size, seed)
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Rewards of right-padded sequences.
-
-        Args:
-            input_ids: LongTensor ``[B, T]``.
-            lengths: LongTensor ``[B]``, real tokens per row (1..T).
-
-        Returns:
-            FloatTensor ``[B]``: ``reward_head(hidden[b, lengths[b] - 1])``.
-        """
-        return last_token_scores(self.reward_head, hf_final_hidden_states(self.body, input_ids), lengths)
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return hf_final_hidden_states(self.body, input_ids)
 
 
 def scalar_head(hidden_size: int, seed: int) -> torch.nn.Linear:
@@ -121,7 +149,7 @@ def last_token_scores(head: torch.nn.Linear, hidden: torch.Tensor, lengths: torc
     return head(last).squeeze(-1)
 
 
-class RewardModel(torch.nn.Module):
+class RewardModel(_RewardHeadModel):
     """GPTModel + ``Linear(hidden, 1)`` on the last real token's final-normed hidden state.
 
     Attributes:
@@ -135,19 +163,10 @@ class RewardModel(torch.nn.Module):
         self.gpt = gpt
         self.reward_head = scalar_head(hidden_size, seed)
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Rewards of right-padded sequences.
-
-        Args:
-            input_ids: LongTensor ``[B, T]``.
-            lengths: LongTensor ``[B]``, real tokens per row (1..T).
-
-        Returns:
-            FloatTensor ``[B]``: ``reward_head(hidden[b, lengths[b] - 1])``.
-        """
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         from engine.models.megatron import gpt_hidden_states
 
-        return last_token_scores(self.reward_head, gpt_hidden_states(self.gpt, input_ids), lengths)
+        return gpt_hidden_states(self.gpt, input_ids)
 
     def heads(self) -> dict[str, torch.Tensor]:
         """The head tensors under the names stored in a model directory's heads.safetensors."""

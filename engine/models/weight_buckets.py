@@ -12,6 +12,8 @@ extra memory is about one bucket, not the model.
   ``(hf_name, tensor)`` whose tensors own their memory (nothing aliases the model).
 - :class:`BucketServer`: serves buckets by index (the trainer worker's side of the sync);
   requests for consecutive indices continue one pass over the stream.
+- :class:`HFBucketSource`: the actor workers' ``hf_bucket_plan`` / ``hf_bucket`` over a
+  lazily built :class:`BucketServer` (both RL backends).
 
 Bucket boundaries never split a *load group* (:func:`load_group`): the tensors vLLM loads
 into one module (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``,
@@ -328,3 +330,39 @@ class BucketServer:
         if self._next == self.plan.num_buckets:
             self._stream = None  # the last bucket: release the stream
         return out
+
+
+class HFBucketSource:
+    """Weight-sync methods of an RL actor worker: its policy's HF-named weights served as
+    buckets by a :class:`BucketServer`, built on first use.
+
+    The worker provides ``hf_config`` (the policy's HF ``config.json`` dict) and ``cfg`` (the
+    ``rl`` config; ``cfg.engine.weight_sync_bucket_mb`` is the bucket budget in MiB), and
+    overrides :meth:`_bucket_weights` when the weights are not the worker itself.
+    """
+
+    _bucket_server: BucketServer | None = None
+
+    def _bucket_weights(self):
+        """What the buckets are cut from (the ``model`` of :class:`BucketServer`): by default the
+        worker itself, which must then be a weight source (``hf_tensors()``, module docstring);
+        a megatron-core worker returns its GPTModel."""
+        return self
+
+    def hf_bucket_plan(self) -> BucketPlan:
+        """How the policy's HF-named weights are cut for weight sync: a :class:`BucketPlan` of
+        ``cfg.engine.weight_sync_bucket_mb`` MiB buckets over :meth:`_bucket_weights`' HF tensor
+        stream (planned on first use; shapes do not change in training)."""
+        return self._weight_buckets().plan
+
+    def hf_bucket(self, index: int) -> NamedTensors:
+        """Bucket ``index`` of the policy's weights: HF-named full tensors that own their
+        memory (:class:`BucketServer`; asking for ``0, 1, ...`` in order converts each tensor
+        once). Raises IndexError outside ``[0, plan.num_buckets)``."""
+        return self._weight_buckets().bucket(index)
+
+    def _weight_buckets(self) -> BucketServer:
+        if self._bucket_server is None:
+            budget = self.cfg.engine.weight_sync_bucket_mb * 2**20
+            self._bucket_server = BucketServer(self.hf_config, self._bucket_weights(), budget)
+        return self._bucket_server

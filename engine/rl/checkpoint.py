@@ -7,6 +7,7 @@ import logging
 
 import ray
 
+from config.schema import RLConfig
 from engine.rl.workers import Workers
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
 
@@ -53,3 +54,19 @@ def save_checkpoint(workers: Workers, resume_dir, step: int, position: DataPosit
     ray.get(workers.actor.save_state.remote(str(resume_dir), step, position, extra))
     if workers.critic is not None:
         ray.get(workers.critic.prune_states.remote(str(resume_dir), step))
+
+
+def checkpoint_if_due(workers: Workers, resume_dir, cfg: RLConfig, step: int, position: DataPosition, identity: dict,
+                      history: list[dict]) -> bool:
+    """The checkpoint phase, after step ``step``'s metrics: :func:`save_checkpoint` every
+    ``rl.checkpoint_every`` steps and at the last step (``rl.steps``), with the data
+    ``position`` after the step's batch and, beside the run ``identity`` that
+    :func:`check_checkpoint` compares, the metrics ``history`` so far. Nothing without a
+    ``resume_dir``.
+
+    Returns: whether a checkpoint was written.
+    """
+    if resume_dir is None or (step % cfg.checkpoint_every != 0 and step != cfg.steps):
+        return False
+    save_checkpoint(workers, resume_dir, step, position, {**identity, "history": history})
+    return True

@@ -1,15 +1,39 @@
-"""The RL outer loop (GRPO and its relatives) on Ray; the phases are in ``engine.rl.phases``.
+"""The RL outer loop (GRPO and its relatives) on Ray: :func:`run_rl` is set-up, loop, tear-down.
 
-Per step: sample prompts -> rollout ``n_samples`` each -> rewards (with DAPO dynamic
-sampling: more rounds until ``prompts_per_step`` groups have differing rewards) -> reference
-log-probs (with a KL term), old log-probs (for the KL reward penalty) and the critic's values
-(``rl.algorithm: gae``, PPO) -> KL reward penalty (if ``kl.in_reward``) -> advantages
-(``rl.algorithm``) -> critic update (PPO) -> policy update -> push weights to the rollout engine -> metrics ->
-checkpoint every ``checkpoint_every`` steps. With ``rl.environment`` the rollout is
-multi-turn and the environment scores it (no reward worker is started; ``engine.rollout.multi_turn``).
-A run whose ``resume_dir`` holds a
-checkpoint continues after it (weights, AdamW state, schedule, data position, RNG and the
-metrics so far), ending with the same weights as an uninterrupted run.
+One iteration, in order, and where each phase lives (megatron backend; the DeepSpeed one is
+``engine/backends/deepspeed/``):
+
+1. rollout: ``rl/phases.py`` ``take_rollout`` takes the step's batch from the prefetch queue
+   (``rl/prefetch.py``), produced by ``RolloutProducer``: the prompts' responses from the
+   ``RolloutWorker`` (``rl/workers.py``), with DAPO dynamic sampling (more rounds until
+   ``prompts_per_step`` groups have differing rewards; ``engine.algorithms.dynamic_sampling.fill_batch``);
+2. rewards: in the same producer, ``RewardWorker.score`` (``rl/workers.py``); with
+   ``rl.environment`` the rollout is multi-turn and the environment scores it instead (no
+   reward worker is started; ``engine.rollout.multi_turn``);
+3. log-probs: ``add_logprobs`` (``rl/phases.py``): the reference log-probs (with a KL term,
+   ``ReferenceWorker``, ``rl/workers.py``), the old log-probs (for the KL reward penalty) and
+   the critic's values (``rl.algorithm: gae``, PPO), by ``ActorWorker``/``CriticWorker``
+   (``backends/megatron.py``) with ``training/actor.py``'s ``compute_logprobs``;
+4. advantages: ``add_advantages`` (``rl/phases.py``): the KL reward penalty (if
+   ``kl.in_reward``), then the estimator of ``rl.algorithm`` (``algorithms/advantages.py``);
+5. critic update (PPO): ``update_critic`` (``rl/phases.py``) -> ``CriticWorker.update``
+   (``backends/megatron.py``, the loss in ``training/critic.py``);
+6. actor update: ``update_actor`` (``rl/phases.py``) -> ``ActorWorker.update``
+   (``backends/megatron.py``) -> ``actor_update`` (``training/actor.py``; the loss from
+   ``algorithms/policy_loss.py``) -> ``train_step`` (``training/optimizer_step.py``);
+7. weight sync: ``sync_weights`` (``rl/phases.py``) streams the policy to the
+   ``RolloutWorker`` bucket by bucket;
+8. metrics and checkpoint: ``step_metrics`` reads the step's ``StepTimer`` (``rl/metrics.py``);
+   ``checkpoint_if_due`` (``rl/checkpoint.py``) every ``checkpoint_every`` steps.
+
+So an iteration reads in ``rl/{loop,phases,prefetch,workers,metrics,checkpoint}.py``,
+``backends/megatron.py``, ``training/{actor,optimizer_step}.py`` and
+``algorithms/{advantages,policy_loss}.py`` (PPO adds ``training/critic.py``); below them sit
+the rollout engines (``engine/rollout/``) and the weight buckets (``models/weight_buckets.py``).
+
+A run whose ``resume_dir`` holds a checkpoint continues after it (weights, AdamW state,
+schedule, data position, RNG and the metrics so far), ending with the same weights as an
+uninterrupted run.
 
 The PPO ratio's "old" log-probs are the trainer's, not the rollout engine's: computed in a
 pass before the update when the KL reward penalty needs them (as verl always does), otherwise
@@ -21,9 +45,9 @@ and the rollout engine's disagree (fp32 noise when weight sync works).
 from __future__ import annotations
 
 import shutil
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import ray
 from tqdm import tqdm
@@ -31,27 +55,92 @@ from tqdm import tqdm
 from config.schema import RLConfig
 from engine.batching.collate import pad_token_id
 from engine.batching.sampler import EpochSampler
-from engine.rl.checkpoint import check_checkpoint, resume, save_checkpoint
-from engine.rl.metrics import append_metrics, step_metrics, write_metrics
-from engine.rl.phases import (
-    compute_advantages,
-    compute_logprobs,
-    kl_controller,
-    kl_reward_penalty,
-    rollout_batch,
-    update_actor,
-    update_weights,
-)
-from engine.rl.placement import make_placement
+from engine.rl import phases
+from engine.rl.checkpoint import check_checkpoint, checkpoint_if_due, resume
+from engine.rl.metrics import MetricsLog, MetricsLogger, StepTimer, step_metrics
+from engine.rl.plugins import check_algorithm_plugins
 from engine.rl.prefetch import RolloutPipeline
-from engine.rl.prompts import load_rl_prompts
-from engine.rl.workers import start_workers, stop_workers
-from engine.storage.train_state import DataPosition
-
-MetricsLogger = Callable[[dict[str, float], int], None]
-
+from engine.rl.prompts import RLPrompt, load_rl_prompts
+from engine.rl.workers import Workers, start_workers, stop_workers
 
 METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What a run derives from its inputs before any worker starts (:func:`prepare_run`).
+
+    Attributes:
+        tokenizer: the policy's tokenizer.
+        prompts: the training prompts, chat-encoded.
+        identity: what a checkpoint in ``resume_dir`` must match (:func:`check_checkpoint`).
+        rollout_len: the rollout engine's context in tokens: the longest prompt and its whole
+            response budget (multi-turn observations and partial-rollout continuations count
+            against the budget), at most the model's ``max_position_embeddings``.
+        pad_id: the padding token id of the trajectories.
+    """
+
+    tokenizer: Any
+    prompts: list[RLPrompt]
+    identity: dict
+    rollout_len: int
+    pad_id: int
+
+
+def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, seed: int) -> RunSetup:
+    """Load the tokenizer and the prompts and derive the run's identity and lengths.
+
+    A checkpoint may be continued with a different ``steps`` (train longer) or checkpoint
+    interval; everything else in the identity must match. (The cosine schedule then spans
+    the new total.)
+
+    Raises: ValueError: a bad prompt row (names file and line) or a prompt too long for the model.
+    """
+    from engine.storage.model_dir import load_tokenizer, read_hf_config
+
+    tokenizer = load_tokenizer(policy_dir)
+    max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
+    prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens)
+    run_config = cfg.model_dump(mode="json", exclude={"engine", "steps", "checkpoint_every"})
+    identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
+    rollout_len = min(max_len, max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens)
+    return RunSetup(tokenizer, prompts, identity, rollout_len, pad_token_id(tokenizer))
+
+
+def check_environment(cfg: RLConfig) -> None:
+    """Import ``rl.environment`` (if set) here, so a wrong path fails before any worker starts,
+    not in the rollout worker at the first step.
+
+    Raises: ImportError naming ``rl.environment``.
+    """
+    if cfg.environment is None:
+        return
+    from engine.rollout.multi_turn import load_environment_factory
+
+    try:
+        load_environment_factory(cfg.environment)
+    except ImportError as exc:
+        raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
+
+
+def launch_workers(policy_dir: str | Path, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir,
+                   rollout_len: int) -> Workers:
+    """Connect to (or start) Ray (``rl.engine.ray_address``, ``num_cpus``), reserve the
+    placement of ``rl.engine.placement`` and start the run's workers in it (see
+    :func:`engine.rl.workers.start_workers`)."""
+    from engine.rl.placement import init_ray, make_placement
+
+    init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
+    return start_workers(make_placement(cfg), policy_dir, cfg, seed, out_dir, reward_model_dir, rollout_len)
+
+
+def tear_down(workers: Workers, pipeline: RolloutPipeline | None, out_dir: Path) -> None:
+    """Cancel the rollouts not yet started, stop the workers (and release their placement),
+    remove the rollout's scratch directory."""
+    if pipeline is not None:
+        pipeline.close()
+    stop_workers(workers)
+    shutil.rmtree(out_dir / ".rollout", ignore_errors=True)
 
 
 def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, out_dir: str | Path,
@@ -80,84 +169,39 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             and ``checkpoint_every`` may differ: a finished run can be continued for more
             steps; the learning-rate schedule then follows the new total).
     """
-    from engine.rl.placement import init_ray
-    from engine.storage.model_dir import load_tokenizer, read_hf_config
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(policy_dir)
-    max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
-    prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens)
-    # A checkpoint may be continued with a different `steps` (train longer) or checkpoint
-    # interval; everything else must match. Note the cosine schedule spans the new total.
-    run_config = cfg.model_dump(mode="json", exclude={"engine", "steps", "checkpoint_every"})
-    identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
-
-    check_checkpoint(resume_dir, identity)
-    if cfg.environment is not None:  # fail here, not in the rollout worker at the first step
-        from engine.rollout.multi_turn import load_environment_factory
-
-        try:
-            load_environment_factory(cfg.environment)
-        except ImportError as exc:
-            raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
-    init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
-    placement = make_placement(cfg)
-    # the rollout engine's context (and KV cache) covers the longest prompt and its whole response
-    # budget (multi-turn observations and partial-rollout continuations count against the budget)
-    rollout_len = min(max_len, max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens)
-    workers = start_workers(placement, policy_dir, cfg, seed, out_dir, reward_model_dir, rollout_len)
+    run = prepare_run(policy_dir, train_prompts_path, cfg, seed)
+    check_checkpoint(resume_dir, run.identity)
+    check_environment(cfg)
+    check_algorithm_plugins(cfg)  # rl.algorithm / rl.policy_loss plug-ins load before any worker starts
+    workers = launch_workers(policy_dir, cfg, seed, out_dir, reward_model_dir, run.rollout_len)
     pipeline = None
     try:
         start, position, history = resume(workers, resume_dir, seed)
-        write_metrics(out_dir / METRICS_FILE, history)
-        sampler = EpochSampler(len(prompts), seed, position.epoch, position.offset)
-        asynchronous = cfg.engine.off_policy_steps > 0
+        log = MetricsLog(out_dir / METRICS_FILE, history, log_metrics)
+        sampler = EpochSampler(len(run.prompts), seed, position.epoch, position.offset)
         # the policy version: updates applied so far (critic warm-up steps apply none), what the rollout engine holds
         version = cfg.policy_updates(start)
-        update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
-        pad_id = pad_token_id(tokenizer)
-        metrics: dict[str, float] = history[-1] if history else {}
-        kl_ctl = kl_controller(cfg, metrics)
-
-        def produce(step: int):
-            """Step ``step``'s scored batch and the sampler position after it (``RolloutPipeline``)."""
-            batch = rollout_batch(workers, prompts, sampler, cfg, seed, step, pad_id)
-            return batch, DataPosition(sampler.epoch, sampler.offset, seed)
-
-        pipeline = RolloutPipeline(produce, cfg.steps, cfg.engine.off_policy_steps)
+        phases.update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
+        kl_ctl = phases.kl_controller(cfg, log.last)
+        producer = phases.RolloutProducer(workers, run.prompts, sampler, cfg, seed, run.pad_id)
+        pipeline = RolloutPipeline(producer, cfg.steps, cfg.engine.off_policy_steps)
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
-            t_step = time.perf_counter()
-            (traj, reward_metrics, t_gen, t_reward), data_position = pipeline.get(step)
-            t_wait = time.perf_counter() - t_step  # the rollout's time on the critical path
-            traj, t_logprobs = compute_logprobs(workers, traj, old=cfg.precomputes_old_logprobs)
-            t0 = time.perf_counter()
+            timer = StepTimer()
+            batch = phases.take_rollout(pipeline, step, timer)  # rollout and rewards
+            traj = phases.add_logprobs(workers, batch.traj, cfg, timer)
             train_policy = cfg.policy_updates(step) > cfg.policy_updates(step - 1)  # false in the critic warm-up
-            traj, kl_metrics = kl_reward_penalty(traj, cfg, kl_ctl, adapt=train_policy)
-            traj = compute_advantages(traj, cfg)
-            t_adv = time.perf_counter() - t0
-            traj, actor_metrics, t_critic, t_update = update_actor(workers, traj, train_policy)
+            traj, kl_metrics = phases.add_advantages(traj, cfg, kl_ctl, train_policy, timer)
+            critic_metrics = phases.update_critic(workers, traj, timer)
+            traj, actor_metrics = phases.update_actor(workers, traj, train_policy, timer)
             policy_version = version
-            t_sync = 0.0
-            if train_policy:
-                version += 1
-                t_sync = update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
-            timing = {"gen": t_gen, "reward": t_reward, **({"rollout_wait": t_wait} if asynchronous else {}),
-                      "old_log_prob": 0.0, "ref": 0.0, **t_logprobs,  # 0: the pass did not run
-                      "adv": t_adv, **({"update_critic": t_critic} if workers.critic is not None else {}),
-                      "update_actor": t_update, "update_weights": t_sync, "step": time.perf_counter() - t_step}
-            metrics = step_metrics(step, traj, actor_metrics, {**reward_metrics, **kl_metrics}, timing, policy_version)
-            history.append(metrics)
-            append_metrics(out_dir / METRICS_FILE, metrics)
-            if log_metrics is not None:
-                log_metrics(metrics, step)
-            if resume_dir is not None and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
-                save_checkpoint(workers, resume_dir, step, data_position, {**identity, "history": history})
+            version = phases.sync_weights(workers, cfg, version, train_policy, timer)
+            log.append(step_metrics(step, traj, {**critic_metrics, **actor_metrics},
+                                    {**batch.reward_metrics, **kl_metrics}, timer, policy_version))
+            checkpoint_if_due(workers, resume_dir, cfg, step, batch.position, run.identity, log.history)
         ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
     finally:
-        if pipeline is not None:
-            pipeline.close()
-        stop_workers(workers)
-        shutil.rmtree(out_dir / ".rollout", ignore_errors=True)
-    return {**metrics, "rl/steps": float(cfg.steps), "rl/resumed_from_step": float(start),
+        tear_down(workers, pipeline, out_dir)
+    return {**log.last, "rl/steps": float(cfg.steps), "rl/resumed_from_step": float(start),
             "rl/steps_run": float(cfg.steps - start)}

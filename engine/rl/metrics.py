@@ -1,13 +1,61 @@
-"""RL metrics: per-step metrics (rewards, values, staleness, timings) and the metrics.jsonl
-file."""
+"""RL metrics: the step's phase timer, per-step metrics (rewards, values, staleness, timings)
+and the metrics.jsonl file."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from engine.trajectory import Trajectory
+
+MetricsLogger = Callable[[dict[str, float], int], None]
+
+
+class StepTimer:
+    """Wall-clock seconds of one RL step's phases, reported as ``timing_s/<phase>``.
+
+    Started when constructed (the step's start). Phases record into it, by
+    :meth:`phase` (``with timer.phase("adv"): ...``) or :meth:`record` (seconds measured
+    elsewhere: the rollout's, on the prefetch thread; the log-prob passes', which overlap).
+    A phase records only when it applies to the run: ``rollout_wait`` when asynchronous,
+    ``update_critic`` and ``values`` with a critic. :meth:`timing` lists them in
+    :attr:`ORDER`, with 0.0 for the passes in :attr:`NOT_RUN` that did not run this step, then
+    ``step`` (seconds since the start).
+    """
+
+    ORDER = ("gen", "reward", "rollout_wait", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+             "update_weights")
+    NOT_RUN = {"old_log_prob": 0.0, "ref": 0.0, "update_weights": 0.0}
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        """Seconds since the step started."""
+        return time.perf_counter() - self.start
+
+    def record(self, **seconds: float) -> None:
+        """Record phases timed elsewhere, ``name=seconds``."""
+        self.seconds.update(seconds)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the ``with`` block as phase ``name``."""
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
+
+    def timing(self) -> dict[str, float]:
+        """``{phase: seconds}`` in :attr:`ORDER` (phases outside it after those), ending with
+        ``step``: the step's wall time so far."""
+        known = {name: self.seconds.get(name, self.NOT_RUN.get(name)) for name in self.ORDER}
+        other = {k: v for k, v in self.seconds.items() if k not in known}
+        return {**{k: v for k, v in known.items() if v is not None}, **other, "step": self.elapsed()}
 
 
 def write_metrics(path: Path, history: list[dict]) -> None:
@@ -18,10 +66,38 @@ def write_metrics(path: Path, history: list[dict]) -> None:
 
 
 def append_metrics(path: Path, metrics: dict) -> None:
+    """Append ``metrics`` to ``path`` as one JSON line, synced to disk."""
     with path.open("a") as f:
         f.write(json.dumps(metrics) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+class MetricsLog:
+    """A run's metrics: the history in memory, ``path`` (metrics.jsonl) on disk and the
+    optional ``log_metrics(metrics, step)`` callback.
+
+    Constructing it rewrites ``path`` with ``history`` (the steps a resumed run restored, or
+    none); :meth:`append` adds a step to all three.
+    """
+
+    def __init__(self, path: Path, history: list[dict], log_metrics: MetricsLogger | None = None):
+        self.path = path
+        self.history = history
+        self.log_metrics = log_metrics
+        write_metrics(path, history)
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The last step's metrics (``{}`` before the first)."""
+        return self.history[-1] if self.history else {}
+
+    def append(self, metrics: dict[str, float]) -> None:
+        """Record one step's metrics (``metrics["step"]`` is the step)."""
+        self.history.append(metrics)
+        append_metrics(self.path, metrics)
+        if self.log_metrics is not None:
+            self.log_metrics(metrics, metrics["step"])
 
 
 def value_metrics(traj: Trajectory) -> dict[str, float]:
@@ -46,13 +122,16 @@ def staleness_metrics(traj: Trajectory, policy_version: int) -> dict[str, float]
             "async/partial_fraction": float((traj.rollout_version != traj.rollout_version_end).double().mean())}
 
 
-def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict,
+def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict | StepTimer,
                  policy_version: int | None = None) -> dict[str, float]:
     """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
     largest |rollout log-prob - trainer log-prob| over the policy's tokens (the loss mask: not
     a multi-turn sample's environment tokens, which have no rollout log-prob), for the same
     weights. ``response_length/*`` count every response token, environment tokens included.
-    ``policy_version`` (default ``step - 1``): the version of the policy before this step's update."""
+    ``timing``: the step's :class:`StepTimer` (read here: ``timing_s/step`` ends now) or its
+    ``{phase: seconds}`` with ``step``. ``policy_version`` (default ``step - 1``): the version
+    of the policy before this step's update."""
+    timing = timing.timing() if isinstance(timing, StepTimer) else timing
     policy_version = step - 1 if policy_version is None else policy_version
     mask = traj.response_mask.bool()
     lengths = traj.response_lengths.float()

@@ -1,11 +1,19 @@
 """One RL step's phases, each a named call on the Ray workers (driven by ``engine.rl.loop.run_rl``).
 
-rollout (with DAPO dynamic sampling) -> rewards -> old and reference log-probs as needed (and the
-critic's values, PPO) -> KL reward penalty -> advantages -> critic update (PPO) -> actor
-update -> weight sync to the rollout engine -> metrics.
+In step order, the calls ``run_rl`` makes (each records its wall time into the step's
+:class:`engine.rl.metrics.StepTimer`, reported as ``timing_s/<phase>``):
+
+1. :func:`take_rollout`: the step's scored batch from the prefetch queue, produced by
+   :class:`RolloutProducer` (:func:`rollout_batch`: rollout with DAPO dynamic sampling, then
+   rewards; ``gen``, ``reward``, ``rollout_wait``).
+2. :func:`add_logprobs`: old and reference log-probs as needed, the critic's values (PPO)
+   (:func:`compute_logprobs`; ``old_log_prob``, ``ref``, ``values``).
+3. :func:`add_advantages`: KL reward penalty, then advantages (``adv``).
+4. :func:`update_critic` (PPO; ``update_critic``), 5. :func:`update_actor` (``update_actor``).
+6. :func:`sync_weights`: weight sync to the rollout engine (:func:`update_weights`; ``update_weights``).
+
 With ``rl.environment`` the rollout is multi-turn and the environment's rewards replace the
 reward worker's (``engine.rollout.multi_turn``).
-Every phase returns its result and its wall time, reported as ``timing_s/<phase>``.
 """
 
 from __future__ import annotations
@@ -18,19 +26,17 @@ import ray
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms import (
-    KL_CONTROLLERS,
-    apply_kl_penalty,
-    compute_gae,
-    fill_batch,
-    get_advantage_estimator,
-    masked_whiten,
-)
+from engine.algorithms.advantages import compute_gae, get_advantage_estimator, masked_whiten
+from engine.algorithms.dynamic_sampling import fill_batch
+from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
 from engine.batching.sampler import EpochSampler
+from engine.rl.metrics import StepTimer
+from engine.rl.prefetch import RolloutPipeline
 from engine.rl.prompts import RLPrompt
 from engine.rl.workers import Workers
 from engine.rollout.base import SamplingSpec
 from engine.rollout.multi_turn import multi_turn_metrics
+from engine.storage.train_state import DataPosition
 from engine.trajectory import Trajectory
 
 
@@ -59,7 +65,7 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
     With ``dynamic_sampling.enabled`` (DAPO, Yu et al. 2025, arXiv:2503.14476, section 3.2)
     groups whose rewards are all equal are dropped (they have zero GRPO advantage) and
     further rounds of ``prompts_per_step`` prompts are generated until enough groups
-    remain, for at most ``max_rounds`` rounds (``engine.algorithms.fill_batch``); a short
+    remain, for at most ``max_rounds`` rounds (``engine.algorithms.dynamic_sampling.fill_batch``); a short
     batch then trains as it is (``on_shortfall: warn``) or fails (``error``).
 
     With ``cfg.environment`` each round is a multi-turn rollout (:func:`generate_multi_turn`)
@@ -101,6 +107,57 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
                  "dynamic_sampling/dropped_groups": float(filled.num_dropped)}
     reward_metrics = {k: sum(r[k] for r in rounds) / len(rounds) for k in rounds[0]}
     return Trajectory.cat([g.traj for g in groups]), {**reward_metrics, **extra}, timing["gen"], timing["reward"]
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """One step's rollout, scored (what :class:`RolloutProducer` returns).
+
+    Attributes:
+        traj: ``B = prompts x n_samples`` responses with their ``[B]`` rewards.
+        reward_metrics: :func:`rollout_batch`'s metrics (rewards, dynamic sampling, environment).
+        gen_s, reward_s: seconds of generation and of reward scoring.
+        position: the prompt sampler's position after this batch (a checkpoint of this step stores it).
+    """
+
+    traj: Trajectory
+    reward_metrics: dict[str, float]
+    gen_s: float
+    reward_s: float
+    position: DataPosition
+
+
+class RolloutProducer:
+    """``produce(step)`` of :class:`engine.rl.prefetch.RolloutPipeline`: step ``step``'s
+    :class:`ScoredBatch` by :func:`rollout_batch`. The pipeline calls it once per step, in
+    step order, on one thread, so ``sampler`` draws the prompts of the steps in order."""
+
+    def __init__(self, workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler, cfg: RLConfig, seed: int,
+                 pad_id: int):
+        self.workers, self.prompts, self.sampler = workers, prompts, sampler
+        self.cfg, self.seed, self.pad_id = cfg, seed, pad_id
+
+    def __call__(self, step: int) -> ScoredBatch:
+        traj, metrics, t_gen, t_reward = rollout_batch(self.workers, self.prompts, self.sampler, self.cfg, self.seed,
+                                                       step, self.pad_id)
+        position = DataPosition(self.sampler.epoch, self.sampler.offset, self.seed)
+        return ScoredBatch(traj, metrics, t_gen, t_reward, position)
+
+
+def take_rollout(pipeline: RolloutPipeline[ScoredBatch], step: int, timer: StepTimer) -> ScoredBatch:
+    """Phase 1 (rollout and rewards): step ``step``'s scored batch from the prefetch queue.
+
+    Records ``gen`` and ``reward`` (measured where the batch was produced) and, when
+    asynchronous (``pipeline.ahead > 0``), ``rollout_wait``: the seconds this step waited
+    for the batch, the rollout's time on the critical path.
+
+    Raises: whatever producing the batch raised (see :meth:`RolloutPipeline.get`).
+    """
+    batch = pipeline.get(step)
+    if pipeline.ahead:
+        timer.record(rollout_wait=timer.elapsed())
+    timer.record(gen=batch.gen_s, reward=batch.reward_s)
+    return batch
 
 
 def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
@@ -183,6 +240,16 @@ def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tu
                       values=results.get("values")), timing
 
 
+def add_logprobs(workers: Workers, traj: Trajectory, cfg: RLConfig, timer: StepTimer) -> Trajectory:
+    """Phase 2: :func:`compute_logprobs`, with the old log-probs only when
+    ``cfg.precomputes_old_logprobs`` (the KL reward penalty needs them); the ``[B, L]``
+    ``old_logprobs``, ``ref_logprobs`` and ``values`` of the passes that ran are set. Records
+    ``old_log_prob``, ``ref`` and ``values`` for those passes."""
+    traj, seconds = compute_logprobs(workers, traj, old=cfg.precomputes_old_logprobs)
+    timer.record(**seconds)
+    return traj
+
+
 def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
     """The KL-penalty coefficient's controller: fixed, or adaptive when ``kl.target`` is set.
     A resumed run replays the last step's update from its metrics (the coefficient it used,
@@ -240,26 +307,66 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     return traj.with_(advantages=masked_whiten(advantages, mask).float(), returns=returns)
 
 
-def update_actor(workers: Workers, traj: Trajectory, train_policy: bool = True):
-    """The critic's update (PPO), then the policy's (skipped while ``train_policy`` is false:
-    the critic warm-up).
+def add_advantages(traj: Trajectory, cfg: RLConfig, controller, train_policy: bool,
+                   timer: StepTimer) -> tuple[Trajectory, dict[str, float]]:
+    """Phase 3: the KL reward penalty (:func:`kl_reward_penalty`; the controller adapts only
+    when ``train_policy``), then the ``[B, L]`` advantages (:func:`compute_advantages`; with
+    ``gae`` also the critic's ``returns``). Records ``adv``.
 
-    Returns: ``(trajectory, metrics, seconds of the critic update, seconds of the actor
-        update)``; the trajectory has the old log-probs the actor update used (from its own
-        forward when it had none; a warm-up step without them computes them).
+    Returns: ``(trajectory, KL-penalty metrics)``.
+
+    Raises: ValueError for ``gae`` without values.
+    """
+    with timer.phase("adv"):
+        traj, metrics = kl_reward_penalty(traj, cfg, controller, adapt=train_policy)
+        traj = compute_advantages(traj, cfg)
+    return traj, metrics
+
+
+def update_critic(workers: Workers, traj: Trajectory, timer: StepTimer) -> dict[str, float]:
+    """Phase 4 (PPO, ``rl.algorithm: gae``): the critic's update on ``traj.returns``; returns
+    its ``critic/*`` metrics and records ``update_critic``. Without a critic: ``{}``, nothing
+    recorded."""
+    if workers.critic is None:
+        return {}
+    with timer.phase("update_critic"):
+        return ray.get(workers.critic.update.remote(traj))
+
+
+def update_actor(workers: Workers, traj: Trajectory, train_policy: bool,
+                 timer: StepTimer) -> tuple[Trajectory, dict[str, float]]:
+    """Phase 5: the policy's update (skipped while ``train_policy`` is false: the critic
+    warm-up). Records ``update_actor``.
+
+    Returns: ``(trajectory, actor/* metrics)``; the trajectory has the old log-probs the
+        update used (from its own forward when it had none; a warm-up step without them
+        computes them, for the rollout-vs-trainer metric).
     """
     metrics: dict[str, float] = {}
-    t0 = time.perf_counter()
-    if workers.critic is not None:
-        metrics.update(ray.get(workers.critic.update.remote(traj)))
-    t1 = time.perf_counter()
-    if train_policy:
-        update = ray.get(workers.actor.update.remote(traj))
-        metrics.update(update.metrics)
-        traj = traj.with_(old_logprobs=update.old_logprobs)
-    elif traj.old_logprobs is None:  # for the rollout-vs-trainer metric
-        traj = traj.with_(old_logprobs=ray.get(workers.actor.compute_logprobs.remote(traj)))
-    return traj, metrics, t1 - t0, time.perf_counter() - t1
+    with timer.phase("update_actor"):
+        if train_policy:
+            update = ray.get(workers.actor.update.remote(traj))
+            metrics.update(update.metrics)
+            traj = traj.with_(old_logprobs=update.old_logprobs)
+        elif traj.old_logprobs is None:  # for the rollout-vs-trainer metric
+            traj = traj.with_(old_logprobs=ray.get(workers.actor.compute_logprobs.remote(traj)))
+    return traj, metrics
+
+
+def sync_weights(workers: Workers, cfg: RLConfig, version: int, train_policy: bool, timer: StepTimer) -> int:
+    """Phase 6: after a policy update (``train_policy``), push the weights to the rollout
+    engine as policy version ``version + 1`` (:func:`update_weights`, within
+    ``rl.engine.weight_sync_timeout_s``) and record ``update_weights``; otherwise (the critic
+    warm-up) nothing is sent.
+
+    Returns: the policy version the rollout engine now holds.
+
+    Raises: as :func:`update_weights`.
+    """
+    if not train_policy:
+        return version
+    timer.record(update_weights=update_weights(workers, cfg.engine.weight_sync_timeout_s, version + 1))
+    return version + 1
 
 
 def update_weights(workers: Workers, timeout_s: float | None = None, version: int | None = None) -> float:

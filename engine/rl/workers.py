@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from config.schema import RewardConfig, RLConfig, RolloutConfig
+from config.rl import RewardConfig, RLConfig, RolloutConfig
 from engine.backends.select import actor_worker_class, critic_worker_class
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.training.actor import compute_logprobs, logit_temperature
@@ -18,6 +18,15 @@ from engine.trajectory import Trajectory
 
 
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
+    """Start one RL run's workers in ``placement`` and wait until every one is constructed.
+
+    The actor (``rl.backend``), the reference (only with a KL term), the rollout worker
+    (context ``max_len`` tokens; two concurrent calls when asynchronous, so a weight update
+    reaches it while it generates), the reward worker (not with ``rl.environment``) and the
+    critic (``rl.algorithm: gae``).
+
+    Raises: whatever a worker's constructor raised (the workers started so far are stopped first).
+    """
     threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
     actor = spawn(actor_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads)
     reference = None if not cfg.uses_reference else spawn(  # only a KL term needs the reference
@@ -41,6 +50,7 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
 
 
 def stop_workers(workers: Workers) -> None:
+    """Kill every worker of the run, then release its placement group."""
     for w in (workers.actor, workers.reference, workers.rollout, workers.reward, workers.critic):
         if w is not None:
             ray.kill(w)
@@ -49,6 +59,8 @@ def stop_workers(workers: Workers) -> None:
 
 @dataclass
 class Workers:
+    """The Ray actor handles of one RL run (:func:`start_workers`) and their placement."""
+
     placement: Any
     actor: Any
     reference: Any  # None without a KL term (RLConfig.uses_reference)
@@ -112,8 +124,9 @@ class RolloutWorker:
                  max_model_len: int | None = None, num_threads: int | None = None,
                  num_sequences: int | None = None):
         from engine.models.platform import worker_threads
+        from engine.rollout.factory import build_rollout_engine
         from engine.rollout.partial import WeightGate
-        from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
+        from engine.storage.model_dir import HF_SUBDIR
 
         worker_threads(num_threads)
         self.gate = WeightGate()
@@ -121,23 +134,11 @@ class RolloutWorker:
         self.scratch_dir = Path(scratch_dir)
         self._tokenizer = None
         self._env_factories: dict[str, Any] = {}
-        if cfg.backend == "vllm":
-            from engine.rollout.vllm_rollout import VLLMRollout
-
-            vocab = int(read_hf_config(policy_dir)["vocab_size"])
-            tokens = len(load_tokenizer(policy_dir))
-            sized = {} if num_sequences is None else {"num_sequences": num_sequences}
-            self.engine = VLLMRollout(
-                Path(policy_dir) / HF_SUBDIR, gpu_memory_utilization=cfg.gpu_memory_utilization, **sized,
-                max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None, load_format="dummy",
-            )
-        elif cfg.backend == "hf":
-            from engine.rollout.hf_rollout import HFRollout
-            from engine.storage.hf_io import export_model_dir
-
-            self.engine = HFRollout(export_model_dir(policy_dir, self.scratch_dir / "hf"))
-        else:
-            raise ValueError(f"rl.rollout.backend: unknown backend {cfg.backend!r}; expected 'vllm' or 'hf'")
+        self.engine = build_rollout_engine(
+            cfg.backend, self.policy_dir / HF_SUBDIR, what="rl.rollout.backend",
+            hf_export=(policy_dir, self.scratch_dir / "hf"), gpu_memory_utilization=cfg.gpu_memory_utilization,
+            num_sequences=num_sequences, max_model_len=max_model_len, load_format="dummy",
+        )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
         """See :meth:`engine.rollout.base.RolloutEngine.generate`."""
@@ -208,7 +209,7 @@ class RewardWorker:
     reward model (``engine.training.reward_model``) is loaded only when its weight is non-zero; the
     plug-ins (``cfg.functions``) are imported here, so a bad path fails when the worker
     starts, not at the first step (calling convention: ``data.reward_plugins``).
-    Responses are decoded by ``data.chat.response_text`` (special tokens removed, so a final EOS
+    Responses are decoded by ``data.chat_response.response_text`` (special tokens removed, so a final EOS
     is not part of the text), as evaluation decodes them.
 
     Raises:
@@ -248,9 +249,9 @@ class RewardWorker:
                              "nothing gives a reward")
 
     def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
-        """Response texts by :func:`data.chat.response_text` (special tokens, e.g. the final
+        """Response texts by :func:`data.chat_response.response_text` (special tokens, e.g. the final
         EOS, and a plain-text turn end at the end removed), the rule evaluation uses too."""
-        from data.chat import response_text
+        from data.chat_response import response_text
 
         return [response_text(self.tokenizer, ids) for ids in response_ids]
 

@@ -5,11 +5,11 @@ An environment is a gym-like object the policy talks to for several turns. Per s
 1. ``env.reset(row)`` with the prompt's data row ``{"prompt": messages, "label": str}``;
 2. the policy generates a turn from the whole context so far (prompt, earlier turns and
    observations), ending at EOS or at the token budget;
-3. ``env.step(text)`` gets the turn's text (``data.chat.response_text``, the rule RL rewards
+3. ``env.step(text)`` gets the turn's text (``data.chat_response.response_text``, the rule RL rewards
    and evaluation use: special tokens removed, so a final EOS is not part of it, and a
    plain-text turn end at its end cut) and returns a :class:`StepResult` (observation, reward, done);
 4. unless the environment is done, ``max_turns`` turns were taken or the budget is spent,
-   the observation text is appended *verbatim* as tokens (``data.chat.encode_continuation``:
+   the observation text is appended *verbatim* as tokens (``data.chat_template.encode_continuation``:
    as it is tokenized after a turn end inside a rendered conversation, without BOS or a
    SentencePiece ``▁`` on its first token; special-token strings in it, e.g. ``<|im_end|>``,
    become their ids) and the policy continues at 2. The environment formats its observation, e.g.
@@ -49,7 +49,8 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 
-from data.chat import encode_continuation, response_text
+from data.chat_response import response_text
+from data.chat_template import encode_continuation
 from engine.rollout.base import RolloutEngine, SamplingSpec
 
 
@@ -73,7 +74,7 @@ class Environment(Protocol):
     ``reset`` starts an episode for a data row ``{"prompt": messages or text, "label": str}``;
     ``step`` takes the text of the policy's latest turn (special tokens removed) and returns
     a :class:`StepResult`. The observation is appended verbatim as tokens (tokenized as a
-    continuation, ``data.chat.encode_continuation``) and the policy then continues from the
+    continuation, ``data.chat_template.encode_continuation``) and the policy then continues from the
     full context.
     """
 

@@ -120,9 +120,9 @@ def save_model_dir(
             ``{"eos_token_id": [2, 1]}``); later stages copy the file on, so it holds for good.
         stop_token_ids: ids added (after the overrides) to ``generation_config.json``'s
             ``eos_token_id`` list where missing, e.g. the chat template's turn end
-            (``data.chat.turn_end_token_id``), so every rollout engine and the export stop on them.
+            (``data.chat_template.turn_end_token_id``), so every rollout engine and the export stop on them.
         tokenizer_config_updates: keys merged into the copied ``tokenizer_config.json``
-            (created if absent), e.g. the recorded turn end (``data.chat.RECORDED_KEY``).
+            (created if absent), e.g. the recorded turn end (``data.chat_template.RECORDED_KEY``).
 
     Returns:
         ``Path(out_dir)``.

@@ -16,17 +16,10 @@ from typing import Callable
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms import (
-    GlobalNorm,
-    aggregate_loss,
-    entropy_bonus,
-    entropy_from_logits,
-    get_kl_estimator,
-    get_policy_loss,
-    global_norm,
-    logprobs_from_logits,
-    masked_sum,
-)
+from engine.algorithms.aggregation import GlobalNorm, aggregate_loss, global_norm, masked_sum
+from engine.algorithms.kl import get_kl_estimator
+from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
 from engine.trajectory import Trajectory, micro_batch_rows
 
 

@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms import clipped_value_loss, global_norm, masked_sum
+from engine.algorithms.aggregation import global_norm, masked_sum
+from engine.algorithms.value_loss import clipped_value_loss
 from engine.trajectory import Trajectory
 
 CRITIC_STATE_SUBDIR = "critic"

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from config.schema import OptimConfig
+from config.training import OptimConfig
 
 # loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor", dict[str, float]]]

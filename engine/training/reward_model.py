@@ -30,7 +30,7 @@ from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batche
 from engine.batching.sampler import EpochSampler
 from engine.storage.model_dir import load_tokenizer
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
-from engine.training.contracts import RewardTrainer
+from engine.training.reward_contract import RewardTrainer
 from engine.training.preference_data import collate_pairs, encode_preference_dataset
 
 logger = logging.getLogger(__name__)
@@ -136,8 +136,8 @@ def train_reward_model(
 
     Args:
         make_trainer: ``make_trainer(base_model_dir, cfg, seed)`` builds the backend's
-            :class:`engine.training.contracts.RewardTrainer`; the stage passes
-            :func:`engine.backends.select.reward_trainer` (``rm.backend``).
+            :class:`engine.training.reward_contract.RewardTrainer`; the stage passes
+            :func:`engine.backends.select_rm.reward_trainer` (``rm.backend``).
         base_model_dir: model directory (``engine.storage.model_dir`` layout) to start from.
         dataset_path: normalized JSONL of ``{"prompt", "chosen", "rejected"}`` rows.
         cfg: the ``rm`` config section.

@@ -103,7 +103,7 @@ def encode_sft_dataset(
 
     Args:
         end_of_turn: the turn end override (``model.end_of_turn``); default the one the model
-            directory records, else derived from the template (:func:`data.chat.end_of_turn`).
+            directory records, else derived from the template (:func:`data.chat_template.end_of_turn`).
 
     Returns:
         ``[(input_ids, loss_mask), ...]`` in file order.
@@ -116,7 +116,7 @@ def encode_sft_dataset(
             role not supported"); or if no row has a target token.
     """
     from data.chat import encode_chat
-    from data.chat import end_of_turn as resolve_end_of_turn
+    from data.chat_template import end_of_turn as resolve_end_of_turn
 
     resolve_end_of_turn(tokenizer, end_of_turn)  # one clear error for the model, not one per row
     out, dropped = [], 0

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from config import ConfigError, PipelineConfig, load_config
-from config.schema import DatasetConfig, SFTConfig
+from config.data import DatasetConfig
+from config.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

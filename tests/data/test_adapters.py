@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from data.adapters import ADAPTERS, FieldError, detect_format, get_adapter
+from data.adapter_fields import FieldError
+from data.adapters import ADAPTERS, detect_format, get_adapter
 from data.validate import validate_dataset
 
 

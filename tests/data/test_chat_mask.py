@@ -7,7 +7,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from data.chat import ChatTemplateError, encode_chat, encode_prompt
+from data.chat import encode_chat, encode_prompt
+from data.chat_template import ChatTemplateError
 from data.validate import validate_dataset
 
 CONVERSATION = [

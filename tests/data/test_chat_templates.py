@@ -12,12 +12,11 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from data.chat import (
+from data.chat import encode_chat, encode_prompt
+from data.chat_template import (
     RECORDED_KEY,
     ChatTemplateError,
-    encode_chat,
     encode_continuation,
-    encode_prompt,
     end_of_turn,
     turn_end_token_id,
 )

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from data.adapters import canonical_number
+from data.adapter_fields import canonical_number
 from data.math_answer import answers_equal
 from data.validate import DataValidationError, validate_data, validate_dataset
 

@@ -1,4 +1,4 @@
-"""data.chat.readable_text: what a report shows of a response whose sampled bytes do not form
+"""data.chat_response.readable_text: what a report shows of a response whose sampled bytes do not form
 whole characters (a byte-level token holding the first byte of a two-byte character), on the
 real Qwen tokenizer, every real chat template of ../shared/fixtures on both tokenizer bases,
 and the evaluation report that shows it."""
@@ -10,7 +10,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from data.chat import end_of_turn, readable_text, response_text, turn_end_token_id
+from data.chat_response import readable_text, response_text
+from data.chat_template import end_of_turn, turn_end_token_id
 from engine.evaluation.report import write_eval_report
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir
 

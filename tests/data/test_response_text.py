@@ -1,4 +1,4 @@
-"""data.chat.response_text: one decoding rule for RL rewards, multi-turn environments and
+"""data.chat_response.response_text: one decoding rule for RL rewards, multi-turn environments and
 evaluation, on every real chat template of ../shared/fixtures.
 
 Each response goes through the three real paths that read response text: the RL reward
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from config.schema import RewardConfig
-from data.chat import encode_continuation, end_of_turn, response_text, turn_end_token_id
+from config.rl import RewardConfig
+from data.chat_response import response_text
+from data.chat_template import encode_continuation, end_of_turn, turn_end_token_id
 from data.rewards import exact_match, get_verifier
 from engine.rollout.multi_turn import _Episode, _play_turn
 from engine.evaluation.scoring import decode_response

@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from data.math_answer import answers_equal, last_boxed_answer, normalize, parse_answer
+from data.math_answer import answers_equal, parse_answer
+from data.math_extraction import last_boxed_answer
+from data.math_normalize import normalize
 from data.rewards import VERIFIERS, get_verifier, gsm8k, math_boxed
 from data.validate import validate_dataset
 

@@ -36,7 +36,6 @@ import httpx
 import psutil
 import pytest
 import yaml
-from pydantic import BaseModel
 
 from config import load_config
 from config.schema import PipelineConfig
@@ -322,6 +321,8 @@ def _annotation(path: tuple[str, ...]):
 
 
 def _alternatives(value, ann) -> list:
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):  # a built-in's name or a plug-in's import path
+        ann = next((a for a in typing.get_args(ann) if typing.get_origin(a) is typing.Literal), ann)
     if typing.get_origin(ann) is typing.Literal:
         return [a for a in typing.get_args(ann) if a != value]
     if isinstance(value, bool):

@@ -14,7 +14,8 @@ import logging
 import pytest
 
 from conversion.spec import GPTSpec
-from data.chat import RECORDED_KEY, encode_chat, end_of_turn
+from data.chat import encode_chat
+from data.chat_template import RECORDED_KEY, end_of_turn
 from engine.models.megatron import build_gpt_model
 from engine.storage.model_dir import load_tokenizer, save_model_dir
 from tasks.convert import _turn_end

@@ -259,6 +259,49 @@ def test_real_project_closure_of_sft():
         code_version("tasks.no_such_stage")
 
 
+def _under(modules: list[str], *packages: str) -> list[str]:
+    """The modules that are one of ``packages`` or inside one."""
+    return [m for m in modules if any(m == p or m.startswith(p + ".") for p in packages)]
+
+
+def test_sft_code_version_covers_the_sft_engine_and_no_other_stages():
+    """The sft stage's code version covers the training step it runs, not the RL loop, the
+    DeepSpeed backend (RL and the reward model only) or evaluation: editing those reruns
+    nothing of sft."""
+    mods = modules_of("tasks.sft")
+    assert "engine.training.sft" in mods and "engine.training.optimizer_step" in mods
+    assert not _under(mods, "engine.rl", "engine.backends.deepspeed", "engine.evaluation"), mods
+
+
+def test_rl_code_version_covers_the_rl_engine_and_not_evaluation():
+    """The rl stage's code version covers the RL loop and both training backends (``rl.backend``
+    picks one at run time), and not the evaluation engine."""
+    mods = modules_of("tasks.rl")
+    assert {"engine.rl.loop", "engine.rl.phases", "engine.rl.workers", "engine.training.actor"} <= set(mods)
+    assert {"engine.backends.megatron.actor", "engine.backends.deepspeed.actor"} <= set(mods)
+    assert not _under(mods, "engine.evaluation"), mods
+
+
+def test_rm_code_version_covers_the_reward_trainers_and_no_rl_code():
+    """The rm stage's code version covers its loop and both backends' reward trainers
+    (``rm.backend`` picks one at run time), and nothing of RL: not the actor or critic
+    workers, the actor loss, the RL algorithms, trajectories or rollout engines."""
+    mods = modules_of("tasks.rm")
+    assert {"engine.training.reward_model", "engine.backends.megatron.reward_model",
+            "engine.backends.deepspeed.reward_model"} <= set(mods)
+    assert not _under(mods, "engine.rl", "engine.rollout", "engine.algorithms", "engine.trajectory",
+                      "engine.training.actor", "engine.training.critic", "engine.backends.megatron.actor",
+                      "engine.backends.deepspeed.actor", "engine.evaluation"), mods
+
+
+def test_stages_after_sft_do_not_cover_the_sft_training_step():
+    """rl, rm and evaluate read the SFT policy (``tasks.runner.starting_policy``) but never run
+    the SFT step: editing it leaves their code versions alone."""
+    for stage in ("tasks.rl", "tasks.rm", "tasks.evaluate"):
+        assert "engine.training.sft" not in modules_of(stage), stage
+        assert "tasks.sft" not in modules_of(stage), stage
+
+
 def test_comments_docstrings_and_blank_lines_do_not_change_code_version(project_copy):
     """The code version hashes each module's syntax tree without docstrings: edits that
     cannot change what the code does leave every stage cached; a real edit does not."""

@@ -1,8 +1,11 @@
-"""A reward plug-in's source file is part of the rl stage's fingerprint."""
+"""The source files of the rl stage's plug-ins (reward functions, environment, advantage
+estimator, policy loss) are part of its fingerprint."""
 
 from __future__ import annotations
 
 import sys
+
+import pytest
 
 from config.schema import PipelineConfig
 from tasks import rl
@@ -80,3 +83,35 @@ def test_logging_and_checkpoint_cadence_are_not_fingerprinted():
         assert spec.fingerprint(changed, ups) == spec.fingerprint(base, ups), stage
         steps = base.model_copy(update={stage: getattr(base, stage).model_copy(update={"steps": 7})})
         assert spec.fingerprint(steps, ups) != spec.fingerprint(base, ups), stage
+
+
+@pytest.mark.parametrize("key", ["algorithm", "policy_loss"])
+def test_editing_an_algorithm_plugin_changes_the_rl_fingerprint_an_unrelated_file_does_not(tmp_path, monkeypatch, key):
+    """rl.algorithm / rl.policy_loss by import path: the plug-in's module and the user-code
+    modules it imports are raw inputs of rl, exactly as a reward plug-in's are."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin = tmp_path / f"my_{key}_fp.py"
+    plugin.write_text(f"from my_{key}_helper_fp import SCALE\n\ndef fn(*args, **options):\n    return SCALE\n")
+    helper = tmp_path / f"my_{key}_helper_fp.py"
+    helper.write_text("SCALE = 1.0\n")
+    unrelated = tmp_path / "unrelated_fp.py"
+    unrelated.write_text("X = 1\n")
+    cfg = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
+                                         "rl": {key: f"my_{key}_fp:fn"}})
+    ups = {"validate": "v" * 64, "sft": "s" * 64}
+    assert rl._reward_plugin_files(cfg) == {key: str(plugin), f"{key}/my_{key}_helper_fp": str(helper)}
+    before = rl.SPEC.fingerprint(cfg, ups)
+    unrelated.write_text("X = 2\n")
+    assert rl.SPEC.fingerprint(cfg, ups) == before
+    plugin.write_text(plugin.read_text().replace("return SCALE", "return -SCALE"))
+    edited = rl.SPEC.fingerprint(cfg, ups)
+    assert edited != before
+    helper.write_text("SCALE = 2.0\n")
+    assert rl.SPEC.fingerprint(cfg, ups) != edited
+
+
+def test_built_in_algorithm_names_add_no_raw_inputs():
+    cfg = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
+                                         "rl": {"algorithm": "rloo", "policy_loss": "gspo"}})
+    assert rl._reward_plugin_files(cfg) == {}

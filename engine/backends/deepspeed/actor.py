@@ -14,6 +14,7 @@ from engine.backends.deepspeed.runtime import (
     import_deepspeed,
     init_single_process_group,
 )
+from engine.models.weight_buckets import HFBucketSource
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
@@ -27,11 +28,13 @@ from engine.trajectory import Trajectory
 STATE_TAG_KEY = "actor_backend"
 
 
-class DeepSpeedActorWorker:
+class DeepSpeedActorWorker(HFBucketSource):
     """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
 
     Same constructor arguments, methods and results as :class:`engine.backends.megatron.ActorWorker`;
     the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
+    Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.models.weight_buckets.HFBucketSource`
+    over :meth:`hf_tensors` (the worker is its own weight source).
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
@@ -65,7 +68,6 @@ class DeepSpeedActorWorker:
         self.engine, self.module = self.trainer.engine, self.trainer.module
         self.optimizer, self.scheduler = self.trainer.optimizer, self.trainer.scheduler
         self.zero_stage = cfg.deepspeed.zero_stage
-        self._bucket_server = None
 
     # ------------------------------------------------------------------ forward and update
 
@@ -98,26 +100,6 @@ class DeepSpeedActorWorker:
         ``engine.models.weight_buckets``. Below ZeRO-3 the tensors are the live parameters (the caller
         copies what it keeps); under ZeRO-3 each is gathered and copied."""
         return self.trainer.named_tensors()
-
-    def hf_bucket_plan(self):
-        """How the policy's HF-named weights are cut for weight sync: an
-        :class:`engine.models.weight_buckets.BucketPlan` of ``cfg.engine.weight_sync_bucket_mb`` MiB
-        buckets over :meth:`hf_tensors` (planned on first use; shapes do not change in training)."""
-        return self._weight_buckets().plan
-
-    def hf_bucket(self, index: int) -> list[tuple[str, torch.Tensor]]:
-        """Bucket ``index`` of the policy's weights: HF-named full tensors that own their
-        memory (:class:`engine.models.weight_buckets.BucketServer`). Raises IndexError outside
-        ``[0, plan.num_buckets)``."""
-        return self._weight_buckets().bucket(index)
-
-    def _weight_buckets(self):
-        if self._bucket_server is None:
-            from engine.models.weight_buckets import BucketServer
-
-            budget = self.cfg.engine.weight_sync_bucket_mb * 2**20
-            self._bucket_server = BucketServer(self.hf_config, self, budget)
-        return self._bucket_server
 
     def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
         """Write the policy as a model directory (megatron torch_dist + ``hf/``; see

@@ -36,7 +36,8 @@ from typing import Any, Iterator
 
 import torch
 
-from config.schema import DeepSpeedConfig, OptimConfig, RLConfig
+from config.rl import RLConfig
+from config.training import DeepSpeedConfig, OptimConfig
 
 
 def _free_port() -> int:

@@ -7,16 +7,11 @@ import math
 import pytest
 import torch
 
-from engine.algorithms import (
-    entropy_from_logits,
-    get_advantage_estimator,
-    get_policy_loss,
-    grpo_advantages,
-    kl_k3,
-    logprobs_from_logits,
-    masked_mean,
-    ppo_clip_loss,
-)
+from engine.algorithms.advantages import get_advantage_estimator, grpo_advantages
+from engine.algorithms.aggregation import masked_mean
+from engine.algorithms.kl import kl_k3
+from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from engine.algorithms.policy_loss import get_policy_loss, ppo_clip_loss
 
 
 def test_grpo_advantages_hand_computed():

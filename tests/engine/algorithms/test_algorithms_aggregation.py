@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.algorithms import (
-    LOSS_AGG_MODES,
-    aggregate_loss,
-    entropy_bonus,
-    entropy_from_logits,
-    get_policy_loss,
-    global_norm,
-    kl_loss,
-    logprobs_from_logits,
-)
+from engine.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, global_norm
+from engine.algorithms.kl import kl_loss
+from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
+from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 7.0, 7.0], [8.0, 8.0, 8.0, 8.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # row 2 is empty

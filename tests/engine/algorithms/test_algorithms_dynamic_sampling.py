@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.algorithms import fill_batch, informative_group_mask
+from engine.algorithms.dynamic_sampling import fill_batch, informative_group_mask
 
 
 def test_informative_group_mask():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.algorithms import entropy_bonus, get_policy_loss, gspo_loss, ppo_clip_loss, truncated_is_weight
+from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss, gspo_loss, ppo_clip_loss, truncated_is_weight
 
 
 def _logprobs_for(ratios, old=-1.0, dtype=torch.float64):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.schema import CriticConfig, RLConfig
-from engine.algorithms import clipped_value_loss
+from config.rl import CriticConfig, RLConfig
+from engine.algorithms.value_loss import clipped_value_loss
 from engine.trajectory import Trajectory
 
 

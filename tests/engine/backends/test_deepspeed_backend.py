@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from config.schema import EngineConfig, KLConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
+from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
+from config.sft import SFTConfig
+from config.training import OptimConfig
 from conversion.registry import megatron_to_hf
 from engine.models.megatron import gpt_logits, mcore_state
 from engine.rollout.base import RolloutOutput
@@ -123,7 +125,7 @@ def hf_weights(worker) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def megatron_reference(policy) -> dict:
     """The megatron actor's log-probs, one update's metrics and the weights before and after it."""
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     actor = ActorWorker(policy["dir"], rl_config("megatron"))
     traj = batch(policy["tokenizer"], seed=0)
@@ -141,7 +143,7 @@ def test_config_selects_the_backend():
     from engine.backends.select import actor_worker_class
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.backends.deepspeed.runtime import deepspeed_config
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     assert actor_worker_class(RLConfig()) is ActorWorker
     assert actor_worker_class(rl_config(stage=3)) is DeepSpeedActorWorker
@@ -239,7 +241,7 @@ def step_tolerance(gain: torch.Tensor, scale: torch.Tensor, lr: float, clip: flo
 def test_weight_sync_buckets_equal_the_megatron_actor(policy, stage):
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.models.weight_buckets import BucketServer, load_group
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
                                                                                "param_persistence_threshold": 0}))
@@ -318,7 +320,7 @@ def test_resume_continues_bit_for_bit(policy, tmp_path, stage):
 
 def test_load_state_rejects_another_backend_or_stage(policy, tmp_path):
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     ActorWorker(policy["dir"], rl_config("megatron")).save_state(tmp_path / "megatron", 1, DataPosition(0, 0, 0), {})
     DeepSpeedActorWorker(policy["dir"], rl_config(stage=1)).save_state(tmp_path / "zero1", 1, DataPosition(0, 0, 0), {})
@@ -335,7 +337,7 @@ def test_untied_llama_matches_and_round_trips(fixtures_dir, tmp_path):
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import load_model_dir, save_model_dir
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     spec = GPTSpec(
         architecture="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,

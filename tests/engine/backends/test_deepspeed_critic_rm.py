@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from config.schema import CriticConfig, EngineConfig, OptimConfig, RLConfig, RMConfig, RolloutConfig
+from config.rl import CriticConfig, EngineConfig, RLConfig, RolloutConfig
+from config.rm import RMConfig
+from config.training import OptimConfig
 from conversion.registry import megatron_to_hf
 from engine.models.megatron import mcore_state
 from engine.storage.train_state import DataPosition
@@ -75,7 +77,7 @@ def hf_config(policy) -> dict:
 @pytest.fixture(scope="module")
 def megatron_critic(policy, hf_config) -> dict:
     """The megatron critic's values, one update's metrics and its weights before and after."""
-    from engine.backends.megatron import CriticWorker
+    from engine.backends.megatron.critic import CriticWorker
 
     critic = CriticWorker(policy["dir"], rl_config("megatron"), seed=3)
     traj = batch(policy["tokenizer"], seed=0)
@@ -91,9 +93,9 @@ def megatron_critic(policy, hf_config) -> dict:
 
 def test_config_selects_the_backends():
     from engine.backends.select import critic_worker_class
-    from engine.backends.megatron import CriticWorker
+    from engine.backends.megatron.critic import CriticWorker
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
-    from engine.backends.select import reward_trainer
+    from engine.backends.select_rm import reward_trainer
 
     assert critic_worker_class(RLConfig()) is CriticWorker
     assert critic_worker_class(rl_config(stage=3)) is DeepSpeedCriticWorker
@@ -170,7 +172,7 @@ def test_critic_state_round_trip(policy, tmp_path, stage):
     """save_state/load_state restore the weights with the head, AdamW and the schedule bit
     for bit (another head seed is overwritten); the next update is identical; only the kept
     step survives prune_states; a missing step and a megatron critic's state are refused."""
-    from engine.backends.megatron import CriticWorker
+    from engine.backends.megatron.critic import CriticWorker
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
 
     cfg = rl_config(stage=stage)
@@ -231,7 +233,7 @@ def rm_config(backend: str, **overrides) -> RMConfig:
 def megatron_rm(setup, tmp_path_factory) -> dict:
     """The megatron reward model trained on test_reward_model's learnable preferences (random
     base model, approving vs disapproving words)."""
-    from engine.backends.select import reward_trainer
+    from engine.backends.select_rm import reward_trainer
     from engine.training.reward_model import train_reward_model
 
     root, data, _ = setup
@@ -249,7 +251,7 @@ def test_reward_model_trains_like_the_megatron_one(setup, megatron_rm, tmp_path,
     within small bounds of the megatron backend's (same data order, head and schedule);
     load_reward_model + score on the saved directory reproduce the held-out metrics."""
     from engine.storage.model_dir import load_tokenizer
-    from engine.backends.select import reward_trainer
+    from engine.backends.select_rm import reward_trainer
     from engine.training.reward_model import bradley_terry_loss, split_eval, train_reward_model
     from engine.training.reward_scoring import load_reward_model, score
 
@@ -369,7 +371,7 @@ def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, sta
     step 5; a freshly built DeepSpeedRewardTrainer resumes at step 4 (its state tagged with the
     ZeRO stage) and the written model directory, every body weight and the head, is
     bit-identical to the straight run's, as are the metrics of the resumed steps."""
-    from engine.backends.select import reward_trainer
+    from engine.backends.select_rm import reward_trainer
     from engine.training.reward_model import train_reward_model
     from engine.storage.train_state import load_train_state
     from tests.engine.training.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
@@ -408,7 +410,7 @@ def test_reward_model_state_of_the_other_backend_is_refused(setup, tmp_path):
     """A megatron reward-model state given to the DeepSpeed trainer names rm.backend; a
     DeepSpeed one given to the megatron trainer names the mismatched weights."""
     from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
-    from engine.backends.megatron import MegatronRewardTrainer
+    from engine.backends.megatron.reward_model import MegatronRewardTrainer
 
     root, _, _ = setup
     MegatronRewardTrainer(root / "base", rm_config("megatron")).save_state(tmp_path / "megatron", 1, DataPosition(0, 0, 0), {})
@@ -428,7 +430,7 @@ def test_ppo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     critic: finite critic metrics, the first epoch starts at V == V_old (clip fraction 0),
     and the checkpoint holds the DeepSpeed critic's state next to the DeepSpeed actor's.
     Needs engine.rl.workers.start_workers to spawn engine.backends.select.critic_worker_class(cfg)."""
-    from config.schema import KLConfig
+    from config.rl import KLConfig
     from engine.rl.placement import shutdown_ray
     from engine.rl.loop import run_rl
     from engine.storage.train_state import load_train_state

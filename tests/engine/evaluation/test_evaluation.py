@@ -16,7 +16,7 @@ from config.schema import EvaluateConfig
 from data.addition import make_addition_datasets
 from data.rewards import final_answer, get_verifier
 from data.tokenizer_train import train_chat_tokenizer
-from data.chat import readable_text
+from data.chat_response import readable_text
 from engine.evaluation.statistics import accuracy_with_se, evaluate_generations, paired_difference
 from engine.evaluation.scoring import decode_response, evaluate_model_dirs, evaluate_policy
 from engine.evaluation.report import plot_reward_curve, write_eval_report
@@ -224,7 +224,7 @@ def policy_dir(quickstart_inputs, tmp_path_factory):
 
 
 def test_decode_response_removes_special_tokens(quickstart_inputs):
-    """The rule RL rewards use (data.chat.response_text): every special token is removed."""
+    """The rule RL rewards use (data.chat_response.response_text): every special token is removed."""
     tok = AutoTokenizer.from_pretrained(quickstart_inputs[0])
     eight, five, end, start = tok.convert_tokens_to_ids(["8", "5", "<|im_end|>", "<|im_start|>"])
     assert decode_response(tok, RolloutOutput((eight, five, end), (0.0,) * 3, "stop")) == "85"
@@ -348,7 +348,7 @@ def test_evaluate_model_dirs_vllm_starts_beside_a_2gib_ballast(quickstart_inputs
     policies (the second by update_weights) give megatron-core's greedy responses."""
     import logging
 
-    from config.schema import EngineConfig
+    from config.rl import EngineConfig
     from data.chat import encode_prompt
     from tests.engine.ballast import ballast_bytes, hold_ballast, memory_report
 

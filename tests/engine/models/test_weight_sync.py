@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.schema import EngineConfig, RLConfig
+from config.rl import EngineConfig, RLConfig
 from conversion.export import write_hf_safetensors
 from conversion.registry import megatron_to_hf
 from conversion.spec import GPTSpec
@@ -240,7 +240,7 @@ def actor_worker(tmp_path_factory, fixtures_dir):
     """ActorWorker in-process, from a model directory, with 1 MiB buckets. The Qwen2.5
     tokenizer's vocabulary makes the embedding ~19 MiB: over budget, a bucket of its own."""
     from engine.storage.model_dir import save_model_dir
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     threads = torch.get_num_threads()
     cfg = {**hf_config("qwen2"), "vocab_size": 151665, "hidden_size": 32, "intermediate_size": 64}
@@ -303,7 +303,7 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
     from engine.rl.workers import Workers
     from engine.storage.model_dir import save_model_dir
     from engine.rl.placement import init_ray, shutdown_ray
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     class HangingRollout:
         def update_weights(self, named_tensors):

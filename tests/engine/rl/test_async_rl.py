@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from config.schema import EngineConfig, KLConfig, RLConfig
+from config.rl import EngineConfig, KLConfig, RLConfig
 from tests.engine.rl.test_rl import REQUIRED, policy, policy_weights, ray_address, read_metrics, rl_config  # noqa: F401
 
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction")

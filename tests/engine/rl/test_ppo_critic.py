@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from config.schema import CriticConfig, KLConfig, OptimConfig
+from config.rl import CriticConfig, KLConfig
+from config.training import OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 from tests.engine.rl.test_rl import REQUIRED, policy, question, ray_address, read_metrics, rl_config, untimed  # noqa: F401
@@ -41,7 +42,7 @@ def batch(policy) -> Trajectory:
 def test_critic_values_are_read_before_each_response_token(policy):
     """Value j of a response is the value head at position prompt_length - 1 + j of an
     unpadded single-row forward; padding is 0; the micro-batch size changes nothing."""
-    from engine.backends.megatron import CriticWorker
+    from engine.backends.megatron.critic import CriticWorker
 
     traj = batch(policy)
     critic = CriticWorker(policy["dir"], ppo_config(1, micro_batch_size=2))
@@ -62,7 +63,7 @@ def test_critic_update_fits_the_returns_and_ignores_the_split(policy):
     """One clipped-value-loss step: the first epoch starts at V == V_old (clip fraction 0, loss
     = half the mean squared error); splitting 6 responses as 6 or 4 + 2 gives the same loss,
     gradient norm and weights; repeated steps move the values towards the returns."""
-    from engine.backends.megatron import CriticWorker
+    from engine.backends.megatron.critic import CriticWorker
 
     traj = batch(policy)
     returns = torch.linspace(-1.0, 1.0, len(traj))[:, None] * traj.response_mask
@@ -93,7 +94,7 @@ def test_critic_update_fits_the_returns_and_ignores_the_split(policy):
 def test_critic_state_round_trip(policy, tmp_path):
     """save_state/load_state restore weights (with the head) and AdamW exactly; only the
     step the actor checkpointed is kept after prune_states; a missing step is named."""
-    from engine.backends.megatron import CriticWorker
+    from engine.backends.megatron.critic import CriticWorker
     from engine.storage.train_state import DataPosition
 
     traj = batch(policy)

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from config.schema import EngineConfig, KLConfig, OptimConfig, RLConfig, RolloutConfig, SFTConfig
+from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
+from config.sft import SFTConfig
+from config.training import OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
@@ -165,9 +167,9 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     """In-process ActorWorker: log-probs equal a per-row forward; the GRPO loss equals the
     hand-computed token mean; the update raises the rewarded answer's likelihood."""
     from data.chat import encode_prompt
-    from engine.algorithms import grpo_advantages
+    from engine.algorithms.advantages import grpo_advantages
     from engine.models.megatron import gpt_logits
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     tok = policy["tokenizer"]
     eos = tok.eos_token_id
@@ -210,7 +212,7 @@ def test_actor_update_does_not_depend_on_the_micro_batch_split(policy, mode):
     same loss, gradient norm and updated weights."""
     from data.chat import encode_prompt
     from engine.models.megatron import mcore_state
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     tok = policy["tokenizer"]
     prompt = encode_prompt(tok, question(2, 2))
@@ -243,7 +245,7 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
     and it returns old log-probs equal to that separate pass."""
     from data.chat import encode_prompt
     from engine.models.megatron import mcore_state
-    from engine.backends.megatron import ActorWorker
+    from engine.backends.megatron.actor import ActorWorker
 
     tok = policy["tokenizer"]
     prompt = encode_prompt(tok, question(3, 4))
@@ -273,7 +275,7 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
 def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
     """reward = verifier_weight * exact_match + reward_model_weight * RM score (independently
     recomputed with engine.training.reward_scoring.score on the decoded texts)."""
-    from config.schema import RewardConfig
+    from config.rl import RewardConfig
     from engine.storage.model_dir import load_model_dir, save_model_dir
     from engine.models.heads import RewardModel
     from engine.training.reward_scoring import load_reward_model, score

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from config.schema import KLConfig, RewardConfig, RewardFunctionConfig, RLConfig, RolloutConfig
+from config.rl import KLConfig, RewardConfig, RewardFunctionConfig, RLConfig, RolloutConfig
 from engine.rollout.multi_turn import MultiTurnSample, StepResult, load_environment_factory, multi_turn_metrics, multi_turn_rollout
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.trajectory import Trajectory
@@ -253,7 +253,7 @@ def test_environment_tokens_get_no_gradient(policy, monkeypatch):
     gradients."""
     import engine.models.megatron as megatron_model
     from engine.training.actor import actor_loss_fn, compute_logprobs
-    from engine.algorithms import global_norm
+    from engine.algorithms.aggregation import global_norm
     from engine.storage.model_dir import load_model_dir
 
     samples, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
@@ -336,7 +336,7 @@ class _Remote:
 
 
 def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeypatch):
-    from engine.rl.loop import phases
+    from engine.rl import phases
     from engine.rl.prompts import RLPrompt
     from engine.rl.workers import Workers
     from engine.batching.sampler import EpochSampler

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from config.schema import OptimConfig, SFTConfig
+from config.sft import SFTConfig
+from config.training import OptimConfig
 from conversion.registry import hf_to_megatron
 from data.chat import encode_chat
 from data.tokenizer_train import train_chat_tokenizer

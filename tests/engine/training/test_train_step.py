@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from config.schema import OptimConfig
+from config.training import OptimConfig
 from engine.batching.sampler import EpochSampler
 from engine.batching.collate import collate_tokens, split_micro_batches
 from conversion.spec import GPTSpec

@@ -1,0 +1,40 @@
+"""Config of the convert stage: the base model to post-train and its HF -> Megatron
+conversion."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from config.base import LocalPath, Strict
+
+
+class ModelConfig(Strict):
+    """The base model to post-train (stage convert)."""
+
+    source: LocalPath = Field(description="HF model directory, HF hub id (org/name) or a .gguf file.")
+    revision: str | None = Field(None, description="Hub revision when source is a hub id.")
+    tokenizer: LocalPath | None = Field(None, description="Tokenizer directory if not inside the model directory.")
+    eos_token_ids: list[int] | None = Field(
+        None, min_length=1,
+        description="Token ids that end a response, replacing generation_config.json's eos_token_id for every later "
+        "stage and the export (llama2.c-trained models such as stories260K end a story with BOS, id 1).",
+    )
+    end_of_turn: str | None = Field(
+        None, min_length=1,
+        description="Text that ends an assistant turn (e.g. `<end_of_turn>`); default derived from the chat template "
+        "(what it writes after an assistant message; EOS if it writes nothing). SFT trains it, and its token id is "
+        "added to the EOS ids generation stops on (see Chat templates and the turn end, above).",
+    )
+
+
+class ConvertConfig(Strict):
+    """HF -> Megatron conversion (stage convert)."""
+
+    params_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Megatron parameter dtype (float32 on CPU).")
+    make_vocab_size_divisible_by: int = Field(
+        128, gt=0,
+        description="Pad megatron's vocabulary to a multiple of this (Megatron-LM's default 128; times the "
+        "tensor-parallel size when training is sharded); padding rows are zero, never sampled, stripped on export.",
+    )

@@ -1,0 +1,40 @@
+"""Config of the prepare stage: the quickstart's synthetic model and data, or the
+story prompts (a tagged union on ``kind``)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from config.base import LocalPath, Strict
+
+
+class AdditionPrepareConfig(Strict):
+    """Builds the quickstart's own base model, tokenizer and data (no hub access needed)."""
+
+    kind: Literal["addition"] = Field("addition", description="The synthetic task: 2-digit addition.")
+    output_dir: LocalPath = Field("work/quickstart", description="Where the model, tokenizer and JSONL files are written.")
+    num_sft: int = Field(2000, gt=0, description="SFT conversations.")
+    num_preference: int = Field(600, gt=0, description="Preference pairs (correct vs wrong sum).")
+    num_rl: int = Field(2000, gt=0, description="RL training prompts.")
+    num_eval: int = Field(300, gt=0, description="Held-out prompts, disjoint from all training prompts.")
+    vocab_size: int = Field(400, ge=259, description="BPE vocabulary size of the trained tokenizer.")
+    hidden_size: int = Field(128, gt=0, description="Base model width (Qwen2 architecture, random init).")
+    num_layers: int = Field(2, gt=0, description="Transformer layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Query heads; hidden_size / heads must be >= 32 for vLLM on CPU.")
+    num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA).")
+    intermediate_size: int = Field(256, gt=0, description="SwiGLU MLP width.")
+    max_position_embeddings: int = Field(128, gt=0, description="Longest sequence the model supports.")
+
+
+class StoriesPrepareConfig(Strict):
+    """Writes story-opening prompts for a pretrained story model (the model itself is model.source)."""
+
+    kind: Literal["stories"] = Field(description="Story openings: 'Once upon a time, there was a little dog named Max.'")
+    output_dir: LocalPath = Field("work/tinystories", description="Where rl_train.jsonl and rl_eval.jsonl are written.")
+    num_rl: int = Field(2000, gt=0, description="RL training prompts (drawn with repetition from the training openings).")
+    num_eval: int = Field(200, gt=0, le=639, description="Held-out openings (of 640): no (character, name) pair of them is trained on.")
+
+
+PrepareConfig = Annotated[AdditionPrepareConfig | StoriesPrepareConfig, Field(discriminator="kind")]

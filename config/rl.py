@@ -1,0 +1,362 @@
+"""Config of the rl stage: the policy update (advantage estimator, policy loss, KL,
+critic, dynamic sampling, optimizer, backend), the rollout, the reward and the Ray engine."""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from config.base import Strict
+from config.training import DeepSpeedConfig, OptimConfig
+
+
+class RLOptimConfig(OptimConfig):
+    """AdamW with linear warm-up and cosine decay, at an RL-sized default learning rate."""
+
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (AdamW).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_optim_config(cls, value):
+        # an OptimConfig given in code keeps every value it holds, its lr included
+        return value.model_dump() if isinstance(value, OptimConfig) else value
+
+
+class RolloutConfig(Strict):
+    """Rollout engine and sampling parameters."""
+
+    backend: Literal["vllm", "hf"] = Field("vllm", description="vLLM, or HF transformers for models vLLM cannot serve (head_dim < 32 on CPU).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(32, gt=0, description="Response length budget in tokens.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="None: vLLM's KV cache is sized from the run (prompts x samples, each up to the longest "
+                                      "prompt + max_new_tokens, +10%; docs/platforms.md). A fraction: an explicit override, "
+                                      "vLLM reserves that share of device memory (on CPU: of the NUMA node's memory, minus "
+                                      "the process's RSS; fails when the process holds more). Also used by evaluate.")
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _import_path(value: str, attr: str) -> str:
+    """``value`` if it is an import path ``package.module:<attr>``; else ValueError."""
+    if not _IMPORT_PATH.fullmatch(value):
+        raise ValueError(f"expected an import path 'package.module:{attr}' (module dotted, one colon, "
+                         f"then the {attr}'s name)")
+    return value
+
+
+# The built-in names of rl.algorithm and rl.policy_loss: the keys of
+# engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal).
+BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+BuiltinPolicyLoss = Literal["ppo_clip", "gspo"]
+
+
+def _builtin_or_plugin(value, builtin) -> str:
+    """``value`` if it is one of the names of the Literal ``builtin`` or, when it contains a
+    colon, an import path ``package.module:function`` (an algorithm plug-in; the engine
+    imports it: engine/algorithms/plugins.py).
+
+    Raises:
+        PydanticCustomError ``literal_error``: neither (pydantic's Literal message, plus the import path).
+        ValueError: a value with a colon that is not an import path.
+    """
+    if isinstance(value, str) and ":" in value:
+        return _import_path(value, "function")
+    names = typing.get_args(builtin)
+    if value not in names:
+        expected = ", ".join(map(repr, names[:-1])) + f" or {names[-1]!r}"
+        raise PydanticCustomError("literal_error",
+                                  "Input should be {expected}, or a plug-in's import path 'package.module:function'",
+                                  {"expected": expected})
+    return value
+
+
+class RewardFunctionConfig(Strict):
+    """A reward plug-in: your function, imported by path when the RL reward worker starts
+    (calling convention: data/reward_plugins.py, docs/algorithms.md)."""
+
+    path: str = Field(description="Import path 'package.module:function'.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the function's score in the reward.")
+    batched: bool = Field(False, description="The function scores the whole batch (lists in, list out) "
+                                             "instead of one response per call.")
+    name: str | None = Field(None, description="Metric name (logged as reward/<name>_mean); None uses the function's name.")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        return _import_path(value, "function")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not _METRIC_NAME.fullmatch(value):
+            raise ValueError("expected letters, digits, '_', '.' or '-' (it becomes the metric reward/<name>_mean)")
+        return value
+
+    @property
+    def metric_name(self) -> str:
+        """``name``, or the function's name when unset."""
+        return self.name if self.name is not None else self.path.rpartition(":")[2]
+
+
+class RewardConfig(Strict):
+    """How rollouts are scored: the sum of the weighted parts in use."""
+
+    verifier: Literal["exact_match", "gsm8k", "math", "story", "none"] = Field(
+        "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
+    )
+    verifier_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the verifier score in the reward.")
+    reward_model_weight: float = Field(0.0, allow_inf_nan=False, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
+    functions: list[RewardFunctionConfig] = Field(
+        [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
+
+    @model_validator(mode="after")
+    def _function_names(self):
+        seen = {"verifier": "the verifier", "model": "the reward model"}
+        for i, f in enumerate(self.functions):
+            if f.metric_name in seen:
+                raise ValueError(f"rl.reward.functions[{i}]: metric name {f.metric_name!r} is already used by "
+                                 f"{seen[f.metric_name]} (reward/{f.metric_name}_mean); set a distinct name")
+            seen[f.metric_name] = f"rl.reward.functions[{i}]"
+        return self
+
+
+class EngineConfig(Strict):
+    """Where the RL engine runs."""
+
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: every worker shares one Ray bundle and the phases take turns on all "
+                                 "cores; disaggregated: the rollout worker gets its own bundle (rollout_cpus), so "
+                                 "rollout and training can overlap (off_policy_steps).")
+    rollout_cpus: float = Field(1.0, gt=0, description="disaggregated: CPUs of the rollout bundle; training gets the rest.")
+    off_policy_steps: int = Field(
+        0, ge=0, description="Asynchronous RL (disaggregated only): the rollout for step s starts at step s - k and "
+                             "overlaps training, so samples are at most k policy versions stale. 0: synchronous.")
+    partial_rollout_chunk_tokens: int | None = Field(
+        None, gt=0, description="Asynchronous RL: generate in chunks of this many tokens, so a weight update lands "
+                                "between chunks and unfinished responses continue under the new weights (partial "
+                                "rollouts). None: a weight update waits for the running generation to end.")
+    ray_address: str | None = Field(None, description="Existing Ray cluster (ray://... or auto); None starts a local one.")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster, and the torch threads "
+                                                         "of the evaluate stage's in-process engine. None: every core.")
+    weight_sync_bucket_mb: int = Field(
+        256, gt=0,
+        description="Weight sync to the rollout engine: MiB of HF tensors per transfer, one bucket in flight "
+                    "(a module's tensors larger than this go alone). Bounds the actor's extra memory; results do not change.",
+    )
+    weight_sync_timeout_s: float | None = Field(
+        600.0, gt=0, le=1e7, allow_inf_nan=False, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
+                                 "instead of hanging; None waits forever.")
+
+
+    @model_validator(mode="after")
+    def _async(self):
+        if self.off_policy_steps > 0 and self.placement != "disaggregated":
+            raise ValueError("rl.engine.off_policy_steps > 0 needs rl.engine.placement: disaggregated (colocated "
+                             "workers share the cores, so rollout cannot overlap training)")
+        if self.placement == "disaggregated" and self.num_cpus is not None and self.rollout_cpus >= self.num_cpus:
+            raise ValueError(f"rl.engine.rollout_cpus={self.rollout_cpus} must leave training part of "
+                             f"rl.engine.num_cpus={self.num_cpus}")
+        if self.partial_rollout_chunk_tokens is not None and self.off_policy_steps == 0:
+            raise ValueError("rl.engine.partial_rollout_chunk_tokens needs rl.engine.off_policy_steps > 0 "
+                             "(partial rollouts happen only when a weight update interrupts generation)")
+        return self
+
+
+class KLConfig(Strict):
+    """KL divergence to the reference policy: a loss term or a reward penalty."""
+
+    coef: float = Field(0.0, ge=0, allow_inf_nan=False, description="KL weight (the starting value with an adaptive controller); 0 turns the KL off.")
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3", description="Per-token estimator (Schulman 2020): k1 = log ratio, k2 = half its square, k3 = "
+        "exp(-x) - 1 + x, clamped to [-10, 10] as verl does; low_var_kl is verl's name for it.")
+    in_reward: bool = Field(False, description="Subtract coef * KL from each token's reward (InstructGPT style) "
+                                               "instead of adding coef * KL to the loss (GRPO style).")
+    target: float | None = Field(None, gt=0, description="With in_reward: steer coef towards this KL per sequence "
+                                                         "(adaptive controller, Ziegler et al. 2019); None keeps coef fixed.")
+    horizon: int = Field(10000, gt=0, description="Adaptive controller horizon, in responses.")
+
+
+class CriticConfig(Strict):
+    """The PPO critic (rl.algorithm: gae): a value head on a copy of the starting policy."""
+
+    optim: RLOptimConfig = Field(RLOptimConfig(), description="Critic optimizer and schedule.")
+    cliprange_value: float = Field(0.5, gt=0, allow_inf_nan=False,
+                                   description="Clipped value loss: how far one update may move a value from the "
+                                               "rollout's, in reward units (verl's default 0.5).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (bias-variance trade-off; 1 = Monte-Carlo returns).")
+    warmup_steps: int = Field(0, ge=0, description="First RL steps that train only the critic (the policy is not "
+                                                   "updated while the values are still untrained).")
+
+
+class DynamicSamplingConfig(Strict):
+    """DAPO dynamic sampling: train only on groups whose rewards differ."""
+
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal (zero GRPO advantage) and "
+                                             "sample more prompts until prompts_per_step groups remain.")
+    max_rounds: int = Field(4, gt=0, description="Generation rounds per step at most (the first included).")
+    on_shortfall: Literal["warn", "error"] = Field(
+        "warn", description="When max_rounds leave the batch short: train on the groups kept (warn) or fail (error).")
+
+
+class RLConfig(Strict):
+    """RL on the Ray engine (stage rl)."""
+
+    algorithm: BuiltinAdvantage | str = Field(
+        "grpo", description="Advantage estimator (engine.algorithms.advantages.ADVANTAGE_ESTIMATORS; docs/algorithms.md); "
+                            "gae is PPO with a critic (rl.critic). Or a plug-in's import path 'package.module:function' "
+                            "(engine/algorithms/advantages.py; treated as a group-baseline estimator without a critic).")
+    steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
+    prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
+    n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update, the log-prob "
+                                                            "passes and the critic; unused when max_tokens_per_micro_batch is set.")
+    packing: bool = Field(False, description="Sequence packing: no pad tokens in the policy's and the reference's "
+                                             "micro-batches (each micro-batch's sequences run end to end in one row; the "
+                                             "critic stays padded; docs/algorithms.md, Batching).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
+                                "most this many real (prompt + response) tokens each, balanced by Karmarkar-Karp; a "
+                                "longer sequence runs alone. None: micro_batch_size sequences each.")
+    policy_loss: BuiltinPolicyLoss | str = Field(
+        "ppo_clip", description="ppo_clip: token-level PPO ratio; gspo: sequence-level ratio (set clip ratios ~3e-4/4e-4). "
+                                "Or a plug-in's import path 'package.module:function' (engine/algorithms/policy_loss.py).")
+    clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon of the importance ratio (both sides).")
+    clip_ratio_low: float | None = Field(None, gt=0, description="Lower clip epsilon (1 - eps_low); None uses clip_ratio.")
+    clip_ratio_high: float | None = Field(None, gt=0, description="Upper clip epsilon (clip-higher, DAPO: e.g. 0.28); None uses clip_ratio.")
+    clip_ratio_c: float | None = Field(None, gt=1, description="Dual-clip bound c for negative advantages (e.g. 3.0); None turns it off.")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How per-token losses become one number (docs/algorithms.md).")
+    tis_cap: float | None = Field(None, gt=0, description="Truncated importance sampling: weight tokens by "
+                                                          "min(p_trainer / p_rollout, cap); None turns it off.")
+    kl: KLConfig = Field(KLConfig(), description="KL to the reference policy.")
+    critic: CriticConfig = Field(CriticConfig(), description="PPO critic; used only with algorithm gae.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
+    dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description="DAPO dynamic sampling.")
+    optim: RLOptimConfig = Field(RLOptimConfig(), description="Policy optimizer and schedule.")
+    backend: Literal["megatron", "deepspeed"] = Field(
+        "megatron", description="Actor and critic training backend: megatron-core GPTModel with the repository's optimizer step, "
+                                "or an HF transformers model trained by DeepSpeed (rl.deepspeed).")
+    deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
+    checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
+    reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier, trained reward model and plug-in functions.")
+    engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
+    environment: str | None = Field(
+        None, description="Multi-turn RL: import path 'package.module:factory' of a zero-argument callable returning an "
+                          "environment (engine/rollout/multi_turn.py); its summed step rewards replace rl.reward. None: single-turn.")
+    max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
+                                                "rollout.max_new_tokens bounds all turns and observations together.")
+
+    @field_validator("algorithm", mode="before")
+    @classmethod
+    def _algorithm(cls, value):
+        return _builtin_or_plugin(value, BuiltinAdvantage)
+
+    @field_validator("policy_loss", mode="before")
+    @classmethod
+    def _policy_loss(cls, value):
+        return _builtin_or_plugin(value, BuiltinPolicyLoss)
+
+    @model_validator(mode="after")
+    def _group_size(self):
+        if self.n_samples == 1 and ":" in self.algorithm:
+            raise ValueError(f"rl.n_samples: 1 with the plug-in estimator {self.algorithm}: a plug-in is treated as a "
+                             "group-baseline estimator (it compares the responses of one prompt); use n_samples >= 2")
+        if self.n_samples == 1 and self.algorithm not in ("reinforce_plus_plus", "gae"):
+            raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
+                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus or gae")
+        return self
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run needs the frozen reference policy: only for a KL term
+        (``kl.coef > 0``, loss or reward). Without one no reference model is loaded and
+        ``actor/kl_loss`` is not logged (verl starts no reference worker then either)."""
+        return self.kl.coef > 0
+
+    @property
+    def precomputes_old_logprobs(self) -> bool:
+        """Whether the old log-probs get their own forward pass before the update: only for
+        the KL reward penalty (``kl.in_reward``), which needs them before the advantages.
+        Otherwise the update's first forward, at the same weights, gives them
+        (``engine.training.actor.actor_update``)."""
+        return self.kl.in_reward and self.kl.coef > 0
+
+    def policy_updates(self, steps: int) -> int:
+        """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
+        warm-up steps with ``algorithm: gae`` (the policy's schedule and version count these)."""
+        warmup = self.critic.warmup_steps if self.algorithm == "gae" else 0
+        return max(0, steps - warmup)
+
+    @model_validator(mode="after")
+    def _dynamic_sampling(self):
+        if self.dynamic_sampling.enabled and (self.n_samples == 1 or self.algorithm in ("gae", "reinforce_plus_plus")):
+            raise ValueError("rl.dynamic_sampling.enabled drops groups of equal rewards, which only group-baseline "
+                             f"estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline, plug-ins) with n_samples >= 2 "
+                             f"learn nothing from; here algorithm is {self.algorithm} and n_samples {self.n_samples}")
+        return self
+
+    @model_validator(mode="after")
+    def _critic(self):
+        if self.algorithm == "gae" and self.critic.warmup_steps >= self.steps:
+            raise ValueError(f"rl.critic.warmup_steps ({self.critic.warmup_steps}) must be below rl.steps ({self.steps}): "
+                             "the policy would never be trained")
+        return self
+
+    @model_validator(mode="after")
+    def _warmup(self):
+        # the schedules count optimizer steps: ppo_epochs per RL step (engine.rl.workers, engine.training.critic)
+        steps = f"rl.steps {self.steps}" if self.ppo_epochs > 1 else "rl.steps"
+        epochs = f" x rl.ppo_epochs {self.ppo_epochs}" if self.ppo_epochs > 1 else ""
+        policy = steps + epochs
+        if self.algorithm == "gae" and self.critic.warmup_steps:
+            policy = f"(rl.steps {self.steps} - rl.critic.warmup_steps {self.critic.warmup_steps}){epochs}" if epochs \
+                else f"rl.steps {self.steps} - rl.critic.warmup_steps {self.critic.warmup_steps}"
+        self.optim.check_warmup("rl.optim", self.policy_updates(self.steps) * self.ppo_epochs, policy)
+        if self.algorithm == "gae":
+            self.critic.optim.check_warmup("rl.critic.optim", self.steps * self.ppo_epochs, steps + epochs)
+        return self
+
+    @model_validator(mode="after")
+    def _backend(self):
+        if self.backend == "deepspeed" and self.packing:
+            raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches); "
+                             "set rl.packing: false or rl.backend: megatron")
+        return self
+
+    @model_validator(mode="after")
+    def _kl(self):
+        if self.kl.target is not None and not (self.kl.in_reward and self.kl.coef > 0):
+            raise ValueError("rl.kl.target (adaptive KL) needs rl.kl.in_reward: true and rl.kl.coef > 0")
+        return self
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_path(cls, value: str | None) -> str | None:
+        return None if value is None else _import_path(value, "factory")
+
+    @model_validator(mode="after")
+    def _async_single_turn(self):
+        if self.engine.off_policy_steps > 0 and self.environment is not None:
+            raise ValueError("rl.engine.off_policy_steps > 0 is not supported with rl.environment (multi-turn "
+                             "rollouts are synchronous)")
+        return self
+
+    @model_validator(mode="after")
+    def _multi_turn(self):
+        if self.environment is None and self.max_turns > 1:
+            raise ValueError("rl.max_turns > 1 needs rl.environment (an environment to answer the turns)")
+        if self.environment is not None and (self.reward.functions or self.reward.reward_model_weight != 0):
+            raise ValueError("rl.environment gives the rewards: rl.reward.functions and rl.reward.reward_model_weight "
+                             "would be ignored; remove them (rl.reward.verifier is still used by the evaluate stage)")
+        return self

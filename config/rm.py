@@ -1,0 +1,36 @@
+"""Config of the rm stage: the Bradley-Terry reward model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from config.base import Strict
+from config.training import DeepSpeedConfig, OptimConfig
+
+
+class RMConfig(Strict):
+    """Reward model: SFT model + scalar head, Bradley-Terry loss (stage rm)."""
+
+    enabled: bool = Field(True, description="Train a reward model (needs data.preference).")
+    steps: int = Field(100, gt=0, description="Optimizer steps.")
+    global_batch_size: int = Field(16, gt=0, description="Preference pairs per optimizer step.")
+    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward.")
+    max_seq_len: int = Field(256, gt=0, description="Longer sequences are truncated.")
+    eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for rm/accuracy.")
+    optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
+    checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
+    log_every: int = Field(10, gt=0, description="Log metrics every N steps (with the held-out evaluation).")
+    backend: Literal["megatron", "deepspeed"] = Field(
+        "megatron", description="Training backend: megatron-core GPTModel with the repository's optimizer step, or an "
+                                "HF transformers model trained by DeepSpeed (rm.deepspeed); both write the same model "
+                                "directory (docs/algorithms.md, Training backends).")
+    deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
+
+    @model_validator(mode="after")
+    def _batch(self):
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError("rm.global_batch_size must be a multiple of rm.micro_batch_size")
+        self.optim.check_warmup("rm.optim", self.steps, "rm.steps")
+        return self

@@ -1,0 +1,28 @@
+"""Config of the sft stage: supervised fine-tuning."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from config.base import Strict
+from config.training import OptimConfig
+
+
+class SFTConfig(Strict):
+    """Supervised fine-tuning (stage sft)."""
+
+    enabled: bool = Field(True, description="Fine-tune before RL; false starts RL (and the reward model) from the converted base model.")
+    steps: int = Field(100, gt=0, description="Optimizer steps.")
+    global_batch_size: int = Field(32, gt=0, description="Sequences per optimizer step.")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between).")
+    max_seq_len: int = Field(256, gt=0, description="Longer conversations are truncated (prefix kept).")
+    optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
+    checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
+    log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
+
+    @model_validator(mode="after")
+    def _batch(self):
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError("sft.global_batch_size must be a multiple of sft.micro_batch_size")
+        self.optim.check_warmup("sft.optim", self.steps, "sft.steps")
+        return self

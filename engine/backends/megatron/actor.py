@@ -1,0 +1,97 @@
+"""The megatron-core RL actor: the trainable policy (a GPTModel) with this repository's
+optimizer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+import torch
+from config.schema import RLConfig
+from engine.models.weight_buckets import HFBucketSource
+from engine.training.actor import (
+    ActorUpdate,
+    actor_update,
+    compute_logprobs,
+    logit_temperature,
+)
+from engine.trajectory import Trajectory
+
+
+
+class ActorWorker(HFBucketSource):
+    """The trainable policy; weight sync by :class:`engine.models.weight_buckets.HFBucketSource`
+    (``hf_bucket_plan``, ``hf_bucket``).
+
+    Args:
+        policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
+        cfg: the ``rl`` config (optimizer, loss coefficients, epochs, micro-batch size,
+            rollout temperature).
+        seed: model-building seed (every weight is then loaded from ``policy_dir``).
+        num_threads: torch threads in this process (default: all cores).
+    """
+
+    def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
+        from engine.models.platform import worker_threads
+        from engine.storage.model_dir import load_model_dir
+        from engine.training.optimizer_step import build_optimizer
+
+        worker_threads(num_threads)
+        loaded = load_model_dir(policy_dir, seed=seed)
+        self.model, self.hf_config, self.tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
+        self.cfg = cfg
+        self.temperature = logit_temperature(cfg.rollout.temperature)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs)
+
+    def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
+        """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
+        in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
+        tokens, packed when ``cfg.packing``."""
+        return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size,
+                                self.cfg.max_tokens_per_micro_batch, self.cfg.packing)
+
+    def update(self, traj: Trajectory) -> ActorUpdate:
+        """``cfg.ppo_epochs`` optimizer steps on the whole batch
+        (:func:`engine.training.actor.actor_update`: micro-batches of ``cfg.micro_batch_size``
+        responses or ``cfg.max_tokens_per_micro_batch`` real tokens, packed when
+        ``cfg.packing``, :func:`engine.training.optimizer_step.train_step`). Without
+        ``traj.old_logprobs`` the batch is on-policy and the update's first forward gives them.
+
+        Needs ``traj.advantages`` (and ``ref_logprobs`` for the KL).
+
+        Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
+        """
+        from engine.training.optimizer_step import train_step
+
+        def step(micro, loss_fn):
+            return train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip,
+                              normalized=True)
+
+        return actor_update(traj, self.cfg, self.temperature, step)
+
+    def _bucket_weights(self):
+        """The GPTModel: weight-sync buckets are its tensors converted to HF names
+        (:meth:`engine.models.weight_buckets.HFBucketSource._bucket_weights`)."""
+        return self.model
+
+    def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
+        """Write the resumable train state (weights, AdamW, schedule, data position, RNG) atomically."""
+        from engine.storage.train_state import save_train_state
+
+        save_train_state(
+            resume_dir, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            data_position=data_position, extra=extra,
+        )
+
+    def load_state(self, resume_dir: str | Path):
+        """Restore a train state written by :meth:`save_state`; returns ``(step, data_position, extra)``."""
+        from engine.storage.train_state import load_train_state
+
+        state = load_train_state(resume_dir)
+        state.restore(self.model, self.optimizer, self.scheduler)
+        return state.step, state.data_position, state.extra
+
+    def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
+        """Write the policy as a model directory (``engine.storage.model_dir.save_model_dir``)."""
+        from engine.storage.model_dir import save_model_dir
+
+        return str(save_model_dir(out_dir, self.model, self.hf_config, self.tokenizer_dir, iteration=iteration))

@@ -1,0 +1,56 @@
+"""The megatron-core reward-model trainer: a GPTModel body with a reward head, trained on
+preference pairs by :func:`engine.training.reward_model.train_reward_model`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from config.schema import RMConfig
+from engine.batching.collate import TokenBatch
+from engine.models.heads import RewardModel
+from engine.storage.model_dir import load_model_dir, save_model_dir
+from engine.storage.train_state import (
+    DataPosition,
+    TrainState,
+    load_train_state,
+    save_train_state,
+)
+from engine.training.optimizer_step import build_optimizer, train_step
+from engine.training.reward_model import pair_loss
+
+
+
+class MegatronRewardTrainer:
+    """``rm.backend: megatron``: a :class:`RewardModel` on the base model's GPTModel, trained by
+    :func:`engine.training.optimizer_step.train_step` with AdamW + warmup/cosine over ``cfg.steps``.
+
+    Raises: FileNotFoundError / ValueError from ``engine.storage.model_dir.load_model_dir``.
+    """
+
+    def __init__(self, base_model_dir: str | Path, cfg: RMConfig, seed: int = 0):
+        self.loaded = load_model_dir(base_model_dir, seed=seed)
+        self.model = RewardModel(self.loaded.model, self.loaded.spec.hidden_size, seed=seed)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.steps)
+        self.grad_clip = cfg.optim.grad_clip
+
+    def step(self, micro: list[TokenBatch]) -> dict[str, float]:
+        return train_step(self.model, self.optimizer, self.scheduler, micro, pair_loss, self.grad_clip)
+
+    def save(self, out_dir: str | Path, iteration: int) -> Path:
+        return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
+                              iteration=iteration, heads=self.model.heads())
+
+    def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
+        """:meth:`RewardTrainer.save_state`: the :class:`RewardModel`'s ``gpt.*`` and
+        ``reward_head.*`` tensors, AdamW and the ``LambdaLR`` schedule."""
+        save_train_state(directory, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                         data_position=data_position, extra=extra)
+
+    def load_state(self, directory: str | Path) -> TrainState:
+        """:meth:`RewardTrainer.load_state`.
+
+        Raises: FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`;
+        ValueError naming mismatched keys (e.g. a state of the deepspeed backend)."""
+        state = load_train_state(directory)
+        state.restore(self.model, self.optimizer, self.scheduler)
+        return state
