@@ -4,7 +4,7 @@ and body on preference pairs.
 - ``megatron`` (default): :class:`engine.backends.megatron.reward_model.MegatronRewardTrainer`;
 - ``deepspeed``: :class:`engine.backends.deepspeed.reward_model.DeepSpeedRewardTrainer`.
 
-Both satisfy :class:`engine.training.contracts.RewardTrainer` and are driven by the same loop,
+Both satisfy :class:`engine.training.reward_contract.RewardTrainer` and are driven by the same loop,
 :func:`engine.training.reward_model.train_reward_model`. Kept apart from
 :mod:`engine.backends.select` (the RL workers) so that the rm stage's code version covers only
 the reward trainers.

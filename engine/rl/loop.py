@@ -13,13 +13,13 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
 3. log-probs: ``add_logprobs`` (``rl/phases.py``): the reference log-probs (with a KL term,
    ``ReferenceWorker``, ``rl/workers.py``), the old log-probs (for the KL reward penalty) and
    the critic's values (``rl.algorithm: gae``, PPO), by ``ActorWorker``/``CriticWorker``
-   (``backends/megatron.py``) with ``training/actor.py``'s ``compute_logprobs``;
+   (``backends/megatron/actor.py``, ``backends/megatron/critic.py``) with ``training/actor.py``'s ``compute_logprobs``;
 4. advantages: ``add_advantages`` (``rl/phases.py``): the KL reward penalty (if
    ``kl.in_reward``), then the estimator of ``rl.algorithm`` (``algorithms/advantages.py``);
 5. critic update (PPO): ``update_critic`` (``rl/phases.py``) -> ``CriticWorker.update``
-   (``backends/megatron.py``, the loss in ``training/critic.py``);
+   (``backends/megatron/critic.py``, the loss in ``training/critic.py``);
 6. actor update: ``update_actor`` (``rl/phases.py``) -> ``ActorWorker.update``
-   (``backends/megatron.py``) -> ``actor_update`` (``training/actor.py``; the loss from
+   (``backends/megatron/actor.py``) -> ``actor_update`` (``training/actor.py``; the loss from
    ``algorithms/policy_loss.py``) -> ``train_step`` (``training/optimizer_step.py``);
 7. weight sync: ``sync_weights`` (``rl/phases.py``) streams the policy to the
    ``RolloutWorker`` bucket by bucket;
@@ -27,7 +27,7 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
    ``checkpoint_if_due`` (``rl/checkpoint.py``) every ``checkpoint_every`` steps.
 
 So an iteration reads in ``rl/{loop,phases,prefetch,workers,metrics,checkpoint}.py``,
-``backends/megatron.py``, ``training/{actor,optimizer_step}.py`` and
+``backends/megatron/actor.py``, ``training/{actor,optimizer_step}.py`` and
 ``algorithms/{advantages,policy_loss}.py`` (PPO adds ``training/critic.py``); below them sit
 the rollout engines (``engine/rollout/``) and the weight buckets (``models/weight_buckets.py``).
 

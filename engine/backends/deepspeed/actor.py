@@ -31,7 +31,7 @@ STATE_TAG_KEY = "actor_backend"
 class DeepSpeedActorWorker(HFBucketSource):
     """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
 
-    Same constructor arguments, methods and results as :class:`engine.backends.megatron.ActorWorker`;
+    Same constructor arguments, methods and results as :class:`engine.backends.megatron.actor.ActorWorker`;
     the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
     Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.models.weight_buckets.HFBucketSource`
     over :meth:`hf_tensors` (the worker is its own weight source).
@@ -81,7 +81,7 @@ class DeepSpeedActorWorker(HFBucketSource):
     def update(self, traj: Trajectory) -> ActorUpdate:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch
         (:func:`engine.training.actor.actor_update` with :meth:`DeepSpeedTrainer.train_step`), as
-        :meth:`engine.backends.megatron.ActorWorker.update`; without ``traj.old_logprobs`` the batch is
+        :meth:`engine.backends.megatron.actor.ActorWorker.update`; without ``traj.old_logprobs`` the batch is
         on-policy and the update's first forward gives them.
 
         Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.

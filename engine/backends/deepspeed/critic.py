@@ -1,6 +1,6 @@
 """The PPO critic on the DeepSpeed backend (``rl.backend: deepspeed``).
 
-:class:`DeepSpeedCriticWorker` offers :class:`engine.backends.megatron.CriticWorker`'s methods with the
+:class:`DeepSpeedCriticWorker` offers :class:`engine.backends.megatron.critic.CriticWorker`'s methods with the
 same arguments and results; its model is :class:`HFValueModel`, the HF transformers form of
 the starting policy (``engine.storage.hf_io.load_hf_causal_lm``) without its output layer, plus
 the same value head (``engine.models.heads.scalar_head``, drawn from the same seed), trained
@@ -86,7 +86,7 @@ class DeepSpeedCriticWorker:
 
         Returns: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``,
             ``critic/grad_norm``, ``critic/lr``: means over the epochs (as
-            :meth:`engine.backends.megatron.CriticWorker.update`).
+            :meth:`engine.backends.megatron.critic.CriticWorker.update`).
 
         Raises:
             ValueError: ``values`` or ``returns`` is missing, or the batch has no loss tokens.

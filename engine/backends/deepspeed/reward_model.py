@@ -1,6 +1,6 @@
 """The reward model on the DeepSpeed backend (``rm.backend: deepspeed``).
 
-:class:`DeepSpeedRewardTrainer` is the ``engine.training.contracts.RewardTrainer`` that
+:class:`DeepSpeedRewardTrainer` is the ``engine.training.reward_contract.RewardTrainer`` that
 ``engine.training.reward_model.train_reward_model`` runs when ``rm.backend`` is ``deepspeed``: the
 same data, batches, Bradley-Terry loss, schedule and evaluation as the megatron backend, but
 the weights are the HF transformers form of the base model (``engine.storage.hf_io.load_hf_causal_lm``)
@@ -42,7 +42,7 @@ RM_TAG_KEY = "rm_backend"
 
 class DeepSpeedRewardTrainer:
     """``rm.backend: deepspeed``: an :class:`HFRewardModel` trained through DeepSpeed
-    (the ``engine.training.contracts.RewardTrainer`` protocol).
+    (the ``engine.training.reward_contract.RewardTrainer`` protocol).
 
     Args:
         base_model_dir: model directory to start from.
@@ -112,14 +112,14 @@ class DeepSpeedRewardTrainer:
         return {name: tensor.clone() for name, tensor in self.trainer.named_tensors() if name.startswith("reward_head.")}
 
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
-        """``engine.training.contracts.RewardTrainer.save_state``: ``directory/train_state.pt`` with the
+        """``engine.training.reward_contract.RewardTrainer.save_state``: ``directory/train_state.pt`` with the
         :class:`HFRewardModel`'s ``body.*`` and ``reward_head.*`` tensors, the AdamW state as
         DeepSpeed steps it (under ZeRO: over its flat fp32 partitions), the schedule, RNG states,
         ``data_position`` and ``extra`` (``engine.backends.deepspeed.runtime.DeepSpeedTrainer.save_state``)."""
         self.trainer.save_state(directory, RM_TAG_KEY, step, data_position, extra)
 
     def load_state(self, directory: str | Path) -> TrainState:
-        """``engine.training.contracts.RewardTrainer.load_state``: restore a state :meth:`save_state`
+        """``engine.training.reward_contract.RewardTrainer.load_state``: restore a state :meth:`save_state`
         wrote at the same ZeRO stage; returns it (its ``extra`` without the backend tag).
 
         Raises:

@@ -8,7 +8,7 @@ scheduler), one optimizer step per batch with gradient clipping, ZeRO-3 gatherin
 train-state file (``engine.storage.train_state``). Its users: :class:`DeepSpeedActorWorker` (below),
 ``engine.backends.deepspeed.critic.DeepSpeedCriticWorker`` and ``engine.backends.deepspeed.reward_model``.
 
-:class:`DeepSpeedActorWorker` offers :class:`engine.backends.megatron.ActorWorker`'s methods with the
+:class:`DeepSpeedActorWorker` offers :class:`engine.backends.megatron.actor.ActorWorker`'s methods with the
 same arguments and results, but holds the policy as an HF transformers causal LM
 (``engine.models.hf``). What stays shared with the megatron backend, so the two train the
 same way: the loss (``engine.training.actor.actor_loss_fn``, global normalisers), the

@@ -1,7 +1,7 @@
 """The DeepSpeed actor backend (engine.backends.deepspeed.runtime) against the megatron actor.
 
 In process (no Ray): the same log-probs, the same loss and, after one AdamW step, the same
-weights as engine.backends.megatron.ActorWorker on the same model directory and batch, for ZeRO
+weights as engine.backends.megatron.actor.ActorWorker on the same model directory and batch, for ZeRO
 stages 0-3; weight-sync buckets equal to the megatron actor's; save_model round-trips
 through load_model_dir exactly; save_state/load_state resumes bit for bit. Then one short
 GRPO run on Ray with rl.backend deepspeed.

@@ -2,7 +2,7 @@
 (engine.backends.deepspeed.reward_model) against their megatron counterparts.
 
 In process (no Ray): the DeepSpeed critic's values, one clipped-value-loss update (metrics
-and weights, ZeRO 0-3) and its train state against engine.backends.megatron.CriticWorker on the same
+and weights, ZeRO 0-3) and its train state against engine.backends.megatron.critic.CriticWorker on the same
 model directory; the DeepSpeed reward model trained by train_reward_model against the
 megatron one (held-out metrics, training curve), its model directory read back exactly by
 load_model_dir / load_reward_model, and an untied output layer kept as it was. Then a short
@@ -57,7 +57,7 @@ def targets(traj, values: torch.Tensor):
 
 
 def megatron_critic_weights(critic, hf_config: dict) -> dict[str, torch.Tensor]:
-    """HF-named body weights and the value head of engine.backends.megatron.CriticWorker (copies)."""
+    """HF-named body weights and the value head of engine.backends.megatron.critic.CriticWorker (copies)."""
     out = {k: v.clone() for k, v in megatron_to_hf(hf_config, mcore_state(critic.model.gpt))}
     out.update({f"value_head.{k}": v.detach().clone() for k, v in critic.model.value_head.named_parameters()})
     return out
