@@ -241,7 +241,8 @@ def encode_prompt(
         tokenizer: a transformers tokenizer.
         prompt_messages: ``[{"role", "content", "tool_calls"?}, ...]``.
         tools: JSON-schema tool definitions given to the template (None: no tools).
-        end_of_turn: the turn end override (``model.end_of_turn``), see :func:`end_of_turn`.
+        end_of_turn: the turn end override (``model.end_of_turn``), see
+            :func:`data.chat_template.end_of_turn`.
 
     Returns:
         ``[prompt_len]`` token ids.
@@ -280,7 +281,7 @@ def encode_chat(
         messages: ``[{"role", "content", "tool_calls"?}, ...]`` with at least one assistant turn.
         max_len: keep at most this many tokens, cutting the end (``n_truncated`` says how many).
         end_of_turn: the turn end override (``model.end_of_turn``); default derived from the
-            template (:func:`end_of_turn`).
+            template (:func:`data.chat_template.end_of_turn`).
         tools: JSON-schema tool definitions given to the template (None: no tools).
 
     Returns:

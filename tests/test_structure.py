@@ -45,7 +45,7 @@ MAX_LINES = 600
 PACKAGE_LAYERS = {"flows": 4, "tasks": 3, "engine": 2, "data": 1, "conversion": 1, "config": 0}
 
 # Inside engine, by sub-package (or top-level module): modules of one sub-package may import
-# each other; rl and evaluation are peers at the top.
+# each other; rl and evaluation are peers at the top (neither imports the other).
 #
 # | layer | engine.*         |
 # |-------|------------------|
@@ -152,13 +152,14 @@ def _layer(module: str) -> tuple[int, int | None, str]:
 
 
 def upward_imports(root: Path) -> list[str]:
-    """Imports of a module from a layer above the importer's (``PACKAGE_LAYERS``,
-    ``ENGINE_LAYERS``); an engine sub-package missing from ``ENGINE_LAYERS`` is reported too."""
+    """Imports of a module from a layer above the importer's, or from a peer package or engine
+    sub-package on the same layer (``PACKAGE_LAYERS``, ``ENGINE_LAYERS``); an engine sub-package
+    missing from ``ENGINE_LAYERS`` is reported too."""
     problems = []
     for imp in import_graph(root):
         src_pkg, dst_pkg = imp.source.split(".")[0], imp.target.split(".")[0]
         (src_layer, src_engine, src_key), (dst_layer, dst_engine, dst_key) = _layer(imp.source), _layer(imp.target)
-        if dst_layer > src_layer:
+        if dst_layer > src_layer or (dst_layer == src_layer and src_pkg != dst_pkg):  # peers never import each other
             problems.append(
                 f"{imp.where(root)}: {imp.source} ({src_pkg}, layer {src_layer}) imports {imp.target} "
                 f"({dst_pkg}, layer {dst_layer}): `{imp.statement}`"
@@ -170,7 +171,7 @@ def upward_imports(root: Path) -> list[str]:
                     f"{imp.where(root)}: engine.{unknown[0]} has no place in ENGINE_LAYERS (tests/test_structure.py): "
                     f"`{imp.statement}`"
                 )
-            elif dst_engine > src_engine:
+            elif dst_engine >= src_engine:  # a higher layer, or a peer (rl and evaluation)
                 problems.append(
                     f"{imp.where(root)}: {imp.source} (engine.{src_key}, layer {src_engine}) imports {imp.target} "
                     f"(engine.{dst_key}, layer {dst_engine}): `{imp.statement}`"
@@ -362,6 +363,8 @@ def test_each_check_reports_a_deliberate_violation(tmp_path):
         f.write("\n\ndef _probe_upward():\n    from engine.rl.loop import run_rl\n    return run_rl\n")
     # and one between packages at module level: data (layer 1) importing tasks (layer 3)
     (root / "data" / "_probe_up.py").write_text('"""probe"""\n\nimport tasks.fingerprint\n')
+    # and a peer import: data and conversion share layer 1 and never import each other
+    (root / "data" / "_probe_peer.py").write_text('"""probe"""\n\nfrom conversion.spec import GPTSpec\n')
     # (b) a two-module cycle: `from pkg import name` of a module, and a relative import
     # inside an ``if TYPE_CHECKING:`` block
     (root / "data" / "_probe_a.py").write_text('"""probe"""\n\nfrom data import _probe_b\n\nVALUE = 1\n')
@@ -380,6 +383,8 @@ def test_each_check_reports_a_deliberate_violation(tmp_path):
     after = _all_checks(root)
     new = {kind: [p for p in after[kind] if p not in before[kind]] for kind in after}
     assert sorted(new["layers"]) == [
+        "data/_probe_peer.py:3: data._probe_peer (data, layer 1) imports conversion.spec (conversion, layer 1): "
+        "`from conversion.spec import GPTSpec`",
         "data/_probe_up.py:3: data._probe_up (data, layer 1) imports tasks.fingerprint (tasks, layer 3): "
         "`import tasks.fingerprint`",
         f"engine/models/platform.py:{upward_line}: engine.models.platform (engine.models, layer 2) imports "

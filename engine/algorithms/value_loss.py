@@ -39,18 +39,19 @@ def clipped_value_loss(
 
     ``V_clip = V_old + clamp(V - V_old, -c, c)``;
     ``loss_t = 0.5 * max((V_t - R_t)^2, (V_clip_t - R_t)^2)``, aggregated over the mask tokens
-    with ``loss_agg_mode`` (:func:`engine.algorithms.aggregate_loss`). The clip keeps one
-    update from moving a value estimate further than ``c`` from the one that produced the
-    advantages. Sources: OpenAI baselines PPO2 (``ppo2/model.py``, ``vf_losses``); verl
+    with ``loss_agg_mode`` (:func:`engine.algorithms.aggregation.aggregate_loss`). The clip
+    keeps one update from moving a value estimate further than ``c`` from the one that produced
+    the advantages. Sources: OpenAI baselines PPO2 (``ppo2/model.py``, ``vf_losses``); verl
     ``compute_value_loss`` (``verl/trainer/ppo/core_algos.py``), whose default ``c`` is 0.5.
 
     Args:
         values: ``[B, L]`` the critic's current predictions (with grad).
         old_values: ``[B, L]`` the predictions before this step's updates (no grad).
-        returns: ``[B, L]`` the targets, ``A + V_old`` from :func:`engine.algorithms.compute_gae`.
+        returns: ``[B, L]`` the targets, ``A + V_old`` from
+            :func:`engine.algorithms.advantages.compute_gae`.
         mask: ``[B, L]`` loss mask.
         cliprange_value: ``c > 0``, in the units of the reward.
-        loss_agg_mode, norm: as for :func:`engine.algorithms.aggregate_loss`.
+        loss_agg_mode, norm: as for :func:`engine.algorithms.aggregation.aggregate_loss`.
 
     Returns: :class:`ValueLossOutput`.
 

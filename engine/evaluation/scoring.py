@@ -2,15 +2,17 @@
 
 Layers, bottom up:
 
-- :func:`accuracy_with_se` and :func:`evaluate_generations`: pure statistics over responses
+- :func:`engine.evaluation.statistics.accuracy_with_se` and
+  :func:`engine.evaluation.statistics.evaluate_generations`: pure statistics over responses
   that are already decoded (no model involved).
-- :func:`evaluate_policy`: one policy behind any :class:`~engine.rollout.base.RolloutEngine`:
+- :func:`evaluate_policy` (here): one policy behind any :class:`~engine.rollout.base.RolloutEngine`:
   render prompts with the chat template, generate, decode, verify, summarize.
-- :func:`evaluate_model_dirs`: the evaluate stage's driver: model directories (Megatron +
+- :func:`evaluate_model_dirs` (here): the evaluate stage's driver: model directories (Megatron +
   ``hf/``) -> HF SafeTensors -> one rollout engine (vLLM or HF) shared by all policies
   (later policies are loaded with ``update_weights``).
-- :func:`plot_reward_curve` and :func:`write_eval_report`: the artifact's PNG, JSON,
-  JSONL and markdown.
+- :func:`engine.evaluation.report.plot_reward_curve` and
+  :func:`engine.evaluation.report.write_eval_report`: the artifact's PNG, JSON, JSONL and
+  markdown.
 
 Metric names (per policy): ``n``, ``accuracy``, ``accuracy_se``, ``mean_reward``,
 ``mean_reward_se``, ``response_length/mean`` (tokens, EOS included),
@@ -175,10 +177,10 @@ def evaluate_model_dirs(
     Args:
         model_dirs: ``{policy_name: model_dir}``, e.g. ``{"sft": ..., "rl": ...}``.
         eval_path: normalized ``rl`` JSONL (``prompt``, ``label``).
-        cfg: ``config.schema.EvaluateConfig`` (``num_prompts``, ``max_new_tokens``,
+        cfg: ``config.evaluate.EvaluateConfig`` (``num_prompts``, ``max_new_tokens``,
             ``temperature``, ``backend``).
         verifier: a ``data.rewards.VERIFIERS`` name.
-        engine_cfg: ``config.schema.EngineConfig``; evaluation runs its rollout engine in
+        engine_cfg: ``config.rl.EngineConfig``; evaluation runs its rollout engine in
             this process, so placement and Ray settings do not apply to it; ``num_cpus`` is
             this process's torch thread count (None: every core, ``os.cpu_count()``), set
             before the engine starts (vLLM's CPU worker then pins it).

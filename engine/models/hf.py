@@ -42,7 +42,7 @@ class LoadedHFModel:
     Attributes:
         model: ``transformers`` ``*ForCausalLM`` (fp32, CPU, train mode) holding the saved weights.
         spec: the architecture, with megatron's vocabulary padding (needed to write the
-            directory back, :func:`save_hf_as_model_dir`).
+            directory back, :func:`engine.storage.hf_io.save_hf_as_model_dir`).
         hf_config: ``hf/config.json`` as a dict.
         tokenizer_dir: the ``hf/`` directory (tokenizer and generation config files).
     """

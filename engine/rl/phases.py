@@ -264,7 +264,7 @@ def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
 
 def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool = True) -> tuple[Trajectory, dict[str, float]]:
     """With ``kl.in_reward``: token rewards ``r_t = score [t = last] - coef * KL_t`` (InstructGPT's
-    penalty, ``engine.algorithms.apply_kl_penalty``), then the controller's update with the
+    penalty, ``engine.algorithms.kl.apply_kl_penalty``), then the controller's update with the
     batch's mean sequence KL (skipped when ``adapt`` is false: the critic warm-up, where the
     policy does not move). Otherwise the trajectory is returned unchanged.
 
@@ -286,11 +286,11 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token
     rewards) by ``cfg.algorithm``.
 
-    ``gae`` (PPO): :func:`engine.algorithms.compute_gae` with the critic's ``traj.values``
-    and ``rl.critic.gamma``/``lam`` (the score sits on each response's last loss-mask token),
-    then whitened over the batch's loss-mask tokens (:func:`engine.algorithms.masked_whiten`,
-    as verl and OpenAI baselines do); the critic's targets ``returns = A + V`` (before
-    whitening) are set too.
+    ``gae`` (PPO): :func:`engine.algorithms.advantages.compute_gae` with the critic's
+    ``traj.values`` and ``rl.critic.gamma``/``lam`` (the score sits on each response's last
+    loss-mask token), then whitened over the batch's loss-mask tokens
+    (:func:`engine.algorithms.advantages.masked_whiten`, as verl and OpenAI baselines do); the
+    critic's targets ``returns = A + V`` (before whitening) are set too.
 
     Raises: ValueError for ``gae`` without values.
     """

@@ -5,7 +5,8 @@ single bundle holding all the engine's CPUs; every worker (actor, reference, rol
 reward) is scheduled into that bundle with an equal fraction of it. The RL loop runs its
 phases one after another, so the workers take turns on the same cores, and each worker
 uses all of them while it runs (``torch.set_num_threads`` in the worker, see
-:func:`worker_threads`), instead of Ray's one-thread default for fractional actors.
+:func:`engine.models.platform.worker_threads`), instead of Ray's one-thread default for
+fractional actors.
 
 Disaggregated placement (``"disaggregated"``): one placement group with two bundles, one for
 the training workers (actor, reference, critic, reward) and one for the rollout worker, so

@@ -73,8 +73,9 @@ class ReferenceWorker:
     """A frozen policy (the RL starting point) that only computes log-probs.
 
     Args: ``model_dir``, ``temperature`` (rollout sampling temperature), ``micro_batch_size``,
-    ``seed``, ``num_threads`` as for :class:`ActorWorker`; ``packing`` and
-    ``max_tokens_per_micro_batch`` as ``rl.packing`` and ``rl.max_tokens_per_micro_batch``.
+    ``seed``, ``num_threads`` as for :class:`engine.backends.megatron.actor.ActorWorker`;
+    ``packing`` and ``max_tokens_per_micro_batch`` as ``rl.packing`` and
+    ``rl.max_tokens_per_micro_batch``.
     """
 
     def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
@@ -196,8 +197,9 @@ class RolloutWorker:
                                   self._env_factories[environment], sampling, max_turns)
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load some of the policy's weights, e.g. one bucket of :meth:`ActorWorker.hf_bucket`
-        (see :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
+        """Load some of the policy's weights, e.g. one bucket of
+        :meth:`engine.models.weight_buckets.HFBucketSource.hf_bucket` (see
+        :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
         self.engine.update_weights(named_tensors)
 
 
@@ -206,9 +208,10 @@ class RewardWorker:
     reward_model_weight * RM(prompt, text) + sum_i functions[i].weight * functions[i](text, ...)``.
 
     The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
-    reward model (``engine.training.reward_model``) is loaded only when its weight is non-zero; the
-    plug-ins (``cfg.functions``) are imported here, so a bad path fails when the worker
-    starts, not at the first step (calling convention: ``data.reward_plugins``).
+    reward model (``engine.training.reward_scoring.load_reward_model``) is loaded only when
+    its weight is non-zero; the plug-ins (``cfg.functions``) are imported here, so a bad path
+    fails when the worker starts, not at the first step (calling convention:
+    ``data.reward_plugins``).
     Responses are decoded by ``data.chat_response.response_text`` (special tokens removed, so a final EOS
     is not part of the text), as evaluation decodes them.
 

@@ -229,9 +229,9 @@ class ActorUpdate:
 
 def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable) -> ActorUpdate:
     """``cfg.ppo_epochs`` optimizer steps on the whole batch in the micro-batches of
-    :func:`actor_micro_batches`, the loss of :func:`actor_loss_fn` normalised by the whole
-    batch (:func:`engine.algorithms.global_norm`), so neither the split nor packing changes
-    the loss or the gradients.
+    :func:`engine.trajectory.micro_batch_rows`, the loss of :func:`actor_loss_fn` normalised by
+    the whole batch (:func:`engine.algorithms.aggregation.global_norm`), so neither the split
+    nor packing changes the loss or the gradients.
 
     Without ``traj.old_logprobs`` the batch is on-policy (sampled by the weights being
     trained): the first epoch's forward gives the old log-probs, detached, and later epochs

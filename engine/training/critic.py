@@ -1,4 +1,4 @@
-"""The PPO critic: a value head on the megatron-core GPTModel, trained with the clipped value loss.
+"""The PPO critic, backend-neutral: value positions and the clipped value loss for either backend.
 
 Shapes: ``B`` responses, ``T`` prompt + response positions, ``L`` response tokens, ``H``
 hidden size. The value of response token ``j`` is the value of the state *before* it (the
@@ -10,8 +10,8 @@ What any critic backend shares lives here as functions: the value positions
 (:func:`response_values`), evaluation (:func:`compute_response_values`), the update
 (:func:`critic_update`: clipped value loss, batch-wide normaliser, epochs, metrics) and the
 per-step state directories (:func:`critic_state_dir`, :func:`prune_critic_states`).
-:class:`CriticWorker` runs them on megatron-core; ``engine.backends.deepspeed.critic`` on an HF model
-under DeepSpeed (``rl.backend``).
+:class:`engine.backends.megatron.critic.CriticWorker` runs them on a megatron-core GPTModel with
+a value head; ``engine.backends.deepspeed.critic`` on an HF model under DeepSpeed (``rl.backend``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def response_values(values_of: Callable[[torch.Tensor], torch.Tensor], batch: Tr
 
     Args:
         values_of: per-position values of a batch: LongTensor ``[B, T]`` -> FloatTensor
-            ``[B, T]``, causal (a :class:`ValueModel`, an ``engine.models.heads.HFValueModel``
-            or the DeepSpeed engine wrapping one).
+            ``[B, T]``, causal (an :class:`engine.models.heads.ValueModel`, an
+            ``engine.models.heads.HFValueModel`` or the DeepSpeed engine wrapping one).
         batch: ``input_ids [B, T]``, ``prompt_lengths [B]``, ``response_ids [B, L]``.
 
     Returns: FloatTensor ``[B, L]``; row ``b``'s entry ``j`` is the value at position
@@ -74,9 +74,9 @@ CriticStep = Callable[[Sequence[Trajectory], Callable], dict[str, float]]
 
 def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep) -> dict[str, float]:
     """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
-    (:func:`engine.algorithms.clipped_value_loss` with clip range ``cfg.critic.cliprange_value``,
-    token-mean over the loss mask of the whole batch, so the micro-batch split of
-    ``cfg.micro_batch_size`` rows does not change it).
+    (:func:`engine.algorithms.value_loss.clipped_value_loss` with clip range
+    ``cfg.critic.cliprange_value``, token-mean over the loss mask of the whole batch, so the
+    micro-batch split of ``cfg.micro_batch_size`` rows does not change it).
 
     Args:
         traj: needs ``values`` (the values the advantages were computed with, ``[B, L]``)

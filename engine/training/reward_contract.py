@@ -25,21 +25,22 @@ class RewardTrainer(Protocol):
 
     Attributes:
         model: called as ``model(input_ids [B, T], lengths [B]) -> rewards [B]``; has
-            ``train()`` / ``eval()`` (:func:`evaluate_pairs` runs it).
+            ``train()`` / ``eval()`` (:func:`engine.training.reward_model.evaluate_pairs` runs it).
     """
 
     model: Any
 
     def step(self, micro: list[TokenBatch]) -> dict[str, float]:
-        """One optimizer step on :func:`collate_pairs` micro-batches: the Bradley-Terry loss
-        averaged over all their pairs, clipped to ``rm.optim.grad_clip``. Returns
-        ``{"loss", "accuracy", "margin", "grad_norm", "lr", "num_units"}`` (as
-        :func:`engine.training.optimizer_step.train_step` with :func:`pair_loss`)."""
+        """One optimizer step on :func:`engine.training.preference_data.collate_pairs`
+        micro-batches: the Bradley-Terry loss averaged over all their pairs, clipped to
+        ``rm.optim.grad_clip``. Returns ``{"loss", "accuracy", "margin", "grad_norm", "lr",
+        "num_units"}`` (as :func:`engine.training.optimizer_step.train_step` with
+        :func:`engine.training.reward_model.pair_loss`)."""
         ...
 
     def save(self, out_dir: str | Path, iteration: int) -> Path:
         """Write the model directory (GPT weights + ``heads.safetensors``) that
-        :func:`load_reward_model` reads; returns ``Path(out_dir)``."""
+        :func:`engine.training.reward_scoring.load_reward_model` reads; returns ``Path(out_dir)``."""
         ...
 
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:

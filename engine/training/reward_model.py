@@ -1,11 +1,12 @@
-"""Reward model: the megatron-core GPTModel plus a scalar head, trained on preference pairs.
+"""Reward model, backend-neutral: a causal LM body plus a scalar head, trained on preference pairs.
 
 The reward of a conversation is ``reward_head(h_last)``, where ``h_last`` is the final-normed
 hidden state of its last real token (the assistant's end-of-turn token). Training minimises
 the Bradley-Terry pairwise loss of InstructGPT (Ouyang et al. 2022, eq. 1).
 
-``rm.backend`` chooses what trains the weights (:func:`reward_trainer`): megatron-core with
-this repository's optimizer step (:class:`MegatronRewardTrainer`), or the HF transformers
+``rm.backend`` chooses what trains the weights (:func:`engine.backends.select_rm.reward_trainer`):
+megatron-core with this repository's optimizer step
+(:class:`engine.backends.megatron.reward_model.MegatronRewardTrainer`), or the HF transformers
 form of the model under DeepSpeed (``engine.backends.deepspeed.reward_model``). The data, batches,
 schedule, evaluation and the model directory written at the end are the same for both, and
 so is resuming: every ``rm.checkpoint_every`` steps the backend writes its train state
@@ -59,7 +60,7 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
 
 def pair_loss(model: RewardFn, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step` on a :func:`collate_pairs` batch
-    (``model``: a :class:`RewardModel` or any :data:`RewardFn`).
+    (``model``: an :class:`engine.models.heads.RewardModel` or any :data:`RewardFn`).
 
     Returns:
         ``(sum of Bradley-Terry losses, number of pairs, {"accuracy", "margin"})`` where
@@ -77,8 +78,9 @@ def pair_loss(model: RewardFn, batch: TokenBatch) -> tuple[torch.Tensor, int, di
 def evaluate_pairs(model: RewardFn, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
                    micro_batch_size: int) -> dict[str, float]:
     """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
-    wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (a :class:`RewardModel`
-    or any module with its call signature, run in eval mode; its mode is restored)."""
+    wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (an
+    :class:`engine.models.heads.RewardModel` or any module with its call signature, run in eval
+    mode; its mode is restored)."""
     was_training = model.training
     model.eval()
     loss, correct = 0.0, 0
@@ -145,7 +147,8 @@ def train_reward_model(
         resume_dir: directory for the resumable train state (None: no checkpoints).
         seed: held-out split, data-order, reward-head and RNG seed.
         log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps
-            and at the last step, after that step's checkpoint (if any) is written.
+            and at the last step, before that step's checkpoint (if any) is written, so a run
+            resumed from step N has logged every step up to N.
 
     Returns:
         ``rm/accuracy``, ``rm/loss`` (held-out), ``train/loss``, ``train/accuracy``,

@@ -167,7 +167,8 @@ def train_sft(
         resume_dir: directory for the resumable train state (None: no checkpoints).
         seed: data-order and RNG seed.
         log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps
-            and at the last step, after that step's checkpoint (if any) is written.
+            and at the last step, before that step's checkpoint (if any) is written, so a run
+            resumed from step N has logged every step up to N.
 
     Returns:
         Final metrics: ``train/loss`` (last step's token-mean NLL, nats), ``train/grad_norm``,

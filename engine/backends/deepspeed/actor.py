@@ -34,7 +34,10 @@ class DeepSpeedActorWorker(HFBucketSource):
     Same constructor arguments, methods and results as :class:`engine.backends.megatron.actor.ActorWorker`;
     the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
     Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.models.weight_buckets.HFBucketSource`
-    over :meth:`hf_tensors` (the worker is its own weight source).
+    over :meth:`hf_tensors` (the worker is its own weight source). It runs as a Ray actor in
+    its own process (built by :func:`engine.rl.workers.spawn` via
+    :func:`engine.rl.workers.start_workers`), so every argument and result crosses a process
+    boundary.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.

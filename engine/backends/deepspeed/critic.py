@@ -43,7 +43,9 @@ CRITIC_TAG_KEY = "critic_backend"
 
 class DeepSpeedCriticWorker:
     """The PPO critic as an HF model under DeepSpeed, initialised from the starting policy's
-    weights with a fresh value head.
+    weights with a fresh value head. It runs as a Ray actor in its own process (built by
+    :func:`engine.rl.workers.spawn` via :func:`engine.rl.workers.start_workers`), so every
+    argument and result crosses a process boundary.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) the critic's body starts from.

@@ -1,20 +1,22 @@
-"""The DeepSpeed training backend (``rl.backend: deepspeed``, ``rm.backend: deepspeed``) and its RL actor.
+"""The DeepSpeed training backend's shared runtime (``rl.backend: deepspeed``, ``rm.backend: deepspeed``).
 
 :class:`DeepSpeedTrainer` is what every DeepSpeed-trained model here shares: a module handed
 to ``deepspeed.initialize`` with ZeRO stage ``zero_stage`` (0-3) and this repository's
 optimizer and schedule (``engine.training.optimizer_step.build_optimizer``: AdamW, weight decay on
 matrices only, warmup + cosine ``LambdaLR``, given to DeepSpeed as a client optimizer and
 scheduler), one optimizer step per batch with gradient clipping, ZeRO-3 gathering, and the
-train-state file (``engine.storage.train_state``). Its users: :class:`DeepSpeedActorWorker` (below),
+train-state file (``engine.storage.train_state``). Its users:
+``engine.backends.deepspeed.actor.DeepSpeedActorWorker``,
 ``engine.backends.deepspeed.critic.DeepSpeedCriticWorker`` and ``engine.backends.deepspeed.reward_model``.
 
-:class:`DeepSpeedActorWorker` offers :class:`engine.backends.megatron.actor.ActorWorker`'s methods with the
-same arguments and results, but holds the policy as an HF transformers causal LM
-(``engine.models.hf``). What stays shared with the megatron backend, so the two train the
-same way: the loss (``engine.training.actor.actor_loss_fn``, global normalisers), the
-micro-batching (``engine.trajectory.actor_micro_batches``), the optimizer and schedule,
-gradient clipping to ``rl.optim.grad_clip``, the train-state file and the model directory
-written at the end (``engine.storage.hf_io.save_hf_as_model_dir``).
+The RL actor, :class:`engine.backends.deepspeed.actor.DeepSpeedActorWorker`, offers
+:class:`engine.backends.megatron.actor.ActorWorker`'s methods with the same arguments and
+results, but holds the policy as an HF transformers causal LM (``engine.models.hf``). What
+stays shared with the megatron backend, so the two train the same way: the loss
+(``engine.training.actor.actor_loss_fn``, global normalisers), the micro-batching
+(``engine.trajectory.micro_batch_rows``), the optimizer and schedule, gradient clipping to
+``rl.optim.grad_clip``, the train-state file and the model directory written at the end
+(``engine.storage.hf_io.save_hf_as_model_dir``).
 
 DeepSpeed runs here as a one-process world on CPU: ``DS_ACCELERATOR=cpu``, a gloo process
 group, and the launcher's variables (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,

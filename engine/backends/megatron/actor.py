@@ -20,7 +20,9 @@ from engine.trajectory import Trajectory
 
 class ActorWorker(HFBucketSource):
     """The trainable policy; weight sync by :class:`engine.models.weight_buckets.HFBucketSource`
-    (``hf_bucket_plan``, ``hf_bucket``).
+    (``hf_bucket_plan``, ``hf_bucket``). It runs as a Ray actor in its own process (built by
+    :func:`engine.rl.workers.spawn` via :func:`engine.rl.workers.start_workers`), so every
+    argument and result crosses a process boundary.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.

@@ -20,6 +20,9 @@ from engine.trajectory import Trajectory
 
 class CriticWorker:
     """The PPO critic, initialised from the starting policy's weights with a fresh value head.
+    It runs as a Ray actor in its own process (built by :func:`engine.rl.workers.spawn` via
+    :func:`engine.rl.workers.start_workers`), so every argument and result crosses a process
+    boundary.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) the critic's body starts from.
@@ -42,7 +45,8 @@ class CriticWorker:
             self.model.parameters(), cfg.critic.optim, cfg.steps * cfg.ppo_epochs)
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
-        """``[B, L]`` values (see :func:`response_values`) in eval mode, 0 on padding."""
+        """``[B, L]`` values (see :func:`engine.training.critic.response_values`) in eval mode,
+        0 on padding."""
         return compute_response_values(self.model, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
     def update(self, traj: Trajectory) -> dict[str, float]:

@@ -41,13 +41,14 @@ class MegatronRewardTrainer:
                               iteration=iteration, heads=self.model.heads())
 
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
-        """:meth:`RewardTrainer.save_state`: the :class:`RewardModel`'s ``gpt.*`` and
-        ``reward_head.*`` tensors, AdamW and the ``LambdaLR`` schedule."""
+        """:meth:`engine.training.reward_contract.RewardTrainer.save_state`: the
+        :class:`RewardModel`'s ``gpt.*`` and ``reward_head.*`` tensors, AdamW and the
+        ``LambdaLR`` schedule."""
         save_train_state(directory, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                          data_position=data_position, extra=extra)
 
     def load_state(self, directory: str | Path) -> TrainState:
-        """:meth:`RewardTrainer.load_state`.
+        """:meth:`engine.training.reward_contract.RewardTrainer.load_state`.
 
         Raises: FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`;
         ValueError naming mismatched keys (e.g. a state of the deepspeed backend)."""
