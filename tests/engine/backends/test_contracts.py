@@ -77,6 +77,17 @@ def protocol_methods(protocol: type) -> list[str]:
     return [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
 
 
+# Ray's tracing hook adds this keyword to every method of a class once ``ray.remote`` has wrapped
+# it (in place), e.g. after an RL run in this process; it is Ray's, not the backend's.
+RAY_INJECTED = ("_ray_trace_ctx",)
+
+
+def own_signature(fn: typing.Callable) -> inspect.Signature:
+    """``inspect.signature(fn)`` without the parameters Ray injects (``RAY_INJECTED``)."""
+    sig = inspect.signature(fn)
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in RAY_INJECTED])
+
+
 def parameters(sig: inspect.Signature) -> list[tuple[str, inspect._ParameterKind]]:
     """``(name, kind)`` of each parameter, in order."""
     return [(p.name, p.kind) for p in sig.parameters.values()]
@@ -106,7 +117,7 @@ def signature_problems(protocol: type, cls: type, init: typing.Callable) -> list
         if not inspect.isfunction(impl):
             problems.append(f"{cls.__name__}.{name}: missing or not a plain method")
             continue
-        want, got = inspect.signature(getattr(protocol, name)), inspect.signature(impl)
+        want, got = inspect.signature(getattr(protocol, name)), own_signature(impl)
         if parameters(got) != parameters(want):
             problems.append(f"{cls.__name__}.{name}{got}: the protocol has {want}")
             continue
@@ -116,7 +127,7 @@ def signature_problems(protocol: type, cls: type, init: typing.Callable) -> list
         want_types, got_types = typing.get_type_hints(getattr(protocol, name)), typing.get_type_hints(impl)
         problems += [f"{cls.__name__}.{name}: {key} is {got_types[key]}, the protocol has {want_types[key]}"
                      for key in sorted(want_types.keys() & got_types.keys()) if got_types[key] != want_types[key]]
-    want, got = inspect.signature(init), inspect.signature(cls.__init__)
+    want, got = inspect.signature(init), own_signature(cls.__init__)
     if parameters(got) != parameters(want) or [p.default for p in got.parameters.values()] != [
             p.default for p in want.parameters.values()]:
         problems.append(f"{cls.__name__}{got}: its callers pass {want}")
