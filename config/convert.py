@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from config.base import LocalPath, Strict
 
@@ -32,7 +32,14 @@ class ModelConfig(Strict):
 class ConvertConfig(Strict):
     """HF -> Megatron conversion (stage convert)."""
 
-    params_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Megatron parameter dtype (float32 on CPU).")
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data):
+        if isinstance(data, dict) and "params_dtype" in data:
+            raise ValueError("convert.params_dtype is no longer a setting: the compute precision is run.precision "
+                             "(bf16 | fp32 | auto, overridable per stage), and checkpoints always keep fp32 weights")
+        return data
+
     make_vocab_size_divisible_by: int = Field(
         128, gt=0,
         description="Pad megatron's vocabulary to a multiple of this (Megatron-LM's default 128; times the "

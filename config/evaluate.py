@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.run import Precision
 
 
 class EvaluateConfig(Strict):
@@ -19,6 +20,7 @@ class EvaluateConfig(Strict):
         return self
 
     num_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N held-out prompts (all if unset).")
+    precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     max_new_tokens: int = Field(32, gt=0, description="Response length budget in tokens.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     samples_per_prompt: int = Field(

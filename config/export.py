@@ -12,4 +12,6 @@ from config.base import Strict
 class ExportConfig(Strict):
     """Export of the RL policy to HF SafeTensors (stage export)."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the exported SafeTensors weights.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="dtype of the exported SafeTensors weights (config.json's dtype is set to match); default "
+        "the RL stage's training precision (bfloat16 under bf16, float32 under fp32).")

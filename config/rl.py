@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from config.base import Strict
 from config.training import DeepSpeedConfig, OptimConfig
+from config.run import Precision
 
 
 class RLOptimConfig(OptimConfig):
@@ -215,6 +216,7 @@ class RLConfig(Strict):
                             "gae is PPO with a critic (rl.critic). Or a plug-in's import path 'package.module:function' "
                             "(engine/algorithms/advantages.py; treated as a group-baseline estimator without a critic).")
     steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
+    precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from config.base import Strict
 from config.training import DeepSpeedConfig, OptimConfig
+from config.run import Precision
 
 
 class RMConfig(Strict):
@@ -15,6 +16,7 @@ class RMConfig(Strict):
 
     enabled: bool = Field(True, description="Train a reward model (needs data.preference).")
     steps: int = Field(100, gt=0, description="Optimizer steps.")
+    precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     global_batch_size: int = Field(16, gt=0, description="Preference pairs per optimizer step.")
     micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward.")
     max_seq_len: int = Field(256, gt=0, description="Longer sequences are truncated.")

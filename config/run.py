@@ -10,6 +10,9 @@ from pydantic import Field, field_validator
 
 from config.base import LocalPath, Strict
 
+# bf16 | fp32 | auto (bf16 where the hardware has it): see engine.models.precision.
+Precision = Literal["auto", "bf16", "fp32"]
+
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -22,6 +25,11 @@ class RunConfig(Strict):
     checkpoint_root: LocalPath = Field("checkpoints", description="Local directory where resumable training checkpoints live (outside artifacts; ~ is your home).")
     seed: int = Field(0, ge=0, lt=2**32, description="Global seed; each stage derives its own from it "
                                                      "(0 <= seed < 2^32, what numpy's and torch's generators accept).")
+    precision: Precision = Field(
+        "auto", description="Compute precision of every stage that trains or generates: bf16 (bf16 weights and "
+        "activations, fp32 master weights, optimizer state and gradient accumulation, fp32 logits for log-probs and "
+        "losses) or fp32; auto picks bf16 where the hardware has it (a CPU with avx512_bf16 or AMX, CUDA compute "
+        "capability >= 8.0) and fp32 elsewhere. sft, rm, rl and evaluate may override it.")
 
     @field_validator("name")
     @classmethod

@@ -13,7 +13,10 @@ not to the config file.
 
 from __future__ import annotations
 
+from pydantic import model_validator
+
 from config.base import Strict
+from config.precision import DTYPE_NAMES, resolve_precision
 from config.convert import ConvertConfig, ModelConfig
 from config.data import DataConfig
 from config.evaluate import EvaluateConfig
@@ -23,6 +26,9 @@ from config.rl import RLConfig
 from config.rm import RMConfig
 from config.run import RunConfig, WandbConfig
 from config.sft import SFTConfig
+
+
+PRECISION_STAGES = ("sft", "rm", "rl", "evaluate")  # the sections with a `precision` setting
 
 
 class PipelineConfig(Strict):
@@ -39,3 +45,17 @@ class PipelineConfig(Strict):
     rl: RLConfig = RLConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
+
+    @model_validator(mode="after")
+    def _resolve_precision(self):
+        # Every stage that trains or generates gets a concrete precision (its own setting, else
+        # run.precision; auto decided by the hardware, config.precision), and the export its dtype,
+        # so what a stage ran in is in its fingerprint and manifest.
+        for stage in PRECISION_STAGES:
+            section = getattr(self, stage)
+            resolved = resolve_precision(section.precision or self.run.precision)
+            if section.precision != resolved:
+                object.__setattr__(self, stage, section.model_copy(update={"precision": resolved}))
+        if self.export.dtype is None:
+            object.__setattr__(self, "export", self.export.model_copy(update={"dtype": DTYPE_NAMES[self.rl.precision]}))
+        return self

@@ -6,6 +6,7 @@ from pydantic import Field, model_validator
 
 from config.base import Strict
 from config.training import OptimConfig
+from config.run import Precision
 
 
 class SFTConfig(Strict):
@@ -13,6 +14,7 @@ class SFTConfig(Strict):
 
     enabled: bool = Field(True, description="Fine-tune before RL; false starts RL (and the reward model) from the converted base model.")
     steps: int = Field(100, gt=0, description="Optimizer steps.")
+    precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     global_batch_size: int = Field(32, gt=0, description="Sequences per optimizer step.")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between).")
     max_seq_len: int = Field(256, gt=0, description="Longer conversations are truncated (prefix kept).")

@@ -26,7 +26,7 @@ class _ValueHeadModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Values of every position: FloatTensor ``[B, T]`` for ``input_ids`` LongTensor ``[B, T]``
         (causal: right padding never changes earlier positions)."""
-        return self.value_head(self._hidden_states(input_ids)).squeeze(-1)
+        return self.value_head(self._hidden_states(input_ids)).squeeze(-1).float()  # fp32 from a bf16 model too
 
 
 class _RewardHeadModel(torch.nn.Module):
@@ -146,7 +146,7 @@ def last_token_scores(head: torch.nn.Linear, hidden: torch.Tensor, lengths: torc
     """``head`` applied to each row's last real token: hidden ``[B, T, H]``, lengths ``[B]``
     (1..T) -> FloatTensor ``[B]``."""
     last = hidden[torch.arange(hidden.size(0)), lengths - 1]  # [B, H]
-    return head(last).squeeze(-1)
+    return head(last).squeeze(-1).float()  # fp32 from a bf16 model too
 
 
 class RewardModel(_RewardHeadModel):

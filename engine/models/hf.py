@@ -83,7 +83,7 @@ def hf_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an integer tensor [B, T], got {tuple(input_ids.shape)} {input_ids.dtype}")
-    return model(input_ids=input_ids.long(), use_cache=False).logits
+    return model(input_ids=input_ids.long(), use_cache=False).logits.float()  # fp32 for log-probs and losses
 
 
 def build_hf_causal_lm(tokenizer_dir: str | Path, seed: int = 0) -> torch.nn.Module:

@@ -2,8 +2,8 @@
 
 :class:`GPTSpec` is the architecture (read from and written to an HF ``config.json``);
 :func:`build_gpt_model` builds the matching ``GPTModel`` with megatron-core's local layer
-spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, fp32 on CPU; plus
-per-head q/k RMSNorm for Qwen3);
+spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, built in fp32 and cast
+to bf16 for mixed precision by ``engine.models.master_weights``; plus per-head q/k RMSNorm for Qwen3);
 :func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally;
 :func:`gpt_logits_packed` runs packed sequences (``engine.batching.packing``) without padding.
 
@@ -250,7 +250,8 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         input_ids: LongTensor ``[B, T]``.
 
     Returns:
-        FloatTensor ``[B, T, V]`` (fp32 logits; position t predicts token t+1). ``V`` is
+        FloatTensor ``[B, T, V]`` (fp32 logits, upcast from a bf16 model as megatron's
+        ``Float16Module`` does; position t predicts token t+1). ``V`` is
         the HF vocabulary: the rows megatron's vocabulary padding adds
         (``GPTSpec.padded_vocab_size``) are dropped, so they never enter a softmax, a
         loss or a sample.
@@ -264,7 +265,7 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]
-    return logits
+    return logits.float()  # bf16 models too: log-probs, entropy, KL and losses are computed in fp32
 
 
 def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
@@ -312,7 +313,7 @@ def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]
-    return logits
+    return logits.float()  # bf16 models too: log-probs, entropy, KL and losses are computed in fp32
 
 
 def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from engine.models.master_weights import copy_masters_to_model, full_precision_weights
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -77,10 +79,11 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
-                 "iteration": -1 if iteration is None else iteration}
         ensure_process_group()
-        dist_checkpointing.save(state, str(tmp))
+        with full_precision_weights(model):  # fp32 masters under mixed precision
+            state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
+                     "iteration": -1 if iteration is None else iteration}
+            dist_checkpointing.save(state, str(tmp))
         _reproducible_metadata(tmp)
         if hf_config is not None:
             (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
@@ -161,12 +164,14 @@ def load_model_checkpoint(model, directory: str | Path) -> int | None:
     from engine.models.platform import ensure_process_group
 
     path, iteration = latest_checkpoint(directory)
-    try:
-        ensure_process_group()
-        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-    except (Exception, CheckpointException) as e:
-        raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e
-    model.load_state_dict(state["model"], strict=True)
+    with full_precision_weights(model):  # under mixed precision the fp32 masters take the weights
+        try:
+            ensure_process_group()
+            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+        except (Exception, CheckpointException) as e:
+            raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e
+        model.load_state_dict(state["model"], strict=True)
+    copy_masters_to_model(model)
     return iteration
 
 

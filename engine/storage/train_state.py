@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.models.master_weights import full_precision_weights, load_full_precision_state
+
 STATE_FILE = "train_state.pt"
 
 
@@ -107,7 +109,7 @@ class TrainState:
         Raises:
             ValueError: if the saved weights' names differ from the model's.
         """
-        result = model.load_state_dict(self.model, strict=False)
+        result = load_full_precision_state(model, self.model)  # fp32 masters exactly, under mixed precision
         # Only megatron's opaque `_extra_state` entries may be absent (see _model_state).
         bad = [k for k in result.missing_keys + result.unexpected_keys if not k.endswith("_extra_state")]
         if bad:
@@ -120,11 +122,13 @@ class TrainState:
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
     # megatron modules register `_extra_state` entries (None here, BytesIO buffers under
     # Transformer Engine); keep tensors and None so weights_only=True can load the file.
-    return {
-        k: (v.detach().clone() if isinstance(v, torch.Tensor) else None)
-        for k, v in model.state_dict().items()
-        if v is None or isinstance(v, torch.Tensor)
-    }
+    # Under mixed precision the saved weights are the fp32 masters (engine.models.master_weights).
+    with full_precision_weights(model):
+        return {
+            k: (v.detach().clone() if isinstance(v, torch.Tensor) else None)
+            for k, v in model.state_dict().items()
+            if v is None or isinstance(v, torch.Tensor)
+        }
 
 
 def save_train_state(

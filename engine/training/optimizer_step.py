@@ -6,6 +6,11 @@ the accumulated gradients are divided by the global number of loss units (tokens
 ...). The result equals one big batch's mean loss, however the batch was split.
 Megatron-core's schedules and distributed optimizer hard-code CUDA, so on CPU the step
 uses ``torch.optim.AdamW`` and a warmup + cosine ``LambdaLR``.
+
+Under bf16 (:func:`build_model_optimizer` with ``precision="bf16"``) the model computes in
+bf16 and the optimizer steps fp32 master weights whose gradients accumulate in fp32
+(``engine.models.master_weights``); the division, the clipping and the step all act on the
+fp32 gradients, and the bf16 weights are refreshed from the masters after each step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from config.training import OptimConfig
+from config.precision import resolve_precision
+from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
 
 # loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor", dict[str, float]]]
@@ -71,13 +78,33 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+def build_model_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, total_steps: int, precision: str | None = "fp32"
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """:func:`build_optimizer` for ``model`` in ``precision`` (resolved by
+    ``config.precision.resolve_precision``; None/"auto" by the hardware).
+
+    fp32: AdamW over the model's parameters. bf16: the model is cast to bf16 for compute and
+    AdamW holds fp32 master copies of its weights
+    (``engine.models.master_weights.to_mixed_precision``), so the optimizer state is fp32 too.
+    Call it once, on the model with its fp32 weights loaded.
+
+    Raises:
+        ValueError: see :func:`build_optimizer` and ``to_mixed_precision``.
+    """
+    if resolve_precision(precision) == "fp32":
+        return build_optimizer(model.parameters(), cfg, total_steps)
+    return build_optimizer(to_mixed_precision(model, compute_dtype(precision)), cfg, total_steps)
+
+
 def accumulate_gradients(
     model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, normalized: bool = False,
     backward: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[float, int, dict[str, float]]:
     """Back-propagate every micro-batch and scale the summed gradients to a global mean.
 
-    After this call each parameter's ``.grad`` is ``d(sum of loss_sum) / d(param) / N``
+    After this call each parameter's ``.grad`` (its fp32 master's under mixed precision,
+    ``engine.models.master_weights``) is ``d(sum of loss_sum) / d(param) / N``
     with ``N`` the total of ``num_units`` over all micro-batches: the gradient of the
     global-batch mean loss. With ``normalized=True`` the losses are already divided by
     their global normalisers (the RL actor's ``loss_agg_mode``s,
@@ -106,8 +133,11 @@ def accumulate_gradients(
     if len(micro_batches) == 0:
         raise ValueError("train step needs at least one micro-batch")
     model.train()
+    grads = gradient_params(model)  # the model's parameters, or their fp32 masters
     if backward is None:
         for p in model.parameters():
+            p.grad = None
+        for p in grads:
             p.grad = None
     total_units, loss_total = 0, 0.0
     metric_sums: dict[str, float] = {}
@@ -124,7 +154,7 @@ def accumulate_gradients(
     if total_units == 0:
         raise ValueError("train step: the micro-batches contain no loss units (all loss masks are empty)")
     if not normalized:
-        for p in model.parameters():
+        for p in grads:
             if p.grad is not None:
                 p.grad.div_(total_units)
     loss = loss_total if normalized else loss_total / total_units
@@ -143,7 +173,8 @@ def train_step(
     """One optimizer step over a global batch given as micro-batches.
 
     Accumulates gradients (:func:`accumulate_gradients`, with ``normalized``), clips their global L2 norm to
-    ``grad_clip`` (Pascanu et al. 2013), steps the optimizer and then the scheduler.
+    ``grad_clip`` (Pascanu et al. 2013), steps the optimizer and then the scheduler; under
+    mixed precision it then rounds the fp32 masters into the bf16 weights.
 
     Returns:
         ``{"loss", "grad_norm" (before clipping), "lr" (used by this step), "num_units",
@@ -160,6 +191,7 @@ def train_step(
         raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss}); step not taken")
     lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
+    copy_masters_to_model(model)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "num_units": float(units), **metrics}

@@ -1,0 +1,89 @@
+"""Which compute precision a stage runs in: ``bf16`` or ``fp32``, and ``auto`` resolved by the hardware.
+
+``auto`` is bf16 where the hardware computes bf16 natively and fp32 elsewhere:
+
+- CUDA: compute capability >= 8.0 (Ampere and later: bf16 tensor cores);
+- CPU: the ``avx512_bf16`` or ``amx_bf16`` instruction sets (Intel Cooper Lake, Sapphire Rapids
+  and later; AMD Zen 4 and later have avx512_bf16). Without them torch emulates bf16 matmuls
+  and they run slower than fp32 (measured on an AVX2-only EPYC: 2048^2 bf16 matmul
+  0.3 GFLOP/s against 175 GFLOP/s in fp32), so bf16 there is never a default.
+
+The config resolves ``auto`` once, when it is loaded (``config.schema.PipelineConfig``), so the
+concrete precision is what every stage's fingerprint and manifest record. This module does
+not import torch unless an NVIDIA driver is present (a cached pipeline run must not pay for
+the import); the hardware is read from ``/proc/cpuinfo``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from typing import Literal
+
+Precision = Literal["bf16", "fp32"]  # resolved; config.run.Precision adds "auto"
+DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}
+_CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it does not exist)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags") or line.startswith("Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of CUDA device 0, or None without a CUDA device. Imports torch only
+    when an NVIDIA driver is present (or torch is already imported)."""
+    if "torch" not in sys.modules and not (os.path.exists("/proc/driver/nvidia") or shutil.which("nvidia-smi")):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(0))
+
+
+@functools.cache
+def bf16_hardware() -> tuple[bool, str]:
+    """Whether this machine computes bf16 natively, and why: ``(True, "CUDA compute capability
+    8.0")``, ``(True, "CPU has amx_bf16, avx512_bf16")`` or ``(False, "CPU lacks avx512_bf16
+    and amx_bf16")``. A CUDA device decides when there is one (training runs on it)."""
+    capability = _cuda_capability()
+    if capability is not None:
+        text = f"CUDA compute capability {capability[0]}.{capability[1]}"
+        return capability >= (8, 0), text + ("" if capability >= (8, 0) else " (< 8.0)")
+    have = sorted(set(_CPU_BF16_FLAGS) & _cpu_flags())
+    if have:
+        return True, f"CPU has {', '.join(have)}"
+    return False, "CPU lacks avx512_bf16 and amx_bf16"
+
+
+def resolve_precision(setting: str | None) -> Precision:
+    """The concrete precision for a config value: ``"bf16"``/``"fp32"`` as given; ``"auto"``
+    or None: bf16 when :func:`bf16_hardware` says so, else fp32.
+
+    Raises:
+        ValueError: any other value (names the accepted ones).
+    """
+    if setting in ("bf16", "fp32"):
+        return setting  # type: ignore[return-value]
+    if setting in (None, "auto"):
+        return "bf16" if bf16_hardware()[0] else "fp32"
+    raise ValueError(f"precision must be 'bf16', 'fp32' or 'auto', got {setting!r}")
+
+
+def describe_precision(setting: str | None) -> str:
+    """One line for the stage log: the resolved precision and why, e.g. ``"precision bf16
+    (auto: CPU has amx_bf16)"`` or ``"precision fp32 (set in the config)"``."""
+    resolved = resolve_precision(setting)
+    if setting in ("bf16", "fp32"):
+        return f"precision {resolved} (set in the config)"
+    return f"precision {resolved} (auto: {bf16_hardware()[1]})"
