@@ -80,10 +80,8 @@ def resolve_precision(setting: str | None) -> Precision:
     raise ValueError(f"precision must be 'bf16', 'fp32' or 'auto', got {setting!r}")
 
 
-def describe_precision(setting: str | None) -> str:
-    """One line for the stage log: the resolved precision and why, e.g. ``"precision bf16
-    (auto: CPU has amx_bf16)"`` or ``"precision fp32 (set in the config)"``."""
-    resolved = resolve_precision(setting)
-    if setting in ("bf16", "fp32"):
-        return f"precision {resolved} (set in the config)"
-    return f"precision {resolved} (auto: {bf16_hardware()[1]})"
+def describe_precision(precision: str, run_setting: str = "auto") -> str:
+    """One line for a stage's log: its resolved ``precision``, the ``run.precision`` setting it
+    came from and what the hardware offers, e.g. ``"precision fp32 (run.precision auto; CPU
+    lacks avx512_bf16 and amx_bf16)"``."""
+    return f"precision {precision} (run.precision {run_setting}; {bf16_hardware()[1]})"

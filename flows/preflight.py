@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.schema import PipelineConfig
+from config.precision import bf16_hardware
+from config.schema import PRECISION_STAGES, PipelineConfig
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # vLLM's CPU attention backend: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
@@ -34,9 +35,21 @@ def _made_by_prepare(cfg: PipelineConfig, path: str) -> bool:
     return out == Path(path).resolve() or out in Path(path).resolve().parents
 
 
+def precision_notes(cfg: PipelineConfig) -> list[str]:
+    """What each stage computes in (resolved when the config was loaded) and why; a warning
+    when bf16 is asked for on hardware that only emulates it."""
+    stages = ", ".join(f"{s} {getattr(cfg, s).precision}" for s in PRECISION_STAGES)
+    has_bf16, why = bf16_hardware()
+    notes = [f"precision: {stages}; export {cfg.export.dtype} (run.precision {cfg.run.precision}; {why})"]
+    if not has_bf16 and any(getattr(cfg, s).precision == "bf16" for s in PRECISION_STAGES):
+        notes.append("precision: bf16 is set but this machine has no native bf16 (it is emulated, many times slower "
+                     "than fp32 here); run.precision: auto picks fp32 on it")
+    return notes
+
+
 def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     """Returns (problems, notes). Problems name the config key and the missing path."""
-    problems, notes = [], []
+    problems, notes = [], precision_notes(cfg)
     for name in ("sft", "preference", "rl_train", "rl_eval"):
         ds = getattr(cfg.data, name)
         if ds is None:

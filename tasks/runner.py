@@ -31,6 +31,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 from prefect.logging import get_run_logger
 
+from config.precision import describe_precision
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef, ArtifactStore
 from tasks.fingerprint import code_version, fingerprint, hash_path
@@ -317,6 +318,9 @@ def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
     tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), logger, fingerprint=fp, inputs=inputs,
                            resume_dir=resume_dir, store=store)
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
+    section = getattr(cfg, spec.name, None)
+    if getattr(section, "precision", None) is not None:  # resolved when the config was loaded
+        logger.info("%s: %s", spec.name, describe_precision(section.precision, cfg.run.precision))
     started = time.time()
     try:
         metrics = build(ctx) or {}
