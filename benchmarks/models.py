@@ -60,10 +60,12 @@ class Qwen2Shape:
 
 
 # "0.3m" is the quickstart's shape (hidden 128, 2 layers, head_dim 32) with room for
-# 128-token responses; "25m" has head_dim 64. Both head sizes are ones vLLM serves on CPU.
+# 128-token responses; "25m" and "100m" (GPT-2 small's width and depth) have head_dim 64.
+# These head sizes are ones vLLM serves on CPU.
 SHAPES: dict[str, Qwen2Shape] = {
     "0.3m": Qwen2Shape(128, 2, 4, 2, 256, 256),
     "25m": Qwen2Shape(512, 8, 8, 2, 1536, 256),
+    "100m": Qwen2Shape(768, 12, 12, 4, 3072, 256),
 }
 
 
@@ -271,19 +273,87 @@ def load_avg() -> float:
     return os.getloadavg()[0]
 
 
-def matmul_gflops(n: int = 1024, seconds: float = 1.0) -> float:
-    """This CPU's fp32 matmul rate now (GFLOP/s): the fastest ``n x n`` product in a
-    ``seconds`` window, with torch's default threads. A low figure means other processes are
-    using the cores, and every throughput printed next to it is depressed too."""
+def matmul_gflops(n: int = 1024, seconds: float = 1.0, dtype: str = "float32") -> float:
+    """This CPU's matmul rate now (GFLOP/s, ``2 n^3`` FLOPs per ``n x n`` product): the fastest
+    product in a ``seconds`` window, with torch's default threads, in ``dtype`` (a torch dtype
+    name: ``"float32"``, ``"bfloat16"``). A low figure means other processes are using the
+    cores, and every throughput printed next to it is depressed too.
+
+    fp32 is measured at size ``n``. For other dtypes the size doubles from 128 up to ``n``
+    while the next size's product would take at most a quarter of the window (judged from the
+    best of three products at the current size), so an emulated dtype (bf16 without hardware
+    support runs at ~1 GFLOP/s) stays at a small size and the call within about ``seconds``;
+    the rate of an emulated dtype hardly depends on the size.
+    """
     import time
 
     import torch
 
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+    torch_dtype = getattr(torch, dtype)
+
+    def product_seconds(size: int) -> float:
+        a, b = torch.randn(size, size, dtype=torch_dtype), torch.randn(size, size, dtype=torch_dtype)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    size = n if dtype == "float32" else 128
+    while size < n and product_seconds(size) * 8 < seconds / 4:  # the next size costs 8x
+        size *= 2
+    a, b = torch.randn(size, size, dtype=torch_dtype), torch.randn(size, size, dtype=torch_dtype)
     best, end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
         a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+def matmul_peaks(n: int = 2048, seconds: float = 1.0) -> dict[str, float]:
+    """``{"fp32": GFLOP/s, "bf16": GFLOP/s}``: :func:`matmul_gflops` in both dtypes, measured
+    now, one after the other (the peaks a throughput's MFU is divided by)."""
+    return {"fp32": matmul_gflops(n, seconds, "float32"), "bf16": matmul_gflops(n, seconds, "bfloat16")}
+
+
+def bf16_verdict(peaks: dict[str, float], hardware: tuple[bool, str], force: bool = False) -> tuple[bool, str]:
+    """Whether the bf16 sides of a benchmark should run here, and why.
+
+    They run when forced, or when the hardware computes bf16 natively (``hardware``, from
+    :func:`config.precision.bf16_hardware`) and the measured bf16 matmul rate is above the fp32
+    one. Without native bf16, torch emulates bf16 matmuls at a small fraction of the fp32 rate
+    (an AVX2-only EPYC: ~1 GFLOP/s against ~300), and a bf16 side would take hours and measure
+    only the emulation.
+
+    Args:
+        peaks: :func:`matmul_peaks`.
+        hardware: ``(native bf16, description)``.
+        force: run them anyway (``--force-bf16``).
+
+    Returns: ``(run, reason)``, the reason naming the hardware and both rates.
+    """
+    rates = f"bf16 matmul {peaks['bf16']:.1f} GFLOP/s, fp32 {peaks['fp32']:.1f}"
+    if force:
+        return True, f"--force-bf16 ({hardware[1]}; {rates})"
+    if not hardware[0]:
+        return False, f"{hardware[1]} ({rates}); --force-bf16 runs them anyway"
+    if peaks["bf16"] <= peaks["fp32"]:
+        return False, f"{hardware[1]}, but bf16 is no faster than fp32 here ({rates}); --force-bf16 runs them anyway"
+    return True, f"{hardware[1]} ({rates})"
+
+
+def update_mfu(num_parameters: int, trained_tokens: float, seconds: float, peak_gflops: float) -> float:
+    """Model FLOPs utilisation of a training update: ``6 N T / seconds / peak``.
+
+    ``6 N`` FLOPs per trained token (forward ``2 N``, backward ``4 N``; Kaplan et al. 2020,
+    "Scaling Laws for Neural Language Models", section 2.1; attention's sequence-length term
+    left out, as in PaLM's MFU, Chowdhery et al. 2022, appendix B), ``N`` all parameters
+    (embedding included), ``T`` the tokens trained on (prompt and response, no padding).
+
+    Returns: a fraction of ``peak_gflops`` (0.35 = 35%); 0 when ``seconds`` or the peak is 0.
+    """
+    if seconds <= 0 or peak_gflops <= 0:
+        return 0.0
+    return 6.0 * num_parameters * trained_tokens / seconds / (peak_gflops * 1e9)

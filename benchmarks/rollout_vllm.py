@@ -2,11 +2,15 @@
 
     python -m benchmarks.rollout_vllm                       # 0.3m and 25m, 64 prompts x 4 x 128 tokens
     python -m benchmarks.rollout_vllm --sizes 25m --modes standalone engine --repeats 5
+    python -m benchmarks.rollout_vllm --sizes 25m 100m --precision bf16  # where bf16 is native
 
 Every mode samples the same prompts (the quickstart's first ``--prompts`` RL prompts, chat
 template applied), ``--samples`` responses each at temperature 1, exactly ``--tokens``
-tokens per response, over the tokenizer's ids only, fp32, from the same random-init Qwen2
-weights (``benchmarks.models.SHAPES``), on this machine's CPU. Modes (``--modes``):
+tokens per response, over the tokenizer's ids only, from the same random-init Qwen2 weights
+(``benchmarks.models.SHAPES``), on this machine's CPU, all in one dtype: ``--precision``
+(``auto``: bf16 where the hardware has it, ``config.precision``; bf16 runs only where it is
+native and measured faster than fp32, ``benchmarks.models.bf16_verdict``, unless
+``--force-bf16``). Modes (``--modes``):
 
 - ``standalone``: ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
   ``distributed_executor_backend="uni"``, otherwise vLLM's defaults, so the model is
@@ -73,9 +77,9 @@ def prompt_ids(hf_dir: Path, num_prompts: int) -> list[list[int]]:
 
 
 def open_standalone(hf_dir: Path, prompts: list[list[int]], samples: int, tokens: int,
-                    eager: bool = False) -> tuple[Call, Callable[[], None]]:
+                    eager: bool = False, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
     """Standalone in-process vLLM (``enforce_eager`` as given; vLLM's default False lets it
-    compile the model). Returns ``(call, close)``."""
+    compile the model) in ``precision``'s dtype. Returns ``(call, close)``."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -87,8 +91,11 @@ def open_standalone(hf_dir: Path, prompts: list[list[int]], samples: int, tokens
     config = json.loads((hf_dir / "config.json").read_text())
     max_len = int(config["max_position_embeddings"])
     # the KV cache the engine's VLLMRollout asks for the same call (every sequence at full length)
-    llm = LLM(model=str(hf_dir), dtype="float32", max_model_len=max_len,
-              kv_cache_memory_bytes=kv_cache_bytes(config, len(prompts) * samples, max_len),
+    from config.precision import DTYPE_NAMES
+
+    dtype = DTYPE_NAMES[precision]
+    llm = LLM(model=str(hf_dir), dtype=dtype, max_model_len=max_len,
+              kv_cache_memory_bytes=kv_cache_bytes(config, len(prompts) * samples, max_len, dtype),
               skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0, enforce_eager=eager)
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
                             allowed_token_ids=list(range(vocab)))
@@ -110,17 +117,19 @@ def _hf_weights(hf_dir: Path) -> list:
 
 
 def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples: int,
-                      tokens: int) -> tuple[Call, Callable[[], None]]:
+                      tokens: int, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
     """The engine's ``VLLMRollout`` in this process, built as ``RolloutWorker`` builds it
     (placeholder weights, then ``update_weights``), without Ray. Returns ``(call, close)``."""
     from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
     from engine.rl.phases import sampling_seed
     from engine.rollout.base import SamplingSpec
     from engine.rollout.vllm_rollout import VLLMRollout
+    from config.precision import DTYPE_NAMES
 
     engine = VLLMRollout(model_dir / HF_SUBDIR, num_sequences=len(prompts) * samples,
                          max_model_len=int(read_hf_config(model_dir)["max_position_embeddings"]),
-                         valid_vocab_size=len(load_tokenizer(model_dir)), load_format="dummy")
+                         valid_vocab_size=len(load_tokenizer(model_dir)), load_format="dummy",
+                         dtype=DTYPE_NAMES[precision])
     engine.update_weights(_hf_weights(hf_dir))
 
     def call(index: int) -> tuple[int, float]:
@@ -134,7 +143,7 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
 
 
 def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples: int,
-                tokens: int) -> tuple[Call, Callable[[], None]]:
+                tokens: int, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
     """The RL engine's rollout path (see the module docstring): a local Ray cluster, the
     colocated placement group and a ``RolloutWorker`` actor given the weights; a call is one
     ``engine.rl.phases.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
@@ -158,7 +167,7 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
     max_len = int(read_hf_config(model_dir)["max_position_embeddings"])
     rollout = spawn(RolloutWorker, placement, str(model_dir), cfg.rollout, str(WORK_DIR / "scratch"), max_len,
-                    max(1, int(placement.num_cpus)), num_sequences=len(prompts) * samples)
+                    max(1, int(placement.num_cpus)), num_sequences=len(prompts) * samples, precision=precision)
 
     def close() -> None:
         ray.kill(rollout)
@@ -179,18 +188,19 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     return call, close
 
 
-def serve_mode(mode: str, size: str, num_prompts: int, samples: int, tokens: int) -> None:
+def serve_mode(mode: str, size: str, num_prompts: int, samples: int, tokens: int, precision: str = "fp32") -> None:
     """Child process: open ``mode``, warm up with one call, report ``{"startup_s"}``, then
     answer each stdin line with one timed call ``{"tokens", "seconds"}`` until stdin closes."""
     hf_dir, model_dir = benchmark_model(size)
     prompts = prompt_ids(hf_dir, num_prompts)
     t0 = time.perf_counter()
     if mode in ("standalone", "standalone-eager"):
-        call, close = open_standalone(hf_dir, prompts, samples, tokens, eager=mode == "standalone-eager")
+        call, close = open_standalone(hf_dir, prompts, samples, tokens, eager=mode == "standalone-eager",
+                                      precision=precision)
     elif mode == "vllm-rollout":
-        call, close = open_vllm_rollout(hf_dir, model_dir, prompts, samples, tokens)
+        call, close = open_vllm_rollout(hf_dir, model_dir, prompts, samples, tokens, precision)
     else:
-        call, close = open_engine(hf_dir, model_dir, prompts, samples, tokens)
+        call, close = open_engine(hf_dir, model_dir, prompts, samples, tokens, precision)
     try:
         startup = time.perf_counter() - t0
         call(0)
@@ -228,7 +238,8 @@ class ModeProcess:
         self.mode = mode
         self.log_path = log_path
         cmd = [sys.executable, "-m", "benchmarks.rollout_vllm", "--child", mode, "--sizes", size, "--prompts",
-               str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens)]
+               str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens),
+               "--precision", args.resolved_precision]
         self._log = log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env={**os.environ, **RAY_EQUAL_PRIORITY_ENV})
@@ -306,17 +317,30 @@ def render(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="model sizes")
+    parser.add_argument("--sizes", nargs="+", default=["0.3m", "25m"], choices=list(SHAPES), help="model sizes")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per call")
     parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per response (every response runs to it)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds, after one warm-up call per mode")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="what to measure (module docstring)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="dtype of every mode (auto: bf16 where the hardware has it)")
+    parser.add_argument("--force-bf16", action="store_true", help="run bf16 even where it is not native or not faster")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        serve_mode(args.child, args.sizes[0], args.prompts, args.samples, args.tokens)
+        serve_mode(args.child, args.sizes[0], args.prompts, args.samples, args.tokens, args.precision)
         return
+    from benchmarks.models import bf16_verdict, matmul_peaks
+    from config.precision import bf16_hardware, resolve_precision
+
+    args.resolved_precision = resolve_precision(args.precision)
+    if args.resolved_precision == "bf16":
+        run, why = bf16_verdict(matmul_peaks(), bf16_hardware(), args.force_bf16)
+        print(f"bf16: {why}", flush=True)
+        if not run:
+            print("bf16 does not run here; nothing measured")
+            return
 
     print("preparing the quickstart data and tokenizer (posttrain stage prepare) and the models", flush=True)
     prepare_quickstart()
@@ -326,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
         print(f"{size}:", flush=True)
         rows.append({"size": size, "params": SHAPES[size].num_parameters(vocab), "modes": measure_size(size, args)})
-    print(f"\n{args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, fp32, {os.cpu_count()} CPU cores, "
+    print(f"\n{args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, {args.resolved_precision}, "
+          f"{os.cpu_count()} CPU cores, "
           f"{args.repeats} interleaved rounds; matmul {matmul_gflops():.0f} GFLOP/s, load average {load_avg():.1f} at the end")
     print(render(rows))
 

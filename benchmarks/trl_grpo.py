@@ -1,9 +1,10 @@
 """GRPO throughput and reward: the RL engine (``engine.rl.loop.run_rl``) vs TRL's ``GRPOTrainer``.
 
-    python -m benchmarks.trl_grpo                               # both sizes, default steps
-    python -m benchmarks.trl_grpo --sizes quickstart --steps 30 --sft-steps 300
-    python -m benchmarks.trl_grpo --sizes 25m --steps 6 --trl-generation vllm
-    python -m benchmarks.trl_grpo --sides engine trl                 # without the asynchronous engine
+    python -m benchmarks.trl_grpo                               # 25m and 100m, every side, ~30 minutes
+    python -m benchmarks.trl_grpo --sizes 25m --rounds 2        # bf16 sides skipped without bf16 hardware
+    python -m benchmarks.trl_grpo --sizes quickstart --steps-per-round 5 --sft-steps 300
+    python -m benchmarks.trl_grpo --sides engine trl trl_bf16 --engine-precision bf16
+    python -m benchmarks.trl_grpo --sizes 25m --trl-generation vllm
 
 Both sides train the same starting weights on the same prompts with the same GRPO settings:
 group size, prompts per step, response budget, temperature 1, AdamW at the same learning
@@ -16,33 +17,52 @@ one optimizer step per rollout batch, and the quickstart's exact-match verifier
   SFT policy that the ``posttrain`` stages make (prepare, validate, convert, sft; with
   ``--sft-steps`` steps, cached after the first run): 64 prompts x 8 samples, at most 6
   response tokens (the answer and EOS), as ``configs/quickstart.yaml``.
-- ``25m``: a random-init ~25M-parameter Qwen2 (head_dim 64) with the quickstart tokenizer
-  and prompts: 8 prompts x 8 samples, every response exactly 128 tokens (the engine's model
-  directory names an EOS it never samples; TRL gets ``min_new_tokens=128``), micro-batches
-  of 16 on both sides. The reward is 0 throughout: this size measures throughput only.
+- ``25m`` and ``100m``: a random-init Qwen2 (``benchmarks.models.SHAPES``: hidden 512 x 8
+  layers and 768 x 12, head_dim 64) with the quickstart tokenizer and prompts: 8 prompts x 8
+  samples, every response exactly 128 tokens (the engine's model directory names an EOS it
+  never samples; TRL gets ``min_new_tokens=128``), micro-batches of 16 on both sides. The
+  reward is 0 throughout: these sizes measure throughput only.
 
 Engine sides: a local Ray cluster, in-process vLLM rollout, the megatron-core policy, from
-the converted model directory (``benchmarks.models``); ``engine`` is the shipped default
-(colocated workers, synchronous), ``engine_async`` the disaggregated placement with one
-CPU for rollout and step ``s + 1``'s rollout overlapping step ``s``'s training
-(``rl.engine.off_policy_steps: 1``, ``rl.tis_cap: 2``, as docs/algorithms.md recommends). TRL side:
-``GRPOTrainer`` on the HF weights of the same policy, fp32 on CPU, gradient checkpointing
-off, ``--trl-generation``: ``generate`` (transformers ``generate``, padded batch, KV cache:
-TRL's default), ``continuous`` (transformers' continuous batching) or ``vllm`` (TRL's
-colocated vLLM). Each side runs in its own subprocess, one after the other, at the same
-CPU priority (the engine's Ray workers at nice 0, not Ray's default 15: ``benchmarks.models``).
+the converted model directory (``benchmarks.models``), at ``rl.precision`` =
+``--engine-precision`` (``auto``: bf16 where the hardware has it, ``config.precision``);
+``engine`` is the shipped default (colocated workers, synchronous), ``engine_async`` the
+disaggregated placement with one CPU for rollout and step ``s + 1``'s rollout overlapping step
+``s``'s training (``rl.engine.off_policy_steps: 1``, ``rl.tis_cap: 2``, as docs/algorithms.md
+recommends). TRL sides: ``GRPOTrainer`` on the HF weights of the same policy, on CPU, gradient
+checkpointing off, at its three CPU precision settings: ``trl`` fp32 (``bf16=False``),
+``trl_autocast`` fp32 weights with ``bf16=True`` (torch autocast to bf16 in the loss
+computation) and ``trl_bf16`` the model loaded in bf16 (``dtype=bfloat16``, ``bf16=True``: what
+TRL's defaults give for a bf16 checkpoint); ``--trl-generation``: ``generate`` (transformers
+``generate``, padded batch, KV cache: TRL's default), ``continuous`` (transformers' continuous
+batching) or ``vllm`` (TRL's colocated vLLM). The engine's Ray workers run at the same CPU
+priority as TRL (nice 0, not Ray's default 15: ``benchmarks.models``).
+
+bf16 sides (the TRL ones with bf16, and the engine's when its precision is bf16) run only where
+bf16 is native and measured faster than fp32 (``benchmarks.models.bf16_verdict``): without
+avx512_bf16/AMX torch emulates bf16 matmuls ~100x slower than fp32 and the benchmark would
+measure the emulation for hours. ``--force-bf16`` runs them anyway. The reason is printed.
+
+Interleaving (``benchmarks.rounds``): every side lives in its own subprocess, trains one
+warm-up step (start-up work lands in it; not timed), then the sides take turns, ``--rounds``
+rounds of ``--steps-per-round`` steps each, ``A B C A B C ...``; ``engine_async`` runs one more
+step per round and leaves the round's first one out (its rollout was made while the side was
+paused). Before every round the fp32 and bf16 matmul peaks and the load are measured; ratios of
+two sides are taken per round and reported as the median over rounds with its range.
 
 Per step: seconds (the engine's ``timing_s/step``; for TRL the time between consecutive
-``on_step_end`` callbacks, the first measured from ``on_train_begin``), generated tokens
-(response tokens sampled, EOS included), trained tokens (prompt + response tokens of the
-batch, padding excluded) and the mean reward of the step's responses. The summary leaves
-the first step out of the timing (start-up work lands in it) and averages the reward over
-the last ``--reward-window`` steps. Ratios are engine / TRL: above 1 means the engine is
-faster (seconds per step: below 1). Each side also prints its mean phase times over the
-timed steps: the engine's ``timing_s/*`` metrics (``old_log_prob`` and ``ref`` run at the same
-time, so they overlap), and for TRL ``gen`` (step start until the reward function is called:
-tokenization, generation, decoding) and ``rest`` (scoring, advantages, the forward and
-backward passes, the optimizer step, logging).
+``on_step_end`` callbacks), generated tokens (response tokens sampled, EOS included), trained
+tokens (prompt + response tokens of the batch, padding excluded), the update's seconds (the
+engine's ``timing_s/update_actor``; for TRL the step minus the time until the reward function
+is called: scoring, advantages, forward, backward, optimizer step) and the mean reward of the
+step's responses. The update's MFU is ``6 x parameters x trained tokens / update seconds /
+matmul peak`` of the side's precision (``benchmarks.models.update_mfu``), the peak being the
+highest of the run's measurements (one measurement on a busy host can come out low). The
+reward is averaged over the last ``--reward-window`` steps. Ratios are engine / TRL: above 1
+means the engine is faster (seconds per step: below 1). Each side also prints its mean phase
+times: the engine's ``timing_s/*`` metrics, and for TRL ``gen`` (step start until the reward
+function is called: tokenization, generation, decoding) and ``rest`` (the update as above,
+plus logging).
 """
 
 from __future__ import annotations
@@ -52,29 +72,42 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.models import (
-    PROJECT_ROOT, RAY_EQUAL_PRIORITY_ENV, WORK_DIR, benchmark_model, load_avg, matmul_gflops, prepare_quickstart,
+    PROJECT_ROOT, RAY_EQUAL_PRIORITY_ENV, WORK_DIR, benchmark_model, bf16_verdict, load_avg, matmul_peaks,
+    prepare_quickstart, update_mfu,
 )
 
-SIDES = ("engine", "engine_async", "trl")
+SIDES = ("engine", "engine_async", "trl", "trl_autocast", "trl_bf16")
 ENGINE_SIDES = {
     "engine": {},  # the shipped default: colocated, synchronous
     # disaggregated bundles (1 CPU rollout, the rest training), step s+1's rollout overlapping
     # step s's training, stale tokens reweighted by truncated importance sampling (docs/algorithms.md)
     "engine_async": {"engine": {"placement": "disaggregated", "rollout_cpus": 1, "off_policy_steps": 1}, "tis_cap": 2.0},
 }
+# TRL side -> (dtype the model is loaded in, TrainingArguments.bf16: autocast to bf16)
+TRL_SIDES = {"trl": ("float32", False), "trl_autocast": ("float32", True), "trl_bf16": ("bfloat16", True)}
+# sides whose next rollout runs ahead while the side is paused: a round's first step is not timed
+OVERLAPPING = {"engine_async"}
 TRL_GENERATION = ("generate", "continuous", "vllm")
+
+
+def side_precision(side: str, engine_precision: str) -> str:
+    """``"bf16"`` or ``"fp32"``: what ``side`` computes its matmuls in (the peak its MFU uses).
+    ``engine_precision`` is the engine sides' resolved ``rl.precision``; TRL's autocast and
+    bf16-loaded sides compute in bf16."""
+    if side in ENGINE_SIDES:
+        return engine_precision
+    return "bf16" if TRL_SIDES[side][1] else "fp32"
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One benchmark size: the GRPO settings both sides share."""
+    """One benchmark size: the GRPO settings both sides share, and the default rounds."""
 
     prompts_per_step: int
     n_samples: int
@@ -84,25 +117,30 @@ class Setting:
     warmup_steps: int
     temperature: float
     fixed_length: bool  # every response runs to max_new_tokens
-    default_steps: int
+    steps_per_round: int
+    rounds: int
 
 
 SETTINGS: dict[str, Setting] = {
+    "25m": Setting(8, 8, 128, 16, 2e-4, 0, 1.0, True, 2, 3),
+    "100m": Setting(8, 8, 128, 16, 2e-4, 0, 1.0, True, 1, 2),
     # configs/quickstart.yaml's rl section (its 100 steps shortened; warm-up kept)
-    "quickstart": Setting(64, 8, 6, 512, 2e-4, 10, 1.0, False, 20),
-    "25m": Setting(8, 8, 128, 16, 2e-4, 0, 1.0, True, 4),
+    "quickstart": Setting(64, 8, 6, 512, 2e-4, 10, 1.0, False, 5, 3),
 }
+DEFAULT_SIZES = ("25m", "100m")
 
 
 @dataclass(frozen=True)
 class StepRecord:
     """One RL step: wall seconds, response tokens sampled, prompt + response tokens trained
-    on (no padding), mean reward of its responses."""
+    on (no padding), mean reward of its responses, and the seconds of its policy update
+    (forward, backward, optimizer step; None where not measured)."""
 
     seconds: float
     generated_tokens: int
     trained_tokens: int
     reward: float
+    update_seconds: float | None = None
 
 
 def summarize(records: list[StepRecord], skip_first: int = 1, reward_window: int = 5) -> dict[str, float]:
@@ -148,13 +186,16 @@ def increments(cumulative: list[float], start: float = 0.0) -> list[float]:
 def engine_record(metrics: dict[str, float]) -> StepRecord:
     """A :class:`StepRecord` from one step's ``engine.rl.loop`` metrics: ``timing_s/step``,
     ``response_length/mean`` x ``batch/responses`` response tokens, ``perf/throughput`` x
-    ``timing_s/step`` trained tokens (``Trajectory.num_tokens``), ``critic/score/mean``."""
+    ``timing_s/step`` trained tokens (``Trajectory.num_tokens``), ``critic/score/mean``,
+    ``timing_s/update_actor`` (if present)."""
     seconds = float(metrics["timing_s/step"])
+    update = metrics.get("timing_s/update_actor")
     return StepRecord(
         seconds=seconds,
         generated_tokens=round(metrics["response_length/mean"] * metrics["batch/responses"]),
         trained_tokens=round(metrics["perf/throughput"] * seconds),
         reward=float(metrics["critic/score/mean"]),
+        update_seconds=None if update is None else float(update),
     )
 
 
@@ -186,18 +227,25 @@ def _stale(hf_dir: Path, source: Path) -> bool:
 # ----------------------------------------------------------------------------- engine side (child)
 
 
-def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int, side: str = "engine") -> dict:
-    """``engine.rl.loop.run_rl`` for ``steps`` steps in the mode of ``side`` (:data:`ENGINE_SIDES`);
-    per-step records and the wall time of the call."""
+def run_engine(size: str, paths: dict[str, Path], segments: list[int], seed: int, side: str = "engine",
+               precision: str = "auto") -> dict:
+    """``engine.rl.loop.run_rl`` in the mode of ``side`` (:data:`ENGINE_SIDES`) at ``rl.precision``
+    ``precision``, for ``sum(segments)`` steps, pausing after each segment
+    (:class:`benchmarks.rounds.RoundGate`); returns the mean phase seconds, the resolved
+    precision and the wall time of the call (pauses excluded)."""
+    from benchmarks.rounds import RoundGate
+    from config.precision import resolve_precision
     from config.schema import RLConfig
     from engine.rl.placement import shutdown_ray
     from engine.rl.loop import run_rl
 
     s = SETTINGS[size]
+    gate = RoundGate(segments)
+    steps = gate.total_steps
     # the `rl:` section as a config file would give it
     cfg = RLConfig.model_validate({
         "algorithm": "grpo", "steps": steps, "prompts_per_step": s.prompts_per_step, "n_samples": s.n_samples,
-        "micro_batch_size": s.micro_batch_size, "clip_ratio": 0.2, "kl": {"coef": 0.0},
+        "micro_batch_size": s.micro_batch_size, "clip_ratio": 0.2, "kl": {"coef": 0.0}, "precision": precision,
         "optim": {"lr": s.lr, "warmup_steps": s.warmup_steps, "grad_clip": 1.0}, "checkpoint_every": steps,
         "rollout": {"backend": "vllm", "temperature": s.temperature, "max_new_tokens": s.max_new_tokens},
         "reward": {"verifier": "exact_match"}, **ENGINE_SIDES[side],
@@ -205,34 +253,51 @@ def run_engine(size: str, paths: dict[str, Path], steps: int, seed: int, side: s
     out_dir = WORK_DIR / "trl_grpo" / size / side
     shutil.rmtree(out_dir, ignore_errors=True)
     history: list[dict] = []
+
+    def log(metrics: dict, step: int) -> None:
+        history.append(dict(metrics))
+        gate.step_done(asdict(engine_record(metrics)))
+
     t0 = time.perf_counter()
     try:
-        run_rl(paths["engine_model"], paths["prompts"], cfg, out_dir, resume_dir=None, seed=seed,
-               log_metrics=lambda m, step: history.append(dict(m)))
+        run_rl(paths["engine_model"], paths["prompts"], cfg, out_dir, resume_dir=None, seed=seed, log_metrics=log)
     finally:
         shutdown_ray()
     phases = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights") + (("rollout_wait",) if "engine" in ENGINE_SIDES[side] else ())
-    breakdown = {p: statistics.fmean(m.get(f"timing_s/{p}", 0.0) for m in history[1:] or history) for p in phases}
-    return {"records": [asdict(engine_record(m)) for m in history], "wall_s": time.perf_counter() - t0,
-            "phases_s": breakdown}
+    timed = history[segments[0]:] or history
+    breakdown = {p: statistics.fmean(m.get(f"timing_s/{p}", 0.0) for m in timed) for p in phases}
+    return {"wall_s": time.perf_counter() - t0 - gate.paused_s, "phases_s": breakdown,
+            "precision": resolve_precision(cfg.precision)}
 
 
 # ----------------------------------------------------------------------------- TRL side (child)
 
 
-def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation: str) -> dict:
-    """TRL ``GRPOTrainer`` for ``steps`` steps with the settings of ``size``; per-step records
-    and the wall time of ``train()``."""
+def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, generation: str,
+            side: str = "trl") -> dict:
+    """TRL ``GRPOTrainer`` at the precision setting of ``side`` (:data:`TRL_SIDES`) with the
+    settings of ``size``, for ``sum(segments)`` steps, pausing after each segment
+    (:class:`benchmarks.rounds.RoundGate`); returns the mean phase seconds and the wall time of
+    ``train()`` (pauses excluded).
+
+    Raises:
+        RuntimeError: TRL's steps, rollouts and token logs do not line up, or (fixed-length
+            sizes) a step did not run every response to the full length.
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.models import read_prompt_rows
+    from benchmarks.rounds import RoundGate
     from data.rewards import get_verifier
 
     torch.set_num_threads(os.cpu_count() or 1)
     s = SETTINGS[size]
+    gate = RoundGate(segments)
+    steps = gate.total_steps
+    batch = s.prompts_per_step * s.n_samples
     tokenizer = AutoTokenizer.from_pretrained(str(paths["hf_model"]))
     verifier = get_verifier("exact_match")
     eos_ids = {tokenizer.eos_token_id}
@@ -251,7 +316,9 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
         return scores
 
     class StepClock(TrainerCallback):
-        """Wall time of each optimizer step and the running token total TRL logs."""
+        """Wall time of each optimizer step; at each step's log (the running token total TRL
+        logs comes after ``on_step_end``) the step's record goes to the gate, whose pause is
+        then taken out of the next step's time."""
 
         def __init__(self):
             self.last = self.step_start = 0.0
@@ -270,10 +337,23 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
             self.last = now
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "num_tokens" in logs:
-                self.num_tokens.append(float(logs["num_tokens"]))
+            if not (logs and "num_tokens" in logs):
+                return
+            previous = self.num_tokens[-1] if self.num_tokens else 0.0
+            self.num_tokens.append(float(logs["num_tokens"]))
+            i = len(self.num_tokens) - 1
+            if not (len(self.seconds) == len(generated) == len(rewards) == len(to_reward) == i + 1):
+                raise RuntimeError(f"TRL steps do not line up at step {i + 1}: {len(self.seconds)} timed, "
+                                   f"{len(generated)} rollouts, {i + 1} token logs")
+            if s.fixed_length and generated[i] != batch * s.max_new_tokens:
+                raise RuntimeError(f"TRL generation {generation!r} did not run every response to {s.max_new_tokens} "
+                                   f"tokens (step {i + 1}: {generated[i]}); use --trl-generation generate")
+            record = StepRecord(self.seconds[i], generated[i], round(self.num_tokens[i] - previous), rewards[i],
+                                update_seconds=self.seconds[i] - to_reward[i])
+            paused = gate.paused_s
+            gate.step_done(asdict(record))
+            self.last += gate.paused_s - paused
 
-    batch = s.prompts_per_step * s.n_samples
     generation_kwargs = None
     if s.fixed_length:
         vocab = json.loads((paths["hf_model"] / "config.json").read_text())["vocab_size"]
@@ -283,12 +363,13 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
         else:  # the engine samples only the tokenizer's ids: suppress the embedding's spare rows too
             generation_kwargs = {"min_new_tokens": s.max_new_tokens,
                                  "suppress_tokens": list(range(len(tokenizer), vocab))}
-    out_dir = WORK_DIR / "trl_grpo" / size / "trl"
+    out_dir = WORK_DIR / "trl_grpo" / size / side
     shutil.rmtree(out_dir, ignore_errors=True)
+    dtype, autocast = TRL_SIDES[side]
     args = GRPOConfig(
         output_dir=str(out_dir), max_steps=steps, seed=seed, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False, model_init_kwargs={"dtype": torch.float32},
+        disable_tqdm=True, use_cpu=True, bf16=autocast, fp16=False, gradient_checkpointing=False,
+        dataloader_num_workers=0, dataloader_pin_memory=False, model_init_kwargs={"dtype": getattr(torch, dtype)},
         per_device_train_batch_size=s.micro_batch_size, gradient_accumulation_steps=batch // s.micro_batch_size,
         num_generations=s.n_samples, max_completion_length=s.max_new_tokens, temperature=s.temperature,
         top_p=1.0, top_k=0, learning_rate=s.lr, lr_scheduler_type="cosine", warmup_steps=s.warmup_steps,
@@ -304,35 +385,46 @@ def run_trl(size: str, paths: dict[str, Path], steps: int, seed: int, generation
                           train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     t0 = time.perf_counter()
     trainer.train()
-    wall = time.perf_counter() - t0
-    trained = increments(clock.num_tokens)
-    if not (len(clock.seconds) == len(generated) == len(rewards) == len(trained) == steps):
-        raise RuntimeError(f"TRL steps do not line up: {len(clock.seconds)} timed, {len(generated)} rollouts, "
-                           f"{len(trained)} token logs for {steps} steps")
-    if s.fixed_length and any(g != batch * s.max_new_tokens for g in generated):
-        raise RuntimeError(f"TRL generation {generation!r} did not run every response to {s.max_new_tokens} tokens "
-                           f"(generated per step: {generated}); use --trl-generation generate")
-    records = [StepRecord(sec, gen, round(tr), r) for sec, gen, tr, r in zip(clock.seconds, generated, trained, rewards)]
-    timed = slice(1, None) if steps > 1 else slice(None)
+    wall = time.perf_counter() - t0 - gate.paused_s
+    if len(clock.num_tokens) != steps:
+        raise RuntimeError(f"TRL logged {len(clock.num_tokens)} steps of {steps}")
+    timed = slice(segments[0], None) if steps > segments[0] else slice(None)
     gen = statistics.fmean(to_reward[timed])
     phases = {"gen": gen, "rest": statistics.fmean(clock.seconds[timed]) - gen}
-    return {"records": [asdict(r) for r in records], "wall_s": wall, "phases_s": phases}
+    return {"wall_s": wall, "phases_s": phases, "precision": side_precision(side, "fp32"),
+            "weights_dtype": str(next(trainer.model.parameters()).dtype)}
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _child(side: str, size: str, paths: dict[str, Path], args) -> dict:
+def _command(side: str, size: str, paths: dict[str, Path], segments: list[int], args) -> list[str]:
     # the inputs are resolved once, here: a child resolving them again could see other fingerprints
     # (the stages' code version changes when the product source does) and rebuild them
-    cmd = [sys.executable, "-m", "benchmarks.trl_grpo", "--child", side, "--sizes", size, "--steps", str(args.steps_for(size)),
-           "--seed", str(args.seed), "--trl-generation", args.trl_generation,
-           "--child-paths", json.dumps({k: str(v) for k, v in paths.items()})]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **RAY_EQUAL_PRIORITY_ENV}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=PROJECT_ROOT, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"{side} {size}: benchmark subprocess failed:\n{out.stderr[-6000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return [sys.executable, "-m", "benchmarks.trl_grpo", "--child", side, "--sizes", size,
+            "--child-segments", ",".join(map(str, segments)), "--seed", str(args.seed),
+            "--trl-generation", args.trl_generation, "--engine-precision", args.engine_precision,
+            "--child-paths", json.dumps({k: str(v) for k, v in paths.items()})]
+
+
+def round_stats(records: list[StepRecord], num_parameters: int, peak_gflops: float) -> dict[str, float]:
+    """One side's round: ``s_per_step`` (mean), ``gen_tok_s`` and ``train_tok_s`` (the round's
+    tokens over its seconds), ``update_s`` (mean update seconds per step) and ``mfu`` of the
+    update (:func:`benchmarks.models.update_mfu` of the round's trained tokens and update
+    seconds against ``peak_gflops``; 0 when no update time was recorded).
+
+    Raises:
+        ValueError: no records.
+    """
+    if not records:
+        raise ValueError("a round without steps")
+    seconds = sum(r.seconds for r in records)
+    updates = [r.update_seconds for r in records if r.update_seconds is not None]
+    trained = sum(r.trained_tokens for r in records)
+    update_total = sum(updates) if len(updates) == len(records) else 0.0
+    return {"s_per_step": seconds / len(records), "gen_tok_s": sum(r.generated_tokens for r in records) / seconds,
+            "train_tok_s": trained / seconds, "update_s": update_total / len(records),
+            "mfu": update_mfu(num_parameters, trained, update_total, peak_gflops)}
 
 
 def render(rows: list[dict]) -> str:
@@ -346,70 +438,170 @@ def render(rows: list[dict]) -> str:
             m = r[side]
             lines.append(f"| {r['size']} | {side} | {m['s_per_step']:.2f} | {m['s_per_step_median']:.2f} | "
                          f"{m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} | {m['reward_last']:.3f} | {m['timed_steps']:.0f} |")
-        t = r.get("trl")
-        for side in sides:
-            if t is None or side == "trl":
-                continue
-            e = r[side]
-            lines.append(f"| {r['size']} | {side}/TRL | {e['s_per_step'] / t['s_per_step']:.2f} | "
-                         f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
-                         f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
+        for trl_side in (t for t in TRL_SIDES if t in r):
+            t = r[trl_side]
+            label = "TRL" if trl_side == "trl" else trl_side
+            for side in (e for e in sides if e in ENGINE_SIDES):
+                e = r[side]
+                lines.append(f"| {r['size']} | {side}/{label} | {e['s_per_step'] / t['s_per_step']:.2f} | "
+                             f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
+                             f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
     return "\n".join(lines)
+
+
+def render_rounds(rows: list[dict]) -> str:
+    """Every side's every round: the load and matmul peaks it ran under, its speed, the update's MFU."""
+    head = ("size", "round", "side", "precision", "load avg", "other cores", "fp32 peak GFLOP/s", "bf16 peak GFLOP/s",
+            "s/step", "trained tok/s", "update s/step", "update MFU")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        for x in r["rounds"]:
+            lines.append(f"| {r['size']} | {x['round'] + 1} | {x['side']} | {x['precision']} | {x['load_avg']:.1f} | "
+                         f"{x['other_cores']:.2f} | {x['peaks']['fp32']:.0f} | {x['peaks']['bf16']:.1f} | "
+                         f"{x['s_per_step']:.2f} | {x['train_tok_s']:.0f} | {x['update_s']:.2f} | {100 * x['mfu']:.1f}% |")
+    return "\n".join(lines)
+
+
+def render_ratios(rows: list[dict]) -> str:
+    """Per size: each side's update MFU over rounds, and each engine side's trained-tokens/s
+    ratio to each TRL side, median over rounds [min-max]."""
+    from benchmarks.rounds import ratio_stats
+
+    lines = ["| size | what | median over rounds | range | rounds |", "|---|---|---|---|---|"]
+    for r in rows:
+        by_side: dict[str, list[dict]] = {}
+        for x in r["rounds"]:
+            by_side.setdefault(x["side"], []).append(x)
+        for side, xs in by_side.items():
+            mfu = [100 * x["mfu"] for x in xs]
+            lines.append(f"| {r['size']} | {side} update MFU ({xs[0]['precision']} peak) | {statistics.median(mfu):.1f}% | "
+                         f"{min(mfu):.1f}-{max(mfu):.1f}% | {len(xs)} |")
+        for trl_side in (t for t in TRL_SIDES if t in by_side):
+            for side in (e for e in ENGINE_SIDES if e in by_side):
+                st = ratio_stats([x["train_tok_s"] for x in by_side[side]], [x["train_tok_s"] for x in by_side[trl_side]])
+                lines.append(f"| {r['size']} | {side}/{trl_side} trained tok/s | **{st['median']:.2f}** | "
+                             f"{st['min']:.2f}-{st['max']:.2f} | {st['n']:.0f} |")
+    return "\n".join(lines)
+
+
+def measure_size(size: str, args) -> dict:
+    """All chosen sides of ``size`` in interleaved rounds; the row for the tables
+    (:func:`render`, :func:`render_rounds`, :func:`render_ratios`)."""
+    from benchmarks.rounds import run_interleaved
+    from config.precision import bf16_hardware, resolve_precision
+
+    s = SETTINGS[size]
+    rounds, per_round = args.rounds or s.rounds, args.steps_per_round or s.steps_per_round
+    print(f"{size}: inputs", flush=True)
+    paths = inputs_for(size, args.sft_steps)
+    params = _parameters(paths["hf_model"])
+    peaks = matmul_peaks()
+    run_bf16, reason = bf16_verdict(peaks, bf16_hardware(), args.force_bf16)
+    engine_precision = resolve_precision(args.engine_precision)
+    row: dict = {"size": size, "params": params, "rounds": [], "skipped": {}, "engine_precision": engine_precision,
+                 "bf16": reason, "per_round": per_round}
+    commands = {}
+    for side in args.sides:
+        if side_precision(side, engine_precision) == "bf16" and not run_bf16:
+            row["skipped"][side] = reason
+            print(f"  {side}: skipped, bf16 sides do not run here: {reason}", flush=True)
+            continue
+        segments = [1] + [per_round + (side in OVERLAPPING)] * rounds
+        commands[side] = _command(side, size, paths, segments, args)
+    if not commands:
+        return row
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **RAY_EQUAL_PRIORITY_ENV}
+    run = run_interleaved(commands, rounds, WORK_DIR / "trl_grpo" / size / "logs", PROJECT_ROOT, env, matmul_peaks,
+                          lambda line: print(line, flush=True))
+    # MFU against the highest peak measured in this run: a busy host lowers a single measurement
+    best = {k: max([peaks[k]] + [x.peaks[k] for x in run.rounds]) for k in peaks}
+    row["best_peaks"] = best
+    for side in commands:
+        precision = side_precision(side, engine_precision)
+        timed, every = [], [StepRecord(**x) for x in run.warmup[side]]
+        for x in run.side_rounds(side):
+            records = [StepRecord(**y) for y in x.records]
+            every += records
+            records = records[1:] if side in OVERLAPPING else records
+            timed += records
+            row["rounds"].append({"side": side, "round": x.round, "precision": precision, "load_avg": x.load_avg,
+                                  "other_cores": x.other_cores, "peaks": x.peaks,
+                                  **round_stats(records, params, best[precision])})
+        row[side] = {**summarize(timed, skip_first=0, reward_window=args.reward_window),
+                     "reward_last": statistics.fmean(r.reward for r in every[-args.reward_window:])}
+        final = run.final[side]
+        extra = ", ".join(f"{k} {v:.2f}" for k, v in final.get("phases_s", {}).items())
+        print(f"  {side} ({final.get('precision', precision)}): {row[side]['s_per_step']:.2f} s/step, reward per step "
+              f"{' '.join(f'{r.reward:.3f}' for r in every)}; wall {final['wall_s']:.0f} s"
+              + (f"; mean phase seconds: {extra}" if extra else ""), flush=True)
+    row["rounds"].sort(key=lambda x: (x["round"], list(commands).index(x["side"])))
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="benchmark sizes")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="RL steps per side (default per size: " +
-                             ", ".join(f"{k} {v.default_steps}" for k, v in SETTINGS.items()) + ")")
+    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SETTINGS),
+                        help="benchmark sizes (default: " + " ".join(DEFAULT_SIZES) + ")")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds per side (default per size: " + ", ".join(f"{k} {v.rounds}" for k, v in SETTINGS.items()) + ")")
+    parser.add_argument("--steps-per-round", type=int, default=None,
+                        help="timed steps per round (default per size: " +
+                             ", ".join(f"{k} {v.steps_per_round}" for k, v in SETTINGS.items()) + ")")
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
+                        help="what to run: the engine colocated (engine) or asynchronous (engine_async); TRL in "
+                             "fp32 (trl), with bf16 autocast (trl_autocast), loaded in bf16 (trl_bf16)")
+    parser.add_argument("--engine-precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="rl.precision of the engine sides (auto: bf16 where the hardware has it)")
+    parser.add_argument("--force-bf16", action="store_true",
+                        help="run the bf16 sides even where bf16 is not native or not faster than fp32")
     parser.add_argument("--sft-steps", type=int, default=300,
                         help="SFT steps before the quickstart size's RL (300: the quickstart's SFT policy)")
     parser.add_argument("--reward-window", type=int, default=5, help="the reward is averaged over this many last steps")
-    parser.add_argument("--seed", type=int, default=0, help="data-order and sampling seed (both sides)")
+    parser.add_argument("--seed", type=int, default=0, help="data-order and sampling seed (all sides)")
     parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate",
                         help="TRL's generation backend (see the module docstring)")
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
-                        help="what to run: the engine colocated (engine), asynchronous (engine_async), TRL (trl)")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--child-paths", help=argparse.SUPPRESS)
+    parser.add_argument("--child-segments", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.steps_for = lambda size: args.steps or SETTINGS[size].default_steps
     if args.child:
+        from benchmarks.rounds import emit
+
         size = args.sizes[0]
         paths = {k: Path(v) for k, v in json.loads(args.child_paths).items()}
+        segments = [int(n) for n in args.child_segments.split(",")]
         if args.child in ENGINE_SIDES:
-            result = run_engine(size, paths, args.steps_for(size), args.seed, args.child)
+            result = run_engine(size, paths, segments, args.seed, args.child, args.engine_precision)
         else:
-            result = run_trl(size, paths, args.steps_for(size), args.seed, args.trl_generation)
-        print(json.dumps(result))
+            result = run_trl(size, paths, segments, args.seed, args.trl_generation, args.child)
+        emit(result)
         return
 
-    rows = []
-    for size in args.sizes:
-        print(f"{size}: inputs", flush=True)
-        paths = inputs_for(size, args.sft_steps)
-        params = _parameters(paths["hf_model"])
-        row = {"size": size, "params": params}
-        for side in args.sides:
-            print(f"{size} {side}: {args.steps_for(size)} steps, load average {load_avg():.1f}", flush=True)
-            result = _child(side, size, paths, args)
-            records = [StepRecord(**r) for r in result["records"]]
-            row[side] = summarize(records, reward_window=args.reward_window)
-            row[f"{side}_wall_s"] = result["wall_s"]
-            extra = ", ".join(f"{k} {v:.2f}" for k, v in result.get("phases_s", {}).items())
-            print(f"  {row[side]['s_per_step']:.2f} s/step, reward per step "
-                  f"{' '.join(f'{r.reward:.3f}' for r in records)}; wall {result['wall_s']:.0f} s"
-                  + (f"; mean phase seconds: {extra}" if extra else ""), flush=True)
-        rows.append(row)
-    print(f"\n{os.cpu_count()} CPU cores, fp32; matmul {matmul_gflops():.0f} GFLOP/s, load average {load_avg():.1f} at the "
-          f"end; TRL generation: {args.trl_generation}; quickstart policy: SFT {args.sft_steps} steps")
+    from benchmarks.rounds import machine_description
+    from config.precision import bf16_hardware
+
+    print(f"{machine_description()}; {bf16_hardware()[1]}", flush=True)
+    rows = [measure_size(size, args) for size in args.sizes]
+    end = matmul_peaks()
+    print(f"\n{machine_description()}\nmatmul peaks at the end: fp32 {end['fp32']:.0f}, bf16 {end['bf16']:.1f} GFLOP/s; "
+          f"load average {load_avg():.1f}; TRL generation: {args.trl_generation}; quickstart policy: SFT {args.sft_steps} steps")
     for r in rows:
         s = SETTINGS[r["size"]]
+        rounds = max((x["round"] + 1 for x in r["rounds"]), default=0)
         print(f"{r['size']}: {r['params'] / 1e6:.2f}M parameters, {s.prompts_per_step} prompts x {s.n_samples} samples, "
               f"{'exactly' if s.fixed_length else 'at most'} {s.max_new_tokens} response tokens, lr {s.lr:g}, "
-              f"warm-up {s.warmup_steps}, {args.steps_for(r['size'])} steps")
+              f"warm-up {s.warmup_steps}; {rounds} rounds x {r['per_round']} timed steps per side after 1 warm-up "
+              f"step; engine precision {r['engine_precision']}; bf16: {r['bf16']}" + (
+                  f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "
+                  f"bf16 {r['best_peaks']['bf16']:.1f} GFLOP/s" if "best_peaks" in r else ""))
+        for side, why in r["skipped"].items():
+            print(f"  {side} skipped: {why}")
+    print("\nAll rounds pooled:")
     print(render(rows))
+    print("\nPer round:")
+    print(render_rounds(rows))
+    print("\nOver rounds:")
+    print(render_ratios(rows))
 
 
 def _parameters(hf_dir: Path) -> int:

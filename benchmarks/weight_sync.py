@@ -1,11 +1,13 @@
 """Peak extra memory and throughput of rollout weight sync: whole model vs buckets.
 
-    python -m benchmarks.weight_sync                # full, 64 MiB and 256 MiB buckets
-    python -m benchmarks.weight_sync --bucket-mb 16 64
+    python -m benchmarks.weight_sync                # full, 64 MiB and 256 MiB buckets; float32 and bfloat16
+    python -m benchmarks.weight_sync --bucket-mb 16 64 --dtype bfloat16
 
-Builds a Qwen2-shaped megatron-core policy on CPU in float32 (default ~98M parameters:
-Qwen2-0.5B-like layers of hidden 768, 14 layers, a 16k vocabulary, tied embeddings) and, in
-a fresh subprocess per mode, turns it into HF-named tensors the way the trainer hands them
+Builds a Qwen2-shaped megatron-core policy on CPU (default ~98M parameters: Qwen2-0.5B-like
+layers of hidden 768, 14 layers, a 16k vocabulary, tied embeddings) in each ``--dtype``:
+float32 (``rl.precision: fp32``) and bfloat16 (``rl.precision: bf16``, the compute weights a
+mixed-precision actor streams; its fp32 masters stay in the optimizer), and, in a fresh
+subprocess per dtype and mode, turns it into HF-named tensors the way the trainer hands them
 to the rollout engine:
 
 - ``full``: the old way, one list with a cloned copy of every HF tensor
@@ -21,7 +23,8 @@ resident size just before them (model built, bucket plan made, freed heap return
 ``malloc_trim``). The peak comes from ``VmHWM`` in ``/proc/self/status`` after resetting
 it (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0); where that reset is refused, a
 thread samples the resident size every millisecond instead (the table says which).
-Throughput is the model's HF bytes (MiB) over the pass's wall time.
+Throughput is the model's HF bytes (MiB) over the pass's wall time. A bfloat16 sync moves
+half the bytes of a float32 one; the last table compares the two per mode (bytes and time).
 
 glibc keeps some freed memory mapped (its mmap threshold grows after large frees, so later
 tensors come from the heap, which is not always returned), and that shows in the peak.
@@ -119,8 +122,9 @@ def _consume(named_tensors, total: float) -> float:
     return total
 
 
-def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int) -> dict:
-    """Measure one mode in this process; returns the row as a dict."""
+def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int, dtype: str = "float32") -> dict:
+    """Measure one mode with the policy in ``dtype`` (``"float32"`` or ``"bfloat16"``) in
+    this process; returns the row as a dict."""
     import torch
 
     from conversion.registry import megatron_to_hf
@@ -131,6 +135,7 @@ def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int) -> 
     torch.set_num_threads(threads)
     cfg = model_config(layers, vocab)
     model = build_gpt_model(GPTSpec.from_hf_config(cfg), seed=0, core_attention="sdpa").eval()
+    model.to(getattr(torch, dtype))  # bfloat16: the compute weights a mixed-precision actor holds
     for p in model.parameters():
         p.requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
@@ -162,7 +167,7 @@ def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int) -> 
         times.append(time.perf_counter() - t0)
     peak_bytes = peak.stop()
     return {
-        "mode": mode, "params": params, "model_mb": model_bytes / MIB, "buckets": buckets,
+        "mode": mode, "dtype": dtype, "params": params, "model_mb": model_bytes / MIB, "buckets": buckets,
         "peak_extra_mb": (peak_bytes - baseline) / MIB, "seconds": min(times),
         "mb_per_s": model_bytes / MIB / min(times), "checksum": checksum, "method": peak.method,
     }
@@ -171,27 +176,46 @@ def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int) -> 
 # ----------------------------------------------------------------------------- driver
 
 
-def _child(mode: str, args) -> dict:
+def _child(mode: str, dtype: str, args) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.weight_sync", "--child", mode, "--layers", str(args.layers),
-           "--vocab", str(args.vocab), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+           "--vocab", str(args.vocab), "--repeats", str(args.repeats), "--threads", str(args.threads),
+           "--dtype", dtype]
     env = dict(os.environ)
     if args.malloc_mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env)
     if out.returncode != 0:
-        raise RuntimeError(f"{mode}: benchmark subprocess failed:\n{out.stderr[-4000:]}")
+        raise RuntimeError(f"{mode} ({dtype}): benchmark subprocess failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def render(rows: list[dict]) -> str:
-    """The table: one row per mode, ratios against the ``full`` row."""
-    full = next(r for r in rows if r["mode"] == "full")
-    head = ("mode", "buckets", "model MiB", "peak extra MiB", "extra/model", "MiB/s", "extra vs full", "MiB/s vs full")
+    """The table: one row per dtype and mode, ratios against the ``full`` row of the same dtype."""
+    head = ("dtype", "mode", "buckets", "model MiB", "peak extra MiB", "extra/model", "MiB/s", "extra vs full",
+            "MiB/s vs full")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = (r["mode"], str(r["buckets"]), f"{r['model_mb']:.0f}", f"{r['peak_extra_mb']:.0f}",
+        full = next(f for f in rows if f["mode"] == "full" and f.get("dtype") == r.get("dtype"))
+        cells = (r.get("dtype", "float32"), r["mode"], str(r["buckets"]), f"{r['model_mb']:.0f}", f"{r['peak_extra_mb']:.0f}",
                  f"{r['peak_extra_mb'] / r['model_mb']:.2f}", f"{r['mb_per_s']:.0f}",
                  f"{r['peak_extra_mb'] / full['peak_extra_mb']:.2f}", f"{r['mb_per_s'] / full['mb_per_s']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_dtypes(rows: list[dict]) -> str:
+    """bfloat16 against float32 per mode: bytes moved, seconds per sync and their ratios
+    (empty when the rows do not hold both dtypes)."""
+    by = {(r["dtype"], r["mode"]): r for r in rows if "dtype" in r}
+    modes = [r["mode"] for r in rows if r.get("dtype") == "float32" and ("bfloat16", r["mode"]) in by]
+    if not modes:
+        return ""
+    head = ("mode", "float32 MiB", "bfloat16 MiB", "bytes bf16/fp32", "float32 s", "bfloat16 s", "time bf16/fp32")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mode in modes:
+        a, b = by["float32", mode], by["bfloat16", mode]
+        cells = (mode, f"{a['model_mb']:.0f}", f"{b['model_mb']:.0f}", f"{b['model_mb'] / a['model_mb']:.2f}",
+                 f"{a['seconds']:.3f}", f"{b['seconds']:.3f}", f"{b['seconds'] / a['seconds']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -205,20 +229,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each subprocess")
     parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
                         help="run the subprocesses with glibc's MALLOC_MMAP_THRESHOLD_ fixed to this many bytes")
+    parser.add_argument("--dtype", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
+                        help="dtypes of the streamed weights (float32: rl.precision fp32; bfloat16: bf16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_mode(args.child, args.layers, args.vocab, args.repeats, args.threads)))
+        print(json.dumps(run_mode(args.child, args.layers, args.vocab, args.repeats, args.threads, args.dtype[0])))
         return
-    rows = [_child(mode, args) for mode in ["full", *(f"bucketed-{mb}" for mb in args.bucket_mb)]]
-    checksums = {r["checksum"] for r in rows}
+    modes = ["full", *(f"bucketed-{mb}" for mb in args.bucket_mb)]
+    rows = [_child(mode, dtype, args) for dtype in args.dtype for mode in modes]
     first = rows[0]
     malloc = "" if args.malloc_mmap_threshold is None else f"; MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}"
-    print(f"Qwen2-shaped policy: {first['params'] / 1e6:.1f}M parameters, {first['model_mb']:.0f} MiB of HF tensors "
-          f"(float32, CPU, {args.threads} thread(s)); peak via {first['method']}; best of {args.repeats} passes{malloc}")
+    sizes = ", ".join(f"{r['dtype']} {r['model_mb']:.0f} MiB" for r in rows if r["mode"] == "full")
+    print(f"Qwen2-shaped policy: {first['params'] / 1e6:.1f}M parameters, HF tensors {sizes} "
+          f"(CPU, {args.threads} thread(s)); peak via {first['method']}; best of {args.repeats} passes{malloc}")
     print(render(rows))
-    if len(checksums) != 1:
-        print(f"WARNING: modes saw different weights (checksums {sorted(checksums)})")
+    if len(args.dtype) > 1:
+        print()
+        print(render_dtypes(rows))
+    for dtype in args.dtype:
+        checksums = {r["checksum"] for r in rows if r["dtype"] == dtype}
+        if len(checksums) != 1:
+            print(f"WARNING: {dtype} modes saw different weights (checksums {sorted(checksums)})")
 
 
 if __name__ == "__main__":

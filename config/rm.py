@@ -18,7 +18,15 @@ class RMConfig(Strict):
     steps: int = Field(100, gt=0, description="Optimizer steps.")
     precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     global_batch_size: int = Field(16, gt=0, description="Preference pairs per optimizer step.")
-    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward.")
+    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward; unused when max_tokens_per_micro_batch is set.")
+    packing: bool = Field(False, description="Sequence packing: no pad tokens in the training micro-batches (each "
+                                             "micro-batch's chosen and rejected sequences run end to end in one row; same "
+                                             "loss and gradients as padded; needs rm.backend: megatron; docs/algorithms.md, "
+                                             "Batching).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="When set, training micro-batches are formed by token budget instead of micro_batch_size: "
+                                "at most this many real (chosen + rejected) tokens each, balanced by Karmarkar-Karp; a "
+                                "longer pair runs alone. None: micro_batch_size pairs each.")
     max_seq_len: int = Field(256, gt=0, description="Longer sequences are truncated.")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for rm/accuracy.")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
@@ -32,7 +40,15 @@ class RMConfig(Strict):
 
     @model_validator(mode="after")
     def _batch(self):
-        if self.global_batch_size % self.micro_batch_size:
+        # with a token budget micro_batch_size is not used, so it constrains nothing
+        if self.max_tokens_per_micro_batch is None and self.global_batch_size % self.micro_batch_size:
             raise ValueError("rm.global_batch_size must be a multiple of rm.micro_batch_size")
         self.optim.check_warmup("rm.optim", self.steps, "rm.steps")
+        return self
+
+    @model_validator(mode="after")
+    def _packing(self):
+        if self.backend == "deepspeed" and self.packing:
+            raise ValueError("rm.packing needs rm.backend: megatron (the deepspeed backend runs padded micro-batches); "
+                             "set rm.packing: false or rm.backend: megatron")
         return self

@@ -16,7 +16,15 @@ class SFTConfig(Strict):
     steps: int = Field(100, gt=0, description="Optimizer steps.")
     precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     global_batch_size: int = Field(32, gt=0, description="Sequences per optimizer step.")
-    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between).")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between); "
+                                                       "unused when max_tokens_per_micro_batch is set.")
+    packing: bool = Field(False, description="Sequence packing: no pad tokens in the micro-batches (each micro-batch's "
+                                             "conversations run end to end in one row; same loss and gradients as padded; "
+                                             "docs/algorithms.md, Batching).")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
+                                "most this many real tokens each, balanced by Karmarkar-Karp; a longer conversation "
+                                "runs alone. None: micro_batch_size sequences each.")
     max_seq_len: int = Field(256, gt=0, description="Longer conversations are truncated (prefix kept).")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
@@ -24,7 +32,8 @@ class SFTConfig(Strict):
 
     @model_validator(mode="after")
     def _batch(self):
-        if self.global_batch_size % self.micro_batch_size:
+        # with a token budget micro_batch_size is not used, so it constrains nothing
+        if self.max_tokens_per_micro_batch is None and self.global_batch_size % self.micro_batch_size:
             raise ValueError("sft.global_batch_size must be a multiple of sft.micro_batch_size")
         self.optim.check_warmup("sft.optim", self.steps, "sft.steps")
         return self

@@ -87,11 +87,14 @@ def write_hf_safetensors(
 
     Args:
         out_dir: destination directory (replaced if it exists).
-        hf_config: HF ``config.json`` dict; its ``dtype`` is set to ``dtype``.
+        hf_config: HF ``config.json`` dict; its ``dtype`` (what transformers >= 4.56 and vLLM
+            read) and ``torch_dtype`` (what older transformers read) are set to ``dtype``, so
+            ``from_pretrained`` without a dtype loads the weights as stored.
         tensors: HF-named tensors, e.g. ``conversion.megatron_to_hf(...)``; gathered into
             one ``model.safetensors`` (single shard; fine for the model sizes run here).
         tokenizer_dir: directory whose tokenizer files are copied (None: no tokenizer).
-        dtype: "float32", "bfloat16" or "float16" for the stored weights.
+        dtype: "float32", "bfloat16" or "float16" for the stored weights (every tensor is
+            cast to it; float32 -> bfloat16/float16 rounds to nearest even).
         generation_config: ``generation_config.json`` contents; default: the bos/eos/pad
             token ids of ``hf_config`` (not written if there are none).
 
@@ -112,7 +115,7 @@ def write_hf_safetensors(
             # clone: safetensors refuses tensors sharing storage (e.g. views of one fused QKV).
             state[name] = t.detach().to(device="cpu", dtype=_DTYPES[dtype]).contiguous().clone()
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = {**dict(hf_config), "dtype": dtype}
+        config = {**dict(hf_config), "dtype": dtype, "torch_dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         gen = dict(generation_config) if generation_config is not None else generation_config_from(hf_config)
         if gen:

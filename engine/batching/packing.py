@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batching.collate import TokenBatch
+
 
 def _check_lengths(lengths: torch.Tensor, width: int | None = None) -> torch.Tensor:
     lengths = torch.as_tensor(lengths)
@@ -169,3 +171,53 @@ def packed_response_index(cu_seqlens: torch.Tensor, prompt_lengths: torch.Tensor
     j = torch.arange(response_width, device=cu.device)[None, :]
     pos = (prompt_lengths[:, None] - 1 + j).clamp(max=(lengths - 1)[:, None])
     return cu[:-1, None] + pos
+
+
+@dataclass(frozen=True)
+class PackedTokenBatch:
+    """A :class:`TokenBatch` packed into one row (:class:`PackedSequences`).
+
+    The micro-batch form of SFT and reward-model training with packing (``sft.packing``,
+    ``rm.packing``): the same sequences, in the same order, without padding.
+
+    Attributes:
+        packed: the sequences end to end (``input_ids [1, N]``, ``cu_seqlens [B + 1]``).
+        loss_mask: LongTensor ``[N]``, 1 where packed token ``t`` is a target predicted by
+            packed position ``t - 1``. It is 0 on every sequence's first token (nothing in
+            the sequence predicts it), so ``loss_mask.sum()`` equals the padded batch's
+            ``loss_mask[:, 1:].sum()``.
+    """
+
+    packed: PackedSequences
+    loss_mask: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """LongTensor ``[B]``: tokens per sequence."""
+        return self.packed.lengths
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens in the batch (``N``: every packed token is real)."""
+        return self.packed.num_tokens
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+
+def pack_token_batch(batch: TokenBatch) -> PackedTokenBatch:
+    """Pack a right-padded :class:`TokenBatch` (rows in order).
+
+    Args:
+        batch: ``input_ids``/``loss_mask`` ``[B, T]``, ``lengths [B]`` (each 1..T).
+
+    Returns: :class:`PackedTokenBatch` with ``N = sum(lengths)`` tokens; its loss mask is the
+        batch's on the real tokens, with every sequence's first token set to 0.
+
+    Raises: ValueError as :func:`pack_sequences`.
+    """
+    packed = pack_sequences(batch.input_ids, batch.lengths)
+    keep = torch.arange(batch.input_ids.size(1))[None, :] < packed.lengths[:, None]
+    mask = batch.loss_mask[keep].long()
+    mask[packed.cu_seqlens[:-1].long()] = 0  # a sequence's first token is never predicted
+    return PackedTokenBatch(packed=packed, loss_mask=mask)

@@ -167,7 +167,10 @@ def evaluate_model_dirs(
     """Evaluate several policies on the same held-out prompts with one rollout engine.
 
     Each model directory (``megatron/`` + ``hf/``) is exported to a temporary HF SafeTensors
-    directory (:func:`engine.storage.hf_io.export_model_dir`). The first policy starts the
+    directory (:func:`engine.storage.hf_io.export_model_dir`) in the compute dtype of
+    ``evaluate.precision`` (bf16: bfloat16, fp32: float32; None/auto resolved by
+    :func:`config.precision.resolve_precision`), and the rollout engine runs in that dtype
+    (:func:`engine.rollout.factory.build_rollout_engine`). The first policy starts the
     engine; a later policy with the same ``config.json`` is swapped in with
     ``engine.update_weights``; one with another architecture gets its own engine (sharing
     saves a start-up; with the KV cache sized from the run a second vLLM engine in the process
@@ -178,7 +181,7 @@ def evaluate_model_dirs(
         model_dirs: ``{policy_name: model_dir}``, e.g. ``{"sft": ..., "rl": ...}``.
         eval_path: normalized ``rl`` JSONL (``prompt``, ``label``).
         cfg: ``config.evaluate.EvaluateConfig`` (``num_prompts``, ``max_new_tokens``,
-            ``temperature``, ``backend``).
+            ``temperature``, ``backend``, ``precision``).
         verifier: a ``data.rewards.VERIFIERS`` name.
         engine_cfg: ``config.rl.EngineConfig``; evaluation runs its rollout engine in
             this process, so placement and Ray settings do not apply to it; ``num_cpus`` is
@@ -198,6 +201,7 @@ def evaluate_model_dirs(
     """
     from transformers import AutoTokenizer
 
+    from config.precision import DTYPE_NAMES, resolve_precision
     from data.chat import encode_prompt
     from data.rewards import get_verifier
     from engine.models.platform import worker_threads
@@ -205,6 +209,7 @@ def evaluate_model_dirs(
     from engine.storage.hf_io import export_model_dir
 
     verify = get_verifier(verifier)
+    precision = resolve_precision(cfg.precision)
     rows = read_eval_rows(eval_path, cfg.num_prompts)
     # explicit, not torch's default: under load the default oversubscribed the cores
     worker_threads(engine_cfg.num_cpus if engine_cfg is not None else None)
@@ -212,7 +217,7 @@ def evaluate_model_dirs(
     engine, engine_config = None, None
     with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp:
         for name, model_dir in model_dirs.items():
-            hf_dir = export_model_dir(model_dir, Path(tmp) / name)
+            hf_dir = export_model_dir(model_dir, Path(tmp) / name, dtype=DTYPE_NAMES[precision])
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
             config = json.loads((hf_dir / "config.json").read_text())
             if engine is not None and config == engine_config:
@@ -224,9 +229,9 @@ def evaluate_model_dirs(
                 engine = build_rollout_engine(
                     cfg.backend, hf_dir, what="evaluate.backend", tokenizer=tokenizer,
                     gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                    num_sequences=len(rows) * cfg.samples_per_prompt, max_model_len=max_len)
+                    num_sequences=len(rows) * cfg.samples_per_prompt, max_model_len=max_len, precision=precision)
                 engine_config = config
-            logger.info("evaluating policy %r on %d prompts (%s backend)", name, len(rows), cfg.backend)
+            logger.info("evaluating policy %r on %d prompts (%s backend, %s)", name, len(rows), cfg.backend, precision)
             results[name] = evaluate_policy(
                 engine, tokenizer, rows, verify, cfg.max_new_tokens, cfg.temperature, seed=seed,
                 samples_per_prompt=cfg.samples_per_prompt,

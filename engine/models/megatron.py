@@ -5,7 +5,8 @@
 spec (RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention, built in fp32 and cast
 to bf16 for mixed precision by ``engine.models.master_weights``; plus per-head q/k RMSNorm for Qwen3);
 :func:`gpt_logits` and :func:`gpt_hidden_states` run it batch-first and causally;
-:func:`gpt_logits_packed` runs packed sequences (``engine.batching.packing``) without padding.
+:func:`gpt_logits_packed` and :func:`gpt_hidden_states_packed` run packed sequences
+(``engine.batching.packing``) without padding.
 
 The local spec's core attention materialises the ``[B, heads, T, T]`` score matrix with
 ``baddbmm``; ``core_attention="sdpa"`` swaps in :class:`SDPACoreAttention`, which calls
@@ -48,8 +49,8 @@ class SDPACoreAttention(torch.nn.Module):
     inputs are query ``[N, heads, d]``, key/value ``[N, kv_heads, d]`` holding the
     sequences ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` end to end, and the output is
     ``[N, heads*d]``. Attention is causal *within* each sequence and never crosses into
-    another (block-diagonal causal); it is computed segment by segment, so the cost is
-    ``sum_b n_b^2``, not ``N^2``. megatron applies the rotary embedding per segment
+    another (block-diagonal causal); the sequences are attended in one call on a right-padded
+    ``[B, heads, max n_b, d]`` layout, so the cost is ``B * max_b n_b^2``, not ``N^2``. megatron applies the rotary embedding per segment
     (positions restart at 0) before calling this module.
     """
 
@@ -95,11 +96,23 @@ class SDPACoreAttention(torch.nn.Module):
         if bounds[0] != 0 or bounds[-1] != query.size(0):
             raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the "
                              f"{query.size(0)} packed tokens")
-        out = query.new_empty(query.size(0), query.size(1) * query.size(2))
-        for start, stop in zip(bounds[:-1], bounds[1:]):
-            q, k, v = (x[start:stop].permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, n, d]
-            out[start:stop] = self._attend(q, k, v)[0].permute(1, 0, 2).reshape(stop - start, -1)
-        return out
+        # One SDPA call for all sequences: scatter the packed tokens into a right-padded
+        # [B, L] layout for the attention only (the projections and MLP stay unpadded), attend
+        # causally, gather back. Causal attention never lets a real token see the padding that
+        # follows it, so each sequence's output equals attending to it alone.
+        cu = cu_q.to(device=query.device, dtype=torch.long)
+        lengths = cu[1:] - cu[:-1]
+        batch, width, tokens = lengths.numel(), int(lengths.max()), query.size(0)
+        starts = torch.repeat_interleave(cu[:-1], lengths)
+        slots = torch.repeat_interleave(torch.arange(batch, device=query.device), lengths) * width + (
+            torch.arange(tokens, device=query.device) - starts)
+
+        def padded(x: torch.Tensor) -> torch.Tensor:  # [N, h, d] -> [B, h, L, d]
+            grid = x.new_zeros(batch * width, x.size(1), x.size(2)).index_copy(0, slots, x)
+            return grid.view(batch, width, x.size(1), x.size(2)).transpose(1, 2)
+
+        out = self._attend(padded(query), padded(key), padded(value))  # [B, heads, L, d]
+        return out.transpose(1, 2).reshape(batch * width, -1).index_select(0, slots)
 
 
 @functools.cache
@@ -268,6 +281,28 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return logits.float()  # bf16 models too: log-probs, entropy, KL and losses are computed in fp32
 
 
+def _packed_inputs(model, packed: "PackedSequences", caller: str):
+    """``(input_ids [1, N], PackedSeqParams(qkv_format="thd"))`` for a packed forward of ``model``.
+
+    Raises: ValueError when the model's core attention cannot run packed sequences or
+    ``packed.input_ids`` is not ``[1, N]``.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        if not isinstance(core, SDPACoreAttention):
+            raise ValueError(f"sequence packing (rl.packing, sft.packing, rm.packing) needs the 'sdpa' core attention, "
+                             f"but the model's is {type(core).__name__}; build it with core_attention='sdpa' or set "
+                             "packing: false")
+    ids = _check_ids(packed.input_ids)
+    if ids.size(0) != 1:
+        raise ValueError(f"{caller}: packed input_ids must be [1, N], got {tuple(ids.shape)}")
+    cu = packed.cu_seqlens.to(torch.int32)
+    return ids, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+
+
 def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
     """Causal next-token logits of packed sequences (``engine.batching.packing``), no padding.
 
@@ -294,19 +329,7 @@ def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
             (``core_attention="local"``), which refuses packed sequences: set ``rl.packing``
             false or build the model with ``core_attention="sdpa"``.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    for layer in model.decoder.layers:
-        core = layer.self_attention.core_attention
-        if not isinstance(core, SDPACoreAttention):
-            raise ValueError(f"sequence packing (rl.packing) needs the 'sdpa' core attention, but the model's is "
-                             f"{type(core).__name__}; build it with core_attention='sdpa' or set rl.packing: false")
-    ids = _check_ids(packed.input_ids)
-    if ids.size(0) != 1:
-        raise ValueError(f"gpt_logits_packed: packed input_ids must be [1, N], got {tuple(ids.shape)}")
-    cu = packed.cu_seqlens.to(torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+    ids, params = _packed_inputs(model, packed, "gpt_logits_packed")
     gather = True if model.config.tensor_model_parallel_size > 1 else None
     logits = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
                    packed_seq_params=params, runtime_gather_output=gather)[0]
@@ -336,6 +359,37 @@ def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     finally:
         model.post_process = saved
     return hidden.transpose(0, 1)
+
+
+def gpt_hidden_states_packed(model, packed: "PackedSequences") -> torch.Tensor:
+    """Final-normed hidden states of packed sequences (``engine.batching.packing``), no padding.
+
+    :func:`gpt_hidden_states` for the packed row of :func:`gpt_logits_packed` (same
+    ``PackedSeqParams``, attention kept inside each sequence, rotary positions restarting per
+    sequence): sequence ``b``'s states equal row ``b`` of :func:`gpt_hidden_states` on the
+    right-padded batch up to float rounding. A reward head reads sequence ``b``'s last token
+    at packed position ``cu_seqlens[b + 1] - 1``.
+
+    Args:
+        model: a GPTModel built with ``core_attention="sdpa"``.
+        packed: :class:`engine.batching.packing.PackedSequences` (``input_ids [1, N]``).
+
+    Returns:
+        Tensor ``[N, H]`` in the model's dtype (bf16 under mixed precision; heads upcast
+        their outputs).
+
+    Raises:
+        ValueError: as :func:`gpt_logits_packed`.
+    """
+    ids, params = _packed_inputs(model, packed, "gpt_hidden_states_packed")
+    saved = model.post_process  # as in gpt_hidden_states: skip the vocabulary projection
+    model.post_process = False
+    try:
+        hidden = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
+                       packed_seq_params=params)
+    finally:
+        model.post_process = saved
+    return hidden[:, 0]  # [N, 1, H] (sequence-first, one packed row) -> [N, H]
 
 
 def mcore_state(model) -> dict[str, torch.Tensor]:

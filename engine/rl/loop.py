@@ -38,8 +38,10 @@ uninterrupted run.
 The PPO ratio's "old" log-probs are the trainer's, not the rollout engine's: computed in a
 pass before the update when the KL reward penalty needs them (as verl always does), otherwise
 taken from the update's own first forward at the same weights (as TRL does), which saves a
-forward pass per step; ``rollout_vs_trainer/logprob_diff_max`` watches how far the trainer's
-and the rollout engine's disagree (fp32 noise when weight sync works).
+forward pass per step; ``rollout_vs_trainer/logprob_diff_max`` and ``_mean`` watch how far the
+trainer's and the rollout engine's disagree (fp32 noise when weight sync works; under
+``rl.precision: bf16`` both run in bfloat16, the rollout engine built in that dtype by
+``RolloutWorker``, and disagree by bf16 rounding).
 """
 
 from __future__ import annotations

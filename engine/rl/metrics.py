@@ -124,10 +124,13 @@ def staleness_metrics(traj: Trajectory, policy_version: int) -> dict[str, float]
 
 def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict | StepTimer,
                  policy_version: int | None = None) -> dict[str, float]:
-    """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` is the
-    largest |rollout log-prob - trainer log-prob| over the policy's tokens (the loss mask: not
-    a multi-turn sample's environment tokens, which have no rollout log-prob), for the same
-    weights. ``response_length/*`` count every response token, environment tokens included.
+    """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` and
+    ``rollout_vs_trainer/logprob_diff_mean`` are the largest and the mean |rollout log-prob -
+    trainer old log-prob| over the policy's tokens (the loss mask: not a multi-turn sample's
+    environment tokens, which have no rollout log-prob; the mean is over all such tokens of the
+    batch, each counting once), for the same weights: rounding noise in fp32, larger in bf16,
+    where both engines round their activations to 8 mantissa bits in their own order.
+    ``response_length/*`` count every response token, environment tokens included.
     ``timing``: the step's :class:`StepTimer` (read here: ``timing_s/step`` ends now) or its
     ``{phase: seconds}`` with ``step``. ``policy_version`` (default ``step - 1``): the version
     of the policy before this step's update."""
@@ -135,7 +138,7 @@ def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing:
     policy_version = step - 1 if policy_version is None else policy_version
     mask = traj.response_mask.bool()
     lengths = traj.response_lengths.float()
-    diff = (traj.rollout_logprobs - traj.old_logprobs).abs()[mask]
+    diff = (traj.rollout_logprobs.double() - traj.old_logprobs.double()).abs()[mask]
     return {
         "step": step,
         **actor,
@@ -151,6 +154,7 @@ def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing:
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(traj.truncated.float().mean()),
         "rollout_vs_trainer/logprob_diff_max": float(diff.max()),
+        "rollout_vs_trainer/logprob_diff_mean": float(diff.mean()),
         **{f"timing_s/{k}": v for k, v in timing.items()},
         "perf/throughput": traj.num_tokens / timing["step"],
     }

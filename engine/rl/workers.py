@@ -31,14 +31,14 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     actor = spawn(actor_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads)
     reference = None if not cfg.uses_reference else spawn(  # only a KL term needs the reference
         ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads,
-        packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
+        packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision)
     # asynchronous: a weight update's calls must reach the rollout worker while it generates
     rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
                     rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1,
-                    num_sequences=cfg.prompts_per_step * cfg.n_samples)
+                    num_sequences=cfg.prompts_per_step * cfg.n_samples, precision=cfg.precision)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
-        threads)
+        threads, precision=cfg.precision)
     critic = spawn(critic_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads) if cfg.algorithm == "gae" else None
     workers = Workers(placement, actor, reference, rollout, reward, critic)
     try:  # surface a constructor error here, not at the first call
@@ -75,17 +75,22 @@ class ReferenceWorker:
     Args: ``model_dir``, ``temperature`` (rollout sampling temperature), ``micro_batch_size``,
     ``seed``, ``num_threads`` as for :class:`engine.backends.megatron.actor.ActorWorker`;
     ``packing`` and ``max_tokens_per_micro_batch`` as ``rl.packing`` and
-    ``rl.max_tokens_per_micro_batch``.
+    ``rl.max_tokens_per_micro_batch``; ``precision`` as ``rl.precision``: the model is loaded in
+    its compute dtype (bf16: bfloat16, rounded from the stored fp32 weights, as the actor's
+    compute weights are; fp32: float32; None/auto resolved by
+    :func:`config.precision.resolve_precision`), frozen, without master weights. Log-probs are
+    fp32 either way (``engine.models.megatron.gpt_logits`` upcasts).
     """
 
     def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
                  num_threads: int | None = None, *, packing: bool = False,
-                 max_tokens_per_micro_batch: int | None = None):
+                 max_tokens_per_micro_batch: int | None = None, precision: str | None = None):
+        from engine.models.master_weights import compute_dtype
         from engine.models.platform import worker_threads
         from engine.storage.model_dir import load_model_dir
 
         worker_threads(num_threads)
-        self.model = load_model_dir(model_dir, seed=seed).model.eval()
+        self.model = load_model_dir(model_dir, seed=seed, dtype=compute_dtype(precision)).model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.temperature = logit_temperature(temperature)
@@ -119,11 +124,13 @@ class RolloutWorker:
         num_sequences: sequences one generate call submits (``prompts_per_step x n_samples``);
             with ``max_model_len`` it sizes vLLM's KV cache (see
             :class:`engine.rollout.vllm_rollout.VLLMRollout`).
+        precision: ``rl.precision``, the engine's compute dtype (bf16: bfloat16, fp32:
+            float32; None/auto resolved by :func:`config.precision.resolve_precision`).
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
                  max_model_len: int | None = None, num_threads: int | None = None,
-                 num_sequences: int | None = None):
+                 num_sequences: int | None = None, precision: str | None = None):
         from engine.models.platform import worker_threads
         from engine.rollout.factory import build_rollout_engine
         from engine.rollout.partial import WeightGate
@@ -138,7 +145,7 @@ class RolloutWorker:
         self.engine = build_rollout_engine(
             cfg.backend, self.policy_dir / HF_SUBDIR, what="rl.rollout.backend",
             hf_export=(policy_dir, self.scratch_dir / "hf"), gpu_memory_utilization=cfg.gpu_memory_utilization,
-            num_sequences=num_sequences, max_model_len=max_model_len, load_format="dummy",
+            num_sequences=num_sequences, max_model_len=max_model_len, load_format="dummy", precision=precision,
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
@@ -214,6 +221,8 @@ class RewardWorker:
     ``data.reward_plugins``).
     Responses are decoded by ``data.chat_response.response_text`` (special tokens removed, so a final EOS
     is not part of the text), as evaluation decodes them.
+    ``precision`` (``rl.precision``; None/auto resolved by :func:`config.precision.resolve_precision`)
+    is the reward model's compute dtype (``load_reward_model``); its scores are fp32.
 
     Raises:
         ImportError: a plug-in cannot be loaded (the message names ``rl.reward.functions[i].path``
@@ -223,7 +232,7 @@ class RewardWorker:
     """
 
     def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, reward_model_dir: str | Path | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, precision: str | None = None):
         from data.reward_plugins import load_reward_function
         from data.rewards import get_verifier
         from engine.models.platform import worker_threads
@@ -245,7 +254,7 @@ class RewardWorker:
                 raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
             from engine.training.reward_scoring import load_reward_model
 
-            self.reward_model = load_reward_model(reward_model_dir)
+            self.reward_model = load_reward_model(reward_model_dir, precision)
             self.rm_tokenizer = load_tokenizer(reward_model_dir)
         if self.verifier is None and self.reward_model is None and not self.functions:
             raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0 and functions is empty: "

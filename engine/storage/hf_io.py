@@ -22,7 +22,11 @@ def export_model_dir(model_dir: str | Path, out_dir: str | Path, dtype: str = "f
     Args:
         model_dir: a model directory (``megatron/`` + ``hf/``) of any model stage.
         out_dir: target directory, replaced atomically.
-        dtype: "float32", "bfloat16" or "float16" for the saved weights.
+        dtype: "float32", "bfloat16" or "float16" for the saved weights (``export.dtype``;
+            the export stage's default is the RL stage's precision, ``config.precision.DTYPE_NAMES``);
+            ``config.json``'s ``dtype`` and ``torch_dtype`` are set to it
+            (:func:`conversion.export.write_hf_safetensors`). A model directory holds float32
+            weights (the fp32 masters under mixed precision), so bfloat16 rounds them to nearest even.
 
     Raises:
         FileNotFoundError / ValueError from :func:`engine.storage.model_dir.load_model_dir`;

@@ -62,7 +62,8 @@ class LoadedModel:
     Attributes:
         spec: the architecture.
         hf_config: ``hf/config.json`` as a dict.
-        model: megatron-core ``GPTModel`` (train mode, fp32, CPU) with the saved weights.
+        model: megatron-core ``GPTModel`` (train mode, CPU, fp32 unless
+            :func:`load_model_dir` was given another ``dtype``) with the saved weights.
         tokenizer_dir: the ``hf/`` directory (tokenizer files live there).
         heads: extra head tensors from ``heads.safetensors`` (empty if there is none).
         path: the model directory.
@@ -201,7 +202,8 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return read_config_json(Path(model_dir) / HF_SUBDIR / "config.json", f"{model_dir} is not a model directory")
 
 
-def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "sdpa") -> LoadedModel:
+def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "sdpa",
+                   dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build the megatron-core model of a model directory and load its weights.
 
     Args:
@@ -210,6 +212,11 @@ def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "
             (only matters for tensors a checkpoint does not hold).
         core_attention: "sdpa" (faster on CPU) or "local"; same results
             (see ``engine.models.megatron.build_gpt_model``).
+        dtype: the model's floating dtype. The checkpoint's fp32 weights are loaded first and
+            then cast (``model.to(dtype)``, round-to-nearest-even): ``torch.bfloat16`` for an
+            inference-only model under bf16. Keep fp32 for a model that will train: the fp32
+            masters of mixed precision are made from the fp32 weights
+            (``engine.training.optimizer_step.build_model_optimizer``). ``heads`` stay as stored.
 
     Raises:
         FileNotFoundError: ``hf/config.json`` or ``megatron/`` is missing (names the path).
@@ -234,6 +241,8 @@ def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "
             raise ValueError(f"{extra}: expected {{\"padded_vocab_size\": <int >= vocab_size>}} ({e})") from e
     model = build_gpt_model(spec, seed=seed, core_attention=core_attention)
     load_model_checkpoint(model, ckpt)
+    if dtype != torch.float32:
+        model.to(dtype)
     heads_path = model_dir / HEADS_FILE
     heads = load_file(str(heads_path)) if heads_path.is_file() else {}
     return LoadedModel(spec, hf_config, model, model_dir / HF_SUBDIR, heads, model_dir)

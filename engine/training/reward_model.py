@@ -12,6 +12,11 @@ schedule, evaluation and the model directory written at the end are the same for
 so is resuming: every ``rm.checkpoint_every`` steps the backend writes its train state
 (``engine.storage.train_state``: weights with the head, AdamW moments, schedule, data position, RNG)
 to ``resume_dir``, and a later run continues from it to the weights of an uninterrupted run.
+
+Training micro-batches hold ``rm.micro_batch_size`` pairs or ``rm.max_tokens_per_micro_batch``
+tokens (:func:`reward_micro_batches`); with ``rm.packing`` (megatron backend) their chosen and
+rejected sequences run packed, without padding (:func:`packed_rewards`), for the same loss and
+gradients up to float rounding. The held-out evaluation stays right-padded.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config.schema import RMConfig
+from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batches
+from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.batching.sampler import EpochSampler
 from engine.storage.model_dir import load_tokenizer
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
@@ -58,19 +65,52 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
     return -F.logsigmoid(r_chosen - r_rejected)
 
 
-def pair_loss(model: RewardFn, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
+def packed_rewards(model: torch.nn.Module, batch: PackedTokenBatch) -> torch.Tensor:
+    """Rewards of packed sequences: ``reward_head`` on each sequence's last token's
+    final-normed hidden state (packed position ``cu_seqlens[b + 1] - 1``), from
+    :func:`engine.models.megatron.gpt_hidden_states_packed`; equal to the right-padded
+    ``model(input_ids, lengths)`` up to float rounding.
+
+    Args:
+        model: an :class:`engine.models.heads.RewardModel` (``gpt`` with the ``sdpa`` core
+            attention, ``reward_head``).
+        batch: :class:`engine.batching.packing.PackedTokenBatch` of ``B`` sequences.
+
+    Returns: FloatTensor ``[B]`` (fp32, upcast from a bf16 model).
+
+    Raises:
+        ValueError: ``model`` is not a megatron reward model (``rm.packing`` needs
+            ``rm.backend: megatron``), or as :func:`engine.models.megatron.gpt_hidden_states_packed`.
+    """
+    from engine.models.megatron import gpt_hidden_states_packed
+
+    if not (hasattr(model, "gpt") and hasattr(model, "reward_head")):
+        raise ValueError(f"rm.packing needs the megatron reward model (rm.backend: megatron), got {type(model).__name__}")
+    hidden = gpt_hidden_states_packed(model.gpt, batch.packed)  # [N, H]
+    last = batch.packed.cu_seqlens[1:].long() - 1
+    return model.reward_head(hidden[last]).squeeze(-1).float()
+
+
+def pair_loss(model: RewardFn, batch: TokenBatch | PackedTokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step` on a :func:`collate_pairs` batch
-    (``model``: an :class:`engine.models.heads.RewardModel` or any :data:`RewardFn`).
+    (``model``: an :class:`engine.models.heads.RewardModel` or any :data:`RewardFn`), or on
+    its packed form (:func:`engine.batching.packing.pack_token_batch`; rewards by
+    :func:`packed_rewards`, so ``model`` must be a megatron :class:`RewardModel`).
 
     Returns:
         ``(sum of Bradley-Terry losses, number of pairs, {"accuracy", "margin"})`` where
         accuracy is the fraction with ``r_chosen > r_rejected`` and margin the mean
         ``r_chosen - r_rejected``.
+
+    Raises: ValueError from :func:`packed_rewards` for a packed batch.
     """
-    rewards = model(batch.input_ids, batch.lengths)
+    if isinstance(batch, PackedTokenBatch):
+        rewards = packed_rewards(model, batch)
+    else:
+        rewards = model(batch.input_ids, batch.lengths)
     n = rewards.size(0) // 2
     r_c, r_r = rewards[:n], rewards[n:]
-    metrics = {"accuracy": float((r_c > r_r).float().mean()), "margin": float((r_c - r_r).mean())}
+    metrics = {"accuracy": float((r_c > r_r).float().mean()), "margin": float((r_c - r_r).detach().mean())}
     return bradley_terry_loss(r_c, r_r).sum(), n, metrics
 
 
@@ -92,6 +132,31 @@ def evaluate_pairs(model: RewardFn, pairs: Sequence[tuple[list[int], list[int]]]
         correct += int((r_c > r_r).sum())
     model.train(was_training)
     return {"rm/accuracy": correct / len(pairs), "rm/loss": loss / len(pairs)}
+
+
+def reward_micro_batches(pairs: Sequence[tuple[list[int], list[int]]], cfg: RMConfig,
+                         pad_id: int) -> list[TokenBatch | PackedTokenBatch]:
+    """A global batch's training micro-batches, as ``cfg`` forms and lays them out.
+
+    ``cfg.max_tokens_per_micro_batch`` set: groups of pairs of at most that many real tokens
+    (a pair counts its chosen plus its rejected tokens;
+    :func:`engine.batching.balancing.token_budget_micro_batches`, a longer pair alone), else
+    consecutive groups of ``cfg.micro_batch_size`` pairs. Each group becomes one
+    :func:`collate_pairs` batch (its chosen rows, then its rejected rows) and, with
+    ``cfg.packing``, is packed into one row in the same order.
+
+    Returns: one :class:`TokenBatch` or :class:`PackedTokenBatch` per micro-batch; every pair
+        is in exactly one.
+
+    Raises: ValueError for an empty ``pairs``.
+    """
+    if cfg.max_tokens_per_micro_batch is None:
+        groups = split_micro_batches(pairs, cfg.micro_batch_size)
+    else:
+        sizes = [len(c) + len(r) for c, r in pairs]
+        groups = [[pairs[i] for i in g] for g in token_budget_micro_batches(sizes, cfg.max_tokens_per_micro_batch)]
+    micro = [collate_pairs(g, pad_id) for g in groups]
+    return [pack_token_batch(mb) for mb in micro] if cfg.packing else micro
 
 
 def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -125,8 +190,9 @@ def train_reward_model(
     """Train a reward model from ``base_model_dir`` on preference pairs; write a model dir.
 
     Holds out ``cfg.eval_fraction`` of the pairs (:func:`split_eval`), trains ``cfg.steps``
-    steps of ``cfg.global_batch_size`` pairs in micro-batches of ``cfg.micro_batch_size``
-    with the Bradley-Terry loss on the trainer ``make_trainer`` builds,
+    steps of ``cfg.global_batch_size`` pairs in the micro-batches of :func:`reward_micro_batches`
+    (``cfg.micro_batch_size`` pairs or ``cfg.max_tokens_per_micro_batch`` tokens, padded or
+    packed) with the Bradley-Terry loss on the trainer ``make_trainer`` builds,
     evaluates on the held-out pairs every ``cfg.log_every`` steps and at the end, and saves
     the GPT weights plus ``heads.safetensors`` (``reward_head.weight`` ``[1, H]``,
     ``reward_head.bias`` ``[1]``).
@@ -184,7 +250,7 @@ def train_reward_model(
     for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
                      dynamic_ncols=True):
         chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
-        micro = [collate_pairs(c, pad_id) for c in split_micro_batches(chosen, cfg.micro_batch_size)]
+        micro = reward_micro_batches(chosen, cfg, pad_id)
         t0 = time.perf_counter()
         out = trainer.step(micro)
         seconds = time.perf_counter() - t0

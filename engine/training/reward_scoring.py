@@ -10,18 +10,28 @@ import torch
 
 from engine.batching.collate import collate_tokens, pad_token_id, split_micro_batches
 from engine.models.heads import HEAD_BIAS, HEAD_WEIGHT, RewardModel
+from engine.models.master_weights import compute_dtype
 from engine.storage.model_dir import load_model_dir
 from engine.training.preference_data import _encode
 
 
-def load_reward_model(model_dir: str | Path) -> RewardModel:
-    """A trained reward model (eval mode) from a model directory with a reward head.
+def load_reward_model(model_dir: str | Path, precision: str | None = None) -> RewardModel:
+    """A trained reward model (eval mode, frozen: no gradients, no master weights) from a model
+    directory with a reward head.
+
+    Args:
+        model_dir: a reward model's directory (``heads.safetensors`` with the reward head).
+        precision: compute precision (``"bf16"``: body and head cast to bfloat16 from the stored
+            fp32 weights; ``"fp32"``; None/``"auto"`` resolved by
+            :func:`config.precision.resolve_precision`). The scores are fp32 either way
+            (:func:`engine.models.heads.last_token_scores` upcasts).
 
     Raises:
         ValueError: naming the directory, when ``heads.safetensors`` lacks
             ``reward_head.weight`` / ``reward_head.bias`` or their shapes do not match.
     """
-    loaded = load_model_dir(model_dir)
+    dtype = compute_dtype(precision)
+    loaded = load_model_dir(model_dir, dtype=dtype)
     missing = {HEAD_WEIGHT, HEAD_BIAS} - loaded.heads.keys()
     if missing:
         raise ValueError(f"{model_dir}: heads.safetensors lacks {sorted(missing)}; not a reward model directory")
@@ -30,6 +40,9 @@ def load_reward_model(model_dir: str | Path) -> RewardModel:
         model.reward_head.load_state_dict({"weight": loaded.heads[HEAD_WEIGHT], "bias": loaded.heads[HEAD_BIAS]})
     except RuntimeError as e:
         raise ValueError(f"{model_dir}: reward head does not fit hidden size {loaded.spec.hidden_size}: {e}") from e
+    model.to(dtype)  # the head (built fp32, loaded from the fp32 heads file) as the body
+    for p in model.parameters():
+        p.requires_grad_(False)
     return model.eval()
 
 

@@ -2,8 +2,12 @@
 
 Loss: token-mean cross entropy over the assistant tokens selected by the chat loss mask
 (data.chat.encode_chat), normalised by the global batch's number of target tokens
-(engine.training.optimizer_step). Resumes exactly from ``resume_dir``: weights, AdamW moments,
-schedule, data order position and RNG states.
+(engine.training.optimizer_step). Runs in ``sft.precision`` (bf16: bf16 compute with fp32
+master weights, ``engine.models.master_weights``; the loss is computed from fp32 logits either
+way). Micro-batches are right-padded or packed (``sft.packing``) and formed by sequence count
+or token budget (``sft.max_tokens_per_micro_batch``); the loss and gradients do not depend on
+either choice (up to float rounding). Resumes exactly from ``resume_dir``: weights (the fp32
+masters under bf16), AdamW moments, schedule, data order position and RNG states.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from config.precision import resolve_precision
 from config.schema import SFTConfig
+from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import (
     TokenBatch,
     collate_tokens,
     pad_token_id,
     split_micro_batches,
 )
+from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.batching.sampler import EpochSampler
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.storage.train_state import (
@@ -33,7 +40,7 @@ from engine.storage.train_state import (
     load_train_state,
     save_train_state,
 )
-from engine.training.optimizer_step import build_optimizer, train_step
+from engine.training.optimizer_step import build_model_optimizer, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +71,52 @@ def masked_token_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: t
     return nll * mask
 
 
-def sft_loss(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
+def packed_token_nll_sum(logits: torch.Tensor, batch: PackedTokenBatch) -> torch.Tensor:
+    """Summed next-token NLL of the target tokens of a packed batch.
+
+    The packed form of :func:`masked_token_nll` summed: packed position ``t`` predicts packed
+    token ``t + 1`` where that token is a target (``batch.loss_mask[t + 1]``, which is 0 on
+    every sequence's first token, so no position predicts across a sequence boundary). The
+    cross entropy runs on the target positions only.
+
+    Args:
+        logits: ``[N, V]`` float logits of the packed row
+            (:func:`engine.models.megatron.gpt_logits_packed`).
+        batch: the :class:`engine.batching.packing.PackedTokenBatch` they were computed from.
+
+    Returns:
+        Scalar float tensor (nats): the same sum as ``masked_token_nll(...).sum()`` on the
+        right-padded batch, up to float rounding.
+    """
+    ids = batch.packed.input_ids[0]
+    where = batch.loss_mask[1:].nonzero().squeeze(-1)  # position t predicts target t + 1
+    return F.cross_entropy(logits[where], ids[where + 1], reduction="sum")
+
+
+def sft_loss(model: torch.nn.Module, batch: TokenBatch | PackedTokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step`: summed target-token NLL.
+
+    A right-padded :class:`engine.batching.collate.TokenBatch` runs through
+    :func:`engine.models.megatron.gpt_logits`; a :class:`engine.batching.packing.PackedTokenBatch`
+    through :func:`engine.models.megatron.gpt_logits_packed` (needs the ``sdpa`` core attention).
+    Both give the same sum and count for the same sequences (the sum up to float rounding).
 
     Returns:
         ``(nll_sum, num_target_tokens, {})``; the train step divides by the global count,
         giving the token-mean cross entropy of the whole global batch.
+
+    Raises:
+        ValueError: from :func:`engine.models.megatron.gpt_logits_packed` for a packed batch on
+            a model whose core attention cannot run packed sequences.
     """
+    if isinstance(batch, PackedTokenBatch):
+        from engine.models.megatron import gpt_logits_packed
+
+        logits = gpt_logits_packed(model, batch.packed)  # [N, V] fp32
+        return packed_token_nll_sum(logits, batch), int(batch.loss_mask.sum()), {}
     from engine.models.megatron import gpt_logits
 
-    logits = gpt_logits(model, batch.input_ids)
+    logits = gpt_logits(model, batch.input_ids)  # fp32, upcast from a bf16 model
     nll = masked_token_nll(logits, batch.input_ids, batch.loss_mask)
     return nll.sum(), int(batch.loss_mask[:, 1:].sum()), {}
 
@@ -141,6 +184,35 @@ def encode_sft_dataset(
     return out
 
 
+def sft_micro_batches(rows: list[tuple[list[int], list[int]]], cfg: SFTConfig,
+                      pad_id: int) -> list[TokenBatch | PackedTokenBatch]:
+    """A global batch's micro-batches, as ``cfg`` forms and lays them out.
+
+    ``cfg.max_tokens_per_micro_batch`` set: groups of at most that many real tokens
+    (:func:`engine.batching.balancing.token_budget_micro_batches`; a longer row alone), else
+    consecutive groups of ``cfg.micro_batch_size`` rows. Each group is right-padded to its
+    longest row (:func:`engine.batching.collate.collate_tokens`) and, with ``cfg.packing``,
+    packed into one row (:func:`engine.batching.packing.pack_token_batch`).
+
+    Args:
+        rows: ``[(input_ids, loss_mask), ...]`` of :func:`encode_sft_dataset`.
+        cfg: the ``sft`` section.
+        pad_id: padding token id.
+
+    Returns: one :class:`TokenBatch` or :class:`PackedTokenBatch` per micro-batch; every row
+        is in exactly one.
+
+    Raises: ValueError for an empty ``rows``.
+    """
+    if cfg.max_tokens_per_micro_batch is None:
+        groups = split_micro_batches(rows, cfg.micro_batch_size)
+    else:
+        groups = [[rows[i] for i in g] for g in
+                  token_budget_micro_batches([len(r[0]) for r in rows], cfg.max_tokens_per_micro_batch)]
+    micro = [collate_tokens([r[0] for r in g], [r[1] for r in g], pad_id) for g in groups]
+    return [pack_token_batch(mb) for mb in micro] if cfg.packing else micro
+
+
 def train_sft(
     base_model_dir: str | Path,
     dataset_path: str | Path,
@@ -153,8 +225,11 @@ def train_sft(
     """Fine-tune the model in ``base_model_dir`` on a messages dataset; write a model dir.
 
     Each of ``cfg.steps`` steps draws ``cfg.global_batch_size`` rows (deterministic epoch
-    shuffles from ``seed``), splits them into micro-batches of ``cfg.micro_batch_size`` and
-    takes one AdamW step (:func:`engine.training.optimizer_step.train_step`). Every
+    shuffles from ``seed``), splits them into micro-batches (:func:`sft_micro_batches`:
+    ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens, padded or
+    packed) and takes one AdamW step (:func:`engine.training.optimizer_step.train_step`) in
+    ``cfg.precision`` (bf16: bf16 compute, fp32 master weights, gradients and AdamW moments;
+    the model directory and train state hold the fp32 masters). Every
     ``cfg.checkpoint_every`` steps and after the last one the full train state goes to
     ``resume_dir``; a later call with the same arguments continues from it and ends with
     the same weights as an uninterrupted run.
@@ -176,15 +251,21 @@ def train_sft(
         ``perf/tokens_per_s`` (real tokens per second of the last step), ``train/steps``.
 
     Raises:
-        ValueError: bad dataset rows (names file and line), or a ``resume_dir`` written
-            with a different config, dataset size or seed.
+        ValueError: bad dataset rows (names file and line), a ``resume_dir`` written
+            with a different config (precision and packing included), dataset size or seed,
+            or ``cfg.packing`` on a model without the ``sdpa`` core attention.
     """
     loaded = load_model_dir(base_model_dir, seed=seed)
     tokenizer = load_tokenizer(base_model_dir)
     examples = encode_sft_dataset(dataset_path, tokenizer, cfg.max_seq_len)
     pad_id = pad_token_id(tokenizer)
     model = loaded.model
-    optimizer, scheduler = build_optimizer(model.parameters(), cfg.optim, cfg.steps)
+    precision = resolve_precision(cfg.precision)
+    optimizer, scheduler = build_model_optimizer(model, cfg.optim, cfg.steps, precision)
+    layout = "packed" if cfg.packing else "padded"
+    split = (f"{cfg.max_tokens_per_micro_batch} tokens" if cfg.max_tokens_per_micro_batch is not None
+             else f"{cfg.micro_batch_size} sequences")
+    logger.info("SFT on %d conversations: precision %s, %s micro-batches of %s", len(examples), precision, layout, split)
     torch.manual_seed(seed)
 
     start, position, tokens, metrics = 0, DataPosition(0, 0, seed), 0, {}
@@ -203,10 +284,7 @@ def train_sft(
 
     for step in tqdm(range(start, cfg.steps), desc="sft", initial=start, total=cfg.steps, dynamic_ncols=True):
         rows = [examples[i] for i in sampler.next_indices(cfg.global_batch_size)]
-        micro = [
-            collate_tokens([r[0] for r in chunk], [r[1] for r in chunk], pad_id)
-            for chunk in split_micro_batches(rows, cfg.micro_batch_size)
-        ]
+        micro = sft_micro_batches(rows, cfg, pad_id)
         t0 = time.perf_counter()
         out = train_step(model, optimizer, scheduler, micro, sft_loss, cfg.optim.grad_clip)
         seconds = time.perf_counter() - t0

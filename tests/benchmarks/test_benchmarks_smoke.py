@@ -84,3 +84,96 @@ def test_render_gives_each_engine_mode_its_ratio_to_trl():
     assert table[-1] == "| 25m | engine_async/TRL | 0.25 | 0.25 | 4.00 | 4.00 | -0.250 (difference) | |"
     # without TRL there is nothing to divide by: the sides' rows only
     assert len(render([{"size": "25m", "engine": side(2.0, 100.0, 0.5)}]).splitlines()) == 3
+
+
+def test_bf16_sides_run_only_on_native_and_faster_bf16_or_when_forced():
+    from benchmarks.models import bf16_verdict
+
+    emulated = {"fp32": 175.0, "bf16": 0.3}  # an AVX2-only EPYC: bf16 matmuls emulated
+    run, why = bf16_verdict(emulated, (False, "CPU lacks avx512_bf16 and amx_bf16"))
+    assert not run and "CPU lacks avx512_bf16" in why and "bf16 matmul 0.3 GFLOP/s, fp32 175.0" in why
+    assert bf16_verdict(emulated, (False, "CPU lacks avx512_bf16 and amx_bf16"), force=True)[0]
+    # native but measured slower (e.g. a host too busy, or a poor kernel): still skipped
+    assert not bf16_verdict({"fp32": 100.0, "bf16": 90.0}, (True, "CPU has amx_bf16"))[0]
+    assert bf16_verdict({"fp32": 100.0, "bf16": 900.0}, (True, "CPU has amx_bf16")) == (
+        True, "CPU has amx_bf16 (bf16 matmul 900.0 GFLOP/s, fp32 100.0)")
+
+
+def test_update_mfu_is_six_n_t_over_time_and_peak():
+    from benchmarks.models import update_mfu
+
+    # 6 * 1e6 params * 1000 tokens = 6e9 FLOPs in 2 s = 3 GFLOP/s, against a 3 GFLOP/s peak: 100%
+    assert update_mfu(1_000_000, 1000, 2.0, 3.0) == pytest.approx(1.0)
+    assert update_mfu(1_000_000, 1000, 2.0, 12.0) == pytest.approx(0.25)
+    assert update_mfu(1_000_000, 1000, 0.0, 3.0) == 0.0  # no update time recorded
+
+
+def test_ratio_stats_take_the_median_and_range_of_per_round_ratios():
+    from benchmarks.rounds import ratio_stats
+
+    assert ratio_stats([2.0, 9.0, 8.0], [1.0, 3.0, 2.0]) == {"median": 3.0, "min": 2.0, "max": 4.0, "n": 3.0}
+    with pytest.raises(ValueError, match="same number of rounds"):
+        ratio_stats([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="zero throughput"):
+        ratio_stats([1.0], [0.0])
+
+
+def test_round_gate_reports_each_segment_and_waits_for_the_driver():
+    import io
+    import json
+
+    from benchmarks.rounds import MARK, RoundGate
+
+    out = io.StringIO()
+    gate = RoundGate([1, 2], stdin=io.StringIO("go\ngo\n"), stdout=out)
+    assert gate.total_steps == 3
+    assert gate.step_done({"s": 1}) is True  # the warm-up segment ends: reported, then a line read
+    assert gate.step_done({"s": 2}) is False
+    assert gate.step_done({"s": 3}) is True
+    lines = out.getvalue().splitlines()
+    assert [json.loads(x[len(MARK):]) for x in lines] == [
+        {"segment": 0, "records": [{"s": 1}]}, {"segment": 1, "records": [{"s": 2}, {"s": 3}]}]
+    with pytest.raises(RuntimeError, match="after the last segment"):
+        gate.step_done({"s": 4})
+    closed = RoundGate([1], stdin=io.StringIO(""), stdout=io.StringIO())
+    with pytest.raises(RuntimeError, match="closed stdin"):
+        closed.step_done({})
+    with pytest.raises(ValueError):
+        RoundGate([1, 0])
+
+
+def test_round_stats_of_a_grpo_round():
+    from benchmarks.trl_grpo import round_stats
+
+    records = [StepRecord(10.0, 1000, 2000, 0.0, update_seconds=4.0), StepRecord(6.0, 1000, 2000, 0.0, update_seconds=4.0)]
+    r = round_stats(records, num_parameters=1_000_000, peak_gflops=1.0)
+    assert r["s_per_step"] == 8.0 and r["gen_tok_s"] == 2000 / 16 and r["train_tok_s"] == 4000 / 16
+    assert r["update_s"] == 4.0
+    assert r["mfu"] == pytest.approx(6e6 * 4000 / 8.0 / 1e9)  # 6 N T over the 8 update seconds, 1 GFLOP/s peak
+    # a step without an update time: no MFU rather than a wrong one
+    assert round_stats([StepRecord(1.0, 1, 1, 0.0)], 10, 1.0)["mfu"] == 0.0
+
+
+def test_side_precisions_and_ratio_rows_for_every_trl_side():
+    from benchmarks.trl_grpo import render, side_precision
+
+    assert [side_precision(s, "fp32") for s in ("engine", "trl", "trl_autocast", "trl_bf16")] == [
+        "fp32", "fp32", "bf16", "bf16"]
+    assert side_precision("engine_async", "bf16") == "bf16"
+    side = {"s_per_step": 2.0, "s_per_step_median": 2.0, "gen_tok_s": 100.0, "train_tok_s": 200.0,
+            "reward_last": 0.0, "timed_steps": 2.0}
+    table = render([{"size": "25m", "engine": side, "trl": {**side, "train_tok_s": 400.0},
+                     "trl_bf16": {**side, "train_tok_s": 100.0}}]).splitlines()
+    assert table[-2].startswith("| 25m | engine/TRL | 1.00 | 1.00 | 1.00 | 0.50 |")
+    assert table[-1].startswith("| 25m | engine/trl_bf16 | 1.00 | 1.00 | 1.00 | 2.00 |")
+
+
+def test_trl_packing_batches_hold_about_the_engines_tokens():
+    from benchmarks.sft_trl import SFTSetting, trl_batches
+
+    # 8 rows of 200 tokens per engine micro-batch = 1600 tokens: 6 sequences of 256 (1536);
+    # 32 rows per step = 6400 tokens = 25 sequences: 4 micro-batches of 6 (6144)
+    assert trl_batches(SFTSetting(32, 8, 256, 1e-4, 1, 1), 200.0) == (6, 4)
+    # 20-token rows: 64 x 20 = 1280 tokens = 5 sequences; 256 x 20 = 5120 = 20 sequences: 4 x 5
+    assert trl_batches(SFTSetting(256, 64, 256, 1e-4, 1, 1), 20.0) == (5, 4)
+    assert trl_batches(SFTSetting(2, 1, 256, 1e-4, 1, 1), 10.0) == (1, 1)  # never below one sequence

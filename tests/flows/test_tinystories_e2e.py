@@ -75,7 +75,12 @@ def test_rl_trains_toward_the_reward_and_the_export_tells_stories(project):
     summary = project["summary"]
     rl = [json.loads(line) for line in (Path(summary["stages"]["rl"]["uri"]) / "metrics.jsonl").open()]
     assert [m["step"] for m in rl] == [1, 2, 3]
-    assert all(m["rollout_vs_trainer/logprob_diff_max"] < 1e-3 for m in rl)
+    manifest = json.loads((Path(summary["stages"]["rl"]["uri"]) / "manifest.json").read_text())
+    # fp32: HF generate and the megatron trainer agree to rounding. bf16 (auto on AMX/avx512_bf16 CPUs):
+    # each rounds activations to 8 mantissa bits in its own order; 0.5 nats bounds what we measured
+    # for bf16 engines against each other (<= 0.11) with margin, and still catches a wrong policy.
+    bound = 1e-3 if manifest["config"]["rl"]["precision"] == "fp32" else 0.5
+    assert all(m["rollout_vs_trainer/logprob_diff_max"] < bound for m in rl)
     ev = summary["stages"]["evaluate"]["metrics"]
     assert ev["rl/accuracy"] > ev["base/accuracy"]
 

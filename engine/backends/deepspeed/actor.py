@@ -41,8 +41,8 @@ class DeepSpeedActorWorker(HFBucketSource):
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
-        cfg: the ``rl`` config (``deepspeed.zero_stage``, optimizer, loss, epochs,
-            micro-batches, rollout temperature).
+        cfg: the ``rl`` config (``deepspeed.zero_stage``, ``precision``, optimizer, loss,
+            epochs, micro-batches, rollout temperature).
         seed: model-building seed (every weight is then loaded from ``policy_dir``).
         num_threads: torch threads in this process (default: all cores).
 
@@ -67,7 +67,7 @@ class DeepSpeedActorWorker(HFBucketSource):
         self.seed = seed
         self.temperature = logit_temperature(cfg.rollout.temperature)
         self.trainer = DeepSpeedTrainer(loaded.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.deepspeed,
-                                        cfg.micro_batch_size)
+                                        cfg.micro_batch_size, cfg.precision)
         self.engine, self.module = self.trainer.engine, self.trainer.module
         self.optimizer, self.scheduler = self.trainer.optimizer, self.trainer.scheduler
         self.zero_stage = cfg.deepspeed.zero_stage
@@ -101,16 +101,19 @@ class DeepSpeedActorWorker(HFBucketSource):
         """The policy's HF-named weights, one at a time, in module order (a tied model's
         ``lm_head.weight`` is the embedding and is not repeated): the weight source of
         ``engine.models.weight_buckets``. Below ZeRO-3 the tensors are the live parameters (the caller
-        copies what it keeps); under ZeRO-3 each is gathered and copied."""
+        copies what it keeps); under ZeRO-3 each is gathered and copied. Under ``rl.precision``
+        bf16 they are the bf16 compute weights the trainer computes with."""
         return self.trainer.named_tensors()
 
     def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
         """Write the policy as a model directory (megatron torch_dist + ``hf/``; see
         :func:`engine.storage.hf_io.save_hf_as_model_dir`), which ``load_model_dir``, evaluation
-        and export read like the megatron backend's."""
+        and export read like the megatron backend's. Under bf16 the weights written are the fp32
+        masters (``DeepSpeedTrainer.named_tensors(full_precision=True)``)."""
         from engine.storage.hf_io import save_hf_as_model_dir
 
-        return str(save_hf_as_model_dir(out_dir, dict(self.hf_tensors()), self.spec, self.hf_config,
+        weights = dict(self.trainer.named_tensors(full_precision=True))
+        return str(save_hf_as_model_dir(out_dir, weights, self.spec, self.hf_config,
                                         self.tokenizer_dir, iteration=iteration, seed=self.seed))
 
     # ------------------------------------------------------------------ resumable state

@@ -50,8 +50,9 @@ class DeepSpeedCriticWorker:
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) the critic's body starts from.
         cfg: the ``rl`` config (``rl.critic`` for the optimizer and clip range,
-            ``rl.deepspeed`` for the ZeRO stage; ``ppo_epochs``, ``micro_batch_size``,
-            ``steps`` as for the actor).
+            ``rl.deepspeed`` for the ZeRO stage; ``precision``, ``ppo_epochs``,
+            ``micro_batch_size``, ``steps`` as for the actor; under bf16 the state holds fp32
+            masters, see ``engine.backends.deepspeed.runtime``).
         seed: model-building and value-head seed.
         num_threads: torch threads in this process (default: all cores).
 
@@ -72,7 +73,7 @@ class DeepSpeedCriticWorker:
         self.cfg = cfg
         model = HFValueModel(loaded.model, int(loaded.hf_config["hidden_size"]), seed)
         self.trainer = DeepSpeedTrainer(model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.deepspeed,
-                                        cfg.micro_batch_size)
+                                        cfg.micro_batch_size, cfg.precision)
         self.engine, self.model = self.trainer.engine, self.trainer.module
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:

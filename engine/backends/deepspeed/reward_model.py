@@ -46,7 +46,9 @@ class DeepSpeedRewardTrainer:
 
     Args:
         base_model_dir: model directory to start from.
-        cfg: the ``rm`` config (``optim``, ``steps``, ``micro_batch_size``, ``deepspeed``).
+        cfg: the ``rm`` config (``optim``, ``steps``, ``micro_batch_size``, ``deepspeed``,
+            ``precision``: under bf16 the body and head compute in bf16 and the optimizer steps
+            fp32 masters, ``engine.backends.deepspeed.runtime``).
         seed: model-building and reward-head seed.
 
     Attributes:
@@ -73,7 +75,7 @@ class DeepSpeedRewardTrainer:
         self.untrained = {name: p.detach().clone() for name, p in causal_lm.named_parameters()
                           if not name.startswith(self.body_prefix)}
         module = HFRewardModel(causal_lm, self.spec.hidden_size, seed)
-        self.trainer = DeepSpeedTrainer(module, cfg.optim, cfg.steps, cfg.deepspeed, cfg.micro_batch_size)
+        self.trainer = DeepSpeedTrainer(module, cfg.optim, cfg.steps, cfg.deepspeed, cfg.micro_batch_size, cfg.precision)
         self.model = self.trainer.engine
 
     def step(self, micro: list[TokenBatch]) -> dict[str, float]:
@@ -99,17 +101,21 @@ class DeepSpeedRewardTrainer:
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The model's HF-named weights without the reward head (copies under ZeRO-3, else
-        the live tensors): the body under the causal LM's names, plus the untrained ones."""
+        the live tensors): the body under the causal LM's names, plus the untrained ones.
+        Under bf16 the fp32 masters (``DeepSpeedTrainer.named_tensors(full_precision=True)``),
+        as the model directory keeps them."""
         state = dict(self.untrained)
-        for name, tensor in self.trainer.named_tensors():
+        for name, tensor in self.trainer.named_tensors(full_precision=True):
             if name.startswith(BODY_PREFIX):
                 state[self.body_prefix + name[len(BODY_PREFIX):]] = tensor
         return state
 
     def heads(self) -> dict[str, torch.Tensor]:
         """``reward_head.weight`` ``[1, H]`` and ``reward_head.bias`` ``[1]`` (copies), the names
-        ``engine.training.reward_scoring.load_reward_model`` reads from ``heads.safetensors``."""
-        return {name: tensor.clone() for name, tensor in self.trainer.named_tensors() if name.startswith("reward_head.")}
+        ``engine.training.reward_scoring.load_reward_model`` reads from ``heads.safetensors``; fp32
+        masters under bf16, as :meth:`hf_state`."""
+        return {name: tensor.clone() for name, tensor in self.trainer.named_tensors(full_precision=True)
+                if name.startswith("reward_head.")}
 
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
         """``engine.training.reward_contract.RewardTrainer.save_state``: ``directory/train_state.pt`` with the

@@ -24,6 +24,40 @@ group, and the launcher's variables (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,
 a Ray actor. Gradient accumulation is the caller's (``managed_gradient_accumulation:
 false``): each micro-batch's globally normalised loss is back-propagated unscaled and
 ``engine.step()`` closes the batch, however many micro-batches it had.
+
+Precision (``rl.precision`` / ``rm.precision``, resolved by ``config.precision.resolve_precision``;
+:func:`precision_scheme`). fp32: the configuration above, unchanged. bf16: the module computes
+in bf16 (its floating buffers, e.g. rotary frequencies, stay fp32, as DeepSpeed's own cast
+leaves them), the logits, values and rewards are upcast to fp32 (``engine.models.hf``,
+``engine.models.heads``), and the optimizer steps fp32 master weights with fp32 gradients:
+
+- ZeRO 1-3: DeepSpeed's own mixed precision, ``"bf16": {"enabled": true}`` with
+  ``"data_types": {"grad_accum_dtype": "fp32"}`` and ``"communication_data_type": "fp32"``
+  (DeepSpeed's default under bf16 reduces gradients in bf16; at ZeRO-1 that rounds the
+  accumulated fp32 gradients to bf16 before the step, measured). DeepSpeed casts the module to bf16 and
+  wraps the client AdamW, which then steps DeepSpeed's flat fp32 partitions: ZeRO-2 and -3 in
+  ``DeepSpeedZeroOptimizer`` / ``DeepSpeedZeroOptimizer_Stage3`` (fp32 gradient partitions),
+  ZeRO-1 in ``BF16_Optimizer`` (DeepSpeed 0.19.8 picks it for stage 1 with fp32 gradient
+  accumulation, ``DeepSpeedEngine._do_optimizer_sanity_check``; it partitions the fp32
+  state like ZeRO-1). DeepSpeed builds those masters from the weights it has just cast to
+  bf16, so the trainer overwrites them with the fp32 weights it was given
+  (``deepspeed.utils.safe_set_full_fp32_param``): no precision is lost at load time. A step
+  whose gradient norm is not finite is skipped (``bf16.check_grad_overflow``).
+- ZeRO-0: DeepSpeed 0.19.8 refuses bf16 with fp32 gradient accumulation without ZeRO
+  (``NotImplementedError: unsupported mix of model_dtype=torch.bfloat16 and
+  grad_accum_dtype=torch.float32``), and its bf16 path without ZeRO
+  (``FP16_UnfusedOptimizer`` over bf16 ``.grad``) sums the micro-batches' gradients in bf16.
+  So DeepSpeed runs with bf16 off and the repository's master weights
+  (``engine.models.master_weights``) do it: bf16 module, AdamW over fp32 masters, each
+  micro-batch's bf16 gradient added into the master's fp32 ``.grad``; the trainer clips the
+  masters' gradients itself (DeepSpeed's ``gradient_clipping`` is 0 there: it would clip
+  the module's gradients, which the masters hold) and rounds the masters into the module
+  after each step.
+
+Under bf16 the train state (:meth:`DeepSpeedTrainer.save_state`) and the model directories
+(:meth:`DeepSpeedTrainer.named_tensors` with ``full_precision=True``) hold the fp32 masters,
+so a resumed run continues bit for bit; weight sync to the rollout engine sends the bf16
+compute weights (what the trainer computes with).
 """
 
 from __future__ import annotations
@@ -38,8 +72,13 @@ from typing import Any, Iterator
 
 import torch
 
+from config.precision import resolve_precision
 from config.rl import RLConfig
 from config.training import DeepSpeedConfig, OptimConfig
+
+# How a trainer computes (precision_scheme): fp32 throughout; bf16 by DeepSpeed's own mixed
+# precision (ZeRO 1-3); bf16 by the repository's master weights under DeepSpeed in fp32 (ZeRO-0).
+FP32, DEEPSPEED_BF16, MASTER_WEIGHTS = "fp32", "deepspeed_bf16", "master_weights"
 
 
 def _free_port() -> int:
@@ -98,18 +137,41 @@ def init_single_process_group() -> None:
     import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
 
 
-def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float) -> dict[str, Any]:
-    """The DeepSpeed config dict of a trainer: fp32, ZeRO stage ``ds.zero_stage``, gradient
+def precision_scheme(zero_stage: int, precision: str | None) -> str:
+    """How a trainer at ZeRO stage ``zero_stage`` computes in ``precision`` (resolved by
+    ``config.precision.resolve_precision``; module docstring): :data:`FP32`,
+    :data:`DEEPSPEED_BF16` (bf16 at ZeRO 1-3) or :data:`MASTER_WEIGHTS` (bf16 at ZeRO-0).
+
+    Raises:
+        ValueError: ``precision`` is not bf16, fp32, auto or None.
+    """
+    if resolve_precision(precision) == "fp32":
+        return FP32
+    return MASTER_WEIGHTS if zero_stage == 0 else DEEPSPEED_BF16
+
+
+def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float,
+                  precision: str | None = "fp32") -> dict[str, Any]:
+    """The DeepSpeed config dict of a trainer: ZeRO stage ``ds.zero_stage``, gradient
     clipping to ``grad_clip`` (global L2 norm, as ``torch.nn.utils.clip_grad_norm_``), the
     caller's gradient accumulation (one ``engine.step()`` per batch, losses not divided by
     DeepSpeed), client optimizer allowed under ZeRO. ``micro_batch_size`` is informational
     (DeepSpeed requires it; the caller forms the micro-batches). Keys: DeepSpeed's config
-    reference (https://www.deepspeed.ai/docs/config-json/)."""
-    return {
+    reference (https://www.deepspeed.ai/docs/config-json/).
+
+    ``precision`` (:func:`precision_scheme`): fp32 as above with DeepSpeed's fp16 and bf16
+    off; bf16 at ZeRO 1-3 adds ``"bf16": {"enabled": True, "check_grad_overflow": True}``,
+    ``"data_types": {"grad_accum_dtype": "fp32"}`` and ``"communication_data_type": "fp32"``
+    (under bf16 DeepSpeed reduces gradients in bf16 by default, which at ZeRO-1 rounds the
+    accumulated fp32 gradients to bf16 before the step); bf16 at ZeRO-0 keeps DeepSpeed in
+    fp32 with ``gradient_clipping`` 0 (the trainer clips the fp32 masters' gradients itself).
+    """
+    scheme = precision_scheme(ds.zero_stage, precision)
+    config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
-        "gradient_clipping": grad_clip,
+        "gradient_clipping": 0.0 if scheme == MASTER_WEIGHTS else grad_clip,
         "zero_optimization": {
             "stage": ds.zero_stage,
             "stage3_param_persistence_threshold": ds.param_persistence_threshold,
@@ -120,29 +182,53 @@ def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float) 
         "steps_per_print": None,
         "wall_clock_breakdown": False,
     }
+    if scheme == DEEPSPEED_BF16:
+        config["bf16"] = {"enabled": True, "check_grad_overflow": True}
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"  # DeepSpeed's bf16 default would round the fp32 gradients
+    return config
 
 
 def deepspeed_config(cfg: RLConfig) -> dict[str, Any]:
     """The RL actor's DeepSpeed config (:func:`engine_config` of ``cfg.deepspeed``,
-    ``cfg.micro_batch_size`` and ``cfg.optim.grad_clip``)."""
-    return engine_config(cfg.deepspeed, cfg.micro_batch_size, cfg.optim.grad_clip)
+    ``cfg.micro_batch_size``, ``cfg.optim.grad_clip`` and ``cfg.precision``)."""
+    return engine_config(cfg.deepspeed, cfg.micro_batch_size, cfg.optim.grad_clip, cfg.precision)
+
+
+def _to_master_weights(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """bf16 at ZeRO-0: ``engine.models.master_weights.to_mixed_precision`` (bf16 parameters,
+    fp32 masters made from the fp32 weights, fp32 gradient accumulation), with the module's
+    floating buffers (e.g. rotary inverse frequencies) put back in their own dtype, as
+    DeepSpeed's bf16 cast at ZeRO 1-3 leaves them. Returns the masters."""
+    from engine.models.master_weights import to_mixed_precision
+
+    buffers = {name: b for name, b in module.named_buffers() if b.is_floating_point()}
+    masters = to_mixed_precision(module)
+    for name, buffer in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, buffer)
+    return masters
 
 
 class DeepSpeedTrainer:
     """A module trained by a one-process DeepSpeed engine with this repository's optimizer step.
 
     Builds AdamW + warmup/cosine schedule (``engine.training.optimizer_step.build_optimizer``) over the
-    module's parameters, hands both to ``deepspeed.initialize`` as client optimizer and
-    scheduler (DeepSpeed steps the scheduler after each optimizer step, as
-    ``engine.training.optimizer_step.train_step`` does) and runs :meth:`train_step` with the contract of
-    ``train_step(..., normalized=True)``.
+    module's parameters (bf16 at ZeRO-0: over their fp32 masters), hands both to
+    ``deepspeed.initialize`` as client optimizer and scheduler (DeepSpeed steps the scheduler
+    after each optimizer step, as ``engine.training.optimizer_step.train_step`` does) and runs
+    :meth:`train_step` with the contract of ``train_step(..., normalized=True)``. Precision: the
+    module docstring.
 
     Args:
-        module: the model to train (fp32, CPU); DeepSpeed takes it over (``self.module`` is it).
+        module: the model to train (fp32, CPU); DeepSpeed takes it over (``self.module`` is it;
+            bf16 after this call under bf16).
         optim: optimizer and schedule settings (``grad_clip`` too).
         total_steps: optimizer steps of the schedule.
         ds: ZeRO stage and ZeRO-3 persistence threshold.
         micro_batch_size: recorded in DeepSpeed's config (see :func:`engine_config`).
+        precision: ``"bf16"``, ``"fp32"``, ``"auto"`` or None (auto: the hardware decides,
+            ``config.precision.resolve_precision``).
 
     Attributes:
         engine: the DeepSpeed engine (call it to run the module's forward; ZeRO-3 gathers
@@ -150,24 +236,45 @@ class DeepSpeedTrainer:
         module: the trained module (``engine.module``).
         optimizer, scheduler: the client AdamW and ``LambdaLR``.
         zero_stage: ``ds.zero_stage``.
+        precision: the resolved precision, ``"bf16"`` or ``"fp32"``.
+        scheme: :func:`precision_scheme` of the two.
 
     Raises:
         RuntimeError: see :func:`import_deepspeed` and :func:`init_single_process_group`.
-        ValueError: from ``build_optimizer`` (no trainable parameters, bad schedule).
+        ValueError: from ``build_optimizer`` (no trainable parameters, bad schedule) or
+            ``to_mixed_precision``; a trainable parameter is not fp32 under bf16; an unknown
+            ``precision``.
     """
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig, total_steps: int, ds: DeepSpeedConfig,
-                 micro_batch_size: int):
+                 micro_batch_size: int, precision: str | None = "fp32"):
         from engine.training.optimizer_step import build_optimizer
 
         self.deepspeed = import_deepspeed()
         init_single_process_group()
         self.zero_stage = ds.zero_stage
-        self.optimizer, self.scheduler = build_optimizer(module.parameters(), optim, total_steps)
+        self.precision = resolve_precision(precision)
+        self.scheme = precision_scheme(ds.zero_stage, self.precision)
+        self.grad_clip = optim.grad_clip
+        params: Any = module.parameters()
+        fp32_weights: dict[str, torch.Tensor] = {}
+        if self.scheme == MASTER_WEIGHTS:
+            params = _to_master_weights(module)
+        elif self.scheme == DEEPSPEED_BF16:
+            # DeepSpeed's cast replaces each parameter's .data, so these keep the fp32 values
+            # without a copy until the masters have been set from them.
+            fp32_weights = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
+            wrong = [name for name, w in fp32_weights.items() if w.dtype != torch.float32]
+            if wrong:
+                raise ValueError(f"DeepSpeedTrainer: parameter {wrong[0]!r} is {fp32_weights[wrong[0]].dtype}, "
+                                 "expected the fp32 weights")
+        self.optimizer, self.scheduler = build_optimizer(params, optim, total_steps)
         self.engine, _, _, _ = self.deepspeed.initialize(
             model=module, optimizer=self.optimizer, lr_scheduler=self.scheduler,
-            config=engine_config(ds, micro_batch_size, optim.grad_clip))
+            config=engine_config(ds, micro_batch_size, optim.grad_clip, self.precision))
         self.module = self.engine.module
+        if fp32_weights:
+            self._set_masters(fp32_weights)
 
     def train_step(self, micro: list[Any], loss_fn) -> dict[str, float]:
         """One optimizer step over the batch's micro-batches; the contract of
@@ -184,19 +291,34 @@ class DeepSpeedTrainer:
             FloatingPointError: the gradient norm is NaN or infinite (DeepSpeed's ZeRO skips
                 such a step, and below ZeRO it is not taken either).
         """
+        from engine.models.master_weights import copy_masters_to_model
         from engine.training.optimizer_step import accumulate_gradients
 
+        masters = self._repository_masters()  # bf16 at ZeRO-0 only, else empty
+        for p in masters:  # a step that failed part-way leaves no gradient behind
+            p.grad = None
         loss_total, total_units, metrics = accumulate_gradients(
             self.engine, micro, loss_fn, normalized=True,
             backward=lambda loss: self.engine.backward(loss, scale_wrt_gas=False))
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if self.zero_stage == 0:  # DeepSpeed clips but does not report the norm below ZeRO
+        if self.scheme == MASTER_WEIGHTS:  # the fp32 masters' gradients, clipped here (DeepSpeed's clip is 0)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in masters if p.grad is not None],
+                                                             self.grad_clip))
+            if not math.isfinite(grad_norm):
+                for p in masters:
+                    p.grad = None
+                raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken")
+        elif self.zero_stage == 0:  # DeepSpeed clips but does not report the norm below ZeRO
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.get_total_norm(grads))
             if not math.isfinite(grad_norm):
                 self.engine.zero_grad()
                 raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken")
         self.engine.step()
+        if self.scheme == MASTER_WEIGHTS:
+            copy_masters_to_model(self.module)
+            for p in masters:
+                p.grad = None
         if self.zero_stage > 0:
             grad_norm = float(self.engine.get_global_grad_norm())
             if not math.isfinite(grad_norm):
@@ -211,14 +333,77 @@ class DeepSpeedTrainer:
             return contextlib.nullcontext()
         return self.deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank)
 
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_tensors(self, full_precision: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The module's parameters by name, one at a time, in module order (a tied weight
         once). Below ZeRO-3 the tensors are the live parameters (the caller copies what it
-        keeps); under ZeRO-3 each is gathered and copied."""
+        keeps); under ZeRO-3 each is gathered and copied.
+
+        ``full_precision`` (for model directories): under bf16 each trained parameter's fp32
+        master instead (a copy under DeepSpeed's bf16, the live master at ZeRO-0); a frozen
+        parameter, which has no master, gives its compute weight. Under fp32 the same as
+        without it.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        repository = self._repository_masters_by_name() if full_precision else {}
         for name, p in self.module.named_parameters():
-            with self.gathered([p]):
-                tensor = p.detach().clone() if self.zero_stage == 3 else p.detach()
+            if name in repository:
+                tensor = repository[name].detach()
+            elif full_precision and self.scheme == DEEPSPEED_BF16 and p.requires_grad:
+                tensor = safe_get_full_fp32_param(p).detach()
+            else:
+                with self.gathered([p]):
+                    tensor = p.detach().clone() if self.zero_stage == 3 else p.detach()
             yield name, tensor
+
+    # ------------------------------------------------------------------ fp32 masters
+
+    def _repository_masters_by_name(self) -> dict[str, torch.nn.Parameter]:
+        """bf16 at ZeRO-0: ``engine.models.master_weights``' fp32 masters by parameter name; else empty."""
+        from engine.models.master_weights import master_params
+
+        return (master_params(self.module) or {}) if self.scheme == MASTER_WEIGHTS else {}
+
+    def _repository_masters(self) -> list[torch.nn.Parameter]:
+        return list(self._repository_masters_by_name().values())
+
+    def _set_masters(self, weights: dict[str, torch.Tensor]) -> None:
+        """DeepSpeed's bf16: set the fp32 master of each named trainable parameter to
+        ``weights[name]`` exactly (``safe_set_full_fp32_param``; ZeRO-3 partitions it). The
+        bf16 module weights are not touched: the caller has them equal to the masters' rounding.
+
+        Raises:
+            KeyError: a trainable parameter is not in ``weights``.
+        """
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                if name not in weights:
+                    raise KeyError(f"train state has no fp32 master for {name!r}")
+                safe_set_full_fp32_param(p, weights[name].to(torch.float32))
+
+    @contextlib.contextmanager
+    def _deepspeed_masters_in_params(self):
+        """DeepSpeed's bf16: inside the context each trainable parameter holds its fp32 master (a
+        full copy), so ``state_dict()`` reads fp32; the bf16 data is put back on exit. Under
+        ZeRO-3 enter it inside :meth:`gathered`. A no-op otherwise (at ZeRO-0 the module's own
+        masters are swapped in by ``engine.storage.train_state``)."""
+        if self.scheme != DEEPSPEED_BF16:
+            yield
+            return
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        masters = [safe_get_full_fp32_param(p) for p in trainable]
+        saved = [p.data for p in trainable]
+        try:
+            for p, master in zip(trainable, masters):
+                p.data = master.view(p.data.shape)
+            yield
+        finally:
+            for p, data in zip(trainable, saved):
+                p.data = data
 
     @contextlib.contextmanager
     def _optimizer_param_groups(self):
@@ -243,10 +428,12 @@ class DeepSpeedTrainer:
         """Write ``directory/train_state.pt`` atomically (``engine.storage.train_state``): the module's
         weights by name, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32
         partitions), the schedule, data position, RNG states and ``extra`` plus
-        ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``."""
+        ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``.
+        Under bf16 the weights are the fp32 masters (module docstring)."""
         from engine.storage.train_state import save_train_state
 
-        with self.gathered(self.module.parameters()), self._optimizer_param_groups():
+        with (self.gathered(self.module.parameters()), self._deepspeed_masters_in_params(),
+              self._optimizer_param_groups()):
             save_train_state(
                 directory, step=step, model=self.module, optimizer=self.optimizer, scheduler=self.scheduler,
                 data_position=data_position, extra={**extra, tag_key: self.state_tag()},
@@ -255,7 +442,8 @@ class DeepSpeedTrainer:
     def load_state(self, directory: str | Path, tag_key: str, config_keys: str):
         """Restore a state :meth:`save_state` wrote with the same ZeRO stage (weights,
         AdamW, schedule, RNG); returns the :class:`engine.storage.train_state.TrainState` with
-        ``tag_key`` taken out of ``extra``.
+        ``tag_key`` taken out of ``extra``. Under bf16 the fp32 masters take the saved weights
+        exactly and the bf16 module weights their rounding.
 
         Raises:
             FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`.
@@ -270,7 +458,9 @@ class DeepSpeedTrainer:
             raise ValueError(f"{directory}: train state was written with {written_by}, this worker runs "
                              f"{self.state_tag()}; resume with the same {config_keys}")
         with self.gathered(self.module.parameters(), modifier_rank=0), self._optimizer_param_groups():
-            state.restore(self.module, self.optimizer, self.scheduler)
-        if self.zero_stage > 0:  # ZeRO's fp32 master partitions follow the restored weights
+            state.restore(self.module, self.optimizer, self.scheduler)  # bf16 weights: the saved masters' rounding
+        if self.scheme == DEEPSPEED_BF16:  # DeepSpeed's fp32 masters: the saved fp32 weights exactly
+            self._set_masters(state.model)
+        elif self.zero_stage > 0:  # ZeRO's fp32 master partitions follow the restored weights
             self.engine.optimizer.refresh_fp32_params()
         return state

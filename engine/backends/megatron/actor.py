@@ -24,10 +24,16 @@ class ActorWorker(HFBucketSource):
     :func:`engine.rl.workers.spawn` via :func:`engine.rl.workers.start_workers`), so every
     argument and result crosses a process boundary.
 
+    Under ``cfg.precision`` bf16 the GPTModel computes in bf16 and AdamW steps fp32 master
+    weights (:func:`engine.training.optimizer_step.build_model_optimizer`); the train state
+    and the saved model directory hold the fp32 masters, weight sync streams the bf16
+    compute weights (what the rollout engine runs in under bf16).
+
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
         cfg: the ``rl`` config (optimizer, loss coefficients, epochs, micro-batch size,
-            rollout temperature).
+            rollout temperature, ``precision``; None/auto resolved by
+            :func:`config.precision.resolve_precision`).
         seed: model-building seed (every weight is then loaded from ``policy_dir``).
         num_threads: torch threads in this process (default: all cores).
     """
@@ -35,14 +41,15 @@ class ActorWorker(HFBucketSource):
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
         from engine.models.platform import worker_threads
         from engine.storage.model_dir import load_model_dir
-        from engine.training.optimizer_step import build_optimizer
+        from engine.training.optimizer_step import build_model_optimizer
 
         worker_threads(num_threads)
-        loaded = load_model_dir(policy_dir, seed=seed)
+        loaded = load_model_dir(policy_dir, seed=seed)  # fp32 weights: the masters are made from them under bf16
         self.model, self.hf_config, self.tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.cfg = cfg
         self.temperature = logit_temperature(cfg.rollout.temperature)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs)
+        self.optimizer, self.scheduler = build_model_optimizer(
+            self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
@@ -93,7 +100,8 @@ class ActorWorker(HFBucketSource):
         return state.step, state.data_position, state.extra
 
     def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
-        """Write the policy as a model directory (``engine.storage.model_dir.save_model_dir``)."""
+        """Write the policy as a model directory (``engine.storage.model_dir.save_model_dir``; the
+        fp32 masters under bf16)."""
         from engine.storage.model_dir import save_model_dir
 
         return str(save_model_dir(out_dir, self.model, self.hf_config, self.tokenizer_dir, iteration=iteration))

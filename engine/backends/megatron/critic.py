@@ -27,7 +27,8 @@ class CriticWorker:
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) the critic's body starts from.
         cfg: the ``rl`` config (``rl.critic`` for the optimizer and clip range; ``ppo_epochs``,
-            ``micro_batch_size``, ``steps`` as for the actor).
+            ``micro_batch_size``, ``steps``, ``precision`` as for the actor: under bf16 the
+            body and the value head compute in bf16 and AdamW steps their fp32 masters).
         seed: model-building and value-head seed.
         num_threads: torch threads in this process (default: all cores).
     """
@@ -35,14 +36,15 @@ class CriticWorker:
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
         from engine.models.platform import worker_threads
         from engine.storage.model_dir import load_model_dir
-        from engine.training.optimizer_step import build_optimizer
+        from engine.training.optimizer_step import build_model_optimizer
 
         worker_threads(num_threads)
         loaded = load_model_dir(policy_dir, seed=seed)
         self.model = ValueModel(loaded.model, int(loaded.hf_config["hidden_size"]), seed)
         self.cfg = cfg
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model.parameters(), cfg.critic.optim, cfg.steps * cfg.ppo_epochs)
+        # body and value head together: under bf16 both compute in bf16 with fp32 masters
+        self.optimizer, self.scheduler = build_model_optimizer(
+            self.model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.precision)
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (see :func:`engine.training.critic.response_values`) in eval mode,

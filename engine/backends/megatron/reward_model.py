@@ -8,6 +8,7 @@ from typing import Any
 from config.schema import RMConfig
 from engine.batching.collate import TokenBatch
 from engine.models.heads import RewardModel
+from engine.models.master_weights import full_precision_weights
 from engine.storage.model_dir import load_model_dir, save_model_dir
 from engine.storage.train_state import (
     DataPosition,
@@ -15,7 +16,7 @@ from engine.storage.train_state import (
     load_train_state,
     save_train_state,
 )
-from engine.training.optimizer_step import build_optimizer, train_step
+from engine.training.optimizer_step import build_model_optimizer, train_step
 from engine.training.reward_model import pair_loss
 
 
@@ -24,21 +25,30 @@ class MegatronRewardTrainer:
     """``rm.backend: megatron``: a :class:`RewardModel` on the base model's GPTModel, trained by
     :func:`engine.training.optimizer_step.train_step` with AdamW + warmup/cosine over ``cfg.steps``.
 
+    Under ``cfg.precision`` bf16 (None/auto resolved by :func:`config.precision.resolve_precision`)
+    the body and the reward head compute in bf16 and AdamW steps their fp32 masters
+    (:func:`engine.training.optimizer_step.build_model_optimizer` on the whole
+    :class:`RewardModel`); the model directory and the train state hold the fp32 masters.
+
     Raises: FileNotFoundError / ValueError from ``engine.storage.model_dir.load_model_dir``.
     """
 
     def __init__(self, base_model_dir: str | Path, cfg: RMConfig, seed: int = 0):
         self.loaded = load_model_dir(base_model_dir, seed=seed)
         self.model = RewardModel(self.loaded.model, self.loaded.spec.hidden_size, seed=seed)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), cfg.optim, cfg.steps)
+        self.optimizer, self.scheduler = build_model_optimizer(self.model, cfg.optim, cfg.steps, cfg.precision)
         self.grad_clip = cfg.optim.grad_clip
 
     def step(self, micro: list[TokenBatch]) -> dict[str, float]:
         return train_step(self.model, self.optimizer, self.scheduler, micro, pair_loss, self.grad_clip)
 
     def save(self, out_dir: str | Path, iteration: int) -> Path:
-        return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
-                              iteration=iteration, heads=self.model.heads())
+        """Write the trained reward model as a model directory (body as torch_dist, head in
+        ``heads.safetensors``), fp32 under bf16 too: the masters belong to the whole
+        :class:`RewardModel`, so they are put in place around it, body and head alike."""
+        with full_precision_weights(self.model):
+            return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
+                                  iteration=iteration, heads=self.model.heads())
 
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
         """:meth:`engine.training.reward_contract.RewardTrainer.save_state`: the

@@ -91,6 +91,7 @@ def rl_config(backend: str = "deepspeed", stage: int = 2, **overrides) -> RLConf
         optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.1, grad_clip=0.5),
         rollout=RolloutConfig(backend="hf", temperature=0.9, max_new_tokens=6),
         engine=EngineConfig(weight_sync_bucket_mb=1), backend=backend, deepspeed={"zero_stage": stage},
+        precision="fp32",  # the comparisons here are fp32 claims (auto would be bf16 on AMX machines)
     )
     fields.update(overrides)
     return RLConfig(**fields)

@@ -224,7 +224,8 @@ def rm_config(backend: str, **overrides) -> RMConfig:
     and a clip below the early gradient norms."""
     fields = dict(steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25, log_every=4,
                   optim=RM_OPTIM,
-                  backend=backend, deepspeed={"zero_stage": 2})
+                  backend=backend, deepspeed={"zero_stage": 2},
+                  precision="fp32")  # fp32 claims (auto would be bf16 on AMX machines)
     fields.update(overrides)
     return RMConfig(**fields)
 

@@ -330,7 +330,7 @@ def test_evaluate_model_dirs_two_policies(quickstart_inputs, two_policies):
     """Two Megatron model dirs, one HF engine (the second policy arrives by update_weights):
     each policy's responses equal megatron-core's own greedy decoding of its weights."""
     dirs, expected = two_policies
-    cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="hf")
+    cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="hf", precision="fp32")
     results = evaluate_model_dirs(dirs, quickstart_inputs[2], cfg, verifier="exact_match", seed=0)
     assert list(results) == ["sft", "rl"]
     for name in dirs:
@@ -358,7 +358,7 @@ def test_evaluate_model_dirs_vllm_starts_beside_a_2gib_ballast(quickstart_inputs
     try:
         before = memory_report(ballast)
         assert before["ballast"] >= 2 * 2**30 and before["old_default_kv_budget"] < 0, before
-        cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="vllm")
+        cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="vllm", precision="fp32")
         with caplog.at_level(logging.INFO, logger="engine.rollout.vllm_rollout"):
             results = evaluate_model_dirs(dirs, eval_path, cfg, verifier="exact_match", seed=0,
                                           engine_cfg=EngineConfig(num_cpus=2))

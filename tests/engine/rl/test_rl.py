@@ -92,6 +92,7 @@ def rl_config(backend: str, steps: int, **overrides) -> RLConfig:
         steps=steps, prompts_per_step=8, n_samples=8, micro_batch_size=16, ppo_epochs=1, kl=KLConfig(coef=0.05),
         optim=OptimConfig(lr=2e-3, min_lr=2e-3), checkpoint_every=1,
         rollout=RolloutConfig(backend=backend, temperature=1.0, max_new_tokens=6), engine=EngineConfig(num_cpus=2),
+        precision="fp32",  # the assertions on these runs (logprob_diff_max < 1e-4, KV cache bytes) are fp32 claims
     )
     fields.update(overrides)
     return RLConfig(**fields)

@@ -53,7 +53,7 @@ def policy(tmp_path_factory) -> dict:
     ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
                    root / "tokenizer", generation_overrides={"eos_token_id": [tok.eos_token_id, *STOP_IDS]})
-    worker = RolloutWorker(root / "policy", RolloutConfig(backend="hf"), root / "scratch")
+    worker = RolloutWorker(root / "policy", RolloutConfig(backend="hf"), root / "scratch", precision="fp32")
     assert worker.engine.eos_token_ids == (tok.eos_token_id, *STOP_IDS)
     prompts = [question(1, 2), question(3, 4)]
     return {"dir": root / "policy", "tokenizer": tok, "worker": worker,
