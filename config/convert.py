@@ -3,7 +3,6 @@ conversion."""
 
 from __future__ import annotations
 
-from typing import Literal
 
 from pydantic import Field, model_validator
 

@@ -378,7 +378,7 @@ def test_actor_worker_update_with_and_without_packing(policy_dir):
     results = {}
     for name, extra in {"padded": {}, "packed": {"packing": True},
                         "packed_budget": {"packing": True, "max_tokens_per_micro_batch": 24}}.items():
-        cfg = RLConfig(micro_batch_size=3, ppo_epochs=2, steps=1, clip_ratio_c=3.0, entropy_coef=0.01,
+        cfg = RLConfig(precision="fp32", micro_batch_size=3, ppo_epochs=2, steps=1, clip_ratio_c=3.0, entropy_coef=0.01,
                        kl=KLConfig(coef=0.1), optim=OptimConfig(lr=5e-5, min_lr=5e-5),
                        rollout=RolloutConfig(temperature=0.9, max_new_tokens=10), **extra)
         actor = ActorWorker(policy_dir, cfg, num_threads=1)

@@ -247,7 +247,7 @@ def actor_worker(tmp_path_factory, fixtures_dir):
     del cfg["eos_token_id"], cfg["pad_token_id"]
     root = tmp_path_factory.mktemp("actor")
     policy_dir = save_model_dir(root / "policy", policy(cfg, seed=3), cfg, fixtures_dir / "qwen2.5-tokenizer")
-    yield ActorWorker(policy_dir, RLConfig(engine=EngineConfig(weight_sync_bucket_mb=1)), num_threads=1)
+    yield ActorWorker(policy_dir, RLConfig(precision="fp32", engine=EngineConfig(weight_sync_bucket_mb=1)), num_threads=1)
     torch.set_num_threads(threads)
 
 
@@ -317,7 +317,7 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
     policy_dir = save_model_dir(tmp_path / "policy", policy(cfg, seed=3), cfg, fixtures_dir / "qwen2.5-tokenizer")
     init_ray(num_cpus=2)
     try:
-        actor = ray.remote(ActorWorker).options(num_cpus=0).remote(str(policy_dir), RLConfig(), 0, 1)
+        actor = ray.remote(ActorWorker).options(num_cpus=0).remote(str(policy_dir), RLConfig(precision="fp32"), 0, 1)
         ray.get(actor.__ray_ready__.remote())
         hanging = ray.remote(HangingRollout).options(num_cpus=0, max_concurrency=2).remote()
         t0 = time.perf_counter()

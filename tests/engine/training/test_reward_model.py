@@ -90,7 +90,7 @@ def test_reward_is_read_at_the_last_real_token(setup):
 
 def test_training_reaches_high_held_out_accuracy_and_round_trips(setup):
     root, data, rows = setup
-    cfg = RMConfig(steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
+    cfg = RMConfig(precision="fp32", steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
                    optim=OptimConfig(lr=3e-3, warmup_steps=3), log_every=4)
     logged: list[int] = []
     metrics = train_reward_model(reward_trainer, root / "base", data, cfg, root / "rm", seed=0,
@@ -167,7 +167,7 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
     from engine.storage.train_state import DataPosition, load_train_state
 
     root, data, _ = setup
-    cfg = RMConfig(steps=6, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
+    cfg = RMConfig(precision="fp32", steps=6, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
                    optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5),
                    checkpoint_every=2, log_every=1)
     straight_log: list[tuple[int, dict]] = []

@@ -124,7 +124,7 @@ def test_sft_loss_equals_hf_transformers(tmp_path, fixtures_dir):
 
 def test_sft_loss_decreases_on_real_data(base):
     base_dir, dataset, root = base
-    cfg = SFTConfig(steps=24, global_batch_size=8, micro_batch_size=4, max_seq_len=128,
+    cfg = SFTConfig(precision="fp32", steps=24, global_batch_size=8, micro_batch_size=4, max_seq_len=128,
                     optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=4), checkpoint_every=10, log_every=1)
     logged: list[tuple[int, dict]] = []
     final = train_sft(base_dir, dataset, cfg, root / "sft_out", root / "sft_resume", seed=0,
@@ -152,7 +152,7 @@ class Crash(RuntimeError):
 
 def test_sft_resumes_after_a_crash_to_identical_weights(base):
     base_dir, dataset, root = base
-    cfg = SFTConfig(steps=4, global_batch_size=12, micro_batch_size=4, max_seq_len=64,
+    cfg = SFTConfig(precision="fp32", steps=4, global_batch_size=12, micro_batch_size=4, max_seq_len=64,
                     optim=OptimConfig(lr=2e-3, warmup_steps=1, weight_decay=0.01), checkpoint_every=2, log_every=1)
     train_sft(base_dir, dataset, cfg, root / "straight", root / "resume_a", seed=3)
 
