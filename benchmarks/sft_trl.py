@@ -20,8 +20,10 @@ clipping 1.0, on this machine's CPU. Data sets (``--datasets``):
 Sides (``--sides``):
 
 - ``engine``: ``train_sft`` at ``sft.precision`` = ``--engine-precision`` (``auto``: bf16 where
-  the hardware has it), with sequence packing (``sft.packing``) when the config has that field
-  (``--engine-packing``), else padded micro-batches of ``micro_batch_size`` rows.
+  the hardware has it), with sequence packing (``sft.packing: true``: each micro-batch of
+  ``micro_batch_size`` rows packed into one row without padding) when the config has that
+  field, else padded micro-batches; ``engine_nopack`` (not run by default) the same with
+  ``sft.packing: false``, micro-batches right-padded to their longest row.
 - ``trl``: ``SFTTrainer`` in fp32 (``bf16=False``); ``trl_autocast``: fp32 weights, ``bf16=True``
   (torch autocast); ``trl_bf16``: the model loaded in bf16 (``dtype=bfloat16``, ``bf16=True``).
   All with TRL's packing (``packing=True``, best-fit decreasing into ``max_length`` =
@@ -60,7 +62,9 @@ from benchmarks.models import (
     prepare_quickstart, random_qwen2, update_mfu,
 )
 
-SIDES = ("engine", "trl", "trl_autocast", "trl_bf16")
+SIDES = ("engine", "engine_nopack", "trl", "trl_autocast", "trl_bf16")
+DEFAULT_SIDES = ("engine", "trl", "trl_autocast", "trl_bf16")
+ENGINE_SIDES = {"engine": True, "engine_nopack": False}  # side -> sft.packing
 # TRL side -> (dtype the model is loaded in, TrainingArguments.bf16: autocast to bf16)
 TRL_SIDES = {"trl": ("float32", False), "trl_autocast": ("float32", True), "trl_bf16": ("bfloat16", True)}
 ALPACA_VOCAB = 4096
@@ -132,7 +136,7 @@ def inputs_for(dataset: str, model: str) -> dict[str, Path]:
 
 def side_precision(side: str, engine_precision: str) -> str:
     """``"bf16"`` or ``"fp32"``: what ``side`` computes its matmuls in."""
-    if side == "engine":
+    if side in ENGINE_SIDES:
         return engine_precision
     return "bf16" if TRL_SIDES[side][1] else "fp32"
 
@@ -295,7 +299,7 @@ def measure_dataset(dataset: str, args) -> dict:
             continue
         commands[side] = [sys.executable, "-m", "benchmarks.sft_trl", "--child", side, "--datasets", dataset,
                           "--child-segments", segments, "--seed", str(args.seed), "--engine-precision",
-                          args.engine_precision, "--engine-packing", args.engine_packing,
+                          args.engine_precision,
                           "--child-batches", f"{batches[0]},{batches[1]}",
                           "--child-paths", json.dumps({k: str(v) for k, v in paths.items()})]
     if not commands:
@@ -346,10 +350,10 @@ def render(rows: list[dict]) -> str:
                          f"{min(rates):.0f}-{max(rates):.0f} | {len(xs)} |")
             lines.append(f"| {r['dataset']} | {side} MFU ({xs[0]['precision']} peak) | {statistics.median(mfu):.1f}% | "
                          f"{min(mfu):.1f}-{max(mfu):.1f}% | {len(xs)} |")
-        if "engine" in by_side:
-            for side in (t for t in TRL_SIDES if t in by_side):
-                st = ratio_stats([x["tok_s"] for x in by_side["engine"]], [x["tok_s"] for x in by_side[side]])
-                lines.append(f"| {r['dataset']} | engine/{side} tokens/s | **{st['median']:.2f}** | "
+        for side in (t for t in TRL_SIDES if t in by_side):
+            for engine in (e for e in ENGINE_SIDES if e in by_side):
+                st = ratio_stats([x["tok_s"] for x in by_side[engine]], [x["tok_s"] for x in by_side[side]])
+                lines.append(f"| {r['dataset']} | {engine}/{side} tokens/s | **{st['median']:.2f}** | "
                              f"{st['min']:.2f}-{st['max']:.2f} | {st['n']:.0f} |")
     return "\n".join(lines)
 
@@ -358,17 +362,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="SFT data")
     parser.add_argument("--model", default="25m", choices=list(SHAPES), help="model shape (benchmarks.models.SHAPES)")
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
-                        help="the engine (engine); TRL in fp32 (trl), with bf16 autocast (trl_autocast), loaded in "
-                             "bf16 (trl_bf16)")
+    parser.add_argument("--sides", nargs="+", default=list(DEFAULT_SIDES), choices=list(SIDES),
+                        help="the engine with packing (engine) or padded (engine_nopack); TRL in fp32 (trl), with bf16 "
+                             "autocast (trl_autocast), loaded in bf16 (trl_bf16); default: " + " ".join(DEFAULT_SIDES))
     parser.add_argument("--rounds", type=int, default=None, help="rounds per side (default " + ", ".join(
         f"{k} {v.rounds}" for k, v in DATASETS.items()) + ")")
     parser.add_argument("--steps-per-round", type=int, default=None, help="steps per round (default " + ", ".join(
         f"{k} {v.steps_per_round}" for k, v in DATASETS.items()) + ")")
     parser.add_argument("--engine-precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="sft.precision of the engine side (auto: bf16 where the hardware has it)")
-    parser.add_argument("--engine-packing", choices=("on", "off"), default="on",
-                        help="sft.packing of the engine side, where the config has it")
     parser.add_argument("--force-bf16", action="store_true",
                         help="run the bf16 sides even where bf16 is not native or not faster than fp32")
     parser.add_argument("--seed", type=int, default=0, help="data-order seed (all sides)")
@@ -383,8 +385,8 @@ def main(argv: list[str] | None = None) -> None:
         dataset = args.datasets[0]
         paths = {k: Path(v) for k, v in json.loads(args.child_paths).items()}
         segments = [int(n) for n in args.child_segments.split(",")]
-        if args.child == "engine":
-            result = run_engine(dataset, paths, segments, args.seed, args.engine_precision, args.engine_packing == "on")
+        if args.child in ENGINE_SIDES:
+            result = run_engine(dataset, paths, segments, args.seed, args.engine_precision, ENGINE_SIDES[args.child])
         else:
             batches = tuple(int(n) for n in args.child_batches.split(","))
             result = run_trl(dataset, paths, segments, args.seed, args.child, batches)
@@ -401,11 +403,13 @@ def main(argv: list[str] | None = None) -> None:
           f"load average {load_avg():.1f}; model {args.model}")
     for r in rows:
         s = DATASETS[r["dataset"]]
-        engine = r["final"].get("engine", {})
+        packing = ", ".join(f"{side} packing {'on' if f.get('packing') else 'off'}" for side, f in r["final"].items()
+                            if side in ENGINE_SIDES)
+        if any(not f.get("packing_field", True) for f in r["final"].values()):
+            packing += " (the config has no sft.packing)"
         print(f"{r['dataset']}: {r['params'] / 1e6:.2f}M parameters, {r['mean_tokens']:.0f} tokens per row (mean), "
               f"max_seq_len {s.max_seq_len}; engine: {s.global_batch_size} rows per step in micro-batches of "
-              f"{s.micro_batch_size}, precision {r['engine_precision']}, packing "
-              f"{'on' if engine.get('packing') else 'off' + ('' if engine.get('packing_field', True) else ' (no sft.packing in the config)')}; "
+              f"{s.micro_batch_size}, precision {r['engine_precision']}, {packing}; "
               f"TRL: packing, {r['batches'][0]} x {s.max_seq_len}-token sequences per micro-batch, "
               f"{r['batches'][1]} micro-batches per step; bf16: {r['bf16']}" + (
                   f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "

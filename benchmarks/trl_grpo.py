@@ -121,6 +121,12 @@ class Setting:
     rounds: int
 
 
+def warmup_steps(setting: Setting, steps: int) -> int:
+    """The learning-rate warm-up of a run of ``steps`` steps: the setting's, at most half the run
+    (a short benchmark run must still reach the peak learning rate; the config rejects longer)."""
+    return min(setting.warmup_steps, steps // 2)
+
+
 SETTINGS: dict[str, Setting] = {
     "25m": Setting(8, 8, 128, 16, 2e-4, 0, 1.0, True, 2, 3),
     "100m": Setting(8, 8, 128, 16, 2e-4, 0, 1.0, True, 1, 2),
@@ -246,7 +252,7 @@ def run_engine(size: str, paths: dict[str, Path], segments: list[int], seed: int
     cfg = RLConfig.model_validate({
         "algorithm": "grpo", "steps": steps, "prompts_per_step": s.prompts_per_step, "n_samples": s.n_samples,
         "micro_batch_size": s.micro_batch_size, "clip_ratio": 0.2, "kl": {"coef": 0.0}, "precision": precision,
-        "optim": {"lr": s.lr, "warmup_steps": s.warmup_steps, "grad_clip": 1.0}, "checkpoint_every": steps,
+        "optim": {"lr": s.lr, "warmup_steps": warmup_steps(s, steps), "grad_clip": 1.0}, "checkpoint_every": steps,
         "rollout": {"backend": "vllm", "temperature": s.temperature, "max_new_tokens": s.max_new_tokens},
         "reward": {"verifier": "exact_match"}, **ENGINE_SIDES[side],
     })
@@ -372,7 +378,7 @@ def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, g
         dataloader_num_workers=0, dataloader_pin_memory=False, model_init_kwargs={"dtype": getattr(torch, dtype)},
         per_device_train_batch_size=s.micro_batch_size, gradient_accumulation_steps=batch // s.micro_batch_size,
         num_generations=s.n_samples, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-        top_p=1.0, top_k=0, learning_rate=s.lr, lr_scheduler_type="cosine", warmup_steps=s.warmup_steps,
+        top_p=1.0, top_k=0, learning_rate=s.lr, lr_scheduler_type="cosine", warmup_steps=warmup_steps(s, steps),
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
         num_iterations=1, loss_type="dapo", scale_rewards="group", log_completions=False,
         generation_kwargs=generation_kwargs,
@@ -531,7 +537,8 @@ def measure_size(size: str, args) -> dict:
                      "reward_last": statistics.fmean(r.reward for r in every[-args.reward_window:])}
         final = run.final[side]
         extra = ", ".join(f"{k} {v:.2f}" for k, v in final.get("phases_s", {}).items())
-        print(f"  {side} ({final.get('precision', precision)}): {row[side]['s_per_step']:.2f} s/step, reward per step "
+        weights = f", weights {final['weights_dtype']}" if "weights_dtype" in final else ""
+        print(f"  {side} ({final.get('precision', precision)}{weights}): {row[side]['s_per_step']:.2f} s/step, reward per step "
               f"{' '.join(f'{r.reward:.3f}' for r in every)}; wall {final['wall_s']:.0f} s"
               + (f"; mean phase seconds: {extra}" if extra else ""), flush=True)
     row["rounds"].sort(key=lambda x: (x["round"], list(commands).index(x["side"])))
@@ -590,7 +597,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds = max((x["round"] + 1 for x in r["rounds"]), default=0)
         print(f"{r['size']}: {r['params'] / 1e6:.2f}M parameters, {s.prompts_per_step} prompts x {s.n_samples} samples, "
               f"{'exactly' if s.fixed_length else 'at most'} {s.max_new_tokens} response tokens, lr {s.lr:g}, "
-              f"warm-up {s.warmup_steps}; {rounds} rounds x {r['per_round']} timed steps per side after 1 warm-up "
+              f"warm-up {s.warmup_steps} (at most half the steps); {rounds} rounds x {r['per_round']} timed steps per side after 1 warm-up "
               f"step; engine precision {r['engine_precision']}; bf16: {r['bf16']}" + (
                   f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "
                   f"bf16 {r['best_peaks']['bf16']:.1f} GFLOP/s" if "best_peaks" in r else ""))

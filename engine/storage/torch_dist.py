@@ -79,10 +79,10 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        ensure_process_group()
         with full_precision_weights(model):  # fp32 masters under mixed precision
             state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": -1 if iteration is None else iteration}
+            ensure_process_group()
             dist_checkpointing.save(state, str(tmp))
         _reproducible_metadata(tmp)
         if hf_config is not None:

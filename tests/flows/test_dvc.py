@@ -388,6 +388,13 @@ def test_dvc_params_cover_the_config_each_fingerprint_reads():
             if fn(changed) != reference[name]:
                 assert _covered(".".join(path), _params(name), "."), f"{'.'.join(path)} changes the {name} fingerprint but dvc.yaml {name}.params miss it"
     assert checked > 60, (checked, fixed)  # the schema has ~100 leaves; only single-value Literals stay fixed
+    # run.precision reaches the stages through the config's resolution (the dump above holds the
+    # resolved per-stage values), so change it in the user's YAML itself.
+    for setting in ("fp32", "bf16"):
+        changed = PipelineConfig.model_validate({**raw_yaml, "run": {**raw_yaml["run"], "precision": setting}})
+        for name, fn in slices.items():
+            if fn(changed) != fn(PipelineConfig.model_validate(raw_yaml)):
+                assert _covered("run.precision", _params(name), "."), f"run.precision changes the {name} fingerprint but dvc.yaml {name}.params miss it"
 
 
 # ---------------------------------------------------------------- fast: a stage ends with dvc
