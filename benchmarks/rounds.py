@@ -250,8 +250,12 @@ def run_interleaved(commands: dict[str, list[str]], rounds: int, log_dir: Path, 
             proc.close()
     finally:
         for proc in procs.values():
-            if proc.proc.poll() is None:
-                for child in psutil.Process(proc.proc.pid).children(recursive=True):
+            if proc.proc.poll() is None:  # a failure elsewhere: stop this side and its Ray/vLLM processes
+                try:
+                    children = psutil.Process(proc.proc.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    children = []
+                for child in children:
                     try:
                         child.kill()
                     except psutil.NoSuchProcess:
