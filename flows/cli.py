@@ -21,7 +21,7 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
-from flows.preflight import check_contents, check_inputs  # noqa: E402
+from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -39,7 +39,7 @@ def cmd_validate(args) -> int:
     # Reads the data, tokenizer and model config (never weights): a few seconds, not a run.
     with console.status("checking data files, tokenizer, chat template, model and plug-ins"):
         deep_problems, deep_notes = check_contents(cfg)
-    problems, notes = problems + deep_problems, notes + deep_notes
+    problems, notes = problems + deep_problems, precision_notes(cfg) + notes + deep_notes
     for n in notes:
         console.print(f"[dim]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if problems:

@@ -49,7 +49,7 @@ def precision_notes(cfg: PipelineConfig) -> list[str]:
 
 def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     """Returns (problems, notes). Problems name the config key and the missing path."""
-    problems, notes = [], precision_notes(cfg)
+    problems, notes = [], []
     for name in ("sft", "preference", "rl_train", "rl_eval"):
         ds = getattr(cfg.data, name)
         if ds is None:

@@ -32,6 +32,14 @@ def test_validate_quickstart_ok():
     assert "note: data.sft.path: work/quickstart/sft.jsonl is created by the prepare step" in out
     assert "note: model.source: work/quickstart/base_model is created by the prepare step" in out
     assert "config configs/quickstart.yaml is valid (quickstart: prepare, " in out
+    # The resolved precision of every stage, derived the same way the config loader does.
+    from config.precision import bf16_hardware
+
+    has_bf16, why = bf16_hardware()
+    p = "bf16" if has_bf16 else "fp32"
+    dtype = "bfloat16" if has_bf16 else "float32"
+    assert (f"note: precision: sft {p}, rm {p}, rl {p}, evaluate {p}; export {dtype} "
+            f"(run.precision auto; {why})") in out
 
 
 def test_validate_missing_data_file_exits_1(tmp_path):

@@ -469,3 +469,21 @@ def test_turn_end_without_stop_id_is_a_problem_when_rl_generates(qwen):
         "a single special token), so rl and evaluate, which generate with this chat template, would not stop at the "
         "end of an assistant turn (only at the EOS ids); set model.end_of_turn to a single special token the template "
         "writes after an assistant turn"]
+
+
+def test_precision_notes_name_each_stage_and_warn_on_emulated_bf16(real_inputs):
+    from config.precision import bf16_hardware
+    from flows.preflight import precision_notes
+
+    has_bf16, why = bf16_hardware()
+    raw = copy.deepcopy(real_inputs)
+    raw["run"]["precision"] = "fp32"
+    raw["rl"] = {"precision": "bf16"}
+    notes = precision_notes(_cfg(raw))
+    assert notes[0] == f"precision: sft fp32, rm fp32, rl bf16, evaluate fp32; export bfloat16 (run.precision fp32; {why})"
+    warned = [n for n in notes[1:] if "bf16 is set but this machine has no native bf16" in n]
+    assert len(warned) == (0 if has_bf16 else 1)
+
+    raw["rl"] = {"precision": "fp32"}
+    assert precision_notes(_cfg(raw)) == [
+        f"precision: sft fp32, rm fp32, rl fp32, evaluate fp32; export float32 (run.precision fp32; {why})"]
