@@ -182,7 +182,7 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     workers = Workers(placement, None, None, rollout, None)
 
     def call(index: int) -> tuple[int, float]:
-        traj, seconds = generate(workers, batch, cfg, seed=0, step=index + 1, pad_id=pad_id)
+        traj, seconds, _ = generate(workers, batch, cfg, seed=0, step=index + 1, pad_id=pad_id)
         return int(traj.response_lengths.sum()), seconds
 
     return call, close

@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from config.base import Strict
 from config.training import DeepSpeedConfig, OptimConfig
+from config.parallel import RLParallelConfig
 from config.run import Precision
 
 
@@ -39,6 +40,10 @@ class RolloutConfig(Strict):
                                       "prompt + max_new_tokens, +10%; docs/platforms.md). A fraction: an explicit override, "
                                       "vLLM reserves that share of device memory (on CPU: of the NUMA node's memory, minus "
                                       "the process's RSS; fails when the process holds more). Also used by evaluate.")
+    num_engines: int = Field(
+        1, ge=1, description="Rollout engines behind one router: a step's prompts are spread over them by prompt index, "
+                             "balanced by prompt length (deterministic, so a resumed run reproduces its rollouts); all "
+                             "turns of a multi-turn sample stay on one engine; weights go to every engine after each update.")
 
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -155,6 +160,17 @@ class EngineConfig(Strict):
     weight_sync_timeout_s: float | None = Field(
         600.0, gt=0, le=1e7, allow_inf_nan=False, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
                                  "instead of hanging; None waits forever.")
+    health_check_timeout_s: float = Field(
+        60.0, gt=0, le=1e6, allow_inf_nan=False,
+        description="A rollout engine that does not answer its health check (a no-op call served between generation "
+                    "steps) within this many seconds is treated as hung: it is killed and replaced. 60 s is far above "
+                    "one engine step (well under 1 s at these sizes on CPU, seconds for large models on GPU) and "
+                    "below what a user waits before calling a run stuck.")
+    max_engine_restarts: int = Field(
+        2, ge=0, description="Rollout engines replaced in one step at most; one more failure fails the stage (the "
+                             "last checkpoint stays intact). 2: one restart covers a transient fault, a second covers "
+                             "the other engine or a replacement that met the same transient; a third failure in one "
+                             "step points at a cause that would kill every replacement (memory, a bad input).")
 
 
     @model_validator(mode="after")
@@ -253,6 +269,8 @@ class RLConfig(Strict):
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
     reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier, trained reward model and plug-in functions.")
     engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")
+    parallel: RLParallelConfig = Field(RLParallelConfig(), description="Data and tensor parallelism of the training "
+                                                                       "roles (docs/scaling.md).")
     environment: str | None = Field(
         None, description="Multi-turn RL: import path 'package.module:factory' of a zero-argument callable returning an "
                           "environment (engine/rollout/multi_turn.py); its summed step rewards replace rl.reward. None: single-turn.")
@@ -268,6 +286,20 @@ class RLConfig(Strict):
     @classmethod
     def _policy_loss(cls, value):
         return _builtin_or_plugin(value, BuiltinPolicyLoss)
+
+    @model_validator(mode="after")
+    def _parallel(self):
+        for role in ("actor", "critic", "reference"):
+            layout = getattr(self.parallel, role)
+            key = f"rl.parallel.{role}"
+            if layout.world_size > 1 and self.backend == "deepspeed" and role != "reference":
+                raise ValueError(f"{key}: data/tensor parallelism runs on rl.backend megatron; the deepspeed backend "
+                                 "trains one rank per role here (set the sizes to 1 or rl.backend: megatron)")
+            if layout.tensor_model_parallel_size > 1:
+                raise ValueError(f"{key}.tensor_model_parallel_size: the RL stage runs tensor-parallel updates and "
+                                 "checkpoints, but its train state and weight sync gather only data-parallel ranks "
+                                 "yet; use data_parallel_size (docs/scaling.md lists what runs at TP > 1)")
+        return self
 
     @model_validator(mode="after")
     def _group_size(self):

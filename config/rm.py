@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.parallel import ParallelConfig, check_stage_layout
 from config.training import DeepSpeedConfig, OptimConfig
 from config.run import Precision
 
@@ -37,6 +38,21 @@ class RMConfig(Strict):
                                 "HF transformers model trained by DeepSpeed (rm.deepspeed); both write the same model "
                                 "directory (docs/algorithms.md, Training backends).")
     deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="Data parallelism (rm.backend: megatron): data_parallel_size > 1 runs the stage as "
+                                      "that many Ray actor ranks, each back-propagating every k-th micro-batch of a step, "
+                                      "with the gradients summed (the update of DP=1 up to float rounding; "
+                                      "docs/scaling.md). tensor_model_parallel_size must be 1.")
+
+    @model_validator(mode="after")
+    def _parallel(self):
+        check_stage_layout("rm", self.parallel, self.global_batch_size, self.micro_batch_size,
+                           self.max_tokens_per_micro_batch)
+        if self.parallel.data_parallel_size > 1 and self.backend != "megatron":
+            raise ValueError(f"rm.parallel.data_parallel_size={self.parallel.data_parallel_size} needs rm.backend: "
+                             f"megatron (the {self.backend} backend trains on one rank here); set rm.backend: megatron "
+                             "or rm.parallel.data_parallel_size: 1")
+        return self
 
     @model_validator(mode="after")
     def _batch(self):

@@ -30,6 +30,12 @@ class RunConfig(Strict):
         "activations, fp32 master weights, optimizer state and gradient accumulation, fp32 logits for log-probs and "
         "losses) or fp32; auto picks bf16 where the hardware has it (a CPU with avx512_bf16 or AMX, CUDA compute "
         "capability >= 8.0) and fp32 elsewhere. sft, rm, rl and evaluate may override it.")
+    device_memory_gib: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="Memory of one GPU in GiB, for the memory plan `posttrain validate` checks (docs/scaling.md): a "
+                    "rank with gpus_per_rank > 0 has gpus_per_rank x this much. None: GPU ranks are not checked (a "
+                    "note says so). CPU ranks are checked against this machine's memory (MemTotal) when the Ray "
+                    "cluster is local.")
 
     @field_validator("name")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.parallel import ParallelConfig, check_stage_layout
 from config.training import OptimConfig
 from config.run import Precision
 
@@ -29,6 +30,17 @@ class SFTConfig(Strict):
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="Data parallelism: data_parallel_size > 1 runs the stage as that many Ray actor "
+                                      "ranks, each back-propagating every k-th micro-batch of a step, with the gradients "
+                                      "summed (the update of DP=1 up to float rounding; docs/scaling.md). "
+                                      "tensor_model_parallel_size must be 1.")
+
+    @model_validator(mode="after")
+    def _parallel(self):
+        check_stage_layout("sft", self.parallel, self.global_batch_size, self.micro_batch_size,
+                           self.max_tokens_per_micro_batch)
+        return self
 
     @model_validator(mode="after")
     def _batch(self):

@@ -12,8 +12,10 @@ from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 SPEC = StageSpec(
     name="rm",
     inputs=lambda cfg: ("validate", starting_policy(cfg)),
-    # how often metrics are logged and checkpoints written does not change the result (resume is bit-identical)
-    config=lambda cfg: {"rm": cfg.rm.model_dump(exclude={"log_every", "checkpoint_every"}), "seed": cfg.run.seed},
+    # how often metrics are logged and checkpoints written does not change the result (resume is bit-identical);
+    # the data-parallel layout changes it only by float rounding (as the thread count does)
+    config=lambda cfg: {"rm": cfg.rm.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
+                        "seed": cfg.run.seed},
     summary=("rm/accuracy",),
 )
 
@@ -21,17 +23,15 @@ SPEC = StageSpec(
 @stage_task(SPEC)
 def rm(ctx: StageContext) -> dict:
     """Train the reward model on ``preference.jsonl``; report held-out pairwise accuracy.
-    Checkpoints every ``rm.checkpoint_every`` steps."""
+    Checkpoints every ``rm.checkpoint_every`` steps; runs on ``rm.parallel``'s data-parallel
+    ranks when there are several."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.backends.select_rm import reward_trainer
+    from engine.distributed.stage_group import run_stage
     from engine.training.reward_model import train_reward_model
 
-    return train_reward_model(
-        reward_trainer, ctx.input_path(starting_policy(ctx.cfg)) / "model",
-        ctx.input_path("validate") / "preference.jsonl",
-        ctx.cfg.rm,
-        ctx.workdir / "model",
-        ctx.resume_dir,
-        seed=ctx.cfg.run.seed,
-        log_metrics=ctx.log_metrics,
-    )
+    args = dict(make_trainer=reward_trainer, base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
+                dataset_path=ctx.input_path("validate") / "preference.jsonl", cfg=ctx.cfg.rm,
+                out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
+    return run_stage(train_reward_model, args, ctx.cfg.rm.parallel, "rm", log_metrics=ctx.log_metrics,
+                     ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)

@@ -44,7 +44,7 @@ def fixtures_dir() -> Path:
 # attention check (`thread_num` 2 vs 1) in the rollout worker. Until the rollout engines are
 # isolated from the driver's state, the suite runs them first (as their place in the old flat
 # tests/engine/ order did).
-RUN_FIRST = ("tests/engine/rl/test_async_rl.py",)
+RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_cluster.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -78,6 +78,8 @@ def to_mixed_precision(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat
         if p.dtype != torch.float32:
             raise ValueError(f"to_mixed_precision: parameter {name!r} is {p.dtype}, expected the fp32 weights")
         masters[name] = torch.nn.Parameter(p.detach().clone())
+        # megatron's marker of a tensor-parallel shard (the gradient norm counts shards across ranks)
+        masters[name].tensor_model_parallel = getattr(p, "tensor_model_parallel", False)
     model.to(dtype)
     params = dict(model.named_parameters())
     for name, master in masters.items():

@@ -10,7 +10,11 @@ In step order, the calls ``run_rl`` makes (each records its wall time into the s
    (:func:`compute_logprobs`; ``old_log_prob``, ``ref``, ``values``).
 3. :func:`add_advantages`: KL reward penalty, then advantages (``adv``).
 4. :func:`update_critic` (PPO; ``update_critic``), 5. :func:`update_actor` (``update_actor``).
-6. :func:`sync_weights`: weight sync to the rollout engine (:func:`update_weights`; ``update_weights``).
+6. :func:`sync_weights`: weight sync to the rollout engines (:func:`update_weights`; ``update_weights``).
+
+The rollout engines sit behind ``workers.rollout``, an :class:`engine.rollout.router.RolloutRouter`
+(``rl.rollout.num_engines`` engines; a dead or hung one is replaced within the step, counted as
+``rollout/engine_restarts``).
 
 With ``rl.environment`` the rollout is multi-turn and the environment's rewards replace the
 reward worker's (``engine.rollout.multi_turn``).
@@ -36,6 +40,7 @@ from engine.rl.prompts import RLPrompt
 from engine.rl.workers import Workers
 from engine.rollout.base import SamplingSpec
 from engine.rollout.multi_turn import multi_turn_metrics
+from engine.rollout.router import RolloutRouter, Routed, push_weights
 from engine.storage.train_state import DataPosition
 from engine.trajectory import Trajectory
 
@@ -71,26 +76,32 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
     With ``cfg.environment`` each round is a multi-turn rollout (:func:`generate_multi_turn`)
     scored by the environment; the reward worker is not called (reward time 0).
 
-    Returns: ``(trajectory, reward metrics, generation s, reward s)``; with dynamic sampling
-        the metrics include ``dynamic_sampling/rounds``, ``/kept_groups`` and ``/dropped_groups``.
+    Returns: ``(trajectory, reward metrics, generation s, reward s)``; the metrics include
+        ``rollout/engine_restarts`` (rollout engines replaced while this step's rollout ran,
+        ``engine.rollout.router``) and, with dynamic sampling, ``dynamic_sampling/rounds``,
+        ``/kept_groups`` and ``/dropped_groups``.
 
     Raises:
-        RuntimeError: dynamic sampling kept no group at all, or kept too few with ``on_shortfall: error``.
+        RuntimeError: dynamic sampling kept no group at all, or kept too few with ``on_shortfall: error``;
+            more than ``rl.engine.max_engine_restarts`` rollout engines failed in the step.
     """
     ds = cfg.dynamic_sampling
-    timing = {"gen": 0.0, "reward": 0.0}
+    timing = {"gen": 0.0, "reward": 0.0, "restarts": 0}
     rounds: list[dict[str, float]] = []
 
     def one_round() -> list[_Group]:
         batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
         if cfg.environment is None:
-            traj, t_gen = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+            traj, t_gen, restarts = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds),
+                                             restarts_before=timing["restarts"])
             traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
         else:
-            traj, metrics, t_gen = generate_multi_turn(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds))
+            traj, metrics, t_gen, restarts = generate_multi_turn(workers, batch, cfg, seed, step, pad_id,
+                                                                 round_index=len(rounds), restarts_before=timing["restarts"])
             t_reward = 0.0
         timing["gen"] += t_gen
         timing["reward"] += t_reward
+        timing["restarts"] += restarts
         rounds.append(metrics)
         return [_Group(traj.select(torch.nonzero(traj.group_index == g).flatten())) for g in range(len(batch))]
 
@@ -106,6 +117,7 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
         extra = {"dynamic_sampling/rounds": float(filled.rounds), "dynamic_sampling/kept_groups": float(len(groups)),
                  "dynamic_sampling/dropped_groups": float(filled.num_dropped)}
     reward_metrics = {k: sum(r[k] for r in rounds) / len(rounds) for k in rounds[0]}
+    extra["rollout/engine_restarts"] = float(timing["restarts"])
     return Trajectory.cat([g.traj for g in groups]), {**reward_metrics, **extra}, timing["gen"], timing["reward"]
 
 
@@ -161,39 +173,64 @@ def take_rollout(pipeline: RolloutPipeline[ScoredBatch], step: int, timer: StepT
 
 
 def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
-             round_index: int = 0):
+             round_index: int = 0, restarts_before: int = 0) -> tuple[Trajectory, float, int]:
     """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
-    ``(seed, step, round_index)``, so a resumed run samples what an uninterrupted one would.
+    ``(seed, step, round_index)`` and each prompt's place in the batch, so a resumed run
+    samples what an uninterrupted one would, whichever engine a prompt lands on.
     With ``rl.engine.off_policy_steps > 0`` generation runs in chunks of
     ``partial_rollout_chunk_tokens`` that a weight update may interrupt (partial rollouts);
-    each response's policy versions are recorded (``Trajectory.rollout_version``)."""
+    each response's policy versions are recorded (``Trajectory.rollout_version``).
+
+    Returns: ``(trajectory, seconds, rollout engines replaced meanwhile)`` (see
+        :func:`rollout_call`; ``restarts_before``: replacements already made in this step).
+    """
     t0 = time.perf_counter()
     spec = sampling_spec(cfg, seed, step, round_index)
     prompt_ids = [p.token_ids for p in batch]
     chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
-    out = ray.get(workers.rollout.generate_versioned.remote(prompt_ids, spec, chunk))
+    routed = rollout_call(workers, "generate_versioned", (prompt_ids, spec, chunk), restarts_before)
+    out = routed.outputs
     traj = Trajectory.from_rollout(prompt_ids, out.outputs, pad_id).with_(
         rollout_version=torch.tensor([v for group in out.version_start for v in group]),
         rollout_version_end=torch.tensor([v for group in out.version_end for v in group]))
-    return traj, time.perf_counter() - t0
+    return traj, time.perf_counter() - t0, routed.restarts
 
 
 def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
-                        round_index: int = 0) -> tuple[Trajectory, dict[str, float], float]:
+                        round_index: int = 0, restarts_before: int = 0) -> tuple[Trajectory, dict[str, float], float, int]:
     """Multi-turn rollout of ``cfg.n_samples`` samples per prompt against ``cfg.environment``
     (at most ``cfg.max_turns`` turns, ``rollout.max_new_tokens`` tokens in all), seeded as
-    :func:`generate`.
+    :func:`generate`; all turns of a prompt's samples run on one rollout engine.
 
     Returns: ``(trajectory with the environment's rewards, engine.rollout.multi_turn.multi_turn_metrics,
-        seconds)``.
+        seconds, rollout engines replaced meanwhile)``.
     """
     t0 = time.perf_counter()
     prompt_ids = [p.token_ids for p in batch]
     rows = [{"prompt": p.messages, "label": p.label} for p in batch]
-    samples = ray.get(workers.rollout.generate_multi_turn.remote(
-        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns))
+    routed = rollout_call(workers, "generate_multi_turn", (
+        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns), restarts_before)
+    samples = routed.outputs
     traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id)
-    return traj, multi_turn_metrics(samples), time.perf_counter() - t0
+    return traj, multi_turn_metrics(samples), time.perf_counter() - t0, routed.restarts
+
+
+def rollout_call(workers: Workers, method: str, args: tuple, restarts_before: int = 0) -> Routed:
+    """``method`` (``"generate_versioned"`` or ``"generate_multi_turn"``) with ``args`` on the
+    run's rollout engines: through the :class:`engine.rollout.router.RolloutRouter` of
+    ``workers.rollout`` (split over the engines, health-checked, a failed engine replaced;
+    ``restarts_before`` replacements already made in this step count against
+    ``rl.engine.max_engine_restarts``), or on a bare engine handle (one engine, no health checks).
+
+    Returns: :class:`engine.rollout.router.Routed` (outputs in prompt order, engine per prompt,
+        replacements).
+
+    Raises: RuntimeError when more than ``rl.engine.max_engine_restarts`` engines failed in the
+        step; whatever the engine's call raised.
+    """
+    if isinstance(workers.rollout, RolloutRouter):
+        return getattr(workers.rollout, method)(*args, restarts_before=restarts_before)
+    return Routed(ray.get(getattr(workers.rollout, method).remote(*args)), [0] * len(args[0]), 0)
 
 
 def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> SamplingSpec:
@@ -370,47 +407,29 @@ def sync_weights(workers: Workers, cfg: RLConfig, version: int, train_policy: bo
 
 
 def update_weights(workers: Workers, timeout_s: float | None = None, version: int | None = None) -> float:
-    """Stream the policy's HF-named weights to the rollout engine bucket by bucket
+    """Stream the policy's HF-named weights to every rollout engine bucket by bucket
     (``rl.engine.weight_sync_bucket_mb`` each, ``engine.models.weight_buckets``); returns seconds.
 
-    Each bucket's ObjectRef goes straight from the actor to the rollout worker (the driver
-    never holds the tensors), and the next bucket is requested only once the rollout has
-    loaded the previous one: at most one bucket is in flight.
+    Each bucket is asked of the actor once and its ObjectRef goes straight from the actor to
+    every rollout engine (the driver never holds the tensors); the next bucket is requested
+    only once every engine has loaded the previous one: at most one bucket is in flight
+    (:func:`engine.rollout.router.push_weights`). Through the run's router
+    (``workers.rollout``), an engine found dead meanwhile is replaced after the sync, loading
+    these weights (:meth:`engine.rollout.router.RolloutRouter.update_weights`).
 
     Args:
         timeout_s: the whole sync's deadline in seconds (``rl.engine.weight_sync_timeout_s``);
             None waits forever.
-        version: the policy version being sent (None: not recorded). The rollout worker's
+        version: the policy version being sent (None: not recorded). The rollout engines'
             generation is then paused at its next chunk boundary for the whole sync
             (``RolloutWorker.begin_weight_update``; in asynchronous RL the deadline includes
-            that wait) and records ``version`` once the last bucket has loaded.
+            that wait) and each records ``version`` once the last bucket has loaded.
 
     Raises:
         TimeoutError: the sync did not finish within ``timeout_s`` (names the bucket it waited on).
-        RuntimeError: the actor or the rollout worker failed on a bucket (names it; the
+        RuntimeError: the actor or a rollout worker failed on a bucket (names it; the
             worker's error is the cause).
     """
-    from ray.exceptions import GetTimeoutError, RayError
-
-    t0 = time.perf_counter()
-
-    def wait(ref, what: str):
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
-        try:
-            return ray.get(ref, timeout=left)
-        except GetTimeoutError as exc:
-            raise TimeoutError(f"weight sync: {what} not done within rl.engine.weight_sync_timeout_s="
-                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
-        except RayError as exc:
-            cause = getattr(exc, "cause", None) or exc  # a worker's own exception, without Ray's traceback
-            raise RuntimeError(f"weight sync: {what} failed: {type(cause).__name__}: {cause}") from exc
-
-    plan = wait(workers.actor.hf_bucket_plan.remote(), "planning the buckets")
-    if version is not None:
-        wait(workers.rollout.begin_weight_update.remote(timeout_s), "pausing generation")
-    for index in range(plan.num_buckets):
-        wait(workers.rollout.update_weights.remote(workers.actor.hf_bucket.remote(index)),
-             f"bucket {index + 1} of {plan.num_buckets}")
-    if version is not None:
-        wait(workers.rollout.end_weight_update.remote(version), "resuming generation")
-    return time.perf_counter() - t0
+    if isinstance(workers.rollout, RolloutRouter):
+        return workers.rollout.update_weights(timeout_s, version)
+    return push_weights(workers.actor, [workers.rollout], timeout_s, version)[0]

@@ -12,6 +12,17 @@ Disaggregated placement (``"disaggregated"``): one placement group with two bund
 the training workers (actor, reference, critic, reward) and one for the rollout worker, so
 rollout and training run at the same time on separate cores (asynchronous RL,
 ``rl.engine.off_policy_steps``). Each side's workers use their own bundle's cores.
+
+With several rollout engines (``rl.rollout.num_engines``) each engine is one more worker of
+the shared bundle (colocated) or takes an equal share of the rollout bundle (disaggregated);
+they generate at the same time, so each uses its share of the threads
+(``engine.rl.workers.start_rollout``).
+
+The cluster is the one ``rl.engine.ray_address`` names, else the one of the ``RAY_ADDRESS``
+environment variable, else a local one started by the driver (:func:`init_ray`). A bundle
+is placed on one node: on a cluster of several nodes, colocated placement needs one node
+with all its CPUs, while disaggregated placement may put the training and the rollout
+bundle on different nodes (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ from typing import Any
 
 from config.schema import RLConfig
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # engine/rl/placement.py -> the checkout
 
 
 def runtime_env() -> dict[str, Any]:
@@ -45,10 +56,12 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
     """Connect to a Ray cluster, or start a local one; idempotent.
 
     Args:
-        address: an existing cluster (``"auto"``, ``"host:port"`` or ``"ray://..."``); None
-            starts a local cluster in this process.
+        address: an existing cluster (``"auto"``, ``"host:port"`` of its GCS or
+            ``"ray://..."``), from ``rl.engine.ray_address``. None: the cluster named by the
+            standard ``RAY_ADDRESS`` environment variable when it is set (as ``ray.init``
+            reads it; ``address`` wins over it), else a local cluster started in this process.
         num_cpus: CPUs of a locally started cluster (default: all of this machine's).
-            Ignored when connecting to an existing cluster.
+            Ignored when connecting to an existing cluster (Ray refuses the argument then).
         object_store_mb: object store size of a locally started cluster, in MiB (weights
             and trajectories pass through it; the default leaves host memory for training).
 
@@ -63,6 +76,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
     import ray
 
     if not ray.is_initialized():
+        # ray.init(address=None) joins RAY_ADDRESS by itself, but then refuses num_cpus and
+        # object_store_memory (local-cluster settings): resolve the address first.
+        address = address or os.environ.get("RAY_ADDRESS") or None
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         kwargs: dict[str, Any] = dict(
             runtime_env=runtime_env(),
@@ -77,7 +93,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
         attempts = 3 if address is None else 1
         for attempt in range(1, attempts + 1):
             try:
-                ray.init(address=address, **kwargs)
+                # "local": a new cluster even when `ray start` left one running on this
+                # machine (ray.init(address=None) would join that one silently)
+                ray.init(address=address or "local", **kwargs)
                 break
             except Exception as exc:
                 if attempt == attempts or "timed out during startup" not in str(exc):
@@ -93,6 +111,37 @@ def shutdown_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def node_cpus() -> list[float]:
+    """CPUs of each alive node of the connected Ray cluster, largest first (a bundle of a
+    placement group is placed on one node, so the largest is the most one bundle can hold)."""
+    import ray
+
+    return sorted((float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")), reverse=True)
+
+
+def check_bundles_fit(bundles: dict[str, float], fix: str) -> None:
+    """On a cluster of several nodes, raise unless every bundle (CPUs, keyed by the config
+    that sets its size) fits on one node.
+
+    Ray places each bundle of a placement group on a single node and waits for one that can
+    hold it; a bundle larger than every node of a multi-node cluster is a config error
+    (usually the default of all the cluster's CPUs in one bundle), caught here before
+    anything waits. A single-node cluster is left to the reservation's timeout as before (a
+    busy node may free its CPUs; an autoscaling cluster may add a node).
+
+    Raises:
+        ValueError: naming the bundle's config key, the largest node's CPUs and ``fix``.
+    """
+    nodes = node_cpus()
+    if len(nodes) < 2:
+        return
+    for key, cpus in bundles.items():
+        if cpus > nodes[0]:
+            raise ValueError(f"{key}: a bundle of {cpus:g} CPUs does not fit on one node of this Ray cluster "
+                             f"({len(nodes)} nodes, the largest with {nodes[0]:g} CPUs; a placement-group "
+                             f"bundle cannot span nodes): {fix}")
 
 
 @dataclass
@@ -139,13 +188,16 @@ class DisaggregatedPlacement:
     Attributes:
         group: the Ray ``PlacementGroup``.
         train_cpus, rollout_cpus: CPUs of each bundle.
-        num_train_workers: workers sharing the training bundle (the rollout bundle has one).
+        num_train_workers: workers sharing the training bundle.
+        num_rollout_workers: rollout engines sharing the rollout bundle (``rl.rollout.num_engines``),
+            each reserving ``rollout_cpus / num_rollout_workers``.
     """
 
     group: Any
     train_cpus: float
     rollout_cpus: float
     num_train_workers: int
+    num_rollout_workers: int = 1
 
     def actor_options(self, role: str = "train") -> dict[str, Any]:
         """``ActorClass.options(**...)`` for a ``"train"`` or ``"rollout"`` worker.
@@ -155,7 +207,8 @@ class DisaggregatedPlacement:
 
         if role not in ("train", "rollout"):
             raise ValueError(f"placement role must be 'train' or 'rollout', got {role!r}")
-        index, cpus = (0, self.train_cpus / self.num_train_workers) if role == "train" else (1, self.rollout_cpus)
+        index, cpus = ((0, self.train_cpus / self.num_train_workers) if role == "train"
+                       else (1, self.rollout_cpus / self.num_rollout_workers))
         return {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=index)}
 
@@ -171,7 +224,7 @@ class DisaggregatedPlacement:
 
 
 def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpus: float | None = None,
-                            timeout_s: float = 60.0) -> DisaggregatedPlacement:
+                            timeout_s: float = 60.0, num_rollout_workers: int = 1) -> DisaggregatedPlacement:
     """Reserve a training bundle and a rollout bundle and wait until both are placed.
 
     Args:
@@ -179,11 +232,16 @@ def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpu
         rollout_cpus: CPUs of the rollout bundle; the training bundle gets the rest.
         num_cpus: CPUs to reserve in all; default all CPUs of the cluster.
         timeout_s: how long to wait for the reservation.
+        num_rollout_workers: rollout engines that share the rollout bundle (``rl.rollout.num_engines``).
 
     Raises:
         ValueError: ``num_train_workers < 1``, or ``rollout_cpus`` leaves no CPU for training
-            (names ``rl.engine.rollout_cpus``).
+            (names ``rl.engine.rollout_cpus``), or on a multi-node cluster a bundle is larger
+            than every node (:func:`check_bundles_fit`).
         TimeoutError: the bundles could not be placed in time.
+
+    The bundles are placed with Ray's PACK strategy: on one node when it has room for both,
+    otherwise on two, so training and rollout may run on different nodes of a cluster.
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -194,12 +252,16 @@ def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpu
     if not 0 < rollout_cpus < cpus:
         raise ValueError(f"rl.engine.rollout_cpus={rollout_cpus} must leave training part of the {cpus} CPUs "
                          "(0 < rollout_cpus < num_cpus)")
+    # PACK: both bundles on one node when it has room, else on two (a multi-node cluster)
+    check_bundles_fit({"rl.engine.num_cpus - rl.engine.rollout_cpus (the training bundle)": cpus - rollout_cpus,
+                       "rl.engine.rollout_cpus (the rollout bundle)": float(rollout_cpus)},
+                      "set rl.engine.num_cpus and rl.engine.rollout_cpus so that each bundle fits on a node")
     group = placement_group([{"CPU": cpus - rollout_cpus}, {"CPU": float(rollout_cpus)}], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
         raise TimeoutError(f"disaggregated_placement: could not reserve {cpus} CPUs within {timeout_s} s")
-    return DisaggregatedPlacement(group, cpus - rollout_cpus, float(rollout_cpus), num_train_workers)
+    return DisaggregatedPlacement(group, cpus - rollout_cpus, float(rollout_cpus), num_train_workers, num_rollout_workers)
 
 
 def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout_s: float = 60.0) -> ColocatedPlacement:
@@ -212,7 +274,9 @@ def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout
         timeout_s: how long to wait for the reservation.
 
     Raises:
-        ValueError: ``num_workers < 1`` or the cluster has no CPU.
+        ValueError: ``num_workers < 1``, the cluster has no CPU, or on a multi-node cluster
+            the bundle is larger than every node (names ``rl.engine.placement`` and suggests
+            ``disaggregated``; a bundle cannot span nodes).
         TimeoutError: the bundle could not be placed in time (cluster too small or busy).
     """
     import ray
@@ -223,6 +287,9 @@ def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout
     cpus = float(num_cpus if num_cpus is not None else ray.cluster_resources().get("CPU", 0.0))
     if cpus <= 0:
         raise ValueError("colocated_placement: the Ray cluster has no CPU")
+    check_bundles_fit({"rl.engine.placement: colocated": cpus},
+                      "colocated workers share one bundle on one node; set rl.engine.num_cpus to at most one node's "
+                      "CPUs, or rl.engine.placement: disaggregated to put training and rollout on different nodes")
     group = placement_group([{"CPU": cpus}], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
@@ -235,10 +302,14 @@ def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout
 
 def make_placement(cfg: RLConfig):
     """The Ray placement of ``rl.engine.placement``: one shared bundle (colocated), or a
-    training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated)."""
+    training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated), shared by
+    the ``rl.rollout.num_engines`` rollout engines."""
 
-    # actor, reference, reward, critic
-    train_workers = 2 + cfg.uses_reference + (cfg.algorithm == "gae") - (cfg.environment is not None)
+    # actor, reference, reward, critic; a data/tensor-parallel role counts each of its ranks
+    par = cfg.parallel
+    train_workers = (par.actor.world_size + (par.reference.world_size if cfg.uses_reference else 0)
+                     + (par.critic.world_size if cfg.algorithm == "gae" else 0) + (cfg.environment is None))
     if cfg.engine.placement == "disaggregated":
-        return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus)
-    return colocated_placement(num_workers=train_workers + 1, num_cpus=cfg.engine.num_cpus)
+        return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus,
+                                       num_rollout_workers=cfg.rollout.num_engines)
+    return colocated_placement(num_workers=train_workers + cfg.rollout.num_engines, num_cpus=cfg.engine.num_cpus)

@@ -11,6 +11,7 @@ import ray
 import torch
 
 from config.rl import RewardConfig, RLConfig, RolloutConfig
+from engine.algorithms.aggregation import global_norm
 from engine.backends.select import actor_worker_class, critic_worker_class
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.training.actor import compute_logprobs, logit_temperature
@@ -20,29 +21,37 @@ from engine.trajectory import Trajectory
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
     """Start one RL run's workers in ``placement`` and wait until every one is constructed.
 
-    The actor (``rl.backend``), the reference (only with a KL term), the rollout worker
-    (context ``max_len`` tokens; two concurrent calls when asynchronous, so a weight update
-    reaches it while it generates), the reward worker (not with ``rl.environment``) and the
-    critic (``rl.algorithm: gae``).
+    The actor (``rl.backend``), the reference (only with a KL term), the rollout engines
+    (``rl.rollout.num_engines`` rollout workers behind a
+    :class:`engine.rollout.router.RolloutRouter`; see :func:`start_rollout`), the reward worker
+    (not with ``rl.environment``) and the critic (``rl.algorithm: gae``).
 
     Raises: whatever a worker's constructor raised (the workers started so far are stopped first).
     """
+    from engine.distributed.group import spawn_role
+    from engine.training.actor import actor_norm
+
     threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
-    actor = spawn(actor_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads)
-    reference = None if not cfg.uses_reference else spawn(  # only a KL term needs the reference
-        ReferenceWorker, placement, str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, threads,
-        packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision)
-    # asynchronous: a weight update's calls must reach the rollout worker while it generates
-    rollout = spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(out_dir / ".rollout"), max_len,
-                    rollout_threads, role="rollout", max_concurrency=2 if cfg.engine.off_policy_steps > 0 else 1,
-                    num_sequences=cfg.prompts_per_step * cfg.n_samples, precision=cfg.precision)
+    par = cfg.parallel
+    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train"),
+                       (str(policy_dir), cfg, seed, rank_threads(par.actor, threads)), seed=seed,
+                       norm_fn=lambda traj: actor_norm(traj, cfg))
+    reference = None if not cfg.uses_reference else spawn_role(  # only a KL term needs the reference
+        ReferenceWorker, par.reference, placement.actor_options("train"),
+        (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
+        dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision),
+        seed=seed)
+    rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, rollout_threads, actor)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
         threads, precision=cfg.precision)
-    critic = spawn(critic_worker_class(cfg), placement, str(policy_dir), cfg, seed, threads) if cfg.algorithm == "gae" else None
+    critic = None if cfg.algorithm != "gae" else spawn_role(
+        critic_worker_class(cfg), par.critic, placement.actor_options("train"),
+        (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
+        norm_fn=lambda traj: global_norm(traj.response_mask))
     workers = Workers(placement, actor, reference, rollout, reward, critic)
     try:  # surface a constructor error here, not at the first call
-        ray.get([w.__ray_ready__.remote() for w in (actor, reference, rollout, reward, critic) if w is not None])
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, *rollout.engines, reward, critic) if w is not None])
     except BaseException:
         stop_workers(workers)
         raise
@@ -50,11 +59,53 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
 
 
 def stop_workers(workers: Workers) -> None:
-    """Kill every worker of the run, then release its placement group."""
-    for w in (workers.actor, workers.reference, workers.rollout, workers.reward, workers.critic):
+    """Kill every worker of the run (every rank of a data/tensor-parallel role), then release
+    its placement group."""
+    from engine.distributed.group import kill_role
+
+    for w in (workers.actor, workers.reference, workers.reward, workers.critic):
         if w is not None:
-            ray.kill(w)
+            kill_role(w)
+    workers.rollout.stop()  # every rollout engine
     workers.placement.remove()
+
+
+def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: int, threads: int, actor):
+    """The run's rollout engines: ``rl.rollout.num_engines`` :class:`RolloutWorker` actors
+    behind a :class:`engine.rollout.router.RolloutRouter` (health checks every
+    ``rl.engine.health_check_timeout_s``, at most ``rl.engine.max_engine_restarts``
+    replacements per step; a replacement loads its weights from ``actor``), not waited for.
+
+    The engines generate at the same time, so each gets ``threads // num_engines`` torch
+    threads (at least 1) and KV cache for its share of a step, ``ceil(prompts_per_step /
+    num_engines) x n_samples`` sequences (a larger share still runs, queueing for KV blocks).
+    Each serves a health check while it generates, and asynchronously also a weight update's
+    calls (two or three concurrent calls). Engine 0's scratch directory is
+    ``out_dir/.rollout``, engine ``i``'s ``out_dir/.rollout/engine{i}``.
+    """
+    from engine.rollout.router import RolloutRouter
+
+    n = cfg.rollout.num_engines
+    share = -(-cfg.prompts_per_step // n)
+
+    def spawn_engine(index: int):
+        scratch = out_dir / ".rollout" if index == 0 else out_dir / ".rollout" / f"engine{index}"
+        return spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(scratch), max_len,
+                     max(1, threads // n), role="rollout", max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
+                     num_sequences=share * cfg.n_samples, precision=cfg.precision)
+
+    return RolloutRouter(spawn_engine, n, actor, health_check_timeout_s=cfg.engine.health_check_timeout_s,
+                         max_engine_restarts=cfg.engine.max_engine_restarts,
+                         weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s)
+
+
+def rank_threads(layout, threads: int) -> int:
+    """Torch threads of one rank of a role laid out as ``layout`` (``rl.parallel.<role>``):
+    ``cpus_per_rank`` when set, else the worker's ``threads`` shared by its ranks (they run at
+    the same time)."""
+    if layout.cpus_per_rank is not None:
+        return max(1, int(layout.cpus_per_rank))
+    return max(1, threads // layout.world_size)
 
 
 @dataclass
@@ -64,7 +115,7 @@ class Workers:
     placement: Any
     actor: Any
     reference: Any  # None without a KL term (RLConfig.uses_reference)
-    rollout: Any
+    rollout: Any  # the engine.rollout.router.RolloutRouter (a bare engine handle also works in the phases)
     reward: Any  # None with rl.environment (the environment gives the rewards)
     critic: Any = None  # PPO (rl.algorithm gae) only
 
@@ -150,6 +201,7 @@ class RolloutWorker:
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
         """See :meth:`engine.rollout.base.RolloutEngine.generate`."""
+        _init_thread()
         return self.engine.generate(prompt_token_ids, sampling)
 
     def generate_versioned(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
@@ -161,6 +213,7 @@ class RolloutWorker:
         :class:`engine.rollout.partial.VersionedOutputs`."""
         from engine.rollout.partial import generate_in_chunks
 
+        _init_thread()
         return generate_in_chunks(self.engine, prompt_token_ids, sampling, chunk_tokens, self.gate)
 
     def begin_weight_update(self, timeout_s: float | None = None) -> None:
@@ -200,6 +253,7 @@ class RolloutWorker:
                 raise ImportError(f"rl.environment: cannot load {environment!r}: {exc}") from exc
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.policy_dir)
+        _init_thread()
         return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
                                   self._env_factories[environment], sampling, max_turns)
 
@@ -207,7 +261,32 @@ class RolloutWorker:
         """Load some of the policy's weights, e.g. one bucket of
         :meth:`engine.models.weight_buckets.HFBucketSource.hf_bucket` (see
         :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
+        _init_thread()
         self.engine.update_weights(named_tensors)
+
+    def ping(self) -> None:
+        """The health check of :class:`engine.rollout.router.RolloutRouter`: does nothing. It
+        is answered while a generation runs when the actor serves two or more calls at once."""
+
+    def pid(self) -> int:
+        """This worker's process id."""
+        import os
+
+        return os.getpid()
+
+
+def _init_thread() -> None:
+    """Give the calling thread the process's torch thread count before vLLM runs on it.
+
+    An actor serving several calls at once (the rollout worker: generation beside its health
+    check and weight updates) runs them on pool threads, whose OpenMP thread count starts at
+    ``OMP_NUM_THREADS`` (Ray sets 1 for a fractional CPU), not at the count
+    ``torch.set_num_threads`` gave the main thread; vLLM's CPU attention builds its metadata
+    with the thread's OpenMP count and then checks it against torch's ("Check failed:
+    input->metadata->thread_num == thread_num (1 vs. 2)"). ``torch.get_num_threads()`` sets a
+    thread's count to the process's on first use (``at::init_num_threads``).
+    """
+    torch.get_num_threads()
 
 
 class RewardWorker:

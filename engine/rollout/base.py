@@ -10,13 +10,28 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """How to sample: ``temperature`` 0 means greedy; ``max_new_tokens`` counts response tokens."""
+    """How to sample: ``temperature`` 0 means greedy; ``max_new_tokens`` counts response tokens.
+
+    ``prompt_index``: the position of each prompt of this call in the whole batch it belongs
+    to (a router gives each rollout engine a share of a step's prompts,
+    ``engine.rollout.router``); None means ``0 .. P-1`` (the call is the whole batch). The
+    vLLM engine seeds prompt ``i``'s ``j``-th sample ``seed + prompt_index[i] * n + j``, so a
+    sample's random stream depends on its place in the batch, not on the engine or on which
+    other prompts share the call; the HF engine, which draws a call's samples from one
+    generator, seeds it ``seed + prompt_index[0] * n``.
+    """
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
     seed: int = 0
+    prompt_index: tuple[int, ...] | None = None
+
+    def prompt_seed(self, i: int) -> int:
+        """The seed of prompt ``i``'s first sample (its ``j``-th: ``+ j``): ``seed +
+        prompt_index[i] * n`` (``prompt_index`` None: ``seed + i * n``)."""
+        return self.seed + (i if self.prompt_index is None else self.prompt_index[i]) * self.n
 
 
 @dataclass(frozen=True)

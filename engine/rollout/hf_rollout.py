@@ -51,7 +51,9 @@ class HFRollout:
     Sampling: with ``temperature == 0`` the argmax token (greedy); otherwise a draw from
     ``softmax(logits / temperature)`` restricted to the top-p nucleus and renormalized.
     Draws come from one ``torch.Generator`` seeded with ``SamplingSpec.seed`` at each
-    :meth:`generate` call, so a call is reproducible and a new seed gives new samples.
+    :meth:`generate` call (``seed + prompt_index[0] * n`` for a share of a larger batch), so a
+    call is reproducible and a new seed gives new samples; a prompt's samples depend on the
+    other prompts of the call (they draw from the same stream).
 
     Reported log-probabilities (``RolloutOutput.logprobs``, nats) are those of the
     distribution each token was drawn from: ``log_softmax(logits / temperature)[token]``,
@@ -150,7 +152,7 @@ class HFRollout:
                 sampling field (the message names the prompt index or field).
         """
         self._check(prompt_token_ids, sampling)
-        generator = torch.Generator(device=self.device).manual_seed(int(sampling.seed))
+        generator = torch.Generator(device=self.device).manual_seed(int(sampling.prompt_seed(0)))
         sequences = [list(p) for p in prompt_token_ids for _ in range(sampling.n)]
         flat: list[RolloutOutput] = []
         for start in range(0, len(sequences), self.max_batch_size):

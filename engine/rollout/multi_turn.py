@@ -38,7 +38,9 @@ Decisions:
   that budget (tokens and log-probs of a prefix do not depend on later ones). Turn 0 uses
   ``sampling.seed``, so with ``max_turns=1`` the samples are exactly those of
   ``engine.generate(prompt_ids, sampling)`` for the HF engine; turn ``t > 0`` uses a seed
-  derived from ``(sampling.seed, t)``.
+  derived from ``(sampling.seed, t)``. Each request carries its sample's place in the whole
+  batch (``SamplingSpec.prompt_index``: ``prompt_index * n + j``), so with vLLM a sample's
+  seed in every turn depends neither on the engine nor on which other samples are still running.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class _Episode:
 
     prompt: list[int]
     env: Environment
+    index: int = 0  # place in the whole batch (prompt_index * n + j): seeds its turns
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -173,7 +176,9 @@ def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Se
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     budget = sampling.max_new_tokens
-    episodes = [_Episode(list(p), make_env()) for p in prompt_ids for _ in range(sampling.n)]
+    place = range(len(prompt_ids)) if sampling.prompt_index is None else sampling.prompt_index
+    episodes = [_Episode(list(p), make_env(), place[i] * sampling.n + j)
+                for i, p in enumerate(prompt_ids) for j in range(sampling.n)]
     for k, ep in enumerate(episodes):
         ep.env.reset(rows[k // sampling.n])
     for turn in range(max_turns):
@@ -181,7 +186,8 @@ def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Se
         if not running:
             break
         room = [budget - len(ep.tokens) for ep in running]
-        spec = replace(sampling, n=1, max_new_tokens=max(room), seed=turn_seed(sampling.seed, turn))
+        spec = replace(sampling, n=1, max_new_tokens=max(room), seed=turn_seed(sampling.seed, turn),
+                       prompt_index=tuple(ep.index for ep in running))
         outputs = engine.generate([ep.prompt + ep.tokens for ep in running], spec)
         for ep, left, [out] in zip(running, room, outputs):
             _play_turn(ep, out, left, tokenizer, last_turn=turn == max_turns - 1)

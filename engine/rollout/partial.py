@@ -76,6 +76,7 @@ class WeightGate:
 @dataclass
 class _Sample:
     prompt: list[int]
+    index: int  # place in the whole batch (prompt_index * n + j): seeds its continuations
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: Literal["stop", "length"] | None = None
@@ -105,8 +106,10 @@ def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]],
     Chunk 0 samples ``n`` continuations of every prompt with ``sampling`` (so with
     ``chunk_tokens >= max_new_tokens`` this is exactly ``engine.generate``); chunk ``k > 0``
     continues each unfinished sample (one request of ``n = 1`` per sample, prompt = its
-    prompt + tokens so far, seed ``sampling.seed + k * CHUNK_SEED_STRIDE`` plus the engine's
-    per-request offset) for at most ``chunk_tokens`` more, until it stops at EOS or has
+    prompt + tokens so far, seed ``sampling.seed + k * CHUNK_SEED_STRIDE + s`` for the
+    sample's place ``s = prompt_index * n + j`` in the whole batch, see
+    :class:`SamplingSpec`: a sample's seeds depend neither on the engine nor on which other
+    samples are still running) for at most ``chunk_tokens`` more, until it stops at EOS or has
     ``max_new_tokens`` tokens. Between chunks a weight update may run (``gate``).
 
     Args:
@@ -124,7 +127,9 @@ def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]],
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     budget = sampling.max_new_tokens
     chunk = budget if chunk_tokens is None else min(chunk_tokens, budget)
-    samples = [[_Sample(list(p)) for _ in range(sampling.n)] for p in prompt_token_ids]
+    place = range(len(prompt_token_ids)) if sampling.prompt_index is None else sampling.prompt_index
+    samples = [[_Sample(list(p), place[i] * sampling.n + j) for j in range(sampling.n)]
+               for i, p in enumerate(prompt_token_ids)]
     with gate as version:
         first = engine.generate(prompt_token_ids, replace(sampling, max_new_tokens=chunk))
     for group, outs in zip(samples, first):
@@ -138,7 +143,8 @@ def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]],
             break
         # an unfinished sample ran every chunk in full, so all have k * chunk tokens: the same room left
         spec = replace(sampling, n=1, seed=sampling.seed + k * CHUNK_SEED_STRIDE,
-                       max_new_tokens=min(chunk, budget - len(running[0].tokens)))
+                       max_new_tokens=min(chunk, budget - len(running[0].tokens)),
+                       prompt_index=tuple(s.index for s in running))
         with gate as version:
             outs = engine.generate([s.prompt + s.tokens for s in running], spec)
         for s, (out,) in zip(running, outs):

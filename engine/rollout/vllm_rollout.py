@@ -173,8 +173,9 @@ class VLLMRollout:
         Args:
             prompt_token_ids: one list of token ids per prompt (non-empty).
             sampling: see :class:`SamplingSpec`. Prompt ``i`` is sampled with seed
-                ``sampling.seed + i * n`` (vLLM gives its ``j``-th sample ``+ j``), so each
-                sample has its own reproducible random stream.
+                ``sampling.prompt_seed(i)`` (``seed + i * n``, or ``seed + prompt_index[i] * n``
+                when the call is a share of a larger batch; vLLM gives its ``j``-th sample
+                ``+ j``), so each sample has its own reproducible random stream.
 
         Returns: per prompt, in order, ``n`` :class:`RolloutOutput` in sample order.
 
@@ -187,7 +188,7 @@ class VLLMRollout:
             if not ids:
                 raise ValueError(f"prompt {i} has no tokens")
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in prompt_token_ids]
-        params = [self._sampling_params(sampling, sampling.seed + i * sampling.n) for i in range(len(prompts))]
+        params = [self._sampling_params(sampling, sampling.prompt_seed(i)) for i in range(len(prompts))]
         results = self.llm.generate(prompts, params, use_tqdm=False)
         out = []
         for res in results:

@@ -133,6 +133,7 @@ def save_model_dir(
             ``model.gpt_spec``.
         FileNotFoundError: ``tokenizer_dir`` holds none of :data:`TOKENIZER_FILES`.
     """
+    from engine.distributed.collectives import barrier, broadcast_object, global_rank
     from engine.storage.torch_dist import save_model_checkpoint
 
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
@@ -147,7 +148,15 @@ def save_model_dir(
         raise FileNotFoundError(f"{tokenizer_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    # Several ranks (data/tensor parallelism): rank 0 writes everything but the torch_dist
+    # shards, which every rank writes (save_model_checkpoint), and publishes the directory.
+    lead = global_rank() == 0
+    tmp = Path(broadcast_object(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent)
+                                if lead else None))
+    if not lead:
+        save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
+        barrier()  # rank 0 publishes
+        return out_dir
     try:
         hf = tmp / HF_SUBDIR
         hf.mkdir()
@@ -178,6 +187,7 @@ def save_model_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    barrier()
     return out_dir
 
 

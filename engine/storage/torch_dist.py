@@ -71,19 +71,28 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     """
     from megatron.core import dist_checkpointing
 
+    from engine.distributed.collectives import barrier, broadcast_object, global_rank
     from engine.models.platform import ensure_process_group
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / iteration_dir_name(iteration)
-    tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    # Several ranks (data/tensor parallelism) write one checkpoint: rank 0 names the
+    # temporary directory, each rank writes its shards into it, rank 0 publishes it.
+    lead = global_rank() == 0
+    tmp = root / broadcast_object(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    if lead:
+        tmp.mkdir()
+    barrier()
     try:
         with full_precision_weights(model):  # fp32 masters under mixed precision
             state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": -1 if iteration is None else iteration}
             ensure_process_group()
             dist_checkpointing.save(state, str(tmp))
+        if not lead:
+            barrier()  # rank 0 publishes
+            return final
         _reproducible_metadata(tmp)
         if hf_config is not None:
             (tmp / HF_CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
@@ -95,9 +104,11 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
         else:
             os.replace(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     _atomic_write_text(root / TRACKER, RELEASE if iteration is None else str(iteration))
+    barrier()
     return final
 
 

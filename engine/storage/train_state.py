@@ -148,7 +148,13 @@ def save_train_state(
     Returns:
         Path of the written file.
     """
+    from engine.distributed.collectives import barrier, global_rank
+
     directory = Path(directory)
+    target = directory / STATE_FILE
+    if global_rank() != 0:  # data parallelism: the ranks hold the same state; rank 0 writes it
+        barrier()
+        return target
     directory.mkdir(parents=True, exist_ok=True)
     payload = {
         "format_version": _FORMAT_VERSION,
@@ -164,7 +170,6 @@ def save_train_state(
         "rng": capture_rng_state(),
         "extra": dict(extra or {}),
     }
-    target = directory / STATE_FILE
     fd, tmp = tempfile.mkstemp(prefix=f".{STATE_FILE}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -175,6 +180,7 @@ def save_train_state(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    barrier()
     return target
 
 

@@ -208,6 +208,12 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured:
     return loss_fn
 
 
+def actor_norm(traj: Trajectory, cfg: RLConfig) -> GlobalNorm:
+    """The loss normalisers of a whole actor batch: its response tokens and sequences, and
+    ``C = rl.rollout.max_new_tokens`` (:func:`engine.algorithms.aggregation.global_norm`)."""
+    return global_norm(traj.response_mask, max_response_length=cfg.rollout.max_new_tokens)
+
+
 ACTOR_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss", "grad_norm", "lr")
 
 
@@ -227,7 +233,8 @@ class ActorUpdate:
     old_logprobs: torch.Tensor
 
 
-def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable) -> ActorUpdate:
+def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable,
+                 norm: GlobalNorm | None = None) -> ActorUpdate:
     """``cfg.ppo_epochs`` optimizer steps on the whole batch in the micro-batches of
     :func:`engine.trajectory.micro_batch_rows`, the loss of :func:`actor_loss_fn` normalised by
     the whole batch (:func:`engine.algorithms.aggregation.global_norm`), so neither the split
@@ -244,12 +251,15 @@ def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Call
         temperature: the logit temperature (:func:`logit_temperature`).
         step: ``step(micro_batches, loss_fn) -> metrics``: one optimizer step of a backend
             (``engine.training.optimizer_step.train_step`` or the DeepSpeed trainer's).
+        norm: the loss normalisers of the whole global batch when ``traj`` is one
+            data-parallel rank's share of it (``engine.distributed.group``; the ranks'
+            gradients then sum to the whole batch's); default ``traj``'s own (:func:`actor_norm`).
 
     Raises: ValueError as :func:`micro_batch_rows`, or when the batch has no loss tokens.
     """
     rows = micro_batch_rows(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     micro = [traj.select(r) for r in rows]
-    norm = global_norm([mb.response_mask for mb in micro], max_response_length=cfg.rollout.max_new_tokens)
+    norm = actor_norm(traj, cfg) if norm is None else norm
     captured: dict[int, torch.Tensor] | None = {} if traj.old_logprobs is None else None
     loss_fn = actor_loss_fn(cfg, temperature, norm, captured)
     epochs = []

@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from engine.algorithms.aggregation import GlobalNorm
 from engine.models.weight_buckets import BucketPlan
 from engine.storage.train_state import DataPosition
 from engine.training.actor import ActorUpdate
@@ -61,7 +62,7 @@ class ActorTrainer(Protocol):
         """
         ...
 
-    def update(self, traj: Trajectory) -> ActorUpdate:
+    def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> ActorUpdate:
         """``rl.ppo_epochs`` optimizer steps of the policy loss on the whole batch
         (:func:`engine.training.actor.actor_update`). Without ``traj.old_logprobs`` the batch
         is on-policy and the first epoch's forward gives them.
@@ -69,6 +70,8 @@ class ActorTrainer(Protocol):
         Args:
             traj: needs ``advantages [B, L]`` and ``response_mask [B, L]``; ``old_logprobs
                 [B, L]`` or None; ``ref_logprobs [B, L]`` for the KL loss.
+            norm: the whole global batch's loss normalisers when ``traj`` is one data-parallel
+                rank's share of it (``engine.distributed.group``); None: ``traj``'s own.
 
         Returns: :class:`engine.training.actor.ActorUpdate`: ``metrics`` with ``actor/pg_loss``,
             ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
@@ -153,13 +156,14 @@ class CriticTrainer(Protocol):
         """
         ...
 
-    def update(self, traj: Trajectory) -> dict[str, float]:
+    def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> dict[str, float]:
         """``rl.ppo_epochs`` optimizer steps of the clipped value loss
         (:func:`engine.training.critic.critic_update`, clip range ``rl.critic.cliprange_value``).
 
         Args:
             traj: needs ``values [B, L]`` (those the advantages were computed with),
                 ``returns [B, L]`` and ``response_mask [B, L]``.
+            norm: as for :meth:`ActorTrainer.update`.
 
         Returns: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean``,
             ``critic/grad_norm``, ``critic/lr``: means over the epochs.

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms.aggregation import global_norm, masked_sum
+from engine.algorithms.aggregation import GlobalNorm, global_norm, masked_sum
 from engine.algorithms.value_loss import clipped_value_loss
 from engine.trajectory import Trajectory
 
@@ -72,7 +72,7 @@ def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batc
 CriticStep = Callable[[Sequence[Trajectory], Callable], dict[str, float]]
 
 
-def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep) -> dict[str, float]:
+def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep, norm: GlobalNorm | None = None) -> dict[str, float]:
     """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
     (:func:`engine.algorithms.value_loss.clipped_value_loss` with clip range
     ``cfg.critic.cliprange_value``, token-mean over the loss mask of the whole batch, so the
@@ -84,6 +84,8 @@ def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep) -> dict[str
         cfg: the ``rl`` config.
         step: the backend's optimizer step; it calls ``loss_fn(model, micro_batch)``, whose
             ``model`` maps ``input_ids [B, T]`` to values ``[B, T]``.
+        norm: the loss normalisers of the whole global batch when ``traj`` is one
+            data-parallel rank's share of it (``engine.distributed.group``); default ``traj``'s own.
 
     Returns: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean`` (mean value
         over the loss-mask tokens, before each step), ``critic/grad_norm``, ``critic/lr``:
@@ -96,7 +98,7 @@ def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep) -> dict[str
     from engine.trajectory import actor_micro_batches
 
     micro = actor_micro_batches(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
-    norm = global_norm([mb.response_mask for mb in micro])
+    norm = global_norm([mb.response_mask for mb in micro]) if norm is None else norm
     clip = cfg.critic.cliprange_value
 
     def loss_fn(model: Callable[[torch.Tensor], torch.Tensor], mb: Trajectory):

@@ -22,6 +22,7 @@ import torch
 
 from config.training import OptimConfig
 from config.precision import resolve_precision
+from engine.distributed.collectives import all_reduce_gradients, clip_grad_norm, data_parallel_group, sum_across_ranks
 from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
 
 # loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
@@ -111,6 +112,12 @@ def accumulate_gradients(
     ``engine.algorithms.aggregation``), so the gradients are summed and not divided.
     Existing ``.grad`` values are cleared first.
 
+    Data parallelism (a megatron data-parallel group of size k > 1,
+    ``engine.distributed.collectives``): ``micro_batches`` are this rank's share of the global
+    batch; the gradients are summed over the k ranks in fp32 and ``N`` (and the loss and
+    metric sums) is the global total, so every rank ends with the gradient DP=1 computes on
+    the whole batch (within fp32 rounding of the sums' order).
+
     Args:
         model: the module whose parameters receive gradients (put in train mode).
         micro_batches: anything ``loss_fn`` understands, one entry per micro-batch.
@@ -151,6 +158,11 @@ def accumulate_gradients(
         loss_total += float(loss_sum.detach())
         for k, v in metrics.items():
             metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
+    if data_parallel_group() is not None:  # the other data-parallel ranks' shares of the global batch
+        all_reduce_gradients(grads)
+        sums = sum_across_ranks({"__units": total_units, "__loss": loss_total, **metric_sums})
+        total_units, loss_total = int(sums.pop("__units")), sums.pop("__loss")
+        metric_sums = sums
     if total_units == 0:
         raise ValueError("train step: the micro-batches contain no loss units (all loss masks are empty)")
     if not normalized:
@@ -186,7 +198,7 @@ def train_step(
     """
     loss, units, metrics = accumulate_gradients(model, micro_batches, loss_fn, normalized)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    grad_norm = clip_grad_norm(params, grad_clip)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss}); step not taken")
     lr = float(optimizer.param_groups[0]["lr"])

@@ -17,6 +17,12 @@ Training micro-batches hold ``rm.micro_batch_size`` pairs or ``rm.max_tokens_per
 tokens (:func:`reward_micro_batches`); with ``rm.packing`` (megatron backend) their chosen and
 rejected sequences run packed, without padding (:func:`packed_rewards`), for the same loss and
 gradients up to float rounding. The held-out evaluation stays right-padded.
+
+Data parallelism (``rm.parallel``, megatron backend; the ranks are started by
+``engine.distributed.stage_group.run_stage``): every rank runs :func:`train_reward_model` on
+the same data and takes its share of each step's micro-batches
+(``engine.distributed.share``); rank 0 alone evaluates the held-out pairs, logs, shows
+progress and writes the files that are not torch_dist shards.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batches
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.batching.sampler import EpochSampler
+from engine.distributed.collectives import global_rank
+from engine.distributed.share import micro_batch_share
 from engine.storage.model_dir import load_tokenizer
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
 from engine.training.reward_contract import RewardTrainer
@@ -174,7 +182,9 @@ def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[in
 
 # Neither changes the trained weights or the final metrics: a run resumes across a change of
 # them (tasks/rm.py leaves them out of the fingerprint too, so it reuses the resume directory).
-_NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every"}
+# The layout changes them only by float rounding (as the thread count does): a data-parallel
+# state resumes at another data_parallel_size.
+_NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every", "parallel"}
 
 
 def train_reward_model(
@@ -214,7 +224,13 @@ def train_reward_model(
         seed: held-out split, data-order, reward-head and RNG seed.
         log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps
             and at the last step, before that step's checkpoint (if any) is written, so a run
-            resumed from step N has logged every step up to N.
+            resumed from step N has logged every step up to N. On data-parallel rank 0 only.
+
+    Under a data-parallel group (``rm.parallel.data_parallel_size`` ranks, each calling this
+    function with the same arguments) each rank back-propagates its share of every step's
+    micro-batches (:func:`engine.distributed.share.micro_batch_share`); the training metrics
+    are those of the whole global batch on every rank; the held-out ones (``rm/*``) are
+    computed on rank 0 only, whose result the stage returns.
 
     Returns:
         ``rm/accuracy``, ``rm/loss`` (held-out), ``train/loss``, ``train/accuracy``,
@@ -226,7 +242,8 @@ def train_reward_model(
     Raises:
         ValueError: bad dataset rows (names file, line and field), fewer than 2 pairs, an
             unknown ``rm.backend``, or a ``resume_dir`` written with a different config,
-            dataset size or seed (:func:`engine.storage.train_state.check_run_identity`).
+            dataset size or seed (:func:`engine.storage.train_state.check_run_identity`), or a
+            step with fewer micro-batches than data-parallel ranks (a token budget).
         RuntimeError: ``rm.backend: deepspeed`` cannot run here.
     """
     trainer = make_trainer(base_model_dir, cfg, seed)
@@ -247,12 +264,13 @@ def train_reward_model(
         logger.info("resuming the reward model from step %d (%s)", start, resume_dir)
     sampler = EpochSampler(len(train_pairs), seed, position.epoch, position.offset)
 
+    lead = global_rank() == 0  # data parallelism: rank 0 evaluates, logs and shows progress
     for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
-                     dynamic_ncols=True):
+                     dynamic_ncols=True, disable=not lead):
         chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
         micro = reward_micro_batches(chosen, cfg, pad_id)
         t0 = time.perf_counter()
-        out = trainer.step(micro)
+        out = trainer.step(micro_batch_share(micro, "rm"))
         seconds = time.perf_counter() - t0
         done = step + 1
         metrics = {
@@ -263,7 +281,7 @@ def train_reward_model(
             "train/lr": out["lr"],
             "perf/pairs_per_s": len(chosen) / seconds,
         }
-        log_now = done % cfg.log_every == 0 or done == cfg.steps
+        log_now = lead and (done % cfg.log_every == 0 or done == cfg.steps)
         if log_now:
             metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
         # Logged before the checkpoint: a run resumed from step N has logged every step up to N.

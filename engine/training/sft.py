@@ -8,6 +8,11 @@ way). Micro-batches are right-padded or packed (``sft.packing``) and formed by s
 or token budget (``sft.max_tokens_per_micro_batch``); the loss and gradients do not depend on
 either choice (up to float rounding). Resumes exactly from ``resume_dir``: weights (the fp32
 masters under bf16), AdamW moments, schedule, data order position and RNG states.
+
+Data parallelism (``sft.parallel``; the ranks are started by
+``engine.distributed.stage_group.run_stage``): every rank runs :func:`train_sft` on the same
+data and takes its share of each step's micro-batches (``engine.distributed.share``); rank 0
+alone logs, shows progress and writes the files that are not torch_dist shards.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from engine.batching.collate import (
 )
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.batching.sampler import EpochSampler
+from engine.distributed.collectives import global_rank
+from engine.distributed.share import micro_batch_share
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.storage.train_state import (
     DataPosition,
@@ -243,7 +250,13 @@ def train_sft(
         seed: data-order and RNG seed.
         log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps
             and at the last step, before that step's checkpoint (if any) is written, so a run
-            resumed from step N has logged every step up to N.
+            resumed from step N has logged every step up to N. On data-parallel rank 0 only.
+
+    Under a data-parallel group (``sft.parallel.data_parallel_size`` ranks, each calling this
+    function with the same arguments) each rank back-propagates its share of every step's
+    micro-batches (:func:`engine.distributed.share.micro_batch_share`); the metrics are those
+    of the whole global batch on every rank, and a train state written at one
+    ``data_parallel_size`` resumes at another.
 
     Returns:
         Final metrics: ``train/loss`` (last step's token-mean NLL, nats), ``train/grad_norm``,
@@ -253,7 +266,8 @@ def train_sft(
     Raises:
         ValueError: bad dataset rows (names file and line), a ``resume_dir`` written
             with a different config (precision and packing included), dataset size or seed,
-            or ``cfg.packing`` on a model without the ``sdpa`` core attention.
+            ``cfg.packing`` on a model without the ``sdpa`` core attention, or a step with
+            fewer micro-batches than data-parallel ranks (a token budget).
     """
     loaded = load_model_dir(base_model_dir, seed=seed)
     tokenizer = load_tokenizer(base_model_dir)
@@ -271,7 +285,8 @@ def train_sft(
     start, position, tokens, metrics = 0, DataPosition(0, 0, seed), 0, {}
     # How often metrics are logged and checkpoints written may change between attempts
     # (they are not part of the stage's fingerprint either).
-    config = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every"})
+    # Nor may the layout: a data-parallel state resumes at another data_parallel_size.
+    config = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "parallel"})
     identity = {"config": config, "num_examples": len(examples), "seed": seed}
     if has_train_state(resume_dir):
         check_run_identity(resume_dir, identity)
@@ -282,11 +297,13 @@ def train_sft(
         logger.info("resuming SFT from step %d (%s)", start, resume_dir)
     sampler = EpochSampler(len(examples), seed, position.epoch, position.offset)
 
-    for step in tqdm(range(start, cfg.steps), desc="sft", initial=start, total=cfg.steps, dynamic_ncols=True):
+    lead = global_rank() == 0  # data parallelism: rank 0 logs and shows progress
+    for step in tqdm(range(start, cfg.steps), desc="sft", initial=start, total=cfg.steps, dynamic_ncols=True,
+                     disable=not lead):
         rows = [examples[i] for i in sampler.next_indices(cfg.global_batch_size)]
         micro = sft_micro_batches(rows, cfg, pad_id)
         t0 = time.perf_counter()
-        out = train_step(model, optimizer, scheduler, micro, sft_loss, cfg.optim.grad_clip)
+        out = train_step(model, optimizer, scheduler, micro_batch_share(micro, "sft"), sft_loss, cfg.optim.grad_clip)
         seconds = time.perf_counter() - t0
         tokens += int(out["num_units"])
         done = step + 1
@@ -300,7 +317,7 @@ def train_sft(
             "timing_s/step": seconds,
         }
         # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
-        if log_metrics is not None and (done % cfg.log_every == 0 or done == cfg.steps):
+        if lead and log_metrics is not None and (done % cfg.log_every == 0 or done == cfg.steps):
             log_metrics(metrics, done)
         if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             save_train_state(

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from config.schema import RLConfig
+from engine.algorithms.aggregation import GlobalNorm
 from engine.backends.deepspeed.runtime import (
     DeepSpeedTrainer,
     import_deepspeed,
@@ -81,7 +82,7 @@ class DeepSpeedActorWorker(HFBucketSource):
         return compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
                                 self.cfg.max_tokens_per_micro_batch)
 
-    def update(self, traj: Trajectory) -> ActorUpdate:
+    def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> ActorUpdate:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch
         (:func:`engine.training.actor.actor_update` with :meth:`DeepSpeedTrainer.train_step`), as
         :meth:`engine.backends.megatron.actor.ActorWorker.update`; without ``traj.old_logprobs`` the batch is
@@ -93,7 +94,7 @@ class DeepSpeedActorWorker(HFBucketSource):
             ValueError: the batch has no loss tokens.
             FloatingPointError: a non-finite gradient norm (that step is not taken).
         """
-        return actor_update(traj, self.cfg, self.temperature, self.trainer.train_step)
+        return actor_update(traj, self.cfg, self.temperature, self.trainer.train_step, norm)
 
     # ------------------------------------------------------------------ weights out
 

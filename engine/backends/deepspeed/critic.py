@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from config.schema import RLConfig
+from engine.algorithms.aggregation import GlobalNorm
 from engine.backends.deepspeed.runtime import (
     DeepSpeedTrainer,
     import_deepspeed,
@@ -80,7 +81,7 @@ class DeepSpeedCriticWorker:
         """``[B, L]`` values (``engine.training.critic.response_values``) in eval mode, 0 on padding."""
         return compute_response_values(self.engine, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
-    def update(self, traj: Trajectory) -> dict[str, float]:
+    def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> dict[str, float]:
         """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
         (``engine.training.critic.critic_update``; each a :meth:`DeepSpeedTrainer.train_step`, clipped
         to ``cfg.critic.optim.grad_clip``).
@@ -95,7 +96,7 @@ class DeepSpeedCriticWorker:
             ValueError: ``values`` or ``returns`` is missing, or the batch has no loss tokens.
             FloatingPointError: a non-finite gradient norm (that step is not taken).
         """
-        return critic_update(traj, self.cfg, self.trainer.train_step)
+        return critic_update(traj, self.cfg, self.trainer.train_step, norm)
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW as DeepSpeed steps it,

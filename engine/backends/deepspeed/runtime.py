@@ -150,8 +150,29 @@ def precision_scheme(zero_stage: int, precision: str | None) -> str:
     return MASTER_WEIGHTS if zero_stage == 0 else DEEPSPEED_BF16
 
 
+# DeepSpeed's ZeRO buffer sizes, in elements, and their defaults (deepspeed/runtime/zero/config.py,
+# DeepSpeed 0.19): 5e8 reduce/all-gather elements are 2 GB of fp32 each; ZeRO-3 allocates buffers of
+# these sizes up front, and with several engines alive in one process their address space reached
+# 7.5 GiB here (then fork() of that process fails with ENOMEM under the kernel's overcommit check).
+ZERO_BUFFER_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+}
+
+
+def zero_buffer_sizes(num_params: int) -> dict[str, int]:
+    """ZeRO's bucket and prefetch sizes for a model of ``num_params`` parameters: DeepSpeed's
+    defaults (:data:`ZERO_BUFFER_DEFAULTS`), capped at the model's size (a bucket larger than
+    every gradient together holds nothing more; a smaller model no longer reserves gigabytes)."""
+    n = max(1, int(num_params))
+    return {k: min(v, n) for k, v in ZERO_BUFFER_DEFAULTS.items()}
+
+
 def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float,
-                  precision: str | None = "fp32") -> dict[str, Any]:
+                  precision: str | None = "fp32", num_params: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config dict of a trainer: ZeRO stage ``ds.zero_stage``, gradient
     clipping to ``grad_clip`` (global L2 norm, as ``torch.nn.utils.clip_grad_norm_``), the
     caller's gradient accumulation (one ``engine.step()`` per batch, losses not divided by
@@ -165,6 +186,9 @@ def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float,
     (under bf16 DeepSpeed reduces gradients in bf16 by default, which at ZeRO-1 rounds the
     accumulated fp32 gradients to bf16 before the step); bf16 at ZeRO-0 keeps DeepSpeed in
     fp32 with ``gradient_clipping`` 0 (the trainer clips the fp32 masters' gradients itself).
+
+    ``num_params`` (the module's parameter count): ZeRO's buffers sized from the model
+    (:func:`zero_buffer_sizes`) instead of DeepSpeed's multi-GB defaults.
     """
     scheme = precision_scheme(ds.zero_stage, precision)
     config = {
@@ -182,6 +206,8 @@ def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float,
         "steps_per_print": None,
         "wall_clock_breakdown": False,
     }
+    if num_params is not None:
+        config["zero_optimization"].update(zero_buffer_sizes(num_params))
     if scheme == DEEPSPEED_BF16:
         config["bf16"] = {"enabled": True, "check_grad_overflow": True}
         config["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -271,7 +297,8 @@ class DeepSpeedTrainer:
         self.optimizer, self.scheduler = build_optimizer(params, optim, total_steps)
         self.engine, _, _, _ = self.deepspeed.initialize(
             model=module, optimizer=self.optimizer, lr_scheduler=self.scheduler,
-            config=engine_config(ds, micro_batch_size, optim.grad_clip, self.precision))
+            config=engine_config(ds, micro_batch_size, optim.grad_clip, self.precision,
+                                 num_params=sum(p.numel() for p in module.parameters())))
         self.module = self.engine.module
         if fp32_weights:
             self._set_masters(fp32_weights)

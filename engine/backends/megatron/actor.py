@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 import torch
 from config.schema import RLConfig
+from engine.algorithms.aggregation import GlobalNorm
 from engine.models.weight_buckets import HFBucketSource
 from engine.training.actor import (
     ActorUpdate,
@@ -58,14 +59,16 @@ class ActorWorker(HFBucketSource):
         return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size,
                                 self.cfg.max_tokens_per_micro_batch, self.cfg.packing)
 
-    def update(self, traj: Trajectory) -> ActorUpdate:
+    def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> ActorUpdate:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch
         (:func:`engine.training.actor.actor_update`: micro-batches of ``cfg.micro_batch_size``
         responses or ``cfg.max_tokens_per_micro_batch`` real tokens, packed when
         ``cfg.packing``, :func:`engine.training.optimizer_step.train_step`). Without
         ``traj.old_logprobs`` the batch is on-policy and the update's first forward gives them.
 
-        Needs ``traj.advantages`` (and ``ref_logprobs`` for the KL).
+        Needs ``traj.advantages`` (and ``ref_logprobs`` for the KL). ``norm``: the whole
+        batch's loss normalisers when ``traj`` is this data-parallel rank's share
+        (``engine.distributed.group.WorkerGroup``).
 
         Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
         """
@@ -75,7 +78,7 @@ class ActorWorker(HFBucketSource):
             return train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip,
                               normalized=True)
 
-        return actor_update(traj, self.cfg, self.temperature, step)
+        return actor_update(traj, self.cfg, self.temperature, step, norm)
 
     def _bucket_weights(self):
         """The GPTModel: weight-sync buckets are its tensors converted to HF names

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 import torch
 from config.schema import RLConfig
+from engine.algorithms.aggregation import GlobalNorm
 from engine.models.heads import ValueModel
 from engine.training.critic import (
     compute_response_values,
@@ -51,12 +52,14 @@ class CriticWorker:
         0 on padding."""
         return compute_response_values(self.model, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
 
-    def update(self, traj: Trajectory) -> dict[str, float]:
+    def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> dict[str, float]:
         """``cfg.ppo_epochs`` optimizer steps of the clipped value loss (:func:`critic_update`,
         each step :func:`engine.training.optimizer_step.train_step` with ``normalized=True`` and
         ``cfg.critic.optim.grad_clip``).
 
         Needs ``traj.values`` (the values the advantages were computed with) and ``traj.returns``.
+        ``norm``: the whole batch's loss normalisers when ``traj`` is this data-parallel rank's
+        share (``engine.distributed.group.WorkerGroup``).
 
         Returns: ``critic/vf_loss``, ``critic/vf_clipfrac``, ``critic/vpred_mean`` (mean value
             over the loss-mask tokens, before each step), ``critic/grad_norm``, ``critic/lr``:
@@ -68,7 +71,7 @@ class CriticWorker:
 
         clip = self.cfg.critic.optim.grad_clip
         return critic_update(traj, self.cfg, lambda micro, loss_fn: train_step(
-            self.model, self.optimizer, self.scheduler, micro, loss_fn, clip, normalized=True))
+            self.model, self.optimizer, self.scheduler, micro, loss_fn, clip, normalized=True), norm)
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW, schedule) atomically

@@ -396,3 +396,35 @@ def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     assert "model.embed_tokens.weight" in state.model  # HF-named weights: the DeepSpeed actor wrote it
     start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
     assert any(not torch.equal(start[k], final[k]) for k in start)
+
+
+def largest_private_mapping_gib() -> float:
+    """The largest private writable mapping of this process, in GiB (/proc/self/maps)."""
+    largest = 0
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if fields[1].startswith("rw") and fields[1].endswith("p"):
+            largest = max(largest, end - start)
+    return largest / 2**30
+
+
+def test_zero3_buffers_are_sized_from_the_model(policy):
+    """DeepSpeed's ZeRO buffers default to 5e8 elements (2 GB of fp32 each); capped at the
+    model's parameter count, a tiny ZeRO-3 worker adds no multi-GB mapping to its process.
+    (Uncapped, three such workers in one process left a 7.5 GiB mapping behind, and fork() of
+    the process then failed with ENOMEM under the kernel's overcommit heuristic.)"""
+    import gc
+
+    from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.backends.deepspeed.runtime import ZERO_BUFFER_DEFAULTS, engine_config, zero_buffer_sizes
+
+    assert zero_buffer_sizes(1234) == {k: 1234 for k in ZERO_BUFFER_DEFAULTS}
+    assert zero_buffer_sizes(10**12) == ZERO_BUFFER_DEFAULTS
+    cfg = rl_config(stage=3)
+    assert engine_config(cfg.deepspeed, 4, 0.5, num_params=99)["zero_optimization"]["reduce_bucket_size"] == 99
+    before = largest_private_mapping_gib()
+    workers = [DeepSpeedActorWorker(policy["dir"], cfg) for _ in range(2)]
+    assert largest_private_mapping_gib() < max(before, 0.0) + 0.5, (before, largest_private_mapping_gib())
+    del workers
+    gc.collect()

