@@ -125,12 +125,15 @@ class _Model:
         return None
 
 
-def check_contents(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
+def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
     """Read what the config names and report what would fail later; returns (problems, notes).
 
     Inputs that are missing are skipped (:func:`check_inputs` reports them); inputs the
     prepare step makes are checked only once ``prepare.output_dir`` holds this config's
     output, and otherwise only by what the prepare section says (head_dim, context).
+    ``seen``, when given, receives what the checks read for :func:`check_layouts`: ``model``
+    (the model's name and config.json, or None) and ``longest`` (``{dataset: longest prompt in
+    tokens}``).
     """
     problems: list[str] = []
     notes: list[str] = []
@@ -138,12 +141,15 @@ def check_contents(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     rows = _check_datasets(cfg, prepared, problems, notes)
     problems += _check_labels(cfg, rows)
     model = _model(cfg, prepared, problems, notes)
+    longest: dict[str, int] = {}
     if model is not None:
         notes.append(_describe(model))
         problems += _check_model(cfg, model)
         if model.tokenizer is not None:
             problems += _check_chat(cfg, model, rows)
-            problems += _check_prompt_lengths(cfg, model, rows, notes)
+            problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
+    if seen is not None:
+        seen.update(model=model, longest=longest)
     problems += _check_plugins(cfg)
     return problems, notes
 
@@ -392,9 +398,10 @@ def _pair_conversations(row: dict):
         yield side, [*row["prompt"], {"role": "assistant", "content": row[side]}]
 
 
-def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: list[str]) -> list[str]:
+def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: list[str],
+                          longest_of: dict[str, int] | None = None) -> list[str]:
     """RL and evaluation prompts (``data.chat.encode_prompt``) against the model's context
-    minus the response budget."""
+    minus the response budget; ``longest_of`` receives each dataset's longest prompt (tokens)."""
     from data.chat import encode_prompt
 
     context = m.config.get("max_position_embeddings")
@@ -421,6 +428,8 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
                 failed.append(f"{result.file}:{line}: prompt: {exc}")
                 continue
             longest = max(longest, n)
+            if longest_of is not None:
+                longest_of[name] = longest
             if n > limit:
                 long_lines.append(line)
         checked = len(result.rows[:count])
@@ -435,6 +444,71 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
         elif not failed:
             notes.append(f"data.{name}: the longest of {checked} prompts has {longest} tokens (at most {limit} fit)")
     return problems
+
+
+def cluster_address(cfg: PipelineConfig) -> tuple[str, str] | None:
+    """The Ray cluster the engine joins, and the setting that names it: ``rl.engine.ray_address``,
+    else the ``RAY_ADDRESS`` environment variable (engine.rl.placement.init_ray); None: a
+    cluster started on this machine."""
+    if cfg.rl.engine.ray_address:
+        return cfg.rl.engine.ray_address, "rl.engine.ray_address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    return None
+
+
+def cluster_notes(cfg: PipelineConfig) -> list[str]:
+    """On a Ray cluster the engine did not start, what its nodes must share: the workers read
+    the input models and write checkpoints and the trained model by path (docs/scaling.md).
+    Notes, not problems: validate does not connect to the cluster, so it cannot tell a
+    single node from several or a shared filesystem from a local one."""
+    joined = cluster_address(cfg)
+    if joined is None:
+        return []
+    address, key = joined
+    root, ckpt = cfg.run.artifact_root, cfg.run.checkpoint_root
+    notes = [f"{key}: the rl stage (and sft/rm with data_parallel_size > 1) joins the Ray cluster at {address}; this "
+             "process is its driver and publishes the artifacts, the workers run on the cluster's nodes"]
+    if "://" not in root or root.startswith("file://"):
+        notes.append(f"run.artifact_root: {root} is a local path: on a Ray cluster of several nodes every node must "
+                     "see it at the same path (a filesystem they all mount; the workers read the input models there), "
+                     "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)")
+    else:
+        notes.append(f"run.artifact_root: {root}: inputs are downloaded to {tempfile.gettempdir()}/posttrain-artifact-"
+                     "cache on this machine and the workers read them there: on several nodes, point TMPDIR at a "
+                     "filesystem every node mounts")
+    notes.append(f"run.checkpoint_root: {ckpt}: the workers write the stage's checkpoints and trained model under it: on "
+                 "several nodes it must be a filesystem every node mounts at the same path")
+    return notes
+
+
+def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The data/tensor-parallel layouts of sft, rm and rl against the model and the memory
+    they need (``config.memory_plan.check_layouts``; docs/scaling.md); returns (problems,
+    notes). ``seen``: what :func:`check_contents` read. The RL sequences are the longest
+    rl_train prompt plus ``rl.rollout.max_new_tokens`` (the model's context when the prompts
+    were not read). Reads nothing itself and never connects to a Ray cluster."""
+    from config.memory_plan import check_layouts as plan_layouts
+
+    m = seen.get("model")
+    longest_prompt = seen.get("longest", {}).get("rl_train")
+    if m is None:
+        return [], []
+    if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
+        return [], [f"memory plan: made once the prepare step has built {m.name}"]
+    context = m.config.get("max_position_embeddings")
+    budget = cfg.rl.rollout.max_new_tokens
+    tokens = min(context or 10**9, longest_prompt + budget) if longest_prompt else context
+    if not tokens:
+        return [], [f"memory plan: not made ({m.name} gives no max_position_embeddings and no prompt was read)"]
+    joined = cluster_address(cfg)
+    try:
+        problems, notes = plan_layouts(cfg, m.config, int(tokens), m.name, joined[0] if joined else None)
+    except ValueError as exc:  # a config.json without the sizes the plan needs
+        return [], [f"memory plan: not made ({m.name}: {exc})"]
+    how = "the longest rl_train prompt + rl.rollout.max_new_tokens" if longest_prompt else "the model's context"
+    return problems, [n + f"; RL sequences of {tokens} tokens ({how})" if n.startswith("memory plan (rl)") else n
+                      for n in notes]
 
 
 def _check_plugins(cfg: PipelineConfig) -> list[str]:

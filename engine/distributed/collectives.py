@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 
+# Seconds this process spent in the data-parallel gradient all-reduce (read by benchmarks).
+COMM_SECONDS = {"all_reduce_s": 0.0}
+
+
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -100,7 +104,9 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
         n = g.numel()
         g.copy_(flat[offset: offset + n].view_as(g))
         offset += n
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    COMM_SECONDS["all_reduce_s"] += seconds
+    return seconds
 
 
 def sum_across_ranks(values: dict[str, float], group=None) -> dict[str, float]:
@@ -117,6 +123,29 @@ def sum_across_ranks(values: dict[str, float], group=None) -> dict[str, float]:
         for k, v in part.items():
             out[k] = out.get(k, 0.0) + float(v)
     return out
+
+
+# Replicated parameters whose gradient is partial on each tensor-parallel rank: the per-head
+# q/k RMSNorm weights (Qwen3) see only the rank's own heads. Megatron-LM sums them over the
+# tensor-parallel group (``finalize_model_grads``: ``_allreduce_non_tensor_model_parallel_grads``).
+TP_PARTIAL_GRAD_NAMES = (".q_layernorm.", ".k_layernorm.")
+
+
+def all_reduce_tensor_parallel_partial_grads(model: torch.nn.Module) -> None:
+    """Sum the gradients of :data:`TP_PARTIAL_GRAD_NAMES` parameters over the tensor-parallel
+    group (their fp32 masters' under mixed precision); nothing without TP."""
+    from engine.models.master_weights import master_params
+
+    group = tensor_parallel_group()
+    if group is None:
+        return
+    masters = master_params(model)
+    for name, p in model.named_parameters():
+        if any(key in f".{name}" for key in TP_PARTIAL_GRAD_NAMES):
+            target = masters[name] if masters is not None and name in masters else p
+            if target.grad is None:
+                target.grad = torch.zeros_like(target)
+            dist.all_reduce(target.grad, op=dist.ReduceOp.SUM, group=group)
 
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:

@@ -134,6 +134,12 @@ class RankActor:
         watchdog gets an answer while the rank computes)."""
         return os.getpid()
 
+    def comm_seconds(self) -> dict[str, float]:
+        """Seconds this rank spent in collectives so far (``engine.distributed.collectives.COMM_SECONDS``)."""
+        from engine.distributed.collectives import COMM_SECONDS
+
+        return dict(COMM_SECONDS)
+
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
         import ray

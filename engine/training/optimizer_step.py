@@ -22,7 +22,13 @@ import torch
 
 from config.training import OptimConfig
 from config.precision import resolve_precision
-from engine.distributed.collectives import all_reduce_gradients, clip_grad_norm, data_parallel_group, sum_across_ranks
+from engine.distributed.collectives import (
+    all_reduce_gradients,
+    all_reduce_tensor_parallel_partial_grads,
+    clip_grad_norm,
+    data_parallel_group,
+    sum_across_ranks,
+)
 from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
 
 # loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
@@ -158,6 +164,7 @@ def accumulate_gradients(
         loss_total += float(loss_sum.detach())
         for k, v in metrics.items():
             metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
+    all_reduce_tensor_parallel_partial_grads(model)  # Qwen3's q/k norms under TP (nothing otherwise)
     if data_parallel_group() is not None:  # the other data-parallel ranks' shares of the global batch
         all_reduce_gradients(grads)
         sums = sum_across_ranks({"__units": total_units, "__loss": loss_total, **metric_sums})

@@ -193,3 +193,20 @@ def test_reward_model_at_dp2_equals_dp1(inputs, ray_cluster, tmp_path):
     _assert_weights_close(a, b, "rm weights and head after 2 steps, DP=2 vs DP=1")
     head = torch.cat([(a[k] - b[k]).abs().flatten() for k in ("reward_head.weight", "reward_head.bias")])
     assert float(head.max()) < 1e-2 * LR
+
+
+def test_a_step_with_fewer_micro_batches_than_ranks_fails_naming_the_keys(inputs, ray_cluster, tmp_path):
+    """A token budget that holds a whole step forms one micro-batch for two ranks: every rank
+    raises the same error at its first step (none waits in the all-reduce), the call raises it
+    and the ranks are stopped."""
+    from engine.distributed.stage_group import run_stage
+    from engine.training.sft import train_sft
+
+    cfg = SFTConfig(precision="fp32", steps=1, global_batch_size=2, max_tokens_per_micro_batch=4096, max_seq_len=64,
+                    parallel=DP2)
+    args = dict(base_model_dir=inputs["base"], dataset_path=inputs["sft"], cfg=cfg, out_dir=tmp_path / "out",
+                resume_dir=None, seed=0)
+    with pytest.raises(ValueError, match=r"sft.parallel.data_parallel_size=2: this step formed only 1 micro-batches "
+                                         r"\(sft.max_tokens_per_micro_batch\), fewer than the ranks"):
+        run_stage(train_sft, args, cfg.parallel, "sft")
+    _no_ranks_left()

