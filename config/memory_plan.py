@@ -240,15 +240,19 @@ def _micro(rows: int, budget: int | None, seq_len: int) -> tuple[int, int]:
     return (max(1, budget // seq_len), seq_len) if budget else (rows, seq_len)
 
 
-def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any], rollout_tokens: int) -> dict[str, list[RoleMemory]]:
-    """The roles of each enabled training stage (``sft``, ``rm``, ``rl``) and their bytes.
+def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
+                seq_lens: Mapping[str, int]) -> dict[str, list[RoleMemory]]:
+    """The roles of the training stages in ``seq_lens`` (``sft``, ``rm``, ``rl``; when
+    enabled) and their bytes.
 
     Args:
         cfg: the pipeline config (precisions resolved).
         hf_config: the model's ``config.json``.
-        rollout_tokens: the rollout engine's context, prompt + response tokens (the RL
-            engine's ``rollout_len``: the longest prompt + ``rl.rollout.max_new_tokens``,
-            capped by the model's context); also the RL micro-batches' sequence length.
+        seq_lens: tokens per sequence of each stage to plan: sft and rm, their longest
+            sequence (up to ``<stage>.max_seq_len``); rl, the rollout engine's context, prompt +
+            response tokens (the RL engine's ``rollout_len``: the longest prompt +
+            ``rl.rollout.max_new_tokens``, capped by the model's context), also the RL
+            micro-batches' sequence length.
 
     The rollout engine's KV cache follows ``rl.rollout.gpu_memory_utilization`` when set (that
     share of ``run.device_memory_gib``, or of host memory without it), else the run's
@@ -257,14 +261,17 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any], rollout_tok
     shape = ModelShape.from_hf_config(hf_config)
     rows = padded_vocab(shape.vocab_size, cfg.convert.make_vocab_size_divisible_by)
     plans: dict[str, list[RoleMemory]] = {}
-    if cfg.sft.enabled:
-        b, s = _micro(cfg.sft.micro_batch_size, cfg.sft.max_tokens_per_micro_batch, cfg.sft.max_seq_len)
+    if cfg.sft.enabled and "sft" in seq_lens:
+        b, s = _micro(cfg.sft.micro_batch_size, cfg.sft.max_tokens_per_micro_batch, seq_lens["sft"])
         plans["sft"] = [training_role("sft", "sft.parallel", shape, cfg.sft.parallel, cfg.sft.precision, b, s, rows,
                                       packing=cfg.sft.packing)]
-    if cfg.rm.enabled:  # a pair is two sequences, chosen and rejected
-        b, s = _micro(2 * cfg.rm.micro_batch_size, cfg.rm.max_tokens_per_micro_batch, cfg.rm.max_seq_len)
+    if cfg.rm.enabled and "rm" in seq_lens:  # a pair is two sequences, chosen and rejected
+        b, s = _micro(2 * cfg.rm.micro_batch_size, cfg.rm.max_tokens_per_micro_batch, seq_lens["rm"])
         plans["rm"] = [training_role("rm", "rm.parallel", shape, cfg.rm.parallel, cfg.rm.precision, b, s, rows,
                                      logits=False, packing=cfg.rm.packing)]
+    if "rl" not in seq_lens:
+        return plans
+    rollout_tokens = seq_lens["rl"]
     rl, p = cfg.rl, cfg.rl.precision
     b, s = _micro(rl.micro_batch_size, rl.max_tokens_per_micro_batch, rollout_tokens)
     roles = [training_role("actor", "rl.parallel.actor", shape, rl.parallel.actor, p, b, s, rows, packing=rl.packing)]
@@ -330,7 +337,8 @@ def tensor_parallel_problems(key: str, shape: ModelShape, tp: int, vocab_rows: i
 
 
 def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping[str, float], gpus: int,
-               device_memory_gib: float | None, host_bytes: int | None) -> tuple[list[str], list[str]]:
+               device_memory_gib: float | None, host_bytes: int | None,
+               seq_lens: Mapping[str, int] | None = None) -> tuple[list[str], list[str]]:
     """Problems (layouts that cannot run) and notes (what each stage needs) of ``plans``.
 
     Args:
@@ -341,6 +349,7 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
         gpus: GPUs of this machine.
         device_memory_gib: ``run.device_memory_gib`` (None: GPU ranks are not checked).
         host_bytes: this machine's memory (None: host memory is not checked).
+        seq_lens: the stages' sequence lengths, named in the notes.
 
     Rules: a rank with ``gpus_per_rank > 0`` must fit ``gpus_per_rank x device_memory_gib``.
     On a local cluster the host-memory ranks of a stage must fit this machine's memory
@@ -350,7 +359,8 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
     """
     problems, notes = [], []
     for stage, roles in plans.items():
-        notes.append(f"memory plan ({stage}): " + "; ".join(r.describe() for r in roles))
+        tokens = f", sequences of {seq_lens[stage]} tokens" if seq_lens and stage in seq_lens else ""
+        notes.append(f"memory plan ({stage}{tokens}): " + "; ".join(r.describe() for r in roles))
         for r in roles:
             if r.gpus_per_rank and device_memory_gib:
                 budget = r.gpus_per_rank * device_memory_gib * GIB
@@ -377,25 +387,26 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
         for r in roles:
             if r.role in ("rollout", "reward"):
                 continue
+            ranks = f"{r.ranks} rank{'s' if r.ranks != 1 else ''}"
             if r.ranks * max(r.cpus_per_rank or 1.0, 1.0) > cpus[stage]:
                 each = f" x {r.key}.cpus_per_rank {r.cpus_per_rank:g}" if r.cpus_per_rank else ""
-                problems.append(f"{r.key}: {r.ranks} ranks (data_parallel_size x tensor_model_parallel_size){each} "
+                problems.append(f"{r.key}: {ranks} (data_parallel_size x tensor_model_parallel_size){each} "
                                 f"exceed the {cpus[stage]:g} CPUs the local Ray cluster gives the {stage} stage's "
                                 "training (rl.engine.num_cpus, else this machine's cores, minus "
                                 "rl.engine.rollout_cpus when disaggregated); lower the sizes or join a larger "
                                 "cluster (rl.engine.ray_address)")
             if r.gpus_per_rank and r.ranks * r.gpus_per_rank > gpus:
-                problems.append(f"{r.key}: {r.ranks} ranks x {r.key}.gpus_per_rank {r.gpus_per_rank:g} exceed the "
+                problems.append(f"{r.key}: {ranks} x {r.key}.gpus_per_rank {r.gpus_per_rank:g} exceed the "
                                 f"{gpus} GPU(s) of this machine")
     return problems, notes
 
 
-def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], rollout_tokens: int, model: str,
+def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens: Mapping[str, int], model: str,
                   cluster_address: str | None) -> tuple[list[str], list[str]]:
     """What ``posttrain validate`` reports of the layouts: (problems, notes).
 
     Tensor-parallel sizes that do not divide the model (each role's key); then, when they all
-    do, :func:`check_plan` on :func:`plan_stages`. ``cluster_address`` is the cluster the
+    do, :func:`check_plan` on :func:`plan_stages` (``seq_lens`` as there). ``cluster_address`` is the cluster the
     engine joins (``rl.engine.ray_address``, else ``RAY_ADDRESS``; None: a local one, whose
     CPUs are ``rl.engine.num_cpus`` or ``os.cpu_count()``). Never connects to a cluster.
     """
@@ -409,9 +420,9 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], rollout_t
         return problems, []
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     train = total - cfg.rl.engine.rollout_cpus if cfg.rl.engine.placement == "disaggregated" else total
-    return check_plan(plan_stages(cfg, hf_config, rollout_tokens), local=cluster_address is None,
+    return check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
                       cpus={"sft": total, "rm": total, "rl": train}, gpus=local_gpus(),
-                      device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes())
+                      device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(), seq_lens=seq_lens)
 
 
 # ----------------------------------------------------------------------------- the docs table

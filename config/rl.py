@@ -149,8 +149,12 @@ class EngineConfig(Strict):
         None, gt=0, description="Asynchronous RL: generate in chunks of this many tokens, so a weight update lands "
                                 "between chunks and unfinished responses continue under the new weights (partial "
                                 "rollouts). None: a weight update waits for the running generation to end.")
-    ray_address: str | None = Field(None, description="Existing Ray cluster (ray://... or auto); None starts a local one.")
-    num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster, and the torch threads "
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join: its head's GCS address host:port, auto (a cluster `ray start` runs on "
+                          "this machine; RAY_ADDRESS first when set) or ray://... (Ray Client). None: the cluster of the "
+                          "RAY_ADDRESS environment variable when set, else a local one (docs/scaling.md).")
+    num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster (on a cluster the engine "
+                                                         "joins: the CPUs the run reserves of it), and the torch threads "
                                                          "of the evaluate stage's in-process engine. None: every core.")
     weight_sync_bucket_mb: int = Field(
         256, gt=0,
@@ -162,8 +166,9 @@ class EngineConfig(Strict):
                                  "instead of hanging; None waits forever.")
     health_check_timeout_s: float = Field(
         60.0, gt=0, le=1e6, allow_inf_nan=False,
-        description="A rollout engine that does not answer its health check (a no-op call served between generation "
-                    "steps) within this many seconds is treated as hung: it is killed and replaced. 60 s is far above "
+        description="A rollout engine that does not answer its health check (a no-op call, served on a second actor "
+                    "thread while the engine generates) within this many seconds is treated as hung: it is killed and "
+                    "replaced, and its share of the step is generated again. 60 s is far above "
                     "one engine step (well under 1 s at these sizes on CPU, seconds for large models on GPU) and "
                     "below what a user waits before calling a run stuck.")
     max_engine_restarts: int = Field(

@@ -132,8 +132,9 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
     prepare step makes are checked only once ``prepare.output_dir`` holds this config's
     output, and otherwise only by what the prepare section says (head_dim, context).
     ``seen``, when given, receives what the checks read for :func:`check_layouts`: ``model``
-    (the model's name and config.json, or None) and ``longest`` (``{dataset: longest prompt in
-    tokens}``).
+    (the model's name and config.json, or None) and ``longest`` (``{dataset: tokens}``: the
+    longest rendered sft conversation and preference side, the longest rl_train and rl_eval
+    prompt).
     """
     problems: list[str] = []
     notes: list[str] = []
@@ -146,7 +147,7 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
         notes.append(_describe(model))
         problems += _check_model(cfg, model)
         if model.tokenizer is not None:
-            problems += _check_chat(cfg, model, rows)
+            problems += _check_chat(cfg, model, rows, longest)
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
     if seen is not None:
         seen.update(model=model, longest=longest)
@@ -346,9 +347,10 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
     return problems
 
 
-def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict) -> list[str]:
+def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str, int] | None = None) -> list[str]:
     """The chat template: present where SFT or the reward model need it, its turn end found,
-    and every SFT conversation and preference pair rendered with it."""
+    and every SFT conversation and preference pair rendered with it; ``longest_of`` receives
+    the longest rendering of each (tokens)."""
     from data import chat, chat_template
 
     tok = m.tokenizer
@@ -379,7 +381,9 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict) -> list[str]:
         for line, row in zip(result.lines, result.rows):
             for field, messages in conversations(row):
                 try:
-                    chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools"))
+                    n = len(chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools")).input_ids)
+                    if longest_of is not None:
+                        longest_of[name] = max(longest_of.get(name, 0), n)
                 except Exception as exc:  # ChatTemplateError, or the template's own error (jinja raise_exception)
                     failed.append(f"{result.file}:{line}: {field}: {exc}")
                     break
@@ -485,30 +489,32 @@ def cluster_notes(cfg: PipelineConfig) -> list[str]:
 def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str], list[str]]:
     """The data/tensor-parallel layouts of sft, rm and rl against the model and the memory
     they need (``config.memory_plan.check_layouts``; docs/scaling.md); returns (problems,
-    notes). ``seen``: what :func:`check_contents` read. The RL sequences are the longest
-    rl_train prompt plus ``rl.rollout.max_new_tokens`` (the model's context when the prompts
-    were not read). Reads nothing itself and never connects to a Ray cluster."""
+    notes). ``seen``: what :func:`check_contents` read. A stage's sequences are as long as its
+    data makes them: the longest sft conversation and preference side (up to
+    ``<stage>.max_seq_len``), the longest rl_train prompt plus ``rl.rollout.max_new_tokens``
+    (up to the model's context); a stage whose data was not read is planned once it can be.
+    Reads nothing itself and never connects to a Ray cluster."""
     from config.memory_plan import check_layouts as plan_layouts
 
-    m = seen.get("model")
-    longest_prompt = seen.get("longest", {}).get("rl_train")
+    m, longest = seen.get("model"), seen.get("longest", {})
     if m is None:
         return [], []
     if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
         return [], [f"memory plan: made once the prepare step has built {m.name}"]
-    context = m.config.get("max_position_embeddings")
-    budget = cfg.rl.rollout.max_new_tokens
-    tokens = min(context or 10**9, longest_prompt + budget) if longest_prompt else context
-    if not tokens:
-        return [], [f"memory plan: not made ({m.name} gives no max_position_embeddings and no prompt was read)"]
+    context = m.config.get("max_position_embeddings") or 10**9
+    lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
+               "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
+               "rm": min(cfg.rm.max_seq_len, longest["preference"]) if "preference" in longest else None}
     joined = cluster_address(cfg)
     try:
-        problems, notes = plan_layouts(cfg, m.config, int(tokens), m.name, joined[0] if joined else None)
+        problems, notes = plan_layouts(cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name,
+                                       joined[0] if joined else None)
     except ValueError as exc:  # a config.json without the sizes the plan needs
         return [], [f"memory plan: not made ({m.name}: {exc})"]
-    how = "the longest rl_train prompt + rl.rollout.max_new_tokens" if longest_prompt else "the model's context"
-    return problems, [n + f"; RL sequences of {tokens} tokens ({how})" if n.startswith("memory plan (rl)") else n
-                      for n in notes]
+    data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs"}
+    return problems, notes + [f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the "
+                              "sequence length)" for stage, tokens in lengths.items()
+                              if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]
 
 
 def _check_plugins(cfg: PipelineConfig) -> list[str]:

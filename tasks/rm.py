@@ -28,12 +28,10 @@ def rm(ctx: StageContext) -> dict:
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.backends.select_rm import reward_trainer
     from engine.distributed.stage_group import run_stage
-    from engine.rl.placement import init_ray
     from engine.training.reward_model import train_reward_model
 
     args = dict(make_trainer=reward_trainer, base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
                 dataset_path=ctx.input_path("validate") / "preference.jsonl", cfg=ctx.cfg.rm,
                 out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    engine = ctx.cfg.rl.engine  # the Ray cluster of the run (several ranks only)
     return run_stage(train_reward_model, args, ctx.cfg.rm.parallel, "rm", log_metrics=ctx.log_metrics,
-                     connect=lambda: init_ray(engine.ray_address, engine.num_cpus))
+                     ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)

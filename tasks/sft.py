@@ -27,11 +27,9 @@ def sft(ctx: StageContext) -> dict:
     data-parallel ranks when there are several)."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.distributed.stage_group import run_stage
-    from engine.rl.placement import init_ray
     from engine.training.sft import train_sft
 
     args = dict(base_model_dir=ctx.input_path("convert") / "model", dataset_path=ctx.input_path("validate") / "sft.jsonl",
                 cfg=ctx.cfg.sft, out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    engine = ctx.cfg.rl.engine  # the Ray cluster of the run (several ranks only)
     return run_stage(train_sft, args, ctx.cfg.sft.parallel, "sft", log_metrics=ctx.log_metrics,
-                     connect=lambda: init_ray(engine.ray_address, engine.num_cpus))
+                     ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)

@@ -160,11 +160,13 @@ def _combine(kind: str, rows: list[list[int]] | None, shape: tuple[int, int], *r
         for idx, r in zip(rows, results):
             out[torch.tensor(idx), : r.size(1)] = r
         return out
-    from engine.training.actor import ActorUpdate
+    # engine.training.actor.ActorUpdate, recognised by its field and not imported: the sft and
+    # rm stages run this module, and their code versions must not cover the RL actor
+    if hasattr(results[0], "old_logprobs"):  # metrics are all-reduced already: equal on every rank
+        import dataclasses
 
-    if isinstance(results[0], ActorUpdate):  # metrics are all-reduced already: equal on every rank
         old = _combine("rows", rows, shape, *[r.old_logprobs for r in results])
-        return ActorUpdate(results[0].metrics, old)
+        return dataclasses.replace(results[0], old_logprobs=old)
     return results[0]  # e.g. critic metrics: reduced over the ranks already
 
 

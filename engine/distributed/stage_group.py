@@ -2,9 +2,8 @@
 
 With ``<stage>.parallel.world_size == 1`` :func:`run_stage` calls the stage's trainer in this
 process, exactly as before data parallelism existed. Otherwise it connects to (or starts) the
-Ray cluster through the caller's ``connect`` (the stage tasks pass
-:func:`engine.rl.placement.init_ray` with the RL engine's ``ray_address`` and ``num_cpus``),
-starts a :class:`engine.distributed.group.WorkerGroup` of
+Ray cluster (:func:`engine.distributed.cluster.init_ray`, with the RL engine's ``ray_address``
+and ``num_cpus``), starts a :class:`engine.distributed.group.WorkerGroup` of
 ``data_parallel_size`` ranks, and every rank calls the same trainer with the same arguments:
 each back-propagates its share of every step (``engine.distributed.share``) and the
 optimizer step sums the gradients (``engine.training.optimizer_step``). Rank 0's result is
@@ -90,8 +89,8 @@ class _RelayLogger:
 
 
 def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layout: ParallelConfig, section: str, *,
-              log_metrics: Callable[[dict[str, float], int], None] | None = None,
-              connect: Callable[[], dict[str, Any]] | None = None) -> dict[str, float]:
+              log_metrics: Callable[[dict[str, float], int], None] | None = None, ray_address: str | None = None,
+              num_cpus: int | None = None) -> dict[str, float]:
     """``fn(**kwargs, log_metrics=log_metrics)`` in this process (``layout.world_size == 1``)
     or on ``layout.data_parallel_size`` Ray actor ranks; returns rank 0's result.
 
@@ -109,17 +108,15 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
         section: the stage's config section (``"sft"``, ``"rm"``), for error messages.
         log_metrics: called in this process as ``log_metrics(metrics, step)`` for each of rank
             0's calls.
-        connect: connects to (or starts) the Ray cluster and returns ``ray.cluster_resources()``
-            (e.g. :func:`engine.rl.placement.init_ray` bound to ``rl.engine.ray_address`` and
-            ``rl.engine.num_cpus``); called only for several ranks. None: Ray must be connected
-            already.
+        ray_address, num_cpus: the Ray cluster (``rl.engine.ray_address``, ``rl.engine.num_cpus``;
+            :func:`engine.distributed.cluster.init_ray`, which does nothing when this process is
+            connected already).
 
     Returns: what ``fn`` returns on rank 0.
 
     Raises:
         ValueError: ``layout.tensor_model_parallel_size > 1`` (naming ``<section>.parallel``), or the
             ranks need more CPUs than the cluster has (naming ``<section>.parallel.cpus_per_rank``).
-        RuntimeError: several ranks, no ``connect`` and Ray not connected.
         Whatever ``fn`` raises on any rank (the first failure seen); ``ray.exceptions.RayActorError``
         when a rank dies.
     """
@@ -130,14 +127,10 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
                          f"{section} stage runs data parallelism only; set it to 1")
     import ray
 
+    from engine.distributed.cluster import init_ray
     from engine.distributed.group import WorkerGroup
 
-    if connect is not None:
-        connect()
-    elif not ray.is_initialized():
-        raise RuntimeError(f"{section}.parallel: {layout.world_size} ranks need a Ray cluster; connect to one first "
-                           "(engine.rl.placement.init_ray) or pass connect")
-    cluster_cpus = float(ray.cluster_resources().get("CPU", 0.0))
+    cluster_cpus = float(init_ray(ray_address, num_cpus).get("CPU", 0.0))
     k = layout.world_size
     per_rank = layout.cpus_per_rank if layout.cpus_per_rank is not None else cluster_cpus / k
     if per_rank * k > cluster_cpus + 1e-9:

@@ -6,7 +6,9 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
 1. rollout: ``rl/phases.py`` ``take_rollout`` takes the step's batch from the prefetch queue
    (``rl/prefetch.py``), produced by ``RolloutProducer``: the prompts' responses from the
    ``RolloutWorker`` (``rl/workers.py``), with DAPO dynamic sampling (more rounds until
-   ``prompts_per_step`` groups have differing rewards; ``engine.algorithms.dynamic_sampling.fill_batch``);
+   ``prompts_per_step`` groups have differing rewards; ``engine.algorithms.dynamic_sampling.fill_batch``),
+   through the ``RolloutRouter`` (``rollout/router.py``) over ``rl.rollout.num_engines`` engines,
+   which replaces a dead or hung engine within the step (``rollout/engine_restarts``);
 2. rewards: in the same producer, ``RewardWorker.score`` (``rl/workers.py``); with
    ``rl.environment`` the rollout is multi-turn and the environment scores it instead (no
    reward worker is started; ``engine.rollout.multi_turn``);
@@ -21,8 +23,8 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
 6. actor update: ``update_actor`` (``rl/phases.py``) -> ``ActorWorker.update``
    (``backends/megatron/actor.py``) -> ``actor_update`` (``training/actor.py``; the loss from
    ``algorithms/policy_loss.py``) -> ``train_step`` (``training/optimizer_step.py``);
-7. weight sync: ``sync_weights`` (``rl/phases.py``) streams the policy to the
-   ``RolloutWorker`` bucket by bucket;
+7. weight sync: ``sync_weights`` (``rl/phases.py``) streams the policy to every
+   ``RolloutWorker`` bucket by bucket (each bucket fetched once, ``rollout/router.py``);
 8. metrics and checkpoint: ``step_metrics`` reads the step's ``StepTimer`` (``rl/metrics.py``);
    ``checkpoint_if_due`` (``rl/checkpoint.py``) every ``checkpoint_every`` steps.
 

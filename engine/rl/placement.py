@@ -19,7 +19,8 @@ they generate at the same time, so each uses its share of the threads
 (``engine.rl.workers.start_rollout``).
 
 The cluster is the one ``rl.engine.ray_address`` names, else the one of the ``RAY_ADDRESS``
-environment variable, else a local one started by the driver (:func:`init_ray`). A bundle
+environment variable, else a local one started by the driver
+(:func:`engine.distributed.cluster.init_ray`). A bundle
 is placed on one node: on a cluster of several nodes, colocated placement needs one node
 with all its CPUs, while disaggregated placement may put the training and the rollout
 bundle on different nodes (docs/scaling.md).
@@ -27,90 +28,12 @@ bundle on different nodes (docs/scaling.md).
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from config.schema import RLConfig
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # engine/rl/placement.py -> the checkout
-
-
-def runtime_env() -> dict[str, Any]:
-    """Ray runtime environment that lets worker processes ``import engine`` (and the other
-    project packages): the project root is prepended to ``PYTHONPATH``. Also keeps the
-    workers' tokenizers single-threaded and vLLM in-process."""
-    path = [str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {
-        "env_vars": {
-            "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        }
-    }
-
-
-def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 1024) -> dict[str, Any]:
-    """Connect to a Ray cluster, or start a local one; idempotent.
-
-    Args:
-        address: an existing cluster (``"auto"``, ``"host:port"`` of its GCS or
-            ``"ray://..."``), from ``rl.engine.ray_address``. None: the cluster named by the
-            standard ``RAY_ADDRESS`` environment variable when it is set (as ``ray.init``
-            reads it; ``address`` wins over it), else a local cluster started in this process.
-        num_cpus: CPUs of a locally started cluster (default: all of this machine's).
-            Ignored when connecting to an existing cluster (Ray refuses the argument then).
-        object_store_mb: object store size of a locally started cluster, in MiB (weights
-            and trajectories pass through it; the default leaves host memory for training).
-
-    Returns:
-        ``ray.cluster_resources()`` of the cluster now connected.
-
-    A second call while connected does nothing (whatever its arguments). The dashboard is
-    off, Ray's own logging is kept at WARNING and worker output is not echoed to the driver
-    (failures still arrive as exceptions with the worker's traceback; full worker logs stay
-    in Ray's session directory, ``/tmp/ray/session_latest/logs``).
-    """
-    import ray
-
-    if not ray.is_initialized():
-        # ray.init(address=None) joins RAY_ADDRESS by itself, but then refuses num_cpus and
-        # object_store_memory (local-cluster settings): resolve the address first.
-        address = address or os.environ.get("RAY_ADDRESS") or None
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        kwargs: dict[str, Any] = dict(
-            runtime_env=runtime_env(),
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
-        if address is None:
-            kwargs.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 1024 * 1024)
-        # Ray waits a hard-coded 30 s for a new local node; on a saturated machine (load far
-        # above the core count) that can expire. Starting a local node again is safe.
-        attempts = 3 if address is None else 1
-        for attempt in range(1, attempts + 1):
-            try:
-                # "local": a new cluster even when `ray start` left one running on this
-                # machine (ray.init(address=None) would join that one silently)
-                ray.init(address=address or "local", **kwargs)
-                break
-            except Exception as exc:
-                if attempt == attempts or "timed out during startup" not in str(exc):
-                    raise
-                logging.getLogger(__name__).warning("Ray start-up timed out (attempt %d of %d); retrying", attempt, attempts)
-                ray.shutdown()
-    return ray.cluster_resources()
-
-
-def shutdown_ray() -> None:
-    """Disconnect from Ray (stopping the local cluster if this process started it)."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
+# Re-exported: the RL engine's callers (and tests) reach the cluster functions through this module.
+from engine.distributed.cluster import PROJECT_ROOT, init_ray, runtime_env, shutdown_ray  # noqa: F401
 
 
 def node_cpus() -> list[float]:

@@ -22,10 +22,12 @@ sync weights:
   SIGKILL) or whose ping stays unanswered for ``rl.engine.health_check_timeout_s`` (a hang,
   e.g. a stopped process) is killed and replaced by a fresh engine from the same factory,
   loaded with the current policy weights through the same bucket path, and its share of the
-  call is issued again. An engine found dead during a weight sync is replaced after the
-  sync, with the weights just sent. More than ``rl.engine.max_engine_restarts`` replacements
-  in one RL step fail the step with one RuntimeError (the run stops; the last checkpoint is
-  not touched).
+  call is issued again. When one engine fails, the other busy ones are pinged at once, so
+  engines that fail together (a node lost) count together. An engine found dead during a
+  weight sync is replaced after the sync, with the weights just sent. More than
+  ``rl.engine.max_engine_restarts`` replacements in one RL step fail the step with one
+  RuntimeError naming the engines, the count and the key, before any of them is replaced (the
+  run stops; the last checkpoint is not touched).
 
 Limits: a replacement loads the actor's weights as they are when it is replaced; in
 asynchronous RL (``rl.engine.off_policy_steps > 0``) an actor update may finish in between, so
@@ -369,17 +371,24 @@ class RolloutRouter:
                     pings.pop(e)
                     failed[e] = (self.engines[e], f"it did not answer its health check within {HEALTH_KEY}="
                                                   f"{self.health_check_timeout_s:g} s (hung)")
-            for e, (handle, why) in failed.items():
-                for ref in [r for r, (k, _) in pending.items() if k == e]:
-                    del pending[ref]
-                if restarts_before + restarts + 1 > self.max_engine_restarts:
-                    ray.kill(handle, no_restart=True)
-                    raise RuntimeError(
-                        f"rollout engine {e} failed: {why}; replacing it would be engine restart "
-                        f"{restarts_before + restarts + 1} in this step, over {RESTARTS_KEY}={self.max_engine_restarts}")
-                if self._replace(e, handle, why):
-                    restarts += 1
-                submit(e)
+            if failed:
+                failed.update(self._probe({k for k, _ in pending.values()} - set(failed)))
+                for e in failed:
+                    pings.pop(e, None)
+                    for ref in [r for r, (k, _) in pending.items() if k == e]:
+                        del pending[ref]
+                total = restarts_before + restarts + len(failed)
+                if total > self.max_engine_restarts:
+                    for handle, _ in failed.values():
+                        ray.kill(handle, no_restart=True)
+                    causes = "; ".join(f"rollout engine {e} failed: {why}" for e, (_, why) in sorted(failed.items()))
+                    raise RuntimeError(f"{causes}; replacing {'it' if len(failed) == 1 else 'them'} would make {total} "
+                                       f"engine restart{'s' if total > 1 else ''} in this step, over "
+                                       f"{RESTARTS_KEY}={self.max_engine_restarts}")
+                for e, (handle, why) in sorted(failed.items()):
+                    if self._replace(e, handle, why):
+                        restarts += 1
+                    submit(e)
             busy = {e for e, _ in pending.values()}
             for e in busy:
                 if e not in pings and now - last_ping[e] >= self.ping_interval_s:
@@ -388,6 +397,26 @@ class RolloutRouter:
         return results, restarts
 
     # ----------------------------------------------------------------- engines
+
+    def _probe(self, engines: set[int]) -> dict[int, tuple[Any, str]]:
+        """Ping ``engines`` at once (when another engine failed: engines that failed together,
+        e.g. with their node, count together against the restart budget before any is replaced).
+
+        Returns: ``{engine: (handle, why)}`` of those whose actor died or that did not answer
+            within ``health_check_timeout_s``.
+        """
+        probes = {self.engines[e].ping.remote(): e for e in engines}
+        if not probes:
+            return {}
+        ready, late = ray.wait(list(probes), num_returns=len(probes), timeout=self.health_check_timeout_s)
+        failed = {probes[ref]: f"it did not answer its health check within {HEALTH_KEY}={self.health_check_timeout_s:g} s "
+                               "(hung)" for ref in late}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as exc:
+                failed[probes[ref]] = f"its actor died ({type(exc).__name__})"
+        return {e: (self.engines[e], why) for e, why in failed.items()}
 
     def _replace(self, e: int, failed_handle, why: str) -> bool:
         """Kill ``failed_handle`` (engine ``e``) and put a fresh engine holding the current
@@ -440,8 +469,8 @@ class RolloutRouter:
             if version is not None:
                 self._version = version
             if len(dead) > self.max_engine_restarts:
-                raise RuntimeError(f"weight sync: rollout engines {sorted(dead)} died, more than "
-                                   f"{RESTARTS_KEY}={self.max_engine_restarts}")
+                raise RuntimeError(f"weight sync: rollout engines {sorted(dead)} died; replacing them would make "
+                                   f"{len(dead)} engine restarts, over {RESTARTS_KEY}={self.max_engine_restarts}")
             for e in sorted(dead):
                 why = "its actor died during a weight sync"
                 t1 = time.perf_counter()

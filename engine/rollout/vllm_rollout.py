@@ -189,6 +189,13 @@ class VLLMRollout:
                 raise ValueError(f"prompt {i} has no tokens")
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in prompt_token_ids]
         params = [self._sampling_params(sampling, sampling.prompt_seed(i)) for i in range(len(prompts))]
+        # vLLM's CPU attention plans its work for omp_get_max_threads() threads and its kernel
+        # checks that count again. A Ray actor serving calls on several threads runs this on a
+        # thread whose OpenMP count is OMP_NUM_THREADS (Ray's: 1 for a fractional CPU) until
+        # torch's first parallel op there applies torch's own count, between the plan and the
+        # kernel ("Check failed: input->metadata->thread_num == thread_num (1 vs. 2)"). Apply
+        # torch's count to this thread first.
+        torch.set_num_threads(torch.get_num_threads())
         results = self.llm.generate(prompts, params, use_tqdm=False)
         out = []
         for res in results:

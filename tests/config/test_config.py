@@ -60,7 +60,7 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     msg = _error(_write(tmp_path, raw))
     assert msg.startswith(f"invalid config {tmp_path / 'config.yaml'}:")
     allowed = ("checkpoint_every, enabled, global_batch_size, log_every, max_seq_len, max_tokens_per_micro_batch, "
-               "micro_batch_size, optim, packing, precision, steps")
+               "micro_batch_size, optim, packing, parallel, precision, steps")
     assert sorted(SFTConfig.model_fields) == allowed.split(", ")
     assert f"sft.stpes: unknown key (allowed keys here: {allowed})" in msg
 
@@ -70,7 +70,7 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     [
         (("data", "sft", "fromat"), "format, limit, path"),
         (("rl", "optim", "lrr"), "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
-        (("rl", "rollout", "temprature"), "backend, gpu_memory_utilization, max_new_tokens, temperature, top_p"),
+        (("rl", "rollout", "temprature"), "backend, gpu_memory_utilization, max_new_tokens, num_engines, temperature, top_p"),
         (("stages",), "convert, data, evaluate, export, model, prepare, rl, rm, run, sft, wandb"),
     ],
 )

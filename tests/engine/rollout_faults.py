@@ -10,10 +10,12 @@ output directory (the parent of the rollout scratch directory ``.rollout``):
 - ``faults.json`` (written by the test): ``[{"engine": e, "call": k, "name": s}, ...]``: engine
   ``e``'s ``k``-th generate call (counted per process, from 1) finishes its generation, writes
   ``held-<s>.json`` with its ``pid()`` and then blocks (answering health checks) until its
-  process is killed. A replacement engine does not hold again for a name already held.
+  process is killed. A replacement engine does not hold again for a name already held; an
+  entry with ``"after": t`` holds only once ``t`` was held (e.g. only in a replacement).
 - ``engine<e>-<pid>.jsonl`` (one per engine process): one line per request batch sent to the
   engine: ``call``, the call's ``step_seed``, the batch's ``seed``, ``n``, ``prompt_index``,
-  ``prompts`` and the sampled token ids ``outputs``; and ``{"held": k}`` when call ``k`` was held.
+  ``prompts`` and the sampled token ids ``outputs``; and ``{"held": k, "name": s}`` when call
+  ``k`` was held.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ class FaultyRolloutWorker(RolloutWorker):
         plan = self.run_dir / PLAN
         for hold in json.loads(plan.read_text()) if plan.is_file() else []:
             marker = self.run_dir / f"held-{hold['name']}.json"
-            if (hold["engine"], hold["call"]) == (self.index, self.calls) and not marker.exists():
-                self._write({"held": self.calls})
+            armed = "after" not in hold or (self.run_dir / f"held-{hold['after']}.json").exists()
+            if (hold["engine"], hold["call"]) == (self.index, self.calls) and armed and not marker.exists():
+                self._write({"held": self.calls, "name": hold["name"]})
                 marker.write_text(json.dumps({"pid": self.pid(), "engine": self.index, "call": self.calls}))
                 while True:  # until the test kills this process
                     time.sleep(0.1)

@@ -173,7 +173,8 @@ def test_validate_model_problems_of_a_gguf_model(tmp_path, fixtures_dir):
                  "rl_train": {"path": math500}, "rl_eval": {"path": math500}},
         "model": {"source": str(gguf)},
         "sft": {"max_seq_len": 4096}, "rm": {"enabled": False},
-        "rl": {"rollout": {"backend": "vllm"}, "reward": {"verifier": "math", "functions": [{"path": "absent_rewards:brevity"}]}},
+        "rl": {"rollout": {"backend": "vllm"}, "reward": {"verifier": "math", "functions": [{"path": "absent_rewards:brevity"}]},
+               "micro_batch_size": 1},  # a layout whose memory fits (config/memory_plan.py)
         "evaluate": {"backend": "hf"},
     }
     cfg = tmp_path / "stories_sft.yaml"
@@ -201,9 +202,9 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151643, "hidden_size": 896,
-        "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24, "intermediate_size": 4864,
-        "max_position_embeddings": 512}))
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151643, "hidden_size": 64,
+        "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 2, "intermediate_size": 128,
+        "max_position_embeddings": 512}))  # narrow, so that its RL layout fits any test machine (memory plan)
     lines = (fixtures_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:50]
     lines[6] = lines[6].replace("####", "so")
     gsm8k = tmp_path / "gsm8k_50.jsonl"
@@ -214,7 +215,7 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
         "data": {"rl_train": {"path": str(math500), "format": "math"}, "rl_eval": {"path": str(gsm8k), "format": "gsm8k"}},
         "model": {"source": str(model), "tokenizer": str(fixtures_dir / "qwen2.5-tokenizer")},
         "sft": {"enabled": False}, "rm": {"enabled": False},
-        "rl": {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}},
+        "rl": {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}, "micro_batch_size": 1},
     }
     cfg = tmp_path / "qwen_math.yaml"
     cfg.write_text(yaml.safe_dump(raw, sort_keys=False))

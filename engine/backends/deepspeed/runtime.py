@@ -166,8 +166,10 @@ ZERO_BUFFER_DEFAULTS = {
 def zero_buffer_sizes(num_params: int) -> dict[str, int]:
     """ZeRO's bucket and prefetch sizes for a model of ``num_params`` parameters: DeepSpeed's
     defaults (:data:`ZERO_BUFFER_DEFAULTS`), capped at the model's size (a bucket larger than
-    every gradient together holds nothing more; a smaller model no longer reserves gigabytes)."""
-    n = max(1, int(num_params))
+    every gradient together holds nothing more; a smaller model no longer reserves gigabytes),
+    rounded up to a multiple of 64 elements (DeepSpeed asserts the all-gather bucket is a
+    multiple of its NCCL alignment factor, 2; the defaults are multiples of 64)."""
+    n = -(-max(1, int(num_params)) // 64) * 64
     return {k: min(v, n) for k, v in ZERO_BUFFER_DEFAULTS.items()}
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from config.rl import EngineConfig, RLConfig
+from engine.algorithms.aggregation import GlobalNorm  # noqa: F401  (the self-test classes annotate with it)
 from engine.backends.select import actor_worker_class, critic_worker_class
 from engine.models.weight_buckets import BucketPlan, load_group
 from engine.rollout.base import RolloutOutput
@@ -158,7 +159,7 @@ def test_the_signature_check_finds_departures():
         def __init__(self, policy_dir, cfg, seed=1, num_threads=None):
             ...
 
-        def update(self, traj: Trajectory) -> float:
+        def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> float:
             ...
 
         prune_states = None

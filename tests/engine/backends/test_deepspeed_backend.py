@@ -419,12 +419,12 @@ def test_zero3_buffers_are_sized_from_the_model(policy):
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.backends.deepspeed.runtime import ZERO_BUFFER_DEFAULTS, engine_config, zero_buffer_sizes
 
-    assert zero_buffer_sizes(1234) == {k: 1234 for k in ZERO_BUFFER_DEFAULTS}
+    assert zero_buffer_sizes(1234) == {k: 1280 for k in ZERO_BUFFER_DEFAULTS}  # 20 x 64 elements
     assert zero_buffer_sizes(10**12) == ZERO_BUFFER_DEFAULTS
     cfg = rl_config(stage=3)
-    assert engine_config(cfg.deepspeed, 4, 0.5, num_params=99)["zero_optimization"]["reduce_bucket_size"] == 99
+    assert engine_config(cfg.deepspeed, 4, 0.5, num_params=99)["zero_optimization"]["reduce_bucket_size"] == 128
     before = largest_private_mapping_gib()
-    workers = [DeepSpeedActorWorker(policy["dir"], cfg) for _ in range(2)]
-    assert largest_private_mapping_gib() < max(before, 0.0) + 0.5, (before, largest_private_mapping_gib())
-    del workers
+    worker = DeepSpeedActorWorker(policy["dir"], cfg)  # uncapped: a 3.7 GiB mapping appears here
+    assert largest_private_mapping_gib() < before + 0.5, (before, largest_private_mapping_gib())
+    del worker
     gc.collect()

@@ -163,7 +163,7 @@ def test_critic_update_at_dp2_equals_dp1(policy_dir, ray_cluster):
     group = _group(CriticWorker, policy_dir, cfg, seed=3, norm_fn=lambda t: global_norm(t.response_mask))
     try:
         assert torch.allclose(ray.get(group.compute_values.remote(traj)), values, atol=1e-6, rtol=0)
-        offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])  # none at the 0.2 clip edge[:, None]
+        offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
         traj = traj.with_(values=(values + offsets) * traj.response_mask)
         want = single.update(traj)
         got = ray.get(group.update.remote(traj))

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from config.rl import EngineConfig, KLConfig, RLConfig
+from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 from tests.engine.rl.test_rl import REQUIRED, policy, policy_weights, ray_address, read_metrics, rl_config  # noqa: F401
 
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction")
@@ -55,10 +55,13 @@ def test_disaggregated_placement_splits_the_cpus(ray_address):
 def test_disaggregated_synchronous_run_is_on_policy(policy, ray_address, tmp_path):
     """Separate bundles, no overlap: every sample comes from the current policy. Without a KL
     term no reference worker runs and the old log-probs come from the update's forward: no
-    pass before the update, and those log-probs still match the rollout engine's."""
+    pass before the update, and those log-probs still match the rollout engine's. Two rollout
+    engines share the rollout bundle: each step's prompts are split over them, and every sync
+    reaches both (a stale engine would give log-prob differences far above 1e-4)."""
     from engine.rl.loop import run_rl
 
-    cfg = rl_config("vllm", 2, engine=engine_config(), kl=KLConfig(coef=0.0))
+    cfg = rl_config("vllm", 2, engine=engine_config(), kl=KLConfig(coef=0.0),
+                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2))
     assert not cfg.uses_reference and not cfg.precomputes_old_logprobs
     run_rl(policy["dir"], policy["prompts"], cfg, tmp_path, None, seed=0)
     for r in read_metrics(tmp_path):
@@ -66,6 +69,7 @@ def test_disaggregated_synchronous_run_is_on_policy(policy, ray_address, tmp_pat
         assert "actor/kl_loss" not in r and (r["timing_s/ref"], r["timing_s/old_log_prob"]) == (0.0, 0.0)
         assert (r["async/staleness_max"], r["async/partial_fraction"]) == (0.0, 0.0)
         assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+        assert r["rollout/engine_restarts"] == 0.0
 
 
 @pytest.fixture(scope="module")

