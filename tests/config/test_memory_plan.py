@@ -12,6 +12,7 @@ import pytest
 
 from config.memory_plan import (
     GIB,
+    check_layouts,
     PROCESS_BYTES,
     QWEN25,
     ModelShape,
@@ -169,6 +170,32 @@ def test_refusals_name_the_key_with_exact_messages():
         "exceed the 2 CPUs the local Ray cluster gives the sft stage's training (rl.engine.num_cpus, else this "
         "machine's cores, minus rl.engine.rollout_cpus when disaggregated); lower the sizes or join a larger cluster "
         "(rl.engine.ray_address)"]
+
+
+def test_check_layouts_gives_rl_training_the_cpus_left_by_the_rollout(fixtures_dir):
+    """On a local cluster of rl.engine.num_cpus 3 with a disaggregated rollout bundle of 1 CPU,
+    the rl stage's training has 2 CPUs: 4 data-parallel actor ranks are refused, 2 are not; on
+    a cluster the engine joins nothing of this machine is checked; a stage without a sequence
+    length (its data not read yet) is not planned."""
+    from config import PipelineConfig
+
+    def cfg(**actor):
+        return PipelineConfig.model_validate({
+            "run": {"name": "t", "precision": "fp32"}, "model": {"source": "m"},
+            "data": {"rl_train": {"path": "x.jsonl"}, "rl_eval": {"path": "y.jsonl"}},
+            "sft": {"enabled": False}, "rm": {"enabled": False},
+            "rl": {"micro_batch_size": 1, "parallel": {"actor": actor},
+                   "engine": {"num_cpus": 3, "placement": "disaggregated", "rollout_cpus": 1}}})
+
+    problems, notes = check_layouts(cfg(data_parallel_size=4), TINY, {"rl": 40}, "tiny", None)
+    assert problems == [
+        "rl.parallel.actor: 4 ranks (data_parallel_size x tensor_model_parallel_size) exceed the 2 CPUs the local "
+        "Ray cluster gives the rl stage's training (rl.engine.num_cpus, else this machine's cores, minus "
+        "rl.engine.rollout_cpus when disaggregated); lower the sizes or join a larger cluster (rl.engine.ray_address)"]
+    assert notes[0].startswith("memory plan (rl, sequences of 40 tokens): actor 4 x ")
+    assert check_layouts(cfg(data_parallel_size=2), TINY, {"rl": 40}, "tiny", None)[0] == []
+    assert check_layouts(cfg(data_parallel_size=4), TINY, {"rl": 40}, "tiny", "10.0.0.1:6379")[0] == []
+    assert check_layouts(cfg(data_parallel_size=4), TINY, {}, "tiny", None) == ([], [])
 
 
 def test_host_memory_is_memtotal(tmp_path):

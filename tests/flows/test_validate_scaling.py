@@ -1,6 +1,6 @@
 """`posttrain validate` (a real subprocess) on layouts: the memory plan of the rl stage, the
-refusal of a rank that cannot fit its device or of more ranks than the local cluster's CPUs,
-and the notes on what the nodes of a Ray cluster the engine joins must share.
+refusal of a rank that cannot fit its device, and the notes on what the nodes of a Ray
+cluster the engine joins must share (the other refusals: tests/config/test_memory_plan.py).
 
 Qwen2.5-0.5B's real config.json (no weights) with the real Qwen2.5 tokenizer and GSM8K
 prompts (the longest rl_train prompt: 223 tokens, tests/flows/test_preflight.py)."""
@@ -64,22 +64,3 @@ def test_validate_refuses_an_actor_rank_larger_than_its_gpu(tmp_path, fixtures_d
     assert "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)" in out
     assert f"note: run.checkpoint_root: {tmp_path / 'checkpoints'}: the workers write" in out
     assert "Traceback" not in out
-
-
-def test_validate_refuses_more_actor_ranks_than_the_local_cpus(tmp_path, fixtures_dir, monkeypatch):
-    """Four data-parallel actor ranks on a local cluster of rl.engine.num_cpus 2 (a narrow
-    model of the Qwen2.5 vocabulary, so that their memory fits any test machine)."""
-    narrow = {**QWEN_CONFIG, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 2, "intermediate_size": 256}
-    cfg = _config(tmp_path, fixtures_dir, narrow, micro_batch_size=1, parallel={"actor": {"data_parallel_size": 4}})
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    proc = _posttrain("validate", cfg)
-    out = _out(proc)
-    assert proc.returncode == 1, out
-    assert ("rl.parallel.actor: 4 ranks (data_parallel_size x tensor_model_parallel_size) exceed the 2 CPUs the local "
-            "Ray cluster gives the rl stage's training (rl.engine.num_cpus, else this machine's cores, minus "
-            "rl.engine.rollout_cpus when disaggregated); lower the sizes or join a larger cluster "
-            "(rl.engine.ray_address)") in out
-    assert f"config {cfg} has 1 problem(s):" in out
-    assert "note: memory plan (rl, sequences of 255 tokens): actor 4 x " in out
-    assert "joins the Ray cluster" not in out  # a local cluster: no note on shared stores
