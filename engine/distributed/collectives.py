@@ -29,31 +29,29 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def data_parallel_group():
-    """Megatron's data-parallel process group of this rank, or None in a single process
-    (no torch.distributed group, no megatron state, or a data-parallel size of 1)."""
+def _megatron_group(kind: str):
+    """Megatron's ``kind`` ("data" or "tensor_model") parallel group of this rank, or None in a
+    single process (no torch.distributed group, no megatron state) or when that size is 1."""
     if not _initialized():
         return None
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return None
-    if parallel_state.get_data_parallel_world_size() == 1:
+    if getattr(parallel_state, f"get_{kind}_parallel_world_size")() == 1:
         return None
-    return parallel_state.get_data_parallel_group()
+    return getattr(parallel_state, f"get_{kind}_parallel_group")()
+
+
+def data_parallel_group():
+    """Megatron's data-parallel process group of this rank, or None in a single process
+    (no torch.distributed group, no megatron state, or a data-parallel size of 1)."""
+    return _megatron_group("data")
 
 
 def tensor_parallel_group():
     """Megatron's tensor-parallel process group of this rank, or None when TP is 1 (or no state)."""
-    if not _initialized():
-        return None
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
+    return _megatron_group("tensor_model")
 
 
 def data_parallel_rank() -> int:

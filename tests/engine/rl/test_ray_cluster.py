@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from config.rl import EngineConfig, KLConfig, RLConfig
-from tests.engine.rl.test_rl import REQUIRED, question, read_metrics, rl_config
+from tests.engine.rl.test_rl import REQUIRED, random_tiny_policy, read_metrics, rl_config
 
 REPO = Path(__file__).resolve().parents[3]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -43,31 +43,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory) -> dict:
-    """test_rl's policy before its SFT: the same tokenizer and tiny Qwen2 (hidden 64, head_dim
-    32), random weights. Where the workers run does not need a policy that can add."""
-    import json
-
-    from conversion.spec import GPTSpec
-    from data.tokenizer_train import train_chat_tokenizer
-    from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import save_model_dir
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("cluster_policy")
-    pairs = [(a, b) for a in range(5) for b in range(5)]
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
-    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
-    hf_config = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
-    ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    save_model_dir(root / "base", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
-                   root / "tokenizer")
-    with open(root / "rl.jsonl", "w") as f:
-        for a, b in pairs:
-            f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
-    return {"dir": root / "base", "prompts": root / "rl.jsonl"}
+    """test_rl's policy before its SFT (random weights): where the workers run does not need a policy that can add."""
+    return random_tiny_policy(tmp_path_factory.mktemp("cluster_policy"))
 
 
 @pytest.fixture(scope="module", autouse=True)

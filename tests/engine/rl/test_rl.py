@@ -39,6 +39,32 @@ def question(a: int, b: int) -> list[dict]:
     return [{"role": "user", "content": f"What is {a} + {b}?"}]
 
 
+def random_tiny_policy(root: Path) -> dict:
+    """The policy fixture's tokenizer and tiny Qwen2 (hidden 64, head_dim 32, 2 layers) with
+    random weights (no SFT), and its 25 sum prompts, under ``root``: for tests where what the
+    policy answers does not matter (placement, clusters, engine failures)."""
+    from conversion.spec import GPTSpec
+    from data.tokenizer_train import train_chat_tokenizer
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from transformers import AutoTokenizer
+
+    pairs = [(a, b) for a in range(5) for b in range(5)]
+    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
+    hf_config = GPTSpec(
+        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
+        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+    ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
+                   root / "tokenizer")
+    with open(root / "rl.jsonl", "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
+    return {"dir": root / "policy", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "policy")}
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> dict:
     """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps."""

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from config.rl import EngineConfig, KLConfig, RolloutConfig
-from tests.engine.rl.test_rl import question, ray_address, read_metrics, rl_config  # noqa: F401
+from tests.engine.rl.test_rl import random_tiny_policy, ray_address, read_metrics, rl_config  # noqa: F401
 from tests.engine.rollout_faults import PLAN, read_logs
 
 ENV = "tests.engine.multi_turn_env_example:make_counter_env"
@@ -33,30 +33,8 @@ PROMPTS, SAMPLES = 8, 8  # rl_config's prompts_per_step and n_samples
 
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory) -> dict:
-    """test_rl's tokenizer and tiny Qwen2 (hidden 64, head_dim 32, 2 layers), random weights, and
-    its 25 sum prompts."""
-    from transformers import AutoTokenizer
-
-    from conversion.spec import GPTSpec
-    from data.tokenizer_train import train_chat_tokenizer
-    from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import load_tokenizer, save_model_dir
-
-    root = tmp_path_factory.mktemp("router_policy")
-    pairs = [(a, b) for a in range(5) for b in range(5)]
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
-    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
-    hf_config = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
-    ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
-                   root / "tokenizer")
-    with open(root / "rl.jsonl", "w") as f:
-        for a, b in pairs:
-            f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
-    return {"dir": root / "policy", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "policy")}
+    """test_rl's tokenizer and tiny Qwen2, random weights, and its 25 sum prompts."""
+    return random_tiny_policy(tmp_path_factory.mktemp("router_policy"))
 
 
 @pytest.fixture
