@@ -47,8 +47,24 @@ def fixtures_dir() -> Path:
 RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_cluster.py")
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Move the tests of ``RUN_FIRST`` to the front, keeping every other test's order."""
+    """Move the tests of ``RUN_FIRST`` to the front, keeping every other test's order; skip the
+    tests marked ``gpu(n)`` where fewer than n CUDA devices are present (the GPU-only paths of
+    docs/platforms.md), saying so."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items:
+        have = _cuda_devices()
+        for item in gpu_items:
+            marker = item.get_closest_marker("gpu")
+            need = marker.args[0] if marker.args else 1
+            if have < need:
+                item.add_marker(pytest.mark.skip(reason=f"GPU-only path: needs {need} CUDA device(s), this machine has {have}"))
     first = [item for item in items if any(str(item.path).endswith(name) for name in RUN_FIRST)]
     if first:
         rest = [item for item in items if item not in first]

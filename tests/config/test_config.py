@@ -13,6 +13,7 @@ import yaml
 
 from config import ConfigError, PipelineConfig, load_config
 from config.data import DatasetConfig
+from config.precision import bf16_hardware
 from config.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +52,11 @@ def test_quickstart_loads_with_its_values_and_defaults():
     assert cfg.rl.n_samples == 8 and cfg.rl.rollout.max_new_tokens == 6 and cfg.rl.rollout.backend == "vllm"
     assert (cfg.rl.steps, cfg.rl.optim.lr, cfg.rl.optim.warmup_steps, cfg.rl.optim.grad_clip) == (100, 2.0e-4, 10, 1.0)
     assert cfg.rl.reward.verifier == "exact_match" and cfg.rl.engine.placement == "colocated"
-    assert cfg.evaluate.temperature == 1.0 and cfg.evaluate.samples_per_prompt == 8 and cfg.export.dtype == "float32"
+    assert cfg.evaluate.temperature == 1.0 and cfg.evaluate.samples_per_prompt == 8
+    # run.precision: auto resolves by the hardware; export.dtype follows the RL stage's precision
+    expected = "bf16" if bf16_hardware()[0] else "fp32"
+    assert (cfg.run.precision, cfg.rl.precision) == ("auto", expected)
+    assert cfg.export.dtype == {"bf16": "bfloat16", "fp32": "float32"}[expected]
 
 
 def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw):

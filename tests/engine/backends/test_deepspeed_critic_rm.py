@@ -279,7 +279,7 @@ def test_reward_model_trains_like_the_megatron_one(setup, megatron_rm, tmp_path,
     assert worst["train/margin"] <= 1e-4 and worst["train/grad_norm"] <= 5e-4
 
     # the saved directory, read by the megatron-side loader, scores the held-out pairs alike
-    model, tok = load_reward_model(tmp_path / "rm"), load_tokenizer(tmp_path / "rm")
+    model, tok = load_reward_model(tmp_path / "rm", "fp32"), load_tokenizer(tmp_path / "rm")
     _, held_out = split_eval(len(rows), cfg.eval_fraction, seed=0)
     prompts = [rows[i]["prompt"] for i in held_out]
     r_c = score(model, tok, prompts, [rows[i]["chosen"] for i in held_out], max_len=96)
@@ -319,7 +319,7 @@ def test_reward_model_directory_reads_back_exactly(policy, preferences, tmp_path
     assert loaded.heads.keys() == heads.keys() == {"reward_head.weight", "reward_head.bias"}
     assert all(torch.equal(loaded.heads[k], heads[k]) for k in heads)
 
-    model = load_reward_model(saved)
+    model = load_reward_model(saved, "fp32")
     held_out = pairs[40:]
     batch_ = collate_pairs(held_out, tok.pad_token_id)
     with torch.no_grad():

@@ -383,7 +383,7 @@ def test_actor_worker_update_with_and_without_packing(policy_dir):
                        rollout=RolloutConfig(temperature=0.9, max_new_tokens=10), **extra)
         actor = ActorWorker(policy_dir, cfg, num_threads=1)
         old = actor.compute_logprobs(traj)
-        ref = ReferenceWorker(policy_dir, 0.9, 3, num_threads=1, packing=cfg.packing,
+        ref = ReferenceWorker(policy_dir, 0.9, 3, num_threads=1, packing=cfg.packing, precision=cfg.precision,
                               max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch).compute_logprobs(traj)
         metrics = actor.update(traj.with_(old_logprobs=old, ref_logprobs=ref - 0.05 * traj.response_mask)).metrics
         results[name] = (old, ref, metrics, mcore_state(actor.model))

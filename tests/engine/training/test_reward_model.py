@@ -101,7 +101,7 @@ def test_training_reaches_high_held_out_accuracy_and_round_trips(setup):
     assert metrics["rm/loss"] < math.log(2) - 0.2, metrics
 
     # Reload from disk and score the held-out pairs through the public scoring path.
-    model, tok = load_reward_model(root / "rm"), load_tokenizer(root / "rm")
+    model, tok = load_reward_model(root / "rm", cfg.precision), load_tokenizer(root / "rm")
     _, held_out = split_eval(len(rows), cfg.eval_fraction, seed=0)
     prompts = [rows[i]["prompt"] for i in held_out]
     r_c = score(model, tok, prompts, [rows[i]["chosen"] for i in held_out], max_len=96)
