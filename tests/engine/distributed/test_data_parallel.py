@@ -176,6 +176,129 @@ def test_critic_update_at_dp2_equals_dp1(policy_dir, ray_cluster):
         group.kill()
 
 
+# bf16 (rl.precision: bf16): bf16 compute weights, fp32 masters, fp32 gradient accumulation and
+# all-reduce (engine.models.master_weights, engine.distributed.collectives). Bounds of DP=2 vs
+# DP=1, from bf16's unit roundoff u = 2^-8 (see the bf16 tests' docstrings for the reasoning
+# and the measurements):
+BF16_REL = 2.0**-8  # losses, entropy, KL, grad_norm: relative to max(|value|, 1), as _close
+BF16_FLIPPED = 5e-3  # fraction of weights whose AdamW step differs by more than lr / 2
+
+
+def _step_disagreement(before: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                       lr: float) -> tuple[float, int]:
+    """The fraction of weights whose steps from ``before`` in the runs ``a`` and ``b`` differ by
+    more than ``lr / 2`` (AdamW's first step moves a weight by about ``lr`` whatever its
+    gradient's size: such a weight was stepped the other way, or not at all), and the number
+    of weights. Checks that the step moved most weights by about ``lr``."""
+    assert a.keys() == b.keys() == before.keys()
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    moved = torch.cat([(a[k] - before[k]).abs().flatten() for k in a])
+    assert float(moved.median()) > lr / 2
+    return int((diff > lr / 2).sum()) / diff.numel(), diff.numel()
+
+
+def test_actor_update_at_dp2_equals_dp1_in_bf16(policy_dir, ray_cluster, tmp_path):
+    """The actor update at bf16: DP=2 vs DP=1 within bf16 bounds.
+
+    Where bf16 enters: DP=2 groups the rows into other micro-batches (each rank's share in
+    micro-batches of 3), and each micro-batch's weight gradient comes out of a bf16 backward
+    as a bf16 tensor (rounded to u = 2^-8 relative, after the bf16 roundings of the backward
+    itself). The fp32 sums of those gradients (accumulation, all-reduce) and the fp32 masters
+    add only fp32 rounding. So:
+
+    - log-probs: fp32 log-softmax of bf16 logits (|z| <= 1.32 here): if a row's micro-batch
+      changed the rounding of its logits (by u |z| <= 2^-7 each), a log-prob (target logit
+      minus logsumexp) would move by at most 2 x 2^-7 = 2^-6, the bound (atol); measured:
+      identical (a row's bf16 forward does not depend on its micro-batch here). Rows out of
+      order would differ by up to 0.6 (the log-probs span -6.04 to -5.45).
+    - pg_loss, entropy, KL: fp32 reductions of those log-probs, within ``BF16_REL`` = u of
+      max(|value|, 1); measured at most 3e-9 (fp32 summation order).
+    - grad_norm: each gradient element differs by ~u relative with signs of its own, so the
+      norm (a root of a sum of squares) moves far less than the u it would move if every
+      rounding went the same way; bound u (``BF16_REL``), measured 8.2e-5 (u / 48). A rank
+      normalising by its own share would be off by 2x (relative 0.5); a missing all-reduce
+      (rank 0's share alone, measured once) gives 2.61 instead of 3.24 (relative 0.19).
+    - weights (the saved fp32 masters): AdamW's first step is ``lr * g / (|g| + eps)``, about
+      ``lr * sign(g)``, so a gradient element within its bf16 noise of zero can step the other
+      way (a difference of up to 2 lr) while all others agree to fp32 rounding. Measured: 43 of
+      the 98,880 weights (4.4e-4) stepped differently, 0.34% differ by more than 1e-6; bound
+      ``BF16_FLIPPED`` = 0.5%, where a missing all-reduce steps 19% of them differently.
+    """
+    import ray
+
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.training.actor import actor_norm
+
+    cfg = rl_config(precision="bf16")
+    traj = trajectory()
+    single = ActorWorker(policy_dir, cfg, 0, 1)
+    old = single.compute_logprobs(traj)
+    traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+    group = _group(ActorWorker, policy_dir, cfg, norm_fn=lambda t: actor_norm(t, cfg))
+    try:
+        logp = ray.get(group.compute_logprobs.remote(traj))
+        print(f"bf16 actor log-probs, DP=2 vs DP=1: max |diff| {float((logp - old).abs().max()):.3g}")
+        assert torch.allclose(logp, old, atol=2.0**-6, rtol=0)
+        want = single.update(traj)
+        got = ray.get(group.update.remote(traj))
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+            a, b = got.metrics[key], want.metrics[key]
+            print(f"bf16 actor {key}: dp1 {b!r} dp2 {a!r} rel {abs(a - b) / max(abs(a), abs(b), 1.0):.3g}")
+            assert _close(a, b, rel=BF16_REL), (key, a, b)
+        assert want.metrics["actor/grad_norm"] > cfg.optim.grad_clip  # clipping is exercised (norm over both ranks)
+        assert torch.equal(got.old_logprobs, want.old_logprobs)
+        single.save_model(tmp_path / "dp1", 1)  # the fp32 masters
+        ray.get(group.save_model.remote(str(tmp_path / "dp2"), 1))
+        flipped, n = _step_disagreement(_weights(policy_dir), _weights(tmp_path / "dp1"), _weights(tmp_path / "dp2"),
+                                        cfg.optim.lr)
+        print(f"bf16 actor weights, DP=2 vs DP=1: {flipped:.3g} of {n} stepped differently (by > lr/2)")
+        assert flipped <= BF16_FLIPPED
+    finally:
+        group.kill()
+
+
+def test_critic_update_at_dp2_equals_dp1_in_bf16(policy_dir, ray_cluster):
+    """The critic update at bf16, bounds as the actor's (:func:`test_actor_update_at_dp2_equals_dp1_in_bf16`).
+
+    Values are the bf16 value head's outputs, on bf16's grid (spacing between u and 2u of the
+    value, u = 2^-8). Before the update: measured identical, bound 2^-6 x max |value| (at
+    least two spacings at the largest value). After it, the two layouts' weights differ where a step flipped (as the
+    actor's), which moves an output across a rounding boundary now and then: measured at most
+    0.00195 (one spacing of values in [0.25, 0.5)), bound 2^-6 x max |value| (0.008 here),
+    where the update moved them by up to 0.48 and a missing all-reduce leaves them 0.42 apart.
+    Metrics within ``BF16_REL``: vf_loss, clipfrac and vpred_mean measured within 7e-9, grad_norm
+    1.1e-4 (a missing all-reduce: 0.81 instead of 2.17).
+    """
+    import ray
+
+    from engine.algorithms.aggregation import global_norm
+    from engine.backends.megatron.critic import CriticWorker
+
+    cfg = rl_config(precision="bf16")
+    traj = trajectory()
+    single = CriticWorker(policy_dir, cfg, 3, 1)
+    values = single.compute_values(traj)
+    group = _group(CriticWorker, policy_dir, cfg, seed=3, norm_fn=lambda t: global_norm(t.response_mask))
+    try:
+        before = ray.get(group.compute_values.remote(traj))
+        print(f"bf16 critic values before, DP=2 vs DP=1: max |diff| {float((before - values).abs().max()):.3g}")
+        assert float((before - values).abs().max()) <= 2.0**-6 * float(values.abs().max())
+        offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
+        traj = traj.with_(values=(values + offsets) * traj.response_mask)
+        want = single.update(traj)
+        got = ray.get(group.update.remote(traj))
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
+            print(f"bf16 critic {key}: dp1 {want[key]!r} dp2 {got[key]!r} "
+                  f"rel {abs(got[key] - want[key]) / max(abs(got[key]), abs(want[key]), 1.0):.3g}")
+            assert _close(got[key], want[key], rel=BF16_REL), (key, got[key], want[key])
+        after, after1 = ray.get(group.compute_values.remote(traj)), single.compute_values(traj)
+        print(f"bf16 critic values after, DP=2 vs DP=1: max |diff| {float((after - after1).abs().max()):.3g}, "
+              f"max |value| {float(after1.abs().max()):.3g}")
+        assert float((after - after1).abs().max()) <= 2.0**-6 * float(after1.abs().max())
+        assert float((after1 - values).abs().max()) > 0.1  # the update changed the values
+    finally:
+        group.kill()
+
 def test_dp2_checkpoint_resumes_at_dp1_and_dp2(policy_dir, ray_cluster, tmp_path):
     """A DP=2 train state resumed at DP=2 continues bit-identically to the uninterrupted DP=2
     run; resumed at DP=1 it continues within the fp32 bound of the DP=2 vs DP=1 update."""

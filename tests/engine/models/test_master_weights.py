@@ -140,7 +140,7 @@ def test_micro_batch_gradients_accumulate_in_fp32(bf16_gpt):
     - against the exact sum (fp64): each of the 3 additions and the division rounds by at most
       2^-24 relative (fp32 unit roundoff), so |G - sum g_i / 60| <= 2^-24 * (3 * sum |g_i| +
       |sum g_i|) / 60 elementwise, a bound of ~1e-9 on these gradients (the largest is 0.12);
-    - the same sum taken in bf16 (unit roundoff 2^-9, 2^15 times fp32's) misses the exact
+    - the same sum taken in bf16 (unit roundoff 2^-8, 2^16 times fp32's) misses the exact
       sum by more than that bound on most elements (measured ~97%; asserted > 80%) and by at
       least 1000x the fp32 error at its worst (measured ~1e5x).
     The single micro-batch of all 4 rows differs from the split only by the rounding of its

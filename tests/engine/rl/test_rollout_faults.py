@@ -24,7 +24,8 @@ import psutil
 import pytest
 
 from config.rl import EngineConfig, KLConfig, RolloutConfig
-from tests.engine.rl.test_rl import random_tiny_policy, ray_address, read_metrics, rl_config  # noqa: F401
+from tests.engine.rl.test_rl import (  # noqa: F401
+    assert_same_weights, policy_weights, random_tiny_policy, ray_address, read_metrics, rl_config, untimed)
 from tests.engine.rollout_faults import PLAN, read_logs
 
 ENV = "tests.engine.multi_turn_env_example:make_counter_env"
@@ -143,7 +144,7 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_address, faulty_workers, tmp_path,
-                                                               caplog):
+                                                               caplog, monkeypatch):
     """Two vLLM engines in the disaggregated rollout bundle, multi-turn, ``max_engine_restarts: 1``,
     each failure in the middle of a generate call:
 
@@ -156,6 +157,9 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
       checkpoint of step 3 is untouched.
     - steps 1-3: every episode of a step was rolled out exactly once, all its turns on one
       engine, the one the split gives its prompt, seeded by its place in the batch.
+    - a rerun resumes from step 3's checkpoint and finishes step 4; its metrics (but the restart
+      count) and final weights equal, bit for bit, those of a run of the real rollout workers in
+      which nothing failed: failures and resume leave no trace in what is trained.
     """
     from engine.rl.loop import run_rl
     from engine.rl.phases import sampling_seed
@@ -231,6 +235,23 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
           f"timing_s/gen {[round(r['timing_s/gen'], 2) for r in rows]}; "
           f"re-issued requests with the lost call's tokens: {equal} of {compared}")
     assert compared > 0 and equal == compared
+
+    # Rerun after the failed step: it resumes from step 3's checkpoint and does step 4. Then a
+    # run of the product's own rollout workers in which nothing fails. Both engines sample each
+    # share with per-request seeds and a replacement gets the lost call's share unchanged (same
+    # batch shape), so the two runs are expected to be equal bit for bit: every step's metrics
+    # (but the restart count) and the final weights.
+    resumed = run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path / "resumed", resume, seed=0)
+    assert (resumed["rl/resumed_from_step"], resumed["rl/steps_run"]) == (3.0, 1.0)
+    monkeypatch.undo()  # the real RolloutWorker from here on
+    clean = tmp_path / "clean"
+    run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, clean, None, seed=0)
+    restarts = lambda r: {k: v for k, v in untimed(r).items() if k != "rollout/engine_restarts"}  # noqa: E731
+    got, want = read_metrics(tmp_path / "resumed"), read_metrics(clean)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    assert [r["rollout/engine_restarts"] for r in want] == [0.0] * 4
+    assert [restarts(r) for r in got] == [restarts(r) for r in want]
+    assert_same_weights(policy_weights(tmp_path / "resumed" / "model"), policy_weights(clean / "model"))
 
 
 def test_several_engines_share_the_rollout_cpus(ray_address):
