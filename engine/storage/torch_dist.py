@@ -13,8 +13,12 @@ directory and renames it into place, then replaces the tracker file atomically, 
 leaves either the previous or the new checkpoint, never a partial one.
 
 Note: megatron-core's torch_dist writer starts a ``spawn`` multiprocessing manager on the
-first save in a process (a few seconds once) and forks writer processes; entry points
-need a ``__main__`` guard.
+first save in a process (a few seconds once); entry points need a ``__main__`` guard. Its
+writer processes are not used: megatron forks one per write bucket from the saving process,
+and a fork of a process with running threads (Ray, W&B, tqdm, a multiprocessing queue's
+feeder) can die in the child (seen here: a child killed by SIGABRT), after which megatron's
+parent waits on its queue forever. :func:`_write_buckets_in_process` writes the same buckets
+with megatron's own per-bucket writer in the saving process instead.
 """
 
 from __future__ import annotations
@@ -55,6 +59,38 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """Drop-in for megatron's ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (same
+    arguments and result): each write bucket is written by megatron's
+    ``FileSystemWriterAsync.write_preloaded_data``, one after the other in this process, and
+    ``{bucket index: write results}`` (or the first bucket's exception) goes to
+    ``global_results_queue``, as the forked version puts it (source:
+    megatron/core/dist_checkpointing/strategies/filesystem_async.py)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: dict[int, list] = {}
+    for index, bucket in enumerate(write_buckets):
+        local_results, done = queue.Queue(), queue.Queue()
+        done.put(index)  # the writer takes one item and marks it done, as each forked writer does
+        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local_results, done, True,
+                                                   use_msc=use_msc)
+        _, written = local_results.get_nowait()
+        if isinstance(written, Exception):
+            global_results_queue.put(written)
+            return
+        results[index] = written
+    global_results_queue.put(results)
+
+
+def _use_in_process_writer() -> None:
+    """Make megatron's torch_dist saves write in the calling process (module docstring); idempotent."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
+
+
 def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
                           hf_config: dict[str, Any] | None = None) -> Path:
     """Save ``model`` (megatron-core module) as a torch_dist checkpoint, atomically.
@@ -89,6 +125,7 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
             state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": -1 if iteration is None else iteration}
             ensure_process_group()
+            _use_in_process_writer()
             dist_checkpointing.save(state, str(tmp))
         if not lead:
             barrier()  # rank 0 publishes

@@ -55,6 +55,31 @@ def test_hf_megatron_torch_dist_hf_round_trip_is_bit_identical(tmp_path, arch):
         assert torch.equal(back[name], t), name
 
 
+def test_a_save_forks_no_writer_process_and_round_trips(tmp_path, monkeypatch):
+    """megatron forks a writer per bucket; a forked child of a threaded process can die (seen:
+    SIGABRT) and leave the save waiting forever, so saves write in this process. With os.fork
+    refused, two saves (one with several buckets' worth of tensors) still write checkpoints that
+    load back bit for bit."""
+    import os
+
+    def no_fork():
+        raise AssertionError("os.fork called during a torch_dist save")
+
+    cfg, hf = random_hf("qwen2")
+    spec = GPTSpec.from_hf_config(cfg)
+    model = build_gpt_model(spec, seed=1)
+    load_mcore_state(model, hf_to_megatron(cfg, hf))
+    save_model_checkpoint(model, tmp_path / "warm", iteration=1)  # the spawn manager megatron starts once
+    monkeypatch.setattr(os, "fork", no_fork)
+    save_model_checkpoint(model, tmp_path / "ckpt", iteration=2)
+    monkeypatch.undo()
+    assert len(list((tmp_path / "ckpt" / "iter_0000002").glob("*.distcp"))) >= 2  # megatron's 2 buckets per rank
+    fresh = build_gpt_model(spec, seed=2)
+    assert load_model_checkpoint(fresh, tmp_path / "ckpt") == 2
+    want, got = mcore_state(model), mcore_state(fresh)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_megatron_lm_layout_and_latest_iteration(tmp_path):
     cfg, hf = random_hf("qwen2")
     spec = GPTSpec.from_hf_config(cfg)
