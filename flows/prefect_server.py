@@ -39,6 +39,10 @@ _RETRIED_FAILURES = {
     # retryable error: the API answers 503 and the client retries, or the docket task fails and
     # its service tries again on its next loop
     "prefect.server": "Encountered error during state validation",
+    # prefect/server/utilities/worker_channel.py: a worker's heartbeat that failed to persist
+    # closes the worker's channel with HEARTBEAT_PERSISTENCE_FAILED, a close policy marked
+    # retryable: the worker reconnects and heartbeats again
+    "prefect.server.utilities.worker_channel": "Worker channel heartbeat persistence failed",
 }
 
 
@@ -56,7 +60,9 @@ class RetriedSQLiteLockFilter(logging.Filter):
     about every 10 s: ``mark_deployments_ready`` reads, then writes, in a deferred SQLite
     transaction, and loses the write lock to ``mark_work_queues_ready``, queued by the same
     poll; SQLite then fails at once, without waiting out its busy timeout, and docket retries
-    the task (5 attempts, 0.5 s apart). Only those records (``_RETRIED_FAILURES``: logger and
+    the task (5 attempts, 0.5 s apart). Prefect's worker channel logs a heartbeat that lost the
+    lock the same way, then closes the channel with a retryable reason and the worker
+    reconnects. Only those records (``_RETRIED_FAILURES``: logger and
     message) whose exception is SQLite's SQLITE_BUSY / "database is locked" are dropped; every
     other record passes, as does a task's final failure (logged by ``docket.worker``).
     """

@@ -93,9 +93,12 @@ def test_filter_drops_only_retried_sqlite_lock_errors(tmp_path):
     assert "database is locked" in str(locked.orig) and locked.orig.sqlite_errorname == "SQLITE_BUSY"
     other = sqlalchemy.exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError("no such table: deployment"))
     validation = "Encountered error during state validation"
+    heartbeat = "Worker channel heartbeat persistence failed: work_pool=%s worker_name=%s"
     records = [
         ("docket.dependencies", "↩ [%s] %s", locked),  # dropped: docket retries it
         ("prefect.server", validation, locked),  # dropped: re-raised for a retry
+        ("prefect.server.utilities.worker_channel", heartbeat, locked),  # dropped: the worker reconnects
+        ("prefect.server.utilities.worker_channel", heartbeat, other),  # another SQLite error
         ("docket.dependencies", "↩ [%s] %s", other),  # another SQLite error
         ("docket.dependencies", "↩ [%s] %s", ValueError("x")),  # not a database error
         ("docket.dependencies", "❌ [%s] %s", locked),  # not a retry
@@ -103,6 +106,8 @@ def test_filter_drops_only_retried_sqlite_lock_errors(tmp_path):
         ("prefect.server.services", validation, locked),  # another logger
     ]
     assert _kept(records) == [
+        "prefect.server.utilities.worker_channel: Worker channel heartbeat persistence failed: "
+        "work_pool=12ms worker_name=mark_deployments_ready(...)",
         "docket.dependencies: ↩ [12ms] mark_deployments_ready(...)",
         "docket.dependencies: ↩ [12ms] mark_deployments_ready(...)",
         "docket.dependencies: ❌ [12ms] mark_deployments_ready(...)",
@@ -120,6 +125,7 @@ def test_filter_matches_what_docket_and_prefect_log_for_a_retry():
     and messages the filter (and prefect-server-logging.yml) name."""
     import docket.dependencies._perpetual as perpetual
     import docket.dependencies._retry as retry
+    import prefect.server.api.server  # noqa: F401  (imports the orchestration modules in Prefect's order)
     import prefect.server.orchestration.rules as rules
 
     for module in (retry, perpetual):
@@ -134,6 +140,23 @@ def test_filter_matches_what_docket_and_prefect_log_for_a_retry():
                 # Do not capture retryable database exceptions, this exception will be
                 # raised as a 503 in the API layer
                 raise""" in source
+
+
+def test_filter_matches_what_the_worker_channel_logs_for_a_heartbeat_it_retries():
+    """Prefect's worker channel logs a heartbeat that failed to persist on its module logger,
+    with the message the filter names, and closes the channel with a reason whose policy is
+    retryable: the worker's transport reconnects."""
+    import prefect.server.utilities.worker_channel as channel
+    from prefect.client.schemas.worker_channel import WORKER_CHANNEL_CLOSE_POLICIES, WorkerChannelCloseReason
+
+    source = Path(channel.__file__).read_text()
+    assert channel.logger.name == "prefect.server.utilities.worker_channel"
+    assert """logger.exception(
+                        "Worker channel heartbeat persistence failed: "
+""" in source
+    assert "WorkerChannelCloseReason.HEARTBEAT_PERSISTENCE_FAILED" in source.split("heartbeat persistence failed")[1][:600]
+    policy = WORKER_CHANNEL_CLOSE_POLICIES[WorkerChannelCloseReason.HEARTBEAT_PERSISTENCE_FAILED]
+    assert policy.retryable and not policy.terminal
 
 
 def test_module_imports_without_prefect():
