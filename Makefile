@@ -20,8 +20,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/posttrain run configs/quickstart.yaml
 
+# Two test processes (pytest-xdist), each running whole files in collection order: most of
+# the suite's wall time is process start-up and servers, which leaves a second core idle.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf artifacts checkpoints work wandb dvc_outputs

@@ -15,6 +15,14 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (`make test` runs two worker processes) each worker keeps its Prefect
+# database in a home of its own: two temporary servers on one SQLite file would contend for
+# its lock, which a user running one command never sees.
+if os.environ.get("PYTEST_XDIST_WORKER") and "PREFECT_HOME" not in os.environ:
+    import tempfile
+
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix=f"prefect-home-{os.environ['PYTEST_XDIST_WORKER']}-")
+
 
 def _fixtures_dir() -> Path:
     """The shared real inputs: $POSTTRAIN_FIXTURES, else ../shared/fixtures beside the checkout."""
@@ -45,6 +53,19 @@ def fixtures_dir() -> Path:
 # isolated from the driver's state, the suite runs them first (as their place in the old flat
 # tests/engine/ order did).
 RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_cluster.py")
+# The longest files next (minutes each: whole pipelines, DVC, servers), so that with two
+# workers taking files in this order (`make test`) neither is left with a long file at the end.
+LONGEST = (
+    "tests/flows/test_dvc.py",
+    "tests/flows/test_faults.py",
+    "tests/flows/test_pipeline_e2e.py",
+    "tests/engine/rl/test_rl.py",
+    "tests/flows/test_deployment.py",
+    "tests/flows/test_s3_e2e.py",
+    "tests/engine/rl/test_ppo_critic.py",
+    "tests/flows/test_tinystories_e2e.py",
+    "tests/flows/test_rm_resume.py",
+)
 
 
 def _cuda_devices() -> int:
@@ -54,9 +75,9 @@ def _cuda_devices() -> int:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Move the tests of ``RUN_FIRST`` to the front, keeping every other test's order; skip the
-    tests marked ``gpu(n)`` where fewer than n CUDA devices are present (the GPU-only paths of
-    docs/platforms.md), saying so."""
+    """Move the tests of ``RUN_FIRST`` to the front, then those of ``LONGEST`` (in that order),
+    keeping every other test's order; skip the tests marked ``gpu(n)`` where fewer than n CUDA
+    devices are present (the GPU-only paths of docs/platforms.md), saying so."""
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items:
         have = _cuda_devices()
@@ -65,7 +86,11 @@ def pytest_collection_modifyitems(session, config, items):
             need = marker.args[0] if marker.args else 1
             if have < need:
                 item.add_marker(pytest.mark.skip(reason=f"GPU-only path: needs {need} CUDA device(s), this machine has {have}"))
-    first = [item for item in items if any(str(item.path).endswith(name) for name in RUN_FIRST)]
-    if first:
-        rest = [item for item in items if item not in first]
-        items[:] = first + rest
+
+    def rank(item) -> int:
+        for i, name in enumerate(RUN_FIRST + LONGEST):
+            if str(item.path).endswith(name):
+                return i
+        return len(RUN_FIRST) + len(LONGEST)
+
+    items.sort(key=rank)  # stable: each file keeps its tests' order, the rest keep theirs
