@@ -271,6 +271,11 @@ class RLConfig(Strict):
                                 "or an HF transformers model trained by DeepSpeed (rl.deepspeed).")
     deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
     checkpoint_every: int = Field(5, gt=0, description="Save weights, optimizer, data position and RNG every N iterations.")
+    dump_rollouts: bool = Field(
+        False, description="Write each step's trajectories (tokens, masks, log-probs, rewards, values, advantages, policy "
+                           "version, KL coefficient) into the artifact's rollouts/, with the train state at step 0 and at "
+                           "every checkpoint, so `posttrain replay CONFIG --step N` can rerun any step's update without "
+                           "rollout (docs/evaluation.md, Replay).")
     rollout: RolloutConfig = Field(RolloutConfig(), description="Rollout engine and sampling.")
     reward: RewardConfig = Field(RewardConfig(), description="Reward: rule verifier, trained reward model and plug-in functions.")
     engine: EngineConfig = Field(EngineConfig(), description="Ray cluster, placement and weight sync.")

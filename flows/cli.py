@@ -247,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a config and its inputs without running anything")
     p.add_argument("config")
     p.set_defaults(fn=cmd_validate)
+    from flows.replay import add_replay_parser
+
+    add_replay_parser(sub)
     args = parser.parse_args(argv)
     # Reward plug-ins and environments (`module:function` in the config) import from the
     # directory posttrain runs in, as `python -m` would and as Ray's workers already do.

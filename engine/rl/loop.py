@@ -28,6 +28,10 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
 8. metrics and checkpoint: ``step_metrics`` reads the step's ``StepTimer`` (``rl/metrics.py``);
    ``checkpoint_if_due`` (``rl/checkpoint.py``) every ``checkpoint_every`` steps.
 
+With ``rl.dump_rollouts`` each step's batch is written between phases 4 and 5, before any
+update, and the train state beside each checkpoint (``rl/rollout_dump.py``), so that
+``rl/replay.py`` can run a step's updates again without rollout.
+
 So an iteration reads in ``rl/{loop,phases,prefetch,workers,metrics,checkpoint}.py``,
 ``backends/megatron/actor.py``, ``training/{actor,optimizer_step}.py`` and
 ``algorithms/{advantages,policy_loss}.py`` (PPO adds ``training/critic.py``); below them sit
@@ -65,6 +69,7 @@ from engine.rl.metrics import MetricsLog, MetricsLogger, StepTimer, step_metrics
 from engine.rl.plugins import check_algorithm_plugins
 from engine.rl.prefetch import RolloutPipeline
 from engine.rl.prompts import RLPrompt, load_rl_prompts
+from engine.rl.rollout_dump import RolloutDumps
 from engine.rl.workers import Workers, start_workers, stop_workers
 
 METRICS_FILE = "metrics.jsonl"
@@ -184,6 +189,8 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
     try:
         start, position, history = resume(workers, resume_dir, seed)
         log = MetricsLog(out_dir / METRICS_FILE, history, log_metrics)
+        dumps = RolloutDumps.for_run(cfg, resume_dir, out_dir)  # rl.dump_rollouts: each step's batch, for replay
+        dumps.begin(workers, start, position)
         sampler = EpochSampler(len(run.prompts), seed, position.epoch, position.offset)
         # the policy version: updates applied so far (critic warm-up steps apply none), what the rollout engine holds
         version = cfg.policy_updates(start)
@@ -197,13 +204,16 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             traj = phases.add_logprobs(workers, batch.traj, cfg, timer)
             train_policy = cfg.policy_updates(step) > cfg.policy_updates(step - 1)  # false in the critic warm-up
             traj, kl_metrics = phases.add_advantages(traj, cfg, kl_ctl, train_policy, timer)
+            dumps.before_update(step, traj, batch.reward_metrics, kl_metrics, version, train_policy)
             critic_metrics = phases.update_critic(workers, traj, timer)
             traj, actor_metrics = phases.update_actor(workers, traj, train_policy, timer)
             policy_version = version
             version = phases.sync_weights(workers, cfg, version, train_policy, timer)
             log.append(step_metrics(step, traj, {**critic_metrics, **actor_metrics},
                                     {**batch.reward_metrics, **kl_metrics}, timer, policy_version))
+            dumps.after_step(workers, step, traj, log.last, batch.position)
             checkpoint_if_due(workers, resume_dir, cfg, step, batch.position, run.identity, log.history)
+        dumps.publish(out_dir)
         ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
     finally:
         tear_down(workers, pipeline, out_dir)
