@@ -53,7 +53,7 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
     """The dumps to replay for ``cfg`` (see the module docstring).
 
     Raises:
-        ConfigError: ``artifact_id`` is not an rl artifact of ``run.artifact_root``; or the
+        ConfigError: ``artifact_id`` is not an intact rl artifact of ``run.artifact_root``; or the
             config's rl stage has neither a published artifact nor a resume directory with
             dumps (naming ``rl.dump_rollouts`` and the artifacts that have dumps).
     """
@@ -67,6 +67,8 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
         if manifest is None:
             raise ConfigError(f"--artifact {artifact_id}: no such rl artifact in {cfg.run.artifact_root}")
         ref = store.find("rl", manifest["fingerprint"])
+        if ref is None:
+            raise ConfigError(f"--artifact {artifact_id}: {store.check('rl', manifest['fingerprint']).problem}")
         return ReplaySource(store.local_path(ref) / DUMP_DIR, _policy_of(store, manifest.get("inputs", {})), artifact_id)
     states = stage_states(cfg, store)
     rl = states["rl"]
