@@ -286,6 +286,12 @@ class RLConfig(Strict):
                           "environment (engine/rollout/multi_turn.py); its summed step rewards replace rl.reward. None: single-turn.")
     max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
                                                 "rollout.max_new_tokens bounds all turns and observations together.")
+    eval_every: int | None = Field(
+        None, ge=0, description="Evaluate the policy every N RL steps and at the last step with the rollout engines "
+                                "already loaded, as the evaluate stage does (same code and settings), logging "
+                                "val/<benchmark>/<metric> (docs/evaluation.md); 0 or None: off.")
+    eval_benchmark: str = Field("rl_eval", description="The benchmark rl.eval_every evaluates: rl_eval (data.rl_eval) "
+                                                       "or the name of an evaluate.datasets entry.")
 
     @field_validator("algorithm", mode="before")
     @classmethod
@@ -388,6 +394,13 @@ class RLConfig(Strict):
     @classmethod
     def _environment_path(cls, value: str | None) -> str | None:
         return None if value is None else _import_path(value, "factory")
+
+    @model_validator(mode="after")
+    def _eval_every(self):
+        if self.eval_every and self.engine.off_policy_steps > 0:
+            raise ValueError("rl.eval_every needs rl.engine.off_policy_steps: 0 (asynchronous rollouts of the next "
+                             "steps would share the rollout engines with the evaluation); set one of them to 0")
+        return self
 
     @model_validator(mode="after")
     def _async_single_turn(self):

@@ -59,3 +59,14 @@ class PipelineConfig(Strict):
         if self.export.dtype is None:
             object.__setattr__(self, "export", self.export.model_copy(update={"dtype": DTYPE_NAMES[self.rl.precision]}))
         return self
+
+    @model_validator(mode="after")
+    def _eval_benchmark(self):
+        # rl.eval_every evaluates one of the evaluate stage's benchmarks, with its settings
+        if self.rl.eval_every:
+            names = [b.name for b in self.evaluate.benchmarks(self.rl.reward.verifier, self.data.rl_eval is not None)]
+            if self.rl.eval_benchmark not in names:
+                known = ", ".join(names) or "none: set data.rl_eval or evaluate.datasets"
+                raise ValueError(f"rl.eval_benchmark: {self.rl.eval_benchmark!r} is not a benchmark of the evaluate "
+                                 f"stage ({known})")
+        return self

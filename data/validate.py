@@ -74,6 +74,8 @@ class ValidationResult:
         duplicates: ``(line, line of its first copy)`` for each row of ``rows`` identical
             (after normalization) to an earlier one; duplicates are kept, only counted.
         limit: the valid-row limit applied, if any.
+        keep: source fields copied into each row as ``row["fields"]`` (a benchmark's
+            ``breakdown``, e.g. MATH's ``subject``); a record without one is a bad row.
     """
 
     file: str
@@ -87,6 +89,7 @@ class ValidationResult:
     n_skipped: int = 0
     duplicates: list[tuple[int, int]] = field(default_factory=list)
     limit: int | None = None
+    keep: tuple[str, ...] = ()
 
     @property
     def n_bad(self) -> int:
@@ -172,6 +175,7 @@ def validate_dataset(
     format: str = "auto",
     limit: int | None = None,
     key: str | None = None,
+    keep: tuple[str, ...] = (),
 ) -> ValidationResult:
     """Read, normalize and check a dataset file (.json, .jsonl, .jsonl.gz, .parquet).
 
@@ -183,6 +187,9 @@ def validate_dataset(
         limit: keep the first ``limit`` valid rows; records after the one that gives the
             last of them are not read (nor counted, nor reported).
         key: the config key of this dataset (``data.rl_train``), named in error messages.
+        keep: source fields to carry into every row as ``row["fields"]`` (``{field: value}``,
+            values JSON scalars); a record lacking one, or holding a list or object there,
+            is a bad row naming the field.
 
     Raises:
         FileNotFoundError: no such file.
@@ -195,7 +202,7 @@ def validate_dataset(
         raise ValueError(f"{name}: unknown dataset kind {kind!r}; expected one of {', '.join(KINDS)}")
     items = iter(iter_located(name))
     head = _read_head(items)
-    result = ValidationResult(file=name, kind=kind, format=format, limit=limit)
+    result = ValidationResult(file=name, kind=kind, format=format, limit=limit, keep=tuple(keep))
     sample = [r for _, r in head if not isinstance(r, RowError)]
     if not sample:
         result.errors = sorted((r for _, r in head), key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
@@ -251,6 +258,9 @@ def _take(result: ValidationResult, adapter, chunk: list[LocatedItem]) -> bool:
             continue
         try:
             produced[pos] = adapter(record, kind)
+            if result.keep:
+                kept = _kept_fields(record, result.keep)
+                produced[pos] = [Example({**ex.row, "fields": kept}, ex.origin) for ex in produced[pos]]
         except FieldError as e:
             errors[pos] = [RowError(name, line, e.field, e.message, index)]
             continue
@@ -276,6 +286,19 @@ def _take(result: ValidationResult, adapter, chunk: list[LocatedItem]) -> bool:
         if result.limit is not None and len(result.rows) >= result.limit:
             return True
     return False
+
+
+def _kept_fields(record: dict[str, Any], keep: tuple[str, ...]) -> dict[str, Any]:
+    """``{field: record[field]}`` for ``keep``. Raises FieldError for a missing or non-scalar field."""
+    out = {}
+    for name in keep:
+        if name not in record:
+            raise FieldError(name, "missing (a breakdown field: every row needs it)")
+        value = record[name]
+        if value is not None and not isinstance(value, (str, int, float, bool)):
+            raise FieldError(name, f"a breakdown field must be a string or number, not {type(value).__name__}")
+        out[name] = value
+    return out
 
 
 def check_threshold(result: ValidationResult, max_bad_fraction: float = 0.0) -> None:

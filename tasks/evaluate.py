@@ -1,11 +1,13 @@
 """evaluate: the starting policy and the RL policy side by side on held-out prompts.
 
 The starting policy is named ``sft``, or ``base`` when ``sft.enabled`` is false (RL then
-started from the converted base model); metrics are ``<name>/accuracy``, ``rl/accuracy``
-and the paired difference ``rl_minus_<name>/accuracy``.
+started from the converted base model). The benchmarks are ``data.rl_eval`` (metrics
+``<name>/accuracy``, ``rl/accuracy``, the paired difference ``rl_minus_<name>/accuracy``,
+pass@k, maj@k, ...) and each ``evaluate.datasets`` entry (``<policy>/<benchmark>/<metric>``,
+its file validated here: ``engine.evaluation.benchmarks``); docs/evaluation.md lists the metrics.
 
-Artifact: ``metrics.json`` (accuracy and mean reward with standard errors per policy),
-``samples.jsonl`` (every prompt, response and score), ``reward_curve.png`` (RL training
+Artifact: ``metrics.json`` (every metric of every benchmark per policy, with standard errors),
+``samples.jsonl`` (every benchmark's prompts, responses and scores), ``reward_curve.png`` (RL training
 reward per step) and ``report.md``; the report is also a Prefect markdown artifact.
 """
 
@@ -20,9 +22,16 @@ def baseline_name(cfg: PipelineConfig) -> str:
     return "sft" if cfg.sft.enabled else "base"
 
 
+def benchmark_files(cfg: PipelineConfig) -> dict[str, str]:
+    """``benchmark_<name>`` -> path of each ``evaluate.datasets`` file: raw inputs, hashed into
+    the fingerprint by content (``data.rl_eval`` reaches this stage through validate's artifact)."""
+    return {f"benchmark_{b.name}": b.path for b in cfg.evaluate.datasets}
+
+
 SPEC = StageSpec(
     name="evaluate",
     inputs=lambda cfg: ("validate", starting_policy(cfg), "rl"),
+    raw_inputs=benchmark_files,
     config=lambda cfg: {
         "evaluate": cfg.evaluate.model_dump(),
         "verifier": cfg.rl.reward.verifier,
@@ -35,27 +44,29 @@ SPEC = StageSpec(
 
 @stage_task(SPEC)
 def evaluate(ctx: StageContext) -> dict:
-    """Generations of both policies on ``rl_eval`` (greedy by default), scored by the verifier."""
+    """Generations of both policies on every benchmark (``rl_eval`` and ``evaluate.datasets``;
+    greedy by default), scored by each one's verifier."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from engine.evaluation.scoring import evaluate_model_dirs
-    from engine.evaluation.statistics import paired_difference
-    from engine.evaluation.report import plot_reward_curve, write_eval_report
+    from engine.evaluation.benchmarks import load_benchmark, stage_metrics
+    from engine.evaluation.scoring import evaluate_benchmarks
+    from engine.evaluation.report import plot_reward_curve, write_benchmark_report
 
     cfg = ctx.cfg
     base = baseline_name(cfg)
-    results = evaluate_model_dirs(
+    settings = cfg.evaluate.benchmarks(cfg.rl.reward.verifier, cfg.data.rl_eval is not None)
+    if not settings:
+        raise ValueError("evaluate: no benchmark to evaluate; set data.rl_eval or evaluate.datasets")
+    benchmarks = [load_benchmark(b, ctx.input_path("validate") / "rl_eval.jsonl") for b in settings]
+    results = evaluate_benchmarks(
         {base: ctx.input_path(starting_policy(cfg)) / "model", "rl": ctx.input_path("rl") / "model"},
-        ctx.input_path("validate") / "rl_eval.jsonl",
-        cfg.evaluate,
-        verifier=cfg.rl.reward.verifier,
+        benchmarks,
+        backend=cfg.evaluate.backend,
+        precision=cfg.evaluate.precision,
         engine_cfg=cfg.rl.engine,
         gpu_memory_utilization=cfg.rl.rollout.gpu_memory_utilization,
         seed=cfg.run.seed,
     )
-    markdown = write_eval_report(results, ctx.workdir)
+    markdown = write_benchmark_report(results, ctx.workdir)
     plot_reward_curve(ctx.input_path("rl") / "metrics.jsonl", ctx.workdir / "reward_curve.png")
     ctx.markdown.append(markdown)
-    metrics = {f"{policy}/{k}": v for policy, r in results.items() for k, v in r.items() if isinstance(v, (int, float))}
-    delta, delta_se = paired_difference(results[base], results["rl"])
-    metrics.update({f"rl_minus_{base}/accuracy": delta, f"rl_minus_{base}/accuracy_se": delta_se})
-    return metrics
+    return stage_metrics(results, base)

@@ -27,7 +27,8 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
     ``reward_function_<i>`` / ``environment`` / ``algorithm`` / ``policy_loss`` for the
     named module, ``<that key>/<module>`` for what it imports. A module that cannot be
     found is left out here; the run then fails naming ``rl.reward.functions[i].path``,
-    ``rl.environment``, ``rl.algorithm`` or ``rl.policy_loss``."""
+    ``rl.environment``, ``rl.algorithm`` or ``rl.policy_loss``. Also the benchmark file
+    ``rl.eval_every`` evaluates when it is an ``evaluate.datasets`` entry (``benchmark_<name>``)."""
     paths = {f"reward_function_{i}": fn.path for i, fn in enumerate(cfg.rl.reward.functions)}
     if cfg.rl.environment is not None:
         paths["environment"] = cfg.rl.environment
@@ -39,7 +40,19 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
         module = path.partition(":")[0]
         for name, file in sorted(user_modules(module).items()):
             files[key if name == module else f"{key}/{name}"] = str(file)
+    bench = eval_benchmark(cfg)
+    if bench is not None and bench.path is not None:  # rl.eval_every reads an evaluate.datasets file
+        files[f"benchmark_{bench.name}"] = bench.path
     return files
+
+
+def eval_benchmark(cfg: PipelineConfig):
+    """The resolved ``config.evaluate.BenchmarkSettings`` that ``rl.eval_every`` evaluates
+    (``rl.eval_benchmark``, with the evaluate stage's settings), or None when it is off."""
+    if not cfg.rl.eval_every:
+        return None
+    benchmarks = cfg.evaluate.benchmarks(cfg.rl.reward.verifier, cfg.data.rl_eval is not None)
+    return next(b for b in benchmarks if b.name == cfg.rl.eval_benchmark)  # the config checked it exists
 
 
 # Where the engine runs, how weights are chunked for sync, how often metrics are logged and
@@ -52,7 +65,8 @@ _NOT_FINGERPRINTED = {
 SPEC = StageSpec(
     name="rl",
     inputs=_inputs,
-    config=lambda cfg: {"rl": cfg.rl.model_dump(exclude=_NOT_FINGERPRINTED), "seed": cfg.run.seed},
+    config=lambda cfg: {"rl": cfg.rl.model_dump(exclude=_NOT_FINGERPRINTED), "seed": cfg.run.seed,
+                        **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {})},
     raw_inputs=_reward_plugin_files,
     summary=("critic/score/mean", "actor/pg_loss"),
 )
@@ -65,6 +79,12 @@ def rl(ctx: StageContext) -> dict:
     from engine.rl.loop import run_rl
 
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
+    evaluator = None
+    if ctx.cfg.rl.eval_every:  # the evaluate stage's code, on the rollout engines (engine.evaluation)
+        from engine.evaluation.benchmarks import PolicyEvaluator, load_benchmark
+
+        bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl")
+        evaluator = PolicyEvaluator(bench, seed=ctx.cfg.run.seed)
     return run_rl(
         ctx.input_path(starting_policy(ctx.cfg)) / "model",
         ctx.input_path("validate") / "rl_train.jsonl",
@@ -74,4 +94,5 @@ def rl(ctx: StageContext) -> dict:
         seed=ctx.cfg.run.seed,
         reward_model_dir=rm_dir,
         log_metrics=ctx.log_metrics,
+        evaluator=evaluator,
     )

@@ -7,16 +7,21 @@ Layers, bottom up:
   that are already decoded (no model involved).
 - :func:`evaluate_policy` (here): one policy behind any :class:`~engine.rollout.base.RolloutEngine`:
   render prompts with the chat template, generate, decode, verify, summarize.
-- :func:`evaluate_model_dirs` (here): the evaluate stage's driver: model directories (Megatron +
+- :class:`Benchmark` and :func:`run_benchmark` (here): one benchmark's rows and settings, and
+  its evaluation on an engine: what the evaluate stage and ``rl.eval_every`` both run.
+- :func:`evaluate_benchmarks` (here): the evaluate stage's driver: model directories (Megatron +
   ``hf/``) -> HF SafeTensors -> one rollout engine (vLLM or HF) shared by all policies
-  (later policies are loaded with ``update_weights``).
-- :func:`engine.evaluation.report.plot_reward_curve` and
-  :func:`engine.evaluation.report.write_eval_report`: the artifact's PNG, JSON, JSONL and
-  markdown.
+  (later policies are loaded with ``update_weights``) and benchmarks;
+  :func:`evaluate_model_dirs`: the same for one set of rows.
+- :mod:`engine.evaluation.benchmarks`: the benchmarks of a config (files validated), the
+  stage's metric names, the evaluator ``rl.eval_every`` runs.
+- :func:`engine.evaluation.report.write_eval_report`: the artifact's JSON, JSONL and markdown;
+  :mod:`engine.evaluation.curves`: the PNGs of the training curves and their key numbers.
 
-Metric names (per policy): ``n``, ``accuracy``, ``accuracy_se``, ``mean_reward``,
-``mean_reward_se``, ``response_length/mean`` (tokens, EOS included),
-``response_length/clip_ratio`` (fraction that hit ``max_new_tokens``).
+Metric names (per policy and benchmark): ``n``, ``samples``, ``accuracy`` (mean@k),
+``mean_reward``, ``pass@k``, ``maj@k`` (each with ``_se``), ``response_length/mean``,
+``/p50``, ``/p90``, ``/max`` (tokens, EOS included), ``response_length/clip_ratio`` (fraction
+that hit ``max_new_tokens``) and ``by_<field>/<value>/...`` (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import json
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from engine.evaluation.statistics import Verifier, evaluate_generations
+from engine.evaluation.statistics import AnswerVoting, Verifier, evaluate_generations
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
 
 if TYPE_CHECKING:
@@ -64,6 +70,9 @@ def evaluate_policy(
     *,
     seed: int = 0,
     samples_per_prompt: int = 1,
+    ks: Sequence[int] | None = None,
+    voting: AnswerVoting | None = None,
+    breakdown: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Generate ``samples_per_prompt`` responses per prompt with ``engine`` and score them.
 
@@ -82,6 +91,10 @@ def evaluate_policy(
         seed: sampling seed.
         samples_per_prompt: responses per prompt (>1 only makes sense with temperature > 0);
             accuracy is then mean@k and its SE is over prompts.
+        ks, voting: the k of pass@k / maj@k and the verifier's answer voting (see
+            :func:`evaluate_generations`).
+        breakdown: fields of each row's ``fields`` (kept by the validation, ``data.validate``'s
+            ``keep``) to break the metrics down by.
 
     Returns:
         :func:`evaluate_generations`'s dict; each record also has ``prompt`` (the messages)
@@ -90,7 +103,7 @@ def evaluate_policy(
         which the report shows instead of U+FFFD.
 
     Raises:
-        KeyError: a row lacks ``prompt`` or ``label`` (names the row index).
+        KeyError: a row lacks ``prompt`` or ``label``, or a breakdown field (names the row index).
     """
     from data.chat import encode_prompt
 
@@ -98,6 +111,9 @@ def evaluate_policy(
         for key in ("prompt", "label"):
             if key not in row:
                 raise KeyError(f"evaluate_policy: eval_rows[{i}] has no {key!r}")
+        missing = [f for f in breakdown if f not in row.get("fields", {})]
+        if missing:
+            raise KeyError(f"evaluate_policy: eval_rows[{i}] has no breakdown field {', '.join(map(repr, missing))}")
     prompt_ids = [encode_prompt(tokenizer, row["prompt"], tools=row.get("tools")) for row in eval_rows]
     k = samples_per_prompt
     spec = SamplingSpec(n=k, temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens, seed=seed)
@@ -111,6 +127,9 @@ def evaluate_policy(
         response_lengths=[len(o.token_ids) for o in outputs],
         finish_reasons=[o.finish_reason for o in outputs],
         prompt_index=[i for i in range(len(eval_rows)) for _ in range(k)],
+        ks=ks,
+        voting=voting,
+        breakdown={f: [row["fields"][f] for row in eval_rows] for f in breakdown},
     )
     from data.chat_response import readable_text
 
@@ -154,6 +173,151 @@ def _hf_tensors(hf_dir: Path):
         yield from load_file(str(shard)).items()
 
 
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark, ready to run: its rows and how to generate and score them.
+
+    Attributes:
+        name: metric prefix (``rl_eval`` for ``data.rl_eval``).
+        rows: normalized ``rl`` rows ``{"prompt", "label", "fields"?}`` (``fields``: the
+            breakdown values, ``data.validate``'s ``keep``).
+        verifier: a ``data.rewards.VERIFIERS`` name; its answer extraction gives maj@k
+            (:func:`engine.evaluation.statistics.answer_voting`; none for ``story``).
+        samples_per_prompt, temperature, max_new_tokens: sampling (temperature 0 = greedy).
+        k: the k of pass@k and maj@k (None: 1 and ``samples_per_prompt``).
+        breakdown: fields of ``rows[i]["fields"]`` to break the metrics down by.
+    """
+
+    name: str
+    rows: tuple[Mapping[str, Any], ...]
+    verifier: str
+    samples_per_prompt: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int = 32
+    k: tuple[int, ...] | None = None
+    breakdown: tuple[str, ...] = ()
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences one generate call submits: prompts x samples."""
+        return len(self.rows) * self.samples_per_prompt
+
+    def context_tokens(self, tokenizer) -> int:
+        """The longest prompt as :func:`evaluate_policy` submits it (``data.chat.encode_prompt``)
+        plus ``max_new_tokens``: the engine context the benchmark needs."""
+        from data.chat import encode_prompt
+
+        return max(len(encode_prompt(tokenizer, r["prompt"], tools=r.get("tools"))) for r in self.rows) + self.max_new_tokens
+
+
+def run_benchmark(engine: RolloutEngine, tokenizer, bench: Benchmark, seed: int = 0) -> dict[str, Any]:
+    """:func:`evaluate_policy` of ``bench`` on the policy ``engine`` holds: the one
+    evaluation code of the evaluate stage and of ``rl.eval_every``.
+
+    Raises: ValueError for an unknown verifier; as :func:`evaluate_policy`.
+    """
+    from data.rewards import get_verifier
+    from engine.evaluation.statistics import answer_voting
+
+    return evaluate_policy(
+        engine, tokenizer, bench.rows, get_verifier(bench.verifier), bench.max_new_tokens, bench.temperature,
+        seed=seed, samples_per_prompt=bench.samples_per_prompt, ks=bench.k, voting=answer_voting(bench.verifier),
+        breakdown=bench.breakdown)
+
+
+def evaluate_benchmarks(
+    model_dirs: Mapping[str, str | os.PathLike],
+    benchmarks: Sequence[Benchmark],
+    *,
+    backend: str = "vllm",
+    precision: str | None = None,
+    engine_cfg: EngineConfig | None = None,
+    gpu_memory_utilization: float | None = None,
+    seed: int = 0,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Evaluate several policies on several benchmarks with one rollout engine.
+
+    Each model directory (``megatron/`` + ``hf/``) is exported to a temporary HF SafeTensors
+    directory (:func:`engine.storage.hf_io.export_model_dir`) in the compute dtype of
+    ``precision`` (bf16: bfloat16, fp32: float32; None/auto resolved by
+    :func:`config.precision.resolve_precision`), and the rollout engine runs in that dtype
+    (:func:`engine.rollout.factory.build_rollout_engine`). The first policy starts the
+    engine; a later policy with the same ``config.json`` is swapped in with
+    ``engine.update_weights``; one with another architecture gets its own engine (sharing
+    saves a start-up; with the KV cache sized from the run a second vLLM engine in the process
+    also starts, which vLLM's fraction-of-memory default did not allow, as it counted the first
+    engine's reservation as used). Each policy runs every benchmark (:func:`run_benchmark`)
+    before the next policy is loaded; all policies see the same prompts, settings and seed.
+
+    Args:
+        model_dirs: ``{policy_name: model_dir}``, e.g. ``{"sft": ..., "rl": ...}``.
+        benchmarks: the :class:`Benchmark` s, names distinct.
+        backend: ``evaluate.backend`` (``vllm`` or ``hf``).
+        precision: ``evaluate.precision``.
+        engine_cfg: ``config.rl.EngineConfig``; evaluation runs its rollout engine in
+            this process, so placement and Ray settings do not apply to it; ``num_cpus`` is
+            this process's torch thread count (None: every core, ``os.cpu_count()``), set
+            before the engine starts (vLLM's CPU worker then pins it).
+        gpu_memory_utilization: an explicit vLLM memory fraction (see
+            :class:`engine.rollout.vllm_rollout.VLLMRollout`); None sizes vLLM's KV cache for
+            the largest benchmark's prompts x ``samples_per_prompt`` at once, each up to the
+            longest prompt of any benchmark plus its ``max_new_tokens`` (within the model's
+            ``max_position_embeddings``).
+        seed: sampling seed (and vLLM's engine seed).
+
+    Returns:
+        ``{benchmark: {policy_name: evaluate_policy(...) result}}`` in the given orders.
+
+    Raises:
+        ValueError: no benchmark, repeated names, an unknown verifier or backend; errors of export.
+    """
+    from transformers import AutoTokenizer
+
+    from config.precision import DTYPE_NAMES, resolve_precision
+    from data.rewards import get_verifier
+    from engine.models.platform import worker_threads
+    from engine.rollout.factory import build_rollout_engine
+    from engine.storage.hf_io import export_model_dir
+    from tqdm import tqdm
+
+    names = [b.name for b in benchmarks]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"evaluate_benchmarks: benchmarks {names}: need at least one, each name once")
+    for b in benchmarks:
+        get_verifier(b.verifier)  # an unknown name fails here, before any export
+    precision = resolve_precision(precision)
+    # explicit, not torch's default: under load the default oversubscribed the cores
+    worker_threads(engine_cfg.num_cpus if engine_cfg is not None else None)
+    results: dict[str, dict[str, dict[str, Any]]] = {b.name: {} for b in benchmarks}
+    engine, engine_config = None, None
+    # one bar over every generated sequence; disable=None: drawn on a terminal only, no log lines
+    progress = tqdm(total=len(model_dirs) * sum(b.num_sequences for b in benchmarks), desc="evaluate", unit="seq",
+                    disable=None)
+    with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp, progress:
+        for name, model_dir in model_dirs.items():
+            hf_dir = export_model_dir(model_dir, Path(tmp) / name, dtype=DTYPE_NAMES[precision])
+            tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+            config = json.loads((hf_dir / "config.json").read_text())
+            if engine is not None and config == engine_config:
+                engine.update_weights(_hf_tensors(hf_dir))
+            else:
+                context = max(b.context_tokens(tokenizer) for b in benchmarks)
+                engine = build_rollout_engine(
+                    backend, hf_dir, what="evaluate.backend", tokenizer=tokenizer,
+                    gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                    num_sequences=max(b.num_sequences for b in benchmarks),
+                    max_model_len=min(int(config["max_position_embeddings"]), context), precision=precision)
+                engine_config = config
+            for bench in benchmarks:
+                logger.info("evaluating policy %r on %s: %d prompts (%s backend, %s)", name, bench.name,
+                            len(bench.rows), backend, precision)
+                result = results[bench.name][name] = run_benchmark(engine, tokenizer, bench, seed)
+                progress.update(bench.num_sequences)
+                logger.info("policy %r on %s: accuracy %.4f ± %.4f", name, bench.name, result["accuracy"],
+                            result["accuracy_se"])
+    return results
+
+
 def evaluate_model_dirs(
     model_dirs: Mapping[str, str | os.PathLike],
     eval_path: str | os.PathLike,
@@ -164,79 +328,16 @@ def evaluate_model_dirs(
     gpu_memory_utilization: float | None = None,
     seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """Evaluate several policies on the same held-out prompts with one rollout engine.
+    """:func:`evaluate_benchmarks` of one benchmark, the normalized ``rl`` JSONL ``eval_path``
+    with the settings of ``cfg`` (``config.evaluate.EvaluateConfig``: ``num_prompts``,
+    ``max_new_tokens``, ``temperature``, ``samples_per_prompt``, ``k``, ``backend``,
+    ``precision``) and ``verifier``.
 
-    Each model directory (``megatron/`` + ``hf/``) is exported to a temporary HF SafeTensors
-    directory (:func:`engine.storage.hf_io.export_model_dir`) in the compute dtype of
-    ``evaluate.precision`` (bf16: bfloat16, fp32: float32; None/auto resolved by
-    :func:`config.precision.resolve_precision`), and the rollout engine runs in that dtype
-    (:func:`engine.rollout.factory.build_rollout_engine`). The first policy starts the
-    engine; a later policy with the same ``config.json`` is swapped in with
-    ``engine.update_weights``; one with another architecture gets its own engine (sharing
-    saves a start-up; with the KV cache sized from the run a second vLLM engine in the process
-    also starts, which vLLM's fraction-of-memory default did not allow, as it counted the first
-    engine's reservation as used). All policies see the same prompts, budget, temperature and seed.
+    Returns: ``{policy_name: evaluate_policy(...) result}`` in ``model_dirs`` order.
 
-    Args:
-        model_dirs: ``{policy_name: model_dir}``, e.g. ``{"sft": ..., "rl": ...}``.
-        eval_path: normalized ``rl`` JSONL (``prompt``, ``label``).
-        cfg: ``config.evaluate.EvaluateConfig`` (``num_prompts``, ``max_new_tokens``,
-            ``temperature``, ``backend``, ``precision``).
-        verifier: a ``data.rewards.VERIFIERS`` name.
-        engine_cfg: ``config.rl.EngineConfig``; evaluation runs its rollout engine in
-            this process, so placement and Ray settings do not apply to it; ``num_cpus`` is
-            this process's torch thread count (None: every core, ``os.cpu_count()``), set
-            before the engine starts (vLLM's CPU worker then pins it).
-        gpu_memory_utilization: an explicit vLLM memory fraction (see
-            :class:`engine.rollout.vllm_rollout.VLLMRollout`); None sizes vLLM's KV cache for
-            all prompts x ``samples_per_prompt`` at once, each up to the longest prompt plus
-            ``max_new_tokens`` (within the model's ``max_position_embeddings``).
-        seed: sampling seed (and vLLM's engine seed).
-
-    Returns:
-        ``{policy_name: evaluate_policy(...) result}`` in ``model_dirs`` order.
-
-    Raises:
-        ValueError: unknown verifier or backend, bad evaluation rows; errors of export.
+    Raises: ValueError: unknown verifier or backend, bad evaluation rows; errors of export.
     """
-    from transformers import AutoTokenizer
-
-    from config.precision import DTYPE_NAMES, resolve_precision
-    from data.chat import encode_prompt
-    from data.rewards import get_verifier
-    from engine.models.platform import worker_threads
-    from engine.rollout.factory import build_rollout_engine
-    from engine.storage.hf_io import export_model_dir
-
-    verify = get_verifier(verifier)
-    precision = resolve_precision(cfg.precision)
-    rows = read_eval_rows(eval_path, cfg.num_prompts)
-    # explicit, not torch's default: under load the default oversubscribed the cores
-    worker_threads(engine_cfg.num_cpus if engine_cfg is not None else None)
-    results: dict[str, dict[str, Any]] = {}
-    engine, engine_config = None, None
-    with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp:
-        for name, model_dir in model_dirs.items():
-            hf_dir = export_model_dir(model_dir, Path(tmp) / name, dtype=DTYPE_NAMES[precision])
-            tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
-            config = json.loads((hf_dir / "config.json").read_text())
-            if engine is not None and config == engine_config:
-                engine.update_weights(_hf_tensors(hf_dir))
-            else:
-                # the ids evaluate_policy will submit
-                longest = max(len(encode_prompt(tokenizer, row["prompt"], tools=row.get("tools"))) for row in rows)
-                max_len = min(int(config["max_position_embeddings"]), longest + cfg.max_new_tokens)
-                engine = build_rollout_engine(
-                    cfg.backend, hf_dir, what="evaluate.backend", tokenizer=tokenizer,
-                    gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-                    num_sequences=len(rows) * cfg.samples_per_prompt, max_model_len=max_len, precision=precision)
-                engine_config = config
-            logger.info("evaluating policy %r on %d prompts (%s backend, %s)", name, len(rows), cfg.backend, precision)
-            results[name] = evaluate_policy(
-                engine, tokenizer, rows, verify, cfg.max_new_tokens, cfg.temperature, seed=seed,
-                samples_per_prompt=cfg.samples_per_prompt,
-            )
-            logger.info(
-                "policy %r: accuracy %.4f ± %.4f", name, results[name]["accuracy"], results[name]["accuracy_se"]
-            )
-    return results
+    bench = Benchmark("rl_eval", tuple(read_eval_rows(eval_path, cfg.num_prompts)), verifier, cfg.samples_per_prompt,
+                      cfg.temperature, cfg.max_new_tokens, None if cfg.k is None else tuple(cfg.k))
+    return evaluate_benchmarks(model_dirs, [bench], backend=cfg.backend, precision=cfg.precision, engine_cfg=engine_cfg,
+                               gpu_memory_utilization=gpu_memory_utilization, seed=seed)[bench.name]

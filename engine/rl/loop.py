@@ -32,6 +32,10 @@ With ``rl.dump_rollouts`` each step's batch is written between phases 4 and 5, b
 update, and the train state beside each checkpoint (``rl/rollout_dump.py``), so that
 ``rl/replay.py`` can run a step's updates again without rollout.
 
+With ``rl.eval_every`` the policy is evaluated after the weight sync of every N-th step and
+of the last one (:func:`evaluate_if_due`), on the rollout engines that now hold it, by the
+evaluate stage's code (the ``evaluator`` the rl stage passes in), as ``val/<benchmark>/*``.
+
 So an iteration reads in ``rl/{loop,phases,prefetch,workers,metrics,checkpoint}.py``,
 ``backends/megatron/actor.py``, ``training/{actor,optimizer_step}.py`` and
 ``algorithms/{advantages,policy_loss}.py`` (PPO adds ``training/critic.py``); below them sit
@@ -53,6 +57,7 @@ trainer's and the rollout engine's disagree (fp32 noise when weight sync works; 
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +90,8 @@ class RunSetup:
         identity: what a checkpoint in ``resume_dir`` must match (:func:`check_checkpoint`).
         rollout_len: the rollout engine's context in tokens: the longest prompt and its whole
             response budget (multi-turn observations and partial-rollout continuations count
-            against the budget), at most the model's ``max_position_embeddings``.
+            against the budget), or the evaluation's when longer (``rl.eval_every``), at most
+            the model's ``max_position_embeddings``.
         pad_id: the padding token id of the trajectories.
     """
 
@@ -96,12 +102,14 @@ class RunSetup:
     pad_id: int
 
 
-def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, seed: int) -> RunSetup:
+def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, seed: int,
+                evaluator=None) -> RunSetup:
     """Load the tokenizer and the prompts and derive the run's identity and lengths.
 
     A checkpoint may be continued with a different ``steps`` (train longer) or checkpoint
     interval; everything else in the identity must match. (The cosine schedule then spans
-    the new total.)
+    the new total.) With ``rl.eval_every``, the rollout context also holds the ``evaluator``'s
+    longest prompt and response (``evaluator.context_tokens(tokenizer)``).
 
     Raises: ValueError: a bad prompt row (names file and line) or a prompt too long for the model.
     """
@@ -112,8 +120,10 @@ def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLC
     prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens)
     run_config = cfg.model_dump(mode="json", exclude={"engine", "steps", "checkpoint_every"})
     identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
-    rollout_len = min(max_len, max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens)
-    return RunSetup(tokenizer, prompts, identity, rollout_len, pad_token_id(tokenizer))
+    rollout_len = max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens
+    if cfg.eval_every and evaluator is not None:
+        rollout_len = max(rollout_len, evaluator.context_tokens(tokenizer))
+    return RunSetup(tokenizer, prompts, identity, min(max_len, rollout_len), pad_token_id(tokenizer))
 
 
 def check_environment(cfg: RLConfig) -> None:
@@ -152,9 +162,38 @@ def tear_down(workers: Workers, pipeline: RolloutPipeline | None, out_dir: Path)
     shutil.rmtree(out_dir / ".rollout", ignore_errors=True)
 
 
+class RolloutEngineView:
+    """The run's rollout engines (``workers.rollout``, behind the router) as an
+    ``engine.rollout.base.RolloutEngine`` for ``rl.eval_every``'s evaluator: ``generate``
+    only (through ``phases.rollout_call``, one chunk); the weights are the actor's, synced by
+    ``sync_weights``, never set through this view."""
+
+    def __init__(self, workers: Workers):
+        self.workers = workers
+
+    def generate(self, prompt_token_ids, sampling):
+        """As ``RolloutEngine.generate``: ``sampling.n`` outputs per prompt, in prompt order."""
+        return phases.rollout_call(self.workers, "generate_versioned", (prompt_token_ids, sampling, None)).outputs.outputs
+
+    def update_weights(self, named_tensors) -> None:
+        raise NotImplementedError("RolloutEngineView: the rollout engines take the actor's weights (sync_weights)")
+
+
+def evaluate_if_due(workers: Workers, evaluator, cfg: RLConfig, step: int, tokenizer) -> dict[str, float]:
+    """``rl.eval_every``: at every ``eval_every``-th step and at the last one, the
+    ``evaluator``'s metrics (``val/<benchmark>/<metric>``) of the policy the rollout engines
+    hold (this step's update, synced), plus ``timing_s/eval`` (seconds the evaluation added,
+    not part of ``timing_s/step``); ``{}`` at other steps or with ``eval_every`` 0/None."""
+    if not cfg.eval_every or (step % cfg.eval_every and step != cfg.steps):
+        return {}
+    t0 = time.perf_counter()
+    metrics = evaluator(RolloutEngineView(workers), tokenizer)
+    return {**metrics, "timing_s/eval": time.perf_counter() - t0}
+
+
 def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, out_dir: str | Path,
            resume_dir: str | Path | None, seed: int = 0, reward_model_dir: str | Path | None = None,
-           log_metrics: MetricsLogger | None = None) -> dict[str, float]:
+           log_metrics: MetricsLogger | None = None, evaluator=None) -> dict[str, float]:
     """Train the policy in ``policy_dir`` for ``cfg.steps`` RL steps (``cfg.algorithm``, GRPO by default).
 
     Args:
@@ -167,6 +206,10 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         seed: data-order and sampling seed.
         reward_model_dir: reward-model directory, needed when ``cfg.reward.reward_model_weight != 0``.
         log_metrics: called as ``log_metrics(metrics, step)`` after every step.
+        evaluator: with ``cfg.eval_every``, ``evaluator(engine, tokenizer) -> {name: value}``
+            evaluates the policy ``engine`` holds, with ``context_tokens(tokenizer)`` (the
+            engine context it needs): ``engine.evaluation.benchmarks.PolicyEvaluator``, the
+            evaluate stage's code (given here, as engine.rl does not import engine.evaluation).
 
     Returns: the last step's metrics plus ``rl/steps`` (total), ``rl/resumed_from_step``
         (0 for a fresh start) and ``rl/steps_run`` (steps this call executed).
@@ -176,11 +219,14 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         ValueError: a bad prompt row (names file and line), a prompt too long for the model,
             or a ``resume_dir`` written by a different config, prompt set or seed (``steps``
             and ``checkpoint_every`` may differ: a finished run can be continued for more
-            steps; the learning-rate schedule then follows the new total).
+            steps; the learning-rate schedule then follows the new total); ``cfg.eval_every``
+            without an ``evaluator``.
     """
+    if cfg.eval_every and evaluator is None:
+        raise ValueError("rl.eval_every is set but run_rl was given no evaluator")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = prepare_run(policy_dir, train_prompts_path, cfg, seed)
+    run = prepare_run(policy_dir, train_prompts_path, cfg, seed, evaluator)
     check_checkpoint(resume_dir, run.identity)
     check_environment(cfg)
     check_algorithm_plugins(cfg)  # rl.algorithm / rl.policy_loss plug-ins load before any worker starts
@@ -209,8 +255,9 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             traj, actor_metrics = phases.update_actor(workers, traj, train_policy, timer)
             policy_version = version
             version = phases.sync_weights(workers, cfg, version, train_policy, timer)
-            log.append(step_metrics(step, traj, {**critic_metrics, **actor_metrics},
-                                    {**batch.reward_metrics, **kl_metrics}, timer, policy_version))
+            metrics = step_metrics(step, traj, {**critic_metrics, **actor_metrics},
+                                   {**batch.reward_metrics, **kl_metrics}, timer, policy_version)
+            log.append({**metrics, **evaluate_if_due(workers, evaluator, cfg, step, run.tokenizer)})  # rl.eval_every
             dumps.after_step(workers, step, traj, log.last, batch.position)
             checkpoint_if_due(workers, resume_dir, cfg, step, batch.position, run.identity, log.history)
         dumps.publish(out_dir)

@@ -273,13 +273,15 @@ def test_sft_code_version_covers_the_sft_engine_and_no_other_stages():
     assert not _under(mods, "engine.rl", "engine.backends.deepspeed", "engine.evaluation"), mods
 
 
-def test_rl_code_version_covers_the_rl_engine_and_not_evaluation():
+def test_rl_code_version_covers_the_rl_engine_and_the_evaluator():
     """The rl stage's code version covers the RL loop and both training backends (``rl.backend``
-    picks one at run time), and not the evaluation engine."""
+    picks one at run time), and the evaluate stage's scoring, which ``rl.eval_every`` runs
+    inside the loop (its ``val/*`` metrics are part of the artifact), but not its report."""
     mods = modules_of("tasks.rl")
     assert {"engine.rl.loop", "engine.rl.phases", "engine.rl.workers", "engine.training.actor"} <= set(mods)
     assert {"engine.backends.megatron.actor", "engine.backends.deepspeed.actor"} <= set(mods)
-    assert not _under(mods, "engine.evaluation"), mods
+    assert {"engine.evaluation.benchmarks", "engine.evaluation.scoring", "engine.evaluation.statistics"} <= set(mods)
+    assert "engine.evaluation.report" not in modules_of("engine.evaluation.benchmarks")
 
 
 def test_rm_code_version_covers_the_reward_trainers_and_no_rl_code():

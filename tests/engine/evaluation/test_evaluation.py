@@ -152,14 +152,17 @@ def test_write_eval_report(tmp_path):
     out = tmp_path / "report"
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "report.md", "samples.jsonl"]
     metrics = json.loads((out / "metrics.json").read_text())
+    # one sample per prompt: pass@1 = accuracy; lengths [2, 3]: p50 2.5, p90 2 + 0.9 * (3 - 2) = 2.9
     assert metrics["sft"] == {
-        "n": 2, "accuracy": 0.5, "accuracy_se": 0.5, "mean_reward": 0.5, "mean_reward_se": 0.5,
-        "response_length/mean": 2.5, "response_length/clip_ratio": 0.0,
+        "n": 2, "samples": 2, "accuracy": 0.5, "accuracy_se": 0.5, "mean_reward": 0.5, "mean_reward_se": 0.5,
+        "pass@1": 0.5, "pass@1_se": 0.5, "response_length/mean": 2.5, "response_length/p50": 2.5,
+        "response_length/p90": 2.9, "response_length/max": 3.0, "response_length/clip_ratio": 0.0,
     }
     assert metrics["rl"]["accuracy"] == 1.0 and metrics["rl"]["accuracy_se"] == 0.0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [(s["policy"], s["response"], s["correct"]) for s in samples] == [
-        ("sft", "84", False), ("sft", "12", True), ("rl", "85", True), ("rl", "12", True)
+    assert [(s["benchmark"], s["policy"], s["response"], s["correct"]) for s in samples] == [
+        ("rl_eval", "sft", "84", False), ("rl_eval", "sft", "12", True), ("rl_eval", "rl", "85", True),
+        ("rl_eval", "rl", "12", True)
     ]
     assert (out / "report.md").read_text() == markdown
     assert "| metric | sft | rl |" in markdown

@@ -331,10 +331,21 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
+def sums_evaluator(policy):
+    """rl.eval_every's evaluator on the 25 sum prompts, greedy, 6 new tokens (the evaluate
+    stage's code: engine.evaluation.benchmarks.PolicyEvaluator), and its benchmark."""
+    from engine.evaluation.benchmarks import PolicyEvaluator
+    from engine.evaluation.scoring import Benchmark, read_eval_rows
+
+    bench = Benchmark("rl_eval", tuple(read_eval_rows(policy["prompts"])), "exact_match", max_new_tokens=6)
+    return PolicyEvaluator(bench, seed=0)
+
+
 @pytest.fixture(scope="module")
 def vllm_run(policy, ray_address, tmp_path_factory):
     """An uninterrupted 3-step GRPO run with vLLM rollout, whose rollout worker's Ray actor
-    holds a 2 GiB ballast (tests/engine/ballast.py) from before its engine starts."""
+    holds a 2 GiB ballast (tests/engine/ballast.py) from before its engine starts; evaluated
+    greedily on its prompts every 2 steps and at the last (rl.eval_every)."""
     import engine.rl.workers
     from engine.rl.loop import run_rl
     from tests.engine.ballast import BallastRolloutWorker
@@ -342,7 +353,8 @@ def vllm_run(policy, ray_address, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_vllm")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine.rl.workers, "RolloutWorker", BallastRolloutWorker)
-        result = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), out, None, seed=0)
+        result = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, eval_every=2), out, None, seed=0,
+                        evaluator=sums_evaluator(policy))
     return out, result
 
 
@@ -415,14 +427,17 @@ def test_data_parallel_actor_and_reference_match_dp1(vllm_run, policy, tmp_path)
 
 def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     """2 steps with a checkpoint each step; then steps=3 with the same resume_dir does only
-    step 3 and ends with exactly (bit for bit) the weights and metrics of the 3-step run."""
+    step 3 and ends with exactly (bit for bit) the weights and metrics of the 3-step run (its
+    rl.eval_every values at steps 2 and 3 included)."""
     from engine.rl.loop import run_rl
     from engine.storage.train_state import load_train_state
 
-    resume = tmp_path / "resume"
-    first = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 2), tmp_path / "a", resume, seed=0)
+    resume, evaluator = tmp_path / "resume", sums_evaluator(policy)
+    first = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 2, eval_every=2), tmp_path / "a", resume, seed=0,
+                   evaluator=evaluator)
     assert first["rl/steps_run"] == 2.0 and load_train_state(resume).step == 2
-    second = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3), tmp_path / "b", resume, seed=0)
+    second = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, eval_every=2), tmp_path / "b", resume,
+                    seed=0, evaluator=evaluator)
     assert (second["rl/resumed_from_step"], second["rl/steps_run"]) == (2.0, 1.0)
     full_out, _ = vllm_run
     resumed, full = read_metrics(tmp_path / "b"), read_metrics(full_out)
@@ -430,7 +445,30 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
     assert_same_weights(policy_weights(tmp_path / "b" / "model"), policy_weights(full_out / "model"))
     with pytest.raises(ValueError, match=r"train state was written by a different RL run \(config.kl.coef: 0.05 -> 0.1\)"):
-        run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl=KLConfig(coef=0.1)), tmp_path / "c", resume, seed=0)
+        run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl=KLConfig(coef=0.1), eval_every=2), tmp_path / "c",
+               resume, seed=0, evaluator=evaluator)
+
+
+def test_eval_every_logs_val_points_equal_to_the_evaluate_stage_code(vllm_run, policy):
+    """rl.eval_every=2 in a 3-step run: val/rl_eval/* at steps 2 and 3 (the last), none at
+    step 1. The last point, greedy in fp32 on the rollout engine after the final weight sync,
+    equals the evaluate stage's code (vLLM, fp32, the saved policy exported) on the same policy."""
+    from config.rl import EngineConfig
+    from engine.evaluation.scoring import evaluate_benchmarks
+    from engine.evaluation.statistics import scalar_metrics
+
+    out, _ = vllm_run
+    rows = read_metrics(out)
+    val = [{k.removeprefix("val/rl_eval/"): v for k, v in r.items() if k.startswith("val/rl_eval/")} for r in rows]
+    assert [r["step"] for r, v in zip(rows, val) if v] == [2, 3] and not val[0]
+    assert [("timing_s/eval" in r) for r in rows] == [False, True, True] and rows[2]["timing_s/eval"] > 0
+    bench = sums_evaluator(policy).benchmark
+    staged = evaluate_benchmarks({"rl": out / "model"}, [bench], backend="vllm", precision="fp32",
+                                 engine_cfg=EngineConfig(num_cpus=2), seed=0)["rl_eval"]["rl"]
+    expected = {k: float(v) for k, v in scalar_metrics(staged).items() if math.isfinite(v)}
+    assert val[2] == expected
+    assert val[2]["n"] == 25 and {"accuracy", "pass@1", "maj@1", "response_length/p90"} <= set(val[2])
+    assert 0.0 < val[2]["accuracy"] < 1.0  # the SFT policy answers some sums right: a real comparison
 
 
 @pytest.fixture(scope="module")
