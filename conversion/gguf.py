@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from conversion.export import write_hf_safetensors
 from conversion.spec import GPTSpec
@@ -196,7 +197,9 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     from conversion.registry import ConversionError, family
 
     spec, fam = family(config)
-    tensors = dict(_hf_tensors(g, config))
+    # disable=None: the bar is drawn on a terminal only, no log lines
+    tensors = dict(tqdm(_hf_tensors(g, config), total=len(g.reader.tensors), desc="import GGUF", unit="tensor",
+                        disable=None))
     expected = fam.hf_shapes(spec)
     for name, shape in expected.items():
         if name not in tensors:

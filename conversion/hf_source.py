@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 from conversion.export import TOKENIZER_FILES
 from conversion.gguf import gguf_to_hf
@@ -58,15 +59,19 @@ def _load_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         files = sorted(model_dir.glob("pytorch_model*.bin"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
-    for f in files:
-        try:
-            part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:  # safetensors' and torch's errors do not name the file
-            raise ValueError(f"{f}: cannot read the weights (corrupt or truncated file?): {e}") from e
-        repeated = sorted(part.keys() & state.keys())
-        if repeated:
-            raise ValueError(f"{f}: tensor {repeated[0]!r} is also in another weights file of {model_dir}")
-        state.update(part)
+    # one bar over the weight bytes; disable=None: drawn on a terminal only, no log lines
+    with tqdm(total=sum(f.stat().st_size for f in files), desc="read weights", unit="B", unit_scale=True,
+              disable=None) as progress:
+        for f in files:
+            try:
+                part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as e:  # safetensors' and torch's errors do not name the file
+                raise ValueError(f"{f}: cannot read the weights (corrupt or truncated file?): {e}") from e
+            repeated = sorted(part.keys() & state.keys())
+            if repeated:
+                raise ValueError(f"{f}: tensor {repeated[0]!r} is also in another weights file of {model_dir}")
+            state.update(part)
+            progress.update(f.stat().st_size)
     return config, state
 
 

@@ -23,6 +23,8 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
 
+from tqdm import tqdm
+
 from data.adapter_fields import Example, FieldError
 from data.adapters import ADAPTERS, DETECT_SAMPLE, detect, get_adapter
 from data.readers import FILE, LocatedItem, RowError, iter_located
@@ -226,7 +228,9 @@ def validate_dataset(
         raise ValueError(f"{name}: {e}; set {key}.format to a format that gives {kind}: {_formats_for(kind)}") from None
 
     chunk: list[LocatedItem] = []
-    for item in chain(head, items):
+    # one bar per file; disable=None: drawn on a terminal only, no log lines
+    records = tqdm(chain(head, items), desc=f"validate {key}", unit="rec", disable=None)
+    for item in records:
         chunk.append(item)
         if len(chunk) >= CHUNK:
             if _take(result, adapter, chunk):
@@ -234,6 +238,7 @@ def validate_dataset(
             chunk = []
     else:
         _take(result, adapter, chunk)
+    records.close()
     result.errors.sort(key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
     first: dict[str, int] = {}
     for line, row in zip(result.lines, result.rows):

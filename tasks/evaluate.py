@@ -8,12 +8,15 @@ its file validated here: ``engine.evaluation.benchmarks``); docs/evaluation.md l
 
 Artifact: ``metrics.json`` (every metric of every benchmark per policy, with standard errors),
 ``samples.jsonl`` (every benchmark's prompts, responses and scores), ``reward_curve.png`` (RL training
-reward per step) and ``report.md``; the report is also a Prefect markdown artifact.
+reward per step) and ``report.md``; the report is also a Prefect markdown artifact. The report
+ends with the training curves of the stages upstream of this one (sft, rm when RL used it, rl):
+each one's ``curves.png`` URI and the first, last, min and max of every plotted series.
 """
 
 from __future__ import annotations
 
 from config.schema import PipelineConfig
+from tasks.artifacts import ArtifactRef
 from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 
 
@@ -49,7 +52,8 @@ def evaluate(ctx: StageContext) -> dict:
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.evaluation.benchmarks import load_benchmark, stage_metrics
     from engine.evaluation.scoring import evaluate_benchmarks
-    from engine.evaluation.report import plot_reward_curve, write_benchmark_report
+    from engine.evaluation.curves import curves_markdown, plot_reward_curve
+    from engine.evaluation.report import write_benchmark_report
 
     cfg = ctx.cfg
     base = baseline_name(cfg)
@@ -66,7 +70,32 @@ def evaluate(ctx: StageContext) -> dict:
         gpu_memory_utilization=cfg.rl.rollout.gpu_memory_utilization,
         seed=cfg.run.seed,
     )
-    markdown = write_benchmark_report(results, ctx.workdir)
+    markdown = write_benchmark_report(results, ctx.workdir, sections=[curves_markdown(training_curves(ctx))])
     plot_reward_curve(ctx.input_path("rl") / "metrics.jsonl", ctx.workdir / "reward_curve.png")
+    ctx.tracker.log_images({"reward_curve": ctx.workdir / "reward_curve.png"})
     ctx.markdown.append(markdown)
     return stage_metrics(results, base)
+
+
+def training_curves(ctx: StageContext) -> dict:
+    """``{stage: (uri of its curves.png, its plotted series)}`` for the training stages upstream
+    of evaluate, in run order: sft (when enabled), rm (when RL used it: read from the rl
+    artifact's manifest; verified like an input) and rl. Series as
+    :func:`engine.evaluation.curves.stage_series` reads them from the artifact's ``metrics.jsonl``.
+
+    Raises:
+        ArtifactError: a file of the rm artifact is missing or corrupt.
+    """
+    from engine.evaluation.curves import CURVES_FILE, METRICS_FILE, stage_series
+
+    refs = dict(ctx.inputs)
+    rm = ctx.store.manifest(ctx.inputs["rl"]).get("inputs", {}).get("rm")
+    if rm is not None:
+        refs["rm"] = ArtifactRef.model_validate(rm)
+        ctx.store.verify(refs["rm"])
+    curves = {}
+    for stage in ("sft", "rm", "rl"):
+        if stage in refs:
+            local = ctx.input_path(stage) if stage in ctx.inputs else ctx.store.local_path(refs[stage])
+            curves[stage] = (f"{refs[stage].uri}/{CURVES_FILE}", stage_series(stage, local / METRICS_FILE))
+    return curves

@@ -1,8 +1,9 @@
 """rl: GRPO on the Ray-hosted engine, starting from the SFT policy (or the converted base
 model when ``sft.enabled`` is false), which is also the frozen reference.
 
-Artifact: ``model/`` (the RL policy) and ``metrics.jsonl`` (one line of metrics per RL
-step, used for the reward curve). Killed runs resume from the last checkpoint.
+Artifact: ``model/`` (the RL policy), ``metrics.jsonl`` (one line of metrics per RL step) and
+``curves.png`` (reward, KL, entropy, response length and clip fraction per step; also logged to
+W&B). Killed runs resume from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ SPEC = StageSpec(
 def rl(ctx: StageContext) -> dict:
     """Run ``rl.steps`` GRPO iterations; checkpoint every ``rl.checkpoint_every``."""
     # imported here, not at module level: a cached run must not pay for torch's import
+    from engine.evaluation.curves import write_stage_curves
     from engine.rl.loop import run_rl
 
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
@@ -85,7 +87,7 @@ def rl(ctx: StageContext) -> dict:
 
         bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl")
         evaluator = PolicyEvaluator(bench, seed=ctx.cfg.run.seed)
-    return run_rl(
+    metrics = run_rl(
         ctx.input_path(starting_policy(ctx.cfg)) / "model",
         ctx.input_path("validate") / "rl_train.jsonl",
         ctx.cfg.rl,
@@ -96,3 +98,6 @@ def rl(ctx: StageContext) -> dict:
         log_metrics=ctx.log_metrics,
         evaluator=evaluator,
     )
+    png, _ = write_stage_curves("rl", ctx.workdir)  # from the metrics.jsonl run_rl wrote
+    ctx.tracker.log_images({"curves": png})
+    return metrics

@@ -1,7 +1,9 @@
 """rm: reward model (SFT model, or the base model without SFT, + scalar head) trained with the Bradley-Terry loss.
 
-Artifact: ``model/`` with the reward head in ``heads.safetensors``; metrics include
-``rm/accuracy`` on held-out preference pairs. Resumes from its checkpoint under
+Artifact: ``model/`` with the reward head in ``heads.safetensors``, ``metrics.jsonl`` (each
+logged step's metrics, wall times left out) and ``curves.png`` (loss and accuracy, training
+batch and held-out, per step; also logged to W&B); metrics include ``rm/accuracy`` on held-out
+preference pairs. Resumes from its checkpoint under
 ``run.checkpoint_root`` when a previous attempt with the same fingerprint was killed.
 """
 
@@ -28,10 +30,14 @@ def rm(ctx: StageContext) -> dict:
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.backends.select_rm import reward_trainer
     from engine.distributed.stage_group import run_stage
+    from engine.evaluation.curves import write_stage_curves
     from engine.training.reward_model import train_reward_model
 
     args = dict(make_trainer=reward_trainer, base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
                 dataset_path=ctx.input_path("validate") / "preference.jsonl", cfg=ctx.cfg.rm,
                 out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    return run_stage(train_reward_model, args, ctx.cfg.rm.parallel, "rm", log_metrics=ctx.log_metrics,
-                     ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    metrics = run_stage(train_reward_model, args, ctx.cfg.rm.parallel, "rm", log_metrics=ctx.log_metrics,
+                        ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    png, _ = write_stage_curves("rm", ctx.workdir, ctx.tracker.history())
+    ctx.tracker.log_images({"curves": png})
+    return metrics

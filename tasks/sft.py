@@ -1,6 +1,8 @@
 """sft: supervised fine-tuning of the converted model on the validated chat data.
 
-Artifact: ``model/`` (the fine-tuned policy). Resumes from its checkpoint under
+Artifact: ``model/`` (the fine-tuned policy), ``metrics.jsonl`` (each logged step's metrics,
+wall times left out) and ``curves.png`` (loss and learning rate per step; also logged to W&B).
+Resumes from its checkpoint under
 ``run.checkpoint_root`` when a previous attempt with the same fingerprint was killed.
 """
 
@@ -27,9 +29,13 @@ def sft(ctx: StageContext) -> dict:
     data-parallel ranks when there are several)."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.distributed.stage_group import run_stage
+    from engine.evaluation.curves import write_stage_curves
     from engine.training.sft import train_sft
 
     args = dict(base_model_dir=ctx.input_path("convert") / "model", dataset_path=ctx.input_path("validate") / "sft.jsonl",
                 cfg=ctx.cfg.sft, out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    return run_stage(train_sft, args, ctx.cfg.sft.parallel, "sft", log_metrics=ctx.log_metrics,
-                     ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    metrics = run_stage(train_sft, args, ctx.cfg.sft.parallel, "sft", log_metrics=ctx.log_metrics,
+                        ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    png, _ = write_stage_curves("sft", ctx.workdir, ctx.tracker.history())
+    ctx.tracker.log_images({"curves": png})
+    return metrics

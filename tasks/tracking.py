@@ -30,7 +30,11 @@ logged step it drops the rows from that step on (the steps it redoes after resto
 checkpoint), re-logs the rows before it, and marks the earlier attempts' transaction logs
 as superseded (``run-<id>.wandb.synced`` beside them, which ``wandb sync`` skips), so the newest file of
 the run holds the whole history, each step once. ``WANDB_MODE`` in the environment
-overrides ``wandb.mode``; ``wandb.enabled: false`` turns all of this off.
+overrides ``wandb.mode``; ``wandb.enabled: false`` turns W&B off (``history.jsonl`` is still
+kept: it is the step history the training stages publish as their ``metrics.jsonl``).
+
+Images: a training stage logs its curves PNG (engine/evaluation/curves.py) with
+:meth:`StageTracker.log_images`, as ``wandb.Image`` in one history row after its last step.
 """
 
 from __future__ import annotations
@@ -228,8 +232,9 @@ def _write_json_atomic(path: Path, payload: Any) -> None:
 
 
 class StageTracker:
-    """Logs a stage's step metrics to W&B (and its resume directory) and, at most every few
-    seconds, to the run logger.
+    """Logs a stage's step metrics to W&B and its resume directory (``history.jsonl``, kept
+    with W&B disabled too: :meth:`history` is the stage's whole step history, earlier
+    attempts included) and, at most every few seconds, to the run logger.
 
     Attributes:
         group: the W&B group (:func:`pipeline_group`), also without W&B.
@@ -264,11 +269,12 @@ class StageTracker:
         self.run = None
         self._last_log = 0.0
         self._resume_dir = Path(resume_dir) if resume_dir is not None else None
-        self._pending: list[dict] | None = None  # restored history rows, until re-logged
         self._history = None  # open history.jsonl
         self._last_fsync = 0.0
         self._floor = 0  # W&B holds the steps before this already (an online run resumed)
         self._attempts: list[str] = []
+        self._pending: list[dict] | None = self._read_history()  # earlier attempts' rows, until this one's first step
+        self._rows: list[dict] = []  # the run's rows: the earlier attempts' kept ones, then this attempt's
         mode = wandb_mode(cfg)
         if mode == "disabled":
             return
@@ -296,7 +302,6 @@ class StageTracker:
         _reported.add((self.pipeline_run["flow_run_id"] or "", artifact_id))
         if self.run.resumed:
             self._floor = int(self.run.starting_step or 0)
-        self._pending = self._read_history()
         if previous:
             self._attempts = [p for p in previous.get("attempts", []) if isinstance(p, str)]
         self._save_run_file()  # a next attempt (after a kill) continues this run
@@ -351,15 +356,18 @@ class StageTracker:
             self._last_fsync = now
 
     def _replay(self, before: float) -> None:
-        """Once per attempt, before its first step ``before`` reaches W&B: keep the restored rows
-        of steps before it (the later ones are redone), re-log them, and mark the earlier
-        attempts' transaction logs superseded."""
+        """Once per attempt, before its first step ``before`` is recorded: keep the restored rows
+        of steps before it (the later ones are redone) and, with W&B, re-log them and mark the
+        earlier attempts' transaction logs superseded."""
         if self._pending is None:
             return
         kept = [row for row in self._pending if row["step"] < before]
         self._pending = None
+        self._rows = kept + self._rows
         if self._resume_dir is not None and (self._resume_dir / HISTORY_FILE).exists():
             _write_json_atomic(self._resume_dir / HISTORY_FILE, "".join(json.dumps(row) + "\n" for row in kept))
+        if self.run is None:
+            return
         for row in kept:
             if row["step"] >= self._floor:
                 self.run.log({**row["metrics"], "_timestamp": row.get("t", time.time())}, step=row["step"], commit=True)
@@ -372,33 +380,57 @@ class StageTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Record ``metrics`` of training step ``step`` (steps increase within an attempt)."""
-        if self.run is not None:
-            self._replay(before=step)
-            clean = {k: _number_or_str(v) for k, v in metrics.items()}
-            self._append_history({"step": int(step), "t": time.time(), "metrics": clean})
-            if step >= self._floor:
-                self.run.log(clean, step=step, commit=True)
+        self._replay(before=step)
+        clean = {k: _number_or_str(v) for k, v in metrics.items()}
+        row = {"step": int(step), "t": time.time(), "metrics": clean}
+        self._rows.append(row)
+        self._append_history(row)
+        if self.run is not None and step >= self._floor:
+            self.run.log(clean, step=step, commit=True)
         now = time.time()
         if now - self._last_log > 5.0:
             self._last_log = now
             shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
             self.logger.info("step %d: %s", step, shown)
 
-    def finish(self, summary: dict[str, Any], ok: bool) -> None:
-        """End the W&B run with ``summary`` (numbers and strings) and exit code 0 / 1."""
+    def history(self) -> list[dict[str, Any]]:
+        """Every logged step of the stage, each once, in step order: ``{"step": s, **metrics}``
+        (the rows earlier attempts logged before the step this one resumed from, then this
+        attempt's). With W&B, the earlier rows are re-logged first if this attempt logged none."""
+        self._replay(before=math.inf)
+        return [{"step": row["step"], **row["metrics"]} for row in self._rows]
+
+    def log_images(self, images: dict[str, str | Path]) -> None:
+        """Log PNG files to the W&B run as ``wandb.Image`` under their keys (e.g.
+        ``{"curves": workdir / "curves.png"}``), in one history row after the last logged
+        step; W&B copies each file into the run's ``files/media/images/``. Nothing without W&B.
+
+        Raises:
+            FileNotFoundError / ValueError: from wandb, for a missing or unreadable image.
+        """
         if self.run is None:
             return
+        import wandb
+
+        self._replay(before=math.inf)
+        self.run.log({key: wandb.Image(str(path)) for key, path in images.items()}, commit=True)
+
+    def finish(self, summary: dict[str, Any], ok: bool) -> None:
+        """End the W&B run with ``summary`` (numbers and strings) and exit code 0 / 1; close
+        the history file (after a failed attempt that left nothing to resume from, remove it)."""
         try:
             self._replay(before=math.inf)
-            for k, v in summary.items():
-                if isinstance(v, (int, float, str)):
-                    self.run.summary[k] = v
+            if self.run is not None:
+                for k, v in summary.items():
+                    if isinstance(v, (int, float, str)):
+                        self.run.summary[k] = v
         finally:
             if self._history is not None:
                 self._history.close()
                 self._history = None
-            self.run.finish(exit_code=0 if ok else 1)
-            self.run = None
+            if self.run is not None:
+                self.run.finish(exit_code=0 if ok else 1)
+                self.run = None
             if not ok:
                 self._forget_if_nothing_to_resume()
 

@@ -1,5 +1,5 @@
-"""The evaluation report: ``eval_report.md``, per-policy sample files and the reward-curve
-plot, written atomically."""
+"""The evaluation report: ``report.md``, ``metrics.json`` and per-policy sample files, written
+atomically (the plots are engine/evaluation/curves.py)."""
 
 from __future__ import annotations
 
@@ -32,61 +32,6 @@ def _replace_from_temp(path: Path, write: Callable[[Any], None], mode: str) -> N
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def plot_reward_curve(metrics_jsonl: str | os.PathLike, out_png: str | os.PathLike, key: str = "critic/score/mean"):
-    """Plot ``key`` per RL step from a metrics JSONL file to a PNG (matplotlib, Agg).
-
-    Each line is a JSON object; lines without ``key`` are skipped. The x value is the
-    line's ``step`` field when present, else its 1-based line number.
-
-    Returns:
-        ``numpy.ndarray`` of shape ``[P, 2]`` (float64): the plotted ``(step, value)`` points.
-
-    Raises:
-        FileNotFoundError: no metrics file.
-        ValueError: a line is not a JSON object, a value is not a number (``file:line``),
-            or no line has ``key``.
-    """
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    path = Path(metrics_jsonl)
-    if not path.is_file():
-        raise FileNotFoundError(f"plot_reward_curve: {path} not found")
-    points = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from e
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{lineno}: expected a JSON object")
-        if key not in row:
-            continue
-        step, value = row.get("step", lineno), row[key]
-        for field, v in (("step", step), (key, value)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{path}:{lineno}: {field} = {v!r} is not a number")
-        points.append((float(step), float(value)))
-    if not points:
-        raise ValueError(f"{path}: no line has the metric {key!r}")
-    data = np.asarray(points, dtype=np.float64)
-
-    fig = Figure(figsize=(6, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.plot(data[:, 0], data[:, 1], marker="o", markersize=3)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel(key)
-    ax.set_title(f"{key} per RL step")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    _replace_from_temp(Path(out_png), lambda f: fig.savefig(f, format="png"), "wb")
-    return data
 
 
 def _json_safe(value: Any) -> Any:

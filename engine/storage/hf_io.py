@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from tqdm import tqdm
 
 from conversion.export import write_hf_safetensors
 from conversion.registry import megatron_to_hf
@@ -35,7 +36,9 @@ def export_model_dir(model_dir: str | Path, out_dir: str | Path, dtype: str = "f
     import json
 
     loaded = load_model_dir(model_dir)
-    tensors = megatron_to_hf(loaded.hf_config, mcore_state(loaded.model))
+    # one bar over the tensors written; disable=None: drawn on a terminal only, no log lines
+    tensors = tqdm(megatron_to_hf(loaded.hf_config, mcore_state(loaded.model)), desc="write HF weights", unit="tensor",
+                   disable=None)
     gen_path = loaded.tokenizer_dir / "generation_config.json"
     generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     return write_hf_safetensors(out_dir, loaded.hf_config, tensors, loaded.tokenizer_dir, dtype=dtype, generation_config=generation_config)

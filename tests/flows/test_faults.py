@@ -505,7 +505,8 @@ def assert_one_complete_wandb_run(project: Project, artifact_id: str, steps: lis
     done = live[0]
     assert done is runs[-1] and done["exit_code"] == 0 and "resumed" in done["tags"]
     assert {r["id"] for r in runs} == {done["id"]} and {r["group"] for r in runs} == {done["group"]}
-    assert [row["_step"] for row in done["history"]] == steps
+    assert [row["_step"] for row in done["history"]] == [*steps, steps[-1] + 1]  # then the curves image (one row)
+    assert "curves._type" in done["history"][-1]
     return done
 
 

@@ -142,7 +142,9 @@ def test_wandb_has_one_run_per_stage_grouped_by_pipeline_run(project):
         assert key in rl_keys, key
     assert "train/loss" in keys[summary["stages"]["sft"]["artifact_id"]]
     rl_run = first_runs[summary["stages"]["rl"]["artifact_id"]]
-    assert [row["_step"] for row in rl_run["history"]] == list(range(1, project["cfg"]["rl"]["steps"] + 1))
+    steps = project["cfg"]["rl"]["steps"]
+    assert [row["_step"] for row in rl_run["history"]] == list(range(1, steps + 2))  # + the curves image after the last
+    assert "curves._type" in rl_run["history"][-1] and not any("curves._type" in row for row in rl_run["history"][:-1])
     # The run with the accuracies carries the RL settings and the artifacts it evaluated.
     ev = first_runs[summary["stages"]["evaluate"]["artifact_id"]]
     assert (ev["config"]["rl.steps"], ev["config"]["rl.optim.lr"], ev["config"]["sft.steps"]) == (
@@ -174,6 +176,52 @@ def test_the_documented_offline_run_commands_list_the_real_run_files(project):
     out = dry.stdout + dry.stderr
     assert dry.returncode == 0, out
     assert f"Would sync {len([r for r in runs if not r['superseded']])} run(s)" in out, out
+
+
+def test_training_artifacts_hold_their_curves_and_the_evaluate_report_lists_them(project):
+    """sft, rm and rl publish metrics.jsonl and curves.png (also in their W&B runs as images);
+    the evaluate report gives each upstream stage's PNG URI and its series' first/last/min/max."""
+    from matplotlib.image import imread
+
+    from engine.evaluation.curves import STAGE_PANELS, figure_size, number
+
+    summary = project["first"]
+    uri = {s: summary["stages"][s]["uri"] for s in STAGES}
+    runs = {r["job_type"]: r for r in _runs_of(project, summary["flow_run_id"])}
+    rows = {}
+    for stage in ("sft", "rm", "rl"):
+        manifest = json.loads((Path(uri[stage]) / "manifest.json").read_text())
+        assert {"curves.png", "metrics.jsonl"} <= {f["path"] for f in manifest["files"]}, stage
+        png = Path(uri[stage]) / "curves.png"
+        width, height = figure_size(len(STAGE_PANELS[stage]))
+        assert imread(png).shape == (height, width, 4), stage
+        rows[stage] = [json.loads(line) for line in (Path(uri[stage]) / "metrics.jsonl").read_text().splitlines()]
+        image = runs[stage]["history"][-1]  # the W&B run's last row: the same PNG, as a W&B image
+        assert image["curves._type"] == "image-file", stage
+        assert (runs[stage]["dir"] / "files" / image["curves.path"]).read_bytes() == png.read_bytes(), stage
+    cfg = project["cfg"]
+    for stage in ("sft", "rm"):  # every logged step (log_every and the last), without wall-clock metrics
+        every = cfg[stage].get("log_every", 10)
+        assert [r["step"] for r in rows[stage]] == [s for s in range(1, cfg[stage]["steps"] + 1) if s % every == 0 or s == cfg[stage]["steps"]]
+        assert not any(k.startswith(("timing_s/", "perf/")) for r in rows[stage] for k in r), stage
+    assert rows["sft"][-1]["train/loss"] == summary["stages"]["sft"]["metrics"]["train/loss"]
+    assert rows["rm"][-1]["rm/accuracy"] == summary["stages"]["rm"]["metrics"]["rm/accuracy"]
+    assert [r["step"] for r in rows["rl"]] == list(range(1, cfg["rl"]["steps"] + 1))
+
+    report = (Path(uri["evaluate"]) / "report.md").read_text()
+    section = report.split("## Training curves", 1)[1]
+    # the quickstart's rl does not use the reward model: rm is not upstream of evaluate
+    assert [line for line in section.splitlines() if line.startswith("**")] == [
+        f"**sft**: `{uri['sft']}/curves.png`", f"**rl**: `{uri['rl']}/curves.png`"]
+    for stage, key in (("sft", "train/loss"), ("sft", "train/lr"), ("rl", "critic/score/mean"), ("rl", "actor/entropy")):
+        values = [r[key] for r in rows[stage] if key in r]
+        steps = [r["step"] for r in rows[stage] if key in r]
+        cells = [number(v) for v in (values[0], values[-1], min(values), max(values))]
+        assert f"| {key} | {steps[0]}-{steps[-1]} | {len(values)} | " + " | ".join(cells) + " |" in section, key
+    ev_image = runs["evaluate"]["history"][-1]
+    assert ev_image["reward_curve._type"] == "image-file"
+    assert (runs["evaluate"]["dir"] / "files" / ev_image["reward_curve.path"]).read_bytes() == (
+        Path(uri["evaluate"]) / "reward_curve.png").read_bytes()
 
 
 def _rerun_with(project, name: str, **overrides) -> dict:

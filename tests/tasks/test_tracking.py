@@ -18,6 +18,7 @@ import pytest
 
 from config.schema import PipelineConfig
 from e2e_support import BIN, REPO, offline_runs, tiny_config
+from engine.evaluation.curves import write_stage_curves
 from tasks.artifacts import ArtifactStore
 from tasks.graph import pipeline_identity
 from tasks.tracking import FLUSH_INTERVAL_S, HISTORY_FILE, RUN_FILE, StageTracker, log_cached_stage
@@ -157,9 +158,18 @@ def test_wandb_mode_env_overrides_the_config_and_disabled_writes_nothing(tmp_pat
     online = cfg_of(tmp_path, **{"wandb.mode": "online"})
     tracker = StageTracker(online, "sft", "sft-" + "c" * 16, LOG, resume_dir=resume)
     tracker.log({"train/loss": 1.0}, 1)
+    tracker.log({"train/loss": 0.5}, 2)
+    # what a training stage does at its end: its curves from its history, logged as a W&B image
+    png, _ = write_stage_curves("sft", tmp_path / "artifact", tracker.history())
+    tracker.log_images({"curves": png})
     tracker.finish({}, ok=True)
     [run] = finished_runs(tmp_path / "wandb", 1)  # offline although the config says online
-    assert [row["_step"] for row in run["history"]] == [1]
+    assert [row["_step"] for row in run["history"]] == [1, 2, 3]  # the image: one row after the last step
+    image = run["history"][-1]
+    assert (image["curves._type"], image["curves.format"], image["curves.width"], image["curves.height"]) == (
+        "image-file", "png", 1200, 400)
+    media = run["dir"] / "files" / image["curves.path"]
+    assert media.read_bytes() == png.read_bytes() and image["curves.size"] == png.stat().st_size
 
     for env, enabled in (("disabled", True), (None, False)):
         if env is None:
@@ -171,10 +181,33 @@ def test_wandb_mode_env_overrides_the_config_and_disabled_writes_nothing(tmp_pat
         off.mkdir()
         tracker = StageTracker(cfg, "sft", "sft-" + "c" * 16, LOG, resume_dir=off)
         tracker.log({"train/loss": 1.0}, 1)
+        tracker.log_images({"curves": png})
         tracker.finish({"train/loss": 1.0}, ok=True)
         assert tracker.wandb is None and tracker.group == f"quickstart-{pipeline_identity(cfg)[:12]}"
         assert log_cached_stage(cfg, refs["rl"], store.manifest(refs["rl"])) is None
-        assert not (tmp_path / f"wandb-{env}").exists() and list(off.iterdir()) == []
+        assert not (tmp_path / f"wandb-{env}").exists()
+        # no W&B file; the step history (what the stage publishes as metrics.jsonl) is still kept
+        assert [p.name for p in off.iterdir()] == [HISTORY_FILE] and tracker.history() == [{"step": 1, "train/loss": 1.0}]
+
+
+def test_history_without_wandb_keeps_the_earlier_attempts_steps_before_the_resumed_one(tmp_path, monkeypatch):
+    """An attempt killed after logging steps 1-5 (its checkpoint: step 3); the next one redoes 4-6."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = cfg_of(tmp_path, **{"wandb.enabled": False})
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    killed = StageTracker(cfg, "rm", "rm-" + "f" * 16, LOG, resume_dir=resume)
+    for step in range(1, 6):
+        killed.log({"train/loss": 1.0 / step, "attempt": 1}, step)  # never finished
+    resumed = StageTracker(cfg, "rm", "rm-" + "f" * 16, LOG, resume_dir=resume)
+    for step in range(4, 7):
+        resumed.log({"train/loss": 1.0 / step, "attempt": 2}, step)
+    expected = [{"step": s, "train/loss": 1.0 / s, "attempt": 1 if s < 4 else 2} for s in range(1, 7)]
+    assert resumed.history() == expected
+    resumed.finish({}, ok=True)
+    assert [json.loads(line)["step"] for line in (resume / HISTORY_FILE).read_text().splitlines()] == list(range(1, 7))
+    # An attempt that resumed at the last checkpoint and logged nothing: the whole history
+    assert StageTracker(cfg, "rm", "rm-" + "f" * 16, LOG, resume_dir=resume).history() == expected
 
 
 KILLED_ATTEMPT = textwrap.dedent("""

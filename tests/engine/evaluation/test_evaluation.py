@@ -19,7 +19,8 @@ from data.tokenizer_train import train_chat_tokenizer
 from data.chat_response import readable_text
 from engine.evaluation.statistics import accuracy_with_se, evaluate_generations, paired_difference
 from engine.evaluation.scoring import decode_response, evaluate_model_dirs, evaluate_policy
-from engine.evaluation.report import plot_reward_curve, write_eval_report
+from engine.evaluation.curves import plot_reward_curve
+from engine.evaluation.report import write_eval_report
 from engine.rollout.base import RolloutOutput
 from engine.rollout.hf_rollout import HFRollout
 
