@@ -49,16 +49,15 @@ def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: 
     Data parallelism gives each rank every ``data_parallel_size``-th micro-batch of a step, so
     a step needs at least one micro-batch per rank: ``global_batch_size / micro_batch_size >=
     data_parallel_size`` (with a token budget the count is known only per step; then at least
-    one row per rank here, and the step checks its micro-batches). Tensor parallelism is
-    implemented for the RL actor only.
+    one row per rank here, and the step checks its micro-batches). The ranks of one
+    tensor-parallel group share their micro-batches, so ``tensor_model_parallel_size`` adds
+    no such condition; whether it divides the model's heads, KV heads, FFN size and vocabulary
+    is checked against the model by ``config.memory_plan.check_layouts`` (``posttrain
+    validate``), which needs the model's config.
 
     Raises:
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
-    if layout.tensor_model_parallel_size > 1:
-        raise ValueError(f"{section}.parallel.tensor_model_parallel_size={layout.tensor_model_parallel_size}: the "
-                         f"{section} stage runs data parallelism only; set it to 1 and use "
-                         f"{section}.parallel.data_parallel_size (tensor parallelism: rl.parallel.actor)")
     dp = layout.data_parallel_size
     if dp == 1:
         return

@@ -311,10 +311,6 @@ class RLConfig(Strict):
             if layout.world_size > 1 and self.backend == "deepspeed" and role != "reference":
                 raise ValueError(f"{key}: data/tensor parallelism runs on rl.backend megatron; the deepspeed backend "
                                  "trains one rank per role here (set the sizes to 1 or rl.backend: megatron)")
-            if layout.tensor_model_parallel_size > 1:
-                raise ValueError(f"{key}.tensor_model_parallel_size: the RL stage runs tensor-parallel updates and "
-                                 "checkpoints, but its train state and weight sync gather only data-parallel ranks "
-                                 "yet; use data_parallel_size (docs/scaling.md lists what runs at TP > 1)")
         return self
 
     @model_validator(mode="after")

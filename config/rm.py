@@ -39,19 +39,22 @@ class RMConfig(Strict):
                                 "directory (docs/algorithms.md, Training backends).")
     deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
     parallel: ParallelConfig = Field(
-        ParallelConfig(), description="Data parallelism (rm.backend: megatron): data_parallel_size > 1 runs the stage as "
-                                      "that many Ray actor ranks, each back-propagating every k-th micro-batch of a step, "
-                                      "with the gradients summed (the update of DP=1 up to float rounding; "
-                                      "docs/scaling.md). tensor_model_parallel_size must be 1.")
+        ParallelConfig(), description="Data and tensor parallelism (rm.backend: megatron): data_parallel_size > 1 runs the "
+                                      "stage as that many Ray actor ranks (times tensor_model_parallel_size), each "
+                                      "data-parallel rank back-propagating every k-th micro-batch of a step, with the "
+                                      "gradients summed (the update of DP=1 up to float rounding); "
+                                      "tensor_model_parallel_size splits the model's heads and MLP columns across ranks. "
+                                      "Its train state resumes at any layout (docs/scaling.md).")
 
     @model_validator(mode="after")
     def _parallel(self):
         check_stage_layout("rm", self.parallel, self.global_batch_size, self.micro_batch_size,
                            self.max_tokens_per_micro_batch)
-        if self.parallel.data_parallel_size > 1 and self.backend != "megatron":
-            raise ValueError(f"rm.parallel.data_parallel_size={self.parallel.data_parallel_size} needs rm.backend: "
-                             f"megatron (the {self.backend} backend trains on one rank here); set rm.backend: megatron "
-                             "or rm.parallel.data_parallel_size: 1")
+        for key in ("data_parallel_size", "tensor_model_parallel_size"):
+            size = getattr(self.parallel, key)
+            if size > 1 and self.backend != "megatron":
+                raise ValueError(f"rm.parallel.{key}={size} needs rm.backend: megatron (the {self.backend} backend "
+                                 f"trains on one rank here); set rm.backend: megatron or rm.parallel.{key}: 1")
         return self
 
     @model_validator(mode="after")

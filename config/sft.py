@@ -31,10 +31,12 @@ class SFTConfig(Strict):
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
     parallel: ParallelConfig = Field(
-        ParallelConfig(), description="Data parallelism: data_parallel_size > 1 runs the stage as that many Ray actor "
-                                      "ranks, each back-propagating every k-th micro-batch of a step, with the gradients "
-                                      "summed (the update of DP=1 up to float rounding; docs/scaling.md). "
-                                      "tensor_model_parallel_size must be 1.")
+        ParallelConfig(), description="Data and tensor parallelism: data_parallel_size > 1 runs the stage as that many "
+                                      "Ray actor ranks (times tensor_model_parallel_size), each data-parallel rank "
+                                      "back-propagating every k-th micro-batch of a step, with the gradients summed (the "
+                                      "update of DP=1 up to float rounding); tensor_model_parallel_size splits the model's "
+                                      "heads and MLP columns across ranks. Its train state resumes at any layout "
+                                      "(docs/scaling.md).")
 
     @model_validator(mode="after")
     def _parallel(self):

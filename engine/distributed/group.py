@@ -13,7 +13,10 @@ method's call is spread over the ranks and its results combined is its *dispatch
   :class:`engine.training.actor.ActorUpdate`) are put back in the batch's row order. An
   update also gets the whole batch's loss normalisers (``norm``), so the ranks' gradients
   sum to the DP=1 gradient (``engine.distributed.collectives``);
-- ``rank0``: only global rank 0 is called (weight-sync buckets: with TP=1 it holds every weight);
+- ``rank0``: only global rank 0 is called;
+- ``tp0``: the ranks of the first tensor-parallel group (global ranks ``0 .. tp - 1``) are
+  called and rank 0's result is returned (weight-sync buckets: the group gathers its shards
+  into full tensors; with TP=1 this is ``rank0``);
 - ``all``: every rank is called (collectives such as a torch_dist save, where each rank
   writes its own shards) and rank 0's result is returned.
 
@@ -40,8 +43,8 @@ DISPATCH: dict[str, str] = {
     "compute_logprobs": "split",
     "compute_values": "split",
     "update": "split",
-    "hf_bucket_plan": "rank0",
-    "hf_bucket": "rank0",
+    "hf_bucket_plan": "tp0",
+    "hf_bucket": "tp0",
     "save_state": "all",
     "load_state": "all",
     "save_model": "all",
@@ -253,6 +256,8 @@ class WorkerGroup:
         mode = DISPATCH.get(name, "all")
         if mode == "rank0":
             return self.ranks[0].call.remote(name, *args, **kwargs)
+        if mode == "tp0":  # rank 0 answers only once its tensor-parallel peers took part in the gather
+            return [r.call.remote(name, *args, **kwargs) for r in self.ranks[: self.tp]][0]
         if mode == "all":
             return self._combine.remote("first", None, (0, 0), *[r.call.remote(name, *args, **kwargs) for r in self.ranks])
         traj, rest = args[0], args[1:]

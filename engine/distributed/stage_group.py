@@ -1,13 +1,14 @@
-"""Run a training stage (sft, rm) on a data-parallel group of Ray actors, from the driver.
+"""Run a training stage (sft, rm) on a data x tensor-parallel group of Ray actors, from the driver.
 
 With ``<stage>.parallel.world_size == 1`` :func:`run_stage` calls the stage's trainer in this
 process, exactly as before data parallelism existed. Otherwise it connects to (or starts) the
 Ray cluster (:func:`engine.distributed.cluster.init_ray`, with the RL engine's ``ray_address``
 and ``num_cpus``), starts a :class:`engine.distributed.group.WorkerGroup` of
-``data_parallel_size`` ranks, and every rank calls the same trainer with the same arguments:
-each back-propagates its share of every step (``engine.distributed.share``) and the
-optimizer step sums the gradients (``engine.training.optimizer_step``). Rank 0's result is
-returned.
+``data_parallel_size x tensor_model_parallel_size`` ranks, and every rank calls the same
+trainer with the same arguments: each data-parallel rank back-propagates its share of every
+step (``engine.distributed.share``; the ranks of one tensor-parallel group share theirs and
+hold a slice of the model each) and the optimizer step sums the gradients
+(``engine.training.optimizer_step``). Rank 0's result is returned.
 
 Metrics: rank 0's ``log_metrics`` calls travel to the driver through a relay actor and are
 logged there (W&B, the stage's metric history); rank 0 waits until the driver has logged a
@@ -92,7 +93,7 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
               log_metrics: Callable[[dict[str, float], int], None] | None = None, ray_address: str | None = None,
               num_cpus: int | None = None) -> dict[str, float]:
     """``fn(**kwargs, log_metrics=log_metrics)`` in this process (``layout.world_size == 1``)
-    or on ``layout.data_parallel_size`` Ray actor ranks; returns rank 0's result.
+    or on ``layout.world_size`` Ray actor ranks; returns rank 0's result.
 
     Each rank reserves ``layout.cpus_per_rank`` CPUs, default the cluster's CPUs divided by the
     ranks, and runs that many torch threads (at least 1). ``fn`` and ``kwargs`` must be
@@ -115,16 +116,13 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
     Returns: what ``fn`` returns on rank 0.
 
     Raises:
-        ValueError: ``layout.tensor_model_parallel_size > 1`` (naming ``<section>.parallel``), or the
-            ranks need more CPUs than the cluster has (naming ``<section>.parallel.cpus_per_rank``).
+        ValueError: the ranks need more CPUs than the cluster has (naming
+            ``<section>.parallel.cpus_per_rank``).
         Whatever ``fn`` raises on any rank (the first failure seen); ``ray.exceptions.RayActorError``
         when a rank dies.
     """
     if layout.world_size == 1:
         return fn(**kwargs, log_metrics=log_metrics)
-    if layout.tensor_model_parallel_size > 1:
-        raise ValueError(f"{section}.parallel.tensor_model_parallel_size={layout.tensor_model_parallel_size}: the "
-                         f"{section} stage runs data parallelism only; set it to 1")
     import ray
 
     from engine.distributed.cluster import init_ray
@@ -143,7 +141,8 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
     relay = None
     if log_metrics is not None:
         relay = ray.remote(num_cpus=0)(_MetricsRelay).options(max_concurrency=8).remote()
-    logger.info("%s on %d data-parallel ranks (%g CPUs, %d torch threads each)", section, k, per_rank,
+    logger.info("%s on %d ranks (data_parallel_size %d x tensor_model_parallel_size %d; %g CPUs, %d torch threads "
+                "each)", section, k, layout.data_parallel_size, layout.tensor_model_parallel_size, per_rank,
                 max(1, int(per_rank)))
     # seed 0: megatron's RNG tracker as the single-process path seeds it (init_model_parallel())
     group = WorkerGroup(StageRank, layout, options, (max(1, int(per_rank)),), seed=0)

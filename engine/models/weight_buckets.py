@@ -13,7 +13,9 @@ extra memory is about one bucket, not the model.
 - :class:`BucketServer`: serves buckets by index (the trainer worker's side of the sync);
   requests for consecutive indices continue one pass over the stream.
 - :class:`HFBucketSource`: the actor workers' ``hf_bucket_plan`` / ``hf_bucket`` over a
-  lazily built :class:`BucketServer` (both RL backends).
+  lazily built :class:`BucketServer` (both RL backends). Under tensor parallelism the ranks of
+  the group take part together: each split tensor is gathered from their shards into the full
+  megatron tensor first (:func:`gather_tensor_parallel`), so the buckets hold full HF tensors.
 
 Bucket boundaries never split a *load group* (:func:`load_group`): the tensors vLLM loads
 into one module (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``,
@@ -184,7 +186,56 @@ def _hf_stream(hf_config: Mapping[str, Any], model) -> tuple[Iterator[tuple[str,
 
     state = mcore_state(model)
     aliased = {t.untyped_storage().data_ptr() for t in state.values()}
-    return iter(megatron_to_hf(hf_config, state)), aliased
+    return iter(megatron_to_hf(hf_config, gather_tensor_parallel(state))), aliased
+
+
+def _tensor_parallel_group():
+    """Megatron's tensor-parallel group of this process, or None when its size is 1 (or there is
+    no process group or megatron state)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not (dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def gather_tensor_parallel(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The full megatron state of a tensor-parallel model from every rank's shard (a collective:
+    every rank of the tensor-parallel group calls it with its own ``mcore_state``, in the same
+    order); ``state`` itself without tensor parallelism.
+
+    Each split tensor (``conversion.tensor_parallel.split_of``: dim and stride) is all-gathered
+    and put back as ``conversion.tensor_parallel.merge_shards`` does (piece ``s`` of every rank,
+    for ``s`` below the stride: ``linear_fc1`` is ``[gate_0; gate_1; ...; up_0; up_1; ...]``);
+    replicated tensors (norms, ``linear_proj.bias``) are this rank's own. The rollout engine
+    needs full HF tensors, so weight sync converts this state. It holds one full copy of the
+    model while a sync pass runs (the bucket budget bounds what is sent at once, not this).
+
+    Raises:
+        conversion.registry.ConversionError: a tensor the layout table does not know.
+    """
+    import torch.distributed as dist
+
+    from conversion.tensor_parallel import split_of
+
+    group = _tensor_parallel_group()
+    if group is None:
+        return state
+    size = dist.get_world_size(group)
+    out = {}
+    for name, t in state.items():
+        split = split_of(name)
+        if split is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        pieces = [p.chunk(split.stride, dim=split.dim) for p in parts]
+        out[name] = torch.cat([pieces[r][s] for s in range(split.stride) for r in range(size)], dim=split.dim)
+    return out
 
 
 def plan_policy(hf_config: Mapping[str, Any], model, bucket_bytes: int) -> BucketPlan:
@@ -352,14 +403,26 @@ class HFBucketSource:
     def hf_bucket_plan(self) -> BucketPlan:
         """How the policy's HF-named weights are cut for weight sync: a :class:`BucketPlan` of
         ``cfg.engine.weight_sync_bucket_mb`` MiB buckets over :meth:`_bucket_weights`' HF tensor
-        stream (planned on first use; shapes do not change in training)."""
+        stream (planned on first use; shapes do not change in training). Under tensor
+        parallelism a collective of the group, like :meth:`hf_bucket`."""
         return self._weight_buckets().plan
 
     def hf_bucket(self, index: int) -> NamedTensors:
         """Bucket ``index`` of the policy's weights: HF-named full tensors that own their
         memory (:class:`BucketServer`; asking for ``0, 1, ...`` in order converts each tensor
-        once). Raises IndexError outside ``[0, plan.num_buckets)``."""
-        return self._weight_buckets().bucket(index)
+        once). Raises IndexError outside ``[0, plan.num_buckets)``.
+
+        Under tensor parallelism every rank of the group is asked (the shards are gathered,
+        :func:`gather_tensor_parallel`) and only its rank 0 returns the bucket; the others
+        return an empty list, which nobody reads."""
+        bucket = self._weight_buckets().bucket(index)
+        group = _tensor_parallel_group()
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.get_rank(group) != 0:
+                return []
+        return bucket
 
     def _weight_buckets(self) -> BucketServer:
         if self._bucket_server is None:

@@ -91,6 +91,58 @@ def _use_in_process_writer() -> None:
     FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
 
 
+def shared_temporary_dir(root: Path, prefix: str) -> Path:
+    """A new empty directory ``root/<prefix><8 hex digits>`` that every rank of the default
+    group gets the same path of: rank 0 names it (broadcast) and creates it, and no rank returns
+    before it exists. Several ranks (data/tensor parallelism) write one checkpoint into it, each
+    its own shards; the caller's rank 0 then publishes it by rename (and removes it on failure).
+    In a single process it is a plain ``mkdir``."""
+    from engine.distributed.collectives import barrier, broadcast_object, global_rank
+
+    tmp = root / broadcast_object(f"{prefix}{uuid.uuid4().hex[:8]}")
+    if global_rank() == 0:
+        tmp.mkdir()
+    barrier()
+    return tmp
+
+
+def save_sharded(state: dict[str, Any], directory: Path) -> None:
+    """``dist_checkpointing.save(state, directory)`` (torch_dist; a collective: every rank calls
+    it with its own sharded tensors), written in this process (module docstring). Take
+    ``state`` (e.g. ``model.sharded_state_dict()``) before calling: a destroyed process group is
+    re-created here (``engine.models.platform.ensure_process_group``), not before."""
+    from megatron.core import dist_checkpointing
+
+    from engine.models.platform import ensure_process_group
+
+    ensure_process_group()
+    _use_in_process_writer()
+    dist_checkpointing.save(state, str(directory))
+
+
+def load_sharded(state: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """``dist_checkpointing.load(state, directory)``: the tensors (and objects) ``state``'s
+    sharded entries ask for, resharded to this rank's layout, and the checkpoint's common
+    (rank-0) values. A collective, like :func:`save_sharded`.
+
+    Raises:
+        ValueError: naming ``directory`` and the first failing tensor (a missing key, a shape
+            that does not fit, an unreadable file).
+    """
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import (
+        CheckpointException,  # a BaseException subclass
+    )
+
+    from engine.models.platform import ensure_process_group
+
+    try:
+        ensure_process_group()
+        return dist_checkpointing.load(state, str(directory))
+    except (Exception, CheckpointException) as e:
+        raise ValueError(f"{directory}: checkpoint does not fit the model: {_root_cause(e)}") from e
+
+
 def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
                           hf_config: dict[str, Any] | None = None) -> Path:
     """Save ``model`` (megatron-core module) as a torch_dist checkpoint, atomically.
@@ -105,28 +157,18 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     Returns:
         The iteration directory written (``directory/iter_0000123`` or ``directory/release``).
     """
-    from megatron.core import dist_checkpointing
-
-    from engine.distributed.collectives import barrier, broadcast_object, global_rank
-    from engine.models.platform import ensure_process_group
+    from engine.distributed.collectives import barrier, global_rank
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / iteration_dir_name(iteration)
-    # Several ranks (data/tensor parallelism) write one checkpoint: rank 0 names the
-    # temporary directory, each rank writes its shards into it, rank 0 publishes it.
     lead = global_rank() == 0
-    tmp = root / broadcast_object(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    if lead:
-        tmp.mkdir()
-    barrier()
+    tmp = shared_temporary_dir(root, f".{final.name}.tmp-")
     try:
         with full_precision_weights(model):  # fp32 masters under mixed precision
             state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": -1 if iteration is None else iteration}
-            ensure_process_group()
-            _use_in_process_writer()
-            dist_checkpointing.save(state, str(tmp))
+            save_sharded(state, tmp)
         if not lead:
             barrier()  # rank 0 publishes
             return final
@@ -204,20 +246,9 @@ def load_model_checkpoint(model, directory: str | Path) -> int | None:
         FileNotFoundError / ValueError: see :func:`latest_checkpoint`.
         ValueError: the checkpoint's tensors do not fit the model (names the tensor).
     """
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import (
-        CheckpointException,  # a BaseException subclass
-    )
-
-    from engine.models.platform import ensure_process_group
-
     path, iteration = latest_checkpoint(directory)
     with full_precision_weights(model):  # under mixed precision the fp32 masters take the weights
-        try:
-            ensure_process_group()
-            state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-        except (Exception, CheckpointException) as e:
-            raise ValueError(f"{path}: checkpoint does not fit the model: {_root_cause(e)}") from e
+        state = load_sharded({"model": model.sharded_state_dict()}, path)
         model.load_state_dict(state["model"], strict=True)
     copy_masters_to_model(model)
     return iteration

@@ -1,29 +1,68 @@
 """Resumable training state: weights, optimizer, scheduler, step, data position and RNGs.
 
-One file, ``train_state.pt``, written atomically (temporary sibling, then ``os.replace``),
-so a crash mid-save leaves the previous state intact. Everything in it is tensors, ints,
-floats, strings, lists, tuples and dicts, so it loads with ``torch.load(weights_only=True)``:
-the Python and NumPy RNG states are converted to int64 tensors for that reason.
+A state lives in a directory (the stage's resume directory) and is committed by one small
+file, ``train_state.pt``, replaced atomically (temporary sibling, fsync, ``os.replace``), so a
+crash mid-save leaves the previous state intact. Everything read back goes through
+``torch.load(weights_only=True)``: the Python and NumPy RNG states are converted to int64
+tensors for that reason.
+
+Two formats:
+
+* **sharded** (format 2; every model with a megatron-core module: the GPTModel, and the
+  reward and value models built on it). ``train_state.pt`` is an index: the step, the data
+  position, the caller's ``extra`` and the name of a sibling directory
+  ``train_state-<step>-<id>/``, a megatron-core ``dist_checkpointing`` checkpoint (torch_dist
+  format) written by every rank of the group, each its own shards
+  (``engine.storage.torch_dist.save_sharded``, which writes in the saving process). It holds
+  the model's ``sharded_state_dict()`` (the fp32 masters under mixed precision,
+  ``engine.models.master_weights``), the AdamW moments sharded exactly like their parameters
+  (``optimizer.state.exp_avg.<key>``: megatron-core's ``make_sharded_optimizer_tensor``, as its
+  ``FP32Optimizer.sharded_state_dict`` does for torch optimizers), and a common (rank-0) part:
+  scheduler, AdamW hyper-parameters and per-parameter step counts, step, data position,
+  ``extra``, the layout that wrote it and every rank's RNG states. A state therefore loads at
+  any data x tensor-parallel layout: dist_checkpointing reshards weights and moments on load.
+  The directory is written under a temporary name, renamed, and only then named by the new
+  index; the previous directory is deleted after that.
+* **single file** (format 1): ``train_state.pt`` holds the ``state_dict()``s themselves
+  (rank 0's). Written for models without megatron modules (the DeepSpeed backend's
+  transformers models, one rank per role); files of this format written by megatron models
+  before sharded states existed still load at the layout that wrote them, and fail naming the
+  file at another.
+
+RNG states on resume: a state resumed at the layout that wrote it restores every rank's own
+states exactly. At another layout, the Python, NumPy and torch CPU generators of every rank
+come from the rank at the same tensor-parallel position of data-parallel replica 0 when the
+tensor-parallel size is unchanged (and so do megatron's RNG-tracker states), else from rank 0,
+and the tracker keeps the states ``init_model_parallel`` seeded for this rank (they are per
+tensor-parallel rank and drive dropout only, which this project's models do not use).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine.models.master_weights import full_precision_weights, load_full_precision_state
+from engine.models.master_weights import copy_masters_to_model, full_precision_weights, load_full_precision_state, master_params
 
 STATE_FILE = "train_state.pt"
 
 
-_FORMAT_VERSION = 1
+SHARDS_PREFIX = "train_state-"  # the sharded checkpoint directory: train_state-<step:08d>-<id>
+
+
+SINGLE_FILE, SHARDED = 1, 2  # format versions
+
+
+_COMMON = "train_state"  # the common (rank-0) entry of a sharded checkpoint
 
 
 @dataclass(frozen=True)
@@ -61,7 +100,7 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
+    """Inverse of :func:`capture_rng_state` (megatron's tracker only when ``state`` has it)."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["mt"].tolist()), py["gauss"]))
     nps = state["numpy"]
@@ -83,40 +122,120 @@ def _megatron_rng_tracker():
     return tracker if tracker.get_states() else None
 
 
-@dataclass
+def rng_source(saved: dict[str, int], current: dict[str, int], rank: int) -> tuple[int, bool]:
+    """Which saved rank's RNG states global rank ``rank`` restores, and whether megatron's
+    tracker states come with them (module docstring).
+
+    Args:
+        saved, current: layouts as ``{"world_size", "tensor_model_parallel_size",
+            "data_parallel_size"}`` (the writer's and this group's).
+        rank: this process's global rank (tensor-parallel ranks adjacent, megatron's order).
+
+    Returns: ``(rank, True)`` at the same layout; ``(rank % tp, True)`` (the same
+        tensor-parallel position in data-parallel replica 0) when only the data-parallel size
+        changed; ``(0, False)`` when the tensor-parallel size changed.
+    """
+    if saved == current:
+        return rank, True
+    tp = current["tensor_model_parallel_size"]
+    if saved["tensor_model_parallel_size"] == tp:
+        return rank % tp, True
+    return 0, False
+
+
 class TrainState:
     """A loaded training state; apply it with :meth:`restore`.
 
     Attributes:
         step: optimizer steps completed.
         data_position: the sampler position after ``step`` steps.
-        model, optimizer, scheduler: their ``state_dict()``s.
-        rng: from :func:`capture_rng_state`.
+        scheduler: the LR scheduler's ``state_dict()``.
         extra: caller's own values (e.g. the config it was trained with, running totals).
+        path: the ``train_state.pt`` it was read from.
+        checkpoint: the sharded checkpoint directory (None for the single-file format).
+        format_version: 1 (single file) or 2 (sharded).
     """
 
-    step: int
-    data_position: DataPosition
-    model: dict[str, Any]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    rng: dict[str, Any]
-    extra: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, path: Path, raw: dict[str, Any]):
+        self.path, self.format_version = path, int(raw["format_version"])
+        self.step = int(raw["step"])
+        self.data_position = DataPosition(**raw["data_position"])
+        self.extra: dict[str, Any] = raw.get("extra", {})
+        if self.format_version == SINGLE_FILE:
+            self.checkpoint, self._raw, self._common = None, raw, None
+            self.scheduler = raw["scheduler"]
+            return
+        self.checkpoint = path.parent / raw["checkpoint"]
+        if not (self.checkpoint / "metadata.json").is_file():
+            raise FileNotFoundError(f"{self.checkpoint}: the sharded train state named by {path} is missing; "
+                                    f"delete {path.parent} to start this stage over")
+        from megatron.core.dist_checkpointing import load_common_state_dict
+
+        try:  # rank 0's common state: torch.load(weights_only=True), no tensors of the model
+            self._common = load_common_state_dict(str(self.checkpoint))[_COMMON]
+        except Exception as exc:
+            raise ValueError(f"{self.checkpoint}: unreadable train state ({exc.__class__.__name__}: {exc}); "
+                             f"delete {path.parent} to start this stage over") from exc
+        self.scheduler = self._common["scheduler"]
+        self._raw = None
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        """The saved weights by ``state_dict()`` name (no ``_extra_state``); for a sharded state
+        the full tensors, gathered over the tensor-parallel ranks that wrote them (read in this
+        process, not a collective)."""
+        if self._raw is not None:
+            return self._raw["model"]
+        full = _read_full_tensors(self.checkpoint, [key for key, _ in self._common["keys"].values()])
+        return {name: _select(full[key], offsets) for name, (key, offsets) in self._common["keys"].items()}
+
+    @property
+    def optimizer(self) -> dict[str, Any]:
+        """The saved AdamW ``state_dict()`` (parameter ids in optimizer order); for a sharded state
+        with the moments gathered to full tensors, like :attr:`model`."""
+        if self._raw is not None:
+            return self._raw["optimizer"]
+        opt, keys = self._common["optimizer"], self._common["keys"]
+        wanted = [f"optimizer.state.{m}.{keys[name][0]}" for name, moments in opt["moments"].items() for m in moments]
+        full = _read_full_tensors(self.checkpoint, wanted)
+        state = {}
+        for index, name in enumerate(opt["names"]):
+            key, offsets = keys[name]
+            entry = dict(opt["scalars"].get(name, {}))
+            entry.update({m: _select(full[f"optimizer.state.{m}.{key}"], offsets) for m in opt["moments"].get(name, ())})
+            if entry:
+                state[index] = entry
+        return {"state": state, "param_groups": opt["param_groups"]}
+
+    @property
+    def rng(self) -> dict[str, Any]:
+        """RNG states (:func:`capture_rng_state`) of the writer's rank 0."""
+        return self._raw["rng"] if self._raw is not None else self._common["rng"][0]
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
-        """Load weights, optimizer and scheduler states, then the RNG states.
+        """Load weights, optimizer and scheduler states, then the RNG states. For a sharded
+        state a collective: every rank of the model's group calls it.
 
         Raises:
-            ValueError: if the saved weights' names differ from the model's.
+            ValueError: the saved weights' names or shapes differ from the model's (naming the
+                file), e.g. a single-file state at another tensor-parallel size.
         """
-        result = load_full_precision_state(model, self.model)  # fp32 masters exactly, under mixed precision
+        if self._raw is None:
+            _restore_sharded(self, model, optimizer, scheduler)
+            return
+        try:
+            result = load_full_precision_state(model, self._raw["model"])  # fp32 masters exactly, under mixed precision
+        except RuntimeError as exc:  # size mismatch: name the first tensor
+            first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+            raise ValueError(f"{self.path}: a single-file train state (format 1, rank 0's tensors) loads only at the "
+                             f"layout that wrote it, not at another tensor-parallel size: {first}") from exc
         # Only megatron's opaque `_extra_state` entries may be absent (see _model_state).
         bad = [k for k in result.missing_keys + result.unexpected_keys if not k.endswith("_extra_state")]
         if bad:
-            raise ValueError(f"train state does not match the model: mismatched keys {bad[:5]}")
-        optimizer.load_state_dict(self.optimizer)
+            raise ValueError(f"{self.path}: train state does not match the model: mismatched keys {bad[:5]}")
+        optimizer.load_state_dict(self._raw["optimizer"])
         scheduler.load_state_dict(self.scheduler)
-        restore_rng_state(self.rng)
+        restore_rng_state(self._raw["rng"])
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -131,6 +250,219 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
         }
 
 
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a megatron-core module (its train state is then sharded)."""
+    import sys
+
+    megatron = sys.modules.get("megatron.core.transformer.module")  # not imported: no megatron module exists
+    return megatron is not None and any(isinstance(m, megatron.MegatronModule) for m in model.modules())
+
+
+def sharded_model_state(model: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
+    """``model``'s dist_checkpointing state, keyed like ``model.state_dict()``: megatron-core
+    modules give their own ``sharded_state_dict`` (tensor-parallel shards, per-layer offsets);
+    the parameters and persistent buffers of plain torch modules around them (a reward or
+    value head) are replicated tensors (``megatron.core.utils.make_sharded_tensor_for_checkpoint``:
+    written once, by the rank whose tensor- and data-parallel ranks are 0)."""
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint
+
+    if isinstance(model, MegatronModule):
+        return model.sharded_state_dict(prefix=prefix)
+    out: dict[str, Any] = {}
+    own = [*model._parameters.items(),
+           *((k, v) for k, v in model._buffers.items() if k not in model._non_persistent_buffers_set)]
+    for name, tensor in own:
+        if tensor is not None:
+            out[prefix + name] = make_sharded_tensor_for_checkpoint(tensor, prefix + name)
+    for name, child in model.named_children():
+        out.update(sharded_model_state(child, f"{prefix}{name}."))
+    return out
+
+
+def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter name of every tensor the optimizer steps, in its ``state_dict()`` id order
+    (the fp32 masters under mixed precision carry their parameter's name).
+
+    Raises: ValueError for an optimizer tensor that is none of the model's parameters."""
+    named = master_params(model) or dict(model.named_parameters())
+    by_id = {id(t): name for name, t in named.items()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(f"train state: optimizer parameters {missing[:5]} are not parameters of the model")
+    return [by_id[id(p)] for p in params]
+
+
+def _sharded_moments(model_state: dict[str, Any], moments: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """AdamW moments as dist_checkpointing tensors sharded like their parameters:
+    ``{name: {moment: make_sharded_optimizer_tensor(model_state[name], tensor, "optimizer.state.<moment>")}}``."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+    return {name: {m: make_sharded_optimizer_tensor(model_state[name], t, prefix=f"optimizer.state.{m}")
+                   for m, t in per.items()} for name, per in moments.items()}
+
+
+def _checkpoint_keys(model_state: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
+    """``{state_dict name: (checkpoint key, offsets on the prepended axes)}`` of every tensor:
+    megatron saves the layers of a block as one tensor per kind with a leading layer axis, so
+    the full tensor of ``decoder.layers.3.x`` is ``checkpoint[key][3]``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for name, sh in model_state.items():
+        if isinstance(sh, ShardedTensorFactory):  # e.g. SwiGLU's fc1: two chunks of one global tensor
+            built = sh.build()
+            sh = built[0] if isinstance(built, (list, tuple)) else next(iter(built.values()))
+        if isinstance(sh, ShardedTensor):
+            out[name] = (sh.key, [int(o) for o in sh.global_offset[: sh.prepend_axis_num]])
+    return out
+
+
+def _select(full: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    return full[tuple(offsets)].clone() if offsets else full
+
+
+def _read_full_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of a torch_dist checkpoint by key, read with
+    ``torch.distributed.checkpoint`` in this process alone (``no_dist``)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(checkpoint))
+    meta = reader.read_metadata().state_dict_metadata
+    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(out, storage_reader=reader, no_dist=True)
+    return out
+
+
+def _layout() -> dict[str, int]:
+    """This process's group: world size and megatron's tensor-parallel size (1 without a group)."""
+    from megatron.core import parallel_state
+
+    from engine.distributed.collectives import world_size
+
+    world = world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    return {"world_size": world, "tensor_model_parallel_size": tp, "data_parallel_size": world // tp}
+
+
+def _all_rng_states() -> list[dict[str, Any]]:
+    """Every rank's :func:`capture_rng_state`, in global rank order (a collective)."""
+    import torch.distributed as dist
+
+    from engine.distributed.collectives import world_size
+
+    mine = capture_rng_state()
+    if world_size() == 1:
+        return [mine]
+    states: list[Any] = [None] * world_size()
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, scheduler) -> None:
+    """Every rank: its shards of a new checkpoint directory; rank 0 then commits it (module docstring)."""
+    from engine.distributed.collectives import barrier, global_rank
+    from engine.storage.torch_dist import save_sharded, shared_temporary_dir
+
+    lead = global_rank() == 0
+    if lead:
+        root.mkdir(parents=True, exist_ok=True)
+    rng = _all_rng_states()
+    tmp = shared_temporary_dir(root, f".{SHARDS_PREFIX}{payload['step']:08d}-")
+    published = tmp.name[1:]  # without the leading dot
+    torch_state = optimizer.state_dict()
+    names = _optimizer_names(model, optimizer)
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, name in enumerate(names):
+        for m, value in torch_state["state"].get(index, {}).items():
+            shaped = isinstance(value, torch.Tensor) and value.dim() > 0
+            (moments if shaped else scalars).setdefault(name, {})[m] = value  # AdamW's step is per parameter
+    try:
+        with full_precision_weights(model):  # fp32 masters under mixed precision
+            model_state = sharded_model_state(model)
+            common = {**payload, "scheduler": scheduler.state_dict(), "layout": _layout(), "rng": rng,
+                      "keys": _checkpoint_keys(model_state),
+                      "optimizer": {"param_groups": torch_state["param_groups"], "names": names,
+                                    "moments": {n: sorted(per) for n, per in moments.items()}, "scalars": scalars}}
+            save_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, moments), _COMMON: common},
+                         tmp)
+        if lead:
+            os.replace(tmp, root / published)
+            _write_atomically(root / STATE_FILE, {**payload, "checkpoint": published})  # the commit
+            _remove_other_states(root, keep=published)
+    except BaseException:
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    barrier()
+
+
+def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
+    """Every rank: its shards of weights and moments (resharded to this layout), then the
+    optimizer, scheduler and RNG states (module docstring)."""
+    from engine.distributed.collectives import global_rank
+    from engine.storage.torch_dist import load_sharded
+
+    common = state._common
+    opt = common["optimizer"]
+    names = _optimizer_names(model, optimizer)
+    if sorted(names) != sorted(opt["names"]):
+        raise ValueError(f"{state.path}: train state does not match the model: it trained "
+                         f"{sorted(set(opt['names']) ^ set(names))[:5]} (only one of them has these)")
+    tensors = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
+    with full_precision_weights(model):
+        model_state = sharded_model_state(model)
+        template = {n: {m: torch.zeros_like(tensors[n]) for m in ms}
+                    for n, ms in opt["moments"].items()}
+        loaded = load_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, template)},
+                              state.checkpoint)
+        try:
+            model.load_state_dict(loaded["model"], strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"{state.checkpoint}: train state does not match the model: {exc}") from exc
+    copy_masters_to_model(model)
+    current = optimizer.state_dict()["param_groups"]
+    if [len(g["params"]) for g in current] != [len(g["params"]) for g in opt["param_groups"]]:
+        raise ValueError(f"{state.checkpoint}: train state has other optimizer parameter groups than the model's")
+    groups = [{**saved, "params": now["params"]} for saved, now in zip(opt["param_groups"], current)]
+    per_param = {index: {**opt["scalars"].get(n, {}), **loaded.get("optimizer", {}).get(n, {})} for index, n in enumerate(names)}
+    optimizer.load_state_dict({"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups})
+    scheduler.load_state_dict(common["scheduler"])
+    source, with_tracker = rng_source(common["layout"], _layout(), global_rank())
+    rng = dict(common["rng"][source])
+    if not with_tracker:
+        rng.pop("megatron_tracker", None)
+    restore_rng_state(rng)
+
+
+def _write_atomically(target: Path, payload: dict[str, Any]) -> None:
+    """``torch.save(payload)`` to a temporary sibling, fsync, then ``os.replace`` onto ``target``."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _remove_other_states(root: Path, keep: str | None) -> None:
+    """Delete every sharded checkpoint directory under ``root`` but ``keep`` (the one the index
+    names), and the temporary ones a killed save left behind."""
+    for d in root.iterdir():
+        if d.is_dir() and d.name != keep and d.name.lstrip(".").startswith(SHARDS_PREFIX):
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def save_train_state(
     directory: str | Path,
     *,
@@ -141,52 +473,44 @@ def save_train_state(
     data_position: DataPosition,
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``directory/train_state.pt`` atomically (creating ``directory`` if needed).
+    """Write the train state into ``directory`` (created if needed) and commit it by replacing
+    ``directory/train_state.pt`` atomically: sharded for a model with megatron-core modules (a
+    collective: every rank of its group calls it, each writing its shards), else one file
+    written by rank 0 (module docstring).
 
     Captures the RNG states at call time, so call it right after the step it records.
 
     Returns:
-        Path of the written file.
+        Path of ``train_state.pt``.
     """
     from engine.distributed.collectives import barrier, global_rank
 
-    directory = Path(directory)
-    target = directory / STATE_FILE
+    root = Path(directory)
+    payload = {"format_version": SHARDED, "step": int(step), "extra": dict(extra or {}),
+               "data_position": {"epoch": data_position.epoch, "offset": data_position.offset,
+                                 "shuffle_seed": data_position.shuffle_seed}}
+    if is_sharded_model(model):
+        _save_sharded(root, payload, model, optimizer, scheduler)
+        return root / STATE_FILE
     if global_rank() != 0:  # data parallelism: the ranks hold the same state; rank 0 writes it
         barrier()
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "format_version": _FORMAT_VERSION,
-        "step": int(step),
-        "data_position": {
-            "epoch": data_position.epoch,
-            "offset": data_position.offset,
-            "shuffle_seed": data_position.shuffle_seed,
-        },
-        "model": _model_state(model),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": capture_rng_state(),
-        "extra": dict(extra or {}),
-    }
-    fd, tmp = tempfile.mkstemp(prefix=f".{STATE_FILE}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return root / STATE_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomically(root / STATE_FILE, {**payload, "format_version": SINGLE_FILE, "model": _model_state(model),
+                                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                          "rng": capture_rng_state()})
+    _remove_other_states(root, keep=None)
     barrier()
-    return target
+    return root / STATE_FILE
 
 
 def has_train_state(directory: str | Path | None) -> bool:
     """True if ``directory`` holds a saved train state."""
     return directory is not None and (Path(directory) / STATE_FILE).is_file()
+
+
+_REQUIRED = {SINGLE_FILE: {"step", "data_position", "model", "optimizer", "scheduler", "rng"},
+             SHARDED: {"step", "data_position", "checkpoint"}}
 
 
 def _read_state_file(directory: str | Path, mmap: bool = False) -> dict[str, Any]:
@@ -199,9 +523,9 @@ def _read_state_file(directory: str | Path, mmap: bool = False) -> dict[str, Any
     except Exception as exc:  # truncated or foreign file: say which, and how to recover
         raise ValueError(f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
                          f"delete {Path(path).parent} to start this stage over") from exc
-    if not isinstance(raw, dict) or raw.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(f"{path}: not a train state of format version {_FORMAT_VERSION}")
-    missing = {"step", "data_position", "model", "optimizer", "scheduler", "rng"} - raw.keys()
+    if not isinstance(raw, dict) or raw.get("format_version") not in _REQUIRED:
+        raise ValueError(f"{path}: not a train state of format version {' or '.join(map(str, _REQUIRED))}")
+    missing = _REQUIRED[raw["format_version"]] - raw.keys()
     if missing:
         raise ValueError(f"{path}: train state lacks keys {sorted(missing)}")
     return raw
@@ -212,9 +536,9 @@ def check_run_identity(directory: str | Path, identity: dict[str, Any], what: st
 
     ``identity`` is what must not change between the run that wrote the state and the one
     resuming it (e.g. the stage config, dataset size, seed); the writer stores it in
-    ``extra``. Reads the file memory-mapped, so the check costs no weight loading and a
-    wrong directory fails before anything is restored. ``what`` names the run in the
-    message ("RL run").
+    ``extra``. Reads ``train_state.pt`` alone (memory-mapped), so the check costs no weight
+    loading and a wrong directory fails before anything is restored. ``what`` names the run
+    in the message ("RL run").
 
     Raises:
         FileNotFoundError / ValueError: as :func:`load_train_state` (missing, unreadable file).
@@ -240,19 +564,14 @@ def _differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]
 
 
 def load_train_state(directory: str | Path) -> TrainState:
-    """Read ``directory/train_state.pt`` with ``torch.load(weights_only=True)``.
+    """Read the train state committed in ``directory`` (``torch.load(weights_only=True)``): the
+    single-file format whole, the sharded one's index and common (rank-0) part; its weights and
+    moments are read by :meth:`TrainState.restore` (or the :attr:`TrainState.model` view).
 
     Raises:
-        FileNotFoundError: naming the missing file.
+        FileNotFoundError: naming the missing file (``train_state.pt``, or the sharded
+            directory it names).
         ValueError: naming the file, if it is not a train state of a supported version.
     """
-    raw = _read_state_file(directory)
-    return TrainState(
-        step=raw["step"],
-        data_position=DataPosition(**raw["data_position"]),
-        model=raw["model"],
-        optimizer=raw["optimizer"],
-        scheduler=raw["scheduler"],
-        rng=raw["rng"],
-        extra=raw.get("extra", {}),
-    )
+    path = Path(directory) / STATE_FILE
+    return TrainState(path, _read_state_file(directory))

@@ -42,7 +42,7 @@ from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batches
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.batching.sampler import EpochSampler
-from engine.distributed.collectives import global_rank
+from engine.distributed.collectives import data_parallel_rank, global_rank
 from engine.distributed.share import micro_batch_share
 from engine.storage.model_dir import load_tokenizer
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
@@ -265,6 +265,8 @@ def train_reward_model(
     sampler = EpochSampler(len(train_pairs), seed, position.epoch, position.offset)
 
     lead = global_rank() == 0  # data parallelism: rank 0 evaluates, logs and shows progress
+    # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates)
+    evaluates = data_parallel_rank() == 0
     for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
                      dynamic_ncols=True, disable=not lead):
         chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
@@ -281,8 +283,9 @@ def train_reward_model(
             "train/lr": out["lr"],
             "perf/pairs_per_s": len(chosen) / seconds,
         }
-        log_now = lead and (done % cfg.log_every == 0 or done == cfg.steps)
-        if log_now:
+        due = done % cfg.log_every == 0 or done == cfg.steps
+        log_now = lead and due
+        if evaluates and due:
             metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
         # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
         if log_now and log_metrics is not None:

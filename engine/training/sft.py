@@ -255,8 +255,8 @@ def train_sft(
     Under a data-parallel group (``sft.parallel.data_parallel_size`` ranks, each calling this
     function with the same arguments) each rank back-propagates its share of every step's
     micro-batches (:func:`engine.distributed.share.micro_batch_share`); the metrics are those
-    of the whole global batch on every rank, and a train state written at one
-    ``data_parallel_size`` resumes at another.
+    of the whole global batch on every rank, and a train state written at one layout (data
+    and tensor parallel, ``engine.storage.train_state``) resumes at another.
 
     Returns:
         Final metrics: ``train/loss`` (last step's token-mean NLL, nats), ``train/grad_norm``,

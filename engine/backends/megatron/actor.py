@@ -86,7 +86,9 @@ class ActorWorker(HFBucketSource):
         return self.model
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
-        """Write the resumable train state (weights, AdamW, schedule, data position, RNG) atomically."""
+        """Write the resumable train state (weights, AdamW, schedule, data position, RNG) atomically: a
+        torch_dist checkpoint to which every rank of a data/tensor-parallel group writes its shards
+        (``engine.storage.train_state``), so it resumes at any layout."""
         from engine.storage.train_state import save_train_state
 
         save_train_state(
@@ -95,7 +97,8 @@ class ActorWorker(HFBucketSource):
         )
 
     def load_state(self, resume_dir: str | Path):
-        """Restore a train state written by :meth:`save_state`; returns ``(step, data_position, extra)``."""
+        """Restore a train state written by :meth:`save_state` at any layout (resharded on load; every
+        rank of a group calls it); returns ``(step, data_position, extra)``."""
         from engine.storage.train_state import load_train_state
 
         state = load_train_state(resume_dir)

@@ -75,7 +75,8 @@ class CriticWorker:
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW, schedule) atomically
-        under ``resume_dir/critic/step_<step>``; earlier steps' states stay until
+        under ``resume_dir/critic/step_<step>`` (sharded: every rank writes its shards, and it
+        resumes at any layout, ``engine.storage.train_state``); earlier steps' states stay until
         :meth:`prune_states` (so a crash before the actor's checkpoint leaves a matching pair)."""
         from engine.storage.train_state import save_train_state
 

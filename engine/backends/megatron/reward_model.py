@@ -53,7 +53,8 @@ class MegatronRewardTrainer:
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
         """:meth:`engine.training.reward_contract.RewardTrainer.save_state`: the
         :class:`RewardModel`'s ``gpt.*`` and ``reward_head.*`` tensors, AdamW and the
-        ``LambdaLR`` schedule."""
+        ``LambdaLR`` schedule, as a sharded train state (``engine.storage.train_state``: every rank
+        writes its shards; the head is replicated, written once) that resumes at any layout."""
         save_train_state(directory, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                          data_position=data_position, extra=extra)
 

@@ -301,11 +301,13 @@ def test_critic_update_at_dp2_equals_dp1_in_bf16(policy_dir, ray_cluster):
 
 def test_dp2_checkpoint_resumes_at_dp1_and_dp2(policy_dir, ray_cluster, tmp_path):
     """A DP=2 train state resumed at DP=2 continues bit-identically to the uninterrupted DP=2
-    run; resumed at DP=1 it continues within the fp32 bound of the DP=2 vs DP=1 update."""
+    run; resumed at DP=1 it gives exactly the saved weights and AdamW moments (one sharded
+    checkpoint, the replicated tensors written once) and continues within the fp32 bound of the
+    DP=2 vs DP=1 update."""
     import ray
 
     from engine.backends.megatron.actor import ActorWorker
-    from engine.storage.train_state import DataPosition
+    from engine.storage.train_state import DataPosition, load_train_state
     from engine.training.actor import actor_norm
 
     cfg = rl_config(steps=3)
@@ -334,6 +336,12 @@ def test_dp2_checkpoint_resumes_at_dp1_and_dp2(policy_dir, ray_cluster, tmp_path
         resumed.kill()
     single = ActorWorker(policy_dir, cfg, 0, 1)
     single.load_state(tmp_path / "resume")
+    saved = load_train_state(tmp_path / "resume")
+    weights = dict(single.model.named_parameters())
+    assert weights.keys() == saved.model.keys() and all(torch.equal(weights[k], saved.model[k]) for k in weights)
+    moments = single.optimizer.state_dict()["state"]
+    assert moments.keys() == saved.optimizer["state"].keys() and len(moments) == len(weights)
+    assert all(torch.equal(v, saved.optimizer["state"][i][k]) for i, s in moments.items() for k, v in s.items())
     at_dp1 = step(single, False)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         assert _close(at_dp1[key], uninterrupted[key]), (key, at_dp1[key], uninterrupted[key])
@@ -380,7 +388,9 @@ def test_parallel_config_errors_name_the_key():
     assert ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=3).world_size == 6
     with pytest.raises(ValidationError, match=r"rl\.parallel\.critic: data/tensor parallelism runs on rl\.backend megatron"):
         RLConfig(backend="deepspeed", algorithm="gae", parallel={"critic": {"data_parallel_size": 2}})
-    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor\.tensor_model_parallel_size: the RL stage"):
-        RLConfig(parallel={"actor": {"tensor_model_parallel_size": 2}})
+    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor: data/tensor parallelism runs on rl\.backend megatron"):
+        RLConfig(backend="deepspeed", parallel={"actor": {"tensor_model_parallel_size": 2}})
+    tp2 = {"tensor_model_parallel_size": 2}  # the train state reshards and weight sync gathers TP shards
+    assert RLConfig(algorithm="gae", parallel={"actor": tp2, "critic": tp2, "reference": tp2}).parallel.actor.world_size == 2
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         ParallelConfig(data_parallel_size=0)

@@ -91,9 +91,6 @@ def _no_ranks_left() -> None:
 
 
 def test_config_refuses_layouts_the_stages_cannot_run():
-    with pytest.raises(ValueError, match="sft.parallel.tensor_model_parallel_size=2: the sft stage runs data "
-                                         "parallelism only"):
-        SFTConfig(parallel={"tensor_model_parallel_size": 2})
     with pytest.raises(ValueError, match=r"sft.parallel.data_parallel_size=4 needs at least 4 micro-batches per step "
                                          r"\(one per rank\), but sft.global_batch_size / sft.micro_batch_size = 8 / 4 = 2"):
         SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 4})
@@ -101,9 +98,13 @@ def test_config_refuses_layouts_the_stages_cannot_run():
         RMConfig(global_batch_size=2, max_tokens_per_micro_batch=64, parallel={"data_parallel_size": 3})
     with pytest.raises(ValueError, match="rm.parallel.data_parallel_size=2 needs rm.backend: megatron"):
         RMConfig(backend="deepspeed", parallel={"data_parallel_size": 2})
-    with pytest.raises(ValueError, match="rm.parallel.tensor_model_parallel_size=2"):
-        RMConfig(parallel={"tensor_model_parallel_size": 2})
+    with pytest.raises(ValueError, match="rm.parallel.tensor_model_parallel_size=2 needs rm.backend: megatron"):
+        RMConfig(backend="deepspeed", parallel={"tensor_model_parallel_size": 2})
     assert SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 2}).parallel.world_size == 2
+    # tensor parallelism: the ranks of a group share their micro-batches, so one micro-batch per step is enough
+    tp = {"tensor_model_parallel_size": 2}
+    assert SFTConfig(global_batch_size=4, micro_batch_size=4, parallel=tp).parallel.world_size == 2
+    assert RMConfig(global_batch_size=4, micro_batch_size=4, parallel=tp).parallel.world_size == 2
 
 
 def test_sft_at_dp2_equals_dp1_and_its_checkpoint_resumes_at_dp1(inputs, ray_cluster, tmp_path):

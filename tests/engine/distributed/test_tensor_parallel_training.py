@@ -13,9 +13,16 @@ row-parallel layers' partial sums are added by an all-reduce in another order th
 matmul adds them, so logits and gradients differ by ulps; AdamW's first step amplifies that
 only where a gradient is near its eps (counted, below 1e-4 of the weights).
 
-The SFT step is tested the same way on the trainer itself (``engine.training.sft.train_sft``
-run by every rank of a TP=2 group): the sft stage refuses TP > 1 in its config, but its loss
-(cross entropy of the gathered logits) and optimizer step are the RL actor's TP-aware ones.
+The SFT and reward-model steps are tested the same way on the trainers themselves
+(``engine.training.sft.train_sft`` and ``engine.training.reward_model.train_reward_model`` run
+by every rank of a TP=2 group, as ``run_stage`` runs a stage's ranks): their losses (cross
+entropy of the gathered logits; the pair loss of a replicated head) and optimizer step are the
+RL actor's TP-aware ones.
+
+Train states (``engine.storage.train_state``) are torch_dist checkpoints that every rank writes
+its shards of; one written at TP=1 resumes at TP=2 and one written at TP=2 at TP=1, with the
+weights and AdamW moments exactly the saved ones, and the weight-sync buckets of a TP=2 actor
+(gathered from both ranks) are those of the TP=1 actor bit for bit.
 """
 
 from __future__ import annotations
@@ -45,11 +52,16 @@ def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
         norm_epsilon=1e-6, add_qkv_bias=False, qk_layernorm=True, tie_word_embeddings=True,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
+    with torch.no_grad():  # megatron's vocabulary padding rows are zero (as on import), so weight sync accepts them
+        model.embedding.word_embeddings.weight[spec.vocab_size:] = 0.0
     return save_model_dir(tmp_path_factory.mktemp("tp") / "policy", model,
                           spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0}, fixtures_dir / "qwen2.5-tokenizer")
 
 
-def test_actor_update_at_tp2_equals_tp1_and_its_checkpoint_reshards(policy_dir, tmp_path):
+@pytest.fixture(scope="module")
+def tp2_actor(policy_dir):
+    """One actor group of two tensor-parallel ranks (``rl_config()``, one torch thread each) for
+    this module's tests; each test first loads the train state it starts from."""
     import ray
 
     from engine.backends.megatron.actor import ActorWorker
@@ -59,24 +71,37 @@ def test_actor_update_at_tp2_equals_tp1_and_its_checkpoint_reshards(policy_dir, 
 
     init_ray(num_cpus=2)
     cfg = rl_config()
-    traj = trajectory()
-    single = ActorWorker(policy_dir, cfg, 0, 1)
-    old = single.compute_logprobs(traj)
-    traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
     group = WorkerGroup(ActorWorker, TP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1),
                         norm_fn=lambda t: actor_norm(t, cfg))
     try:
         ray.get(group.__ray_ready__.remote())
-        assert torch.allclose(ray.get(group.compute_logprobs.remote(traj)), old, atol=1e-6, rtol=0)
-        want = single.update(traj)
-        got = ray.get(group.update.remote(traj))
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
-            assert _close(got.metrics[key], want.metrics[key]), (key, got.metrics[key], want.metrics[key])
-        assert want.metrics["actor/grad_norm"] > cfg.optim.grad_clip  # the TP-aware clipping is exercised
-        single.save_model(tmp_path / "tp1", 1)
-        ray.get(group.save_model.remote(str(tmp_path / "tp2"), 1))  # each rank writes its shards
+        yield group
     finally:
         group.kill()
+
+
+def test_actor_update_at_tp2_equals_tp1_and_its_checkpoint_reshards(policy_dir, tp2_actor, tmp_path):
+    import ray
+
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.storage.train_state import DataPosition
+
+    cfg = rl_config()
+    traj = trajectory()
+    single = ActorWorker(policy_dir, cfg, 0, 1)
+    single.save_state(tmp_path / "start", 0, DataPosition(0, 0, 0), {})  # a state before any step: no AdamW moments
+    group = tp2_actor
+    ray.get(group.load_state.remote(str(tmp_path / "start")))  # the policy's weights, a fresh optimizer and schedule
+    old = single.compute_logprobs(traj)
+    traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+    assert torch.allclose(ray.get(group.compute_logprobs.remote(traj)), old, atol=1e-6, rtol=0)
+    want = single.update(traj)
+    got = ray.get(group.update.remote(traj))
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+        assert _close(got.metrics[key], want.metrics[key]), (key, got.metrics[key], want.metrics[key])
+    assert want.metrics["actor/grad_norm"] > cfg.optim.grad_clip  # the TP-aware clipping is exercised
+    single.save_model(tmp_path / "tp1", 1)
+    ray.get(group.save_model.remote(str(tmp_path / "tp2"), 1))  # each rank writes its shards
     a, b = _weights(tmp_path / "tp1"), _weights(tmp_path / "tp2")  # loaded at TP=1: resharded
     assert a.keys() == b.keys()
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
@@ -84,6 +109,90 @@ def test_actor_update_at_tp2_equals_tp1_and_its_checkpoint_reshards(policy_dir, 
     assert int((diff > 1e-6).sum()) <= 1e-4 * diff.numel()
     start = _weights(policy_dir)
     assert float(max((a[k] - start[k]).abs().max() for k in a)) > 1e-4  # the step moved the weights
+
+
+def _buckets(plan, fetch) -> list[tuple[str, torch.Tensor]]:
+    return [pair for index in range(plan.num_buckets) for pair in fetch(index)]
+
+
+def _assert_same_train_state(got, want) -> None:
+    """Two train states hold the same step, schedule, weights and AdamW state, bit for bit (the
+    sharded ones read as full tensors, gathered over the ranks that wrote them)."""
+    assert (got.step, got.data_position, got.scheduler) == (want.step, want.data_position, want.scheduler)
+    a, b = got.model, want.model
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+    a, b = got.optimizer, want.optimizer
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for index, entry in a["state"].items():
+        assert entry.keys() == b["state"][index].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(v, b["state"][index][k]) for k, v in entry.items()), index
+
+
+def test_train_state_reshards_from_tp1_to_tp2_and_back(policy_dir, tp2_actor, tmp_path):
+    """An actor's train state moves between layouts with nothing lost:
+
+    - TP=1 -> TP=2: the state of one step in this process, loaded by the TP=2 group and written
+      back by both ranks, equals the original (every weight and AdamW moment, the per-parameter
+      step counts, the schedule) bit for bit; so do the weight-sync buckets the group serves
+      (each rank's shards gathered into HF tensors) and the TP=1 actor's; the next update
+      equals the TP=1 actor's within the TP bound (1e-6 of max(|value|, 1));
+    - TP=2 -> TP=2: the group's state after two steps, loaded back after a third, repeats that
+      third update bit for bit (weights, moments, schedule and each rank's RNG states restored);
+    - TP=2 -> TP=1: the same state loaded in this process gives exactly the saved masters and
+      moments, and the third update equals the group's within the TP bound.
+
+    Measured (printed with -s): step 2 at TP=2 vs TP=1, gradient norm 2.4e-7 apart, entropy
+    2.5e-7, policy loss 2.8e-9; step 3 at TP=1 (resumed from TP=2) vs TP=2, gradient norm
+    8.9e-8 apart, entropy 1.3e-7.
+    """
+    import ray
+
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.models.master_weights import gradient_params
+    from engine.storage.train_state import DataPosition, load_train_state
+
+    cfg, traj, group = rl_config(), trajectory(), tp2_actor
+    single = ActorWorker(policy_dir, cfg, 0, 1)
+    old = single.compute_logprobs(traj)
+    batch = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+    pos = DataPosition(0, 8, 0)
+    single.update(batch)
+    single.save_state(tmp_path / "tp1", 1, pos, {"note": "tp1"})
+    plan = single.hf_bucket_plan()
+    want_buckets = _buckets(plan, single.hf_bucket)
+    tp1_step2 = single.update(batch).metrics
+
+    assert ray.get(group.load_state.remote(str(tmp_path / "tp1"))) == (1, pos, {"note": "tp1"})
+    ray.get(group.save_state.remote(str(tmp_path / "tp2_at1"), 1, pos, {}))
+    _assert_same_train_state(load_train_state(tmp_path / "tp2_at1"), load_train_state(tmp_path / "tp1"))
+    assert ray.get(group.hf_bucket_plan.remote()) == plan
+    got_buckets = _buckets(plan, lambda i: ray.get(group.hf_bucket.remote(i)))
+    assert [n for n, _ in got_buckets] == [n for n, _ in want_buckets]
+    assert [n for (n, a), (_, b) in zip(got_buckets, want_buckets) if not (a.dtype == b.dtype and torch.equal(a, b))] == []
+    tp2_step2 = ray.get(group.update.remote(batch)).metrics
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
+        print(f"step 2 {key}: tp1 {tp1_step2[key]!r} tp2 (resumed from tp1) {tp2_step2[key]!r}")
+        assert _close(tp2_step2[key], tp1_step2[key]), (key, tp2_step2[key], tp1_step2[key])
+
+    ray.get(group.save_state.remote(str(tmp_path / "tp2"), 2, pos, {}))
+    tp2_step3 = ray.get(group.update.remote(batch)).metrics
+    ray.get(group.load_state.remote(str(tmp_path / "tp2")))
+    assert ray.get(group.update.remote(batch)).metrics == tp2_step3  # same layout: bit-identical
+
+    back = ActorWorker(policy_dir, cfg, 0, 1)
+    assert back.load_state(tmp_path / "tp2")[0] == 2
+    saved = load_train_state(tmp_path / "tp2")
+    names = [n for n, p in back.model.named_parameters()]
+    masters = dict(zip(names, gradient_params(back.model)))  # fp32: the parameters themselves
+    assert masters.keys() == saved.model.keys()
+    assert [n for n, t in masters.items() if not torch.equal(t.detach(), saved.model[n])] == []
+    moments = back.optimizer.state_dict()["state"]
+    assert moments.keys() == saved.optimizer["state"].keys()
+    assert [i for i, s in moments.items() if not all(torch.equal(s[k], saved.optimizer["state"][i][k]) for k in s)] == []
+    tp1_step3 = back.update(batch).metrics
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
+        print(f"step 3 {key}: tp2 {tp2_step3[key]!r} tp1 (resumed from tp2) {tp1_step3[key]!r}")
+        assert _close(tp1_step3[key], tp2_step3[key]), (key, tp1_step3[key], tp2_step3[key])
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +208,25 @@ def sft_inputs(tmp_path_factory, policy_dir) -> dict[str, Path]:
     policy = load_model_dir(policy_dir)
     base = save_model_dir(root / "qwen3", policy.model, policy.hf_config, inputs["base"] / "hf")
     assert len(load_tokenizer(base)) <= policy.hf_config["vocab_size"]
-    return {"base": base, "sft": inputs["sft"]}
+    return {"base": base, "sft": inputs["sft"], "preference": inputs["preference"]}
 
 
-def test_sft_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
+def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
     """One SFT step (8 conversations in two micro-batches of 4, AdamW with weight decay,
     clipping to 1.0) by ``train_sft`` in this process (TP=1) and on every rank of a TP=2 group
-    (:class:`engine.distributed.stage_group.StageRank`, as ``run_stage`` runs a stage's ranks;
-    ``run_stage`` itself refuses TP > 1): the loss and the gradient norm within 1e-6 of
-    max(|value|, 1), the token count and learning rate equal, and the model directory both
-    ranks write (torch_dist shards, loaded back at TP=1) within the weight bounds of the
-    actor test above (every weight within 1e-2 x lr, at most 1e-4 of them beyond 1e-6).
+    (:class:`engine.distributed.stage_group.StageRank`, as ``run_stage`` runs a stage's ranks):
+    the loss and the gradient norm within 1e-6 of max(|value|, 1), the token count and
+    learning rate equal, and the model directory both ranks write (torch_dist shards, loaded
+    back at TP=1) within the weight bounds of the actor test above (every weight within
+    1e-2 x lr, at most 1e-4 of them beyond 1e-6). The TP=2 run's train state holds both ranks'
+    shards (read back whole it is the model directory's weights, bit for bit), and resumed in
+    this process at TP=1 (a finished run: only the model directory is written again) it gives
+    those weights exactly.
+
+    Then one reward-model step (``train_reward_model``, megatron backend, 6 training pairs in
+    micro-batches of 2, held-out evaluation of 2 pairs on rank 0's tensor-parallel group) in
+    the same group against this process: training loss, accuracy, margin, gradient norm and the
+    held-out accuracy and loss within the same bound.
 
     Measured (printed with -s): the loss bit-identical (5.7331644); grad_norm 3.7064195 vs
     3.7064171, 2.4e-6 apart (6.4e-7 relative, inside the 1e-6 bound): all of it the norm's
@@ -119,21 +236,31 @@ def test_sft_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
     gradients, as above)."""
     import ray
 
+    from config.rm import RMConfig
+    from engine.backends.select_rm import reward_trainer
     from engine.distributed.group import WorkerGroup
     from engine.distributed.stage_group import StageRank
     from engine.rl.placement import init_ray
+    from engine.storage.train_state import load_train_state
+    from engine.training.reward_model import train_reward_model
     from engine.training.sft import train_sft
 
     init_ray(num_cpus=2)
     lr = 1e-3
     cfg = SFTConfig(precision="fp32", steps=1, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
                     optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0))
-    args = dict(base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["sft"], cfg=cfg, resume_dir=None, seed=0)
-    want = train_sft(**args, out_dir=tmp_path / "tp1")
+    args = dict(base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["sft"], cfg=cfg, seed=0)
+    want = train_sft(**args, out_dir=tmp_path / "tp1", resume_dir=None)
+    rm_cfg = RMConfig(precision="fp32", steps=1, global_batch_size=6, micro_batch_size=2, max_seq_len=64,
+                      eval_fraction=0.25, optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0))
+    rm_args = dict(make_trainer=reward_trainer, base_model_dir=sft_inputs["base"],
+                   dataset_path=sft_inputs["preference"], cfg=rm_cfg, resume_dir=None, seed=0)
+    rm_want = train_reward_model(**rm_args, out_dir=tmp_path / "rm1")
     group = WorkerGroup(StageRank, TP2, {"num_cpus": 0}, (1,))  # one torch thread per rank
     try:
         ray.get(group.__ray_ready__.remote())
-        got = ray.get(group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2"}))  # every rank; rank 0's result
+        got = ray.get(group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2", "resume_dir": tmp_path / "resume"}))
+        rm_got = ray.get(group.run.remote(train_reward_model, {**rm_args, "out_dir": tmp_path / "rm2"}))
     finally:
         group.kill()
     for key in ("train/loss", "train/grad_norm"):
@@ -151,3 +278,14 @@ def test_sft_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
     assert beyond <= 1e-4 * diff.numel()
     start = _weights(sft_inputs["base"])
     assert float(max((a[k] - start[k]).abs().max() for k in a)) > 1e-4  # the step moved the weights
+
+    state = load_train_state(tmp_path / "resume").model  # both ranks' shards, gathered
+    assert state.keys() == b.keys() and [k for k in b if not torch.equal(state[k], b[k])] == []
+    resumed = train_sft(**args, out_dir=tmp_path / "tp1_from_tp2", resume_dir=tmp_path / "resume")
+    assert (resumed["train/resumed_from_step"], resumed["train/steps_run"]) == (1.0, 0.0)
+    c = _weights(tmp_path / "tp1_from_tp2")
+    assert [k for k in b if not torch.equal(c[k], b[k])] == []
+
+    for key in ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "rm/accuracy", "rm/loss"):
+        print(f"rm step {key}: tp1 {rm_want[key]!r} tp2 {rm_got[key]!r}")
+        assert _close(rm_got[key], rm_want[key]), (key, rm_got[key], rm_want[key])
