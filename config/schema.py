@@ -13,7 +13,7 @@ not to the config file.
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import PrivateAttr, model_validator
 
 from config.base import Strict
 from config.precision import DTYPE_NAMES, resolve_precision
@@ -45,6 +45,16 @@ class PipelineConfig(Strict):
     rl: RLConfig = RLConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
+
+    # Not a setting: the command-line overrides the config was loaded with (config.load), kept
+    # out of model_dump and so out of every fingerprint; the manifests record them.
+    _overrides: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The ``KEY=VALUE`` overrides applied on top of the YAML file (``posttrain run CONFIG
+        KEY=VALUE ...``), in the order given; empty for a config read from its file alone."""
+        return self._overrides
 
     @model_validator(mode="after")
     def _resolve_precision(self):

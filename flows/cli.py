@@ -1,4 +1,8 @@
-"""The ``posttrain`` command: run, stage, status, validate."""
+"""The ``posttrain`` command: run, stage, status, validate, compare.
+
+``run``, ``stage``, ``status`` and ``validate`` take ``KEY=VALUE`` overrides after the config
+(``posttrain run CONFIG rl.steps=60 rl.optim.lr=3e-4``; config.load.parse_override).
+"""
 
 from __future__ import annotations
 
@@ -28,14 +32,14 @@ from flows.preflight import check_contents, check_inputs, check_layouts, cluster
 console = Console(width=None if sys.stdout.isatty() else 200)
 
 
-def _load(path: str):
-    cfg = load_config(path)
+def _load(path: str, overrides: list[str] = ()):
+    cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
     return cfg, problems, notes
 
 
 def cmd_validate(args) -> int:
-    cfg, problems, notes = _load(args.config)
+    cfg, problems, notes = _load(args.config, args.overrides)
     # Reads the data, tokenizer and model config (never weights): a few seconds, not a run.
     seen: dict = {}
     with console.status("checking data files, tokenizer, chat template, model and plug-ins"):
@@ -50,7 +54,8 @@ def cmd_validate(args) -> int:
         for p in problems:
             console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
         return 1
-    console.print(f"[green]config {args.config} is valid[/] ({cfg.run.name}: {', '.join(_stage_list(cfg))})")
+    with_overrides = f" with {' '.join(args.overrides)}" if args.overrides else ""
+    console.print(f"[green]config {args.config}{escape(with_overrides)} is valid[/] ({cfg.run.name}: {', '.join(_stage_list(cfg))})")
     return 0
 
 
@@ -94,14 +99,14 @@ def _stage_errors():
 
 
 def cmd_run(args) -> int:
-    cfg, problems, _ = _load(args.config)
+    cfg, problems, _ = _load(args.config, args.overrides)
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     from flows.pipeline import pipeline
     from flows.prefect_server import prefect_api
 
     with _stage_errors(), prefect_api():
-        summary = pipeline(config_path=args.config)
+        summary = pipeline(config_path=args.config, overrides=list(args.overrides))
     out = Path("outputs") / cfg.run.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -143,7 +148,7 @@ def cmd_stage(args) -> int:
     watch_parent()
     if args.name not in ("prepare", *STAGE_ORDER):
         raise ConfigError(f"unknown stage {args.name!r}; stages: prepare, {', '.join(STAGE_ORDER)}")
-    cfg, problems, _ = _load(args.config)
+    cfg, problems, _ = _load(args.config, args.overrides)
     if problems and args.name in ("prepare", "validate", "convert"):  # the stages that read raw inputs
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     if args.name == "prepare" and cfg.prepare is None:
@@ -166,13 +171,13 @@ def cmd_stage(args) -> int:
         if missing:
             console.print(
                 f"[red]error:[/] stage {args.name} reads the {', '.join(missing)} artifact(s) of this config, which are "
-                f"not published (or out of date); run `posttrain stage {missing[0]} {args.config}` first",
+                f"not published (or out of date); run `posttrain stage {missing[0]} {_command_args(args)}` first",
                 highlight=False,
             )
             return 3
     try:
         with _stage_errors(), prefect_api():
-            result = stage_flow(config_path=args.config, name=args.name)
+            result = stage_flow(config_path=args.config, name=args.name, overrides=list(args.overrides))
     except MissingUpstream as exc:
         console.print(f"[red]error:[/] {exc}", highlight=False)
         return 3
@@ -200,8 +205,15 @@ def _state_cell(row: dict) -> str:
     return "[yellow]no[/]"
 
 
+def _command_args(args) -> str:
+    """The config and its overrides as a command line takes them (for messages)."""
+    import shlex
+
+    return shlex.join([args.config, *args.overrides])
+
+
 def cmd_status(args) -> int:
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.overrides)
     from flows.status import stage_status
 
     rows = stage_status(cfg, verify=args.verify)
@@ -229,28 +241,45 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="the pipeline config (YAML)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override a config key (dotted, value as YAML): rl.steps=60 rl.optim.lr=3e-4 a.b=[1,2] x=null; "
+                        "+KEY=VALUE adds a key the file lacks, ~KEY removes one")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="posttrain", description="LLM post-training pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run the whole pipeline as one Prefect flow")
-    p.add_argument("config")
+    _config_arguments(p)
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
     p.add_argument("name", help="prepare, validate, convert, sft, rm, rl, evaluate or export")
-    p.add_argument("config")
+    _config_arguments(p)
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("status", help="each stage's artifact for this config and whether it is up to date")
-    p.add_argument("config")
+    _config_arguments(p)
     p.add_argument("--json", action="store_true", help="print machine-readable rows")
     p.add_argument("--verify", action="store_true", help="re-hash every file of each current artifact (sha256)")
     p.set_defaults(fn=cmd_status)
     p = sub.add_parser("validate", help="check a config and its inputs without running anything")
-    p.add_argument("config")
+    _config_arguments(p)
     p.set_defaults(fn=cmd_validate)
     from flows.replay import add_replay_parser
 
     add_replay_parser(sub)
-    args = parser.parse_args(argv)
+    from flows.compare import add_compare_parser
+
+    add_compare_parser(sub)
+    # Overrides may follow options (`status CONFIG --json rl.steps=3`), which argparse's
+    # positionals do not allow: what it leaves over joins the overrides, in order.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     # Reward plug-ins and environments (`module:function` in the config) import from the
     # directory posttrain runs in, as `python -m` would and as Ray's workers already do.
     if os.getcwd() not in sys.path:

@@ -10,6 +10,7 @@ stage runs again (once per upstream stage).
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -98,13 +99,16 @@ def _discard_corrupt(cfg: PipelineConfig, reader: str, exc: CorruptArtifact, ref
 
 
 @flow(name="posttrain-pipeline", log_prints=True)
-def pipeline(config_path: str) -> dict[str, Any]:
-    """Run every enabled stage of the pipeline described by ``config_path``.
+def pipeline(config_path: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Run every enabled stage of the pipeline described by ``config_path`` with ``overrides``
+    (``KEY=VALUE`` strings applied to it, ``config.load.load_config``; a parameter of the flow
+    run, so a rerun of it reloads the same config).
 
-    Returns a JSON-able summary: per stage the artifact ref, wall time (s) and metrics.
+    Returns a JSON-able summary: the config path, the overrides, per stage the artifact ref,
+    wall time (s) and metrics.
     """
-    cfg = load_config(config_path)
-    summary: dict[str, Any] = {"config": config_path, "stages": {}}
+    cfg = load_config(config_path, overrides or ())
+    summary: dict[str, Any] = {"config": config_path, "overrides": list(cfg.overrides), "stages": {}}
     reports.publish_config(cfg, config_path)
     if cfg.prepare is not None:
         t0 = time.time()
@@ -160,14 +164,14 @@ class MissingUpstream(RuntimeError):
 
 
 @flow(name="posttrain-stage", log_prints=True)
-def stage_flow(config_path: str, name: str) -> dict[str, Any]:
+def stage_flow(config_path: str, name: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Run one stage (what ``posttrain stage`` and dvc.yaml call), reading the upstream
-    artifacts that match the current config.
+    artifacts that match the current config (``config_path`` with ``overrides`` applied).
 
     Raises:
         MissingUpstream: an upstream stage has no artifact for the current config.
     """
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, overrides or ())
     if name == "prepare":
         state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(cfg, return_state=True)
         return {"state": state.name, "artifact_id": state.result()}
@@ -178,7 +182,8 @@ def stage_flow(config_path: str, name: str) -> dict[str, Any]:
     for up in spec.inputs(cfg):
         if states[up].ref is None:
             raise MissingUpstream(f"stage {name} reads the {up} artifact of this config, which is not published "
-                                  f"({_why(states[up])}); run `posttrain stage {up} {config_path}` first")
+                                  f"({_why(states[up])}); run `posttrain stage {up} "
+                                  f"{shlex.join([config_path, *cfg.overrides])}` first")
         refs[up] = states[up].ref
     # An upstream artifact found corrupt is rebuilt from its own (published) inputs.
     for up in list(refs):

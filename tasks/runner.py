@@ -334,6 +334,7 @@ def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
                 "inputs": {k: v.model_dump() for k, v in inputs.items()},
                 "raw_inputs": {k: {"path": v, "sha256": raw[f"file:{k}"]} for k, v in spec.raw_inputs(cfg).items()},
                 "config": spec.config(cfg),
+                "overrides": list(cfg.overrides),  # KEY=VALUE from the command line (the config above has them applied)
                 "code_version": code_version(f"tasks.{spec.name}"),
                 "metrics": metrics,
                 "pipeline_run": tracker.pipeline_run,  # group, identity, Prefect flow run, deployment, DVC experiment

@@ -3,8 +3,8 @@ the tiny quickstart in a fresh git + DVC copy of the project the way docs/quicks
 "Compare experiments (DVC)" tells a user to (the fast checks hold its commands to the lines
 these tests run): ``dvc repro`` and the baseline commit; a no-op second repro; killing
 ``dvc repro`` ends the stage it started (a fast test does it with DVC's own command line for
-bash and dash); two ``dvc exp run`` experiments side by side in ``dvc exp show`` and ``dvc metrics
-diff``, with the numbers of the artifacts' manifests; keeping one (``dvc exp branch``, ``dvc
+bash and dash); two ``dvc exp run`` experiments side by side in ``dvc exp show``, ``dvc metrics
+diff`` and ``posttrain compare`` (by name), with the numbers of the artifacts' manifests; keeping one (``dvc exp branch``, ``dvc
 exp apply``); an experiment that switches the rm stage off; and dvc.yaml's vars pointed at
 another config file and run name.
 
@@ -975,6 +975,35 @@ def test_metrics_diff_prints_the_real_deltas_between_the_experiments(dvc_project
     for (path, key, *values) in rows:
         d = expected[path][key]
         assert [float(v) for v in values] == pytest.approx([d["old"], d["new"], d["diff"]], abs=1e-5), (path, key, values)
+
+
+@pytest.mark.slow
+def test_compare_takes_the_experiments_by_name(dvc_project, walkthrough, tmp_path):
+    """`posttrain compare rm-0.5 rm-1.0`: each experiment's commit gives its params file (the
+    config) and pointer files (its artifacts); the one changed key is the one `dvc exp run -S`
+    set, and every headline metric and delta is that of the artifacts' manifests."""
+    from PIL import Image
+
+    root, env = dvc_project["root"], dvc_project["env"]
+    png = tmp_path / "experiments.png"
+    doc = json.loads(_run([str(BIN / "posttrain"), "compare", *EXPERIMENTS, "--json", "--out", str(png)], root, env,
+                          timeout=600).stdout)
+    exps = _experiments(walkthrough["shown"][1])
+    revs = [exps[name]["rev"] for name in EXPERIMENTS]
+    assert [(r["label"], r["kind"]) for r in doc["runs"]] == [(name, "experiment") for name in EXPERIMENTS]
+    assert [r["artifacts"] for r in doc["runs"]] == [{s: _pointer(root, s, rev)["artifact_id"] for s in ARTIFACT_STAGES}
+                                                    for rev in revs]
+    assert doc["changed_keys"] == ["rl.reward.reward_model_weight"]
+    changed = {(c["stage"], c["key"]): c["values"] for c in doc["changed"]}
+    assert changed[("rl", "rl.reward.reward_model_weight")] == list(EXPERIMENTS.values())
+    rows = {(r["stage"], r["metric"]): r for r in doc["metrics"]}
+    for name in ARTIFACT_STAGES:
+        old, new = (_manifest(root, _pointer(root, name, rev))[1]["metrics"] for rev in revs)
+        for key in HEADLINE[name]:
+            assert rows[(name, key)]["values"] == [old[key], new[key]], (name, key)
+            assert rows[(name, key)]["delta"] == [None, new[key] - old[key]], (name, key)
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1100, 800)
 
 
 @pytest.mark.slow

@@ -233,7 +233,7 @@ def _rerun_with(project, name: str, **overrides) -> dict:
 
 
 def test_changing_an_rl_parameter_reruns_only_rl_evaluate_export(project):
-    summary = _rerun_with(project, "rl_change", **{"rl.optim": {"lr": 5.0e-4}})
+    summary = _rerun_with(project, "rl_change", **{"rl.optim.lr": 5.0e-4})  # one key: warmup_steps stays
     cached = {"validate", "convert", "sft", "rm"}
     assert _states(summary) == {s: "Cached" if s in cached else "Completed" for s in STAGES}
     # A new pipeline, a new W&B group, holding every stage: the unchanged ones as cached runs.
@@ -244,6 +244,73 @@ def test_changing_an_rl_parameter_reruns_only_rl_evaluate_export(project):
     assert {s for s, r in runs.items() if "cached" in r["tags"]} == cached
     assert runs["evaluate"]["config"]["rl.optim.lr"] == 5.0e-4
     assert runs["evaluate"]["config"]["upstream/rl/artifact_id"] == summary["stages"]["rl"]["artifact_id"]
+    project["rl_change"] = summary
+
+
+def _per_prompt_accuracy(evaluate_uri: str, policy: str) -> dict[int, float]:
+    """Mean correctness of each prompt's samples, read from an evaluate artifact's samples.jsonl."""
+    by_prompt: dict[int, list[float]] = {}
+    for line in (Path(evaluate_uri) / "samples.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["policy"] == policy and rec.get("benchmark", "rl_eval") == "rl_eval":
+            by_prompt.setdefault(rec["prompt_index"], []).append(float(rec["correct"]))
+    return {k: sum(v) / len(v) for k, v in sorted(by_prompt.items())}
+
+
+def test_compare_puts_the_two_runs_side_by_side(project):
+    """`posttrain compare` of the first config, the one with another rl.optim.lr, and the first
+    with that key overridden on the command line (the runs above; nothing runs again): the
+    changed key, every metric and its delta as in the runs' summaries, the paired SE of the RL
+    accuracy difference (computed here with numpy from the two samples.jsonl), and the PNG."""
+    import numpy as np
+    from PIL import Image
+
+    work, png = project["work"], project["work"] / "compare" / "curves.png"
+    out = posttrain(["compare", str(project["config"]), str(work / "rl_change.yaml"), str(project["config"]),
+                     "rl.optim.lr=5e-4", "--json", "--out", str(png)], cwd=work, env=project["env"]).stdout
+    doc = json.loads(out)
+    runs = [project["first"]["stages"], project["rl_change"]["stages"]]
+    assert [r["artifacts"] for r in doc["runs"]] == [{s: run[s]["artifact_id"] for s in STAGES} for run in [*runs, runs[1]]]
+    assert doc["runs"][2]["label"] == f"{project['config']} rl.optim.lr=5e-4"
+    assert doc["changed_keys"] == ["rl.optim.lr"]
+    changed = {(c["stage"], c["key"]): c["values"] for c in doc["changed"]}
+    assert changed[("rl", "rl.optim.lr")] == [project["cfg"]["rl"]["optim"]["lr"], 5.0e-4, 5.0e-4]
+    assert changed[("evaluate", "input rl")] == [run["rl"]["artifact_id"] for run in [*runs, runs[1]]]
+    numeric = {(s, k) for s in STAGES for k, v in runs[0][s]["metrics"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    rows = {(r["stage"], r["metric"]): r for r in doc["metrics"]}
+    assert set(rows) == numeric
+    for (stage, metric), row in rows.items():
+        a, b = (run[stage]["metrics"][metric] for run in runs)
+        assert row["values"] == [a, b, b] and row["delta"] == [None, b - a, b - a], (stage, metric)
+    d = np.subtract(*[list(_per_prompt_accuracy(run["evaluate"]["uri"], "rl").values()) for run in runs[::-1]])
+    paired = next(p for p in doc["paired"] if p["policy"] == "rl" and p["run"] == 1)
+    assert paired["metric"] == "rl/accuracy" and paired["n"] == len(d) == 24
+    assert paired["delta"] == pytest.approx(rows[("evaluate", "rl/accuracy")]["delta"][1], abs=1e-12)
+    assert paired["delta"] == pytest.approx(d.mean(), abs=1e-12)
+    assert paired["se"] == pytest.approx(d.std(ddof=1) / np.sqrt(len(d)), abs=1e-12)
+    assert doc["curves_png"] == str(png)
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1100, 800)
+
+
+def test_overrides_on_the_command_line_find_and_record_the_runs_config(project):
+    """`status CONFIG --json rl.optim.lr=5e-4` finds the rl_change run's artifacts; a run with
+    an override equal to the file's value (rl.steps=3) and one that changes a validate key
+    rebuilds validate only (byte-identical: the rest is Cached) and records both in the summary
+    and in the new artifact's manifest."""
+    work, env = project["work"], project["env"]
+    rows = json.loads(posttrain(["status", str(project["config"]), "--json", "rl.optim.lr=5e-4"], cwd=work, env=env).stdout)
+    assert {r["stage"]: r["artifact_id"] for r in rows} == {s: project["rl_change"]["stages"][s]["artifact_id"] for s in STAGES}
+    overrides = ["rl.steps=3", "data.max_bad_fraction=0.07"]
+    posttrain(["run", str(project["config"]), *overrides], cwd=work, env=env)
+    summary = read_summary(work, "quickstart")
+    assert summary["overrides"] == overrides
+    assert _states(summary) == {s: "Completed" if s == "validate" else "Cached" for s in STAGES}
+    first = project["first"]["stages"]
+    assert all(summary["stages"][s]["artifact_id"] == first[s]["artifact_id"] for s in STAGES if s != "validate")
+    manifest = json.loads((Path(summary["stages"]["validate"]["uri"]) / "manifest.json").read_text())
+    assert manifest["overrides"] == overrides and manifest["config"]["max_bad_fraction"] == 0.07
+    assert json.loads((Path(first["rl"]["uri"]) / "manifest.json").read_text())["overrides"] == []
 
 
 def test_changing_an_sft_parameter_reruns_sft_and_everything_after(project):

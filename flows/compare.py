@@ -1,0 +1,580 @@
+"""``posttrain compare A B [C...]``: pipeline runs side by side.
+
+Each of A, B, ... names one pipeline run, as
+
+* a config file (its artifacts found by fingerprint, as ``posttrain status`` finds them);
+* an artifact id (``rl-bd36d5b1dc982306``, or its directory): the artifacts it was built
+  from, and the newest artifacts built from it (an rl artifact's evaluate and export);
+* a DVC experiment name (``dvc exp run -n NAME``): its commit's params file is the config and
+  its pointer files (``outputs/<run>/<stage>.json``) name its artifacts.
+
+What it shows: every stage's metrics (from the manifests), one column per run and the delta
+of each later run to the first; for the evaluate stages, the paired standard error of each
+accuracy difference when both runs scored the same prompts (their ``samples.jsonl``,
+``engine.evaluation.statistics.paired_difference``); the stage inputs that differ (config
+keys, dotted, input artifacts, raw input files, code version); and a PNG overlaying the RL
+curves (``metrics.jsonl`` of the rl artifacts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from config import ConfigError, load_config
+
+if TYPE_CHECKING:
+    from config.schema import PipelineConfig
+    from tasks.artifacts import ArtifactRef, ArtifactStore
+    from tasks.runner import StageSpec
+
+# tasks.* (Prefect and every stage module) is imported where it is used: the `posttrain`
+# command registers compare's arguments on every start, and `validate` stays fast.
+STAGE_NAMES = ("validate", "convert", "sft", "rm", "rl", "evaluate", "export")  # tasks.graph.STAGE_NAMES (a test checks)
+ARTIFACT_ID = re.compile(rf"({'|'.join(STAGE_NAMES)})-[0-9a-f]{{16}}")
+
+# (panel title, metric keys in order of preference) of the RL curves figure. KL: to the
+# reference when the loss or the reward measures it, else between the policy and the rollout policy.
+CURVES = (
+    ("reward (critic/score/mean)", ("critic/score/mean",)),
+    ("KL", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")),
+    ("entropy (actor/entropy)", ("actor/entropy",)),
+    ("response length (tokens)", ("response_length/mean",)),
+)
+
+# Stage config slices that are one config section dumped bare (tasks/<stage>.py SPEC.config):
+# their keys are shown under the section's name, as in the YAML file.
+_BARE_SECTION = {"validate": "data", "export": "export"}
+
+
+class CompareError(ConfigError):
+    """A run that cannot be resolved (unknown file, artifact or experiment); names which."""
+
+
+@dataclass
+class Run:
+    """One pipeline run being compared.
+
+    label: the argument as given. kind: ``config``, ``artifact`` or ``experiment``.
+    refs, manifests: stage -> its published artifact and manifest (stages without one are absent).
+    inputs: stage -> what enters the stage's fingerprint, flat: config keys (dotted, as in
+        the YAML file), ``input <stage>`` (upstream artifact ids), ``file <key>`` (raw input
+        sha256) and ``code version``.
+    notes: what the resolution had to guess or could not find.
+    """
+
+    label: str
+    kind: str
+    store: ArtifactStore
+    refs: dict[str, ArtifactRef] = field(default_factory=dict)
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, manifest: dict[str, Any]) -> None:
+        """Record a published artifact's manifest (and its ref) under its stage."""
+        stage = manifest["stage"]
+        ref = self.store.find(stage, manifest["fingerprint"])
+        if ref is None:
+            self.notes.append(f"{manifest['artifact_id']} is not (or no longer completely) in {self.store.root}")
+            return
+        self.refs[stage], self.manifests[stage] = ref, manifest
+        self.inputs[stage] = stage_inputs(stage, manifest)
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one mapping of dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``);
+    lists and scalars are leaves."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def stage_inputs(stage: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What entered a stage's fingerprint, from its manifest, flat (see :class:`Run`)."""
+    config = manifest.get("config", {})
+    if stage in _BARE_SECTION:
+        config = {_BARE_SECTION[stage]: config}
+    raw = manifest.get("raw_inputs", {})
+    # A raw input enters the fingerprint by its content, not its path (tasks.runner.StageSpec):
+    # the path stands for "file <key>", whose sha256 is compared below.
+    by_path = {v.get("path"): f"(file {k})" for k, v in raw.items()}
+    out = {("run.seed" if k == "seed" else k): (by_path.get(v, v) if isinstance(v, str) else v)
+           for k, v in flatten(config).items()}
+    for up, ref in sorted(manifest.get("inputs", {}).items()):
+        # Fingerprints chain on the content hash: an upstream artifact of the same id can
+        # hold other bytes when it was rebuilt elsewhere.
+        out[f"input {up}"] = ref.get("artifact_id")
+        out[f"input {up} content"] = ref.get("content_hash")
+    out.update({f"file {k}": v.get("sha256") for k, v in sorted(raw.items())})
+    out["code version"] = manifest.get("code_version")
+    return out
+
+
+# --- resolving each argument --------------------------------------------------------------
+
+
+def _read_manifest(store: ArtifactStore, stage: str, artifact_id: str) -> dict[str, Any] | None:
+    try:
+        with store.fs.open(f"{store.base}/{stage}/{artifact_id}/manifest.json", "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def from_config(label: str, cfg: PipelineConfig) -> Run:
+    """The artifacts of ``cfg``'s current fingerprints (``tasks.graph.stage_states``); a
+    stage without one keeps the config slice its fingerprint would use."""
+    from tasks.graph import enabled_stages, stage_states
+    from tasks.runner import store_for
+
+    run = Run(label, "config", store_for(cfg))
+    states = stage_states(cfg, run.store)
+    for spec, _ in enabled_stages(cfg):
+        state = states[spec.name]
+        if state.ref is not None:
+            run.add(state.check.manifest)
+        else:
+            run.inputs[spec.name] = _unbuilt_inputs(spec, cfg)
+            why = f"waits on {state.waiting_on}" if state.waiting_on else f"has no artifact for fingerprint {state.fingerprint[:16]}"
+            run.notes.append(f"{spec.name} {why}")
+    return run
+
+
+def _unbuilt_inputs(spec: StageSpec, cfg: PipelineConfig) -> dict[str, Any]:
+    """:func:`stage_inputs` of a stage that has no artifact for ``cfg``: its config slice, raw
+    input files and code version as its fingerprint would take them now (no upstream ids)."""
+    from tasks.fingerprint import code_version
+
+    raw = spec.raw_hashes(cfg)
+    return stage_inputs(spec.name, {
+        "config": spec.config(cfg),
+        "raw_inputs": {k: {"path": path, "sha256": raw[f"file:{k}"]} for k, path in spec.raw_inputs(cfg).items()},
+        "code_version": code_version(f"tasks.{spec.name}"),
+    })
+
+
+def from_artifact(label: str, store: ArtifactStore, artifact_id: str) -> Run:
+    """The artifact, every artifact it was built from, and for each later stage the newest
+    artifact built from these (an rl artifact's evaluate and export).
+
+    Raises:
+        CompareError: the artifact is not in ``store``.
+    """
+    stage = artifact_id.rsplit("-", 1)[0]
+    manifest = _read_manifest(store, stage, artifact_id)
+    if manifest is None:
+        raise CompareError(f"{label}: no artifact {artifact_id} in {store.root} (give --artifact-root, or the "
+                           "artifact's directory)")
+    run = Run(label, "artifact", store)
+    todo = [manifest]
+    while todo:  # upstream, through each manifest's inputs
+        m = todo.pop()
+        if m["stage"] in run.manifests:
+            continue
+        run.add(m)
+        for up, ref in m.get("inputs", {}).items():
+            if up not in run.manifests and (um := _read_manifest(store, up, ref["artifact_id"])) is not None:
+                todo.append(um)
+    for later in STAGE_NAMES[STAGE_NAMES.index(stage) + 1:]:  # downstream: built from what we have
+        if later in run.manifests:
+            continue
+        built_from_ours = [m for m in store.list(later) if m.get("inputs")
+                           and any(up in run.manifests for up in m["inputs"])
+                           and all(run.manifests[up]["artifact_id"] == ref["artifact_id"]
+                                   for up, ref in m["inputs"].items() if up in run.manifests)]
+        if built_from_ours:
+            run.add(built_from_ours[-1])  # store.list is oldest first
+            if len(built_from_ours) > 1:
+                run.notes.append(f"{later}: the newest of {len(built_from_ours)} artifacts built from these")
+    return run
+
+
+def _git(*args: str) -> str:
+    proc = subprocess.run(["git", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise CompareError(f"git {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def experiment_commit(name: str) -> str | None:
+    """The commit of the DVC experiment ``name`` in the repository of the working directory
+    (DVC's own name resolution: ``dvc exp list``), or None when there is none of that name."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+    from dvc.repo.experiments.utils import resolve_name
+
+    try:
+        with Repo(".") as repo:
+            info = resolve_name(repo.scm, name).get(name)
+            return repo.scm.get_ref(str(info)) if info is not None else None
+    except DvcException:  # not a DVC repository, or no git
+        return None
+
+
+def _params_file(commit: str) -> str:
+    """The params file the stages of ``dvc.yaml`` read at ``commit`` (dvc.yaml's ``vars``
+    interpolated by DVC's own resolver), e.g. ``configs/quickstart.yaml``."""
+    import yaml
+    from dvc.parsing import DataResolver
+    from dvc.repo import Repo
+
+    raw = yaml.safe_load(_git("show", f"{commit}:dvc.yaml"))
+    with Repo(".") as repo:
+        stages = DataResolver(repo, repo.root_dir, raw).resolve()["stages"]
+    files = {f for st in stages.values() for p in st.get("params", []) if isinstance(p, dict) for f in p}
+    if len(files) != 1:
+        raise CompareError(f"dvc.yaml at {commit[:7]} reads {len(files)} params files ({', '.join(sorted(files))}); "
+                           "compare needs the one pipeline config")
+    return files.pop()
+
+
+def from_experiment(label: str, commit: str) -> Run:
+    """The DVC experiment at ``commit``: its params file is the config, and the pointer
+    files it committed (``outputs/<run.name>/<stage>.json``) name its artifacts.
+
+    Raises:
+        ConfigError: the committed params file is not a valid config.
+    """
+    from tasks.graph import enabled_stages
+    from tasks.runner import store_for
+
+    params = _params_file(commit)
+    with tempfile.TemporaryDirectory() as tmp:  # relative paths in it stay relative to the project
+        path = Path(tmp) / Path(params).name
+        path.write_text(_git("show", f"{commit}:{params}"))
+        try:
+            cfg = load_config(path)
+        except ConfigError as exc:
+            raise CompareError(f"experiment {label} ({params} at {commit[:7]}): {exc}") from None
+    run = Run(label, "experiment", store_for(cfg))
+    for spec, _ in enabled_stages(cfg):
+        try:
+            pointer = json.loads(_git("show", f"{commit}:outputs/{cfg.run.name}/{spec.name}.json"))
+        except (CompareError, json.JSONDecodeError):
+            pointer = {}
+        manifest = _read_manifest(run.store, spec.name, pointer["artifact_id"]) if "artifact_id" in pointer else None
+        if manifest is None:
+            run.inputs[spec.name] = _unbuilt_inputs(spec, cfg)
+            run.notes.append(f"{spec.name}: the experiment's commit {commit[:7]} names no artifact in {run.store.root}")
+        else:
+            run.add(manifest)
+    return run
+
+
+def resolve(arg: str, artifact_root: str | None = None, overrides: list[str] = ()) -> Run:
+    """One argument of ``posttrain compare`` as a :class:`Run`: a config file (with
+    ``overrides`` applied, ``config.load.load_config``), an artifact id (in ``artifact_root``,
+    default ``artifacts``) or directory, or a DVC experiment name.
+
+    Raises:
+        CompareError: ``arg`` is none of these, or has overrides but is no config file.
+        ConfigError: a config file (or an experiment's params file) is invalid.
+    """
+    from tasks.artifacts import ArtifactStore
+
+    path = Path(arg)
+    if path.is_file():
+        return from_config(" ".join([arg, *overrides]), load_config(path, overrides))
+    if overrides:
+        raise CompareError(f"{' '.join(overrides)}: overrides follow a config file; {arg!r} is none")
+    if ARTIFACT_ID.fullmatch(path.name) and (path / "manifest.json").is_file():
+        return from_artifact(arg, ArtifactStore(str(path.resolve().parents[1])), path.name)
+    if ARTIFACT_ID.fullmatch(arg):
+        return from_artifact(arg, ArtifactStore(artifact_root or "artifacts"), arg)
+    commit = experiment_commit(arg)
+    if commit is not None:
+        return from_experiment(arg, commit)
+    raise CompareError(f"{arg!r} is not a config file, an artifact id (<stage>-<16 hex digits>) or directory, "
+                       "nor a DVC experiment of this repository (dvc exp list --all-commits)")
+
+
+# --- comparing ------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """One row per stage and numeric metric of any run: ``values`` (one per run, None where
+    the run has no such artifact or metric) and ``delta`` (``values[i] - values[0]``, None
+    for the first run and where either is missing). Stages in run order, metrics sorted."""
+    rows = []
+    for stage in STAGE_NAMES:
+        keys = sorted({k for r in runs for k, v in r.manifests.get(stage, {}).get("metrics", {}).items() if _number(v)})
+        for key in keys:
+            values = [r.manifests.get(stage, {}).get("metrics", {}).get(key) for r in runs]
+            values = [v if _number(v) else None for v in values]
+            delta = [None] + [v - values[0] if v is not None and values[0] is not None else None for v in values[1:]]
+            rows.append({"stage": stage, "metric": key, "values": values, "delta": delta})
+    return rows
+
+
+def input_changes(runs: list[Run]) -> list[dict[str, Any]]:
+    """The stage inputs (see :class:`Run`) whose values are not the same in every run that
+    has the stage (a stage only one run has differs in nothing; upstream artifacts compare
+    only between runs that built the stage): ``{"stage", "key", "values"}`` (None: the run
+    does not have that stage or input)."""
+    rows = []
+    for stage in STAGE_NAMES:
+        have = [r.inputs.get(stage) for r in runs]
+        keys = sorted({k for h in have if h for k in h})
+        for key in keys:
+            values = [h.get(key) if h else None for h in have]
+            # an upstream artifact is unknown (not absent) where the stage was not built
+            compared = [h for h in have if h is not None and (key in h or not key.startswith("input "))]
+            seen = {json.dumps(h.get(key), sort_keys=True, default=str) for h in compared}
+            if len(seen) > 1:
+                rows.append({"stage": stage, "key": key, "values": values})
+    return rows
+
+
+def _samples(run: Run) -> dict[tuple[str | None, str], dict[str, Any]] | None:
+    """The evaluate artifact's ``samples.jsonl`` as ``{(benchmark, policy): {"records": [...]}}``
+    (benchmark None when the records name none), or None without an evaluate artifact."""
+    ref = run.refs.get("evaluate")
+    path = run.store.local_path(ref) / "samples.jsonl" if ref is not None else None
+    if path is None or not path.is_file():
+        return None
+    groups: dict[tuple[str | None, str], dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            groups.setdefault((rec.get("benchmark"), rec["policy"]), {"records": []})["records"].append(rec)
+    return groups
+
+
+def _prompts(records: list[dict[str, Any]]) -> dict[int, str]:
+    """prompt id -> what identifies the prompt (its text when recorded, and its label)."""
+    return {int(r.get("prompt_index", r["index"])): json.dumps([r.get("prompt"), r.get("label")], sort_keys=True)
+            for r in records}
+
+
+def paired_rows(runs: list[Run]) -> list[dict[str, Any]]:
+    """For each later run, policy and benchmark that both it and the first run evaluated on
+    the same prompts (same ids, prompt texts and labels): the accuracy difference and its
+    paired standard error (``engine.evaluation.statistics.paired_difference`` over the
+    per-prompt mean@k). Rows: ``{"run", "benchmark", "policy", "metric", "n", "delta", "se"}``
+    where ``metric`` is the evaluate metric the delta belongs to."""
+    from engine.evaluation.statistics import paired_difference
+
+    first = _samples(runs[0]) if runs else None
+    rows = []
+    for i, run in enumerate(runs[1:], start=1):
+        other = _samples(run)
+        if not first or not other:
+            continue
+        metrics = run.manifests["evaluate"].get("metrics", {})
+        for (bench, policy), base in sorted(first.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            cand = other.get((bench, policy))
+            if cand is None or _prompts(base["records"]) != _prompts(cand["records"]):
+                continue
+            delta, se = paired_difference(base, cand)
+            # <policy>/<benchmark>/accuracy; the default benchmark's (rl_eval) is <policy>/accuracy
+            names = [f"{policy}/{bench}/accuracy"] if bench is not None else []
+            metric = next((m for m in names if m in metrics), f"{policy}/accuracy")
+            rows.append({"run": i, "benchmark": bench, "policy": policy, "metric": metric,
+                         "n": len(_prompts(base["records"])), "delta": delta, "se": None if math.isnan(se) else se})
+    return rows
+
+
+def rl_curves(run: Run) -> dict[str, list[tuple[float, float]]]:
+    """metric -> ``[(step, value), ...]`` of the rl artifact's ``metrics.jsonl`` for the keys
+    of :data:`CURVES` (empty without an rl artifact)."""
+    ref = run.refs.get("rl")
+    path = run.store.local_path(ref) / "metrics.jsonl" if ref is not None else None
+    if path is None or not path.is_file():
+        return {}
+    wanted = {k for _, keys in CURVES for k in keys}
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            row = json.loads(line)
+            for k in wanted & row.keys():
+                if _number(row[k]):
+                    curves.setdefault(k, []).append((float(row.get("step", n)), float(row[k])))
+    return curves
+
+
+def plot_curves(runs: list[Run], out: Path) -> Path | None:
+    """Write a 2x2 PNG (matplotlib, Agg) overlaying the runs' RL curves: reward, KL, entropy
+    and response length per step, one line per run. Returns ``out``, or None (nothing
+    written) when no run has an rl artifact with ``metrics.jsonl``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    curves = [rl_curves(r) for r in runs]
+    if not any(curves):
+        return None
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, (title, keys) in zip(fig.subplots(2, 2).flat, CURVES):
+        used = set()
+        for run, c, color in zip(runs, curves, colors):
+            key = next((k for k in keys if k in c), None)
+            if key is not None:
+                steps, values = zip(*c[key])
+                ax.plot(steps, values, marker="o", markersize=3, color=color)
+                used.add(key)
+        ax.set_title(title if len(keys) == 1 else f"{title} ({', '.join(sorted(used)) or 'not logged'})")
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color=color, marker="o", label=run.label) for run, color in zip(runs, colors)]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(runs), 3), fontsize="small")
+    fig.suptitle("RL curves")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def compare(runs: list[Run], out: Path | None) -> dict[str, Any]:
+    """The comparison as one JSON-able document: ``runs`` (label, kind, artifact ids,
+    notes), ``metrics`` (:func:`metric_rows`), ``paired`` (:func:`paired_rows`),
+    ``changed`` (:func:`input_changes`), ``changed_keys`` (the config keys among them, each
+    once) and ``curves_png`` (the PNG written to ``out``, or None)."""
+    changed = input_changes(runs)
+    png = plot_curves(runs, out) if out is not None else None
+    return {
+        "runs": [{"label": r.label, "kind": r.kind, "artifact_root": r.store.root,
+                  "artifacts": {s: m["artifact_id"] for s, m in r.manifests.items()}, "notes": r.notes} for r in runs],
+        "metrics": metric_rows(runs),
+        "paired": paired_rows(runs),
+        "changed": changed,
+        "changed_keys": sorted({c["key"] for c in changed if not c["key"].startswith(("input ", "file ", "code version"))}),
+        "curves_png": str(png) if png is not None else None,
+    }
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if _number(value):
+        return f"{value:.4g}"
+    if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value):
+        return value[:12]  # a sha256
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN and infinities as None (JSON has no such numbers)."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def default_png(labels: list[str]) -> Path:
+    """``outputs/compare/<label>_vs_<label>....png``: each label's run (a config file's stem,
+    the last part of a path) and overrides, as file-name-safe words."""
+    words = []
+    for label in labels:
+        run, *overrides = label.split(" ")
+        name = Path(run).stem if run.endswith((".yaml", ".yml")) else Path(run).name
+        words.append(re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join([name, *overrides])).strip("-"))
+    return Path("outputs") / "compare" / f"{'_vs_'.join(words)[:150]}.png"
+
+
+def print_report(doc: dict[str, Any], only_changed: bool = False) -> None:
+    """Print the comparison as rich tables: metrics with deltas (and paired SEs), the stage
+    inputs that differ, what could not be found, and where the curves are."""
+    import sys
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 200)  # piped: wide, as flows/cli.py
+    labels = [escape(r["label"]) for r in doc["runs"]]  # `x=[1,2]` is not rich markup
+    paired = {(p["run"], p["metric"]): p for p in doc["paired"]}
+    table = Table(title=f"posttrain compare: {' vs '.join(labels)}")
+    for col in ("stage", "metric", *labels, *(f"Δ {label}" for label in labels[1:])):
+        table.add_column(col, justify="left" if col in ("stage", "metric") else "right")
+    for row in doc["metrics"]:
+        present = [v for v in row["values"] if v is not None]
+        if only_changed and len(present) == len(row["values"]) and len(set(present)) == 1:
+            continue
+        deltas = []
+        for i, d in enumerate(row["delta"][1:], start=1):
+            cell = "-" if d is None else f"{d:+.4g}"
+            p = paired.get((i, row["metric"])) if row["stage"] == "evaluate" else None
+            if p is not None and p["se"] is not None:
+                cell += f" ± {p['se']:.2g} (paired, n={p['n']})"
+            deltas.append(cell)
+        table.add_row(row["stage"], escape(row["metric"]), *(_fmt(v) for v in row["values"]), *deltas)
+    console.print(table)
+    if doc["changed"]:
+        changed = Table(title="stage inputs that differ")
+        for col in ("stage", "input", *labels):
+            changed.add_column(col)
+        for c in doc["changed"]:
+            changed.add_row(c["stage"], escape(c["key"]), *(escape(_fmt(v)) for v in c["values"]))
+        console.print(changed)
+    else:
+        console.print("no stage input differs between these runs")
+    for run in doc["runs"]:
+        for note in run["notes"]:
+            console.print(f"[dim]{escape(run['label'])}: {escape(note)}[/]", highlight=False)
+    if doc["curves_png"]:
+        console.print(f"RL curves: {doc['curves_png']}", highlight=False, soft_wrap=True)
+
+
+def group_runs(args: list[str]) -> list[tuple[str, list[str]]]:
+    """The command's run arguments as ``(run, its overrides)``: ``KEY=VALUE`` (or ``~KEY``)
+    arguments belong to the config file before them (``CONFIG rl.steps=60``)."""
+    groups: list[tuple[str, list[str]]] = []
+    for a in args:
+        if ("=" in a or a.startswith("~")) and not Path(a).exists():
+            if not groups:
+                raise CompareError(f"{a}: an override follows the config file it changes")
+            groups[-1][1].append(a)
+        else:
+            groups.append((a, []))
+    return groups
+
+
+def cmd_compare(args) -> int:
+    """``posttrain compare A [KEY=VALUE...] B [C...] [--json] [--out PNG] [--only-changed]
+    [--artifact-root URL]``. Returns 0. Raises CompareError / ConfigError for a run that
+    cannot be resolved."""
+    groups = group_runs([*args.runs, *args.overrides])  # argparse leaves what follows an option in overrides
+    if len(groups) < 2:
+        raise CompareError("compare needs at least two runs (config files, artifact ids or DVC experiment names)")
+    runs = [resolve(a, args.artifact_root, overrides) for a, overrides in groups]
+    doc = _json_safe(compare(runs, Path(args.out) if args.out else default_png([r.label for r in runs])))
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print_report(doc, only_changed=args.only_changed)
+    return 0
+
+
+def add_compare_parser(sub) -> None:
+    """Register ``compare`` on the ``posttrain`` sub-command parsers ``sub``."""
+    p = sub.add_parser("compare", help="pipeline runs side by side: metrics with deltas, changed inputs, RL curves")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="a config file (KEY=VALUE overrides may follow it), an artifact id (rl-bd36d5b1dc982306) or "
+                        "directory, or a DVC experiment name; the first is the baseline of the deltas")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--out", help="where to write the PNG of the RL curves (default: outputs/compare/<runs>.png)")
+    p.add_argument("--only-changed", action="store_true", help="leave out metrics equal in every run")
+    p.add_argument("--artifact-root", help="the store of artifact ids given (default: artifacts)")
+    p.set_defaults(fn=cmd_compare, overrides=[])
