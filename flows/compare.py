@@ -421,19 +421,21 @@ def plot_curves(runs: list[Run], out: Path) -> Path | None:
     fig = Figure(figsize=(11, 8), layout="constrained")
     FigureCanvasAgg(fig)
     colors = [f"C{i % 10}" for i in range(len(runs))]
+    styles = [dict(linestyle=("-", "--", ":", "-.")[i % 4], marker="osD^v"[i % 5]) for i in range(len(runs))]  # equal curves stay apart
     for ax, (title, keys) in zip(fig.subplots(2, 2).flat, CURVES):
         used = set()
-        for run, c, color in zip(runs, curves, colors):
+        for c, color, style in zip(curves, colors, styles):
             key = next((k for k in keys if k in c), None)
             if key is not None:
                 steps, values = zip(*c[key])
-                ax.plot(steps, values, marker="o", markersize=3, color=color)
+                ax.plot(steps, values, markersize=4, color=color, fillstyle="none", **style)
                 used.add(key)
         ax.set_title(title if len(keys) == 1 else f"{title} ({', '.join(sorted(used)) or 'not logged'})")
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=color, marker="o", label=run.label) for run, color in zip(runs, colors)]
+    handles = [Line2D([], [], color=color, fillstyle="none", label=run.label, **style)
+               for run, color, style in zip(runs, colors, styles)]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(runs), 3), fontsize="small")
     fig.suptitle("RL curves")
     out.parent.mkdir(parents=True, exist_ok=True)
