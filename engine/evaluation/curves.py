@@ -16,13 +16,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from engine.evaluation.report import _replace_from_temp
+
+def _replace_from_temp(path: Path, write: Callable[[Any], None], mode: str) -> None:
+    # A temporary sibling then a rename: readers see the old file or the new one, never half.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
 
 CURVES_FILE = "curves.png"
 """The PNG each training stage writes into its artifact."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from config.evaluate import DEFAULT_BENCHMARK as DEFAULT  # rl_eval: its metrics keep the names without a benchmark part
+from engine.evaluation.curves import _replace_from_temp
 from engine.evaluation.statistics import paired_difference, paired_metric, scalar_metrics
 
 if TYPE_CHECKING:
@@ -19,19 +19,6 @@ if TYPE_CHECKING:
 
 
 # ----------------------------------------------------------------------------- artifact files
-
-
-def _replace_from_temp(path: Path, write: Callable[[Any], None], mode: str) -> None:
-    # A temporary sibling then a rename: readers see the old file or the new one, never half.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _json_safe(value: Any) -> Any:
