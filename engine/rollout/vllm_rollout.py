@@ -23,6 +23,43 @@ from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
 logger = logging.getLogger(__name__)
 
 
+def _raises_on_dict(value) -> bool:
+    """Whether ``hasattr(value, "__dict__")`` raises (an unbound context proxy) instead of answering."""
+    try:
+        hasattr(value, "__dict__")
+    except Exception:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _modules_hidden_from_vllm_kernel_scan():
+    """Take modules holding unbound context proxies out of ``sys.modules`` while vLLM starts.
+
+    vLLM's CPU worker rebinds its Triton kernel overrides by scanning every module in
+    ``sys.modules`` and calling ``hasattr(value, "__dict__")`` on each attribute
+    (``vllm/triton_utils/dispatcher.py`` ``_rebind_kernels``). A werkzeug ``LocalProxy``
+    outside its context (``flask.current_app``, ``flask.g``: imported by any process that
+    loaded Flask, moto or an MLflow client) raises ``RuntimeError`` there instead of
+    ``AttributeError``, and the engine fails to start. Such modules cannot hold vLLM's
+    kernels, so they are hidden during the scan and put back afterwards (same objects).
+    """
+    import sys
+
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        if any(_raises_on_dict(v) for v in list(namespace.values())):
+            hidden[name] = module
+    for name in hidden:
+        sys.modules.pop(name, None)
+    try:
+        yield sorted(hidden)
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
+
+
 def eos_token_ids(model_dir: str | Path) -> list[int]:
     """EOS ids of an HF model directory: ``generation_config.json`` if present, else ``config.json``.
 
@@ -130,25 +167,26 @@ class VLLMRollout:
         else:
             self.kv_cache_memory_bytes = None
             memory = {"gpu_memory_utilization": gpu_memory_utilization}
-        self.llm = LLM(
-            model=str(self.model_dir),
-            dtype=dtype,
-            **memory,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=True,
-            distributed_executor_backend="uni",
-            skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs",
-            seed=seed,
-            load_format=load_format,
-            # Per-request seeds make rollouts reproducible (a resumed run samples what an
-            # uninterrupted one would). vLLM rewinds a request's generator when a chunked
-            # prefill discards its sampled token, which CPU generators cannot do
-            # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(8192, max_model_len),
-        )
+        with _modules_hidden_from_vllm_kernel_scan():
+            self.llm = LLM(
+                model=str(self.model_dir),
+                dtype=dtype,
+                **memory,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=True,
+                distributed_executor_backend="uni",
+                skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs",
+                seed=seed,
+                load_format=load_format,
+                # Per-request seeds make rollouts reproducible (a resumed run samples what an
+                # uninterrupted one would). vLLM rewinds a request's generator when a chunked
+                # prefill discards its sampled token, which CPU generators cannot do
+                # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(8192, max_model_len),
+            )
         self.dtype = _running_dtype(self.llm, dtype)
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):

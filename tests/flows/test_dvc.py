@@ -334,7 +334,8 @@ def _alternatives(value, ann) -> list:
     if isinstance(value, str):
         return [value + "-changed"]
     if isinstance(value, list) or typing.get_origin(_unwrap_optional(ann)) is list:
-        return [[1], [{"path": "my_rewards:score"}]]  # a list of ids, or of reward plug-in sections
+        # a list of ids, of reward plug-in sections, or of named benchmark files (evaluate.datasets)
+        return [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}]]
     return [1, 0.5, 2, "changed", "my_module:factory"]  # an unset optional (an import path last)
 
 
