@@ -58,6 +58,9 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
             notes.append(f"data.{name}.path: {ds.path} is created by the prepare step")
         elif not Path(ds.path).is_file():
             problems.append(f"data.{name}.path: file not found: {ds.path}")
+    for i, bench in enumerate(cfg.evaluate.datasets):
+        if not _made_by_prepare(cfg, bench.path) and not Path(bench.path).is_file():
+            problems.append(f"evaluate.datasets[{i}].path ({bench.name}): file not found: {bench.path}")
     for key in ("sft", "rl_train", "rl_eval"):
         if getattr(cfg.data, key) is None and (key != "sft" or cfg.sft.enabled):
             needs = "the sft stage (or set sft.enabled: false)" if key == "sft" else "the rl/evaluate stages"

@@ -56,6 +56,20 @@ def test_validate_missing_data_file_exits_1(tmp_path):
     assert "Traceback" not in out
 
 
+def test_validate_missing_benchmark_file_exits_1(tmp_path):
+    raw = yaml.safe_load(QUICKSTART.read_text())
+    missing = tmp_path / "absent" / "gsm8k.jsonl"
+    raw["evaluate"]["datasets"] = [{"name": "gsm8k", "path": str(missing), "format": "gsm8k", "verifier": "gsm8k"}]
+    cfg = tmp_path / "missing_benchmark.yaml"
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc = _posttrain("validate", str(cfg))
+    out = _out(proc)
+    assert proc.returncode == 1, out
+    assert f"config {cfg} has 1 problem(s):" in out
+    assert f"evaluate.datasets[0].path (gsm8k): file not found: {missing}" in out
+    assert "Traceback" not in out
+
+
 def test_validate_unknown_key_exits_2(tmp_path):
     raw = yaml.safe_load(QUICKSTART.read_text())
     raw["rl"]["rollout"]["max_tokens"] = 8
