@@ -14,6 +14,7 @@ from config.base import Strict
 from config.training import DeepSpeedConfig, OptimConfig
 from config.parallel import RLParallelConfig
 from config.run import Precision
+from config.teacher import TeacherConfig
 
 
 class RLOptimConfig(OptimConfig):
@@ -60,7 +61,8 @@ def _import_path(value: str, attr: str) -> str:
 
 # The built-in names of rl.algorithm and rl.policy_loss: the keys of
 # engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal).
-BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"]
+BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+                           "on_policy_distill"]
 BuiltinPolicyLoss = Literal["ppo_clip", "gspo"]
 
 
@@ -234,8 +236,11 @@ class RLConfig(Strict):
 
     algorithm: BuiltinAdvantage | str = Field(
         "grpo", description="Advantage estimator (engine.algorithms.advantages.ADVANTAGE_ESTIMATORS; docs/algorithms.md); "
-                            "gae is PPO with a critic (rl.critic). Or a plug-in's import path 'package.module:function' "
+                            "gae is PPO with a critic (rl.critic); on_policy_distill: per-token reverse KL to "
+                            "rl.teacher (on-policy distillation). Or a plug-in's import path 'package.module:function' "
                             "(engine/algorithms/advantages.py; treated as a group-baseline estimator without a critic).")
+    teacher: TeacherConfig | None = Field(
+        None, description="The teacher of rl.algorithm on_policy_distill (required by it, refused otherwise).")
     steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
     precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
@@ -318,9 +323,10 @@ class RLConfig(Strict):
         if self.n_samples == 1 and ":" in self.algorithm:
             raise ValueError(f"rl.n_samples: 1 with the plug-in estimator {self.algorithm}: a plug-in is treated as a "
                              "group-baseline estimator (it compares the responses of one prompt); use n_samples >= 2")
-        if self.n_samples == 1 and self.algorithm not in ("reinforce_plus_plus", "gae"):
+        if self.n_samples == 1 and self.algorithm not in ("reinforce_plus_plus", "gae", "on_policy_distill"):
             raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
-                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus or gae")
+                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus, gae or "
+                             "on_policy_distill")
         return self
 
     @property
@@ -332,11 +338,11 @@ class RLConfig(Strict):
 
     @property
     def precomputes_old_logprobs(self) -> bool:
-        """Whether the old log-probs get their own forward pass before the update: only for
-        the KL reward penalty (``kl.in_reward``), which needs them before the advantages.
-        Otherwise the update's first forward, at the same weights, gives them
-        (``engine.training.actor.actor_update``)."""
-        return self.kl.in_reward and self.kl.coef > 0
+        """Whether the old log-probs get their own forward pass before the update: for the
+        KL reward penalty (``kl.in_reward``) and for on-policy distillation, which need them
+        before the advantages. Otherwise the update's first forward, at the same weights,
+        gives them (``engine.training.actor.actor_update``)."""
+        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm == "on_policy_distill"
 
     def policy_updates(self, steps: int) -> int:
         """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
@@ -346,10 +352,21 @@ class RLConfig(Strict):
 
     @model_validator(mode="after")
     def _dynamic_sampling(self):
-        if self.dynamic_sampling.enabled and (self.n_samples == 1 or self.algorithm in ("gae", "reinforce_plus_plus")):
+        if self.dynamic_sampling.enabled and (self.n_samples == 1 or self.algorithm in ("gae", "reinforce_plus_plus",
+                                                                                        "on_policy_distill")):
             raise ValueError("rl.dynamic_sampling.enabled drops groups of equal rewards, which only group-baseline "
                              f"estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline, plug-ins) with n_samples >= 2 "
                              f"learn nothing from; here algorithm is {self.algorithm} and n_samples {self.n_samples}")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher(self):
+        if self.algorithm == "on_policy_distill" and self.teacher is None:
+            raise ValueError("rl.algorithm on_policy_distill needs rl.teacher (its model_dir: the model whose "
+                             "per-token log-probs the student is distilled towards)")
+        if self.algorithm != "on_policy_distill" and self.teacher is not None:
+            raise ValueError(f"rl.teacher is set but rl.algorithm is {self.algorithm}; only on_policy_distill uses a "
+                             "teacher (remove rl.teacher or set rl.algorithm: on_policy_distill)")
         return self
 
     @model_validator(mode="after")

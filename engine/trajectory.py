@@ -54,6 +54,8 @@ class Trajectory:
         old_logprobs: FloatTensor ``[B, L]`` or None: the trainer's log-probs of the response
             tokens under the policy that generated them (before this step's update).
         ref_logprobs: FloatTensor ``[B, L]`` or None: the same under the reference policy.
+        teacher_logprobs: FloatTensor ``[B, L]`` or None: the same under the teacher of
+            on-policy distillation (``rl.teacher``).
         token_rewards: FloatTensor ``[B, L]`` or None: per-token rewards when the KL to the
             reference is a reward penalty (the score on the last token minus ``coef * KL_t``).
         response_valid: FloatTensor ``[B, L]``: 1.0 on every real response token (policy and
@@ -86,6 +88,7 @@ class Trajectory:
     returns: torch.Tensor | None = None
     rollout_version: torch.Tensor | None = None
     rollout_version_end: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_valid is None:
@@ -224,6 +227,7 @@ class Trajectory:
             returns=None if self.returns is None else self.returns[start:stop, :length],
             rollout_version=None if self.rollout_version is None else self.rollout_version[start:stop],
             rollout_version_end=None if self.rollout_version_end is None else self.rollout_version_end[start:stop],
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[start:stop, :length],
         )
 
     def select(self, index: torch.Tensor) -> "Trajectory":
@@ -258,7 +262,8 @@ class Trajectory:
         fields = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
                   for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
                                "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards",
-                               "response_valid", "values", "returns", "rollout_version", "rollout_version_end")}
+                               "response_valid", "values", "returns", "rollout_version", "rollout_version_end",
+                               "teacher_logprobs")}
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
     def micro_batches(self, micro_batch_size: int) -> list["Trajectory"]:

@@ -29,7 +29,9 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
     named module, ``<that key>/<module>`` for what it imports. A module that cannot be
     found is left out here; the run then fails naming ``rl.reward.functions[i].path``,
     ``rl.environment``, ``rl.algorithm`` or ``rl.policy_loss``. Also the benchmark file
-    ``rl.eval_every`` evaluates when it is an ``evaluate.datasets`` entry (``benchmark_<name>``)."""
+    ``rl.eval_every`` evaluates when it is an ``evaluate.datasets`` entry (``benchmark_<name>``),
+    and the teacher's model directory of on-policy distillation (``teacher``: ``rl.teacher.model_dir``,
+    every file of it), so retraining or replacing the teacher retrains."""
     paths = {f"reward_function_{i}": fn.path for i, fn in enumerate(cfg.rl.reward.functions)}
     if cfg.rl.environment is not None:
         paths["environment"] = cfg.rl.environment
@@ -44,6 +46,8 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
     bench = eval_benchmark(cfg)
     if bench is not None and bench.path is not None:  # rl.eval_every reads an evaluate.datasets file
         files[f"benchmark_{bench.name}"] = bench.path
+    if cfg.rl.teacher is not None:  # on-policy distillation reads the teacher's weights and tokenizer
+        files["teacher"] = cfg.rl.teacher.model_dir
     return files
 
 

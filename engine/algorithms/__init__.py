@@ -7,7 +7,7 @@ Log-probabilities are natural logs (nats).
 One job per module:
 
 - :mod:`.advantages`: :data:`ADVANTAGE_ESTIMATORS` (``grpo``, ``dr_grpo``, ``rloo``,
-  ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``gae``), one signature
+  ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``gae``, ``on_policy_distill``), one signature
   ``(rewards, group_index, mask=None, **options)``; :func:`compute_gae` for PPO's returns.
 - :mod:`.policy_loss`: :data:`POLICY_LOSSES` (``ppo_clip``, ``gspo``) with clip-higher,
   dual-clip and truncated importance sampling; :func:`entropy_bonus`.

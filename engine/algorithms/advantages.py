@@ -9,7 +9,8 @@ Every registered estimator has the same signature::
   :func:`engine.algorithms.kl.apply_kl_penalty`). Outcome estimators use the score
   ``sum_t mask_bt * rewards_bt``; token-level ones put a ``[B]`` score on the last token.
 - ``group_index``: ``[B]`` int, the prompt (group) of each response; any integer ids.
-  Ignored by the estimators that do not group (``reinforce_plus_plus``, ``gae``).
+  Ignored by the estimators that do not group (``reinforce_plus_plus``, ``gae``,
+  ``on_policy_distill``, which also takes the teacher's and the student's log-probs).
 - ``mask``: ``[B, L]`` response mask, or None. Required with ``[B, L]`` rewards and by the
   token-level estimators.
 - returns ``[B]`` when ``mask`` is None, else ``[B, L]`` (the advantage on every response
@@ -310,6 +311,60 @@ def gae_advantages(
     return compute_gae(_token_rewards(rewards, mask), values, mask, gamma, lam)[0].to(_out_dtype(rewards))
 
 
+def on_policy_distill_advantages(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    teacher_logprobs: torch.Tensor | None = None,
+    student_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 1.0,
+    reward_weight: float = 0.0,
+) -> torch.Tensor:
+    """On-policy distillation: the per-token negative reverse KL to a teacher as the advantage.
+
+    ``A_t = kl_coef * (log p_teacher(y_t) - log p_student(y_t)) + reward_weight * r``, on every
+    response token ``y_t`` the student sampled (0 on padding); ``log p_student`` are the
+    student's log-probs of its own samples before the update (the old log-probs), ``r`` the
+    response's outcome score. No group baseline: the teacher grades each token, and
+    ``E_{y ~ student}[log p_student(y_t) - log p_teacher(y_t)]`` is the per-token reverse KL
+    ``KL(p_student || p_teacher)`` the PPO-style importance-sampled loss then lowers.
+    Sources: Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+    Self-Generated Mistakes" (GKD), arXiv:2306.13649 (on-policy student samples, reverse KL);
+    Gu et al. 2024, "MiniLLM: Knowledge Distillation of Large Language Models",
+    arXiv:2306.08543 (reverse KL optimised by policy gradient); Lu et al. 2025, Thinking
+    Machines Lab, "On-Policy Distillation" (this per-token advantage, ``reward_weight`` 0,
+    with an importance-sampling loss).
+
+    Args:
+        rewards: ``[B]`` scores (or ``[B, L]`` token rewards, summed over ``mask``); they enter
+            only with ``reward_weight != 0``.
+        group_index: ``[B]``, ignored.
+        mask: ``[B, L]`` response mask, required.
+        teacher_logprobs, student_logprobs: ``[B, L]`` log-probs (nats) of the sampled response
+            tokens under the teacher and under the student, required (keywords).
+        kl_coef: weight of the log-prob difference; reward_weight: weight of the score.
+
+    Returns: ``[B, L]`` advantages, dtype of ``rewards`` (computed in float64).
+
+    Raises: ValueError without a mask or either log-prob tensor, on shapes other than the
+        mask's, non-finite log-probs on mask tokens, or as :func:`grpo_advantages`.
+    """
+    if mask is None or teacher_logprobs is None or student_logprobs is None:
+        raise ValueError("on_policy_distill needs the response mask [B, L] and teacher_logprobs=, "
+                         "student_logprobs= [B, L]")
+    _check(rewards, group_index, mask)
+    if not (teacher_logprobs.shape == student_logprobs.shape == mask.shape):
+        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} and student_logprobs "
+                         f"{tuple(student_logprobs.shape)} must have the mask's shape {tuple(mask.shape)}")
+    keep = mask.bool()
+    diff = torch.where(keep, teacher_logprobs.double() - student_logprobs.double(), 0.0)
+    if not torch.isfinite(diff).all():
+        raise ValueError("on_policy_distill: teacher or student log-probs are not finite on response tokens")
+    adv = kl_coef * diff + reward_weight * _scores(rewards, mask)[:, None] * mask.double()
+    return _finish(adv, rewards, mask)
+
+
 AdvantageEstimator = Callable[..., torch.Tensor]
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
@@ -319,6 +374,7 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "reinforce_plus_plus": reinforce_plus_plus_advantages,
     "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
     "gae": gae_advantages,
+    "on_policy_distill": on_policy_distill_advantages,
 }
 
 

@@ -13,7 +13,9 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
    ``rl.environment`` the rollout is multi-turn and the environment scores it instead (no
    reward worker is started; ``engine.rollout.multi_turn``);
 3. log-probs: ``add_logprobs`` (``rl/phases.py``): the reference log-probs (with a KL term,
-   ``ReferenceWorker``, ``rl/workers.py``), the old log-probs (for the KL reward penalty) and
+   ``ReferenceWorker``, ``rl/workers.py``), the teacher's (on-policy distillation, a
+   ``ReferenceWorker`` on ``rl.teacher.model_dir``, checked by ``rl/teacher.py``), the old
+   log-probs (for the KL reward penalty and distillation) and
    the critic's values (``rl.algorithm: gae``, PPO), by ``ActorWorker``/``CriticWorker``
    (``backends/megatron/actor.py``, ``backends/megatron/critic.py``) with ``training/actor.py``'s ``compute_logprobs``;
 4. advantages: ``add_advantages`` (``rl/phases.py``): the KL reward penalty (if
@@ -75,6 +77,7 @@ from engine.rl.plugins import check_algorithm_plugins
 from engine.rl.prefetch import RolloutPipeline
 from engine.rl.prompts import RLPrompt, load_rl_prompts
 from engine.rl.rollout_dump import RolloutDumps
+from engine.rl.teacher import check_teacher
 from engine.rl.workers import Workers, start_workers, stop_workers
 
 METRICS_FILE = "metrics.jsonl"
@@ -216,7 +219,9 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
 
     Raises:
         ImportError: ``cfg.environment`` cannot be loaded (checked before any worker starts).
+        FileNotFoundError: ``rl.teacher.model_dir`` is not a model directory.
         ValueError: a bad prompt row (names file and line), a prompt too long for the model,
+            a teacher (``rl.teacher``) whose vocabulary differs from the policy's,
             or a ``resume_dir`` written by a different config, prompt set or seed (``steps``
             and ``checkpoint_every`` may differ: a finished run can be continued for more
             steps; the learning-rate schedule then follows the new total); ``cfg.eval_every``
@@ -229,6 +234,8 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
     run = prepare_run(policy_dir, train_prompts_path, cfg, seed, evaluator)
     check_checkpoint(resume_dir, run.identity)
     check_environment(cfg)
+    if cfg.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
+        check_teacher(policy_dir, cfg.teacher.model_dir)
     check_algorithm_plugins(cfg)  # rl.algorithm / rl.policy_loss plug-ins load before any worker starts
     workers = launch_workers(policy_dir, cfg, seed, out_dir, reward_model_dir, run.rollout_len)
     pipeline = None

@@ -22,13 +22,14 @@ class StepTimer:
     :meth:`phase` (``with timer.phase("adv"): ...``) or :meth:`record` (seconds measured
     elsewhere: the rollout's, on the prefetch thread; the log-prob passes', which overlap).
     A phase records only when it applies to the run: ``rollout_wait`` when asynchronous,
-    ``update_critic`` and ``values`` with a critic. :meth:`timing` lists them in
+    ``update_critic`` and ``values`` with a critic, ``teacher`` with a teacher (on-policy
+    distillation). :meth:`timing` lists them in
     :attr:`ORDER`, with 0.0 for the passes in :attr:`NOT_RUN` that did not run this step, then
     ``step`` (seconds since the start).
     """
 
-    ORDER = ("gen", "reward", "rollout_wait", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
-             "update_weights")
+    ORDER = ("gen", "reward", "rollout_wait", "old_log_prob", "ref", "teacher", "values", "adv", "update_critic",
+             "update_actor", "update_weights")
     NOT_RUN = {"old_log_prob": 0.0, "ref": 0.0, "update_weights": 0.0}
 
     def __init__(self) -> None:

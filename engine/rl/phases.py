@@ -30,7 +30,12 @@ import ray
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms.advantages import compute_gae, get_advantage_estimator, masked_whiten
+from engine.algorithms.advantages import (
+    compute_gae,
+    get_advantage_estimator,
+    masked_whiten,
+    on_policy_distill_advantages,
+)
 from engine.algorithms.dynamic_sampling import fill_batch
 from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
 from engine.batching.sampler import EpochSampler
@@ -253,11 +258,13 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
 def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tuple[Trajectory, dict[str, float]]:
     """What the update needs before it runs, computed concurrently: the old log-probs
     (current policy, before the update) when ``old``, the reference log-probs when the run
-    has a reference worker, and with a critic its values. Without old log-probs the actor
-    update takes them from its own first forward (``engine.training.actor.actor_update``).
+    has a reference worker, the teacher's when it has a teacher (on-policy distillation) and
+    with a critic its values. Without old log-probs the actor update takes them from its own
+    first forward (``engine.training.actor.actor_update``).
 
-    Returns: the trajectory with them, and ``{"old_log_prob": s, "ref": s, "values": s}`` for
-        the passes that ran: the seconds from the start until each result was ready (they overlap).
+    Returns: the trajectory with them, and ``{"old_log_prob": s, "ref": s, "teacher": s,
+        "values": s}`` for the passes that ran: the seconds from the start until each result
+        was ready (they overlap).
     """
     t0 = time.perf_counter()
     pending = {}
@@ -265,6 +272,8 @@ def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tu
         pending[workers.actor.compute_logprobs.remote(traj)] = "old_log_prob"
     if workers.reference is not None:
         pending[workers.reference.compute_logprobs.remote(traj)] = "ref"
+    if workers.teacher is not None:
+        pending[workers.teacher.compute_logprobs.remote(traj)] = "teacher"
     if workers.critic is not None:
         pending[workers.critic.compute_values.remote(traj)] = "values"
     results, timing = {}, {}
@@ -274,14 +283,14 @@ def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tu
         results[name] = ray.get(done)
         timing[name] = time.perf_counter() - t0
     return traj.with_(old_logprobs=results.get("old_log_prob"), ref_logprobs=results.get("ref"),
-                      values=results.get("values")), timing
+                      teacher_logprobs=results.get("teacher"), values=results.get("values")), timing
 
 
 def add_logprobs(workers: Workers, traj: Trajectory, cfg: RLConfig, timer: StepTimer) -> Trajectory:
     """Phase 2: :func:`compute_logprobs`, with the old log-probs only when
     ``cfg.precomputes_old_logprobs`` (the KL reward penalty needs them); the ``[B, L]``
-    ``old_logprobs``, ``ref_logprobs`` and ``values`` of the passes that ran are set. Records
-    ``old_log_prob``, ``ref`` and ``values`` for those passes."""
+    ``old_logprobs``, ``ref_logprobs``, ``teacher_logprobs`` and ``values`` of the passes that ran
+    are set. Records ``old_log_prob``, ``ref``, ``teacher`` and ``values`` for those passes."""
     traj, seconds = compute_logprobs(workers, traj, old=cfg.precomputes_old_logprobs)
     timer.record(**seconds)
     return traj
@@ -329,10 +338,20 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     (:func:`engine.algorithms.advantages.masked_whiten`, as verl and OpenAI baselines do); the
     critic's targets ``returns = A + V`` (before whitening) are set too.
 
-    Raises: ValueError for ``gae`` without values.
+    ``on_policy_distill``: :func:`engine.algorithms.advantages.on_policy_distill_advantages`
+    with the teacher's and the old (student) log-probs and ``rl.teacher``'s weights.
+
+    Raises: ValueError for ``gae`` without values, ``on_policy_distill`` without the teacher's
+        or the old log-probs.
     """
     rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
     mask = traj.response_mask
+    if cfg.algorithm == "on_policy_distill":
+        if traj.teacher_logprobs is None or traj.old_logprobs is None:
+            raise ValueError("rl.algorithm on_policy_distill needs the teacher's and the old log-probs")
+        return traj.with_(advantages=on_policy_distill_advantages(
+            rewards, traj.group_index, mask, teacher_logprobs=traj.teacher_logprobs,
+            student_logprobs=traj.old_logprobs, kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight))
     if cfg.algorithm != "gae":
         return traj.with_(advantages=get_advantage_estimator(cfg.algorithm)(rewards, traj.group_index, mask))
     if traj.values is None:
@@ -350,14 +369,31 @@ def add_advantages(traj: Trajectory, cfg: RLConfig, controller, train_policy: bo
     when ``train_policy``), then the ``[B, L]`` advantages (:func:`compute_advantages`; with
     ``gae`` also the critic's ``returns``). Records ``adv``.
 
-    Returns: ``(trajectory, KL-penalty metrics)``.
+    Returns: ``(trajectory, metrics)``: the KL penalty's and, with a teacher,
+        :func:`distill_metrics`.
 
     Raises: ValueError for ``gae`` without values.
     """
     with timer.phase("adv"):
         traj, metrics = kl_reward_penalty(traj, cfg, controller, adapt=train_policy)
         traj = compute_advantages(traj, cfg)
+    if traj.teacher_logprobs is not None:
+        metrics.update(distill_metrics(traj))
     return traj, metrics
+
+
+def distill_metrics(traj: Trajectory) -> dict[str, float]:
+    """On-policy distillation's progress, means over the batch's response (loss-mask) tokens:
+    ``distill/reverse_kl``, the per-token reverse KL estimate ``log p_student(y_t) - log
+    p_teacher(y_t)`` on the student's own samples (nats; its expectation is
+    ``KL(p_student || p_teacher)`` per token), and ``distill/teacher_logprob_mean``, the
+    teacher's log-prob of the sampled tokens (nats). Needs ``old_logprobs`` and
+    ``teacher_logprobs`` ``[B, L]``."""
+    mask = traj.response_mask.double()
+    n = float(mask.sum().clamp(min=1))
+    teacher = traj.teacher_logprobs.double() * mask
+    return {"distill/reverse_kl": float(((traj.old_logprobs.double() * mask) - teacher).sum()) / n,
+            "distill/teacher_logprob_mean": float(teacher.sum()) / n}
 
 
 def update_critic(workers: Workers, traj: Trajectory, timer: StepTimer) -> dict[str, float]:

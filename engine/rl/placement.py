@@ -1,7 +1,7 @@
 """Ray for the RL engine: connect to (or start) a cluster, and place workers on it.
 
 Colocated placement (``EngineConfig.placement == "colocated"``): one placement group with a
-single bundle holding all the engine's CPUs; every worker (actor, reference, rollout,
+single bundle holding all the engine's CPUs; every worker (actor, reference, teacher, rollout,
 reward) is scheduled into that bundle with an equal fraction of it. The RL loop runs its
 phases one after another, so the workers take turns on the same cores, and each worker
 uses all of them while it runs (``torch.set_num_threads`` in the worker, see
@@ -228,9 +228,10 @@ def make_placement(cfg: RLConfig):
     training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated), shared by
     the ``rl.rollout.num_engines`` rollout engines."""
 
-    # actor, reference, reward, critic; a data/tensor-parallel role counts each of its ranks
+    # actor, reference, teacher, reward, critic; a data/tensor-parallel role counts each of its ranks
     par = cfg.parallel
     train_workers = (par.actor.world_size + (par.reference.world_size if cfg.uses_reference else 0)
+                     + (par.reference.world_size if cfg.teacher is not None else 0)
                      + (par.critic.world_size if cfg.algorithm == "gae" else 0) + (cfg.environment is None))
     if cfg.engine.placement == "disaggregated":
         return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus,

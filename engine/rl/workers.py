@@ -21,7 +21,9 @@ from engine.trajectory import Trajectory
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
     """Start one RL run's workers in ``placement`` and wait until every one is constructed.
 
-    The actor (``rl.backend``), the reference (only with a KL term), the rollout engines
+    The actor (``rl.backend``), the reference (only with a KL term), the teacher (only with
+    ``rl.algorithm: on_policy_distill``: a :class:`ReferenceWorker` on ``rl.teacher.model_dir``
+    in ``rl.teacher.precision``, laid out as the reference), the rollout engines
     (``rl.rollout.num_engines`` rollout workers behind a
     :class:`engine.rollout.router.RolloutRouter`; see :func:`start_rollout`), the reward worker
     (not with ``rl.environment``) and the critic (``rl.algorithm: gae``).
@@ -41,6 +43,12 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
         dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision),
         seed=seed)
+    teacher = None if cfg.teacher is None else spawn_role(  # on-policy distillation's teacher
+        ReferenceWorker, par.reference, placement.actor_options("train"),
+        (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
+        dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+             precision=cfg.teacher.precision or cfg.precision),
+        seed=seed)
     rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, rollout_threads, actor)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
@@ -49,9 +57,10 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         critic_worker_class(cfg), par.critic, placement.actor_options("train"),
         (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
-    workers = Workers(placement, actor, reference, rollout, reward, critic)
+    workers = Workers(placement, actor, reference, rollout, reward, critic, teacher)
     try:  # surface a constructor error here, not at the first call
-        ray.get([w.__ray_ready__.remote() for w in (actor, reference, *rollout.engines, reward, critic) if w is not None])
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, teacher, *rollout.engines, reward, critic)
+                 if w is not None])
     except BaseException:
         stop_workers(workers)
         raise
@@ -63,7 +72,7 @@ def stop_workers(workers: Workers) -> None:
     its placement group."""
     from engine.distributed.group import kill_role
 
-    for w in (workers.actor, workers.reference, workers.reward, workers.critic):
+    for w in (workers.actor, workers.reference, workers.reward, workers.critic, workers.teacher):
         if w is not None:
             kill_role(w)
     workers.rollout.stop()  # every rollout engine
@@ -118,10 +127,12 @@ class Workers:
     rollout: Any  # the engine.rollout.router.RolloutRouter (a bare engine handle also works in the phases)
     reward: Any  # None with rl.environment (the environment gives the rewards)
     critic: Any = None  # PPO (rl.algorithm gae) only
+    teacher: Any = None  # on-policy distillation (rl.algorithm on_policy_distill) only
 
 
 class ReferenceWorker:
-    """A frozen policy (the RL starting point) that only computes log-probs.
+    """A frozen policy that only computes log-probs: the RL starting point (the reference of
+    the KL term), or the teacher of on-policy distillation (``rl.teacher``).
 
     Args: ``model_dir``, ``temperature`` (rollout sampling temperature), ``micro_batch_size``,
     ``seed``, ``num_threads`` as for :class:`engine.backends.megatron.actor.ActorWorker`;

@@ -336,12 +336,14 @@ def _alternatives(value, ann) -> list:
     if isinstance(value, list) or typing.get_origin(_unwrap_optional(ann)) is list:
         # a list of ids, of reward plug-in sections, or of named benchmark files (evaluate.datasets)
         return [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}]]
-    return [1, 0.5, 2, "changed", "my_module:factory"]  # an unset optional (an import path last)
+    # an unset optional (an import path, then a section: rl.teacher)
+    return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}]
 
 
 # Keys valid only together with others (cross-key checks of the schema).
 COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
               ("rl", "max_turns"): {"environment": "my_module:factory"},
+              ("rl", "teacher"): {"algorithm": "on_policy_distill"},
               ("rl", "engine", "off_policy_steps"): {"placement": "disaggregated"},
               ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1},
               # dotted keys are set from the config's root: DP=k needs k micro-batches per step

@@ -48,7 +48,7 @@ def test_config_accepts_a_built_in_or_an_import_path():
 
 @pytest.mark.parametrize("key, value, message", [
     ("algorithm", "ppo", "rl.algorithm: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_plus_plus', "
-                         "'reinforce_plus_plus_baseline' or 'gae', or a plug-in's import path "
+                         "'reinforce_plus_plus_baseline', 'gae' or 'on_policy_distill', or a plug-in's import path "
                          "'package.module:function' (got 'ppo')"),
     ("policy_loss", "dpo", "rl.policy_loss: Input should be 'ppo_clip' or 'gspo', or a plug-in's import path "
                            "'package.module:function' (got 'dpo')"),

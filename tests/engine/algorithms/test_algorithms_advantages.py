@@ -14,7 +14,7 @@ OUTCOME = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]
 
 
 def test_registry_keys():
-    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(OUTCOME + ["reinforce_plus_plus", "gae"])
+    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(OUTCOME + ["reinforce_plus_plus", "gae", "on_policy_distill"])
 
 
 def test_grpo_group_of_four_hand_computed():
