@@ -14,14 +14,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from config.base import LocalPath, Strict
-from config.data import DatasetFormat
-from config.rl import RewardConfig
+from config.base import Strict
+from config.data import NamedDatasetConfig
 from config.run import Precision
 
 DEFAULT_BENCHMARK = "rl_eval"  # the name of data.rl_eval as a benchmark
-VerifierName = RewardConfig.model_fields["verifier"].annotation
-_NAME = r"^[A-Za-z0-9_.-]+$"
 
 
 def _check_k(where: str, k: typing.Sequence[int], samples: int) -> None:
@@ -39,14 +36,10 @@ def _check_samples(where: str, samples: int, temperature: float) -> None:
         raise ValueError(f"{where}.samples_per_prompt > 1 needs {where}.temperature > 0 (greedy samples are identical)")
 
 
-class BenchmarkConfig(Strict):
-    """One named benchmark file; unset settings take the ``evaluate.*`` value."""
+class BenchmarkConfig(NamedDatasetConfig):
+    """One named benchmark file (``name``, ``path``, ``format``, ``verifier`` as every named
+    dataset; the name rl_eval is data.rl_eval's); unset settings take the ``evaluate.*`` value."""
 
-    name: str = Field(pattern=_NAME, description="Benchmark name (letters, digits, '_', '.', '-'): metrics are "
-                                                 "<policy>/<name>/<metric>; rl_eval is data.rl_eval's.")
-    path: LocalPath = Field(description="JSON, JSONL(.gz) or parquet file of prompts with reference answers.")
-    format: DatasetFormat = Field("auto", description="Source format, as data.*.format (gsm8k, math, prompt_label, ...).")
-    verifier: VerifierName | None = Field(None, description="Verifier (data.rewards.VERIFIERS); None: rl.reward.verifier.")
     samples_per_prompt: int | None = Field(None, gt=0, description="Responses per prompt; None: evaluate.samples_per_prompt.")
     temperature: float | None = Field(None, ge=0, description="Sampling temperature (0 = greedy); None: evaluate.temperature.")
     max_new_tokens: int | None = Field(None, gt=0, description="Response budget in tokens; None: evaluate.max_new_tokens.")

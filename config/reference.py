@@ -51,6 +51,14 @@ def _rows(model: type[BaseModel], prefix: str, instance: BaseModel | None = None
             rows.append((key, "list of sections", default, field.description or ""))
             rows.extend(_rows(nested[0], f"{key}[]."))
             continue
+        listed = [a for a in typing.get_args(ann) if typing.get_origin(a) is list]
+        if listed and len(nested) == 2:  # one section or a list of them (data.rl_train)
+            item = _models(listed[0])[0]
+            one = next(m for m in nested if m is not item)
+            rows.append((key, "section or list of sections", required, field.description or ""))
+            rows.extend(_rows(one, f"{key}."))
+            rows.extend(_rows(item, f"{key}[]."))
+            continue
         if len(nested) == 1:
             rows.append((key, "section", required, (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
             rows.extend(_rows(nested[0], f"{key}.", value if isinstance(value, BaseModel) else None))

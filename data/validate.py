@@ -11,6 +11,9 @@ many bad rows into one ``DataValidationError``.
 ``validate_data`` does this for every dataset of a pipeline's ``data`` section (what the
 validate stage and ``posttrain validate`` both run), and also counts duplicate rows and
 ``rl_eval`` prompts that are in ``rl_train`` (an error with ``data.allow_eval_overlap: false``).
+An RL data mixture (``data.rl_train`` a list of sources) is validated source by source, as
+``rl_train/<source>`` (:func:`dataset_entries`), and published as one ``rl_train`` file whose
+rows name their ``source`` (:meth:`DataReport.outputs`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "RowError",
     "ValidationResult",
     "check_threshold",
+    "dataset_entries",
     "validate_data",
     "validate_dataset",
     "write_jsonl_atomic",
@@ -346,8 +350,9 @@ class Overlap:
     lines: list[int]
 
     @classmethod
-    def between(cls, train: ValidationResult, held_out: ValidationResult) -> "Overlap":
-        seen = {_prompt_key(r) for r in train.rows}
+    def between(cls, train: list[ValidationResult], held_out: ValidationResult) -> "Overlap":
+        """The overlap of ``held_out`` with the rows of every ``train`` result (a mixture's sources)."""
+        seen = {_prompt_key(r) for t in train for r in t.rows}
         shared = [(line, _prompt_key(r)) for line, r in zip(held_out.lines, held_out.rows) if _prompt_key(r) in seen]
         return cls(len(shared), len({k for _, k in shared}), sorted(line for line, _ in shared))
 
@@ -361,15 +366,18 @@ class DataReport:
     """What ``validate_data`` found for each configured dataset.
 
     Attributes:
-        results: dataset name (``sft``, ``preference``, ``rl_train``, ``rl_eval``) -> result.
+        results: dataset name (``sft``, ``preference``, ``rl_train`` or a mixture's
+            ``rl_train/<source>``, ``rl_eval``) -> result, in config order.
         failures: dataset name -> why it could not be validated at all (missing file, a
             format that cannot be detected or cannot give the kind), naming the config key.
+        keys: dataset name -> its config key (``data.rl_train``, ``data.rl_train[1]``).
         overlap: rl_eval prompts found in rl_train (None unless both were validated).
         max_bad_fraction, allow_eval_overlap: the settings the problems are judged by.
     """
 
     results: dict[str, ValidationResult] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
     overlap: Overlap | None = None
     max_bad_fraction: float = 0.0
     allow_eval_overlap: bool = True
@@ -377,19 +385,35 @@ class DataReport:
     def problems(self) -> list[str]:
         """Each fault that fails the validate stage, as text naming the config key, the file
         and the first bad lines and fields (one entry per dataset, possibly several lines)."""
-        problems = []
-        for name in DATASET_KINDS:  # in config order
+        return [message for _, message in self._problems()]
+
+    def _problems(self) -> list[tuple[str | None, str]]:
+        """``(dataset name or None for the overlap, message)`` of each fault, in config order."""
+        problems: list[tuple[str | None, str]] = []
+        for name, key in self.keys.items():  # in config order
             if name in self.failures:
-                problems.append(f"data.{name}: {self.failures[name]}")
+                problems.append((name, f"{key}: {self.failures[name]}"))
             elif name in self.results:
                 try:
                     check_threshold(self.results[name], self.max_bad_fraction)
                 except DataValidationError as e:
-                    problems.append(f"data.{name}: {e}")
+                    problems.append((name, f"{key}: {e}"))
         if self.overlap and self.overlap.n_rows and not self.allow_eval_overlap:
-            problems.append(f"{self.overlap.describe()}; held-out prompts should not be trained on "
-                            "(remove them, or set data.allow_eval_overlap: true to allow it)")
+            problems.append((None, f"{self.overlap.describe()}; held-out prompts should not be trained on "
+                                   "(remove them, or set data.allow_eval_overlap: true to allow it)"))
         return problems
+
+    def outputs(self) -> dict[str, list[dict[str, Any]]]:
+        """The published files' rows by file stem: each dataset's valid rows; a mixture's
+        sources together as ``rl_train``, each row with its ``source`` name."""
+        out: dict[str, list[dict[str, Any]]] = {}
+        for name, result in self.results.items():
+            kind, _, source = name.partition("/")
+            if source:
+                out.setdefault(kind, []).extend({**row, "source": source} for row in result.rows)
+            else:
+                out[name] = result.rows
+        return out
 
     def warnings(self) -> list[str]:
         """Findings that do not fail the stage: duplicate rows, an allowed overlap."""
@@ -398,15 +422,16 @@ class DataReport:
             if result.duplicates:
                 pairs = ", ".join(f"{a} (= {b})" for a, b in result.duplicates[:10])
                 more = f" and {len(result.duplicates) - 10} more" if len(result.duplicates) > 10 else ""
-                notes.append(f"data.{name}: {len(result.duplicates)} duplicate rows (identical after normalization) "
+                notes.append(f"{self.keys[name]}: {len(result.duplicates)} duplicate rows (identical after normalization) "
                              f"in {result.file}: lines {pairs}{more}")
         if self.overlap and self.overlap.n_rows and self.allow_eval_overlap:
             notes.append(f"{self.overlap.describe()}; set data.allow_eval_overlap: false to make this an error")
         return notes
 
     def report(self) -> dict[str, Any]:
-        """JSON-able: dataset name -> ``ValidationResult.report()``; rl_eval's also holds
-        ``overlap_with_rl_train`` ({n_rows, n_prompts, lines (first 50)})."""
+        """JSON-able: dataset name -> ``ValidationResult.report()`` (a mixture: one entry
+        ``rl_train/<source>`` per source, with its row counts); rl_eval's also holds
+        ``overlap_with_rl_train`` ({n_rows, n_prompts, lines (first 50)}: against every source)."""
         report = {name: result.report() for name, result in self.results.items()}
         for name, message in self.failures.items():
             report[name] = {"error": message}
@@ -422,11 +447,24 @@ class DataReport:
             DataValidationError: ``problems()`` joined by newlines; ``errors`` holds every
                 row error of the failing datasets.
         """
-        problems = self.problems()
+        problems = self._problems()
         if problems:
-            failing = {p.split(":", 1)[0].removeprefix("data.") for p in problems}
+            failing = {name for name, _ in problems}
             errors = [e for name, r in self.results.items() if name in failing for e in r.errors]
-            raise DataValidationError("\n".join(problems), errors)
+            raise DataValidationError("\n".join(message for _, message in problems), errors)
+
+
+def dataset_entries(data: "DataConfig") -> list[tuple[str, str, Any]]:
+    """``(name, config key, dataset config)`` of every dataset set in ``data``, in config
+    order; a mixture's sources as ``("rl_train/<source>", "data.rl_train[i]", source)``."""
+    out = []
+    for name in DATASET_KINDS:
+        ds = getattr(data, name)
+        if isinstance(ds, list):
+            out += [(f"{name}/{s.name}", f"data.{name}[{i}]", s) for i, s in enumerate(ds)]
+        elif ds is not None:
+            out.append((name, f"data.{name}", ds))
+    return out
 
 
 def validate_data(data: "DataConfig", names: Iterable[str] | None = None) -> DataReport:
@@ -434,31 +472,31 @@ def validate_data(data: "DataConfig", names: Iterable[str] | None = None) -> Dat
 
     Args:
         data: the ``data`` config (``sft``/``preference``/``rl_train``/``rl_eval``, each
-            with ``path``, ``format``, ``limit`` or None; ``max_bad_fraction``;
-            ``allow_eval_overlap``).
-        names: only these datasets (default: every one that is set), e.g. to skip files
-            that the prepare step has not written yet.
+            with ``path``, ``format``, ``limit`` or None, ``rl_train`` also a list of sources;
+            ``max_bad_fraction``; ``allow_eval_overlap``).
+        names: only these datasets (names of :func:`dataset_entries`; default: every one
+            that is set), e.g. to skip files that the prepare step has not written yet.
 
     Returns:
         a ``DataReport``; nothing is raised for bad data: call ``problems()`` for the
         messages or ``raise_for_problems()`` to fail.
     """
-    wanted = list(DATASET_KINDS) if names is None else [n for n in DATASET_KINDS if n in set(names)]
     out = DataReport(max_bad_fraction=data.max_bad_fraction,
                      allow_eval_overlap=getattr(data, "allow_eval_overlap", True))
-    for name in wanted:
-        ds = getattr(data, name)
-        if ds is None:
+    for name, key, ds in dataset_entries(data):
+        if names is not None and name not in set(names):
             continue
+        out.keys[name] = key
         try:
-            out.results[name] = validate_dataset(ds.path, DATASET_KINDS[name], format=ds.format,
-                                                 limit=ds.limit, key=f"data.{name}")
+            out.results[name] = validate_dataset(ds.path, DATASET_KINDS[name.partition("/")[0]], format=ds.format,
+                                                 limit=ds.limit, key=key)
         except FileNotFoundError:
-            out.failures[name] = f"file not found: {ds.path} (data.{name}.path)"
+            out.failures[name] = f"file not found: {ds.path} ({key}.path)"
         except ValueError as e:
             out.failures[name] = str(e)
-    if "rl_train" in out.results and "rl_eval" in out.results:
-        out.overlap = Overlap.between(out.results["rl_train"], out.results["rl_eval"])
+    train = [r for name, r in out.results.items() if name.partition("/")[0] == "rl_train"]
+    if train and "rl_eval" in out.results:
+        out.overlap = Overlap.between(train, out.results["rl_eval"])
     return out
 
 

@@ -49,15 +49,14 @@ def precision_notes(cfg: PipelineConfig) -> list[str]:
 
 def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     """Returns (problems, notes). Problems name the config key and the missing path."""
+    from data.validate import dataset_entries
+
     problems, notes = [], []
-    for name in ("sft", "preference", "rl_train", "rl_eval"):
-        ds = getattr(cfg.data, name)
-        if ds is None:
-            continue
+    for _, key, ds in dataset_entries(cfg.data):
         if _made_by_prepare(cfg, ds.path):
-            notes.append(f"data.{name}.path: {ds.path} is created by the prepare step")
+            notes.append(f"{key}.path: {ds.path} is created by the prepare step")
         elif not Path(ds.path).is_file():
-            problems.append(f"data.{name}.path: file not found: {ds.path}")
+            problems.append(f"{key}.path: file not found: {ds.path}")
     for i, bench in enumerate(cfg.evaluate.datasets):
         if not _made_by_prepare(cfg, bench.path) and not Path(bench.path).is_file():
             problems.append(f"evaluate.datasets[{i}].path ({bench.name}): file not found: {bench.path}")
@@ -186,39 +185,40 @@ def _check_datasets(cfg: PipelineConfig, prepared: bool, problems: list[str], no
     """The data files through the validate stage's own check (``data.validate.validate_data``:
     rows, bad-row fraction, duplicates, rl_eval/rl_train overlap); returns
     ``{name: ValidationResult}`` for the later checks (their valid rows)."""
-    from data.validate import validate_data
+    from data.validate import dataset_entries, validate_data
 
-    names = [name for name in ("sft", "preference", "rl_train", "rl_eval")
-             if getattr(cfg.data, name) is not None and _readable(cfg, getattr(cfg.data, name).path, prepared)]
-    if not names:
+    entries = {name: ds for name, _, ds in dataset_entries(cfg.data) if _readable(cfg, ds.path, prepared)}
+    if not entries:
         return {}
-    checked = validate_data(cfg.data, names=names)
+    checked = validate_data(cfg.data, names=entries)
     problems += [p.replace("\n", "\n    ") for p in checked.problems()]
     failing = {p.split(":", 1)[0] for p in checked.problems()}
     for name, result in checked.results.items():
-        if f"data.{name}" not in failing:
+        if checked.keys[name] not in failing:
             bad = f", {result.n_bad} bad (within data.max_bad_fraction)" if result.n_bad else ""
-            notes.append(f"data.{name}: {len(result.rows)} valid rows of {result.n_total}{bad} in {result.file} "
-                         f"(format {result.format}{', detected' if getattr(cfg.data, name).format == 'auto' else ''})")
+            notes.append(f"{checked.keys[name]}: {len(result.rows)} valid rows of {result.n_total}{bad} in {result.file} "
+                         f"(format {result.format}{', detected' if entries[name].format == 'auto' else ''})")
     notes += checked.warnings()
     return checked.results
 
 
 def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
     """Every rl_eval label (and rl_train's, when the verifier scores RL: no rl.environment
-    and rl.reward.verifier_weight != 0) can be scored by ``rl.reward.verifier``: a gsm8k
-    label must be a number, a math one non-blank (``data.rewards.label_problem``)."""
+    and rl.reward.verifier_weight != 0) can be scored by ``rl.reward.verifier`` (a mixture
+    source's by its own verifier): a gsm8k label must be a number, a math one non-blank
+    (``data.rewards.label_problem``)."""
     from data.rewards import label_problem
 
-    verifier = cfg.rl.reward.verifier
-    if verifier == "none":
+    if cfg.rl.reward.verifier == "none":
         return []  # check_inputs reports it
-    names = ["rl_eval"]
+    verifiers = {"rl_eval": cfg.rl.reward.verifier}
     if cfg.rl.environment is None and cfg.rl.reward.verifier_weight != 0:
-        names.insert(0, "rl_train")
+        sources = cfg.data.rl_sources()
+        verifiers = ({f"rl_train/{s.name}": s.verifier or cfg.rl.reward.verifier for s in sources} if sources
+                     else {"rl_train": cfg.rl.reward.verifier}) | verifiers
     problems = []
-    for name in names:
-        if name not in rows:
+    for name, verifier in verifiers.items():
+        if name not in rows or verifier == "none":
             continue
         result = rows[name]
         bad = []
@@ -415,9 +415,10 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
     if not context:
         return []
     problems = []
-    for name, key, budget, count in (("rl_train", "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None),
-                                     ("rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
-                                      cfg.evaluate.num_prompts)):
+    train = [f"rl_train/{s.name}" for s in cfg.data.rl_sources() or []] or ["rl_train"]
+    for name, key, budget, count in ([(n, "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None) for n in train]
+                                     + [("rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
+                                         cfg.evaluate.num_prompts)]):
         limit = context - budget
         if limit < 1:
             problems.append(f"{key}: {budget} leaves no room for a prompt in the context of {m.name} "
@@ -445,9 +446,13 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
                                     f"tokenizer of {m.tokenizer_name}:", failed))
         if long_lines:
             lines = ", ".join(map(str, long_lines[:SHOWN])) + (", ..." if len(long_lines) > SHOWN else "")
-            problems.append(f"data.{name}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
-                            f"context of {m.name}, max_position_embeddings {context}, minus {key} {budget}; the longest "
-                            f"has {longest}): lines {lines} of {result.file}")
+            found = (f"data.{name}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
+                     f"context of {m.name}, max_position_embeddings {context}, minus {key} {budget}; the longest "
+                     f"has {longest}): lines {lines} of {result.file}")
+            if name != "rl_eval" and cfg.rl.long_prompts == "filter" and len(long_lines) < checked:
+                notes.append(f"{found}; the rl stage leaves them out (rl.long_prompts: filter)")
+            else:
+                problems.append(found)
         elif not failed:
             notes.append(f"data.{name}: the longest of {checked} prompts has {longest} tokens (at most {limit} fit)")
     return problems

@@ -39,6 +39,7 @@ tensor-parallel rank and drive dropout only, which this project's models do not 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -68,11 +69,21 @@ _COMMON = "train_state"  # the common (rank-0) entry of a sharded checkpoint
 @dataclass(frozen=True)
 class DataPosition:
     """Where the data sampler stands: the next row is ``offset`` in epoch ``epoch``'s order
-    (see :class:`engine.batching.sampler.EpochSampler`), which is shuffled from ``shuffle_seed``."""
+    (see :class:`engine.batching.sampler.EpochSampler`), which is shuffled from ``shuffle_seed``.
+
+    An RL data mixture (:class:`engine.batching.sampler.MixtureSampler`) stands at ``draws``
+    prompts drawn and, per source in config order, ``sources[i] = (epoch, offset)``; ``epoch``
+    and ``offset`` are then 0.
+    """
 
     epoch: int
     offset: int
     shuffle_seed: int
+    draws: int = 0
+    sources: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):  # a loaded state holds lists
+        object.__setattr__(self, "sources", tuple((int(e), int(o)) for e, o in self.sources))
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -487,8 +498,7 @@ def save_train_state(
 
     root = Path(directory)
     payload = {"format_version": SHARDED, "step": int(step), "extra": dict(extra or {}),
-               "data_position": {"epoch": data_position.epoch, "offset": data_position.offset,
-                                 "shuffle_seed": data_position.shuffle_seed}}
+               "data_position": dataclasses.asdict(data_position)}
     if is_sharded_model(model):
         _save_sharded(root, payload, model, optimizer, scheduler)
         return root / STATE_FILE

@@ -229,7 +229,8 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
         "data": {"rl_train": {"path": str(math500), "format": "math"}, "rl_eval": {"path": str(gsm8k), "format": "gsm8k"}},
         "model": {"source": str(model), "tokenizer": str(fixtures_dir / "qwen2.5-tokenizer")},
         "sft": {"enabled": False}, "rm": {"enabled": False},
-        "rl": {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}, "micro_batch_size": 1},
+        "rl": {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}, "micro_batch_size": 1,
+               "long_prompts": "fail"},  # (filter, the default, makes the long rl_train prompts a note)
     }
     cfg = tmp_path / "qwen_math.yaml"
     cfg.write_text(yaml.safe_dump(raw, sort_keys=False))

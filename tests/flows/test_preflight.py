@@ -251,7 +251,7 @@ def test_prompts_longer_than_the_context_are_counted_with_their_lines(qwen, fixt
     math500 = fixtures_dir / "math500" / "test.jsonl"
     qwen["model"]["source"] = str(_qwen_dir(tmp_path, max_position_embeddings=512))
     qwen["data"]["rl_train"] = {"path": str(math500), "format": "math"}
-    qwen["rl"] = {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}}
+    qwen["rl"] = {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}, "long_prompts": "fail"}
     qwen["evaluate"] = {"max_new_tokens": 400, "num_prompts": 200}
     qwen["sft"] = {"max_seq_len": 1024}
     # (counts checked independently: transformers' apply_chat_template(tokenize=True) of each prompt)
@@ -265,6 +265,10 @@ def test_prompts_longer_than_the_context_are_counted_with_their_lines(qwen, fixt
         f"512, minus evaluate.max_new_tokens 400; the longest has 163): lines 5, 9, 16, 42, 46, ... of "
         f"{fixtures_dir / 'gsm8k' / 'test.jsonl'}",
     ]
+    qwen["rl"]["long_prompts"] = "filter"  # the default: the rl stage leaves the 83 out, a note, not a problem
+    filtered_problems, filtered_notes = _contents(qwen)
+    assert filtered_problems == [problems[0], problems[2]]
+    assert f"{problems[1]}; the rl stage leaves them out (rl.long_prompts: filter)" in filtered_notes
     qwen["rl"]["rollout"]["max_new_tokens"] = 512
     assert _contents(qwen)[0][1] == (f"rl.rollout.max_new_tokens: 512 leaves no room for a prompt in the context of "
                                      f"{model} (max_position_embeddings 512)")

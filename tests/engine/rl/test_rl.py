@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from config.data import RLSourceConfig
 from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 from config.sft import SFTConfig
 from config.training import OptimConfig
@@ -186,8 +187,10 @@ def test_load_rl_prompts_errors_name_file_and_line(policy, tmp_path):
     bad.write_text(json.dumps({"prompt": question(1, 2), "label": "3"}) + "\n" + json.dumps({"prompt": question(1, 2), "label": 3}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: label: expected a string"):
         load_rl_prompts(bad, policy["tokenizer"], 50)
-    with pytest.raises(ValueError, match=r"rl.jsonl:1: prompt: \d+ tokens leave no room"):
-        load_rl_prompts(policy["prompts"], policy["tokenizer"], 5)
+    with pytest.raises(ValueError, match=r"rl.jsonl: 25 prompts leave no room .* lines 1 \(\d+ tokens\), 2 "):
+        load_rl_prompts(policy["prompts"], policy["tokenizer"], 5, long_prompts="fail")
+    with pytest.raises(ValueError, match=r"rl.jsonl: no prompts in the file \(25 longer than 5 tokens left out\)"):
+        load_rl_prompts(policy["prompts"], policy["tokenizer"], 5)  # filter, the default, leaves none
 
 
 def test_actor_logprobs_and_grpo_update_by_hand(policy):
@@ -578,3 +581,113 @@ def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tm
     full_out, _ = hf_run
     assert [untimed(r) for r in read_metrics(tmp_path / "resumed")] == [untimed(r) for r in read_metrics(full_out)]
     assert_same_weights(policy_weights(tmp_path / "resumed" / "model"), policy_weights(full_out / "model"))
+
+
+# ----------------------------------------------------------------------------- RL data mixtures
+# data.rl_train as a list of sources: long prompts filtered (counted per source) or named in one
+# error, each source's verifier and reward weight applied (hand-computed rewards), and a real
+# two-source GRPO run logging reward/<source>/mean and /count and checkpointing every source's
+# data position.
+
+SOURCES = [RLSourceConfig(name="low", path="unused.jsonl"),  # exact_match (rl.reward.verifier), reward x 1
+           RLSourceConfig(name="high", path="unused.jsonl", weight=3.0, verifier="gsm8k", reward_weight=2.0)]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _prompt_tokens(tokenizer, messages) -> int:
+    # independent of data.chat: transformers' own rendering with the generation prompt
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_long_prompts_are_filtered_and_counted_per_source_or_named_in_one_error(policy, tmp_path):
+    from engine.rl.prompts import load_rl_prompts
+
+    tok = policy["tokenizer"]
+    short, long_ = question(1, 2), [{"role": "user", "content": "What is 1 + 2? " * 6}]
+    limit = 30
+    assert _prompt_tokens(tok, short) <= limit < _prompt_tokens(tok, long_)
+    rows = [{"prompt": short, "label": "3", "source": "low"}, {"prompt": long_, "label": "3", "source": "high"},
+            {"prompt": long_, "label": "3", "source": "low"}, {"prompt": short, "label": "3", "source": "high"},
+            {"prompt": long_, "label": "3", "source": "high"}, {"prompt": short, "label": "3", "source": "high"}]
+    path = _write_jsonl(tmp_path / "rl_train.jsonl", rows)
+    prompts = load_rl_prompts(path, tok, limit, SOURCES)
+    assert prompts.sizes == [1, 2] and prompts.weights == [1.0, 3.0]
+    assert [p.source for p in prompts] == ["low", "high", "high"]  # grouped by source in config order
+    assert [(p.verifier, p.reward_weight) for p in prompts] == [(None, 1.0), ("gsm8k", 2.0), ("gsm8k", 2.0)]
+    assert prompts.filtered_metrics() == {"rl/long_prompts_filtered": 3.0, "rl/long_prompts_filtered/low": 1.0,
+                                          "rl/long_prompts_filtered/high": 2.0}
+    n = _prompt_tokens(tok, long_)
+    with pytest.raises(ValueError) as info:
+        load_rl_prompts(path, tok, limit, SOURCES, long_prompts="fail")
+    assert str(info.value) == (
+        f"{path}: 3 prompts leave no room for rl.rollout.max_new_tokens within the model's max_position_embeddings "
+        f"(at most {limit} prompt tokens): lines 2 ({n} tokens), 3 ({n} tokens), 5 ({n} tokens); shorten them, or set "
+        "rl.long_prompts: filter to leave them out")
+    one = load_rl_prompts(path, tok, limit)  # one dataset: the source field is not read
+    assert len(one) == 3 and one.filtered_metrics() == {"rl/long_prompts_filtered": 3.0}
+    only_long = _write_jsonl(tmp_path / "only_long.jsonl", [rows[0], rows[1], rows[4]])
+    with pytest.raises(ValueError, match=r"no prompts in source 'high' of data.rl_train \(2 longer than 30 tokens left out\)"):
+        load_rl_prompts(only_long, tok, limit, SOURCES)
+    stray = _write_jsonl(tmp_path / "stray.jsonl", [rows[0], {**rows[3], "source": "mid"}])
+    with pytest.raises(ValueError, match=r"stray.jsonl:2: source: 'mid' is not a source of data.rl_train \(low, high\)"):
+        load_rl_prompts(stray, tok, limit, SOURCES)
+
+
+def test_each_source_is_scored_by_its_verifier_and_reward_weight(policy):
+    """reward = reward_weight * (verifier_weight * verifier + sum of weighted plug-ins), by hand."""
+    from config.rl import RewardConfig
+    from engine.rl.workers import RewardWorker
+
+    cfg = RewardConfig(verifier="exact_match", verifier_weight=0.5,
+                       functions=[{"path": "tests.data.reward_plugins_example:length_penalty"}])  # -0.25/char over the label
+    worker = RewardWorker(policy["dir"], cfg)
+    tok = policy["tokenizer"]
+    texts = ["7", "#### 12", "7", "\\boxed{3}", "8"]
+    labels = ["7", "12", "7", "3", "7"]
+    verifiers = [None, "gsm8k", "none", "math", "exact_match"]
+    weights = [1.0, 2.0, 3.0, 0.5, 1.0]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rewards, metrics = worker.score([question(1, 2)] * 5, labels, ids, ["stop"] * 5, verifiers, weights)
+    # 1: 1 * (0.5 * 1 + 0);  2: 2 * (0.5 * 1 - 0.25 * (7 - 2));  3: 3 * (0 + 0);
+    # 4: 0.5 * (0.5 * 1 - 0.25 * (9 - 1));  5: 1 * (0.5 * 0 + 0)
+    assert rewards.tolist() == [0.5, -1.5, 0.0, -0.75, 0.0]
+    assert metrics["reward/verifier_mean"] == pytest.approx(3 / 5)
+    plain, _ = worker.score([question(1, 2)] * 5, labels, ids, ["stop"] * 5)  # no mixture: rl.reward.verifier for all
+    # exact_match reads a boxed answer too (data.rewards.final_answer): row 4 scores 0.5 - 2.0
+    assert plain.tolist() == [0.5, 0.5 - 1.25, 0.5, 0.5 - 2.0, 0.0]
+
+
+def test_two_source_grpo_run_logs_per_source_rewards_and_checkpoints_every_sources_position(policy, ray_address,
+                                                                                              tmp_path):
+    from engine.batching.sampler import MixtureSampler
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import DataPosition, load_train_state
+
+    pairs = [(a, b) for a in range(5) for b in range(5)]  # "low": a <= 2 (15 prompts), "high": a >= 3 (10)
+    path = _write_jsonl(tmp_path / "rl_train.jsonl", [{"prompt": question(a, b), "label": str(a + b),
+                                                 "source": "low" if a <= 2 else "high"} for a, b in pairs])
+    cfg = rl_config("hf", 2, engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    result = run_rl(policy["dir"], path, cfg, tmp_path / "out", tmp_path / "resume", seed=0, sources=SOURCES)
+    rows = read_metrics(tmp_path / "out")
+    reference = MixtureSampler([15, 10], [1.0, 3.0], seed=0)  # the run's draws, replayed
+    for r in rows:
+        drawn = [0 if i < 15 else 1 for i in reference.next_indices(cfg.prompts_per_step)]
+        assert (r["reward/low/count"], r["reward/high/count"]) == (drawn.count(0), drawn.count(1))
+        present = [s for s in ("low", "high") if r[f"reward/{s}/count"]]
+        assert all(f"reward/{s}/mean" in r for s in present)
+        # high's rewards are 2 x a 0/1 verifier score: its mean times its responses / 2 is a count
+        if "high" in present:
+            correct = r["reward/high/mean"] * r["reward/high/count"] * cfg.n_samples / 2
+            assert correct == pytest.approx(round(correct), abs=1e-9)
+        # the batch's mean score is the count-weighted mean of the sources' means
+        total = sum(r[f"reward/{s}/mean"] * r[f"reward/{s}/count"] for s in present) / cfg.prompts_per_step
+        assert r["critic/score/mean"] == pytest.approx(total, abs=1e-6)
+    assert result["rl/long_prompts_filtered"] == 0.0 and result["rl/long_prompts_filtered/high"] == 0.0
+    # the checkpoint of the last step holds the draws and every source's (epoch, offset)
+    assert load_train_state(tmp_path / "resume").data_position == DataPosition(
+        0, 0, 0, 2 * cfg.prompts_per_step, reference.sources)
