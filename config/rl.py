@@ -297,6 +297,10 @@ class RLConfig(Strict):
                                 "val/<benchmark>/<metric> (docs/evaluation.md); 0 or None: off.")
     eval_benchmark: str = Field("rl_eval", description="The benchmark rl.eval_every evaluates: rl_eval (data.rl_eval) "
                                                        "or the name of an evaluate.datasets entry.")
+    long_prompts: Literal["filter", "fail"] = Field(
+        "filter", description="Training prompts whose tokens plus rl.rollout.max_new_tokens exceed the model's "
+                              "max_position_embeddings: filter leaves them out (counted per source in the rl "
+                              "metrics, rl/long_prompts_filtered); fail stops the run naming every such file line.")
 
     @field_validator("algorithm", mode="before")
     @classmethod

@@ -3,7 +3,9 @@ model when ``sft.enabled`` is false), which is also the frozen reference.
 
 Artifact: ``model/`` (the RL policy), ``metrics.jsonl`` (one line of metrics per RL step) and
 ``curves.png`` (reward, KL, entropy, response length and clip fraction per step; also logged to
-W&B). Killed runs resume from the last checkpoint.
+W&B). Killed runs resume from the last checkpoint. With an RL data mixture (``data.rl_train`` a
+list of sources) each step draws its prompts from the sources by weight, each source scored by
+its own verifier and reward weight (docs/algorithms.md, Data mixtures).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ SPEC = StageSpec(
     name="rl",
     inputs=_inputs,
     config=lambda cfg: {"rl": cfg.rl.model_dump(exclude=_NOT_FINGERPRINTED), "seed": cfg.run.seed,
-                        **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {})},
+                        **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {}),
+                        **({"rl_train": [s.model_dump() for s in cfg.data.rl_sources()]} if cfg.data.rl_sources() else {})},
     raw_inputs=_reward_plugin_files,
     summary=("critic/score/mean", "actor/pg_loss"),
 )
@@ -101,6 +104,7 @@ def rl(ctx: StageContext) -> dict:
         reward_model_dir=rm_dir,
         log_metrics=ctx.log_metrics,
         evaluator=evaluator,
+        sources=ctx.cfg.data.rl_sources(),
     )
     png, _ = write_stage_curves("rl", ctx.workdir)  # from the metrics.jsonl run_rl wrote
     ctx.tracker.log_images({"curves": png})

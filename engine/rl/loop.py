@@ -67,18 +67,20 @@ from typing import Any
 import ray
 from tqdm import tqdm
 
+from config.data import RLSourceConfig
 from config.schema import RLConfig
 from engine.batching.collate import pad_token_id
-from engine.batching.sampler import EpochSampler
+from engine.batching.sampler import EpochSampler, MixtureSampler
 from engine.rl import phases
 from engine.rl.checkpoint import check_checkpoint, checkpoint_if_due, resume
 from engine.rl.metrics import MetricsLog, MetricsLogger, StepTimer, step_metrics
 from engine.rl.plugins import check_algorithm_plugins
 from engine.rl.prefetch import RolloutPipeline
-from engine.rl.prompts import RLPrompt, load_rl_prompts
+from engine.rl.prompts import PromptSet, load_rl_prompts
 from engine.rl.rollout_dump import RolloutDumps
 from engine.rl.teacher import check_teacher
 from engine.rl.workers import Workers, start_workers, stop_workers
+from engine.storage.train_state import DataPosition
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -89,7 +91,8 @@ class RunSetup:
 
     Attributes:
         tokenizer: the policy's tokenizer.
-        prompts: the training prompts, chat-encoded.
+        prompts: the training prompts, chat-encoded (a mixture's grouped by source), and the
+            long prompts left out per source.
         identity: what a checkpoint in ``resume_dir`` must match (:func:`check_checkpoint`).
         rollout_len: the rollout engine's context in tokens: the longest prompt and its whole
             response budget (multi-turn observations and partial-rollout continuations count
@@ -99,30 +102,36 @@ class RunSetup:
     """
 
     tokenizer: Any
-    prompts: list[RLPrompt]
+    prompts: PromptSet
     identity: dict
     rollout_len: int
     pad_id: int
 
 
 def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, seed: int,
-                evaluator=None) -> RunSetup:
+                evaluator=None, sources: list[RLSourceConfig] | None = None) -> RunSetup:
     """Load the tokenizer and the prompts and derive the run's identity and lengths.
 
     A checkpoint may be continued with a different ``steps`` (train longer) or checkpoint
     interval; everything else in the identity must match. (The cosine schedule then spans
     the new total.) With ``rl.eval_every``, the rollout context also holds the ``evaluator``'s
-    longest prompt and response (``evaluator.context_tokens(tokenizer)``).
+    longest prompt and response (``evaluator.context_tokens(tokenizer)``). ``sources``: the
+    ``data.rl_train`` mixture (:func:`engine.rl.prompts.load_rl_prompts`).
 
-    Raises: ValueError: a bad prompt row (names file and line) or a prompt too long for the model.
+    Raises: ValueError: a bad prompt row (names file and line), prompts too long for the model
+        (``rl.long_prompts: fail``; names every line), a source left without prompts.
     """
     from engine.storage.model_dir import load_tokenizer, read_hf_config
 
     tokenizer = load_tokenizer(policy_dir)
     max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
-    prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens)
+    prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens, sources,
+                              cfg.long_prompts)
     run_config = cfg.model_dump(mode="json", exclude={"engine", "steps", "checkpoint_every"})
     identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
+    if sources:
+        identity["sources"] = [{**s.model_dump(mode="json", include={"name", "weight", "verifier", "reward_weight"}),
+                                "num_prompts": n} for s, n in zip(sources, prompts.sizes)]
     rollout_len = max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens
     if cfg.eval_every and evaluator is not None:
         rollout_len = max(rollout_len, evaluator.context_tokens(tokenizer))
@@ -194,14 +203,24 @@ def evaluate_if_due(workers: Workers, evaluator, cfg: RLConfig, step: int, token
     return {**metrics, "timing_s/eval": time.perf_counter() - t0}
 
 
+def prompt_sampler(prompts: PromptSet, seed: int, position: DataPosition) -> EpochSampler | MixtureSampler:
+    """The sampler of the run's prompts at ``position``: one dataset's :class:`EpochSampler`,
+    or a mixture's :class:`MixtureSampler` (docs/algorithms.md, Data mixtures)."""
+    if prompts.weights:
+        return MixtureSampler(prompts.sizes, prompts.weights, seed, position.draws, position.sources or None)
+    return EpochSampler(len(prompts), seed, position.epoch, position.offset)
+
+
 def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, out_dir: str | Path,
            resume_dir: str | Path | None, seed: int = 0, reward_model_dir: str | Path | None = None,
-           log_metrics: MetricsLogger | None = None, evaluator=None) -> dict[str, float]:
+           log_metrics: MetricsLogger | None = None, evaluator=None,
+           sources: list[RLSourceConfig] | None = None) -> dict[str, float]:
     """Train the policy in ``policy_dir`` for ``cfg.steps`` RL steps (``cfg.algorithm``, GRPO by default).
 
     Args:
         policy_dir: model directory of the starting policy (also the frozen reference).
-        train_prompts_path: JSONL of ``{"prompt": [messages], "label": str}`` rows.
+        train_prompts_path: JSONL of ``{"prompt": [messages], "label": str}`` rows (and
+            ``source`` with a mixture).
         cfg: the ``rl`` config section.
         out_dir: receives ``model/`` (the final policy, a model directory) and
             ``metrics.jsonl`` (one JSON object per step, with ``step``).
@@ -213,9 +232,13 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             evaluates the policy ``engine`` holds, with ``context_tokens(tokenizer)`` (the
             engine context it needs): ``engine.evaluation.benchmarks.PolicyEvaluator``, the
             evaluate stage's code (given here, as engine.rl does not import engine.evaluation).
+        sources: the ``data.rl_train`` mixture (None: one dataset): each step draws its
+            prompts from them by weight; a source's verifier and reward weight score its
+            responses; ``reward/<source>/mean`` and ``/count`` are logged per step.
 
     Returns: the last step's metrics plus ``rl/steps`` (total), ``rl/resumed_from_step``
-        (0 for a fresh start) and ``rl/steps_run`` (steps this call executed).
+        (0 for a fresh start), ``rl/steps_run`` (steps this call executed) and
+        ``rl/long_prompts_filtered`` (``/<source>`` per source of a mixture).
 
     Raises:
         ImportError: ``cfg.environment`` cannot be loaded (checked before any worker starts).
@@ -231,7 +254,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         raise ValueError("rl.eval_every is set but run_rl was given no evaluator")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = prepare_run(policy_dir, train_prompts_path, cfg, seed, evaluator)
+    run = prepare_run(policy_dir, train_prompts_path, cfg, seed, evaluator, sources)
     check_checkpoint(resume_dir, run.identity)
     check_environment(cfg)
     if cfg.teacher is not None:  # on-policy distillation: the teacher scores the student's tokens
@@ -244,7 +267,7 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         log = MetricsLog(out_dir / METRICS_FILE, history, log_metrics)
         dumps = RolloutDumps.for_run(cfg, resume_dir, out_dir)  # rl.dump_rollouts: each step's batch, for replay
         dumps.begin(workers, start, position)
-        sampler = EpochSampler(len(run.prompts), seed, position.epoch, position.offset)
+        sampler = prompt_sampler(run.prompts, seed, position)
         # the policy version: updates applied so far (critic warm-up steps apply none), what the rollout engine holds
         version = cfg.policy_updates(start)
         phases.update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
@@ -272,4 +295,4 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
     finally:
         tear_down(workers, pipeline, out_dir)
     return {**log.last, "rl/steps": float(cfg.steps), "rl/resumed_from_step": float(start),
-            "rl/steps_run": float(cfg.steps - start)}
+            "rl/steps_run": float(cfg.steps - start), **run.prompts.filtered_metrics()}

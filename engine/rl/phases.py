@@ -38,7 +38,7 @@ from engine.algorithms.advantages import (
 )
 from engine.algorithms.dynamic_sampling import fill_batch
 from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
-from engine.batching.sampler import EpochSampler
+from engine.batching.sampler import EpochSampler, MixtureSampler
 from engine.rl.metrics import StepTimer
 from engine.rl.prefetch import RolloutPipeline
 from engine.rl.prompts import RLPrompt
@@ -59,16 +59,31 @@ def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
 
 @dataclass(frozen=True)
 class _Group:
-    """One prompt's scored responses (a unit of DAPO dynamic sampling)."""
+    """One prompt's scored responses (a unit of DAPO dynamic sampling) and its mixture source."""
 
     traj: Trajectory
+    source: str | None = None
 
     @property
     def rewards(self) -> list[float]:
         return self.traj.rewards.tolist()
 
 
-def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler, cfg: RLConfig, seed: int,
+def source_metrics(prompts: list[RLPrompt], groups: list[_Group]) -> dict[str, float]:
+    """Per mixture source (none without a mixture): ``reward/<source>/count``, the prompts drawn
+    from it, and ``reward/<source>/mean``, the mean reward of their responses (after the
+    source's reward weight; left out when the source drew none), over ``groups``: every
+    group the step generated, dynamic sampling's dropped ones included."""
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(p.source for p in prompts if p.source is not None):
+        rewards = [r for g in groups if g.source == name for r in g.rewards]
+        out[f"reward/{name}/count"] = float(sum(g.source == name for g in groups))
+        if rewards:
+            out[f"reward/{name}/mean"] = sum(rewards) / len(rewards)
+    return out
+
+
+def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler | MixtureSampler, cfg: RLConfig, seed: int,
                   step: int, pad_id: int) -> tuple[Trajectory, dict[str, float], float, float]:
     """The step's scored batch: ``prompts_per_step`` prompts x ``n_samples`` responses.
 
@@ -81,8 +96,11 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
     With ``cfg.environment`` each round is a multi-turn rollout (:func:`generate_multi_turn`)
     scored by the environment; the reward worker is not called (reward time 0).
 
+    With a mixture (``sampler`` a :class:`MixtureSampler`) each prompt is scored by its
+    source's verifier and reward weight (:func:`compute_rewards`).
+
     Returns: ``(trajectory, reward metrics, generation s, reward s)``; the metrics include
-        ``rollout/engine_restarts`` (rollout engines replaced while this step's rollout ran,
+        :func:`source_metrics`, ``rollout/engine_restarts`` (rollout engines replaced while this step's rollout ran,
         ``engine.rollout.router``) and, with dynamic sampling, ``dynamic_sampling/rounds``,
         ``/kept_groups`` and ``/dropped_groups``.
 
@@ -93,6 +111,7 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
     ds = cfg.dynamic_sampling
     timing = {"gen": 0.0, "reward": 0.0, "restarts": 0}
     rounds: list[dict[str, float]] = []
+    generated: list[_Group] = []
 
     def one_round() -> list[_Group]:
         batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
@@ -108,7 +127,10 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
         timing["reward"] += t_reward
         timing["restarts"] += restarts
         rounds.append(metrics)
-        return [_Group(traj.select(torch.nonzero(traj.group_index == g).flatten())) for g in range(len(batch))]
+        groups = [_Group(traj.select(torch.nonzero(traj.group_index == g).flatten()), p.source)
+                  for g, p in enumerate(batch)]
+        generated.extend(groups)
+        return groups
 
     if not ds.enabled:
         groups = one_round()
@@ -123,6 +145,7 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
                  "dynamic_sampling/dropped_groups": float(filled.num_dropped)}
     reward_metrics = {k: sum(r[k] for r in rounds) / len(rounds) for k in rounds[0]}
     extra["rollout/engine_restarts"] = float(timing["restarts"])
+    extra.update(source_metrics(prompts, generated))
     return Trajectory.cat([g.traj for g in groups]), {**reward_metrics, **extra}, timing["gen"], timing["reward"]
 
 
@@ -149,16 +172,22 @@ class RolloutProducer:
     :class:`ScoredBatch` by :func:`rollout_batch`. The pipeline calls it once per step, in
     step order, on one thread, so ``sampler`` draws the prompts of the steps in order."""
 
-    def __init__(self, workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler, cfg: RLConfig, seed: int,
-                 pad_id: int):
+    def __init__(self, workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler | MixtureSampler,
+                 cfg: RLConfig, seed: int, pad_id: int):
         self.workers, self.prompts, self.sampler = workers, prompts, sampler
         self.cfg, self.seed, self.pad_id = cfg, seed, pad_id
 
     def __call__(self, step: int) -> ScoredBatch:
         traj, metrics, t_gen, t_reward = rollout_batch(self.workers, self.prompts, self.sampler, self.cfg, self.seed,
                                                        step, self.pad_id)
-        position = DataPosition(self.sampler.epoch, self.sampler.offset, self.seed)
-        return ScoredBatch(traj, metrics, t_gen, t_reward, position)
+        return ScoredBatch(traj, metrics, t_gen, t_reward, sampler_position(self.sampler, self.seed))
+
+
+def sampler_position(sampler: EpochSampler | MixtureSampler, seed: int) -> DataPosition:
+    """Where ``sampler`` stands, for a checkpoint (a mixture: its draws and every source's epoch and offset)."""
+    if isinstance(sampler, MixtureSampler):
+        return DataPosition(0, 0, seed, sampler.draws, sampler.sources)
+    return DataPosition(sampler.epoch, sampler.offset, seed)
 
 
 def take_rollout(pipeline: RolloutPipeline[ScoredBatch], step: int, timer: StepTimer) -> ScoredBatch:
@@ -250,8 +279,10 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
     responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
     rows = [p for p in batch for _ in range(n)]
     finish_reasons = ["length" if t else "stop" for t in traj.truncated.tolist()]
+    mixture = {} if rows[0].source is None else {"verifiers": [p.verifier for p in rows],
+                                                  "reward_weights": [p.reward_weight for p in rows]}
     rewards, metrics = ray.get(workers.reward.score.remote([p.messages for p in rows], [p.label for p in rows], responses,
-                                                           finish_reasons))
+                                                           finish_reasons, **mixture))
     return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
 
 

@@ -332,6 +332,7 @@ class RewardWorker:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(tokenizer_model_dir)
         self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier)
+        self._verifiers = {} if self.verifier is None else {cfg.verifier: self.verifier}
         self.functions = []
         for i, f in enumerate(cfg.functions):
             try:
@@ -358,14 +359,22 @@ class RewardWorker:
         return [response_text(self.tokenizer, ids) for ids in response_ids]
 
     def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
-              finish_reasons: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
+              finish_reasons: Sequence[str], verifiers: Sequence[str | None] | None = None,
+              reward_weights: Sequence[float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of ``B`` responses.
+
+        In an RL data mixture each response has its source's verifier and reward weight:
+        ``reward_weights[b] * (verifier_weight * verifiers[b](text, label, finish_reason) +
+        reward_model_weight * RM + sum_i functions[i].weight * functions[i])``.
 
         Args:
             prompts: ``B`` prompts (message lists), for the reward model and the plug-ins.
             labels: ``B`` reference answers, for the verifier and the plug-ins.
             response_ids: ``B`` response token lists.
             finish_reasons: ``B`` of ``"stop"`` (ended with EOS) / ``"length"`` (hit the budget).
+            verifiers: ``B`` verifier names (``data.rewards.VERIFIERS``; ``"none"``: no verifier
+                score; None entries or None: ``rl.reward.verifier``).
+            reward_weights: ``B`` factors of the whole reward (None: 1).
 
         Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean``,
             ``reward/model_mean`` and ``reward/<name>_mean`` per plug-in, for the parts in use
@@ -377,8 +386,10 @@ class RewardWorker:
         texts = self.decode(response_ids)
         rewards = torch.zeros(len(texts))
         metrics: dict[str, float] = {}
-        if self.verifier is not None:
-            verified = torch.tensor([self.verifier(t, label, f) for t, label, f in zip(texts, labels, finish_reasons)],
+        names = [v or self.cfg.verifier for v in verifiers] if verifiers is not None else [self.cfg.verifier] * len(texts)
+        if any(name != "none" for name in names):
+            verified = torch.tensor([self._verifier(name)(t, label, f) if name != "none" else 0.0
+                                     for name, t, label, f in zip(names, texts, labels, finish_reasons)],
                                     dtype=torch.float32)
             rewards += self.cfg.verifier_weight * verified
             metrics["reward/verifier_mean"] = float(verified.mean())
@@ -392,7 +403,17 @@ class RewardWorker:
             values = torch.tensor(fn(texts, labels, prompts, finish_reasons), dtype=torch.float32)
             rewards += f.weight * values
             metrics[f"reward/{fn.name}_mean"] = float(values.mean())
+        if reward_weights is not None:
+            rewards *= torch.tensor(reward_weights, dtype=torch.float32)
         return rewards, metrics
+
+    def _verifier(self, name: str):
+        """The verifier ``name`` (``data.rewards.get_verifier``), loaded once."""
+        from data.rewards import get_verifier
+
+        if name not in self._verifiers:
+            self._verifiers[name] = get_verifier(name)
+        return self._verifiers[name]
 
 
 def spawn(cls, placement, *args, role: str = "train", max_concurrency: int = 1, **kwargs):

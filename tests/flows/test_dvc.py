@@ -409,6 +409,29 @@ def test_dvc_params_cover_the_config_each_fingerprint_reads():
                 assert _covered("run.precision", _params(name), "."), f"run.precision changes the {name} fingerprint but dvc.yaml {name}.params miss it"
 
 
+def test_an_rl_mixtures_sources_are_in_the_validate_and_rl_fingerprints_and_params():
+    """data.rl_train as a list of sources: each source's weight, verifier and reward weight
+    changes the rl (and validate) config slice, which dvc.yaml's data.rl_train params cover;
+    each source's file is a raw input of validate."""
+    from tasks.graph import stage
+
+    raw = load_config(REPO / PARAMS_FILE).model_dump()
+    raw["data"]["rl_train"] = [{"name": "gsm8k", "path": "work/gsm8k.jsonl", "format": "gsm8k"},
+                               {"name": "math", "path": "work/math.jsonl", "format": "math", "weight": 2.0}]
+    mixture = PipelineConfig.model_validate(raw)
+    validate, rl = stage("validate")[0], stage("rl")[0]
+    inputs = validate.raw_inputs(mixture)
+    assert (inputs["rl_train/gsm8k"], inputs["rl_train/math"]) == ("work/gsm8k.jsonl", "work/math.jsonl")
+    assert "rl_train" not in inputs
+    for change in ({"weight": 3.0}, {"verifier": "math"}, {"reward_weight": 0.5}, {"name": "math500"}):
+        changed = copy.deepcopy(raw)
+        changed["data"]["rl_train"][1].update(change)
+        changed = PipelineConfig.model_validate(changed)
+        for spec in (validate, rl):
+            assert spec.config(changed) != spec.config(mixture), (spec.name, change)
+    assert _covered("data.rl_train", _params("rl"), ".") and _covered("data.rl_train", _params("validate"), ".")
+
+
 # ---------------------------------------------------------------- fast: a stage ends with dvc
 
 def _alive(proc: psutil.Process) -> bool:
