@@ -1,7 +1,7 @@
 """The top-level pipeline config, composing one section per stage.
 
 The sections live in one module per stage (``config.prepare``, ``config.data``,
-``config.convert``, ``config.sft``, ``config.rm``, ``config.rl``, ``config.evaluate``,
+``config.convert``, ``config.sft``, ``config.rm``, ``config.po``, ``config.rl``, ``config.evaluate``,
 ``config.export``), beside the shared ones (``config.run``: run and W&B tracking;
 ``config.training``: optimizer and DeepSpeed) and their base (``config.base.Strict``).
 Every model is frozen and forbids unknown keys, so a typo is an error naming the key
@@ -21,6 +21,7 @@ from config.convert import ConvertConfig, ModelConfig
 from config.data import DataConfig
 from config.evaluate import EvaluateConfig
 from config.export import ExportConfig
+from config.po import PoConfig
 from config.prepare import PrepareConfig
 from config.rl import RLConfig
 from config.rm import RMConfig
@@ -28,7 +29,7 @@ from config.run import RunConfig, WandbConfig
 from config.sft import SFTConfig
 
 
-PRECISION_STAGES = ("sft", "rm", "rl", "evaluate")  # the sections with a `precision` setting
+PRECISION_STAGES = ("sft", "rm", "po", "rl", "evaluate")  # the sections with a `precision` setting
 
 
 class PipelineConfig(Strict):
@@ -42,6 +43,7 @@ class PipelineConfig(Strict):
     convert: ConvertConfig = ConvertConfig()
     sft: SFTConfig = SFTConfig()
     rm: RMConfig = RMConfig()
+    po: PoConfig = PoConfig()
     rl: RLConfig = RLConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
@@ -68,6 +70,12 @@ class PipelineConfig(Strict):
                 object.__setattr__(self, stage, section.model_copy(update={"precision": resolved}))
         if self.export.dtype is None:
             object.__setattr__(self, "export", self.export.model_copy(update={"dtype": DTYPE_NAMES[self.rl.precision]}))
+        return self
+
+    @model_validator(mode="after")
+    def _po_data(self):
+        if self.po.enabled and self.data.preference is None:
+            raise ValueError("po.enabled needs preference pairs: set data.preference (or po.enabled: false)")
         return self
 
     @model_validator(mode="after")

@@ -61,7 +61,7 @@ def cmd_validate(args) -> int:
 
 # Kept here (and checked against tasks.graph by a test) so `validate` stays fast: it
 # must not import the training stack just to list stage names.
-STAGE_ORDER = ("validate", "convert", "sft", "rm", "rl", "evaluate", "export")
+STAGE_ORDER = ("validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export")
 
 
 def _stage_list(cfg) -> list[str]:
@@ -69,8 +69,8 @@ def _stage_list(cfg) -> list[str]:
 
 
 def _enabled(cfg, name: str) -> bool:
-    """sft and rm can be switched off (``<stage>.enabled``); every other stage always runs."""
-    return cfg.sft.enabled if name == "sft" else cfg.rm.enabled if name == "rm" else True
+    """sft, rm and po can be switched off (``<stage>.enabled``); every other stage always runs."""
+    return getattr(cfg, name).enabled if name in ("sft", "rm", "po") else True
 
 
 class StageFailed(Exception):
@@ -131,8 +131,8 @@ def cmd_stage(args) -> int:
     """``posttrain stage NAME CONFIG``: run one stage (what each dvc.yaml stage runs).
 
     The stage ends with the process that started it (flows/parent_watch.py: a killed
-    ``dvc repro`` takes its stage along). A stage switched off in the config (``sft.enabled``
-    or ``rm.enabled`` false) completes at once: it writes a pointer saying so and an empty
+    ``dvc repro`` takes its stage along). A stage switched off in the config (``sft.enabled``,
+    ``rm.enabled`` or ``po.enabled`` false) completes at once: it writes a pointer saying so and an empty
     metrics file (tasks.runner.write_disabled_pointer) and exits 0.
 
     Returns 0 (done), 3 (an upstream artifact of this config is not published).

@@ -38,7 +38,7 @@ def _made_by_prepare(cfg: PipelineConfig, path: str) -> bool:
 def precision_notes(cfg: PipelineConfig) -> list[str]:
     """What each stage computes in (resolved when the config was loaded) and why; a warning
     when bf16 is asked for on hardware that only emulates it."""
-    stages = ", ".join(f"{s} {getattr(cfg, s).precision}" for s in PRECISION_STAGES)
+    stages = ", ".join(f"{s} {getattr(cfg, s).precision}" for s in PRECISION_STAGES if s != "po" or cfg.po.enabled)
     has_bf16, why = bf16_hardware()
     notes = [f"precision: {stages}; export {cfg.export.dtype} (run.precision {cfg.run.precision}; {why})"]
     if not has_bf16 and any(getattr(cfg, s).precision == "bf16" for s in PRECISION_STAGES):

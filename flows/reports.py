@@ -107,8 +107,8 @@ def result_lines(summary: dict[str, Any]) -> list[str]:
     lines = []
     ev = summary["stages"].get("evaluate", {}).get("metrics", {})
     if ev:
-        base = "sft" if "sft/accuracy" in ev else "base"
-        label = {"sft": "SFT", "base": "base"}[base]
+        base = next((b for b in ("po", "sft") if f"{b}/accuracy" in ev), "base")
+        label = {"po": "PO", "sft": "SFT", "base": "base"}[base]
         lines.append(f"{label + ' accuracy:':<15}{format_metric(ev, f'{base}/accuracy')}   (n={ev.get(f'{base}/n', '?')})")
         lines.append(f"{'RL accuracy:':<15}{format_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
         if f"rl_minus_{base}/accuracy" in ev:

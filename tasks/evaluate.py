@@ -1,7 +1,8 @@
 """evaluate: the starting policy and the RL policy side by side on held-out prompts.
 
-The starting policy is named ``sft``, or ``base`` when ``sft.enabled`` is false (RL then
-started from the converted base model). The benchmarks are ``data.rl_eval`` (metrics
+The starting policy is named ``sft``, ``po`` when ``po.enabled`` (RL then started from the
+preference-optimized policy), or ``base`` when neither ran (RL then started from the converted
+base model). The benchmarks are ``data.rl_eval`` (metrics
 ``<name>/accuracy``, ``rl/accuracy``, the paired difference ``rl_minus_<name>/accuracy``,
 pass@k, maj@k, ...) and each ``evaluate.datasets`` entry (``<policy>/<benchmark>/<metric>``,
 its file validated here: ``engine.evaluation.benchmarks``); docs/evaluation.md lists the metrics.
@@ -9,7 +10,7 @@ its file validated here: ``engine.evaluation.benchmarks``); docs/evaluation.md l
 Artifact: ``metrics.json`` (every metric of every benchmark per policy, with standard errors),
 ``samples.jsonl`` (every benchmark's prompts, responses and scores), ``reward_curve.png`` (RL training
 reward per step) and ``report.md``; the report is also a Prefect markdown artifact. The report
-ends with the training curves of the stages upstream of this one (sft, rm when RL used it, rl):
+ends with the training curves of the stages upstream of this one (sft, rm when RL used it, po, rl):
 each one's ``curves.png`` URI and the first, last, min and max of every plotted series.
 """
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef
-from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
+from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
 
 
 def baseline_name(cfg: PipelineConfig) -> str:
-    """What the starting policy is called in the evaluation: ``sft`` or ``base``."""
-    return "sft" if cfg.sft.enabled else "base"
+    """What the starting policy is called in the evaluation: ``po``, ``sft`` or ``base``."""
+    return "po" if cfg.po.enabled else "sft" if cfg.sft.enabled else "base"
 
 
 def benchmark_files(cfg: PipelineConfig) -> dict[str, str]:
@@ -33,7 +34,7 @@ def benchmark_files(cfg: PipelineConfig) -> dict[str, str]:
 
 SPEC = StageSpec(
     name="evaluate",
-    inputs=lambda cfg: ("validate", starting_policy(cfg), "rl"),
+    inputs=lambda cfg: ("validate", rl_starting_policy(cfg), "rl"),
     raw_inputs=benchmark_files,
     config=lambda cfg: {
         "evaluate": cfg.evaluate.model_dump(),
@@ -41,7 +42,8 @@ SPEC = StageSpec(
         "rollout": cfg.rl.rollout.gpu_memory_utilization,
         "seed": cfg.run.seed,
     },
-    summary=("sft/accuracy", "base/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "rl_minus_base/accuracy"),
+    summary=("sft/accuracy", "po/accuracy", "base/accuracy", "rl/accuracy", "rl_minus_sft/accuracy",
+             "rl_minus_po/accuracy", "rl_minus_base/accuracy"),
 )
 
 
@@ -62,7 +64,7 @@ def evaluate(ctx: StageContext) -> dict:
         raise ValueError("evaluate: no benchmark to evaluate; set data.rl_eval or evaluate.datasets")
     benchmarks = [load_benchmark(b, ctx.input_path("validate") / "rl_eval.jsonl") for b in settings]
     results = evaluate_benchmarks(
-        {base: ctx.input_path(starting_policy(cfg)) / "model", "rl": ctx.input_path("rl") / "model"},
+        {base: ctx.input_path(rl_starting_policy(cfg)) / "model", "rl": ctx.input_path("rl") / "model"},
         benchmarks,
         backend=cfg.evaluate.backend,
         precision=cfg.evaluate.precision,
@@ -79,8 +81,9 @@ def evaluate(ctx: StageContext) -> dict:
 
 def training_curves(ctx: StageContext) -> dict:
     """``{stage: (uri of its curves.png, its plotted series)}`` for the training stages upstream
-    of evaluate, in run order: sft (when enabled), rm (when RL used it: read from the rl
-    artifact's manifest; verified like an input) and rl. Series as
+    of evaluate, in run order: sft (when enabled; read from the po artifact's manifest when po
+    ran), rm (when RL used it: read from the rl artifact's manifest), po (when enabled) and rl;
+    a stage read from a manifest is verified like an input. Series as
     :func:`engine.evaluation.curves.stage_series` reads them from the artifact's ``metrics.jsonl``.
 
     Raises:
@@ -89,12 +92,13 @@ def training_curves(ctx: StageContext) -> dict:
     from engine.evaluation.curves import CURVES_FILE, METRICS_FILE, stage_series
 
     refs = dict(ctx.inputs)
-    rm = ctx.store.manifest(ctx.inputs["rl"]).get("inputs", {}).get("rm")
-    if rm is not None:
-        refs["rm"] = ArtifactRef.model_validate(rm)
-        ctx.store.verify(refs["rm"])
+    for via, stage in (("rl", "rm"), ("po", "sft")):
+        upstream = ctx.store.manifest(ctx.inputs[via]).get("inputs", {}).get(stage) if via in ctx.inputs else None
+        if upstream is not None:
+            refs[stage] = ArtifactRef.model_validate(upstream)
+            ctx.store.verify(refs[stage])
     curves = {}
-    for stage in ("sft", "rm", "rl"):
+    for stage in ("sft", "rm", "po", "rl"):
         if stage in refs:
             local = ctx.input_path(stage) if stage in ctx.inputs else ctx.store.local_path(refs[stage])
             curves[stage] = (f"{refs[stage].uri}/{CURVES_FILE}", stage_series(stage, local / METRICS_FILE))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.schema import PipelineConfig
-from tasks import convert, evaluate, export, rl, rm, sft, validate
+from tasks import convert, evaluate, export, po, rl, rm, sft, validate
 from tasks.artifacts import ArtifactCheck, ArtifactRef, ArtifactStore, content_hash
 from tasks.runner import StageSpec, store_for
 
@@ -25,6 +25,7 @@ STAGES = [
     (convert.SPEC, convert.convert),
     (sft.SPEC, sft.sft),
     (rm.SPEC, rm.rm),
+    (po.SPEC, po.po),
     (rl.SPEC, rl.rl),
     (evaluate.SPEC, evaluate.evaluate),
     (export.SPEC, export.export),
@@ -33,8 +34,8 @@ STAGE_NAMES = [spec.name for spec, _ in STAGES]
 
 
 def enabled_stages(cfg: PipelineConfig) -> list[tuple[StageSpec, object]]:
-    """Stages this config runs (sft only when ``sft.enabled``, rm only when ``rm.enabled``)."""
-    switch = {"sft": cfg.sft.enabled, "rm": cfg.rm.enabled}
+    """Stages this config runs (sft, rm and po only when ``<stage>.enabled``)."""
+    switch = {"sft": cfg.sft.enabled, "rm": cfg.rm.enabled, "po": cfg.po.enabled}
     return [(s, t) for s, t in STAGES if switch.get(s.name, True)]
 
 

@@ -1,5 +1,6 @@
-"""rl: GRPO on the Ray-hosted engine, starting from the SFT policy (or the converted base
-model when ``sft.enabled`` is false), which is also the frozen reference.
+"""rl: GRPO on the Ray-hosted engine, starting from the SFT policy (the preference-optimized
+policy when ``po.enabled``; the converted base model when ``sft.enabled`` is false), which is
+also the frozen reference.
 
 Artifact: ``model/`` (the RL policy), ``metrics.jsonl`` (one line of metrics per RL step) and
 ``curves.png`` (reward, KL, entropy, response length and clip fraction per step; also logged to
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 from config.schema import PipelineConfig
 from tasks.fingerprint import user_modules
-from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
+from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
 
 
 def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
     uses_rm = cfg.rl.reward.reward_model_weight and cfg.rm.enabled
-    return ("validate", starting_policy(cfg), "rm") if uses_rm else ("validate", starting_policy(cfg))
+    return ("validate", rl_starting_policy(cfg), "rm") if uses_rm else ("validate", rl_starting_policy(cfg))
 
 
 def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
@@ -95,7 +96,7 @@ def rl(ctx: StageContext) -> dict:
         bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl")
         evaluator = PolicyEvaluator(bench, seed=ctx.cfg.run.seed)
     metrics = run_rl(
-        ctx.input_path(starting_policy(ctx.cfg)) / "model",
+        ctx.input_path(rl_starting_policy(ctx.cfg)) / "model",
         ctx.input_path("validate") / "rl_train.jsonl",
         ctx.cfg.rl,
         ctx.workdir,

@@ -169,7 +169,7 @@ def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any]
 
 
 def write_disabled_pointer(cfg: PipelineConfig, stage: str) -> None:
-    """Record that ``stage`` (sft or rm) is switched off in this config (``<stage>.enabled:
+    """Record that ``stage`` (sft, rm or po) is switched off in this config (``<stage>.enabled:
     false``): ``outputs/<run>/<stage>.json`` is ``{"stage": ..., "disabled": true, ...}`` and
     its metrics file is ``{}``, so a DVC pipeline that lists the stage still completes.
     Downstream stages do not read a disabled stage (their ``StageSpec.inputs`` leave it out).
@@ -375,6 +375,12 @@ def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], An
 
 
 def starting_policy(cfg: PipelineConfig) -> str:
-    """The stage whose ``model/`` RL, the reward model and evaluation start from: ``sft``,
-    or ``convert`` (the base model as converted) when ``sft.enabled`` is false."""
+    """The stage whose ``model/`` the reward model and preference optimization start from:
+    ``sft``, or ``convert`` (the base model as converted) when ``sft.enabled`` is false."""
     return "sft" if cfg.sft.enabled else "convert"
+
+
+def rl_starting_policy(cfg: PipelineConfig) -> str:
+    """The stage whose ``model/`` RL starts from (its reference too) and evaluation compares
+    with: ``po`` when ``po.enabled``, else :func:`starting_policy`."""
+    return "po" if cfg.po.enabled else starting_policy(cfg)

@@ -65,6 +65,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "convert": ("model", "convert"),
     "sft": ("sft",),
     "rm": ("rm",),
+    "po": ("po",),
     "rl": ("rl",),
     "evaluate": ("evaluate",),
     "export": ("export",),

@@ -65,6 +65,10 @@ STAGE_PANELS: dict[str, tuple[Panel, ...]] = {
     # engine/training/reward_model.py: the training batch's and, every log_every steps, the held-out pairs'.
     "rm": (Panel("Bradley-Terry loss", ("train/loss", "rm/loss")),
            Panel("pairwise accuracy", ("train/accuracy", "rm/accuracy"))),
+    # engine/training/preference_optimization.py: the training batch's and the held-out pairs' (eval).
+    "po": (Panel("loss", ("po/loss", "po/eval_loss")),
+           Panel("reward margin (beta x log-ratio)", ("po/rewards/margin", "po/eval_margin")),
+           Panel("pairwise accuracy", ("po/accuracy", "po/eval_accuracy", "po/eval_logp_accuracy"))),
     # engine/rl/metrics.py step_metrics and the actor's metrics (engine/training/actor.py); KL: to the
     # reference (kl_loss, when the loss or the reward uses it), else the k1 estimate of KL(old || new).
     "rl": (Panel("reward (critic/score/mean)", ("critic/score/mean",)),

@@ -1,5 +1,5 @@
-"""Preference pairs for the reward model: chat-encoded chosen/rejected token ids and their
-collation."""
+"""Preference pairs for the reward model and preference optimization: chat-encoded chosen/rejected
+token ids (with the responses' loss masks) and their collation."""
 
 from __future__ import annotations
 
@@ -8,16 +8,54 @@ from typing import Any, Sequence
 
 from engine.batching.collate import TokenBatch, collate_tokens
 
+# One encoded conversation: (input_ids, loss_mask), the mask 1 on the assistant response and its turn end.
+EncodedResponse = tuple[list[int], list[int]]
+
 
 def _conversation(prompt: Any, response: str) -> list[dict[str, str]]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     return messages + [{"role": "assistant", "content": response}]
 
 
-def _encode(tokenizer, prompt: Any, response: str, max_len: int | None) -> list[int]:
+def encode_response(tokenizer, prompt: Any, response: str, max_len: int | None) -> EncodedResponse:
+    """The prompt (a string or messages) plus one assistant turn, rendered with the chat template
+    (data.chat.encode_chat) and cut to ``max_len`` tokens: ``(input_ids, loss_mask)``, the
+    mask 1 on the response's tokens and its turn end.
+
+    Raises: ValueError / KeyError / TypeError from the chat template (the caller names the row).
+    """
     from data.chat import encode_chat
 
-    return list(encode_chat(tokenizer, _conversation(prompt, response), max_len=max_len).input_ids)
+    enc = encode_chat(tokenizer, _conversation(prompt, response), max_len=max_len)
+    return list(enc.input_ids), list(enc.loss_mask)
+
+
+def read_preference_rows(path: str | Path) -> list[tuple[int, Any, str, str]]:
+    """The ``{"prompt": [messages] | str, "chosen": str, "rejected": str}`` rows of a JSONL file.
+
+    Returns:
+        ``[(line, prompt, chosen, rejected), ...]`` in file order.
+
+    Raises:
+        ValueError: naming ``file:line`` and the field, for a missing or mistyped field; or for
+            an empty file.
+    """
+    from data.readers import RowError, read_records
+
+    rows = []
+    for line, row in read_records(str(path)):
+        if isinstance(row, RowError):
+            raise ValueError(str(row))
+        prompt = row.get("prompt")
+        if not isinstance(prompt, (list, str)) or not prompt:
+            raise ValueError(f"{path}:{line}: prompt: expected a non-empty list of messages")
+        for key in ("chosen", "rejected"):
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"{path}:{line}: {key}: expected a string")
+        rows.append((line, prompt, row["chosen"], row["rejected"]))
+    if not rows:
+        raise ValueError(f"{path}: dataset has no rows")
+    return rows
 
 
 def encode_preference_dataset(path: str | Path, tokenizer, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
@@ -33,26 +71,13 @@ def encode_preference_dataset(path: str | Path, tokenizer, max_seq_len: int) -> 
         ValueError: naming ``file:line`` and the field, for a missing or mistyped field or
             a row the chat template rejects; or for an empty file.
     """
-    from data.readers import RowError, read_records
-
     pairs = []
-    for line, row in read_records(str(path)):
-        if isinstance(row, RowError):
-            raise ValueError(str(row))
-        prompt = row.get("prompt")
-        if not isinstance(prompt, (list, str)) or not prompt:
-            raise ValueError(f"{path}:{line}: prompt: expected a non-empty list of messages")
-        for key in ("chosen", "rejected"):
-            if not isinstance(row.get(key), str):
-                raise ValueError(f"{path}:{line}: {key}: expected a string")
+    for line, prompt, chosen, rejected in read_preference_rows(path):
         try:
-            pairs.append(
-                (_encode(tokenizer, prompt, row["chosen"], max_seq_len), _encode(tokenizer, prompt, row["rejected"], max_seq_len))
-            )
+            pairs.append((encode_response(tokenizer, prompt, chosen, max_seq_len)[0],
+                          encode_response(tokenizer, prompt, rejected, max_seq_len)[0]))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{line}: {e}") from e
-    if not pairs:
-        raise ValueError(f"{path}: dataset has no rows")
     return pairs
 
 

@@ -12,7 +12,7 @@ from engine.batching.collate import collate_tokens, pad_token_id, split_micro_ba
 from engine.models.heads import HEAD_BIAS, HEAD_WEIGHT, RewardModel
 from engine.models.master_weights import compute_dtype
 from engine.storage.model_dir import load_model_dir
-from engine.training.preference_data import _encode
+from engine.training.preference_data import encode_response
 
 
 def load_reward_model(model_dir: str | Path, precision: str | None = None) -> RewardModel:
@@ -77,7 +77,7 @@ def score(
         return torch.zeros(0)
     was_training = model.training
     model.eval()
-    seqs = [_encode(tokenizer, p, r, max_len) for p, r in zip(prompts, responses)]
+    seqs = [encode_response(tokenizer, p, r, max_len)[0] for p, r in zip(prompts, responses)]
     out = []
     for chunk in split_micro_batches(seqs, micro_batch_size):
         batch = collate_tokens(chunk, None, pad_token_id(tokenizer))

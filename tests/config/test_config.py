@@ -76,7 +76,7 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
         (("data", "sft", "fromat"), "format, limit, path"),
         (("rl", "optim", "lrr"), "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
         (("rl", "rollout", "temprature"), "backend, gpu_memory_utilization, max_new_tokens, num_engines, temperature, top_p"),
-        (("stages",), "convert, data, evaluate, export, model, prepare, rl, rm, run, sft, wandb"),
+        (("stages",), "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb"),
     ],
 )
 def test_unknown_nested_key(tmp_path, quickstart_raw, path, allowed):

@@ -44,14 +44,17 @@ from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
 PARAMS_FILE = "configs/quickstart.yaml"
 RUN = "quickstart"  # its run.name
 OUT = f"outputs/{RUN}"
-STAGES = ["prepare", "validate", "convert", "sft", "rm", "rl", "evaluate", "export"]
+STAGES = ["prepare", "validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export"]
 ARTIFACT_STAGES = STAGES[1:]
+# po is switched off in the quickstart: its pointer says so and its metrics file is empty
+PUBLISHED = [name for name in ARTIFACT_STAGES if name != "po"]
 # What each stage's DVC metrics file holds (tasks.runner.headline_metrics), in the tiny config.
 HEADLINE = {
     "validate": ["rows/sft", "rows/rl_train", "rows/rl_eval"],
     "convert": ["model/parameters"],
     "sft": ["train/loss"],
     "rm": ["rm/accuracy"],
+    "po": ["po/eval_accuracy", "po/eval_margin"],
     "rl": ["critic/score/mean", "actor/pg_loss"],
     "evaluate": ["sft/accuracy", "sft/accuracy_se", "sft/n", "rl/accuracy", "rl/accuracy_se", "rl/n",
                  "rl_minus_sft/accuracy", "rl_minus_sft/accuracy_se"],
@@ -269,10 +272,14 @@ def test_dvc_deps_cover_the_code_inputs_and_raw_files_each_fingerprint_hashes():
     with_rm_reward = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"reward": cfg.rl.reward.model_copy(update={"reward_model_weight": 0.5})})})
     without_sft = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"enabled": False})})
     without_rm = cfg.model_copy(update={"rm": cfg.rm.model_copy(update={"enabled": False})})
+    with_po = cfg.model_copy(update={"po": cfg.po.model_copy(update={"enabled": True})})
     variants = (cfg, with_rm_reward, without_sft, without_rm,
-                without_sft.model_copy(update={"rl": with_rm_reward.rl}), without_sft.model_copy(update={"rm": without_rm.rm}))
+                without_sft.model_copy(update={"rl": with_rm_reward.rl}), without_sft.model_copy(update={"rm": without_rm.rm}),
+                with_po, with_po.model_copy(update={"rl": with_rm_reward.rl}), with_po.model_copy(update={"sft": without_sft.sft}))
     assert {spec_inputs for spec_inputs in (stage("rl")[0].inputs(v) for v in variants)} == {
-        ("validate", "sft"), ("validate", "sft", "rm"), ("validate", "convert"), ("validate", "convert", "rm")}
+        ("validate", "sft"), ("validate", "sft", "rm"), ("validate", "convert"), ("validate", "convert", "rm"),
+        ("validate", "po"), ("validate", "po", "rm")}
+    assert {stage("po")[0].inputs(v) for v in variants} == {("validate", "sft"), ("validate", "convert")}
     for name in STAGES:
         deps = _deps(name)
         for module in modules_of(f"tasks.{name}"):
@@ -283,7 +290,7 @@ def test_dvc_deps_cover_the_code_inputs_and_raw_files_each_fingerprint_hashes():
         if name == "prepare":
             continue
         spec, _ = stage(name)
-        for variant in variants:  # what the stage reads with sft or rm switched off, or the rm score on
+        for variant in variants:  # what the stage reads with sft or rm switched off, po on, or the rm score on
             for up in spec.inputs(variant):
                 assert f"outputs/{cfg.run.name}/{up}.json" in deps, f"dvc.yaml {name}.deps miss the {up} pointer"
         for key, path in spec.raw_inputs(cfg).items():
@@ -647,7 +654,7 @@ def test_dvc_repro_runs_every_stage_with_the_copys_code(dvc_project):
     assert Path(file).resolve() == (root / "tasks" / "fingerprint.py").resolve()
     from tasks.fingerprint import code_version  # this checkout's sources (no marker)
 
-    for name in ARTIFACT_STAGES:
+    for name in PUBLISHED:
         pointer = _pointer(root, name)
         uri, manifest = _manifest(root, pointer)
         assert uri.parent == root / "artifacts" / name
@@ -663,7 +670,7 @@ def test_dvc_repro_runs_every_stage_with_the_copys_code(dvc_project):
 @pytest.mark.slow
 def test_the_baseline_commit_holds_the_lock_pointers_and_metrics(dvc_project):
     """What `git add dvc.lock outputs/quickstart` picks up after `dvc repro`: exactly the lock,
-    the seven pointers and the seven metrics files (.gitignore keeps the rest out)."""
+    the eight pointers and the eight metrics files (.gitignore keeps the rest out)."""
     root, env = dvc_project["root"], dvc_project["env"]
     files = [f"{OUT}/{name}{suffix}" for name in ARTIFACT_STAGES for suffix in (".json", ".metrics.json")]
     assert sorted(dvc_project["untracked"]) == sorted(f"?? {f}" for f in ["dvc.lock", *files])
@@ -704,8 +711,9 @@ def test_exp_show_lists_the_metrics_of_the_workspace_and_the_committed_baseline(
             assert shown[key] == on_disk[key] == manifest["metrics"][key], key
         assert shown["sft/n"] == shown["rl/n"] == 24  # tiny_config's evaluate.num_prompts
         assert 0.0 <= shown["sft/accuracy"] <= 1.0 and 0.0 <= shown["rl/accuracy"] <= 1.0
-        for name in ARTIFACT_STAGES:
+        for name in PUBLISHED:
             assert metrics[f"{OUT}/{name}.metrics.json"]["data"] == _headline(root, name), name
+        assert metrics[f"{OUT}/po.metrics.json"]["data"] == {}
 
 
 @pytest.mark.slow
@@ -724,10 +732,10 @@ def test_changing_an_rl_parameter_flags_rl_and_reruns_only_rl_evaluate_export(dv
         assert status == {"rl": [{"changed deps": {PARAMS_FILE: {"rl": "modified"}}}]}
         dry = _run([dvc, "repro", "--dry", "--force-downstream"], root, env).stdout
         assert sorted(_ran(dry)) == ["evaluate", "export", "rl"]
-        assert sorted(re.findall(r"Stage '(\w+)' didn't change", dry)) == ["convert", "prepare", "rm", "sft", "validate"]
+        assert sorted(re.findall(r"Stage '(\w+)' didn't change", dry)) == ["convert", "po", "prepare", "rm", "sft", "validate"]
         # the project's own fingerprints agree on what is stale
         rows = json.loads(_run([str(BIN / "posttrain"), "status", PARAMS_FILE, "--json"], root, env).stdout)
-        assert {r["stage"]: r["up_to_date"] for r in rows} == {s: s not in ("rl", "evaluate", "export") for s in ARTIFACT_STAGES}
+        assert {r["stage"]: r["up_to_date"] for r in rows} == {s: s not in ("rl", "evaluate", "export") for s in PUBLISHED}
         assert (root / "dvc.lock").read_bytes() == lock  # nothing ran
         assert sorted(p.name for p in (root / "artifacts").glob("*/*")) == artifacts
     finally:
@@ -907,7 +915,7 @@ def test_each_experiment_reruns_only_rl_evaluate_export(walkthrough):
         out = walkthrough["ran"][line]
         assert f"Reproducing experiment '{name}'" in out and f"Ran experiment(s): {name}" in out
         assert _ran(out) == ["rl", "evaluate", "export"], (name, _ran(out))
-        assert _skipped(out) == ["convert", "prepare", "rm", "sft", "validate"]
+        assert _skipped(out) == ["convert", "po", "prepare", "rm", "sft", "validate"]
         for stage in ("rl", "evaluate", "export"):
             assert re.search(rf"^{stage}: {stage}-[0-9a-f]{{16}} \(Completed\)$", out, re.M), (name, stage)
 
@@ -924,7 +932,7 @@ def test_exp_show_has_the_metrics_of_the_baseline_and_both_experiments(dvc_proje
     for label, data in datas.items():
         assert data["metrics"], label
         assert sorted(data["metrics"]) == sorted(f"{OUT}/{name}.metrics.json" for name in ARTIFACT_STAGES), label
-        for name in ARTIFACT_STAGES:  # the numbers of the artifacts the commit's pointers name
+        for name in PUBLISHED:  # the numbers of the artifacts the commit's pointers name
             assert data["metrics"][f"{OUT}/{name}.metrics.json"]["data"] == _headline(root, name, revs[label]), (label, name)
         assert data["params"][PARAMS_FILE]["data"]["rl"]["reward"].get("reward_model_weight", 0.0) == weights[label]
         assert data["params"][PARAMS_FILE]["data"]["rl"]["steps"] == 3

@@ -346,3 +346,32 @@ def test_status_reports_each_configs_own_artifacts(project):
     assert rows["sft"]["latest"] != first["sft"]["artifact_id"]  # the sft_change run's is the newest
     again = posttrain(["run", str(project["config"])], cwd=work, env=project["env"])
     assert _states(read_summary(work, "quickstart")) == {s: "Cached" for s in STAGES}, again.stdout[-3000:]
+
+
+def test_switching_po_on_runs_dpo_and_rl_starts_from_its_policy(project):
+    """po.enabled: the po stage trains DPO from the SFT policy (cached validate, convert, sft, rm);
+    rl starts from po's model and evaluate compares RL with it; the report lists po's curves."""
+    work = project["work"]
+    summary = _rerun_with(project, "po_on", **{"po.enabled": True, "po.steps": 4, "po.global_batch_size": 16,
+                                               "po.micro_batch_size": 8, "po.log_every": 2})
+    states = {name: s.get("state") for name, s in summary["stages"].items() if name != "prepare"}
+    assert states == {**{s: "Cached" for s in ("validate", "convert", "sft", "rm")},
+                      **{s: "Completed" for s in ("po", "rl", "evaluate", "export")}}
+    stages = summary["stages"]
+    po = json.loads((Path(stages["po"]["uri"]) / "manifest.json").read_text())
+    assert po["inputs"]["sft"]["artifact_id"] == project["first"]["stages"]["sft"]["artifact_id"]
+    assert {"model/hf/config.json", "reference_logps.safetensors", "curves.png", "metrics.jsonl"} <= {
+        f["path"] for f in po["files"]}
+    assert [json.loads(line)["step"] for line in (Path(stages["po"]["uri"]) / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    assert 0.0 <= stages["po"]["metrics"]["po/eval_accuracy"] <= 1.0
+    rl = json.loads((Path(stages["rl"]["uri"]) / "manifest.json").read_text())
+    assert set(rl["inputs"]) == {"validate", "po"} and rl["inputs"]["po"]["artifact_id"] == stages["po"]["artifact_id"]
+    ev = stages["evaluate"]["metrics"]
+    assert ev["po/n"] == ev["rl/n"] == 24 and "rl_minus_po/accuracy" in ev and "sft/accuracy" not in ev
+    report = (Path(stages["evaluate"]["uri"]) / "report.md").read_text().split("## Training curves", 1)[1]
+    assert [line for line in report.splitlines() if line.startswith("**")] == [
+        f"**{s}**: `{stages[s]['uri']}/curves.png`" for s in ("sft", "po", "rl")]
+    rows = {r["stage"]: r for r in json.loads(posttrain(["status", str(work / "po_on.yaml"), "--json"], cwd=work,
+                                                          env=project["env"]).stdout)}
+    assert list(rows) == ["validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export"]
+    assert all(r["up_to_date"] for r in rows.values())
