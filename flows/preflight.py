@@ -211,13 +211,15 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
 
     if cfg.rl.reward.verifier == "none":
         return []  # check_inputs reports it
-    verifiers = {"rl_eval": cfg.rl.reward.verifier}
+    default = (cfg.rl.reward.verifier, "rl.reward.verifier")
+    checks = [("rl_eval", "data.rl_eval", *default)]  # (dataset, its key, verifier, the setting that names it)
     if cfg.rl.environment is None and cfg.rl.reward.verifier_weight != 0:
         sources = cfg.data.rl_sources()
-        verifiers = ({f"rl_train/{s.name}": s.verifier or cfg.rl.reward.verifier for s in sources} if sources
-                     else {"rl_train": cfg.rl.reward.verifier}) | verifiers
+        checks[:0] = ([(f"rl_train/{s.name}", f"data.rl_train[{i}]",
+                        *((s.verifier, f"data.rl_train[{i}].verifier") if s.verifier else default))
+                       for i, s in enumerate(sources)] if sources else [("rl_train", "data.rl_train", *default)])
     problems = []
-    for name, verifier in verifiers.items():
+    for name, key, verifier, setting in checks:
         if name not in rows or verifier == "none":
             continue
         result = rows[name]
@@ -227,9 +229,8 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
             if why is not None:
                 bad.append(f"{result.file}:{line}: label: {why}")
         if bad:
-            problems.append(_listed(f"data.{name}: {len(bad)} of {len(result.rows)} labels cannot be scored by "
-                                    f"rl.reward.verifier: {verifier} (a wrong verifier for this data, or bad labels):",
-                                    bad))
+            problems.append(_listed(f"{key}: {len(bad)} of {len(result.rows)} labels cannot be scored by "
+                                    f"{setting}: {verifier} (a wrong verifier for this data, or bad labels):", bad))
     return problems
 
 
@@ -415,14 +416,18 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
     if not context:
         return []
     problems = []
-    train = [f"rl_train/{s.name}" for s in cfg.data.rl_sources() or []] or ["rl_train"]
-    for name, key, budget, count in ([(n, "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None) for n in train]
-                                     + [("rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
-                                         cfg.evaluate.num_prompts)]):
+    sources = cfg.data.rl_sources()
+    train = ([(f"rl_train/{s.name}", f"data.rl_train[{i}]") for i, s in enumerate(sources)] if sources
+             else [("rl_train", "data.rl_train")])  # (dataset, its config key)
+    for name, dataset, key, budget, count in (
+            [(n, d, "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None) for n, d in train]
+            + [("rl_eval", "data.rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
+                cfg.evaluate.num_prompts)]):
         limit = context - budget
         if limit < 1:
-            problems.append(f"{key}: {budget} leaves no room for a prompt in the context of {m.name} "
-                            f"(max_position_embeddings {context})")
+            no_room = (f"{key}: {budget} leaves no room for a prompt in the context of {m.name} "
+                       f"(max_position_embeddings {context})")
+            problems += [] if no_room in problems else [no_room]  # once for all sources of a mixture
             continue
         if name not in rows:
             continue
@@ -436,17 +441,18 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
                 failed.append(f"{result.file}:{line}: prompt: {exc}")
                 continue
             longest = max(longest, n)
-            if longest_of is not None:
-                longest_of[name] = longest
+            if longest_of is not None:  # a mixture's sources together as rl_train
+                kind = name.partition("/")[0]
+                longest_of[kind] = max(longest_of.get(kind, 0), longest)
             if n > limit:
                 long_lines.append(line)
         checked = len(result.rows[:count])
         if failed:
-            problems.append(_listed(f"data.{name}: {len(failed)} of {checked} prompts cannot be encoded with the "
+            problems.append(_listed(f"{dataset}: {len(failed)} of {checked} prompts cannot be encoded with the "
                                     f"tokenizer of {m.tokenizer_name}:", failed))
         if long_lines:
             lines = ", ".join(map(str, long_lines[:SHOWN])) + (", ..." if len(long_lines) > SHOWN else "")
-            found = (f"data.{name}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
+            found = (f"{dataset}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
                      f"context of {m.name}, max_position_embeddings {context}, minus {key} {budget}; the longest "
                      f"has {longest}): lines {lines} of {result.file}")
             if name != "rl_eval" and cfg.rl.long_prompts == "filter" and len(long_lines) < checked:
@@ -454,7 +460,7 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
             else:
                 problems.append(found)
         elif not failed:
-            notes.append(f"data.{name}: the longest of {checked} prompts has {longest} tokens (at most {limit} fit)")
+            notes.append(f"{dataset}: the longest of {checked} prompts has {longest} tokens (at most {limit} fit)")
     return problems
 
 

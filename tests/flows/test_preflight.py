@@ -274,6 +274,36 @@ def test_prompts_longer_than_the_context_are_counted_with_their_lines(qwen, fixt
                                      f"{model} (max_position_embeddings 512)")
 
 
+def test_a_mixtures_sources_are_checked_each_with_its_key_and_verifier(qwen, fixtures_dir, tmp_path):
+    gsm8k, math500 = fixtures_dir / "gsm8k" / "train_first2000.jsonl", fixtures_dir / "math500" / "test.jsonl"
+    qwen["model"]["source"] = str(_qwen_dir(tmp_path, max_position_embeddings=512))
+    qwen["data"]["rl_train"] = [{"name": "gsm8k", "path": str(gsm8k), "format": "gsm8k", "limit": 100},
+                                {"name": "math", "path": str(math500), "format": "math"}]
+    qwen["rl"] = {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "gsm8k"}}
+    problems, notes = _contents(qwen)
+    mixture = [p for p in problems if "rl_train" in p]
+    assert [p.split("\n")[0] for p in mixture] == [  # MATH-500 answers scored as GSM8K numbers
+        "data.rl_train[1]: 175 of 500 labels cannot be scored by rl.reward.verifier: gsm8k (a wrong verifier for "
+        "this data, or bad labels):"]
+    assert f"data.rl_train[0]: 100 valid rows of 100 in {gsm8k} (format gsm8k)" in notes
+    model = tmp_path / "qwen2.5-0.5b"
+    # each source's long prompts, with its own lines (MATH-500's 83 as for one dataset), are notes: the rl stage
+    # leaves them out
+    assert (f"data.rl_train[1]: 83 of 500 prompts are longer than 128 tokens (the context of {model}, "
+            "max_position_embeddings 512, minus rl.rollout.max_new_tokens 384; the longest has 820): lines 2, 5, 10, "
+            f"14, 15, ... of {math500}; the rl stage leaves them out (rl.long_prompts: filter)") in notes
+    assert (f"data.rl_train[0]: 5 of 100 prompts are longer than 128 tokens (the context of {model}, "
+            "max_position_embeddings 512, minus rl.rollout.max_new_tokens 384; the longest has 144): lines 8, 9, 33, 62, "
+            f"98 of {gsm8k}; the rl stage leaves them out (rl.long_prompts: filter)") in notes
+    qwen["data"]["rl_train"][1]["verifier"] = "math"  # the source's own verifier reads its labels
+    problems, _ = _contents(qwen)
+    assert [p for p in problems if "rl_train" in p] == []
+    qwen["data"]["rl_train"][1]["verifier"] = "gsm8k"
+    assert [p.split("\n")[0] for p in _contents(qwen)[0] if "rl_train" in p] == [
+        "data.rl_train[1]: 175 of 500 labels cannot be scored by data.rl_train[1].verifier: gsm8k (a wrong verifier "
+        "for this data, or bad labels):"]
+
+
 def test_tokenizer_must_fit_the_embedding_and_special_ids_the_vocabulary(qwen, fixtures_dir, tmp_path):
     # 151643: the size of Qwen2.5's vocab.json without its 22 added special tokens
     qwen["model"]["source"] = str(_qwen_dir(tmp_path, vocab_size=151643, eos_token_id=[151645, 151643, 0]))

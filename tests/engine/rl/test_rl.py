@@ -662,8 +662,7 @@ def test_each_source_is_scored_by_its_verifier_and_reward_weight(policy):
     assert plain.tolist() == [0.5, 0.5 - 1.25, 0.5, 0.5 - 2.0, 0.0]
 
 
-def test_two_source_grpo_run_logs_per_source_rewards_and_checkpoints_every_sources_position(policy, ray_address,
-                                                                                              tmp_path):
+def test_two_source_grpo_run_logs_per_source_rewards_and_resumes_every_sources_position(policy, ray_address, tmp_path):
     from engine.batching.sampler import MixtureSampler
     from engine.rl.loop import run_rl
     from engine.storage.train_state import DataPosition, load_train_state
@@ -691,3 +690,13 @@ def test_two_source_grpo_run_logs_per_source_rewards_and_checkpoints_every_sourc
     # the checkpoint of the last step holds the draws and every source's (epoch, offset)
     assert load_train_state(tmp_path / "resume").data_position == DataPosition(
         0, 0, 0, 2 * cfg.prompts_per_step, reference.sources)
+    # continued for a 3rd step from that checkpoint: it draws what an uninterrupted run's 3rd step
+    # would (the high source, 10 prompts, is past its first epoch by now)
+    assert reference.sources[1][0] >= 1
+    resumed = run_rl(policy["dir"], path, rl_config("hf", 3, engine=EngineConfig(ray_address=ray_address, num_cpus=2)),
+                     tmp_path / "out3", tmp_path / "resume", seed=0, sources=SOURCES)
+    assert resumed["rl/resumed_from_step"] == 2.0
+    drawn = [0 if i < 15 else 1 for i in reference.next_indices(cfg.prompts_per_step)]
+    assert (resumed["reward/low/count"], resumed["reward/high/count"]) == (drawn.count(0), drawn.count(1))
+    assert load_train_state(tmp_path / "resume").data_position == DataPosition(
+        0, 0, 0, 3 * cfg.prompts_per_step, reference.sources)
