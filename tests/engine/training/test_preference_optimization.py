@@ -173,3 +173,48 @@ def test_bad_row_names_file_line_and_field(sft_policy, tmp_path):
                    '{"prompt": "What is 2 + 2?", "chosen": 4, "rejected": "5"}\n')
     with pytest.raises(ValueError, match=rf"{bad}:2: chosen: expected a string"):
         train_preference_optimization(sft_policy, bad, po_config(), tmp_path / "o" / "model", None)
+
+
+def test_dpo_raises_held_out_pairwise_accuracy_above_the_starting_policy(tmp_path, fixtures_dir):
+    """Real alpaca instructions with an approving-words chosen and a disapproving-words rejected
+    answer (the reward model test's pairs): after DPO, the held-out pairs' accuracy of
+    log pi(chosen) > log pi(rejected) beats the starting policy's by more than 2 paired SE.
+    (On the quickstart's addition pairs a model this small learns no held-out preference:
+    the right sum is not learnable from a few hundred pairs, so this test uses pairs it can learn.)"""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from conversion.spec import GPTSpec
+    from data.tokenizer_train import train_chat_tokenizer
+    from engine.models.megatron import build_gpt_model
+    from engine.storage.model_dir import save_model_dir
+    from tests.engine.training.quickstart_data import tiny_qwen2_config
+    from tests.engine.training.test_reward_model import BAD, GOOD, preference_rows
+
+    rows = preference_rows(fixtures_dir, 400)
+    tok_dir = train_chat_tokenizer([r["prompt"][0]["content"] for r in rows] + [" ".join(GOOD + BAD)] * 4,
+                                   tmp_path / "tokenizer", vocab_size=320)
+    hf_config = tiny_qwen2_config(len(AutoTokenizer.from_pretrained(str(tok_dir))))
+    save_model_dir(tmp_path / "base", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0, core_attention="sdpa"),
+                   hf_config, tok_dir)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = po_config(loss="dpo", beta=0.1, steps=40, global_batch_size=32, micro_batch_size=32, max_seq_len=96,
+                    optim=OptimConfig(lr=3e-3), eval_fraction=0.3, log_every=40, checkpoint_every=40)
+    out = train_preference_optimization(tmp_path / "base", data, cfg, tmp_path / "po" / "model", None, seed=0)
+
+    tok = load_tokenizer(tmp_path / "base")
+    pairs = encode_pairs(data, tok, 96, mismatched=False)
+    _, held_out = split_eval(len(pairs), 0.3, 0)
+    held = [pairs[i] for i in held_out]
+    correct = {}
+    for name, model_dir in (("start", tmp_path / "base"), ("dpo", tmp_path / "po" / "model")):
+        logps = pair_logps(load_model_dir(model_dir).model, held, pad_token_id(tok), 32)
+        correct[name] = (logps["chosen"] > logps["rejected"]).double()
+    diff = correct["dpo"] - correct["start"]
+    se = float(diff.std(unbiased=True)) / math.sqrt(len(diff))
+    assert len(held) == out["po/num_eval_pairs"] == 120
+    assert float(correct["dpo"].mean()) == pytest.approx(out["po/eval_logp_accuracy"], abs=1e-6)
+    assert float(diff.mean()) > 2 * se, (float(correct["start"].mean()), float(correct["dpo"].mean()), se)
+    assert out["po/eval_accuracy"] > 0.9 and out["po/eval_margin"] > 0
