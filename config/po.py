@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.lora import LoraConfig
 from config.run import Precision
 from config.training import OptimConfig
 
@@ -43,6 +44,8 @@ class PoConfig(Strict):
     max_seq_len: int = Field(256, gt=0, description="Longer sequences (prompt and response) are truncated.")
     eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for po/eval_accuracy.")
     optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Optimizer and schedule.")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters (docs/lora.md): only they train; the published "
+                                                   "model holds the merged weights.")
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps (with the held-out evaluation).")
 

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from config.base import Strict
+from config.lora import LoraConfig
 from config.training import DeepSpeedConfig, OptimConfig
 from config.parallel import RLParallelConfig
 from config.run import Precision
@@ -271,6 +272,8 @@ class RLConfig(Strict):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight.")
     dynamic_sampling: DynamicSamplingConfig = Field(DynamicSamplingConfig(), description="DAPO dynamic sampling.")
     optim: RLOptimConfig = Field(RLOptimConfig(), description="Policy optimizer and schedule.")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters on the policy (docs/lora.md): only they train; "
+                                                       "weight sync and the published model carry the merged weights.")
     backend: Literal["megatron", "deepspeed"] = Field(
         "megatron", description="Actor and critic training backend: megatron-core GPTModel with the repository's optimizer step, "
                                 "or an HF transformers model trained by DeepSpeed (rl.deepspeed).")
@@ -399,6 +402,9 @@ class RLConfig(Strict):
         if self.backend == "deepspeed" and self.packing:
             raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches); "
                              "set rl.packing: false or rl.backend: megatron")
+        if self.backend == "deepspeed" and self.lora.enabled:
+            raise ValueError("rl.lora.enabled needs rl.backend: megatron (the deepspeed backend trains every weight); "
+                             "set rl.lora.enabled: false or rl.backend: megatron")
         return self
 
     @model_validator(mode="after")

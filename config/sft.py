@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from config.base import Strict
+from config.lora import LoraConfig
 from config.parallel import ParallelConfig, check_stage_layout
 from config.training import OptimConfig
 from config.run import Precision
@@ -28,6 +29,8 @@ class SFTConfig(Strict):
                                 "runs alone. None: micro_batch_size sequences each.")
     max_seq_len: int = Field(256, gt=0, description="Longer conversations are truncated (prefix kept).")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
+    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters (docs/lora.md): only they train; the published "
+                                                   "model holds the merged weights.")
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
     parallel: ParallelConfig = Field(

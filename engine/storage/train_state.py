@@ -14,7 +14,8 @@ Two formats:
   ``train_state-<step>-<id>/``, a megatron-core ``dist_checkpointing`` checkpoint (torch_dist
   format) written by every rank of the group, each its own shards
   (``engine.storage.torch_dist.save_sharded``, which writes in the saving process). It holds
-  the model's ``sharded_state_dict()`` (the fp32 masters under mixed precision,
+  the model's ``sharded_state_dict()`` (a LoRA model's adapters only, ``engine.models.lora``;
+  the fp32 masters under mixed precision,
   ``engine.models.master_weights``), the AdamW moments sharded exactly like their parameters
   (``optimizer.state.exp_avg.<key>``: megatron-core's ``make_sharded_optimizer_tensor``, as its
   ``FP32Optimizer.sharded_state_dict`` does for torch optimizers), and a common (rank-0) part:
@@ -274,10 +275,15 @@ def sharded_model_state(model: torch.nn.Module, prefix: str = "") -> dict[str, A
     modules give their own ``sharded_state_dict`` (tensor-parallel shards, per-layer offsets);
     the parameters and persistent buffers of plain torch modules around them (a reward or
     value head) are replicated tensors (``megatron.core.utils.make_sharded_tensor_for_checkpoint``:
-    written once, by the rank whose tensor- and data-parallel ranks are 0)."""
+    written once, by the rank whose tensor- and data-parallel ranks are 0). A model with LoRA
+    adapters (``engine.models.lora``) gives its adapters only."""
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.utils import make_sharded_tensor_for_checkpoint
 
+    from engine.models.lora import adapter_sharded_state, lora_layers
+
+    if lora_layers(model):  # the frozen base comes from the model directory the run starts from
+        return adapter_sharded_state(model)
     if isinstance(model, MegatronModule):
         return model.sharded_state_dict(prefix=prefix)
     out: dict[str, Any] = {}
@@ -418,6 +424,7 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     """Every rank: its shards of weights and moments (resharded to this layout), then the
     optimizer, scheduler and RNG states (module docstring)."""
     from engine.distributed.collectives import global_rank
+    from engine.models.lora import lora_layers
     from engine.storage.torch_dist import load_sharded
 
     common = state._common
@@ -434,7 +441,10 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
         loaded = load_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, template)},
                               state.checkpoint)
         try:
-            model.load_state_dict(loaded["model"], strict=True)
+            result = model.load_state_dict(loaded["model"], strict=not lora_layers(model))  # LoRA: adapters only
+            missing = [k for k in model_state if k in result.missing_keys]
+            if missing:
+                raise RuntimeError(f"missing {missing[:5]}")
         except RuntimeError as exc:
             raise ValueError(f"{state.checkpoint}: train state does not match the model: {exc}") from exc
     copy_masters_to_model(model)

@@ -146,7 +146,7 @@ def accumulate_gradients(
     if len(micro_batches) == 0:
         raise ValueError("train step needs at least one micro-batch")
     model.train()
-    grads = gradient_params(model)  # the model's parameters, or their fp32 masters
+    grads = [p for p in gradient_params(model) if p.requires_grad]  # trained parameters, or their fp32 masters
     if backward is None:
         for p in model.parameters():
             p.grad = None

@@ -47,6 +47,7 @@ from engine.algorithms.preference_loss import (
 )
 from engine.batching.collate import TokenBatch, collate_tokens, pad_token_id, split_micro_batches
 from engine.batching.sampler import EpochSampler
+from engine.models.lora import apply_lora, merged_for_saving, save_peft_adapter
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.storage.train_state import (
     DataPosition,
@@ -305,6 +306,9 @@ def train_preference_optimization(
     uses no reference), then trains ``cfg.steps`` AdamW steps of ``cfg.global_batch_size``
     pairs (deterministic epoch shuffles from ``seed``) in micro-batches of
     ``cfg.micro_batch_size`` pairs, in ``cfg.precision`` (bf16: bf16 compute, fp32 masters).
+    With ``cfg.lora.enabled`` only LoRA adapters train (``engine.models.lora``; the reference
+    is the base, which the adapters start equal to): the train state holds them alone, the
+    model directory the merged weights.
     Evaluates the held-out pairs every ``cfg.log_every`` steps and at the end. Every
     ``cfg.checkpoint_every`` steps and after the last one the train state goes to
     ``resume_dir``; a later call with the same arguments continues from it (with the cached
@@ -338,12 +342,16 @@ def train_preference_optimization(
     train_idx, eval_idx = split_eval(len(pairs), cfg.eval_fraction, seed)
     pad_id = pad_token_id(tokenizer)
     model = loaded.model
+    if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
+        apply_lora(model, cfg.lora, seed=seed)
     precision = resolve_precision(cfg.precision)
     optimizer, scheduler = build_model_optimizer(model, cfg.optim, cfg.steps, precision)
     torch.manual_seed(seed)
 
     identity = {"config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY), "num_pairs": len(pairs),
                 "seed": seed}
+    if cfg.lora.enabled:  # the train state holds the adapters; the base weights are this directory's
+        identity["base_model"] = str(base_model_dir)
     reference = _reference_logps(model, pairs, cfg, pad_id, Path(resume_dir) if resume_dir else None, identity)
     logger.info("%s on %d pairs (%d held out): precision %s", cfg.loss, len(train_idx), len(eval_idx), precision)
 
@@ -380,7 +388,10 @@ def train_preference_optimization(
                              data_position=DataPosition(sampler.epoch, sampler.offset, seed),
                              extra={**identity, "metrics": metrics})
 
-    save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
+    with merged_for_saving(model):  # LoRA: the merged weights W + s B A (no-op without adapters)
+        save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
+    if cfg.lora.enabled and cfg.lora.save_adapter:
+        save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
     if cfg.uses_reference:
         save_reference(reference, pairs, Path(out_dir).parent / REFERENCE_FILE, identity)
     return {**metrics, "po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx)),

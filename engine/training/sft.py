@@ -39,6 +39,7 @@ from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.batching.sampler import EpochSampler
 from engine.distributed.collectives import global_rank
 from engine.distributed.share import micro_batch_share
+from engine.models.lora import apply_lora, merged_for_saving, save_peft_adapter
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.storage.train_state import (
     DataPosition,
@@ -236,7 +237,10 @@ def train_sft(
     ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens, padded or
     packed) and takes one AdamW step (:func:`engine.training.optimizer_step.train_step`) in
     ``cfg.precision`` (bf16: bf16 compute, fp32 master weights, gradients and AdamW moments;
-    the model directory and train state hold the fp32 masters). Every
+    the model directory and train state hold the fp32 masters). With ``cfg.lora.enabled`` only
+    LoRA adapters train (``engine.models.lora``): the train state holds them alone and the model
+    directory the merged weights (with ``cfg.lora.save_adapter`` also the adapters in PEFT's
+    format under ``adapter/``). Every
     ``cfg.checkpoint_every`` steps and after the last one the full train state goes to
     ``resume_dir``; a later call with the same arguments continues from it and ends with
     the same weights as an uninterrupted run.
@@ -274,6 +278,8 @@ def train_sft(
     examples = encode_sft_dataset(dataset_path, tokenizer, cfg.max_seq_len)
     pad_id = pad_token_id(tokenizer)
     model = loaded.model
+    if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
+        apply_lora(model, cfg.lora, seed=seed)
     precision = resolve_precision(cfg.precision)
     optimizer, scheduler = build_model_optimizer(model, cfg.optim, cfg.steps, precision)
     layout = "packed" if cfg.packing else "padded"
@@ -288,6 +294,8 @@ def train_sft(
     # Nor may the layout: a data-parallel state resumes at another data_parallel_size.
     config = cfg.model_dump(mode="json", exclude={"log_every", "checkpoint_every", "parallel"})
     identity = {"config": config, "num_examples": len(examples), "seed": seed}
+    if cfg.lora.enabled:  # the train state holds the adapters; the base weights are this directory's
+        identity["base_model"] = str(base_model_dir)
     if has_train_state(resume_dir):
         check_run_identity(resume_dir, identity)
         state = load_train_state(resume_dir)
@@ -326,6 +334,9 @@ def train_sft(
                 extra={**identity, "tokens": tokens, "metrics": metrics},
             )
 
-    save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
+    with merged_for_saving(model):  # LoRA: the merged weights W + s B A (no-op without adapters)
+        save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
+    if cfg.lora.enabled and cfg.lora.save_adapter:
+        save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
     return {**metrics, "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
             "train/steps_run": float(cfg.steps - start)}

@@ -64,7 +64,7 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     raw["sft"]["stpes"] = 10
     msg = _error(_write(tmp_path, raw))
     assert msg.startswith(f"invalid config {tmp_path / 'config.yaml'}:")
-    allowed = ("checkpoint_every, enabled, global_batch_size, log_every, max_seq_len, max_tokens_per_micro_batch, "
+    allowed = ("checkpoint_every, enabled, global_batch_size, log_every, lora, max_seq_len, max_tokens_per_micro_batch, "
                "micro_batch_size, optim, packing, parallel, precision, steps")
     assert sorted(SFTConfig.model_fields) == allowed.split(", ")
     assert f"sft.stpes: unknown key (allowed keys here: {allowed})" in msg

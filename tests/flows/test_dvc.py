@@ -341,8 +341,10 @@ def _alternatives(value, ann) -> list:
     if isinstance(value, str):
         return [value + "-changed"]
     if isinstance(value, list) or typing.get_origin(_unwrap_optional(ann)) is list:
-        # a list of ids, of reward plug-in sections, or of named benchmark files (evaluate.datasets)
-        return [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}]]
+        # a shorter list (lora.target_modules), a list of ids, of reward plug-in sections, or of named
+        # benchmark files (evaluate.datasets)
+        shorter = [value[1:]] if isinstance(value, list) and len(value) > 1 else []
+        return shorter + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}]]
     # an unset optional (an import path, then a section: rl.teacher)
     return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}]
 

@@ -28,7 +28,9 @@ class ActorWorker(HFBucketSource):
     Under ``cfg.precision`` bf16 the GPTModel computes in bf16 and AdamW steps fp32 master
     weights (:func:`engine.training.optimizer_step.build_model_optimizer`); the train state
     and the saved model directory hold the fp32 masters, weight sync streams the bf16
-    compute weights (what the rollout engine runs in under bf16).
+    compute weights (what the rollout engine runs in under bf16). With ``cfg.lora.enabled`` only
+    LoRA adapters train (``engine.models.lora``; the train state holds them alone) and weight
+    sync and :meth:`save_model` carry the merged weights.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
@@ -49,6 +51,10 @@ class ActorWorker(HFBucketSource):
         self.model, self.hf_config, self.tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.cfg = cfg
         self.temperature = logit_temperature(cfg.rollout.temperature)
+        if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
+            from engine.models.lora import apply_lora
+
+            apply_lora(self.model, cfg.lora, seed=seed)
         self.optimizer, self.scheduler = build_model_optimizer(
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
 
@@ -82,7 +88,12 @@ class ActorWorker(HFBucketSource):
 
     def _bucket_weights(self):
         """The GPTModel: weight-sync buckets are its tensors converted to HF names
-        (:meth:`engine.models.weight_buckets.HFBucketSource._bucket_weights`)."""
+        (:meth:`engine.models.weight_buckets.HFBucketSource._bucket_weights`); with LoRA its
+        merged weights (:class:`engine.models.lora.MergedWeights`)."""
+        if self.cfg.lora.enabled:
+            from engine.models.lora import MergedWeights
+
+            return MergedWeights(self.hf_config, self.model)
         return self.model
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
@@ -107,7 +118,13 @@ class ActorWorker(HFBucketSource):
 
     def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
         """Write the policy as a model directory (``engine.storage.model_dir.save_model_dir``; the
-        fp32 masters under bf16)."""
+        fp32 masters under bf16; with LoRA the merged weights, ``engine.models.lora.merged_for_saving``,
+        and with ``rl.lora.save_adapter`` the adapters in PEFT's format under ``adapter/``)."""
+        from engine.models.lora import merged_for_saving, save_peft_adapter
         from engine.storage.model_dir import save_model_dir
 
-        return str(save_model_dir(out_dir, self.model, self.hf_config, self.tokenizer_dir, iteration=iteration))
+        with merged_for_saving(self.model):
+            out = save_model_dir(out_dir, self.model, self.hf_config, self.tokenizer_dir, iteration=iteration)
+        if self.cfg.lora.enabled and self.cfg.lora.save_adapter:
+            save_peft_adapter(self.model, self.cfg.lora, out / "adapter")
+        return str(out)
