@@ -270,6 +270,41 @@ def test_lora_sft_publishes_merged_weights_and_resumes_bit_identically(sft_base,
     assert changed == ["mlp.linear_fc2.weight", "self_attention.linear_qkv.weight"]  # only the adapted layers move
 
 
+def test_bf16_lora_sft_keeps_fp32_adapters_and_resumes_bit_identically(sft_base, tmp_path):
+    """sft.lora in bf16: the adapters get fp32 masters (the train state holds them in fp32, and
+    nothing else); the frozen base computes in bf16, so the published merged model holds the
+    base rounded to bf16 (exactly, upcast) where no adapter is and moves only the adapted
+    layers; a run crashed after its step-2 checkpoint resumes to the same model bit for bit."""
+    from engine.storage.model_dir import load_model_dir
+    from engine.storage.train_state import load_train_state
+    from engine.training.sft import train_sft
+
+    cfg = SFTConfig(precision="bf16", steps=4, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
+                    optim=OptimConfig(lr=2e-2), checkpoint_every=2, log_every=1,
+                    lora=LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["linear_fc1"]))
+    args = dict(base_model_dir=sft_base["base"], dataset_path=sft_base["sft"], cfg=cfg, seed=0)
+    train_sft(**args, out_dir=tmp_path / "straight", resume_dir=tmp_path / "resume_a")
+    saved = load_train_state(tmp_path / "resume_a").model
+    assert sorted(saved) == ["decoder.layers.0.mlp.linear_fc1.lora_A", "decoder.layers.0.mlp.linear_fc1.lora_B"]
+    assert all(t.dtype == torch.float32 for t in saved.values())
+
+    def crash_at_3(metrics, step):
+        if step == 3:
+            raise Crash()
+
+    with pytest.raises(Crash):
+        train_sft(**args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b", log_metrics=crash_at_3)
+    train_sft(**args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b")
+    a, b = mcore_state(load_model_dir(tmp_path / "straight").model), mcore_state(load_model_dir(tmp_path / "resumed").model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    base = mcore_state(load_model_dir(sft_base["base"]).model)
+    for k, v in base.items():
+        if k.endswith("linear_fc1.weight"):
+            assert not torch.equal(a[k], v.to(torch.bfloat16).float()), k
+        else:
+            assert torch.equal(a[k], v.to(torch.bfloat16).float()), k
+
+
 def test_lora_dpo_starts_at_ln2_and_moves_only_the_adapted_layers(sft_base, tmp_path):
     """po with po.lora (DPO, 4 full-batch steps over the 16 training pairs): the adapted policy starts equal to its reference, so the
     first step's loss is ln 2 exactly as the frozen base computes it; the loss then falls; the
