@@ -23,6 +23,9 @@ AdamW moments               ``8 P_r`` (two fp32 moments)           none
 activations                 one micro-batch, below                 the log-prob logits only
 ==========================  =====================================  =================================
 
+With LoRA (``sft.lora``, ``rl.lora``) the frozen base costs its weights only and the adapters'
+parameters (:meth:`ModelShape.lora_parameters`) are the trainable ones.
+
 So a trainable parameter costs 18 bytes under bf16 and 16 under fp32 (Rajbhandari et al.
 2020, ZeRO, arXiv:1910.02054, count 16 for mixed precision with fp16 gradients; the
 gradients here are fp32: engine/models/master_weights.py).
@@ -54,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from config.parallel import ParallelConfig
 
 if TYPE_CHECKING:
+    from config.lora import LoraConfig
     from config.schema import PipelineConfig
 
 GIB = 2**30
@@ -128,6 +132,19 @@ class ModelShape:
         embeddings = rows * h * (1 if self.tie_word_embeddings else 2)
         return (embeddings + self.num_layers * split) // tp + self.num_layers * whole + h
 
+    def lora_parameters(self, lora: "LoraConfig", tp: int = 1) -> int:
+        """LoRA adapter parameters on one of ``tp`` ranks (engine/models/lora.py): per layer and
+        targeted linear ``r (in + out)``, the split half (column-parallel ``B``, row-parallel
+        ``A``) divided by ``tp``."""
+        h, d, f, r = self.hidden_size, self.head_dim, self.ffn_hidden_size, lora.rank
+        qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        # (whole, split) adapter elements: column (A whole, B split), row (A split, B whole)
+        parts = {"linear_qkv": (r * h, qkv * r), "linear_fc1": (r * h, 2 * f * r),
+                 "linear_proj": (r * h, r * self.num_attention_heads * d), "linear_fc2": (r * h, r * f)}
+        whole = sum(parts[t][0] for t in lora.target_modules)
+        split = sum(parts[t][1] for t in lora.target_modules)
+        return self.num_layers * (whole + split // tp)
+
 
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     """Megatron's embedding rows: ``vocab_size`` rounded up to a multiple of ``multiple``
@@ -199,8 +216,11 @@ class RoleMemory:
 
 def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig, precision: str, micro_batch: int,
                   seq_len: int, vocab_rows: int, *, trainable: bool = True, logits: bool = True,
-                  packing: bool = False) -> RoleMemory:
+                  packing: bool = False, lora: "LoraConfig | None" = None) -> RoleMemory:
     """Bytes per rank of a megatron role laid out as ``layout`` (module docstring's table).
+    With ``lora`` enabled the trained parameters are its adapters
+    (:meth:`ModelShape.lora_parameters`): they add weights and alone have masters, gradients
+    and AdamW moments; the activations are counted as for full training.
 
     Args:
         role, key: its name and config key (for messages).
@@ -215,9 +235,14 @@ def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig
     """
     tp = layout.tensor_model_parallel_size
     p = shape.rank_parameters(tp, vocab_rows) + (0 if logits else shape.hidden_size + 1)  # a head: h weights + bias
+    trained = p
+    if trainable and lora is not None and lora.enabled:
+        trained = shape.lora_parameters(lora, tp)
+        p += trained
     parts = {"weights": WEIGHT_BYTES[precision] * p}
     if trainable:
-        parts.update(master_weights=4 * p if precision == "bf16" else 0, gradients=4 * p, optimizer=8 * p,
+        parts.update(master_weights=4 * trained if precision == "bf16" else 0, gradients=4 * trained,
+                     optimizer=8 * trained,
                      activations=activation_bytes(shape, tp, micro_batch, seq_len, precision,
                                                   vocab_rows if logits else None, attention_scores=not packing))
     elif logits:
@@ -264,7 +289,7 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     if cfg.sft.enabled and "sft" in seq_lens:
         b, s = _micro(cfg.sft.micro_batch_size, cfg.sft.max_tokens_per_micro_batch, seq_lens["sft"])
         plans["sft"] = [training_role("sft", "sft.parallel", shape, cfg.sft.parallel, cfg.sft.precision, b, s, rows,
-                                      packing=cfg.sft.packing)]
+                                      packing=cfg.sft.packing, lora=cfg.sft.lora)]
     if cfg.rm.enabled and "rm" in seq_lens:  # a pair is two sequences, chosen and rejected
         b, s = _micro(2 * cfg.rm.micro_batch_size, cfg.rm.max_tokens_per_micro_batch, seq_lens["rm"])
         plans["rm"] = [training_role("rm", "rm.parallel", shape, cfg.rm.parallel, cfg.rm.precision, b, s, rows,
@@ -274,7 +299,8 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     rollout_tokens = seq_lens["rl"]
     rl, p = cfg.rl, cfg.rl.precision
     b, s = _micro(rl.micro_batch_size, rl.max_tokens_per_micro_batch, rollout_tokens)
-    roles = [training_role("actor", "rl.parallel.actor", shape, rl.parallel.actor, p, b, s, rows, packing=rl.packing)]
+    roles = [training_role("actor", "rl.parallel.actor", shape, rl.parallel.actor, p, b, s, rows, packing=rl.packing,
+                           lora=rl.lora)]
     if rl.uses_reference:
         roles.append(training_role("reference", "rl.parallel.reference", shape, rl.parallel.reference, p, b, s, rows,
                                    trainable=False))

@@ -103,6 +103,35 @@ def test_bytes_per_rank_by_hand():
     assert rollout.parts == {"weights": 2 * p, "kv_cache": 2_342_912}
 
 
+def test_lora_parameters_equal_the_adapters_and_only_they_train():
+    """Rank 4 on all four layer kinds of the tiny model: per layer qkv A 4*64 + B 128*4, fc1
+    A 4*64 + B 256*4, proj A 4*64 + B 64*4, fc2 A 4*128 + B 64*4 = 3,328, two layers 6,656 (the
+    adapters engine.models.lora.apply_lora adds to the megatron model); at TP 2 the split half
+    (qkv and fc1 B, proj and fc2 A: 2,304 per layer) halves: 2 x (1,024 + 1,152) = 4,352. The
+    bf16 LoRA actor holds the base and adapter weights, and masters, gradients and AdamW
+    moments of the adapters only."""
+    from config.lora import LoraConfig
+    from conversion.spec import GPTSpec
+    from engine.models.lora import apply_lora
+    from engine.models.megatron import build_gpt_model
+
+    lora = LoraConfig(enabled=True, rank=4)
+    shape = ModelShape.from_hf_config(TINY)
+    assert shape.lora_parameters(lora) == 6_656 and shape.lora_parameters(lora, 2) == 4_352
+    hf = {**TINY, "model_type": "qwen2", "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "hidden_act": "silu"}
+    model = build_gpt_model(GPTSpec.from_hf_config(hf))
+    apply_lora(model, lora)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 6_656
+    two = LoraConfig(enabled=True, rank=4, target_modules=["linear_proj", "linear_fc2"])
+    assert shape.lora_parameters(two) == 2 * (256 + 256 + 512 + 256)
+    p, a = 90_688, 6_656
+    actor = training_role("actor", "rl.parallel.actor", shape, ParallelConfig(), "bf16", 2, 32, 256, lora=lora)
+    assert actor.parts == {"weights": 2 * (p + a), "master_weights": 4 * a, "gradients": 4 * a, "optimizer": 8 * a,
+                           "activations": 2 * 180_224 + 131_072}
+    off = training_role("actor", "k", shape, ParallelConfig(), "bf16", 2, 32, 256, lora=LoraConfig())
+    assert off.parts == training_role("actor", "k", shape, ParallelConfig(), "bf16", 2, 32, 256).parts
+
+
 def test_kv_cache_equals_the_engines():
     """The planner's torch-free copy of the KV cache size equals the function that sizes the
     real vLLM engine (engine/rollout/kv_cache.py)."""
