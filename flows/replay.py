@@ -40,13 +40,13 @@ class ReplaySource:
 
 
 def _policy_of(store, inputs: dict) -> Path:
-    """The starting policy's ``model/`` from an rl artifact's recorded inputs (sft, else convert)."""
+    """The starting policy's ``model/`` from an rl artifact's recorded inputs (po, else sft, else convert)."""
     from tasks.artifacts import ArtifactRef
 
-    for name in ("sft", "convert"):
+    for name in ("po", "sft", "convert"):
         if name in inputs:
             return store.local_path(ArtifactRef(**inputs[name])) / "model"
-    raise ConfigError(f"the rl artifact records no sft or convert input ({sorted(inputs)}); cannot build its workers")
+    raise ConfigError(f"the rl artifact records no po, sft or convert input ({sorted(inputs)}); cannot build its workers")
 
 
 def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
@@ -59,7 +59,7 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
     """
     from engine.rl.rollout_dump import DUMP_DIR
     from tasks.graph import stage_states
-    from tasks.runner import starting_policy, store_for
+    from tasks.runner import rl_starting_policy, store_for
 
     store = store_for(cfg)
     if artifact_id is not None:
@@ -75,7 +75,7 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
     if rl.ref is not None:
         return ReplaySource(store.local_path(rl.ref) / DUMP_DIR, _policy_of(store, store.manifest(rl.ref).get("inputs", {})),
                             rl.ref.artifact_id)
-    policy = states[starting_policy(cfg)].ref
+    policy = states[rl_starting_policy(cfg)].ref
     if rl.fingerprint is not None and policy is not None:
         resume = Path(cfg.run.checkpoint_root) / "rl" / rl.fingerprint[:16] / DUMP_DIR
         if resume.is_dir():
