@@ -6,9 +6,9 @@ each with its sampling weight, verifier and reward weight (docs/algorithms.md, D
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import Field, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from config.base import LocalPath, Strict
 from config.rl import RewardConfig
@@ -54,12 +54,22 @@ class RLSourceConfig(NamedDatasetConfig):
                                  "responses (verifier, reward model and plug-ins together).")
 
 
+def _rl_train_shape(value) -> str:
+    return "sources" if isinstance(value, list) else "dataset"
+
+
+# One dataset or a list of sources, told apart by shape, so an error names only the one given
+# (the tag, ``dataset`` or ``sources``, is part of its key: data.rl_train.sources[0].weight).
+RLTrainConfig = Annotated[Union[Annotated[DatasetConfig, Tag("dataset")], Annotated[list[RLSourceConfig], Tag("sources")]],
+                          Discriminator(_rl_train_shape)]
+
+
 class DataConfig(Strict):
     """Datasets to validate and normalize (stage validate)."""
 
     sft: DatasetConfig | None = Field(None, description="Chat data for SFT (kind sft: messages).")
     preference: DatasetConfig | None = Field(None, description="Pairs for the reward model (prompt, chosen, rejected).")
-    rl_train: DatasetConfig | list[RLSourceConfig] | None = Field(
+    rl_train: RLTrainConfig | None = Field(
         None, description="RL prompts with reference answers (prompt, label): one dataset, or a mixture: a list of "
                           "named sources drawn by weight (docs/algorithms.md, Data mixtures).")
     rl_eval: DatasetConfig | None = Field(None, description="Held-out prompts with labels for evaluation.")

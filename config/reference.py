@@ -36,6 +36,15 @@ def _models(ann) -> list[type[BaseModel]]:
     return [m for a in args for m in _models(a)]
 
 
+def _members(ann) -> list:
+    """The alternatives of a union annotation, through Optional, nesting and Annotated."""
+    if typing.get_origin(ann) is typing.Annotated:
+        return _members(typing.get_args(ann)[0])
+    if typing.get_origin(ann) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return [m for a in typing.get_args(ann) for m in _members(a)]
+    return [ann]
+
+
 def _rows(model: type[BaseModel], prefix: str, instance: BaseModel | None = None) -> list[tuple[str, str, str, str]]:
     """Table rows of ``model``'s keys. ``instance``: the section's default value when the
     parent gives it one (e.g. ``OptimConfig(lr=1e-4)``), whose values are the defaults shown."""
@@ -51,7 +60,7 @@ def _rows(model: type[BaseModel], prefix: str, instance: BaseModel | None = None
             rows.append((key, "list of sections", default, field.description or ""))
             rows.extend(_rows(nested[0], f"{key}[]."))
             continue
-        listed = [a for a in typing.get_args(ann) if typing.get_origin(a) is list]
+        listed = [a for a in _members(ann) if typing.get_origin(a) is list]
         if listed and len(nested) == 2:  # one section or a list of them (data.rl_train)
             item = _models(listed[0])[0]
             one = next(m for m in nested if m is not item)

@@ -51,6 +51,22 @@ def test_sources_share_the_named_dataset_shape_of_benchmarks_and_its_rules(fixtu
             DataConfig.model_validate({"rl_train": bad})
 
 
+def test_a_config_error_names_the_shape_given_and_the_key(tmp_path):
+    """data.rl_train is told apart by shape: a list is read as sources only, a mapping as one dataset."""
+    import yaml
+
+    from config import ConfigError, load_config
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml").read_text())
+    path = tmp_path / "config.yaml"
+    for value, message in (([{"name": "a", "path": "a.jsonl", "wieght": 2}], "data.rl_train.sources[0].wieght: unknown key"),
+                           ({"path": "a.jsonl", "fromat": "gsm8k"}, "data.rl_train.dataset.fromat: unknown key")):
+        path.write_text(yaml.safe_dump({**raw, "data": {**raw["data"], "rl_train": value}}))
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value).splitlines()[1:] == [f"  {message}"]
+
+
 def test_each_source_is_validated_counted_and_published_with_its_name(fixtures_dir):
     cfg = _mixture(fixtures_dir)
     assert [(name, key) for name, key, _ in dataset_entries(cfg)] == [
