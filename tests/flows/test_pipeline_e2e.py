@@ -353,7 +353,8 @@ def test_switching_po_on_runs_dpo_and_rl_starts_from_its_policy(project):
     rl starts from po's model and evaluate compares RL with it; the report lists po's curves."""
     work = project["work"]
     summary = _rerun_with(project, "po_on", **{"po.enabled": True, "po.steps": 4, "po.global_batch_size": 16,
-                                               "po.micro_batch_size": 8, "po.log_every": 2})
+                                               "po.micro_batch_size": 8, "po.log_every": 2,
+                                               "po.optim.warmup_steps": 2})
     states = {name: s.get("state") for name, s in summary["stages"].items() if name != "prepare"}
     assert states == {**{s: "Cached" for s in ("validate", "convert", "sft", "rm")},
                       **{s: "Completed" for s in ("po", "rl", "evaluate", "export")}}
