@@ -4,7 +4,7 @@
 and refuses a layout that cannot run: a tensor-parallel size that does not divide the
 model, more ranks than the cluster has CPUs (or GPUs), or ranks that need more memory than
 they have. ``python -m config.memory_plan`` prints the table of docs/scaling.md. Pure Python
-(no torch): it reads only the config and the model's ``config.json``. It lives in ``config``
+(no torch): it reads only the config and the model's ``config.json`` (and the teacher's). It lives in ``config``
 because it is a function of config values that both flows (validate) and engine may use.
 
 Bytes per rank of a role laid out as ``DP x TP`` (``data_parallel_size x
@@ -24,7 +24,9 @@ activations                 one micro-batch, below                 the log-prob 
 ==========================  =====================================  =================================
 
 With LoRA (``sft.lora``, ``rl.lora``) the frozen base costs its weights only and the adapters'
-parameters (:meth:`ModelShape.lora_parameters`) are the trainable ones.
+parameters (:meth:`ModelShape.lora_parameters`) are the trainable ones. On-policy
+distillation's teacher (``rl.teacher``) is a frozen role of its own shape, read from its model
+directory (:func:`teacher_hf_config`), laid out as the reference.
 
 So a trainable parameter costs 18 bytes under bf16 and 16 under fp32 (Rajbhandari et al.
 2020, ZeRO, arXiv:1910.02054, count 16 for mixed precision with fp16 gradients; the
@@ -55,6 +57,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Mapping
 
 from config.parallel import ParallelConfig
+from config.precision import resolve_precision
 
 if TYPE_CHECKING:
     from config.lora import LoraConfig
@@ -304,6 +307,11 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     if rl.uses_reference:
         roles.append(training_role("reference", "rl.parallel.reference", shape, rl.parallel.reference, p, b, s, rows,
                                    trainable=False))
+    if rl.teacher is not None:  # on-policy distillation: a frozen teacher of its own shape, laid out as the reference
+        teacher = teacher_hf_config(rl.teacher.model_dir)
+        roles.append(training_role("teacher", "rl.teacher", ModelShape.from_hf_config(teacher), rl.parallel.reference,
+                                   resolve_precision(rl.teacher.precision or p), b, s,
+                                   int(teacher.get("padded_vocab_size", teacher["vocab_size"])), trainable=False))
     if rl.algorithm == "gae":
         roles.append(training_role("critic", "rl.parallel.critic", shape, rl.parallel.critic, p, b, s, rows,
                                    logits=False))  # the critic stays padded (rl.packing)
@@ -319,6 +327,28 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     roles.append(rollout_role(shape, p, sequences, rollout_tokens, engines, kv))
     plans["rl"] = roles
     return plans
+
+
+def teacher_hf_config(model_dir: str) -> dict[str, Any]:
+    """``rl.teacher.model_dir``'s ``hf/config.json``, with ``padded_vocab_size`` from its
+    ``megatron_spec.json`` when the model directory has one (the layout of
+    ``engine.storage.model_dir``).
+
+    Raises: ValueError naming ``rl.teacher.model_dir`` and the file when it is missing or not JSON.
+    """
+    import json
+
+    config = os.path.join(model_dir, "hf", "config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            hf = json.load(f)
+        spec = os.path.join(model_dir, "megatron_spec.json")
+        if os.path.isfile(spec):
+            with open(spec, encoding="utf-8") as f:
+                hf["padded_vocab_size"] = json.load(f)["padded_vocab_size"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"rl.teacher.model_dir: cannot read the teacher's model config {config} ({exc})") from exc
+    return hf
 
 
 def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
