@@ -69,6 +69,9 @@ class DataConfig(Strict):
 
     sft: DatasetConfig | None = Field(None, description="Chat data for SFT (kind sft: messages).")
     preference: DatasetConfig | None = Field(None, description="Pairs for the reward model (prompt, chosen, rejected).")
+    kto: DatasetConfig | None = Field(None, description="Unpaired desirable/undesirable rows for po.loss: kto (kind kto: "
+                                      "prompt, completion, label; LLaMA-Factory's kto format: messages + boolean "
+                                      "label); po trains on them instead of data.preference's pairs.")
     rl_train: RLTrainConfig | None = Field(
         None, description="RL prompts with reference answers (prompt, label): one dataset, or a mixture: a list of "
                           "named sources drawn by weight (docs/algorithms.md, Data mixtures).")

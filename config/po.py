@@ -23,7 +23,7 @@ class PoConfig(Strict):
                            "length-averaged log-ratio margin (Azar et al. 2023); simpo: reference-free sigmoid loss on "
                            "length-averaged log-probs with a target margin (Meng et al. 2024); kto: each response "
                            "alone against a KL reference point (Ethayarajh et al. 2024; every pair gives one desirable "
-                           "and one undesirable response).")
+                           "and one undesirable response, or it trains on the unpaired rows of data.kto).")
     beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward beta * log(pi/pi_ref) "
                                                "(dpo, kto; ipo's regularisation tau; simpo's reward scale, 2.0-2.5 "
                                                "in its paper).")
@@ -39,10 +39,12 @@ class PoConfig(Strict):
     steps: int = Field(100, gt=0, description="Optimizer steps.")
     precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); "
                                                           "default run.precision.")
-    global_batch_size: int = Field(16, gt=0, description="Preference pairs per optimizer step.")
-    micro_batch_size: int = Field(8, gt=0, description="Pairs per forward/backward (gradient accumulation in between).")
+    global_batch_size: int = Field(16, gt=0, description="Preference pairs (unpaired KTO: rows) per optimizer step.")
+    micro_batch_size: int = Field(8, gt=0, description="Pairs (unpaired KTO: rows) per forward/backward (gradient "
+                                                       "accumulation in between).")
     max_seq_len: int = Field(256, gt=0, description="Longer sequences (prompt and response) are truncated.")
-    eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for po/eval_accuracy.")
+    eval_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out fraction of pairs for po/eval_accuracy "
+                                                              "(unpaired KTO: of rows, for po/eval_kto_accuracy).")
     optim: OptimConfig = Field(OptimConfig(lr=1e-4), description="Optimizer and schedule.")
     lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters (docs/lora.md): only they train; the published "
                                                    "model holds the merged weights.")

@@ -74,8 +74,12 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _po_data(self):
-        if self.po.enabled and self.data.preference is None:
-            raise ValueError("po.enabled needs preference pairs: set data.preference (or po.enabled: false)")
+        if self.po.enabled and self.data.preference is None and self.data.kto is None:
+            raise ValueError("po.enabled needs preference pairs: set data.preference (or, for po.loss: kto, the "
+                             "unpaired rows of data.kto; or po.enabled: false)")
+        if self.po.enabled and self.data.kto is not None and self.po.loss != "kto":
+            raise ValueError(f"data.kto: unpaired desirable/undesirable rows train only po.loss: kto, not "
+                             f"{self.po.loss!r}; set po.loss: kto, or give pairs in data.preference and unset data.kto")
         return self
 
     @model_validator(mode="after")

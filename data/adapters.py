@@ -1,4 +1,4 @@
-"""Format adapters: turn one raw record into normalized examples of a kind (sft/preference/rl).
+"""Format adapters: turn one raw record into normalized examples of a kind (sft/preference/rl/kto).
 
 Each entry of the ``ADAPTERS`` registry (name -> ``Adapter``) is called as
 ``adapter(record, kind) -> list[Example]`` (usually one example; none for a skipped KTO row,
@@ -11,7 +11,7 @@ invalid JSON inside a field) raise ``FieldError`` naming the source field.
 
 | format | keys that identify it | kinds |
 |---|---|---|
-| kto | messages + label (boolean; any ``label`` key beside messages makes it KTO, a non-boolean label is a bad row) | sft: rows labelled true only; false rows are skipped |
+| kto | messages + label (boolean; any ``label`` key beside messages makes it KTO, a non-boolean label is a bad row) | sft: rows labelled true only; false rows are skipped. kto: every row as prompt + completion (the last, assistant, turn) + label |
 | messages | messages (role/content; content may be typed parts ``[{"type": "text", "value"}]``; assistant ``tool_calls``, ``tool`` turns), optional tools | sft |
 | dpo | conversations + chosen + rejected (``{from, value}``) | preference |
 | sharegpt | conversations (``from``: system/human/gpt/function_call/observation, ``value``), optional system, tools | sft |
@@ -91,7 +91,7 @@ ADAPTERS: dict[str, Adapter] = {
     for a in (
         # A label beside messages makes a KTO file: a row whose label is not a boolean is a bad
         # KTO row, not a plain conversation (reading it as one would train on false rows).
-        _adapter("kto", kto_adapter, {"sft"}, {"messages", "label"}),
+        _adapter("kto", kto_adapter, {"sft", "kto"}, {"messages", "label"}),
         _adapter("messages", messages_adapter, {"sft"}, {"messages"}, lambda r: "label" not in r),
         _adapter("dpo", dpo_adapter, {"preference"}, {"conversations", "chosen", "rejected"}),
         _adapter("sharegpt", sharegpt_adapter, {"sft"}, {"conversations"}),

@@ -1,8 +1,9 @@
-"""Conversation and instruction formats, all sft: ``messages``, ``kto``, ``sharegpt``,
-``seed_tasks`` and ``alpaca`` (keys and kinds: the table of :mod:`data.adapters`).
+"""Conversation and instruction formats: ``messages``, ``kto``, ``sharegpt``, ``seed_tasks`` and
+``alpaca`` give sft; ``kto`` also gives the unpaired kind ``kto`` (keys and kinds: the table of
+:mod:`data.adapters`).
 
-KTO rows labelled false are skipped, not errors: they are responses the model should *not*
-imitate, and SFT has no way to use them (a KTO or preference stage would).
+Read as sft, KTO rows labelled false are skipped, not errors: they are responses the model
+should *not* imitate, and SFT has no way to use them (the po stage's KTO does, as kind ``kto``).
 
 Alpaca joins instruction and input with a newline, as LLaMA-Factory's alpaca converter does.
 """
@@ -26,12 +27,30 @@ def messages_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
 
 
 def kto_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
-    """``{"messages", "label": bool}`` -> sft from rows labelled true; false rows give nothing."""
+    """``{"messages", "label": bool}`` (LLaMA-Factory's kto format) -> sft from rows labelled
+    true (false rows give nothing), or one kto row from every record: ``prompt`` (every turn
+    but the last), ``completion`` (the last turn, which must be the assistant's) and ``label``.
+
+    Raises:
+        FieldError: a non-boolean ``label``; for kto, a last turn that is not the assistant's
+            or tool calls (a kto prompt carries none).
+    """
     label = _get(record, "label")
     if not isinstance(label, bool):
         raise FieldError("label", f"expected true or false, got {_json_type(label)}")
-    examples = messages_adapter(record, kind)
-    return examples if label else []
+    if kind == "sft":
+        examples = messages_adapter(record, kind)
+        return examples if label else []
+    origin: dict[str, str] = {}
+    turns = _turns(_get(record, "messages"), "messages", "messages", origin)
+    if not turns or turns[-1]["role"] != "assistant":
+        last = f"messages[{len(turns) - 1}].role" if turns else "messages"
+        raise FieldError(last, "the last turn must be the assistant's completion")
+    last = len(turns) - 1
+    origin = {k.replace("messages", "prompt", 1): v for k, v in origin.items() if not k.startswith(f"messages[{last}]")}
+    origin["completion"] = f"messages[{last}].content"
+    row = {"prompt": turns[:-1], "completion": turns[-1]["content"], "label": label}
+    return [Example(row, origin)]
 
 
 def sharegpt_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:

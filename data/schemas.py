@@ -1,4 +1,4 @@
-"""Pandera schemas of the three normalized dataset kinds, one row per example.
+"""Pandera schemas of the four normalized dataset kinds, one row per example.
 
 - ``sft``: ``messages`` (list of ``{role, content, tool_calls?}``), at least one assistant
   turn, the last turn an assistant turn; optional ``tools`` (the tool schemas the
@@ -7,6 +7,9 @@
   ``rejected`` (non-blank strings, not identical).
 - ``rl``: ``prompt`` (list of messages, the last a user turn), ``label`` (non-blank string,
   the reference answer a verifier compares against).
+- ``kto``: unpaired KTO rows: ``prompt`` (list of messages, the last a user turn),
+  ``completion`` (non-blank string, the assistant's answer) and ``label`` (boolean: true for a
+  desirable completion, false for an undesirable one).
 
 Prompt roles are ``system``, ``user`` or ``assistant``; SFT conversations may also hold
 ``tool`` turns (tool results), each right after an assistant turn with ``tool_calls`` or
@@ -32,8 +35,8 @@ import pandera.polars as pa
 import polars as pl
 from pandera.errors import SchemaErrors
 
-Kind = Literal["sft", "preference", "rl"]
-KINDS: tuple[str, ...] = ("sft", "preference", "rl")
+Kind = Literal["sft", "preference", "rl", "kto"]
+KINDS: tuple[str, ...] = ("sft", "preference", "rl", "kto")
 ROLES: tuple[str, ...] = ("system", "user", "assistant")
 SFT_ROLES: tuple[str, ...] = ROLES + ("tool",)
 
@@ -44,6 +47,7 @@ COLUMN_TYPES: dict[str, dict[str, pl.DataType]] = {
     "sft": {"messages": SFT_MESSAGES, "tools": pl.List(pl.String)},
     "preference": {"prompt": MESSAGES, "chosen": pl.String, "rejected": pl.String},
     "rl": {"prompt": MESSAGES, "label": pl.String},
+    "kto": {"prompt": MESSAGES, "completion": pl.String, "label": pl.Boolean},
 }
 OPTIONAL_COLUMNS: dict[str, frozenset[str]] = {"sft": frozenset({"tools"})}
 
@@ -188,6 +192,7 @@ RULES: dict[str, dict[str, list[Rule]]] = {
         "rejected": [_text_rule("empty rejected response")],
     },
     "rl": {"prompt": _PROMPT_RULES, "label": [_text_rule("empty label")]},
+    "kto": {"prompt": _PROMPT_RULES, "completion": [_text_rule("empty completion")], "label": []},
 }
 # Frame-wide checks: (pandera check, field to blame, message).
 FRAME_RULES: dict[str, list[tuple[pa.Check, str, str]]] = {
@@ -209,7 +214,7 @@ def build_schema(kind: str) -> pa.DataFrameSchema:
     """The pandera (polars backend) schema of one normalized kind.
 
     Raises:
-        ValueError: ``kind`` is not one of ``sft``, ``preference``, ``rl``.
+        ValueError: ``kind`` is not one of ``sft``, ``preference``, ``rl``, ``kto``.
     """
     _check_kind(kind)
     columns = {

@@ -53,7 +53,7 @@ __all__ = [
 REPORT_ERRORS = 50
 MESSAGE_ERRORS = 5
 CHUNK = 256  # records converted and schema-checked together
-DATASET_KINDS = {"sft": "sft", "preference": "preference", "rl_train": "rl", "rl_eval": "rl"}
+DATASET_KINDS = {"sft": "sft", "preference": "preference", "kto": "kto", "rl_train": "rl", "rl_eval": "rl"}
 
 
 def _lines_text(lines: list[int], shown: int = 10) -> str:
@@ -67,7 +67,7 @@ class ValidationResult:
 
     Attributes:
         file: the path as given.
-        kind: ``sft``, ``preference`` or ``rl``.
+        kind: ``sft``, ``preference``, ``rl`` or ``kto``.
         format: the adapter used (detected when ``format="auto"``).
         format_reason: how the format was chosen (the detection's reason, or the config key).
         rows: the normalized valid rows, in file order (at most ``limit``).
@@ -366,7 +366,7 @@ class DataReport:
     """What ``validate_data`` found for each configured dataset.
 
     Attributes:
-        results: dataset name (``sft``, ``preference``, ``rl_train`` or a mixture's
+        results: dataset name (``sft``, ``preference``, ``kto``, ``rl_train`` or a mixture's
             ``rl_train/<source>``, ``rl_eval``) -> result, in config order.
         failures: dataset name -> why it could not be validated at all (missing file, a
             format that cannot be detected or cannot give the kind), naming the config key.
@@ -471,7 +471,7 @@ def validate_data(data: "DataConfig", names: Iterable[str] | None = None) -> Dat
     """Validate every dataset of a pipeline's ``data`` section, as the validate stage does.
 
     Args:
-        data: the ``data`` config (``sft``/``preference``/``rl_train``/``rl_eval``, each
+        data: the ``data`` config (``sft``/``preference``/``kto``/``rl_train``/``rl_eval``, each
             with ``path``, ``format``, ``limit`` or None, ``rl_train`` also a list of sources;
             ``max_bad_fraction``; ``allow_eval_overlap``).
         names: only these datasets (names of :func:`dataset_entries`; default: every one

@@ -1,10 +1,11 @@
-"""po: preference optimization (DPO, IPO, SimPO or KTO) of the starting policy on the validated preference pairs.
+"""po: preference optimization (DPO, IPO, SimPO or KTO) of the starting policy on the validated preference pairs
+(KTO: on the unpaired desirable/undesirable rows of ``kto.jsonl`` when ``data.kto`` is set).
 
 Runs after sft (and rm) when ``po.enabled``; rl then starts from its policy. The reference is the
 starting policy (the SFT model, or the converted base model when ``sft.enabled`` is false).
 
 Artifact: ``model/`` (the optimized policy), ``reference_logps.safetensors`` (the reference's
-log-probs of every pair, computed once; not for simpo or ``po.reference_free``), ``metrics.jsonl``
+log-probs of every pair or row, computed once; not for simpo or ``po.reference_free``), ``metrics.jsonl``
 (each logged step's metrics, wall times left out) and ``curves.png`` (loss, reward margin and
 pairwise accuracy, training batch and held-out; also logged to W&B). Resumes from its checkpoint
 under ``run.checkpoint_root`` when a previous attempt with the same fingerprint was killed.
@@ -19,20 +20,23 @@ SPEC = StageSpec(
     inputs=lambda cfg: ("validate", starting_policy(cfg)),
     # how often metrics are logged and checkpoints written does not change the result (resume is bit-identical)
     config=lambda cfg: {"po": cfg.po.model_dump(exclude={"log_every", "checkpoint_every"}), "seed": cfg.run.seed},
-    summary=("po/eval_accuracy", "po/eval_margin"),
+    summary=("po/eval_accuracy", "po/eval_kto_accuracy", "po/eval_margin"),
 )
 
 
 @stage_task(SPEC)
 def po(ctx: StageContext) -> dict:
-    """Train ``po.steps`` steps of ``po.loss`` on ``preference.jsonl``; report held-out pairwise
-    accuracy and reward margin. Checkpoints every ``po.checkpoint_every`` steps."""
+    """Train ``po.steps`` steps of ``po.loss`` on ``preference.jsonl`` (kto: on ``kto.jsonl`` when the
+    validate artifact has it); report held-out pairwise accuracy (unpaired: reward-sign accuracy)
+    and reward margin. Checkpoints every ``po.checkpoint_every`` steps."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.evaluation.curves import write_stage_curves
     from engine.training.preference_optimization import train_preference_optimization
 
+    unpaired = ctx.input_path("validate") / "kto.jsonl"
+    dataset = unpaired if ctx.cfg.po.loss == "kto" and unpaired.exists() else ctx.input_path("validate") / "preference.jsonl"
     metrics = train_preference_optimization(
-        ctx.input_path(starting_policy(ctx.cfg)) / "model", ctx.input_path("validate") / "preference.jsonl",
+        ctx.input_path(starting_policy(ctx.cfg)) / "model", dataset,
         ctx.cfg.po, ctx.workdir / "model", ctx.resume_dir, seed=ctx.cfg.run.seed, log_metrics=ctx.log_metrics)
     png, _ = write_stage_curves("po", ctx.workdir, ctx.tracker.history())
     ctx.tracker.log_images({"curves": png})

@@ -1,7 +1,7 @@
 """validate: check every configured dataset against its schema and publish normalized JSONL.
 
-Artifact: ``<name>.jsonl`` for each of sft, preference, rl_train, rl_eval that the config
-names, plus ``report.json`` (per dataset: the format used and why, row counts, the first
+Artifact: ``<name>.jsonl`` for each of sft, preference, kto, rl_train, rl_eval that the config
+names (``kto.jsonl``: unpaired ``{"prompt", "completion", "label"}`` rows for po's KTO), plus ``report.json`` (per dataset: the format used and why, row counts, the first
 bad rows with file, line, field, duplicate rows; for rl_eval, the prompts shared with
 rl_train). An RL data mixture (``data.rl_train`` a list of sources) is one ``rl_train.jsonl``
 whose rows carry their ``source`` name, grouped by source in config order; report.json has an

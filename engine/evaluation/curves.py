@@ -68,7 +68,8 @@ STAGE_PANELS: dict[str, tuple[Panel, ...]] = {
     # engine/training/preference_optimization.py: the training batch's and the held-out pairs' (eval).
     "po": (Panel("loss", ("po/loss", "po/eval_loss")),
            Panel("reward margin (beta x log-ratio)", ("po/rewards/margin", "po/eval_margin")),
-           Panel("pairwise accuracy", ("po/accuracy", "po/eval_accuracy", "po/eval_logp_accuracy"))),
+           Panel("accuracy (pairwise; unpaired KTO: reward sign)",
+                 ("po/accuracy", "po/eval_accuracy", "po/eval_logp_accuracy", "po/eval_kto_accuracy"))),
     # engine/rl/metrics.py step_metrics and the actor's metrics (engine/training/actor.py); KL: to the
     # reference (kl_loss, when the loss or the reward uses it), else the k1 estimate of KL(old || new).
     "rl": (Panel("reward (critic/score/mean)", ("critic/score/mean",)),

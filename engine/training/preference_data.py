@@ -1,5 +1,6 @@
 """Preference pairs for the reward model and preference optimization: chat-encoded chosen/rejected
-token ids (with the responses' loss masks) and their collation."""
+token ids (with the responses' loss masks) and their collation; and the unpaired KTO rows
+(prompt, completion, label) of preference optimization."""
 
 from __future__ import annotations
 
@@ -30,11 +31,9 @@ def encode_response(tokenizer, prompt: Any, response: str, max_len: int | None) 
     return list(enc.input_ids), list(enc.loss_mask)
 
 
-def read_preference_rows(path: str | Path) -> list[tuple[int, Any, str, str]]:
-    """The ``{"prompt": [messages] | str, "chosen": str, "rejected": str}`` rows of a JSONL file.
-
-    Returns:
-        ``[(line, prompt, chosen, rejected), ...]`` in file order.
+def _read_rows(path: str | Path, fields: dict[str, tuple[type, str]]) -> list[tuple]:
+    """``(line, prompt, *fields)`` of each row of a JSONL file: ``prompt`` a non-empty message list
+    (or string), each of ``fields`` (name -> (type, what it should be)) of its type.
 
     Raises:
         ValueError: naming ``file:line`` and the field, for a missing or mistyped field; or for
@@ -49,13 +48,40 @@ def read_preference_rows(path: str | Path) -> list[tuple[int, Any, str, str]]:
         prompt = row.get("prompt")
         if not isinstance(prompt, (list, str)) or not prompt:
             raise ValueError(f"{path}:{line}: prompt: expected a non-empty list of messages")
-        for key in ("chosen", "rejected"):
-            if not isinstance(row.get(key), str):
-                raise ValueError(f"{path}:{line}: {key}: expected a string")
-        rows.append((line, prompt, row["chosen"], row["rejected"]))
+        for key, (kind, expected) in fields.items():
+            if not isinstance(row.get(key), kind):
+                raise ValueError(f"{path}:{line}: {key}: expected {expected}")
+        rows.append((line, prompt, *(row[key] for key in fields)))
     if not rows:
         raise ValueError(f"{path}: dataset has no rows")
     return rows
+
+
+def read_preference_rows(path: str | Path) -> list[tuple[int, Any, str, str]]:
+    """The ``{"prompt": [messages] | str, "chosen": str, "rejected": str}`` rows of a JSONL file.
+
+    Returns:
+        ``[(line, prompt, chosen, rejected), ...]`` in file order.
+
+    Raises:
+        ValueError: naming ``file:line`` and the field, for a missing or mistyped field; or for
+            an empty file.
+    """
+    return _read_rows(path, {"chosen": (str, "a string"), "rejected": (str, "a string")})
+
+
+def read_unpaired_rows(path: str | Path) -> list[tuple[int, Any, str, bool]]:
+    """The ``{"prompt": [messages] | str, "completion": str, "label": bool}`` rows of a JSONL file
+    (the validate stage's ``kto.jsonl``: unpaired KTO rows, ``label`` true for a desirable completion).
+
+    Returns:
+        ``[(line, prompt, completion, label), ...]`` in file order.
+
+    Raises:
+        ValueError: naming ``file:line`` and the field, for a missing or mistyped field; or for
+            an empty file.
+    """
+    return _read_rows(path, {"completion": (str, "a string"), "label": (bool, "true or false")})
 
 
 def encode_preference_dataset(path: str | Path, tokenizer, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
@@ -84,3 +110,13 @@ def encode_preference_dataset(path: str | Path, tokenizer, max_seq_len: int) -> 
 def collate_pairs(pairs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> TokenBatch:
     """One right-padded batch ``[2N, T]``: the N chosen sequences, then the N rejected ones."""
     return collate_tokens([p[0] for p in pairs] + [p[1] for p in pairs], None, pad_id)
+
+
+def is_unpaired(path: str | Path) -> bool:
+    """Whether the JSONL file holds unpaired KTO rows (its first record has ``completion`` and
+    ``label``, as ``kto.jsonl``) rather than preference pairs."""
+    from data.readers import read_records
+
+    for _, row in read_records(str(path)):
+        return isinstance(row, dict) and "completion" in row and "label" in row
+    return False

@@ -6,10 +6,13 @@ each side rendered with the chat template; only the response tokens and their tu
 (the chat loss mask, ``data.chat.encode_chat``). A response's log-probability is the sum of
 its tokens' log-probs from fp32 logits (the mean per token for ipo and simpo). The losses are
 those of :mod:`engine.algorithms.preference_loss`; KTO takes each pair as one desirable and one
-undesirable response, as TRL does with paired data.
+undesirable response, as TRL does with paired data, or trains on unpaired rows
+(``{"prompt", "completion", "label"}`` rows of the validate stage's ``kto.jsonl``: each completion
+desirable when its label is true, undesirable when false); the other losses refuse unpaired rows.
 
 The reference (the frozen starting policy) is evaluated once, before the first step, on every
-pair (and, for KTO, on the mismatched prompt/response pairs of its KL reference point); its
+pair or unpaired row (and, for KTO, on the mismatched prompt/response pairs of its KL reference
+point: each prompt with the next pair's responses or the next row's completion, in file order); its
 log-probs are cached in ``resume_dir`` and written beside the model
 (:data:`REFERENCE_FILE`), and every epoch and every resumed attempt reuses them.
 
@@ -57,15 +60,22 @@ from engine.storage.train_state import (
     save_train_state,
 )
 from engine.training.optimizer_step import build_model_optimizer, train_step
-from engine.training.preference_data import EncodedResponse, encode_response, read_preference_rows
+from engine.training.preference_data import (
+    EncodedResponse,
+    encode_response,
+    is_unpaired,
+    read_preference_rows,
+    read_unpaired_rows,
+)
 from engine.training.reward_model import split_eval
 
 logger = logging.getLogger(__name__)
 
 REFERENCE_FILE = "reference_logps.safetensors"
 """The starting policy's summed response log-probs per pair (``chosen``, ``rejected``; KTO also
-``mismatched_chosen``, ``mismatched_rejected``; each ``[N]`` fp32) and the pairs' source
-``line`` numbers (``[N]`` int64), in file order."""
+``mismatched_chosen``, ``mismatched_rejected``; each ``[N]`` fp32) or, for unpaired KTO rows, per
+row (``completion``, ``mismatched``), and the pairs' (rows') source ``line`` numbers (``[N]``
+int64), in file order."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,29 @@ class PreferenceMicroBatch:
     ref_rejected: torch.Tensor
 
 
+@dataclass(frozen=True)
+class UnpairedExample:
+    """One encoded unpaired KTO row: ``completion`` (the prompt plus the completion, its loss mask
+    on the completion), ``label`` (True: desirable) and ``mismatched``, the same prompt with the
+    next row's completion (the KL estimate's mismatched response). ``line``: the row's line in the
+    dataset file."""
+
+    line: int
+    completion: EncodedResponse
+    label: bool
+    mismatched: EncodedResponse
+
+
+@dataclass(frozen=True)
+class UnpairedMicroBatch:
+    """A micro-batch of ``n`` unpaired rows: ``tokens`` ``[n, T]`` (with the completion loss masks),
+    ``labels`` ``[n]`` bool (True: desirable) and the reference's summed log-probs ``ref`` ``[n]``."""
+
+    tokens: TokenBatch
+    labels: torch.Tensor
+    ref: torch.Tensor
+
+
 def encode_pairs(path: str | Path, tokenizer, max_seq_len: int, mismatched: bool) -> list[PreferencePair]:
     """Encode every preference row (``engine.training.preference_data``); with ``mismatched``,
     also pair ``i``'s prompt with pair ``(i + 1) mod N``'s responses (KTO's KL estimate, as TRL
@@ -104,27 +137,62 @@ def encode_pairs(path: str | Path, tokenizer, max_seq_len: int, mismatched: bool
             rejects; no pair keeps a response token within ``max_seq_len``.
     """
     rows = read_preference_rows(path)
-    pairs, dropped = [], 0
-    for i, (line, prompt, chosen, rejected) in enumerate(rows):
+
+    def sides(i: int) -> list[tuple]:
+        _, prompt, chosen, rejected = rows[i]
+        _, _, next_chosen, next_rejected = rows[(i + 1) % len(rows)]
+        return [(prompt, chosen), (prompt, rejected)] + ([(prompt, next_chosen), (prompt, next_rejected)]
+                                                         if mismatched else [])
+
+    return [PreferencePair(rows[i][0], enc[0], enc[1], (enc[2], enc[3]) if mismatched else None)
+            for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "pair")]
+
+
+def _encode_rows(path, lines: Sequence[int], sides: Callable[[int], list[tuple]], tokenizer, max_seq_len: int,
+                 what: str) -> list[tuple[int, list[EncodedResponse]]]:
+    """``(i, encoded (prompt, response) sides of row i)`` for each row (``lines``: their file lines)
+    none of whose responses loses every token to ``max_seq_len`` (the others are dropped, with a warning).
+
+    Raises:
+        ValueError: ``file:line`` of a row the chat template rejects; no row left.
+    """
+    kept, dropped = [], 0
+    for i, line in enumerate(lines):
         try:
-            sides = [encode_response(tokenizer, prompt, chosen, max_seq_len),
-                     encode_response(tokenizer, prompt, rejected, max_seq_len)]
-            if mismatched:
-                _, _, next_chosen, next_rejected = rows[(i + 1) % len(rows)]
-                sides += [encode_response(tokenizer, prompt, next_chosen, max_seq_len),
-                          encode_response(tokenizer, prompt, next_rejected, max_seq_len)]
+            encoded = [encode_response(tokenizer, prompt, response, max_seq_len) for prompt, response in sides(i)]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{line}: {e}") from e
-        if any(sum(mask[1:]) == 0 for _, mask in sides):
+        if any(sum(mask[1:]) == 0 for _, mask in encoded):
             dropped += 1
             continue
-        pairs.append(PreferencePair(line, sides[0], sides[1], (sides[2], sides[3]) if mismatched else None))
+        kept.append((i, encoded))
     if dropped:
-        logger.warning("%s: %d pairs have a response with no token within max_seq_len=%d; skipped", path, dropped,
-                       max_seq_len)
-    if not pairs:
-        raise ValueError(f"{path}: no pair keeps a response token within po.max_seq_len={max_seq_len}")
-    return pairs
+        logger.warning("%s: %d %ss have a response with no token within max_seq_len=%d; skipped", path, dropped,
+                       what, max_seq_len)
+    if not kept:
+        raise ValueError(f"{path}: no {what} keeps a response token within po.max_seq_len={max_seq_len}")
+    return kept
+
+
+def encode_unpaired(path: str | Path, tokenizer, max_seq_len: int) -> list[UnpairedExample]:
+    """Encode every unpaired KTO row (``engine.training.preference_data.read_unpaired_rows``) and,
+    for the KL estimate, row ``i``'s prompt with row ``(i + 1) mod N``'s completion (as TRL's
+    ``KTOTrainer`` shifts the completions against the prompts). Rows whose completion (or
+    mismatched completion) has no token left within ``max_seq_len`` are dropped, with a warning.
+
+    Returns: :class:`UnpairedExample` s in file order.
+
+    Raises:
+        ValueError: naming ``file:line`` (and field) for a bad row or one the chat template
+            rejects; no row keeps a completion token within ``max_seq_len``.
+    """
+    rows = read_unpaired_rows(path)
+
+    def sides(i: int) -> list[tuple]:
+        return [(rows[i][1], rows[i][2]), (rows[i][1], rows[(i + 1) % len(rows)][2])]
+
+    return [UnpairedExample(rows[i][0], enc[0], rows[i][3], enc[1])
+            for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "row")]
 
 
 def response_logps(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +236,19 @@ def pair_logps(model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: 
     return out
 
 
+def unpaired_logps(model: torch.nn.Module, examples: Sequence[UnpairedExample], pad_id: int,
+                   micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """``{"completion", "mismatched"}``: each ``[N]`` summed response log-probs of ``model`` (no gradient)."""
+    return {"completion": sequence_logps(model, [e.completion for e in examples], pad_id, micro_batch_size),
+            "mismatched": sequence_logps(model, [e.mismatched for e in examples], pad_id, micro_batch_size)}
+
+
+def _example_logps(model, examples, pad_id: int, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    if isinstance(examples[0], UnpairedExample):
+        return unpaired_logps(model, examples, pad_id, micro_batch_size)
+    return pair_logps(model, examples, pad_id, micro_batch_size)
+
+
 def preference_loss(cfg: PoConfig, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
                     ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor,
                     rejected_tokens: torch.Tensor, reference_point: torch.Tensor | None = None) -> PreferenceLoss:
@@ -187,16 +268,46 @@ def preference_loss(cfg: PoConfig, policy_chosen: torch.Tensor, policy_rejected:
                     cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
 
 
-def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch, cfg: PoConfig,
+def unpaired_kto_loss(cfg: PoConfig, policy: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor,
+                      reference_point: torch.Tensor) -> PreferenceLoss:
+    """KTO (:func:`engine.algorithms.preference_loss.kto_loss`) on unpaired rows: summed
+    completion log-probs ``policy``, ``ref`` ``[n]`` split by ``labels`` ``[n]`` (bool, True:
+    desirable). ``losses`` ``[n]`` desirable rows first; ``chosen_rewards`` ``[n_D]`` and
+    ``rejected_rewards`` ``[n_U]`` are the desirable and undesirable rows' rewards."""
+    return kto_loss(policy[labels], policy[~labels], ref[labels], ref[~labels], reference_point, cfg.beta,
+                    cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
+
+
+def kto_sign_correct(out: PreferenceLoss) -> torch.Tensor:
+    """``[n_D + n_U]`` bool: a desirable row's implicit reward is > 0, an undesirable row's < 0
+    (the reward's sign matches the label; 0 counts as wrong)."""
+    return torch.cat([out.chosen_rewards > 0, out.rejected_rewards < 0])
+
+
+def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroBatch, cfg: PoConfig,
             reference_point: torch.Tensor | None = None) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step` (bind ``cfg`` and, for
     KTO, ``reference_point`` with ``functools.partial``).
 
     Returns:
-        ``(sum of the per-example losses, number of examples (pairs; KTO: 2 x pairs), metrics)``
-        with metrics ``rewards/chosen``, ``rewards/rejected``, ``rewards/margin`` (means) and
-        ``accuracy`` (fraction of pairs with the higher reward on the chosen side).
+        ``(sum of the per-example losses, number of examples (pairs; KTO: 2 x pairs; unpaired
+        KTO: rows), metrics)``. Pairs: metrics ``rewards/chosen``, ``rewards/rejected``,
+        ``rewards/margin`` (means) and ``accuracy`` (fraction of pairs with the higher reward on
+        the chosen side). Unpaired rows: ``desirable_fraction`` (n_D / n), ``rewards/desirable_sum``
+        and ``rewards/undesirable_sum`` (each class's reward sum divided by n, so that
+        :func:`engine.training.optimizer_step.train_step`'s row-weighted mean over micro-batches
+        divided by the global batch's class fraction is that class's mean reward) and
+        ``accuracy`` (:func:`kto_sign_correct`'s fraction).
     """
+    if isinstance(batch, UnpairedMicroBatch):
+        logps, _ = response_logps(model, batch.tokens)
+        out = unpaired_kto_loss(cfg, logps, batch.ref, batch.labels, reference_point)
+        n = logps.size(0)
+        metrics = {"desirable_fraction": float(batch.labels.sum()) / n,
+                   "rewards/desirable_sum": float(out.chosen_rewards.sum()) / n,
+                   "rewards/undesirable_sum": float(out.rejected_rewards.sum()) / n,
+                   "accuracy": float(kto_sign_correct(out).float().mean())}
+        return out.losses.sum(), n, metrics
     logps, tokens = response_logps(model, batch.tokens)
     n = logps.size(0) // 2
     out = preference_loss(cfg, logps[:n], logps[n:], batch.ref_chosen, batch.ref_rejected, tokens[:n], tokens[n:],
@@ -206,8 +317,14 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch, cfg: PoConfig,
     return out.losses.sum(), out.losses.numel(), metrics
 
 
-def _micro_batches(pairs: Sequence[PreferencePair], indices: Sequence[int], reference: dict[str, torch.Tensor],
-                   micro_batch_size: int, pad_id: int) -> list[PreferenceMicroBatch]:
+def _micro_batches(pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], indices: Sequence[int],
+                   reference: dict[str, torch.Tensor], micro_batch_size: int,
+                   pad_id: int) -> list[PreferenceMicroBatch] | list[UnpairedMicroBatch]:
+    if isinstance(pairs[0], UnpairedExample):
+        return [UnpairedMicroBatch(collate_tokens([pairs[i].completion[0] for i in chunk],
+                                                  [pairs[i].completion[1] for i in chunk], pad_id),
+                                   torch.tensor([pairs[i].label for i in chunk]), reference["completion"][chunk])
+                for chunk in split_micro_batches(list(indices), micro_batch_size)]
     out = []
     for chunk in split_micro_batches(list(indices), micro_batch_size):
         rows = [pairs[i].chosen for i in chunk] + [pairs[i].rejected for i in chunk]
@@ -218,6 +335,9 @@ def _micro_batches(pairs: Sequence[PreferencePair], indices: Sequence[int], refe
 
 def _kto_reference_point(model, pairs, indices, reference, pad_id, micro_batch_size) -> torch.Tensor:
     """z0 over the global batch's mismatched responses (no gradient; the model's current weights)."""
+    if isinstance(pairs[0], UnpairedExample):
+        policy = sequence_logps(model, [pairs[i].mismatched for i in indices], pad_id, micro_batch_size)
+        return kto_reference_point(policy, reference["mismatched"][indices])
     sequences = [p.mismatched[k] for k in (0, 1) for p in (pairs[i] for i in indices)]
     policy = sequence_logps(model, sequences, pad_id, micro_batch_size)
     ref = torch.cat([reference["mismatched_chosen"][indices], reference["mismatched_rejected"][indices]])
@@ -250,6 +370,26 @@ def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[PreferencePair], indi
             "po/eval_logp_accuracy": float((policy["chosen"] > policy["rejected"]).float().mean())}
 
 
+@torch.no_grad()
+def evaluate_unpaired(model: torch.nn.Module, examples: Sequence[UnpairedExample], indices: Sequence[int],
+                      reference: dict[str, torch.Tensor], cfg: PoConfig, pad_id: int) -> dict[str, float]:
+    """Held-out metrics of ``model`` (eval mode; restored) on unpaired KTO rows ``examples[indices]``,
+    z0 estimated on their mismatched completions: ``po/eval_loss`` (mean KTO loss),
+    ``po/eval_kto_accuracy`` (fraction of rows whose implicit reward ``beta * log(pi/pi_ref)`` has
+    the label's sign: > 0 desirable, < 0 undesirable), ``po/eval_rewards/desirable`` and
+    ``po/eval_rewards/undesirable`` (mean reward per class; NaN for a class with no held-out row)
+    and ``po/eval_margin`` (their difference)."""
+    subset = [examples[i] for i in indices]
+    policy = unpaired_logps(model, subset, pad_id, cfg.micro_batch_size)
+    ref = {k: v[list(indices)] for k, v in reference.items()}
+    z0 = kto_reference_point(policy["mismatched"], ref["mismatched"])
+    out = unpaired_kto_loss(cfg, policy["completion"], ref["completion"], torch.tensor([e.label for e in subset]), z0)
+    desirable, undesirable = float(out.chosen_rewards.mean()), float(out.rejected_rewards.mean())
+    return {"po/eval_loss": float(out.losses.mean()), "po/eval_kto_accuracy": float(kto_sign_correct(out).float().mean()),
+            "po/eval_rewards/desirable": desirable, "po/eval_rewards/undesirable": undesirable,
+            "po/eval_margin": desirable - undesirable}
+
+
 def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[PreferencePair], path: Path,
                    identity: dict) -> None:
     """Write the reference log-probs (:data:`REFERENCE_FILE` layout) atomically, ``identity`` (the
@@ -279,11 +419,24 @@ def _reference_logps(model, pairs: Sequence[PreferencePair], cfg: PoConfig, pad_
                                  f"delete {resume_dir} to start over")
             logger.info("reusing the reference log-probs in %s", cached)
             return {k: f.get_tensor(k) for k in f.keys() if k != "line"}
-    logger.info("reference log-probs of %d pairs (computed once)", len(pairs))
-    reference = pair_logps(model, pairs, pad_id, cfg.micro_batch_size)
+    logger.info("reference log-probs of %d pairs or rows (computed once)", len(pairs))
+    reference = _example_logps(model, pairs, pad_id, cfg.micro_batch_size)
     if cached is not None:
         save_reference(reference, pairs, cached, identity)
     return reference
+
+
+def _log_class_balance(examples: Sequence[UnpairedExample], cfg: PoConfig) -> None:
+    """Log the desirable and undesirable counts and ``lambda_D n_D / (lambda_U n_U)``; warn when that
+    ratio is outside [1, 4/3], the range Ethayarajh et al. 2024 (arXiv:2402.01306, section 4.2) and
+    TRL's ``KTOTrainer`` recommend for imbalanced classes."""
+    n_d = sum(e.label for e in examples)
+    n_u = len(examples) - n_d
+    ratio = cfg.kto_desirable_weight * n_d / (cfg.kto_undesirable_weight * n_u) if n_u else float("inf")
+    logger.info("kto: %d desirable, %d undesirable rows; lambda_D n_D / (lambda_U n_U) = %.3f", n_d, n_u, ratio)
+    if not 1 <= ratio <= 4 / 3:
+        logger.warning("kto: lambda_D n_D / (lambda_U n_U) = %.3f is outside [1, 4/3]; set po.kto_desirable_weight "
+                       "and po.kto_undesirable_weight so that it falls inside (docs/algorithms.md, KTO)", ratio)
 
 
 # How often metrics are logged and checkpoints written changes neither the weights nor the final metrics.
@@ -299,7 +452,8 @@ def train_preference_optimization(
     seed: int = 0,
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
 ) -> dict[str, float]:
-    """Optimize the policy in ``base_model_dir`` on preference pairs with ``cfg.loss``; write a model dir.
+    """Optimize the policy in ``base_model_dir`` on preference pairs (KTO: or unpaired rows) with
+    ``cfg.loss``; write a model dir.
 
     Holds out ``cfg.eval_fraction`` of the pairs (``engine.training.reward_model.split_eval``),
     computes the reference log-probs of every pair once (:data:`REFERENCE_FILE`, unless the loss
@@ -317,7 +471,10 @@ def train_preference_optimization(
     Args:
         base_model_dir: model directory (``engine.storage.model_dir`` layout) of the starting
             policy, which is also the reference.
-        dataset_path: normalized JSONL of ``{"prompt", "chosen", "rejected"}`` rows.
+        dataset_path: normalized JSONL of ``{"prompt", "chosen", "rejected"}`` rows, or for KTO of
+            unpaired ``{"prompt", "completion", "label"}`` rows (``label`` true: desirable); then
+            "pairs" below reads "rows". The desirable and undesirable counts are logged, with the
+            ratio ``lambda_D n_D / (lambda_U n_U)`` (a warning outside [1, 4/3], TRL's range).
         cfg: the ``po`` config section.
         out_dir: model directory to write (replaced if it exists); :data:`REFERENCE_FILE` goes
             beside it (``out_dir/../reference_logps.safetensors``) when the loss uses a reference.
@@ -331,14 +488,28 @@ def train_preference_optimization(
         ``po/accuracy`` (last training batch), ``po/grad_norm``, ``po/lr``, ``po/kl`` (KTO's z0),
         the held-out ``po/eval_*`` of :func:`evaluate_pairs`, ``po/num_train_pairs``,
         ``po/num_eval_pairs``, ``train/steps``, ``train/resumed_from_step``, ``train/steps_run``.
+        Unpaired rows: ``po/rewards/chosen`` and ``po/rewards/rejected`` are the training batch's
+        mean desirable and undesirable rewards (NaN for a class absent from it), ``po/accuracy``
+        the fraction of rows whose reward sign matches the label, the held-out metrics those of
+        :func:`evaluate_unpaired`, and ``po/num_train_pairs`` is ``po/num_train_rows`` (and
+        ``po/num_eval_rows``, ``po/num_desirable``, ``po/num_undesirable``).
 
     Raises:
-        ValueError: bad dataset rows (file, line, field), fewer than 2 pairs, or a
-            ``resume_dir`` written with a different config, dataset size or seed.
+        ValueError: bad dataset rows (file, line, field), fewer than 2 pairs, unpaired rows with
+            a loss other than kto (naming po.loss), or a ``resume_dir`` written with a different
+            config, dataset size or seed.
     """
     loaded = load_model_dir(base_model_dir, seed=seed)
     tokenizer = load_tokenizer(base_model_dir)
-    pairs = encode_pairs(dataset_path, tokenizer, cfg.max_seq_len, mismatched=cfg.loss == "kto")
+    unpaired = is_unpaired(dataset_path)
+    if unpaired and cfg.loss != "kto":
+        raise ValueError(f"{dataset_path}: unpaired desirable/undesirable rows (data.kto) train only po.loss: kto, "
+                         f"not {cfg.loss!r}; set po.loss: kto, or give pairs (data.preference)")
+    if unpaired:
+        pairs = encode_unpaired(dataset_path, tokenizer, cfg.max_seq_len)
+        _log_class_balance(pairs, cfg)
+    else:
+        pairs = encode_pairs(dataset_path, tokenizer, cfg.max_seq_len, mismatched=cfg.loss == "kto")
     train_idx, eval_idx = split_eval(len(pairs), cfg.eval_fraction, seed)
     pad_id = pad_token_id(tokenizer)
     model = loaded.model
@@ -374,13 +545,20 @@ def train_preference_optimization(
         out = train_step(model, optimizer, scheduler, micro, partial(po_loss, cfg=cfg, reference_point=z0),
                          cfg.optim.grad_clip)
         done = step + 1
+        if unpaired:  # class sums per row -> class means (see po_loss)
+            fraction = out["desirable_fraction"]
+            out["rewards/chosen"] = out["rewards/desirable_sum"] / fraction if fraction else float("nan")
+            out["rewards/rejected"] = (out["rewards/undesirable_sum"] / (1 - fraction) if fraction < 1
+                                       else float("nan"))
+            out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
         metrics = {"po/loss": out["loss"], "po/rewards/chosen": out["rewards/chosen"],
                    "po/rewards/rejected": out["rewards/rejected"], "po/rewards/margin": out["rewards/margin"],
                    "po/accuracy": out["accuracy"], "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
                    **({"po/kl": float(z0)} if z0 is not None else {}),
                    "perf/pairs_per_s": len(indices) / (time.perf_counter() - t0)}
         if done % cfg.log_every == 0 or done == cfg.steps:
-            metrics.update(evaluate_pairs(model, pairs, eval_idx, reference, cfg, pad_id))
+            evaluate = evaluate_unpaired if unpaired else evaluate_pairs
+            metrics.update(evaluate(model, pairs, eval_idx, reference, cfg, pad_id))
             if log_metrics is not None:  # before the checkpoint: a run resumed from step N has logged up to N
                 log_metrics(metrics, done)
         if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
@@ -394,7 +572,10 @@ def train_preference_optimization(
         save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
     if cfg.uses_reference:
         save_reference(reference, pairs, Path(out_dir).parent / REFERENCE_FILE, identity)
-    return {**metrics, "po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx)),
-            "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
+    counts = ({"po/num_train_rows": float(len(train_idx)), "po/num_eval_rows": float(len(eval_idx)),
+               "po/num_desirable": float(sum(e.label for e in pairs)),
+               "po/num_undesirable": float(sum(not e.label for e in pairs))} if unpaired else
+              {"po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx))})
+    return {**metrics, **counts, "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
             "train/steps_run": float(cfg.steps - start)}
 

@@ -503,3 +503,17 @@ def test_reference_table_names_path_types():
     assert "| `model.tokenizer` | str or null | `None` |" in table
     assert "| `run.artifact_root` | str | `'artifacts'` |" in table
     assert "Annotated" not in table
+
+
+def test_unpaired_kto_rows_train_only_the_kto_loss(tmp_path, quickstart_raw, fixtures_dir):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["data"]["kto"] = {"path": str(fixtures_dir / "llamafactory-demo" / "kto_en_demo.json"), "format": "kto"}
+    del raw["data"]["preference"]
+    raw["po"].update(enabled=True, loss="dpo")
+    assert "data.kto: unpaired desirable/undesirable rows train only po.loss: kto, not 'dpo'" in _error(
+        _write(tmp_path, raw))
+    raw["po"]["loss"] = "kto"
+    cfg = load_config(_write(tmp_path, raw))
+    assert cfg.data.preference is None and cfg.data.kto.format == "kto"
+    raw["data"]["kto"] = None
+    assert "po.enabled needs preference pairs: set data.preference" in _error(_write(tmp_path, raw))

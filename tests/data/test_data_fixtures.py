@@ -46,6 +46,7 @@ CASES = [
     ("llamafactory-demo/identity.json", "sft", "alpaca", 91, 91, 0, 0),
     ("llamafactory-demo/v1_sft_demo.jsonl", "sft", "messages", 500, 500, 0, 0),
     ("llamafactory-demo/kto_en_demo.json", "sft", "kto", 300, 150, 0, 150),
+    ("llamafactory-demo/kto_en_demo.json", "kto", "kto", 300, 300, 0, 0),
     ("llamafactory-demo/dpo_en_demo.json", "preference", "dpo", 300, 300, 0, 0),
     ("stanford-alpaca/seed_tasks.jsonl", "sft", "seed_tasks", 175, 175, 0, 0),
 ]
@@ -194,6 +195,20 @@ def test_kto_keeps_desirable_rows(fixtures_dir):
         for r in raw if r["label"] is True
     ]
     assert sum(len(r["messages"]) > 2 for r in result.rows) > 0  # multi-turn rows survive
+
+
+def test_kto_unpaired_rows_keep_every_row_and_its_label(fixtures_dir):
+    src = fixtures_dir / "llamafactory-demo" / "kto_en_demo.json"
+    raw = _json(src)
+    result = validate_dataset(src, "kto")
+    assert result.rows == [
+        {"prompt": [{"role": m["role"], "content": m["content"]} for m in r["messages"][:-1]],
+         "completion": r["messages"][-1]["content"], "label": r["label"]}
+        for r in raw
+    ]
+    # counted in the file: 150 rows labelled true, 150 false
+    assert sum(r["label"] for r in result.rows) == 150 and sum(not r["label"] for r in result.rows) == 150
+    assert result.lines[:3] == [2, 15, 44]  # each record's opening line in the .json array
 
 
 def test_dpo(fixtures_dir):

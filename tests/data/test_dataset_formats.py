@@ -36,10 +36,10 @@ def _user(text: str) -> dict:
 
 def _cfg(**datasets) -> SimpleNamespace:
     """A ``data`` section as validate_data reads it (attribute access, like DataConfig)."""
-    base = {"sft": None, "preference": None, "rl_train": None, "rl_eval": None,
+    base = {"sft": None, "preference": None, "kto": None, "rl_train": None, "rl_eval": None,
             "max_bad_fraction": 0.0, "allow_eval_overlap": True}
     for name, value in datasets.items():
-        if name in ("sft", "preference", "rl_train", "rl_eval") and isinstance(value, (str, Path)):
+        if name in ("sft", "preference", "kto", "rl_train", "rl_eval") and isinstance(value, (str, Path)):
             value = SimpleNamespace(path=str(value), format="auto", limit=None)
         base[name] = value
     return SimpleNamespace(**base)
@@ -324,6 +324,34 @@ def test_kto_with_a_string_label_stays_kto_and_reports_the_row(tmp_path):
     assert [(e.line, e.field, e.message) for e in result.errors] == [(3, "label", "expected true or false, got string")]
     assert [r["messages"][1]["content"] for r in result.rows] == ["yes", "blue"]
     assert (result.n_total, result.n_bad, result.n_skipped) == (4, 1, 1)
+
+
+def test_kto_rows_as_unpaired_kind_name_line_and_field(tmp_path):
+    path = _write(tmp_path / "kto.jsonl", [
+        {"messages": [{"role": "system", "content": "Be brief."}, *_chat("yes")], "label": True},
+        {"messages": _chat("no"), "label": False},
+        {"messages": _chat("green"), "label": "false"},
+        {"messages": [_user("Is the sky blue?")], "label": True},
+        {"messages": _chat("  "), "label": False},
+        {"messages": [*_chat("blue"), {"role": "assistant", "content": "indeed"}], "label": True},
+    ])
+    result = validate_dataset(path, "kto")
+    assert result.format == "kto"
+    assert [(e.line, e.field, e.message) for e in result.errors] == [
+        (3, "label", "expected true or false, got string"),
+        (4, "messages[0].role", "the last turn must be the assistant's completion"),
+        (5, "messages[1].content", "empty completion"),
+        (6, "messages[1].role", "last prompt turn must be 'user', got 'assistant'"),
+    ]
+    assert result.rows == [
+        {"prompt": [{"role": "system", "content": "Be brief."}, _user("Is the sky blue?")], "completion": "yes",
+         "label": True},
+        {"prompt": [_user("Is the sky blue?")], "completion": "no", "label": False},
+    ]
+    assert result.lines == [1, 2] and (result.n_total, result.n_bad, result.n_skipped) == (6, 4, 0)
+    # the validate stage publishes them as kto.jsonl (DataReport.outputs' "kto")
+    checked = validate_data(_cfg(kto=path, max_bad_fraction=1.0))
+    assert checked.keys == {"kto": "data.kto"} and checked.outputs() == {"kto": result.rows}
 
 
 def test_gsm8k_rows_read_as_math_are_refused(tmp_path):

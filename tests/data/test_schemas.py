@@ -63,5 +63,5 @@ def test_rl_and_preference_rows():
 def test_frame_wide_faults_raise():
     with pytest.raises(ValueError, match="rl frame: column 'label'"):
         frame_problems(pl.DataFrame({"prompt": [[{"role": "user", "content": "q"}]], "label": [4]}), "rl")
-    with pytest.raises(ValueError, match="unknown dataset kind 'kto'"):
-        build_schema("kto")
+    with pytest.raises(ValueError, match="unknown dataset kind 'dialogue'"):
+        build_schema("dialogue")

@@ -345,8 +345,8 @@ def _alternatives(value, ann) -> list:
         # benchmark files (evaluate.datasets)
         shorter = [value[1:]] if isinstance(value, list) and len(value) > 1 else []
         return shorter + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}]]
-    # an unset optional (an import path, then a section: rl.teacher)
-    return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}]
+    # an unset optional (an import path, then a section: rl.teacher, a dataset: data.kto)
+    return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"}]
 
 
 # Keys valid only together with others (cross-key checks of the schema).
