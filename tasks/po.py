@@ -13,6 +13,8 @@ under ``run.checkpoint_root`` when a previous attempt with the same fingerprint 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 
 SPEC = StageSpec(
@@ -24,6 +26,13 @@ SPEC = StageSpec(
 )
 
 
+def training_data(validate_dir: Path, loss: str) -> Path:
+    """The validate artifact's file po trains on: ``kto.jsonl`` (the unpaired rows of ``data.kto``)
+    for ``po.loss: kto`` when the artifact has it, else ``preference.jsonl`` (the pairs)."""
+    unpaired = validate_dir / "kto.jsonl"
+    return unpaired if loss == "kto" and unpaired.exists() else validate_dir / "preference.jsonl"
+
+
 @stage_task(SPEC)
 def po(ctx: StageContext) -> dict:
     """Train ``po.steps`` steps of ``po.loss`` on ``preference.jsonl`` (kto: on ``kto.jsonl`` when the
@@ -33,10 +42,8 @@ def po(ctx: StageContext) -> dict:
     from engine.evaluation.curves import write_stage_curves
     from engine.training.preference_optimization import train_preference_optimization
 
-    unpaired = ctx.input_path("validate") / "kto.jsonl"
-    dataset = unpaired if ctx.cfg.po.loss == "kto" and unpaired.exists() else ctx.input_path("validate") / "preference.jsonl"
     metrics = train_preference_optimization(
-        ctx.input_path(starting_policy(ctx.cfg)) / "model", dataset,
+        ctx.input_path(starting_policy(ctx.cfg)) / "model", training_data(ctx.input_path("validate"), ctx.cfg.po.loss),
         ctx.cfg.po, ctx.workdir / "model", ctx.resume_dir, seed=ctx.cfg.run.seed, log_metrics=ctx.log_metrics)
     png, _ = write_stage_curves("po", ctx.workdir, ctx.tracker.history())
     ctx.tracker.log_images({"curves": png})
