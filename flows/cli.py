@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     _config_arguments(p)
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("stage", help="run one stage (what dvc.yaml calls)")
-    p.add_argument("name", help="prepare, validate, convert, sft, rm, rl, evaluate or export")
+    p.add_argument("name", help=f"prepare, {', '.join(STAGE_ORDER[:-1])} or {STAGE_ORDER[-1]}")
     _config_arguments(p)
     p.set_defaults(fn=cmd_stage)
     p = sub.add_parser("status", help="each stage's artifact for this config and whether it is up to date")
