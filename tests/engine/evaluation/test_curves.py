@@ -80,7 +80,7 @@ def test_read_series_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"text.jsonl:1: step = 'one' is not a number"):
         read_series(text, ["train/loss"])
     assert read_series(text, ["train/lr"]) == {}  # a key no line has: nothing to check, nothing returned
-    with pytest.raises(KeyError, match="stages with curves: sft, rm, rl"):
+    with pytest.raises(KeyError, match="stages with curves: sft, rm, po, rl"):
         stage_series("export", text)
     with pytest.raises(ValueError, match="no panels"):
         render_curves({}, [], tmp_path / "x.png")
