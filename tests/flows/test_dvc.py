@@ -997,10 +997,10 @@ def test_compact_exp_show_has_only_the_columns_that_differ_and_the_accuracies(dv
 def test_metrics_diff_prints_the_real_deltas_between_the_experiments(dvc_project, walkthrough):
     root = dvc_project["root"]
     exps = _experiments(walkthrough["shown"][1])
-    old = {name: _headline(root, name, exps["rm-0.5"]["rev"]) for name in ARTIFACT_STAGES}
-    new = {name: _headline(root, name, exps["rm-1.0"]["rev"]) for name in ARTIFACT_STAGES}
+    old = {name: _headline(root, name, exps["rm-0.5"]["rev"]) for name in PUBLISHED}
+    new = {name: _headline(root, name, exps["rm-1.0"]["rev"]) for name in PUBLISHED}
     expected = {f"{OUT}/{name}.metrics.json": {k: {"old": old[name][k], "new": new[name][k], "diff": new[name][k] - old[name][k]}
-                                               for k in HEADLINE[name] if old[name][k] != new[name][k]} for name in ARTIFACT_STAGES}
+                                               for k in HEADLINE[name] if old[name][k] != new[name][k]} for name in PUBLISHED}
     expected = {path: changed for path, changed in expected.items() if changed}
     assert walkthrough["diff"] == expected
     assert set(expected) >= {f"{OUT}/rl.metrics.json"} and set(expected) <= {f"{OUT}/{n}.metrics.json" for n in ("rl", "evaluate", "export")}
@@ -1027,13 +1027,13 @@ def test_compare_takes_the_experiments_by_name(dvc_project, walkthrough, tmp_pat
     exps = _experiments(walkthrough["shown"][1])
     revs = [exps[name]["rev"] for name in EXPERIMENTS]
     assert [(r["label"], r["kind"]) for r in doc["runs"]] == [(name, "experiment") for name in EXPERIMENTS]
-    assert [r["artifacts"] for r in doc["runs"]] == [{s: _pointer(root, s, rev)["artifact_id"] for s in ARTIFACT_STAGES}
+    assert [r["artifacts"] for r in doc["runs"]] == [{s: _pointer(root, s, rev)["artifact_id"] for s in PUBLISHED}
                                                     for rev in revs]
     assert doc["changed_keys"] == ["rl.reward.reward_model_weight"]
     changed = {(c["stage"], c["key"]): c["values"] for c in doc["changed"]}
     assert changed[("rl", "rl.reward.reward_model_weight")] == list(EXPERIMENTS.values())
     rows = {(r["stage"], r["metric"]): r for r in doc["metrics"]}
-    for name in ARTIFACT_STAGES:
+    for name in PUBLISHED:
         old, new = (_manifest(root, _pointer(root, name, rev))[1]["metrics"] for rev in revs)
         for key in HEADLINE[name]:
             assert rows[(name, key)]["values"] == [old[key], new[key]], (name, key)
