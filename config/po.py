@@ -31,6 +31,11 @@ class PoConfig(Strict):
                                                                   "label is flipped (conservative DPO); 0: none.")
     simpo_gamma: float = Field(0.5, ge=0, description="simpo: target reward margin gamma (in reward units; the paper's "
                                                       "gamma/beta ratio times beta).")
+    rpo_alpha: float = Field(0.0, ge=0, description="dpo, ipo, simpo: weight of the chosen response's negative "
+                                                    "log-likelihood per token added to each pair's loss (RPO, Pang et "
+                                                    "al. 2024; TRL's rpo_alpha; the paper uses 1.0). Keeps the chosen "
+                                                    "responses likely: without it DPO can lower both sides' "
+                                                    "likelihood; 0: off.")
     kto_desirable_weight: float = Field(1.0, gt=0, description="kto: weight lambda_D of the desirable responses' losses.")
     kto_undesirable_weight: float = Field(1.0, gt=0, description="kto: weight lambda_U of the undesirable responses' "
                                                                  "losses.")
@@ -55,6 +60,9 @@ class PoConfig(Strict):
     def _check(self):
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError("po.global_batch_size must be a multiple of po.micro_batch_size")
+        if self.rpo_alpha and self.loss == "kto":
+            raise ValueError("po.rpo_alpha: the chosen-response NLL term needs pairs (dpo, ipo, simpo), not kto; "
+                             "set po.rpo_alpha: 0")
         if self.reference_free and self.loss == "kto":
             raise ValueError("po.reference_free: kto needs the reference policy (its KL reference point); set "
                              "po.reference_free: false or po.loss: dpo | ipo | simpo")

@@ -116,6 +116,32 @@ def simpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, beta:
     return PreferenceLoss(losses, chosen.detach(), rejected.detach())
 
 
+def with_chosen_nll(out: PreferenceLoss, policy_chosen_sum: torch.Tensor, chosen_tokens: torch.Tensor,
+                    alpha: float) -> PreferenceLoss:
+    """Add the chosen response's negative log-likelihood per token to each pair's loss (RPO)::
+
+        loss_i = loss_pref_i + alpha * (-log pi(y_c,i | x_i) / |y_c,i|)
+
+    Pang et al. 2024, "Iterative Reasoning Preference Optimization" (arXiv:2404.19733), eq. 1:
+    DPO alone lowers the chosen responses' likelihood too, and the NLL term is what made it
+    work on GSM8K; TRL's ``rpo_alpha``. The NLL is each pair's own per-token mean (not the
+    batch's token mean TRL takes), so the loss of a global batch stays the mean of per-pair
+    losses and does not depend on the micro-batch split.
+
+    Args:
+        out: the preference loss of ``B`` pairs.
+        policy_chosen_sum: ``[B]`` summed log-probs of the chosen responses (with gradient), nats.
+        chosen_tokens: ``[B]`` their token counts (> 0).
+        alpha: weight of the NLL term (>= 0; 0 returns ``out`` unchanged).
+
+    Returns: a :class:`PreferenceLoss` with the same rewards and ``losses`` ``[B]`` + the NLL term.
+    """
+    if not alpha:
+        return out
+    nll = -policy_chosen_sum / chosen_tokens
+    return PreferenceLoss(out.losses + alpha * nll, out.chosen_rewards, out.rejected_rewards)
+
+
 def kto_reference_point(policy_mismatched: torch.Tensor, ref_mismatched: torch.Tensor) -> torch.Tensor:
     """KTO's reference point z0: the batch estimate of KL(pi || pi_ref), clamped at 0, detached.
 

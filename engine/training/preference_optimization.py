@@ -47,6 +47,7 @@ from engine.algorithms.preference_loss import (
     kto_loss,
     kto_reference_point,
     simpo_loss,
+    with_chosen_nll,
 )
 from engine.batching.collate import TokenBatch, collate_tokens, pad_token_id, split_micro_batches
 from engine.batching.sampler import EpochSampler
@@ -254,7 +255,16 @@ def preference_loss(cfg: PoConfig, policy_chosen: torch.Tensor, policy_rejected:
                     rejected_tokens: torch.Tensor, reference_point: torch.Tensor | None = None) -> PreferenceLoss:
     """``cfg.loss`` on summed log-probs ``[n]``: ipo and simpo divide them (and the reference's)
     by the responses' token counts ``[n]`` first (TRL's length-averaged log-probs). KTO needs
-    ``reference_point`` (:func:`engine.algorithms.preference_loss.kto_reference_point`)."""
+    ``reference_point`` (:func:`engine.algorithms.preference_loss.kto_reference_point`). With
+    ``cfg.rpo_alpha`` each pair's loss also gets the chosen response's NLL per token
+    (:func:`engine.algorithms.preference_loss.with_chosen_nll`)."""
+    out = _loss_of_pairs(cfg, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens,
+                         rejected_tokens, reference_point)
+    return with_chosen_nll(out, policy_chosen, chosen_tokens, cfg.rpo_alpha)
+
+
+def _loss_of_pairs(cfg: PoConfig, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens,
+                   rejected_tokens, reference_point) -> PreferenceLoss:
     if cfg.length_normalized:
         policy_chosen, policy_rejected = policy_chosen / chosen_tokens, policy_rejected / rejected_tokens
         ref_chosen, ref_rejected = ref_chosen / chosen_tokens, ref_rejected / rejected_tokens
@@ -313,7 +323,8 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroB
     out = preference_loss(cfg, logps[:n], logps[n:], batch.ref_chosen, batch.ref_rejected, tokens[:n], tokens[n:],
                           reference_point)
     metrics = {"rewards/chosen": float(out.chosen_rewards.mean()), "rewards/rejected": float(out.rejected_rewards.mean()),
-               "rewards/margin": float(out.margins.mean()), "accuracy": float(out.correct.float().mean())}
+               "rewards/margin": float(out.margins.mean()), "accuracy": float(out.correct.float().mean()),
+               "chosen_nll": float((-logps[:n].detach() / tokens[:n]).mean())}
     return out.losses.sum(), out.losses.numel(), metrics
 
 
@@ -553,7 +564,8 @@ def train_preference_optimization(
             out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
         metrics = {"po/loss": out["loss"], "po/rewards/chosen": out["rewards/chosen"],
                    "po/rewards/rejected": out["rewards/rejected"], "po/rewards/margin": out["rewards/margin"],
-                   "po/accuracy": out["accuracy"], "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
+                   "po/accuracy": out["accuracy"], **({"po/chosen_nll": out["chosen_nll"]} if "chosen_nll" in out else {}),
+                   "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
                    **({"po/kl": float(z0)} if z0 is not None else {}),
                    "perf/pairs_per_s": len(indices) / (time.perf_counter() - t0)}
         if done % cfg.log_every == 0 or done == cfg.steps:

@@ -517,3 +517,12 @@ def test_unpaired_kto_rows_train_only_the_kto_loss(tmp_path, quickstart_raw, fix
     assert cfg.data.preference is None and cfg.data.kto.format == "kto"
     raw["data"]["kto"] = None
     assert "po.enabled needs preference pairs: set data.preference" in _error(_write(tmp_path, raw))
+
+
+def test_rpo_alpha_needs_pairs(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["po"].update(enabled=True, loss="kto", rpo_alpha=1.0)
+    assert "po.rpo_alpha: the chosen-response NLL term needs pairs (dpo, ipo, simpo), not kto" in _error(
+        _write(tmp_path, raw))
+    raw["po"]["loss"] = "dpo"
+    assert load_config(_write(tmp_path, raw)).po.rpo_alpha == 1.0

@@ -9,7 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.algorithms.preference_loss import dpo_loss, ipo_loss, kto_loss, kto_reference_point, simpo_loss
+from engine.algorithms.preference_loss import (
+    dpo_loss,
+    ipo_loss,
+    kto_loss,
+    kto_reference_point,
+    simpo_loss,
+    with_chosen_nll,
+)
 
 LOG2 = math.log(2)
 
@@ -46,6 +53,21 @@ def test_dpo_beta_extremes_are_finite():
     assert out.losses.tolist() == pytest.approx([0.0, 2e4], abs=1e-12)
     tiny = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=1e-6)
     assert tiny.losses.item() == pytest.approx(LOG2 - 1e-6 + (2e-6) ** 2 / 8, abs=1e-15)
+
+
+def test_rpo_adds_the_chosen_nll_per_token():
+    # DPO (h = 2, beta 0.5: log(1 + e^-1)) plus alpha * (-log pi(y_c)) / |y_c| = 0.5 * 6 / 3 = 1.0 on pair 0;
+    # pair 1 has h = 0 (log 2) and adds 0.5 * 2 / 4 = 0.25
+    policy_chosen = t(-6.0, -2.0).requires_grad_()
+    dpo = dpo_loss(policy_chosen, t(-8.0, -5.0), t(-7.0, -2.0), t(-7.0, -5.0), beta=0.5)
+    out = with_chosen_nll(dpo, policy_chosen, t(3.0, 4.0), alpha=0.5)
+    assert out.losses.tolist() == pytest.approx([math.log1p(math.exp(-1)) + 1.0, LOG2 + 0.25], abs=1e-15)
+    assert out.chosen_rewards.tolist() == dpo.chosen_rewards.tolist()  # the rewards are the preference loss's
+    assert with_chosen_nll(dpo, policy_chosen, t(3.0, 4.0), alpha=0.0) is dpo
+    # d/d logp_c of the NLL term: -alpha / |y_c|; the DPO term's: -beta sigmoid(-beta h)
+    (grad,) = torch.autograd.grad(out.losses.sum(), policy_chosen)
+    want = [-0.5 / (1 + math.e) - 0.5 / 3, -0.5 * 0.5 - 0.5 / 4]
+    assert grad.tolist() == pytest.approx(want, abs=1e-15)
 
 
 def test_ipo_hand_values():
