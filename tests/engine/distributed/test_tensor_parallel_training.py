@@ -22,7 +22,13 @@ RL actor's TP-aware ones.
 Train states (``engine.storage.train_state``) are torch_dist checkpoints that every rank writes
 its shards of; one written at TP=1 resumes at TP=2 and one written at TP=2 at TP=1, with the
 weights and AdamW moments exactly the saved ones, and the weight-sync buckets of a TP=2 actor
-(gathered from both ranks) are those of the TP=1 actor bit for bit.
+(gathered from both ranks) are those of the TP=1 actor bit for bit. One written by a
+data-parallel actor group (DP=2) resumes in the TP=2 group exactly as saved, and its next update
+equals the DP=2 group's and a TP=1 actor's within the bounds above.
+
+The PPO critic (its value head replicated on both ranks and counted once in the gradient norm)
+makes at TP=2 the step it makes in this process: values, value loss, clip fraction and gradient
+norm within 1e-6 of max(|value|, 1), and the weights after the step within the actor's bounds.
 """
 
 from __future__ import annotations
@@ -193,6 +199,151 @@ def test_train_state_reshards_from_tp1_to_tp2_and_back(policy_dir, tp2_actor, tm
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         print(f"step 3 {key}: tp2 {tp2_step3[key]!r} tp1 (resumed from tp2) {tp1_step3[key]!r}")
         assert _close(tp1_step3[key], tp2_step3[key]), (key, tp1_step3[key], tp2_step3[key])
+
+
+def _weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every element's ``|a - b|`` over the tensors of two state dicts with the same names."""
+    assert a.keys() == b.keys()
+    return torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+
+
+def test_critic_update_at_tp2_equals_tp1(policy_dir, tmp_path):
+    """One PPO critic step (clipped value loss, clipping of the gradient norm to 0.5, micro-batches
+    of 3) by a TP=2 critic group (both ranks get the whole batch; the value head is replicated on
+    each rank and counted once in the norm) and by the critic in this process (TP=1, the same
+    seed, so the same value head):
+
+    - values before the step within 1e-6 (absolute);
+    - ``critic/vf_loss``, ``vf_clipfrac``, ``vpred_mean`` and ``grad_norm`` within 1e-6 of
+      max(|value|, 1) (:func:`_close`);
+    - the weights after the step (the train state both ranks write, read back as full tensors:
+      body and value head) within the actor test's bounds: every weight within 1e-2 x lr, at
+      most 1e-4 of them beyond 1e-6 (AdamW's near-eps gradients);
+    - the values after the step within 1e-6, where the step moved them by more than 1e-4.
+
+    Measured (printed with -s): values before 4.5e-8 apart; vf_loss 9.3e-10, vpred_mean 2.0e-9,
+    clip fraction equal (0.1), grad_norm 2.0089800 vs 2.0089803 (2.4e-7); weights at most
+    2.7e-6 apart, 3 of 98,753 beyond 1e-6; values after 8.9e-8 apart (moved by up to 0.45).
+    """
+    import ray
+
+    from engine.algorithms.aggregation import global_norm
+    from engine.backends.megatron.critic import CriticWorker
+    from engine.distributed.group import WorkerGroup
+    from engine.rl.placement import init_ray
+    from engine.storage.train_state import DataPosition, load_train_state
+    from engine.training.critic import critic_state_dir
+
+    init_ray(num_cpus=2)
+    cfg, traj = rl_config(), trajectory()
+    single = CriticWorker(policy_dir, cfg, 3, 1)
+    values = single.compute_values(traj)
+    group = WorkerGroup(CriticWorker, TP2, {"num_cpus": 0}, (str(policy_dir), cfg, 3, 1), seed=3,
+                        norm_fn=lambda t: global_norm(t.response_mask))
+    try:
+        ray.get(group.__ray_ready__.remote())
+        before = ray.get(group.compute_values.remote(traj))
+        print(f"critic values before the step, TP=2 vs TP=1: max |diff| {float((before - values).abs().max()):.3g}")
+        assert torch.allclose(before, values, atol=1e-6, rtol=0)
+        offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
+        traj = traj.with_(values=(values + offsets) * traj.response_mask)
+        want = single.update(traj)
+        got = ray.get(group.update.remote(traj))
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
+            print(f"critic {key}: tp1 {want[key]!r} tp2 {got[key]!r} (|diff| {abs(got[key] - want[key]):.3g})")
+            assert _close(got[key], want[key]), (key, got[key], want[key])
+        assert want["critic/grad_norm"] > cfg.critic.optim.grad_clip  # the TP-aware clipping is exercised
+        assert 0.0 < want["critic/vf_clipfrac"] < 1.0  # both branches of the clipped loss
+        pos = DataPosition(0, 8, 0)
+        single.save_state(tmp_path / "tp1", 1, pos, {})
+        ray.get(group.save_state.remote(str(tmp_path / "tp2"), 1, pos, {}))  # each rank writes its shards
+        a = load_train_state(critic_state_dir(tmp_path / "tp1", 1)).model
+        b = load_train_state(critic_state_dir(tmp_path / "tp2", 1)).model  # gathered over both ranks
+        assert "value_head.weight" in a
+        diff = _weight_diff(a, b)
+        beyond = int((diff > 1e-6).sum())
+        print(f"critic weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
+              f"{beyond} of {diff.numel()} beyond 1e-6")
+        assert float(diff.max()) < 1e-2 * cfg.critic.optim.lr
+        assert beyond <= 1e-4 * diff.numel()
+        after, after1 = ray.get(group.compute_values.remote(traj)), single.compute_values(traj)
+        print(f"critic values after the step, TP=2 vs TP=1: max |diff| {float((after - after1).abs().max()):.3g}, "
+              f"moved by up to {float((after1 - values).abs().max()):.3g}")
+        assert torch.allclose(after, after1, atol=1e-6, rtol=0)
+        assert float((after1 - values).abs().max()) > 1e-4  # the step changed the values
+    finally:
+        group.kill()
+
+
+def test_dp2_actor_state_resumes_at_tp2(policy_dir, tp2_actor, tmp_path):
+    """A train state written by a data-parallel actor group (DP=2, TP=1: each rank half of the
+    batch, the gradients all-reduced) after one step resumes in the TP=2 group:
+
+    - loaded there and written back by both ranks, it is the saved state bit for bit (every
+      weight and AdamW moment, the step counts, the schedule);
+    - the TP=2 group's next update equals the DP=2 group's uninterrupted next update and that of
+      a TP=1 actor resumed from the same state: ``pg_loss``, ``grad_norm``, ``entropy``,
+      ``kl_loss``, ``ppo_kl`` within 1e-6 of max(|value|, 1) (:func:`_close`), and the weights
+      after it within the actor test's bounds (every weight within 1e-2 x lr of the TP=1
+      actor's, at most 1e-4 of them beyond 1e-6).
+
+    Why that tolerance: the three layouts start the step from exactly the same weights and
+    moments and compute the same fp32 update; they differ only in the order of the sums (DP=2
+    adds each rank's half-batch gradient in an all-reduce, TP=2 adds the row-parallel partial
+    sums and the per-head norms' gradients over the ranks, and the gradient norm is a sum of
+    squares over shards), so losses and norms differ by a few ulps, as between DP=2 and DP=1 and
+    between TP=2 and TP=1 (the bound of both); AdamW's step is about lr x sign(g) and amplifies
+    those ulps only where a gradient is near its eps. A state resumed with the wrong moments
+    (e.g. a fresh optimizer) or a half-loaded shard would be off by far more than that.
+
+    Measured (printed with -s), TP=2 vs DP=2 / vs TP=1: grad_norm 3.0e-7 / 3.0e-7 (0.6988),
+    entropy 2.5e-7 / 0, policy loss 1.9e-9 / 0, KL loss 2.0e-9 / 6.0e-9, ppo_kl 1.4e-8 / 3.2e-8;
+    weights after the step at most 2.6e-8 from the TP=1 actor's (none beyond 1e-6).
+    """
+    import ray
+
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.distributed.group import WorkerGroup
+    from engine.storage.train_state import DataPosition, load_train_state
+    from engine.training.actor import actor_norm
+
+    cfg, base = rl_config(), trajectory()
+    single = ActorWorker(policy_dir, cfg, 0, 1)
+    old = single.compute_logprobs(base)
+    batch = base.with_(old_logprobs=old, ref_logprobs=old - 0.05 * base.response_mask)
+    pos = DataPosition(0, 8, 0)
+    dp2 = WorkerGroup(ActorWorker, ParallelConfig(data_parallel_size=2), {"num_cpus": 0},
+                      (str(policy_dir), cfg, 0, 1), norm_fn=lambda t: actor_norm(t, cfg))
+    try:
+        ray.get(dp2.__ray_ready__.remote())
+        ray.get(dp2.update.remote(batch))
+        ray.get(dp2.save_state.remote(str(tmp_path / "dp2"), 1, pos, {"note": "dp2"}))
+        dp2_step2 = ray.get(dp2.update.remote(batch)).metrics
+    finally:
+        dp2.kill()
+
+    group = tp2_actor
+    assert ray.get(group.load_state.remote(str(tmp_path / "dp2"))) == (1, pos, {"note": "dp2"})
+    ray.get(group.save_state.remote(str(tmp_path / "tp2_at1"), 1, pos, {}))
+    _assert_same_train_state(load_train_state(tmp_path / "tp2_at1"), load_train_state(tmp_path / "dp2"))
+    tp2_step2 = ray.get(group.update.remote(batch)).metrics
+    assert single.load_state(tmp_path / "dp2")[0] == 1
+    tp1_step2 = single.update(batch).metrics
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+        print(f"step 2 {key}: dp2 {dp2_step2[key]!r} tp2 (resumed from dp2) {tp2_step2[key]!r} "
+              f"tp1 (resumed from dp2) {tp1_step2[key]!r}")
+        assert _close(tp2_step2[key], dp2_step2[key]), (key, tp2_step2[key], dp2_step2[key])
+        assert _close(tp2_step2[key], tp1_step2[key]), (key, tp2_step2[key], tp1_step2[key])
+    single.save_model(tmp_path / "tp1", 2)
+    ray.get(group.save_model.remote(str(tmp_path / "tp2"), 2))
+    diff = _weight_diff(_weights(tmp_path / "tp1"), _weights(tmp_path / "tp2"))
+    beyond = int((diff > 1e-6).sum())
+    print(f"actor weights after step 2, TP=2 vs TP=1 (both resumed from DP=2): max |dW| {float(diff.max()):.3g}, "
+          f"{beyond} of {diff.numel()} beyond 1e-6")
+    assert float(diff.max()) < 1e-2 * cfg.optim.lr
+    assert beyond <= 1e-4 * diff.numel()
+    moved = _weight_diff(_weights(tmp_path / "tp1"), load_train_state(tmp_path / "dp2").model)
+    assert float(moved.max()) > 1e-4  # step 2 moved the weights
 
 
 @pytest.fixture(scope="module")
