@@ -1,6 +1,6 @@
 """Memory per device of a training and rollout layout, estimated before anything runs.
 
-``posttrain validate`` (flows/preflight.py) plans the sft, rm and rl stages with this module
+``posttrain validate`` (flows/preflight.py) plans the sft, rm, po and rl stages with this module
 and refuses a layout that cannot run: a tensor-parallel size that does not divide the
 model, more ranks than the cluster has CPUs (or GPUs), or ranks that need more memory than
 they have. ``python -m config.memory_plan`` prints the table of docs/scaling.md. Pure Python
@@ -270,13 +270,13 @@ def _micro(rows: int, budget: int | None, seq_len: int) -> tuple[int, int]:
 
 def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
                 seq_lens: Mapping[str, int]) -> dict[str, list[RoleMemory]]:
-    """The roles of the training stages in ``seq_lens`` (``sft``, ``rm``, ``rl``; when
+    """The roles of the training stages in ``seq_lens`` (``sft``, ``rm``, ``po``, ``rl``; when
     enabled) and their bytes.
 
     Args:
         cfg: the pipeline config (precisions resolved).
         hf_config: the model's ``config.json``.
-        seq_lens: tokens per sequence of each stage to plan: sft and rm, their longest
+        seq_lens: tokens per sequence of each stage to plan: sft, rm and po, their longest
             sequence (up to ``<stage>.max_seq_len``); rl, the rollout engine's context, prompt +
             response tokens (the RL engine's ``rollout_len``: the longest prompt +
             ``rl.rollout.max_new_tokens``, capped by the model's context), also the RL
@@ -297,6 +297,12 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
         b, s = _micro(2 * cfg.rm.micro_batch_size, cfg.rm.max_tokens_per_micro_batch, seq_lens["rm"])
         plans["rm"] = [training_role("rm", "rm.parallel", shape, cfg.rm.parallel, cfg.rm.precision, b, s, rows,
                                      logits=False, packing=cfg.rm.packing)]
+    if cfg.po.enabled and "po" in seq_lens:
+        # one rank; a pair is two sequences (an unpaired KTO row of data.kto one); the reference's
+        # log-probs are computed by the policy itself before the first step and cached: no second model
+        per_example = 1 if cfg.data.kto is not None else 2
+        plans["po"] = [training_role("po", "po.micro_batch_size", shape, ParallelConfig(), cfg.po.precision,
+                                     per_example * cfg.po.micro_batch_size, seq_lens["po"], rows, lora=cfg.po.lora)]
     if "rl" not in seq_lens:
         return plans
     rollout_tokens = seq_lens["rl"]
@@ -477,7 +483,7 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     train = total - cfg.rl.engine.rollout_cpus if cfg.rl.engine.placement == "disaggregated" else total
     return check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
-                      cpus={"sft": total, "rm": total, "rl": train}, gpus=local_gpus(),
+                      cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
                       device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(), seq_lens=seq_lens)
 
 

@@ -322,7 +322,7 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
             problems.append(f"{key}: vllm on CPU supports head_dim {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
                             f"{m.name} has head_dim {hd}: set {key}: hf")
     context = m.config.get("max_position_embeddings")
-    for stage in ("sft", "rm"):
+    for stage in ("sft", "rm", "po"):
         section = getattr(cfg, stage)
         if context and section.enabled and section.max_seq_len > context:
             problems.append(f"{stage}.max_seq_len: {section.max_seq_len} is above the context of {m.name} "
@@ -361,7 +361,7 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str
     if getattr(tok, "chat_template", None) is None:
         return [f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
                 f"render conversations; set {stage}.enabled: false (or model.tokenizer to a tokenizer with one)"
-                for stage in ("sft", "rm") if getattr(cfg, stage).enabled]
+                for stage in ("sft", "rm", "po") if getattr(cfg, stage).enabled]
     override = cfg.model.end_of_turn
     try:  # the turn end SFT trains and generation stops on
         eot = chat_template.end_of_turn(tok, override)
@@ -377,8 +377,9 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str
             f"({n} token{'s' if n != 1 else ''}, not a single special token), so {' and '.join(generating)}, which "
             "generate with this chat template, would not stop at the end of an assistant turn (only at the EOS ids); "
             "set model.end_of_turn to a single special token the template writes after an assistant turn")
-    for name, stage, conversations in (("sft", "sft", _sft_conversations), ("preference", "rm", _pair_conversations)):
-        if name not in rows or not getattr(cfg, stage).enabled:
+    for name, stages, conversations in (("sft", ("sft",), _sft_conversations),
+                                        ("preference", ("rm", "po"), _pair_conversations)):
+        if name not in rows or not any(getattr(cfg, stage).enabled for stage in stages):
             continue
         result = rows[name]
         failed = []
@@ -501,7 +502,7 @@ def cluster_notes(cfg: PipelineConfig) -> list[str]:
 
 
 def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """The data/tensor-parallel layouts of sft, rm and rl against the model and the memory
+    """The data/tensor-parallel layouts of sft, rm and rl (and po's one rank) against the model and the memory
     they need (``config.memory_plan.check_layouts``; docs/scaling.md); returns (problems,
     notes). ``seen``: what :func:`check_contents` read. A stage's sequences are as long as its
     data makes them: the longest sft conversation and preference side (up to
@@ -518,14 +519,17 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     context = m.config.get("max_position_embeddings") or 10**9
     lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
                "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
-               "rm": min(cfg.rm.max_seq_len, longest["preference"]) if "preference" in longest else None}
+               "rm": min(cfg.rm.max_seq_len, longest["preference"]) if "preference" in longest else None,
+               # unpaired KTO rows (data.kto) are not rendered here: planned at po.max_seq_len
+               "po": (cfg.po.max_seq_len if cfg.data.kto is not None else
+                      min(cfg.po.max_seq_len, longest["preference"]) if "preference" in longest else None)}
     joined = cluster_address(cfg)
     try:
         problems, notes = plan_layouts(cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name,
                                        joined[0] if joined else None)
     except ValueError as exc:  # a config.json without the sizes the plan needs
         return [], [f"memory plan: not made ({m.name}: {exc})"]
-    data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs"}
+    data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs", "po": "preference pairs"}
     return problems, notes + [f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the "
                               "sequence length)" for stage, tokens in lengths.items()
                               if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]

@@ -245,3 +245,35 @@ def test_planner_and_validate_import_no_torch():
     code = "import sys, config.memory_plan, flows.preflight; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_po_is_planned_as_one_rank_training_both_sides_of_its_pairs():
+    """The po stage: one rank training the policy on micro-batches of chosen and rejected
+    sequences (2 x po.micro_batch_size; unpaired KTO rows one each), with no second model (the
+    reference's log-probs are cached), LoRA counted as for sft."""
+    from config import PipelineConfig
+    from config.memory_plan import plan_stages
+
+    def cfg(**extra):
+        return PipelineConfig.model_validate({
+            "run": {"name": "t", "precision": "bf16"}, "model": {"source": "m"},
+            "data": {"preference": {"path": "p.jsonl"}, "rl_eval": {"path": "y.jsonl"}, **extra.pop("data", {})},
+            "sft": {"enabled": False}, "rm": {"enabled": False},
+            "po": {"enabled": True, "micro_batch_size": 1, "global_batch_size": 4, **extra}})
+
+    plans = plan_stages(cfg(), TINY, {"po": 32})
+    assert list(plans) == ["po"]
+    (po,) = plans["po"]
+    # a pair is b = 2 sequences of 32 tokens: the actor's bytes of test_bytes_per_rank_by_hand
+    assert (po.role, po.key, po.ranks) == ("po", "po.micro_batch_size", 1)
+    assert po.parts == training_role("actor", "k", ModelShape.from_hf_config(TINY), ParallelConfig(), "bf16", 2, 32,
+                                     256).parts
+    assert po.per_rank == 2_123_904
+    lora = plan_stages(cfg(lora={"enabled": True, "rank": 4}), TINY, {"po": 32})["po"][0]
+    assert lora.parts["optimizer"] == 8 * 6_656 and lora.parts["weights"] == 2 * (90_688 + 6_656)
+    # unpaired KTO rows: b = 1, per layer s*b*h*(34 + 5*a*s/h) = 2048 * 44, two layers, + logits 8*s*b*V
+    kto = plan_stages(cfg(loss="kto", data={"kto": {"path": "k.jsonl"}}), TINY, {"po": 32})["po"][0]
+    assert kto.parts["activations"] == 2 * 2048 * 44 + 8 * 32 * 1 * 256
+    assert plan_stages(cfg(enabled=False), TINY, {"po": 32}) == {}
+    problems, notes = check_layouts(cfg(), TINY, {"po": 32}, "tiny", None)
+    assert problems == [] and notes[0].startswith("memory plan (po, sequences of 32 tokens): po 1 x ")
