@@ -321,8 +321,8 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     if rl.algorithm == "gae":
         roles.append(training_role("critic", "rl.parallel.critic", shape, rl.parallel.critic, p, b, s, rows,
                                    logits=False))  # the critic stays padded (rl.packing)
-    if rl.reward.reward_model_weight != 0:
-        roles.append(training_role("reward", "rl.reward.reward_model_weight", shape, ParallelConfig(), p, b, s, rows,
+    if rl.uses_reward_model:
+        roles.append(training_role("reward", "rl.parallel.reward_model", shape, rl.parallel.reward_model, p, b, s, rows,
                                    trainable=False, logits=False))
     engines = rl.rollout.num_engines
     kv = None
@@ -474,7 +474,8 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
     """
     shape = ModelShape.from_hf_config(hf_config)
     rows = padded_vocab(shape.vocab_size, cfg.convert.make_vocab_size_divisible_by)
-    layouts = {f"rl.parallel.{role}": getattr(cfg.rl.parallel, role) for role in ("actor", "critic", "reference")}
+    layouts = {f"rl.parallel.{role}": getattr(cfg.rl.parallel, role)
+               for role in ("actor", "critic", "reference", "reward_model")}
     layouts.update({"sft.parallel": cfg.sft.parallel, "rm.parallel": cfg.rm.parallel})
     problems = [p for key, layout in layouts.items()
                 for p in tensor_parallel_problems(key, shape, layout.tensor_model_parallel_size, rows, model)]

@@ -40,6 +40,10 @@ class RLParallelConfig(Strict):
     critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
     reference: ParallelConfig = Field(ParallelConfig(), description="The frozen reference policy (log-probs only): "
                                                                     "data parallelism splits its rows.")
+    reward_model: ParallelConfig = Field(
+        ParallelConfig(), description="The trained reward model that scores responses during RL (only with "
+                                       "rl.reward.reward_model_weight != 0; frozen, scores only): data parallelism "
+                                       "splits the responses, tensor parallelism the model.")
 
 
 def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: int, micro_batch_size: int,

@@ -344,6 +344,13 @@ class RLConfig(Strict):
         return self.kl.coef > 0
 
     @property
+    def uses_reward_model(self) -> bool:
+        """Whether the run scores responses with a trained reward model
+        (``rl.reward.reward_model_weight != 0``; without an environment, which gives the rewards
+        itself): the reward model role (``rl.parallel.reward_model``) starts only then."""
+        return self.reward.reward_model_weight != 0 and self.environment is None
+
+    @property
     def precomputes_old_logprobs(self) -> bool:
         """Whether the old log-probs get their own forward pass before the update: for the
         KL reward penalty (``kl.in_reward``) and for on-policy distillation, which need them

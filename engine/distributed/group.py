@@ -8,8 +8,9 @@ method's call is spread over the ranks and its results combined is its *dispatch
 (:data:`DISPATCH`), as in verl's ``register(dispatch_mode=...)`` and OpenRLHF's actor groups:
 
 - ``split``: a :class:`engine.trajectory.Trajectory` is split into ``data_parallel_size``
-  shards balanced by real tokens (:func:`shard_rows`, Karmarkar-Karp); the ranks of one
-  tensor-parallel replica get the same shard; the results (``[B_r, L]`` tensors, or
+  shards balanced by real tokens (:func:`shard_rows`, Karmarkar-Karp), and every further
+  positional argument that is a list of one item per row with it; the ranks of one
+  tensor-parallel replica get the same shard; the results (``[B_r, L]`` or ``[B_r]`` tensors, or
   :class:`engine.training.actor.ActorUpdate`) are put back in the batch's row order. An
   update also gets the whole batch's loss normalisers (``norm``), so the ranks' gradients
   sum to the DP=1 gradient (``engine.distributed.collectives``);
@@ -42,6 +43,7 @@ from config.parallel import ParallelConfig
 DISPATCH: dict[str, str] = {
     "compute_logprobs": "split",
     "compute_values": "split",
+    "score_responses": "split",
     "update": "split",
     "hf_bucket_plan": "tp0",
     "hf_bucket": "tp0",
@@ -158,6 +160,11 @@ def _combine(kind: str, rows: list[list[int]] | None, shape: tuple[int, int], *r
     ``[B_r, L_r]`` row tensors into one ``[B, L]`` (``shape``) in the batch's row order."""
     if kind == "first":
         return results[0]
+    if isinstance(results[0], torch.Tensor) and results[0].dim() == 1:  # [B_r] per shard -> [B]
+        out = results[0].new_zeros(shape[:1])
+        for idx, r in zip(rows, results):
+            out[torch.tensor(idx, dtype=torch.long)] = r
+        return out
     if isinstance(results[0], torch.Tensor):  # [B_r, L_r] per shard -> [B, L]
         out = results[0].new_zeros(shape)
         for idx, r in zip(rows, results):
@@ -268,7 +275,9 @@ class WorkerGroup:
         refs = []
         for rank in range(len(self.ranks)):
             rows = shards[rank // self.tp]  # megatron's order: tensor-parallel ranks are adjacent
-            refs.append(self.ranks[rank].call.remote(name, traj.select(torch.tensor(rows)), *rest, **kwargs))
+            shard_args = [[a[i] for i in rows] if isinstance(a, (list, tuple)) and len(a) == len(traj) else a
+                          for a in rest]  # per-row lists go with their rows
+            refs.append(self.ranks[rank].call.remote(name, traj.select(torch.tensor(rows)), *shard_args, **kwargs))
         # one result per data-parallel replica (its first tensor-parallel rank)
         shape = (len(traj), traj.response_ids.size(1))
         return self._combine.remote("rows", shards, shape, *refs[:: self.tp])

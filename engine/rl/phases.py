@@ -275,14 +275,26 @@ def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> 
 
 
 def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
+    """The rewards of ``traj`` (``B = len(batch) * n`` rows, ``n`` samples per prompt in order)
+    by the reward worker (``RewardWorker.score``: verifier, plug-ins, a mixture's per-source
+    verifier and weight); with a reward model, its role (``RewardModelWorker``, one rank or a
+    data/tensor-parallel group) scores the decoded responses and the reward worker takes the
+    scores as they come (the ``ObjectRef`` is passed on, not fetched here).
+
+    Returns: ``(traj with rewards [B], reward metrics, seconds)``.
+    """
     t0 = time.perf_counter()
     responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
     rows = [p for p in batch for _ in range(n)]
     finish_reasons = ["length" if t else "stop" for t in traj.truncated.tolist()]
-    mixture = {} if rows[0].source is None else {"verifiers": [p.verifier for p in rows],
+    extra = {} if rows[0].source is None else {"verifiers": [p.verifier for p in rows],
                                                   "reward_weights": [p.reward_weight for p in rows]}
-    rewards, metrics = ray.get(workers.reward.score.remote([p.messages for p in rows], [p.label for p in rows], responses,
-                                                           finish_reasons, **mixture))
+    prompts = [p.messages for p in rows]
+    if workers.reward_model is not None:  # scored by its own role while the reward worker waits for them
+        texts = ray.get(workers.reward.decode.remote(responses))
+        extra["model_scores"] = workers.reward_model.score_responses.remote(traj, prompts, texts)
+    rewards, metrics = ray.get(workers.reward.score.remote(prompts, [p.label for p in rows], responses,
+                                                           finish_reasons, **extra))
     return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0
 
 

@@ -228,11 +228,12 @@ def make_placement(cfg: RLConfig):
     training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated), shared by
     the ``rl.rollout.num_engines`` rollout engines."""
 
-    # actor, reference, teacher, reward, critic; a data/tensor-parallel role counts each of its ranks
+    # actor, reference, teacher, critic, reward, reward model; a data/tensor-parallel role counts each of its ranks
     par = cfg.parallel
     train_workers = (par.actor.world_size + (par.reference.world_size if cfg.uses_reference else 0)
                      + (par.reference.world_size if cfg.teacher is not None else 0)
-                     + (par.critic.world_size if cfg.algorithm == "gae" else 0) + (cfg.environment is None))
+                     + (par.critic.world_size if cfg.algorithm == "gae" else 0) + (cfg.environment is None)
+                     + (par.reward_model.world_size if cfg.uses_reward_model else 0))
     if cfg.engine.placement == "disaggregated":
         return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus,
                                        num_rollout_workers=cfg.rollout.num_engines)

@@ -1,5 +1,6 @@
-"""The RL engine's backend-neutral workers (reference, rollout, reward), run as Ray actors by
-:func:`spawn`, and the set of workers one RL run starts and stops."""
+"""The RL engine's backend-neutral workers (reference, rollout, reward, reward model), run as Ray
+actors by :func:`spawn` and ``engine.distributed.group.spawn_role``, and the set of workers one RL
+run starts and stops."""
 
 from __future__ import annotations
 
@@ -26,13 +27,21 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     in ``rl.teacher.precision``, laid out as the reference), the rollout engines
     (``rl.rollout.num_engines`` rollout workers behind a
     :class:`engine.rollout.router.RolloutRouter`; see :func:`start_rollout`), the reward worker
-    (not with ``rl.environment``) and the critic (``rl.algorithm: gae``).
+    (not with ``rl.environment``), the reward model (a :class:`RewardModelWorker` on
+    ``reward_model_dir`` laid out as ``rl.parallel.reward_model``, only with
+    ``rl.reward.reward_model_weight != 0``) and the critic (``rl.algorithm: gae``).
 
-    Raises: whatever a worker's constructor raised (the workers started so far are stopped first).
+    Raises:
+        ValueError: ``rl.reward.reward_model_weight != 0`` but ``reward_model_dir`` is None
+            (before any worker starts; the placement is released).
+        whatever a worker's constructor raised (the workers started so far are stopped first).
     """
     from engine.distributed.group import spawn_role
     from engine.training.actor import actor_norm
 
+    if cfg.uses_reward_model and reward_model_dir is None:
+        placement.remove()
+        raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
     threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
     par = cfg.parallel
     actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train"),
@@ -51,16 +60,18 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         seed=seed)
     rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, rollout_threads, actor)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
-        RewardWorker, placement, str(policy_dir), cfg.reward, None if reward_model_dir is None else str(reward_model_dir),
-        threads, precision=cfg.precision)
+        RewardWorker, placement, str(policy_dir), cfg.reward, threads)
+    reward_model = None if not cfg.uses_reward_model else spawn_role(
+        RewardModelWorker, par.reward_model, placement.actor_options("train"),
+        (str(reward_model_dir), rank_threads(par.reward_model, threads)), dict(precision=cfg.precision), seed=seed)
     critic = None if cfg.algorithm != "gae" else spawn_role(
         critic_worker_class(cfg), par.critic, placement.actor_options("train"),
         (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
-    workers = Workers(placement, actor, reference, rollout, reward, critic, teacher)
+    workers = Workers(placement, actor, reference, rollout, reward, critic, teacher, reward_model)
     try:  # surface a constructor error here, not at the first call
-        ray.get([w.__ray_ready__.remote() for w in (actor, reference, teacher, *rollout.engines, reward, critic)
-                 if w is not None])
+        ray.get([w.__ray_ready__.remote() for w in (actor, reference, teacher, *rollout.engines, reward, critic,
+                                                      reward_model) if w is not None])
     except BaseException:
         stop_workers(workers)
         raise
@@ -72,7 +83,7 @@ def stop_workers(workers: Workers) -> None:
     its placement group."""
     from engine.distributed.group import kill_role
 
-    for w in (workers.actor, workers.reference, workers.reward, workers.critic, workers.teacher):
+    for w in (workers.actor, workers.reference, workers.reward, workers.critic, workers.teacher, workers.reward_model):
         if w is not None:
             kill_role(w)
     workers.rollout.stop()  # every rollout engine
@@ -128,6 +139,7 @@ class Workers:
     reward: Any  # None with rl.environment (the environment gives the rewards)
     critic: Any = None  # PPO (rl.algorithm gae) only
     teacher: Any = None  # on-policy distillation (rl.algorithm on_policy_distill) only
+    reward_model: Any = None  # rl.reward.reward_model_weight != 0 only (RLConfig.uses_reward_model)
 
 
 class ReferenceWorker:
@@ -300,29 +312,68 @@ def _init_thread() -> None:
     torch.get_num_threads()
 
 
+class RewardModelWorker:
+    """A trained reward model that scores responses during RL: one rank of the role laid out as
+    ``rl.parallel.reward_model`` (data parallelism splits the responses, balanced by tokens;
+    tensor parallelism splits the model, each rank loading its shards of the torch_dist
+    checkpoint; see ``engine.distributed.group``).
+
+    Args:
+        reward_model_dir: a reward model's directory (``heads.safetensors`` with the reward head;
+            the rm stage's artifact).
+        num_threads: torch threads of this rank.
+        precision: ``rl.precision``: the compute dtype (``load_reward_model``); scores are fp32.
+
+    Raises:
+        ValueError: ``reward_model_dir`` is not a reward model directory (names it).
+    """
+
+    def __init__(self, reward_model_dir: str | Path, num_threads: int | None = None, precision: str | None = None):
+        from engine.models.platform import worker_threads
+        from engine.storage.model_dir import load_tokenizer
+        from engine.training.reward_scoring import load_reward_model
+
+        worker_threads(num_threads)
+        self.model = load_reward_model(reward_model_dir, precision)
+        self.tokenizer = load_tokenizer(reward_model_dir)
+
+    def score_responses(self, traj: Trajectory, prompts: Sequence[Any], texts: Sequence[str]) -> torch.Tensor:
+        """Reward-model scores FloatTensor ``[B]`` (fp32) of ``B`` responses.
+
+        Args:
+            traj: the step's trajectory (``B`` rows; a group splits the rows across data-parallel
+                ranks by its token counts, and the per-row lists with them).
+            prompts: ``B`` prompts (message lists), encoded with the reward model's own chat
+                template, exactly as the rm stage trained on them
+                (``engine.training.reward_scoring.score``).
+            texts: ``B`` response texts (``RewardWorker.decode``).
+        """
+        from engine.training.reward_scoring import score
+
+        if len(prompts) != len(traj) or len(texts) != len(traj):
+            raise ValueError(f"score_responses: {len(traj)} rows but {len(prompts)} prompts and {len(texts)} texts")
+        return score(self.model, self.tokenizer, list(prompts), list(texts)).float()
+
+
 class RewardWorker:
     """Scalar rewards of responses: ``verifier_weight * verifier(text, label, finish_reason) +
     reward_model_weight * RM(prompt, text) + sum_i functions[i].weight * functions[i](text, ...)``.
 
     The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
-    reward model (``engine.training.reward_scoring.load_reward_model``) is loaded only when
-    its weight is non-zero; the plug-ins (``cfg.functions``) are imported here, so a bad path
+    reward model's scores come from the :class:`RewardModelWorker` role (``model_scores`` of
+    :meth:`score`); the plug-ins (``cfg.functions``) are imported here, so a bad path
     fails when the worker starts, not at the first step (calling convention:
     ``data.reward_plugins``).
     Responses are decoded by ``data.chat_response.response_text`` (special tokens removed, so a final EOS
     is not part of the text), as evaluation decodes them.
-    ``precision`` (``rl.precision``; None/auto resolved by :func:`config.precision.resolve_precision`)
-    is the reward model's compute dtype (``load_reward_model``); its scores are fp32.
 
     Raises:
         ImportError: a plug-in cannot be loaded (the message names ``rl.reward.functions[i].path``
             and the cause).
-        ValueError: ``reward_model_weight != 0`` but no ``reward_model_dir``, or nothing
-            gives a reward (no verifier, no reward model, no plug-in).
+        ValueError: nothing gives a reward (no verifier, ``reward_model_weight`` 0, no plug-in).
     """
 
-    def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, reward_model_dir: str | Path | None = None,
-                 num_threads: int | None = None, precision: str | None = None):
+    def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, num_threads: int | None = None):
         from data.reward_plugins import load_reward_function
         from data.rewards import get_verifier
         from engine.models.platform import worker_threads
@@ -339,15 +390,7 @@ class RewardWorker:
                 self.functions.append(load_reward_function(f.path, batched=f.batched, name=f.metric_name))
             except ImportError as exc:
                 raise ImportError(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}") from exc
-        self.reward_model = self.rm_tokenizer = None
-        if cfg.reward_model_weight != 0:
-            if reward_model_dir is None:
-                raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
-            from engine.training.reward_scoring import load_reward_model
-
-            self.reward_model = load_reward_model(reward_model_dir, precision)
-            self.rm_tokenizer = load_tokenizer(reward_model_dir)
-        if self.verifier is None and self.reward_model is None and not self.functions:
+        if self.verifier is None and cfg.reward_model_weight == 0 and not self.functions:
             raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0 and functions is empty: "
                              "nothing gives a reward")
 
@@ -360,7 +403,8 @@ class RewardWorker:
 
     def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
               finish_reasons: Sequence[str], verifiers: Sequence[str | None] | None = None,
-              reward_weights: Sequence[float] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              reward_weights: Sequence[float] | None = None,
+              model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of ``B`` responses.
 
         In an RL data mixture each response has its source's verifier and reward weight:
@@ -368,20 +412,23 @@ class RewardWorker:
         reward_model_weight * RM + sum_i functions[i].weight * functions[i])``.
 
         Args:
-            prompts: ``B`` prompts (message lists), for the reward model and the plug-ins.
+            prompts: ``B`` prompts (message lists), for the plug-ins.
             labels: ``B`` reference answers, for the verifier and the plug-ins.
             response_ids: ``B`` response token lists.
             finish_reasons: ``B`` of ``"stop"`` (ended with EOS) / ``"length"`` (hit the budget).
             verifiers: ``B`` verifier names (``data.rewards.VERIFIERS``; ``"none"``: no verifier
                 score; None entries or None: ``rl.reward.verifier``).
             reward_weights: ``B`` factors of the whole reward (None: 1).
+            model_scores: ``[B]`` reward-model scores (:meth:`RewardModelWorker.score_responses`);
+                required when ``reward_model_weight != 0``.
 
         Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean``,
             ``reward/model_mean`` and ``reward/<name>_mean`` per plug-in, for the parts in use
             (means of the unweighted scores).
 
         Raises:
-            ValueError: a plug-in returned the wrong number of values or a non-finite one.
+            ValueError: a plug-in returned the wrong number of values or a non-finite one;
+                ``reward_model_weight != 0`` without ``model_scores`` of ``B`` values.
         """
         texts = self.decode(response_ids)
         rewards = torch.zeros(len(texts))
@@ -393,10 +440,12 @@ class RewardWorker:
                                     dtype=torch.float32)
             rewards += self.cfg.verifier_weight * verified
             metrics["reward/verifier_mean"] = float(verified.mean())
-        if self.reward_model is not None:
-            from engine.training.reward_scoring import score
-
-            rm = score(self.reward_model, self.rm_tokenizer, list(prompts), texts).float()
+        if self.cfg.reward_model_weight != 0:
+            if model_scores is None or len(model_scores) != len(texts):
+                raise ValueError(f"rl.reward.reward_model_weight is {self.cfg.reward_model_weight} but "
+                                 f"{'no' if model_scores is None else len(model_scores)} reward-model scores were "
+                                 f"given for {len(texts)} responses")
+            rm = model_scores.float()
             rewards += self.cfg.reward_model_weight * rm
             metrics["reward/model_mean"] = float(rm.mean())
         for fn, f in zip(self.functions, self.cfg.functions):

@@ -277,3 +277,36 @@ def test_po_is_planned_as_one_rank_training_both_sides_of_its_pairs():
     assert plan_stages(cfg(enabled=False), TINY, {"po": 32}) == {}
     problems, notes = check_layouts(cfg(), TINY, {"po": 32}, "tiny", None)
     assert problems == [] and notes[0].startswith("memory plan (po, sequences of 32 tokens): po 1 x ")
+
+
+def test_rl_reward_model_is_planned_and_checked_as_laid_out():
+    """The reward model that scores RL responses (rl.reward.reward_model_weight != 0) is a role
+    of rl.parallel.reward_model's ranks, frozen, with its scalar head and no vocabulary logits;
+    a tensor-parallel size that does not divide the model is refused naming that key; no
+    reward model, no role."""
+    from config import PipelineConfig
+    from config.memory_plan import plan_stages
+
+    def cfg(weight=0.5, **layout):
+        return PipelineConfig.model_validate({
+            "run": {"name": "t", "precision": "bf16"}, "model": {"source": "m"},
+            "data": {"rl_train": {"path": "x.jsonl"}, "rl_eval": {"path": "y.jsonl"}},
+            "sft": {"enabled": False}, "rm": {"enabled": weight != 0},
+            "rl": {"micro_batch_size": 2, "reward": {"reward_model_weight": weight},
+                   "parallel": {"reward_model": layout}}})
+
+    layout = ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2)
+    (reward,) = [r for r in plan_stages(cfg(data_parallel_size=2, tensor_model_parallel_size=2), TINY, {"rl": 32})["rl"]
+                 if r.role == "reward"]
+    assert (reward.key, reward.ranks) == ("rl.parallel.reward_model", 4)
+    want = training_role("reward", "k", ModelShape.from_hf_config(TINY), layout, "bf16", 2, 32, 256, trainable=False,
+                         logits=False)
+    assert reward.parts == want.parts
+    # frozen bf16 weights of one TP=2 rank: its shard of the body plus the replicated head (h + 1)
+    assert reward.parts["weights"] == 2 * (ModelShape.from_hf_config(TINY).rank_parameters(2, 256) + 64 + 1)
+    assert not [r for r in plan_stages(cfg(weight=0), TINY, {"rl": 32})["rl"] if r.role == "reward"]
+    problems, _ = check_layouts(cfg(tensor_model_parallel_size=8), TINY, {"rl": 32}, "tiny", None)
+    assert problems == [
+        "rl.parallel.reward_model.tensor_model_parallel_size=8 does not divide num_attention_heads 4, "
+        "num_key_value_heads 2 of tiny: megatron-core splits each evenly across the tensor-parallel ranks; use a size "
+        "that divides them"]

@@ -440,3 +440,49 @@ def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
     for key in ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "rm/accuracy", "rm/loss"):
         print(f"rm step {key}: tp1 {rm_want[key]!r} tp2 {rm_got[key]!r}")
         assert _close(rm_got[key], rm_want[key]), (key, rm_got[key], rm_want[key])
+
+
+def test_reward_model_role_scores_at_dp2_and_tp2_as_one_rank(sft_inputs, tmp_path):
+    """The RL stage's reward-model role (``rl.parallel.reward_model``:
+    :class:`engine.rl.workers.RewardModelWorker` spawned by ``spawn_role``) scores 5 of the
+    quickstart's conversations (prompt, assistant answer) at DP=2 (the rows and the per-row
+    prompts and texts split by tokens and put back in order) and at TP=2 (both ranks
+    score every row with half the heads) as the worker does in this process at TP=1, each row
+    within 1e-5 (fp32; the scores are of order 1: padded micro-batches of other widths and the
+    all-reduce's summation order change ulps only). A permuted row order would be off by the
+    spread of the scores, which the test checks is far larger than the bound."""
+    import json
+
+    import ray
+
+    from engine.distributed.group import WorkerGroup, spawn_role
+    from engine.models.heads import RewardModel
+    from engine.rl.placement import init_ray
+    from engine.rl.workers import RewardModelWorker
+    from engine.rollout.base import RolloutOutput
+    from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
+    from engine.trajectory import Trajectory
+
+    init_ray(num_cpus=2)
+    loaded = load_model_dir(sft_inputs["base"])
+    rm_dir = save_model_dir(tmp_path / "rm", loaded.model, loaded.hf_config, loaded.tokenizer_dir,
+                            heads=RewardModel(loaded.model, loaded.spec.hidden_size, seed=3).heads())
+    rows = [json.loads(line)["messages"] for line in sft_inputs["sft"].read_text().splitlines()[:5]]
+    prompts, texts = [m[:-1] for m in rows], [m[-1]["content"] for m in rows]
+    tok = load_tokenizer(rm_dir)
+    ids = [tok(t + " " * i, add_special_tokens=False)["input_ids"] + [1] * i for i, t in enumerate(texts)]
+    traj = Trajectory.from_rollout([[5] * (1 + i) for i in range(5)],
+                                   [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop")] for r in ids], pad_id=0)
+    want = RewardModelWorker(rm_dir, 1, precision="fp32").score_responses(traj, prompts, texts)
+    assert want.shape == (5,) and float(want.max() - want.min()) > 1e-3
+    for layout in (ParallelConfig(data_parallel_size=2), TP2):
+        group = spawn_role(RewardModelWorker, layout, {"num_cpus": 0}, (str(rm_dir), 1), dict(precision="fp32"))
+        assert isinstance(group, WorkerGroup)
+        try:
+            got = ray.get(group.score_responses.remote(traj, prompts, texts))
+        finally:
+            group.kill()
+        diff = float((got - want).abs().max())
+        print(f"reward model at DP={layout.data_parallel_size} TP={layout.tensor_model_parallel_size}: "
+              f"scores {got.tolist()} vs {want.tolist()}, max |diff| {diff:.3g}")
+        assert got.dtype == torch.float32 and got.shape == want.shape and diff < 1e-5

@@ -303,13 +303,14 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
 
 
 def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
-    """reward = verifier_weight * exact_match + reward_model_weight * RM score (independently
-    recomputed with engine.training.reward_scoring.score on the decoded texts)."""
+    """reward = verifier_weight * exact_match + reward_model_weight * RM score, the scores from
+    the reward model's own worker (RewardModelWorker.score_responses), independently
+    recomputed with engine.training.reward_scoring.score on the decoded texts."""
     from config.rl import RewardConfig
     from engine.storage.model_dir import load_model_dir, save_model_dir
     from engine.models.heads import RewardModel
     from engine.training.reward_scoring import load_reward_model, score
-    from engine.rl.workers import RewardWorker
+    from engine.rl.workers import RewardModelWorker, RewardWorker
 
     loaded = load_model_dir(policy["dir"])
     head = RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads()
@@ -318,17 +319,26 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
     responses = [tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], tok("12", add_special_tokens=False)["input_ids"]]
     prompts, labels = [question(3, 4), question(3, 4)], ["7", "7"]
 
-    worker = RewardWorker(policy["dir"], RewardConfig(verifier="exact_match", verifier_weight=2.0, reward_model_weight=0.5), rm_dir)
-    assert worker.decode(responses) == ["7", "12"]  # the final EOS is not part of the text
-    rewards, metrics = worker.score(prompts, labels, responses, ["stop", "length"])
+    worker = RewardWorker(policy["dir"], RewardConfig(verifier="exact_match", verifier_weight=2.0, reward_model_weight=0.5))
+    texts = worker.decode(responses)
+    assert texts == ["7", "12"]  # the final EOS is not part of the text
+    traj = Trajectory.from_rollout([tok("3+4=", add_special_tokens=False)["input_ids"]],
+                                   [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop") for r in responses]], pad_id=0)
+    model_scores = RewardModelWorker(rm_dir).score_responses(traj, prompts, texts)
     rm = score(load_reward_model(rm_dir), tok, prompts, ["7", "12"])
+    assert model_scores.dtype == torch.float32 and torch.equal(model_scores, rm)
+    rewards, metrics = worker.score(prompts, labels, responses, ["stop", "length"], model_scores=model_scores)
     torch.testing.assert_close(rewards, torch.tensor([2.0, 0.0]) + 0.5 * rm, rtol=0, atol=1e-6)
     assert metrics["reward/verifier_mean"] == 0.5 and metrics["reward/model_mean"] == pytest.approx(rm.mean().item(), abs=1e-6)
 
     with pytest.raises(ValueError, match="nothing gives a reward"):
         RewardWorker(policy["dir"], RewardConfig(verifier="none", reward_model_weight=0.0))
-    with pytest.raises(ValueError, match="no reward model directory"):
-        RewardWorker(policy["dir"], RewardConfig(reward_model_weight=1.0))
+    with pytest.raises(ValueError, match="reward_model_weight is 0.5 but no reward-model scores"):
+        worker.score(prompts, labels, responses, ["stop", "length"])
+    with pytest.raises(ValueError, match="2 rows but 1 prompts"):
+        RewardModelWorker(rm_dir).score_responses(traj, prompts[:1], texts)
+    with pytest.raises(ValueError, match="not a reward model directory"):
+        RewardModelWorker(policy["dir"])
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -426,6 +436,38 @@ def test_data_parallel_actor_and_reference_match_dp1(vllm_run, policy, tmp_path)
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         assert abs(got[key] - want[key]) <= 1e-6 * max(abs(got[key]), abs(want[key]), 1.0), (key, got[key], want[key])
     assert got["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+
+
+def test_reward_model_at_dp2_scores_the_step_as_dp1(policy, tmp_path):
+    """rl.parallel.reward_model: a reward model (the policy's body with a seeded reward head)
+    scoring every response beside exact match, as one rank and as a group of two data-parallel
+    ranks (each scoring its share of the responses). One step from the same weights and rollout
+    seed generates the same responses, and the rewards (their mean and max, and the reward
+    model's own mean) agree within 1e-5 (fp32 scores of order 1 from padded micro-batches of
+    other widths: ulps); the reward model's scores are really in them (its mean is not 0)."""
+    from config.parallel import ParallelConfig, RLParallelConfig
+    from config.rl import RewardConfig
+    from engine.models.heads import RewardModel
+    from engine.rl.loop import run_rl
+    from engine.storage.model_dir import load_model_dir, save_model_dir
+
+    loaded = load_model_dir(policy["dir"])
+    rm_dir = save_model_dir(tmp_path / "rm", loaded.model, loaded.hf_config, loaded.tokenizer_dir,
+                            heads=RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads())
+    reward = RewardConfig(verifier="exact_match", reward_model_weight=1.0)
+    runs = {}
+    for dp in (1, 2):
+        cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0), reward=reward,
+                        parallel=RLParallelConfig(reward_model=ParallelConfig(data_parallel_size=dp)))
+        run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / f"dp{dp}", None, seed=0, reward_model_dir=rm_dir)
+        [runs[dp]] = read_metrics(tmp_path / f"dp{dp}")
+    one, two = runs[1], runs[2]
+    print({k: (one[k], two[k]) for k in ("reward/model_mean", "critic/score/mean", "critic/score/max")})
+    assert one["response_length/mean"] == two["response_length/mean"]
+    assert one["reward/verifier_mean"] == two["reward/verifier_mean"]
+    assert abs(one["reward/model_mean"]) > 1e-3
+    for key in ("reward/model_mean", "critic/score/mean", "critic/score/max"):
+        assert abs(one[key] - two[key]) < 1e-5, (key, one[key], two[key])
 
 
 def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):

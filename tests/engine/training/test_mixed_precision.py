@@ -211,10 +211,9 @@ def test_reward_trainer_under_bf16_saves_fp32_and_scores_in_bf16(policy_dir, tmp
     """MegatronRewardTrainer: one bf16 step runs; the model directory holds the fp32 masters,
     of the body (torch_dist) and of the head (heads.safetensors); load_reward_model under bf16
     gives a frozen bf16 model whose scores equal the trainer's bit for bit, under fp32 the
-    masters themselves; the RL reward worker loads it in the stage's compute dtype."""
-    from config.rl import RewardConfig
+    masters themselves; the RL reward-model worker loads it in the stage's compute dtype."""
     from engine.backends.megatron.reward_model import MegatronRewardTrainer
-    from engine.rl.workers import RewardWorker
+    from engine.rl.workers import RewardModelWorker
     from engine.storage.model_dir import load_model_dir
     from engine.training.preference_data import collate_pairs
     from engine.training.reward_scoring import load_reward_model
@@ -248,6 +247,5 @@ def test_reward_trainer_under_bf16_saves_fp32_and_scores_in_bf16(policy_dir, tmp
     assert rm32.reward_head.weight.dtype == torch.float32
     assert torch.equal(rm32.reward_head.weight, master_params(trainer.model)["reward_head.weight"].detach())
 
-    worker = RewardWorker(policy_dir, RewardConfig(verifier="exact_match", reward_model_weight=1.0), out,
-                          num_threads=1, precision="bf16")
-    assert all(p.dtype == torch.bfloat16 for p in worker.reward_model.parameters())
+    worker = RewardModelWorker(out, num_threads=1, precision="bf16")
+    assert all(p.dtype == torch.bfloat16 for p in worker.model.parameters())
