@@ -588,7 +588,12 @@ def main(argv: list[str] | None = None) -> None:
     from config.precision import bf16_hardware
 
     print(f"{machine_description()}; {bf16_hardware()[1]}", flush=True)
-    rows = [measure_size(size, args) for size in args.sizes]
+    rows = []
+    for size in args.sizes:  # each size's tables as soon as it is done: a later size's failure loses nothing
+        rows.append(measure_size(size, args))
+        if len(args.sizes) > 1:
+            print(f"\n{size}, all rounds pooled:\n{render(rows[-1:])}\n{size}, over rounds:\n{render_ratios(rows[-1:])}",
+                  flush=True)
     end = matmul_peaks()
     print(f"\n{machine_description()}\nmatmul peaks at the end: fp32 {end['fp32']:.0f}, bf16 {end['bf16']:.1f} GFLOP/s; "
           f"load average {load_avg():.1f}; TRL generation: {args.trl_generation}; quickstart policy: SFT {args.sft_steps} steps")

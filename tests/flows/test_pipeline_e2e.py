@@ -376,3 +376,48 @@ def test_switching_po_on_runs_dpo_and_rl_starts_from_its_policy(project):
                                                           env=project["env"]).stdout)}
     assert list(rows) == ["validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export"]
     assert all(r["up_to_date"] for r in rows.values())
+
+
+def test_kto_po_and_an_rl_mixture_run_through_the_flow(project):
+    """The user's path for data.kto and a data.rl_train mixture, through the Prefect flow: the
+    quickstart's pairs as unpaired LLaMA-Factory kto rows (each chosen answer labelled true,
+    each rejected false) train po with loss kto, and RL draws from two named sources (the
+    training prompts split in two files, weights 3:1, the second's rewards halved). validate
+    reports every kto row and each source's rows; po trains on the kto rows (its reference
+    log-probs cached in the artifact); rl starts from po and logs each source's reward."""
+    work = project["work"]
+    inputs = work / "inputs"
+    pairs = [json.loads(line) for line in (inputs / "preference.jsonl").read_text().splitlines()]
+    with open(work / "kto.jsonl", "w") as f:
+        for p in pairs:
+            for answer, label in ((p["chosen"], True), (p["rejected"], False)):
+                f.write(json.dumps({"messages": p["prompt"] + [{"role": "assistant", "content": answer}],
+                                    "label": label}) + "\n")
+    prompts = (inputs / "rl_train.jsonl").read_text().splitlines()
+    (work / "sums_a.jsonl").write_text("\n".join(prompts[: len(prompts) // 2]) + "\n")
+    (work / "sums_b.jsonl").write_text("\n".join(prompts[len(prompts) // 2:]) + "\n")
+    sources = [{"name": "sums_a", "path": str(work / "sums_a.jsonl"), "format": "prompt_label", "weight": 3.0},
+               {"name": "sums_b", "path": str(work / "sums_b.jsonl"), "format": "prompt_label", "weight": 1.0,
+                "reward_weight": 0.5}]
+    summary = _rerun_with(project, "kto_mix", **{
+        "data.kto": {"path": str(work / "kto.jsonl"), "format": "kto"}, "data.rl_train": sources,
+        "po.enabled": True, "po.loss": "kto", "po.steps": 4, "po.global_batch_size": 16, "po.micro_batch_size": 8,
+        "po.log_every": 2, "po.optim.warmup_steps": 2})
+    stages = summary["stages"]
+    assert {s: stages[s]["state"] for s in ("validate", "po", "rl", "evaluate", "export")} == dict.fromkeys(
+        ("validate", "po", "rl", "evaluate", "export"), "Completed")
+    report = json.loads((Path(stages["validate"]["uri"]) / "report.json").read_text())
+    assert (report["kto"]["format"], report["kto"]["n_valid"]) == ("kto", 2 * len(pairs))
+    assert [report[f"rl_train/{s}"]["n_valid"] for s in ("sums_a", "sums_b")] == [
+        len(prompts) // 2, len(prompts) - len(prompts) // 2]
+    kto_rows = [json.loads(line) for line in (Path(stages["validate"]["uri"]) / "kto.jsonl").read_text().splitlines()]
+    assert sum(r["label"] for r in kto_rows) == len(pairs) == len(kto_rows) - len(pairs)
+    po = json.loads((Path(stages["po"]["uri"]) / "manifest.json").read_text())
+    assert "reference_logps.safetensors" in {f["path"] for f in po["files"]}
+    assert po["inputs"]["validate"]["artifact_id"] == stages["validate"]["artifact_id"]
+    rl = json.loads((Path(stages["rl"]["uri"]) / "manifest.json").read_text())
+    assert rl["inputs"]["po"]["artifact_id"] == stages["po"]["artifact_id"]
+    rows = [json.loads(line) for line in (Path(stages["rl"]["uri"]) / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for source in ("sums_a", "sums_b"):
+        assert any(f"reward/{source}/mean" in r for r in rows), source
