@@ -24,6 +24,8 @@ native and measured faster than fp32, ``benchmarks.models.bf16_verdict``, unless
   colocated placement group, an ``engine.rl.workers.RolloutWorker`` actor started from the
   converted model directory, the weights pushed through ``RolloutWorker.update_weights``,
   then ``engine.rl.phases.generate`` (the Ray call and the ``Trajectory`` built from the outputs).
+- ``engine-compiled``: the same with ``rl.rollout.enforce_eager: false`` (vLLM compiles the
+  model at start-up, as ``standalone`` does).
 
 The engine's Ray workers run at the benchmark's own priority (``RAY_worker_niceness=0``; Ray's
 default 15 would make them yield to every other process on this shared machine).
@@ -56,7 +58,7 @@ from benchmarks.models import (
     read_prompt_rows,
 )
 
-MODES = ("standalone", "standalone-eager", "vllm-rollout", "engine")
+MODES = ("standalone", "standalone-eager", "vllm-rollout", "engine", "engine-compiled")
 MARK = "@@rollout-bench "  # prefixes the protocol lines on a child's stdout (vLLM logs there too)
 
 Call = Callable[[int], tuple[int, float]]  # call(index) -> (generated tokens, seconds)
@@ -143,7 +145,7 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
 
 
 def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples: int,
-                tokens: int, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
+                tokens: int, precision: str = "fp32", enforce_eager: bool = True) -> tuple[Call, Callable[[], None]]:
     """The RL engine's rollout path (see the module docstring): a local Ray cluster, the
     colocated placement group and a ``RolloutWorker`` actor given the weights; a call is one
     ``engine.rl.phases.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
@@ -159,7 +161,7 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     from engine.rl.workers import RolloutWorker, spawn
 
     cfg = RLConfig.model_validate({"n_samples": samples, "prompts_per_step": len(prompts), "rollout": {
-        "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens}})
+        "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens, "enforce_eager": enforce_eager}})
     batch = [RLPrompt([], "", p) for p in prompts]
     pad_id = pad_token_id(load_tokenizer(model_dir))
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
@@ -200,7 +202,8 @@ def serve_mode(mode: str, size: str, num_prompts: int, samples: int, tokens: int
     elif mode == "vllm-rollout":
         call, close = open_vllm_rollout(hf_dir, model_dir, prompts, samples, tokens, precision)
     else:
-        call, close = open_engine(hf_dir, model_dir, prompts, samples, tokens, precision)
+        call, close = open_engine(hf_dir, model_dir, prompts, samples, tokens, precision,
+                                  enforce_eager=mode != "engine-compiled")
     try:
         startup = time.perf_counter() - t0
         call(0)

@@ -42,6 +42,10 @@ class RolloutConfig(Strict):
                                       "prompt + max_new_tokens, +10%; docs/platforms.md). A fraction: an explicit override, "
                                       "vLLM reserves that share of device memory (on CPU: of the NUMA node's memory, minus "
                                       "the process's RSS; fails when the process holds more). Also used by evaluate.")
+    enforce_eager: bool = Field(
+        True, description="vLLM runs the model eagerly (starts fast). false: vLLM compiles it at start-up (torch.compile; "
+                          "CUDA graphs on GPU): each engine starts slower and generates faster (measured in "
+                          "docs/benchmarks.md); weight updates work either way.")
     num_engines: int = Field(
         1, ge=1, description="Rollout engines behind one router: a step's prompts are spread over them by prompt index, "
                              "balanced by prompt length (deterministic, so a resumed run reproduces its rollouts); all "

@@ -220,6 +220,7 @@ class RolloutWorker:
             cfg.backend, self.policy_dir / HF_SUBDIR, what="rl.rollout.backend",
             hf_export=(policy_dir, self.scratch_dir / "hf"), gpu_memory_utilization=cfg.gpu_memory_utilization,
             num_sequences=num_sequences, max_model_len=max_model_len, load_format="dummy", precision=precision,
+            enforce_eager=cfg.enforce_eager,
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:

@@ -107,6 +107,10 @@ class VLLMRollout:
             ``config.json`` and starts from random weights, for a trainer that pushes the
             policy with :meth:`update_weights` before the first :meth:`generate` (no export
             to disk at start-up).
+        enforce_eager: run the model eagerly (True: starts fast) or let vLLM compile it at
+            start-up (False: torch.compile, CUDA graphs on GPU; slower to start, faster to
+            generate). :meth:`update_weights` copies into the same parameter tensors, which
+            the compiled code reads, so weight updates hold either way.
 
     Threads: vLLM's CPU worker binds its OpenMP threads and then replaces
     ``torch.set_num_threads`` with a no-op for the whole process, so set the thread count
@@ -143,6 +147,7 @@ class VLLMRollout:
         valid_vocab_size: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
+        enforce_eager: bool = True,
     ) -> None:
         # Must be set before vLLM builds the engine: the in-process engine is what makes
         # RL-style short generate calls and in-place weight reload cheap here.
@@ -174,7 +179,7 @@ class VLLMRollout:
                 **memory,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
-                enforce_eager=True,
+                enforce_eager=enforce_eager,
                 distributed_executor_backend="uni",
                 skip_tokenizer_init=True,
                 logprobs_mode="processed_logprobs",

@@ -216,3 +216,23 @@ def test_a_share_of_the_batch_samples_what_the_whole_batch_does(setup):
             torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-5)
     # without the places the share would draw the streams of places 0 and 1
     assert [o.token_ids for o in engine.generate([PROMPTS[2]], spec)[0]] != [o.token_ids for o in whole[2]]
+
+
+def test_a_compiled_engine_follows_weight_updates(setup, tmp_path):
+    """rl.rollout.enforce_eager: false. vLLM compiles the model at start-up (torch.compile on
+    CPU); weights streamed in afterwards (dummy start, model A, then B, then A again, as an RL
+    run pushes them) are the ones the compiled model computes with: its greedy tokens equal HF's
+    under each model and its log-probs are within 1e-4 of HF's, as the eager engine's are."""
+    _, model_a, model_b, eos = setup
+    path = save_tiny(model_a, tmp_path / "tiny_qwen2")
+    engine = VLLMRollout(path, num_sequences=3, max_model_len=128, load_format="dummy", enforce_eager=False)
+    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    spec = SamplingSpec(n=1, temperature=0.0, max_new_tokens=12)
+    for model in (model_a, model_b, model_a):
+        engine.update_weights(synced_weights(model))
+        outs = engine.generate(PROMPTS, spec)
+        for prompt, (o,) in zip(PROMPTS, outs):
+            expected = hf_greedy(model, prompt, 12, eos)
+            assert list(o.token_ids) == expected
+            torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64),
+                                       hf_logprobs(model, prompt, expected), rtol=0, atol=1e-4)
