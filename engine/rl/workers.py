@@ -348,6 +348,9 @@ class RewardModelWorker:
                 template, exactly as the rm stage trained on them
                 (``engine.training.reward_scoring.score``).
             texts: ``B`` response texts (``RewardWorker.decode``).
+
+        Raises:
+            ValueError: ``prompts`` or ``texts`` do not hold one item per row of ``traj``.
         """
         from engine.training.reward_scoring import score
 
