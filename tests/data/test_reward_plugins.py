@@ -228,8 +228,8 @@ def test_reward_worker_with_plugins_only_and_its_errors(tokenizer_dir):
 
 def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
     """rl.reward.reward_model_weight brings in the rm stage's model directory (here: a tiny
-    random model with a reward head, saved the way the rm stage saves it); its score is
-    recomputed independently with engine.training.reward_scoring.score. Responses "7" (label "7", stop) and
+    random model with a reward head, saved the way the rm stage saves it), scored by its own
+    role (RewardModelWorker) and recomputed independently with engine.training.reward_scoring.score. Responses "7" (label "7", stop) and
     "123" (label "3", cut off): exact_match [1, 0]; length_penalty [0, -0.5] x 2."""
     from transformers import AutoTokenizer
 
@@ -238,7 +238,8 @@ def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
     from engine.storage.model_dir import load_tokenizer, save_model_dir
     from engine.models.heads import RewardModel
     from engine.training.reward_scoring import load_reward_model, score
-    from engine.rl.workers import RewardWorker
+    from engine.rl.workers import RewardModelWorker, RewardWorker
+    from engine.trajectory import RolloutOutput, Trajectory
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")
     hf_config = GPTSpec(
@@ -252,10 +253,15 @@ def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
 
     cfg = RewardConfig(verifier="exact_match", reward_model_weight=0.5,
                        functions=[{"path": f"{EX}:length_penalty", "weight": 2.0}])
-    worker = RewardWorker(tokenizer_dir, cfg, reward_model_dir=rm_dir)
+    worker = RewardWorker(tokenizer_dir, cfg)
     prompts, texts = [question(3, 4), question(1, 2)], ["7", "123"]
-    rewards, metrics = worker.score(prompts, ["7", "3"], _responses(worker, texts, [True, False]), ["stop", "length"])
+    responses = _responses(worker, texts, [True, False])
+    traj = Trajectory.from_rollout([tok("3+4=", add_special_tokens=False)["input_ids"]] * 2,
+                                   [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop")] for r in responses], pad_id=0)
+    model_scores = RewardModelWorker(rm_dir).score_responses(traj, prompts, texts)
+    rewards, metrics = worker.score(prompts, ["7", "3"], responses, ["stop", "length"], model_scores=model_scores)
     rm = score(load_reward_model(rm_dir), load_tokenizer(rm_dir), prompts, texts).float()
+    assert torch.equal(model_scores, rm)
     assert rm[0] != rm[1]  # the reward model tells the two apart, so its part is visible
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0]) + 0.5 * rm + 2.0 * torch.tensor([0.0, -0.5]), rtol=0, atol=1e-6)
     assert metrics["reward/model_mean"] == pytest.approx(rm.mean().item(), abs=1e-6)
