@@ -254,12 +254,15 @@ def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig
 
 
 def rollout_role(shape: ModelShape, precision: str, num_sequences: int, tokens_per_sequence: int,
-                 num_engines: int = 1, kv_bytes: int | None = None) -> RoleMemory:
-    """A rollout engine: the full model in ``precision`` and its KV cache (``kv_bytes``, else
-    :func:`kv_cache_bytes` for ``num_sequences`` sequences of ``tokens_per_sequence``)."""
-    kv = kv_bytes if kv_bytes is not None else kv_cache_bytes(shape, num_sequences, tokens_per_sequence, precision)
-    parts = {"weights": WEIGHT_BYTES[precision] * shape.rank_parameters(1), "kv_cache": kv}
-    return RoleMemory("rollout", "rl.rollout", num_engines, 0.0, parts)
+                 num_engines: int = 1, engine_bytes: int | None = None, gpus_per_engine: float = 0.0) -> RoleMemory:
+    """A rollout engine: the full model in ``precision`` and its KV cache (what is left of
+    ``engine_bytes``, the engine's whole reservation, when given; else :func:`kv_cache_bytes`
+    for ``num_sequences`` sequences of ``tokens_per_sequence``), on ``gpus_per_engine`` GPUs
+    (``rl.rollout.gpus_per_engine``; 0: host memory)."""
+    weights = WEIGHT_BYTES[precision] * shape.rank_parameters(1)
+    kv = (max(0, engine_bytes - weights) if engine_bytes is not None
+          else kv_cache_bytes(shape, num_sequences, tokens_per_sequence, precision))
+    return RoleMemory("rollout", "rl.rollout", num_engines, gpus_per_engine, {"weights": weights, "kv_cache": kv})
 
 
 def _micro(rows: int, budget: int | None, seq_len: int) -> tuple[int, int]:
@@ -324,13 +327,14 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     if rl.uses_reward_model:
         roles.append(training_role("reward", "rl.parallel.reward_model", shape, rl.parallel.reward_model, p, b, s, rows,
                                    trainable=False, logits=False))
-    engines = rl.rollout.num_engines
-    kv = None
+    engines, gpus = rl.rollout.num_engines, rl.rollout.gpus_per_engine
+    reserved = None  # vLLM's gpu_memory_utilization: that share of the engine's memory holds weights and KV cache
     if rl.rollout.gpu_memory_utilization is not None:
-        memory = cfg.run.device_memory_gib * GIB if cfg.run.device_memory_gib else host_memory_bytes() or 0
-        kv = int(rl.rollout.gpu_memory_utilization * memory)
+        memory = (gpus * cfg.run.device_memory_gib * GIB if gpus and cfg.run.device_memory_gib
+                  else host_memory_bytes() or 0)
+        reserved = int(rl.rollout.gpu_memory_utilization * memory)
     sequences = math.ceil(rl.prompts_per_step / engines) * rl.n_samples
-    roles.append(rollout_role(shape, p, sequences, rollout_tokens, engines, kv))
+    roles.append(rollout_role(shape, p, sequences, rollout_tokens, engines, reserved, gpus))
     plans["rl"] = roles
     return plans
 
@@ -460,6 +464,15 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
             if r.gpus_per_rank and r.ranks * r.gpus_per_rank > gpus:
                 problems.append(f"{r.key}: {ranks} x {r.key}.gpus_per_rank {r.gpus_per_rank:g} exceed the "
                                 f"{gpus} GPU(s) of this machine")
+        # the RL placement reserves every role's GPUs at once (engine/rl/placement.py), the rollout's too
+        users = [r for r in roles if r.gpus_per_rank]
+        total = sum(r.ranks * r.gpus_per_rank for r in users)
+        reported = any(r.role not in ("rollout", "reward") and r.ranks * r.gpus_per_rank > gpus for r in users)
+        if total > gpus and not reported:
+            each = " + ".join(f"{r.key} {r.ranks} x {r.gpus_per_rank:g}" for r in users)
+            problems.append(f"{stage}: its roles reserve {total:g} GPUs together ({each}) but this machine has {gpus}; "
+                            "lower the ranks or the GPUs per rank or engine, or join a larger cluster "
+                            "(rl.engine.ray_address)")
     return problems, notes
 
 

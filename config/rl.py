@@ -50,6 +50,9 @@ class RolloutConfig(Strict):
         1, ge=1, description="Rollout engines behind one router: a step's prompts are spread over them by prompt index, "
                              "balanced by prompt length (deterministic, so a resumed run reproduces its rollouts); all "
                              "turns of a multi-turn sample stay on one engine; weights go to every engine after each update.")
+    gpus_per_engine: float = Field(
+        0.0, ge=0, description="GPUs Ray reserves for each rollout engine, in the rollout's placement-group bundle "
+                               "(0 on CPU machines; docs/scaling.md).")
 
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")

@@ -18,6 +18,12 @@ the shared bundle (colocated) or takes an equal share of the rollout bundle (dis
 they generate at the same time, so each uses its share of the threads
 (``engine.rl.workers.start_rollout``).
 
+GPUs (``rl.parallel.<role>.gpus_per_rank``, ``rl.rollout.gpus_per_engine``): each bundle also
+holds the GPUs of the workers scheduled into it, every rank and engine its own (the sum, not
+shared between roles: without vLLM sleep mode the rollout engine keeps its memory while
+training runs), and each worker reserves its own share with Ray's ``num_gpus``, so Ray gives it
+its devices (``CUDA_VISIBLE_DEVICES``). Without GPUs the bundles hold CPUs only.
+
 The cluster is the one ``rl.engine.ray_address`` names, else the one of the ``RAY_ADDRESS``
 environment variable, else a local one started by the driver
 (:func:`engine.distributed.cluster.init_ray`). A bundle
@@ -36,17 +42,18 @@ from config.schema import RLConfig
 from engine.distributed.cluster import PROJECT_ROOT, init_ray, runtime_env, shutdown_ray  # noqa: F401
 
 
-def node_cpus() -> list[float]:
-    """CPUs of each alive node of the connected Ray cluster, largest first (a bundle of a
-    placement group is placed on one node, so the largest is the most one bundle can hold)."""
+def node_cpus(resource: str = "CPU") -> list[float]:
+    """CPUs (or another ``resource``, e.g. ``"GPU"``) of each alive node of the connected Ray
+    cluster, largest first (a bundle of a placement group is placed on one node, so the
+    largest is the most one bundle can hold)."""
     import ray
 
-    return sorted((float(n["Resources"].get("CPU", 0.0)) for n in ray.nodes() if n.get("Alive")), reverse=True)
+    return sorted((float(n["Resources"].get(resource, 0.0)) for n in ray.nodes() if n.get("Alive")), reverse=True)
 
 
-def check_bundles_fit(bundles: dict[str, float], fix: str) -> None:
-    """On a cluster of several nodes, raise unless every bundle (CPUs, keyed by the config
-    that sets its size) fits on one node.
+def check_bundles_fit(bundles: dict[str, float], fix: str, resource: str = "CPU") -> None:
+    """On a cluster of several nodes, raise unless every bundle (its CPUs, or its amount of
+    ``resource``, keyed by the config that sets its size) fits on one node.
 
     Ray places each bundle of a placement group on a single node and waits for one that can
     hold it; a bundle larger than every node of a multi-node cluster is a config error
@@ -57,14 +64,25 @@ def check_bundles_fit(bundles: dict[str, float], fix: str) -> None:
     Raises:
         ValueError: naming the bundle's config key, the largest node's CPUs and ``fix``.
     """
-    nodes = node_cpus()
+    nodes = node_cpus(resource)
     if len(nodes) < 2:
         return
-    for key, cpus in bundles.items():
-        if cpus > nodes[0]:
-            raise ValueError(f"{key}: a bundle of {cpus:g} CPUs does not fit on one node of this Ray cluster "
-                             f"({len(nodes)} nodes, the largest with {nodes[0]:g} CPUs; a placement-group "
+    unit = "CPUs" if resource == "CPU" else f"{resource}s"
+    for key, amount in bundles.items():
+        if amount > nodes[0]:
+            raise ValueError(f"{key}: a bundle of {amount:g} {unit} does not fit on one node of this Ray cluster "
+                             f"({len(nodes)} nodes, the largest with {nodes[0]:g} {unit}; a placement-group "
                              f"bundle cannot span nodes): {fix}")
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    """A placement-group bundle: ``cpus`` CPUs, and ``gpus`` GPUs when there are any."""
+    return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+
+
+def _with_gpus(options: dict[str, Any], gpus: float) -> dict[str, Any]:
+    """``options`` plus Ray's ``num_gpus`` when the worker reserves GPUs."""
+    return {**options, "num_gpus": gpus} if gpus else options
 
 
 @dataclass
@@ -75,23 +93,26 @@ class ColocatedPlacement:
         group: the Ray ``PlacementGroup`` (ready when constructed through :func:`colocated_placement`).
         num_cpus: CPUs in the bundle.
         num_workers: how many workers share it; each reserves ``num_cpus / num_workers``.
+        num_gpus: GPUs in the bundle (the sum of its workers' ``gpus``; 0 on CPU machines).
     """
 
     group: Any
     num_cpus: float
     num_workers: int
+    num_gpus: float = 0.0
 
-    def actor_options(self, role: str = "train") -> dict[str, Any]:
-        """``ActorClass.options(**...)`` that schedule one worker into the shared bundle
-        (``role`` is accepted for symmetry with :class:`DisaggregatedPlacement`)."""
+    def actor_options(self, role: str = "train", gpus: float = 0.0) -> dict[str, Any]:
+        """``ActorClass.options(**...)`` that schedule one worker, reserving ``gpus`` GPUs of the
+        bundle, into the shared bundle (``role`` is accepted for symmetry with
+        :class:`DisaggregatedPlacement`)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        return {
+        return _with_gpus({
             "num_cpus": self.num_cpus / self.num_workers,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=0
             ),
-        }
+        }, gpus)
 
     def threads(self, role: str = "train") -> int:
         """Torch threads for a worker: every CPU of the bundle (the workers take turns)."""
@@ -114,6 +135,7 @@ class DisaggregatedPlacement:
         num_train_workers: workers sharing the training bundle.
         num_rollout_workers: rollout engines sharing the rollout bundle (``rl.rollout.num_engines``),
             each reserving ``rollout_cpus / num_rollout_workers``.
+        train_gpus, rollout_gpus: GPUs of each bundle (0 on CPU machines).
     """
 
     group: Any
@@ -121,9 +143,12 @@ class DisaggregatedPlacement:
     rollout_cpus: float
     num_train_workers: int
     num_rollout_workers: int = 1
+    train_gpus: float = 0.0
+    rollout_gpus: float = 0.0
 
-    def actor_options(self, role: str = "train") -> dict[str, Any]:
-        """``ActorClass.options(**...)`` for a ``"train"`` or ``"rollout"`` worker.
+    def actor_options(self, role: str = "train", gpus: float = 0.0) -> dict[str, Any]:
+        """``ActorClass.options(**...)`` for a ``"train"`` or ``"rollout"`` worker reserving
+        ``gpus`` GPUs of its bundle.
 
         Raises: ValueError for another role."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -132,8 +157,8 @@ class DisaggregatedPlacement:
             raise ValueError(f"placement role must be 'train' or 'rollout', got {role!r}")
         index, cpus = ((0, self.train_cpus / self.num_train_workers) if role == "train"
                        else (1, self.rollout_cpus / self.num_rollout_workers))
-        return {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=index)}
+        return _with_gpus({"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=index)}, gpus)
 
     def threads(self, role: str = "train") -> int:
         """Torch threads for a worker: the CPUs of its own bundle."""
@@ -147,7 +172,8 @@ class DisaggregatedPlacement:
 
 
 def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpus: float | None = None,
-                            timeout_s: float = 60.0, num_rollout_workers: int = 1) -> DisaggregatedPlacement:
+                            timeout_s: float = 60.0, num_rollout_workers: int = 1, train_gpus: float = 0.0,
+                            rollout_gpus: float = 0.0) -> DisaggregatedPlacement:
     """Reserve a training bundle and a rollout bundle and wait until both are placed.
 
     Args:
@@ -156,11 +182,12 @@ def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpu
         num_cpus: CPUs to reserve in all; default all CPUs of the cluster.
         timeout_s: how long to wait for the reservation.
         num_rollout_workers: rollout engines that share the rollout bundle (``rl.rollout.num_engines``).
+        train_gpus, rollout_gpus: GPUs of the training and the rollout bundle (0: none).
 
     Raises:
         ValueError: ``num_train_workers < 1``, or ``rollout_cpus`` leaves no CPU for training
-            (names ``rl.engine.rollout_cpus``), or on a multi-node cluster a bundle is larger
-            than every node (:func:`check_bundles_fit`).
+            (names ``rl.engine.rollout_cpus``), or on a multi-node cluster a bundle has more
+            CPUs or GPUs than every node (:func:`check_bundles_fit`).
         TimeoutError: the bundles could not be placed in time.
 
     The bundles are placed with Ray's PACK strategy: on one node when it has room for both,
@@ -179,15 +206,22 @@ def disaggregated_placement(num_train_workers: int, rollout_cpus: float, num_cpu
     check_bundles_fit({"rl.engine.num_cpus - rl.engine.rollout_cpus (the training bundle)": cpus - rollout_cpus,
                        "rl.engine.rollout_cpus (the rollout bundle)": float(rollout_cpus)},
                       "set rl.engine.num_cpus and rl.engine.rollout_cpus so that each bundle fits on a node")
-    group = placement_group([{"CPU": cpus - rollout_cpus}, {"CPU": float(rollout_cpus)}], strategy="PACK")
+    check_bundles_fit({"rl.parallel.<role>.gpus_per_rank (the training bundle)": train_gpus,
+                       "rl.rollout.gpus_per_engine (the rollout bundle)": rollout_gpus},
+                      "lower the GPUs per rank or engine, or the ranks, so that each bundle fits on a node", "GPU")
+    group = placement_group([_bundle(cpus - rollout_cpus, train_gpus), _bundle(float(rollout_cpus), rollout_gpus)],
+                            strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
-        raise TimeoutError(f"disaggregated_placement: could not reserve {cpus} CPUs within {timeout_s} s")
-    return DisaggregatedPlacement(group, cpus - rollout_cpus, float(rollout_cpus), num_train_workers, num_rollout_workers)
+        raise TimeoutError(f"disaggregated_placement: could not reserve {cpus} CPUs and {train_gpus + rollout_gpus:g} "
+                           f"GPUs within {timeout_s} s")
+    return DisaggregatedPlacement(group, cpus - rollout_cpus, float(rollout_cpus), num_train_workers, num_rollout_workers,
+                                  train_gpus, rollout_gpus)
 
 
-def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout_s: float = 60.0) -> ColocatedPlacement:
+def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout_s: float = 60.0,
+                        num_gpus: float = 0.0) -> ColocatedPlacement:
     """Reserve one bundle for ``num_workers`` colocated workers and wait until it is placed.
 
     Args:
@@ -195,10 +229,11 @@ def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout
         num_cpus: CPUs to reserve; default all CPUs of the cluster (the reservation waits
             until a previous run's placement group is released).
         timeout_s: how long to wait for the reservation.
+        num_gpus: GPUs of the bundle (0: none).
 
     Raises:
         ValueError: ``num_workers < 1``, the cluster has no CPU, or on a multi-node cluster
-            the bundle is larger than every node (names ``rl.engine.placement`` and suggests
+            the bundle has more CPUs or GPUs than every node (names ``rl.engine.placement`` and suggests
             ``disaggregated``; a bundle cannot span nodes).
         TimeoutError: the bundle could not be placed in time (cluster too small or busy).
     """
@@ -213,28 +248,42 @@ def colocated_placement(num_workers: int, num_cpus: float | None = None, timeout
     check_bundles_fit({"rl.engine.placement: colocated": cpus},
                       "colocated workers share one bundle on one node; set rl.engine.num_cpus to at most one node's "
                       "CPUs, or rl.engine.placement: disaggregated to put training and rollout on different nodes")
-    group = placement_group([{"CPU": cpus}], strategy="PACK")
+    check_bundles_fit({"rl.engine.placement: colocated": num_gpus},
+                      "colocated workers share one bundle on one node; lower rl.parallel.<role>.gpus_per_rank, "
+                      "rl.rollout.gpus_per_engine or the ranks, or set rl.engine.placement: disaggregated", "GPU")
+    group = placement_group([_bundle(cpus, num_gpus)], strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(group)
-        raise TimeoutError(f"colocated_placement: could not reserve {cpus} CPUs within {timeout_s} s")
-    return ColocatedPlacement(group=group, num_cpus=cpus, num_workers=num_workers)
+        raise TimeoutError(f"colocated_placement: could not reserve {cpus} CPUs and {num_gpus:g} GPUs within {timeout_s} s")
+    return ColocatedPlacement(group=group, num_cpus=cpus, num_workers=num_workers, num_gpus=num_gpus)
+
+
+def training_layouts(cfg: RLConfig) -> list:
+    """The ``rl.parallel`` layouts of the run's training roles, one per role that starts: the
+    actor, the reference (with a KL term), the teacher (laid out as the reference), the critic
+    (``gae``) and the reward model (``reward_model_weight != 0``)."""
+    par = cfg.parallel
+    return ([par.actor] + [par.reference] * (cfg.uses_reference + (cfg.teacher is not None))
+            + [par.critic] * (cfg.algorithm == "gae") + [par.reward_model] * cfg.uses_reward_model)
 
 
 def make_placement(cfg: RLConfig):
     """The Ray placement of ``rl.engine.placement``: one shared bundle (colocated), or a
     training bundle and a rollout bundle of ``rollout_cpus`` CPUs (disaggregated), shared by
-    the ``rl.rollout.num_engines`` rollout engines."""
-
-    # actor, reference, teacher, critic, reward, reward model; a data/tensor-parallel role counts each of its ranks
-    par = cfg.parallel
-    train_workers = (par.actor.world_size + (par.reference.world_size if cfg.uses_reference else 0)
-                     + (par.reference.world_size if cfg.teacher is not None else 0)
-                     + (par.critic.world_size if cfg.algorithm == "gae" else 0) + (cfg.environment is None)
-                     + (par.reward_model.world_size if cfg.uses_reward_model else 0))
+    the ``rl.rollout.num_engines`` rollout engines. The bundles hold the GPUs of their
+    workers: ``world_size x gpus_per_rank`` of every training role, ``num_engines x
+    gpus_per_engine`` of the rollout."""
+    layouts = training_layouts(cfg)
+    # a data/tensor-parallel role counts each of its ranks; the reward worker (no environment) is one more
+    train_workers = sum(layout.world_size for layout in layouts) + (cfg.environment is None)
+    train_gpus = sum(layout.world_size * layout.gpus_per_rank for layout in layouts)
+    rollout_gpus = cfg.rollout.num_engines * cfg.rollout.gpus_per_engine
     if cfg.engine.placement == "disaggregated":
         return disaggregated_placement(train_workers, cfg.engine.rollout_cpus, cfg.engine.num_cpus,
-                                       num_rollout_workers=cfg.rollout.num_engines)
-    return colocated_placement(num_workers=train_workers + cfg.rollout.num_engines, num_cpus=cfg.engine.num_cpus)
+                                       num_rollout_workers=cfg.rollout.num_engines, train_gpus=train_gpus,
+                                       rollout_gpus=rollout_gpus)
+    return colocated_placement(num_workers=train_workers + cfg.rollout.num_engines, num_cpus=cfg.engine.num_cpus,
+                               num_gpus=train_gpus + rollout_gpus)

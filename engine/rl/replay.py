@@ -172,11 +172,11 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     placement = make_placement(cfg)  # the run's placement: the same threads per worker
     threads, par = placement.threads("train"), cfg.parallel
-    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train"),
+    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train", par.actor.gpus_per_rank),
                        (str(policy_dir), cfg, seed, rank_threads(par.actor, threads)), seed=seed,
                        norm_fn=lambda traj: actor_norm(traj, cfg))
     critic = None if cfg.algorithm != "gae" else spawn_role(
-        critic_worker_class(cfg), par.critic, placement.actor_options("train"),
+        critic_worker_class(cfg), par.critic, placement.actor_options("train", par.critic.gpus_per_rank),
         (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
     workers = Workers(placement, actor, None, None, None, critic)

@@ -44,16 +44,16 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
     threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
     par = cfg.parallel
-    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train"),
+    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train", par.actor.gpus_per_rank),
                        (str(policy_dir), cfg, seed, rank_threads(par.actor, threads)), seed=seed,
                        norm_fn=lambda traj: actor_norm(traj, cfg))
     reference = None if not cfg.uses_reference else spawn_role(  # only a KL term needs the reference
-        ReferenceWorker, par.reference, placement.actor_options("train"),
+        ReferenceWorker, par.reference, placement.actor_options("train", par.reference.gpus_per_rank),
         (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
         dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision),
         seed=seed)
     teacher = None if cfg.teacher is None else spawn_role(  # on-policy distillation's teacher
-        ReferenceWorker, par.reference, placement.actor_options("train"),
+        ReferenceWorker, par.reference, placement.actor_options("train", par.reference.gpus_per_rank),
         (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
         dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
              precision=cfg.teacher.precision or cfg.precision),
@@ -62,10 +62,10 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
         RewardWorker, placement, str(policy_dir), cfg.reward, threads)
     reward_model = None if not cfg.uses_reward_model else spawn_role(
-        RewardModelWorker, par.reward_model, placement.actor_options("train"),
+        RewardModelWorker, par.reward_model, placement.actor_options("train", par.reward_model.gpus_per_rank),
         (str(reward_model_dir), rank_threads(par.reward_model, threads)), dict(precision=cfg.precision), seed=seed)
     critic = None if cfg.algorithm != "gae" else spawn_role(
-        critic_worker_class(cfg), par.critic, placement.actor_options("train"),
+        critic_worker_class(cfg), par.critic, placement.actor_options("train", par.critic.gpus_per_rank),
         (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
     workers = Workers(placement, actor, reference, rollout, reward, critic, teacher, reward_model)
@@ -111,7 +111,8 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
     def spawn_engine(index: int):
         scratch = out_dir / ".rollout" if index == 0 else out_dir / ".rollout" / f"engine{index}"
         return spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(scratch), max_len,
-                     max(1, threads // n), role="rollout", max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
+                     max(1, threads // n), role="rollout", gpus=cfg.rollout.gpus_per_engine,
+                     max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
                      num_sequences=share * cfg.n_samples, precision=cfg.precision)
 
     return RolloutRouter(spawn_engine, n, actor, health_check_timeout_s=cfg.engine.health_check_timeout_s,
@@ -469,11 +470,11 @@ class RewardWorker:
         return self._verifiers[name]
 
 
-def spawn(cls, placement, *args, role: str = "train", max_concurrency: int = 1, **kwargs):
+def spawn(cls, placement, *args, role: str = "train", gpus: float = 0.0, max_concurrency: int = 1, **kwargs):
     """Start ``cls(*args, **kwargs)`` as a Ray actor in ``placement``'s bundle for ``role``
     (``"train"`` or ``"rollout"``; one shared bundle when colocated, see
-    ``engine.rl.placement``), serving ``max_concurrency`` calls at once."""
+    ``engine.rl.placement``), reserving ``gpus`` GPUs of it, serving ``max_concurrency`` calls at once."""
     import ray
 
-    options = {**placement.actor_options(role), "max_concurrency": max_concurrency}
+    options = {**placement.actor_options(role, gpus), "max_concurrency": max_concurrency}
     return ray.remote(cls).options(**options).remote(*args, **kwargs)

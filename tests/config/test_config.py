@@ -75,7 +75,7 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     [
         (("data", "sft", "fromat"), "format, limit, path"),
         (("rl", "optim", "lrr"), "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
-        (("rl", "rollout", "temprature"), "backend, enforce_eager, gpu_memory_utilization, max_new_tokens, num_engines, temperature, top_p"),
+        (("rl", "rollout", "temprature"), "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, temperature, top_p"),
         (("stages",), "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb"),
     ],
 )

@@ -310,3 +310,27 @@ def test_rl_reward_model_is_planned_and_checked_as_laid_out():
         "rl.parallel.reward_model.tensor_model_parallel_size=8 does not divide num_attention_heads 4, "
         "num_key_value_heads 2 of tiny: megatron-core splits each evenly across the tensor-parallel ranks; use a size "
         "that divides them"]
+
+
+def test_rl_gpus_are_counted_together_the_rollout_included():
+    """The RL placement reserves every role's GPUs at once (engine/rl/placement.py): an actor of
+    2 ranks x 1 GPU and 2 rollout engines x 1 GPU fit 4 GPUs each alone but not 3 together;
+    with vLLM's gpu_memory_utilization the rollout engine's KV cache is what that share of its
+    GPUs leaves after the weights."""
+    from config import PipelineConfig
+    from config.memory_plan import WEIGHT_BYTES, plan_stages
+
+    plans = {"rl": [_role("actor", "rl.parallel.actor", 2, GIB, gpus=1.0), _role("rollout", "rl.rollout", 2, GIB, gpus=1.0)]}
+    assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=4, device_memory_gib=None, host_bytes=None)[0] == []
+    assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=3, device_memory_gib=None, host_bytes=None)[0] == [
+        "rl: its roles reserve 4 GPUs together (rl.parallel.actor 2 x 1 + rl.rollout 2 x 1) but this machine has 3; "
+        "lower the ranks or the GPUs per rank or engine, or join a larger cluster (rl.engine.ray_address)"]
+
+    cfg = PipelineConfig.model_validate({
+        "run": {"name": "t", "precision": "bf16", "device_memory_gib": 8}, "model": {"source": "m"},
+        "data": {"rl_train": {"path": "x.jsonl"}, "rl_eval": {"path": "y.jsonl"}},
+        "sft": {"enabled": False}, "rm": {"enabled": False},
+        "rl": {"rollout": {"gpus_per_engine": 1, "gpu_memory_utilization": 0.5}}})
+    (rollout,) = [r for r in plan_stages(cfg, TINY, {"rl": 32})["rl"] if r.role == "rollout"]
+    weights = WEIGHT_BYTES["bf16"] * ModelShape.from_hf_config(TINY).rank_parameters(1)
+    assert rollout.gpus_per_rank == 1.0 and rollout.parts == {"weights": weights, "kv_cache": 4 * GIB - weights}

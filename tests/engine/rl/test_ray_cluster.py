@@ -4,6 +4,8 @@
   joined through the ``RAY_ADDRESS`` environment variable: a disaggregated GRPO step puts its
   training bundle and its rollout bundle on different nodes, and the weights synced across
   the nodes reproduce the trainer's log-probs;
+- a cluster whose node declares GPUs (Ray's resource accounting, no device needed): the
+  placement reserves each role's GPUs and every worker holds its own;
 - a head started with ``ray start --head`` (a subprocess, as a user or KubeRay starts one):
   the engine joins it through ``RAY_ADDRESS`` and through ``rl.engine.ray_address`` (which
   wins), reserves its placement there, and leaves it running.
@@ -180,6 +182,71 @@ def test_disaggregated_run_spans_two_nodes(tiny_policy, tmp_path, monkeypatch):
         (bundles,) = nodes.bundles
         assert set(bundles) == {0, 1} and bundles[0] != bundles[1] and set(bundles.values()) == node_ids
         assert nodes.gcs == [cluster.address]
+        assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
+        assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+    finally:
+        shutdown_ray()
+        cluster.shutdown()
+
+
+class GPUsOfTheRun:
+    """A ``log_metrics`` callback: after each step, the run's placement-group bundles (their
+    resources) and the GPUs of each bundle its workers have not taken
+    (``GPU_group_<index>_<group id>`` in ``ray.cluster_resources()`` and ``ray.available_resources()``)."""
+
+    def __init__(self):
+        self.bundles: list[dict] = []
+        self.total: list[dict[int, float]] = []
+        self.free: list[dict[int, float]] = []
+
+    def __call__(self, metrics: dict, step: int) -> None:
+        import ray
+
+        (group,) = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        self.bundles.append(dict(group["bundles"]))
+        keys = {i: f"GPU_group_{i}_{group['placement_group_id']}" for i in group["bundles"]}
+        total, free = ray.cluster_resources(), ray.available_resources()
+        self.total.append({i: total.get(k, 0.0) for i, k in keys.items()})
+        self.free.append({i: free.get(k, 0.0) for i, k in keys.items()})
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeypatch, placement):
+    """A node of 2 CPUs that declares 4 GPUs (Ray counts them; the workers still compute on
+    CPU). The actor at DP=2 with rl.parallel.actor.gpus_per_rank 1 and one rollout engine with
+    rl.rollout.gpus_per_engine 1: the placement reserves 3 GPUs (colocated: in its one bundle;
+    disaggregated: 2 in the training bundle, 1 in the rollout bundle), every worker holds its
+    own (no GPU of a bundle is left free while the step runs), the fourth stays free on the
+    node, and the GRPO step completes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from config.parallel import ParallelConfig, RLParallelConfig
+    from config.rl import RolloutConfig
+    from engine.rl.loop import run_rl
+    from engine.rl.placement import init_ray, shutdown_ray
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
+    try:
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        init_ray(None, num_cpus=2)
+        gpus = GPUsOfTheRun()
+        engine = (EngineConfig(num_cpus=2) if placement == "colocated"
+                  else EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1))
+        cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0), engine=engine,
+                        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, gpus_per_engine=1),
+                        parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2, gpus_per_rank=1)))
+        run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=gpus)
+        (row,) = read_metrics(tmp_path)
+        (bundles,) = gpus.bundles
+        if placement == "colocated":
+            assert bundles == {0: {"CPU": 2.0, "GPU": 3.0}}
+        else:
+            assert bundles == {0: {"CPU": 1.0, "GPU": 2.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
+        assert gpus.total == [{i: b["GPU"] for i, b in bundles.items()}]  # the bundles' GPUs, as Ray counts them
+        assert set(gpus.free[0].values()) == {0.0}  # every reserved GPU is held by a worker
+        assert ray.cluster_resources()["GPU"] == 4.0
         assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
         assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
     finally:
