@@ -210,42 +210,51 @@ class GPUsOfTheRun:
         self.free.append({i: free.get(k, 0.0) for i, k in keys.items()})
 
 
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeypatch, placement):
+def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeypatch):
     """A node of 2 CPUs that declares 4 GPUs (Ray counts them; the workers still compute on
     CPU). The actor at DP=2 with rl.parallel.actor.gpus_per_rank 1 and one rollout engine with
-    rl.rollout.gpus_per_engine 1: the placement reserves 3 GPUs (colocated: in its one bundle;
-    disaggregated: 2 in the training bundle, 1 in the rollout bundle), every worker holds its
-    own (no GPU of a bundle is left free while the step runs), the fourth stays free on the
-    node, and the GRPO step completes."""
+    rl.rollout.gpus_per_engine 1 reserve 3 GPUs.
+
+    Colocated: the one bundle holds 3 GPUs and three workers placed with the run's options
+    get three different devices (``ray.get_gpu_ids()``). Disaggregated, a whole GRPO step: a
+    training bundle of 2 GPUs and a rollout bundle of 1, every one held by a worker while the
+    step runs, the fourth free on the node."""
     import ray
     from ray.cluster_utils import Cluster
 
     from config.parallel import ParallelConfig, RLParallelConfig
     from config.rl import RolloutConfig
     from engine.rl.loop import run_rl
-    from engine.rl.placement import init_ray, shutdown_ray
+    from engine.rl.placement import init_ray, make_placement, shutdown_ray
 
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
     try:
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         init_ray(None, num_cpus=2)
+        gpu_layout = dict(kl=KLConfig(coef=0.0),
+                          rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, gpus_per_engine=1),
+                          parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2, gpus_per_rank=1)))
+
+        colocated = make_placement(rl_config("vllm", 1, engine=EngineConfig(num_cpus=2), **gpu_layout))
+        try:
+            (bundle,) = ray.util.placement_group_table(colocated.group)["bundles"].values()
+            assert bundle == {"CPU": 2.0, "GPU": 3.0}
+            devices = ray.remote(lambda: ray.get_gpu_ids())
+            got = ray.get([devices.options(**colocated.actor_options("train", 1.0)).remote() for _ in range(3)])
+            assert sorted(len(g) for g in got) == [1, 1, 1] and len({g[0] for g in got}) == 3
+        finally:
+            colocated.remove()
+
         gpus = GPUsOfTheRun()
-        engine = (EngineConfig(num_cpus=2) if placement == "colocated"
-                  else EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1))
-        cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0), engine=engine,
-                        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, gpus_per_engine=1),
-                        parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2, gpus_per_rank=1)))
+        cfg = rl_config("vllm", 1, engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1),
+                        **gpu_layout)
         run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=gpus)
         (row,) = read_metrics(tmp_path)
         (bundles,) = gpus.bundles
-        if placement == "colocated":
-            assert bundles == {0: {"CPU": 2.0, "GPU": 3.0}}
-        else:
-            assert bundles == {0: {"CPU": 1.0, "GPU": 2.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
-        assert gpus.total == [{i: b["GPU"] for i, b in bundles.items()}]  # the bundles' GPUs, as Ray counts them
-        assert set(gpus.free[0].values()) == {0.0}  # every reserved GPU is held by a worker
+        assert bundles == {0: {"CPU": 1.0, "GPU": 2.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
+        assert gpus.total == [{0: 2.0, 1: 1.0}]  # the bundles' GPUs, as Ray counts them
+        assert gpus.free == [{0: 0.0, 1: 0.0}]  # every reserved GPU is held by a worker
         assert ray.cluster_resources()["GPU"] == 4.0
         assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
         assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
