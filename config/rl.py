@@ -416,9 +416,6 @@ class RLConfig(Strict):
         if self.backend == "deepspeed" and self.packing:
             raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches); "
                              "set rl.packing: false or rl.backend: megatron")
-        if self.backend == "deepspeed" and self.lora.enabled:
-            raise ValueError("rl.lora.enabled needs rl.backend: megatron (the deepspeed backend trains every weight); "
-                             "set rl.lora.enabled: false or rl.backend: megatron")
         return self
 
     @model_validator(mode="after")

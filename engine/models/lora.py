@@ -258,6 +258,17 @@ _HF_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "lin
                "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
 
 
+def hf_target_modules(targets: list[str]) -> list[str]:
+    """The HF module names of megatron-core layer names (``lora.target_modules``), sorted:
+    ``linear_qkv`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``linear_proj`` -> ``o_proj``;
+    ``linear_fc1`` -> ``gate_proj``, ``up_proj``; ``linear_fc2`` -> ``down_proj``.
+
+    Raises:
+        KeyError: a name is none of the four layers.
+    """
+    return sorted({hf for t in targets for hf in _HF_MODULES[t][1]})
+
+
 def peft_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters under HF PEFT's names, full fp32 tensors (a collective under tensor parallelism).
 
@@ -297,24 +308,37 @@ def peft_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_peft_adapter(model: torch.nn.Module, cfg: LoraConfig, out_dir: str | Path) -> Path:
-    """Write the adapters in HF PEFT's format: ``adapter_config.json`` (``peft.LoraConfig``:
-    ``r``, ``lora_alpha``, ``lora_dropout``, HF ``target_modules``, ``task_type`` CAUSAL_LM) and
-    ``adapter_model.safetensors`` (:func:`peft_adapter_state`). ``PeftModel.from_pretrained`` on
-    the base model's HF export then computes the adapted model. Every rank of a
-    tensor-parallel group calls it (the adapters are gathered); rank 0 writes.
+    """Write the adapters of a megatron-core model in HF PEFT's format (:func:`write_peft_adapter`
+    of :func:`peft_adapter_state`). Every rank of a tensor-parallel group calls it (the
+    adapters are gathered); rank 0 writes.
 
     Returns: ``Path(out_dir)``.
     """
     import torch.distributed as dist
-    from peft import LoraConfig as PeftLoraConfig
-    from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     state = peft_adapter_state(model)
     if dist.is_initialized() and dist.get_rank() != 0:
         return out_dir
-    targets = sorted({hf for t in cfg.target_modules for hf in _HF_MODULES[t][1]})
-    PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none",
+    return write_peft_adapter(state, cfg, out_dir)
+
+
+def write_peft_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out_dir: str | Path) -> Path:
+    """Write adapters in HF PEFT's format: ``adapter_config.json`` (``peft.LoraConfig``: ``r``,
+    ``lora_alpha``, ``lora_dropout``, HF ``target_modules``, ``task_type`` CAUSAL_LM) and
+    ``adapter_model.safetensors`` holding ``state`` (PEFT's saved names,
+    ``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`` ``[r, in]``, ``...lora_B.weight``
+    ``[out, r]``). ``PeftModel.from_pretrained`` on the base model's HF export then computes the
+    adapted model.
+
+    Returns: ``Path(out_dir)``.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                   target_modules=hf_target_modules(cfg.target_modules), bias="none",
                    task_type="CAUSAL_LM").save_pretrained(str(out_dir))
     save_file(state, str(out_dir / "adapter_model.safetensors"))
     return out_dir

@@ -1,8 +1,10 @@
 """The DeepSpeed RL actor: a transformers causal LM under a DeepSpeed engine (ZeRO 0-3),
-with the same losses as the megatron-core actor (:mod:`engine.training.actor`)."""
+with the same losses as the megatron-core actor (:mod:`engine.training.actor`), optionally
+training LoRA adapters only (``rl.lora``, :mod:`engine.models.hf_lora`)."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,7 +37,10 @@ class DeepSpeedActorWorker(HFBucketSource):
     Same constructor arguments, methods and results as :class:`engine.backends.megatron.actor.ActorWorker`;
     the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
     Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.models.weight_buckets.HFBucketSource`
-    over :meth:`hf_tensors` (the worker is its own weight source). It runs as a Ray actor in
+    over :meth:`hf_tensors` (the worker is its own weight source). With ``cfg.lora.enabled`` PEFT's
+    LoRA layers go on the model before DeepSpeed takes it (:func:`engine.models.hf_lora.apply_hf_lora`,
+    ``A`` seeded from ``seed``): only the adapters train, the train state holds them alone, and
+    weight sync and :meth:`save_model` carry the merged weights under the plain HF names. It runs as a Ray actor in
     its own process (built by :func:`engine.rl.workers.spawn` via
     :func:`engine.rl.workers.start_workers`), so every argument and result crosses a process
     boundary.
@@ -44,7 +49,8 @@ class DeepSpeedActorWorker(HFBucketSource):
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
         cfg: the ``rl`` config (``deepspeed.zero_stage``, ``precision``, optimizer, loss,
             epochs, micro-batches, rollout temperature).
-        seed: model-building seed (every weight is then loaded from ``policy_dir``).
+        seed: model-building seed (every weight is then loaded from ``policy_dir``) and the
+            LoRA ``A`` initialisation's.
         num_threads: torch threads in this process (default: all cores).
 
     Raises:
@@ -63,6 +69,10 @@ class DeepSpeedActorWorker(HFBucketSource):
         import_deepspeed()
         init_single_process_group()
         loaded = load_hf_causal_lm(policy_dir, seed=seed)
+        if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
+            from engine.models.hf_lora import apply_hf_lora
+
+            apply_hf_lora(loaded.model, cfg.lora, seed=seed)
         self.hf_config, self.spec, self.tokenizer_dir = loaded.hf_config, loaded.spec, loaded.tokenizer_dir
         self.cfg = cfg
         self.seed = seed
@@ -103,19 +113,41 @@ class DeepSpeedActorWorker(HFBucketSource):
         ``lm_head.weight`` is the embedding and is not repeated): the weight source of
         ``engine.models.weight_buckets``. Below ZeRO-3 the tensors are the live parameters (the caller
         copies what it keeps); under ZeRO-3 each is gathered and copied. Under ``rl.precision``
-        bf16 they are the bf16 compute weights the trainer computes with."""
-        return self.trainer.named_tensors()
+        bf16 they are the bf16 compute weights the trainer computes with. With LoRA the names
+        and order are the same, each adapted weight is ``W + (alpha/rank) B A`` merged in fp32 from
+        the fp32 adapters and cast to ``W``'s dtype (:func:`engine.models.hf_lora.merged_hf_tensors`)."""
+        return self._weights(full_precision=False)
 
     def save_model(self, out_dir: str | Path, iteration: int | None) -> str:
         """Write the policy as a model directory (megatron torch_dist + ``hf/``; see
         :func:`engine.storage.hf_io.save_hf_as_model_dir`), which ``load_model_dir``, evaluation
         and export read like the megatron backend's. Under bf16 the weights written are the fp32
-        masters (``DeepSpeedTrainer.named_tensors(full_precision=True)``)."""
+        masters (``DeepSpeedTrainer.named_tensors(full_precision=True)``). With LoRA they are the
+        merged weights in fp32 (the base upcast plus the fp32 update), and with
+        ``rl.lora.save_adapter`` the adapters alone go to ``adapter/`` in PEFT's format
+        (``engine.models.lora.write_peft_adapter``), as the megatron backend writes them."""
         from engine.storage.hf_io import save_hf_as_model_dir
 
-        weights = dict(self.trainer.named_tensors(full_precision=True))
-        return str(save_hf_as_model_dir(out_dir, weights, self.spec, self.hf_config,
-                                        self.tokenizer_dir, iteration=iteration, seed=self.seed))
+        weights = dict(self._weights(full_precision=True))
+        out = save_hf_as_model_dir(out_dir, weights, self.spec, self.hf_config, self.tokenizer_dir,
+                                   iteration=iteration, seed=self.seed)
+        if self.cfg.lora.enabled and self.cfg.lora.save_adapter:
+            from engine.models.hf_lora import peft_adapter_tensors
+            from engine.models.lora import write_peft_adapter
+
+            adapters = peft_adapter_tensors(self.module, partial(self.trainer.full_tensor, full_precision=True))
+            write_peft_adapter(adapters, self.cfg.lora, out / "adapter")
+        return str(out)
+
+    def _weights(self, full_precision: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights (:meth:`DeepSpeedTrainer.named_tensors`); with LoRA merged, and in
+        fp32 when ``full_precision``."""
+        if not self.cfg.lora.enabled:
+            return self.trainer.named_tensors(full_precision)
+        from engine.models.hf_lora import merged_hf_tensors
+
+        return merged_hf_tensors(self.module, partial(self.trainer.full_tensor, full_precision=True),
+                                 torch.float32 if full_precision else None)
 
     # ------------------------------------------------------------------ resumable state
 
@@ -123,7 +155,8 @@ class DeepSpeedActorWorker(HFBucketSource):
         """Write the resumable train state atomically (``engine.storage.train_state``): HF-named
         weights, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32 partitions),
         the schedule, data position, RNG states and ``extra`` (plus the backend and ZeRO stage,
-        which the state's layout depends on). Loads with ``torch.load(weights_only=True)``."""
+        which the state's layout depends on). Loads with ``torch.load(weights_only=True)``. With
+        LoRA the weights and AdamW state are the adapters' only (the frozen base is ``policy_dir``'s)."""
         self.trainer.save_state(resume_dir, STATE_TAG_KEY, step, data_position, extra)
 
     def load_state(self, resume_dir: str | Path):

@@ -58,6 +58,12 @@ Under bf16 the train state (:meth:`DeepSpeedTrainer.save_state`) and the model d
 (:meth:`DeepSpeedTrainer.named_tensors` with ``full_precision=True``) hold the fp32 masters,
 so a resumed run continues bit for bit; weight sync to the rollout engine sends the bf16
 compute weights (what the trainer computes with).
+
+Frozen parameters (``requires_grad=False``: the LoRA actor's base weights,
+``engine.models.hf_lora``) get no gradient, no AdamW state, no fp32 master (neither the
+repository's nor DeepSpeed's flat partitions hold them) and, under bf16, are cast to bf16 with
+the module once. The train state of a module with frozen parameters holds the trained ones only,
+by name; the frozen ones come from the model directory the run starts from.
 """
 
 from __future__ import annotations
@@ -238,6 +244,22 @@ def _to_master_weights(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return masters
 
 
+def _parameter_tree(named: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
+    """A module holding exactly ``named``'s Parameter objects under their dotted names (the
+    same objects, no copy): its ``state_dict()`` reads them and ``load_state_dict`` writes into
+    them."""
+    root = torch.nn.Module()
+    for name, p in named.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if part not in dict(owner.named_children()):
+                owner.add_module(part, torch.nn.Module())
+            owner = owner.get_submodule(part)
+        owner.register_parameter(leaf, p)
+    return root
+
+
 class DeepSpeedTrainer:
     """A module trained by a one-process DeepSpeed engine with this repository's optimizer step.
 
@@ -364,26 +386,31 @@ class DeepSpeedTrainer:
 
     def named_tensors(self, full_precision: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The module's parameters by name, one at a time, in module order (a tied weight
-        once). Below ZeRO-3 the tensors are the live parameters (the caller copies what it
-        keeps); under ZeRO-3 each is gathered and copied.
+        once), each :meth:`full_tensor`."""
+        for name, _ in self.module.named_parameters():
+            yield name, self.full_tensor(name, full_precision)
 
-        ``full_precision`` (for model directories): under bf16 each trained parameter's fp32
+    def full_tensor(self, name: str, full_precision: bool = False) -> torch.Tensor:
+        """Parameter ``name`` of the module, whole. Below ZeRO-3 the live parameter (the caller
+        copies what it keeps); under ZeRO-3 gathered and copied.
+
+        ``full_precision`` (for model directories): under bf16 a trained parameter's fp32
         master instead (a copy under DeepSpeed's bf16, the live master at ZeRO-0); a frozen
         parameter, which has no master, gives its compute weight. Under fp32 the same as
         without it.
+
+        Raises:
+            AttributeError: the module has no parameter ``name``.
         """
         from deepspeed.utils import safe_get_full_fp32_param
 
-        repository = self._repository_masters_by_name() if full_precision else {}
-        for name, p in self.module.named_parameters():
-            if name in repository:
-                tensor = repository[name].detach()
-            elif full_precision and self.scheme == DEEPSPEED_BF16 and p.requires_grad:
-                tensor = safe_get_full_fp32_param(p).detach()
-            else:
-                with self.gathered([p]):
-                    tensor = p.detach().clone() if self.zero_stage == 3 else p.detach()
-            yield name, tensor
+        p = self.module.get_parameter(name)
+        if full_precision and p.requires_grad and self.scheme == MASTER_WEIGHTS:
+            return self._repository_masters_by_name()[name].detach()
+        if full_precision and p.requires_grad and self.scheme == DEEPSPEED_BF16:
+            return safe_get_full_fp32_param(p).detach()
+        with self.gathered([p]):
+            return p.detach().clone() if self.zero_stage == 3 else p.detach()
 
     # ------------------------------------------------------------------ fp32 masters
 
@@ -449,6 +476,17 @@ class DeepSpeedTrainer:
         finally:
             self.engine.optimizer._clear_fp32_optimizer_param_groups()
 
+    def _state_module(self) -> torch.nn.Module:
+        """What the train state reads and restores: the module, or, when some of its parameters are
+        frozen (LoRA adapters on a frozen base), a module holding the trained parameters alone
+        under their names (:func:`_parameter_tree`; at ZeRO-0 under bf16 their fp32 masters), so
+        the state holds no frozen weight: those come from the model directory the run starts from."""
+        if all(p.requires_grad for p in self.module.parameters()):
+            return self.module
+        trained = self._repository_masters_by_name() or {
+            name: p for name, p in self.module.named_parameters() if p.requires_grad}
+        return _parameter_tree(trained)
+
     def state_tag(self) -> dict[str, Any]:
         """What a saved state's layout depends on: the backend and the ZeRO stage."""
         return {"backend": "deepspeed", "zero_stage": self.zero_stage}
@@ -458,13 +496,15 @@ class DeepSpeedTrainer:
         weights by name, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32
         partitions), the schedule, data position, RNG states and ``extra`` plus
         ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``.
-        Under bf16 the weights are the fp32 masters (module docstring)."""
+        Under bf16 the weights are the fp32 masters (module docstring); with frozen parameters
+        (LoRA) the trained ones only (:meth:`_state_module`)."""
         from engine.storage.train_state import save_train_state
 
-        with (self.gathered(self.module.parameters()), self._deepspeed_masters_in_params(),
+        saved = self._state_module()
+        with (self.gathered(saved.parameters()), self._deepspeed_masters_in_params(),
               self._optimizer_param_groups()):
             save_train_state(
-                directory, step=step, model=self.module, optimizer=self.optimizer, scheduler=self.scheduler,
+                directory, step=step, model=saved, optimizer=self.optimizer, scheduler=self.scheduler,
                 data_position=data_position, extra={**extra, tag_key: self.state_tag()},
             )
 
@@ -486,9 +526,14 @@ class DeepSpeedTrainer:
         if written_by != self.state_tag():
             raise ValueError(f"{directory}: train state was written with {written_by}, this worker runs "
                              f"{self.state_tag()}; resume with the same {config_keys}")
-        with self.gathered(self.module.parameters(), modifier_rank=0), self._optimizer_param_groups():
-            state.restore(self.module, self.optimizer, self.scheduler)  # bf16 weights: the saved masters' rounding
-        if self.scheme == DEEPSPEED_BF16:  # DeepSpeed's fp32 masters: the saved fp32 weights exactly
+        from engine.models.master_weights import copy_masters_to_model
+
+        restored = self._state_module()
+        with self.gathered(restored.parameters(), modifier_rank=0), self._optimizer_param_groups():
+            state.restore(restored, self.optimizer, self.scheduler)
+        if self.scheme == MASTER_WEIGHTS:  # the bf16 weights: the restored masters' rounding
+            copy_masters_to_model(self.module)
+        elif self.scheme == DEEPSPEED_BF16:  # DeepSpeed's fp32 masters: the saved fp32 weights exactly
             self._set_masters(state.model)
         elif self.zero_stage > 0:  # ZeRO's fp32 master partitions follow the restored weights
             self.engine.optimizer.refresh_fp32_params()
