@@ -135,14 +135,17 @@ class ModelShape:
         embeddings = rows * h * (1 if self.tie_word_embeddings else 2)
         return (embeddings + self.num_layers * split) // tp + self.num_layers * whole + h
 
-    def lora_parameters(self, lora: "LoraConfig", tp: int = 1) -> int:
+    def lora_parameters(self, lora: "LoraConfig", tp: int = 1, per_projection: bool = False) -> int:
         """LoRA adapter parameters on one of ``tp`` ranks (engine/models/lora.py): per layer and
         targeted linear ``r (in + out)``, the split half (column-parallel ``B``, row-parallel
-        ``A``) divided by ``tp``."""
+        ``A``) divided by ``tp``. ``per_projection``: PEFT's adapters on a transformers model
+        (engine/models/hf_lora.py, the DeepSpeed backend), one ``A`` for each of q, k, v and
+        of gate, up where megatron's fused linear_qkv and linear_fc1 share one."""
         h, d, f, r = self.hidden_size, self.head_dim, self.ffn_hidden_size, lora.rank
         qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        qkv_a, fc1_a = (3, 2) if per_projection else (1, 1)
         # (whole, split) adapter elements: column (A whole, B split), row (A split, B whole)
-        parts = {"linear_qkv": (r * h, qkv * r), "linear_fc1": (r * h, 2 * f * r),
+        parts = {"linear_qkv": (qkv_a * r * h, qkv * r), "linear_fc1": (fc1_a * r * h, 2 * f * r),
                  "linear_proj": (r * h, r * self.num_attention_heads * d), "linear_fc2": (r * h, r * f)}
         whole = sum(parts[t][0] for t in lora.target_modules)
         split = sum(parts[t][1] for t in lora.target_modules)
@@ -189,7 +192,7 @@ class RoleMemory:
     """One role's ranks and the bytes each holds.
 
     Attributes:
-        role: ``actor``, ``critic``, ``reference``, ``reward``, ``rollout``, ``sft`` or ``rm``.
+        role: ``actor``, ``critic``, ``reference``, ``reward``, ``rollout``, ``sft``, ``rm`` or ``po``.
         key: the config key of its layout (``rl.parallel.actor``, ``sft.parallel``, ...).
         ranks: how many (``data_parallel_size x tensor_model_parallel_size``; rollout:
             ``rl.rollout.num_engines``).
@@ -219,7 +222,7 @@ class RoleMemory:
 
 def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig, precision: str, micro_batch: int,
                   seq_len: int, vocab_rows: int, *, trainable: bool = True, logits: bool = True,
-                  packing: bool = False, lora: "LoraConfig | None" = None) -> RoleMemory:
+                  packing: bool = False, lora: "LoraConfig | None" = None, peft: bool = False) -> RoleMemory:
     """Bytes per rank of a megatron role laid out as ``layout`` (module docstring's table).
     With ``lora`` enabled the trained parameters are its adapters
     (:meth:`ModelShape.lora_parameters`): they add weights and alone have masters, gradients
@@ -235,12 +238,14 @@ def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig
         trainable: False for a frozen role (weights and its logits only).
         logits: False for a scalar head (critic, reward model): no vocabulary logits.
         packing: sequence packing (the ``sdpa`` core attention: no stored attention scores).
+        peft: the adapters are PEFT's on a transformers model (the DeepSpeed backend;
+            :meth:`ModelShape.lora_parameters` ``per_projection``).
     """
     tp = layout.tensor_model_parallel_size
     p = shape.rank_parameters(tp, vocab_rows) + (0 if logits else shape.hidden_size + 1)  # a head: h weights + bias
     trained = p
     if trainable and lora is not None and lora.enabled:
-        trained = shape.lora_parameters(lora, tp)
+        trained = shape.lora_parameters(lora, tp, per_projection=peft)
         p += trained
     parts = {"weights": WEIGHT_BYTES[precision] * p}
     if trainable:
@@ -301,10 +306,10 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
         plans["rm"] = [training_role("rm", "rm.parallel", shape, cfg.rm.parallel, cfg.rm.precision, b, s, rows,
                                      logits=False, packing=cfg.rm.packing)]
     if cfg.po.enabled and "po" in seq_lens:
-        # one rank; a pair is two sequences (an unpaired KTO row of data.kto one); the reference's
-        # log-probs are computed by the policy itself before the first step and cached: no second model
+        # a pair is two sequences (an unpaired KTO row of data.kto one); the reference's log-probs
+        # are computed by the policy itself before the first step and cached: no second model
         per_example = 1 if cfg.data.kto is not None else 2
-        plans["po"] = [training_role("po", "po.micro_batch_size", shape, ParallelConfig(), cfg.po.precision,
+        plans["po"] = [training_role("po", "po.parallel", shape, cfg.po.parallel, cfg.po.precision,
                                      per_example * cfg.po.micro_batch_size, seq_lens["po"], rows, lora=cfg.po.lora)]
     if "rl" not in seq_lens:
         return plans
@@ -312,7 +317,7 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
     rl, p = cfg.rl, cfg.rl.precision
     b, s = _micro(rl.micro_batch_size, rl.max_tokens_per_micro_batch, rollout_tokens)
     roles = [training_role("actor", "rl.parallel.actor", shape, rl.parallel.actor, p, b, s, rows, packing=rl.packing,
-                           lora=rl.lora)]
+                           lora=rl.lora, peft=rl.backend == "deepspeed")]
     if rl.uses_reference:
         roles.append(training_role("reference", "rl.parallel.reference", shape, rl.parallel.reference, p, b, s, rows,
                                    trainable=False))
@@ -489,7 +494,7 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
     rows = padded_vocab(shape.vocab_size, cfg.convert.make_vocab_size_divisible_by)
     layouts = {f"rl.parallel.{role}": getattr(cfg.rl.parallel, role)
                for role in ("actor", "critic", "reference", "reward_model")}
-    layouts.update({"sft.parallel": cfg.sft.parallel, "rm.parallel": cfg.rm.parallel})
+    layouts.update({"sft.parallel": cfg.sft.parallel, "rm.parallel": cfg.rm.parallel, "po.parallel": cfg.po.parallel})
     problems = [p for key, layout in layouts.items()
                 for p in tensor_parallel_problems(key, shape, layout.tensor_model_parallel_size, rows, model)]
     if problems:

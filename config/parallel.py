@@ -1,6 +1,6 @@
 """Config of how a training role is laid out on the Ray cluster: data x tensor parallelism.
 
-A role (the RL actor, critic, reference and reward model; the sft and rm stages) runs as a
+A role (the RL actor, critic, reference and reward model; the sft, rm and po stages) runs as a
 group of ``data_parallel_size x tensor_model_parallel_size`` ranks, one Ray actor each,
 joined by one torch.distributed process group (gloo on CPU, NCCL on CUDA) and megatron-core's
 ``parallel_state`` (docs/scaling.md).
@@ -48,7 +48,7 @@ class RLParallelConfig(Strict):
 
 def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: int, micro_batch_size: int,
                        token_budget: int | None) -> None:
-    """Raise unless ``layout`` (``<section>.parallel``) can run the sft or rm stage.
+    """Raise unless ``layout`` (``<section>.parallel``) can run the sft, rm or po stage.
 
     Data parallelism gives each rank every ``data_parallel_size``-th micro-batch of a step, so
     a step needs at least one micro-batch per rank: ``global_batch_size / micro_batch_size >=

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from config.base import Strict
 from config.lora import LoraConfig
+from config.parallel import ParallelConfig, check_stage_layout
 from config.run import Precision
 from config.training import OptimConfig
 
@@ -55,11 +56,19 @@ class PoConfig(Strict):
                                                    "model holds the merged weights.")
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps (with the held-out evaluation).")
+    parallel: ParallelConfig = Field(
+        ParallelConfig(), description="Data and tensor parallelism: data_parallel_size > 1 runs the stage as that "
+                                      "many Ray actor ranks (times tensor_model_parallel_size), each data-parallel "
+                                      "rank back-propagating every k-th micro-batch of a step, with the gradients "
+                                      "summed (the update of DP=1 up to float rounding; KTO's reference point is the "
+                                      "whole step's); tensor_model_parallel_size splits the model's heads and MLP "
+                                      "columns across ranks. Its train state resumes at any layout (docs/scaling.md).")
 
     @model_validator(mode="after")
     def _check(self):
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError("po.global_batch_size must be a multiple of po.micro_batch_size")
+        check_stage_layout("po", self.parallel, self.global_batch_size, self.micro_batch_size, None)
         if self.rpo_alpha and self.loss == "kto":
             raise ValueError("po.rpo_alpha: the chosen-response NLL term needs pairs (dpo, ipo, simpo), not kto; "
                              "set po.rpo_alpha: 0")

@@ -486,7 +486,7 @@ def cluster_notes(cfg: PipelineConfig) -> list[str]:
         return []
     address, key = joined
     root, ckpt = cfg.run.artifact_root, cfg.run.checkpoint_root
-    notes = [f"{key}: the rl stage (and sft/rm with data_parallel_size > 1) joins the Ray cluster at {address}; this "
+    notes = [f"{key}: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at {address}; this "
              "process is its driver and publishes the artifacts, the workers run on the cluster's nodes"]
     if "://" not in root or root.startswith("file://"):
         notes.append(f"run.artifact_root: {root} is a local path: on a Ray cluster of several nodes every node must "
@@ -502,7 +502,7 @@ def cluster_notes(cfg: PipelineConfig) -> list[str]:
 
 
 def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """The data/tensor-parallel layouts of sft, rm and rl (and po's one rank) against the model and the memory
+    """The data/tensor-parallel layouts of sft, rm, po and rl against the model and the memory
     they need (``config.memory_plan.check_layouts``; docs/scaling.md); returns (problems,
     notes). ``seen``: what :func:`check_contents` read. A stage's sequences are as long as its
     data makes them: the longest sft conversation and preference side (up to

@@ -20,8 +20,11 @@ from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
 SPEC = StageSpec(
     name="po",
     inputs=lambda cfg: ("validate", starting_policy(cfg)),
-    # how often metrics are logged and checkpoints written does not change the result (resume is bit-identical)
-    config=lambda cfg: {"po": cfg.po.model_dump(exclude={"log_every", "checkpoint_every"}), "seed": cfg.run.seed},
+    # How often metrics are logged and checkpoints written cannot change the result; the
+    # data-parallel layout changes it only by float rounding, as the thread count does (and a
+    # killed attempt resumes at another layout).
+    config=lambda cfg: {"po": cfg.po.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
+                        "seed": cfg.run.seed},
     summary=("po/eval_accuracy", "po/eval_kto_accuracy", "po/eval_margin"),
 )
 
@@ -37,14 +40,18 @@ def training_data(validate_dir: Path, loss: str) -> Path:
 def po(ctx: StageContext) -> dict:
     """Train ``po.steps`` steps of ``po.loss`` on ``preference.jsonl`` (kto: on ``kto.jsonl`` when the
     validate artifact has it); report held-out pairwise accuracy (unpaired: reward-sign accuracy)
-    and reward margin. Checkpoints every ``po.checkpoint_every`` steps."""
+    and reward margin. Checkpoints every ``po.checkpoint_every`` steps; runs on ``po.parallel``'s
+    data- and tensor-parallel ranks when there are several."""
     # imported here, not at module level: a cached run must not pay for torch's import
+    from engine.distributed.stage_group import run_stage
     from engine.evaluation.curves import write_stage_curves
     from engine.training.preference_optimization import train_preference_optimization
 
-    metrics = train_preference_optimization(
-        ctx.input_path(starting_policy(ctx.cfg)) / "model", training_data(ctx.input_path("validate"), ctx.cfg.po.loss),
-        ctx.cfg.po, ctx.workdir / "model", ctx.resume_dir, seed=ctx.cfg.run.seed, log_metrics=ctx.log_metrics)
+    args = dict(base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
+                dataset_path=training_data(ctx.input_path("validate"), ctx.cfg.po.loss), cfg=ctx.cfg.po,
+                out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
+    metrics = run_stage(train_preference_optimization, args, ctx.cfg.po.parallel, "po", log_metrics=ctx.log_metrics,
+                        ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
     png, _ = write_stage_curves("po", ctx.workdir, ctx.tracker.history())
     ctx.tracker.log_images({"curves": png})
     return metrics

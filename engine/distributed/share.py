@@ -1,4 +1,4 @@
-"""A data-parallel rank's share of a global batch's micro-batches (the sft and rm stages).
+"""A data-parallel rank's share of a global batch's micro-batches (the sft, rm and po stages).
 
 Every rank forms the same micro-batches of a step (the same deterministic sampler and
 batching, from the same seed) and back-propagates every ``k``-th of them, starting at its

@@ -1,4 +1,4 @@
-"""Run a training stage (sft, rm) on a data x tensor-parallel group of Ray actors, from the driver.
+"""Run a training stage (sft, rm, po) on a data x tensor-parallel group of Ray actors, from the driver.
 
 With ``<stage>.parallel.world_size == 1`` :func:`run_stage` calls the stage's trainer in this
 process, exactly as before data parallelism existed. Otherwise it connects to (or starts) the

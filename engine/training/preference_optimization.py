@@ -22,6 +22,17 @@ divides by the global count, so the gradient does not depend on ``po.micro_batch
 KTO's reference point z0 is estimated over the whole global batch (without gradient) before
 the micro-batches run, for the same reason. Resumes exactly from ``resume_dir`` as SFT does
 (weights, AdamW moments, schedule, data position, RNG states).
+
+Data and tensor parallelism (``po.parallel``; the ranks are started by
+``engine.distributed.stage_group.run_stage``): every rank runs
+:func:`train_preference_optimization` on the same data, computes the reference log-probs and
+each step's z0 on the whole data and global batch as one process does (the same values on every
+rank), and back-propagates its share of each step's micro-batches
+(``engine.distributed.share``); the train step sums the gradients and the metric sums over the
+data-parallel ranks and divides by the global count. Under tensor parallelism the log-probs come
+from the logits gathered over the group (:func:`engine.models.megatron.gpt_logits`). Rank 0's
+tensor-parallel group alone evaluates the held-out pairs; rank 0 alone logs, shows progress and
+writes the files that are not torch_dist shards (the reference cache among them).
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ from engine.algorithms.preference_loss import (
 )
 from engine.batching.collate import TokenBatch, collate_tokens, pad_token_id, split_micro_batches
 from engine.batching.sampler import EpochSampler
+from engine.distributed.collectives import broadcast_object, data_parallel_rank, global_rank
+from engine.distributed.share import micro_batch_share
 from engine.models.lora import apply_lora, merged_for_saving, save_peft_adapter
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.storage.train_state import (
@@ -63,10 +76,11 @@ from engine.storage.train_state import (
 from engine.training.optimizer_step import build_model_optimizer, train_step
 from engine.training.preference_data import (
     EncodedResponse,
-    encode_response,
+    PreferencePair,
+    UnpairedExample,
+    encode_pairs,
+    encode_unpaired,
     is_unpaired,
-    read_preference_rows,
-    read_unpaired_rows,
 )
 from engine.training.reward_model import split_eval
 
@@ -77,18 +91,6 @@ REFERENCE_FILE = "reference_logps.safetensors"
 ``mismatched_chosen``, ``mismatched_rejected``; each ``[N]`` fp32) or, for unpaired KTO rows, per
 row (``completion``, ``mismatched``), and the pairs' (rows') source ``line`` numbers (``[N]``
 int64), in file order."""
-
-
-@dataclass(frozen=True)
-class PreferencePair:
-    """One encoded pair: ``(input_ids, loss_mask)`` of the chosen and rejected conversations, and
-    for KTO the same prompt with the next pair's chosen and rejected responses (its KL estimate's
-    mismatched responses; None otherwise). ``line``: the row's line in the dataset file."""
-
-    line: int
-    chosen: EncodedResponse
-    rejected: EncodedResponse
-    mismatched: tuple[EncodedResponse, EncodedResponse] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,19 +105,6 @@ class PreferenceMicroBatch:
 
 
 @dataclass(frozen=True)
-class UnpairedExample:
-    """One encoded unpaired KTO row: ``completion`` (the prompt plus the completion, its loss mask
-    on the completion), ``label`` (True: desirable) and ``mismatched``, the same prompt with the
-    next row's completion (the KL estimate's mismatched response). ``line``: the row's line in the
-    dataset file."""
-
-    line: int
-    completion: EncodedResponse
-    label: bool
-    mismatched: EncodedResponse
-
-
-@dataclass(frozen=True)
 class UnpairedMicroBatch:
     """A micro-batch of ``n`` unpaired rows: ``tokens`` ``[n, T]`` (with the completion loss masks),
     ``labels`` ``[n]`` bool (True: desirable) and the reference's summed log-probs ``ref`` ``[n]``."""
@@ -123,77 +112,6 @@ class UnpairedMicroBatch:
     tokens: TokenBatch
     labels: torch.Tensor
     ref: torch.Tensor
-
-
-def encode_pairs(path: str | Path, tokenizer, max_seq_len: int, mismatched: bool) -> list[PreferencePair]:
-    """Encode every preference row (``engine.training.preference_data``); with ``mismatched``,
-    also pair ``i``'s prompt with pair ``(i + 1) mod N``'s responses (KTO's KL estimate, as TRL
-    shifts the completions). Pairs whose chosen or rejected response (or mismatched response)
-    has no token left within ``max_seq_len`` are dropped, with a warning.
-
-    Returns: :class:`PreferencePair` s in file order.
-
-    Raises:
-        ValueError: naming ``file:line`` (and field) for a bad row or one the chat template
-            rejects; no pair keeps a response token within ``max_seq_len``.
-    """
-    rows = read_preference_rows(path)
-
-    def sides(i: int) -> list[tuple]:
-        _, prompt, chosen, rejected = rows[i]
-        _, _, next_chosen, next_rejected = rows[(i + 1) % len(rows)]
-        return [(prompt, chosen), (prompt, rejected)] + ([(prompt, next_chosen), (prompt, next_rejected)]
-                                                         if mismatched else [])
-
-    return [PreferencePair(rows[i][0], enc[0], enc[1], (enc[2], enc[3]) if mismatched else None)
-            for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "pair")]
-
-
-def _encode_rows(path, lines: Sequence[int], sides: Callable[[int], list[tuple]], tokenizer, max_seq_len: int,
-                 what: str) -> list[tuple[int, list[EncodedResponse]]]:
-    """``(i, encoded (prompt, response) sides of row i)`` for each row (``lines``: their file lines)
-    none of whose responses loses every token to ``max_seq_len`` (the others are dropped, with a warning).
-
-    Raises:
-        ValueError: ``file:line`` of a row the chat template rejects; no row left.
-    """
-    kept, dropped = [], 0
-    for i, line in enumerate(lines):
-        try:
-            encoded = [encode_response(tokenizer, prompt, response, max_seq_len) for prompt, response in sides(i)]
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{line}: {e}") from e
-        if any(sum(mask[1:]) == 0 for _, mask in encoded):
-            dropped += 1
-            continue
-        kept.append((i, encoded))
-    if dropped:
-        logger.warning("%s: %d %ss have a response with no token within max_seq_len=%d; skipped", path, dropped,
-                       what, max_seq_len)
-    if not kept:
-        raise ValueError(f"{path}: no {what} keeps a response token within po.max_seq_len={max_seq_len}")
-    return kept
-
-
-def encode_unpaired(path: str | Path, tokenizer, max_seq_len: int) -> list[UnpairedExample]:
-    """Encode every unpaired KTO row (``engine.training.preference_data.read_unpaired_rows``) and,
-    for the KL estimate, row ``i``'s prompt with row ``(i + 1) mod N``'s completion (as TRL's
-    ``KTOTrainer`` shifts the completions against the prompts). Rows whose completion (or
-    mismatched completion) has no token left within ``max_seq_len`` are dropped, with a warning.
-
-    Returns: :class:`UnpairedExample` s in file order.
-
-    Raises:
-        ValueError: naming ``file:line`` (and field) for a bad row or one the chat template
-            rejects; no row keeps a completion token within ``max_seq_len``.
-    """
-    rows = read_unpaired_rows(path)
-
-    def sides(i: int) -> list[tuple]:
-        return [(rows[i][1], rows[i][2]), (rows[i][1], rows[(i + 1) % len(rows)][2])]
-
-    return [UnpairedExample(rows[i][0], enc[0], rows[i][3], enc[1])
-            for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "row")]
 
 
 def response_logps(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,13 +335,16 @@ def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[Preferenc
 def _reference_logps(model, pairs: Sequence[PreferencePair], cfg: PoConfig, pad_id: int, resume_dir: Path | None,
                      identity: dict) -> dict[str, torch.Tensor]:
     """The starting policy's log-probs: zeros when the loss uses no reference; else read from
-    ``resume_dir`` when an earlier attempt of the same run wrote them, or computed now and written there."""
+    ``resume_dir`` when an earlier attempt of the same run wrote them, or computed now (by every
+    rank) and written there (by rank 0)."""
     from safetensors import safe_open
 
     if not cfg.uses_reference:
         return {"chosen": torch.zeros(len(pairs)), "rejected": torch.zeros(len(pairs))}
     cached = resume_dir / REFERENCE_FILE if resume_dir is not None else None
-    if cached is not None and cached.exists():
+    # rank 0's answer on every rank, given before it may write the file: all take the same
+    # path (a tensor-parallel forward is a collective of the group)
+    if cached is not None and broadcast_object(cached.exists() if global_rank() == 0 else None):
         with safe_open(str(cached), "pt") as f:
             if json.loads((f.metadata() or {}).get("identity", "null")) != identity:
                 raise ValueError(f"{cached}: reference log-probs of a different run (config, dataset or seed); "
@@ -432,7 +353,7 @@ def _reference_logps(model, pairs: Sequence[PreferencePair], cfg: PoConfig, pad_
             return {k: f.get_tensor(k) for k in f.keys() if k != "line"}
     logger.info("reference log-probs of %d pairs or rows (computed once)", len(pairs))
     reference = _example_logps(model, pairs, pad_id, cfg.micro_batch_size)
-    if cached is not None:
+    if cached is not None and global_rank() == 0:
         save_reference(reference, pairs, cached, identity)
     return reference
 
@@ -450,8 +371,9 @@ def _log_class_balance(examples: Sequence[UnpairedExample], cfg: PoConfig) -> No
                        "and po.kto_undesirable_weight so that it falls inside (docs/algorithms.md, KTO)", ratio)
 
 
-# How often metrics are logged and checkpoints written changes neither the weights nor the final metrics.
-_NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every"}
+# How often metrics are logged and checkpoints written changes neither the weights nor the final metrics;
+# the layout changes them only by float rounding: a state (and the reference cache) resumes at another layout.
+_NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every", "parallel"}
 
 
 def train_preference_optimization(
@@ -492,7 +414,16 @@ def train_preference_optimization(
         resume_dir: directory for the resumable train state and the reference cache (None: neither).
         seed: held-out split, data-order and RNG seed.
         log_metrics: called as ``log_metrics(metrics, step)`` every ``cfg.log_every`` steps and
-            at the last step, before that step's checkpoint.
+            at the last step, before that step's checkpoint. On global rank 0 only.
+
+    Under a data x tensor-parallel group (``cfg.parallel``; each rank calls this function with
+    the same arguments) every rank computes the reference log-probs of all pairs and each KTO
+    step's z0 on the whole global batch, and each data-parallel rank back-propagates its share of
+    the step's micro-batches (:func:`engine.distributed.share.micro_batch_share`); the step's
+    loss is normalised by the whole global batch's pair (KTO: response; unpaired: row) count, so
+    the summed gradient is DP=1's. The training metrics are the whole global batch's on every
+    rank; the held-out ones (``po/eval_*``) are computed by rank 0's tensor-parallel group only,
+    and rank 0's result is the stage's. A train state written at one layout resumes at another.
 
     Returns:
         ``po/loss``, ``po/rewards/chosen``, ``po/rewards/rejected``, ``po/rewards/margin``,
@@ -508,7 +439,8 @@ def train_preference_optimization(
     Raises:
         ValueError: bad dataset rows (file, line, field), fewer than 2 pairs, unpaired rows with
             a loss other than kto (naming po.loss), or a ``resume_dir`` written with a different
-            config, dataset size or seed.
+            config, dataset size or seed. (Fewer micro-batches per step than data-parallel ranks
+            is refused by the config: ``po.parallel``.)
     """
     loaded = load_model_dir(base_model_dir, seed=seed)
     tokenizer = load_tokenizer(base_model_dir)
@@ -546,15 +478,19 @@ def train_preference_optimization(
         logger.info("resuming preference optimization from step %d (%s)", start, resume_dir)
     sampler = EpochSampler(len(train_idx), seed, position.epoch, position.offset)
 
+    lead = global_rank() == 0  # data and tensor parallelism: rank 0 logs and shows progress
+    # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates)
+    evaluates = data_parallel_rank() == 0
     for step in tqdm(range(start, cfg.steps), desc=f"po ({cfg.loss})", initial=start, total=cfg.steps,
-                     dynamic_ncols=True):
+                     dynamic_ncols=True, disable=not lead):
         indices = [train_idx[i] for i in sampler.next_indices(cfg.global_batch_size)]
         t0 = time.perf_counter()
+        # on the whole global batch on every rank: the z0 of one process, for every rank's share
         z0 = (_kto_reference_point(model, pairs, indices, reference, pad_id, cfg.micro_batch_size)
               if cfg.loss == "kto" else None)
         micro = _micro_batches(pairs, indices, reference, cfg.micro_batch_size, pad_id)
-        out = train_step(model, optimizer, scheduler, micro, partial(po_loss, cfg=cfg, reference_point=z0),
-                         cfg.optim.grad_clip)
+        out = train_step(model, optimizer, scheduler, micro_batch_share(micro, "po"),
+                         partial(po_loss, cfg=cfg, reference_point=z0), cfg.optim.grad_clip)
         done = step + 1
         if unpaired:  # class sums per row -> class means (see po_loss)
             fraction = out["desirable_fraction"]
@@ -568,11 +504,13 @@ def train_preference_optimization(
                    "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
                    **({"po/kl": float(z0)} if z0 is not None else {}),
                    "perf/pairs_per_s": len(indices) / (time.perf_counter() - t0)}
-        if done % cfg.log_every == 0 or done == cfg.steps:
+        due = done % cfg.log_every == 0 or done == cfg.steps
+        if evaluates and due:
             evaluate = evaluate_unpaired if unpaired else evaluate_pairs
             metrics.update(evaluate(model, pairs, eval_idx, reference, cfg, pad_id))
-            if log_metrics is not None:  # before the checkpoint: a run resumed from step N has logged up to N
-                log_metrics(metrics, done)
+        # before the checkpoint: a run resumed from step N has logged up to N
+        if lead and due and log_metrics is not None:
+            log_metrics(metrics, done)
         if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             save_train_state(resume_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
                              data_position=DataPosition(sampler.epoch, sampler.offset, seed),
@@ -582,7 +520,7 @@ def train_preference_optimization(
         save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
     if cfg.lora.enabled and cfg.lora.save_adapter:
         save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
-    if cfg.uses_reference:
+    if cfg.uses_reference and lead:
         save_reference(reference, pairs, Path(out_dir).parent / REFERENCE_FILE, identity)
     counts = ({"po/num_train_rows": float(len(train_idx)), "po/num_eval_rows": float(len(eval_idx)),
                "po/num_desirable": float(sum(e.label for e in pairs)),

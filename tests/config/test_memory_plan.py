@@ -247,10 +247,11 @@ def test_planner_and_validate_import_no_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
-def test_po_is_planned_as_one_rank_training_both_sides_of_its_pairs():
-    """The po stage: one rank training the policy on micro-batches of chosen and rejected
-    sequences (2 x po.micro_batch_size; unpaired KTO rows one each), with no second model (the
-    reference's log-probs are cached), LoRA counted as for sft."""
+def test_po_is_planned_as_laid_out_training_both_sides_of_its_pairs():
+    """The po stage: po.parallel's ranks training the policy on micro-batches of chosen and
+    rejected sequences (2 x po.micro_batch_size; unpaired KTO rows one each), with no second
+    model (the reference's log-probs are cached), LoRA counted as for sft; a tensor-parallel
+    size that does not divide the model is refused naming po.parallel."""
     from config import PipelineConfig
     from config.memory_plan import plan_stages
 
@@ -265,7 +266,7 @@ def test_po_is_planned_as_one_rank_training_both_sides_of_its_pairs():
     assert list(plans) == ["po"]
     (po,) = plans["po"]
     # a pair is b = 2 sequences of 32 tokens: the actor's bytes of test_bytes_per_rank_by_hand
-    assert (po.role, po.key, po.ranks) == ("po", "po.micro_batch_size", 1)
+    assert (po.role, po.key, po.ranks) == ("po", "po.parallel", 1)
     assert po.parts == training_role("actor", "k", ModelShape.from_hf_config(TINY), ParallelConfig(), "bf16", 2, 32,
                                      256).parts
     assert po.per_rank == 2_123_904
@@ -277,6 +278,12 @@ def test_po_is_planned_as_one_rank_training_both_sides_of_its_pairs():
     assert plan_stages(cfg(enabled=False), TINY, {"po": 32}) == {}
     problems, notes = check_layouts(cfg(), TINY, {"po": 32}, "tiny", None)
     assert problems == [] and notes[0].startswith("memory plan (po, sequences of 32 tokens): po 1 x ")
+    dp2_tp2 = plan_stages(cfg(parallel={"data_parallel_size": 2, "tensor_model_parallel_size": 2}), TINY, {"po": 32})
+    assert dp2_tp2["po"][0].ranks == 4
+    problems, _ = check_layouts(cfg(parallel={"tensor_model_parallel_size": 8}), TINY, {"po": 32}, "tiny", None)
+    assert problems == [
+        "po.parallel.tensor_model_parallel_size=8 does not divide num_attention_heads 4, num_key_value_heads 2 of "
+        "tiny: megatron-core splits each evenly across the tensor-parallel ranks; use a size that divides them"]
 
 
 def test_rl_reward_model_is_planned_and_checked_as_laid_out():

@@ -57,7 +57,7 @@ def test_validate_refuses_an_actor_rank_larger_than_its_gpu(tmp_path, fixtures_d
             "tensor_model_parallel_size or gpus_per_rank, or lower the micro-batch (estimates: docs/scaling.md)") in out
     assert f"config {cfg} has 1 problem(s):" in out
     assert f"note: memory plan (rl, sequences of 255 tokens): actor 1 x {total / GIB:.2f} GiB ({parts}); rollout 1 x " in out
-    assert ("note: RAY_ADDRESS: the rl stage (and sft/rm with data_parallel_size > 1) joins the Ray cluster at "
+    assert ("note: RAY_ADDRESS: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at "
             "10.0.0.1:6379; this process is its driver") in out
     assert (f"note: run.artifact_root: {tmp_path / 'artifacts'} is a local path: on a Ray cluster of several nodes every "
             "node must see it at the same path") in out

@@ -67,7 +67,9 @@ def test_only_the_adapters_train(policy, stage):
     lora_A / lora_B (8,192 elements: 2 layers x rank 4 x (in + out) of q, k, v, o, gate, up,
     down) against 92,224 base ones; every base tensor keeps its value bit for bit and has no
     gradient; every adapter tensor moves; AdamW holds exp_avg and exp_avg_sq of the adapters
-    alone."""
+    alone; validate's memory plan counts the same adapters."""
+    from config.memory_plan import ModelShape
+
     w = lora_worker(policy["dir"], stage)
     trained = [n for n, p in w.module.named_parameters() if p.requires_grad]
     before = all_tensors(w)
@@ -75,6 +77,10 @@ def test_only_the_adapters_train(policy, stage):
     n_adapter = sum(before[n].numel() for n in trained)
     n_base = sum(t.numel() for n, t in before.items() if n not in trained)
     assert (n_adapter, n_base) == (8_192, 92_224)
+    # validate's memory plan counts them (PEFT: an A per projection; megatron's fused layers share one)
+    shape = ModelShape.from_hf_config(w.hf_config)
+    assert shape.lora_parameters(w.cfg.lora, per_projection=True) == n_adapter
+    assert shape.lora_parameters(w.cfg.lora) == n_adapter - 2 * 4 * 64 * (2 + 1)
     print(f"ZeRO-{stage}: {n_adapter} adapter parameters, {n_base} base ({n_adapter / n_base:.1%})")
 
     metrics = [update(w, policy["tokenizer"], seed) for seed in (1, 2)]

@@ -13,11 +13,12 @@ row-parallel layers' partial sums are added by an all-reduce in another order th
 matmul adds them, so logits and gradients differ by ulps; AdamW's first step amplifies that
 only where a gradient is near its eps (counted, below 1e-4 of the weights).
 
-The SFT and reward-model steps are tested the same way on the trainers themselves
-(``engine.training.sft.train_sft`` and ``engine.training.reward_model.train_reward_model`` run
-by every rank of a TP=2 group, as ``run_stage`` runs a stage's ranks): their losses (cross
-entropy of the gathered logits; the pair loss of a replicated head) and optimizer step are the
-RL actor's TP-aware ones.
+The SFT, reward-model and DPO steps are tested the same way on the trainers themselves
+(``engine.training.sft.train_sft``, ``engine.training.reward_model.train_reward_model`` and
+``engine.training.preference_optimization.train_preference_optimization`` run by every rank of
+a TP=2 group, as ``run_stage`` runs a stage's ranks): their losses (cross entropy and response
+log-probs of the gathered logits; the pair loss of a replicated head) and optimizer step are
+the RL actor's TP-aware ones.
 
 Train states (``engine.storage.train_state``) are torch_dist checkpoints that every rank writes
 its shards of; one written at TP=1 resumes at TP=2 and one written at TP=2 at TP=1, with the
@@ -362,6 +363,23 @@ def sft_inputs(tmp_path_factory, policy_dir) -> dict[str, Path]:
     return {"base": base, "sft": inputs["sft"], "preference": inputs["preference"]}
 
 
+def _assert_step_weights_close(tp1: Path, tp2: Path, start: Path, lr: float, what: str) -> dict[str, torch.Tensor]:
+    """The model directories one step wrote at TP=1 and at TP=2 (loaded at TP=1: resharded)
+    within the actor test's weight bounds (every weight within 1e-2 x lr, at most 1e-4 of them
+    beyond 1e-6), the step having moved the weights of ``start``; returns the TP=2 weights."""
+    a, b = _weights(tp1), _weights(tp2)
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+    beyond = int((diff > 1e-6).sum())
+    print(f"{what} weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
+          f"{beyond} of {diff.numel()} beyond 1e-6")
+    assert float(diff.max()) < 1e-2 * lr
+    assert beyond <= 1e-4 * diff.numel()
+    initial = _weights(start)
+    assert float(max((a[k] - initial[k]).abs().max() for k in a)) > 1e-4  # the step moved the weights
+    return b
+
+
 def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
     """One SFT step (8 conversations in two micro-batches of 4, AdamW with weight decay,
     clipping to 1.0) by ``train_sft`` in this process (TP=1) and on every rank of a TP=2 group
@@ -419,16 +437,7 @@ def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
         assert _close(got[key], want[key]), (key, got[key], want[key])
     assert got["train/tokens"] == want["train/tokens"] > 0 and got["train/lr"] == want["train/lr"] == lr
     assert want["train/grad_norm"] > cfg.optim.grad_clip  # the TP-aware clipping is exercised
-    a, b = _weights(tmp_path / "tp1"), _weights(tmp_path / "tp2")  # loaded at TP=1: resharded
-    assert a.keys() == b.keys()
-    diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
-    beyond = int((diff > 1e-6).sum())
-    print(f"sft weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
-          f"{beyond} of {diff.numel()} beyond 1e-6")
-    assert float(diff.max()) < 1e-2 * lr
-    assert beyond <= 1e-4 * diff.numel()
-    start = _weights(sft_inputs["base"])
-    assert float(max((a[k] - start[k]).abs().max() for k in a)) > 1e-4  # the step moved the weights
+    b = _assert_step_weights_close(tmp_path / "tp1", tmp_path / "tp2", sft_inputs["base"], lr, "sft")
 
     state = load_train_state(tmp_path / "resume").model  # both ranks' shards, gathered
     assert state.keys() == b.keys() and [k for k in b if not torch.equal(state[k], b[k])] == []
@@ -440,6 +449,63 @@ def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
     for key in ("train/loss", "train/accuracy", "train/margin", "train/grad_norm", "rm/accuracy", "rm/loss"):
         print(f"rm step {key}: tp1 {rm_want[key]!r} tp2 {rm_got[key]!r}")
         assert _close(rm_got[key], rm_want[key]), (key, rm_got[key], rm_want[key])
+
+
+def test_po_dpo_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
+    """One DPO step (``train_preference_optimization``: 6 training pairs in micro-batches of 2,
+    clipping to 0.01, 2 held-out pairs evaluated by the group) in this process (TP=1) and on
+    every rank of a TP=2 group, as ``run_stage`` runs a stage's ranks: the reference log-probs
+    both ranks compute from the gathered logits (``gpt_logits``) and rank 0 writes within 1e-6 of
+    max(|value|, 1) of TP=1's; the loss, accuracy, margin and held-out metrics within the same
+    bound, the gradient norm within 1e-5 (below); the model directory both ranks write (loaded
+    back at TP=1) within the weight bounds of the SFT test above.
+
+    The gradient norm's bound is wider than the SFT test's because DPO's gradient at the first
+    step, ``beta / 2 x (grad log pi(chosen) - grad log pi(rejected))``, is a difference of
+    near-equal terms (the addition pairs differ in a digit or two), so it is about 5x smaller
+    than SFT's while the error of the TP-aware norm's fp32 sum of squares is not: measured, the
+    TP=2 norm 0.74914569 is bit for bit that formula on the TP=1 gradients, and torch's
+    ``clip_grad_norm_`` on the same gradients gives 0.74914354 (2.15e-6 apart, 2.9e-6
+    relative). A missing or doubled gradient term would be off by a large fraction.
+
+    Measured (printed with -s): the reference log-probs (-23 to -17 nats) at most 1.9e-6 apart;
+    the loss bit-identical (log 2: the policy is the reference at the first step); held-out
+    loss 1.2e-7 and margin 2.9e-7 apart; weights at most 6.0e-7 apart, 0 of 98,688 beyond 1e-6."""
+    import ray
+    from safetensors.torch import load_file
+
+    from config.po import PoConfig
+    from engine.distributed.group import WorkerGroup
+    from engine.distributed.stage_group import StageRank
+    from engine.rl.placement import init_ray
+    from engine.training.preference_optimization import REFERENCE_FILE, train_preference_optimization
+
+    init_ray(num_cpus=2)
+    lr = 1e-3
+    cfg = PoConfig(enabled=True, loss="dpo", precision="fp32", steps=1, global_batch_size=6, micro_batch_size=2,
+                   max_seq_len=64, eval_fraction=0.25,
+                   optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=0.01))
+    args = dict(base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["preference"], cfg=cfg, resume_dir=None,
+                 seed=0)
+    want = train_preference_optimization(**args, out_dir=tmp_path / "tp1" / "model")
+    group = WorkerGroup(StageRank, TP2, {"num_cpus": 0}, (1,))  # one torch thread per rank
+    try:
+        ray.get(group.__ray_ready__.remote())
+        got = ray.get(group.run.remote(train_preference_optimization, {**args, "out_dir": tmp_path / "tp2" / "model"}))
+    finally:
+        group.kill()
+    ref1, ref2 = load_file(str(tmp_path / "tp1" / REFERENCE_FILE)), load_file(str(tmp_path / "tp2" / REFERENCE_FILE))
+    for key in ("chosen", "rejected"):
+        diff = float((ref1[key] - ref2[key]).abs().max())
+        print(f"dpo reference log-probs ({key}), TP=2 vs TP=1: max |diff| {diff:.3g} nats "
+              f"(values {float(ref1[key].min()):.4g} to {float(ref1[key].max()):.4g})")
+        assert all(_close(float(a), float(b)) for a, b in zip(ref1[key], ref2[key])), key
+    for key in ("po/loss", "po/accuracy", "po/rewards/margin", "po/grad_norm", "po/eval_loss", "po/eval_accuracy",
+                "po/eval_margin"):
+        print(f"dpo step {key}: tp1 {want[key]!r} tp2 {got[key]!r} (|diff| {abs(got[key] - want[key]):.3g})")
+        assert _close(got[key], want[key], rel=1e-5 if key == "po/grad_norm" else 1e-6), (key, got[key], want[key])
+    assert want["po/grad_norm"] > cfg.optim.grad_clip and got["po/lr"] == want["po/lr"] == lr
+    _assert_step_weights_close(tmp_path / "tp1" / "model", tmp_path / "tp2" / "model", sft_inputs["base"], lr, "dpo")
 
 
 def test_reward_model_role_scores_at_dp2_and_tp2_as_one_rank(sft_inputs, tmp_path):

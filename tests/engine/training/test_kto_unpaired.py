@@ -15,9 +15,9 @@ from config.po import PoConfig
 from config.training import OptimConfig
 from engine.algorithms.preference_loss import kto_reference_point
 from engine.storage.model_dir import load_model_dir, load_tokenizer
+from engine.training.preference_data import encode_unpaired
 from engine.training.preference_optimization import (
     REFERENCE_FILE,
-    encode_unpaired,
     train_preference_optimization,
     unpaired_kto_loss,
     unpaired_logps,

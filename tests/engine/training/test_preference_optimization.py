@@ -19,10 +19,10 @@ from engine.batching.collate import pad_token_id
 from engine.models.megatron import gpt_logits
 from engine.storage.model_dir import load_model_dir, load_tokenizer
 from engine.training.optimizer_step import accumulate_gradients
+from engine.training.preference_data import encode_pairs
 from engine.training.preference_optimization import (
     REFERENCE_FILE,
     PreferenceMicroBatch,
-    encode_pairs,
     pair_logps,
     po_loss,
     train_preference_optimization,
