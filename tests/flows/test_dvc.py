@@ -357,7 +357,8 @@ COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
               ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1},
               # dotted keys are set from the config's root: DP=k needs k micro-batches per step
               ("sft", "parallel", "data_parallel_size"): {"sft.micro_batch_size": 256},
-              ("rm", "parallel", "data_parallel_size"): {"rm.micro_batch_size": 16}}
+              ("rm", "parallel", "data_parallel_size"): {"rm.micro_batch_size": 16},
+              ("po", "parallel", "data_parallel_size"): {"po.micro_batch_size": 16}}
 
 
 def _with(raw: dict, path: tuple[str, ...], value) -> PipelineConfig | None:
