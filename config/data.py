@@ -16,7 +16,7 @@ from config.rl import RewardConfig
 
 DatasetFormat = Literal[
     "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo",
-    "dpo_messages", "kto"
+    "dpo_messages", "kto", "unpaired"
 ]
 VerifierName = RewardConfig.model_fields["verifier"].annotation
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
@@ -69,9 +69,9 @@ class DataConfig(Strict):
 
     sft: DatasetConfig | None = Field(None, description="Chat data for SFT (kind sft: messages).")
     preference: DatasetConfig | None = Field(None, description="Pairs for the reward model (prompt, chosen, rejected).")
-    kto: DatasetConfig | None = Field(None, description="Unpaired desirable/undesirable rows for po.loss: kto (kind kto: "
-                                      "prompt, completion, label; LLaMA-Factory's kto format: messages + boolean "
-                                      "label); po trains on them instead of data.preference's pairs.")
+    kto: DatasetConfig | None = Field(None, description="Unpaired desirable/undesirable rows for po.loss: kto (format kto: "
+                                      "LLaMA-Factory's messages + boolean label; format unpaired: TRL's prompt, "
+                                      "completion, boolean label); po trains on them instead of data.preference's pairs.")
     rl_train: RLTrainConfig | None = Field(
         None, description="RL prompts with reference answers (prompt, label): one dataset, or a mixture: a list of "
                           "named sources drawn by weight (docs/algorithms.md, Data mixtures).")

@@ -407,6 +407,11 @@ def tensor_parallel_problems(key: str, shape: ModelShape, tp: int, vocab_rows: i
             f"splits each evenly across the tensor-parallel ranks; use a size that divides them"]
 
 
+def _gpu_key(r: RoleMemory) -> str:
+    """The config key of a role's GPUs: ``rl.rollout.gpus_per_engine`` or ``<layout>.gpus_per_rank``."""
+    return f"{r.key}.gpus_per_engine" if r.role == "rollout" else f"{r.key}.gpus_per_rank"
+
+
 def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping[str, float], gpus: int,
                device_memory_gib: float | None, host_bytes: int | None,
                seq_lens: Mapping[str, int] | None = None) -> tuple[list[str], list[str]]:
@@ -435,7 +440,14 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
         for r in roles:
             if r.gpus_per_rank and device_memory_gib:
                 budget = r.gpus_per_rank * device_memory_gib * GIB
-                if r.per_rank > budget:
+                if r.per_rank > budget and r.role == "rollout":
+                    problems.append(f"{r.key}: an engine needs about {r.per_rank / GIB:.2f} GiB ({r.describe()}) but "
+                                    f"has {budget / GIB:.2f} GiB ({_gpu_key(r)} {r.gpus_per_rank:g} x "
+                                    f"run.device_memory_gib {device_memory_gib:g}); raise {_gpu_key(r)}, lower "
+                                    "rl.rollout.gpu_memory_utilization, or give each engine fewer sequences "
+                                    "(rl.prompts_per_step x rl.n_samples over rl.rollout.num_engines; estimates: "
+                                    "docs/scaling.md)")
+                elif r.per_rank > budget:
                     problems.append(f"{r.key}: a rank needs about {r.per_rank / GIB:.2f} GiB ({r.describe()}) but has "
                                     f"{budget / GIB:.2f} GiB ({r.key}.gpus_per_rank {r.gpus_per_rank:g} x "
                                     f"run.device_memory_gib {device_memory_gib:g}); raise {r.key}."
@@ -472,12 +484,14 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
         # the RL placement reserves every role's GPUs at once (engine/rl/placement.py), the rollout's too
         users = [r for r in roles if r.gpus_per_rank]
         total = sum(r.ranks * r.gpus_per_rank for r in users)
-        reported = any(r.role not in ("rollout", "reward") and r.ranks * r.gpus_per_rank > gpus for r in users)
-        if total > gpus and not reported:
-            each = " + ".join(f"{r.key} {r.ranks} x {r.gpus_per_rank:g}" for r in users)
-            problems.append(f"{stage}: its roles reserve {total:g} GPUs together ({each}) but this machine has {gpus}; "
-                            "lower the ranks or the GPUs per rank or engine, or join a larger cluster "
-                            "(rl.engine.ray_address)")
+        alone = len(users) == 1 and users[0].role not in ("rollout", "reward")  # reported above
+        if total > gpus and not alone:
+            each = " + ".join(f"{r.ranks} x {_gpu_key(r)} {r.gpus_per_rank:g}" for r in users)
+            fix = ("this machine has no GPU: set them to 0" if not gpus else
+                   "lower the ranks, the GPUs per rank or engine, or rl.rollout.num_engines, or join a larger "
+                   "cluster (rl.engine.ray_address)")
+            problems.append(f"{stage}: its roles reserve {total:g} GPUs together ({each}) but this machine has "
+                            f"{gpus}; {fix}")
     return problems, notes
 
 

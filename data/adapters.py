@@ -22,6 +22,7 @@ invalid JSON inside a field) raise ``FieldError`` naming the source field.
 | preference | prompt + chosen + rejected (already normalized) | preference |
 | dpo_messages | chosen_messages + rejected_messages (two conversations sharing the prompt) | preference |
 | hh_rlhf | chosen + rejected transcripts ``\\n\\nHuman: ...\\n\\nAssistant: ...`` | preference |
+| unpaired | prompt (string or messages) + completion (string or one assistant message) + label (boolean): TRL's unpaired preference format | kto |
 | prompt_label | prompt (string or messages) + label, optional tools | rl |
 
 The adapters live by family of formats (:mod:`data.conversation_formats`,
@@ -47,7 +48,13 @@ from data.conversation_formats import (
     seed_tasks_adapter,
     sharegpt_adapter,
 )
-from data.preference_formats import dpo_adapter, dpo_messages_adapter, hh_rlhf_adapter, preference_adapter
+from data.preference_formats import (
+    dpo_adapter,
+    dpo_messages_adapter,
+    hh_rlhf_adapter,
+    preference_adapter,
+    unpaired_adapter,
+)
 from data.problem_formats import GSM8K_MARK, gsm8k_adapter, math_adapter, prompt_label_adapter
 from data.schemas import frame_problems, rows_to_frame
 
@@ -103,6 +110,7 @@ ADAPTERS: dict[str, Adapter] = {
         _adapter("preference", preference_adapter, {"preference"}, {"prompt", "chosen", "rejected"}),
         _adapter("dpo_messages", dpo_messages_adapter, {"preference"}, {"chosen_messages", "rejected_messages"}),
         _adapter("hh_rlhf", hh_rlhf_adapter, {"preference"}, {"chosen", "rejected"}),
+        _adapter("unpaired", unpaired_adapter, {"kto"}, {"prompt", "completion", "label"}),
         _adapter("prompt_label", prompt_label_adapter, {"rl"}, {"prompt", "label"}),
     )
 }

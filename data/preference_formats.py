@@ -74,6 +74,39 @@ def dpo_messages_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     return [Example({"prompt": chosen[:n], "chosen": responses[0], "rejected": responses[1]}, origin)]
 
 
+def _completion(value: Any) -> str:
+    """An unpaired row's completion: a string, or (TRL's conversational form) a list holding one
+    assistant message."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or len(value) != 1 or not isinstance(value[0], dict):
+        raise FieldError("completion", f"expected a string or a list of one assistant message, got {_json_type(value)}")
+    role = value[0].get("role")
+    if role != "assistant":
+        raise FieldError("completion[0].role", f"expected 'assistant', got {role!r}")
+    return _text(_get(value[0], "content", "completion[0].content"), "completion[0].content")
+
+
+def unpaired_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
+    """TRL's unpaired preference rows (``KTOTrainer``'s dataset format)
+    ``{"prompt": str | messages, "completion": str | [assistant message], "label": bool}`` -> one
+    kto row: the prompt as messages, the completion's text and the label.
+
+    Raises:
+        FieldError: a non-boolean ``label``; a completion that is neither a string nor one
+            assistant message; ``tools`` (a kto prompt carries none).
+    """
+    _no_tools(record)
+    label = _get(record, "label")
+    if not isinstance(label, bool):
+        raise FieldError("label", f"expected true or false, got {_json_type(label)}")
+    origin: dict[str, str] = {}
+    prompt = _prompt(_get(record, "prompt"), "prompt", origin)
+    completion = record.get("completion")
+    origin["completion"] = "completion" if isinstance(completion, str) else "completion[0].content"
+    return [Example({"prompt": prompt, "completion": _completion(_get(record, "completion")), "label": label}, origin)]
+
+
 def preference_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     """Normalized ``{"prompt": str | messages, "chosen": str, "rejected": str}``."""
     _no_tools(record)

@@ -50,12 +50,12 @@ def cmd_validate(args) -> int:
     for n in notes:
         console.print(f"[dim]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if problems:
-        console.print(f"[red]config {args.config} has {len(problems)} problem(s):[/]")
+        console.print(f"[red]config {escape(str(args.config))} has {len(problems)} problem(s):[/]")
         for p in problems:
             console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
         return 1
     with_overrides = f" with {' '.join(args.overrides)}" if args.overrides else ""
-    console.print(f"[green]config {args.config}{escape(with_overrides)} is valid[/] ({cfg.run.name}: {', '.join(_stage_list(cfg))})")
+    console.print(f"[green]config {escape(str(args.config) + with_overrides)} is valid[/] ({escape(cfg.run.name)}: {', '.join(_stage_list(cfg))})")
     return 0
 
 
@@ -179,7 +179,7 @@ def cmd_stage(args) -> int:
         with _stage_errors(), prefect_api():
             result = stage_flow(config_path=args.config, name=args.name, overrides=list(args.overrides))
     except MissingUpstream as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         return 3
     console.print(f"{args.name}: {result.get('artifact_id', result)} ({result.get('state', 'done')})", highlight=False)
     return 0
@@ -287,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ConfigError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         return 2
     except StageFailed as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return exc.exit_code
 
 

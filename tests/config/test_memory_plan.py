@@ -330,8 +330,20 @@ def test_rl_gpus_are_counted_together_the_rollout_included():
     plans = {"rl": [_role("actor", "rl.parallel.actor", 2, GIB, gpus=1.0), _role("rollout", "rl.rollout", 2, GIB, gpus=1.0)]}
     assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=4, device_memory_gib=None, host_bytes=None)[0] == []
     assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=3, device_memory_gib=None, host_bytes=None)[0] == [
-        "rl: its roles reserve 4 GPUs together (rl.parallel.actor 2 x 1 + rl.rollout 2 x 1) but this machine has 3; "
-        "lower the ranks or the GPUs per rank or engine, or join a larger cluster (rl.engine.ray_address)"]
+        "rl: its roles reserve 4 GPUs together (2 x rl.parallel.actor.gpus_per_rank 1 + 2 x rl.rollout.gpus_per_engine 1) "
+        "but this machine has 3; lower the ranks, the GPUs per rank or engine, or rl.rollout.num_engines, or join a "
+        "larger cluster (rl.engine.ray_address)"]
+    # on a machine without GPUs: the rollout alone is refused, named by its key, and the fix is 0
+    engines = {"rl": [_role("rollout", "rl.rollout", 1, GIB, gpus=1.0)]}
+    assert check_plan(engines, local=True, cpus={"rl": 2}, gpus=0, device_memory_gib=None, host_bytes=None)[0] == [
+        "rl: its roles reserve 1 GPUs together (1 x rl.rollout.gpus_per_engine 1) but this machine has 0; this "
+        "machine has no GPU: set them to 0"]
+    # an engine larger than its GPUs: the rollout's own keys, not a training rank's
+    assert check_plan(engines, local=False, cpus={"rl": 2}, gpus=0, device_memory_gib=0.5, host_bytes=None)[0] == [
+        "rl.rollout: an engine needs about 1.00 GiB (rollout 1 x 1.00 GiB (weights 1.00)) but has 0.50 GiB "
+        "(rl.rollout.gpus_per_engine 1 x run.device_memory_gib 0.5); raise rl.rollout.gpus_per_engine, lower "
+        "rl.rollout.gpu_memory_utilization, or give each engine fewer sequences (rl.prompts_per_step x rl.n_samples "
+        "over rl.rollout.num_engines; estimates: docs/scaling.md)"]
 
     cfg = PipelineConfig.model_validate({
         "run": {"name": "t", "precision": "bf16", "device_memory_gib": 8}, "model": {"source": "m"},

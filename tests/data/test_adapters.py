@@ -67,11 +67,37 @@ def test_seed_task_with_two_instances_gives_two_examples():
         ({"prompt": "", "chosen": "", "rejected": ""}, "preference"),
         ({"chosen_messages": [], "rejected_messages": []}, "dpo_messages"),
         ({"chosen": "", "rejected": ""}, "hh_rlhf"),
+        ({"prompt": "", "completion": "", "label": True}, "unpaired"),  # TRL's unpaired rows, before prompt_label
         ({"prompt": "", "label": ""}, "prompt_label"),
     ],
 )
 def test_detection(record, fmt):
     assert detect_format([record]) == fmt
+
+
+def test_trl_unpaired_rows_become_kto_rows_and_bad_ones_name_the_field():
+    """TRL's KTO dataset rows, standard (strings) and conversational (message lists), give the
+    kto rows LLaMA-Factory's messages + label rows give; a bad label or completion names its field."""
+    from data.adapter_fields import FieldError
+
+    standard = {"prompt": "2+2=", "completion": "4", "label": True}
+    conversational = {"prompt": [{"role": "user", "content": "2+2="}],
+                      "completion": [{"role": "assistant", "content": "5"}], "label": False}
+    [a] = ADAPTERS["unpaired"](standard, "kto")
+    [b] = ADAPTERS["unpaired"](conversational, "kto")
+    assert a.row == {"prompt": [{"role": "user", "content": "2+2="}], "completion": "4", "label": True}
+    assert b.row == {"prompt": [{"role": "user", "content": "2+2="}], "completion": "5", "label": False}
+    assert (a.origin["completion"], b.origin["completion"]) == ("completion", "completion[0].content")
+    [c] = ADAPTERS["kto"]({"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}],
+                            "label": True}, "kto")
+    assert c.row == a.row
+    for record, field in (({**standard, "label": "yes"}, "label"),
+                          ({**standard, "completion": [{"role": "user", "content": "4"}]}, "completion[0].role"),
+                          ({**standard, "completion": ["4", "5"]}, "completion")):
+        with pytest.raises(FieldError) as info:
+            ADAPTERS["unpaired"](record, "kto")
+        assert info.value.field == field, (record, info.value)
+    assert detect_format([standard, conversational], kind="kto") == "unpaired"
 
 
 def test_detection_majority_vote():

@@ -154,6 +154,8 @@ def test_the_cli_takes_overrides_after_the_config_and_its_options(capsys):
     assert "rl.optim.lrr: unknown key" in out and "(set on the command line: rl.optim.lrr=1)" in out
     assert main(["status", str(QUICKSTART), "--json", "rl.steps=abc"]) == 2  # after an option too
     assert "rl.steps: Input should be a valid integer" in capsys.readouterr().out
+    assert main(["validate", str(QUICKSTART), "rl.steps=[abc]"]) == 2  # brackets are the user's text, not markup
+    assert "(set on the command line: rl.steps=[abc])" in capsys.readouterr().out
     assert main(["run", str(QUICKSTART), "rl.steps"]) == 2
     assert "override 'rl.steps' is not KEY=VALUE" in capsys.readouterr().out
     with pytest.raises(SystemExit) as info:
