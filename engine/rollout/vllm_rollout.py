@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -172,6 +173,8 @@ class VLLMRollout:
         else:
             self.kv_cache_memory_bytes = None
             memory = {"gpu_memory_utilization": gpu_memory_utilization}
+        for name in _TOKENIZER_FREE_LOGGERS:
+            logging.getLogger(name).addFilter(_not_a_missing_tokenizer_warning)  # once per logger
         with _modules_hidden_from_vllm_kernel_scan():
             self.llm = LLM(
                 model=str(self.model_dir),
@@ -191,6 +194,7 @@ class VLLMRollout:
                 # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(8192, max_model_len),
+                logging_config=_vllm_logging(),
             )
         self.dtype = _running_dtype(self.llm, dtype)
 
@@ -284,6 +288,41 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.mode
 def _not_a_partial_reload_warning(record: logging.LogRecord) -> bool:
     msg = str(record.msg)
     return not (msg.startswith("Following weights were not loaded") or msg.endswith(": Failed to load weights"))
+
+
+def _vllm_logging():
+    """vLLM's ``LoggingConfig`` with its ``dictConfig`` off, after giving the ``vllm`` logger the
+    stream handler vLLM's default config would (stdout, ``VLLM_LOGGING_LEVEL``, not propagated).
+
+    vLLM applies ``logging.config.dictConfig`` when an engine starts, and that flushes and closes
+    every handler in the process. Inside a Prefect task one of them is Prefect's API log handler,
+    whose flush waits for its event-loop thread while dictConfig holds logging's module lock, a
+    lock that thread needs for its next log call: the run hangs in ``LLM.__init__`` (seen: the
+    evaluate stage stopped there with no CPU use). Nothing here calls dictConfig.
+    """
+    from vllm.config.logging import LoggingConfig
+
+    vllm_logger = logging.getLogger("vllm")
+    if not any(getattr(h, "_posttrain_vllm", False) for h in vllm_logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                               "%m-%d %H:%M:%S"))
+        handler._posttrain_vllm = True
+        vllm_logger.addHandler(handler)
+        vllm_logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+        vllm_logger.propagate = False
+    return LoggingConfig(configure_logging=False)
+
+
+# Without a tokenizer (skip_tokenizer_init: the engine passes token ids and its own stop ids),
+# vLLM's renderer warns, with a traceback, that it cannot warm up chat-template rendering, and
+# that it has no BOS/EOS id: neither is used here.
+_TOKENIZER_FREE_LOGGERS = ("vllm.renderers.base",)
+
+
+def _not_a_missing_tokenizer_warning(record: logging.LogRecord) -> bool:
+    msg = str(record.msg)
+    return not (msg.startswith("Chat template warmup failed") or msg.endswith("because tokenizer is not initialized"))
 
 
 @contextlib.contextmanager
