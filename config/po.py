@@ -37,6 +37,12 @@ class PoConfig(Strict):
                                                     "al. 2024; TRL's rpo_alpha; the paper uses 1.0). Keeps the chosen "
                                                     "responses likely: without it DPO can lower both sides' "
                                                     "likelihood; 0: off.")
+    dpop_lambda: float = Field(0.0, ge=0, allow_inf_nan=False,
+                               description="dpo: DPO-Positive penalty lambda (Pal et al. 2024): the pair's logit loses "
+                                           "lambda * max(0, log pi_ref(chosen) - log pi(chosen)), so the chosen response "
+                                           "is not made less likely than under the reference. For pairs that differ in "
+                                           "a few tokens (a digit, a word), where plain DPO lowers both responses. The "
+                                           "paper uses 50; 0: off.")
     kto_desirable_weight: float = Field(1.0, gt=0, description="kto: weight lambda_D of the desirable responses' losses.")
     kto_undesirable_weight: float = Field(1.0, gt=0, description="kto: weight lambda_U of the undesirable responses' "
                                                                  "losses.")
@@ -72,6 +78,12 @@ class PoConfig(Strict):
         if self.rpo_alpha and self.loss == "kto":
             raise ValueError("po.rpo_alpha: the chosen-response NLL term needs pairs (dpo, ipo, simpo), not kto; "
                              "set po.rpo_alpha: 0")
+        if self.dpop_lambda and self.loss != "dpo":
+            raise ValueError(f"po.dpop_lambda: the DPO-Positive penalty is a term of the dpo loss, not {self.loss}; "
+                             "set po.dpop_lambda: 0 or po.loss: dpo")
+        if self.dpop_lambda and self.reference_free:
+            raise ValueError("po.dpop_lambda: the DPO-Positive penalty compares the chosen response with the "
+                             "reference; set po.reference_free: false")
         if self.reference_free and self.loss == "kto":
             raise ValueError("po.reference_free: kto needs the reference policy (its KL reference point); set "
                              "po.reference_free: false or po.loss: dpo | ipo | simpo")

@@ -51,24 +51,34 @@ def _sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0) -> PreferenceLoss:
+             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
+             dpop_lambda: float = 0.0) -> PreferenceLoss:
     """Direct Preference Optimization, Rafailov et al. 2023 (arXiv:2305.18290), eq. 7, with
-    label smoothing (conservative DPO) as TRL's ``sigmoid`` loss::
+    label smoothing (conservative DPO) as TRL's ``sigmoid`` loss, and the DPO-Positive penalty
+    of Pal et al. 2024 (arXiv:2402.13228, eq. 3)::
 
-        h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
+        r_c = log pi(y_c) - log pi_ref(y_c),   r_r = log pi(y_r) - log pi_ref(y_r)
+        h = r_c - r_r - lambda * max(0, -r_c)
         loss = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h)
 
-    ``h = 0`` (policy equal to the reference) gives ``log 2`` at any ``beta`` and ``eps``.
+    ``h = 0`` (policy equal to the reference) gives ``log 2`` at any ``beta``, ``eps`` and
+    ``lambda``. The penalty (``lambda > 0``) is zero while the chosen response is at least as
+    likely as under the reference; below that it costs ``lambda`` per nat, which stops DPO
+    from lowering both responses of pairs that differ in a few tokens (the paper's failure case).
 
     Args:
         policy_chosen, policy_rejected, ref_chosen, ref_rejected: ``[B]`` summed response log-probs.
         beta: inverse temperature (> 0).
         label_smoothing: eps in ``[0, 0.5)``.
+        dpop_lambda: lambda >= 0 (the paper uses 50; 0: plain DPO).
 
     Returns: :class:`PreferenceLoss` with ``losses`` ``[B]`` and rewards ``beta * log-ratio``.
     """
     chosen_ratio, rejected_ratio = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    losses = _sigmoid_loss(beta * (chosen_ratio - rejected_ratio), label_smoothing)
+    logits = chosen_ratio - rejected_ratio
+    if dpop_lambda:
+        logits = logits - dpop_lambda * torch.clamp(-chosen_ratio, min=0.0)
+    losses = _sigmoid_loss(beta * logits, label_smoothing)
     return PreferenceLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 

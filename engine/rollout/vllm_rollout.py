@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterable
 
@@ -25,9 +26,13 @@ logger = logging.getLogger(__name__)
 
 
 def _raises_on_dict(value) -> bool:
-    """Whether ``hasattr(value, "__dict__")`` raises (an unbound context proxy) instead of answering."""
+    """Whether ``hasattr(value, "__dict__")`` raises (an unbound context proxy) instead of answering.
+    (Deprecation warnings of module attributes, such as ``torch.distributed.reduce_op``'s, are
+    not answers and stay unprinted.)"""
     try:
-        hasattr(value, "__dict__")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hasattr(value, "__dict__")
     except Exception:
         return True
     return False
@@ -45,8 +50,6 @@ def _modules_hidden_from_vllm_kernel_scan():
     ``AttributeError``, and the engine fails to start. Such modules cannot hold vLLM's
     kernels, so they are hidden during the scan and put back afterwards (same objects).
     """
-    import sys
-
     hidden = {}
     for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None) or {}

@@ -187,7 +187,8 @@ def _loss_of_pairs(cfg: PoConfig, policy_chosen, policy_rejected, ref_chosen, re
         policy_chosen, policy_rejected = policy_chosen / chosen_tokens, policy_rejected / rejected_tokens
         ref_chosen, ref_rejected = ref_chosen / chosen_tokens, ref_rejected / rejected_tokens
     if cfg.loss == "dpo":
-        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta, cfg.label_smoothing)
+        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta, cfg.label_smoothing,
+                        cfg.dpop_lambda)
     if cfg.loss == "ipo":
         return ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta)
     if cfg.loss == "simpo":

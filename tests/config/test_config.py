@@ -526,3 +526,14 @@ def test_rpo_alpha_needs_pairs(tmp_path, quickstart_raw):
         _write(tmp_path, raw))
     raw["po"]["loss"] = "dpo"
     assert load_config(_write(tmp_path, raw)).po.rpo_alpha == 1.0
+
+
+def test_dpop_lambda_is_a_dpo_term_against_a_reference(tmp_path, quickstart_raw):
+    raw = copy.deepcopy(quickstart_raw)
+    raw["po"].update(enabled=True, loss="ipo", dpop_lambda=50.0)
+    assert "po.dpop_lambda: the DPO-Positive penalty is a term of the dpo loss, not ipo" in _error(_write(tmp_path, raw))
+    raw["po"].update(loss="dpo", reference_free=True)
+    assert "po.dpop_lambda: the DPO-Positive penalty compares the chosen response with the reference" in _error(
+        _write(tmp_path, raw))
+    raw["po"]["reference_free"] = False
+    assert load_config(_write(tmp_path, raw)).po.dpop_lambda == 50.0

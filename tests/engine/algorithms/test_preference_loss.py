@@ -55,6 +55,25 @@ def test_dpo_beta_extremes_are_finite():
     assert tiny.losses.item() == pytest.approx(LOG2 - 1e-6 + (2e-6) ** 2 / 8, abs=1e-15)
 
 
+def test_dpop_penalises_a_chosen_response_below_the_reference():
+    # pair 0: chosen log-ratio -1 (less likely than under the reference), rejected -4: plain DPO has
+    # h = 3; DPO-Positive with lambda 2 has h = 3 - 2 * 1 = 1. Pair 1: chosen log-ratio +1 (no
+    # penalty), rejected -1: h = 2 either way. beta 0.5.
+    policy_chosen = t(-3.0, -1.0).requires_grad_()
+    args = (policy_chosen, t(-9.0, -4.0), t(-2.0, -2.0), t(-5.0, -3.0))
+    plain, dpop = dpo_loss(*args, beta=0.5), dpo_loss(*args, beta=0.5, dpop_lambda=2.0)
+    assert plain.losses.tolist() == pytest.approx([math.log1p(math.exp(-1.5)), math.log1p(math.exp(-1))], abs=1e-15)
+    assert dpop.losses.tolist() == pytest.approx([math.log1p(math.exp(-0.5)), math.log1p(math.exp(-1))], abs=1e-15)
+    assert dpop.chosen_rewards.tolist() == plain.chosen_rewards.tolist() == [-0.5, 0.5]  # rewards stay beta * log-ratio
+    # d loss / d logp_c = -beta sigmoid(-beta h) * (1 + lambda) below the reference, -beta sigmoid(-beta h) above
+    (grad,) = torch.autograd.grad(dpop.losses.sum(), policy_chosen)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert grad.tolist() == pytest.approx([-0.5 * sig(-0.5) * 3.0, -0.5 * sig(-1.0)], abs=1e-15)
+    # at the reference the penalty is zero: log 2 for any lambda
+    same = dpo_loss(t(-2.0), t(-5.0), t(-2.0), t(-5.0), beta=0.5, dpop_lambda=50.0)
+    assert same.losses.item() == pytest.approx(LOG2, abs=1e-15)
+
+
 def test_rpo_adds_the_chosen_nll_per_token():
     # DPO (h = 2, beta 0.5: log(1 + e^-1)) plus alpha * (-log pi(y_c)) / |y_c| = 0.5 * 6 / 3 = 1.0 on pair 0;
     # pair 1 has h = 0 (log 2) and adds 0.5 * 2 / 4 = 0.25

@@ -70,15 +70,17 @@ def test_response_logps_equal_a_per_token_loop(sft_policy, quickstart_inputs):
     assert 2 <= sum(mask) < len(ids) // 2
 
 
-@pytest.mark.parametrize("loss,rpo_alpha", [("dpo", 0.0), ("ipo", 0.0), ("simpo", 0.0), ("kto", 0.0), ("dpo", 1.0)])
-def test_one_or_four_micro_batches_give_the_same_gradient(sft_policy, quickstart_inputs, loss, rpo_alpha):
+@pytest.mark.parametrize("loss,rpo_alpha,dpop_lambda", [("dpo", 0.0, 0.0), ("ipo", 0.0, 0.0), ("simpo", 0.0, 0.0),
+                                                       ("kto", 0.0, 0.0), ("dpo", 1.0, 0.0), ("dpo", 0.0, 50.0)])
+def test_one_or_four_micro_batches_give_the_same_gradient(sft_policy, quickstart_inputs, loss, rpo_alpha, dpop_lambda):
     tok = load_tokenizer(sft_policy)
     pad = pad_token_id(tok)
     pairs = encode_pairs(quickstart_inputs["preference"], tok, 64, mismatched=False)[:8]
     model = load_model_dir(sft_policy).model
-    # a reference unlike the policy, so every loss has a non-trivial gradient
-    reference = {k: v - 0.3 * torch.arange(8) for k, v in pair_logps(model, pairs, pad, 8).items()}
-    cfg = po_config(loss=loss, beta=0.5, micro_batch_size=2, rpo_alpha=rpo_alpha)
+    # a reference unlike the policy, so every loss has a non-trivial gradient; DPO-Positive's
+    # penalty is active on the first four pairs (chosen below the reference) and not on the rest
+    reference = {k: v - 0.3 * (torch.arange(8) - 3.5) for k, v in pair_logps(model, pairs, pad, 8).items()}
+    cfg = po_config(loss=loss, beta=0.5, micro_batch_size=2, rpo_alpha=rpo_alpha, dpop_lambda=dpop_lambda)
     fn = partial(po_loss, cfg=cfg, reference_point=torch.tensor(0.2) if loss == "kto" else None)
 
     def grads(size: int):
