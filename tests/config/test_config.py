@@ -512,7 +512,7 @@ def test_unpaired_kto_rows_train_only_the_kto_loss(tmp_path, quickstart_raw, fix
     raw["po"].update(enabled=True, loss="dpo")
     assert "data.kto: unpaired desirable/undesirable rows train only po.loss: kto, not 'dpo'" in _error(
         _write(tmp_path, raw))
-    raw["po"]["loss"] = "kto"
+    raw["po"].update(loss="kto", dpop_lambda=0.0)  # the quickstart's dpo penalty is no kto setting
     cfg = load_config(_write(tmp_path, raw))
     assert cfg.data.preference is None and cfg.data.kto.format == "kto"
     raw["data"]["kto"] = None

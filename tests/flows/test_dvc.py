@@ -353,6 +353,9 @@ def _alternatives(value, ann) -> list:
 COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
               ("rl", "max_turns"): {"environment": "my_module:factory"},
               ("rl", "teacher"): {"algorithm": "on_policy_distill"},
+              # the quickstart's DPO-Positive penalty is a dpo term against the reference
+              ("po", "loss"): {"dpop_lambda": 0.0},
+              ("po", "reference_free"): {"dpop_lambda": 0.0},
               ("rl", "engine", "off_policy_steps"): {"placement": "disaggregated"},
               ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1},
               # dotted keys are set from the config's root: DP=k needs k micro-batches per step

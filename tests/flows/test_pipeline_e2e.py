@@ -401,7 +401,7 @@ def test_kto_po_and_an_rl_mixture_run_through_the_flow(project):
                 "reward_weight": 0.5}]
     summary = _rerun_with(project, "kto_mix", **{
         "data.kto": {"path": str(work / "kto.jsonl"), "format": "kto"}, "data.rl_train": sources,
-        "po.enabled": True, "po.loss": "kto", "po.steps": 4, "po.global_batch_size": 16, "po.micro_batch_size": 8,
+        "po.enabled": True, "po.loss": "kto", "po.dpop_lambda": 0.0, "po.steps": 4, "po.global_batch_size": 16, "po.micro_batch_size": 8,
         "po.log_every": 2, "po.optim.warmup_steps": 2})
     stages = summary["stages"]
     assert {s: stages[s]["state"] for s in ("validate", "po", "rl", "evaluate", "export")} == dict.fromkeys(
