@@ -246,9 +246,11 @@ class WorkerGroup:
                 except RayActorError as exc:
                     if self._stop.is_set():
                         return
-                    self.failure = f"rank {index} of {len(self.ranks)} died: {exc}"
-                    logging.getLogger(__name__).error("worker group: %s; stopping the other ranks", self.failure)
+                    failure = f"rank {index} of {len(self.ranks)} died: {exc}"
+                    logging.getLogger(__name__).error("worker group: %s; stopping the other ranks", failure)
                     self.kill()
+                    # set once the others are killed: whoever sees it set finds no rank answering
+                    self.failure = failure
                     return
 
     def __getattr__(self, name: str) -> _Method:
