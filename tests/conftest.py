@@ -56,7 +56,6 @@ RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_clust
 # The longest files next (minutes each: whole pipelines, DVC, servers), so that with two
 # workers taking files in this order (`make test`) neither is left with a long file at the end.
 LONGEST = (
-    "tests/engine/training/test_dpo_quickstart.py",
     "tests/flows/test_dvc.py",
     "tests/flows/test_faults.py",
     "tests/flows/test_pipeline_e2e.py",

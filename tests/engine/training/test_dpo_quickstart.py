@@ -7,6 +7,7 @@ with its first two wrong sums (``data.addition.wrong_sums``: near misses, off by
 The po policy ranks the right sum above the wrong one (``log pi(y_c) > log pi(y_r)``) more often
 than the SFT policy it started from, by more than 2 standard errors paired over the pairs, and
 keeps the right sums at least as likely (docs/algorithms.md, Preference optimization).
+Marked ``acceptance`` (``make acceptance``): its SFT stage alone is the quickstart's 300 steps.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from e2e_support import REPO, env_for, posttrain
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.acceptance]
 
 
 def _model_dir(work: Path, stage: str) -> Path:
