@@ -4,6 +4,7 @@ and equality with TRL's own loss code (CPOTrainer.cpo_loss, the KTOTrainer formu
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -132,11 +133,18 @@ def test_kto_hand_values():
 
 @pytest.fixture(scope="module")
 def cpo_loss():
+    # importing trl sets VLLM_LOGGING_LEVEL=ERROR in os.environ; later tests and the engines
+    # they start must see the environment they had
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
     trl = pytest.importorskip("trl")
     from trl.experimental.cpo.cpo_trainer import CPOTrainer
 
     assert trl.__version__
-    return CPOTrainer.cpo_loss
+    yield CPOTrainer.cpo_loss
+    if saved is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = saved
 
 
 def _trl_self(loss_type: str, beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.0):
