@@ -42,9 +42,11 @@ class RolloutConfig(Strict):
                                       "prompt + max_new_tokens, +10%; docs/platforms.md). A fraction: an explicit override, "
                                       "vLLM reserves that share of device memory (on CPU: of the NUMA node's memory, minus "
                                       "the process's RSS; fails when the process holds more). Also used by evaluate.")
-    enforce_eager: bool = Field(
-        True, description="vLLM runs the model eagerly (starts fast). false: vLLM compiles it at start-up (torch.compile; "
-                          "CUDA graphs on GPU): each engine starts slower and generates faster (measured in "
+    enforce_eager: bool | None = Field(
+        None, description="None: eager where vLLM runs on CPU (compiling costs start-up time a short run does not win "
+                          "back), compiled where it runs on CUDA (CUDA graphs), as vLLM's own default. true: vLLM runs "
+                          "the model eagerly (starts fast). false: vLLM compiles it at start-up (torch.compile; CUDA "
+                          "graphs on GPU): each engine starts slower and generates faster (measured in "
                           "docs/benchmarks.md); weight updates work either way.")
     num_engines: int = Field(
         1, ge=1, description="Rollout engines behind one router: a step's prompts are spread over them by prompt index, "

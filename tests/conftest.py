@@ -65,6 +65,13 @@ LONGEST = (
     "tests/engine/rl/test_ppo_critic.py",
     "tests/flows/test_tinystories_e2e.py",
     "tests/flows/test_rm_resume.py",
+    # a minute or more each
+    "tests/engine/rl/test_rollout_faults.py",
+    "tests/engine/distributed/test_data_parallel_stages.py",
+    "tests/engine/distributed/test_tensor_parallel_training.py",
+    "tests/engine/backends/test_deepspeed_backend.py",
+    "tests/engine/distributed/test_data_parallel.py",
+    "tests/engine/backends/test_deepspeed_critic_rm.py",
 )
 
 

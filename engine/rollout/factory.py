@@ -23,7 +23,7 @@ def build_rollout_engine(
     max_model_len: int | None = None,
     load_format: str = "auto",
     precision: str | None = None,
-    enforce_eager: bool = True,
+    enforce_eager: bool | None = None,
 ) -> RolloutEngine:
     """Start the rollout engine ``backend`` on the HF directory ``hf_dir``.
 

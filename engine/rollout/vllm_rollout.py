@@ -113,8 +113,10 @@ class VLLMRollout:
             to disk at start-up).
         enforce_eager: run the model eagerly (True: starts fast) or let vLLM compile it at
             start-up (False: torch.compile, CUDA graphs on GPU; slower to start, faster to
-            generate). :meth:`update_weights` copies into the same parameter tensors, which
-            the compiled code reads, so weight updates hold either way.
+            generate); None: :func:`default_enforce_eager` for the platform vLLM runs on.
+            :meth:`update_weights` copies into the same parameter tensors, which the
+            compiled code reads, so weight updates hold either way. The value used is
+            :attr:`enforce_eager`.
 
     Threads: vLLM's CPU worker binds its OpenMP threads and then replaces
     ``torch.set_num_threads`` with a no-op for the whole process, so set the thread count
@@ -128,6 +130,7 @@ class VLLMRollout:
     Attributes:
         kv_cache_memory_bytes: the KV cache size asked of vLLM, bytes (None with
             ``gpu_memory_utilization``).
+        enforce_eager: whether the engine runs eagerly (the argument, or its resolved default).
         dtype: the torch dtype the engine runs (vLLM's ``model_config.dtype``; the KV cache
             has the same, ``cache_dtype="auto"``), checked to be the one asked for.
 
@@ -151,7 +154,7 @@ class VLLMRollout:
         valid_vocab_size: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
     ) -> None:
         # Must be set before vLLM builds the engine: the in-process engine is what makes
         # RL-style short generate calls and in-place weight reload cheap here.
@@ -159,6 +162,7 @@ class VLLMRollout:
         from vllm import LLM
 
         dtype = _dtype_name(dtype)
+        self.enforce_eager = default_enforce_eager() if enforce_eager is None else bool(enforce_eager)
         self.model_dir = Path(model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir)
         self.valid_vocab_size = valid_vocab_size
@@ -185,7 +189,7 @@ class VLLMRollout:
                 **memory,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
-                enforce_eager=enforce_eager,
+                enforce_eager=self.enforce_eager,
                 distributed_executor_backend="uni",
                 skip_tokenizer_init=True,
                 logprobs_mode="processed_logprobs",
@@ -291,6 +295,20 @@ _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.mode
 def _not_a_partial_reload_warning(record: logging.LogRecord) -> bool:
     msg = str(record.msg)
     return not (msg.startswith("Following weights were not loaded") or msg.endswith(": Failed to load weights"))
+
+
+def default_enforce_eager() -> bool:
+    """``rl.rollout.enforce_eager: null``: eager (True) unless vLLM's platform is CUDA or ROCm.
+
+    vLLM's own default compiles the model (``torch.compile``, and CUDA graphs on GPU). On CPU
+    the compile costs tens of seconds per engine start (docs/benchmarks.md, a 24.3M model in
+    bf16: 64 s against 20 s) for 8-18% more tokens per second, won back only after about 60
+    steps of the GRPO benchmark; evaluate and short runs never win it back. On CUDA the
+    compiled model with CUDA graphs is vLLM's default, as OpenRLHF and TRL run it.
+    """
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cuda_alike()
 
 
 def _vllm_logging():

@@ -218,6 +218,23 @@ def test_a_share_of_the_batch_samples_what_the_whole_batch_does(setup):
     assert [o.token_ids for o in engine.generate([PROMPTS[2]], spec)[0]] != [o.token_ids for o in whole[2]]
 
 
+def test_enforce_eager_unset_is_eager_on_cpu_and_compiled_on_cuda(setup, monkeypatch):
+    """rl.rollout.enforce_eager: null (the default). The shared engine was started without the
+    argument: on this CPU build of vLLM it runs eagerly, and vLLM was told so. On a CUDA (or
+    ROCm) platform the default is vLLM's own, compiled with CUDA graphs; the platform object is
+    the one thing replaced, as no CUDA device exists here."""
+    from vllm.platforms import current_platform
+
+    from engine.rollout.vllm_rollout import default_enforce_eager
+
+    engine = setup[0]
+    assert current_platform.is_cpu()
+    assert engine.enforce_eager is True
+    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is True
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: True)
+    assert default_enforce_eager() is False
+
+
 def test_a_compiled_engine_follows_weight_updates(setup, tmp_path):
     """rl.rollout.enforce_eager: false. vLLM compiles the model at start-up (torch.compile on
     CPU); weights streamed in afterwards (dummy start, model A, then B, then A again, as an RL
@@ -226,7 +243,7 @@ def test_a_compiled_engine_follows_weight_updates(setup, tmp_path):
     _, model_a, model_b, eos = setup
     path = save_tiny(model_a, tmp_path / "tiny_qwen2")
     engine = VLLMRollout(path, num_sequences=3, max_model_len=128, load_format="dummy", enforce_eager=False)
-    assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False
+    assert engine.enforce_eager is False and engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False
     spec = SamplingSpec(n=1, temperature=0.0, max_new_tokens=12)
     for model in (model_a, model_b, model_a):
         engine.update_weights(synced_weights(model))
