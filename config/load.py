@@ -10,6 +10,7 @@ and the same errors; an error caused by one says so.
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,7 +285,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
         raise ConfigError(f"config {p} is not valid UTF-8: byte 0x{data[exc.start]:02x} at line {line}, "
                           f"column {column}") from None
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+        stream = io.StringIO(text)
+        stream.name = str(p)  # PyYAML's marks name the stream: the file, not "<unicode string>"
+        raw = yaml.load(stream, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from exc
     except (RecursionError, ValueError) as exc:  # nesting too deep; an integer of > 4300 digits

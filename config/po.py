@@ -83,7 +83,7 @@ class PoConfig(Strict):
                              "set po.dpop_lambda: 0 or po.loss: dpo")
         if self.dpop_lambda and self.reference_free:
             raise ValueError("po.dpop_lambda: the DPO-Positive penalty compares the chosen response with the "
-                             "reference; set po.reference_free: false")
+                             "reference; set po.dpop_lambda: 0 or po.reference_free: false")
         if self.reference_free and self.loss == "kto":
             raise ValueError("po.reference_free: kto needs the reference policy (its KL reference point); set "
                              "po.reference_free: false or po.loss: dpo | ipo | simpo")

@@ -47,6 +47,13 @@ def precision_notes(cfg: PipelineConfig) -> list[str]:
     return notes
 
 
+def _not_a_file(path: str | Path) -> str:
+    """Why ``path``, which is not a regular file, cannot be read as a dataset."""
+    if Path(path).is_dir():
+        return f"{path} is a directory; give the data file in it (.jsonl, .json, .parquet, optionally .gz)"
+    return f"file not found: {path}"
+
+
 def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     """Returns (problems, notes). Problems name the config key and the missing path."""
     from data.validate import dataset_entries
@@ -56,10 +63,10 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
         if _made_by_prepare(cfg, ds.path):
             notes.append(f"{key}.path: {ds.path} is created by the prepare step")
         elif not Path(ds.path).is_file():
-            problems.append(f"{key}.path: file not found: {ds.path}")
+            problems.append(f"{key}.path: {_not_a_file(ds.path)}")
     for i, bench in enumerate(cfg.evaluate.datasets):
         if not _made_by_prepare(cfg, bench.path) and not Path(bench.path).is_file():
-            problems.append(f"evaluate.datasets[{i}].path ({bench.name}): file not found: {bench.path}")
+            problems.append(f"evaluate.datasets[{i}].path ({bench.name}): {_not_a_file(bench.path)}")
     for key in ("sft", "rl_train", "rl_eval"):
         if getattr(cfg.data, key) is None and (key != "sft" or cfg.sft.enabled):
             needs = "the sft stage (or set sft.enabled: false)" if key == "sft" else "the rl/evaluate stages"

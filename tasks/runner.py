@@ -305,7 +305,9 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
 
         create_markdown_artifact("\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}")
     write_pointer(cfg, ref, metrics)
-    logger.info("%s: published %s in %.1f s", spec.name, ref.artifact_id, time.time() - started)
+    resumed = max((int(v) for k, v in metrics.items() if k.endswith("/resumed_from_step")), default=0)
+    logger.info("%s: published %s in %.1f s%s", spec.name, ref.artifact_id, time.time() - started,
+                f" (resumed from the checkpoint of step {resumed})" if resumed else "")
     return ref
 
 

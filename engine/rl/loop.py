@@ -59,6 +59,7 @@ trainer's and the rollout engine's disagree (fp32 noise when weight sync works; 
 
 from __future__ import annotations
 
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ from engine.rl.rollout_dump import RolloutDumps
 from engine.rl.teacher import check_teacher
 from engine.rl.workers import Workers, start_workers, stop_workers
 from engine.storage.train_state import DataPosition
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -265,6 +268,8 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
     pipeline = None
     try:
         start, position, history = resume(workers, resume_dir, seed)
+        if start:
+            logger.info("resuming RL from step %d (%s)", start, resume_dir)
         log = MetricsLog(out_dir / METRICS_FILE, history, log_metrics)
         dumps = RolloutDumps.for_run(cfg, resume_dir, out_dir)  # rl.dump_rollouts: each step's batch, for replay
         dumps.begin(workers, start, position)

@@ -659,6 +659,9 @@ def test_rl_killed_with_sigkill_resumes_and_publishes_each_step_once(project):
     assert f"rl: {artifact_id} (Completed)" in rerun.stdout
     metrics = manifest(project, "rl", artifact_id)["metrics"]
     assert metrics["rl/resumed_from_step"] >= killed_at
+    resumed = int(metrics["rl/resumed_from_step"])
+    assert f"rl: published {artifact_id} in " in rerun.stdout + rerun.stderr
+    assert f" (resumed from the checkpoint of step {resumed})" in rerun.stdout + rerun.stderr
     assert metrics["rl/steps_run"] == RL_STEPS - metrics["rl/resumed_from_step"]
     assert metrics["rl/steps"] == RL_STEPS
     lines = (project.artifacts / "rl" / artifact_id / "metrics.jsonl").read_text().splitlines()

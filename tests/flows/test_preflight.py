@@ -61,6 +61,14 @@ def test_missing_data_file_names_key_and_path(real_inputs, tmp_path):
     assert problems == [f"data.rl_eval.path: file not found: {tmp_path / 'gone.jsonl'}"]
 
 
+def test_a_directory_for_a_data_file_is_named_as_one(real_inputs, tmp_path):
+    raw = copy.deepcopy(real_inputs)
+    raw["data"]["rl_eval"]["path"] = str(tmp_path)
+    problems, _ = check_inputs(_cfg(raw))
+    assert problems == [f"data.rl_eval.path: {tmp_path} is a directory; give the data file in it "
+                        "(.jsonl, .json, .parquet, optionally .gz)"]
+
+
 def test_data_path_under_prepare_dir_is_a_note_only_with_prepare(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative paths: a fresh project dir where prepare never ran
     raw = yaml.safe_load(QUICKSTART.read_text())

@@ -9,6 +9,7 @@ some of the time and GRPO groups have mixed rewards.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -470,10 +471,10 @@ def test_reward_model_at_dp2_scores_the_step_as_dp1(policy, tmp_path):
         assert abs(one[key] - two[key]) < 1e-5, (key, one[key], two[key])
 
 
-def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
+def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path, caplog):
     """2 steps with a checkpoint each step; then steps=3 with the same resume_dir does only
-    step 3 and ends with exactly (bit for bit) the weights and metrics of the 3-step run (its
-    rl.eval_every values at steps 2 and 3 included)."""
+    step 3 (and says it resumes) and ends with exactly (bit for bit) the weights and metrics of
+    the 3-step run (its rl.eval_every values at steps 2 and 3 included)."""
     from engine.rl.loop import run_rl
     from engine.storage.train_state import load_train_state
 
@@ -481,9 +482,11 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path):
     first = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 2, eval_every=2), tmp_path / "a", resume, seed=0,
                    evaluator=evaluator)
     assert first["rl/steps_run"] == 2.0 and load_train_state(resume).step == 2
-    second = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, eval_every=2), tmp_path / "b", resume,
-                    seed=0, evaluator=evaluator)
+    with caplog.at_level(logging.INFO, logger="engine.rl.loop"):
+        second = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, eval_every=2), tmp_path / "b", resume,
+                        seed=0, evaluator=evaluator)
     assert (second["rl/resumed_from_step"], second["rl/steps_run"]) == (2.0, 1.0)
+    assert f"resuming RL from step 2 ({resume})" in [r.getMessage() for r in caplog.records]
     full_out, _ = vllm_run
     resumed, full = read_metrics(tmp_path / "b"), read_metrics(full_out)
     assert [r["step"] for r in resumed] == [1, 2, 3]  # history restored from the checkpoint
