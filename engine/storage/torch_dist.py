@@ -12,13 +12,14 @@ As in Megatron-LM, the saved state is ``{"model": model.sharded_state_dict(),
 directory and renames it into place, then replaces the tracker file atomically, so a crash
 leaves either the previous or the new checkpoint, never a partial one.
 
-Note: megatron-core's torch_dist writer starts a ``spawn`` multiprocessing manager on the
-first save in a process (a few seconds once); entry points need a ``__main__`` guard. Its
-writer processes are not used: megatron forks one per write bucket from the saving process,
+Note: megatron-core's torch_dist writer would start a ``spawn`` multiprocessing manager (a
+server process, which a SIGKILL of its parent leaves running) for its results queue, and
+fork writer processes. Neither is used here: megatron forks one writer per write bucket from the saving process,
 and a fork of a process with running threads (Ray, W&B, tqdm, a multiprocessing queue's
 feeder) can die in the child (seen here: a child killed by SIGABRT), after which megatron's
 parent waits on its queue forever. :func:`_write_buckets_in_process` writes the same buckets
-with megatron's own per-bucket writer in the saving process instead.
+with megatron's own per-bucket writer in the saving process instead, and its results go
+through an in-process queue.
 """
 
 from __future__ import annotations
@@ -85,10 +86,17 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 
 
 def _use_in_process_writer() -> None:
-    """Make megatron's torch_dist saves write in the calling process (module docstring); idempotent."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    """Make megatron's torch_dist saves write in the calling process (module docstring), and
+    give them an in-process results queue in place of megatron's ``spawn`` manager queue: with
+    no writer process there is nothing to share it with, and that manager is a server process
+    that outlives a SIGKILLed parent. Idempotent."""
+    import queue
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
 
 
 def shared_temporary_dir(root: Path, prefix: str) -> Path:

@@ -55,22 +55,29 @@ def test_hf_megatron_torch_dist_hf_round_trip_is_bit_identical(tmp_path, arch):
         assert torch.equal(back[name], t), name
 
 
-def test_a_save_forks_no_writer_process_and_round_trips(tmp_path, monkeypatch):
+def test_a_save_starts_no_process_and_round_trips(tmp_path, monkeypatch):
     """megatron forks a writer per bucket; a forked child of a threaded process can die (seen:
-    SIGABRT) and leave the save waiting forever, so saves write in this process. With os.fork
-    refused, two saves (one with several buckets' worth of tensors) still write checkpoints that
-    load back bit for bit."""
+    SIGABRT) and leave the save waiting forever, so saves write in this process. Its results
+    queue would be a ``spawn`` manager's, a server process that outlives a SIGKILLed parent, so
+    it is an in-process queue. With os.fork and every multiprocessing start refused, the first
+    save in the process and a second one (several buckets' worth of tensors) write checkpoints
+    that load back bit for bit."""
+    import multiprocessing.process
     import os
 
-    def no_fork():
-        raise AssertionError("os.fork called during a torch_dist save")
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started during a torch_dist save")
 
     cfg, hf = random_hf("qwen2")
     spec = GPTSpec.from_hf_config(cfg)
     model = build_gpt_model(spec, seed=1)
     load_mcore_state(model, hf_to_megatron(cfg, hf))
-    save_model_checkpoint(model, tmp_path / "warm", iteration=1)  # the spawn manager megatron starts once
-    monkeypatch.setattr(os, "fork", no_fork)
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # as in a fresh process
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    save_model_checkpoint(model, tmp_path / "first", iteration=1)
     save_model_checkpoint(model, tmp_path / "ckpt", iteration=2)
     monkeypatch.undo()
     assert len(list((tmp_path / "ckpt" / "iter_0000002").glob("*.distcp"))) >= 2  # megatron's 2 buckets per rank
