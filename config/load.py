@@ -10,6 +10,7 @@ and the same errors; an error caused by one says so.
 
 from __future__ import annotations
 
+import difflib
 import io
 import re
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ def format_validation_error(err: ValidationError, source: str, overrides: Sequen
                             raw: dict[str, Any] | None = None) -> str:
     """One readable message for all problems of a config: ``key.path: problem``.
 
+    An unknown key suggests the closest allowed key of its section when one is close enough
+    (``difflib.get_close_matches``, ratio >= 0.6: ``stpes`` -> ``steps``), then lists them all.
+
     A problem at or under a key that one of ``overrides`` set (or in the section holding it,
     for a check across the section's keys) ends with ``(set on the command line: KEY=VALUE)``;
     ``raw`` (the validated mapping) maps pydantic's error locations, which name the tag of a
@@ -87,8 +91,10 @@ def format_validation_error(err: ValidationError, source: str, overrides: Sequen
         key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "(top level)"
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(PipelineConfig, loc)
+            close = difflib.get_close_matches(str(loc[-1]), allowed or [], n=1)
+            guess = f", did you mean {close[0]!r}?" if close else ""
             hint = f" (allowed keys here: {', '.join(allowed)})" if allowed else ""
-            line = f"  {key}: unknown key{hint}"
+            line = f"  {key}: unknown key{guess}{hint}"
         elif e["type"] == "missing":
             line = f"  {key}: required key is missing"
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):

@@ -172,14 +172,14 @@ def cmd_stage(args) -> int:
             console.print(
                 f"[red]error:[/] stage {args.name} reads the {', '.join(missing)} artifact(s) of this config, which are "
                 f"not published (or out of date); run `posttrain stage {missing[0]} {_command_args(args)}` first",
-                highlight=False,
+                highlight=False, soft_wrap=True,
             )
             return 3
     try:
         with _stage_errors(), prefect_api():
             result = stage_flow(config_path=args.config, name=args.name, overrides=list(args.overrides))
     except MissingUpstream as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 3
     console.print(f"{args.name}: {result.get('artifact_id', result)} ({result.get('state', 'done')})", highlight=False)
     return 0
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except ConfigError as exc:
-        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except StageFailed as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)

@@ -67,26 +67,28 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     allowed = ("checkpoint_every, enabled, global_batch_size, log_every, lora, max_seq_len, max_tokens_per_micro_batch, "
                "micro_batch_size, optim, packing, parallel, precision, steps")
     assert sorted(SFTConfig.model_fields) == allowed.split(", ")
-    assert f"sft.stpes: unknown key (allowed keys here: {allowed})" in msg
+    assert f"sft.stpes: unknown key, did you mean 'steps'? (allowed keys here: {allowed})" in msg
 
 
 @pytest.mark.parametrize(
-    "path, allowed",
+    "path, guess, allowed",
     [
-        (("data", "sft", "fromat"), "format, limit, path"),
-        (("rl", "optim", "lrr"), "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
-        (("rl", "rollout", "temprature"), "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, temperature, top_p"),
-        (("stages",), "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb"),
+        (("data", "sft", "fromat"), "format", "format, limit, path"),
+        (("rl", "optim", "lrr"), "lr", "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
+        (("rl", "rollout", "temprature"), "temperature",
+         "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, temperature, top_p"),
+        (("stages",), None, "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb"),  # nothing close
     ],
 )
-def test_unknown_nested_key(tmp_path, quickstart_raw, path, allowed):
+def test_unknown_nested_key(tmp_path, quickstart_raw, path, guess, allowed):
     raw = copy.deepcopy(quickstart_raw)
     node = raw
     for part in path[:-1]:
         node = node.setdefault(part, {})
     node[path[-1]] = 1
     msg = _error(_write(tmp_path, raw))
-    assert f"{'.'.join(path)}: unknown key (allowed keys here: {allowed})" in msg
+    suggestion = f", did you mean {guess!r}?" if guess else ""
+    assert f"{'.'.join(path)}: unknown key{suggestion} (allowed keys here: {allowed})" in msg
 
 
 def test_all_problems_in_one_message(tmp_path, quickstart_raw):

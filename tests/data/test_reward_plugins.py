@@ -63,7 +63,7 @@ def test_bad_import_path_is_a_config_error_naming_the_key(tmp_path, path):
 
 def test_function_config_key_errors(tmp_path):
     msg = _config_error(tmp_path, [{"path": "a:f", "wieght": 2.0}])
-    assert "  rl.reward.functions[0].wieght: unknown key (allowed keys here: batched, name, path, weight)" in msg
+    assert "  rl.reward.functions[0].wieght: unknown key, did you mean 'weight'? (allowed keys here: batched, name, path, weight)" in msg
     assert "  rl.reward.functions[0].path: required key is missing" in _config_error(tmp_path, [{"weight": 1.0}])
     assert "rl.reward.functions[0].weight: Input should be a finite number" in _config_error(
         tmp_path, [{"path": "a:f", "weight": float("nan")}])

@@ -127,7 +127,7 @@ def test_a_bad_value_gives_the_files_error_and_says_the_command_line_set_it(tmp_
 def test_an_unknown_key_lists_the_valid_keys_and_names_the_override():
     msg = _error(QUICKSTART, ["rl.steps=50", "rl.optim.lrr=1"])  # only the override at fault is named
     assert msg.splitlines()[1:] == [
-        "  rl.optim.lrr: unknown key (allowed keys here: adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, "
+        "  rl.optim.lrr: unknown key, did you mean 'lr'? (allowed keys here: adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, "
         "weight_decay) (set on the command line: rl.optim.lrr=1)",
     ]
 
