@@ -47,20 +47,21 @@ PACKAGE_LAYERS = {"flows": 4, "tasks": 3, "engine": 2, "data": 1, "conversion": 
 # Inside engine, by sub-package (or top-level module): modules of one sub-package may import
 # each other; rl and evaluation are peers at the top (neither imports the other).
 #
-# | layer | engine.*         |
-# |-------|------------------|
-# | 8     | rl, evaluation   |
-# | 7     | backends         |
-# | 6     | training         |
-# | 5     | trajectory       |
-# | 4     | rollout          |
-# | 3     | storage          |
-# | 2     | models           |
-# | 1     | batching         |
-# | 0     | algorithms       |
+# | layer | engine.*                      |
+# |-------|-------------------------------|
+# | 9     | rl, evaluation                |
+# | 8     | backends                      |
+# | 7     | training                      |
+# | 6     | trajectory                    |
+# | 5     | rollout                       |
+# | 4     | storage                       |
+# | 3     | distributed                   |
+# | 2     | models                        |
+# | 1     | batching                      |
+# | 0     | algorithms, library_warnings  |
 ENGINE_LAYERS = {
     "rl": 9, "evaluation": 9, "backends": 8, "training": 7, "trajectory": 6, "rollout": 5,
-    "storage": 4, "distributed": 3, "models": 2, "batching": 1, "algorithms": 0,
+    "storage": 4, "distributed": 3, "models": 2, "batching": 1, "algorithms": 0, "library_warnings": 0,
 }
 
 

@@ -194,6 +194,7 @@ def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1):
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         init_method_std=0.02,
+        cuda_graph_scope=[],  # the whole layer; megatron's default "full" means the same but warns
     )
 
 

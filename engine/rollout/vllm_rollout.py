@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from engine.library_warnings import silence_library_deprecations
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
 
@@ -159,6 +160,7 @@ class VLLMRollout:
         # Must be set before vLLM builds the engine: the in-process engine is what makes
         # RL-style short generate calls and in-place weight reload cheap here.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        silence_library_deprecations()
         from vllm import LLM
 
         dtype = _dtype_name(dtype)

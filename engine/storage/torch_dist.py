@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from engine.library_warnings import silence_library_deprecations
 from engine.models.master_weights import copy_masters_to_model, full_precision_weights
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -125,6 +126,7 @@ def save_sharded(state: dict[str, Any], directory: Path) -> None:
 
     ensure_process_group()
     _use_in_process_writer()
+    silence_library_deprecations()
     dist_checkpointing.save(state, str(directory))
 
 
@@ -146,6 +148,7 @@ def load_sharded(state: dict[str, Any], directory: Path) -> dict[str, Any]:
 
     try:
         ensure_process_group()
+        silence_library_deprecations()
         return dist_checkpointing.load(state, str(directory))
     except (Exception, CheckpointException) as e:
         raise ValueError(f"{directory}: checkpoint does not fit the model: {_root_cause(e)}") from e

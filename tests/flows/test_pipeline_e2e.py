@@ -28,7 +28,7 @@ def project(tmp_path_factory):
     started = time.time()
     proc = posttrain(["run", str(config)], cwd=work, env=env)
     return {"work": work, "cfg": cfg, "config": config, "env": env, "first": read_summary(work, "quickstart"),
-            "first_stdout": proc.stdout, "first_wall": time.time() - started}
+            "first_stdout": proc.stdout, "first_stderr": proc.stderr, "first_wall": time.time() - started}
 
 
 def _states(summary: dict) -> dict[str, str]:
@@ -68,6 +68,14 @@ def test_first_run_runs_every_stage_and_prints_the_summary(project):
         assert manifest["stage"] == name and manifest["files"]
         for f in manifest["files"]:
             assert (uri / f["path"]).stat().st_size == f["size"]
+
+
+def test_first_run_prints_no_library_internal_deprecation(project):
+    """megatron's default cuda_graph_scope and the deprecated torch calls inside megatron's
+    torch_dist and vLLM's dispatcher warned on every stage (engine/library_warnings.py)."""
+    printed = project["first_stdout"] + project["first_stderr"]
+    assert "FutureWarning" not in printed and "full scope is deprecated" not in printed, \
+        [line for line in printed.splitlines() if "Warning" in line]
 
 
 def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project):
