@@ -124,6 +124,24 @@ def _session_server():
     return SessionServer()
 
 
+def _start(server) -> None:
+    """``server.start()``; its time-out error says what to do about it (a busy machine
+    starts the server slowly: Prefect's own message names neither the setting nor a way out)."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    try:
+        server.start()
+    except RuntimeError as exc:
+        if "Timed out" not in str(exc):
+            raise
+        limit = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        raise RuntimeError(
+            f"the temporary Prefect server did not answer within {limit:g} s "
+            f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): on a busy machine set it higher, or start "
+            f"a server once (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api. "
+            f"Prefect said: {exc}") from exc
+
+
 @contextmanager
 def prefect_api() -> Iterator[str]:
     """Make a Prefect API available for the duration of the block; yield its URL.
@@ -135,7 +153,8 @@ def prefect_api() -> Iterator[str]:
 
     Raises:
         RuntimeError: the temporary server did not answer within
-            ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
+            ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` (the message names the
+            setting and the two ways out).
     """
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
@@ -147,7 +166,7 @@ def prefect_api() -> Iterator[str]:
         return
     server = _session_server()
     try:
-        server.start()
+        _start(server)
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:
                 yield server.api_url

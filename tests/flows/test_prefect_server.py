@@ -12,6 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 import sqlalchemy
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_LOG_RETRYABLE_ERRORS, temporary_settings
@@ -24,6 +25,21 @@ REPO = Path(__file__).resolve().parents[2]
 @flow
 def _add(a: int, b: int) -> int:
     return a + b
+
+
+def _server_pids() -> list[int]:
+    """Live processes running a Prefect server app (zombies left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+                state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if "prefect.server.api.server:create_app" in cmd and state not in "ZX":
+                found.append(int(entry))
+    return found
 
 
 def _server_pid(url: str) -> int:
@@ -46,6 +62,22 @@ def test_temporary_server_runs_in_its_own_session_and_stops_after_the_block():
         assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
         assert _add(40, 2) == 42  # flows in the block use it
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] in "ZX"
+
+
+def test_a_server_too_slow_to_start_names_the_setting_and_leaves_nothing_running():
+    """A real temporary server given 1 s: it is still importing Prefect when the time is up."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    before = {pid for pid in _server_pids()}
+    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 1}):
+        with pytest.raises(RuntimeError) as failed:
+            with prefect_api():
+                raise AssertionError("the block ran without a server")
+    assert str(failed.value).startswith(
+        "the temporary Prefect server did not answer within 1 s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): "
+        "on a busy machine set it higher, or start a server once (`prefect server start`) and set "
+        "PREFECT_API_URL=http://127.0.0.1:4200/api. Prefect said: Timed out while attempting to connect")
+    assert {pid for pid in _server_pids()} - before == set()  # the server that came up late was stopped
 
 
 def test_configured_api_is_used_as_is():
