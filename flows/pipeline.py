@@ -10,6 +10,7 @@ stage runs again (once per upstream stage).
 
 from __future__ import annotations
 
+import logging
 import shlex
 import time
 from pathlib import Path
@@ -27,6 +28,15 @@ from tasks.graph import enabled_stages, stage, stage_states
 from tasks.prepare import is_prepared, prepare
 from tasks.runner import clean_leftovers, input_hashes, store_for, write_pointer
 from tasks.tracking import log_cached_stage, pipeline_run_info, wandb_mode
+
+# The engine's own progress lines (how SFT splits its batches, resuming from step N, the vLLM
+# KV cache, each policy's accuracy) show on the console beside Prefect's run logs: these
+# loggers send INFO to the root logger's handlers (Prefect's console handler). A level the
+# user set on one of them is kept.
+ENGINE_LOGGERS = ("engine", "tasks", "data", "conversion", "posttrain")
+for _name in ENGINE_LOGGERS:
+    if logging.getLogger(_name).level == logging.NOTSET:
+        logging.getLogger(_name).setLevel(logging.INFO)
 
 
 def result_storage(cfg: PipelineConfig) -> Path:

@@ -70,10 +70,14 @@ def test_first_run_runs_every_stage_and_prints_the_summary(project):
             assert (uri / f["path"]).stat().st_size == f["size"]
 
 
-def test_first_run_prints_no_library_internal_deprecation(project):
-    """megatron's default cuda_graph_scope and the deprecated torch calls inside megatron's
-    torch_dist and vLLM's dispatcher warned on every stage (engine/library_warnings.py)."""
+def test_first_run_prints_the_engines_progress_and_no_library_internal_deprecation(project):
+    """The engine's INFO lines reach the console (flows/pipeline.py ENGINE_LOGGERS), in
+    Prefect's format. megatron's default cuda_graph_scope and the deprecated torch calls inside
+    megatron's torch_dist and vLLM's dispatcher warned on every stage; they no longer print
+    (engine/library_warnings.py)."""
     printed = project["first_stdout"] + project["first_stderr"]
+    assert re.search(r"\| INFO    \| engine\.training\.sft - SFT on \d+ conversations: precision", printed), printed[-3000:]
+    assert re.search(r"\| INFO    \| engine\.evaluation\.scoring - policy 'rl' on rl_eval: accuracy", printed), printed[-3000:]
     assert "FutureWarning" not in printed and "full scope is deprecated" not in printed, \
         [line for line in printed.splitlines() if "Warning" in line]
 
