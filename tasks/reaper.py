@@ -1,9 +1,11 @@
 """Children die with their stage: a reaper process that ends what a dead stage process left running.
 
-A stage process starts processes it does not control: megatron-core's ``spawn``
-multiprocessing manager and Python's resource tracker (both started through
-``_posixsubprocess.fork_exec``, so no at-fork hook can set ``PR_SET_PDEATHSIG`` in them),
-W&B's writer (``wandb-core``), Ray's local cluster, Prefect's temporary server. When the
+A stage process starts processes it does not control: W&B's writer (``wandb-core``), Ray's
+local cluster, Prefect's temporary server, and any ``spawn`` multiprocessing child a library
+or a reward plug-in starts, with Python's resource tracker (both started through
+``_posixsubprocess.fork_exec``, so no at-fork hook can set ``PR_SET_PDEATHSIG`` in them;
+megatron-core's torch_dist writer would start a manager, engine/storage/torch_dist.py
+gives it an in-process queue instead). When the
 stage process is killed outright (SIGKILL, the OOM killer) nothing in it runs to stop them.
 
 :func:`ensure_reaper` starts one small process per stage process (``python -m

@@ -7,7 +7,6 @@ import contextlib
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,9 @@ def project(tmp_path_factory):
     cfg = tiny_config(work)
     config = write_config(work / "pipeline.yaml", cfg)
     env = env_for(work)
-    started = time.time()
     proc = posttrain(["run", str(config)], cwd=work, env=env)
     return {"work": work, "cfg": cfg, "config": config, "env": env, "first": read_summary(work, "quickstart"),
-            "first_stdout": proc.stdout, "first_stderr": proc.stderr, "first_wall": time.time() - started}
+            "first_stdout": proc.stdout, "first_stderr": proc.stderr}
 
 
 def _states(summary: dict) -> dict[str, str]:
@@ -112,13 +110,13 @@ def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project)
     assert torch.allclose(hf_logits, mc_logits, atol=tol), float((hf_logits - mc_logits).abs().max())
 
 
-def test_second_run_is_all_cache_hits_and_fast(project):
+def test_second_run_is_all_cache_hits(project):
+    """Nothing trains, publishes or logs history again; how long a cached rerun takes is a
+    benchmark's figure (benchmarks/cached_rerun.py), not this test's."""
     work = project["work"]
     artifacts_before = sorted(p.name for p in (work / "artifacts").glob("*/*"))
     wandb_before = {r["file"] for r in offline_runs(work / "wandb")}
-    started = time.time()
     posttrain(["run", str(project["config"])], cwd=work, env=project["env"])
-    wall = time.time() - started
     summary = read_summary(work, "quickstart")
     assert _states(summary) == {s: "Cached" for s in STAGES}
     assert sorted(p.name for p in (work / "artifacts").glob("*/*")) == artifacts_before  # nothing new published
@@ -135,7 +133,6 @@ def test_second_run_is_all_cache_hits_and_fast(project):
         metrics = {k: v for k, v in summary["stages"][name]["metrics"].items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
         assert {k: run["summary"][k] for k in metrics} == metrics, name
     project["cached_runs"] = new
-    assert wall < 30.0, f"cached rerun took {wall:.1f} s"
 
 
 def test_wandb_has_one_run_per_stage_grouped_by_pipeline_run(project):
