@@ -65,6 +65,41 @@ def _modules_hidden_from_vllm_kernel_scan():
             sys.modules.setdefault(name, module)
 
 
+def drop_dead_vllm_process_groups() -> list[str]:
+    """Forget vLLM's process-group coordinators whose torch groups were destroyed under them.
+
+    vLLM keeps its groups in module globals (``vllm.distributed.parallel_state._WORLD``,
+    ``_TP``, ...) and reuses them for every later engine of the process. When the default
+    torch.distributed group is destroyed while an engine lives (a megatron stage's checkpoint
+    code tearing it down, a user's ``destroy_process_group()``), that engine's own shutdown
+    fails half-way (``Invalid process group specified``) and leaves them set, and the next
+    engine fails to start ("is not initialized in the world group map"). Dead coordinators
+    hold nothing to release, so they are set to ``None`` and vLLM builds new ones.
+
+    Returns:
+        The names of the globals that were reset (empty when the state was live or unset).
+    """
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    world = parallel_state._WORLD
+    if world is None:
+        return []
+    try:
+        if dist.is_initialized():
+            dist.get_backend(world.device_group)  # raises for a group torch no longer knows
+            return []
+    except (ValueError, RuntimeError):
+        pass
+    names = sorted(n for n, v in vars(parallel_state).items()
+                   if isinstance(v, parallel_state.GroupCoordinator))
+    for name in names:
+        setattr(parallel_state, name, None)
+    parallel_state._NODE_COUNT = None
+    logger.info("vLLM's process groups had been destroyed under it; rebuilding them (%s)", ", ".join(names))
+    return names
+
+
 def eos_token_ids(model_dir: str | Path) -> list[int]:
     """EOS ids of an HF model directory: ``generation_config.json`` if present, else ``config.json``.
 
@@ -184,6 +219,7 @@ class VLLMRollout:
             memory = {"gpu_memory_utilization": gpu_memory_utilization}
         for name in _TOKENIZER_FREE_LOGGERS:
             logging.getLogger(name).addFilter(_not_a_missing_tokenizer_warning)  # once per logger
+        drop_dead_vllm_process_groups()
         with _modules_hidden_from_vllm_kernel_scan():
             self.llm = LLM(
                 model=str(self.model_dir),
