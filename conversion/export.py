@@ -46,6 +46,46 @@ def copy_tokenizer_files(tokenizer_dir: str | Path, out_dir: str | Path) -> list
     return names
 
 
+def process_umask() -> int:
+    """The process's file-mode creation mask (e.g. ``0o022``), read without changing it where
+    Linux reports it (``/proc/self/status``, kernel 4.7+); elsewhere set and put back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | Path,
+                     metadata: Mapping[str, str] | None = None) -> Path:
+    """``safetensors.torch.save_file``, then the file's mode set to what any new file of the
+    user gets (``0o666`` less :func:`process_umask`): save_file creates it ``0o600``, which
+    leaves an artifact in a store a team shares readable by its writer alone.
+
+    Raises:
+        As ``save_file`` (e.g. tensors that share memory).
+    """
+    save_file(dict(tensors), str(path), metadata=dict(metadata) if metadata is not None else None)
+    os.chmod(path, 0o666 & ~process_umask())
+    return Path(path)
+
+
+def grant_umask_modes(directory: str | Path) -> None:
+    """Give every regular file under ``directory`` the mode any new file of the user gets
+    (``0o666`` less :func:`process_umask`): libraries that write with ``0o600`` (safetensors'
+    ``save_file`` inside transformers' ``save_pretrained``) would otherwise publish files only
+    their writer can read. Symlinks are left alone."""
+    mode = 0o666 & ~process_umask()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def replace_dir_atomically(tmp: Path, final: Path) -> None:
     """Rename the finished ``tmp`` directory to ``final``, replacing an existing one."""
     if final.exists():
@@ -60,7 +100,8 @@ def replace_dir_atomically(tmp: Path, final: Path) -> None:
 @contextmanager
 def atomic_hf_dir(out_dir: str | Path, tokenizer_dir: str | Path | None) -> Iterator[Path]:
     """Yield a temporary sibling of ``out_dir`` to fill; on success copy the tokenizer files
-    into it and rename it over ``out_dir``; on any error remove it (nothing half-written)."""
+    into it, give its files the umask's modes (:func:`grant_umask_modes`) and rename it over
+    ``out_dir``; on any error remove it (nothing half-written)."""
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -69,6 +110,7 @@ def atomic_hf_dir(out_dir: str | Path, tokenizer_dir: str | Path | None) -> Iter
         yield tmp
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
+        grant_umask_modes(tmp)
         replace_dir_atomically(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,7 +156,7 @@ def write_hf_safetensors(
                 raise ValueError(f"tensor {name!r} given twice")
             # clone: safetensors refuses tensors sharing storage (e.g. views of one fused QKV).
             state[name] = t.detach().to(device="cpu", dtype=_DTYPES[dtype]).contiguous().clone()
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = {**dict(hf_config), "dtype": dtype, "torch_dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         gen = dict(generation_config) if generation_config is not None else generation_config_from(hf_config)

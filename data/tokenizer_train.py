@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Iterable
 
@@ -97,7 +97,8 @@ def train_chat_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir()  # not mkdtemp (0o700): the files get the process umask's permissions
     try:
         fast.save_pretrained(tmp)
         if out.exists():

@@ -19,8 +19,6 @@ rows name their ``source`` (:meth:`DataReport.outputs`).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -30,6 +28,7 @@ from tqdm import tqdm
 
 from data.adapter_fields import Example, FieldError
 from data.adapters import ADAPTERS, DETECT_SAMPLE, detect, get_adapter
+from data.atomic_file import replace_atomically
 from data.readers import FILE, LocatedItem, RowError, iter_located
 from data.schemas import KINDS, frame_problems, natural_key, rows_to_frame
 
@@ -503,20 +502,12 @@ def validate_data(data: "DataConfig", names: Iterable[str] | None = None) -> Dat
 def write_jsonl_atomic(rows: Iterable[dict[str, Any]], path: str | Path) -> Path:
     """Write rows as UTF-8 JSON lines: a temporary sibling file, fsync, then rename over ``path``.
 
-    A reader never sees a half-written file; on failure the temporary file is removed.
+    A reader never sees a half-written file; on failure the temporary file is removed. The file
+    gets the process umask's permissions (:func:`data.atomic_file.replace_atomically`).
     Returns the final path.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    def write(f):
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    return replace_atomically(path, write, "w")

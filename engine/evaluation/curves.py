@@ -16,25 +16,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-
-def _replace_from_temp(path: Path, write: Callable[[Any], None], mode: str) -> None:
-    # A temporary sibling then a rename: readers see the old file or the new one, never half.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from data.atomic_file import replace_atomically
 
 
 CURVES_FILE = "curves.png"
@@ -178,7 +166,7 @@ def render_curves(series: Mapping[str, np.ndarray], panels: Sequence[Panel], out
     fig.tight_layout()
     out = Path(out_png)
     # No Software chunk (matplotlib's version): the bytes depend on the data alone.
-    _replace_from_temp(out, lambda f: fig.savefig(f, format="png", metadata={"Software": None}), "wb")
+    replace_atomically(out, lambda f: fig.savefig(f, format="png", metadata={"Software": None}), "wb", fsync=False)
     return out
 
 
@@ -218,7 +206,7 @@ def write_metrics_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLi
             f.write(json.dumps({k: v for k, v in row.items() if not k.startswith(WALL_CLOCK_PREFIXES)}) + "\n")
 
     out = Path(path)
-    _replace_from_temp(out, write, "w")
+    replace_atomically(out, write, "w", fsync=False)
     return out
 
 

@@ -7,10 +7,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from config.evaluate import DEFAULT_BENCHMARK as DEFAULT  # rl_eval: its metrics keep the names without a benchmark part
-from engine.evaluation.curves import _replace_from_temp
+from data.atomic_file import replace_atomically
 from engine.evaluation.statistics import paired_difference, paired_metric, scalar_metrics
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def write_benchmark_report(benchmarks: Mapping[str, Mapping[str, Mapping[str, An
     for b, by_policy in per_bench.items():
         for p, values in by_policy.items():
             metrics.setdefault(p, {}).update({(k if b == DEFAULT else f"{b}/{k}"): v for k, v in values.items()})
-    _replace_from_temp(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=2) + "\n"), "w")
+    replace_atomically(out / "metrics.json", lambda f: f.write(json.dumps(metrics, indent=2) + "\n"), "w", fsync=False)
 
     def samples(f):
         for b, res in benchmarks.items():
@@ -177,7 +177,7 @@ def write_benchmark_report(benchmarks: Mapping[str, Mapping[str, Mapping[str, An
                 for record in result.get("records", []):
                     f.write(json.dumps({"benchmark": b, "policy": p, **record}, ensure_ascii=False) + "\n")
 
-    _replace_from_temp(out / "samples.jsonl", samples, "w")
+    replace_atomically(out / "samples.jsonl", samples, "w", fsync=False)
 
     lines: list[str] = []
     headings = len(benchmarks) > 1 or DEFAULT not in benchmarks
@@ -189,5 +189,5 @@ def write_benchmark_report(benchmarks: Mapping[str, Mapping[str, Mapping[str, An
     for section in sections:
         lines += ["", section.rstrip("\n")]
     markdown = "\n".join(lines) + "\n"
-    _replace_from_temp(out / "report.md", lambda f: f.write(markdown), "w")
+    replace_atomically(out / "report.md", lambda f: f.write(markdown), "w", fsync=False)
     return markdown

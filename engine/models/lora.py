@@ -334,11 +334,11 @@ def write_peft_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out_dir:
     Returns: ``Path(out_dir)``.
     """
     from peft import LoraConfig as PeftLoraConfig
-    from safetensors.torch import save_file
+    from conversion.export import save_safetensors
 
     out_dir = Path(out_dir)
     PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                    target_modules=hf_target_modules(cfg.target_modules), bias="none",
                    task_type="CAUSAL_LM").save_pretrained(str(out_dir))
-    save_file(state, str(out_dir / "adapter_model.safetensors"))
+    save_safetensors(state, out_dir / "adapter_model.safetensors")
     return out_dir

@@ -46,9 +46,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from config.schema import RLConfig
+from data.atomic_file import replace_atomically
 from engine.rl.checkpoint import save_checkpoint
 from engine.rl.workers import Workers
 from engine.storage.train_state import DataPosition, has_train_state
@@ -129,17 +128,7 @@ def write_step(directory: str | Path, traj: Trajectory, meta: dict[str, Any]) ->
                for name in _TENSOR_FIELDS if getattr(traj, name) is not None}
     payload = save(tensors, metadata={"format": FORMAT, "meta": json.dumps({**meta, "pad_id": traj.pad_id})})
     target = step_path(directory, int(meta["step"]))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_atomically(target, lambda f: f.write(payload))
     return target
 
 

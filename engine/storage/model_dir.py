@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from conversion.export import replace_dir_atomically, save_safetensors
 from conversion.hf_source import read_config_json
 from conversion.spec import GPTSpec
 
@@ -133,8 +133,8 @@ def save_model_dir(
             ``model.gpt_spec``.
         FileNotFoundError: ``tokenizer_dir`` holds none of :data:`TOKENIZER_FILES`.
     """
-    from engine.distributed.collectives import barrier, broadcast_object, global_rank
-    from engine.storage.torch_dist import save_model_checkpoint
+    from engine.distributed.collectives import barrier, global_rank
+    from engine.storage.torch_dist import save_model_checkpoint, shared_temporary_dir
 
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     spec = GPTSpec.from_hf_config(hf_config)
@@ -151,8 +151,8 @@ def save_model_dir(
     # Several ranks (data/tensor parallelism): rank 0 writes everything but the torch_dist
     # shards, which every rank writes (save_model_checkpoint), and publishes the directory.
     lead = global_rank() == 0
-    tmp = Path(broadcast_object(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent)
-                                if lead else None))
+    # A plain mkdir (not mkdtemp's 0o700): the published directory gets the user's umask.
+    tmp = shared_temporary_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     if not lead:
         save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
         barrier()  # rank 0 publishes
@@ -182,24 +182,13 @@ def save_model_dir(
         (hf / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         save_model_checkpoint(model, tmp / MEGATRON_SUBDIR, iteration, hf_config=hf_config)
         if heads:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in heads.items()}, str(tmp / HEADS_FILE))
-        _replace_dir(tmp, out_dir)
+            save_safetensors({k: v.detach().to("cpu").contiguous() for k, v in heads.items()}, tmp / HEADS_FILE)
+        replace_dir_atomically(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     barrier()
     return out_dir
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    if not target.exists():
-        new.rename(target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-    old.rmdir()
-    target.rename(old)
-    new.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

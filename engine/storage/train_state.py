@@ -44,8 +44,6 @@ import dataclasses
 import os
 import random
 import shutil
-import tempfile
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from data.atomic_file import replace_atomically
 from engine.models.master_weights import copy_masters_to_model, full_precision_weights, load_full_precision_state, master_params
 
 STATE_FILE = "train_state.pt"
@@ -411,7 +410,7 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
                          tmp)
         if lead:
             os.replace(tmp, root / published)
-            _write_atomically(root / STATE_FILE, {**payload, "checkpoint": published})  # the commit
+            replace_atomically(root / STATE_FILE, lambda f: torch.save({**payload, "checkpoint": published}, f))  # the commit
             _remove_other_states(root, keep=published)
     except BaseException:
         if lead:
@@ -462,20 +461,6 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     restore_rng_state(rng)
 
 
-def _write_atomically(target: Path, payload: dict[str, Any]) -> None:
-    """``torch.save(payload)`` to a temporary sibling, fsync, then ``os.replace`` onto ``target``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _remove_other_states(root: Path, keep: str | None) -> None:
     """Delete every sharded checkpoint directory under ``root`` but ``keep`` (the one the index
     names), and the temporary ones a killed save left behind."""
@@ -516,9 +501,9 @@ def save_train_state(
         barrier()
         return root / STATE_FILE
     root.mkdir(parents=True, exist_ok=True)
-    _write_atomically(root / STATE_FILE, {**payload, "format_version": SINGLE_FILE, "model": _model_state(model),
-                                          "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                          "rng": capture_rng_state()})
+    state = {**payload, "format_version": SINGLE_FILE, "model": _model_state(model),
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng_state()}
+    replace_atomically(root / STATE_FILE, lambda f: torch.save(state, f))
     _remove_other_states(root, keep=None)
     barrier()
     return root / STATE_FILE

@@ -324,12 +324,12 @@ def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[Preferenc
                    identity: dict) -> None:
     """Write the reference log-probs (:data:`REFERENCE_FILE` layout) atomically, ``identity`` (the
     run's config, dataset size and seed) in the safetensors metadata."""
-    from safetensors.torch import save_file
+    from conversion.export import save_safetensors
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     lines = torch.tensor([p.line for p in pairs], dtype=torch.int64)
-    save_file({**reference, "line": lines}, str(tmp), metadata={"identity": json.dumps(identity, sort_keys=True)})
+    save_safetensors({**reference, "line": lines}, tmp, metadata={"identity": json.dumps(identity, sort_keys=True)})
     tmp.replace(path)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -42,6 +44,23 @@ def test_random_init_is_seeded_and_loadable(base, tmp_path):
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["tie_word_embeddings"] is True
     assert (base / "model.safetensors").is_file() and (base / "vocab.json").is_file()
     assert not list(base.parent.glob(".*tmp*"))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_random_init_files_get_the_umasks_mode_not_save_pretraineds_0600(base, tmp_path, fixtures_dir, umask):
+    """transformers' save_pretrained writes model.safetensors 0o600 (safetensors' save_file);
+    atomic_hf_dir gives every file the umask's mode, so a shared store's readers can load it."""
+    old = os.umask(umask)
+    try:
+        out = init_random_hf_model(tmp_path / "m", QWEN2, seed=3, tokenizer_dir=fixtures_dir / "qwen2.5-tokenizer")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "vocab.json"} <= modes.keys()
+    assert modes == {name: 0o666 & ~umask for name in modes}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    a, b = (load_hf_source(d, tokenizer=base).state for d in (base, out))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_megatron_export_loads_with_identical_logits(base, tmp_path):

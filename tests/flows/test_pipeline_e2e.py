@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -24,7 +26,11 @@ def project(tmp_path_factory):
     cfg = tiny_config(work)
     config = write_config(work / "pipeline.yaml", cfg)
     env = env_for(work)
-    proc = posttrain(["run", str(config)], cwd=work, env=env)
+    umask = os.umask(0o022)  # the usual one: what a teammate can read follows from it
+    try:
+        proc = posttrain(["run", str(config)], cwd=work, env=env)
+    finally:
+        os.umask(umask)
     return {"work": work, "cfg": cfg, "config": config, "env": env, "first": read_summary(work, "quickstart"),
             "first_stdout": proc.stdout, "first_stderr": proc.stderr}
 
@@ -66,6 +72,22 @@ def test_first_run_runs_every_stage_and_prints_the_summary(project):
         assert manifest["stage"] == name and manifest["files"]
         for f in manifest["files"]:
             assert (uri / f["path"]).stat().st_size == f["size"]
+
+
+def test_every_file_the_run_wrote_is_readable_by_the_group_and_others_under_umask_022(project):
+    """A team shares the artifact store: the run's inputs, artifacts and checkpoints get the
+    umask's modes (0o644 files, 0o755 directories), not the 0o600 / 0o700 of mkstemp, mkdtemp or
+    safetensors' save_file (inside transformers' save_pretrained too)."""
+    private = []
+    tops = [project["work"] / top for top in ("inputs", "artifacts", "checkpoints", "outputs")]
+    assert all(top.is_dir() for top in tops[:3])
+    for top in filter(Path.exists, tops):
+        for path in [top, *top.rglob("*")]:
+            mode = stat.S_IMODE(path.lstat().st_mode)
+            wanted = 0o055 if path.is_dir() else 0o044
+            if not path.is_symlink() and mode & wanted != wanted:
+                private.append(f"{path.relative_to(project['work'])} {oct(mode)}")
+    assert private == []
 
 
 def test_first_run_prints_the_engines_progress_and_no_library_internal_deprecation(project):
