@@ -60,6 +60,7 @@ from config.parallel import ParallelConfig
 from config.precision import resolve_precision
 
 if TYPE_CHECKING:
+    from config.rl import RLConfig
     from config.lora import LoraConfig
     from config.schema import PipelineConfig
 
@@ -481,7 +482,8 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
             if r.gpus_per_rank and r.ranks * r.gpus_per_rank > gpus:
                 problems.append(f"{r.key}: {ranks} x {r.key}.gpus_per_rank {r.gpus_per_rank:g} exceed the "
                                 f"{gpus} GPU(s) of this machine")
-        # the RL placement reserves every role's GPUs at once (engine/rl/placement.py), the rollout's too
+        if stage == "rl":  # its bundles against the nodes: placement_problems
+            continue
         users = [r for r in roles if r.gpus_per_rank]
         total = sum(r.ranks * r.gpus_per_rank for r in users)
         alone = len(users) == 1 and users[0].role not in ("rollout", "reward")  # reported above
@@ -515,9 +517,40 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
         return problems, []
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     train = total - cfg.rl.engine.rollout_cpus if cfg.rl.engine.placement == "disaggregated" else total
-    return check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
-                      cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
-                      device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(), seq_lens=seq_lens)
+    problems, notes = check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
+                                 cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
+                                 device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(),
+                                 seq_lens=seq_lens)
+    if "rl" not in seq_lens:  # planned with the rest of the rl stage, once its data is read
+        return problems, notes
+    placement_problems, placement_notes = check_placement(cfg.rl, cluster_address)
+    return problems + placement_problems, notes + placement_notes
+
+
+def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[str], list[str]]:
+    """The RL run's bundles (``config.placement_plan``) against the cluster's node shapes:
+    ``rl.engine.cluster_nodes`` when given, else this machine when the cluster is local
+    (``rl.engine.num_cpus`` or every core, and its GPUs); a cluster joined without
+    ``cluster_nodes`` is checked when the run starts. Returns (problems naming the key, notes:
+    the placement table)."""
+    from config.placement_plan import placement_table, plan_placement, unplaceable
+
+    if rl.engine.cluster_nodes is not None:
+        nodes = [(n.cpus, n.gpus) for n in rl.engine.cluster_nodes]
+    elif cluster_address is None:
+        nodes = [(float(rl.engine.num_cpus or os.cpu_count() or 1), float(local_gpus()))]
+    else:
+        nodes = None
+    total = float(rl.engine.num_cpus or sum(c for c, _ in nodes or [(os.cpu_count() or 1, 0)]))
+    try:
+        plan = plan_placement(rl, total)
+    except ValueError as exc:
+        return [str(exc)], []
+    notes = ["; ".join(placement_table(plan).splitlines())]
+    if nodes is None:
+        return [], notes + [f"placement: checked against {cluster_address}'s nodes when the run starts (set "
+                            "rl.engine.cluster_nodes to check it here)"]
+    return unplaceable(plan, nodes), notes
 
 
 # ----------------------------------------------------------------------------- the docs table

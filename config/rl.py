@@ -146,6 +146,13 @@ class RewardConfig(Strict):
         return self
 
 
+class NodeShape(Strict):
+    """One node of a Ray cluster, as ``posttrain validate`` plans placement on it."""
+
+    cpus: float = Field(gt=0, description="CPUs the node gives Ray (ray start --num-cpus).")
+    gpus: float = Field(0.0, ge=0, description="GPUs the node gives Ray.")
+
+
 class EngineConfig(Strict):
     """Where the RL engine runs."""
 
@@ -153,7 +160,16 @@ class EngineConfig(Strict):
         "colocated", description="colocated: every worker shares one Ray bundle and the phases take turns on all "
                                  "cores; disaggregated: the rollout worker gets its own bundle (rollout_cpus), so "
                                  "rollout and training can overlap (off_policy_steps).")
-    rollout_cpus: float = Field(1.0, gt=0, description="disaggregated: CPUs of the rollout bundle; training gets the rest.")
+    rollout_cpus: float = Field(1.0, gt=0, description="disaggregated: CPUs of the rollout engines' bundles (an equal "
+                                                       "share each); the training ranks' bundles get the rest.")
+    placement_strategy: Literal["PACK", "SPREAD"] = Field(
+        "PACK", description="How Ray spreads the run's bundles (one per training rank, one per disaggregated rollout "
+                            "engine) over the cluster's nodes: PACK fills as few nodes as fit; SPREAD puts them on "
+                            "different nodes where it can (docs/scaling.md).")
+    cluster_nodes: list[NodeShape] | None = Field(
+        None, description="The Ray cluster's nodes (CPUs and GPUs of each), for posttrain validate to check that the "
+                          "run's bundles can be placed on a cluster it does not connect to. None: the local machine "
+                          "when the cluster is local; a run checks the live cluster's nodes either way.")
     off_policy_steps: int = Field(
         0, ge=0, description="Asynchronous RL (disaggregated only): the rollout for step s starts at step s - k and "
                              "overlaps training, so samples are at most k policy versions stale. 0: synchronous.")

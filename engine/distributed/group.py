@@ -195,8 +195,9 @@ class WorkerGroup:
         worker_cls: the worker (e.g. ``engine.backends.megatron.actor.ActorWorker``); each rank
             builds ``worker_cls(*args, **kwargs)`` after joining the process group.
         layout: the role's ``data_parallel_size`` and ``tensor_model_parallel_size``.
-        actor_options: ``ray.remote(...).options(**actor_options)`` for every rank (CPUs,
-            placement group bundle).
+        actor_options: ``ray.remote(...).options(**...)`` of every rank (CPUs, placement-group
+            bundle): one dict for all ranks, or a list of one per rank (the RL placement gives
+            each rank its own bundle, ``engine.rl.placement.RankPlacement.rank_options``).
         args, kwargs: the worker's constructor arguments (the same on every rank).
         seed: seed of megatron's RNG tracker on every rank.
         norm_fn: ``norm_fn(traj) -> GlobalNorm`` of a whole batch, passed to ``update`` as
@@ -207,7 +208,8 @@ class WorkerGroup:
     rank's constructor raised).
     """
 
-    def __init__(self, worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any], args: tuple = (),
+    def __init__(self, worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any] | list[dict[str, Any]],
+                 args: tuple = (),
                  kwargs: dict | None = None, seed: int = 0, norm_fn: Callable | None = None):
         import threading
 
@@ -218,8 +220,11 @@ class WorkerGroup:
         self.norm_fn = norm_fn
         self.failure: str | None = None
         # pid (the watchdog's ping) in its own concurrency group; every other call in order
-        remote = ray.remote(concurrency_groups={"health": 1})(RankActor).options(**actor_options)
-        self.ranks = [remote.remote(r, layout.world_size) for r in range(layout.world_size)]
+        per_rank = actor_options if isinstance(actor_options, list) else [actor_options] * layout.world_size
+        if len(per_rank) != layout.world_size:
+            raise ValueError(f"{len(per_rank)} actor options for a group of {layout.world_size} ranks")
+        remote = ray.remote(concurrency_groups={"health": 1})(RankActor)
+        self.ranks = [remote.options(**per_rank[r]).remote(r, layout.world_size) for r in range(layout.world_size)]
         master = ray.get(self.ranks[0].address.remote())
         self._ready = [r.setup.remote(master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}))
                        for r in self.ranks]
@@ -299,14 +304,16 @@ class WorkerGroup:
             ray.kill(r)
 
 
-def spawn_role(worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any], args: tuple = (),
+def spawn_role(worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any] | list[dict[str, Any]],
+               args: tuple = (),
                kwargs: dict | None = None, seed: int = 0, norm_fn: Callable | None = None):
     """A single Ray actor of ``worker_cls`` when ``layout.world_size == 1`` (exactly today's
     worker), else a :class:`WorkerGroup`. Both answer ``.method.remote(...)`` the same way."""
     import ray
 
     if layout.world_size == 1:
-        return ray.remote(worker_cls).options(**actor_options).remote(*args, **(kwargs or {}))
+        options = actor_options[0] if isinstance(actor_options, list) else actor_options
+        return ray.remote(worker_cls).options(**options).remote(*args, **(kwargs or {}))
     return WorkerGroup(worker_cls, layout, actor_options, args, kwargs, seed, norm_fn)
 
 

@@ -166,18 +166,17 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
     from engine.backends.select import actor_worker_class, critic_worker_class
     from engine.distributed.group import spawn_role
     from engine.rl.placement import init_ray, make_placement
-    from engine.rl.workers import rank_threads
     from engine.training.actor import actor_norm
 
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
-    placement = make_placement(cfg)  # the run's placement: the same threads per worker
-    threads, par = placement.threads("train"), cfg.parallel
-    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train", par.actor.gpus_per_rank),
-                       (str(policy_dir), cfg, seed, rank_threads(par.actor, threads)), seed=seed,
+    placement = make_placement(cfg)  # the run's placement: the same seats and threads per worker
+    par = cfg.parallel
+    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.rank_options("actor", par.actor),
+                       (str(policy_dir), cfg, seed, placement.threads("actor")), seed=seed,
                        norm_fn=lambda traj: actor_norm(traj, cfg))
     critic = None if cfg.algorithm != "gae" else spawn_role(
-        critic_worker_class(cfg), par.critic, placement.actor_options("train", par.critic.gpus_per_rank),
-        (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
+        critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
+        (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
     workers = Workers(placement, actor, None, None, None, critic)
     try:

@@ -42,31 +42,30 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     if cfg.uses_reward_model and reward_model_dir is None:
         placement.remove()
         raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
-    threads, rollout_threads = placement.threads("train"), placement.threads("rollout")
     par = cfg.parallel
-    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.actor_options("train", par.actor.gpus_per_rank),
-                       (str(policy_dir), cfg, seed, rank_threads(par.actor, threads)), seed=seed,
+    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.rank_options("actor", par.actor),
+                       (str(policy_dir), cfg, seed, placement.threads("actor")), seed=seed,
                        norm_fn=lambda traj: actor_norm(traj, cfg))
     reference = None if not cfg.uses_reference else spawn_role(  # only a KL term needs the reference
-        ReferenceWorker, par.reference, placement.actor_options("train", par.reference.gpus_per_rank),
-        (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
+        ReferenceWorker, par.reference, placement.rank_options("reference", par.reference),
+        (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("reference")),
         dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision),
         seed=seed)
     teacher = None if cfg.teacher is None else spawn_role(  # on-policy distillation's teacher
-        ReferenceWorker, par.reference, placement.actor_options("train", par.reference.gpus_per_rank),
-        (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, rank_threads(par.reference, threads)),
+        ReferenceWorker, par.reference, placement.rank_options("teacher", par.reference),
+        (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("teacher")),
         dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
              precision=cfg.teacher.precision or cfg.precision),
         seed=seed)
-    rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, rollout_threads, actor)
+    rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, actor)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
-        RewardWorker, placement, str(policy_dir), cfg.reward, threads)
+        RewardWorker, placement, str(policy_dir), cfg.reward, placement.threads("reward"), role="reward")
     reward_model = None if not cfg.uses_reward_model else spawn_role(
-        RewardModelWorker, par.reward_model, placement.actor_options("train", par.reward_model.gpus_per_rank),
-        (str(reward_model_dir), rank_threads(par.reward_model, threads)), dict(precision=cfg.precision), seed=seed)
+        RewardModelWorker, par.reward_model, placement.rank_options("reward_model", par.reward_model),
+        (str(reward_model_dir), placement.threads("reward_model")), dict(precision=cfg.precision), seed=seed)
     critic = None if cfg.algorithm != "gae" else spawn_role(
-        critic_worker_class(cfg), par.critic, placement.actor_options("train", par.critic.gpus_per_rank),
-        (str(policy_dir), cfg, seed, rank_threads(par.critic, threads)), seed=seed,
+        critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
+        (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
     workers = Workers(placement, actor, reference, rollout, reward, critic, teacher, reward_model)
     try:  # surface a constructor error here, not at the first call
@@ -90,18 +89,20 @@ def stop_workers(workers: Workers) -> None:
     workers.placement.remove()
 
 
-def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: int, threads: int, actor):
+def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: int, actor):
     """The run's rollout engines: ``rl.rollout.num_engines`` :class:`RolloutWorker` actors
     behind a :class:`engine.rollout.router.RolloutRouter` (health checks every
     ``rl.engine.health_check_timeout_s``, at most ``rl.engine.max_engine_restarts``
     replacements per step; a replacement loads its weights from ``actor``), not waited for.
 
-    The engines generate at the same time, so each gets ``threads // num_engines`` torch
-    threads (at least 1) and KV cache for its share of a step, ``ceil(prompts_per_step /
-    num_engines) x n_samples`` sequences (a larger share still runs, queueing for KV blocks).
-    Each serves a health check while it generates, and asynchronously also a weight update's
-    calls (two or three concurrent calls). Engine 0's scratch directory is
-    ``out_dir/.rollout``, engine ``i``'s ``out_dir/.rollout/engine{i}``.
+    Engine ``i`` sits in its placement seat (``placement.actor_options("rollout", i)``:
+    beside the training ranks it shares a bundle with when colocated, its own bundle when
+    disaggregated; a replacement takes the same seat, wherever Ray has placed that bundle by
+    then) and runs that seat's torch threads. Each gets KV cache for its share of a step,
+    ``ceil(prompts_per_step / num_engines) x n_samples`` sequences (a larger share still runs,
+    queueing for KV blocks). Each serves a health check while it generates, and asynchronously
+    also a weight update's calls (two or three concurrent calls). Engine 0's scratch directory
+    is ``out_dir/.rollout``, engine ``i``'s ``out_dir/.rollout/engine{i}``.
     """
     from engine.rollout.router import RolloutRouter
 
@@ -111,22 +112,13 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
     def spawn_engine(index: int):
         scratch = out_dir / ".rollout" if index == 0 else out_dir / ".rollout" / f"engine{index}"
         return spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(scratch), max_len,
-                     max(1, threads // n), role="rollout", gpus=cfg.rollout.gpus_per_engine,
+                     placement.threads("rollout", index), role="rollout", index=index,
                      max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
                      num_sequences=share * cfg.n_samples, precision=cfg.precision)
 
     return RolloutRouter(spawn_engine, n, actor, health_check_timeout_s=cfg.engine.health_check_timeout_s,
                          max_engine_restarts=cfg.engine.max_engine_restarts,
                          weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s)
-
-
-def rank_threads(layout, threads: int) -> int:
-    """Torch threads of one rank of a role laid out as ``layout`` (``rl.parallel.<role>``):
-    ``cpus_per_rank`` when set, else the worker's ``threads`` shared by its ranks (they run at
-    the same time)."""
-    if layout.cpus_per_rank is not None:
-        return max(1, int(layout.cpus_per_rank))
-    return max(1, threads // layout.world_size)
 
 
 @dataclass
@@ -470,11 +462,11 @@ class RewardWorker:
         return self._verifiers[name]
 
 
-def spawn(cls, placement, *args, role: str = "train", gpus: float = 0.0, max_concurrency: int = 1, **kwargs):
-    """Start ``cls(*args, **kwargs)`` as a Ray actor in ``placement``'s bundle for ``role``
-    (``"train"`` or ``"rollout"``; one shared bundle when colocated, see
-    ``engine.rl.placement``), reserving ``gpus`` GPUs of it, serving ``max_concurrency`` calls at once."""
+def spawn(cls, placement, *args, role: str, index: int = 0, max_concurrency: int = 1, **kwargs):
+    """Start ``cls(*args, **kwargs)`` as a Ray actor in the placement seat of worker ``index`` of
+    ``role`` (``"reward"``, ``"rollout"``; ``engine.rl.placement``), with that seat's CPUs and
+    GPUs, serving ``max_concurrency`` calls at once."""
     import ray
 
-    options = {**placement.actor_options(role, gpus), "max_concurrency": max_concurrency}
+    options = {**placement.actor_options(role, index), "max_concurrency": max_concurrency}
     return ray.remote(cls).options(**options).remote(*args, **kwargs)

@@ -319,25 +319,23 @@ def test_rl_reward_model_is_planned_and_checked_as_laid_out():
         "that divides them"]
 
 
-def test_rl_gpus_are_counted_together_the_rollout_included():
-    """The RL placement reserves every role's GPUs at once (engine/rl/placement.py): an actor of
-    2 ranks x 1 GPU and 2 rollout engines x 1 GPU fit 4 GPUs each alone but not 3 together;
-    with vLLM's gpu_memory_utilization the rollout engine's KV cache is what that share of its
-    GPUs leaves after the weights."""
+def test_rl_gpus_are_counted_by_the_placement_and_the_rollout_by_its_keys():
+    """The other stages' roles reserve their GPUs together (an sft group of 2 x 1 GPU on a 1-GPU
+    machine is refused); the RL stage's GPUs are counted per bundle by the placement plan
+    (colocated roles share a device: tests/config/test_placement_plan.py), not summed here; with
+    vLLM's gpu_memory_utilization the rollout engine's KV cache is what that share of its GPUs
+    leaves after the weights."""
     from config import PipelineConfig
     from config.memory_plan import WEIGHT_BYTES, plan_stages
 
     plans = {"rl": [_role("actor", "rl.parallel.actor", 2, GIB, gpus=1.0), _role("rollout", "rl.rollout", 2, GIB, gpus=1.0)]}
-    assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=4, device_memory_gib=None, host_bytes=None)[0] == []
-    assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=3, device_memory_gib=None, host_bytes=None)[0] == [
-        "rl: its roles reserve 4 GPUs together (2 x rl.parallel.actor.gpus_per_rank 1 + 2 x rl.rollout.gpus_per_engine 1) "
-        "but this machine has 3; lower the ranks, the GPUs per rank or engine, or rl.rollout.num_engines, or join a "
+    assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=2, device_memory_gib=None, host_bytes=None)[0] == []
+    sft = {"sft": [_role("sft", "sft.parallel", 2, GIB, gpus=1.0), _role("rollout", "rl.rollout", 1, GIB, gpus=1.0)]}
+    assert check_plan(sft, local=True, cpus={"sft": 2}, gpus=2, device_memory_gib=None, host_bytes=None)[0] == [
+        "sft: its roles reserve 3 GPUs together (2 x sft.parallel.gpus_per_rank 1 + 1 x rl.rollout.gpus_per_engine 1) "
+        "but this machine has 2; lower the ranks, the GPUs per rank or engine, or rl.rollout.num_engines, or join a "
         "larger cluster (rl.engine.ray_address)"]
-    # on a machine without GPUs: the rollout alone is refused, named by its key, and the fix is 0
     engines = {"rl": [_role("rollout", "rl.rollout", 1, GIB, gpus=1.0)]}
-    assert check_plan(engines, local=True, cpus={"rl": 2}, gpus=0, device_memory_gib=None, host_bytes=None)[0] == [
-        "rl: its roles reserve 1 GPUs together (1 x rl.rollout.gpus_per_engine 1) but this machine has 0; this "
-        "machine has no GPU: set them to 0"]
     # an engine larger than its GPUs: the rollout's own keys, not a training rank's
     assert check_plan(engines, local=False, cpus={"rl": 2}, gpus=0, device_memory_gib=0.5, host_bytes=None)[0] == [
         "rl.rollout: an engine needs about 1.00 GiB (rollout 1 x 1.00 GiB (weights 1.00)) but has 0.50 GiB "
