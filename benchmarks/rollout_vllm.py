@@ -154,7 +154,7 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     from config.schema import RLConfig
     from engine.batching.collate import pad_token_id
     from engine.storage.model_dir import load_tokenizer, read_hf_config
-    from engine.rl.placement import colocated_placement, init_ray, shutdown_ray
+    from engine.rl.placement import init_ray, make_placement, shutdown_ray
     from engine.rl.prompts import RLPrompt
     from engine.rl.workers import Workers
     from engine.rl.phases import generate
@@ -165,11 +165,12 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     batch = [RLPrompt([], "", p) for p in prompts]
     pad_id = pad_token_id(load_tokenizer(model_dir))
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
-    # as engine.rl.workers.start_workers: four colocated workers share the bundle; only the rollout one is needed here
-    placement = colocated_placement(num_workers=4, num_cpus=cfg.engine.num_cpus)
+    # the run's placement (engine.rl.workers.start_workers); only the rollout worker is needed here
+    placement = make_placement(cfg)
     max_len = int(read_hf_config(model_dir)["max_position_embeddings"])
     rollout = spawn(RolloutWorker, placement, str(model_dir), cfg.rollout, str(WORK_DIR / "scratch"), max_len,
-                    max(1, int(placement.num_cpus)), num_sequences=len(prompts) * samples, precision=precision)
+                    placement.threads("rollout"), role="rollout", num_sequences=len(prompts) * samples,
+                    precision=precision)
 
     def close() -> None:
         ray.kill(rollout)

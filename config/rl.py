@@ -157,9 +157,10 @@ class EngineConfig(Strict):
     """Where the RL engine runs."""
 
     placement: Literal["colocated", "disaggregated"] = Field(
-        "colocated", description="colocated: every worker shares one Ray bundle and the phases take turns on all "
-                                 "cores; disaggregated: the rollout worker gets its own bundle (rollout_cpus), so "
-                                 "rollout and training can overlap (off_policy_steps).")
+        "colocated", description="One Ray bundle per training rank (rank i of every role shares bundle i). colocated: "
+                                 "the rollout engines share those bundles, beside the ranks, and the phases take turns "
+                                 "on their cores; disaggregated: each engine gets a bundle of its own (rollout_cpus), so "
+                                 "rollout and training can overlap (off_policy_steps). docs/scaling.md.")
     rollout_cpus: float = Field(1.0, gt=0, description="disaggregated: CPUs of the rollout engines' bundles (an equal "
                                                        "share each); the training ranks' bundles get the rest.")
     placement_strategy: Literal["PACK", "SPREAD"] = Field(

@@ -35,19 +35,25 @@ def test_async_config_rules():
 
 
 def test_disaggregated_placement_splits_the_cpus(ray_address):
-    from engine.rl.placement import disaggregated_placement
+    """Actor, reference and critic (one rank each) and the verifier share the training bundle
+    of 1.5 CPUs (a quarter each, floored to Ray's 1e-4); the engine has its own of 0.5; the
+    workers run the bundles' threads (at least one)."""
+    from config.rl import RLConfig
+    from engine.rl.placement import make_placement
 
-    with pytest.raises(ValueError, match="rl.engine.rollout_cpus=2"):
-        disaggregated_placement(3, rollout_cpus=2, num_cpus=2)
-    placement = disaggregated_placement(3, rollout_cpus=0.5, num_cpus=2)
+    with pytest.raises(ValueError, match="rl.engine.rollout_cpus=2 leaves no CPU of the run's 2"):
+        make_placement(RLConfig(engine=EngineConfig(placement="disaggregated", rollout_cpus=2)))  # the cluster's 2
+    cfg = RLConfig(algorithm="gae", kl={"coef": 0.1},
+                   engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=0.5))
+    placement = make_placement(cfg)
     try:
-        train, rollout = placement.actor_options("train"), placement.actor_options("rollout")
-        assert train["num_cpus"] == pytest.approx(1.5 / 3) and rollout["num_cpus"] == 0.5
+        train, rollout = placement.actor_options("actor"), placement.actor_options("rollout")
+        assert train["num_cpus"] == pytest.approx(1.5 / 4, abs=1e-4) and rollout["num_cpus"] == 0.5
         assert train["scheduling_strategy"].placement_group_bundle_index == 0
         assert rollout["scheduling_strategy"].placement_group_bundle_index == 1
-        assert (placement.threads("train"), placement.threads("rollout")) == (1, 1)
-        with pytest.raises(ValueError, match="role"):
-            placement.actor_options("critic")
+        assert (placement.threads("actor"), placement.threads("rollout")) == (1, 1)
+        with pytest.raises(KeyError, match="no teacher worker 0"):
+            placement.actor_options("teacher")
     finally:
         placement.remove()
 

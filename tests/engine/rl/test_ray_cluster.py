@@ -1,11 +1,8 @@
 """The RL engine on Ray clusters it did not start (docs/scaling.md).
 
-- a two-node cluster on this machine (``ray.cluster_utils.Cluster``, one CPU per node),
-  joined through the ``RAY_ADDRESS`` environment variable: a disaggregated GRPO step puts its
-  training bundle and its rollout bundle on different nodes, and the weights synced across
-  the nodes reproduce the trainer's log-probs;
 - a cluster whose node declares GPUs (Ray's resource accounting, no device needed): the
-  placement reserves each role's GPUs and every worker holds its own;
+  placement reserves each bundle's GPUs, colocated workers share theirs (runs across several
+  nodes: test_multi_node.py);
 - a head started with ``ray start --head`` (a subprocess, as a user or KubeRay starts one):
   the engine joins it through ``RAY_ADDRESS`` and through ``rl.engine.ray_address`` (which
   wins), reserves its placement there, and leaves it running.
@@ -123,24 +120,6 @@ def _wait_for_head(address: str, proc: subprocess.Popen, log: Path, timeout_s: f
         time.sleep(0.2)
 
 
-class NodesOfTheRun:
-    """A ``log_metrics`` callback: after each step, the nodes of the run's placement-group
-    bundles (``ray.util.placement_group_table``; the workers are scheduled into these
-    bundles) and the GCS the driver is connected to."""
-
-    def __init__(self):
-        self.bundles: list[dict[int, str]] = []
-        self.gcs: list[str] = []
-
-    def __call__(self, metrics: dict, step: int) -> None:
-        import ray
-
-        live = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
-        assert len(live) == 1, live  # the run's own placement group, nothing else on this cluster
-        self.bundles.append(dict(live[0]["bundles_to_node_id"]))
-        self.gcs.append(ray.get_runtime_context().gcs_address)
-
-
 def test_runtime_env_puts_the_checkout_on_the_workers_path():
     """Workers on a node this process did not start import the project from the checkout
     (its root first on their PYTHONPATH), installed there or not."""
@@ -148,45 +127,6 @@ def test_runtime_env_puts_the_checkout_on_the_workers_path():
 
     assert PROJECT_ROOT == REPO and (PROJECT_ROOT / "engine" / "rl" / "placement.py").is_file()
     assert runtime_env()["env_vars"]["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
-
-
-def test_disaggregated_run_spans_two_nodes(tiny_policy, tmp_path, monkeypatch):
-    """Two nodes of one CPU each, joined through RAY_ADDRESS (rl.engine.num_cpus set, which
-    ray.init refuses when joining: the engine leaves it to the placement). Colocated placement
-    (every CPU in one bundle) is refused with the key and the fix; disaggregated placement
-    (rollout_cpus 1) puts the training bundle on one node and the rollout bundle on the other,
-    and a GRPO step completes with the policy synced across them before it (the rollout's
-    log-probs equal the trainer's)."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from engine.rl.loop import run_rl
-    from engine.rl.placement import colocated_placement, init_ray, shutdown_ray
-
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        init_ray(None, num_cpus=2)
-        node_ids = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        assert len(node_ids) == 2
-        with pytest.raises(ValueError, match=r"rl.engine.placement: colocated: a bundle of 2 CPUs does not fit on one "
-                                             r"node of this Ray cluster \(2 nodes, the largest with 1 CPUs.*"
-                                             r"rl.engine.placement: disaggregated"):
-            colocated_placement(num_workers=4)
-        nodes = NodesOfTheRun()
-        cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0),
-                        engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1))
-        run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=nodes)
-        (row,) = read_metrics(tmp_path)
-        (bundles,) = nodes.bundles
-        assert set(bundles) == {0, 1} and bundles[0] != bundles[1] and set(bundles.values()) == node_ids
-        assert nodes.gcs == [cluster.address]
-        assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
-        assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
-    finally:
-        shutdown_ray()
-        cluster.shutdown()
 
 
 class GPUsOfTheRun:
@@ -213,12 +153,12 @@ class GPUsOfTheRun:
 def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeypatch):
     """A node of 2 CPUs that declares 4 GPUs (Ray counts them; the workers still compute on
     CPU). The actor at DP=2 with rl.parallel.actor.gpus_per_rank 1 and one rollout engine with
-    rl.rollout.gpus_per_engine 1 reserve 3 GPUs.
+    rl.rollout.gpus_per_engine 1.
 
-    Colocated: the one bundle holds 3 GPUs and three workers placed with the run's options
-    get three different devices (``ray.get_gpu_ids()``). Disaggregated, a whole GRPO step: a
-    training bundle of 2 GPUs and a rollout bundle of 1, every one held by a worker while the
-    step runs, the fourth free on the node."""
+    Colocated: one bundle of 1 GPU per actor rank; the engine shares rank 0's device (half of
+    it each, the same ``ray.get_gpu_ids()``) and rank 1 has the other. Disaggregated, a whole
+    GRPO step: two training bundles of 1 GPU and a rollout bundle of 1, every one held by a
+    worker while the step runs, the fourth free on the node."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -238,11 +178,14 @@ def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeyp
 
         colocated = make_placement(rl_config("vllm", 1, engine=EngineConfig(num_cpus=2), **gpu_layout))
         try:
-            (bundle,) = ray.util.placement_group_table(colocated.group)["bundles"].values()
-            assert bundle == {"CPU": 2.0, "GPU": 3.0}
+            bundles = ray.util.placement_group_table(colocated.group)["bundles"]
+            assert bundles == {0: {"CPU": 1.0, "GPU": 1.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
+            assert [colocated.actor_options(r, i).get("num_gpus") for r, i in
+                    (("actor", 0), ("rollout", 0), ("reward", 0), ("actor", 1))] == [0.5, 0.5, None, 1.0]
             devices = ray.remote(lambda: ray.get_gpu_ids())
-            got = ray.get([devices.options(**colocated.actor_options("train", 1.0)).remote() for _ in range(3)])
-            assert sorted(len(g) for g in got) == [1, 1, 1] and len({g[0] for g in got}) == 3
+            got = ray.get([devices.options(**colocated.actor_options(r, i)).remote()
+                           for r, i in (("actor", 0), ("rollout", 0), ("actor", 1))])
+            assert [len(g) for g in got] == [1, 1, 1] and got[0] == got[1] != got[2]
         finally:
             colocated.remove()
 
@@ -252,9 +195,9 @@ def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeyp
         run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=gpus)
         (row,) = read_metrics(tmp_path)
         (bundles,) = gpus.bundles
-        assert bundles == {0: {"CPU": 1.0, "GPU": 2.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
-        assert gpus.total == [{0: 2.0, 1: 1.0}]  # the bundles' GPUs, as Ray counts them
-        assert gpus.free == [{0: 0.0, 1: 0.0}]  # every reserved GPU is held by a worker
+        assert bundles == {0: {"CPU": 0.5, "GPU": 1.0}, 1: {"CPU": 0.5, "GPU": 1.0}, 2: {"CPU": 1.0, "GPU": 1.0}}
+        assert gpus.total == [{0: 1.0, 1: 1.0, 2: 1.0}]  # the bundles' GPUs, as Ray counts them
+        assert gpus.free == [{0: 0.0, 1: 0.0, 2: 0.0}]  # every reserved GPU is held by a worker
         assert ray.cluster_resources()["GPU"] == 4.0
         assert all(math.isfinite(row[k]) for k in REQUIRED if k != "actor/kl_loss")
         assert row["rollout_vs_trainer/logprob_diff_max"] < 1e-4
@@ -268,13 +211,13 @@ def test_engine_joins_a_head_through_RAY_ADDRESS(ray_head, monkeypatch):
     ignores num_cpus); a task runs on the head; disconnecting leaves the cluster running."""
     import ray
 
-    from engine.rl.placement import init_ray, node_cpus, shutdown_ray
+    from engine.rl.placement import cluster_nodes, init_ray, shutdown_ray
 
     address, proc = ray_head
     monkeypatch.setenv("RAY_ADDRESS", address)
     resources = init_ray(None, num_cpus=1)
     try:
-        assert resources["CPU"] == 2.0 and node_cpus() == [2.0]  # the head's 2 CPUs, not a new 1-CPU cluster
+        assert resources["CPU"] == 2.0 and cluster_nodes() == [(2.0, 0.0)]  # the head's 2 CPUs, not a new 1-CPU cluster
         assert ray.get_runtime_context().gcs_address.rsplit(":", 1)[1] == address.rsplit(":", 1)[1]
         head_id = ray.nodes()[0]["NodeID"]
         assert ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote()) == head_id
@@ -299,7 +242,7 @@ def test_engine_joins_a_head_through_rl_engine_ray_address(ray_head, monkeypatch
         placement = make_placement(cfg)
         try:
             table = ray.util.placement_group_table(placement.group)
-            assert table["state"] == "CREATED" and placement.num_cpus == 2.0
+            assert table["state"] == "CREATED" and sum(b.cpus for b in placement.plan.bundles) == 2.0
             assert list(table["bundles_to_node_id"].values()) == [ray.nodes()[0]["NodeID"]]
         finally:
             placement.remove()

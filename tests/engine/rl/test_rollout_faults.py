@@ -255,19 +255,24 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
 
 
 def test_several_engines_share_the_rollout_cpus(ray_address):
-    """Disaggregated: the engines split the rollout bundle; colocated: each engine is one more
-    worker of the shared bundle."""
+    """Disaggregated: each engine has a bundle of its share of rl.engine.rollout_cpus;
+    colocated: the engines sit in the actor's bundle beside it and the verifier, a fifth of its
+    CPUs each, and split its threads (they generate together)."""
     from config.rl import RLConfig
-    from engine.rl.placement import disaggregated_placement, make_placement
+    from engine.rl.placement import make_placement
 
-    placement = disaggregated_placement(1, rollout_cpus=1, num_cpus=2, num_rollout_workers=2)
+    placement = make_placement(RLConfig(rollout=RolloutConfig(num_engines=2),
+                                        engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1)))
     try:
-        assert placement.actor_options("rollout")["num_cpus"] == 0.5 and placement.actor_options("train")["num_cpus"] == 1
-        assert placement.threads("rollout") == 1  # start_rollout gives each engine max(1, 1 // 2) threads
+        assert [b.resources for b in placement.plan.bundles] == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
+        assert placement.actor_options("rollout", 1)["num_cpus"] == 0.5 and placement.actor_options("actor")["num_cpus"] == 0.5
+        assert placement.threads("rollout", 1) == 1
     finally:
         placement.remove()
     placement = make_placement(RLConfig(rollout=RolloutConfig(num_engines=3), engine=EngineConfig(num_cpus=2)))
     try:  # actor, reward (no KL term: no reference) and three engines
-        assert placement.num_workers == 5 and placement.actor_options("rollout")["num_cpus"] == pytest.approx(2 / 5)
+        (bundle,) = placement.plan.bundles
+        assert len(bundle.occupants) == 5 and placement.actor_options("rollout", 2)["num_cpus"] == pytest.approx(2 / 5)
+        assert placement.threads("rollout", 2) == 1 and placement.threads("actor") == 2
     finally:
         placement.remove()
