@@ -60,7 +60,6 @@ from config.parallel import ParallelConfig
 from config.precision import resolve_precision
 
 if TYPE_CHECKING:
-    from config.rl import RLConfig
     from config.lora import LoraConfig
     from config.schema import PipelineConfig
 
@@ -517,40 +516,9 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
         return problems, []
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     train = total - cfg.rl.engine.rollout_cpus if cfg.rl.engine.placement == "disaggregated" else total
-    problems, notes = check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
-                                 cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
-                                 device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(),
-                                 seq_lens=seq_lens)
-    if "rl" not in seq_lens:  # planned with the rest of the rl stage, once its data is read
-        return problems, notes
-    placement_problems, placement_notes = check_placement(cfg.rl, cluster_address)
-    return problems + placement_problems, notes + placement_notes
-
-
-def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[str], list[str]]:
-    """The RL run's bundles (``config.placement_plan``) against the cluster's node shapes:
-    ``rl.engine.cluster_nodes`` when given, else this machine when the cluster is local
-    (``rl.engine.num_cpus`` or every core, and its GPUs); a cluster joined without
-    ``cluster_nodes`` is checked when the run starts. Returns (problems naming the key, notes:
-    the placement table)."""
-    from config.placement_plan import placement_table, plan_placement, unplaceable
-
-    if rl.engine.cluster_nodes is not None:
-        nodes = [(n.cpus, n.gpus) for n in rl.engine.cluster_nodes]
-    elif cluster_address is None:
-        nodes = [(float(rl.engine.num_cpus or os.cpu_count() or 1), float(local_gpus()))]
-    else:
-        nodes = None
-    total = float(rl.engine.num_cpus or sum(c for c, _ in nodes or [(os.cpu_count() or 1, 0)]))
-    try:
-        plan = plan_placement(rl, total)
-    except ValueError as exc:
-        return [str(exc)], []
-    notes = ["; ".join(placement_table(plan).splitlines())]
-    if nodes is None:
-        return [], notes + [f"placement: checked against {cluster_address}'s nodes when the run starts (set "
-                            "rl.engine.cluster_nodes to check it here)"]
-    return unplaceable(plan, nodes), notes
+    return check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
+                      cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
+                      device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(), seq_lens=seq_lens)
 
 
 # ----------------------------------------------------------------------------- the docs table

@@ -27,6 +27,7 @@ naming the key, before anything waits for Ray.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
@@ -274,3 +275,31 @@ def placement_table(plan: PlacementPlan, nodes_of_bundles: Sequence[str] | None 
         node = nodes_of_bundles[index] if nodes_of_bundles else "-"
         lines.append(f"  {index} | {node} | {b.cpus:g} | {b.gpus:g} | {', '.join(b.occupants)}")
     return "\n".join(lines)
+
+
+def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[str], list[str]]:
+    """The RL run's bundles (:func:`plan_placement`) against the cluster's node shapes:
+    ``rl.engine.cluster_nodes`` when given, else this machine when the cluster is local
+    (``rl.engine.num_cpus`` or every core, and its GPUs); a cluster joined without
+    ``cluster_nodes`` is checked when the run starts. Returns (problems naming the key, notes:
+    the placement table)."""
+    from config.memory_plan import local_gpus
+
+    if rl.engine.cluster_nodes is not None:
+        nodes = [(n.cpus, n.gpus) for n in rl.engine.cluster_nodes]
+    elif cluster_address is None:
+        nodes = [(float(rl.engine.num_cpus or os.cpu_count() or 1), float(local_gpus()))]
+    else:
+        nodes = None
+    total = float(rl.engine.num_cpus or sum(c for c, _ in nodes or [(os.cpu_count() or 1, 0)]))
+    try:
+        plan = plan_placement(rl, total)
+    except ValueError as exc:
+        return [str(exc)], []
+    notes = [f"placement ({plan.mode}, {plan.strategy}): " + "; ".join(
+        f"bundle {i} = {b.cpus:g} CPUs" + (f" + {b.gpus:g} GPUs" if b.gpus else "") + f" ({', '.join(b.occupants)})"
+        for i, b in enumerate(plan.bundles))]
+    if nodes is None:
+        return [], notes + [f"placement: checked against {cluster_address}'s nodes when the run starts (set "
+                            "rl.engine.cluster_nodes to check it here)"]
+    return unplaceable(plan, nodes), notes

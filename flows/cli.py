@@ -25,7 +25,8 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
-from flows.preflight import check_contents, check_inputs, check_layouts, cluster_notes, precision_notes  # noqa: E402
+from flows.preflight import (  # noqa: E402
+    check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -45,8 +46,9 @@ def cmd_validate(args) -> int:
     with console.status("checking data files, tokenizer, chat template, model and plug-ins"):
         deep_problems, deep_notes = check_contents(cfg, seen)
     layout_problems, layout_notes = check_layouts(cfg, seen)  # memory per rank, from what check_contents read
-    problems = problems + deep_problems + layout_problems
-    notes = precision_notes(cfg) + cluster_notes(cfg) + notes + deep_notes + layout_notes
+    placement_problems, placement_notes = check_rl_placement(cfg)
+    problems = problems + deep_problems + layout_problems + placement_problems
+    notes = precision_notes(cfg) + cluster_notes(cfg) + notes + deep_notes + layout_notes + placement_notes
     for n in notes:
         console.print(f"[dim]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     if problems:

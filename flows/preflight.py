@@ -542,6 +542,17 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
                               if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]
 
 
+def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
+    """The rl stage's placement-group bundles against the nodes of the cluster it will run on
+    (``config.placement_plan.check_placement``: the declared ``rl.engine.cluster_nodes``, else
+    this machine for a local cluster); returns (problems naming the key, notes: the placement
+    table). Never connects to a Ray cluster."""
+    from config.placement_plan import check_placement
+
+    joined = cluster_address(cfg)
+    return check_placement(cfg.rl, joined[0] if joined else None)
+
+
 def _check_plugins(cfg: PipelineConfig) -> list[str]:
     """Import each reward function and the environment by its path, as the rl stage will."""
     problems = []

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from config.memory_plan import check_placement
 from config.parallel import ParallelConfig, RLParallelConfig
-from config.placement_plan import Bundle, assign_to_nodes, placement_table, plan_placement, unplaceable
+from config.placement_plan import Bundle, assign_to_nodes, check_placement, placement_table, plan_placement, unplaceable
 from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 
 
@@ -110,7 +109,8 @@ def test_validate_checks_the_declared_nodes():
     nodes = [{"cpus": 2, "gpus": 1}, {"cpus": 2, "gpus": 1}]
     colocated = rl(dp=2, gpus=1, engines=2, engine_gpus=1, num_cpus=4, cluster_nodes=nodes)
     problems, notes = check_placement(colocated, "10.0.0.1:6379")
-    assert problems == [] and notes[0].startswith("placement (colocated, PACK)")
+    assert problems == [] and notes[0] == ("placement (colocated, PACK): bundle 0 = 2 CPUs + 1 GPUs (actor 0, reward 0, "
+                                           "rollout 0); bundle 1 = 2 CPUs + 1 GPUs (actor 1, rollout 1)")
     disagg = rl(dp=2, gpus=1, engines=2, engine_gpus=1, num_cpus=4, cluster_nodes=nodes, placement="disaggregated",
                 rollout_cpus=2)
     assert check_placement(disagg, "10.0.0.1:6379")[0] == [

@@ -64,3 +64,26 @@ def test_validate_refuses_an_actor_rank_larger_than_its_gpu(tmp_path, fixtures_d
     assert "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)" in out
     assert f"note: run.checkpoint_root: {tmp_path / 'checkpoints'}: the workers write" in out
     assert "Traceback" not in out
+
+
+def test_validate_places_the_rl_bundles_on_the_declared_nodes(tmp_path, fixtures_dir, monkeypatch):
+    """docs/scaling.md's two 8-GPU nodes (rl.engine.cluster_nodes) on a cluster validate does
+    not connect to: an actor of 16 ranks x 1 GPU with 16 engines of 1 GPU. Colocated they share
+    16 devices (the placement note lists 16 bundles of 8 CPUs and 1 GPU); disaggregated they
+    need 32 GPUs and validate names the placement key."""
+    nodes = [{"cpus": 64, "gpus": 8}, {"cpus": 64, "gpus": 8}]
+    layout = dict(parallel={"actor": {"data_parallel_size": 16, "gpus_per_rank": 1}},
+                  rollout={"num_engines": 16, "gpus_per_engine": 1})
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    cfg = _config(tmp_path, fixtures_dir, QWEN_CONFIG, micro_batch_size=1, prompts_per_step=16, **layout,
+                  engine={"num_cpus": 128, "cluster_nodes": nodes, "placement": "disaggregated", "rollout_cpus": 16})
+    raw = yaml.safe_load(open(cfg))
+    raw["run"]["device_memory_gib"] = 141
+    open(cfg, "w").write(yaml.safe_dump(raw, sort_keys=False))
+    out = _out(_posttrain("validate", cfg))
+    assert ("rl.engine.placement: disaggregated: the run's 32 bundles (128 CPUs, 32 GPUs) do not fit the cluster's "
+            "nodes (64 CPUs + 8 GPUs, 64 CPUs + 8 GPUs) together; lower rl.engine.num_cpus, the ranks or the engines, "
+            "or add nodes") in out
+    out = _out(_posttrain("validate", cfg, "rl.engine.placement=colocated"))
+    assert "note: placement (colocated, PACK): bundle 0 = 8 CPUs + 1 GPUs (actor 0, reward 0, rollout 0); " in out
+    assert "bundle 15 = 8 CPUs + 1 GPUs (actor 15, rollout 15)" in out and "placement: disaggregated" not in out
