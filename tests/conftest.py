@@ -52,7 +52,7 @@ def fixtures_dir() -> Path:
 # attention check (`thread_num` 2 vs 1) in the rollout worker. Until the rollout engines are
 # isolated from the driver's state, the suite runs them first (as their place in the old flat
 # tests/engine/ order did).
-RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_cluster.py")
+RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_cluster.py", "tests/engine/rl/test_multi_node.py")
 # The longest files next (minutes each: whole pipelines, DVC, servers), so that with two
 # workers taking files in this order (`make test`) neither is left with a long file at the end.
 LONGEST = (
