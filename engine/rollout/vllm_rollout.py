@@ -22,6 +22,7 @@ import torch
 from engine.library_warnings import silence_library_deprecations
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
+from engine.rollout.vllm_weight_sync import EXTENSION as WEIGHT_SYNC_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +241,8 @@ class VLLMRollout:
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(8192, max_model_len),
                 logging_config=_vllm_logging(),
+                # collective weight sync enters vLLM's workers through this (vllm_weight_sync)
+                worker_extension_cls=WEIGHT_SYNC_EXTENSION,
             )
         self.dtype = _running_dtype(self.llm, dtype)
 
@@ -322,6 +325,21 @@ class VLLMRollout:
         weights = _cast(weights, self.dtype)
         with _quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def weight_sync_join(self, spec, rank_offset: int) -> list[int]:
+        """Join the collective weight-sync group ``spec``
+        (:class:`engine.distributed.weight_sync.GroupSpec`): each of this engine's vLLM workers
+        becomes rank ``rank_offset + its rank`` (``engine.rollout.vllm_weight_sync``). Blocks
+        until the whole group joined. Returns the ranks taken."""
+        return self.llm.collective_rpc("weight_sync_join", args=(spec, int(rank_offset)))
+
+    def weight_sync_receive(self, metas) -> None:
+        """Receive one bucket of the policy's weights over the collective group and load it in
+        place, as :meth:`update_weights` loads an object-store bucket (``metas``: its
+        ``engine.models.weight_buckets.TensorMeta``; tied head, cast and prefix-cache reset as there)."""
+        with _quiet_partial_reload():
+            self.llm.collective_rpc("weight_sync_receive", args=(tuple(metas), self.tie_word_embeddings, self.dtype))
         self.llm.reset_prefix_cache()
 
 

@@ -1,0 +1,62 @@
+"""The rollout side of weight sync over a collective group, inside vLLM's workers.
+
+vLLM mixes :class:`WeightSyncExtension` into its worker class (``LLM(worker_extension_cls=...)``,
+as verl, OpenRLHF and slime enter vLLM) and its methods run in every worker through
+``llm.collective_rpc``: in the worker's own process, so the same code serves the in-process
+engine used on CPU (``distributed_executor_backend="uni"``) and vLLM's multiprocess executor
+on GPU, where each tensor-parallel worker is its own rank of the group. The group itself is
+``engine.distributed.weight_sync``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the dotted path vLLM resolves (engine.rollout.vllm_rollout passes it to LLM)
+EXTENSION = "engine.rollout.vllm_weight_sync.WeightSyncExtension"
+
+
+class WeightSyncExtension:
+    """Methods added to vLLM's worker class (no ``__init__``: state is made on first use).
+
+    The names start with ``weight_sync_`` because vLLM refuses an extension whose attributes
+    clash with the worker's own.
+    """
+
+    def weight_sync_join(self, spec, rank_offset: int) -> int:
+        """Join the group ``spec`` (:class:`engine.distributed.weight_sync.GroupSpec`) as rank
+        ``rank_offset + <this worker's rank in its engine>``, leaving any earlier generation.
+        Blocks until every member joined (at most ``spec.timeout_s``). Returns the rank."""
+        from engine.distributed.weight_sync import EngineEnd
+
+        end = getattr(self, "_weight_sync_end", None)
+        if end is None:
+            end = self._weight_sync_end = EngineEnd()
+        rank = int(rank_offset) + int(self.rank)
+        end.join(spec, rank)
+        return rank
+
+    def weight_sync_receive(self, metas, tie_word_embeddings: bool, dtype: torch.dtype) -> int:
+        """Receive one bucket broadcast by the trainer and load it in place with vLLM's
+        ``reload_weights`` (tied output layer added, tensors cast to ``dtype``: as
+        ``VLLMRollout.update_weights``). ``metas``: the bucket's
+        ``engine.models.weight_buckets.TensorMeta`` in stream order. Returns the bytes received.
+
+        Raises: RuntimeError when this worker is in no group or the broadcast fails (a peer
+        gone, the group's timeout).
+        """
+        from engine.rollout.vllm_rollout import _cast, _with_tied_head
+
+        end = getattr(self, "_weight_sync_end", None)
+        if end is None or end.group is None:
+            raise RuntimeError("weight sync: this rollout engine has not joined the collective group")
+        named = end.receive(metas)
+        weights = _with_tied_head(named) if tie_word_embeddings else iter(named)
+        self.reload_weights(weights_iterator=_cast(weights, dtype))
+        return sum(m.nbytes for m in metas)
+
+    def weight_sync_leave(self) -> None:
+        """Drop this worker's membership (its connections close)."""
+        end = getattr(self, "_weight_sync_end", None)
+        if end is not None:
+            end.leave()
