@@ -151,13 +151,37 @@ def layout(nbytes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def pack(named_tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None) -> torch.Tensor:
+class Scratch:
+    """One flat ``uint8`` buffer kept across buckets and syncs, grown to the largest bucket.
+
+    A fresh buffer per bucket costs its page faults on every bucket (measured here: a gloo
+    broadcast of 256 MiB into a fresh buffer ran at 0.7 GB/s, into a reused one at 1.9 GB/s);
+    the price is one bucket of memory held between syncs on each side.
+    """
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The first ``nbytes`` bytes of the buffer on ``device`` (reallocated when too small)."""
+        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
+            self.buffer = None  # free the old one first
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.buffer[:nbytes]
+
+
+def pack(named_tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None,
+         scratch: Scratch | None = None) -> torch.Tensor:
     """The tensors' bytes in one flat ``uint8`` tensor on ``device`` (default the first
-    tensor's), in order, each at its :func:`layout` offset: what one broadcast sends."""
+    tensor's), in order, each at its :func:`layout` offset: what one broadcast sends. With
+    ``scratch`` the tensor is a view of its buffer (valid until the next ``take``)."""
     sizes = [t.numel() * t.element_size() for _, t in named_tensors]
     offsets, total = layout(sizes)
     device = device or (named_tensors[0][1].device if named_tensors else torch.device("cpu"))
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    if scratch is not None:
+        flat = scratch.take(total, device)
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
     for (_, t), start, n in zip(named_tensors, offsets, sizes):
         flat[start : start + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return flat
@@ -188,6 +212,7 @@ class TrainerEnd:
         self.store = None
         self.group = None
         self.spec: GroupSpec | None = None
+        self.scratch = Scratch()
 
     def open(self, world_size: int, generation: int, timeout_s: float) -> GroupSpec:
         """Drop the current group and announce generation ``generation`` of ``world_size``
@@ -210,7 +235,7 @@ class TrainerEnd:
         """Broadcast one bucket; returns its bytes. Raises RuntimeError without a group."""
         if self.group is None:
             raise RuntimeError("weight sync: no collective group (the router forms it before a sync)")
-        flat = pack(named_tensors, _device(self.spec.backend))
+        flat = pack(named_tensors, _device(self.spec.backend), self.scratch)
         broadcast(self.group, flat)
         return flat.numel()
 
@@ -226,6 +251,7 @@ class EngineEnd:
         self.group = None
         self.spec: GroupSpec | None = None
         self._store = None
+        self.scratch = Scratch()
 
     def join(self, spec: GroupSpec, rank: int) -> None:
         """Leave any earlier generation and join ``spec`` as ``rank`` (blocks until all joined)."""
@@ -235,14 +261,17 @@ class EngineEnd:
         self.group = make_group(self._store, spec, rank)
 
     def receive(self, metas) -> list[tuple[str, torch.Tensor]]:
-        """Receive one bucket broadcast by the trainer: ``(name, tensor)`` views of a fresh
-        buffer, per :func:`unpack`. Raises RuntimeError without a group."""
+        """Receive one bucket broadcast by the trainer: ``(name, tensor)`` views of this end's
+        scratch buffer, per :func:`unpack`, valid until the next receive (load them first).
+        Raises RuntimeError without a group."""
         if self.group is None:
             raise RuntimeError("weight sync: this engine is in no collective group")
-        flat = torch.empty(buffer_bytes(metas), dtype=torch.uint8, device=_device(self.spec.backend))
+        flat = self.scratch.take(buffer_bytes(metas), _device(self.spec.backend))
         broadcast(self.group, flat)
         return unpack(flat, metas)
 
     def leave(self) -> None:
+        """Drop the group and the scratch buffer."""
         self.group = None
         self._store = None
+        self.scratch = Scratch()

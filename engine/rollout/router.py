@@ -239,8 +239,9 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
     Args: as :func:`push_weights`, plus
         group: the router's :class:`CollectiveGroup` (updated here).
         timings: when given, receives the seconds of ``form`` (group formation), ``make``
-            (the actor building buckets), ``send`` (its broadcasts) and ``wait`` (the rest:
-            engines loading, Ray calls).
+            (the actor building buckets), ``send`` (its broadcasts), ``load`` (the slowest
+            engine's ``reload_weights``, summed over buckets) and ``wait`` (the rest: Ray calls,
+            pauses).
         paused: with ``version``, the indices of engines whose generation is paused and not yet
             resumed (updated here: an engine is added when paused, removed when resumed); those
             already in it are not paused again. A sync that stopped at a dead engine leaves the
@@ -256,7 +257,7 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
     dead: set[int] = set()
     several = len(engines) > 1
     timeout = 600.0 if timeout_s is None else float(timeout_s)  # the group's own timeout must be finite
-    clock = {"form": 0.0, "make": 0.0, "send": 0.0}
+    clock = {"form": 0.0, "make": 0.0, "send": 0.0, "load": 0.0}
 
     def wait_all(refs: dict, what: str):
         """Wait for ``{key: ref}`` (key None: the actor, else an engine index); an engine death
@@ -320,6 +321,7 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         _, make_s, send_s = out[None]
         clock["make"] += make_s
         clock["send"] += send_s
+        clock["load"] += max((out[k][1] for k in live), default=0.0)
     if version is not None:
         wait_all({k: engines[k].end_weight_update.remote(version) for k in live}, "resuming generation")
         paused.clear()

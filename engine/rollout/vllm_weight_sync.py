@@ -10,6 +10,8 @@ on GPU, where each tensor-parallel worker is its own rank of the group. The grou
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 # the dotted path vLLM resolves (engine.rollout.vllm_rollout passes it to LLM)
@@ -36,11 +38,13 @@ class WeightSyncExtension:
         end.join(spec, rank)
         return rank
 
-    def weight_sync_receive(self, metas, tie_word_embeddings: bool, dtype: torch.dtype) -> int:
+    def weight_sync_receive(self, metas, tie_word_embeddings: bool, dtype: torch.dtype) -> tuple[float, float]:
         """Receive one bucket broadcast by the trainer and load it in place with vLLM's
         ``reload_weights`` (tied output layer added, tensors cast to ``dtype``: as
         ``VLLMRollout.update_weights``). ``metas``: the bucket's
-        ``engine.models.weight_buckets.TensorMeta`` in stream order. Returns the bytes received.
+        ``engine.models.weight_buckets.TensorMeta`` in stream order.
+
+        Returns: ``(seconds receiving, seconds loading)``.
 
         Raises: RuntimeError when this worker is in no group or the broadcast fails (a peer
         gone, the group's timeout).
@@ -50,10 +54,12 @@ class WeightSyncExtension:
         end = getattr(self, "_weight_sync_end", None)
         if end is None or end.group is None:
             raise RuntimeError("weight sync: this rollout engine has not joined the collective group")
+        t0 = time.perf_counter()
         named = end.receive(metas)
+        t1 = time.perf_counter()
         weights = _with_tied_head(named) if tie_word_embeddings else iter(named)
         self.reload_weights(weights_iterator=_cast(weights, dtype))
-        return sum(m.nbytes for m in metas)
+        return t1 - t0, time.perf_counter() - t1
 
     def weight_sync_leave(self) -> None:
         """Drop this worker's membership (its connections close)."""
