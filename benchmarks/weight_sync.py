@@ -13,9 +13,10 @@ each round syncs the whole policy once by ``engine.rollout.router.push_weights``
 store) and once by ``push_weights_collective`` (gloo broadcast), interleaved, in
 ``rl.engine.weight_sync_bucket_mb`` buckets (``--transport-bucket-mb``). It prints seconds
 and GB/s (HF bytes of the model / seconds) per side, their ratio, and the collective side's
-phases: building the buckets on the actor (``make``, the same work on both sides; also timed
-alone), the broadcasts (``send``), the engines loading with ``reload_weights`` (``load``, the
-same work on both sides) and the rest (Ray calls).
+phases: on the actor, building the buckets (``make``, the same work on both sides; also timed
+alone) and the broadcasts (``send``); on the engine, waiting for a bucket to arrive (``wait``)
+and loading with ``reload_weights`` (``load``, the same work on both sides). The engine loads
+bucket ``i`` while bucket ``i + 1`` arrives, so the two sides overlap.
 
 Builds a Qwen2-shaped megatron-core policy on CPU (default ~98M parameters: Qwen2-0.5B-like
 layers of hidden 768, 14 layers, a 16k vocabulary, tied embeddings) in each ``--dtype``:
@@ -281,14 +282,14 @@ def transport_size(size: int, args, scratch: Path) -> dict:
 
 def render_transport(rows: list[dict]) -> str:
     head = ("params", "HF GB", "buckets", "engines", "object store s", "GB/s", "collective s", "GB/s",
-            "object/collective", "make s (alone)", "collective: make / send / load / rest s", "group forms s")
+            "object/collective", "make s (alone)", "collective actor: make / send s", "collective engine: wait / load s", "group forms s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = (f"{r['params'] / 1e6:.1f}M", f"{r['gb']:.2f}", str(r["buckets"]), str(r["engines"]),
                  f"{r['object_store_s']:.2f}", f"{r['object_store_gbps']:.2f}", f"{r['collective_s']:.2f}",
                  f"{r['collective_gbps']:.2f}", f"{r['ratio']:.2f}", f"{r['make_s']:.2f}",
-                 f"{r['collective_make_s']:.2f} / {r['collective_send_s']:.2f} / {r['collective_load_s']:.2f} / "
-                 f"{r['collective_wait_s']:.2f}",
+                 f"{r['collective_make_s']:.2f} / {r['collective_send_s']:.2f}",
+                 f"{r['collective_engine_wait_s']:.2f} / {r['collective_load_s']:.2f}",
                  f"{r['form_s']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

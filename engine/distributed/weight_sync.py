@@ -251,7 +251,7 @@ class EngineEnd:
         self.group = None
         self.spec: GroupSpec | None = None
         self._store = None
-        self.scratch = Scratch()
+        self.scratch = (Scratch(), Scratch())  # two: one receives while the other is loaded
 
     def join(self, spec: GroupSpec, rank: int) -> None:
         """Leave any earlier generation and join ``spec`` as ``rank`` (blocks until all joined)."""
@@ -260,13 +260,13 @@ class EngineEnd:
         self.spec = spec
         self.group = make_group(self._store, spec, rank)
 
-    def receive(self, metas) -> list[tuple[str, torch.Tensor]]:
-        """Receive one bucket broadcast by the trainer: ``(name, tensor)`` views of this end's
-        scratch buffer, per :func:`unpack`, valid until the next receive (load them first).
-        Raises RuntimeError without a group."""
+    def receive(self, metas, slot: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """Receive one bucket broadcast by the trainer: ``(name, tensor)`` views of scratch
+        buffer ``slot`` (0 or 1), per :func:`unpack`, valid until the next receive into that
+        slot (load them first). Raises RuntimeError without a group."""
         if self.group is None:
             raise RuntimeError("weight sync: this engine is in no collective group")
-        flat = self.scratch.take(buffer_bytes(metas), _device(self.spec.backend))
+        flat = self.scratch[slot].take(buffer_bytes(metas), _device(self.spec.backend))
         broadcast(self.group, flat)
         return unpack(flat, metas)
 
@@ -274,4 +274,4 @@ class EngineEnd:
         """Drop the group and the scratch buffer."""
         self.group = None
         self._store = None
-        self.scratch = Scratch()
+        self.scratch = (Scratch(), Scratch())

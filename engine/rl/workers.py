@@ -297,11 +297,12 @@ class RolloutWorker:
         _init_thread()
         return self.engine.weight_sync_join(spec, rank_offset)
 
-    def weight_sync_receive(self, metas) -> tuple[float, float]:
-        """Receive and load one bucket over the collective group; returns ``(seconds receiving,
-        seconds loading)`` (:meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_receive`)."""
+    def weight_sync_receive(self, buckets) -> tuple[float, float]:
+        """Receive and load every bucket of one sync over the collective group; returns
+        ``(seconds waiting for buckets, seconds loading)``
+        (:meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_receive`)."""
         _init_thread()
-        return self.engine.weight_sync_receive(metas)
+        return self.engine.weight_sync_receive(buckets)
 
     def ping(self) -> None:
         """The health check of :class:`engine.rollout.router.RolloutRouter`: does nothing. It

@@ -226,9 +226,10 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
                             version: int | None = None, tolerate_death: bool = False,
                             timings: dict[str, float] | None = None,
                             paused: set[int] | None = None) -> tuple[float, set[int]]:
-    """As :func:`push_weights`, but each bucket travels over the collective group: the actor
-    broadcasts it (``weight_sync_send``) while every engine receives and loads it
-    (``weight_sync_receive``); no tensor goes through Ray's object store.
+    """As :func:`push_weights`, but the buckets travel over the collective group: the actor
+    broadcasts them one after the other (``weight_sync_send`` per bucket, queued at once) while
+    every engine receives them and loads each (one ``weight_sync_receive`` call: it loads
+    bucket ``i`` while bucket ``i + 1`` arrives); no tensor goes through Ray's object store.
 
     The group spans the actor (rank 0) and ``engines`` (ranks ``1 ..``, in order). When
     ``engines`` are not the members of ``group``'s current generation, the next generation is
@@ -238,18 +239,18 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
 
     Args: as :func:`push_weights`, plus
         group: the router's :class:`CollectiveGroup` (updated here).
-        timings: when given, receives the seconds of ``form`` (group formation), ``make``
-            (the actor building buckets), ``send`` (its broadcasts), ``load`` (the slowest
-            engine's ``reload_weights``, summed over buckets) and ``wait`` (the rest: Ray calls,
-            pauses).
+        timings: when given, receives seconds: ``form`` (group formation), ``make`` (the
+            actor building buckets) and ``send`` (its broadcasts), and the slowest engine's
+            ``engine_wait`` (waiting for a bucket to arrive) and ``load`` (``reload_weights``),
+            each summed over the buckets. The actor's and the engines' phases overlap.
         paused: with ``version``, the indices of engines whose generation is paused and not yet
             resumed (updated here: an engine is added when paused, removed when resumed); those
             already in it are not paused again. A sync that stopped at a dead engine leaves the
             survivors in it, and the router's second sync to every engine resumes them.
 
     Returns: ``(seconds, indices into engines of the engines found dead)``; when an engine died
-        the sync stops at that bucket (the others may hold a partial update: the caller syncs
-        again once it replaced the dead ones).
+        the broadcasts fail and the others may hold a partial update (the caller syncs again
+        once it replaced the dead ones).
 
     Raises: as :func:`push_weights`.
     """
@@ -260,12 +261,13 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
     clock = {"form": 0.0, "make": 0.0, "send": 0.0, "load": 0.0}
 
     def wait_all(refs: dict, what: str):
-        """Wait for ``{key: ref}`` (key None: the actor, else an engine index); an engine death
-        is recorded (with ``tolerate_death``), any other error raised after all were waited."""
+        """Wait for ``{key: ref}`` (an int key: that engine's call, any other: the actor's); an
+        engine death is recorded (with ``tolerate_death``), any other error raised after all
+        were waited."""
         out, errors = {}, []
         for k, ref in refs.items():
             left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
-            where = f" on rollout engine {k}" if several and k is not None else ""
+            where = f" on rollout engine {k}" if several and isinstance(k, int) else ""
             try:
                 out[k] = ray.get(ref, timeout=left)
             except GetTimeoutError as exc:
@@ -273,7 +275,7 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
                 raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}={timeout_s} s; the "
                                    "rollout engine may hold a partial update") from exc
             except RayActorError as exc:
-                if tolerate_death and k is not None:
+                if tolerate_death and isinstance(k, int):
                     logger.warning("weight sync: rollout engine %d died (%s: %s)", k, type(exc).__name__, exc)
                     dead.add(k)
                 else:
@@ -311,23 +313,26 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         paused.update(k for k in live if k not in dead)
         if dead:
             return time.perf_counter() - t0, dead
-    for index in range(plan.num_buckets):
-        metas = plan.bucket(index)
-        refs = {None: actor.weight_sync_send.remote(index)}
-        refs.update({k: engines[k].weight_sync_receive.remote(metas) for k in live})
-        out = wait_all(refs, f"bucket {index + 1} of {plan.num_buckets}")
-        if dead:
-            return time.perf_counter() - t0, dead
-        _, make_s, send_s = out[None]
+    # every bucket's send queued on the actor (it runs them in order) and one receive call per
+    # engine, which loads bucket i while bucket i + 1 arrives
+    refs: dict = {("send", i): actor.weight_sync_send.remote(i) for i in range(plan.num_buckets)}
+    buckets = [plan.bucket(i) for i in range(plan.num_buckets)]
+    refs.update({k: engines[k].weight_sync_receive.remote(buckets) for k in live})
+    out = wait_all(refs, f"the {plan.num_buckets} buckets")
+    if dead:
+        return time.perf_counter() - t0, dead
+    for i in range(plan.num_buckets):
+        _, make_s, send_s = out[("send", i)]
         clock["make"] += make_s
         clock["send"] += send_s
-        clock["load"] += max((out[k][1] for k in live), default=0.0)
+    clock["engine_wait"] = max((out[k][0] for k in live), default=0.0)
+    clock["load"] = max((out[k][1] for k in live), default=0.0)
     if version is not None:
         wait_all({k: engines[k].end_weight_update.remote(version) for k in live}, "resuming generation")
         paused.clear()
     seconds = time.perf_counter() - t0
     if timings is not None:
-        timings.update(clock, wait=seconds - sum(clock.values()))
+        timings.update(clock)
     return seconds, dead
 
 

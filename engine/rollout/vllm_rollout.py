@@ -334,14 +334,15 @@ class VLLMRollout:
         until the whole group joined. Returns the ranks taken."""
         return self.llm.collective_rpc("weight_sync_join", args=(spec, int(rank_offset)))
 
-    def weight_sync_receive(self, metas) -> tuple[float, float]:
-        """Receive one bucket of the policy's weights over the collective group and load it in
-        place, as :meth:`update_weights` loads an object-store bucket (``metas``: its
-        ``engine.models.weight_buckets.TensorMeta``; tied head, cast and prefix-cache reset as there).
-        Returns ``(seconds receiving, seconds loading)``, the slowest worker's."""
+    def weight_sync_receive(self, buckets) -> tuple[float, float]:
+        """Receive the policy's weights over the collective group, bucket by bucket, and load
+        each in place as :meth:`update_weights` loads an object-store bucket (``buckets``: per
+        bucket its ``engine.models.weight_buckets.TensorMeta``; tied head, cast and prefix-cache
+        reset as there; ``engine.rollout.vllm_weight_sync``). Returns ``(seconds waiting for
+        buckets, seconds loading)``, the slowest worker's."""
+        buckets = [tuple(b) for b in buckets]
         with _quiet_partial_reload():
-            times = self.llm.collective_rpc("weight_sync_receive",
-                                            args=(tuple(metas), self.tie_word_embeddings, self.dtype))
+            times = self.llm.collective_rpc("weight_sync_receive", args=(buckets, self.tie_word_embeddings, self.dtype))
         self.llm.reset_prefix_cache()
         return max(t[0] for t in times), max(t[1] for t in times)
 

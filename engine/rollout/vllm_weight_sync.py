@@ -38,28 +38,41 @@ class WeightSyncExtension:
         end.join(spec, rank)
         return rank
 
-    def weight_sync_receive(self, metas, tie_word_embeddings: bool, dtype: torch.dtype) -> tuple[float, float]:
-        """Receive one bucket broadcast by the trainer and load it in place with vLLM's
-        ``reload_weights`` (tied output layer added, tensors cast to ``dtype``: as
-        ``VLLMRollout.update_weights``). ``metas``: the bucket's
+    def weight_sync_receive(self, buckets, tie_word_embeddings: bool, dtype: torch.dtype) -> tuple[float, float]:
+        """Receive the buckets the trainer broadcasts, in order, and load each in place with
+        vLLM's ``reload_weights`` (tied output layer added, tensors cast to ``dtype``: as
+        ``VLLMRollout.update_weights``). ``buckets``: per bucket its
         ``engine.models.weight_buckets.TensorMeta`` in stream order.
 
-        Returns: ``(seconds receiving, seconds loading)``.
+        Bucket ``i + 1`` is received on a second thread into the other of two buffers while
+        bucket ``i`` loads, so the trainer's broadcast and building of the next bucket overlap
+        the load (the load is the larger part of a sync here: docs/benchmarks.md).
 
-        Raises: RuntimeError when this worker is in no group or the broadcast fails (a peer
+        Returns: ``(seconds waiting for received buckets, seconds loading)``.
+
+        Raises: RuntimeError when this worker is in no group or a broadcast fails (a peer
         gone, the group's timeout).
         """
+        from concurrent.futures import ThreadPoolExecutor
+
         from engine.rollout.vllm_rollout import _cast, _with_tied_head
 
         end = getattr(self, "_weight_sync_end", None)
         if end is None or end.group is None:
             raise RuntimeError("weight sync: this rollout engine has not joined the collective group")
-        t0 = time.perf_counter()
-        named = end.receive(metas)
-        t1 = time.perf_counter()
-        weights = _with_tied_head(named) if tie_word_embeddings else iter(named)
-        self.reload_weights(weights_iterator=_cast(weights, dtype))
-        return t1 - t0, time.perf_counter() - t1
+        wait_s = load_s = 0.0
+        with ThreadPoolExecutor(1, thread_name_prefix="weight-sync-receive") as pool:
+            pending = pool.submit(end.receive, buckets[0], 0) if buckets else None
+            for i in range(len(buckets)):
+                t0 = time.perf_counter()
+                named = pending.result()
+                t1 = time.perf_counter()
+                if i + 1 < len(buckets):
+                    pending = pool.submit(end.receive, buckets[i + 1], (i + 1) % 2)
+                weights = _with_tied_head(named) if tie_word_embeddings else iter(named)
+                self.reload_weights(weights_iterator=_cast(weights, dtype))
+                wait_s, load_s = wait_s + t1 - t0, load_s + time.perf_counter() - t1
+        return wait_s, load_s
 
     def weight_sync_leave(self) -> None:
         """Drop this worker's membership (its connections close)."""
