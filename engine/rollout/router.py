@@ -12,10 +12,14 @@ sync weights:
   so a sample's random stream depends neither on its engine nor on the other prompts of its
   share. A multi-turn prompt's whole episode is one call to one engine: all its turns run
   there. Results come back in the caller's prompt order, with the engine of each prompt.
-- **Weight sync.** :meth:`RolloutRouter.update_weights` asks the policy's actor for each
-  bucket once (one ObjectRef) and hands the same ref to every engine (Ray resolves it in each
-  engine from the object store; the driver never holds the tensors), between
-  ``begin_weight_update`` / ``end_weight_update`` on every engine when a version is given.
+- **Weight sync.** :meth:`RolloutRouter.update_weights` sends the policy's buckets to every
+  engine, between ``begin_weight_update`` / ``end_weight_update`` on every engine when a
+  version is given, the way ``rl.engine.weight_sync`` says: ``collective``
+  (:func:`push_weights_collective`: the actor broadcasts each bucket over a process group it
+  shares with the engines, :class:`CollectiveGroup`; a new generation of the group is formed
+  when the engines change) or ``object_store`` (:func:`push_weights`: the actor is asked for
+  each bucket once, one ObjectRef, and the same ref goes to every engine, which Ray resolves
+  from the object store; the driver never holds the tensors).
 - **Health.** While it waits for a generation, the router pings every busy engine (a no-op
   actor call, served on a second actor thread while the engine generates) every few
   seconds. An engine whose actor died (its process was killed, e.g. by the OOM killer or a
