@@ -1,7 +1,22 @@
-"""Peak extra memory and throughput of rollout weight sync: whole model vs buckets.
+"""Peak extra memory and throughput of rollout weight sync: whole model vs buckets; and the
+transport to the rollout engines: collective group vs Ray's object store.
 
     python -m benchmarks.weight_sync                # full, 64 MiB and 256 MiB buckets; float32 and bfloat16
     python -m benchmarks.weight_sync --bucket-mb 16 64 --dtype bfloat16
+    python -m benchmarks.weight_sync --transport    # collective vs object store at 25M, 100M, ~400M parameters
+    python -m benchmarks.weight_sync --transport --sizes 25 --rounds 2 --engines 2
+
+``--transport`` (see :func:`transport_main`): on a local Ray cluster, a policy actor (a
+megatron-core model served by ``HFBucketSource``, as the RL actor serves it) and
+``--engines`` vLLM rollout workers (``engine.rl.workers.RolloutWorker``, placeholder weights);
+each round syncs the whole policy once by ``engine.rollout.router.push_weights`` (object
+store) and once by ``push_weights_collective`` (gloo broadcast), interleaved, in
+``rl.engine.weight_sync_bucket_mb`` buckets (``--transport-bucket-mb``). It prints seconds
+and GB/s (HF bytes of the model / seconds) per side, their ratio, and the collective side's
+phases: on the actor, building the buckets (``make``, the same work on both sides; also timed
+alone) and the broadcasts (``send``); on the engine, waiting for a bucket to arrive (``wait``)
+and loading with ``reload_weights`` (``load``, the same work on both sides). The engine loads
+bucket ``i`` while bucket ``i + 1`` arrives, so the two sides overlap.
 
 Builds a Qwen2-shaped megatron-core policy on CPU (default ~98M parameters: Qwen2-0.5B-like
 layers of hidden 768, 14 layers, a 16k vocabulary, tied embeddings) in each ``--dtype``:
@@ -45,6 +60,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from engine.models.weight_buckets import HFBucketSource
 
 MIB = 2**20
 
@@ -173,6 +190,132 @@ def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int, dty
     }
 
 
+# ----------------------------------------------------------------------------- transport (collective vs object store)
+
+# decoder layers of the Qwen2-shaped model (hidden 768, 16k vocabulary) per size in millions
+# of parameters: 12.6M embedding + 6.1M per layer
+SIZE_LAYERS = {25: 2, 100: 14, 400: 63}
+
+
+class BenchSource(HFBucketSource):
+    """The policy actor of the transport benchmark: a random megatron-core model of
+    :func:`model_config` served by ``HFBucketSource``, as the RL actor serves its policy."""
+
+    def __init__(self, layers: int, vocab: int, bucket_mb: int, threads: int):
+        from types import SimpleNamespace
+
+        import torch
+
+        from conversion.spec import GPTSpec
+        from engine.models.megatron import build_gpt_model
+
+        torch.set_num_threads(threads)
+        self.hf_config = model_config(layers, vocab)
+        self.model = build_gpt_model(GPTSpec.from_hf_config(self.hf_config), seed=0, core_attention="sdpa").eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.cfg = SimpleNamespace(engine=SimpleNamespace(weight_sync_bucket_mb=bucket_mb))
+
+    def _bucket_weights(self):
+        return self.model
+
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def make_all(self) -> float:
+        """Seconds to build every bucket once (no transfer): the actor's share of a sync."""
+        t0 = time.perf_counter()
+        for index in range(self.hf_bucket_plan().num_buckets):
+            self.hf_bucket(index)
+        return time.perf_counter() - t0
+
+
+def _engine_dir(root: Path, layers: int, vocab: int) -> Path:
+    """A model directory holding only ``hf/config.json``: vLLM starts on placeholder weights."""
+    hf = root / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    (hf / "config.json").write_text(json.dumps({**model_config(layers, vocab), "eos_token_id": 1, "torch_dtype": "float32"}))
+    return root
+
+
+def transport_size(size: int, args, scratch: Path) -> dict:
+    """Interleaved rounds of both transports at ``size`` million parameters; returns the row."""
+    import ray
+
+    from config.rl import RolloutConfig
+    from engine.rl.workers import RolloutWorker
+    from engine.rollout.router import CollectiveGroup, push_weights, push_weights_collective
+
+    layers = SIZE_LAYERS[size]
+    actor = ray.remote(BenchSource).options(num_cpus=0).remote(layers, args.vocab, args.transport_bucket_mb, args.threads)
+    policy_dir = _engine_dir(scratch / f"m{size}", layers, args.vocab)
+    engines = [ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=2).remote(
+        str(policy_dir), RolloutConfig(backend="vllm"), str(scratch / f"e{size}_{k}"), 64, args.threads,
+        num_sequences=1, precision="fp32") for k in range(args.engines)]
+    try:
+        ray.get([e.__ray_ready__.remote() for e in engines])
+        plan = ray.get(actor.hf_bucket_plan.remote())
+        params = ray.get(actor.params.remote())
+        group = CollectiveGroup()
+        form: dict[str, float] = {}
+        push_weights_collective(actor, engines, group, timings=form)  # warm-up; forms the group
+        push_weights(actor, engines)  # warm-up
+        obj, col, phases, make = [], [], [], []
+        for _ in range(args.rounds):
+            obj.append(push_weights(actor, engines)[0])
+            timings: dict[str, float] = {}
+            col.append(push_weights_collective(actor, engines, group, timings=timings)[0])
+            phases.append(timings)
+            make.append(ray.get(actor.make_all.remote()))
+    finally:
+        for e in engines:
+            ray.kill(e)
+        ray.kill(actor)
+    best = min(range(args.rounds), key=lambda i: col[i])
+    gb = plan.total_bytes / 1e9
+    return {"size": size, "params": params, "gb": gb, "buckets": plan.num_buckets, "engines": args.engines,
+            "object_store_s": min(obj), "collective_s": min(col), "object_store_gbps": gb / min(obj),
+            "collective_gbps": gb / min(col), "ratio": min(obj) / min(col), "make_s": min(make),
+            "form_s": form.get("form", 0.0), **{f"collective_{k}_s": v for k, v in phases[best].items() if k != "form"},
+            "all_object_store_s": obj, "all_collective_s": col}
+
+
+def render_transport(rows: list[dict]) -> str:
+    head = ("params", "HF GB", "buckets", "engines", "object store s", "GB/s", "collective s", "GB/s",
+            "object/collective", "make s (alone)", "collective actor: make / send s", "collective engine: wait / load s", "group forms s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = (f"{r['params'] / 1e6:.1f}M", f"{r['gb']:.2f}", str(r["buckets"]), str(r["engines"]),
+                 f"{r['object_store_s']:.2f}", f"{r['object_store_gbps']:.2f}", f"{r['collective_s']:.2f}",
+                 f"{r['collective_gbps']:.2f}", f"{r['ratio']:.2f}", f"{r['make_s']:.2f}",
+                 f"{r['collective_make_s']:.2f} / {r['collective_send_s']:.2f}",
+                 f"{r['collective_engine_wait_s']:.2f} / {r['collective_load_s']:.2f}",
+                 f"{r['form_s']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def transport_main(args) -> None:
+    """``--transport``: collective vs object store per size (module docstring)."""
+    import tempfile
+
+    from engine.distributed.cluster import init_ray, shutdown_ray
+
+    load = os.getloadavg()
+    init_ray(num_cpus=os.cpu_count(), object_store_mb=args.object_store_mb)
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for size in args.sizes:
+                rows.append(transport_size(size, args, Path(tmp)))
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        shutdown_ray()
+    print(f"float32 Qwen2-shaped policies, {args.transport_bucket_mb} MiB buckets, best of {args.rounds} interleaved "
+          f"rounds; {os.cpu_count()} CPUs, load average before {load[0]:.1f} / after {os.getloadavg()[0]:.1f}")
+    print(render_transport(rows))
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -232,7 +375,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
                         help="dtypes of the streamed weights (float32: rl.precision fp32; bfloat16: bf16)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--transport", action="store_true", help="collective vs object store to vLLM engines")
+    parser.add_argument("--sizes", type=int, nargs="+", choices=sorted(SIZE_LAYERS), default=sorted(SIZE_LAYERS),
+                        help="--transport: model sizes in millions of parameters")
+    parser.add_argument("--rounds", type=int, default=3, help="--transport: interleaved rounds (best is reported)")
+    parser.add_argument("--engines", type=int, default=1, help="--transport: vLLM rollout engines")
+    parser.add_argument("--transport-bucket-mb", type=int, default=256, help="--transport: bucket MiB")
+    parser.add_argument("--object-store-mb", type=int, default=2048, help="--transport: Ray object store MiB")
     args = parser.parse_args(argv)
+    if args.transport:
+        transport_main(args)
+        return
     if args.child:
         print(json.dumps(run_mode(args.child, args.layers, args.vocab, args.repeats, args.threads, args.dtype[0])))
         return

@@ -47,6 +47,9 @@ DISPATCH: dict[str, str] = {
     "update": "split",
     "hf_bucket_plan": "tp0",
     "hf_bucket": "tp0",
+    "weight_sync_open": "rank0",  # the collective weight-sync group holds global rank 0 only
+    "weight_sync_join": "rank0",
+    "weight_sync_send": "tp0",  # the tensor-parallel ranks gather, rank 0 broadcasts
     "save_state": "all",
     "load_state": "all",
     "save_model": "all",

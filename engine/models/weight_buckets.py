@@ -424,6 +424,55 @@ class HFBucketSource:
                 return []
         return bucket
 
+    _weight_sync_end = None  # engine.distributed.weight_sync.TrainerEnd, made on first use
+
+    def weight_sync_open(self, world_size: int, generation: int, timeout_s: float):
+        """Announce generation ``generation`` of the collective weight-sync group
+        (``rl.engine.weight_sync: collective``): this worker is rank 0 of ``world_size`` and
+        hosts the group's store. Returns the
+        :class:`engine.distributed.weight_sync.GroupSpec` the rollout engines join with; the
+        caller then calls :meth:`weight_sync_join` here and theirs at the same time."""
+        from engine.distributed.weight_sync import TrainerEnd
+
+        if self._weight_sync_end is None:
+            self._weight_sync_end = TrainerEnd()
+        return self._weight_sync_end.open(world_size, generation, timeout_s)
+
+    def weight_sync_join(self) -> None:
+        """Form the group announced by :meth:`weight_sync_open` (blocks until every engine
+        worker joined, at most the group's timeout)."""
+        self._weight_sync_end.join()
+
+    def weight_sync_send(self, index: int) -> tuple[int, float, float]:
+        """Broadcast bucket ``index`` (:meth:`hf_bucket`) over the collective group.
+
+        Under tensor parallelism every rank of the group gathers (as for :meth:`hf_bucket`)
+        and only its rank 0, the group's rank 0, broadcasts.
+
+        Returns: ``(bytes sent, seconds making the bucket, seconds broadcasting)``; other
+            tensor-parallel ranks return ``(0, seconds, 0.0)``.
+
+        Raises: RuntimeError when the group is not formed or the broadcast fails (a peer gone,
+            the group's timeout); the group is dropped then (its connections close, so the
+            engines' pending receives fail instead of waiting), and the router forms a new one.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        bucket = self.hf_bucket(index)
+        t1 = time.perf_counter()
+        end = self._weight_sync_end
+        if end is None or end.spec is None:
+            if _tensor_parallel_group() is not None:
+                return 0, t1 - t0, 0.0  # a tensor-parallel peer: it took part in the gather only
+            raise RuntimeError("weight sync: no collective group was opened on this worker")
+        try:
+            sent = end.send(bucket)
+        except BaseException:
+            end.close()
+            raise
+        return sent, t1 - t0, time.perf_counter() - t1
+
     def _weight_buckets(self) -> BucketServer:
         if self._bucket_server is None:
             budget = self.cfg.engine.weight_sync_bucket_mb * 2**20

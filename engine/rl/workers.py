@@ -116,9 +116,11 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
                      max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
                      num_sequences=share * cfg.n_samples, precision=cfg.precision)
 
+    # the HF backend has no collective receive: its weights always travel through the object store
+    weight_sync = cfg.engine.weight_sync if cfg.rollout.backend == "vllm" else "object_store"
     return RolloutRouter(spawn_engine, n, actor, health_check_timeout_s=cfg.engine.health_check_timeout_s,
                          max_engine_restarts=cfg.engine.max_engine_restarts,
-                         weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s)
+                         weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s, weight_sync=weight_sync)
 
 
 @dataclass
@@ -280,6 +282,19 @@ class RolloutWorker:
         :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
         _init_thread()
         self.engine.update_weights(named_tensors)
+
+    def weight_sync_join(self, spec, rank_offset: int):
+        """Join the collective weight-sync group (``rl.engine.weight_sync: collective``; vLLM
+        only, see :meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_join`)."""
+        _init_thread()
+        return self.engine.weight_sync_join(spec, rank_offset)
+
+    def weight_sync_receive(self, buckets) -> tuple[float, float]:
+        """Receive and load every bucket of one sync over the collective group; returns
+        ``(seconds waiting for buckets, seconds loading)``
+        (:meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_receive`)."""
+        _init_thread()
+        return self.engine.weight_sync_receive(buckets)
 
     def ping(self) -> None:
         """The health check of :class:`engine.rollout.router.RolloutRouter`: does nothing. It

@@ -12,10 +12,14 @@ sync weights:
   so a sample's random stream depends neither on its engine nor on the other prompts of its
   share. A multi-turn prompt's whole episode is one call to one engine: all its turns run
   there. Results come back in the caller's prompt order, with the engine of each prompt.
-- **Weight sync.** :meth:`RolloutRouter.update_weights` asks the policy's actor for each
-  bucket once (one ObjectRef) and hands the same ref to every engine (Ray resolves it in each
-  engine from the object store; the driver never holds the tensors), between
-  ``begin_weight_update`` / ``end_weight_update`` on every engine when a version is given.
+- **Weight sync.** :meth:`RolloutRouter.update_weights` sends the policy's buckets to every
+  engine, between ``begin_weight_update`` / ``end_weight_update`` on every engine when a
+  version is given, the way ``rl.engine.weight_sync`` says: ``collective``
+  (:func:`push_weights_collective`: the actor broadcasts each bucket over a process group it
+  shares with the engines, :class:`CollectiveGroup`; a new generation of the group is formed
+  when the engines change) or ``object_store`` (:func:`push_weights`: the actor is asked for
+  each bucket once, one ObjectRef, and the same ref goes to every engine, which Ray resolves
+  from the object store; the driver never holds the tensors).
 - **Health.** While it waits for a generation, the router pings every busy engine (a no-op
   actor call, served on a second actor thread while the engine generates) every few
   seconds. An engine whose actor died (its process was killed, e.g. by the OOM killer or a
@@ -204,6 +208,141 @@ def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, 
     return time.perf_counter() - t0, dead
 
 
+class CollectiveGroup:
+    """The router's record of the collective weight-sync group (``rl.engine.weight_sync:
+    collective``, ``engine.distributed.weight_sync``): which engines hold its current
+    generation. A sync to another set of engines (a replacement took a place, a sync failed)
+    forms the next generation first; the same set reuses the group.
+
+    Attributes:
+        generation: the current generation (0: none formed yet).
+        members: the engine handles of the current generation, in rank order (empty: none).
+        workers_per_engine: vLLM workers (ranks) per engine: 1 with the in-process engine.
+    """
+
+    def __init__(self, workers_per_engine: int = 1):
+        self.generation = 0
+        self.members: tuple = ()
+        self.workers_per_engine = int(workers_per_engine)
+
+
+def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGroup, timeout_s: float | None = None,
+                            version: int | None = None, tolerate_death: bool = False,
+                            timings: dict[str, float] | None = None,
+                            paused: set[int] | None = None) -> tuple[float, set[int]]:
+    """As :func:`push_weights`, but the buckets travel over the collective group: the actor
+    broadcasts them one after the other (``weight_sync_send`` per bucket, queued at once) while
+    every engine receives them and loads each (one ``weight_sync_receive`` call: it loads
+    bucket ``i`` while bucket ``i + 1`` arrives); no tensor goes through Ray's object store.
+
+    The group spans the actor (rank 0) and ``engines`` (ranks ``1 ..``, in order). When
+    ``engines`` are not the members of ``group``'s current generation, the next generation is
+    formed first (``weight_sync_open`` on the actor, then ``weight_sync_join`` on the actor
+    and every engine at once). After a failure ``group`` is left empty, so the next sync forms
+    a new one.
+
+    Args: as :func:`push_weights`, plus
+        group: the router's :class:`CollectiveGroup` (updated here).
+        timings: when given, receives seconds: ``form`` (group formation), ``make`` (the
+            actor building buckets) and ``send`` (its broadcasts), and the slowest engine's
+            ``engine_wait`` (waiting for a bucket to arrive) and ``load`` (``reload_weights``),
+            each summed over the buckets. The actor's and the engines' phases overlap.
+        paused: with ``version``, the indices of engines whose generation is paused and not yet
+            resumed (updated here: an engine is added when paused, removed when resumed); those
+            already in it are not paused again. A sync that stopped at a dead engine leaves the
+            survivors in it, and the router's second sync to every engine resumes them.
+
+    Returns: ``(seconds, indices into engines of the engines found dead)``; when an engine died
+        the broadcasts fail and the others may hold a partial update (the caller syncs again
+        once it replaced the dead ones).
+
+    Raises: as :func:`push_weights`.
+    """
+    t0 = time.perf_counter()
+    dead: set[int] = set()
+    several = len(engines) > 1
+    timeout = 600.0 if timeout_s is None else float(timeout_s)  # the group's own timeout must be finite
+    clock = {"form": 0.0, "make": 0.0, "send": 0.0, "load": 0.0}
+
+    def wait_all(refs: dict, what: str):
+        """Wait for ``{key: ref}`` (an int key: that engine's call, any other: the actor's); an
+        engine death is recorded (with ``tolerate_death``), any other error raised after all
+        were waited."""
+        out, errors = {}, []
+        for k, ref in refs.items():
+            left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+            where = f" on rollout engine {k}" if several and isinstance(k, int) else ""
+            try:
+                out[k] = ray.get(ref, timeout=left)
+            except GetTimeoutError as exc:
+                group.members = ()
+                raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}={timeout_s} s; the "
+                                   "rollout engine may hold a partial update") from exc
+            except RayActorError as exc:
+                if tolerate_death and isinstance(k, int):
+                    logger.warning("weight sync: rollout engine %d died (%s: %s)", k, type(exc).__name__, exc)
+                    dead.add(k)
+                else:
+                    errors.append((k, where, exc))
+            except RayError as exc:
+                errors.append((k, where, exc))
+        if errors or dead:
+            group.members = ()
+        if errors and not dead:  # with a dead engine the others' errors are its consequence
+            k, where, exc = errors[0]
+            cause = getattr(exc, "cause", None) or exc
+            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from exc
+        return out
+
+    plan = wait_all({None: actor.hf_bucket_plan.remote()}, "planning the buckets")[None]
+    live = list(range(len(engines)))
+    if tuple(engines) != group.members:
+        t1 = time.perf_counter()
+        group.members = ()
+        group.generation += 1
+        per = group.workers_per_engine
+        spec = wait_all({None: actor.weight_sync_open.remote(1 + per * len(engines), group.generation, timeout)},
+                        "opening the collective group")[None]
+        refs = {None: actor.weight_sync_join.remote()}
+        refs.update({k: e.weight_sync_join.remote(spec, 1 + per * k) for k, e in enumerate(engines)})
+        wait_all(refs, f"forming the collective group (generation {group.generation})")
+        if dead:
+            return time.perf_counter() - t0, dead
+        group.members = tuple(engines)
+        clock["form"] = time.perf_counter() - t1
+    paused = set() if paused is None else paused
+    if version is not None:
+        wait_all({k: engines[k].begin_weight_update.remote(timeout_s) for k in live if k not in paused},
+                 "pausing generation")
+        paused.update(k for k in live if k not in dead)
+        if dead:
+            return time.perf_counter() - t0, dead
+    # every bucket's send queued on the actor (it runs them in order) and one receive call per
+    # engine, which loads bucket i while bucket i + 1 arrives
+    refs: dict = {("send", i): actor.weight_sync_send.remote(i) for i in range(plan.num_buckets)}
+    buckets = [plan.bucket(i) for i in range(plan.num_buckets)]
+    refs.update({k: engines[k].weight_sync_receive.remote(buckets) for k in live})
+    out = wait_all(refs, f"the {plan.num_buckets} buckets")
+    if dead:
+        return time.perf_counter() - t0, dead
+    for i in range(plan.num_buckets):
+        _, make_s, send_s = out[("send", i)]
+        clock["make"] += make_s
+        clock["send"] += send_s
+    clock["engine_wait"] = max((out[k][0] for k in live), default=0.0)
+    clock["load"] = max((out[k][1] for k in live), default=0.0)
+    if version is not None:
+        wait_all({k: engines[k].end_weight_update.remote(version) for k in live}, "resuming generation")
+        paused.clear()
+    seconds = time.perf_counter() - t0
+    if timings is not None:
+        timings.update(clock)
+    return seconds, dead
+
+
+WEIGHT_SYNC_MODES = ("collective", "object_store")
+
+
 class RolloutRouter:
     """``num_engines`` rollout engines behind one driver-side object (module docstring).
 
@@ -221,6 +360,9 @@ class RolloutRouter:
         max_engine_restarts: ``rl.engine.max_engine_restarts``: replacements allowed per RL
             step (see ``restarts_before`` of the generate methods).
         weight_sync_timeout_s: deadline of a replacement's weight load (None: none).
+        weight_sync: ``rl.engine.weight_sync``: how weights travel, ``"collective"``
+            (:func:`push_weights_collective`; the engines must serve ``weight_sync_join`` and
+            ``weight_sync_receive``) or ``"object_store"`` (:func:`push_weights`).
 
     Attributes:
         engines: the current engine handles, by index (a replacement takes its place).
@@ -230,14 +372,18 @@ class RolloutRouter:
     :meth:`update_weights` may run on another thread at the same time (asynchronous RL): a
     lock keeps a weight sync and a replacement apart.
 
-    Raises: ValueError for ``num_engines < 1``.
+    Raises: ValueError for ``num_engines < 1`` or an unknown ``weight_sync``.
     """
 
     def __init__(self, spawn_engine: Callable[[int], Any], num_engines: int, actor, *,
                  health_check_timeout_s: float = 60.0, max_engine_restarts: int = 2,
-                 weight_sync_timeout_s: float | None = None):
+                 weight_sync_timeout_s: float | None = None, weight_sync: str = "object_store"):
         if num_engines < 1:
             raise ValueError(f"rl.rollout.num_engines must be >= 1, got {num_engines}")
+        if weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(f"rl.engine.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {weight_sync!r}")
+        self.weight_sync = weight_sync
+        self.group = CollectiveGroup()
         self._spawn = spawn_engine
         self.actor = actor
         self.health_check_timeout_s = float(health_check_timeout_s)
@@ -436,13 +582,15 @@ class RolloutRouter:
         logger.warning("rollout engine %d replaced in %.1f s", e, self.replacements[-1].seconds)
         return True
 
-    def _start(self, e: int, why: str):
-        """A fresh engine ``e``, started and loaded with the policy (call with the lock held)."""
+    def _start(self, e: int, why: str, load: bool = True):
+        """A fresh engine ``e``, started and (with ``load``) loaded with the policy (call with
+        the lock held). Collective: the load forms a group of the actor and this engine alone;
+        the next sync to every engine forms a new one with them all."""
         fresh = self._spawn(e)
         try:
             ray.get(fresh.__ray_ready__.remote())
-            if self._synced:
-                push_weights(self.actor, [fresh], self.weight_sync_timeout_s, self._version)
+            if self._synced and load:
+                self._push([fresh], self.weight_sync_timeout_s, self._version)
         except (RayError, TimeoutError, RuntimeError) as exc:
             ray.kill(fresh, no_restart=True)
             raise RuntimeError(f"rollout engine {e} failed ({why}) and its replacement did not start: "
@@ -464,21 +612,35 @@ class RolloutRouter:
         t0 = time.perf_counter()
         with self._lock:
             engines = list(self.engines)
-            _, dead = push_weights(self.actor, engines, timeout_s, version, tolerate_death=True)
+            paused: set[int] = set()
+            _, dead = self._push(engines, timeout_s, version, tolerate_death=True, paused=paused)
             self._synced = True
             if version is not None:
                 self._version = version
             if len(dead) > self.max_engine_restarts:
                 raise RuntimeError(f"weight sync: rollout engines {sorted(dead)} died; replacing them would make "
                                    f"{len(dead)} engine restarts, over {RESTARTS_KEY}={self.max_engine_restarts}")
+            collective = self.weight_sync == "collective"
             for e in sorted(dead):
                 why = "its actor died during a weight sync"
                 t1 = time.perf_counter()
                 ray.kill(engines[e], no_restart=True)
-                self.engines[e] = self._start(e, why)
+                # collective: a broadcast stops at the failed bucket, so the survivors may hold
+                # part of this version; the replacements start empty and everyone syncs below
+                self.engines[e] = self._start(e, why, load=not collective)
                 self.replacements.append(Replacement(e, why, time.perf_counter() - t1))
                 self._unreported += 1
+            if dead and collective:  # one new group of every engine, replacements included
+                self._push(list(self.engines), timeout_s, version, paused=paused - dead)
         return time.perf_counter() - t0
+
+    def _push(self, engines: Sequence[Any], timeout_s: float | None, version: int | None,
+              tolerate_death: bool = False, paused: set[int] | None = None) -> tuple[float, set[int]]:
+        """:func:`push_weights_collective` or :func:`push_weights`, as ``weight_sync`` says."""
+        if self.weight_sync == "collective":
+            return push_weights_collective(self.actor, engines, self.group, timeout_s, version, tolerate_death,
+                                           paused=paused)
+        return push_weights(self.actor, engines, timeout_s, version, tolerate_death)
 
     def stop(self) -> None:
         """Kill every engine (an engine already dead is skipped)."""

@@ -22,6 +22,7 @@ import torch
 from engine.library_warnings import silence_library_deprecations
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
+from engine.rollout.vllm_weight_sync import EXTENSION as WEIGHT_SYNC_EXTENSION
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +241,8 @@ class VLLMRollout:
                 enable_chunked_prefill=False,
                 max_num_batched_tokens=max(8192, max_model_len),
                 logging_config=_vllm_logging(),
+                # collective weight sync enters vLLM's workers through this (vllm_weight_sync)
+                worker_extension_cls=WEIGHT_SYNC_EXTENSION,
             )
         self.dtype = _running_dtype(self.llm, dtype)
 
@@ -323,6 +326,25 @@ class VLLMRollout:
         with _quiet_partial_reload():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+    def weight_sync_join(self, spec, rank_offset: int) -> list[int]:
+        """Join the collective weight-sync group ``spec``
+        (:class:`engine.distributed.weight_sync.GroupSpec`): each of this engine's vLLM workers
+        becomes rank ``rank_offset + its rank`` (``engine.rollout.vllm_weight_sync``). Blocks
+        until the whole group joined. Returns the ranks taken."""
+        return self.llm.collective_rpc("weight_sync_join", args=(spec, int(rank_offset)))
+
+    def weight_sync_receive(self, buckets) -> tuple[float, float]:
+        """Receive the policy's weights over the collective group, bucket by bucket, and load
+        each in place as :meth:`update_weights` loads an object-store bucket (``buckets``: per
+        bucket its ``engine.models.weight_buckets.TensorMeta``; tied head, cast and prefix-cache
+        reset as there; ``engine.rollout.vllm_weight_sync``). Returns ``(seconds waiting for
+        buckets, seconds loading)``, the slowest worker's."""
+        buckets = [tuple(b) for b in buckets]
+        with _quiet_partial_reload():
+            times = self.llm.collective_rpc("weight_sync_receive", args=(buckets, self.tie_word_embeddings, self.dtype))
+        self.llm.reset_prefix_cache()
+        return max(t[0] for t in times), max(t[1] for t in times)
 
 
 # vLLM's in-place reload warns about every module a call did not load; with one bucket per
