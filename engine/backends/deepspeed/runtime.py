@@ -457,12 +457,16 @@ class DeepSpeedTrainer:
     def _held_gradient_numel(self) -> int:
         """Gradient elements this rank holds once a batch's backwards are done (before the
         step): the parameters' ``.grad`` plus ZeRO's gradient partitions (ZeRO-3's flat fp32
-        partition buffer, ZeRO-2's ``grads_in_partition``)."""
+        partition buffer; ZeRO-2's ``grads_in_partition`` and, with the caller's gradient
+        accumulation, the reduced gradients of its partition, ``all_grad_tensors``)."""
+        opt = self.engine.optimizer
         held = sum(p.grad.numel() for p in self.module.parameters() if p.grad is not None)
         for attr in ("grad_partitions_flat_buffer", "grads_in_partition"):
-            buffer = getattr(self.engine.optimizer, attr, None)
+            buffer = getattr(opt, attr, None)
             if isinstance(buffer, torch.Tensor):
                 held += buffer.numel()
+        for tensors in (getattr(opt, "all_grad_tensors", None) or {}).values():
+            held += sum(t.numel() for t in tensors or () if t is not None)
         return held
 
     def partition_numels(self) -> dict[str, int]:
@@ -731,6 +735,15 @@ class DeepSpeedTrainer:
             self._set_masters(state.model)
         else:
             self.engine.optimizer.refresh_fp32_params()
+        # A trainer that has not stepped yet has no AdamW state (torch creates it in the first
+        # step): its flat partitions get zero moments to be overwritten below.
+        with self._optimizer_param_groups():
+            for group in self.optimizer.param_groups:
+                for flat in group["params"]:
+                    entry = self.optimizer.state[flat]
+                    if "exp_avg" not in entry:
+                        entry.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
+                                     exp_avg_sq=torch.zeros_like(flat))
         params = [p for group in groups for p in group]
         for index, p in enumerate(params):
             for moment in ("exp_avg", "exp_avg_sq"):

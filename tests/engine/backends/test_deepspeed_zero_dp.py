@@ -29,6 +29,7 @@ from engine.trajectory import Trajectory
 
 DP2 = ParallelConfig(data_parallel_size=2)
 STEPS = 3
+LARGEST = 300 * 64  # the policy's largest parameter, its (tied) embedding
 
 
 def rl_config(stage: int) -> RLConfig:
@@ -182,7 +183,10 @@ def test_zero_partitions_halve_each_ranks_state(policy_dir, ray_cluster):
     """Elements each of the two ranks holds after one step (``partition_numels``): under ZeRO-3
     the parameters, the gradients, the fp32 masters and AdamW's moments are each about half of
     the model (DeepSpeed pads each partition to an even split, so within 1% of half); under
-    ZeRO-2 the parameters stay whole and the rest is halved."""
+    ZeRO-2 the parameters stay whole and the rest is halved (its gradients up to a boundary
+    parameter: see below). Measured at 93,504 parameters: ZeRO-3 46,752 of each per rank; ZeRO-2
+    93,504 parameters, 48,192 and 53,568 gradient elements, 46,752 master and exp_avg elements
+    per rank."""
     import ray
 
     traj = trajectory()
@@ -197,7 +201,13 @@ def test_zero_partitions_halve_each_ranks_state(policy_dir, ray_cluster):
         total = sizes[0]["total"]
         print(f"ZeRO-{stage} at DP=2, {total} parameters: per rank {sizes}")
         for key in halved:
+            # ZeRO-2 keeps its partition's reduced gradients as whole parameter tensors until the
+            # step, so a parameter straddling the partition boundary is held whole by both ranks:
+            # each holds half plus at most the largest parameter (the 300 x 64 embedding).
+            # Everything else is half within DeepSpeed's padding (1%).
+            slack = LARGEST if (stage, key) == (2, "gradients") else 0.01 * total
             for rank in sizes:
-                assert abs(rank[key] - total / 2) <= 0.01 * total, (stage, key, rank[key], total)
+                assert abs(rank[key] - total / 2) <= slack, (stage, key, rank[key], total)
+            assert total <= sum(rank[key] for rank in sizes) <= total + slack  # every element is held somewhere
         if stage == 2:
             assert all(rank["params"] == total for rank in sizes)
