@@ -106,8 +106,11 @@ def test_config_refuses_layouts_the_stages_cannot_run():
     with pytest.raises(ValueError, match=r"po.parallel.data_parallel_size=3 needs at least 3 micro-batches per step "
                                          r"\(one per rank\), but po.global_batch_size / po.micro_batch_size = 4 / 2 = 2"):
         PoConfig(global_batch_size=4, micro_batch_size=2, parallel={"data_parallel_size": 3})
-    with pytest.raises(ValueError, match="rm.parallel.data_parallel_size=2 needs rm.backend: megatron"):
-        RMConfig(backend="deepspeed", parallel={"data_parallel_size": 2})
+    # the deepspeed backend runs data parallelism (ZeRO over the ranks), not tensor parallelism
+    assert RMConfig(backend="deepspeed", parallel={"data_parallel_size": 2}).parallel.data_parallel_size == 2
+    with pytest.raises(ValueError, match=r"rm.parallel.data_parallel_size=2 with rm.precision bf16 needs "
+                                         r"rm.deepspeed.zero_stage >= 1"):
+        RMConfig(backend="deepspeed", precision="bf16", deepspeed={"zero_stage": 0}, parallel={"data_parallel_size": 2})
     with pytest.raises(ValueError, match="rm.parallel.tensor_model_parallel_size=2 needs rm.backend: megatron"):
         RMConfig(backend="deepspeed", parallel={"tensor_model_parallel_size": 2})
     assert SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 2}).parallel.world_size == 2
