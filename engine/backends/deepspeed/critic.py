@@ -105,6 +105,10 @@ class DeepSpeedCriticWorker:
         """
         return critic_update(traj, self.cfg, self.trainer.train_step, norm)
 
+    def partition_numels(self) -> dict[str, int]:
+        """Elements of model state this rank holds (``DeepSpeedTrainer.partition_numels``)."""
+        return self.trainer.partition_numels()
+
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW as DeepSpeed steps it,
         schedule, RNG; tagged with the backend and ZeRO stage) atomically under

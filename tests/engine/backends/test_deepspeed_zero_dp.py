@@ -8,8 +8,9 @@ of two Ray actors whose gloo process group DeepSpeed partitions over.
 
 Measured here: ZeRO-3 at DP=2 after three steps equals DP=1 (bounds below), each rank holds
 half of the parameters, gradients, fp32 masters and AdamW moments under ZeRO-3 and half of the
-gradients, masters and moments under ZeRO-2 (parameters whole), and a DP=2 ZeRO-3 train state
-resumes at DP=1 with the same weights and moments and the same next step.
+gradients, masters and moments under ZeRO-2 (parameters whole; the critic, whose DP=2 update
+equals DP=1's too), and a DP=2 ZeRO-3 train state resumes at DP=1 with the same weights and
+moments and the same next step.
 
 Needs: DeepSpeed on its CPU accelerator (gloo), Ray, megatron-core on CPU (the policy's model
 directory).
@@ -23,7 +24,8 @@ import pytest
 import torch
 
 from config.parallel import ParallelConfig
-from config.rl import RLConfig
+from config.rl import CriticConfig, RLConfig
+from config.training import OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
@@ -33,12 +35,13 @@ LARGEST = 300 * 64  # the policy's largest parameter, its (tied) embedding
 
 
 def rl_config(stage: int) -> RLConfig:
-    """DeepSpeed actor at ZeRO ``stage``, fp32, every parameter partitioned under ZeRO-3
-    (persistence threshold 0), GRPO-style token-mean loss with a KL term, clipping below the
-    first gradient norm."""
+    """DeepSpeed actor and critic at ZeRO ``stage``, fp32, every parameter partitioned under
+    ZeRO-3 (persistence threshold 0), GRPO-style token-mean loss with a KL term, clipping below
+    the first gradient norm; a PPO critic with a warm-up step and clipping below its first norm."""
     return RLConfig(backend="deepspeed", deepspeed={"zero_stage": stage, "param_persistence_threshold": 0},
                     micro_batch_size=3, kl={"coef": 0.1}, precision="fp32",
-                    optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0})
+                    optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
+                    critic=CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=1, grad_clip=0.5), cliprange_value=0.2))
 
 
 def trajectory() -> Trajectory:
@@ -79,15 +82,17 @@ def ray_cluster():
     yield
 
 
-def _group(policy_dir: Path, cfg: RLConfig):
+def _group(policy_dir: Path, cfg: RLConfig, worker_cls=None, seed: int = 0, norm_fn=None):
+    """A DP=2 WorkerGroup of ``worker_cls`` (default the DeepSpeed actor, with the actor's
+    global normalisers), one torch thread per rank."""
     import ray
 
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.distributed.group import WorkerGroup
     from engine.training.actor import actor_norm
 
-    group = WorkerGroup(DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1), seed=0,
-                        norm_fn=lambda t: actor_norm(t, cfg))
+    group = WorkerGroup(worker_cls or DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, seed, 1),
+                        seed=seed, norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)))
     ray.get(group.__ray_ready__.remote())
     return group
 
@@ -180,34 +185,60 @@ def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cl
 
 
 def test_zero_partitions_halve_each_ranks_state(policy_dir, ray_cluster):
-    """Elements each of the two ranks holds after one step (``partition_numels``): under ZeRO-3
-    the parameters, the gradients, the fp32 masters and AdamW's moments are each about half of
-    the model (DeepSpeed pads each partition to an even split, so within 1% of half); under
-    ZeRO-2 the parameters stay whole and the rest is halved (its gradients up to a boundary
-    parameter: see below). Measured at 93,504 parameters: ZeRO-3 46,752 of each per rank; ZeRO-2
-    93,504 parameters, 48,192 and 53,568 gradient elements, 46,752 master and exp_avg elements
-    per rank."""
+    """Elements each of the two ranks holds after one step (``partition_numels``): the ZeRO-3
+    actor holds about half of the parameters, gradients, fp32 masters and AdamW moments
+    (DeepSpeed pads each partition to an even split, so within 1% of half); the ZeRO-2 critic
+    keeps its parameters whole and halves the rest (its gradients up to a boundary parameter:
+    see below). Measured at 93,504 actor parameters: 46,752 of each per rank; the critic
+    (93,569 parameters with its value head): 46,785 master and exp_avg elements per rank.
+
+    The ZeRO-2 critic's update at DP=2 also equals the DP=1 critic's (metrics within 1e-6, as
+    above), its values before and after within 1e-6: the critic's role and ZeRO-2's
+    per-backward reduction with the loss scaled against DeepSpeed's averaging."""
     import ray
 
+    from engine.algorithms.aggregation import global_norm
+    from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
+
     traj = trajectory()
-    traj = traj.with_(old_logprobs=torch.zeros(traj.response_ids.shape), ref_logprobs=torch.zeros(traj.response_ids.shape))
+    zeros = torch.zeros(traj.response_ids.shape)
+    actor = _group(policy_dir, rl_config(3))
+    try:
+        ray.get(actor.update.remote(traj.with_(old_logprobs=zeros, ref_logprobs=zeros)))
+        sizes = {3: ray.get([rank.call.remote("partition_numels") for rank in actor.ranks])}
+    finally:
+        actor.kill()
+
+    cfg = rl_config(2).model_copy(update={"algorithm": "gae"})
+    traj = traj.with_(returns=torch.linspace(-1.0, 1.0, len(traj))[:, None] * traj.response_mask)
+    single = DeepSpeedCriticWorker(policy_dir, cfg, 3, 1)
+    values = single.compute_values(traj)
+    critic = _group(policy_dir, cfg, DeepSpeedCriticWorker, seed=3, norm_fn=lambda t: global_norm(t.response_mask))
+    try:
+        assert torch.allclose(ray.get(critic.compute_values.remote(traj)), values, atol=1e-6, rtol=0)
+        offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
+        traj = traj.with_(values=(values + offsets) * traj.response_mask)
+        want, got = single.update(traj), ray.get(critic.update.remote(traj))
+        for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
+            assert _close(got[key], want[key]), (key, got[key], want[key])
+        after = ray.get(critic.compute_values.remote(traj))
+        assert torch.allclose(after, single.compute_values(traj), atol=1e-6, rtol=0)
+        assert float((after - values).abs().max()) > 1e-4  # the update changed the values
+        sizes[2] = ray.get([rank.call.remote("partition_numels") for rank in critic.ranks])
+    finally:
+        critic.kill()
+
     for stage, halved in ((3, ("params", "gradients", "master", "exp_avg")), (2, ("gradients", "master", "exp_avg"))):
-        group = _group(policy_dir, rl_config(stage))
-        try:
-            ray.get(group.update.remote(traj))
-            sizes = ray.get([rank.call.remote("partition_numels") for rank in group.ranks])
-        finally:
-            group.kill()
-        total = sizes[0]["total"]
-        print(f"ZeRO-{stage} at DP=2, {total} parameters: per rank {sizes}")
+        total = sizes[stage][0]["total"]
+        print(f"ZeRO-{stage} at DP=2, {total} parameters: per rank {sizes[stage]}")
         for key in halved:
             # ZeRO-2 keeps its partition's reduced gradients as whole parameter tensors until the
             # step, so a parameter straddling the partition boundary is held whole by both ranks:
             # each holds half plus at most the largest parameter (the 300 x 64 embedding).
             # Everything else is half within DeepSpeed's padding (1%).
             slack = LARGEST if (stage, key) == (2, "gradients") else 0.01 * total
-            for rank in sizes:
+            for rank in sizes[stage]:
                 assert abs(rank[key] - total / 2) <= slack, (stage, key, rank[key], total)
-            assert total <= sum(rank[key] for rank in sizes) <= total + slack  # every element is held somewhere
+            assert total <= sum(rank[key] for rank in sizes[stage]) <= total + slack  # every element is held somewhere
         if stage == 2:
-            assert all(rank["params"] == total for rank in sizes)
+            assert all(rank["params"] == total for rank in sizes[stage])
