@@ -190,7 +190,8 @@ def test_zero_partitions_halve_each_ranks_state(policy_dir, ray_cluster):
     (DeepSpeed pads each partition to an even split, so within 1% of half); the ZeRO-2 critic
     keeps its parameters whole and halves the rest (its gradients up to a boundary parameter:
     see below). Measured at 93,504 actor parameters: 46,752 of each per rank; the critic
-    (93,569 parameters with its value head): 46,785 master and exp_avg elements per rank.
+    (93,569 parameters with its value head): 46,786 master and exp_avg elements, 48,192 and
+    53,633 gradient elements per rank.
 
     The ZeRO-2 critic's update at DP=2 also equals the DP=1 critic's (metrics within 1e-6, as
     above), its values before and after within 1e-6: the critic's role and ZeRO-2's
