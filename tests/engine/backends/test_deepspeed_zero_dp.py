@@ -158,6 +158,13 @@ def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cl
               f"{int((diff > 1e-6).sum())} of {diff.numel()} beyond 1e-6")
         assert float(diff.max()) < 1e-2 * cfg.optim.lr
         assert int((diff > 1e-6).sum()) <= 1e-4 * diff.numel()
+        # weight sync: every rank gathers its ZeRO-3 partitions (GROUP_DISPATCH), rank 0's buckets are sent
+        plan = ray.get(group.hf_bucket_plan.remote())
+        assert plan.num_buckets == single.hf_bucket_plan().num_buckets
+        for index in range(plan.num_buckets):
+            got_bucket, want_bucket = ray.get(group.hf_bucket.remote(index)), single.hf_bucket(index)
+            assert [n for n, _ in got_bucket] == [n for n, _ in want_bucket]
+            assert all(float((a - b).abs().max()) < 1e-2 * cfg.optim.lr for (_, a), (_, b) in zip(got_bucket, want_bucket))
 
         # The DP=2 state (consolidated: whole moments per parameter) resumes in a fresh DP=1 worker.
         resumed = DeepSpeedActorWorker(policy_dir, cfg, 0, 1)
