@@ -47,7 +47,9 @@ class DeepSpeedActorWorker(HFBucketSource):
     weight sync and :meth:`save_model` carry the merged weights under the plain HF names. It runs as a Ray actor in
     its own process (built by :func:`engine.rl.workers.spawn` via
     :func:`engine.rl.workers.start_workers`), so every argument and result crosses a process
-    boundary.
+    boundary. At ``rl.parallel.actor.data_parallel_size > 1`` each rank of an
+    :class:`engine.distributed.group.WorkerGroup` builds one and ZeRO partitions over the ranks
+    (``engine.backends.deepspeed.runtime``); log-probs and updates take the rank's shard.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
