@@ -315,7 +315,8 @@ class DeepSpeedTrainer:
 
     Raises:
         RuntimeError: see :func:`import_deepspeed` and :func:`init_process_group`.
-        ValueError: bf16 at ZeRO-0 in a world of several ranks; from ``build_optimizer`` (no trainable parameters, bad schedule) or
+        ValueError: bf16 at ZeRO-0 in a world of several ranks; from ``build_optimizer`` (no
+            trainable parameters, bad schedule) or
             ``to_mixed_precision``; a trainable parameter is not fp32 under bf16; an unknown
             ``precision``.
     """
