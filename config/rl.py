@@ -355,9 +355,17 @@ class RLConfig(Strict):
         for role in ("actor", "critic", "reference"):
             layout = getattr(self.parallel, role)
             key = f"rl.parallel.{role}"
-            if layout.world_size > 1 and self.backend == "deepspeed" and role != "reference":
-                raise ValueError(f"{key}: data/tensor parallelism runs on rl.backend megatron; the deepspeed backend "
-                                 "trains one rank per role here (set the sizes to 1 or rl.backend: megatron)")
+            if self.backend != "deepspeed" or role == "reference":
+                continue
+            # the deepspeed backend partitions over data-parallel ranks (ZeRO); it has no tensor parallelism
+            if layout.tensor_model_parallel_size > 1:
+                raise ValueError(f"{key}.tensor_model_parallel_size={layout.tensor_model_parallel_size}: the deepspeed "
+                                 "backend runs data parallelism only (ZeRO partitions over the data-parallel ranks, "
+                                 f"rl.deepspeed.zero_stage); set {key}.tensor_model_parallel_size: 1 or rl.backend: megatron")
+            if layout.data_parallel_size > 1 and self.deepspeed.zero_stage == 0 and self.precision == "bf16":
+                raise ValueError(f"{key}.data_parallel_size={layout.data_parallel_size} with rl.precision bf16 needs "
+                                 "rl.deepspeed.zero_stage >= 1 (DeepSpeed's own bf16 mixed precision); set "
+                                 "rl.deepspeed.zero_stage: 1, 2 or 3, or rl.precision: fp32")
         return self
 
     @model_validator(mode="after")

@@ -39,22 +39,28 @@ class RMConfig(Strict):
                                 "directory (docs/algorithms.md, Training backends).")
     deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="DeepSpeed settings; used only with backend deepspeed.")
     parallel: ParallelConfig = Field(
-        ParallelConfig(), description="Data and tensor parallelism (rm.backend: megatron): data_parallel_size > 1 runs the "
+        ParallelConfig(), description="Data and tensor parallelism: data_parallel_size > 1 runs the "
                                       "stage as that many Ray actor ranks (times tensor_model_parallel_size), each "
                                       "data-parallel rank back-propagating every k-th micro-batch of a step, with the "
                                       "gradients summed (the update of DP=1 up to float rounding); "
-                                      "tensor_model_parallel_size splits the model's heads and MLP columns across ranks. "
+                                      "tensor_model_parallel_size (rm.backend: megatron) splits the model's heads and MLP "
+                                      "columns across ranks; with rm.backend deepspeed ZeRO (rm.deepspeed.zero_stage) "
+                                      "partitions over the data-parallel ranks. "
                                       "Its train state resumes at any layout (docs/scaling.md).")
 
     @model_validator(mode="after")
     def _parallel(self):
         check_stage_layout("rm", self.parallel, self.global_batch_size, self.micro_batch_size,
                            self.max_tokens_per_micro_batch)
-        for key in ("data_parallel_size", "tensor_model_parallel_size"):
-            size = getattr(self.parallel, key)
-            if size > 1 and self.backend != "megatron":
-                raise ValueError(f"rm.parallel.{key}={size} needs rm.backend: megatron (the {self.backend} backend "
-                                 f"trains on one rank here); set rm.backend: megatron or rm.parallel.{key}: 1")
+        tp, dp = self.parallel.tensor_model_parallel_size, self.parallel.data_parallel_size
+        if tp > 1 and self.backend != "megatron":  # the deepspeed backend partitions over data-parallel ranks (ZeRO)
+            raise ValueError(f"rm.parallel.tensor_model_parallel_size={tp} needs rm.backend: megatron (the "
+                             f"{self.backend} backend runs data parallelism only); set rm.backend: megatron or "
+                             "rm.parallel.tensor_model_parallel_size: 1")
+        if dp > 1 and self.backend == "deepspeed" and self.deepspeed.zero_stage == 0 and self.precision == "bf16":
+            raise ValueError(f"rm.parallel.data_parallel_size={dp} with rm.precision bf16 needs rm.deepspeed.zero_stage "
+                             ">= 1 (DeepSpeed's own bf16 mixed precision); set rm.deepspeed.zero_stage: 1, 2 or 3, or "
+                             "rm.precision: fp32")
         return self
 
     @model_validator(mode="after")

@@ -39,7 +39,8 @@ class DeepSpeedConfig(Strict):
 
     zero_stage: int = Field(
         2, ge=0, le=3, description="ZeRO stage: 0 plain data parallel, 1 shards the optimizer state, 2 also the "
-                                   "gradients, 3 also the weights (across data-parallel ranks; one rank here).")
+                                   "gradients, 3 also the weights (across the role's or stage's data-parallel ranks, "
+                                   "<section>.parallel.data_parallel_size; docs/scaling.md).")
     param_persistence_threshold: int = Field(
         100000, ge=0, description="ZeRO-3: parameters with fewer elements than this stay whole on every rank "
                                   "instead of being sharded (DeepSpeed's stage3_param_persistence_threshold).")

@@ -206,6 +206,9 @@ class WorkerGroup:
         norm_fn: ``norm_fn(traj) -> GlobalNorm`` of a whole batch, passed to ``update`` as
             ``norm`` so every rank normalises by the global batch (None: ``update`` is not split-aware).
 
+    ``worker_cls.GROUP_DISPATCH`` (optional, ``{method: mode}``) overrides :data:`DISPATCH`
+    for that worker's methods.
+
     The ranks are created at once; the rendezvous and the workers' construction run in the
     background: ``group.__ray_ready__.remote()`` is ready when every rank is (and raises what a
     rank's constructor raised).
@@ -221,6 +224,9 @@ class WorkerGroup:
         self.layout = layout
         self.dp, self.tp = layout.data_parallel_size, layout.tensor_model_parallel_size
         self.norm_fn = norm_fn
+        # a worker class may spread some methods otherwise (e.g. the DeepSpeed actor: weight
+        # sync on every rank, since a ZeRO-3 gather is a collective)
+        self.dispatch_modes = {**DISPATCH, **getattr(worker_cls, "GROUP_DISPATCH", {})}
         self.failure: str | None = None
         # pid (the watchdog's ping) in its own concurrency group; every other call in order
         per_rank = actor_options if isinstance(actor_options, list) else [actor_options] * layout.world_size
@@ -270,7 +276,7 @@ class WorkerGroup:
         """One ``ObjectRef`` of ``name(*args, **kwargs)`` over the ranks by :data:`DISPATCH`."""
         if name == "__ray_ready__":
             return self._combine.remote("first", None, (0, 0), *self._ready)
-        mode = DISPATCH.get(name, "all")
+        mode = self.dispatch_modes.get(name, "all")
         if mode == "rank0":
             return self.ranks[0].call.remote(name, *args, **kwargs)
         if mode == "tp0":  # rank 0 answers only once its tensor-parallel peers took part in the gather

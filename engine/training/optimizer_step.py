@@ -106,7 +106,7 @@ def build_model_optimizer(
 
 def accumulate_gradients(
     model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, normalized: bool = False,
-    backward: Callable[[torch.Tensor], None] | None = None,
+    backward: Callable[[torch.Tensor], None] | None = None, engine_reduces: bool = False,
 ) -> tuple[float, int, dict[str, float]]:
     """Back-propagate every micro-batch and scale the summed gradients to a global mean.
 
@@ -135,6 +135,11 @@ def accumulate_gradients(
             gradients (e.g. ``deepspeed_engine.backward``); its gradients are then neither
             cleared first nor divided here (use it with ``normalized=True``). Default
             ``loss.backward()``.
+        engine_reduces: the engine behind ``backward`` reduces the gradients over the
+            data-parallel ranks itself (DeepSpeed ZeRO 1-3 at DP > 1): they are not all-reduced
+            here (the loss, unit and metric sums still are), and a micro-batch without loss
+            units is back-propagated too (its loss weighs nothing), because such an engine's
+            collectives run inside each backward and every rank must run as many.
 
     Returns:
         ``(loss, N, metrics)``: the global mean loss (the sum of the micro-batch losses when
@@ -158,6 +163,8 @@ def accumulate_gradients(
         loss_sum, units, metrics = loss_fn(model, mb)
         units = int(units)
         if units == 0:
+            if engine_reduces and loss_sum.requires_grad:
+                backward(loss_sum * 0.0)  # keeps this rank's backward collectives in step with the others'
             continue  # nothing to learn from (e.g. every target truncated away)
         loss_sum.backward() if backward is None else backward(loss_sum)
         total_units += units
@@ -166,7 +173,8 @@ def accumulate_gradients(
             metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
     all_reduce_tensor_parallel_partial_grads(model)  # Qwen3's q/k norms under TP (nothing otherwise)
     if data_parallel_group() is not None:  # the other data-parallel ranks' shares of the global batch
-        all_reduce_gradients(grads)
+        if not engine_reduces:
+            all_reduce_gradients(grads)
         sums = sum_across_ranks({"__units": total_units, "__loss": loss_total, **metric_sums})
         total_units, loss_total = int(sums.pop("__units")), sums.pop("__loss")
         metric_sums = sums

@@ -266,7 +266,8 @@ def train_reward_model(
 
     lead = global_rank() == 0  # data parallelism: rank 0 evaluates, logs and shows progress
     # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates)
-    evaluates = data_parallel_rank() == 0
+    # (a DeepSpeed ZeRO-3 forward gathers parameters from every rank: all of them evaluate)
+    evaluates = data_parallel_rank() == 0 or getattr(trainer, "collective_forward", False)
     for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
                      dynamic_ncols=True, disable=not lead):
         chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]

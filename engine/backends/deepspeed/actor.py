@@ -15,7 +15,7 @@ from engine.algorithms.aggregation import GlobalNorm
 from engine.backends.deepspeed.runtime import (
     DeepSpeedTrainer,
     import_deepspeed,
-    init_single_process_group,
+    init_process_group,
 )
 from engine.models.weight_buckets import HFBucketSource
 from engine.training.actor import (
@@ -32,6 +32,10 @@ STATE_TAG_KEY = "actor_backend"
 
 
 class DeepSpeedActorWorker(HFBucketSource):
+    # In a data-parallel group (engine.distributed.group.WorkerGroup) every rank takes part in
+    # weight sync: under ZeRO-3 gathering a weight is a collective of all the ranks.
+    GROUP_DISPATCH = {"hf_bucket_plan": "all", "hf_bucket": "all"}
+
     """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
 
     Same constructor arguments, methods and results as :class:`engine.backends.megatron.actor.ActorWorker`;
@@ -43,7 +47,9 @@ class DeepSpeedActorWorker(HFBucketSource):
     weight sync and :meth:`save_model` carry the merged weights under the plain HF names. It runs as a Ray actor in
     its own process (built by :func:`engine.rl.workers.spawn` via
     :func:`engine.rl.workers.start_workers`), so every argument and result crosses a process
-    boundary.
+    boundary. At ``rl.parallel.actor.data_parallel_size > 1`` each rank of an
+    :class:`engine.distributed.group.WorkerGroup` builds one and ZeRO partitions over the ranks
+    (``engine.backends.deepspeed.runtime``); log-probs and updates take the rank's shard.
 
     Args:
         policy_dir: model directory (``engine.storage.model_dir`` layout) to start from.
@@ -56,7 +62,7 @@ class DeepSpeedActorWorker(HFBucketSource):
     Raises:
         ValueError: ``cfg.packing`` (the HF model runs padded micro-batches only; the config
             rejects the pair too).
-        RuntimeError: see :func:`import_deepspeed` and :func:`init_single_process_group`.
+        RuntimeError: see :func:`import_deepspeed` and :func:`init_process_group`.
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
@@ -67,7 +73,7 @@ class DeepSpeedActorWorker(HFBucketSource):
             raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches)")
         worker_threads(num_threads)
         import_deepspeed()
-        init_single_process_group()
+        init_process_group()
         loaded = load_hf_causal_lm(policy_dir, seed=seed)
         if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
             from engine.models.hf_lora import apply_hf_lora
@@ -89,8 +95,15 @@ class DeepSpeedActorWorker(HFBucketSource):
         """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on
         padding (:func:`engine.training.actor.compute_logprobs`; micro-batches of
         ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens)."""
-        return compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
-                                self.cfg.max_tokens_per_micro_batch)
+        from engine.trajectory import micro_batch_rows
+
+        rows = micro_batch_rows(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        padding = self.trainer.forward_padding(len(rows))  # ZeRO-3 at DP > 1: as many forwards as the other ranks
+        out = compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
+                               self.cfg.max_tokens_per_micro_batch)
+        for _ in range(padding):
+            compute_logprobs(self.engine, traj.select(rows[-1]), self.temperature, self.cfg.micro_batch_size)
+        return out
 
     def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> ActorUpdate:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch
@@ -105,6 +118,10 @@ class DeepSpeedActorWorker(HFBucketSource):
             FloatingPointError: a non-finite gradient norm (that step is not taken).
         """
         return actor_update(traj, self.cfg, self.temperature, self.trainer.train_step, norm)
+
+    def partition_numels(self) -> dict[str, int]:
+        """Elements of model state this rank holds (:meth:`DeepSpeedTrainer.partition_numels`)."""
+        return self.trainer.partition_numels()
 
     # ------------------------------------------------------------------ weights out
 

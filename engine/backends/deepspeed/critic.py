@@ -26,7 +26,7 @@ from engine.algorithms.aggregation import GlobalNorm
 from engine.backends.deepspeed.runtime import (
     DeepSpeedTrainer,
     import_deepspeed,
-    init_single_process_group,
+    init_process_group,
 )
 from engine.models.heads import HFValueModel
 from engine.training.critic import (
@@ -59,7 +59,7 @@ class DeepSpeedCriticWorker:
 
     Raises:
         RuntimeError: see ``engine.backends.deepspeed.runtime.import_deepspeed`` and
-            ``init_single_process_group``.
+            ``init_process_group``.
         FileNotFoundError / ValueError: from ``engine.storage.hf_io.load_hf_causal_lm``.
     """
 
@@ -69,7 +69,7 @@ class DeepSpeedCriticWorker:
 
         worker_threads(num_threads)
         import_deepspeed()
-        init_single_process_group()
+        init_process_group()
         loaded = load_hf_causal_lm(policy_dir, seed=seed)
         self.cfg = cfg
         model = HFValueModel(loaded.model, int(loaded.hf_config["hidden_size"]), seed)
@@ -79,7 +79,14 @@ class DeepSpeedCriticWorker:
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (``engine.training.critic.response_values``) in eval mode, 0 on padding."""
-        return compute_response_values(self.engine, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        from engine.trajectory import micro_batch_rows
+
+        rows = micro_batch_rows(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        padding = self.trainer.forward_padding(len(rows))  # ZeRO-3 at DP > 1: as many forwards as the other ranks
+        out = compute_response_values(self.engine, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
+        for _ in range(padding):
+            compute_response_values(self.engine, traj.select(rows[-1]), self.cfg.micro_batch_size)
+        return out
 
     def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> dict[str, float]:
         """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
@@ -97,6 +104,10 @@ class DeepSpeedCriticWorker:
             FloatingPointError: a non-finite gradient norm (that step is not taken).
         """
         return critic_update(traj, self.cfg, self.trainer.train_step, norm)
+
+    def partition_numels(self) -> dict[str, int]:
+        """Elements of model state this rank holds (``DeepSpeedTrainer.partition_numels``)."""
+        return self.trainer.partition_numels()
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW as DeepSpeed steps it,

@@ -29,7 +29,7 @@ from config.schema import RMConfig
 from engine.backends.deepspeed.runtime import (
     DeepSpeedTrainer,
     import_deepspeed,
-    init_single_process_group,
+    init_process_group,
 )
 from engine.batching.collate import TokenBatch
 from engine.models.heads import BODY_PREFIX, HFRewardModel
@@ -53,10 +53,17 @@ class DeepSpeedRewardTrainer:
 
     Attributes:
         model: the DeepSpeed engine; ``model(input_ids, lengths)`` gives rewards ``[B]``.
+        collective_forward: every forward is a collective of the data-parallel ranks (ZeRO-3
+            at DP > 1), so every rank runs the held-out evaluation.
+
+    At ``rm.parallel.data_parallel_size > 1`` each rank runs this trainer in its
+    ``engine.distributed.group.RankActor`` and ZeRO partitions over the ranks
+    (``engine.backends.deepspeed.runtime``); :meth:`step` takes the rank's share of the
+    micro-batches and normalises by the whole batch's pairs.
 
     Raises:
         RuntimeError: see ``engine.backends.deepspeed.runtime.import_deepspeed`` and
-            ``init_single_process_group``.
+            ``init_process_group``.
         FileNotFoundError / ValueError: from ``engine.storage.hf_io.load_hf_causal_lm``.
     """
 
@@ -64,7 +71,7 @@ class DeepSpeedRewardTrainer:
         from engine.storage.hf_io import load_hf_causal_lm
 
         import_deepspeed()
-        init_single_process_group()
+        init_process_group()
         loaded = load_hf_causal_lm(base_model_dir, seed=seed)
         self.spec, self.hf_config, self.tokenizer_dir, self.seed = loaded.spec, loaded.hf_config, loaded.tokenizer_dir, seed
         causal_lm = loaded.model
@@ -77,6 +84,8 @@ class DeepSpeedRewardTrainer:
         module = HFRewardModel(causal_lm, self.spec.hidden_size, seed)
         self.trainer = DeepSpeedTrainer(module, cfg.optim, cfg.steps, cfg.deepspeed, cfg.micro_batch_size, cfg.precision)
         self.model = self.trainer.engine
+        # ZeRO-3 at DP > 1: a forward gathers parameters from every rank, so all ranks evaluate
+        self.collective_forward = self.trainer.collective_forward
 
     def step(self, micro: list[TokenBatch]) -> dict[str, float]:
         """One optimizer step on :func:`engine.training.preference_data.collate_pairs` micro-batches: each
@@ -91,7 +100,10 @@ class DeepSpeedRewardTrainer:
             ValueError: no micro-batches.
             FloatingPointError: a non-finite gradient norm.
         """
-        total = sum(batch.input_ids.size(0) // 2 for batch in micro)
+        from engine.distributed.collectives import sum_across_ranks
+
+        # the whole batch's pairs: at DP > 1 ``micro`` is this rank's share (engine.distributed.share)
+        total = int(sum_across_ranks({"pairs": sum(batch.input_ids.size(0) // 2 for batch in micro)})["pairs"])
 
         def loss_fn(model, batch: TokenBatch):
             loss_sum, pairs, metrics = pair_loss(model, batch)

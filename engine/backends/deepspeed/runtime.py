@@ -18,12 +18,27 @@ stays shared with the megatron backend, so the two train the same way: the loss
 ``rl.optim.grad_clip``, the train-state file and the model directory written at the end
 (``engine.storage.hf_io.save_hf_as_model_dir``).
 
-DeepSpeed runs here as a one-process world on CPU: ``DS_ACCELERATOR=cpu``, a gloo process
-group, and the launcher's variables (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``) set by :func:`init_single_process_group`, so it works inside
-a Ray actor. Gradient accumulation is the caller's (``managed_gradient_accumulation:
-false``): each micro-batch's globally normalised loss is back-propagated unscaled and
-``engine.step()`` closes the batch, however many micro-batches it had.
+DeepSpeed runs on CPU (``DS_ACCELERATOR=cpu``, gloo) in the torch.distributed world of its
+process (:func:`init_process_group`): a one-process world for a single worker, or, at
+``data_parallel_size > 1``, the process group an :class:`engine.distributed.group.RankActor`
+joined before building the worker, so ZeRO partitions over the data-parallel ranks:
+ZeRO-1 the fp32 master weights and AdamW moments, ZeRO-2 also the gradients, ZeRO-3 also
+the parameters (each rank holds about ``1/dp`` of each; docs/scaling.md has the measured
+sizes). Gradient accumulation is the caller's (``managed_gradient_accumulation: false``):
+each micro-batch's globally normalised loss is back-propagated and ``engine.step()`` closes
+the batch, however many micro-batches it had.
+
+Data parallelism follows the megatron path (``engine.distributed.collectives``): each rank
+back-propagates its share of the batch with the loss divided by the whole batch's
+normaliser, and the step takes the sum of the ranks' gradients. DeepSpeed's own reduction
+*averages* (ZeRO 1-3 divide the reduced gradients by the world size,
+``postscale_gradients`` with ``gradient_predivide_factor`` 1), so each loss is multiplied by
+``dp`` before DeepSpeed's backward: the average of ``dp x`` the shares is their sum (exact in
+binary floating point for a power-of-two ``dp``). At ZeRO-0 DeepSpeed's reduction is switched
+off and the repository's fp32 all-reduce (SUM) runs instead, so the gradient norm is read
+after it. ZeRO-2 and -3 reduce inside each backward and ZeRO-3 gathers the parameters inside
+each forward, so every rank runs the same number of forwards and backwards: a rank with fewer
+micro-batches repeats its last one with a zero loss weight (:meth:`DeepSpeedTrainer.rounds`).
 
 Precision (``rl.precision`` / ``rm.precision``, resolved by ``config.precision.resolve_precision``;
 :func:`precision_scheme`). fp32: the configuration above, unchanged. bf16: the module computes
@@ -116,31 +131,38 @@ def import_deepspeed():
     return deepspeed
 
 
-def init_single_process_group() -> None:
-    """Start torch.distributed as a one-process gloo world for DeepSpeed, unless one is running.
+def init_process_group() -> int:
+    """Give DeepSpeed a torch.distributed world and return its size.
 
-    A Ray actor has no launcher environment, so ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``
-    (a free port), ``RANK=0``, ``WORLD_SIZE=1`` and ``LOCAL_RANK=0`` are set here before
-    ``deepspeed.init_distributed(dist_backend="gloo")``. An existing process group (e.g.
-    megatron's single-process one, ``engine.models.platform``) is reused as it is.
+    Inside a :class:`engine.distributed.group.RankActor` (a role or stage at
+    ``data_parallel_size > 1``) the rank has joined the group's gloo process group before the
+    worker is built: DeepSpeed takes that default group as it is (``deepspeed.init_distributed``
+    wraps an initialised group), so ZeRO partitions over the data-parallel ranks. Otherwise a
+    one-process gloo world is started: a Ray actor has no launcher environment, so
+    ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port), ``RANK=0``, ``WORLD_SIZE=1`` and
+    ``LOCAL_RANK=0`` are set first. ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` are set to the
+    group's either way (DeepSpeed reads them).
+
+    Returns: the world size (the data-parallel size: the deepspeed backend runs no tensor
+        parallelism, the config refuses it).
 
     Raises:
-        RuntimeError: the process belongs to a world of more than one rank (``WORLD_SIZE``
-            or the running group); the backend trains in one process.
+        RuntimeError: ``WORLD_SIZE`` names a world of several ranks but no process group is
+            running (a launcher this backend does not use).
     """
     import torch.distributed as dist
 
     if dist.is_initialized():
-        world = dist.get_world_size()
+        rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    if world != 1:
-        raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) trains in one process, but "
-                           f"the world size is {world}")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        rank, world = 0, int(os.environ.get("WORLD_SIZE", "1"))
+        if world != 1:
+            raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) joins the process group of "
+                               f"its Ray actor group; WORLD_SIZE is {world} but no process group is running")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    return world
 
 
 def precision_scheme(zero_stage: int, precision: str | None) -> str:
@@ -261,7 +283,8 @@ def _parameter_tree(named: dict[str, torch.nn.Parameter]) -> torch.nn.Module:
 
 
 class DeepSpeedTrainer:
-    """A module trained by a one-process DeepSpeed engine with this repository's optimizer step.
+    """A module trained by a DeepSpeed engine with this repository's optimizer step, in a
+    one-process world or over the data-parallel ranks of a Ray actor group (module docstring).
 
     Builds AdamW + warmup/cosine schedule (``engine.training.optimizer_step.build_optimizer``) over the
     module's parameters (bf16 at ZeRO-0: over their fp32 masters), hands both to
@@ -286,12 +309,14 @@ class DeepSpeedTrainer:
         module: the trained module (``engine.module``).
         optimizer, scheduler: the client AdamW and ``LambdaLR``.
         zero_stage: ``ds.zero_stage``.
+        world: data-parallel ranks (:func:`init_process_group`).
         precision: the resolved precision, ``"bf16"`` or ``"fp32"``.
         scheme: :func:`precision_scheme` of the two.
 
     Raises:
-        RuntimeError: see :func:`import_deepspeed` and :func:`init_single_process_group`.
-        ValueError: from ``build_optimizer`` (no trainable parameters, bad schedule) or
+        RuntimeError: see :func:`import_deepspeed` and :func:`init_process_group`.
+        ValueError: bf16 at ZeRO-0 in a world of several ranks; from ``build_optimizer`` (no
+            trainable parameters, bad schedule) or
             ``to_mixed_precision``; a trainable parameter is not fp32 under bf16; an unknown
             ``precision``.
     """
@@ -301,11 +326,17 @@ class DeepSpeedTrainer:
         from engine.training.optimizer_step import build_optimizer
 
         self.deepspeed = import_deepspeed()
-        init_single_process_group()
+        self.world = init_process_group()
         self.zero_stage = ds.zero_stage
+        self.optim, self.total_steps = optim, total_steps
         self.precision = resolve_precision(precision)
         self.scheme = precision_scheme(ds.zero_stage, self.precision)
         self.grad_clip = optim.grad_clip
+        if self.world > 1 and self.scheme == MASTER_WEIGHTS:
+            # the repository's bf16 masters sit outside DeepSpeed: its ZeRO-0 reduction would miss them
+            raise ValueError(f"bf16 at DeepSpeed ZeRO stage 0 runs on one rank only (this group has {self.world}); "
+                             "set rl.deepspeed.zero_stage / rm.deepspeed.zero_stage to 1, 2 or 3, or the precision "
+                             "to fp32")
         params: Any = module.parameters()
         fp32_weights: dict[str, torch.Tensor] = {}
         if self.scheme == MASTER_WEIGHTS:
@@ -324,8 +355,38 @@ class DeepSpeedTrainer:
             config=engine_config(ds, micro_batch_size, optim.grad_clip, self.precision,
                                  num_params=sum(p.numel() for p in module.parameters())))
         self.module = self.engine.module
+        if self.world > 1 and self.zero_stage == 0:
+            # ZeRO-0 would average the gradients inside step(), after the norm is read: the
+            # repository's fp32 all-reduce (SUM) runs in accumulate_gradients instead.
+            self.engine.enable_backward_allreduce = False
         if fp32_weights:
             self._set_masters(fp32_weights)
+
+    def rounds(self, count: int) -> int:
+        """The most forwards (or backwards) any rank runs in a collective phase in which this rank
+        runs ``count``: ``count`` itself in a one-process world, else their maximum over the
+        ranks (an all-reduce, so every rank calls it before the phase). A rank runs the
+        difference as padding (module docstring).
+
+        Raises: what ``torch.distributed.all_reduce`` raises (a rank that died)."""
+        if self.world == 1:
+            return count
+        import torch.distributed as dist
+
+        most = torch.tensor([int(count)], dtype=torch.long)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most)
+
+    @property
+    def collective_forward(self) -> bool:
+        """Every forward is a collective (ZeRO-3 gathers the parameters over the ranks): all
+        ranks run the same number of forwards, evaluation included."""
+        return self.world > 1 and self.zero_stage == 3
+
+    def forward_padding(self, count: int) -> int:
+        """Forwards this rank adds after its ``count`` (:meth:`rounds` minus ``count`` when
+        :attr:`collective_forward`, else 0 and no collective). Call it before the forwards."""
+        return self.rounds(count) - count if self.collective_forward else 0
 
     def train_step(self, micro: list[Any], loss_fn) -> dict[str, float]:
         """One optimizer step over the batch's micro-batches; the contract of
@@ -334,6 +395,10 @@ class DeepSpeedTrainer:
         the micro-batch losses are summed, the gradient's global L2 norm (before clipping)
         is reported, clipped to the configured ``grad_clip``, then AdamW and the scheduler
         step. Metrics are unit-weighted means over micro-batches.
+
+        At DP > 1 ``micro`` is this rank's share, ``loss_fn``'s normaliser is the whole
+        batch's, and the loss, units and metrics are summed over the ranks: the step is the
+        DP=1 step on the whole batch (module docstring; every rank calls it).
 
         Returns: ``{"loss", "grad_norm", "lr" (used by this step), "num_units", **metrics}``.
 
@@ -348,9 +413,21 @@ class DeepSpeedTrainer:
         masters = self._repository_masters()  # bf16 at ZeRO-0 only, else empty
         for p in masters:  # a step that failed part-way leaves no gradient behind
             p.grad = None
+        engine_reduces = self.world > 1 and self.zero_stage > 0
+        # DeepSpeed's ZeRO reduction averages over the ranks; the step needs their sum (module docstring)
+        scale = float(self.world) if engine_reduces else 1.0
+        items = [(mb, True) for mb in micro]
+        if engine_reduces and self.zero_stage >= 2:  # ZeRO-2/3 reduce inside each backward
+            items += [(micro[-1], False)] * (self.rounds(len(micro)) - len(micro))
+
+        def item_loss(model, item):
+            mb, real = item
+            loss, units, metrics = loss_fn(model, mb)
+            return (loss, units, metrics) if real else (loss * 0.0, 0, {})
+
         loss_total, total_units, metrics = accumulate_gradients(
-            self.engine, micro, loss_fn, normalized=True,
-            backward=lambda loss: self.engine.backward(loss, scale_wrt_gas=False))
+            self.engine, items, item_loss, normalized=True, engine_reduces=engine_reduces,
+            backward=lambda loss: self.engine.backward(loss * scale if scale != 1.0 else loss, scale_wrt_gas=False))
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scheme == MASTER_WEIGHTS:  # the fp32 masters' gradients, clipped here (DeepSpeed's clip is 0)
             grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in masters if p.grad is not None],
@@ -365,6 +442,7 @@ class DeepSpeedTrainer:
             if not math.isfinite(grad_norm):
                 self.engine.zero_grad()
                 raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken")
+        self.held_gradient_numel = self._held_gradient_numel()
         self.engine.step()
         if self.scheme == MASTER_WEIGHTS:
             copy_masters_to_model(self.module)
@@ -376,6 +454,46 @@ class DeepSpeedTrainer:
                 raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); "
                                          "DeepSpeed skipped the step")
         return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, "num_units": float(total_units), **metrics}
+
+    def _held_gradient_numel(self) -> int:
+        """Gradient elements this rank holds once a batch's backwards are done (before the
+        step): the parameters' ``.grad`` plus ZeRO's gradient partitions (ZeRO-3's flat fp32
+        partition buffer; ZeRO-2's ``grads_in_partition`` and, with the caller's gradient
+        accumulation, the reduced gradients of its partition, ``all_grad_tensors``)."""
+        opt = self.engine.optimizer
+        held = sum(p.grad.numel() for p in self.module.parameters() if p.grad is not None)
+        for attr in ("grad_partitions_flat_buffer", "grads_in_partition"):
+            buffer = getattr(opt, attr, None)
+            if isinstance(buffer, torch.Tensor):
+                held += buffer.numel()
+        for tensors in (getattr(opt, "all_grad_tensors", None) or {}).values():
+            held += sum(t.numel() for t in tensors or () if t is not None)
+        return held
+
+    def partition_numels(self) -> dict[str, int]:
+        """Elements of model state this rank holds (what ZeRO partitions over the ranks;
+        docs/scaling.md quotes the measurements):
+
+        - ``params``: the module's parameters (under ZeRO-3 each one's own partition,
+          ``ds_tensor``; persistent parameters below ``param_persistence_threshold`` whole);
+        - ``gradients``: as held after the last :meth:`train_step`'s backwards (0 before one);
+        - ``master``: DeepSpeed's fp32 master weights (its flat partitions under ZeRO 1-3; the
+          module itself at ZeRO-0 in fp32);
+        - ``exp_avg``: AdamW's first moment (``exp_avg_sq`` is the same size);
+        - ``total``: the module's parameter count, whole.
+        """
+        opt = self.engine.optimizer
+        if self.zero_stage == 3:
+            params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())
+            master = sum(t.numel() for t in opt.fp32_partitioned_groups_flat)
+        else:
+            params = sum(p.numel() for p in self.module.parameters())
+            partitions = getattr(opt, "single_partition_of_fp32_groups", None)
+            master = sum(t.numel() for t in partitions) if partitions is not None else params
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
+        exp_avg = sum(s["exp_avg"].numel() for s in self.optimizer.state.values() if "exp_avg" in s)
+        return {"params": params, "gradients": getattr(self, "held_gradient_numel", 0), "master": master,
+                "exp_avg": exp_avg, "total": total}
 
     def gathered(self, params, modifier_rank: int | None = None):
         """ZeRO-3: a context in which ``params`` hold their full data (``modifier_rank=0``:
@@ -491,16 +609,32 @@ class DeepSpeedTrainer:
         """What a saved state's layout depends on: the backend and the ZeRO stage."""
         return {"backend": "deepspeed", "zero_stage": self.zero_stage}
 
+    # A train state written at DP > 1 under ZeRO 1-3: DeepSpeed's AdamW steps this rank's flat
+    # partitions only, so the optimizer state is gathered into whole tensors per parameter
+    # (the state_dict() of a plain AdamW over the module) and loads at any data-parallel size.
+    CONSOLIDATED = "per_parameter"
+
     def save_state(self, directory: str | Path, tag_key: str, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write ``directory/train_state.pt`` atomically (``engine.storage.train_state``): the module's
         weights by name, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32
         partitions), the schedule, data position, RNG states and ``extra`` plus
         ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``.
         Under bf16 the weights are the fp32 masters (module docstring); with frozen parameters
-        (LoRA) the trained ones only (:meth:`_state_module`)."""
+        (LoRA) the trained ones only (:meth:`_state_module`).
+
+        At DP > 1 under ZeRO 1-3 (a collective: every rank calls it, rank 0 writes) the AdamW
+        state is consolidated instead: whole ``exp_avg`` / ``exp_avg_sq`` tensors per trained
+        parameter (DeepSpeed's ``safe_get_full_optimizer_state``), keyed as a plain AdamW over
+        the module would key them, so the state resumes at any data-parallel size."""
         from engine.storage.train_state import save_train_state
 
         saved = self._state_module()
+        if self.world > 1 and self.zero_stage > 0:
+            with self.gathered(saved.parameters()), self._deepspeed_masters_in_params():
+                optimizer = _SavedOptimizer(self._consolidated_optimizer_state(saved))
+                save_train_state(directory, step=step, model=saved, optimizer=optimizer, scheduler=self.scheduler,
+                                 data_position=data_position, extra={**extra, tag_key: self.state_tag()})
+            return
         with (self.gathered(saved.parameters()), self._deepspeed_masters_in_params(),
               self._optimizer_param_groups()):
             save_train_state(
@@ -508,11 +642,43 @@ class DeepSpeedTrainer:
                 data_position=data_position, extra={**extra, tag_key: self.state_tag()},
             )
 
+    def _template_groups(self, module: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+        """The trained parameters of ``module`` in the groups (and order) of a plain
+        ``build_optimizer`` over them: the layout of a consolidated optimizer state. Under
+        ZeRO-3 call it with the parameters gathered (the groups depend on their shapes)."""
+        from engine.training.optimizer_step import build_optimizer
+
+        template, _ = build_optimizer([p for p in module.parameters() if p.requires_grad], self.optim, self.total_steps)
+        return [list(group["params"]) for group in template.param_groups]
+
+    def _consolidated_optimizer_state(self, module: torch.nn.Module) -> dict[str, Any]:
+        """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...],
+        "consolidated": CONSOLIDATED}``: whole fp32 moments per trained parameter of ``module``
+        (a collective: each is gathered from the ranks' partitions), indices as
+        :meth:`_template_groups`, hyper-parameters (lr, ...) the live optimizer's."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        groups = self._template_groups(module)
+        step = next(iter(self.optimizer.state.values()))["step"]
+        state, index, param_groups = {}, 0, []
+        for group, live in zip(groups, self.optimizer.param_groups):
+            ids = []
+            for p in group:
+                state[index] = {"step": torch.as_tensor(step).clone(),
+                                **{m: safe_get_full_optimizer_state(p, m).detach().clone().view(p.shape)
+                                   for m in ("exp_avg", "exp_avg_sq")}}
+                ids.append(index)
+                index += 1
+            param_groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
+        return {"state": state, "param_groups": param_groups, "consolidated": self.CONSOLIDATED}
+
     def load_state(self, directory: str | Path, tag_key: str, config_keys: str):
         """Restore a state :meth:`save_state` wrote with the same ZeRO stage (weights,
         AdamW, schedule, RNG); returns the :class:`engine.storage.train_state.TrainState` with
         ``tag_key`` taken out of ``extra``. Under bf16 the fp32 masters take the saved weights
-        exactly and the bf16 module weights their rounding.
+        exactly and the bf16 module weights their rounding. A consolidated state (written at
+        DP > 1 under ZeRO 1-3) loads at any data-parallel size and ZeRO 1-3 layout of the same
+        stage; at DP > 1 every rank calls it.
 
         Raises:
             FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`.
@@ -529,6 +695,12 @@ class DeepSpeedTrainer:
         from engine.models.master_weights import copy_masters_to_model
 
         restored = self._state_module()
+        if state.format_version == 1 and state.optimizer.get("consolidated") == self.CONSOLIDATED:
+            self._restore_consolidated(state, restored)
+            return state
+        if self.world > 1 and self.zero_stage > 0:
+            raise ValueError(f"{directory}: this train state holds one rank's ZeRO partitions (written at "
+                             f"data_parallel_size 1); it resumes at data_parallel_size 1 only")
         with self.gathered(restored.parameters(), modifier_rank=0), self._optimizer_param_groups():
             state.restore(restored, self.optimizer, self.scheduler)
         if self.scheme == MASTER_WEIGHTS:  # the bf16 weights: the restored masters' rounding
@@ -538,3 +710,59 @@ class DeepSpeedTrainer:
         elif self.zero_stage > 0:  # ZeRO's fp32 master partitions follow the restored weights
             self.engine.optimizer.refresh_fp32_params()
         return state
+
+    def _restore_consolidated(self, state, restored: torch.nn.Module) -> None:
+        """Load a consolidated state (:meth:`save_state` at DP > 1) into this layout: the weights
+        (and the fp32 masters: DeepSpeed's partitions take them exactly), each parameter's
+        moments into this rank's partition (``safe_set_full_optimizer_state``), the step count,
+        the groups' hyper-parameters, the schedule and the RNG states.
+
+        Raises:
+            ValueError: the saved weights or parameter groups do not match the module's."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        from engine.storage.train_state import restore_rng_state
+
+        opt = state.optimizer
+        with self.gathered(restored.parameters(), modifier_rank=0):
+            result = restored.load_state_dict(state.model, strict=False)
+            if result.missing_keys or result.unexpected_keys:
+                raise ValueError(f"{state.path}: train state does not match the model: mismatched keys "
+                                 f"{(result.missing_keys + result.unexpected_keys)[:5]}")
+            groups = self._template_groups(restored)
+        if [len(g) for g in groups] != [len(g["params"]) for g in opt["param_groups"]]:
+            raise ValueError(f"{state.path}: train state has other optimizer parameter groups than the model's")
+        if self.scheme == DEEPSPEED_BF16:
+            self._set_masters(state.model)
+        else:
+            self.engine.optimizer.refresh_fp32_params()
+        # A trainer that has not stepped yet has no AdamW state (torch creates it in the first
+        # step): its flat partitions get zero moments to be overwritten below.
+        with self._optimizer_param_groups():
+            for group in self.optimizer.param_groups:
+                for flat in group["params"]:
+                    entry = self.optimizer.state[flat]
+                    if "exp_avg" not in entry:
+                        entry.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
+                                     exp_avg_sq=torch.zeros_like(flat))
+        params = [p for group in groups for p in group]
+        for index, p in enumerate(params):
+            for moment in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, opt["state"][index][moment].reshape(-1).to(torch.float32), moment)
+        step = opt["state"][0]["step"]
+        for entry in self.optimizer.state.values():
+            entry["step"] = torch.as_tensor(step).clone()
+        for live, saved in zip(self.optimizer.param_groups, opt["param_groups"]):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        self.scheduler.load_state_dict(state.scheduler)
+        restore_rng_state(state.rng)
+
+
+class _SavedOptimizer:
+    """What ``save_train_state`` reads of an optimizer (``state_dict()``), for a consolidated state."""
+
+    def __init__(self, state: dict[str, Any]):
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state

@@ -166,11 +166,11 @@ def test_engine_config_by_precision():
 def test_deepspeed_refuses_bf16_with_fp32_accumulation_below_zero():
     """Why ZeRO-0 uses the repository's master weights: DeepSpeed itself refuses bf16 with fp32
     gradient accumulation without ZeRO."""
-    from engine.backends.deepspeed.runtime import engine_config, import_deepspeed, init_single_process_group
+    from engine.backends.deepspeed.runtime import engine_config, import_deepspeed, init_process_group
     from engine.training.optimizer_step import build_optimizer
 
     deepspeed = import_deepspeed()
-    init_single_process_group()
+    init_process_group()
     model = tiny_qwen2()
     optimizer, _ = build_optimizer(model.parameters(), OPTIM, TOTAL_STEPS)
     config = engine_config(DeepSpeedConfig(zero_stage=1), 2, CLIP, "bf16") | {"zero_optimization": {"stage": 0}}

@@ -386,10 +386,16 @@ def test_parallel_config_errors_name_the_key():
     from pydantic import ValidationError
 
     assert ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=3).world_size == 6
-    with pytest.raises(ValidationError, match=r"rl\.parallel\.critic: data/tensor parallelism runs on rl\.backend megatron"):
-        RLConfig(backend="deepspeed", algorithm="gae", parallel={"critic": {"data_parallel_size": 2}})
-    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor: data/tensor parallelism runs on rl\.backend megatron"):
+    # the deepspeed backend runs data parallelism (ZeRO over the ranks), not tensor parallelism
+    assert RLConfig(backend="deepspeed", algorithm="gae", parallel={"critic": {"data_parallel_size": 2}}
+                    ).parallel.critic.data_parallel_size == 2
+    with pytest.raises(ValidationError, match=r"rl\.parallel\.critic\.tensor_model_parallel_size=2: the deepspeed backend"):
+        RLConfig(backend="deepspeed", algorithm="gae", parallel={"critic": {"tensor_model_parallel_size": 2}})
+    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor\.tensor_model_parallel_size=2: the deepspeed backend"):
         RLConfig(backend="deepspeed", parallel={"actor": {"tensor_model_parallel_size": 2}})
+    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor\.data_parallel_size=2 with rl\.precision bf16 needs "
+                                              r"rl\.deepspeed\.zero_stage >= 1"):
+        RLConfig(backend="deepspeed", precision="bf16", deepspeed={"zero_stage": 0}, parallel={"actor": {"data_parallel_size": 2}})
     tp2 = {"tensor_model_parallel_size": 2}  # the train state reshards and weight sync gathers TP shards
     assert RLConfig(algorithm="gae", parallel={"actor": tp2, "critic": tp2, "reference": tp2}).parallel.actor.world_size == 2
     with pytest.raises(ValidationError, match="greater than or equal to 1"):

@@ -106,8 +106,11 @@ def test_config_refuses_layouts_the_stages_cannot_run():
     with pytest.raises(ValueError, match=r"po.parallel.data_parallel_size=3 needs at least 3 micro-batches per step "
                                          r"\(one per rank\), but po.global_batch_size / po.micro_batch_size = 4 / 2 = 2"):
         PoConfig(global_batch_size=4, micro_batch_size=2, parallel={"data_parallel_size": 3})
-    with pytest.raises(ValueError, match="rm.parallel.data_parallel_size=2 needs rm.backend: megatron"):
-        RMConfig(backend="deepspeed", parallel={"data_parallel_size": 2})
+    # the deepspeed backend runs data parallelism (ZeRO over the ranks), not tensor parallelism
+    assert RMConfig(backend="deepspeed", parallel={"data_parallel_size": 2}).parallel.data_parallel_size == 2
+    with pytest.raises(ValueError, match=r"rm.parallel.data_parallel_size=2 with rm.precision bf16 needs "
+                                         r"rm.deepspeed.zero_stage >= 1"):
+        RMConfig(backend="deepspeed", precision="bf16", deepspeed={"zero_stage": 0}, parallel={"data_parallel_size": 2})
     with pytest.raises(ValueError, match="rm.parallel.tensor_model_parallel_size=2 needs rm.backend: megatron"):
         RMConfig(backend="deepspeed", parallel={"tensor_model_parallel_size": 2})
     assert SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 2}).parallel.world_size == 2
@@ -191,16 +194,21 @@ def test_sft_at_dp2_equals_dp1_and_its_checkpoint_resumes_at_dp1(inputs, ray_clu
         assert _close(resumed[key], final[key]), key
 
 
-def test_reward_model_at_dp2_equals_dp1(inputs, ray_cluster, tmp_path):
-    """Two steps of the megatron reward model in token-budget micro-batches (a step's count
-    varies, so the ranks' shares differ in size): the training loss, accuracy, margin and
-    grad_norm of each step, the held-out metrics (rank 0) and every weight with the head match."""
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_reward_model_at_dp2_equals_dp1(inputs, ray_cluster, tmp_path, backend):
+    """Two steps of the reward model in token-budget micro-batches (a step's count varies, so
+    the ranks' shares differ in size): the training loss, accuracy, margin and grad_norm of
+    each step, the held-out metrics (rank 0) and every weight with the head match. The
+    deepspeed backend runs ZeRO-3 with every parameter partitioned over the two ranks (a rank
+    with fewer micro-batches pads its forwards and backwards; every rank evaluates, a ZeRO-3
+    forward being a collective)."""
     from engine.backends.select_rm import reward_trainer
     from engine.distributed.stage_group import run_stage
     from engine.training.reward_model import train_reward_model
 
     cfg = RMConfig(precision="fp32", steps=2, global_batch_size=8, max_tokens_per_micro_batch=120, max_seq_len=64,
-                   eval_fraction=0.2, optim=OptimConfig(lr=LR, warmup_steps=1, grad_clip=1.0), log_every=1)
+                   eval_fraction=0.2, optim=OptimConfig(lr=LR, warmup_steps=1, grad_clip=1.0), log_every=1,
+                   backend=backend, deepspeed={"zero_stage": 3, "param_persistence_threshold": 0})
     dp2_cfg = cfg.model_copy(update={"parallel": DP2})
     one: dict[int, dict] = {}
     train_reward_model(reward_trainer, inputs["base"], inputs["preference"], cfg, tmp_path / "out1", None, seed=0,
