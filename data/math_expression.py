@@ -313,6 +313,13 @@ _FN = {
 }
 
 
+def _real_zero(z: complex) -> complex:
+    """``z`` with a zero imaginary part made +0.0: ``-a`` of a real ``a`` is ``(-a-0j)``, whose
+    square root Python puts on the other side of the branch cut (``-i sqrt(a)``); the principal
+    root of a negative real is ``+i sqrt(a)``."""
+    return complex(z.real, 0.0) if z.imag == 0 else z
+
+
 def _num(node: Node, env: dict[str, complex]) -> complex:
     kind = node[0]
     if kind == "num":
@@ -329,21 +336,21 @@ def _num(node: Node, env: dict[str, complex]) -> complex:
         a, b = _num(node[1], env), _num(node[2], env)
         return a + b if kind == "add" else a - b if kind == "sub" else a * b if kind == "mul" else a / b
     if kind == "pow":
-        base, exponent = _num(node[1], env), _num(node[2], env)
+        base, exponent = _real_zero(_num(node[1], env)), _num(node[2], env)
         if exponent.imag == 0 and exponent.real == int(exponent.real) and abs(exponent.real) <= 10_000:
             return base ** int(exponent.real)  # integer powers of negatives stay real
         return base**exponent
     if kind == "root":
-        value, index = _num(node[1], env), _num(node[2], env)
+        value, index = _real_zero(_num(node[1], env)), _num(node[2], env)
         if value.imag == 0 and index == 3 and value.real < 0:
             return complex(-((-value.real) ** (1 / 3)))  # the real cube root
         return value ** (1 / index)
     if kind in ("fact", "binom"):
         return complex(exact_value(node))
     if kind == "fn":
-        return _FN[node[1]](_num(node[2], env))
+        return _FN[node[1]](_real_zero(_num(node[2], env)))
     if kind == "log":
-        return cmath.log(_num(node[2], env)) / cmath.log(_num(node[1], env))
+        return cmath.log(_real_zero(_num(node[2], env))) / cmath.log(_real_zero(_num(node[1], env)))
     raise ValueError(kind)
 
 
@@ -395,3 +402,23 @@ def expressions_equal(a: Node, b: Node) -> bool:
         return False
     pairs = _sampled(a, b)
     return len(pairs) >= 2 and all(_close(va, vb) for va, vb in pairs)
+
+
+_LONG_DECIMAL = re.compile(r"-?(\d*)\.(\d+)")
+MIN_ROUNDED_DIGITS = 10
+
+
+def decimal_rounds_to(text: str, node: Node) -> bool:
+    """Whether ``text``, a decimal of at least ``MIN_ROUNDED_DIGITS`` significant digits, is the
+    rational value of ``node`` rounded or cut at its last digit (``0.0833333333333333`` =
+    ``\\frac{1}{12}``, as math-verify's ``test_complex_math_expressions`` has it). Shorter
+    decimals stay exact (``0.333`` != ``1/3``); irrational values are the sampled comparison's.
+    """
+    m = _LONG_DECIMAL.fullmatch(text)
+    if not m or len((m.group(1) + m.group(2)).lstrip("0")) < MIN_ROUNDED_DIGITS:
+        return False
+    try:
+        value = exact_value(node)
+    except (_NotExact, ArithmeticError, ValueError):
+        return False
+    return abs(Fraction(text) - value) <= Fraction(1, 10 ** len(m.group(2)))

@@ -40,7 +40,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 from data.math_answer import answers_equal
-from data.math_extraction import last_boxed_answer
+from data.math_extraction import boxed_answers
 from data.stories import story_reward
 
 Verifier = Callable[[str, str], float]
@@ -115,19 +115,37 @@ def gsm8k(response: str, label: str) -> float:
     return 1.0 if got is not None and got == expected else 0.0
 
 
+def _boxed_list(boxes: list[str]) -> str:
+    """Several boxes as one bare list (``2, 3``), boxes with the same text once."""
+    distinct = list(dict.fromkeys(b.strip() for b in boxes if b.strip()))
+    return ", ".join(distinct)
+
+
 def math_boxed(response: str, label: str) -> float:
-    """1.0 when the response's last boxed answer equals the label (see ``math`` above).
+    """1.0 when the response's last boxed answer equals the label (see ``math`` above); a
+    response with several boxes also scores 1.0 when the list of its distinct boxes equals
+    the label (``\\boxed{1} and \\boxed{2}`` against ``1, 2``: math-verify's reading of several
+    boxes, huggingface/Math-Verify ``tests/test_open_thoughts.py``). A label with several
+    boxes is the list of them.
 
     Raises:
         ValueError: the label is empty (a data error, not a wrong response).
     """
-    expected = last_boxed_answer(label)
-    if expected is None:
-        expected = label
+    label_boxes = boxed_answers(label)
+    expected = label if label_boxes is None else _boxed_list(label_boxes)
     if not expected.strip():
         raise ValueError(f"math label {label!r} is empty")
-    got = last_boxed_answer(response)
-    return 1.0 if got is not None and answers_equal(got, expected) else 0.0
+    boxes = boxed_answers(response)
+    if boxes is None:
+        return 0.0
+    if answers_equal(boxes[-1], expected):
+        return 1.0
+    # The last box alone is the answer first: "\boxed{4} ... no, \boxed{5}" is 5, not {4, 5}.
+    if len(boxes) > 1:
+        listed = _boxed_list(boxes)
+        if listed != boxes[-1].strip() and answers_equal(listed, expected):
+            return 1.0
+    return 0.0
 
 
 VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward}
