@@ -32,16 +32,22 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 
 from data.math_expression import (
     MAX_PARSE_CHARS,
+    TIME_LIMIT_S,
     _close,
     _sampled,
+    TimeUp,
+    check_clock,
     decimal_rounds_to,
     expressions_equal,
     parse_expression,
+    start_clock,
+    stop_clock,
 )
 from data.math_normalize import _normalize, _strip_prefix, is_name
 
@@ -64,6 +70,8 @@ def _split_top(s: str, sep: str) -> list[str]:
     """Split ``s`` at ``sep`` outside brackets and braces (``\\{``/``\\}`` count as braces)."""
     parts, depth, start, i = [], 0, 0, 0
     while i < len(s):
+        if not i & 255:
+            check_clock()
         if s.startswith("\\{", i) or s.startswith("\\}", i):
             depth += 1 if s[i + 1] == "{" else -1
             i += 2
@@ -179,6 +187,7 @@ def _set_items(parts: list[str]) -> tuple:
 
 
 def _structure(s: str, text: str | None = None) -> Answer:
+    check_clock()
     if text is not None:
         return Answer("text", text=text)
     m = re.fullmatch(r"\\begin\{([a-zA-Z]*matrix)\}(.*)\\end\{\1\}", s, re.DOTALL)
@@ -251,6 +260,7 @@ def _equations_equal(a: Answer, b: Answer) -> bool:
 
 
 def _items_equal(a: Answer, b: Answer) -> bool:
+    check_clock()
     if a.kind != b.kind:
         if {a.kind, b.kind} == {"text", "atom"}:  # \text{East} vs East
             return a.text.casefold() == " ".join(b.text.split()).casefold()
@@ -299,8 +309,16 @@ def _in_order(xs: tuple, ys: tuple) -> bool:
 def _any_order(xs: tuple, ys: tuple) -> bool:
     if len(xs) != len(ys):
         return False
-    unmatched = list(ys)
+    # Items written identically pair off first: the pairwise search below is quadratic.
+    pool = Counter(ys)
+    rest = []
     for x in xs:
+        if pool[x] > 0:
+            pool[x] -= 1
+        else:
+            rest.append(x)
+    unmatched = list(pool.elements())
+    for x in rest:
         for k, y in enumerate(unmatched):
             if _items_equal(x, y):
                 del unmatched[k]
@@ -311,8 +329,18 @@ def _any_order(xs: tuple, ys: tuple) -> bool:
 
 
 def answers_equal(got: str, expected: str) -> bool:
-    """Whether two final answers (box contents, not whole solutions) are equal (docstring)."""
+    """Whether two final answers (box contents, not whole solutions) are equal (docstring).
+
+    One call takes at most about ``TIME_LIMIT_S`` seconds: a comparison still running then is
+    unequal (a reward must not stall an RL step on one pathological response).
+    """
+    started = start_clock(TIME_LIMIT_S)
     try:
         return _items_equal(parse_answer(got), parse_answer(expected))
     except RecursionError:  # absurdly nested brackets
         return got.strip() == expected.strip()
+    except TimeUp:
+        return False
+    finally:
+        if started:
+            stop_clock()

@@ -24,7 +24,8 @@ compared after their normalised strings (:mod:`data.math_normalize`) differ:
 Limits keep it fast on any input: items longer than ``MAX_PARSE_CHARS`` are only
 string-compared (whole answers longer than four times that are not normalised at all),
 expression trees are capped at ``MAX_NODES`` nodes, exact powers at ``MAX_EXACT_BITS``
-bits and factorials/binomials at ``MAX_FACTORIAL``. Parsed answers are cached (an RL
+bits and factorials/binomials at ``MAX_FACTORIAL``, and one comparison at ``TIME_LIMIT_S``
+seconds (``start_clock``; past it the answers count as unequal). Parsed answers are cached (an RL
 step grades many samples against one label).
 """
 
@@ -34,6 +35,8 @@ import cmath
 import functools
 import math
 import re
+import threading
+import time
 from fractions import Fraction
 
 MAX_PARSE_CHARS = 400
@@ -41,6 +44,38 @@ MAX_NODES = 300
 MAX_EXACT_BITS = 20_000
 MAX_FACTORIAL = 1000
 REL_TOL = 1e-10
+TIME_LIMIT_S = 0.05
+
+
+class TimeUp(Exception):
+    """A comparison ran past its deadline (``start_clock``); the caller treats it as unequal."""
+
+
+_clock = threading.local()  # each thread (reward worker) has its own deadline
+
+
+def start_clock(limit_s: float = TIME_LIMIT_S) -> bool:
+    """Start the time budget of one grading: normalising, parsing and evaluation raise
+    ``TimeUp`` after ``limit_s`` seconds. The size caps keep every known input far below it;
+    the clock bounds the inputs nobody thought of. A clock already running is kept (one budget
+    for all comparisons of one response); returns whether this call started it, in which case
+    the caller calls ``stop_clock``."""
+    if getattr(_clock, "deadline", None) is not None:
+        return False
+    _clock.deadline = time.perf_counter() + limit_s
+    return True
+
+
+def check_clock() -> None:
+    """Raise ``TimeUp`` when the current comparison's budget is spent (no clock: no limit)."""
+    deadline = getattr(_clock, "deadline", None)
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TimeUp
+
+
+def stop_clock() -> None:
+    """End the budget ``start_clock`` started."""
+    _clock.deadline = None
 
 # A small LaTeX arithmetic parser (no eval): expression trees of tuples
 #   ("num", Fraction) ("sym", name) ("pi",) ("I",) ("add", a, b) ("sub", a, b) ("mul", a, b)
@@ -93,6 +128,8 @@ class _Parser:
 
     def node(self, *parts) -> Node:
         self.nodes += 1
+        if self.nodes % 16 == 0:
+            check_clock()
         if self.nodes > MAX_NODES:
             raise _ParseError("expression too large")
         return tuple(parts)
@@ -383,6 +420,7 @@ def _sampled(a: Node, b: Node) -> list[tuple[complex, complex]]:
     names = sorted(_symbols(a, set()) | _symbols(b, set()))
     pairs = []
     for env in _environments(names):
+        check_clock()
         try:
             va, vb = _num(a, env), _num(b, env)
         except (ArithmeticError, ValueError, _NotExact, KeyError):

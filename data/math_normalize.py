@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 
-from data.math_expression import _GREEK, MAX_PARSE_CHARS
+from data.math_expression import _GREEK, MAX_PARSE_CHARS, check_clock
 from data.math_extraction import _group_end
 
 _TEXT_CMDS = (
@@ -111,6 +111,7 @@ def _brace_commands(s: str) -> str:
     out: list[str] = []
     i = 0
     while i < len(s):
+        check_clock()
         m = re.match(r"\\(frac|binom|sqrt)(?![A-Za-z])", s[i:])
         if m:
             name = m.group(1)
@@ -165,6 +166,7 @@ def _drop_thousands(s: str, m: re.Match) -> str:
 def _unwrap_text(s: str) -> str:
     r"""``\text{abc}`` -> ``abc`` for every text-style wrapper (nested braces balanced)."""
     while True:
+        check_clock()
         m = _TEXT_OPEN.search(s)
         if not m:
             return s
@@ -279,7 +281,7 @@ def _normalize(answer: str) -> tuple[str, bool]:
         return (choice.group(1) if choice else words), True
     # "12 and 13", "(11,7) or (7,11)": plain words between items separate them (math-verify's
     # tests/test_numina_cases.py); inside a text answer they are words, kept above.
-    s = re.sub(r"(?<=\S)\s+(?:and|or)\s+(?=\S)", ",", s)
+    s = re.sub(r"(?<=\S)\s+(?:and|or)\s+(?=\S)|(?<=[)\]])(?:and|or)(?=[(\[])", ",", s)
     s = _unwrap_text(s)
     s = _THOUSANDS.sub(lambda m: _drop_thousands(s, m), s)
     s = _brace_commands(s)

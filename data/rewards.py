@@ -40,6 +40,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 from data.math_answer import answers_equal
+from data.math_expression import start_clock, stop_clock
 from data.math_extraction import boxed_answers
 from data.stories import story_reward
 
@@ -138,14 +139,19 @@ def math_boxed(response: str, label: str) -> float:
     boxes = boxed_answers(response)
     if boxes is None:
         return 0.0
-    if answers_equal(boxes[-1], expected):
-        return 1.0
-    # The last box alone is the answer first: "\boxed{4} ... no, \boxed{5}" is 5, not {4, 5}.
-    if len(boxes) > 1:
-        listed = _boxed_list(boxes)
-        if listed != boxes[-1].strip() and answers_equal(listed, expected):
+    started = start_clock()  # one time budget for both comparisons below
+    try:
+        if answers_equal(boxes[-1], expected):
             return 1.0
-    return 0.0
+        # The last box alone is the answer first: "\boxed{4} ... no, \boxed{5}" is 5, not {4, 5}.
+        if len(boxes) > 1:
+            listed = _boxed_list(boxes)
+            if listed != boxes[-1].strip() and answers_equal(listed, expected):
+                return 1.0
+        return 0.0
+    finally:
+        if started:
+            stop_clock()
 
 
 VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward}
