@@ -68,6 +68,8 @@ _CLOSE = ")]}"
 
 def _split_top(s: str, sep: str) -> list[str]:
     """Split ``s`` at ``sep`` outside brackets and braces (``\\{``/``\\}`` count as braces)."""
+    if sep not in s:  # the common case, without the walk
+        return [s]
     parts, depth, start, i = [], 0, 0, 0
     while i < len(s):
         if not i & 255:
@@ -109,6 +111,8 @@ _RELATION_OPS = ("\\le", "\\ge", "<", ">")
 
 def _split_relations(s: str) -> tuple[list[str], list[str]]:
     r"""``s`` split at ``\le``, ``\ge``, ``<``, ``>`` outside brackets: (sides, operators)."""
+    if "<" not in s and ">" not in s and "\\le" not in s and "\\ge" not in s:
+        return [s.strip()], []
     sides, ops, depth, start, i = [], [], 0, 0, 0
     while i < len(s):
         if s.startswith("\\{", i) or s.startswith("\\}", i):
@@ -186,10 +190,15 @@ def _set_items(parts: list[str]) -> tuple:
     return tuple(_structure(q) for p in parts for q in _pm_items(_strip_prefix(p)))
 
 
+_PLAIN = re.compile(r"[-+*/^.\w ]*")  # no brackets, commands, lists or relations: an atom
+
+
 def _structure(s: str, text: str | None = None) -> Answer:
     check_clock()
     if text is not None:
         return Answer("text", text=text)
+    if _PLAIN.fullmatch(s):
+        return Answer("atom", text=s)
     m = re.fullmatch(r"\\begin\{([a-zA-Z]*matrix)\}(.*)\\end\{\1\}", s, re.DOTALL)
     if m:
         rows = [r for r in _split_top(m.group(2), "\\\\") if r.strip()]

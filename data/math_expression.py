@@ -24,8 +24,8 @@ compared after their normalised strings (:mod:`data.math_normalize`) differ:
 Limits keep it fast on any input: items longer than ``MAX_PARSE_CHARS`` are only
 string-compared (whole answers longer than four times that are not normalised at all),
 expression trees are capped at ``MAX_NODES`` nodes, exact powers at ``MAX_EXACT_BITS``
-bits and factorials/binomials at ``MAX_FACTORIAL``, and one comparison at ``TIME_LIMIT_S``
-seconds (``start_clock``; past it the answers count as unequal). Parsed answers are cached (an RL
+bits and factorials/binomials at ``MAX_FACTORIAL``, and one grading at ``TIME_LIMIT_S``
+CPU seconds (``start_clock``; past it the answers count as unequal). Parsed answers are cached (an RL
 step grades many samples against one label).
 """
 
@@ -56,20 +56,21 @@ _clock = threading.local()  # each thread (reward worker) has its own deadline
 
 def start_clock(limit_s: float = TIME_LIMIT_S) -> bool:
     """Start the time budget of one grading: normalising, parsing and evaluation raise
-    ``TimeUp`` after ``limit_s`` seconds. The size caps keep every known input far below it;
+    ``TimeUp`` after ``limit_s`` seconds of this thread's CPU time (not wall time: a busy
+    machine that pauses the thread must not turn a right answer wrong). The size caps keep every known input far below it;
     the clock bounds the inputs nobody thought of. A clock already running is kept (one budget
     for all comparisons of one response); returns whether this call started it, in which case
     the caller calls ``stop_clock``."""
     if getattr(_clock, "deadline", None) is not None:
         return False
-    _clock.deadline = time.perf_counter() + limit_s
+    _clock.deadline = time.thread_time() + limit_s
     return True
 
 
 def check_clock() -> None:
     """Raise ``TimeUp`` when the current comparison's budget is spent (no clock: no limit)."""
     deadline = getattr(_clock, "deadline", None)
-    if deadline is not None and time.perf_counter() > deadline:
+    if deadline is not None and time.thread_time() > deadline:
         raise TimeUp
 
 
