@@ -14,6 +14,14 @@ Structure
 - ``A \cup B``: unions, components matched in any order.
 - ``\begin{pmatrix}...\end{pmatrix}`` (also ``bmatrix``, ``matrix``...): matrices,
   cells equal in order, rows split at ``\\``, cells at ``&``.
+- ``{a, b}`` (plain braces around a list) is a set too; an item with one ``\pm`` is its
+  two values (``\pm 2`` = ``\{2, -2\}``; math-verify ``tests/test_yujianll.py``).
+- ``L = M = R``: a chain of steps; the answer is its last side (``x=5+5+1=11`` is ``11``;
+  math-verify ``tests/test_all.py``, "last = is considered").
+- ``A \approx B``: ``B`` when ``A`` is a name (``x\approx 11``), else the exact ``A``.
+- ``x \le 5``, ``5 \ge x``, ``a < x \le b``: a relation in one name (see
+  ``data.math_normalize.is_name``) is the interval it describes, compared as a tuple
+  (``-793<a<10`` = ``(-793,10)``; ``x<5`` != ``x\le5``).
 - ``L = R`` left after normalisation step 8: an equation; equal to another when both sides match, or
   when ``L - R`` of one is a non-zero constant multiple of the other's
   (``2x+2y=4`` = ``x+y-2=0``).
@@ -23,7 +31,11 @@ Items (the atoms of the above)
 1. Equal normalised strings are equal.
 2. Otherwise both are parsed as LaTeX arithmetic and compared exactly when both are
    rational, else at fixed sample points (:mod:`data.math_expression`, which also holds
-   the limits that keep this fast on any input).
+   the limits that keep this fast on any input). A decimal of ten or more significant
+   digits also equals the rational it rounds or cuts to (``0.0833333333333333`` =
+   ``\frac{1}{12}``).
+3. ``1,22`` (read as a list) equals ``1.22``: a decimal comma, only against a decimal
+   written with a point (math-verify ``tests/test_all.py``), so ``0,111`` != ``111``.
 
 Parsed answers are cached (an RL step grades many samples against one label).
 """
