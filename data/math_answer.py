@@ -220,11 +220,11 @@ def _structure(s: str, text: str | None = None) -> Answer:
     if len(union) > 1:
         return Answer("union", items=tuple(_structure(p) for p in union))
     if s.startswith("\\{") and s.endswith("\\}"):
-        return Answer("set", items=_set_items(_split_top(s[2:-2], ",")))
+        return Answer("set", items=_set_items(_split_top(s[2:-2], ",")), brackets="{}")
     if len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _outer_group(s):
         parts = _split_top(s[1:-1], ",")  # {1,3}: braces a writer meant as a set
         if len(parts) > 1:
-            return Answer("set", items=_set_items(parts))
+            return Answer("set", items=_set_items(parts), brackets="{}")
     if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _outer_group(s):
         parts = _split_top(s[1:-1], ",")
         if len(parts) > 1:
@@ -314,8 +314,9 @@ _DECIMAL = re.compile(r"-?\d*\.\d+")
 def _decimal_comma_equal(pair: Answer, number: Answer) -> bool:
     """``1,22`` (read as the list {1, 22}) against a decimal written with a point, ``1.22``: a
     decimal comma (math-verify's ``test_number_extraction``: ``0,111`` = ``0.111``). Only
-    against a decimal with a point, so ``0,111`` never equals ``111``."""
-    if len(pair.items) != 2 or not _DECIMAL.fullmatch(number.text):
+    against a decimal with a point, so ``0,111`` never equals ``111``, and never for a set in
+    braces (``\{1,22\}`` is two numbers)."""
+    if pair.brackets or len(pair.items) != 2 or not _DECIMAL.fullmatch(number.text):
         return False
     whole, frac = (item.text for item in pair.items)
     if not re.fullmatch(r"-?\d+", whole) or not re.fullmatch(r"\d+", frac):

@@ -142,6 +142,7 @@ def test_decimals_against_rationals():
     assert not answers_equal("0.6666666666666650", "2/3")        # off by 17 units in the last place
     assert not answers_equal("0.666666667", "2/3")               # nine digits stay exact
     assert answers_equal("1,5", "1.5") and not answers_equal("1,5", "15")
+    assert not answers_equal("\\{1,22\\}", "1.22")  # a set in braces is two numbers
 
 
 def test_square_root_of_a_negative_is_the_principal_one():
