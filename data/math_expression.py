@@ -57,10 +57,10 @@ _clock = threading.local()  # each thread (reward worker) has its own deadline
 def start_clock(limit_s: float = TIME_LIMIT_S) -> bool:
     """Start the time budget of one grading: normalising, parsing and evaluation raise
     ``TimeUp`` after ``limit_s`` seconds of this thread's CPU time (not wall time: a busy
-    machine that pauses the thread must not turn a right answer wrong). The size caps keep every known input far below it;
-    the clock bounds the inputs nobody thought of. A clock already running is kept (one budget
-    for all comparisons of one response); returns whether this call started it, in which case
-    the caller calls ``stop_clock``."""
+    machine that pauses the thread must not turn a right answer wrong). The size caps keep
+    every known input far below it; the clock bounds the inputs nobody thought of. A clock
+    already running is kept (one budget for all comparisons of one response); returns whether
+    this call started it, in which case the caller calls ``stop_clock``."""
     if getattr(_clock, "deadline", None) is not None:
         return False
     _clock.deadline = time.thread_time() + limit_s

@@ -3,7 +3,8 @@ r"""Normalisation of one math answer to a canonical string (``normalize``), by t
 1. ``$`` and ``\$``, ``\displaystyle``, ``\left``/``\right`` (``\left.`` too),
    ``\big``-style sizes and a trailing ``.`` are dropped.
 2. Thousands separators: ``,\!`` and ``{,}`` between digits, and a comma followed by exactly
-   three digits after a leading group that is not ``0`` (``0,111`` is not 111), are removed, so ``10,\!080``, ``10,080`` and ``10080`` are equal. A comma
+   three digits after a leading group that is not ``0`` (``0,111`` is not 111), are
+   removed, so ``10,\!080``, ``14{,}916``, ``10,080`` and ``10080`` are equal. A comma
    followed by a space separates items (``2, 100`` is the list {2, 100}), and so does
    every plain comma of a number written directly inside brackets or next to another
    comma: ``(12,102)`` is a pair, ``(12,\!102)`` is one number in parentheses.
@@ -13,7 +14,8 @@ r"""Normalisation of one math answer to a canonical string (``normalize``), by t
    TeX's one-token arguments get braces: ``\frac12`` = ``\frac 1 2`` = ``\frac{1}{2}``,
    ``\frac9{19}``, ``\sqrt2`` = ``\sqrt{2}``, ``x^2`` = ``x^{2}``, ``52_8`` = ``52_{8}``.
 5. Units: degrees (``^\circ``, ``^{\circ}``, ``\circ`` after a number, ``\degree``, ``°``) and percent
-   (``\%``, ``%``, and ``percent``, ``pct``, ``percentage`` after a number) are dropped (``50\%`` equals ``50``, not ``0.5``); a trailing
+   (``\%``, ``%``, and ``percent``, ``pct``, ``percentage`` after a number) are dropped
+   (``50\%`` equals ``50``, not ``0.5``); a trailing
    ``\text{...}``/``\mbox{...}``/``\textrm{...}`` (or ``\mathrm{..}`` of two letters or
    more), with an optional power (``\mbox{ inches}^2``), after some other content is a
    unit and dropped; so is a trailing plain unit word from a short list (``cm``,
@@ -25,7 +27,7 @@ r"""Normalisation of one math answer to a canonical string (``normalize``), by t
 7. ``\cdot``, ``\times`` are ``*``; relations have one spelling (``\leq``, ``\leqslant``,
    ``<=`` are ``\le``; ``\lt`` is ``<``; ``!=``, ``\neq`` are ``\ne``); ``\text{ and }``,
    ``\text{ or }`` and, outside text answers, the plain words ``and``/``or`` between items
-   are commas (``2\text{ and }3`` = ``6 and 8``-style lists); ``;`` is a comma
+   are commas (``2\text{ and }3`` and ``2 and 3`` are ``2, 3``); ``;`` is a comma
    (``-12; -11``); ``+\infty`` is ``\infty``.
 8. A leading name and ``=`` or ``\in`` is dropped, for the whole answer and for each item
    of a list. A name is a letter, up to four capitals (``AB``), or a Greek command, with

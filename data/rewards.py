@@ -19,9 +19,10 @@ Registry ``VERIFIERS``:
 - ``math``: boxed answers (MATH, MATH-500; label = the reference ``answer``). The final
   answer is the last ``\\boxed{...}`` or ``\\fbox{...}`` (no box, or an unclosed last box,
   scores 0), or, when that does not match, the list of all its distinct boxes; it equals the
-  label after the normalisation documented in ``data.math_normalize``. In short, equal: ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` =
-  ``\\dfrac12`` = ``\\tfrac{1}{2}`` (rationals compare exactly); ``1,000`` = ``1,\\!000``
-  = ``1000``; ``5.0`` = ``5``; ``\\$5`` = ``5``; ``50\\%`` = ``50``; ``90^\\circ`` = ``90``;
+  label after the normalisation documented in ``data.math_normalize``. In short, equal:
+  ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` = ``\\dfrac12`` = ``\\tfrac{1}{2}`` (rationals compare
+  exactly); ``1,000`` = ``1,\\!000`` = ``1000``; ``5.0`` = ``5``; ``\\$5`` = ``5``;
+  ``50\\%`` = ``50``; ``90^\\circ`` = ``90``;
   ``12\\text{ cm}`` = ``12``; ``\\left( 1, 2 \\right)`` = ``(1,2)``; spaces ignored;
   ``x = 3`` = ``3``; ``1\\frac{4}{5}`` = ``9/5``; ``\\sqrt2`` = ``\\sqrt{2}``;
   ``\\frac{\\sqrt3}{3}`` = ``\\frac{1}{\\sqrt3}`` and ``2k+2`` = ``2(k+1)`` (equal values at
@@ -32,7 +33,8 @@ Registry ``VERIFIERS``:
   ``0.0833333333333333`` = ``\\frac{1}{12}``. One grading stops after
   ``data.math_expression.TIME_LIMIT_S`` CPU seconds and then scores 0.
   Not equal: ``1/2`` vs ``2``, ``0.5`` vs ``0.05``, ``1/3`` vs ``0.333``, ``(1,2)`` vs
-  ``(2,1)``, ``(1,2)`` vs ``[1,2]``, ``52_8`` vs ``52``, ``x<5`` vs ``x\\le5``, ``0,111`` vs ``111``.
+  ``(2,1)``, ``(1,2)`` vs ``[1,2]``, ``52_8`` vs ``52``, ``x<5`` vs ``x\\le5``, ``0,111``
+  vs ``111``.
 """
 
 from __future__ import annotations
