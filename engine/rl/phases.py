@@ -492,7 +492,7 @@ def update_weights(workers: Workers, timeout_s: float | None = None, version: in
     Each bucket is asked of the actor once and its ObjectRef goes straight from the actor to
     every rollout engine (the driver never holds the tensors); the next bucket is requested
     only once every engine has loaded the previous one: at most one bucket is in flight
-    (:func:`engine.rollout.router.push_weights`). Through the run's router
+    (:func:`engine.rollout.weight_push.push_weights`). Through the run's router
     (``workers.rollout``), an engine found dead meanwhile is replaced after the sync, loading
     these weights (:meth:`engine.rollout.router.RolloutRouter.update_weights`).
 

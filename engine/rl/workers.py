@@ -278,7 +278,7 @@ class RolloutWorker:
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of
-        :meth:`engine.models.weight_buckets.HFBucketSource.hf_bucket` (see
+        :meth:`engine.distributed.weight_source.HFBucketSource.hf_bucket` (see
         :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
         _init_thread()
         self.engine.update_weights(named_tensors)

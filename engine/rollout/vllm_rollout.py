@@ -22,9 +22,13 @@ import torch
 from engine.library_warnings import silence_library_deprecations
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
-from engine.rollout.vllm_weight_sync import EXTENSION as WEIGHT_SYNC_EXTENSION
 
 logger = logging.getLogger(__name__)
+
+
+# vLLM mixes this class into its workers (LLM(worker_extension_cls=...)): the rollout side of the
+# collective weight sync, resolved by vLLM from its dotted path
+WEIGHT_SYNC_EXTENSION = "engine.rollout.vllm_weight_sync.WeightSyncExtension"
 
 
 def _raises_on_dict(value) -> bool:

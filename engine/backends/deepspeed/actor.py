@@ -17,7 +17,7 @@ from engine.backends.deepspeed.runtime import (
     import_deepspeed,
     init_process_group,
 )
-from engine.models.weight_buckets import HFBucketSource
+from engine.distributed.weight_source import HFBucketSource
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
@@ -40,7 +40,7 @@ class DeepSpeedActorWorker(HFBucketSource):
 
     Same constructor arguments, methods and results as :class:`engine.backends.megatron.actor.ActorWorker`;
     the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
-    Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.models.weight_buckets.HFBucketSource`
+    Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.distributed.weight_source.HFBucketSource`
     over :meth:`hf_tensors` (the worker is its own weight source). With ``cfg.lora.enabled`` PEFT's
     LoRA layers go on the model before DeepSpeed takes it (:func:`engine.models.hf_lora.apply_hf_lora`,
     ``A`` seeded from ``seed``): only the adapters train, the train state holds them alone, and

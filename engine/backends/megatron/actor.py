@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm
-from engine.models.weight_buckets import HFBucketSource
+from engine.distributed.weight_source import HFBucketSource
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
@@ -20,7 +20,7 @@ from engine.trajectory import Trajectory
 
 
 class ActorWorker(HFBucketSource):
-    """The trainable policy; weight sync by :class:`engine.models.weight_buckets.HFBucketSource`
+    """The trainable policy; weight sync by :class:`engine.distributed.weight_source.HFBucketSource`
     (``hf_bucket_plan``, ``hf_bucket``). It runs as a Ray actor in its own process (built by
     :func:`engine.rl.workers.spawn` via :func:`engine.rl.workers.start_workers`), so every
     argument and result crosses a process boundary.
@@ -88,7 +88,7 @@ class ActorWorker(HFBucketSource):
 
     def _bucket_weights(self):
         """The GPTModel: weight-sync buckets are its tensors converted to HF names
-        (:meth:`engine.models.weight_buckets.HFBucketSource._bucket_weights`); with LoRA its
+        (:meth:`engine.distributed.weight_source.HFBucketSource._bucket_weights`); with LoRA its
         merged weights (:class:`engine.models.lora.MergedWeights`)."""
         if self.cfg.lora.enabled:
             from engine.models.lora import MergedWeights
