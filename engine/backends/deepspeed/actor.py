@@ -91,6 +91,20 @@ class DeepSpeedActorWorker(HFBucketSource):
 
     # ------------------------------------------------------------------ forward and update
 
+    def offload(self) -> None:
+        """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
+        rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.module, self.optimizer, "actor", engine=self.engine)
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next forward
+        (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.module, self.optimizer, "actor", engine=self.engine)
+
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on
         padding (:func:`engine.training.actor.compute_logprobs`; micro-batches of

@@ -58,6 +58,20 @@ class ActorWorker(HFBucketSource):
         self.optimizer, self.scheduler = build_model_optimizer(
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
 
+    def offload(self) -> None:
+        """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
+        rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.model, self.optimizer, "actor")
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next forward
+        (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.model, self.optimizer, "actor")
+
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
         in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
