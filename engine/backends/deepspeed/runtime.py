@@ -609,34 +609,35 @@ class DeepSpeedTrainer:
         """What a saved state's layout depends on: the backend and the ZeRO stage."""
         return {"backend": "deepspeed", "zero_stage": self.zero_stage}
 
-    # A train state written at DP > 1 under ZeRO 1-3: DeepSpeed's AdamW steps this rank's flat
-    # partitions only, so the optimizer state is gathered into whole tensors per parameter
-    # (the state_dict() of a plain AdamW over the module) and loads at any data-parallel size.
+    # The train state under ZeRO 1-3: DeepSpeed's AdamW steps this rank's flat partitions only,
+    # so the optimizer state is gathered into whole tensors per parameter (the state_dict() of a
+    # plain AdamW over the module), which loads at any data-parallel size. States without this
+    # marker hold one rank's flat partitions (written at DP=1 by earlier versions).
     CONSOLIDATED = "per_parameter"
 
     def save_state(self, directory: str | Path, tag_key: str, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write ``directory/train_state.pt`` atomically (``engine.storage.train_state``): the module's
-        weights by name, the AdamW state DeepSpeed steps (under ZeRO: over its flat fp32
-        partitions), the schedule, data position, RNG states and ``extra`` plus
-        ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``.
+        weights by name, the AdamW state, the schedule, data position, RNG states and ``extra``
+        plus ``extra[tag_key] =`` :meth:`state_tag`. Loads with ``torch.load(weights_only=True)``.
         Under bf16 the weights are the fp32 masters (module docstring); with frozen parameters
-        (LoRA) the trained ones only (:meth:`_state_module`).
+        (LoRA) the trained ones only (:meth:`_state_module`). At DP > 1 a collective: every rank
+        calls it, rank 0 writes.
 
-        At DP > 1 under ZeRO 1-3 (a collective: every rank calls it, rank 0 writes) the AdamW
-        state is consolidated instead: whole ``exp_avg`` / ``exp_avg_sq`` tensors per trained
-        parameter (DeepSpeed's ``safe_get_full_optimizer_state``), keyed as a plain AdamW over
-        the module would key them, so the state resumes at any data-parallel size."""
+        Under ZeRO 1-3, at any data-parallel size, the AdamW state is consolidated: whole
+        ``exp_avg`` / ``exp_avg_sq`` tensors per trained parameter (DeepSpeed's
+        ``safe_get_full_optimizer_state``, gathered from the ranks' partitions), keyed as a plain
+        AdamW over the module would key them, so the state resumes at any data-parallel size. At
+        ZeRO-0 the AdamW is such a plain AdamW already and its own ``state_dict()`` is written."""
         from engine.storage.train_state import save_train_state
 
         saved = self._state_module()
-        if self.world > 1 and self.zero_stage > 0:
+        if self.zero_stage > 0:
             with self.gathered(saved.parameters()), self._deepspeed_masters_in_params():
                 optimizer = _SavedOptimizer(self._consolidated_optimizer_state(saved))
                 save_train_state(directory, step=step, model=saved, optimizer=optimizer, scheduler=self.scheduler,
                                  data_position=data_position, extra={**extra, tag_key: self.state_tag()})
             return
-        with (self.gathered(saved.parameters()), self._deepspeed_masters_in_params(),
-              self._optimizer_param_groups()):
+        with self.gathered(saved.parameters()), self._deepspeed_masters_in_params():
             save_train_state(
                 directory, step=step, model=saved, optimizer=self.optimizer, scheduler=self.scheduler,
                 data_position=data_position, extra={**extra, tag_key: self.state_tag()},
@@ -654,19 +655,24 @@ class DeepSpeedTrainer:
     def _consolidated_optimizer_state(self, module: torch.nn.Module) -> dict[str, Any]:
         """``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...],
         "consolidated": CONSOLIDATED}``: whole fp32 moments per trained parameter of ``module``
-        (a collective: each is gathered from the ranks' partitions), indices as
-        :meth:`_template_groups`, hyper-parameters (lr, ...) the live optimizer's."""
+        (a collective at DP > 1: each is gathered from the ranks' partitions), indices as
+        :meth:`_template_groups`, hyper-parameters (lr, ...) the live optimizer's. Before the
+        first step (torch creates AdamW's state lazily) ``"state"`` is empty, as a plain AdamW's."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
         groups = self._template_groups(module)
-        step = next(iter(self.optimizer.state.values()))["step"]
+        stepped = any("exp_avg" in entry for entry in self.optimizer.state.values())
+        step = next(e["step"] for e in self.optimizer.state.values() if "exp_avg" in e) if stepped else None
+        if stepped:
+            self._link_optimizer_state()
         state, index, param_groups = {}, 0, []
         for group, live in zip(groups, self.optimizer.param_groups):
             ids = []
             for p in group:
-                state[index] = {"step": torch.as_tensor(step).clone(),
-                                **{m: safe_get_full_optimizer_state(p, m).detach().clone().view(p.shape)
-                                   for m in ("exp_avg", "exp_avg_sq")}}
+                if stepped:
+                    state[index] = {"step": torch.as_tensor(step).clone(),
+                                    **{m: safe_get_full_optimizer_state(p, m).detach().clone().view(p.shape)
+                                       for m in ("exp_avg", "exp_avg_sq")}}
                 ids.append(index)
                 index += 1
             param_groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
@@ -676,14 +682,18 @@ class DeepSpeedTrainer:
         """Restore a state :meth:`save_state` wrote with the same ZeRO stage (weights,
         AdamW, schedule, RNG); returns the :class:`engine.storage.train_state.TrainState` with
         ``tag_key`` taken out of ``extra``. Under bf16 the fp32 masters take the saved weights
-        exactly and the bf16 module weights their rounding. A consolidated state (written at
-        DP > 1 under ZeRO 1-3) loads at any data-parallel size and ZeRO 1-3 layout of the same
-        stage; at DP > 1 every rank calls it.
+        exactly and the bf16 module weights their rounding. A state of this version loads at
+        any data-parallel size (ZeRO 1-3: consolidated, each rank taking its own partition;
+        ZeRO-0: a plain AdamW's); at DP > 1 every rank calls it. A ZeRO 1-3 state of an earlier
+        version, written at DP=1 with the AdamW state of that rank's flat partitions, still
+        loads at DP=1.
 
         Raises:
             FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`.
             ValueError: the state was written by another backend or ZeRO stage (the message
-                names ``config_keys``, e.g. ``"rl.backend and rl.deepspeed.zero_stage"``).
+                names ``config_keys``, e.g. ``"rl.backend and rl.deepspeed.zero_stage"``); an
+                earlier version's partition state is loaded at DP > 1 (the message names the fix:
+                resume it at data-parallel size 1 once, whose next save is consolidated).
         """
         from engine.storage.train_state import load_train_state
 
@@ -699,8 +709,10 @@ class DeepSpeedTrainer:
             self._restore_consolidated(state, restored)
             return state
         if self.world > 1 and self.zero_stage > 0:
-            raise ValueError(f"{directory}: this train state holds one rank's ZeRO partitions (written at "
-                             f"data_parallel_size 1); it resumes at data_parallel_size 1 only")
+            raise ValueError(f"{directory}: this train state holds one rank's flat ZeRO partitions (written at "
+                             f"data_parallel_size 1 by an earlier version) and loads at data_parallel_size 1 only; "
+                             f"resume it at data_parallel_size 1 until its next checkpoint, which is written in the "
+                             f"format that loads at any data_parallel_size")
         with self.gathered(restored.parameters(), modifier_rank=0), self._optimizer_param_groups():
             state.restore(restored, self.optimizer, self.scheduler)
         if self.scheme == MASTER_WEIGHTS:  # the bf16 weights: the restored masters' rounding
@@ -712,15 +724,13 @@ class DeepSpeedTrainer:
         return state
 
     def _restore_consolidated(self, state, restored: torch.nn.Module) -> None:
-        """Load a consolidated state (:meth:`save_state` at DP > 1) into this layout: the weights
+        """Load a consolidated state (:meth:`save_state` under ZeRO 1-3, any DP size) into this layout: the weights
         (and the fp32 masters: DeepSpeed's partitions take them exactly), each parameter's
         moments into this rank's partition (``safe_set_full_optimizer_state``), the step count,
         the groups' hyper-parameters, the schedule and the RNG states.
 
         Raises:
             ValueError: the saved weights or parameter groups do not match the module's."""
-        from deepspeed.utils import safe_set_full_optimizer_state
-
         from engine.storage.train_state import restore_rng_state
 
         opt = state.optimizer
@@ -736,6 +746,21 @@ class DeepSpeedTrainer:
             self._set_masters(state.model)
         else:
             self.engine.optimizer.refresh_fp32_params()
+        if not opt["state"]:  # saved before the first step: AdamW starts afresh, as a plain one would
+            self.optimizer.state.clear()
+        else:
+            self._restore_moments(opt["state"], [p for group in groups for p in group])
+        for live, saved in zip(self.optimizer.param_groups, opt["param_groups"]):
+            live.update({k: v for k, v in saved.items() if k != "params"})
+        self.scheduler.load_state_dict(state.scheduler)
+        restore_rng_state(state.rng)
+
+    def _restore_moments(self, saved: dict[int, dict[str, Any]], params: list[torch.nn.Parameter]) -> None:
+        """Put each parameter's whole saved moments (``saved[index]``, ``params[index]``, in
+        :meth:`_template_groups` order) into this rank's partition and the saved step count
+        into every flat partition's AdamW state."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
         # A trainer that has not stepped yet has no AdamW state (torch creates it in the first
         # step): its flat partitions get zero moments to be overwritten below.
         with self._optimizer_param_groups():
@@ -745,17 +770,27 @@ class DeepSpeedTrainer:
                     if "exp_avg" not in entry:
                         entry.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
                                      exp_avg_sq=torch.zeros_like(flat))
-        params = [p for group in groups for p in group]
+        self._link_optimizer_state()
         for index, p in enumerate(params):
             for moment in ("exp_avg", "exp_avg_sq"):
-                safe_set_full_optimizer_state(p, opt["state"][index][moment].reshape(-1).to(torch.float32), moment)
-        step = opt["state"][0]["step"]
+                safe_set_full_optimizer_state(p, saved[index][moment].reshape(-1).to(torch.float32), moment)
+        step = saved[0]["step"]
         for entry in self.optimizer.state.values():
             entry["step"] = torch.as_tensor(step).clone()
-        for live, saved in zip(self.optimizer.param_groups, opt["param_groups"]):
-            live.update({k: v for k, v in saved.items() if k != "params"})
-        self.scheduler.load_state_dict(state.scheduler)
-        restore_rng_state(state.rng)
+
+
+    def _link_optimizer_state(self) -> None:
+        """ZeRO 1-2 (DeepSpeed's bf16 optimizer at ZeRO-1 too): point each parameter's views of the
+        AdamW state, which ``safe_get_full_optimizer_state`` / ``safe_set_full_optimizer_state``
+        read and write, at the flat partitions' current state tensors. DeepSpeed 0.19.8 links
+        them once, after the first parameter group's first step, when the other groups have no
+        state yet: their views stay empty (the no-weight-decay group's: "exp_avg not found in
+        optimizer state fragment"), and a trainer that has not stepped has none. A no-op under
+        ZeRO-3, which reads its flat state directly."""
+        opt = self.engine.optimizer
+        if self.zero_stage in (1, 2) and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+            opt._hp_optimizer_states_linked = False
+            opt._lazy_init_hp_params_optimizer_state()
 
 
 class _SavedOptimizer:
