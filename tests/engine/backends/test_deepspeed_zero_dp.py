@@ -86,17 +86,15 @@ def ray_cluster():
 
 def _group(policy_dir: Path, cfg: RLConfig, worker_cls=None, seed: int = 0, norm_fn=None):
     """A DP=2 WorkerGroup of ``worker_cls`` (default the DeepSpeed actor, with the actor's
-    global normalisers), one torch thread per rank."""
-    import ray
-
+    global normalisers), one torch thread per rank. Its ranks start in the background (the
+    caller builds its DP=1 worker meanwhile, so the start-ups overlap); the first call to the
+    group waits for them, and raises what a rank's constructor raised."""
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.distributed.group import WorkerGroup
     from engine.training.actor import actor_norm
 
-    group = WorkerGroup(worker_cls or DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, seed, 1),
-                        seed=seed, norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)))
-    ray.get(group.__ray_ready__.remote())
-    return group
+    return WorkerGroup(worker_cls or DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, seed, 1),
+                       seed=seed, norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)))
 
 
 def _weights(worker) -> dict[str, torch.Tensor]:
@@ -139,12 +137,13 @@ def test_zero3_at_dp2_equals_dp1_and_states_resume_both_ways(policy_dir, ray_clu
 
     cfg = rl_config(3)
     traj = trajectory()
-    single = DeepSpeedActorWorker(policy_dir, cfg, 0, 1)
-    start = _weights(single)
-    old = single.compute_logprobs(traj)
-    traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
     group = _group(policy_dir, cfg)
     try:
+        single = DeepSpeedActorWorker(policy_dir, cfg, 0, 1)
+        start = _weights(single)
+        old = single.compute_logprobs(traj)
+        traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+        ray.get(group.__ray_ready__.remote())
         assert torch.allclose(ray.get(group.compute_logprobs.remote(traj)), old, atol=1e-6, rtol=0)
         for step in range(STEPS):
             want = single.update(traj).metrics
@@ -279,10 +278,11 @@ def test_zero2_critic_at_dp2_equals_dp1_and_halves_each_ranks_state(policy_dir, 
     traj = trajectory()
     cfg = rl_config(2).model_copy(update={"algorithm": "gae"})
     traj = traj.with_(returns=torch.linspace(-1.0, 1.0, len(traj))[:, None] * traj.response_mask)
-    single = DeepSpeedCriticWorker(policy_dir, cfg, 3, 1)
-    values = single.compute_values(traj)
     critic = _group(policy_dir, cfg, DeepSpeedCriticWorker, seed=3, norm_fn=lambda t: global_norm(t.response_mask))
     try:
+        single = DeepSpeedCriticWorker(policy_dir, cfg, 3, 1)
+        values = single.compute_values(traj)
+        ray.get(critic.__ray_ready__.remote())
         assert torch.allclose(ray.get(critic.compute_values.remote(traj)), values, atol=1e-6, rtol=0)
         offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
         traj = traj.with_(values=(values + offsets) * traj.response_mask)
