@@ -724,8 +724,8 @@ class DeepSpeedTrainer:
         return state
 
     def _restore_consolidated(self, state, restored: torch.nn.Module) -> None:
-        """Load a consolidated state (:meth:`save_state` under ZeRO 1-3, any DP size) into this layout: the weights
-        (and the fp32 masters: DeepSpeed's partitions take them exactly), each parameter's
+        """Load a consolidated state (:meth:`save_state` under ZeRO 1-3, any DP size) into this
+        layout: the weights (and the fp32 masters: DeepSpeed's partitions take them exactly), each parameter's
         moments into this rank's partition (``safe_set_full_optimizer_state``), the step count,
         the groups' hyper-parameters, the schedule and the RNG states.
 
