@@ -260,10 +260,12 @@ def _assert_halved(stage: int, sizes: list[dict[str, int]], halved: tuple[str, .
         assert total <= sum(rank[key] for rank in sizes) <= total + slack  # every element is held somewhere
 
 
-def test_zero2_critic_at_dp2_equals_dp1_and_halves_each_ranks_state(policy_dir, ray_cluster):
+def test_zero2_critic_at_dp2_equals_dp1_and_halves_each_ranks_state(policy_dir, ray_cluster, tmp_path):
     """The ZeRO-2 critic's update at DP=2 equals the DP=1 critic's (metrics within 1e-6, as
     above), its values before and after within 1e-6: the critic's role and ZeRO-2's
-    per-backward reduction with the loss scaled against DeepSpeed's averaging.
+    per-backward reduction with the loss scaled against DeepSpeed's averaging. The group's ZeRO-2
+    train state (consolidated from the two ranks' partitions) resumes in the DP=1 critic with
+    exactly its weights and moments.
 
     Elements each of the two ranks holds after the step (``partition_numels``): the critic keeps
     its parameters whole and halves the rest (its gradients up to a boundary parameter:
@@ -274,6 +276,8 @@ def test_zero2_critic_at_dp2_equals_dp1_and_halves_each_ranks_state(policy_dir, 
 
     from engine.algorithms.aggregation import global_norm
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
+    from engine.storage.train_state import DataPosition, load_train_state
+    from engine.training.critic import critic_state_dir
 
     traj = trajectory()
     cfg = rl_config(2).model_copy(update={"algorithm": "gae"})
@@ -293,7 +297,17 @@ def test_zero2_critic_at_dp2_equals_dp1_and_halves_each_ranks_state(policy_dir, 
         assert torch.allclose(after, single.compute_values(traj), atol=1e-6, rtol=0)
         assert float((after - values).abs().max()) > 1e-4  # the update changed the values
         sizes = ray.get([rank.call.remote("partition_numels") for rank in critic.ranks])
+        ray.get(critic.save_state.remote(str(tmp_path), 1, DataPosition(0, 0, 0), {}))
     finally:
         critic.kill()
+    saved = load_train_state(critic_state_dir(tmp_path, 1))
+    single.load_state(tmp_path, 1)
+    weights = {name: p.detach() for name, p in single.model.named_parameters()}
+    assert weights.keys() <= saved.model.keys() and all(torch.equal(t, saved.model[k]) for k, t in weights.items())
+    moments = _moments(single.trainer)
+    flat = sorted(float(m[key].double().sum()) for m in moments.values() for key in ("exp_avg", "exp_avg_sq"))
+    state = saved.optimizer["state"]
+    assert flat == sorted(float(s[key].double().sum()) for s in state.values() for key in ("exp_avg", "exp_avg_sq"))
+    assert len(state) == len(moments) and max(float(m["exp_avg_sq"].abs().max()) for m in moments.values()) > 0
     _assert_halved(2, sizes, ("gradients", "master", "exp_avg"))
     assert all(rank["params"] == sizes[0]["total"] for rank in sizes)
