@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test acceptance install clean
+.PHONY: demo test acceptance install clean gpu-check
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP)
 # kept out of `make test` so that the suite stays within an hour on 2 cores.
 acceptance: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -s -m acceptance
+
+# CUDA checks (docs/platforms.md, "GPU check"): needs only torch and transformers; skips the rest.
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,python) -m benchmarks.gpu_check
 
 clean:
 	rm -rf artifacts checkpoints work wandb dvc_outputs

@@ -9,7 +9,7 @@ transport to the rollout engines: collective group vs Ray's object store.
 ``--transport`` (see :func:`transport_main`): on a local Ray cluster, a policy actor (a
 megatron-core model served by ``HFBucketSource``, as the RL actor serves it) and
 ``--engines`` vLLM rollout workers (``engine.rl.workers.RolloutWorker``, placeholder weights);
-each round syncs the whole policy once by ``engine.rollout.router.push_weights`` (object
+each round syncs the whole policy once by ``engine.rollout.weight_push.push_weights`` (object
 store) and once by ``push_weights_collective`` (gloo broadcast), interleaved, in
 ``rl.engine.weight_sync_bucket_mb`` buckets (``--transport-bucket-mb``). It prints seconds
 and GB/s (HF bytes of the model / seconds) per side, their ratio, and the collective side's
@@ -61,7 +61,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.models.weight_buckets import HFBucketSource
+from engine.distributed.weight_source import HFBucketSource
 
 MIB = 2**20
 

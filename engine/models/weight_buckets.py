@@ -12,9 +12,9 @@ extra memory is about one bucket, not the model.
   ``(hf_name, tensor)`` whose tensors own their memory (nothing aliases the model).
 - :class:`BucketServer`: serves buckets by index (the trainer worker's side of the sync);
   requests for consecutive indices continue one pass over the stream.
-- :class:`HFBucketSource`: the actor workers' ``hf_bucket_plan`` / ``hf_bucket`` over a
-  lazily built :class:`BucketServer` (both RL backends). Under tensor parallelism the ranks of
-  the group take part together: each split tensor is gathered from their shards into the full
+- ``engine.distributed.weight_source.HFBucketSource`` (the actor workers' ``hf_bucket_plan`` /
+  ``hf_bucket``) serves them over a lazily built :class:`BucketServer` (both RL backends).
+  Under tensor parallelism the ranks of the group take part together: each split tensor is gathered from their shards into the full
   megatron tensor first (:func:`gather_tensor_parallel`), so the buckets hold full HF tensors.
 
 Bucket boundaries never split a *load group* (:func:`load_group`): the tensors vLLM loads
@@ -381,100 +381,3 @@ class BucketServer:
         if self._next == self.plan.num_buckets:
             self._stream = None  # the last bucket: release the stream
         return out
-
-
-class HFBucketSource:
-    """Weight-sync methods of an RL actor worker: its policy's HF-named weights served as
-    buckets by a :class:`BucketServer`, built on first use.
-
-    The worker provides ``hf_config`` (the policy's HF ``config.json`` dict) and ``cfg`` (the
-    ``rl`` config; ``cfg.engine.weight_sync_bucket_mb`` is the bucket budget in MiB), and
-    overrides :meth:`_bucket_weights` when the weights are not the worker itself.
-    """
-
-    _bucket_server: BucketServer | None = None
-
-    def _bucket_weights(self):
-        """What the buckets are cut from (the ``model`` of :class:`BucketServer`): by default the
-        worker itself, which must then be a weight source (``hf_tensors()``, module docstring);
-        a megatron-core worker returns its GPTModel."""
-        return self
-
-    def hf_bucket_plan(self) -> BucketPlan:
-        """How the policy's HF-named weights are cut for weight sync: a :class:`BucketPlan` of
-        ``cfg.engine.weight_sync_bucket_mb`` MiB buckets over :meth:`_bucket_weights`' HF tensor
-        stream (planned on first use; shapes do not change in training). Under tensor
-        parallelism a collective of the group, like :meth:`hf_bucket`."""
-        return self._weight_buckets().plan
-
-    def hf_bucket(self, index: int) -> NamedTensors:
-        """Bucket ``index`` of the policy's weights: HF-named full tensors that own their
-        memory (:class:`BucketServer`; asking for ``0, 1, ...`` in order converts each tensor
-        once). Raises IndexError outside ``[0, plan.num_buckets)``.
-
-        Under tensor parallelism every rank of the group is asked (the shards are gathered,
-        :func:`gather_tensor_parallel`) and only its rank 0 returns the bucket; the others
-        return an empty list, which nobody reads."""
-        bucket = self._weight_buckets().bucket(index)
-        group = _tensor_parallel_group()
-        if group is not None:
-            import torch.distributed as dist
-
-            if dist.get_rank(group) != 0:
-                return []
-        return bucket
-
-    _weight_sync_end = None  # engine.distributed.weight_sync.TrainerEnd, made on first use
-
-    def weight_sync_open(self, world_size: int, generation: int, timeout_s: float):
-        """Announce generation ``generation`` of the collective weight-sync group
-        (``rl.engine.weight_sync: collective``): this worker is rank 0 of ``world_size`` and
-        hosts the group's store. Returns the
-        :class:`engine.distributed.weight_sync.GroupSpec` the rollout engines join with; the
-        caller then calls :meth:`weight_sync_join` here and theirs at the same time."""
-        from engine.distributed.weight_sync import TrainerEnd
-
-        if self._weight_sync_end is None:
-            self._weight_sync_end = TrainerEnd()
-        return self._weight_sync_end.open(world_size, generation, timeout_s)
-
-    def weight_sync_join(self) -> None:
-        """Form the group announced by :meth:`weight_sync_open` (blocks until every engine
-        worker joined, at most the group's timeout)."""
-        self._weight_sync_end.join()
-
-    def weight_sync_send(self, index: int) -> tuple[int, float, float]:
-        """Broadcast bucket ``index`` (:meth:`hf_bucket`) over the collective group.
-
-        Under tensor parallelism every rank of the group gathers (as for :meth:`hf_bucket`)
-        and only its rank 0, the group's rank 0, broadcasts.
-
-        Returns: ``(bytes sent, seconds making the bucket, seconds broadcasting)``; other
-            tensor-parallel ranks return ``(0, seconds, 0.0)``.
-
-        Raises: RuntimeError when the group is not formed or the broadcast fails (a peer gone,
-            the group's timeout); the group is dropped then (its connections close, so the
-            engines' pending receives fail instead of waiting), and the router forms a new one.
-        """
-        import time
-
-        t0 = time.perf_counter()
-        bucket = self.hf_bucket(index)
-        t1 = time.perf_counter()
-        end = self._weight_sync_end
-        if end is None or end.spec is None:
-            if _tensor_parallel_group() is not None:
-                return 0, t1 - t0, 0.0  # a tensor-parallel peer: it took part in the gather only
-            raise RuntimeError("weight sync: no collective group was opened on this worker")
-        try:
-            sent = end.send(bucket)
-        except BaseException:
-            end.close()
-            raise
-        return sent, t1 - t0, time.perf_counter() - t1
-
-    def _weight_buckets(self) -> BucketServer:
-        if self._bucket_server is None:
-            budget = self.cfg.engine.weight_sync_bucket_mb * 2**20
-            self._bucket_server = BucketServer(self.hf_config, self._bucket_weights(), budget)
-        return self._bucket_server

@@ -28,6 +28,9 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
    ``algorithms/policy_loss.py``) -> ``train_step`` (``training/optimizer_step.py``);
 7. weight sync: ``sync_weights`` (``rl/phases.py``) streams the policy to every
    ``RolloutWorker`` bucket by bucket (each bucket fetched once, ``rollout/router.py``);
+   colocated (``rl.engine.colocated_offload``), ``hand_to_trainer`` after phase 1 and
+   ``handed_to_rollout`` around the sync hand the devices' memory between rollout and training
+   (vLLM sleep / wake-up, trainer offload / reload; no-ops on CPU; ``rl/phases.py``);
 8. metrics and checkpoint: ``step_metrics`` reads the step's ``StepTimer`` (``rl/metrics.py``);
    ``checkpoint_if_due`` (``rl/checkpoint.py``) every ``checkpoint_every`` steps.
 
@@ -276,13 +279,15 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         sampler = prompt_sampler(run.prompts, seed, position)
         # the policy version: updates applied so far (critic warm-up steps apply none), what the rollout engine holds
         version = cfg.policy_updates(start)
-        phases.update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
+        with phases.handed_to_rollout(workers, cfg):  # colocated: the trainer offloaded while the rollout runs
+            phases.update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
         kl_ctl = phases.kl_controller(cfg, log.last)
         producer = phases.RolloutProducer(workers, run.prompts, sampler, cfg, seed, run.pad_id)
         pipeline = RolloutPipeline(producer, cfg.steps, cfg.engine.off_policy_steps)
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             timer = StepTimer()
             batch = phases.take_rollout(pipeline, step, timer)  # rollout and rewards
+            phases.hand_to_trainer(workers, cfg, timer)  # colocated: rollout asleep, trainer back on the device
             traj = phases.add_logprobs(workers, batch.traj, cfg, timer)
             train_policy = cfg.policy_updates(step) > cfg.policy_updates(step - 1)  # false in the critic warm-up
             traj, kl_metrics = phases.add_advantages(traj, cfg, kl_ctl, train_policy, timer)
@@ -290,7 +295,8 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             critic_metrics = phases.update_critic(workers, traj, timer)
             traj, actor_metrics = phases.update_actor(workers, traj, train_policy, timer)
             policy_version = version
-            version = phases.sync_weights(workers, cfg, version, train_policy, timer)
+            with phases.handed_to_rollout(workers, cfg, timer):  # trainer offloaded, engine weights, then KV cache
+                version = phases.sync_weights(workers, cfg, version, train_policy, timer)
             metrics = step_metrics(step, traj, {**critic_metrics, **actor_metrics},
                                    {**batch.reward_metrics, **kl_metrics}, timer, policy_version)
             log.append({**metrics, **evaluate_if_due(workers, evaluator, cfg, step, run.tokenizer)})  # rl.eval_every

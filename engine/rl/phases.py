@@ -12,6 +12,13 @@ In step order, the calls ``run_rl`` makes (each records its wall time into the s
 4. :func:`update_critic` (PPO; ``update_critic``), 5. :func:`update_actor` (``update_actor``).
 6. :func:`sync_weights`: weight sync to the rollout engines (:func:`update_weights`; ``update_weights``).
 
+Colocated placement with ``rl.engine.colocated_offload`` (the default) hands the devices' memory
+between the phases: :func:`hand_to_trainer` after the rollout (engines asleep, training roles
+back on the device; ``handoff_to_trainer``) and :func:`handed_to_rollout` around the weight sync
+(training roles offloaded, engine weights woken, the sync, then the KV cache;
+``handoff_to_rollout``). The calls are the same on every platform; on CPU the platform makes them
+no-ops (``engine.models.platform``, which can record them).
+
 The rollout engines sit behind ``workers.rollout``, an :class:`engine.rollout.router.RolloutRouter`
 (``rl.rollout.num_engines`` engines; a dead or hung one is replaced within the step, counted as
 ``rollout/engine_restarts``).
@@ -22,8 +29,10 @@ reward worker's (``engine.rollout.multi_turn``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import ray
@@ -39,6 +48,7 @@ from engine.algorithms.advantages import (
 from engine.algorithms.dynamic_sampling import fill_batch
 from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
 from engine.batching.sampler import EpochSampler, MixtureSampler
+from engine.models.platform import record_handoff
 from engine.rl.metrics import StepTimer
 from engine.rl.prefetch import RolloutPipeline
 from engine.rl.prompts import RLPrompt
@@ -200,6 +210,7 @@ def take_rollout(pipeline: RolloutPipeline[ScoredBatch], step: int, timer: StepT
     Raises: whatever producing the batch raised (see :meth:`RolloutPipeline.get`).
     """
     batch = pipeline.get(step)
+    record_handoff("generate")  # the colocated hand-off's trace (engine.models.platform): where rollout ran
     if pipeline.ahead:
         timer.record(rollout_wait=timer.elapsed())
     timer.record(gen=batch.gen_s, reward=batch.reward_s)
@@ -461,6 +472,7 @@ def update_actor(workers: Workers, traj: Trajectory, train_policy: bool,
     metrics: dict[str, float] = {}
     with timer.phase("update_actor"):
         if train_policy:
+            record_handoff("update_actor")
             update = ray.get(workers.actor.update.remote(traj))
             metrics.update(update.metrics)
             traj = traj.with_(old_logprobs=update.old_logprobs)
@@ -492,7 +504,7 @@ def update_weights(workers: Workers, timeout_s: float | None = None, version: in
     Each bucket is asked of the actor once and its ObjectRef goes straight from the actor to
     every rollout engine (the driver never holds the tensors); the next bucket is requested
     only once every engine has loaded the previous one: at most one bucket is in flight
-    (:func:`engine.rollout.router.push_weights`). Through the run's router
+    (:func:`engine.rollout.weight_push.push_weights`). Through the run's router
     (``workers.rollout``), an engine found dead meanwhile is replaced after the sync, loading
     these weights (:meth:`engine.rollout.router.RolloutRouter.update_weights`).
 
@@ -509,6 +521,72 @@ def update_weights(workers: Workers, timeout_s: float | None = None, version: in
         RuntimeError: the actor or a rollout worker failed on a bucket (names it; the
             worker's error is the cause).
     """
+    record_handoff("weight_sync")
     if isinstance(workers.rollout, RolloutRouter):
         return workers.rollout.update_weights(timeout_s, version)
     return push_weights(workers.actor, [workers.rollout], timeout_s, version)[0]
+
+
+# ----------------------------------------------------------------------------- colocated memory hand-off
+#
+# Order (per step; verl's sharding manager, OpenRLHF's --vllm_enable_sleep and slime's
+# --offload-train/--offload-rollout do the same):
+#   generate -> rollout sleep -> trainer reload -> log-probs, updates
+#   -> trainer offload -> rollout wake_up(weights) -> weight sync -> wake_up(kv_cache)
+# Why this order: the engine sleeps before any trainer state comes back, so the two never hold
+# the device together; the trainer is offloaded before the engine's weights are woken, so the
+# sync's peak is the engine's weights plus one bucket (the sync's tensors go through Ray's
+# object store, host memory, so an offloaded trainer can still send them); the KV cache, the
+# largest allocation, is woken last, once the sync's buckets are freed (vLLM >= 0.8's tagged
+# wake-up). Roles move one at a time: they share the one PCIe link of a device, so running
+# them at once would gain little, and one at a time the order is fixed (and traceable).
+
+
+def rollout_engines(workers: Workers) -> list:
+    """The Ray handles of the run's rollout engines (the router's, or the bare engine handle)."""
+    return list(workers.rollout.engines) if isinstance(workers.rollout, RolloutRouter) else [workers.rollout]
+
+
+def training_roles(workers: Workers) -> list:
+    """The roles whose device memory the colocated hand-off moves, in the order it moves them:
+    actor, critic, reference, teacher (those the run has). The reward model scores during the
+    rollout, so it stays resident."""
+    return [w for w in (workers.actor, workers.critic, workers.reference, workers.teacher) if w is not None]
+
+
+def hand_to_trainer(workers: Workers, cfg: RLConfig, timer: StepTimer | None = None) -> None:
+    """After the rollout, with ``cfg.colocated_handoff``: every rollout engine sleeps at
+    ``rl.rollout.sleep_level``, then each training role reloads its state onto the device
+    (:func:`training_roles` order). Records ``handoff_to_trainer``. Without the hand-off: nothing.
+    On CPU the engines' and roles' calls are no-ops (``engine.models.platform``)."""
+    if not cfg.colocated_handoff:
+        return
+    t0 = time.perf_counter()
+    ray.get([engine.sleep.remote(cfg.rollout.sleep_level) for engine in rollout_engines(workers)])
+    for role in training_roles(workers):
+        ray.get(role.reload.remote())
+    if timer is not None:
+        timer.record(handoff_to_trainer=time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def handed_to_rollout(workers: Workers, cfg: RLConfig, timer: StepTimer | None = None) -> Iterator[None]:
+    """Around the weight sync, with ``cfg.colocated_handoff``: on entry each training role
+    offloads its state to host memory and the rollout engines wake their weights; on exit
+    (the sync done) they wake their KV cache. Records ``handoff_to_rollout`` (both parts, not the
+    sync). Without the hand-off it only runs the block. The engines' wake-ups are no-ops on an
+    engine that is awake (the run's first sync, a replacement engine) and on CPU."""
+    if not cfg.colocated_handoff:
+        yield
+        return
+    t0 = time.perf_counter()
+    for role in training_roles(workers):
+        ray.get(role.offload.remote())
+    engines = rollout_engines(workers)
+    ray.get([engine.wake_up.remote("weights") for engine in engines])
+    entered = time.perf_counter() - t0
+    yield
+    t1 = time.perf_counter()
+    ray.get([engine.wake_up.remote("kv_cache") for engine in engines])
+    if timer is not None:
+        timer.record(handoff_to_rollout=entered + time.perf_counter() - t1)

@@ -55,7 +55,7 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         ReferenceWorker, par.reference, placement.rank_options("teacher", par.reference),
         (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("teacher")),
         dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-             precision=cfg.teacher.precision or cfg.precision),
+             precision=cfg.teacher.precision or cfg.precision, role="teacher"),
         seed=seed)
     rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, actor)
     reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
@@ -114,7 +114,8 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
         return spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(scratch), max_len,
                      placement.threads("rollout", index), role="rollout", index=index,
                      max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
-                     num_sequences=share * cfg.n_samples, precision=cfg.precision)
+                     num_sequences=share * cfg.n_samples, precision=cfg.precision,
+                     sleep_mode=cfg.colocated_handoff)
 
     # the HF backend has no collective receive: its weights always travel through the object store
     weight_sync = cfg.engine.weight_sync if cfg.rollout.backend == "vllm" else "object_store"
@@ -148,12 +149,14 @@ class ReferenceWorker:
     its compute dtype (bf16: bfloat16, rounded from the stored fp32 weights, as the actor's
     compute weights are; fp32: float32; None/auto resolved by
     :func:`config.precision.resolve_precision`), frozen, without master weights. Log-probs are
-    fp32 either way (``engine.models.megatron.gpt_logits`` upcasts).
+    fp32 either way (``engine.models.megatron.gpt_logits`` upcasts). ``role``: ``"reference"`` or
+    ``"teacher"``, the name the colocated hand-off records.
     """
 
     def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
                  num_threads: int | None = None, *, packing: bool = False,
-                 max_tokens_per_micro_batch: int | None = None, precision: str | None = None):
+                 max_tokens_per_micro_batch: int | None = None, precision: str | None = None,
+                 role: str = "reference"):
         from engine.models.master_weights import compute_dtype
         from engine.models.platform import worker_threads
         from engine.storage.model_dir import load_model_dir
@@ -166,6 +169,20 @@ class ReferenceWorker:
         self.micro_batch_size = micro_batch_size
         self.packing = packing
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.role = role  # "reference" or "teacher": the name the colocated hand-off records
+
+    def offload(self) -> None:
+        """Colocated hand-off: the frozen weights to host memory while the rollout runs
+        (:func:`engine.models.platform.offload_trainer`, recorded as ``reference.offload``; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.model, None, self.role)
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next log-prob pass (a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.model, None, self.role)
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` reference log-probs of the response tokens (micro-batches and packing as
@@ -195,11 +212,13 @@ class RolloutWorker:
             :class:`engine.rollout.vllm_rollout.VLLMRollout`).
         precision: ``rl.precision``, the engine's compute dtype (bf16: bfloat16, fp32:
             float32; None/auto resolved by :func:`config.precision.resolve_precision`).
+        sleep_mode: build vLLM with sleep mode where the platform has it (CUDA), for the
+            colocated hand-off (:meth:`sleep`, :meth:`wake_up`; ``rl.engine.colocated_offload``).
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
                  max_model_len: int | None = None, num_threads: int | None = None,
-                 num_sequences: int | None = None, precision: str | None = None):
+                 num_sequences: int | None = None, precision: str | None = None, sleep_mode: bool = False):
         from engine.models.platform import worker_threads
         from engine.rollout.factory import build_rollout_engine
         from engine.rollout.partial import WeightGate
@@ -215,7 +234,7 @@ class RolloutWorker:
             cfg.backend, self.policy_dir / HF_SUBDIR, what="rl.rollout.backend",
             hf_export=(policy_dir, self.scratch_dir / "hf"), gpu_memory_utilization=cfg.gpu_memory_utilization,
             num_sequences=num_sequences, max_model_len=max_model_len, load_format="dummy", precision=precision,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.enforce_eager, sleep_mode=sleep_mode,
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
@@ -278,7 +297,7 @@ class RolloutWorker:
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of
-        :meth:`engine.models.weight_buckets.HFBucketSource.hf_bucket` (see
+        :meth:`engine.distributed.weight_source.HFBucketSource.hf_bucket` (see
         :meth:`engine.rollout.base.RolloutEngine.update_weights`)."""
         _init_thread()
         self.engine.update_weights(named_tensors)
@@ -295,6 +314,20 @@ class RolloutWorker:
         (:meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_receive`)."""
         _init_thread()
         return self.engine.weight_sync_receive(buckets)
+
+    def sleep(self, level: int) -> None:
+        """Colocated hand-off: free the engine's device memory while training runs (vLLM sleep
+        ``level`` 1 or 2, :func:`engine.models.platform.rollout_sleep`; a no-op on CPU and for the HF backend)."""
+        from engine.models.platform import rollout_sleep
+
+        rollout_sleep(getattr(self.engine, "llm", None), level)
+
+    def wake_up(self, tag: str) -> None:
+        """Colocated hand-off: reallocate the engine's ``"weights"`` (before the weight sync) or
+        ``"kv_cache"`` (after it) (:func:`engine.models.platform.rollout_wake_up`; a no-op on CPU)."""
+        from engine.models.platform import rollout_wake_up
+
+        rollout_wake_up(getattr(self.engine, "llm", None), tag)
 
     def ping(self) -> None:
         """The health check of :class:`engine.rollout.router.RolloutRouter`: does nothing. It

@@ -24,6 +24,7 @@ def build_rollout_engine(
     load_format: str = "auto",
     precision: str | None = None,
     enforce_eager: bool | None = None,
+    sleep_mode: bool = False,
 ) -> RolloutEngine:
     """Start the rollout engine ``backend`` on the HF directory ``hf_dir``.
 
@@ -48,7 +49,7 @@ def build_rollout_engine(
         tokenizer: the policy's tokenizer (anything with ``len``); None loads
             ``transformers.AutoTokenizer`` from ``hf_dir`` (vLLM only).
         hf_export: ``(model_dir, out_dir)`` to export for the HF backend (see above).
-        gpu_memory_utilization, seed, num_sequences, max_model_len, load_format, enforce_eager: vLLM's (see
+        gpu_memory_utilization, seed, num_sequences, max_model_len, load_format, enforce_eager, sleep_mode: vLLM's (see
             :class:`engine.rollout.vllm_rollout.VLLMRollout`; ``num_sequences`` None keeps its
             default).
         precision: the stage's compute precision (``rl.precision``, ``evaluate.precision``):
@@ -81,7 +82,7 @@ def build_rollout_engine(
         sized = {} if num_sequences is None else {"num_sequences": num_sequences}
         return VLLMRollout(hf_dir, gpu_memory_utilization=gpu_memory_utilization, seed=seed, **sized,
                            max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None,
-                           load_format=load_format, dtype=dtype, enforce_eager=enforce_eager)
+                           load_format=load_format, dtype=dtype, enforce_eager=enforce_eager, sleep_mode=sleep_mode)
     if backend == "hf":
         from engine.rollout.hf_rollout import HFRollout
 

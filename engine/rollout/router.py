@@ -49,11 +49,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayActorError, RayError
 
 from engine.batching.balancing import greedy_partition
 from engine.rollout.base import SamplingSpec
 from engine.rollout.partial import VersionedOutputs
+from engine.rollout.weight_push import (  # noqa: F401 (push_weights: the callers' import path)
+    WEIGHT_SYNC_MODES, CollectiveGroup, push_weights, push_weights_collective)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,6 @@ T = TypeVar("T")
 # keys named in errors
 HEALTH_KEY = "rl.engine.health_check_timeout_s"
 RESTARTS_KEY = "rl.engine.max_engine_restarts"
-TIMEOUT_KEY = "rl.engine.weight_sync_timeout_s"
 PING_INTERVAL_MAX_S = 5.0  # a busy engine is pinged at least this often
 
 
@@ -140,207 +141,6 @@ class Replacement:
     engine: int
     reason: str
     seconds: float
-
-
-def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, version: int | None = None,
-                 tolerate_death: bool = False) -> tuple[float, set[int]]:
-    """Stream the policy's HF-named weights from ``actor`` to every engine in ``engines``,
-    bucket by bucket (``rl.engine.weight_sync_bucket_mb`` each, ``engine.models.weight_buckets``).
-
-    Each bucket is requested once (``actor.hf_bucket.remote(i)``: one ObjectRef) and the same
-    ref goes to every engine's ``update_weights``; the next bucket is requested once every
-    engine has loaded the previous one, so at most one bucket is in flight.
-
-    Args:
-        actor: the policy's worker (``hf_bucket_plan``, ``hf_bucket``).
-        engines: rollout engine handles (``update_weights``; with ``version`` also
-            ``begin_weight_update`` / ``end_weight_update``).
-        timeout_s: the whole sync's deadline in seconds (``rl.engine.weight_sync_timeout_s``);
-            None waits forever.
-        version: the policy version being sent (None: not recorded). Each engine's generation
-            is paused at its next chunk boundary for the whole sync and records ``version``
-            once the last bucket has loaded.
-        tolerate_death: an engine whose actor died is left out of the rest of the sync and
-            reported instead of failing it.
-
-    Returns: ``(seconds, indices into engines of the engines found dead)``.
-
-    Raises:
-        TimeoutError: the sync did not finish within ``timeout_s`` (names the bucket it waited on).
-        RuntimeError: the actor or an engine failed on a bucket (names it; the worker's error
-            is the cause); with ``tolerate_death`` not for an engine whose actor died.
-    """
-    t0 = time.perf_counter()
-    dead: set[int] = set()
-    several = len(engines) > 1
-
-    def wait(ref, what: str, engine: int | None = None):
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
-        where = f" on rollout engine {engine}" if several and engine is not None else ""
-        try:
-            return ray.get(ref, timeout=left)
-        except GetTimeoutError as exc:
-            raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}="
-                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
-        except RayActorError as exc:
-            if tolerate_death and engine is not None:
-                logger.warning("weight sync: rollout engine %d died (%s: %s)", engine, type(exc).__name__, exc)
-                dead.add(engine)
-                return None
-            raise RuntimeError(f"weight sync: {what}{where} failed: {type(exc).__name__}: {exc}") from exc
-        except RayError as exc:
-            cause = getattr(exc, "cause", None) or exc  # a worker's own exception, without Ray's traceback
-            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from exc
-
-    def on_every_engine(call: Callable[[Any], Any], what: str) -> None:
-        refs = {k: call(e) for k, e in enumerate(engines) if k not in dead}
-        for k, ref in refs.items():
-            wait(ref, what, k)
-
-    plan = wait(actor.hf_bucket_plan.remote(), "planning the buckets")
-    if version is not None:
-        on_every_engine(lambda e: e.begin_weight_update.remote(timeout_s), "pausing generation")
-    for index in range(plan.num_buckets):
-        bucket = actor.hf_bucket.remote(index)  # fetched once, shared by every engine
-        on_every_engine(lambda e: e.update_weights.remote(bucket), f"bucket {index + 1} of {plan.num_buckets}")
-    if version is not None:
-        on_every_engine(lambda e: e.end_weight_update.remote(version), "resuming generation")
-    return time.perf_counter() - t0, dead
-
-
-class CollectiveGroup:
-    """The router's record of the collective weight-sync group (``rl.engine.weight_sync:
-    collective``, ``engine.distributed.weight_sync``): which engines hold its current
-    generation. A sync to another set of engines (a replacement took a place, a sync failed)
-    forms the next generation first; the same set reuses the group.
-
-    Attributes:
-        generation: the current generation (0: none formed yet).
-        members: the engine handles of the current generation, in rank order (empty: none).
-        workers_per_engine: vLLM workers (ranks) per engine: 1 with the in-process engine.
-    """
-
-    def __init__(self, workers_per_engine: int = 1):
-        self.generation = 0
-        self.members: tuple = ()
-        self.workers_per_engine = int(workers_per_engine)
-
-
-def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGroup, timeout_s: float | None = None,
-                            version: int | None = None, tolerate_death: bool = False,
-                            timings: dict[str, float] | None = None,
-                            paused: set[int] | None = None) -> tuple[float, set[int]]:
-    """As :func:`push_weights`, but the buckets travel over the collective group: the actor
-    broadcasts them one after the other (``weight_sync_send`` per bucket, queued at once) while
-    every engine receives them and loads each (one ``weight_sync_receive`` call: it loads
-    bucket ``i`` while bucket ``i + 1`` arrives); no tensor goes through Ray's object store.
-
-    The group spans the actor (rank 0) and ``engines`` (ranks ``1 ..``, in order). When
-    ``engines`` are not the members of ``group``'s current generation, the next generation is
-    formed first (``weight_sync_open`` on the actor, then ``weight_sync_join`` on the actor
-    and every engine at once). After a failure ``group`` is left empty, so the next sync forms
-    a new one.
-
-    Args: as :func:`push_weights`, plus
-        group: the router's :class:`CollectiveGroup` (updated here).
-        timings: when given, receives seconds: ``form`` (group formation), ``make`` (the
-            actor building buckets) and ``send`` (its broadcasts), and the slowest engine's
-            ``engine_wait`` (waiting for a bucket to arrive) and ``load`` (``reload_weights``),
-            each summed over the buckets. The actor's and the engines' phases overlap.
-        paused: with ``version``, the indices of engines whose generation is paused and not yet
-            resumed (updated here: an engine is added when paused, removed when resumed); those
-            already in it are not paused again. A sync that stopped at a dead engine leaves the
-            survivors in it, and the router's second sync to every engine resumes them.
-
-    Returns: ``(seconds, indices into engines of the engines found dead)``; when an engine died
-        the broadcasts fail and the others may hold a partial update (the caller syncs again
-        once it replaced the dead ones).
-
-    Raises: as :func:`push_weights`.
-    """
-    t0 = time.perf_counter()
-    dead: set[int] = set()
-    several = len(engines) > 1
-    timeout = 600.0 if timeout_s is None else float(timeout_s)  # the group's own timeout must be finite
-    clock = {"form": 0.0, "make": 0.0, "send": 0.0, "load": 0.0}
-
-    def wait_all(refs: dict, what: str):
-        """Wait for ``{key: ref}`` (an int key: that engine's call, any other: the actor's); an
-        engine death is recorded (with ``tolerate_death``), any other error raised after all
-        were waited."""
-        out, errors = {}, []
-        for k, ref in refs.items():
-            left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
-            where = f" on rollout engine {k}" if several and isinstance(k, int) else ""
-            try:
-                out[k] = ray.get(ref, timeout=left)
-            except GetTimeoutError as exc:
-                group.members = ()
-                raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}={timeout_s} s; the "
-                                   "rollout engine may hold a partial update") from exc
-            except RayActorError as exc:
-                if tolerate_death and isinstance(k, int):
-                    logger.warning("weight sync: rollout engine %d died (%s: %s)", k, type(exc).__name__, exc)
-                    dead.add(k)
-                else:
-                    errors.append((k, where, exc))
-            except RayError as exc:
-                errors.append((k, where, exc))
-        if errors or dead:
-            group.members = ()
-        if errors and not dead:  # with a dead engine the others' errors are its consequence
-            k, where, exc = errors[0]
-            cause = getattr(exc, "cause", None) or exc
-            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from exc
-        return out
-
-    plan = wait_all({None: actor.hf_bucket_plan.remote()}, "planning the buckets")[None]
-    live = list(range(len(engines)))
-    if tuple(engines) != group.members:
-        t1 = time.perf_counter()
-        group.members = ()
-        group.generation += 1
-        per = group.workers_per_engine
-        spec = wait_all({None: actor.weight_sync_open.remote(1 + per * len(engines), group.generation, timeout)},
-                        "opening the collective group")[None]
-        refs = {None: actor.weight_sync_join.remote()}
-        refs.update({k: e.weight_sync_join.remote(spec, 1 + per * k) for k, e in enumerate(engines)})
-        wait_all(refs, f"forming the collective group (generation {group.generation})")
-        if dead:
-            return time.perf_counter() - t0, dead
-        group.members = tuple(engines)
-        clock["form"] = time.perf_counter() - t1
-    paused = set() if paused is None else paused
-    if version is not None:
-        wait_all({k: engines[k].begin_weight_update.remote(timeout_s) for k in live if k not in paused},
-                 "pausing generation")
-        paused.update(k for k in live if k not in dead)
-        if dead:
-            return time.perf_counter() - t0, dead
-    # every bucket's send queued on the actor (it runs them in order) and one receive call per
-    # engine, which loads bucket i while bucket i + 1 arrives
-    refs: dict = {("send", i): actor.weight_sync_send.remote(i) for i in range(plan.num_buckets)}
-    buckets = [plan.bucket(i) for i in range(plan.num_buckets)]
-    refs.update({k: engines[k].weight_sync_receive.remote(buckets) for k in live})
-    out = wait_all(refs, f"the {plan.num_buckets} buckets")
-    if dead:
-        return time.perf_counter() - t0, dead
-    for i in range(plan.num_buckets):
-        _, make_s, send_s = out[("send", i)]
-        clock["make"] += make_s
-        clock["send"] += send_s
-    clock["engine_wait"] = max((out[k][0] for k in live), default=0.0)
-    clock["load"] = max((out[k][1] for k in live), default=0.0)
-    if version is not None:
-        wait_all({k: engines[k].end_weight_update.remote(version) for k in live}, "resuming generation")
-        paused.clear()
-    seconds = time.perf_counter() - t0
-    if timings is not None:
-        timings.update(clock)
-    return seconds, dead
-
-
-WEIGHT_SYNC_MODES = ("collective", "object_store")
 
 
 class RolloutRouter:

@@ -22,9 +22,13 @@ import torch
 from engine.library_warnings import silence_library_deprecations
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
-from engine.rollout.vllm_weight_sync import EXTENSION as WEIGHT_SYNC_EXTENSION
 
 logger = logging.getLogger(__name__)
+
+
+# vLLM mixes this class into its workers (LLM(worker_extension_cls=...)): the rollout side of the
+# collective weight sync, resolved by vLLM from its dotted path
+WEIGHT_SYNC_EXTENSION = "engine.rollout.vllm_weight_sync.WeightSyncExtension"
 
 
 def _raises_on_dict(value) -> bool:
@@ -154,6 +158,10 @@ class VLLMRollout:
             :meth:`update_weights` copies into the same parameter tensors, which the
             compiled code reads, so weight updates hold either way. The value used is
             :attr:`enforce_eager`.
+        sleep_mode: build the engine with vLLM's sleep mode (``enable_sleep_mode``) where the
+            platform has it (CUDA), so that ``llm.sleep`` / ``llm.wake_up`` can free its device
+            memory while a colocated trainer runs (``engine.models.platform.rollout_sleep``);
+            ignored on CPU, where vLLM has no sleep mode.
 
     Threads: vLLM's CPU worker binds its OpenMP threads and then replaces
     ``torch.set_num_threads`` with a no-op for the whole process, so set the thread count
@@ -192,12 +200,15 @@ class VLLMRollout:
         seed: int = 0,
         load_format: str = "auto",
         enforce_eager: bool | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         # Must be set before vLLM builds the engine: the in-process engine is what makes
         # RL-style short generate calls and in-place weight reload cheap here.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         silence_library_deprecations()
         from vllm import LLM
+
+        from engine.models.platform import sleep_mode_kwargs
 
         dtype = _dtype_name(dtype)
         self.enforce_eager = default_enforce_eager() if enforce_eager is None else bool(enforce_eager)
@@ -243,6 +254,7 @@ class VLLMRollout:
                 logging_config=_vllm_logging(),
                 # collective weight sync enters vLLM's workers through this (vllm_weight_sync)
                 worker_extension_cls=WEIGHT_SYNC_EXTENSION,
+                **sleep_mode_kwargs(sleep_mode),
             )
         self.dtype = _running_dtype(self.llm, dtype)
 

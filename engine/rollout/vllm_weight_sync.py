@@ -14,10 +14,6 @@ import time
 
 import torch
 
-# the dotted path vLLM resolves (engine.rollout.vllm_rollout passes it to LLM)
-EXTENSION = "engine.rollout.vllm_weight_sync.WeightSyncExtension"
-
-
 class WeightSyncExtension:
     """Methods added to vLLM's worker class (no ``__init__``: state is made on first use).
 

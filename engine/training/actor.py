@@ -64,7 +64,7 @@ def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: floa
         from engine.models.forward import causal_logits
 
         logits = causal_logits(model, batch.input_ids)  # [B, T, V]; megatron or HF (rl.backend)
-        pos = batch.prompt_lengths[:, None] - 1 + torch.arange(length)[None, :]
+        pos = batch.prompt_lengths[:, None] - 1 + torch.arange(length, device=batch.prompt_lengths.device)[None, :]
         pos = pos.clamp(max=logits.size(1) - 1)
         picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.size(-1)))
     return picked / temperature if temperature != 1.0 else picked
@@ -131,7 +131,7 @@ def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: floa
     """
     was_training = model.training
     model.eval()
-    out = torch.zeros(traj.response_ids.shape)
+    out = torch.zeros(traj.response_ids.shape, device=traj.response_ids.device)  # the batch's device (CPU or CUDA)
     try:
         for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
             mb = traj.select(rows)
@@ -269,7 +269,7 @@ def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Call
             micro = [mb.with_(old_logprobs=captured.pop(id(mb))) for mb in micro]
     old = traj.old_logprobs
     if old is None:
-        old = torch.zeros(traj.response_ids.shape)
+        old = torch.zeros(traj.response_ids.shape, device=traj.response_ids.device)
         for r, mb in zip(rows, micro):
             old[r, : mb.old_logprobs.size(1)] = mb.old_logprobs
     keys = [k for k in ACTOR_METRICS if k in epochs[0]]

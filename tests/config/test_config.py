@@ -76,7 +76,7 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
         (("data", "sft", "fromat"), "format", "format, limit, path"),
         (("rl", "optim", "lrr"), "lr", "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
         (("rl", "rollout", "temprature"), "temperature",
-         "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, temperature, top_p"),
+         "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p"),
         (("stages",), None, "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb"),  # nothing close
     ],
 )

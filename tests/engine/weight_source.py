@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.models.weight_buckets import HFBucketSource
+from engine.distributed.weight_source import HFBucketSource
 
 
 class WeightSource(HFBucketSource):

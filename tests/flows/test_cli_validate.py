@@ -79,7 +79,7 @@ def test_validate_unknown_key_exits_2(tmp_path):
     out = _out(proc)
     assert proc.returncode == 2, out
     assert f"error: invalid config {cfg}:" in out
-    assert "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, temperature, top_p)" in out
+    assert "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p)" in out
     assert "Traceback" not in out
 
 

@@ -341,10 +341,11 @@ def _alternatives(value, ann) -> list:
     if isinstance(value, str):
         return [value + "-changed"]
     if isinstance(value, list) or typing.get_origin(_unwrap_optional(ann)) is list:
-        # a shorter list (lora.target_modules), a list of ids, of reward plug-in sections, or of named
-        # benchmark files (evaluate.datasets)
+        # a shorter list (lora.target_modules), a list of ids, of reward plug-in sections, of named
+        # benchmark files (evaluate.datasets), or of a cluster's nodes (rl.engine.cluster_nodes)
         shorter = [value[1:]] if isinstance(value, list) and len(value) > 1 else []
-        return shorter + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}]]
+        return shorter + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}],
+                          [{"cpus": 8}]]
     # an unset optional (an import path, then a section: rl.teacher, a dataset: data.kto)
     return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"}]
 

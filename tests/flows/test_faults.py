@@ -329,7 +329,7 @@ def _bad_config(tmp_path: Path, edit) -> Path:
     "edit, key, message",
     [
         (lambda c: c["rl"]["rollout"].update(max_tokens=8), "rl.rollout.max_tokens",
-         "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, temperature, top_p)"),
+         "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p)"),
         (lambda c: c["rl"]["rollout"].update(backend="vlm"), "rl.rollout.backend",
          "rl.rollout.backend: Input should be 'vllm' or 'hf' (got 'vlm')"),
     ],

@@ -17,7 +17,7 @@ from engine.backends.deepspeed.runtime import (
     import_deepspeed,
     init_process_group,
 )
-from engine.models.weight_buckets import HFBucketSource
+from engine.distributed.weight_source import HFBucketSource
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
@@ -40,7 +40,7 @@ class DeepSpeedActorWorker(HFBucketSource):
 
     Same constructor arguments, methods and results as :class:`engine.backends.megatron.actor.ActorWorker`;
     the weights start as the HF form of ``policy_dir`` (:func:`engine.storage.hf_io.load_hf_causal_lm`).
-    Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.models.weight_buckets.HFBucketSource`
+    Weight sync (``hf_bucket_plan``, ``hf_bucket``) is :class:`engine.distributed.weight_source.HFBucketSource`
     over :meth:`hf_tensors` (the worker is its own weight source). With ``cfg.lora.enabled`` PEFT's
     LoRA layers go on the model before DeepSpeed takes it (:func:`engine.models.hf_lora.apply_hf_lora`,
     ``A`` seeded from ``seed``): only the adapters train, the train state holds them alone, and
@@ -90,6 +90,20 @@ class DeepSpeedActorWorker(HFBucketSource):
         self.zero_stage = cfg.deepspeed.zero_stage
 
     # ------------------------------------------------------------------ forward and update
+
+    def offload(self) -> None:
+        """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
+        rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.module, self.optimizer, "actor", engine=self.engine)
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next forward
+        (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.module, self.optimizer, "actor", engine=self.engine)
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on

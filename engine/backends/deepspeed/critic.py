@@ -77,6 +77,20 @@ class DeepSpeedCriticWorker:
                                         cfg.micro_batch_size, cfg.precision)
         self.engine, self.model = self.trainer.engine, self.trainer.module
 
+    def offload(self) -> None:
+        """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
+        rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.model, self.trainer.optimizer, "critic", engine=self.engine)
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next forward
+        (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.model, self.trainer.optimizer, "critic", engine=self.engine)
+
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (``engine.training.critic.response_values``) in eval mode, 0 on padding."""
         from engine.trajectory import micro_batch_rows

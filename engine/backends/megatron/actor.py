@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm
-from engine.models.weight_buckets import HFBucketSource
+from engine.distributed.weight_source import HFBucketSource
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
@@ -20,7 +20,7 @@ from engine.trajectory import Trajectory
 
 
 class ActorWorker(HFBucketSource):
-    """The trainable policy; weight sync by :class:`engine.models.weight_buckets.HFBucketSource`
+    """The trainable policy; weight sync by :class:`engine.distributed.weight_source.HFBucketSource`
     (``hf_bucket_plan``, ``hf_bucket``). It runs as a Ray actor in its own process (built by
     :func:`engine.rl.workers.spawn` via :func:`engine.rl.workers.start_workers`), so every
     argument and result crosses a process boundary.
@@ -58,6 +58,20 @@ class ActorWorker(HFBucketSource):
         self.optimizer, self.scheduler = build_model_optimizer(
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
 
+    def offload(self) -> None:
+        """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
+        rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.model, self.optimizer, "actor")
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next forward
+        (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.model, self.optimizer, "actor")
+
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
         in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
@@ -88,7 +102,7 @@ class ActorWorker(HFBucketSource):
 
     def _bucket_weights(self):
         """The GPTModel: weight-sync buckets are its tensors converted to HF names
-        (:meth:`engine.models.weight_buckets.HFBucketSource._bucket_weights`); with LoRA its
+        (:meth:`engine.distributed.weight_source.HFBucketSource._bucket_weights`); with LoRA its
         merged weights (:class:`engine.models.lora.MergedWeights`)."""
         if self.cfg.lora.enabled:
             from engine.models.lora import MergedWeights

@@ -47,6 +47,20 @@ class CriticWorker:
         self.optimizer, self.scheduler = build_model_optimizer(
             self.model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.precision)
 
+    def offload(self) -> None:
+        """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
+        rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import offload_trainer
+
+        offload_trainer(self.model, self.optimizer, "critic")
+
+    def reload(self) -> None:
+        """Colocated hand-off: back on the device before the next forward
+        (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
+        from engine.models.platform import reload_trainer
+
+        reload_trainer(self.model, self.optimizer, "critic")
+
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (see :func:`engine.training.critic.response_values`) in eval mode,
         0 on padding."""
