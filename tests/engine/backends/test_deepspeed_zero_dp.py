@@ -9,8 +9,10 @@ of two Ray actors whose gloo process group DeepSpeed partitions over.
 Measured here: ZeRO-3 at DP=2 after three steps equals DP=1 (bounds below), each rank holds
 half of the parameters, gradients, fp32 masters and AdamW moments under ZeRO-3 and half of the
 gradients, masters and moments under ZeRO-2 (parameters whole; the critic, whose DP=2 update
-equals DP=1's too), and a DP=2 ZeRO-3 train state resumes at DP=1 with the same weights and
-moments and the same next step.
+equals DP=1's too), and ZeRO-3 train states resume both ways: a DP=2 state at DP=1 and a DP=1
+state at DP=2, each with the saved weights and moments and the same next step. A DP=1 state
+of the earlier per-partition format still resumes at DP=1 bit for bit and is refused at DP=2
+with a message naming the fix. One DP=2 group per role: the actor's serves every check.
 
 Needs: DeepSpeed on its CPU accelerator (gloo), Ray, megatron-core on CPU (the policy's model
 directory).
@@ -84,17 +86,15 @@ def ray_cluster():
 
 def _group(policy_dir: Path, cfg: RLConfig, worker_cls=None, seed: int = 0, norm_fn=None):
     """A DP=2 WorkerGroup of ``worker_cls`` (default the DeepSpeed actor, with the actor's
-    global normalisers), one torch thread per rank."""
-    import ray
-
+    global normalisers), one torch thread per rank. Its ranks start in the background (the
+    caller builds its DP=1 worker meanwhile, so the start-ups overlap); the first call to the
+    group waits for them, and raises what a rank's constructor raised."""
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.distributed.group import WorkerGroup
     from engine.training.actor import actor_norm
 
-    group = WorkerGroup(worker_cls or DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, seed, 1),
-                        seed=seed, norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)))
-    ray.get(group.__ray_ready__.remote())
-    return group
+    return WorkerGroup(worker_cls or DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, seed, 1),
+                       seed=seed, norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)))
 
 
 def _weights(worker) -> dict[str, torch.Tensor]:
@@ -115,8 +115,10 @@ def _close(a: float, b: float, rel: float = 1e-6) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
 
 
-def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cluster, tmp_path):
-    """Three steps of ZeRO-3 at DP=2 against DP=1, then the DP=2 state resumed at DP=1.
+def test_zero3_at_dp2_equals_dp1_and_states_resume_both_ways(policy_dir, ray_cluster, tmp_path):
+    """Three steps of ZeRO-3 at DP=2 against DP=1 (each rank's partition sizes after the first:
+    :func:`_assert_halved`), the DP=2 state resumed at DP=1, then a DP=1 state resumed by the
+    DP=2 group (its earlier per-partition format refused there, resumed at DP=1).
 
     Bounds (fp32): the two ranks' shares are summed by DeepSpeed's reduce-scatter in another
     order than DP=1's single backward, a few ulps per gradient element; the metrics (O(1)) then
@@ -126,7 +128,8 @@ def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cl
     with at most 1e-4 of them beyond 1e-6. It cannot pass by accident: a rank normalising by
     its own share, or DeepSpeed's averaging left uncorrected, halves the gradient (the
     grad_norm metric is off by ~2x), and a missing reduction moves each rank's weights by its
-    own share's gradient."""
+    own share's gradient. The moments of a resumed state equal the saved ones exactly (read back
+    by a save of the resumed group, consolidated from its two partitions)."""
     import ray
 
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
@@ -134,12 +137,13 @@ def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cl
 
     cfg = rl_config(3)
     traj = trajectory()
-    single = DeepSpeedActorWorker(policy_dir, cfg, 0, 1)
-    start = _weights(single)
-    old = single.compute_logprobs(traj)
-    traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
     group = _group(policy_dir, cfg)
     try:
+        single = DeepSpeedActorWorker(policy_dir, cfg, 0, 1)
+        start = _weights(single)
+        old = single.compute_logprobs(traj)
+        traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+        ray.get(group.__ray_ready__.remote())
         assert torch.allclose(ray.get(group.compute_logprobs.remote(traj)), old, atol=1e-6, rtol=0)
         for step in range(STEPS):
             want = single.update(traj).metrics
@@ -148,6 +152,8 @@ def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cl
                 assert _close(got[key], want[key]), (step, key, got[key], want[key])
             if step == 0:
                 assert want["actor/grad_norm"] > cfg.optim.grad_clip  # clipping over the whole gradient is exercised
+                _assert_halved(3, ray.get([rank.call.remote("partition_numels") for rank in group.ranks]),
+                               ("params", "gradients", "master", "exp_avg"))
         ray.get(group.save_state.remote(str(tmp_path / "dp2"), STEPS, DataPosition(0, 0, 0), {"run": "zero3"}))
         saved = load_train_state(tmp_path / "dp2")
         dp1 = _weights(single)
@@ -187,42 +193,100 @@ def test_zero3_at_dp2_equals_dp1_and_its_state_resumes_at_dp1(policy_dir, ray_cl
         ray.get(group.save_state.remote(str(tmp_path / "next"), STEPS + 1, DataPosition(0, 0, 0), {}))
         nxt, mine = load_train_state(tmp_path / "next").model, _weights(resumed)
         assert max(float((nxt[k] - mine[k]).abs().max()) for k in mine) < 1e-2 * cfg.optim.lr
+
+        # The DP=1 worker's state (three steps; the group has taken four) in both formats.
+        single.save_state(tmp_path / "dp1", STEPS, DataPosition(0, 8, 0), {"run": "dp1"})
+        _write_partition_state(single, tmp_path / "partitions", STEPS)
+        with pytest.raises(ValueError, match="loads at data_parallel_size 1 only; resume it at data_parallel_size 1"):
+            ray.get(group.load_state.remote(str(tmp_path / "partitions")))
+        # the earlier format at DP=1: the weights and moments of the worker that wrote it, exactly
+        resumed.load_state(tmp_path / "partitions")
+        assert all(torch.equal(t, _weights(single)[k]) for k, t in _weights(resumed).items())
+        mine = _moments(single)
+        assert all(torch.equal(t, mine[k][m]) for k, ms in _moments(resumed).items() for m, t in ms.items())
+
+        # The consolidated DP=1 state in the DP=2 group: the saved weights and moments, exactly.
+        step, position, extra = ray.get(group.load_state.remote(str(tmp_path / "dp1")))
+        assert (step, position, extra) == (STEPS, DataPosition(0, 8, 0), {"run": "dp1"})
+        ray.get(group.save_state.remote(str(tmp_path / "back"), STEPS, DataPosition(0, 8, 0), {}))
+        dp1, back = load_train_state(tmp_path / "dp1"), load_train_state(tmp_path / "back")
+        assert dp1.model.keys() == back.model.keys()
+        assert all(torch.equal(back.model[k], t) for k, t in dp1.model.items())
+        assert dp1.optimizer["state"].keys() == back.optimizer["state"].keys() and len(dp1.optimizer["state"]) > 0
+        for index, entry in dp1.optimizer["state"].items():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(back.optimizer["state"][index][key], entry[key]), (index, key)
+        assert back.scheduler == dp1.scheduler
+        # its next step is the DP=1 worker's (within the bounds above); the earlier format's, bit for bit
+        want = single.update(traj).metrics
+        assert resumed.update(traj).metrics == want
+        got = ray.get(group.update.remote(traj)).metrics
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr"):
+            assert _close(got[key], want[key]), (key, got[key], want[key])
+        ray.get(group.save_state.remote(str(tmp_path / "after"), STEPS + 1, DataPosition(0, 0, 0), {}))
+        after, mine = load_train_state(tmp_path / "after").model, _weights(single)
+        assert max(float((after[k] - mine[k]).abs().max()) for k in mine) < 1e-2 * cfg.optim.lr
+        assert all(torch.equal(t, mine[k]) for k, t in _weights(resumed).items())
     finally:
         group.kill()
 
 
-def test_zero_partitions_halve_each_ranks_state(policy_dir, ray_cluster):
-    """Elements each of the two ranks holds after one step (``partition_numels``): the ZeRO-3
-    actor holds about half of the parameters, gradients, fp32 masters and AdamW moments
-    (DeepSpeed pads each partition to an even split, so within 1% of half); the ZeRO-2 critic
-    keeps its parameters whole and halves the rest (its gradients up to a boundary parameter:
-    see below). Measured at 93,504 actor parameters: 46,752 of each per rank; the critic
-    (93,569 parameters with its value head): 46,786 master and exp_avg elements, 48,192 and
-    53,633 gradient elements per rank.
+def _write_partition_state(worker, directory: Path, step: int) -> None:
+    """``directory/train_state.pt`` as earlier versions wrote it at DP=1 under ZeRO 1-3: the
+    AdamW ``state_dict()`` of the worker's own flat ZeRO partitions (no consolidation marker)."""
+    from engine.backends.deepspeed.actor import STATE_TAG_KEY
+    from engine.storage.train_state import DataPosition, save_train_state
 
-    The ZeRO-2 critic's update at DP=2 also equals the DP=1 critic's (metrics within 1e-6, as
+    tr = worker.trainer
+    saved = tr._state_module()
+    with tr.gathered(saved.parameters()), tr._optimizer_param_groups():
+        save_train_state(directory, step=step, model=saved, optimizer=tr.optimizer, scheduler=tr.scheduler,
+                         data_position=DataPosition(0, 0, 0), extra={STATE_TAG_KEY: tr.state_tag()})
+
+
+def _assert_halved(stage: int, sizes: list[dict[str, int]], halved: tuple[str, ...]) -> None:
+    """Each of the two ranks' ``partition_numels`` holds half of ``halved``'s elements.
+
+    ZeRO-2 keeps its partition's reduced gradients as whole parameter tensors until the step,
+    so a parameter straddling the partition boundary is held whole by both ranks: each holds
+    half plus at most the largest parameter (the 300 x 64 embedding). Everything else is half
+    within DeepSpeed's padding (1%)."""
+    total = sizes[0]["total"]
+    print(f"ZeRO-{stage} at DP=2, {total} parameters: per rank {sizes}")
+    for key in halved:
+        slack = LARGEST if (stage, key) == (2, "gradients") else 0.01 * total
+        for rank in sizes:
+            assert abs(rank[key] - total / 2) <= slack, (stage, key, rank[key], total)
+        assert total <= sum(rank[key] for rank in sizes) <= total + slack  # every element is held somewhere
+
+
+def test_zero2_critic_at_dp2_equals_dp1_and_halves_each_ranks_state(policy_dir, ray_cluster, tmp_path):
+    """The ZeRO-2 critic's update at DP=2 equals the DP=1 critic's (metrics within 1e-6, as
     above), its values before and after within 1e-6: the critic's role and ZeRO-2's
-    per-backward reduction with the loss scaled against DeepSpeed's averaging."""
+    per-backward reduction with the loss scaled against DeepSpeed's averaging. The group's ZeRO-2
+    train state (consolidated from the two ranks' partitions) resumes in the DP=1 critic with
+    exactly its weights and moments.
+
+    Elements each of the two ranks holds after the step (``partition_numels``): the critic keeps
+    its parameters whole and halves the rest (its gradients up to a boundary parameter:
+    :func:`_assert_halved`). Measured (93,569 parameters with its value head): 46,786 master and
+    exp_avg elements, 48,192 and 53,633 gradient elements per rank. The ZeRO-3 actor's
+    (93,504 parameters: 46,752 of each per rank) are measured in the first test's group."""
     import ray
 
     from engine.algorithms.aggregation import global_norm
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
+    from engine.storage.train_state import DataPosition, load_train_state
+    from engine.training.critic import critic_state_dir
 
     traj = trajectory()
-    zeros = torch.zeros(traj.response_ids.shape)
-    actor = _group(policy_dir, rl_config(3))
-    try:
-        ray.get(actor.update.remote(traj.with_(old_logprobs=zeros, ref_logprobs=zeros)))
-        sizes = {3: ray.get([rank.call.remote("partition_numels") for rank in actor.ranks])}
-    finally:
-        actor.kill()
-
     cfg = rl_config(2).model_copy(update={"algorithm": "gae"})
     traj = traj.with_(returns=torch.linspace(-1.0, 1.0, len(traj))[:, None] * traj.response_mask)
-    single = DeepSpeedCriticWorker(policy_dir, cfg, 3, 1)
-    values = single.compute_values(traj)
     critic = _group(policy_dir, cfg, DeepSpeedCriticWorker, seed=3, norm_fn=lambda t: global_norm(t.response_mask))
     try:
+        single = DeepSpeedCriticWorker(policy_dir, cfg, 3, 1)
+        values = single.compute_values(traj)
+        ray.get(critic.__ray_ready__.remote())
         assert torch.allclose(ray.get(critic.compute_values.remote(traj)), values, atol=1e-6, rtol=0)
         offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
         traj = traj.with_(values=(values + offsets) * traj.response_mask)
@@ -232,21 +296,18 @@ def test_zero_partitions_halve_each_ranks_state(policy_dir, ray_cluster):
         after = ray.get(critic.compute_values.remote(traj))
         assert torch.allclose(after, single.compute_values(traj), atol=1e-6, rtol=0)
         assert float((after - values).abs().max()) > 1e-4  # the update changed the values
-        sizes[2] = ray.get([rank.call.remote("partition_numels") for rank in critic.ranks])
+        sizes = ray.get([rank.call.remote("partition_numels") for rank in critic.ranks])
+        ray.get(critic.save_state.remote(str(tmp_path), 1, DataPosition(0, 0, 0), {}))
     finally:
         critic.kill()
-
-    for stage, halved in ((3, ("params", "gradients", "master", "exp_avg")), (2, ("gradients", "master", "exp_avg"))):
-        total = sizes[stage][0]["total"]
-        print(f"ZeRO-{stage} at DP=2, {total} parameters: per rank {sizes[stage]}")
-        for key in halved:
-            # ZeRO-2 keeps its partition's reduced gradients as whole parameter tensors until the
-            # step, so a parameter straddling the partition boundary is held whole by both ranks:
-            # each holds half plus at most the largest parameter (the 300 x 64 embedding).
-            # Everything else is half within DeepSpeed's padding (1%).
-            slack = LARGEST if (stage, key) == (2, "gradients") else 0.01 * total
-            for rank in sizes[stage]:
-                assert abs(rank[key] - total / 2) <= slack, (stage, key, rank[key], total)
-            assert total <= sum(rank[key] for rank in sizes[stage]) <= total + slack  # every element is held somewhere
-        if stage == 2:
-            assert all(rank["params"] == total for rank in sizes[stage])
+    saved = load_train_state(critic_state_dir(tmp_path, 1))
+    single.load_state(tmp_path, 1)
+    weights = {name: p.detach() for name, p in single.model.named_parameters()}
+    assert weights.keys() <= saved.model.keys() and all(torch.equal(t, saved.model[k]) for k, t in weights.items())
+    moments = _moments(single.trainer)
+    flat = sorted(float(m[key].double().sum()) for m in moments.values() for key in ("exp_avg", "exp_avg_sq"))
+    state = saved.optimizer["state"]
+    assert flat == sorted(float(s[key].double().sum()) for s in state.values() for key in ("exp_avg", "exp_avg_sq"))
+    assert len(state) == len(moments) and max(float(m["exp_avg_sq"].abs().max()) for m in moments.values()) > 0
+    _assert_halved(2, sizes, ("gradients", "master", "exp_avg"))
+    assert all(rank["params"] == sizes[0]["total"] for rank in sizes)
