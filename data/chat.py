@@ -30,9 +30,11 @@ segment's first token, and a newline the template writes after a turn end stays 
 ``<0x0A>`` token it is in the whole string. What may still differ from tokenizing the whole
 rendered string is confined to the tokens at a segment boundary: a merge across it
 (byte-level BPE merges the header's ``\\n`` with a content that starts with ``\\n``); the
-segment ids are the ones kept, as a rollout produces them. For the Qwen templates on
-ordinary text the two are equal (tested), and for the Gemma / Phi-4 / Mistral templates on
-BPE and SentencePiece tokenizers too.
+segment ids are the ones kept, as a rollout produces them. Whitespace that an added token
+declared ``rstrip`` / ``lstrip`` takes in (Phi-3's ``<|end|>`` and the ``\\n`` after it) goes
+to that token's segment, so it stays part of that token as in the whole string. For the Qwen
+templates on ordinary text the two are equal (tested), and for the Gemma / Phi-4 / Mistral
+templates on BPE and SentencePiece tokenizers too, with and without such tokens.
 
 **Tools.** ``tools`` (JSON-schema dicts) is passed to ``apply_chat_template``; assistant
 messages may carry ``tool_calls`` (transformers' convention ``[{"type": "function",
@@ -63,6 +65,7 @@ from data.chat_template import (
     _name,
     _render_or_raise,
     _resolve,
+    _stripping_tokens,
     _TurnEnd,
     encode_continuation,
 )
@@ -211,7 +214,28 @@ def _segments(
     return segments
 
 
+def _give_stripped_whitespace(tokenizer: Any, segments: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``segments`` with the whitespace an lstrip/rstrip added token takes in moved into that
+    token's segment: ``<|end|>`` + ``\\n<|user|>`` becomes ``<|end|>\\n`` + ``<|user|>`` when
+    ``<|end|>`` has ``rstrip: true``. Tokenized whole, the token spans that whitespace; cut
+    at the segment boundary, the whitespace would become a token of its own that the whole
+    string (and the model's pretraining) never has."""
+    lstrip, rstrip = _stripping_tokens(tokenizer)
+    if not lstrip and not rstrip:
+        return list(segments)
+    out = [list(seg) for seg in segments]
+    for left, right in zip(out, out[1:]):
+        if any(left[0].endswith(t) for t in rstrip):
+            rest = right[0].lstrip()
+            left[0], right[0] = left[0] + right[0][: len(right[0]) - len(rest)], rest
+        elif any(right[0].lstrip().startswith(t) for t in lstrip):
+            kept = left[0].rstrip()
+            left[0], right[0] = kept, left[0][len(kept):] + right[0]
+    return [(text, flag) for text, flag in out]
+
+
 def _tokenize(tokenizer: Any, segments: Sequence[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    segments = _give_stripped_whitespace(tokenizer, segments)
     input_ids: list[int] = []
     loss_mask: list[int] = []
     for text, flag in segments:

@@ -11,7 +11,10 @@ Mistral ``[/INST]`` templates), else its non-blank text, cut before the next tur
 (its first added token, e.g. Phi-4's ``<|user|>`` on a tokenizer without ``<|end|>``). The
 turn end must be a whole run of tokens where the template writes it (the tokens of the whole
 rendered probe conversation): ``im_end`` or ``<|im_end`` (inside Qwen's ``<|im_end|>`` token)
-is refused (``model.end_of_turn``). Its stop id (:func:`turn_end_token_id`) exists only for
+is refused (``model.end_of_turn``). An added token declared with ``rstrip`` / ``lstrip``
+(Phi-3's ``<|end|>``: ``rstrip: true`` in tokenizer.json's ``added_tokens``) takes in the
+whitespace after / before it, so its token there spans that whitespace too and is still the
+marker's whole token (:func:`_stripping_tokens`). Its stop id (:func:`turn_end_token_id`) exists only for
 an added/special token or EOS; ``posttrain validate`` reports a turn end without one when RL
 or evaluation generate with the chat template. A template that writes nothing
 after an assistant turn (NVIDIA's ``<extra_id_1>`` Mistral template) has no marker of its own:
@@ -148,20 +151,53 @@ def _token_spans(tokenizer: Any, text: str) -> list[tuple[int, int, int]] | None
     return [(int(a), int(b), int(i)) for (a, b), i in zip(enc["offset_mapping"], enc["input_ids"])]
 
 
+def _stripping_tokens(tokenizer: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The contents of the added tokens declared ``lstrip`` and of those declared ``rstrip``.
+
+    Such a token takes in the whitespace before (lstrip) or after (rstrip) it when a string is
+    tokenized: ``<|end|>\\n`` is the one token ``<|end|>`` when ``<|end|>`` has ``rstrip: true``.
+    """
+    try:
+        cache = _CACHE.setdefault(tokenizer, {})
+    except TypeError:
+        cache = {}
+    key = ("stripping", len(tokenizer))
+    if key not in cache:
+        tokens = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+        cache[key] = tuple(tuple(str(getattr(t, "content", t)) for t in tokens if getattr(t, flag, False))
+                           for flag in ("lstrip", "rstrip"))
+    return cache[key]
+
+
+def _whitespace_taken(tokenizer: Any, text: str, at: int, end: int) -> tuple[int, int]:
+    """``[at, end)`` of ``text`` widened over the whitespace that a leading lstrip token or a
+    trailing rstrip token of that span takes in when ``text`` is tokenized whole."""
+    lstrip, rstrip = _stripping_tokens(tokenizer)
+    piece = text[at:end]
+    if any(piece.startswith(t) for t in lstrip):
+        while at > 0 and text[at - 1].isspace():
+            at -= 1
+    if any(piece.endswith(t) for t in rstrip):
+        while end < len(text) and text[end].isspace():
+            end += 1
+    return at, end
+
+
 def _check_token_boundaries(tokenizer: Any, text: str, marker: str, source: str) -> None:
     """Raise unless every occurrence of ``marker`` in ``text`` is a contiguous run of the
-    tokens of ``text`` tokenized whole, and that run is the marker's own tokens."""
+    tokens of ``text`` tokenized whole, and that run is the marker's own tokens (an
+    lstrip/rstrip token's run includes the whitespace it takes in)."""
     spans = _token_spans(tokenizer, text)
     if spans is None:
         return
     own = (_ids(tokenizer, marker), encode_continuation(tokenizer, marker))
     at = text.find(marker)
     while at >= 0:
-        end = at + len(marker)
-        cut = [(a, b, i) for a, b, i in spans if (a < at < b) or (a < end < b)]
-        run = [i for a, b, i in spans if at <= a and b <= end and b > a]
+        start, end = _whitespace_taken(tokenizer, text, at, at + len(marker))
+        cut = [(a, b, i) for a, b, i in spans if (a < start < b) or (a < end < b)]
+        run = [i for a, b, i in spans if start <= a and b <= end and b > a]
         if cut or run not in own:
-            pieces = [tokenizer.convert_ids_to_tokens(i) for a, b, i in spans if a < end and b > at]
+            pieces = [tokenizer.convert_ids_to_tokens(i) for a, b, i in spans if a < end and b > start]
             raise ChatTemplateError(
                 f"{_name(tokenizer)}: {source} {marker!r} is not a whole run of tokens where the chat template writes "
                 f"it (at character {at} of a rendered conversation it is tokenized as part of {pieces}), so it would "

@@ -10,6 +10,9 @@ the Mistral config are left out), its bos/eos/pad/unk and its chat template:
 - ``"sentencepiece"``: the stories260K Llama tokenizer imported from its GGUF file
   (SentencePiece BPE with byte fallback, Metaspace ``prepend_scheme: first``: a string of its
   own starts with a ``▁`` word marker), the style of Llama / Gemma / Mistral tokenizers.
+
+:func:`with_token_flags` gives a tokenizer's added tokens ``rstrip`` / ``lstrip`` flags, as
+tokenizer.json declares them for Phi-3's and Phi-4's role and turn-end tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import json
 from pathlib import Path
 
 from transformers import AutoTokenizer
+
+# transformers 5's model-specific classes (Qwen2Tokenizer) rebuild the backend from the
+# vocabulary and merges and drop added tokens' strip flags; the generic class loads
+# tokenizer.json as written.
+GENERIC_CLASS = "PreTrainedTokenizerFast"
 
 FAMILIES = ("gemma", "nvidia-mistral", "phi-4")
 BASES = ("bpe", "sentencepiece")
@@ -65,3 +73,21 @@ def every_template_tokenizer(fixtures_dir: Path, sp_dir: Path) -> dict:
         for base, path in (("bpe", qwen_dir), ("sentencepiece", sp_dir)):
             out[(family, base)] = paired_tokenizer(fixtures_dir, family, path)
     return out
+
+
+def with_token_flags(tok, out_dir: Path, flags: dict[str, dict[str, bool]]):
+    """``tok`` saved to ``out_dir`` with ``flags`` (token content -> ``{"rstrip": True}`` etc.)
+    set on those added tokens in tokenizer.json's ``added_tokens`` and in tokenizer_config.json's
+    ``added_tokens_decoder`` (when it has one), then loaded back from ``out_dir``
+    (tokenizer_class :data:`GENERIC_CLASS`, which keeps the flags)."""
+    tok.save_pretrained(out_dir)
+    data = json.loads((out_dir / "tokenizer.json").read_text())
+    for token in data["added_tokens"]:
+        token.update(flags.get(token["content"], {}))
+    (out_dir / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    cfg = json.loads((out_dir / "tokenizer_config.json").read_text())
+    for token in (cfg.get("added_tokens_decoder") or {}).values():
+        token.update(flags.get(token["content"], {}))
+    cfg["tokenizer_class"] = GENERIC_CLASS
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return AutoTokenizer.from_pretrained(out_dir)

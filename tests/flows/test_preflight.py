@@ -416,6 +416,21 @@ def test_template_errors_name_file_line_and_field(qwen, fixtures_dir, tmp_path):
         "assistant): System role not supported"]
 
 
+def test_rstrip_turn_end_passes(qwen, fixtures_dir, tmp_path):
+    """The real Qwen2.5 tokenizer with ``rstrip: true`` on <|im_end|> (as Phi-3 declares <|end|>):
+    the turn end is found, and the SFT and preference data render with it."""
+    from transformers import AutoTokenizer
+
+    from tests.data.chat_tokenizers import with_token_flags
+
+    out = tmp_path / "qwen-rstrip"
+    real = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
+    with_token_flags(real, out, {"<|im_end|>": {"rstrip": True}})
+    qwen["model"]["tokenizer"] = str(out)
+    qwen["data"]["sft"]["limit"] = qwen["data"]["preference"]["limit"] = 20
+    assert _contents(qwen)[0] == []
+
+
 def test_wrong_end_of_turn_override(qwen, fixtures_dir):
     qwen["model"]["end_of_turn"] = "<end_of_turn>"  # Gemma's marker given for a Qwen template
     problems, _ = _contents(qwen)

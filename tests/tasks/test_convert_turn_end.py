@@ -92,3 +92,24 @@ def test_no_chat_template(tokenizer_dirs):
         _turn_end(tokenizer_dirs["stories"], "</s>", LOG)
     with pytest.raises(ValueError, match=r"model.end_of_turn: .*'<\|im_end\|>' never follows an assistant turn"):
         _turn_end(tokenizer_dirs["gemma"], "<|im_end|>", LOG)
+
+
+def test_rstrip_turn_end_is_found_and_kept_in_the_model_dir(tokenizer_dirs, tmp_path):
+    """Gemma's <end_of_turn> declared ``rstrip: true`` (as Phi-3 declares <|end|>) takes in the
+    "\\n" after it: convert finds it, and the written model directory keeps the flag."""
+    from transformers import AutoTokenizer
+
+    from tests.data.chat_tokenizers import with_token_flags
+
+    flagged = tmp_path / "gemma-rstrip"
+    gemma = AutoTokenizer.from_pretrained(tokenizer_dirs["gemma"])
+    with_token_flags(gemma, flagged, {"<end_of_turn>": {"rstrip": True}})
+    stop, record = _turn_end(flagged, None, LOG)
+    assert stop == [516] and record == {RECORDED_KEY: "<end_of_turn>"}
+    model, hf_config = tiny_model(517, eos=513)
+    base = save_model_dir(tmp_path / "base", model, hf_config, flagged, stop_token_ids=stop,
+                          tokenizer_config_updates=record)
+    tok = load_tokenizer(base)
+    assert tok.added_tokens_decoder[516].rstrip is True
+    enc = encode_chat(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    assert enc.input_ids[-1] == 516 and enc.loss_mask[-1] == 1  # no "\n" (13) after it: the token took it in
