@@ -18,6 +18,10 @@ each result, and the row's ``tools`` as ``[{"type": "function", "function": <JSO
 ``{role, content}`` shape. RL prompts (prompt_label, gsm8k, math) keep their ``tools`` the
 same way (checked as for SFT; the RL and evaluation prompts are rendered with them); prompt
 turns themselves carry no tool calls.
+
+Media are refused (:func:`no_media`, :func:`_content`): the pipeline trains text-only models,
+so a LLaMA-Factory ``images`` / ``videos`` / ``audios`` field or an image content part would
+be dropped and its ``<image>`` placeholder trained as text.
 """
 
 from __future__ import annotations
@@ -106,6 +110,30 @@ def label_text(value: Any, path: str) -> str:
     return canonical_number(value)
 
 
+# Media a record may carry (LLaMA-Factory's multimodal formats: ``images``, ``videos``,
+# ``audios``; LLaVA: ``image``), each named in the error for a record that has one.
+MEDIA = ("image", "video", "audio")
+MEDIA_FIELDS = tuple(f for m in MEDIA for f in (f"{m}s", m))
+
+
+def no_media(record: Mapping[str, Any]) -> None:
+    """Refuse a multimodal record: a non-empty ``images`` / ``videos`` / ``audios`` (or
+    ``image`` / ``video`` / ``audio``) field.
+
+    Raises:
+        FieldError: at that field: media are not supported; dropping them would train the
+            text's ``<image>`` placeholders as words.
+    """
+    for key in MEDIA_FIELDS:
+        value = record.get(key)
+        if value is None or (isinstance(value, (str, list, tuple, dict)) and not value):
+            continue  # an empty field (exporters write one on text rows) holds no media
+        medium = key.rstrip("s")
+        raise FieldError(key, f"{medium}s are not supported (training is text-only): the {medium}s would be dropped "
+                              f"and '<{medium}>' placeholders trained as text; remove the '{key}' field (and the "
+                              "placeholders), remove these rows, or use a text-only dataset")
+
+
 def _content(value: Any, path: str) -> str:
     """A message content: a string, or a list of typed text parts (joined without separator)."""
     if isinstance(value, str):
@@ -117,8 +145,14 @@ def _content(value: Any, path: str) -> str:
         where = f"{path}[{j}]"
         if not isinstance(part, dict):
             raise FieldError(where, f"expected a content part object, got {_json_type(part)}")
-        if part.get("type", "text") != "text":
-            raise FieldError(f"{where}.type", f"unsupported content part type {part.get('type')!r} (only text)")
+        kind = part.get("type", "text")
+        medium = next((m for m in MEDIA if isinstance(kind, str) and m in kind), None)
+        if medium:
+            raise FieldError(f"{where}.type", f"{medium}s are not supported (training is text-only; content part type "
+                                              f"{kind!r}): remove the part (keep the text parts) or the row, or use a "
+                                              "text-only dataset")
+        if kind != "text":
+            raise FieldError(f"{where}.type", f"unsupported content part type {kind!r} (only text)")
         key = "value" if "value" in part else "text"  # LLaMA-Factory v1 / OpenAI spelling
         texts.append(_text(_get(part, key, f"{where}.{key}"), f"{where}.{key}"))
     return "".join(texts)

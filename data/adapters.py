@@ -25,6 +25,10 @@ invalid JSON inside a field) raise ``FieldError`` naming the source field.
 | unpaired | prompt (string or messages) + completion (string or one assistant message) + label (boolean): TRL's unpaired preference format | kto |
 | prompt_label | prompt (string or messages) + label, optional tools | rl |
 
+Every format refuses a multimodal record (a non-empty ``images`` / ``videos`` / ``audios``
+field, or an image, video or audio content part): training is text-only
+(:func:`data.adapter_fields.no_media`).
+
 The adapters live by family of formats (:mod:`data.conversation_formats`,
 :mod:`data.preference_formats`, :mod:`data.problem_formats`); the field access they share,
 labels and tool calls included, is :mod:`data.adapter_fields`.
@@ -40,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from data.adapter_fields import Example, FieldError
+from data.adapter_fields import Example, FieldError, no_media
 from data.conversation_formats import (
     alpaca_adapter,
     kto_adapter,
@@ -81,6 +85,7 @@ class Adapter:
     def __call__(self, record: Mapping[str, Any], kind: str) -> list[Example]:
         if kind not in self.kinds:
             raise _unsupported(self.name, kind, self.kinds)
+        no_media(record)  # every format: a text reading of a multimodal row trains its placeholders
         return self.fn(record, kind)
 
 

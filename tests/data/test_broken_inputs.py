@@ -115,7 +115,8 @@ def test_json_file_non_utf8(tmp_path):
         ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
          "conversations[1].value", "empty content"),
         ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "value": "x.png"}]}]},
-         "messages[0].content[0].type", "unsupported content part type 'image' (only text)"),
+         "messages[0].content[0].type", "images are not supported (training is text-only; content part type 'image'): "
+         "remove the part (keep the text parts) or the row, or use a text-only dataset"),
         ("kto", {"messages": GOOD["messages"], "label": "yes"}, "label", "expected true or false, got string"),
         ("seed_tasks", {"instruction": "q", "instances": [{"input": "", "output": " "}]},
          "instances[0].output", "empty content"),

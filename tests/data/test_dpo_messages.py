@@ -66,7 +66,8 @@ def test_prompt_is_the_shared_prefix():
         ([], [_m("user", "q"), _m("assistant", "b")], "chosen_messages", "empty conversation"),
         ([_m("user", "q"), {"role": "assistant", "content": [{"type": "image_url", "value": "x.png"}]}],
          [_m("user", "q"), _m("assistant", "b")],
-         "chosen_messages[1].content[0].type", "unsupported content part type 'image_url' (only text)"),
+         "chosen_messages[1].content[0].type", "images are not supported (training is text-only; content part type "
+         "'image_url'): remove the part (keep the text parts) or the row, or use a text-only dataset"),
     ],
 )
 def test_faults_name_the_source_field(tmp_path, chosen, rejected, field, message):
