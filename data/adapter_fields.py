@@ -19,6 +19,11 @@ each result, and the row's ``tools`` as ``[{"type": "function", "function": <JSO
 same way (checked as for SFT; the RL and evaluation prompts are rendered with them); prompt
 turns themselves carry no tool calls.
 
+Per-turn weights (SFT conversations): OpenAI's fine-tuning ``"weight"`` and LLaMA-Factory
+v1's ``"loss_weight"`` on a turn are 0 (not trained) or 1 (trained, the default for assistant
+turns). An assistant turn of weight 0 keeps ``"weight": 0`` in its normalized message, and
+:func:`data.chat.encode_chat` leaves it out of the loss mask; any other value is an error.
+
 Media are refused (:func:`no_media`, :func:`_content`): the pipeline trains text-only models,
 so a LLaMA-Factory ``images`` / ``videos`` / ``audios`` field or an image content part would
 be dropped and its ``<image>`` placeholder trained as text.
@@ -268,7 +273,8 @@ def _turns(
     schema reports them under the source field. With ``tools_allowed`` (sft conversations),
     a ShareGPT ``function_call`` turn becomes an assistant turn with ``tool_calls`` and empty
     content, and a turn's own ``tool_calls`` are normalized (its content may then be null);
-    otherwise both are errors, since prompts carry no tools.
+    otherwise both are errors, since prompts carry no tools. Sft conversations also read
+    per-turn weights (:func:`_turn_weight`); prompts ignore them (nothing in a prompt is trained).
     """
     if not isinstance(value, list):
         raise FieldError(src, f"expected a list of turns, got {_json_type(value)}")
@@ -301,10 +307,50 @@ def _turns(
         message: dict[str, Any] = {"role": role, "content": content}
         if calls:
             message["tool_calls"] = calls
+        weight, weight_src = _turn_weight(turn, role, where) if tools_allowed else (1, None)
+        if weight == 0 and role == "assistant":
+            message["weight"] = 0
+            origin[f"{dst}[{k}].weight"] = weight_src
         out.append(message)
     if src != dst:
         origin[dst] = src
+    answers = [k for k, m in enumerate(out, offset) if m["role"] == "assistant"]
+    if answers and all(out[k - offset].get("weight") == 0 for k in answers):
+        raise FieldError(origin[f"{dst}[{answers[-1]}].weight"], "every assistant turn has weight 0, so the "
+                                                                 "conversation has nothing to train on; give a turn "
+                                                                 "weight 1 or remove the row")
     return out
+
+
+WEIGHT_KEYS = ("weight", "loss_weight")  # OpenAI fine-tuning; LLaMA-Factory v1
+
+
+def _turn_weight(turn: Mapping[str, Any], role: str, where: str) -> tuple[int, str | None]:
+    """A turn's SFT weight, 1 (trained) or 0 (left out of the loss mask), and its source field
+    (None when the turn has none: 1 for assistant turns, 0 for the others).
+
+    Read from ``weight`` or ``loss_weight`` (null: absent); 0, 1, 0.0 and 1.0 are accepted.
+
+    Raises:
+        FieldError: at ``where.weight`` / ``where.loss_weight`` for any other value (0.5,
+            ``"yes"``, ``true``), for both keys given with different values, and for weight 1
+            on a turn that is not the assistant's (only assistant turns are trained).
+    """
+    found = [(key, turn[key]) for key in WEIGHT_KEYS if turn.get(key) is not None]
+    for key, value in found:
+        if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)) or value not in (0, 1):
+            shown = json.dumps(value, default=str)
+            raise FieldError(f"{where}.{key}", f"expected 0 (not trained) or 1 (trained), got {shown}; "
+                                               "a turn is either in the SFT loss or not: set 0 or 1, or remove it")
+    if len({v for _, v in found}) > 1:
+        (first, a), (second, b) = found
+        raise FieldError(f"{where}.{second}", f"{b} disagrees with {first} = {a}; keep one of the two")
+    if not found:
+        return (1 if role == "assistant" else 0), None
+    key, weight = found[0][0], int(found[0][1])
+    if weight == 1 and role in ("system", "user", "tool"):  # an unknown role is the schema's to report
+        raise FieldError(f"{where}.{key}", f"only assistant turns are trained, not {role!r} turns; set 0 or remove it")
+    return weight, f"{where}.{key}"
 
 
 def _prompt(value: Any, src: str, origin: dict[str, str]) -> list[dict[str, str]]:

@@ -12,7 +12,7 @@ invalid JSON inside a field) raise ``FieldError`` naming the source field.
 | format | keys that identify it | kinds |
 |---|---|---|
 | kto | messages + label (boolean; any ``label`` key beside messages makes it KTO, a non-boolean label is a bad row) | sft: rows labelled true only; false rows are skipped. kto: every row as prompt + completion (the last, assistant, turn) + label |
-| messages | messages (role/content; content may be typed parts ``[{"type": "text", "value"}]``; assistant ``tool_calls``, ``tool`` turns), optional tools | sft |
+| messages | messages (role/content; content may be typed parts ``[{"type": "text", "value"}]``; assistant ``tool_calls``, ``tool`` turns; per-turn ``weight`` / ``loss_weight`` 0 or 1), optional tools | sft |
 | dpo | conversations + chosen + rejected (``{from, value}``) | preference |
 | sharegpt | conversations (``from``: system/human/gpt/function_call/observation, ``value``), optional system, tools | sft |
 | seed_tasks | instruction + instances (``[{input, output}]``): one example per instance | sft |

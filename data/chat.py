@@ -4,7 +4,9 @@
 ``apply_chat_template``, with ``tools=`` when the record has tools) and marks with
 ``loss_mask = 1`` exactly the tokens of each assistant turn (its content, or the tool calls
 the template renders for it) and of the turn's end marker; system, user and tool turns, role
-headers and template text around turns get 0.
+headers and template text around turns get 0, and so does an assistant turn with
+``"weight": 0`` (a per-turn weight, normalized from OpenAI's ``weight`` and LLaMA-Factory's
+``loss_weight`` by :mod:`data.adapter_fields`).
 
 The turn end and the tokenization of continuations are the chat template's
 (:mod:`data.chat_template`); the text of a generated response is :mod:`data.chat_response`.
@@ -151,6 +153,18 @@ def _check_tools_rendered(tokenizer: Any, full: str, tools: Sequence[dict] | Non
             )
 
 
+def _turn_weight(message: Message, i: int) -> int:
+    """An assistant message's ``weight``: 1 (trained; the default) or 0 (not trained).
+
+    Raises:
+        ValueError: any other value (``messages[i].weight: expected 0 or 1 ...``).
+    """
+    weight = message.get("weight", 1)
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise ValueError(f"messages[{i}].weight: expected 0 (not trained) or 1 (trained), got {weight!r}")
+    return int(weight)
+
+
 def _segments(
     tokenizer: Any,
     messages: Sequence[Message],
@@ -158,7 +172,11 @@ def _segments(
     turn_end: _TurnEnd,
     generation_prompt: bool,
 ) -> list[tuple[str, int]]:
-    """The rendered conversation cut into ``(text, trained)`` segments (module docstring)."""
+    """The rendered conversation cut into ``(text, trained)`` segments (module docstring); an
+    assistant turn of weight 0 is a segment with ``trained`` 0."""
+    trained = {i: _turn_weight(m, i) for i, m in enumerate(messages) if m.get("role") == "assistant"}
+    # the weight is ours, not the template's: render the messages without it
+    messages = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
     full = _render_or_raise(tokenizer, messages, generation_prompt, tools, "this conversation")
     assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     heads: list[int] = []
@@ -208,7 +226,7 @@ def _segments(
             raise ChatTemplateError(
                 f"messages[{i}]: no end-of-turn marker {marker!r} after this turn; set model.end_of_turn"
             )
-        segments += [(full[pos:start], 0), (full[start:stop] + appended, 1)]
+        segments += [(full[pos:start], 0), (full[start:stop] + appended, trained[i])]
         pos = stop
     segments.append((full[pos:], 0))
     return segments
@@ -302,16 +320,18 @@ def encode_chat(
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
-        messages: ``[{"role", "content", "tool_calls"?}, ...]`` with at least one assistant turn.
+        messages: ``[{"role", "content", "tool_calls"?, "weight"?}, ...]`` with at least one
+            assistant turn; an assistant turn with ``"weight": 0`` is not trained (OpenAI's
+            per-message weight, LLaMA-Factory's ``loss_weight``; 1 or absent: trained).
         max_len: keep at most this many tokens, cutting the end (``n_truncated`` says how many).
         end_of_turn: the turn end override (``model.end_of_turn``); default derived from the
             template (:func:`data.chat_template.end_of_turn`).
         tools: JSON-schema tool definitions given to the template (None: no tools).
 
     Returns:
-        :class:`EncodedChat`; ``loss_mask`` is 1 on each assistant turn from its first content
-        (or tool-call) token through its turn end, and on the turn end appended after the
-        last turn when the template writes none.
+        :class:`EncodedChat`; ``loss_mask`` is 1 on each assistant turn (but those of weight 0)
+        from its first content (or tool-call) token through its turn end, and on the turn end
+        appended after the last turn when the template writes none.
 
     Raises:
         ChatTemplateError: no chat template; no assistant turn; the template cannot render the
@@ -319,7 +339,7 @@ def encode_chat(
             "System role not supported"); a rendered prompt is not a prefix of the whole
             conversation; no turn end follows an assistant turn; or the turn's content is not
             inside its span. Per-turn messages name ``messages[i]``.
-        ValueError: ``max_len`` < 1.
+        ValueError: ``max_len`` < 1; a ``weight`` other than 0 or 1 (names ``messages[i].weight``).
     """
     if max_len is not None and max_len < 1:
         raise ValueError(f"max_len must be >= 1, got {max_len}")

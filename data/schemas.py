@@ -1,8 +1,10 @@
 """Pandera schemas of the four normalized dataset kinds, one row per example.
 
-- ``sft``: ``messages`` (list of ``{role, content, tool_calls?}``), at least one assistant
-  turn, the last turn an assistant turn; optional ``tools`` (the tool schemas the
-  conversation may call, ``[{"type": "function", "function": {"name", ...}}]``).
+- ``sft``: ``messages`` (list of ``{role, content, tool_calls?, weight?}``), at least one
+  assistant turn, the last turn an assistant turn; optional ``tools`` (the tool schemas the
+  conversation may call, ``[{"type": "function", "function": {"name", ...}}]``). An assistant
+  turn with ``"weight": 0`` is not trained (checked by the adapters,
+  :mod:`data.adapter_fields`; the frame leaves the key out).
 - ``preference``: ``prompt`` (list of messages, the last a user turn), ``chosen`` and
   ``rejected`` (non-blank strings, not identical).
 - ``rl``: ``prompt`` (list of messages, the last a user turn), ``label`` (non-blank string,
