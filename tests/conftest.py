@@ -14,6 +14,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A Ray call after ray.shutdown() raises instead of starting a new local cluster with the host's
+# defaults, which the next test's init_ray would join and then wait forever for its resources.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 # Under pytest-xdist (`make test` runs two worker processes) each worker keeps its Prefect
 # database in a home of its own: two temporary servers on one SQLite file would contend for

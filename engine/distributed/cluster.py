@@ -91,5 +91,8 @@ def shutdown_ray() -> None:
     """Disconnect from Ray (stopping the local cluster if this process started it)."""
     import ray
 
+    from engine.distributed.group import stop_watchdogs
+
+    stop_watchdogs()
     if ray.is_initialized():
         ray.shutdown()

@@ -31,7 +31,9 @@ so DP=1 runs exactly as a single worker always has.
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from typing import Any, Callable, Sequence
 
 import ray
@@ -157,6 +159,23 @@ class RankActor:
 
 WATCH_INTERVAL_S = 2.0  # how often a group pings its ranks; a dead rank fails the group's calls within ~2 intervals
 
+# every group whose watchdog may still run: stopped before Ray disconnects, since a ping after
+# ray.shutdown() would make Ray auto-start a new local cluster from the watchdog's thread (and
+# the process's next init_ray would silently join that one, with the host's default resources)
+_WATCHED: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+_AT_EXIT = False
+
+
+def stop_watchdogs() -> None:
+    """Stop the watchdog of every live :class:`WorkerGroup` of this process and wait for each
+    (at most ~2 ping intervals). Call before ``ray.shutdown()``; ``init_ray``'s
+    ``shutdown_ray`` does, and so does interpreter exit (registered after Ray's own hook)."""
+    groups = list(_WATCHED)
+    for group in groups:
+        group._stop.set()
+    for group in groups:
+        group._watchdog.join(timeout=2 * WATCH_INTERVAL_S + 1)
+
 
 def _combine(kind: str, rows: list[list[int]] | None, shape: tuple[int, int], *results):
     """Put the ranks' results back together (runs as a zero-CPU Ray task; see :class:`WorkerGroup`):
@@ -240,6 +259,11 @@ class WorkerGroup:
         self._combine = ray.remote(num_cpus=0)(_combine)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="worker-group-watchdog", daemon=True)
+        global _AT_EXIT
+        if not _AT_EXIT:  # after ray.init registered its shutdown: atexit runs this one first
+            atexit.register(stop_watchdogs)
+            _AT_EXIT = True
+        _WATCHED.add(self)
         self._watchdog.start()
 
     def _watch(self) -> None:
@@ -253,6 +277,8 @@ class WorkerGroup:
 
         while not self._stop.wait(WATCH_INTERVAL_S):
             for index, rank in enumerate(self.ranks):
+                if self._stop.is_set() or not ray.is_initialized():  # see _WATCHED
+                    return
                 try:
                     ray.get(rank.pid.remote(), timeout=WATCH_INTERVAL_S)
                 except GetTimeoutError:
