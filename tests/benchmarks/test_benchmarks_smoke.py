@@ -177,3 +177,16 @@ def test_trl_packing_batches_hold_about_the_engines_tokens():
     # 20-token rows: 64 x 20 = 1280 tokens = 5 sequences; 256 x 20 = 5120 = 20 sequences: 4 x 5
     assert trl_batches(SFTSetting(256, 64, 256, 1e-4, 1, 1), 20.0) == (5, 4)
     assert trl_batches(SFTSetting(2, 1, 256, 1e-4, 1, 1), 10.0) == (1, 1)  # never below one sequence
+
+
+def test_bf16_sft_table_averages_ten_steps_and_divides_by_the_family_fp32():
+    from benchmarks.bf16_sft import render, window
+
+    fp32 = [float(i) for i in range(1, 101)]  # step s has loss s
+    bf16 = [2.0 * x for x in fp32]
+    assert window(fp32, 50) == pytest.approx(45.5)  # mean of steps 41..50
+    assert window(fp32, 5) == pytest.approx(3.0)  # fewer than ten steps: all of them
+    table = render({"engine_fp32": fp32, "engine_bf16": bf16, "hf_autocast": fp32})
+    assert table.splitlines()[0] == "| side | step 50 | step 100 |"
+    assert "| engine_bf16 | 91.0000 (2.000x) | 191.0000 (2.000x) |" in table
+    assert "| hf_autocast | 45.5000 | 95.5000 |" in table  # no hf_fp32 in the run: no ratio
