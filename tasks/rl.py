@@ -63,10 +63,12 @@ def eval_benchmark(cfg: PipelineConfig):
     return next(b for b in benchmarks if b.name == cfg.rl.eval_benchmark)  # the config checked it exists
 
 
-# Where the engine runs, how weights are chunked for sync, how often metrics are logged and
-# checkpoints written: none of them changes the result (resume is bit-identical).
+# Where the engine runs, how weights are chunked for sync, how long a sync or a health check may
+# take, how many engines may be replaced, how often checkpoints are written: none of them changes
+# the result (resume is bit-identical; a replaced engine's share is generated again).
 _NOT_FINGERPRINTED = {
-    "engine": {"ray_address", "num_cpus", "weight_sync_bucket_mb", "weight_sync_timeout_s"},
+    "engine": {"ray_address", "num_cpus", "weight_sync", "weight_sync_bucket_mb", "weight_sync_timeout_s",
+               "health_check_timeout_s", "max_engine_restarts"},
     "checkpoint_every": True,
 }
 

@@ -142,6 +142,10 @@ def test_fingerprints_change_only_through_the_values_overrides_change():
     base = fingerprints(load_config(QUICKSTART))
     # the file's own values, spelled differently: every fingerprint stays (a cache hit)
     assert fingerprints(load_config(QUICKSTART, ["rl.steps=100", "rl.optim.lr=2e-4", "sft.optim.lr=0.003"])) == base
+    # fault-handling limits change no result: no retrain
+    assert fingerprints(load_config(QUICKSTART, ["rl.engine.health_check_timeout_s=5",
+                                                 "rl.engine.max_engine_restarts=0",
+                                                 "rl.engine.weight_sync=object_store"])) == base
     changed = fingerprints(load_config(QUICKSTART, ["rl.optim.lr=3e-4"]))
     assert {s for s in base if base[s] != changed[s]} == {"rl"}  # evaluate/export chain on rl's content
     changed = fingerprints(load_config(QUICKSTART, ["run.seed=1"]))
