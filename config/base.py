@@ -7,6 +7,7 @@ empty refused). Every section model of the pipeline config derives from ``Strict
 from __future__ import annotations
 
 import os
+import re
 import types
 import typing
 from decimal import Decimal, InvalidOperation
@@ -55,8 +56,13 @@ def _too_large(value) -> PydanticCustomError:
     return PydanticCustomError("int_too_large", "too large for an integer setting (at most 2^63 - 1)")
 
 
+_ENV_VAR = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
 def _local_path(value: str | None) -> str | None:
-    """A config path with ``~`` and ``file://~`` expanded to the home directory (as fsspec
+    """A config path with ``$VAR`` / ``${VAR}`` replaced by the environment variable (a
+    variable that is not set is refused, naming it, instead of becoming a literal ``./$VAR``
+    directory), then ``~`` and ``file://~`` expanded to the home directory (as fsspec
     does for the artifact store), so every local path of a config means the same directory;
     otherwise kept as given (``./org/name`` is a local directory where ``org/name`` is a hub
     id). Spellings do not split fingerprints: raw inputs enter them by content, and other
@@ -66,6 +72,12 @@ def _local_path(value: str | None) -> str | None:
         return None
     if not value.strip():
         raise ValueError("empty path; give a path (or remove the key to use its default)")
+    if "$" in value:
+        unset = [m.group(1).strip("{}") for m in _ENV_VAR.finditer(value)
+                 if m.group(1).strip("{}") not in os.environ]
+        if unset:
+            raise ValueError(f"environment variable ${unset[0]} in {value!r} is not set; export it or write the path out")
+        value = os.path.expandvars(value)
     if value.startswith("file://~"):
         return "file://" + os.path.expanduser(value.removeprefix("file://"))
     return os.path.expanduser(value) if value.startswith("~") else value

@@ -404,6 +404,21 @@ def test_home_is_expanded_in_every_local_path(tmp_path, quickstart_raw):
     assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == ("artifacts", "./checkpoints")
 
 
+def test_environment_variables_are_expanded_in_local_paths_and_unset_ones_refused(tmp_path, quickstart_raw, monkeypatch):
+    """`run.artifact_root=$SCRATCH/...` made a literal ./$SCRATCH tree; now $VAR and ${VAR} are
+    the variable's value, and a variable that is not set is refused, naming it and the key."""
+    monkeypatch.setenv("PT_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.delenv("PT_UNSET", raising=False)
+    raw = copy.deepcopy(quickstart_raw)
+    raw["run"].update(artifact_root="$PT_SCRATCH/artifacts", checkpoint_root="${PT_SCRATCH}/ckpt")
+    cfg = load_config(_write(tmp_path, raw))
+    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == (f"{tmp_path}/scratch/artifacts", f"{tmp_path}/scratch/ckpt")
+    raw["run"]["artifact_root"] = "$PT_UNSET/artifacts"
+    with pytest.raises(ConfigError, match=r"run\.artifact_root: .*environment variable \$PT_UNSET in "
+                                          r"'\$PT_UNSET/artifacts' is not set; export it or write the path out"):
+        load_config(_write(tmp_path, raw))
+
+
 def test_paths_are_kept_as_given(tmp_path, quickstart_raw, monkeypatch):
     """Only ``~`` is expanded: ``./org/name`` (a local directory) must not become ``org/name``
     (a hub id), and URLs stay as given; spellings meet in the fingerprint instead."""
