@@ -388,6 +388,10 @@ class RLConfig(Strict):
             raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
                              "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus, gae or "
                              "on_policy_distill")
+        if self.n_samples > 1 and self.rollout.temperature == 0:
+            raise ValueError(f"rl.rollout.temperature: 0 (greedy) samples the same response {self.n_samples} times per "
+                             f"prompt (rl.n_samples {self.n_samples}): their group advantages are all zero and vLLM "
+                             "refuses it; set rl.rollout.temperature > 0 (1.0 samples the policy itself) or rl.n_samples: 1")
         return self
 
     @property

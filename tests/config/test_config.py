@@ -243,6 +243,10 @@ def test_rl_options_that_cannot_train_are_refused():
     with pytest.raises(ValueError, match="n_samples: 1 gives every response a zero grpo advantage"):
         RLConfig(n_samples=1)
     assert RLConfig(n_samples=1, algorithm="reinforce_plus_plus").n_samples == 1
+    with pytest.raises(ValueError, match=r"rl.rollout.temperature: 0 \(greedy\) samples the same response 4 times per "
+                                         r"prompt \(rl.n_samples 4\)"):
+        RLConfig(n_samples=4, rollout={"temperature": 0.0})
+    assert RLConfig(n_samples=1, algorithm="gae", rollout={"temperature": 0.0}).rollout.temperature == 0.0
     with pytest.raises(ValueError, match="verifier_weight"):
         RLConfig.model_validate({"reward": {"verifier_weight": float("nan")}})
     with pytest.raises(ValueError, match="coef"):
