@@ -26,7 +26,7 @@ from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import (  # noqa: E402
-    check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
+    check_contents, check_inputs, check_layouts, check_model_fit, check_rl_placement, cluster_notes, precision_notes)
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -102,6 +102,7 @@ def _stage_errors():
 
 def cmd_run(args) -> int:
     cfg, problems, _ = _load(args.config, args.overrides)
+    problems += check_model_fit(cfg)  # what a later stage would fail on, known before the first
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     from flows.pipeline import pipeline

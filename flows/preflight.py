@@ -10,6 +10,7 @@ plug-ins by their import paths. Each problem is one string naming the config key
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -423,7 +424,7 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
     context = m.config.get("max_position_embeddings")
     if not context:
         return []
-    problems = []
+    problems = _no_room(cfg, m)
     sources = cfg.data.rl_sources()
     train = ([(f"rl_train/{s.name}", f"data.rl_train[{i}]") for i, s in enumerate(sources)] if sources
              else [("rl_train", "data.rl_train")])  # (dataset, its config key)
@@ -432,10 +433,7 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
             + [("rl_eval", "data.rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
                 cfg.evaluate.num_prompts)]):
         limit = context - budget
-        if limit < 1:
-            no_room = (f"{key}: {budget} leaves no room for a prompt in the context of {m.name} "
-                       f"(max_position_embeddings {context})")
-            problems += [] if no_room in problems else [no_room]  # once for all sources of a mixture
+        if limit < 1:  # reported once by _no_room
             continue
         if name not in rows:
             continue
@@ -470,6 +468,43 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: _Model, rows: dict, notes: lis
         elif not failed:
             notes.append(f"{dataset}: the longest of {checked} prompts has {longest} tokens (at most {limit} fit)")
     return problems
+
+
+def _no_room(cfg: PipelineConfig, m: _Model) -> list[str]:
+    """A response budget (``rl.rollout.max_new_tokens``, ``evaluate.max_new_tokens``) that fills the
+    model's whole context, leaving no token for a prompt."""
+    context = m.config.get("max_position_embeddings")
+    return [f"{key}: {budget} leaves no room for a prompt in the context of {m.name} (max_position_embeddings {context})"
+            for key, budget in (("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens),
+                                ("evaluate.max_new_tokens", cfg.evaluate.max_new_tokens))
+            if context and context - budget < 1]
+
+
+def check_model_fit(cfg: PipelineConfig) -> list[str]:
+    """The cheap part of :func:`check_contents`, which ``posttrain run`` runs before the first
+    stage: the model's config.json (or what the prepare section will build) against the
+    lengths and the rollout backend: ``{sft,rm,po}.max_seq_len`` and the response budgets
+    against the context, head_dim against vLLM on CPU, the special ids against the
+    vocabulary. Reads no data, no tokenizer and no weights (milliseconds), so a later stage
+    does not fail on what the config already says. Returns problems, each naming its key."""
+    src = cfg.model.source
+    if _made_by_prepare(cfg, src) and not (cfg.prepare is not None and _prepared(cfg, [])):
+        p = cfg.prepare
+        if getattr(p, "kind", None) != "addition":
+            return []
+        m = _Model(src, {"hidden_size": p.hidden_size, "num_attention_heads": p.num_attention_heads,
+                         "max_position_embeddings": p.max_position_embeddings})
+    else:
+        config = Path(src) / "config.json"
+        if not config.is_file():
+            return []  # a hub id or a GGUF file: the convert stage reads it; validate reads GGUF metadata
+        try:  # json, not conversion.hf_source: a cached run must not pay for importing torch
+            m = _Model(src, json.loads(config.read_text()))
+        except (ValueError, OSError):
+            return []  # validate and the convert stage report an unreadable config, with the reason
+        if not isinstance(m.config, dict):
+            return []
+    return _check_model(cfg, m) + _no_room(cfg, m)
 
 
 def cluster_address(cfg: PipelineConfig) -> tuple[str, str] | None:

@@ -544,3 +544,31 @@ def test_precision_notes_name_each_stage_and_warn_on_emulated_bf16(real_inputs):
     raw["rl"] = {"precision": "fp32"}
     assert precision_notes(_cfg(raw)) == [
         f"precision: sft fp32, rm fp32, rl fp32, evaluate fp32; export float32 (run.precision fp32; {why})"]
+
+
+def test_run_refuses_before_the_first_stage_what_a_later_stage_would_fail_on(qwen, tmp_path, monkeypatch, capsys):
+    """`posttrain run` once let sft train and then failed in rl ("-872 tokens left out"), or
+    trained sft.max_seq_len past the context: the model's config is now checked against the
+    lengths before any stage starts (check_model_fit), with validate's own messages."""
+    from flows.cli import main
+    from flows.preflight import check_model_fit
+
+    monkeypatch.chdir(tmp_path)
+    model = _qwen_dir(tmp_path, max_position_embeddings=512)
+    qwen["model"]["source"] = str(model)
+    qwen["sft"] = {"max_seq_len": 1024}
+    qwen["rl"]["rollout"] = {"max_new_tokens": 600}
+    expected = [f"sft.max_seq_len: 1024 is above the context of {model} (max_position_embeddings 512)",
+                f"rl.rollout.max_new_tokens: 600 leaves no room for a prompt in the context of {model} "
+                "(max_position_embeddings 512)"]
+    assert check_model_fit(_cfg(qwen)) == expected
+    assert [p for p in _contents(qwen)[0] if p in expected] == expected  # the same lines validate prints
+    config = tmp_path / "qwen.yaml"
+    config.write_text(yaml.safe_dump(qwen))
+    assert main(["run", str(config)]) == 2
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # the console may wrap long lines
+    assert "cannot run" in flat and all(" ".join(line.split()) in flat for line in expected), out
+    assert not (tmp_path / "artifacts").exists()  # no stage started
+    qwen["sft"], qwen["rl"]["rollout"] = {"max_seq_len": 512}, {"max_new_tokens": 256}
+    assert check_model_fit(_cfg(qwen)) == []
