@@ -94,7 +94,30 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     if cfg.model.tokenizer and not Path(cfg.model.tokenizer).exists() and not _made_by_prepare(cfg, cfg.model.tokenizer):
         problems.append(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(cfg.run.checkpoint_root, "run.checkpoint_root")
+    problems += _wandb_key(cfg)
     return problems, notes
+
+
+def _wandb_key(cfg: PipelineConfig) -> list[str]:
+    """W&B online without an API key fails the first stage that logs; say so before any runs.
+    The key is where the W&B client looks: ``WANDB_API_KEY``, else the netrc entry of the W&B
+    host (``WANDB_BASE_URL``, default api.wandb.ai) that ``wandb login`` writes."""
+    import netrc
+    from urllib.parse import urlparse
+
+    from tasks.tracking import wandb_mode
+
+    if wandb_mode(cfg) != "online" or os.environ.get("WANDB_API_KEY"):
+        return []
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return []
+    except (OSError, netrc.NetrcParseError):
+        pass  # no netrc file (or an unreadable one): no key there
+    source = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else "wandb.mode: online"
+    return [f"wandb.mode: {source} needs a W&B API key and none was found (WANDB_API_KEY, or {host} in ~/.netrc): "
+            "run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline and `wandb sync` later"]
 
 
 def _unwritable(root: str, key: str) -> list[str]:

@@ -572,3 +572,28 @@ def test_run_refuses_before_the_first_stage_what_a_later_stage_would_fail_on(qwe
     assert not (tmp_path / "artifacts").exists()  # no stage started
     qwen["sft"], qwen["rl"]["rollout"] = {"max_seq_len": 512}, {"max_new_tokens": 256}
     assert check_model_fit(_cfg(qwen)) == []
+
+
+def test_wandb_online_without_an_api_key_is_refused_up_front(real_inputs, tmp_path, monkeypatch):
+    """W&B online without a key used to fail at the first stage; the key is looked up where the
+    client looks (WANDB_API_KEY, then the W&B host's netrc entry)."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no key there
+    monkeypatch.setenv("WANDB_MODE", "online")
+    raw = {**real_inputs, "wandb": {"enabled": True, "mode": "offline"}}
+    problems, _ = check_inputs(_cfg(raw))
+    assert problems == ["wandb.mode: WANDB_MODE=online needs a W&B API key and none was found (WANDB_API_KEY, or "
+                        "api.wandb.ai in ~/.netrc): run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline "
+                        "and `wandb sync` later"]
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert check_inputs(_cfg(raw))[0] == []  # `wandb login`'s entry
+    (tmp_path / "netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "abc123")
+    assert check_inputs(_cfg(raw))[0] == []
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.delenv("WANDB_MODE")
+    assert check_inputs(_cfg(raw))[0] == []  # offline needs no key
+    raw["wandb"] = {"enabled": False, "mode": "online"}
+    assert check_inputs(_cfg(raw))[0] == []  # off
