@@ -22,6 +22,7 @@ share this machine's cores.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,12 @@ def test_a_removed_node_restarts_its_engine_elsewhere(cluster, tiny_policy, tmp_
 
     head = cluster.head_node.node_id
     removed: list[str] = []
+    # the earlier tests' workers are killed asynchronously: while their CPUs are still held,
+    # SPREAD (best effort) would put two of this run's bundles on one node
+    deadline = time.monotonic() + 120
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0.0) == ray.cluster_resources()["CPU"], ray.available_resources()
 
     def remove_an_engines_node(step: int, where: dict[int, str]) -> None:
         if step != 1:
