@@ -10,7 +10,6 @@ plug-ins by their import paths. Each problem is one string naming the config key
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -94,30 +93,7 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     if cfg.model.tokenizer and not Path(cfg.model.tokenizer).exists() and not _made_by_prepare(cfg, cfg.model.tokenizer):
         problems.append(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(cfg.run.checkpoint_root, "run.checkpoint_root")
-    problems += _wandb_key(cfg)
     return problems, notes
-
-
-def _wandb_key(cfg: PipelineConfig) -> list[str]:
-    """W&B online without an API key fails the first stage that logs; say so before any runs.
-    The key is where the W&B client looks: ``WANDB_API_KEY``, else the netrc entry of the W&B
-    host (``WANDB_BASE_URL``, default api.wandb.ai) that ``wandb login`` writes."""
-    import netrc
-    from urllib.parse import urlparse
-
-    from tasks.tracking import wandb_mode
-
-    if wandb_mode(cfg) != "online" or os.environ.get("WANDB_API_KEY"):
-        return []
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
-    try:
-        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
-            return []
-    except (OSError, netrc.NetrcParseError):
-        pass  # no netrc file (or an unreadable one): no key there
-    source = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else "wandb.mode: online"
-    return [f"wandb.mode: {source} needs a W&B API key and none was found (WANDB_API_KEY, or {host} in ~/.netrc): "
-            "run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline and `wandb sync` later"]
 
 
 def _unwritable(root: str, key: str) -> list[str]:
@@ -501,33 +477,6 @@ def _no_room(cfg: PipelineConfig, m: _Model) -> list[str]:
             for key, budget in (("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens),
                                 ("evaluate.max_new_tokens", cfg.evaluate.max_new_tokens))
             if context and context - budget < 1]
-
-
-def check_model_fit(cfg: PipelineConfig) -> list[str]:
-    """The cheap part of :func:`check_contents`, which ``posttrain run`` runs before the first
-    stage: the model's config.json (or what the prepare section will build) against the
-    lengths and the rollout backend: ``{sft,rm,po}.max_seq_len`` and the response budgets
-    against the context, head_dim against vLLM on CPU, the special ids against the
-    vocabulary. Reads no data, no tokenizer and no weights (milliseconds), so a later stage
-    does not fail on what the config already says. Returns problems, each naming its key."""
-    src = cfg.model.source
-    if _made_by_prepare(cfg, src) and not (cfg.prepare is not None and _prepared(cfg, [])):
-        p = cfg.prepare
-        if getattr(p, "kind", None) != "addition":
-            return []
-        m = _Model(src, {"hidden_size": p.hidden_size, "num_attention_heads": p.num_attention_heads,
-                         "max_position_embeddings": p.max_position_embeddings})
-    else:
-        config = Path(src) / "config.json"
-        if not config.is_file():
-            return []  # a hub id or a GGUF file: the convert stage reads it; validate reads GGUF metadata
-        try:  # json, not conversion.hf_source: a cached run must not pay for importing torch
-            m = _Model(src, json.loads(config.read_text()))
-        except (ValueError, OSError):
-            return []  # validate and the convert stage report an unreadable config, with the reason
-        if not isinstance(m.config, dict):
-            return []
-    return _check_model(cfg, m) + _no_room(cfg, m)
 
 
 def cluster_address(cfg: PipelineConfig) -> tuple[str, str] | None:

@@ -551,7 +551,7 @@ def test_run_refuses_before_the_first_stage_what_a_later_stage_would_fail_on(qwe
     trained sft.max_seq_len past the context: the model's config is now checked against the
     lengths before any stage starts (check_model_fit), with validate's own messages."""
     from flows.cli import main
-    from flows.preflight import check_model_fit
+    from flows.run_checks import check_model_fit
 
     monkeypatch.chdir(tmp_path)
     model = _qwen_dir(tmp_path, max_position_embeddings=512)
@@ -577,23 +577,25 @@ def test_run_refuses_before_the_first_stage_what_a_later_stage_would_fail_on(qwe
 def test_wandb_online_without_an_api_key_is_refused_up_front(real_inputs, tmp_path, monkeypatch):
     """W&B online without a key used to fail at the first stage; the key is looked up where the
     client looks (WANDB_API_KEY, then the W&B host's netrc entry)."""
+    from flows.run_checks import check_wandb_key
+
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_BASE_URL", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no key there
     monkeypatch.setenv("WANDB_MODE", "online")
     raw = {**real_inputs, "wandb": {"enabled": True, "mode": "offline"}}
-    problems, _ = check_inputs(_cfg(raw))
+    problems = check_wandb_key(_cfg(raw))
     assert problems == ["wandb.mode: WANDB_MODE=online needs a W&B API key and none was found (WANDB_API_KEY, or "
                         "api.wandb.ai in ~/.netrc): run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline "
                         "and `wandb sync` later"]
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
     (tmp_path / "netrc").chmod(0o600)
-    assert check_inputs(_cfg(raw))[0] == []  # `wandb login`'s entry
+    assert check_wandb_key(_cfg(raw)) == []  # `wandb login`'s entry
     (tmp_path / "netrc").unlink()
     monkeypatch.setenv("WANDB_API_KEY", "abc123")
-    assert check_inputs(_cfg(raw))[0] == []
+    assert check_wandb_key(_cfg(raw)) == []
     monkeypatch.delenv("WANDB_API_KEY")
     monkeypatch.delenv("WANDB_MODE")
-    assert check_inputs(_cfg(raw))[0] == []  # offline needs no key
+    assert check_wandb_key(_cfg(raw)) == []  # offline needs no key
     raw["wandb"] = {"enabled": False, "mode": "online"}
-    assert check_inputs(_cfg(raw))[0] == []  # off
+    assert check_wandb_key(_cfg(raw)) == []  # off
