@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,9 +40,10 @@ from benchmarks.models import WORK_DIR, prepare_quickstart
 SIDES = ("engine_fp32", "engine_bf16", "hf_fp32", "hf_autocast", "hf_bf16_masters")
 
 
-def quickstart_batches(steps: int):
-    """The quickstart's base model directory, its ``sft`` config and ``steps`` global batches
-    (lists of padded ``TokenBatch`` micro-batches) in ``train_sft``'s order (seed = run.seed)."""
+def quickstart_batches(steps: int, seed: int | None = None):
+    """The quickstart's base model directory, its ``sft`` config, the seed and ``steps`` global
+    batches (lists of padded ``TokenBatch`` micro-batches) in ``train_sft``'s order for ``seed``
+    (default: the quickstart's run.seed)."""
     from transformers import AutoTokenizer
 
     from config.load import load_config
@@ -55,11 +57,12 @@ def quickstart_batches(steps: int):
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     sft = cfg.sft.model_copy(update={"packing": False, "steps": steps})
     rows = encode_sft_dataset(paths["data"] / "sft.jsonl", tokenizer, sft.max_seq_len)
-    sampler = EpochSampler(len(rows), cfg.run.seed)
+    seed = cfg.run.seed if seed is None else seed
+    sampler = EpochSampler(len(rows), seed)
     pad = pad_token_id(tokenizer)
     batches = [sft_micro_batches([rows[i] for i in sampler.next_indices(sft.global_batch_size)], sft, pad)
                for _ in range(steps)]
-    return base, sft, cfg.run.seed, batches
+    return base, sft, seed, batches
 
 
 def engine_model(base: Path):
@@ -139,18 +142,52 @@ def render(curves: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
+def paired_ratio(runs: list[dict[str, list[float]]], side: str, ref: str, step: int) -> tuple[float, float]:
+    """Geometric-mean ratio of ``side``'s loss to ``ref``'s at ``step`` (10-step means) over
+    paired runs (same seed, same batches), and its standard error: ``exp(mean(d))`` with
+    ``d_i = log(loss_side_i / loss_ref_i)``, SE by the delta method ``exp(mean) * sd(d) / sqrt(n)``
+    (0 for one run)."""
+    d = [math.log(window(r[side], step) / window(r[ref], step)) for r in runs]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1)) if len(d) > 1 else 0.0
+    return math.exp(mean), math.exp(mean) * sd / math.sqrt(len(d))
+
+
+def render_paired(runs: list[dict[str, list[float]]]) -> str:
+    """Markdown table over seeds: each side's mean loss at steps 50-300 and its paired ratio
+    (± SE) to its family's fp32."""
+    steps = [s for s in (50, 100, 200, 300) if s <= min(len(c) for r in runs for c in r.values())]
+    lines = ["| side | " + " | ".join(f"step {s}" for s in steps) + " |", "|---" * (len(steps) + 1) + "|"]
+    for side in runs[0]:
+        ref = side.split("_")[0] + "_fp32"
+        cells = []
+        for s in steps:
+            cell = f"{sum(window(r[side], s) for r in runs) / len(runs):.4f}"
+            if ref in runs[0] and ref != side:
+                ratio, se = paired_ratio(runs, side, ref, s)
+                cell += f" ({ratio:.3f}x ± {se:.3f})"
+            cells.append(cell)
+        lines.append(f"| {side} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=None,
+                        help="data-order seeds; several give paired ratios with SEs (default: run.seed)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    base, sft, seed, batches = quickstart_batches(args.steps)
-    curves = {side: run_side(side, base, sft, seed, batches) for side in args.sides}
+    runs = []
+    for seed in args.seeds or [None]:
+        base, sft, seed, batches = quickstart_batches(args.steps, seed)
+        print(f"seed {seed}", flush=True)
+        runs.append({side: run_side(side, base, sft, seed, batches) for side in args.sides})
     out = WORK_DIR / "bf16_sft.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(curves))
-    print(render(curves))
+    out.write_text(json.dumps(runs[0] if len(runs) == 1 else runs))
+    print(render(runs[0]) if len(runs) == 1 else render_paired(runs))
     print(f"every step's loss: {out}")
 
 

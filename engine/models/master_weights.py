@@ -11,6 +11,9 @@ this repository's own optimizer step because megatron's DDP and optimizer hard-c
 - a post-accumulate-grad hook adds ``p.grad`` (bf16, the sum of one backward pass) into the
   master's ``.grad`` in fp32 and frees ``p.grad``: gradients accumulate across micro-batches
   in fp32 (megatron's ``main_grad``);
+- embedding lookups sum their weight gradient in fp32 on CPU as CUDA's kernel does
+  (:func:`engine.models.embedding_grad.sum_embedding_grads_in_fp32`; torch's CPU kernel
+  sums a bf16 weight's rows in bf16);
 - after the optimizer steps the masters, :func:`copy_masters_to_model` rounds them into the
   bf16 weights. An update smaller than bf16's resolution at a weight's magnitude still
   moves the master, and once the master has moved far enough, the bf16 weight;
@@ -29,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from config.precision import resolve_precision
+from engine.models.embedding_grad import sum_embedding_grads_in_fp32
 
 _MASTERS = "_fp32_master_params"  # attribute on the module: {parameter name: fp32 master Parameter}
 
@@ -81,6 +85,7 @@ def to_mixed_precision(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat
         # megatron's marker of a tensor-parallel shard (the gradient norm counts shards across ranks)
         masters[name].tensor_model_parallel = getattr(p, "tensor_model_parallel", False)
     model.to(dtype)
+    sum_embedding_grads_in_fp32(model)
     params = dict(model.named_parameters())
     for name, master in masters.items():
         params[name].register_post_accumulate_grad_hook(_accumulate_into(master))

@@ -71,6 +71,7 @@ from engine.backends.deepspeed.world import (  # noqa: F401 (the backend's calle
     DEEPSPEED_BF16, FP32, MASTER_WEIGHTS, ZERO_BUFFER_DEFAULTS, deepspeed_config, engine_config, import_deepspeed,
     init_process_group, precision_scheme, zero_buffer_sizes)
 from engine.backends.deepspeed.train_state import DeepSpeedTrainState
+from engine.models.embedding_grad import sum_embedding_grads_in_fp32
 
 
 def _to_master_weights(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -167,6 +168,9 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
             self.engine.enable_backward_allreduce = False
         if fp32_weights:
             self._set_masters(fp32_weights)
+        if self.precision == "bf16":
+            # DeepSpeed's own bf16 cast leaves the CPU embedding backward summing in bf16
+            sum_embedding_grads_in_fp32(self.module)
 
     def rounds(self, count: int) -> int:
         """The most forwards (or backwards) any rank runs in a collective phase in which this rank
