@@ -27,7 +27,7 @@ from rich.table import Table  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import (  # noqa: E402
     check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
-from flows.run_checks import check_model_fit, check_wandb_key  # noqa: E402
+from flows.run_checks import check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -37,7 +37,8 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 def _load(path: str, overrides: list[str] = ()):
     cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
-    return cfg, problems + check_wandb_key(cfg), notes
+    plugin_problems, plugin_notes = check_plugin_tracking(cfg)
+    return cfg, problems + plugin_problems + check_wandb_key(cfg), notes + plugin_notes
 
 
 def cmd_validate(args) -> int:
