@@ -1,4 +1,4 @@
-"""The ``posttrain`` command: run, stage, status, validate, compare.
+"""The ``posttrain`` command: run, stage, status, gc, validate, replay, compare.
 
 ``run``, ``stage``, ``status`` and ``validate`` take ``KEY=VALUE`` overrides after the config
 (``posttrain run CONFIG rl.steps=60 rl.optim.lr=3e-4``; config.load.parse_override).
@@ -27,7 +27,7 @@ from rich.table import Table  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import (  # noqa: E402
     check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
-from flows.run_checks import check_model_fit, check_wandb_key  # noqa: E402
+from flows.run_checks import check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -37,7 +37,8 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 def _load(path: str, overrides: list[str] = ()):
     cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
-    return cfg, problems + check_wandb_key(cfg), notes
+    plugin_problems, plugin_notes = check_plugin_tracking(cfg)
+    return cfg, problems + plugin_problems + check_wandb_key(cfg), notes + plugin_notes
 
 
 def cmd_validate(args) -> int:
@@ -202,6 +203,8 @@ def _skip_disabled(cfg, name: str) -> int:
 def _state_cell(row: dict) -> str:
     if row["up_to_date"]:
         return "[green]yes[/]"
+    if row["state"] == "disabled":
+        return "[dim]switched off[/]"
     if row["state"] == "waiting":
         return f"[yellow]after {row['waiting_on']}[/]"
     if row["state"] == "broken":
@@ -242,7 +245,26 @@ def cmd_status(args) -> int:
     if any(r["state"] == "waiting" for r in rows):
         console.print("[dim]after X: X has no artifact for this config yet; whether this stage reruns is known once X "
                       "has run (a byte-identical X leaves it as it is)[/]")
+    _print_leftovers(cfg, rows)
     return 0
+
+
+def _print_leftovers(cfg, rows: list[dict]) -> None:
+    """The resume and work directories under run.checkpoint_root (the status rows'
+    ``leftovers``), and what ``gc`` would free."""
+    from flows.gc import human_size, leftover_table
+    from tasks.leftovers import REMOVABLE, Leftover
+
+    items = [Leftover(**{**{k: v for k, v in item.items() if k != "age_s"}, "path": Path(item["path"])})
+             for r in rows for item in r.get("leftovers", [])]
+    if not items:
+        return
+    console.print(leftover_table(items, f"checkpoints and work directories ({cfg.run.checkpoint_root})"))
+    garbage = [i for i in items if i.state in REMOVABLE]
+    if garbage:
+        console.print(f"{len(garbage)} of them no run will use again: `posttrain gc CONFIG` removes them, freeing "
+                      f"{human_size(sum(i.bytes for i in garbage))} (`--dry-run` lists them first)",
+                      highlight=False, soft_wrap=True, markup=False)
 
 
 def _config_arguments(p: argparse.ArgumentParser) -> None:
@@ -270,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a config and its inputs without running anything")
     _config_arguments(p)
     p.set_defaults(fn=cmd_validate)
+    from flows.gc import add_gc_parser
+
+    add_gc_parser(sub, console)
     from flows.replay import add_replay_parser
 
     add_replay_parser(sub)

@@ -60,3 +60,38 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
         if not isinstance(m.config, dict):
             return []
     return _check_model(cfg, m) + _no_room(cfg, m)
+
+
+_PLUGIN_KEYS = {"environment": "rl.environment", "algorithm": "rl.algorithm", "policy_loss": "rl.policy_loss"}
+
+
+def check_plugin_tracking(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
+    """What the rl fingerprint tracks of each plug-in (tasks.plugin_files): problems for a
+    ``DATA_FILES`` that is not a literal list of strings or names a file that does not
+    exist, and one note per configured plug-in saying how many source and declared data
+    files enter the fingerprint and, loudly, that a data file it reads without declaring it
+    in ``DATA_FILES`` is not tracked. Reads source files only; imports nothing of the user's.
+    Returns (problems, notes), each naming its config key."""
+    from tasks.fingerprint import declared_data_files, user_modules
+    from tasks.plugin_files import plugin_paths
+
+    problems, notes = [], []
+    for key, path in plugin_paths(cfg).items():
+        name = _PLUGIN_KEYS.get(key) or f"rl.reward.functions[{key.rsplit('_', 1)[1]}].path"
+        modules = user_modules(path.partition(":")[0])
+        data = []
+        for file in modules.values():
+            try:
+                declared = declared_data_files(file)
+            except (ValueError, SyntaxError) as exc:
+                problems.append(f"{name}: {exc}")
+                continue
+            for entry, data_path in declared:
+                data.append(data_path)
+                if not data_path.exists():
+                    problems.append(f"{name}: {file} declares DATA_FILES entry {entry!r}, which does not exist ({data_path})")
+        if modules:
+            notes.append(f"{name} ({path}): the rl fingerprint tracks {len(modules)} source file(s) and {len(data)} declared "
+                         "data file(s); a data file the plug-in reads that is NOT listed in a DATA_FILES of its modules is "
+                         "NOT tracked: editing it reuses the cached rl artifact (docs/concepts.md, Plug-ins and the cache)")
+    return problems, notes

@@ -12,7 +12,10 @@ stage config + code version).
   comment, a docstring or blank lines invalidates nothing, editing a helper the stage uses
   invalidates the stage, and editing docs, tests or an unrelated stage invalidates nothing.
 - User code the config names (reward plug-ins, environments) enters with its own import
-  closure inside the user's code (:func:`user_modules`), by file content.
+  closure inside the user's code (:func:`user_modules`: every imported module found on
+  ``sys.path`` outside the Python installation), by file content, and with the data files
+  its modules declare in ``DATA_FILES`` (:func:`declared_data_files`). A data file a
+  plug-in reads without declaring it is not tracked.
 """
 
 from __future__ import annotations
@@ -181,33 +184,72 @@ def _find_module_file(module: str, search: list[Path]) -> tuple[Path, Path] | No
     return None
 
 
-def user_modules(module: str, root: str | Path | None = None) -> dict[str, Path]:
-    """``module`` and every module it imports, recursively, that is the user's own code:
-    a source file outside the Python installation and its site-packages, under ``root``
-    (default: the working directory) or under the directory ``module`` itself was found
-    in (a plug-in kept outside the project, on ``PYTHONPATH``). Imports are read, not
-    executed, as for the product's own code; libraries are not followed.
+def _is_library(path: Path, libraries: list[Path]) -> bool:
+    path = path.resolve()
+    return any(path.is_relative_to(lib) for lib in libraries)
+
+
+def user_modules(module: str) -> dict[str, Path]:
+    """``module`` and every module it imports, recursively, that is the user's own code: a
+    source file found on ``sys.path`` (where ``import`` looks, the working directory for
+    ``''``) outside the Python installation and its site-packages, wherever it lives: the
+    working directory, the plug-in's own ``PYTHONPATH`` entry or any other one (a helper
+    module shared between projects). Imports are read, not executed, as for the product's
+    own code; libraries are not followed.
 
     Returns:
         module name -> file; empty when ``module`` is not found or is a library module.
     """
-    root = Path(root or os.getcwd()).resolve()
     libraries = _library_dirs()
     search = [Path(p or os.getcwd()).resolve() for p in sys.path]  # where `import` looks
     found = _find_module_file(module, search)
-    if found is None or any(found[0].resolve().is_relative_to(lib) for lib in libraries):
+    if found is None or _is_library(found[0], libraries):
         return {}
-    roots = [root, found[1]]
 
     def locate(mod: str) -> Path | None:
         hit = _find_module_file(mod, search)
-        if hit is None:
-            return None
-        path = hit[0].resolve()
-        mine = any(path.is_relative_to(r) for r in roots) and not any(path.is_relative_to(lib) for lib in libraries)
-        return hit[0] if mine else None
+        return None if hit is None or _is_library(hit[0], libraries) else hit[0]
 
     return _import_closure(module, locate)
+
+
+DATA_FILES = "DATA_FILES"
+"""The module-level name under which a plug-in module declares the data files it reads."""
+
+
+@_per_file
+def declared_data_files(path: Path) -> tuple[tuple[str, Path], ...]:
+    """The data files a user module declares it reads: ``DATA_FILES = ["lexicon.txt",
+    "tables/"]`` at module level, paths relative to the module's file (absolute paths kept),
+    a directory standing for every file under it. Read from the syntax tree, not by
+    importing the module: fingerprints are taken by ``status``, ``validate``, cached runs and
+    DVC's stage commands, none of which may run user code (an import can load a model or
+    start processes). So the value must be a literal list or tuple of strings.
+
+    Returns:
+        (entry as written, its path joined to the module's directory) pairs, in
+        declaration order; empty when the module declares none.
+
+    Raises:
+        ValueError: ``DATA_FILES`` is not a literal list or tuple of strings (names the file
+            and line).
+        SyntaxError: the file does not parse.
+    """
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if not any(isinstance(t, ast.Name) and t.id == DATA_FILES for t in targets):
+            continue
+        try:
+            value = ast.literal_eval(node.value) if node.value is not None else None
+        except ValueError:
+            value = None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"{path}:{node.lineno}: {DATA_FILES} must be a literal list of path strings "
+                             f"(relative to {path.name}'s directory), e.g. {DATA_FILES} = [\"lexicon.txt\"]; "
+                             "it is read without importing the module, so it cannot be computed")
+        return tuple((v, path.parent / v) for v in value)
+    return ()
 
 
 def modules_of(module: str) -> list[str]:

@@ -77,3 +77,21 @@ def remove_if_unowned(directory: Path) -> bool:
     finally:
         release(lock)
     return True
+
+
+def is_owned(directory: Path) -> bool:
+    """Whether a live process holds ``directory``'s lock now. Creates nothing and removes
+    nothing: with no lock file there is no owner (owners create it before the directory
+    and remove it before letting go). The probe holds a shared lock for an instant; a run
+    asking for the lock at that moment without blocking finds it busy and waits."""
+    try:
+        f = open(lock_path_of(directory))
+    except FileNotFoundError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False

@@ -12,7 +12,7 @@ its own verifier and reward weight (docs/algorithms.md, Data mixtures).
 from __future__ import annotations
 
 from config.schema import PipelineConfig
-from tasks.fingerprint import user_modules
+from tasks.plugin_files import plugin_files
 from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
 
 
@@ -26,26 +26,18 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
     (``rl.reward.functions``), the multi-turn environment (``rl.environment``) and an
     advantage estimator or policy loss given by import path (``rl.algorithm``,
     ``rl.policy_loss``), each with every module of the user's own code it imports,
-    recursively (``tasks.fingerprint.user_modules``), hashed by content into the
-    fingerprint, so editing one of them, or a helper it imports, retrains. Keys:
-    ``reward_function_<i>`` / ``environment`` / ``algorithm`` / ``policy_loss`` for the
-    named module, ``<that key>/<module>`` for what it imports. A module that cannot be
+    recursively, wherever on ``sys.path`` it lies, and the data files those modules declare
+    in ``DATA_FILES`` (``tasks.plugin_files.plugin_files``), hashed by content into the
+    fingerprint, so editing one of them, a helper it imports or a declared data file,
+    retrains (an undeclared data file is not tracked). Keys: ``reward_function_<i>`` /
+    ``environment`` / ``algorithm`` / ``policy_loss`` for the named module,
+    ``<that key>/<module>`` for what it imports, ``<module key>:<entry>`` for a data file. A module that cannot be
     found is left out here; the run then fails naming ``rl.reward.functions[i].path``,
     ``rl.environment``, ``rl.algorithm`` or ``rl.policy_loss``. Also the benchmark file
     ``rl.eval_every`` evaluates when it is an ``evaluate.datasets`` entry (``benchmark_<name>``),
     and the teacher's model directory of on-policy distillation (``teacher``: ``rl.teacher.model_dir``,
     every file of it), so retraining or replacing the teacher retrains."""
-    paths = {f"reward_function_{i}": fn.path for i, fn in enumerate(cfg.rl.reward.functions)}
-    if cfg.rl.environment is not None:
-        paths["environment"] = cfg.rl.environment
-    for key in ("algorithm", "policy_loss"):  # a built-in's name has no colon and no file
-        if ":" in getattr(cfg.rl, key):
-            paths[key] = getattr(cfg.rl, key)
-    files = {}
-    for key, path in paths.items():
-        module = path.partition(":")[0]
-        for name, file in sorted(user_modules(module).items()):
-            files[key if name == module else f"{key}/{name}"] = str(file)
+    files = plugin_files(cfg)
     bench = eval_benchmark(cfg)
     if bench is not None and bench.path is not None:  # rl.eval_every reads an evaluate.datasets file
         files[f"benchmark_{bench.name}"] = bench.path

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -37,7 +38,7 @@ from tasks.artifacts import ArtifactRef, ArtifactStore
 from tasks.fingerprint import code_version, fingerprint, hash_path
 from tasks.locks import lock_path_of, open_locked, owned_dir, release, remove_if_unowned
 from tasks.reaper import ensure_reaper
-from tasks.tracking import StageTracker
+from tasks.tracking import StageTracker, finish_interrupted_run
 
 
 @dataclass(frozen=True)
@@ -234,11 +235,33 @@ def clean_leftovers(spec: StageSpec, cfg: PipelineConfig, fp: str) -> None:
     work directories and the store's stale temporary publish copies. Anything a live
     process owns is left alone."""
     parent = Path(cfg.run.checkpoint_root) / spec.name
+    store = store_for(cfg)
     if parent.is_dir():
         _remove_dead_workdirs(parent, fp[:16])
-        if (parent / fp[:16]).exists():
-            remove_if_unowned(parent / fp[:16])  # its lock is the fingerprint's: a live run keeps it
-    store_for(cfg).clean_stale_tmp(spec.name)
+        resume_dir = parent / fp[:16]
+        # its lock is the fingerprint's: a live run keeps it
+        lock = open_locked(lock_path_of(resume_dir), blocking=False) if resume_dir.exists() else None
+        if lock is not None:
+            try:
+                _finish_killed_run(spec, cfg, store, fp, resume_dir)
+                shutil.rmtree(resume_dir, ignore_errors=True)
+            finally:
+                release(lock)
+    store.clean_stale_tmp(spec.name)
+
+
+def _finish_killed_run(spec: StageSpec, cfg: PipelineConfig, store: ArtifactStore, fp: str, resume_dir: Path) -> None:
+    """A kill between the publish and the W&B run's finish left that run unfinished: finish
+    it now (``tasks.tracking.finish_interrupted_run``). A W&B failure is logged, not raised:
+    the artifact is published and the cache hit goes on."""
+    log = logging.getLogger("posttrain.runner")
+    ref = store.find(spec.name, fp)
+    if ref is None:
+        return
+    try:
+        finish_interrupted_run(cfg, ref, store.manifest(ref), resume_dir, log, store=store)
+    except Exception as exc:  # wandb raises its own errors and plain ones alike
+        log.warning("%s: could not finish the W&B run of %s left by a killed attempt: %s", spec.name, ref.artifact_id, exc)
 
 
 def _attempt_workdir(parent: Path, fp16: str) -> tuple[Path, IO[str]]:

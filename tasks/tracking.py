@@ -246,7 +246,8 @@ class StageTracker:
 
     def __init__(self, cfg: PipelineConfig, stage: str, artifact_id: str, logger: logging.Logger | logging.LoggerAdapter, *,
                  fingerprint: str | None = None, inputs: dict[str, ArtifactRef] | None = None,
-                 resume_dir: str | Path | None = None, store: ArtifactStore | None = None):
+                 resume_dir: str | Path | None = None, store: ArtifactStore | None = None,
+                 pipeline_run: dict[str, Any] | None = None):
         """Start the stage's W&B run (unless disabled): the run id of an earlier attempt at
         this fingerprint when ``resume_dir`` records one, else a new ``<artifact_id>-<8 hex>``.
 
@@ -257,6 +258,8 @@ class StageTracker:
             resume_dir: the stage's resume directory (``StageContext.resume_dir``), where the
                 history and the run id survive a kill; None: no resume.
             store: the artifact store, to read the upstream manifests.
+            pipeline_run: the :func:`pipeline_run_info` to report (group, tags); default:
+                this process's. A run finished after a kill takes its artifact's.
 
         Raises:
             wandb.Error: W&B could not start the run (e.g. online without credentials).
@@ -264,7 +267,8 @@ class StageTracker:
         self.logger = logger
         self.stage = stage
         self.artifact_id = artifact_id
-        self.pipeline_run = pipeline_run_info(cfg)
+        self.pipeline_run = pipeline_run if isinstance(pipeline_run, dict) and pipeline_run.get("group") \
+            else pipeline_run_info(cfg)
         self.group = self.pipeline_run["group"]
         self.wandb: dict[str, Any] | None = None
         self.run = None
@@ -318,13 +322,20 @@ class StageTracker:
             return None
         return record if isinstance(record, dict) and isinstance(record.get("run_id"), str) else None
 
-    def _save_run_file(self) -> None:
+    def _save_run_file(self, exit_code: int | None = None) -> None:
+        """Record the run id and this attempt's transaction log; ``exit_code``: the run was
+        finished with it (a kill before that leaves the run to finish, see
+        :func:`finish_interrupted_run`)."""
         if self._resume_dir is None or self.run is None:
             return
         this = str(self.run.settings.sync_file)
         attempts = [*(p for p in self._attempts if p != this), this]
+        self._attempts = attempts
+        record = {"run_id": self.run.id, "attempts": attempts}
+        if exit_code is not None:
+            record.update(finished=True, exit_code=exit_code)
         self._resume_dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(self._resume_dir / RUN_FILE, {"run_id": self.run.id, "attempts": attempts})
+        _write_json_atomic(self._resume_dir / RUN_FILE, record)
 
     def _read_history(self) -> list[dict]:
         """Rows of ``history.jsonl`` (``{"step", "t", "metrics"}``); a torn last line is skipped."""
@@ -431,6 +442,7 @@ class StageTracker:
                 self._history = None
             if self.run is not None:
                 self.run.finish(exit_code=0 if ok else 1)
+                self._save_run_file(exit_code=0 if ok else 1)
                 self.run = None
             if not ok:
                 self._forget_if_nothing_to_resume()
@@ -446,6 +458,47 @@ class StageTracker:
             return
         for name in ours:
             (self._resume_dir / name).unlink(missing_ok=True)
+
+
+def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, Any], resume_dir: str | Path,
+                           logger: logging.Logger | logging.LoggerAdapter,
+                           store: ArtifactStore | None = None) -> dict[str, Any] | None:
+    """Finish the W&B run of a published artifact whose stage process was killed between the
+    publish and the run's finish (the run file in ``resume_dir`` records the run and no
+    ``finished``): the run is resumed under its id (``resume="allow"``), in the group and
+    with the tags of the pipeline run that built the artifact (``manifest["pipeline_run"]``),
+    its history re-logged from ``history.jsonl`` (the killed attempt's transaction log is
+    marked superseded, as for any resumed attempt), its summary set to the artifact's
+    metrics, and finished with exit code 0. Called on a cache hit of the artifact, before
+    its resume directory is removed.
+
+    Returns :func:`run_info` of the finished run, or None when there was nothing to finish
+    (no run file, a finished run, W&B disabled).
+
+    Raises:
+        wandb.Error: W&B could not resume the run.
+    """
+    try:
+        record = json.loads((Path(resume_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("run_id"), str) or record.get("finished"):
+        return None
+    if wandb_mode(cfg) == "disabled":
+        return None
+    inputs = {}
+    for name, value in (manifest.get("inputs") or {}).items():
+        try:
+            inputs[name] = ArtifactRef.model_validate(value)
+        except ValueError:
+            continue
+    tracker = StageTracker(cfg, ref.stage, ref.artifact_id, logger, fingerprint=ref.fingerprint, inputs=inputs,
+                           resume_dir=resume_dir, store=store, pipeline_run=manifest.get("pipeline_run"))
+    info = tracker.wandb
+    tracker.finish(manifest.get("metrics") or {}, ok=True)
+    logger.info("%s: finished W&B run %s, left unfinished by a kill after %s was published", ref.stage,
+                record["run_id"], ref.artifact_id)
+    return info
 
 
 def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, Any]) -> dict[str, Any] | None:

@@ -246,3 +246,32 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
         f"  data.rl_train: 83 of 500 prompts are longer than 128 tokens (the context of {model}, max_position_embeddings "
         f"512, minus rl.rollout.max_new_tokens 384; the longest has 820): lines 2, 5, 10, 14, 15, ... of {math500}",
     ]
+
+
+def test_validate_says_what_of_a_plugin_is_tracked_and_that_undeclared_data_files_are_not(tmp_path, monkeypatch, capsys):
+    """With a plug-in configured, validate names its tracked source and data files and warns
+    that a data file it reads without declaring it is not tracked; a declared file that does
+    not exist is a problem naming the config key."""
+    from flows.run_checks import check_plugin_tracking
+
+    (tmp_path / "tracked_rewards.py").write_text('DATA_FILES = ["words.txt", "gone.txt"]\n\ndef score(response, label):\n    return 1.0\n')
+    (tmp_path / "words.txt").write_text("yes\n")
+    cfg = yaml.safe_load(QUICKSTART.read_text())
+    cfg["rl"]["reward"]["functions"] = [{"path": "tracked_rewards:score"}]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from config import load_config
+
+    problems, notes = check_plugin_tracking(load_config(tmp_path / "c.yaml"))
+    assert problems == [f"rl.reward.functions[0].path: {tmp_path / 'tracked_rewards.py'} declares DATA_FILES entry "
+                        f"'gone.txt', which does not exist ({tmp_path / 'gone.txt'})"]
+    assert len(notes) == 1 and notes[0].startswith("rl.reward.functions[0].path (tracked_rewards:score): the rl fingerprint "
+                                                   "tracks 1 source file(s) and 2 declared data file(s)")
+    assert "NOT listed in a DATA_FILES of its modules is NOT tracked" in notes[0]
+    (tmp_path / "gone.txt").write_text("back\n")
+    from flows.cli import main
+
+    assert main(["validate", str(tmp_path / "c.yaml")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tracks 1 source file(s) and 2 declared data file(s)" in out and "is NOT tracked" in out

@@ -347,7 +347,7 @@ def test_source_digest_ignores_positions_only(tmp_path):
     assert fp_mod.source_digest(tmp_path / "d.py") == fp_mod.source_digest(tmp_path / "e.py")
 
 
-def test_user_modules_follow_imports_inside_the_working_directory_only(tmp_path, monkeypatch):
+def test_user_modules_follow_imports_of_the_users_own_code_only(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))  # as the CLI does for the directory it runs in
     pkg = tmp_path / "myplug"

@@ -115,3 +115,65 @@ def test_built_in_algorithm_names_add_no_raw_inputs():
     cfg = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
                                          "rl": {"algorithm": "rloo", "policy_loss": "gspo"}})
     assert rl._reward_plugin_files(cfg) == {}
+
+
+def test_editing_a_helper_in_another_pythonpath_directory_changes_the_rl_fingerprint(tmp_path, monkeypatch):
+    """The plug-in lives in one PYTHONPATH directory and imports a helper from another (a
+    library of the user's shared between projects), and the run starts in a third. Before,
+    only files under the working directory or the plug-in's own directory were hashed, so
+    editing the helper silently reused the rl artifact."""
+    plugins, shared, cwd = tmp_path / "plugins", tmp_path / "shared_lib", tmp_path / "run"
+    for d in (plugins, shared, cwd):
+        d.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(shared))
+    monkeypatch.syspath_prepend(str(plugins))
+    (plugins / "far_rewards_fp.py").write_text("from far_helper_fp import bonus\n\ndef score(response, label):\n    return bonus()\n")
+    helper = shared / "far_helper_fp.py"
+    helper.write_text("def bonus():\n    return 1.0\n")
+    cfg = _cfg("far_rewards_fp:score")
+    ups = {"validate": "v" * 64, "sft": "s" * 64}
+    assert rl._reward_plugin_files(cfg) == {"reward_function_0": str(plugins / "far_rewards_fp.py"),
+                                            "reward_function_0/far_helper_fp": str(helper)}
+    before = rl.SPEC.fingerprint(cfg, ups)
+    assert rl.SPEC.fingerprint(cfg, ups) == before  # untouched: the same
+    helper.write_text("def bonus():\n    return 2.0\n")
+    edited = rl.SPEC.fingerprint(cfg, ups)
+    assert edited != before
+    helper.write_text("def bonus():\n    return 1.0\n")
+    assert rl.SPEC.fingerprint(cfg, ups) == before
+
+
+def test_a_declared_data_file_is_part_of_the_rl_fingerprint_an_undeclared_one_is_not(tmp_path, monkeypatch):
+    """A plug-in module lists the files it reads in DATA_FILES (relative to itself); their
+    content enters the fingerprint. A file it reads without declaring it does not (the
+    documented limit), and a DATA_FILES that is not a literal is refused with its line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "tables").mkdir()
+    lexicon, table, undeclared = tmp_path / "lexicon.txt", tmp_path / "tables" / "weights.csv", tmp_path / "notes.txt"
+    lexicon.write_text("good\nbad\n")
+    table.write_text("a,1\n")
+    undeclared.write_text("x\n")
+    plugin = tmp_path / "data_rewards_fp.py"
+    plugin.write_text('DATA_FILES = ["lexicon.txt", "tables"]\n\ndef score(response, label):\n'
+                      '    return float(open(__file__.rsplit("/", 1)[0] + "/lexicon.txt").read().count("good"))\n')
+    cfg = _cfg("data_rewards_fp:score")
+    ups = {"validate": "v" * 64, "sft": "s" * 64}
+    assert rl._reward_plugin_files(cfg) == {"reward_function_0": str(plugin),
+                                            "reward_function_0:lexicon.txt": str(lexicon),
+                                            "reward_function_0:tables": str(tmp_path / "tables")}
+    before = rl.SPEC.fingerprint(cfg, ups)
+    undeclared.write_text("y\n")
+    assert rl.SPEC.fingerprint(cfg, ups) == before  # untouched declared files: the same
+    lexicon.write_text("good\ngood\n")
+    after_lexicon = rl.SPEC.fingerprint(cfg, ups)
+    assert after_lexicon != before
+    table.write_text("a,2\n")  # a file inside a declared directory
+    assert rl.SPEC.fingerprint(cfg, ups) not in (before, after_lexicon)
+    lexicon.write_text("good\nbad\n")
+    table.write_text("a,1\n")
+    assert rl.SPEC.fingerprint(cfg, ups) == before
+    plugin.write_text('import os\nDATA_FILES = [os.path.join("a", "b")]\n')
+    with pytest.raises(ValueError, match=r"data_rewards_fp.py:2: DATA_FILES must be a literal list of path strings"):
+        rl._reward_plugin_files(cfg)

@@ -283,3 +283,94 @@ def test_sigkill_loses_at_most_a_second_and_the_resumed_attempt_relogs_the_histo
     out = dry.stdout + dry.stderr
     assert dry.returncode == 0, out
     assert "Would sync 1 run(s)" in out and resumed["dir"].name in out and first["dir"].name not in out, out
+
+
+KILLED_AFTER_PUBLISH = textwrap.dedent("""
+    import logging, os, signal, sys, time
+    from config.schema import PipelineConfig
+    from tasks import runner, validate
+    from tasks.tracking import StageTracker
+
+    runner.get_run_logger = lambda: logging.getLogger("stage")  # no Prefect run in this process
+
+    def killed_before_the_finish(self, summary, ok):
+        # Test double: the process dies right where a kill between the publish and the W&B
+        # finish would stop it (the artifact is published, run.finish() never runs).
+        print("published; killing", flush=True)
+        time.sleep(3.0)  # a real stage runs for longer than W&B's 1 s flush interval
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    StageTracker.finish = killed_before_the_finish
+
+    def build(ctx):
+        for step in (1, 2, 3):
+            ctx.log_metrics({"train/loss": 1.0 / step}, step)
+        (ctx.workdir / "out.txt").write_text("built")
+        return {"train/loss": 1.0 / 3}
+
+    runner.run_stage(validate.SPEC, build, PipelineConfig.model_validate_json(sys.argv[1]), {})
+""")
+
+
+def test_a_kill_between_publish_and_wandb_finish_is_finished_by_the_next_cache_hit(tmp_path, monkeypatch):
+    """Before, the killed attempt's W&B run stayed unfinished for good (no exit record) and
+    the cache hit removed the resume directory, the only place that named the run."""
+    from tasks import runner, validate
+
+    make_inputs(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = cfg_of(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
+    env.pop("WANDB_SERVICE", None)  # its own wandb-core, which dies with it
+    child = subprocess.run([str(BIN / "python"), "-c", KILLED_AFTER_PUBLISH, cfg.model_dump_json()],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr[-3000:]
+    time.sleep(2.0)  # wandb-core notices its parent's death
+    store = ArtifactStore(cfg.run.artifact_root)
+    fp = validate.SPEC.fingerprint(cfg, {})
+    ref = store.find("validate", fp)
+    assert ref is not None  # published before the kill
+    resume = tmp_path / "checkpoints" / "validate" / fp[:16]
+    record = json.loads((resume / RUN_FILE).read_text())
+    assert "finished" not in record
+    [killed] = offline_runs(tmp_path / "wandb")
+    assert killed["exit_code"] is None and killed["id"] == record["run_id"] == store.manifest(ref)["wandb"]["run_id"]
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(runner, "get_run_logger", lambda: LOG)
+    assert runner.run_stage(validate.SPEC, lambda ctx: pytest.fail("a cache hit builds nothing"), cfg, {}) == ref
+    assert not resume.exists()
+    first, finished = finished_runs(tmp_path / "wandb", 2, killed=1)
+    assert first["file"] == killed["file"] and first["superseded"]
+    assert finished["id"] == killed["id"] and finished["exit_code"] == 0 and not finished["superseded"]
+    assert finished["group"] == store.manifest(ref)["pipeline_run"]["group"] and finished["name"] == ref.artifact_id
+    assert [row["_step"] for row in finished["history"]] == [1, 2, 3]  # the whole history, in the newest file
+    assert finished["summary"]["train/loss"] == pytest.approx(1.0 / 3)
+    # Nothing left to finish: a later cache hit starts no run of its own
+    assert runner.run_stage(validate.SPEC, lambda ctx: pytest.fail("a cache hit builds nothing"), cfg, {}) == ref
+    assert len(offline_runs(tmp_path / "wandb")) == 2
+
+
+def test_a_finished_run_is_recorded_as_finished_in_the_resume_directory(tmp_path, monkeypatch):
+    """A kill after the finish, before the resume directory's removal, leaves nothing to finish."""
+    from tasks.tracking import finish_interrupted_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = cfg_of(tmp_path)
+    make_inputs(tmp_path)
+    resume = tmp_path / "resume"
+    tracker = StageTracker(cfg, "sft", "sft-" + "e" * 16, LOG, fingerprint="e" * 64, resume_dir=resume)
+    tracker.log({"train/loss": 0.5}, 1)
+    tracker.finish({"train/loss": 0.5}, ok=True)
+    record = json.loads((resume / RUN_FILE).read_text())
+    assert record["finished"] is True and record["exit_code"] == 0
+    ref = ArtifactStore(str(tmp_path / "a")).publish("sft", "e" * 64, _one_file(tmp_path), {"metrics": {}})
+    assert finish_interrupted_run(cfg, ref, {"metrics": {}}, resume, LOG) is None
+    assert len(finished_runs(tmp_path / "wandb", 1)) == 1
+
+
+def _one_file(tmp_path: Path) -> Path:
+    src = tmp_path / "src-one"
+    src.mkdir()
+    (src / "x.txt").write_text("x")
+    return src
