@@ -27,6 +27,7 @@ from rich.table import Table  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import (  # noqa: E402
     check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
+from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
 from flows.run_checks import check_model_fit, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
@@ -104,6 +105,7 @@ def _stage_errors():
 def cmd_run(args) -> int:
     cfg, problems, _ = _load(args.config, args.overrides)
     problems += check_model_fit(cfg)  # what a later stage would fail on, known before the first
+    problems += check_plugins(cfg, read_trial_rows(cfg))  # each reward function called on two rl_train rows
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     from flows.pipeline import pipeline

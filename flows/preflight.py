@@ -5,7 +5,8 @@
 weights: each data file through the validate stage's own validator, the model's config.json
 (or a GGUF file's metadata) and tokenizer, the chat template and its turn end, prompt
 lengths against the model's context, head_dim against the rollout backend, and the
-plug-ins by their import paths. Each problem is one string naming the config key first.
+plug-ins by their import paths (each reward function also called once on real rl_train
+rows: ``flows.plugin_checks``). Each problem is one string naming the config key first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from config.precision import bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
+from flows.plugin_checks import check_plugins
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # vLLM's CPU attention backend: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
@@ -160,7 +162,7 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
     if seen is not None:
         seen.update(model=model, longest=longest)
-    problems += _check_plugins(cfg)
+    problems += check_plugins(cfg, rows)
     return problems, notes
 
 
@@ -276,14 +278,17 @@ def _with_tokenizer(cfg: PipelineConfig, m: _Model, tok_dir: str, problems: list
     """``m`` with the tokenizer of ``tok_dir`` loaded (as the convert stage will load it)."""
     if not Path(tok_dir).is_dir():
         return m  # check_inputs reported the missing model.tokenizer
-    from conversion.export import TOKENIZER_FILES
+    from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_vocabulary
     from transformers import AutoTokenizer
 
     m.tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.source"
     m.tokenizer_name = cfg.model.tokenizer or m.name
-    if not any((Path(tok_dir) / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer_files(tok_dir):
         problems.append(f"{m.tokenizer_key}: {m.tokenizer_name} has no tokenizer files (expected some of "
                         f"{', '.join(TOKENIZER_FILES)})" + ("" if cfg.model.tokenizer else "; set model.tokenizer"))
+        return m
+    if (why := missing_vocabulary(tok_dir)) is not None:
+        problems.append(f"{m.tokenizer_key}: {why}")
         return m
     try:
         m.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -558,24 +563,3 @@ def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
 
     joined = cluster_address(cfg)
     return check_placement(cfg.rl, joined[0] if joined else None)
-
-
-def _check_plugins(cfg: PipelineConfig) -> list[str]:
-    """Import each reward function and the environment by its path, as the rl stage will."""
-    problems = []
-    if cfg.rl.reward.functions:
-        from data.reward_plugins import load_reward_function
-
-        for i, f in enumerate(cfg.rl.reward.functions):
-            try:
-                load_reward_function(f.path, batched=f.batched, name=f.name)
-            except ImportError as exc:
-                problems.append(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}")
-    if cfg.rl.environment is not None:
-        from engine.rollout.multi_turn import load_environment_factory
-
-        try:
-            load_environment_factory(cfg.rl.environment)
-        except ImportError as exc:
-            problems.append(f"rl.environment: cannot load {cfg.rl.environment!r}: {exc}")
-    return problems
