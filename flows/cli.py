@@ -28,7 +28,7 @@ from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import (  # noqa: E402
     check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
 from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
-from flows.run_checks import check_model_fit, check_wandb_key  # noqa: E402
+from flows.run_checks import check_model_fit, check_stage_cpus, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -38,7 +38,7 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 def _load(path: str, overrides: list[str] = ()):
     cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
-    return cfg, problems + check_wandb_key(cfg), notes
+    return cfg, problems + check_wandb_key(cfg) + check_stage_cpus(cfg), notes
 
 
 def cmd_validate(args) -> int:
@@ -106,6 +106,7 @@ def cmd_run(args) -> int:
     cfg, problems, _ = _load(args.config, args.overrides)
     problems += check_model_fit(cfg)  # what a later stage would fail on, known before the first
     problems += check_plugins(cfg, read_trial_rows(cfg))  # each reward function called on two rl_train rows
+    problems += check_rl_placement(cfg)[0]  # the rl stage's bundles against the cluster's CPUs and GPUs
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     from flows.pipeline import pipeline

@@ -92,6 +92,14 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
         notes.append(f"model.source: {src} will be downloaded from the Hugging Face hub")
     else:
         problems.append(f"model.source: not a file, directory or hub id: {src}")
+    teacher = cfg.rl.teacher.model_dir if cfg.rl.teacher is not None else None
+    if teacher and "://" not in teacher and not _made_by_prepare(cfg, teacher):
+        if not Path(teacher).is_dir():
+            problems.append(f"rl.teacher.model_dir: directory not found: {teacher} (give the model/ directory of an "
+                            "sft or rl artifact)")
+        elif not (Path(teacher) / "hf" / "config.json").is_file():
+            problems.append(f"rl.teacher.model_dir: {teacher} is not a model directory (no hf/config.json); give the "
+                            "model/ directory of an sft or rl artifact")
     if cfg.model.tokenizer and not Path(cfg.model.tokenizer).exists() and not _made_by_prepare(cfg, cfg.model.tokenizer):
         problems.append(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(cfg.run.checkpoint_root, "run.checkpoint_root")
@@ -160,6 +168,8 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
         if model.tokenizer is not None:
             problems += _check_chat(cfg, model, rows, longest)
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
+        else:  # no prompts to measure yet (the prepare step makes the tokenizer): the budgets alone
+            problems += _no_room(cfg, model)
     if seen is not None:
         seen.update(model=model, longest=longest)
     problems += check_plugins(cfg, rows)
@@ -243,14 +253,23 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
     return problems
 
 
+def planned_config(p) -> dict[str, Any]:
+    """The config.json sizes of the model an addition ``prepare`` section will build, as
+    ``tasks.prepare`` writes them, but for ``vocab_size``: the section's target, which the
+    trained tokenizer may fall short of."""
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": p.vocab_size,
+            "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size, "num_hidden_layers": p.num_layers,
+            "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
+            "max_position_embeddings": p.max_position_embeddings, "tie_word_embeddings": True}
+
+
 def _model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> _Model | None:
     """The model's config.json and tokenizer (GGUF: from its metadata); None if unavailable."""
     src = cfg.model.source
     if _made_by_prepare(cfg, src) and not prepared:
         p = cfg.prepare
         if getattr(p, "kind", None) == "addition":  # what prepare will build, known from its section
-            return _Model(src, {"hidden_size": p.hidden_size, "num_attention_heads": p.num_attention_heads,
-                                "max_position_embeddings": p.max_position_embeddings})
+            return _Model(src, planned_config(p))
         return None
     path = Path(src)
     try:
@@ -534,7 +553,10 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     if m is None:
         return [], []
     if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
-        return [], [f"memory plan: made once the prepare step has built {m.name}"]
+        from config.memory_plan import layout_problems
+
+        return (layout_problems(cfg, m.config, m.name, vocab_known=False),
+                [f"memory plan: made once the prepare step has built {m.name}"])
     context = m.config.get("max_position_embeddings") or 10**9
     lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
                "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
