@@ -504,7 +504,7 @@ def layout_problems(cfg: "PipelineConfig", hf_config: Mapping[str, Any], model: 
     the vocabulary is not checked (the prepare step has not trained the tokenizer yet).
 
     Raises: ValueError naming a config.json key the sizes need."""
-    shape = ModelShape.from_hf_config(hf_config)
+    shape = ModelShape.from_hf_config(hf_config if vocab_known else {"vocab_size": 0, **hf_config})
     rows = padded_vocab(shape.vocab_size, cfg.convert.make_vocab_size_divisible_by) if vocab_known else 0
     layouts = {f"rl.parallel.{role}": getattr(cfg.rl.parallel, role)
                for role in ("actor", "critic", "reference", "reward_model")}

@@ -255,9 +255,9 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
 
 def planned_config(p) -> dict[str, Any]:
     """The config.json sizes of the model an addition ``prepare`` section will build, as
-    ``tasks.prepare`` writes them, but for ``vocab_size``: the section's target, which the
-    trained tokenizer may fall short of."""
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": p.vocab_size,
+    ``tasks.prepare`` writes them, but for ``vocab_size``: the trained tokenizer's, known once
+    it is trained (the section's ``vocab_size`` is only its target)."""
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
             "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size, "num_hidden_layers": p.num_layers,
             "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
             "max_position_embeddings": p.max_position_embeddings, "tie_word_embeddings": True}
@@ -546,16 +546,18 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     data makes them: the longest sft conversation and preference side (up to
     ``<stage>.max_seq_len``), the longest rl_train prompt plus ``rl.rollout.max_new_tokens``
     (up to the model's context); a stage whose data was not read is planned once it can be.
-    Reads nothing itself and never connects to a Ray cluster."""
+    Without a plan (no model sizes yet) the tensor-parallel sizes are checked against what the
+    prepare section will build, and the sft, rm and po ranks against the local CPUs
+    (:func:`check_stage_cpus`). Reads nothing itself and never connects to a Ray cluster."""
     from config.memory_plan import check_layouts as plan_layouts
 
     m, longest = seen.get("model"), seen.get("longest", {})
     if m is None:
-        return [], []
+        return check_stage_cpus(cfg), []
     if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
         from config.memory_plan import layout_problems
 
-        return (layout_problems(cfg, m.config, m.name, vocab_known=False),
+        return (layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),
                 [f"memory plan: made once the prepare step has built {m.name}"])
     context = m.config.get("max_position_embeddings") or 10**9
     lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
@@ -569,11 +571,20 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
         problems, notes = plan_layouts(cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name,
                                        joined[0] if joined else None)
     except ValueError as exc:  # a config.json without the sizes the plan needs
-        return [], [f"memory plan: not made ({m.name}: {exc})"]
+        return check_stage_cpus(cfg), [f"memory plan: not made ({m.name}: {exc})"]
     data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs", "po": "preference pairs"}
     return problems, notes + [f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the "
                               "sequence length)" for stage, tokens in lengths.items()
                               if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]
+
+
+def check_stage_cpus(cfg: PipelineConfig) -> list[str]:
+    """The sft, rm and po stages' ranks against the local cluster's CPUs
+    (``config.placement_plan.check_stage_cpus``); never connects to a Ray cluster."""
+    from config.placement_plan import check_stage_cpus as check
+
+    joined = cluster_address(cfg)
+    return check(cfg, joined[0] if joined else None)
 
 
 def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:

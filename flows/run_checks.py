@@ -1,6 +1,5 @@
 """Checks every command makes before a stage starts, beside ``flows.preflight.check_inputs``:
-that W&B online has an API key (:func:`check_wandb_key`), the CPUs the sft, rm and po
-stages' ranks ask for (:func:`check_stage_cpus`), and the cheap model checks of
+that W&B online has an API key (:func:`check_wandb_key`), and the cheap model checks of
 ``posttrain validate`` that ``posttrain run`` makes too (:func:`check_model_fit`). Each
 problem is one string naming the config key first."""
 
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from config.schema import PipelineConfig
 from config.memory_plan import layout_problems
-from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared, cluster_address, planned_config
+from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared, planned_config
 
 
 def check_wandb_key(cfg: PipelineConfig) -> list[str]:
@@ -68,25 +67,3 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
         layouts = []  # a config.json without the sizes: validate's memory plan says so in a note
     return _check_model(cfg, m) + _no_room(cfg, m) + layouts
 
-
-def check_stage_cpus(cfg: PipelineConfig) -> list[str]:
-    """The ranks of the sft, rm and po stages (those enabled, with ``<stage>.parallel`` of more
-    than one rank and ``cpus_per_rank`` set) against the CPUs of the local Ray cluster they
-    start (``rl.engine.num_cpus``, else this machine's), which the stage would otherwise
-    refuse only when it starts (``engine.distributed.stage_group.run_stage``). A cluster that
-    is joined (``rl.engine.ray_address``, ``RAY_ADDRESS``) is not checked: its size is known
-    only once joined. Returns problems, each naming its key."""
-    if cluster_address(cfg) is not None:
-        return []
-    total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
-    source = "rl.engine.num_cpus" if cfg.rl.engine.num_cpus else "this machine's CPUs"
-    problems = []
-    for stage in ("sft", "rm", "po"):
-        section = getattr(cfg, stage)
-        layout = section.parallel
-        if section.enabled and layout.world_size > 1 and layout.cpus_per_rank is not None \
-                and layout.world_size * layout.cpus_per_rank > total + 1e-9:
-            problems.append(f"{stage}.parallel.cpus_per_rank: {layout.world_size} ranks x {layout.cpus_per_rank:g} CPUs "
-                            f"is more than the local Ray cluster's {total:g} CPUs ({source}); lower it (or unset it: "
-                            f"each rank gets an equal share), or lower {stage}.parallel.data_parallel_size")
-    return problems

@@ -89,8 +89,7 @@ CASES = [
 def up_front(overrides: list[str], command: str) -> str:
     """What `posttrain <command>` says before any stage starts: the config error, else the
     problems of its checks (validate: check_inputs, check_contents, check_layouts and
-    check_rl_placement; run: check_inputs, W&B, check_model_fit, the plug-ins and
-    check_rl_placement), joined;
+    check_rl_placement; run: check_inputs, W&B and before_first_stage), joined;
     "" when it would go on."""
     from flows import cli
 
@@ -103,8 +102,7 @@ def up_front(overrides: list[str], command: str) -> str:
         seen: dict = {}
         problems += cli.check_contents(cfg, seen)[0] + cli.check_layouts(cfg, seen)[0] + cli.check_rl_placement(cfg)[0]
     else:
-        problems += (cli.check_model_fit(cfg) + cli.check_plugins(cfg, cli.read_trial_rows(cfg))
-                     + cli.check_rl_placement(cfg)[0])
+        problems += cli.before_first_stage(cfg)
     return "\n".join(problems)
 
 
