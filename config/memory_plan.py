@@ -496,6 +496,23 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
     return problems, notes
 
 
+def layout_problems(cfg: "PipelineConfig", hf_config: Mapping[str, Any], model: str,
+                    vocab_known: bool = True) -> list[str]:
+    """:func:`tensor_parallel_problems` of every role's layout (``sft.parallel``, ``rm.parallel``,
+    ``po.parallel``, ``rl.parallel.<role>``) against ``hf_config``, the model's config.json
+    (milliseconds: ``posttrain run`` checks it before the first stage). ``vocab_known`` False:
+    the vocabulary is not checked (the prepare step has not trained the tokenizer yet).
+
+    Raises: ValueError naming a config.json key the sizes need."""
+    shape = ModelShape.from_hf_config(hf_config if vocab_known else {"vocab_size": 0, **hf_config})
+    rows = padded_vocab(shape.vocab_size, cfg.convert.make_vocab_size_divisible_by) if vocab_known else 0
+    layouts = {f"rl.parallel.{role}": getattr(cfg.rl.parallel, role)
+               for role in ("actor", "critic", "reference", "reward_model")}
+    layouts.update({"sft.parallel": cfg.sft.parallel, "rm.parallel": cfg.rm.parallel, "po.parallel": cfg.po.parallel})
+    return [p for key, layout in layouts.items()
+            for p in tensor_parallel_problems(key, shape, layout.tensor_model_parallel_size, rows, model)]
+
+
 def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens: Mapping[str, int], model: str,
                   cluster_address: str | None) -> tuple[list[str], list[str]]:
     """What ``posttrain validate`` reports of the layouts: (problems, notes).
@@ -505,13 +522,7 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
     engine joins (``rl.engine.ray_address``, else ``RAY_ADDRESS``; None: a local one, whose
     CPUs are ``rl.engine.num_cpus`` or ``os.cpu_count()``). Never connects to a cluster.
     """
-    shape = ModelShape.from_hf_config(hf_config)
-    rows = padded_vocab(shape.vocab_size, cfg.convert.make_vocab_size_divisible_by)
-    layouts = {f"rl.parallel.{role}": getattr(cfg.rl.parallel, role)
-               for role in ("actor", "critic", "reference", "reward_model")}
-    layouts.update({"sft.parallel": cfg.sft.parallel, "rm.parallel": cfg.rm.parallel, "po.parallel": cfg.po.parallel})
-    problems = [p for key, layout in layouts.items()
-                for p in tensor_parallel_problems(key, shape, layout.tensor_model_parallel_size, rows, model)]
+    problems = layout_problems(cfg, hf_config, model)
     if problems:
         return problems, []
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)

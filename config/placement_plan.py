@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:
+    from config.schema import PipelineConfig
     from config.rl import RLConfig
 
 
@@ -303,3 +304,27 @@ def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[s
         return [], notes + [f"placement: checked against {cluster_address}'s nodes when the run starts (set "
                             "rl.engine.cluster_nodes to check it here)"]
     return unplaceable(plan, nodes), notes
+
+
+def check_stage_cpus(cfg: "PipelineConfig", cluster_address: str | None) -> list[str]:
+    """The ranks of the sft, rm and po stages (those enabled, with ``<stage>.parallel`` of more
+    than one rank and ``cpus_per_rank`` set) against the CPUs of the local Ray cluster they
+    start (``rl.engine.num_cpus``, else this machine's), which the stage would otherwise
+    refuse only when it starts (``engine.distributed.stage_group.run_stage``). A cluster that
+    is joined (``cluster_address`` not None) is not checked: its size is known only once
+    joined. ``posttrain run`` calls this; validate's memory plan checks the same once it has
+    the model's sizes. Returns problems, each naming its key."""
+    if cluster_address is not None:
+        return []
+    total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
+    source = "rl.engine.num_cpus" if cfg.rl.engine.num_cpus else "this machine's CPUs"
+    problems = []
+    for stage in ("sft", "rm", "po"):
+        section = getattr(cfg, stage)
+        layout = section.parallel
+        if section.enabled and layout.world_size > 1 and layout.cpus_per_rank is not None \
+                and layout.world_size * layout.cpus_per_rank > total + 1e-9:
+            problems.append(f"{stage}.parallel.cpus_per_rank: {layout.world_size} ranks x {layout.cpus_per_rank:g} CPUs "
+                            f"is more than the local Ray cluster's {total:g} CPUs ({source}); lower it (or unset it: "
+                            f"each rank gets an equal share), or lower {stage}.parallel.data_parallel_size")
+    return problems

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from config.base import LocalPath, Strict
 
@@ -26,6 +26,19 @@ class AdditionPrepareConfig(Strict):
     num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA).")
     intermediate_size: int = Field(256, gt=0, description="SwiGLU MLP width.")
     max_position_embeddings: int = Field(128, gt=0, description="Longest sequence the model supports.")
+
+    @model_validator(mode="after")
+    def _heads(self):
+        # tasks.prepare builds the model with these sizes; transformers refuses them only then
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"prepare.num_attention_heads: {self.num_attention_heads} does not divide "
+                             f"prepare.hidden_size {self.hidden_size} (each head gets hidden_size / heads dimensions); "
+                             "use a divisor, e.g. 4 heads of 32")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"prepare.num_key_value_heads: {self.num_key_value_heads} does not divide "
+                             f"prepare.num_attention_heads {self.num_attention_heads} (grouped-query attention shares "
+                             "each KV head among an equal number of query heads); use a divisor")
+        return self
 
 
 class StoriesPrepareConfig(Strict):

@@ -363,6 +363,15 @@ class RLConfig(Strict):
 
     @model_validator(mode="after")
     def _parallel(self):
+        rows = self.prompts_per_step * self.n_samples
+        for role in ("actor", "critic", "reference", "reward_model"):
+            dp = getattr(self.parallel, role).data_parallel_size
+            if dp > rows and (role != "critic" or self.algorithm == "gae") and (
+                    role != "reward_model" or self.reward.reward_model_weight != 0):
+                # each data-parallel rank takes a share of a step's rows (engine.distributed.group)
+                raise ValueError(f"rl.parallel.{role}.data_parallel_size={dp} is more than the {rows} rows of a step "
+                                 f"(rl.prompts_per_step {self.prompts_per_step} x rl.n_samples {self.n_samples}): "
+                                 "every rank needs at least one; lower it or raise rl.prompts_per_step")
         for role in ("actor", "critic", "reference"):
             layout = getattr(self.parallel, role)
             key = f"rl.parallel.{role}"

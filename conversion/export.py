@@ -22,6 +22,10 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
 )
+# What holds the vocabulary itself, one of which a tokenizer directory needs (the rest of
+# TOKENIZER_FILES only configure it): a fast tokenizer, a byte-level BPE pair, SentencePiece.
+VOCABULARY_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+GPT2_ORIGINAL_FILES = ("encoder.json", "vocab.bpe")  # OpenAI's release: vocab.json and merges.txt by other names
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,6 +33,27 @@ def generation_config_from(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     """The token ids of ``hf_config`` that ``generation_config.json`` carries (bos/eos/pad)."""
     keys = ("bos_token_id", "eos_token_id", "pad_token_id")
     return {k: hf_config[k] for k in keys if hf_config.get(k) is not None}
+
+
+def has_tokenizer_files(tokenizer_dir: str | Path) -> bool:
+    """Whether ``tokenizer_dir`` holds any of :data:`TOKENIZER_FILES` or GPT-2's original files."""
+    return any((Path(tokenizer_dir) / n).is_file() for n in (*TOKENIZER_FILES, *GPT2_ORIGINAL_FILES))
+
+
+def missing_vocabulary(tokenizer_dir: str | Path) -> str | None:
+    """Why ``tokenizer_dir`` cannot give a tokenizer, or None: it holds none of
+    :data:`VOCABULARY_FILES` (transformers would then fail with a misleading hint to install
+    sentencepiece or tiktoken). The text names the files found and the files needed, and the
+    fix; GPT-2's original OpenAI files (encoder.json, vocab.bpe) are recognised."""
+    src = Path(tokenizer_dir)
+    if any(all((src / n).is_file() for n in group) for group in VOCABULARY_FILES):
+        return None
+    found = sorted(p.name for p in src.iterdir() if p.is_file()) if src.is_dir() else []
+    needed = ", or ".join(" and ".join(group) for group in VOCABULARY_FILES)
+    fix = ("encoder.json and vocab.bpe are GPT-2's original files: rename them to vocab.json and merges.txt, or "
+           if all((src / n).is_file() for n in GPT2_ORIGINAL_FILES) else "")
+    return (f"{src} holds {', '.join(found) or 'no files'} but no tokenizer vocabulary: a tokenizer needs "
+            f"{needed}; {fix}load the tokenizer with transformers and save_pretrained() it into this folder")
 
 
 def copy_tokenizer_files(tokenizer_dir: str | Path, out_dir: str | Path) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from conversion.export import TOKENIZER_FILES
+from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_vocabulary
 from conversion.gguf import gguf_to_hf
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -101,8 +101,9 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
         :class:`HFSource` ``(config, state, tokenizer_dir)``.
 
     Raises:
-        FileNotFoundError: no such path (and not a hub id), no config.json, no weights, or
-            no tokenizer files in the tokenizer directory.
+        FileNotFoundError: no such path (and not a hub id), no config.json, no weights, no
+            tokenizer files in the tokenizer directory, or none that hold its vocabulary
+            (the message names the files found and the files needed).
         ValueError: from the GGUF import (naming the key or tensor).
     """
     cache_root = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "posttrain-models"
@@ -129,8 +130,11 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
         raise FileNotFoundError(f"{source}: no such model directory or .gguf file, and not a hub id (org/name)")
     config, state = _load_dir(model_dir)
     tok_dir = Path(tokenizer) if tokenizer else model_dir
-    if not any((tok_dir / n).is_file() for n in TOKENIZER_FILES):
+    if not has_tokenizer_files(tok_dir):
         raise FileNotFoundError(f"{tok_dir}: no tokenizer files (expected some of {', '.join(TOKENIZER_FILES)})")
+    why = missing_vocabulary(tok_dir)
+    if why is not None:
+        raise FileNotFoundError(f"{'model.tokenizer' if tokenizer else 'model.source'}: {why}")
     return HFSource(config, state, tok_dir)
 
 

@@ -9,7 +9,8 @@ Line numbers are 1-based text lines for JSON files (for a .json array, the line 
 element starts) and 1-based row numbers for parquet. Elements of a .json array also carry
 their 1-based index (``iter_located`` gives it; a ``RowError`` names it as ``file:line
 [record N]``), since a minified array holds every record on line 1. Paths may be local
-paths or fsspec URLs; gzip is recognised from the ``.gz`` suffix.
+paths or fsspec URLs; gzip is recognised from the ``.gz`` suffix (a gzip stream under a
+name without it is one error for the file, saying to rename it).
 
 A record holding a lone UTF-16 surrogate escape (``"\\ud800"``, not valid Unicode) or an
 integer of more digits than Python converts (``sys.get_int_max_str_digits()``), or nested
@@ -33,6 +34,7 @@ import fsspec
 RECORD = "<record>"
 FILE = "<file>"
 SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,28 @@ def _loads(text: str) -> Any:
     return _DECODER.decode(text)
 
 
+def _gzip_named_plain(name: str) -> RowError:
+    """The error for a gzip stream in a file whose name does not end in ``.gz``."""
+    base = name.replace("\\", "/").rsplit("/", 1)[-1]
+    return RowError(name, 1, FILE, f"the file is gzip-compressed; rename it to {base}.gz")
+
+
+def _syntax_error(text: str, e: json.JSONDecodeError) -> tuple[int, str]:
+    """``(line, message)`` of a JSON syntax error (1-based line; the message gives the column).
+
+    A comma right before the closing ``}`` or ``]`` the decoder stopped at is reported where
+    the comma is, as a trailing comma, since that is what to fix; anything else as the
+    decoder says."""
+    before = text[: e.pos].rstrip(" \t\n\r")
+    if text[e.pos : e.pos + 1] in ("}", "]") and before.endswith(","):
+        comma = len(before) - 1
+        line = text.count("\n", 0, comma) + 1
+        column = comma - (text.rfind("\n", 0, comma) + 1) + 1
+        return line, (f"malformed JSON at column {column}: trailing comma before {text[e.pos]!r} "
+                      "(JSON allows no comma after the last item; remove it)")
+    return e.lineno, f"malformed JSON at column {e.colno}: {e.msg}"
+
+
 def _unicode_problem(value: Any, path: str = "") -> tuple[str, str] | None:
     """The first lone surrogate or over-long integer in a decoded value, as (field, problem)."""
     if isinstance(value, _LongInt):
@@ -169,6 +193,9 @@ def _jsonl(name: str) -> Iterator[Item]:
     with _open(name) as f:
         try:
             for line, raw in enumerate(f, start=1):
+                if line == 1 and raw.startswith(GZIP_MAGIC) and not name.lower().endswith(".gz"):
+                    yield line, _gzip_named_plain(name)
+                    return
                 if line == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
                     raw = raw[3:]
                 if not raw.strip():
@@ -183,7 +210,7 @@ def _jsonl(name: str) -> Iterator[Item]:
                 try:
                     value = _loads(text)
                 except json.JSONDecodeError as e:
-                    yield line, RowError(name, line, RECORD, f"malformed JSON at column {e.colno}: {e.msg}")
+                    yield line, RowError(name, line, RECORD, _syntax_error(text, e)[1])
                     continue
                 except RecursionError:
                     yield line, RowError(name, line, RECORD, "JSON nested too deeply to read")
@@ -203,6 +230,9 @@ def _json_array(name: str) -> Iterator[LocatedItem]:
         except OSError as e:  # gzip.BadGzipFile: not gzip at all
             yield (1, None), RowError(name, 1, FILE, f"cannot read: {e}")
             return
+    if data.startswith(GZIP_MAGIC) and not name.lower().endswith(".gz"):
+        yield (1, None), _gzip_named_plain(name)
+        return
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     try:
@@ -215,7 +245,8 @@ def _json_array(name: str) -> Iterator[LocatedItem]:
     try:
         elements = _array_elements(text)
     except json.JSONDecodeError as e:
-        yield (e.lineno, None), RowError(name, e.lineno, FILE, f"malformed JSON at column {e.colno}: {e.msg}")
+        line, message = _syntax_error(text, e)
+        yield (line, None), RowError(name, line, FILE, message)
         return
     except ValueError as e:
         yield (1, None), RowError(name, 1, FILE, str(e))

@@ -26,7 +26,8 @@ from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
 from flows.preflight import (  # noqa: E402
-    check_contents, check_inputs, check_layouts, check_rl_placement, cluster_notes, precision_notes)
+    check_contents, check_inputs, check_layouts, check_rl_placement, check_stage_cpus, cluster_notes, precision_notes)
+from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
 from flows.run_checks import check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
@@ -102,9 +103,18 @@ def _stage_errors():
         raise StageFailed(f"{type(exc).__name__}: {exc}") from exc
 
 
+def before_first_stage(cfg) -> list[str]:
+    """What ``posttrain run`` checks, beyond the inputs every command checks, before the first
+    stage starts (milliseconds, no weights): what a later stage would otherwise fail on. The
+    model's sizes against the lengths and layouts, each reward plug-in called on two rl_train
+    rows, the rl placement and the sft/rm/po ranks against the cluster's CPUs."""
+    return (check_model_fit(cfg) + check_plugins(cfg, read_trial_rows(cfg)) + check_rl_placement(cfg)[0]
+            + check_stage_cpus(cfg))
+
+
 def cmd_run(args) -> int:
     cfg, problems, _ = _load(args.config, args.overrides)
-    problems += check_model_fit(cfg)  # what a later stage would fail on, known before the first
+    problems += before_first_stage(cfg)
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
     from flows.pipeline import pipeline

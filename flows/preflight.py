@@ -5,7 +5,8 @@
 weights: each data file through the validate stage's own validator, the model's config.json
 (or a GGUF file's metadata) and tokenizer, the chat template and its turn end, prompt
 lengths against the model's context, head_dim against the rollout backend, and the
-plug-ins by their import paths. Each problem is one string naming the config key first.
+plug-ins by their import paths (each reward function also called once on real rl_train
+rows: ``flows.plugin_checks``). Each problem is one string naming the config key first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from config.precision import bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
+from flows.plugin_checks import check_plugins
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # vLLM's CPU attention backend: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
@@ -90,6 +92,14 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
         notes.append(f"model.source: {src} will be downloaded from the Hugging Face hub")
     else:
         problems.append(f"model.source: not a file, directory or hub id: {src}")
+    teacher = cfg.rl.teacher.model_dir if cfg.rl.teacher is not None else None
+    if teacher and "://" not in teacher and not _made_by_prepare(cfg, teacher):
+        if not Path(teacher).is_dir():
+            problems.append(f"rl.teacher.model_dir: directory not found: {teacher} (give the model/ directory of an "
+                            "sft or rl artifact)")
+        elif not (Path(teacher) / "hf" / "config.json").is_file():
+            problems.append(f"rl.teacher.model_dir: {teacher} is not a model directory (no hf/config.json); give the "
+                            "model/ directory of an sft or rl artifact")
     if cfg.model.tokenizer and not Path(cfg.model.tokenizer).exists() and not _made_by_prepare(cfg, cfg.model.tokenizer):
         problems.append(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
     problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(cfg.run.checkpoint_root, "run.checkpoint_root")
@@ -158,9 +168,11 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
         if model.tokenizer is not None:
             problems += _check_chat(cfg, model, rows, longest)
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
+        else:  # no prompts to measure yet (the prepare step makes the tokenizer): the budgets alone
+            problems += _no_room(cfg, model)
     if seen is not None:
         seen.update(model=model, longest=longest)
-    problems += _check_plugins(cfg)
+    problems += check_plugins(cfg, rows)
     return problems, notes
 
 
@@ -241,14 +253,23 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
     return problems
 
 
+def planned_config(p) -> dict[str, Any]:
+    """The config.json sizes of the model an addition ``prepare`` section will build, as
+    ``tasks.prepare`` writes them, but for ``vocab_size``: the trained tokenizer's, known once
+    it is trained (the section's ``vocab_size`` is only its target)."""
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+            "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size, "num_hidden_layers": p.num_layers,
+            "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
+            "max_position_embeddings": p.max_position_embeddings, "tie_word_embeddings": True}
+
+
 def _model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> _Model | None:
     """The model's config.json and tokenizer (GGUF: from its metadata); None if unavailable."""
     src = cfg.model.source
     if _made_by_prepare(cfg, src) and not prepared:
         p = cfg.prepare
         if getattr(p, "kind", None) == "addition":  # what prepare will build, known from its section
-            return _Model(src, {"hidden_size": p.hidden_size, "num_attention_heads": p.num_attention_heads,
-                                "max_position_embeddings": p.max_position_embeddings})
+            return _Model(src, planned_config(p))
         return None
     path = Path(src)
     try:
@@ -276,14 +297,17 @@ def _with_tokenizer(cfg: PipelineConfig, m: _Model, tok_dir: str, problems: list
     """``m`` with the tokenizer of ``tok_dir`` loaded (as the convert stage will load it)."""
     if not Path(tok_dir).is_dir():
         return m  # check_inputs reported the missing model.tokenizer
-    from conversion.export import TOKENIZER_FILES
+    from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_vocabulary
     from transformers import AutoTokenizer
 
     m.tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.source"
     m.tokenizer_name = cfg.model.tokenizer or m.name
-    if not any((Path(tok_dir) / name).is_file() for name in TOKENIZER_FILES):
+    if not has_tokenizer_files(tok_dir):
         problems.append(f"{m.tokenizer_key}: {m.tokenizer_name} has no tokenizer files (expected some of "
                         f"{', '.join(TOKENIZER_FILES)})" + ("" if cfg.model.tokenizer else "; set model.tokenizer"))
+        return m
+    if (why := missing_vocabulary(tok_dir)) is not None:
+        problems.append(f"{m.tokenizer_key}: {why}")
         return m
     try:
         m.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
@@ -522,14 +546,19 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     data makes them: the longest sft conversation and preference side (up to
     ``<stage>.max_seq_len``), the longest rl_train prompt plus ``rl.rollout.max_new_tokens``
     (up to the model's context); a stage whose data was not read is planned once it can be.
-    Reads nothing itself and never connects to a Ray cluster."""
+    Without a plan (no model sizes yet) the tensor-parallel sizes are checked against what the
+    prepare section will build, and the sft, rm and po ranks against the local CPUs
+    (:func:`check_stage_cpus`). Reads nothing itself and never connects to a Ray cluster."""
     from config.memory_plan import check_layouts as plan_layouts
 
     m, longest = seen.get("model"), seen.get("longest", {})
     if m is None:
-        return [], []
+        return check_stage_cpus(cfg), []
     if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
-        return [], [f"memory plan: made once the prepare step has built {m.name}"]
+        from config.memory_plan import layout_problems
+
+        return (layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),
+                [f"memory plan: made once the prepare step has built {m.name}"])
     context = m.config.get("max_position_embeddings") or 10**9
     lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
                "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
@@ -542,11 +571,20 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
         problems, notes = plan_layouts(cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name,
                                        joined[0] if joined else None)
     except ValueError as exc:  # a config.json without the sizes the plan needs
-        return [], [f"memory plan: not made ({m.name}: {exc})"]
+        return check_stage_cpus(cfg), [f"memory plan: not made ({m.name}: {exc})"]
     data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs", "po": "preference pairs"}
     return problems, notes + [f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the "
                               "sequence length)" for stage, tokens in lengths.items()
                               if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]
+
+
+def check_stage_cpus(cfg: PipelineConfig) -> list[str]:
+    """The sft, rm and po stages' ranks against the local cluster's CPUs
+    (``config.placement_plan.check_stage_cpus``); never connects to a Ray cluster."""
+    from config.placement_plan import check_stage_cpus as check
+
+    joined = cluster_address(cfg)
+    return check(cfg, joined[0] if joined else None)
 
 
 def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
@@ -558,24 +596,3 @@ def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
 
     joined = cluster_address(cfg)
     return check_placement(cfg.rl, joined[0] if joined else None)
-
-
-def _check_plugins(cfg: PipelineConfig) -> list[str]:
-    """Import each reward function and the environment by its path, as the rl stage will."""
-    problems = []
-    if cfg.rl.reward.functions:
-        from data.reward_plugins import load_reward_function
-
-        for i, f in enumerate(cfg.rl.reward.functions):
-            try:
-                load_reward_function(f.path, batched=f.batched, name=f.name)
-            except ImportError as exc:
-                problems.append(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}")
-    if cfg.rl.environment is not None:
-        from engine.rollout.multi_turn import load_environment_factory
-
-        try:
-            load_environment_factory(cfg.rl.environment)
-        except ImportError as exc:
-            problems.append(f"rl.environment: cannot load {cfg.rl.environment!r}: {exc}")
-    return problems

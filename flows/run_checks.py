@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 from config.schema import PipelineConfig
-from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared
+from config.memory_plan import layout_problems
+from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared, planned_config
 
 
 def check_wandb_key(cfg: PipelineConfig) -> list[str]:
@@ -40,6 +41,7 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
     stage: the model's config.json (or what the prepare section will build) against the
     lengths and the rollout backend: ``{sft,rm,po}.max_seq_len`` and the response budgets
     against the context, head_dim against vLLM on CPU, the special ids against the
+    vocabulary, each role's tensor-parallel size against the heads, KV heads, FFN width and
     vocabulary. Reads no data, no tokenizer and no weights (milliseconds), so a later stage
     does not fail on what the config already says. Returns problems, each naming its key."""
     src = cfg.model.source
@@ -47,8 +49,7 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
         p = cfg.prepare
         if getattr(p, "kind", None) != "addition":
             return []
-        m = _Model(src, {"hidden_size": p.hidden_size, "num_attention_heads": p.num_attention_heads,
-                         "max_position_embeddings": p.max_position_embeddings})
+        m, vocab_known = _Model(src, planned_config(p)), False
     else:
         config = Path(src) / "config.json"
         if not config.is_file():
@@ -59,7 +60,12 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
             return []  # validate and the convert stage report an unreadable config, with the reason
         if not isinstance(m.config, dict):
             return []
-    return _check_model(cfg, m) + _no_room(cfg, m)
+        vocab_known = True
+    try:
+        layouts = layout_problems(cfg, m.config, m.name, vocab_known)
+    except (ValueError, TypeError):
+        layouts = []  # a config.json without the sizes: validate's memory plan says so in a note
+    return _check_model(cfg, m) + _no_room(cfg, m) + layouts
 
 
 _PLUGIN_KEYS = {"environment": "rl.environment", "algorithm": "rl.algorithm", "policy_loss": "rl.policy_loss"}

@@ -113,6 +113,17 @@ def test_hf_source_reads_pytorch_bin_and_reports_bad_sources(base, tmp_path):
     assert all(torch.equal(loaded.state[k], state[k]) for k in state)
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         load_hf_source(bin_dir)
+    gpt2 = tmp_path / "gpt2-tok"  # GPT-2's original OpenAI files: transformers would say "install sentencepiece"
+    gpt2.mkdir()
+    (gpt2 / "encoder.json").write_text("{}")
+    (gpt2 / "vocab.bpe").write_text("#version: 0.2\n")
+    with pytest.raises(FileNotFoundError) as info:
+        load_hf_source(bin_dir, tokenizer=gpt2)
+    assert str(info.value) == (
+        f"model.tokenizer: {gpt2} holds encoder.json, vocab.bpe but no tokenizer vocabulary: a tokenizer needs "
+        "tokenizer.json, or vocab.json and merges.txt, or tokenizer.model; encoder.json and vocab.bpe are GPT-2's "
+        "original files: rename them to vocab.json and merges.txt, or load the tokenizer with transformers and "
+        "save_pretrained() it into this folder")
     with pytest.raises(FileNotFoundError, match="config.json: missing"):
         load_hf_source(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such model directory"):

@@ -88,7 +88,7 @@ def test_json_syntax_error_is_one_file_error(tmp_path):
     "text, message",
     [
         ('{"a": 1}', "expected a JSON array of objects, got a top-level object"),
-        ("[1, 2,]", "malformed JSON at column 7: Expecting value"),
+        ("[1, 2,]", "malformed JSON at column 6: trailing comma before ']' (JSON allows no comma after the last item; remove it)"),
         ("[1] x", "malformed JSON at column 5: Extra data"),
     ],
 )
@@ -97,6 +97,30 @@ def test_json_top_level_faults(tmp_path, text, message):
     p.write_text(text)
     [(_, err)] = list(read_records(p))
     assert err.field == FILE and err.message == message
+
+
+def test_trailing_commas_are_named_where_the_comma_is(tmp_path):
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"a": 1}\n{"a": 1, "b": 2,}\n{"a": [1, 2, ]}\n{"a": 1,,}\n')
+    assert [str(err) for _, err in list(read_records(p))[1:]] == [
+        f"{p}:2: <record>: malformed JSON at column 16: trailing comma before '}}' (JSON allows no comma after the last item; remove it)",
+        f"{p}:3: <record>: malformed JSON at column 12: trailing comma before ']' (JSON allows no comma after the last item; remove it)",
+        f"{p}:4: <record>: malformed JSON at column 9: Expecting property name enclosed in double quotes",
+    ]
+    q = tmp_path / "a.json"  # pretty-printed: the comma is on the line before the bracket
+    q.write_text('[\n  {"a": 1},\n  {"a": 2},\n]\n')
+    assert [str(err) for _, err in read_records(q)] == [
+        f"{q}:3: <file>: malformed JSON at column 11: trailing comma before ']' (JSON allows no comma after the last item; remove it)"]
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json"])
+def test_gzip_file_without_gz_suffix_says_rename(tmp_path, name):
+    p = tmp_path / name
+    body = b'{"a": 1}\n{"a": 2}\n' if name.endswith("l") else b'[{"a": 1}]'
+    p.write_bytes(gzip.compress(body))
+    assert list(read_records(p)) == [(1, RowError(str(p), 1, FILE, f"the file is gzip-compressed; rename it to {name}.gz"))]
+    (tmp_path / f"{name}.gz").write_bytes(p.read_bytes())
+    assert [r for _, r in read_records(tmp_path / f"{name}.gz")][0] == {"a": 1}
 
 
 def test_json_non_utf8(tmp_path):

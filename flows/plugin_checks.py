@@ -1,0 +1,91 @@
+"""The plug-ins of a config, checked before any stage runs: each reward function
+(``rl.reward.functions``) and the multi-turn environment (``rl.environment``) imported by its
+path, as the rl stage will, and each reward function called once on real rl_train rows, so
+that one which raises, returns NaN, a non-number or the wrong count is refused by
+``posttrain validate`` and ``posttrain run`` instead of failing the first RL step. Each
+problem is one string naming the config key first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from config.schema import PipelineConfig
+
+TRIAL_ROWS = 2  # two, so that a batched function returning one value for the batch shows
+
+
+def check_plugins(cfg: PipelineConfig, rows: dict[str, Any] | None = None) -> list[str]:
+    """Import each reward function and the environment by its path; call each reward function
+    once on the first :data:`TRIAL_ROWS` rl_train rows of ``rows`` (``{dataset name:
+    ValidationResult}``, as ``data.validate.validate_data`` gives them; a mixture's first
+    source), the first as a response that ended with EOS and the second as one cut at the
+    token budget, each with its own label as the response text. Without rows (not read yet)
+    the functions are only imported. Returns problems, each naming its key."""
+    problems = []
+    if cfg.rl.reward.functions:
+        from data.reward_plugins import load_reward_function
+
+        trial = _trial_rows(rows or {})
+        for i, f in enumerate(cfg.rl.reward.functions):
+            try:
+                fn = load_reward_function(f.path, batched=f.batched, name=f.metric_name)
+            except ImportError as exc:
+                problems.append(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}")
+                continue
+            if trial is not None:
+                problems += _try(fn, f"rl.reward.functions[{i}]", *trial)
+    if cfg.rl.environment is not None:
+        from engine.rollout.multi_turn import load_environment_factory
+
+        try:
+            load_environment_factory(cfg.rl.environment)
+        except ImportError as exc:
+            problems.append(f"rl.environment: cannot load {cfg.rl.environment!r}: {exc}")
+    return problems
+
+
+def _trial_rows(rows: dict[str, Any]) -> tuple[list[dict], str] | None:
+    """The rows to try the reward functions on and where they are (``file lines a, b``)."""
+    name = next((n for n in rows if n == "rl_train" or n.startswith("rl_train/")), None)
+    if name is None or not rows[name].rows:
+        return None
+    result = rows[name]
+    picked = result.rows[:TRIAL_ROWS]
+    lines = result.lines[:TRIAL_ROWS]
+    if len(picked) < TRIAL_ROWS:  # a one-row dataset: that row twice
+        picked, lines = picked * TRIAL_ROWS, lines * TRIAL_ROWS
+    return picked, f"{result.file} lines {', '.join(map(str, lines))}"
+
+
+def _try(fn, key: str, picked: list[dict], where: str) -> list[str]:
+    """``fn`` called once on ``picked``; a problem naming ``key`` if it fails."""
+    labels = [row["label"] for row in picked]
+    reasons = ["stop", "length"][: len(picked)]
+    try:
+        fn(labels, labels, [row["prompt"] for row in picked], reasons)
+    except Exception as exc:  # whatever a plug-in raises is the user's to see
+        # RewardFunction names the function in its own errors (ValueError for what it returned,
+        # RewardFunctionError for what it raised); anything else escaped it
+        said = str(exc) if str(exc).startswith("reward function ") else f"{fn.path} raised {type(exc).__name__}: {exc}"
+        return [f"{key}: a trial call on the rl_train rows at {where} (each label as the response) failed: {said}; "
+                "fix the function (its calling convention: docs/algorithms.md, Reward plug-ins)"]
+    return []
+
+
+def read_trial_rows(cfg: PipelineConfig) -> dict[str, Any]:
+    """The first :data:`TRIAL_ROWS` valid rows of the first rl_train source, read as the
+    validate stage reads them, for :func:`check_plugins` before ``posttrain run`` (a few
+    milliseconds); ``{}`` when there are no reward functions or the file cannot be read yet
+    (the prepare step makes it, or it is missing: check_inputs reports that)."""
+    if not cfg.rl.reward.functions or cfg.data.rl_train is None:
+        return {}
+    from data.validate import dataset_entries, validate_dataset
+
+    name, key, ds = next((e for e in dataset_entries(cfg.data) if e[0].partition("/")[0] == "rl_train"))
+    if not Path(ds.path).is_file():
+        return {}
+    try:
+        return {name: validate_dataset(ds.path, "rl", format=ds.format, limit=TRIAL_ROWS, key=key)}
+    except (ValueError, OSError):
+        return {}  # the validate stage reports what is wrong with the file
