@@ -45,7 +45,7 @@ class DiskFull(OSError):
         return (type(self), (self.message,))
 
 
-def _causes(exc: BaseException) -> Iterator[object]:
+def wrapped_exceptions(exc: BaseException) -> Iterator[object]:
     """``exc`` and what it wraps: its cause and context, a CheckpointException's per-rank
     failures, a Ray task error's cause, a shutil.Error's per-file entries (depth first)."""
     seen: set[int] = set()
@@ -68,7 +68,7 @@ def _causes(exc: BaseException) -> Iterator[object]:
 def is_disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` (or anything it wraps, see the module docstring) says the file system
     is full: ``ENOSPC``/``EDQUOT``, their messages, or torch's "unexpected pos" of a short write."""
-    for item in _causes(exc):
+    for item in wrapped_exceptions(exc):
         if isinstance(item, OSError) and item.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if any(sign in str(item).lower() for sign in _SIGNS):
