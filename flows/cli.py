@@ -97,10 +97,27 @@ def _stage_errors():
         yield
     except KeyboardInterrupt as exc:
         raise Interrupted("interrupted: nothing was published; checkpoints are kept, rerun to resume") from exc
-    except (ConfigError, MissingUpstream):
+    except (ConfigError, MissingUpstream, SystemExit, GeneratorExit):
         raise
-    except Exception as exc:
-        raise StageFailed(f"{type(exc).__name__}: {exc}") from exc
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        raise StageFailed(_one_line(exc)) from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """The closing line for a stage's exception: the message of a full disk or a refused
+    checkpoint found anywhere in what it wraps (a Ray task error's cause, a CheckpointException's
+    per-rank failures), else ``Type: message`` (a CheckpointException: its first rank's failure)."""
+    from data.disk_full import DiskFull, wrapped_exceptions
+    from engine.storage.train_state import CorruptCheckpoint
+
+    for item in wrapped_exceptions(exc):  # not a Ray wrapper (it has a `cause`): its text is a traceback
+        if isinstance(item, (DiskFull, CorruptCheckpoint)) and getattr(item, "cause", None) is None:
+            return str(item)
+    failures = getattr(exc, "failures", None)
+    if not isinstance(exc, Exception) and isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    return f"{type(exc).__name__}: {exc}"
 
 
 def before_first_stage(cfg) -> list[str]:

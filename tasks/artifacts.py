@@ -35,6 +35,8 @@ from typing import IO, Any, Literal
 import fsspec
 from pydantic import BaseModel, ConfigDict
 
+from data.checksums import sha256_file  # noqa: F401  (the project's one file hash; also imported from here)
+from data.disk_full import naming_a_full_disk
 from tasks.locks import open_locked, owned_dir, release, remove_if_unowned
 
 MANIFEST = "manifest.json"
@@ -100,15 +102,6 @@ class ArtifactCheck:
     ref: ArtifactRef | None = None
     problem: str | None = None
     manifest: dict[str, Any] | None = None
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def content_hash(files: list[dict[str, Any]]) -> str:
@@ -448,12 +441,15 @@ class ArtifactStore:
         tmp = f"{self.base}/{stage}/{TMP_PREFIX}{aid}-{uuid.uuid4().hex[:8]}"
         lock: IO[str] | None = None
         try:
-            if self.is_local:
-                os.makedirs(os.path.dirname(tmp), exist_ok=True)
-                lock = owned_dir(Path(tmp))  # locked before it exists: never seen unowned
-                shutil.copytree(workdir, tmp, dirs_exist_ok=True)
-            else:
-                self.fs.put(str(workdir), tmp, recursive=True)
+            size = sum(f["size"] for f in files)
+            with naming_a_full_disk(self._display(tmp), f"publishing {aid}", size, "free space there or set "
+                                    "run.artifact_root elsewhere; nothing was published and the stage's checkpoint is kept"):
+                if self.is_local:
+                    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+                    lock = owned_dir(Path(tmp))  # locked before it exists: never seen unowned
+                    shutil.copytree(workdir, tmp, dirs_exist_ok=True)
+                else:
+                    self.fs.put(str(workdir), tmp, recursive=True)
             _check_files(self.fs, tmp, manifest, "publishing", stage, aid)
             current = self.check(stage, fingerprint)
             if current.state == "published":  # another process published it meanwhile

@@ -32,6 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
+from data.checksums import sha256_file
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("config", "data", "conversion", "engine", "tasks", "flows")
 
@@ -266,19 +268,11 @@ def modules_of(module: str) -> list[str]:
 _RACY_NS = 2_000_000_000
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 @lru_cache(maxsize=256)
 def _hash_file_cached(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
     # ctime and inode in the key: tools that restore mtime (cp -p, tar, rsync -t) or
     # replace the file by rename would otherwise hit a stale entry.
-    return _sha256(path)
+    return sha256_file(path)
 
 
 def hash_path(path: str | Path) -> str:
@@ -290,7 +284,7 @@ def hash_path(path: str | Path) -> str:
     if p.is_file():
         st = p.stat()
         if time.time_ns() - st.st_mtime_ns < _RACY_NS:
-            return _sha256(str(p))
+            return sha256_file(str(p))
         return _hash_file_cached(str(p.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
     if p.is_dir():
         h = hashlib.sha256()

@@ -104,3 +104,28 @@ def pytest_collection_modifyitems(session, config, items):
         return len(RUN_FIRST) + len(LONGEST)
 
     items.sort(key=rank)  # stable: each file keeps its tests' order, the rest keep theirs
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """``mount(size)`` -> a new directory under ``tmp_path`` that is a tmpfs of ``size`` (e.g.
+    ``"600k"``): a real file system that fills up, so writes fail with ENOSPC as on a full disk.
+    Needs the right to mount (root); skipped, saying so, where this process has none.
+    Unmounted at teardown."""
+    import subprocess
+    import uuid
+
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        path = tmp_path / f"small-fs-{uuid.uuid4().hex[:6]}"
+        path.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"a small real file system needs mount rights (tmpfs): {r.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from data.disk_full import naming_a_full_disk
 from engine.library_warnings import silence_library_deprecations
 from engine.models.master_weights import copy_masters_to_model, full_precision_weights
 
@@ -179,7 +180,10 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
         with full_precision_weights(model):  # fp32 masters under mixed precision
             state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": -1 if iteration is None else iteration}
-            save_sharded(state, tmp)
+            size = sum(p.numel() * 4 for p in model.parameters())  # about: fp32 weights
+            with naming_a_full_disk(final, "the model checkpoint", size, "free space there or set run.checkpoint_root "
+                                    "to a directory on a file system with room (stage work directories live there)"):
+                save_sharded(state, tmp)
         if not lead:
             barrier()  # rank 0 publishes
             return final

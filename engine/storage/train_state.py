@@ -30,6 +30,21 @@ Two formats:
   before sharded states existed still load at the layout that wrote them, and fail naming the
   file at another.
 
+Checksums. Every file of a state is checked before anything of it is used: the sharded
+directory holds ``checksums.json`` (``data.checksums``: size and sha256 of each of its files),
+written after its shards and before it is renamed into place, and the index records that
+manifest's sha256; beside ``train_state.pt`` a second ``checksums.json`` lists the index (both
+formats), removed before the index is replaced and written after. Loading (and
+:func:`check_run_identity`) checks sizes, then bytes, and refuses a state whose file differs
+(:class:`CorruptCheckpoint`, naming the file, expected and actual size or sha256, and how to
+start over): a flipped bit or a truncated shard is never resumed. States written before
+checksums existed load unchecked. The cost is one read of the state per load (hashing runs at
+several hundred MB/s on one core: seconds for a checkpoint of a few GB, and every rank of a
+group checks the files itself).
+
+A full disk while saving is :class:`data.disk_full.DiskFull`, one line naming the directory,
+the space needed and free, and the fix; the previous state stays as it was.
+
 RNG states on resume: a state resumed at the layout that wrote it restores every rank's own
 states exactly. At another layout, the Python, NumPy and torch CPU generators of every rank
 come from the rank at the same tensor-parallel position of data-parallel replica 0 when the
@@ -42,17 +57,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from data.atomic_file import replace_atomically
+from data.checksums import CHECKSUMS, ChecksumMismatch, sha256_file, verify_checksums, write_checksums
+from data.disk_full import naming_a_full_disk
 from engine.models.master_weights import copy_masters_to_model, full_precision_weights, load_full_precision_state, master_params
+from engine.storage.rng_state import capture_rng_state, restore_rng_state, rng_source  # noqa: F401  (re-exported)
 
 STATE_FILE = "train_state.pt"
 
@@ -86,72 +102,40 @@ class DataPosition:
         object.__setattr__(self, "sources", tuple((int(e), int(o)) for e, o in self.sources))
 
 
-def capture_rng_state() -> dict[str, Any]:
-    """Python ``random``, NumPy global and torch CPU RNG states, as tensors and ints.
-
-    Also megatron-core's named RNG-tracker states (used around dropout) when they exist.
-    """
-    version, mt, gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": {
-            "kind": np_kind,
-            "keys": torch.from_numpy(np_keys.astype(np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "gauss": float(np_gauss),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    tracker = _megatron_rng_tracker()
-    if tracker is not None:
-        state["megatron_tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
-    return state
+class CorruptCheckpoint(ValueError):
+    """A file of a saved train state differs from the checksums written with it (flipped bits,
+    a truncated shard, a missing file): the state is not resumed. The message names the file,
+    the expected and actual size or sha256, and how to start over."""
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state` (megatron's tracker only when ``state`` has it)."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["mt"].tolist()), py["gauss"]))
-    nps = state["numpy"]
-    np.random.set_state(
-        (nps["kind"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["gauss"])
-    )
-    torch.set_rng_state(state["torch"])
-    tracker = _megatron_rng_tracker()
-    if tracker is not None and "megatron_tracker" in state:
-        tracker.set_states(state["megatron_tracker"])
+def _refuse(root: Path, problem: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"refusing to resume from a corrupt train state: {problem}; no earlier state is kept: "
+                             f"delete {root} and rerun the same command to start this stage over")
 
 
-def _megatron_rng_tracker():
+def _verify(root: Path, directory: Path, pinned: str | None = None) -> None:
+    """Check ``directory/checksums.json``'s files (and, when ``pinned``, that the manifest's own
+    sha256 is that value). Raises: :class:`CorruptCheckpoint` (see :func:`_refuse`)."""
+    manifest = directory / CHECKSUMS
+    if pinned is not None and not manifest.is_file():
+        raise _refuse(root, f"{manifest} is missing")
+    if pinned is not None and (actual := sha256_file(manifest)) != pinned:
+        raise _refuse(root, f"{manifest}: sha256 {actual}, {root / STATE_FILE} records sha256 {pinned}")
     try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    except ImportError:
-        return None
-    tracker = get_cuda_rng_tracker()
-    return tracker if tracker.get_states() else None
+        verify_checksums(directory)
+    except ChecksumMismatch as exc:
+        raise _refuse(root, str(exc)) from None
+    except ValueError as exc:  # an unreadable manifest
+        raise _refuse(root, str(exc)) from None
 
 
-def rng_source(saved: dict[str, int], current: dict[str, int], rank: int) -> tuple[int, bool]:
-    """Which saved rank's RNG states global rank ``rank`` restores, and whether megatron's
-    tracker states come with them (module docstring).
-
-    Args:
-        saved, current: layouts as ``{"world_size", "tensor_model_parallel_size",
-            "data_parallel_size"}`` (the writer's and this group's).
-        rank: this process's global rank (tensor-parallel ranks adjacent, megatron's order).
-
-    Returns: ``(rank, True)`` at the same layout; ``(rank % tp, True)`` (the same
-        tensor-parallel position in data-parallel replica 0) when only the data-parallel size
-        changed; ``(0, False)`` when the tensor-parallel size changed.
-    """
-    if saved == current:
-        return rank, True
-    tp = current["tensor_model_parallel_size"]
-    if saved["tensor_model_parallel_size"] == tp:
-        return rank % tp, True
-    return 0, False
+def _commit_index(root: Path, index: dict[str, Any]) -> None:
+    """Replace ``root/train_state.pt`` with ``index`` atomically, then list it in
+    ``root/checksums.json`` (removed first: a crash in between leaves an unlisted index, never
+    a manifest of another one)."""
+    (root / CHECKSUMS).unlink(missing_ok=True)
+    replace_atomically(root / STATE_FILE, lambda f: torch.save(index, f))
+    write_checksums(root, [STATE_FILE])
 
 
 class TrainState:
@@ -180,6 +164,8 @@ class TrainState:
         if not (self.checkpoint / "metadata.json").is_file():
             raise FileNotFoundError(f"{self.checkpoint}: the sharded train state named by {path} is missing; "
                                     f"delete {path.parent} to start this stage over")
+        if "checksums" in raw:  # states written before checksums existed have none
+            _verify(path.parent, self.checkpoint, raw["checksums"])
         from megatron.core.dist_checkpointing import load_common_state_dict
 
         try:  # rank 0's common state: torch.load(weights_only=True), no tensors of the model
@@ -409,8 +395,9 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
             save_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, moments), _COMMON: common},
                          tmp)
         if lead:
+            checksums = sha256_file(write_checksums(tmp))  # after every rank's shards (save_sharded returns then)
             os.replace(tmp, root / published)
-            replace_atomically(root / STATE_FILE, lambda f: torch.save({**payload, "checkpoint": published}, f))  # the commit
+            _commit_index(root, {**payload, "checkpoint": published, "checksums": checksums})  # the commit
             _remove_other_states(root, keep=published)
     except BaseException:
         if lead:
@@ -494,19 +481,31 @@ def save_train_state(
     root = Path(directory)
     payload = {"format_version": SHARDED, "step": int(step), "extra": dict(extra or {}),
                "data_position": dataclasses.asdict(data_position)}
-    if is_sharded_model(model):
-        _save_sharded(root, payload, model, optimizer, scheduler)
-        return root / STATE_FILE
-    if global_rank() != 0:  # data parallelism: the ranks hold the same state; rank 0 writes it
-        barrier()
-        return root / STATE_FILE
-    root.mkdir(parents=True, exist_ok=True)
-    state = {**payload, "format_version": SINGLE_FILE, "model": _model_state(model),
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng_state()}
-    replace_atomically(root / STATE_FILE, lambda f: torch.save(state, f))
-    _remove_other_states(root, keep=None)
+    with naming_a_full_disk(root, f"the train state of step {step}", _state_bytes(model, optimizer), FULL_DISK_FIX):
+        if is_sharded_model(model):
+            _save_sharded(root, payload, model, optimizer, scheduler)
+            return root / STATE_FILE
+        if global_rank() != 0:  # data parallelism: the ranks hold the same state; rank 0 writes it
+            barrier()
+            return root / STATE_FILE
+        root.mkdir(parents=True, exist_ok=True)
+        state = {**payload, "format_version": SINGLE_FILE, "model": _model_state(model),
+                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng_state()}
+        _commit_index(root, state)
+        _remove_other_states(root, keep=None)
     barrier()
     return root / STATE_FILE
+
+
+FULL_DISK_FIX = ("free space there or set run.checkpoint_root to a directory on a file system with room; "
+                 "the last checkpoint is kept, so a rerun resumes from it")
+
+
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """About the bytes a train state of ``model`` takes: its weights and the optimizer's tensors."""
+    tensors = [v for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def has_train_state(directory: str | Path | None) -> bool:
@@ -523,6 +522,7 @@ def _read_state_file(directory: str | Path, mmap: bool = False) -> dict[str, Any
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no train state at {path}")
+    _verify(path.parent, path.parent)  # the index (the whole state in format 1), when listed
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # truncated or foreign file: say which, and how to recover

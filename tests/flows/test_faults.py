@@ -626,6 +626,33 @@ def test_corrupt_checkpoint_error_names_the_file(project):
         shutil.rmtree(resume_dir)
 
 
+@pytest.mark.slow
+def test_flipped_bits_in_a_killed_sfts_shard_refuse_the_resume_in_one_line(project):
+    """A real SFT checkpoint (a killed run's) with a few flipped bits in its largest shard: the
+    rerun stops before training, naming the file, both sha256s and the directory to delete,
+    and publishes nothing (before checksums it resumed and published other weights)."""
+    config = project.variant("sft39", **{"sft.steps": SFT_STEPS - 1})
+    resume_dir = project.work / "checkpoints" / "sft" / fingerprints(config)["sft"][:16]
+    proc = start(project, ["stage", "sft", config], "sft-bitflip")
+    wait_for_checkpoints(proc, resume_dir, 1, 600, "sft-bitflip", project)
+    kill_session(proc)
+    shard = max(resume_dir.glob("train_state-*/*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    for i in (len(data) // 2, len(data) // 3):
+        data[i] ^= 0x08
+    shard.write_bytes(bytes(data))
+    try:
+        r = cli(project, ["stage", "sft", config])
+        assert r.returncode == 1, r.tail()
+        last = [line for line in r.stdout.splitlines() if line.startswith("error:")]
+        assert len(last) == 1 and last[0].startswith(f"error: refusing to resume from a corrupt train state: {shard}: "
+                                                     "sha256 "), r.tail()
+        assert f"delete {resume_dir} and rerun" in last[0]
+        assert published(project, "sft") == [project.state["sft_id"]]  # only the earlier test's
+    finally:
+        shutil.rmtree(resume_dir, ignore_errors=True)
+
+
 # ----------------------------------------------------------------------------- RL: kill, resume
 
 

@@ -16,6 +16,7 @@ from config.training import OptimConfig
 from conversion.spec import GPTSpec
 from engine.models.heads import ValueModel
 from engine.models.master_weights import gradient_params
+from data.checksums import CHECKSUMS
 from engine.storage.train_state import (
     STATE_FILE,
     DataPosition,
@@ -81,11 +82,12 @@ def test_sharded_state_round_trips_weights_moments_schedule_and_rng(tmp_path, pr
                      extra={"note": "kept"})
     after_save = torch.rand(3)
     entries = sorted(p.name for p in tmp_path.iterdir())
-    assert entries[1] == STATE_FILE and entries[0].startswith("train_state-00000002-") and len(entries) == 2
+    assert entries[0] == CHECKSUMS and entries[2] == STATE_FILE and len(entries) == 3
+    assert entries[1].startswith("train_state-00000002-") and (tmp_path / entries[1] / CHECKSUMS).is_file()
 
     state = load_train_state(tmp_path)
     assert (state.step, state.data_position, state.extra, state.format_version) == (2, POS, {"note": "kept"}, 2)
-    assert state.checkpoint == tmp_path / entries[0]
+    assert state.checkpoint == tmp_path / entries[1]
     saved = weights(model)
     assert state.model.keys() == saved.keys() and {"value_head.weight", "value_head.bias"} <= saved.keys()
     assert all(torch.equal(state.model[k], saved[k]) for k in saved)
@@ -132,7 +134,7 @@ def test_a_save_replaces_the_previous_state_and_a_failed_one_leaves_it(tmp_path,
     with pytest.raises(OSError, match="disk full"):
         save_train_state(tmp_path, step=4, model=model, optimizer=opt, scheduler=sched, data_position=POS)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([second.name, STATE_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([second.name, STATE_FILE, CHECKSUMS])
     state = load_train_state(tmp_path)
     assert state.step == 3
     fresh, fresh_opt, fresh_sched = trained(1, "fp32", steps=0)
@@ -142,7 +144,8 @@ def test_a_save_replaces_the_previous_state_and_a_failed_one_leaves_it(tmp_path,
     (tmp_path / ".train_state-00000005-deadbeef").mkdir()  # a save killed mid-write
     (tmp_path / "train_state-00000005-feedface").mkdir()  # killed between its rename and the index
     save_train_state(tmp_path, step=5, model=model, optimizer=opt, scheduler=sched, data_position=POS)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([load_train_state(tmp_path).checkpoint.name, STATE_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([load_train_state(tmp_path).checkpoint.name, STATE_FILE,
+                                                                 CHECKSUMS])
 
 
 def test_single_file_states_still_load_at_their_layout_and_name_the_file_elsewhere(tmp_path):
@@ -176,7 +179,7 @@ def test_single_file_states_still_load_at_their_layout_and_name_the_file_elsewhe
     plain_opt, plain_sched = build_model_optimizer(plain, OPTIM, 6, "fp32")
     save_train_state(tmp_path / "plain", step=1, model=plain, optimizer=plain_opt, scheduler=plain_sched,
                      data_position=POS)
-    assert [p.name for p in (tmp_path / "plain").iterdir()] == [STATE_FILE]
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [CHECKSUMS, STATE_FILE]
     assert load_train_state(tmp_path / "plain").format_version == 1
 
 
@@ -185,6 +188,16 @@ def test_a_missing_or_corrupt_sharded_state_names_the_file(tmp_path):
     save_train_state(tmp_path, step=1, model=model, optimizer=opt, scheduler=sched, data_position=POS)
     checkpoint = load_train_state(tmp_path).checkpoint
     (checkpoint / "common.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match=rf"{checkpoint / 'common.pt'}: size 16 bytes, checksums.json records size "
+                                         rf"\d+ bytes; .*delete {tmp_path} and rerun"):
+        load_train_state(tmp_path)
+    # A state written before checksums existed (no manifests, no "checksums" in its index) loads
+    # unchecked: torch's own error, still naming the directory.
+    (checkpoint / CHECKSUMS).unlink()
+    (tmp_path / CHECKSUMS).unlink()
+    index = torch.load(tmp_path / STATE_FILE)
+    del index["checksums"]
+    torch.save(index, tmp_path / STATE_FILE)
     with pytest.raises(ValueError, match=rf"(?s){checkpoint}: unreadable train state .*delete {tmp_path} to start"):
         load_train_state(tmp_path)
     shutil.rmtree(checkpoint)
