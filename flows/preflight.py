@@ -19,6 +19,8 @@ from typing import Any
 
 from config.precision import bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
+from flows.content_checks import (SftFit, architecture_problem, check_benchmarks, exact_match_datasets, missing_weights,
+                                  padded_number_warnings)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # vLLM's CPU attention backend: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
@@ -84,6 +86,8 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     elif Path(src).exists():
         if Path(src).is_dir() and not (Path(src) / "config.json").is_file():
             problems.append(f"model.source: {src} has no config.json (not an HF model directory)")
+        elif Path(src).is_dir():
+            problems += missing_weights(src)
     elif src.endswith(".gguf"):
         problems.append(f"model.source: GGUF file not found: {src}")
     elif HUB_ID.match(src):
@@ -134,7 +138,8 @@ class _Model:
         return None
 
 
-def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None,
+                   warnings: list[str] | None = None) -> tuple[list[str], list[str]]:
     """Read what the config names and report what would fail later; returns (problems, notes).
 
     Inputs that are missing are skipped (:func:`check_inputs` reports them); inputs the
@@ -143,20 +148,30 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
     ``seen``, when given, receives what the checks read for :func:`check_layouts`: ``model``
     (the model's name and config.json, or None) and ``longest`` (``{dataset: tokens}``: the
     longest rendered sft conversation and preference side, the longest rl_train and rl_eval
-    prompt).
+    prompt). ``warnings``, when given, receives what may go wrong without failing a stage
+    (SFT rows cut at ``sft.max_seq_len``, padded numeric labels under ``exact_match``);
+    otherwise those are notes.
     """
     problems: list[str] = []
     notes: list[str] = []
+    warned = notes if warnings is None else warnings
     prepared = _prepared(cfg, notes)
     rows = _check_datasets(cfg, prepared, problems, notes)
     problems += _check_labels(cfg, rows)
+    bench_problems, benchmarks = check_benchmarks(cfg, lambda path: _readable(cfg, path, prepared))
+    problems += bench_problems
+    warned += padded_number_warnings(exact_match_datasets(cfg, rows, benchmarks))
     model = _model(cfg, prepared, problems, notes)
     longest: dict[str, int] = {}
     if model is not None:
         notes.append(_describe(model))
+        if not _made_by_prepare(cfg, model.name) or prepared:  # else a config from the prepare section
+            problems += [p for p in [architecture_problem(model.name, model.config)] if p]
         problems += _check_model(cfg, model)
         if model.tokenizer is not None:
-            problems += _check_chat(cfg, model, rows, longest)
+            fit = SftFit(cfg.sft.max_seq_len, model.config.get("max_position_embeddings"))
+            problems += _check_chat(cfg, model, rows, longest, fit)
+            warned += fit.warnings(model.name)
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
     if seen is not None:
         seen.update(model=model, longest=longest)
@@ -358,10 +373,11 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
     return problems
 
 
-def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str, int] | None = None) -> list[str]:
+def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str, int] | None = None,
+                fit: SftFit | None = None) -> list[str]:
     """The chat template: present where SFT or the reward model need it, its turn end found,
     and every SFT conversation and preference pair rendered with it; ``longest_of`` receives
-    the longest rendering of each (tokens)."""
+    the longest rendering of each (tokens), ``fit`` each SFT row's loss mask."""
     from data import chat, chat_template
 
     tok = m.tokenizer
@@ -393,9 +409,12 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str
         for line, row in zip(result.lines, result.rows):
             for field, messages in conversations(row):
                 try:
-                    n = len(chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools")).input_ids)
+                    enc = chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools"))
                     if longest_of is not None:
-                        longest_of[name] = max(longest_of.get(name, 0), n)
+                        longest_of[name] = max(longest_of.get(name, 0), len(enc.input_ids))
+                    if fit is not None and name == "sft":
+                        fit.file = result.file
+                        fit.add(line, messages, enc.loss_mask)
                 except Exception as exc:  # ChatTemplateError, or the template's own error (jinja raise_exception)
                     failed.append(f"{result.file}:{line}: {field}: {exc}")
                     break
