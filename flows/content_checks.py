@@ -128,7 +128,7 @@ class SftFit:
     """How the SFT conversations fit ``sft.max_seq_len``, row by row, as the sft stage cuts
     them (``engine.training.sft.encode_sft_dataset``: the first ``max_seq_len`` tokens kept; a
     row left with no assistant token is dropped). Fed each row's full encoding by the chat
-    check (:meth:`add`); :meth:`warnings` says what is lost."""
+    check (:meth:`add`); :meth:`report` says what is lost."""
 
     max_seq_len: int
     context: int | None  # the model's max_position_embeddings (None: unknown)
@@ -153,11 +153,18 @@ class SftFit:
             chars = sum(len(str(m.get("content") or "")) for m in messages)
             self.past_context.append((line, n, chars))
 
-    def warnings(self, model: str) -> list[str]:
-        """The rows the sft stage drops or cuts inside an answer (one warning with the counts,
-        the first lines and the fix), and the rows longer than the model's whole context
-        (another: no ``sft.max_seq_len`` can hold them)."""
-        out = []
+    def report(self, model: str, warnings: list[str]) -> list[str]:
+        """Returns the problem when the sft stage would drop every row (it fails: "no row has
+        an assistant token within max_seq_len"); appends to ``warnings`` the rows it drops or
+        cuts inside an answer (one warning with the counts, the first lines and the fix) and
+        the rows longer than the model's whole context (another: no ``sft.max_seq_len`` can
+        hold them)."""
+        if self.rows and len(self.dropped) == self.rows:
+            tokens, line = self.longest
+            return [f"sft.max_seq_len: {self.max_seq_len} tokens hold no assistant token of any of the {self.rows} "
+                    f"rows of {self.file} (data.sft), so the sft stage has nothing to train on; the longest row, line "
+                    f"{-line}, has {tokens} tokens: raise sft.max_seq_len"]
+        out = warnings
         lost = sorted(self.dropped + self.cut)
         if lost:
             tokens, line = self.longest
@@ -174,7 +181,7 @@ class SftFit:
                 f"(max_position_embeddings {self.context}), which no sft.max_seq_len can hold: lines "
                 f"{_lines([r[0] for r in self.past_context])} of {self.file}; the longest, line {line}, has {tokens} "
                 f"tokens ({chars} characters): filter them out (or fix the rows: a file pasted into one?)")
-        return out
+        return []
 
 
 # ----------------------------------------------------------------------------- labels

@@ -171,7 +171,7 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None,
         if model.tokenizer is not None:
             fit = SftFit(cfg.sft.max_seq_len, model.config.get("max_position_embeddings"))
             problems += _check_chat(cfg, model, rows, longest, fit)
-            warned += fit.warnings(model.name)
+            problems += fit.report(model.name, warned)
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
     if seen is not None:
         seen.update(model=model, longest=longest)

@@ -120,6 +120,10 @@ def test_sft_rows_cut_at_max_seq_len_are_counted(qwen, fixtures_dir):
         "sft.max_seq_len (at most the context, 32768) or filter out the long rows"]
     qwen["sft"] = {"max_seq_len": 512}
     assert _contents(qwen)[2] == []
+    qwen["sft"] = {"max_seq_len": 16}  # shorter than Qwen2.5's default system turn: sft would fail on no rows
+    assert _contents(qwen)[:3:2] == ([
+        f"sft.max_seq_len: 16 tokens hold no assistant token of any of the 40 rows of {alpaca} (data.sft), so the "
+        "sft stage has nothing to train on; the longest row, line 62, has 498 tokens: raise sft.max_seq_len"], [])
 
 
 def test_a_row_of_200000_characters_is_not_valid_silently(qwen, tmp_path):
