@@ -25,8 +25,8 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
-from flows.preflight import (  # noqa: E402
-    check_contents, check_inputs, check_layouts, check_rl_placement, check_stage_cpus, cluster_notes, precision_notes)
+from flows.cluster_checks import check_layouts, check_rl_placement, check_stage_cpus, cluster_notes  # noqa: E402
+from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
 from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
 from flows.run_checks import check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
@@ -46,21 +46,26 @@ def cmd_validate(args) -> int:
     cfg, problems, notes = _load(args.config, args.overrides)
     # Reads the data, tokenizer and model config (never weights): a few seconds, not a run.
     seen: dict = {}
+    warnings: list[str] = []  # what loses data or scores wrongly without failing a stage
     with console.status("checking data files, tokenizer, chat template, model and plug-ins"):
-        deep_problems, deep_notes = check_contents(cfg, seen)
+        deep_problems, deep_notes = check_contents(cfg, seen, warnings)
     layout_problems, layout_notes = check_layouts(cfg, seen)  # memory per rank, from what check_contents read
     placement_problems, placement_notes = check_rl_placement(cfg)
     problems = problems + deep_problems + layout_problems + placement_problems
     notes = precision_notes(cfg) + cluster_notes(cfg) + notes + deep_notes + layout_notes + placement_notes
     for n in notes:
         console.print(f"[dim]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
+    for w in warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False, soft_wrap=True)
     if problems:
         console.print(f"[red]config {escape(str(args.config))} has {len(problems)} problem(s):[/]")
         for p in problems:
             console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
         return 1
     with_overrides = f" with {' '.join(args.overrides)}" if args.overrides else ""
-    console.print(f"[green]config {escape(str(args.config) + with_overrides)} is valid[/] ({escape(cfg.run.name)}: {', '.join(_stage_list(cfg))})")
+    warned = f", with {len(warnings)} warning(s) above" if warnings else ""
+    console.print(f"[green]config {escape(str(args.config) + with_overrides)} is valid[/] ({escape(cfg.run.name)}: "
+                  f"{', '.join(_stage_list(cfg))}){warned}")
     return 0
 
 

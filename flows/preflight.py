@@ -20,6 +20,8 @@ from typing import Any
 
 from config.precision import bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
+from flows.content_checks import (SftFit, architecture_problem, check_benchmarks, exact_match_datasets, missing_weights,
+                                  padded_number_warnings)
 from flows.plugin_checks import check_plugins
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -86,6 +88,8 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     elif Path(src).exists():
         if Path(src).is_dir() and not (Path(src) / "config.json").is_file():
             problems.append(f"model.source: {src} has no config.json (not an HF model directory)")
+        elif Path(src).is_dir():
+            problems += missing_weights(src)
     elif src.endswith(".gguf"):
         problems.append(f"model.source: GGUF file not found: {src}")
     elif HUB_ID.match(src):
@@ -144,7 +148,8 @@ class _Model:
         return None
 
 
-def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> tuple[list[str], list[str]]:
+def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None,
+                   warnings: list[str] | None = None) -> tuple[list[str], list[str]]:
     """Read what the config names and report what would fail later; returns (problems, notes).
 
     Inputs that are missing are skipped (:func:`check_inputs` reports them); inputs the
@@ -153,20 +158,30 @@ def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None) -> t
     ``seen``, when given, receives what the checks read for :func:`check_layouts`: ``model``
     (the model's name and config.json, or None) and ``longest`` (``{dataset: tokens}``: the
     longest rendered sft conversation and preference side, the longest rl_train and rl_eval
-    prompt).
+    prompt). ``warnings``, when given, receives what may go wrong without failing a stage
+    (SFT rows cut at ``sft.max_seq_len``, padded numeric labels under ``exact_match``);
+    otherwise those are notes.
     """
     problems: list[str] = []
     notes: list[str] = []
+    warned = notes if warnings is None else warnings
     prepared = _prepared(cfg, notes)
     rows = _check_datasets(cfg, prepared, problems, notes)
     problems += _check_labels(cfg, rows)
+    bench_problems, benchmarks = check_benchmarks(cfg, lambda path: _readable(cfg, path, prepared))
+    problems += bench_problems
+    warned += padded_number_warnings(exact_match_datasets(cfg, rows, benchmarks))
     model = _model(cfg, prepared, problems, notes)
     longest: dict[str, int] = {}
     if model is not None:
         notes.append(_describe(model))
+        if not _made_by_prepare(cfg, model.name) or prepared:  # else a config from the prepare section
+            problems += [p for p in [architecture_problem(model.name, model.config)] if p]
         problems += _check_model(cfg, model)
         if model.tokenizer is not None:
-            problems += _check_chat(cfg, model, rows, longest)
+            fit = SftFit(cfg.sft.max_seq_len, model.config.get("max_position_embeddings"))
+            problems += _check_chat(cfg, model, rows, longest, fit)
+            problems += fit.report(model.name, warned)
             problems += _check_prompt_lengths(cfg, model, rows, notes, longest)
         else:  # no prompts to measure yet (the prepare step makes the tokenizer): the budgets alone
             problems += _no_room(cfg, model)
@@ -382,10 +397,11 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
     return problems
 
 
-def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str, int] | None = None) -> list[str]:
+def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str, int] | None = None,
+                fit: SftFit | None = None) -> list[str]:
     """The chat template: present where SFT or the reward model need it, its turn end found,
     and every SFT conversation and preference pair rendered with it; ``longest_of`` receives
-    the longest rendering of each (tokens)."""
+    the longest rendering of each (tokens), ``fit`` each SFT row's loss mask."""
     from data import chat, chat_template
 
     tok = m.tokenizer
@@ -417,9 +433,12 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str
         for line, row in zip(result.lines, result.rows):
             for field, messages in conversations(row):
                 try:
-                    n = len(chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools")).input_ids)
+                    enc = chat.encode_chat(tok, messages, end_of_turn=eot, tools=row.get("tools"))
                     if longest_of is not None:
-                        longest_of[name] = max(longest_of.get(name, 0), n)
+                        longest_of[name] = max(longest_of.get(name, 0), len(enc.input_ids))
+                    if fit is not None and name == "sft":
+                        fit.file = result.file
+                        fit.add(line, messages, enc.loss_mask)
                 except Exception as exc:  # ChatTemplateError, or the template's own error (jinja raise_exception)
                     failed.append(f"{result.file}:{line}: {field}: {exc}")
                     break
@@ -501,98 +520,3 @@ def _no_room(cfg: PipelineConfig, m: _Model) -> list[str]:
             for key, budget in (("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens),
                                 ("evaluate.max_new_tokens", cfg.evaluate.max_new_tokens))
             if context and context - budget < 1]
-
-
-def cluster_address(cfg: PipelineConfig) -> tuple[str, str] | None:
-    """The Ray cluster the engine joins, and the setting that names it: ``rl.engine.ray_address``,
-    else the ``RAY_ADDRESS`` environment variable (engine.rl.placement.init_ray); None: a
-    cluster started on this machine."""
-    if cfg.rl.engine.ray_address:
-        return cfg.rl.engine.ray_address, "rl.engine.ray_address"
-    if os.environ.get("RAY_ADDRESS"):
-        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
-    return None
-
-
-def cluster_notes(cfg: PipelineConfig) -> list[str]:
-    """On a Ray cluster the engine did not start, what its nodes must share: the workers read
-    the input models and write checkpoints and the trained model by path (docs/scaling.md).
-    Notes, not problems: validate does not connect to the cluster, so it cannot tell a
-    single node from several or a shared filesystem from a local one."""
-    joined = cluster_address(cfg)
-    if joined is None:
-        return []
-    address, key = joined
-    root, ckpt = cfg.run.artifact_root, cfg.run.checkpoint_root
-    notes = [f"{key}: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at {address}; this "
-             "process is its driver and publishes the artifacts, the workers run on the cluster's nodes"]
-    if "://" not in root or root.startswith("file://"):
-        notes.append(f"run.artifact_root: {root} is a local path: on a Ray cluster of several nodes every node must "
-                     "see it at the same path (a filesystem they all mount; the workers read the input models there), "
-                     "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)")
-    else:
-        notes.append(f"run.artifact_root: {root}: inputs are downloaded to {tempfile.gettempdir()}/posttrain-artifact-"
-                     "cache on this machine and the workers read them there: on several nodes, point TMPDIR at a "
-                     "filesystem every node mounts")
-    notes.append(f"run.checkpoint_root: {ckpt}: the workers write the stage's checkpoints and trained model under it: on "
-                 "several nodes it must be a filesystem every node mounts at the same path")
-    return notes
-
-
-def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """The data/tensor-parallel layouts of sft, rm, po and rl against the model and the memory
-    they need (``config.memory_plan.check_layouts``; docs/scaling.md); returns (problems,
-    notes). ``seen``: what :func:`check_contents` read. A stage's sequences are as long as its
-    data makes them: the longest sft conversation and preference side (up to
-    ``<stage>.max_seq_len``), the longest rl_train prompt plus ``rl.rollout.max_new_tokens``
-    (up to the model's context); a stage whose data was not read is planned once it can be.
-    Without a plan (no model sizes yet) the tensor-parallel sizes are checked against what the
-    prepare section will build, and the sft, rm and po ranks against the local CPUs
-    (:func:`check_stage_cpus`). Reads nothing itself and never connects to a Ray cluster."""
-    from config.memory_plan import check_layouts as plan_layouts
-
-    m, longest = seen.get("model"), seen.get("longest", {})
-    if m is None:
-        return check_stage_cpus(cfg), []
-    if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
-        from config.memory_plan import layout_problems
-
-        return (layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),
-                [f"memory plan: made once the prepare step has built {m.name}"])
-    context = m.config.get("max_position_embeddings") or 10**9
-    lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
-               "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
-               "rm": min(cfg.rm.max_seq_len, longest["preference"]) if "preference" in longest else None,
-               # unpaired KTO rows (data.kto) are not rendered here: planned at po.max_seq_len
-               "po": (cfg.po.max_seq_len if cfg.data.kto is not None else
-                      min(cfg.po.max_seq_len, longest["preference"]) if "preference" in longest else None)}
-    joined = cluster_address(cfg)
-    try:
-        problems, notes = plan_layouts(cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name,
-                                       joined[0] if joined else None)
-    except ValueError as exc:  # a config.json without the sizes the plan needs
-        return check_stage_cpus(cfg), [f"memory plan: not made ({m.name}: {exc})"]
-    data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs", "po": "preference pairs"}
-    return problems, notes + [f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the "
-                              "sequence length)" for stage, tokens in lengths.items()
-                              if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]
-
-
-def check_stage_cpus(cfg: PipelineConfig) -> list[str]:
-    """The sft, rm and po stages' ranks against the local cluster's CPUs
-    (``config.placement_plan.check_stage_cpus``); never connects to a Ray cluster."""
-    from config.placement_plan import check_stage_cpus as check
-
-    joined = cluster_address(cfg)
-    return check(cfg, joined[0] if joined else None)
-
-
-def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
-    """The rl stage's placement-group bundles against the nodes of the cluster it will run on
-    (``config.placement_plan.check_placement``: the declared ``rl.engine.cluster_nodes``, else
-    this machine for a local cluster); returns (problems naming the key, notes: the placement
-    table). Never connects to a Ray cluster."""
-    from config.placement_plan import check_placement
-
-    joined = cluster_address(cfg)
-    return check_placement(cfg.rl, joined[0] if joined else None)

@@ -1,6 +1,7 @@
 """Checks every command makes before a stage starts, beside ``flows.preflight.check_inputs``:
 that W&B online has an API key (:func:`check_wandb_key`), and the cheap model checks of
-``posttrain validate`` that ``posttrain run`` makes too (:func:`check_model_fit`). Each
+``posttrain validate`` that ``posttrain run`` makes too (:func:`check_model_fit`; the model
+directory's weights are checked by ``check_inputs``). Each
 problem is one string naming the config key first."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from config.schema import PipelineConfig
 from config.memory_plan import layout_problems
+from flows.content_checks import architecture_problem
 from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared, planned_config
 
 
@@ -38,13 +40,14 @@ def check_wandb_key(cfg: PipelineConfig) -> list[str]:
 
 def check_model_fit(cfg: PipelineConfig) -> list[str]:
     """The cheap part of :func:`check_contents`, which ``posttrain run`` runs before the first
-    stage: the model's config.json (or what the prepare section will build) against the
+    stage: the model's config.json (or what the prepare section will build): an architecture
+    the convert stage cannot map (``flows.content_checks.architecture_problem``), then the
     lengths and the rollout backend: ``{sft,rm,po}.max_seq_len`` and the response budgets
     against the context, head_dim against vLLM on CPU, the special ids against the
     vocabulary, each role's tensor-parallel size against the heads, KV heads, FFN width and
     vocabulary. Reads no data, no tokenizer and no weights (milliseconds), so a later stage
     does not fail on what the config already says. Returns problems, each naming its key."""
-    src = cfg.model.source
+    src, problems = cfg.model.source, []
     if _made_by_prepare(cfg, src) and not (cfg.prepare is not None and _prepared(cfg, [])):
         p = cfg.prepare
         if getattr(p, "kind", None) != "addition":
@@ -61,11 +64,13 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
         if not isinstance(m.config, dict):
             return []
         vocab_known = True
+        arch = architecture_problem(src, m.config)  # convert would refuse it, after the prepare stage
+        problems += [arch] if arch else []
     try:
         layouts = layout_problems(cfg, m.config, m.name, vocab_known)
     except (ValueError, TypeError):
         layouts = []  # a config.json without the sizes: validate's memory plan says so in a note
-    return _check_model(cfg, m) + _no_room(cfg, m) + layouts
+    return problems + _check_model(cfg, m) + _no_room(cfg, m) + layouts
 
 
 _PLUGIN_KEYS = {"environment": "rl.environment", "algorithm": "rl.algorithm", "policy_loss": "rl.policy_loss"}

@@ -27,7 +27,18 @@ if TYPE_CHECKING:
 
 def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None) -> Benchmark:
     """The :class:`~engine.evaluation.scoring.Benchmark` of resolved ``settings``
-    (``config.evaluate.EvaluateConfig.benchmarks``).
+    (``config.evaluate.EvaluateConfig.benchmarks``): its rows as :func:`benchmark_rows`
+    reads them. Raises what :func:`benchmark_rows` raises."""
+    rows, _, _ = benchmark_rows(settings, rl_eval_path)
+    return Benchmark(settings.name, tuple(rows), settings.verifier, settings.samples_per_prompt, settings.temperature,
+                     settings.max_new_tokens, settings.k, settings.breakdown)
+
+
+def benchmark_rows(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None
+                   ) -> tuple[list[dict[str, Any]], list[int], str]:
+    """The rows of a benchmark (``{"prompt", "label", "fields"?}``), the source line of each
+    and the file they came from, read as the evaluate stage reads them (``posttrain validate``
+    reads ``evaluate.datasets`` with it too).
 
     ``settings.path`` None (``data.rl_eval``): the first ``num_prompts`` rows of the validate
     stage's ``rl_eval.jsonl`` at ``rl_eval_path``. Otherwise the file is validated as kind
@@ -39,7 +50,8 @@ def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike 
         FileNotFoundError: the file is missing (names ``<key>.path``).
         data.validate.DataValidationError: more bad rows than ``<key>.max_bad_fraction``, or
             none valid (names the key, then ``file:line: field: message`` of the first ones).
-        ValueError: an undetectable format (names ``<key>.format``); a label the verifier
+        ValueError: an undetectable format, or one that gives no ``rl`` rows (an SFT or
+            preference file; names ``<key>`` and ``<key>.format``); a label the verifier
             cannot score (``file:line``); ``rl_eval_path`` None for ``data.rl_eval``.
     """
     from data.rewards import label_problem
@@ -57,6 +69,8 @@ def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike 
                                        key=settings.key, keep=settings.breakdown)
         except FileNotFoundError:
             raise FileNotFoundError(f"{settings.key}.path: file not found: {settings.path}") from None
+        except ValueError as e:  # a format that cannot give prompt/label rows (an SFT or preference file)
+            raise ValueError(f"{settings.key} ({settings.name}): {e}") from None
         try:
             check_threshold(checked, settings.max_bad_fraction)
         except DataValidationError as e:
@@ -68,8 +82,7 @@ def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike 
         if problem is not None:
             raise ValueError(f"{settings.key} ({settings.name}): {where}:{line}: label: {problem} "
                              f"(verifier {settings.verifier})")
-    return Benchmark(settings.name, tuple(rows), settings.verifier, settings.samples_per_prompt, settings.temperature,
-                     settings.max_new_tokens, settings.k, settings.breakdown)
+    return rows, lines, where
 
 
 def stage_metrics(results: Mapping[str, Mapping[str, Mapping[str, Any]]], baseline: str,

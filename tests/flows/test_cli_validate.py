@@ -213,12 +213,16 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
     embedding, MATH-500 prompts and a GSM8K file with one broken answer."""
     import json
 
+    from tests.flows.model_dirs import write_stand_in_weights
+
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151643, "hidden_size": 64,
         "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 2, "intermediate_size": 128,
-        "max_position_embeddings": 512}))  # narrow, so that its RL layout fits any test machine (memory plan)
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
+    }))  # narrow, so that its RL layout fits any test machine (memory plan)
+    write_stand_in_weights(model, 64)
     lines = (fixtures_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:50]
     lines[6] = lines[6].replace("####", "so")
     gsm8k = tmp_path / "gsm8k_50.jsonl"

@@ -2,7 +2,7 @@
 refusal of a rank that cannot fit its device, and the notes on what the nodes of a Ray
 cluster the engine joins must share (the other refusals: tests/config/test_memory_plan.py).
 
-Qwen2.5-0.5B's real config.json (no weights) with the real Qwen2.5 tokenizer and GSM8K
+Qwen2.5-0.5B's real config.json (a stand-in weights file) with the real Qwen2.5 tokenizer and GSM8K
 prompts (the longest rl_train prompt: 223 tokens, tests/flows/test_preflight.py)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from fractions import Fraction
 import yaml
 
 from tests.flows.test_cli_validate import _out, _posttrain
+from tests.flows.model_dirs import write_stand_in_weights
 from tests.flows.test_preflight import QWEN_CONFIG
 
 GIB = 2**30
@@ -23,6 +24,7 @@ def _config(tmp_path, fixtures_dir, model: dict, **rl) -> str:
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(model))
+    write_stand_in_weights(model_dir, model["hidden_size"])
     gsm8k = fixtures_dir / "gsm8k"
     raw = {
         "run": {"name": "layouts", "artifact_root": str(tmp_path / "artifacts"),
