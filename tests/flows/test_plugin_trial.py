@@ -118,8 +118,10 @@ def test_gpt2_original_tokenizer_files_are_named_with_the_fix(gsm8k, fixtures_di
     tok = _gpt2_original(tmp_path / "gpt2-tok", fixtures_dir)
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 2,
-                                                   "max_position_embeddings": 512, "vocab_size": 151936}))
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": 151936, "tie_word_embeddings": True}))
     gsm8k["model"] = {"source": str(model), "tokenizer": str(tok)}
     gsm8k["data"]["rl_train"]["limit"] = gsm8k["data"]["rl_eval"]["limit"] = 4
     gsm8k["data"]["allow_eval_overlap"] = True
