@@ -1,12 +1,17 @@
 """Which compute precision a stage runs in: ``bf16`` or ``fp32``, and ``auto`` resolved by the hardware.
 
-``auto`` is bf16 where the hardware computes bf16 natively and fp32 elsewhere:
+``auto`` is bf16 on a CUDA device of compute capability >= 8.0 (Ampere and later: bf16 tensor
+cores) and fp32 everywhere else:
 
-- CUDA: compute capability >= 8.0 (Ampere and later: bf16 tensor cores);
-- CPU: the ``avx512_bf16`` or ``amx_bf16`` instruction sets (Intel Cooper Lake, Sapphire Rapids
-  and later; AMD Zen 4 and later have avx512_bf16). Without them torch emulates bf16 matmuls
-  and they run slower than fp32 (measured on an AVX2-only EPYC: 2048^2 bf16 matmul
-  0.3 GFLOP/s against 175 GFLOP/s in fp32), so bf16 there is never a default.
+- CUDA < 8.0 has no bf16 tensor cores (fp16 would need loss scaling, which is not done here);
+- a CPU, even one that computes bf16 natively (``avx512_bf16`` or ``amx_bf16``: Intel Cooper
+  Lake, Sapphire Rapids and later, AMD Zen 4 and later). Measured on the quickstart (Zen 4,
+  docs/platforms.md "Does bf16 train worse?"): paired over the same seed, the bf16 pipeline's
+  SFT and RL accuracies were below fp32's at both seeds run (SFT -0.090 and -0.067, RL -0.062
+  and -0.169), while the SFT loss curves over 4 seeds showed no gap beyond the run-to-run
+  spread; the models a CPU trains are small enough that bf16 buys little time. bf16 on CPU
+  stays available by setting it. Without those instruction sets torch emulates bf16 matmuls
+  (measured on an AVX2-only EPYC: 2048^2 bf16 matmul 0.3 GFLOP/s against 175 GFLOP/s in fp32).
 
 The config resolves ``auto`` once, when it is loaded (``config.schema.PipelineConfig``), so the
 concrete precision is what every stage's fingerprint and manifest record. This module does
@@ -66,9 +71,19 @@ def bf16_hardware() -> tuple[bool, str]:
     return False, "CPU lacks avx512_bf16 and amx_bf16"
 
 
+def auto_precision() -> tuple[Precision, str]:
+    """What ``auto`` resolves to on this machine and why (module docstring): ``("bf16", "CUDA
+    compute capability 8.0")``, or fp32 with the reason, e.g. ``("fp32", "CPU has avx512_bf16;
+    auto is fp32 on CPU")``."""
+    native, why = bf16_hardware()
+    if why.startswith("CUDA"):
+        return ("bf16" if native else "fp32"), why
+    return "fp32", why + "; auto is fp32 on CPU"
+
+
 def resolve_precision(setting: str | None) -> Precision:
     """The concrete precision for a config value: ``"bf16"``/``"fp32"`` as given; ``"auto"``
-    or None: bf16 when :func:`bf16_hardware` says so, else fp32.
+    or None: :func:`auto_precision`.
 
     Raises:
         ValueError: any other value (names the accepted ones).
@@ -76,12 +91,12 @@ def resolve_precision(setting: str | None) -> Precision:
     if setting in ("bf16", "fp32"):
         return setting  # type: ignore[return-value]
     if setting in (None, "auto"):
-        return "bf16" if bf16_hardware()[0] else "fp32"
+        return auto_precision()[0]
     raise ValueError(f"precision must be 'bf16', 'fp32' or 'auto', got {setting!r}")
 
 
 def describe_precision(precision: str, run_setting: str = "auto") -> str:
     """One line for a stage's log: its resolved ``precision``, the ``run.precision`` setting it
-    came from and what the hardware offers, e.g. ``"precision fp32 (run.precision auto; CPU
-    lacks avx512_bf16 and amx_bf16)"``."""
-    return f"precision {precision} (run.precision {run_setting}; {bf16_hardware()[1]})"
+    came from and why ``auto`` resolves as it does here, e.g. ``"precision fp32 (run.precision
+    auto; CPU lacks avx512_bf16 and amx_bf16; auto is fp32 on CPU)"``."""
+    return f"precision {precision} (run.precision {run_setting}; {auto_precision()[1]})"

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator
 
 from config.base import LocalPath, Strict
 
-# bf16 | fp32 | auto (bf16 where the hardware has it): see engine.models.precision.
+# bf16 | fp32 | auto (bf16 on CUDA >= 8.0, else fp32): see config.precision.
 Precision = Literal["auto", "bf16", "fp32"]
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -28,8 +28,8 @@ class RunConfig(Strict):
     precision: Precision = Field(
         "auto", description="Compute precision of every stage that trains or generates: bf16 (bf16 weights and "
         "activations, fp32 master weights, optimizer state and gradient accumulation, fp32 logits for log-probs and "
-        "losses) or fp32; auto picks bf16 where the hardware has it (a CPU with avx512_bf16 or AMX, CUDA compute "
-        "capability >= 8.0) and fp32 elsewhere. sft, rm, rl and evaluate may override it.")
+        "losses) or fp32; auto picks bf16 on CUDA compute capability >= 8.0 and fp32 elsewhere, CPUs included "
+        "(docs/platforms.md). sft, rm, rl and evaluate may override it.")
     device_memory_gib: float | None = Field(
         None, gt=0, allow_inf_nan=False,
         description="Memory of one GPU in GiB, for the memory plan `posttrain validate` checks (docs/scaling.md): a "

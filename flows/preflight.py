@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config.precision import bf16_hardware
+from config.precision import auto_precision, bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
 from flows.content_checks import (SftFit, architecture_problem, check_benchmarks, exact_match_datasets, missing_weights,
                                   padded_number_warnings)
@@ -43,8 +43,8 @@ def precision_notes(cfg: PipelineConfig) -> list[str]:
     """What each stage computes in (resolved when the config was loaded) and why; a warning
     when bf16 is asked for on hardware that only emulates it."""
     stages = ", ".join(f"{s} {getattr(cfg, s).precision}" for s in PRECISION_STAGES if s != "po" or cfg.po.enabled)
-    has_bf16, why = bf16_hardware()
-    notes = [f"precision: {stages}; export {cfg.export.dtype} (run.precision {cfg.run.precision}; {why})"]
+    has_bf16 = bf16_hardware()[0]
+    notes = [f"precision: {stages}; export {cfg.export.dtype} (run.precision {cfg.run.precision}; {auto_precision()[1]})"]
     if not has_bf16 and any(getattr(cfg, s).precision == "bf16" for s in PRECISION_STAGES):
         notes.append("precision: bf16 is set but this machine has no native bf16 (it is emulated, many times slower "
                      "than fp32 here); run.precision: auto picks fp32 on it")

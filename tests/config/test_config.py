@@ -13,7 +13,7 @@ import yaml
 
 from config import ConfigError, PipelineConfig, load_config
 from config.data import DatasetConfig
-from config.precision import bf16_hardware
+from config.precision import auto_precision
 from config.sft import SFTConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_quickstart_loads_with_its_values_and_defaults():
     assert cfg.rl.reward.verifier == "exact_match" and cfg.rl.engine.placement == "colocated"
     assert cfg.evaluate.temperature == 1.0 and cfg.evaluate.samples_per_prompt == 8
     # run.precision: auto resolves by the hardware; export.dtype follows the RL stage's precision
-    expected = "bf16" if bf16_hardware()[0] else "fp32"
+    expected = auto_precision()[0]
     assert (cfg.run.precision, cfg.rl.precision) == ("auto", expected)
     assert cfg.export.dtype == {"bf16": "bfloat16", "fp32": "float32"}[expected]
 

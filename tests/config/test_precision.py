@@ -39,23 +39,26 @@ def test_probe_agrees_with_torch():
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert not torch.cuda.is_available()
     assert precision.bf16_hardware()[0] == native
-    assert precision.resolve_precision("auto") == ("bf16" if native else "fp32")
+    assert precision.resolve_precision("auto") == "fp32"  # a CPU: auto is fp32 there (config.precision)
 
 
-@pytest.mark.parametrize("flags,cuda,expected", [
-    ({"avx2", "amx_bf16", "avx512_bf16"}, None, "bf16"),  # Sapphire Rapids
-    ({"avx2", "avx512f", "avx512_bf16"}, None, "bf16"),   # Zen 4
-    ({"avx2", "avx512f"}, None, "fp32"),                  # Skylake: no bf16 instructions
-    ({"avx2"}, (8, 0), "bf16"),                           # A100: the GPU decides
-    ({"avx2", "amx_bf16"}, (7, 0), "fp32"),              # V100 has no bf16 tensor cores
+@pytest.mark.parametrize("flags,cuda,native,expected", [
+    ({"avx2", "amx_bf16", "avx512_bf16"}, None, True, "fp32"),  # Sapphire Rapids: native, yet auto is fp32 on CPU
+    ({"avx2", "avx512f", "avx512_bf16"}, None, True, "fp32"),   # Zen 4: the same
+    ({"avx2", "avx512f"}, None, False, "fp32"),                 # Skylake: no bf16 instructions
+    ({"avx2"}, (8, 0), True, "bf16"),                           # A100: the GPU decides
+    ({"avx2", "amx_bf16"}, (7, 0), False, "fp32"),             # V100 has no bf16 tensor cores
 ])
-def test_auto_follows_the_hardware(hardware, flags, cuda, expected):
+def test_auto_follows_the_hardware(hardware, flags, cuda, native, expected):
     hardware(flags, cuda)
     assert precision.resolve_precision("auto") == expected
     assert precision.resolve_precision(None) == expected
     assert precision.resolve_precision("fp32") == "fp32" and precision.resolve_precision("bf16") == "bf16"
     has, why = precision.bf16_hardware()
-    assert has == (expected == "bf16") and why  # a reason to log
+    assert has == native and why  # a reason to log
+    resolved, reason = precision.auto_precision()
+    assert resolved == expected and reason.startswith(why)
+    assert reason.endswith("; auto is fp32 on CPU") == (cuda is None)
 
 
 def test_unknown_setting_is_refused():
@@ -64,7 +67,7 @@ def test_unknown_setting_is_refused():
 
 
 def test_config_resolves_every_stage_and_the_export_dtype(hardware):
-    hardware({"amx_bf16"})
+    hardware({"avx2"}, (9, 0))
     cfg = PipelineConfig.model_validate(_raw())
     assert cfg.run.precision == "auto"
     assert (cfg.sft.precision, cfg.rm.precision, cfg.rl.precision, cfg.evaluate.precision) == ("bf16",) * 4

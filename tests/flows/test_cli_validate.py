@@ -33,11 +33,10 @@ def test_validate_quickstart_ok():
     assert "note: model.source: work/quickstart/base_model is created by the prepare step" in out
     assert "config configs/quickstart.yaml is valid (quickstart: prepare, " in out
     # The resolved precision of every stage, derived the same way the config loader does.
-    from config.precision import bf16_hardware
+    from config.precision import auto_precision
 
-    has_bf16, why = bf16_hardware()
-    p = "bf16" if has_bf16 else "fp32"
-    dtype = "bfloat16" if has_bf16 else "float32"
+    p, why = auto_precision()
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[p]
     assert (f"note: precision: sft {p}, rm {p}, rl {p}, evaluate {p}; export {dtype} "
             f"(run.precision auto; {why})") in out
 

@@ -536,10 +536,10 @@ def test_turn_end_without_stop_id_is_a_problem_when_rl_generates(qwen):
 
 
 def test_precision_notes_name_each_stage_and_warn_on_emulated_bf16(real_inputs):
-    from config.precision import bf16_hardware
+    from config.precision import auto_precision, bf16_hardware
     from flows.preflight import precision_notes
 
-    has_bf16, why = bf16_hardware()
+    has_bf16, why = bf16_hardware()[0], auto_precision()[1]
     raw = copy.deepcopy(real_inputs)
     raw["run"]["precision"] = "fp32"
     raw["rl"] = {"precision": "bf16"}
