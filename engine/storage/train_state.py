@@ -504,7 +504,9 @@ FULL_DISK_FIX = ("free space there or set run.checkpoint_root to a directory on 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """About the bytes a train state of ``model`` takes: its weights and the optimizer's tensors."""
     tensors = [v for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
-    tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # state_dict(), not .state: a consolidated DeepSpeed state hands over only what save reads
+    per_param = optimizer.state_dict().get("state", {})
+    tensors += [v for s in per_param.values() if isinstance(s, dict) for v in s.values() if isinstance(v, torch.Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
