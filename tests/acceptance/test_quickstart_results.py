@@ -99,10 +99,12 @@ def test_bf16_quickstart_is_not_below_fp32_by_more_than_2_paired_se(quickstart):
     runs = {p: quickstart.run(f"run.precision={p}") for p in ("bf16", "fp32")}
     assert runs["bf16"]["stages"]["sft"]["artifact_id"] != runs["fp32"]["stages"]["sft"]["artifact_id"]
     policies = {p: evaluated(s) for p, s in runs.items()}
-    lines = []
-    for policy in ("sft", "rl"):
+    lines, below = [], []
+    for policy in ("sft", "rl"):  # both measured before either is asserted: the message names both
         delta, se, n = paired(policies["fp32"][policy], policies["bf16"][policy])
         acc = {p: runs[p]["stages"]["evaluate"]["metrics"][f"{policy}/accuracy"] for p in runs}
         lines.append(_report(f"{policy}: bf16 {acc['bf16']:.3f} minus fp32 {acc['fp32']:.3f}", delta, se, n))
         assert n == 300
-        assert delta > -2 * se, lines
+        if delta <= -2 * se:
+            below.append(policy)
+    assert not below, lines
