@@ -27,8 +27,9 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not acceptance"
 
-# Documented results rerun on the full quickstart (docs/algorithms.md): minutes of training each,
-# kept out of `make test` so that the suite stays within an hour on 2 cores.
+# The results the docs state as findings, rerun on the full quickstart with their paired SEs (README,
+# "Acceptance"): RL, async RL, distillation and bf16 over one shared default run, the mixture's
+# draws, DPO. Minutes of training each, kept out of `make test` so that it stays within an hour on 2 cores.
 acceptance: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -s -m acceptance
 

@@ -1,13 +1,14 @@
 """DPO on the quickstart's own preference pairs, through the stage commands ``dvc repro`` runs.
 
-``posttrain stage`` prepare, validate, convert, sft and po on ``configs/quickstart.yaml`` with
-``po.enabled=true`` (its po section: dpo with the DPO-Positive penalty, ``po.dpop_lambda``).
+``posttrain stage po`` on ``configs/quickstart.yaml`` with ``po.enabled=true`` (its po section: dpo
+with the DPO-Positive penalty, ``po.dpop_lambda``), from the SFT policy of the default quickstart
+run the acceptance tests share (conftest.py; ``po.enabled`` leaves the stages before po cached).
 Held-out pairs: the quickstart's 300 evaluation prompts (never in any training split), each
 with its first two wrong sums (``data.addition.wrong_sums``: near misses, off by one or ten).
 The po policy ranks the right sum above the wrong one (``log pi(y_c) > log pi(y_r)``) more often
 than the SFT policy it started from, by more than 2 standard errors paired over the pairs, and
 keeps the right sums at least as likely (docs/algorithms.md, Preference optimization).
-Marked ``acceptance`` (``make acceptance``): its SFT stage alone is the quickstart's 300 steps.
+Marked ``acceptance`` (``make acceptance``): it needs the quickstart's 300 SFT steps.
 """
 
 from __future__ import annotations
@@ -15,20 +16,14 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from e2e_support import REPO, env_for, posttrain
+from e2e_support import posttrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.acceptance]
-
-
-def _model_dir(work: Path, stage: str) -> Path:
-    (model,) = sorted((work / "artifacts" / stage).glob("*/model"))
-    return model
 
 
 def _held_out_pairs(work: Path) -> Path:
@@ -44,25 +39,27 @@ def _held_out_pairs(work: Path) -> Path:
     return out
 
 
-def test_dpo_positive_raises_held_out_margin_accuracy_on_the_quickstart_pairs(tmp_path):
+def test_dpo_positive_raises_held_out_margin_accuracy_on_the_quickstart_pairs(quickstart):
     from engine.batching.collate import pad_token_id
     from engine.storage.model_dir import load_model_dir, load_tokenizer
     from engine.training.preference_data import encode_pairs
     from engine.training.preference_optimization import pair_logps
 
-    work = tmp_path
-    config = shutil.copy(REPO / "configs" / "quickstart.yaml", work / "quickstart.yaml")
-    env = env_for(work)
-    for stage in ("prepare", "validate", "convert", "sft", "po"):
-        posttrain(["stage", stage, str(config), "po.enabled=true", "wandb.enabled=false"], cwd=work, env=env)
+    work = quickstart.work
+    # exits 3 (raised here) unless the default run's sft artifact is this config's upstream
+    posttrain(["stage", "po", str(quickstart.config), "po.enabled=true", "wandb.enabled=false"], cwd=work, env=quickstart.env)
+    sft = quickstart.default["stages"]["sft"]
+    (po,) = [m.parent for m in (work / "artifacts" / "po").glob("*/manifest.json")
+             if json.loads(m.read_text())["inputs"]["sft"]["artifact_id"] == sft["artifact_id"]]
+    models = {"sft": Path(sft["uri"]) / "model", "po": po / "model"}
 
-    tok = load_tokenizer(_model_dir(work, "sft"))
+    tok = load_tokenizer(models["sft"])
     held = encode_pairs(_held_out_pairs(work), tok, 64, mismatched=False)
     assert len(held) == 600
     logps, correct = {}, {}
     for stage in ("sft", "po"):
         with torch.no_grad():
-            logps[stage] = pair_logps(load_model_dir(_model_dir(work, stage)).model.eval(), held, pad_token_id(tok), 64)
+            logps[stage] = pair_logps(load_model_dir(models[stage]).model.eval(), held, pad_token_id(tok), 64)
         correct[stage] = (logps[stage]["chosen"] > logps[stage]["rejected"]).double()
     diff = correct["po"] - correct["sft"]
     se = float(diff.std(unbiased=True)) / math.sqrt(len(diff))

@@ -1,0 +1,81 @@
+"""The runs the acceptance tests share: the default quickstart (once per session), its reruns
+with overrides, and the paired comparisons of their evaluations.
+
+``quickstart`` runs ``posttrain run quickstart.yaml`` (a copy of ``configs/quickstart.yaml``,
+nothing switched off) in one work directory. Each acceptance test then runs the pipeline again
+in that directory with its own overrides: the stages whose fingerprint the overrides leave
+unchanged (prepare, validate, convert, sft and rm for an ``rl.*`` change) are cache hits, so every
+test starts from the same SFT policy and only trains what it changes.
+
+``POSTTRAIN_ACCEPTANCE_WORK=DIR`` keeps that directory between sessions (one test at a time:
+the default run is then a cache hit, seconds instead of the quickstart's minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from e2e_support import REPO, env_for, posttrain, read_summary
+
+# A whole quickstart on 2 loaded cores can outlast e2e_support's 25-minute default.
+RUN_TIMEOUT_S = 3 * 3600
+
+
+class QuickstartRuns:
+    """``posttrain run`` of the quickstart config with overrides, in one shared work directory."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self.config = work / "quickstart.yaml"
+        if not self.config.exists():
+            shutil.copy(REPO / "configs" / "quickstart.yaml", self.config)
+        self.env = env_for(work)
+        self.default = self.run()
+
+    def run(self, *overrides: str) -> dict:
+        """The run summary (``stages``: state, wall_s, artifact_id, uri, metrics per stage), with
+        ``wall_s`` added: the command's wall time."""
+        t0 = time.perf_counter()
+        posttrain(["run", str(self.config), *overrides], cwd=self.work, env=self.env, timeout=RUN_TIMEOUT_S)
+        summary = read_summary(self.work, "quickstart")
+        summary["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(f"posttrain run {' '.join(overrides) or '(defaults)'}: {summary['wall_s']} s; stages "
+              + ", ".join(f"{k} {v.get('state')} {v.get('wall_s')} s" for k, v in summary["stages"].items()), flush=True)
+        return summary
+
+
+def evaluated(summary: dict, benchmark: str = "rl_eval") -> dict[str, dict]:
+    """The evaluate artifact's ``samples.jsonl`` of one run, per policy (``sft``, ``rl``, ...):
+    ``{policy: {"records": [...]}}``, the shape ``engine.evaluation.statistics.paired_difference``
+    takes (mean@k per held-out prompt, paired by ``prompt_index``)."""
+    groups: dict[str, dict] = {}
+    path = Path(summary["stages"]["evaluate"]["uri"]) / "samples.jsonl"
+    for line in path.read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("benchmark", benchmark) == benchmark:
+            groups.setdefault(rec["policy"], {"records": []})["records"].append(rec)
+    return groups
+
+
+def paired(base: dict, cand: dict) -> tuple[float, float, int]:
+    """``(delta, se, n)``: mean per-prompt accuracy of ``cand`` minus ``base`` and its paired SE
+    (:func:`engine.evaluation.statistics.paired_difference`), over the same held-out prompts
+    (their texts and labels checked equal, not only their indices)."""
+    from engine.evaluation.statistics import paired_difference
+
+    def prompts(result: dict) -> dict[int, str]:
+        return {int(r["prompt_index"]): json.dumps([r.get("prompt"), r.get("label")], sort_keys=True)
+                for r in result["records"]}
+
+    assert prompts(base) == prompts(cand), "the two evaluations did not see the same held-out prompts"
+    delta, se = paired_difference(base, cand)
+    return delta, se, len(prompts(base))
+
+
+def rl_metrics(summary: dict) -> list[dict]:
+    """The rl artifact's per-step ``metrics.jsonl`` rows, in step order."""
+    path = Path(summary["stages"]["rl"]["uri"]) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
