@@ -30,7 +30,9 @@ from tests.engine.rl.test_rl import question, random_tiny_policy
 PAIRS = [(a, b) for a in range(5) for b in range(5)]
 HELD_OUT = PAIRS[::3]  # 9 sums the distillation never sees
 TRAIN = [p for p in PAIRS if p not in HELD_OUT]  # 16
-DISTILL_STEPS = 16
+# 32 steps: with the fixture models SFT-trained in fp32 (auto on CPU), 16 steps closed 2 of the
+# 7 held-out sums of the gap and 32 close 4 (measured; the test asks for more than half).
+DISTILL_STEPS = 32
 
 
 def greedy_accuracy(model_dir: Path, pairs: list[tuple[int, int]]) -> float:
