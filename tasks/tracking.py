@@ -486,12 +486,7 @@ def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict
         return None
     if wandb_mode(cfg) == "disabled":
         return None
-    inputs = {}
-    for name, value in (manifest.get("inputs") or {}).items():
-        try:
-            inputs[name] = ArtifactRef.model_validate(value)
-        except ValueError:
-            continue
+    inputs = manifest_inputs(manifest)
     tracker = StageTracker(cfg, ref.stage, ref.artifact_id, logger, fingerprint=ref.fingerprint, inputs=inputs,
                            resume_dir=resume_dir, store=store, pipeline_run=manifest.get("pipeline_run"))
     info = tracker.wandb
@@ -499,6 +494,18 @@ def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict
     logger.info("%s: finished W&B run %s, left unfinished by a kill after %s was published", ref.stage,
                 record["run_id"], ref.artifact_id)
     return info
+
+
+def manifest_inputs(manifest: dict[str, Any]) -> dict[str, ArtifactRef]:
+    """The upstream artifacts a manifest records (``manifest["inputs"]``), by input name; an
+    entry that does not parse as an ``ArtifactRef`` (an older manifest's) is left out."""
+    inputs = {}
+    for name, value in (manifest.get("inputs") or {}).items():
+        try:
+            inputs[name] = ArtifactRef.model_validate(value)
+        except ValueError:
+            continue
+    return inputs
 
 
 def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, Any]) -> dict[str, Any] | None:
@@ -525,12 +532,7 @@ def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, 
         return None
     import wandb
 
-    inputs = {}
-    for name, value in (manifest.get("inputs") or {}).items():
-        try:
-            inputs[name] = ArtifactRef.model_validate(value)
-        except ValueError:
-            continue
+    inputs = manifest_inputs(manifest)
     config = stage_run_config(cfg, ref.stage, ref.artifact_id, ref.fingerprint,
                               upstream_artifacts(ArtifactStore(cfg.run.artifact_root), inputs))
     built_by = manifest.get("wandb")
