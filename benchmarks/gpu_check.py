@@ -13,9 +13,10 @@ Checks:
   subprocess without CUDA (``CUDA_VISIBLE_DEVICES=""``), where the platform's CPU shim applies.
 - ``megatron_actor_update``: one GRPO actor update (``engine.training.actor.actor_update``),
   CUDA against CPU, on a random trajectory.
-- ``cuda_ipc_share``: a CUDA tensor handed to a second process with
-  ``torch.multiprocessing.reductions.reduce_tensor`` (as verl and slime do for colocated
-  engines): same bytes there, and the receiver's write is seen by the sender.
+- ``cuda_ipc_share``: a weight-sync bucket handed to a second process by its CUDA IPC handle
+  (``engine.distributed.weight_ipc``, ``rl.engine.weight_sync: ipc``, as verl and slime hand
+  colocated engines their weights): same bytes there, and the receiver's write is seen by the
+  sender.
 - ``bf16_matmul_peak`` and ``update_mfu``: the measured bf16 matmul peak and the model-FLOP
   utilisation (6 N tokens/s over that peak) of training steps at a Qwen2-0.5B-like shape.
 
@@ -127,35 +128,47 @@ def check_cuda_vs_cpu(kind: str) -> tuple[bool, str]:
     return ok, f"|d loss|={d_loss:.2e} grad_norm rel={r_norm:.2e} max|d logprob|={d_lp:.2e}"
 
 
-def _ipc_receiver(handle, conn) -> None:
-    """The second process: rebuild the shared tensor, report its checksum, write into it."""
-    fn, args = handle
-    t = fn(*args)
-    conn.send(float(t.double().sum()))
-    t[0] = 42.0
+def _ipc_receiver(handle, metas, conn) -> None:
+    """The second process, as a colocated rollout engine: open the trainer's bucket by its
+    handle (``engine.distributed.weight_ipc.OpenedHandles``), report each tensor's checksum,
+    write into the buffer."""
+    from engine.distributed.weight_ipc import OpenedHandles
+    from engine.distributed.weight_sync import unpack
+
+    flat = OpenedHandles().open(handle)
+    conn.send([float(t.double().sum()) for _, t in unpack(flat, metas)])
+    flat[0] = 42
     torch.cuda.synchronize()
     conn.send("written")
     conn.recv()  # keep the mapping until the sender has looked
 
 
 def check_cuda_ipc() -> tuple[bool, str]:
+    """``rl.engine.weight_sync: ipc`` on CUDA: a bucket packed by the trainer's
+    ``SharedSlots`` is read by a second process through its CUDA IPC handle, bit for bit (each
+    tensor's checksum), and a write there is seen here (the same device memory)."""
     import torch.multiprocessing as mp
-    from torch.multiprocessing.reductions import reduce_tensor
 
+    from engine.distributed.weight_ipc import SharedSlots
+    from engine.models.weight_buckets import plan_buckets
+
+    named = [("w", torch.randn(1 << 20, device="cuda")), ("b", torch.randn(4096, device="cuda").bfloat16())]
+    metas = plan_buckets(((n, t.shape, t.dtype) for n, t in named), 1 << 30).bucket(0)
+    slots = SharedSlots()
+    handle = slots.share(named, 0)
+    expect = [float(t.double().sum()) for _, t in named]
     ctx = mp.get_context("spawn")
-    t = torch.randn(1 << 20, device="cuda")
-    expect = float(t.double().sum())
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_ipc_receiver, args=(reduce_tensor(t), child))
+    proc = ctx.Process(target=_ipc_receiver, args=(handle, metas, child))
     proc.start()
     seen = parent.recv()
     assert parent.recv() == "written"
     torch.cuda.synchronize()
-    written = float(t[0]) == 42.0
+    written = int(slots._scratch[0].buffer[0]) == 42
     parent.send("done")
     proc.join(60)
-    ok = abs(seen - expect) <= 1e-6 * max(1.0, abs(expect)) and written
-    return ok, f"{t.numel() * 4} bytes, checksum equal={abs(seen - expect) <= 1e-6 * max(1.0, abs(expect))}, write seen={written}"
+    equal = handle.kind == "cuda" and seen == expect
+    return equal and written, f"{handle.nbytes} bytes, checksums equal={equal}, write seen={written}"
 
 
 def matmul_peak(n: int = 8192, iters: int = 20) -> float:

@@ -1,5 +1,5 @@
 """Peak extra memory and throughput of rollout weight sync: whole model vs buckets; and the
-transport to the rollout engines: collective group vs Ray's object store.
+transport to the rollout engines: collective group, shared-memory handles (ipc) and Ray's object store.
 
     python -m benchmarks.weight_sync                # full, 64 MiB and 256 MiB buckets; float32 and bfloat16
     python -m benchmarks.weight_sync --bucket-mb 16 64 --dtype bfloat16
@@ -10,7 +10,8 @@ transport to the rollout engines: collective group vs Ray's object store.
 megatron-core model served by ``HFBucketSource``, as the RL actor serves it) and
 ``--engines`` vLLM rollout workers (``engine.rl.workers.RolloutWorker``, placeholder weights);
 each round syncs the whole policy once by ``engine.rollout.weight_push.push_weights`` (object
-store) and once by ``push_weights_collective`` (gloo broadcast), interleaved, in
+store), once by ``push_weights_collective`` (gloo broadcast) and once by ``push_weights_ipc``
+(the bucket packed once into shared memory the engines map), interleaved, in
 ``rl.engine.weight_sync_bucket_mb`` buckets (``--transport-bucket-mb``). It prints seconds
 and GB/s (HF bytes of the model / seconds) per side, their ratio, and the collective side's
 phases: on the actor, building the buckets (``make``, the same work on both sides; also timed
@@ -245,6 +246,7 @@ def transport_size(size: int, args, scratch: Path) -> dict:
     from config.rl import RolloutConfig
     from engine.rl.workers import RolloutWorker
     from engine.rollout.router import CollectiveGroup, push_weights, push_weights_collective
+    from engine.rollout.weight_push import push_weights_ipc
 
     layers = SIZE_LAYERS[size]
     actor = ray.remote(BenchSource).options(num_cpus=0).remote(layers, args.vocab, args.transport_bucket_mb, args.threads)
@@ -260,9 +262,11 @@ def transport_size(size: int, args, scratch: Path) -> dict:
         form: dict[str, float] = {}
         push_weights_collective(actor, engines, group, timings=form)  # warm-up; forms the group
         push_weights(actor, engines)  # warm-up
-        obj, col, phases, make = [], [], [], []
+        push_weights_ipc(actor, engines)  # warm-up: the segments are made and mapped
+        obj, col, ipc, phases, make = [], [], [], [], []
         for _ in range(args.rounds):
             obj.append(push_weights(actor, engines)[0])
+            ipc.append(push_weights_ipc(actor, engines)[0])
             timings: dict[str, float] = {}
             col.append(push_weights_collective(actor, engines, group, timings=timings)[0])
             phases.append(timings)
@@ -276,18 +280,20 @@ def transport_size(size: int, args, scratch: Path) -> dict:
     return {"size": size, "params": params, "gb": gb, "buckets": plan.num_buckets, "engines": args.engines,
             "object_store_s": min(obj), "collective_s": min(col), "object_store_gbps": gb / min(obj),
             "collective_gbps": gb / min(col), "ratio": min(obj) / min(col), "make_s": min(make),
+            "ipc_s": min(ipc), "ipc_gbps": gb / min(ipc), "ipc_ratio": min(obj) / min(ipc), "all_ipc_s": ipc,
             "form_s": form.get("form", 0.0), **{f"collective_{k}_s": v for k, v in phases[best].items() if k != "form"},
             "all_object_store_s": obj, "all_collective_s": col}
 
 
 def render_transport(rows: list[dict]) -> str:
     head = ("params", "HF GB", "buckets", "engines", "object store s", "GB/s", "collective s", "GB/s",
-            "object/collective", "make s (alone)", "collective actor: make / send s", "collective engine: wait / load s", "group forms s")
+            "object/collective", "ipc s", "GB/s", "object/ipc", "make s (alone)", "collective actor: make / send s", "collective engine: wait / load s", "group forms s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = (f"{r['params'] / 1e6:.1f}M", f"{r['gb']:.2f}", str(r["buckets"]), str(r["engines"]),
                  f"{r['object_store_s']:.2f}", f"{r['object_store_gbps']:.2f}", f"{r['collective_s']:.2f}",
-                 f"{r['collective_gbps']:.2f}", f"{r['ratio']:.2f}", f"{r['make_s']:.2f}",
+                 f"{r['collective_gbps']:.2f}", f"{r['ratio']:.2f}", f"{r['ipc_s']:.2f}", f"{r['ipc_gbps']:.2f}",
+                 f"{r['ipc_ratio']:.2f}", f"{r['make_s']:.2f}",
                  f"{r['collective_make_s']:.2f} / {r['collective_send_s']:.2f}",
                  f"{r['collective_engine_wait_s']:.2f} / {r['collective_load_s']:.2f}",
                  f"{r['form_s']:.2f}")
@@ -296,7 +302,7 @@ def render_transport(rows: list[dict]) -> str:
 
 
 def transport_main(args) -> None:
-    """``--transport``: collective vs object store per size (module docstring)."""
+    """``--transport``: collective, ipc and object store per size (module docstring)."""
     import tempfile
 
     from engine.distributed.cluster import init_ray, shutdown_ray

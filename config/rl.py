@@ -195,14 +195,16 @@ class EngineConfig(Strict):
         description="Weight sync to the rollout engine: MiB of HF tensors per transfer, one bucket in flight "
                     "(a module's tensors larger than this go alone). Bounds the actor's extra memory; results do not change.",
     )
-    weight_sync: Literal["collective", "object_store"] = Field(
-        "collective",
-        description="How the policy's weights reach the vLLM rollout engines after each update: collective: the "
+    weight_sync: Literal["auto", "collective", "ipc", "object_store"] = Field(
+        "auto",
+        description="How the policy's weights reach the vLLM rollout engines after each update. collective: the "
                     "trainer broadcasts each bucket over a process group it shares with the engines' workers (gloo "
-                    "on CPU, NCCL on CUDA); object_store: each bucket goes through Ray's object store (the fallback). "
-                    "collective is the default: it was faster at every size measured (docs/benchmarks.md: 1.6x at 25M, "
-                    "2.2x at 400M parameters on CPU, where vLLM's reload of the weights, the same on both paths, is "
-                    "91% of it) and no bucket is copied into the object store. The HF rollout backend always uses "
+                    "on CPU, NCCL on CUDA); ipc: engines on the trainer's device (its GPU, or on CPU its node) get a "
+                    "handle to the bucket packed once in memory they map (CUDA IPC; shared memory in /dev/shm on "
+                    "CPU) and the others the broadcast; object_store: each bucket goes through Ray's object store "
+                    "(the fallback). auto (default): ipc where the placement is colocated on GPUs (engine 0 shares "
+                    "the trainer's GPU: no NCCL copy of its weights), else collective, which was faster than the "
+                    "object store at every size measured (docs/benchmarks.md). The HF rollout backend always uses "
                     "object_store.")
     weight_sync_timeout_s: float | None = Field(
         600.0, gt=0, le=1e7, allow_inf_nan=False, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
@@ -402,6 +404,18 @@ class RLConfig(Strict):
                              f"prompt (rl.n_samples {self.n_samples}): their group advantages are all zero and vLLM "
                              "refuses it; set rl.rollout.temperature > 0 (1.0 samples the policy itself) or rl.n_samples: 1")
         return self
+
+    @property
+    def weight_sync_mode(self) -> str:
+        """``rl.engine.weight_sync`` with ``auto`` resolved: ``object_store`` for the HF rollout
+        backend (it has no other receive), ``ipc`` for a colocated placement on GPUs (the actor
+        and the rollout engines reserve GPUs), else ``collective``."""
+        if self.rollout.backend != "vllm":
+            return "object_store"
+        if self.engine.weight_sync != "auto":
+            return self.engine.weight_sync
+        on_gpus = self.parallel.actor.gpus_per_rank > 0 and self.rollout.gpus_per_engine > 0
+        return "ipc" if self.engine.placement == "colocated" and on_gpus else "collective"
 
     @property
     def colocated_handoff(self) -> bool:

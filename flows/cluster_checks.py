@@ -106,4 +106,28 @@ def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     from config.placement_plan import check_placement
 
     joined = cluster_address(cfg)
-    return check_placement(cfg.rl, joined[0] if joined else None)
+    problems, notes = check_placement(cfg.rl, joined[0] if joined else None)
+    return problems + check_shared_memory(cfg, joined is None), notes
+
+
+def check_shared_memory(cfg: PipelineConfig, local: bool, shm: str = "/dev/shm") -> list[str]:
+    """``rl.engine.weight_sync: ipc`` on CPU keeps two buckets in POSIX shared memory
+    (``engine.distributed.weight_ipc``): on a cluster started here, ``shm`` must have room for
+    them, or the first weight sync fails. Returns the problem, naming both keys, or nothing."""
+    import shutil
+
+    rl = cfg.rl
+    if not (local and rl.weight_sync_mode == "ipc" and rl.parallel.actor.gpus_per_rank == 0):
+        return []
+    need = 2 * rl.engine.weight_sync_bucket_mb * 2**20
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return [f"rl.engine.weight_sync: ipc keeps the weight-sync buckets in {shm}, which this machine lacks; use "
+                "rl.engine.weight_sync: collective"]
+    if free >= need:
+        return []
+    return [f"rl.engine.weight_sync: ipc keeps two buckets of rl.engine.weight_sync_bucket_mb="
+            f"{rl.engine.weight_sync_bucket_mb} MiB in {shm}, which has {free / 2**20:.0f} MiB free (needs "
+            f"{need / 2**20:.0f}); lower rl.engine.weight_sync_bucket_mb to {max(1, int(free / 2**21) - 1)} or less, give "
+            f"{shm} more room (a container's --shm-size), or use rl.engine.weight_sync: collective"]

@@ -52,6 +52,8 @@ DISPATCH: dict[str, str] = {
     "weight_sync_open": "rank0",  # the collective weight-sync group holds global rank 0 only
     "weight_sync_join": "rank0",
     "weight_sync_send": "tp0",  # the tensor-parallel ranks gather, rank 0 broadcasts
+    "weight_sync_location": "rank0",
+    "weight_sync_share": "tp0",  # the tensor-parallel ranks gather, rank 0 packs
     "save_state": "all",
     "load_state": "all",
     "save_model": "all",

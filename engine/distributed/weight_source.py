@@ -97,6 +97,43 @@ class HFBucketSource:
             raise
         return sent, t1 - t0, time.perf_counter() - t1
 
+    _shared_slots = None  # engine.distributed.weight_ipc.SharedSlots, made on first use
+
+    def weight_sync_location(self):
+        """Where this worker's weights live (:func:`engine.distributed.weight_ipc.location`):
+        the router hands buffer handles to the engines that share it (``rl.engine.weight_sync: ipc``)."""
+        from engine.distributed.weight_ipc import location
+
+        return location()
+
+    def weight_sync_share(self, index: int):
+        """Pack bucket ``index`` (:meth:`hf_bucket`) into slot ``index % 2`` of this worker's
+        shared buffers (``rl.engine.weight_sync: ipc``,
+        :class:`engine.distributed.weight_ipc.SharedSlots`) and return its handle.
+
+        Under tensor parallelism every rank of the group gathers (as for :meth:`hf_bucket`)
+        and only its rank 0 packs; the others return ``(None, seconds, 0.0)``.
+
+        Returns: ``(handle, seconds making the bucket, seconds packing)``.
+        """
+        import time
+
+        from engine.distributed.weight_ipc import SLOTS, SharedSlots
+
+        t0 = time.perf_counter()
+        bucket = self.hf_bucket(index)
+        t1 = time.perf_counter()
+        group = _tensor_parallel_group()
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.get_rank(group) != 0:
+                return None, t1 - t0, 0.0
+        if self._shared_slots is None:
+            self._shared_slots = SharedSlots()
+        handle = self._shared_slots.share(bucket, index % SLOTS)
+        return handle, t1 - t0, time.perf_counter() - t1
+
     def _weight_buckets(self) -> BucketServer:
         if self._bucket_server is None:
             budget = self.cfg.engine.weight_sync_bucket_mb * 2**20

@@ -4,6 +4,7 @@ run starts and stops."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -17,6 +18,8 @@ from engine.backends.select import actor_worker_class, critic_worker_class
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.training.actor import compute_logprobs, logit_temperature
 from engine.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
@@ -117,8 +120,8 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
                      num_sequences=share * cfg.n_samples, precision=cfg.precision,
                      sleep_mode=cfg.colocated_handoff)
 
-    # the HF backend has no collective receive: its weights always travel through the object store
-    weight_sync = cfg.engine.weight_sync if cfg.rollout.backend == "vllm" else "object_store"
+    weight_sync = cfg.weight_sync_mode
+    logger.info("weight sync to the rollout engines: %s (rl.engine.weight_sync: %s)", weight_sync, cfg.engine.weight_sync)
     return RolloutRouter(spawn_engine, n, actor, health_check_timeout_s=cfg.engine.health_check_timeout_s,
                          max_engine_restarts=cfg.engine.max_engine_restarts,
                          weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s, weight_sync=weight_sync)
@@ -314,6 +317,18 @@ class RolloutWorker:
         (:meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_receive`)."""
         _init_thread()
         return self.engine.weight_sync_receive(buckets)
+
+    def weight_sync_location(self) -> list:
+        """Where each of the engine's workers holds its weights (vLLM only,
+        :meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_location`)."""
+        _init_thread()
+        return self.engine.weight_sync_location()
+
+    def weight_sync_load_shared(self, handle, metas) -> float:
+        """Load one bucket from the actor's shared buffer (``rl.engine.weight_sync: ipc``;
+        :meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_load_shared`)."""
+        _init_thread()
+        return self.engine.weight_sync_load_shared(handle, metas)
 
     def sleep(self, level: int) -> None:
         """Colocated hand-off: free the engine's device memory while training runs (vLLM sleep

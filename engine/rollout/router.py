@@ -55,7 +55,7 @@ from engine.batching.balancing import greedy_partition
 from engine.rollout.base import SamplingSpec
 from engine.rollout.partial import VersionedOutputs
 from engine.rollout.weight_push import (  # noqa: F401 (push_weights: the callers' import path)
-    WEIGHT_SYNC_MODES, CollectiveGroup, push_weights, push_weights_collective)
+    WEIGHT_SYNC_MODES, CollectiveGroup, push_weights, push_weights_collective, push_weights_shared)
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +160,12 @@ class RolloutRouter:
         max_engine_restarts: ``rl.engine.max_engine_restarts``: replacements allowed per RL
             step (see ``restarts_before`` of the generate methods).
         weight_sync_timeout_s: deadline of a replacement's weight load (None: none).
-        weight_sync: ``rl.engine.weight_sync``: how weights travel, ``"collective"``
-            (:func:`push_weights_collective`; the engines must serve ``weight_sync_join`` and
-            ``weight_sync_receive``) or ``"object_store"`` (:func:`push_weights`).
+        weight_sync: ``rl.engine.weight_sync`` resolved (``RLConfig.weight_sync_mode``): how
+            weights travel, ``"collective"`` (:func:`push_weights_collective`; the engines must
+            serve ``weight_sync_join`` and ``weight_sync_receive``), ``"ipc"``
+            (:func:`push_weights_shared`: handles to the engines on the actor's device, the
+            broadcast to the others; also ``weight_sync_location`` and
+            ``weight_sync_load_shared``) or ``"object_store"`` (:func:`push_weights`).
 
     Attributes:
         engines: the current engine handles, by index (a replacement takes its place).
@@ -184,6 +187,7 @@ class RolloutRouter:
             raise ValueError(f"rl.engine.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {weight_sync!r}")
         self.weight_sync = weight_sync
         self.group = CollectiveGroup()
+        self._locations: dict = {}  # ipc: where the actor and each engine hold their weights
         self._spawn = spawn_engine
         self.actor = actor
         self.health_check_timeout_s = float(health_check_timeout_s)
@@ -420,7 +424,7 @@ class RolloutRouter:
             if len(dead) > self.max_engine_restarts:
                 raise RuntimeError(f"weight sync: rollout engines {sorted(dead)} died; replacing them would make "
                                    f"{len(dead)} engine restarts, over {RESTARTS_KEY}={self.max_engine_restarts}")
-            collective = self.weight_sync == "collective"
+            collective = self.weight_sync in ("collective", "ipc")
             for e in sorted(dead):
                 why = "its actor died during a weight sync"
                 t1 = time.perf_counter()
@@ -436,7 +440,11 @@ class RolloutRouter:
 
     def _push(self, engines: Sequence[Any], timeout_s: float | None, version: int | None,
               tolerate_death: bool = False, paused: set[int] | None = None) -> tuple[float, set[int]]:
-        """:func:`push_weights_collective` or :func:`push_weights`, as ``weight_sync`` says."""
+        """:func:`push_weights_collective`, :func:`push_weights_shared` or :func:`push_weights`,
+        as ``weight_sync`` says."""
+        if self.weight_sync == "ipc":
+            return push_weights_shared(self.actor, engines, self.group, self._locations, timeout_s, version,
+                                       tolerate_death, paused=paused)
         if self.weight_sync == "collective":
             return push_weights_collective(self.actor, engines, self.group, timeout_s, version, tolerate_death,
                                            paused=paused)

