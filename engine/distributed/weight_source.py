@@ -9,6 +9,14 @@ from engine.distributed.weight_sync import TrainerEnd
 from engine.models.weight_buckets import BucketPlan, BucketServer, NamedTensors, _tensor_parallel_group
 
 
+def _sync_root() -> bool:
+    """Whether this process sends weight-sync buckets: global rank 0 of the trainer's group
+    (a single process is its own root). Its peers only take part in gathering them."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 class HFBucketSource:
     """Weight-sync methods of an RL actor worker: its policy's HF-named weights served as
     buckets by a :class:`BucketServer`, built on first use.
@@ -70,8 +78,9 @@ class HFBucketSource:
     def weight_sync_send(self, index: int) -> tuple[int, float, float]:
         """Broadcast bucket ``index`` (:meth:`hf_bucket`) over the collective group.
 
-        Under tensor parallelism every rank of the group gathers (as for :meth:`hf_bucket`)
-        and only its rank 0, the group's rank 0, broadcasts.
+        Under tensor parallelism (and DeepSpeed ZeRO-3, whose gather is a collective of every
+        rank) the ranks called gather as for :meth:`hf_bucket` and only global rank 0, the
+        group's rank 0, broadcasts.
 
         Returns: ``(bytes sent, seconds making the bucket, seconds broadcasting)``; other
             tensor-parallel ranks return ``(0, seconds, 0.0)``.
@@ -85,10 +94,10 @@ class HFBucketSource:
         t0 = time.perf_counter()
         bucket = self.hf_bucket(index)
         t1 = time.perf_counter()
+        if not _sync_root():
+            return 0, t1 - t0, 0.0  # a peer: it took part in the gather only
         end = self._weight_sync_end
         if end is None or end.spec is None:
-            if _tensor_parallel_group() is not None:
-                return 0, t1 - t0, 0.0  # a tensor-parallel peer: it took part in the gather only
             raise RuntimeError("weight sync: no collective group was opened on this worker")
         try:
             sent = end.send(bucket)
@@ -111,8 +120,9 @@ class HFBucketSource:
         shared buffers (``rl.engine.weight_sync: ipc``,
         :class:`engine.distributed.weight_ipc.SharedSlots`) and return its handle.
 
-        Under tensor parallelism every rank of the group gathers (as for :meth:`hf_bucket`)
-        and only its rank 0 packs; the others return ``(None, seconds, 0.0)``.
+        Under tensor parallelism (and DeepSpeed ZeRO-3, whose gather is a collective of every
+        rank) the ranks called gather as for :meth:`hf_bucket` and only global rank 0 packs; the
+        others return ``(None, seconds, 0.0)``.
 
         Returns: ``(handle, seconds making the bucket, seconds packing)``.
         """
@@ -123,12 +133,8 @@ class HFBucketSource:
         t0 = time.perf_counter()
         bucket = self.hf_bucket(index)
         t1 = time.perf_counter()
-        group = _tensor_parallel_group()
-        if group is not None:
-            import torch.distributed as dist
-
-            if dist.get_rank(group) != 0:
-                return None, t1 - t0, 0.0
+        if not _sync_root():
+            return None, t1 - t0, 0.0
         if self._shared_slots is None:
             self._shared_slots = SharedSlots()
         handle = self._shared_slots.share(bucket, index % SLOTS)

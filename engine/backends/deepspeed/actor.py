@@ -34,7 +34,7 @@ STATE_TAG_KEY = "actor_backend"
 class DeepSpeedActorWorker(HFBucketSource):
     # In a data-parallel group (engine.distributed.group.WorkerGroup) every rank takes part in
     # weight sync: under ZeRO-3 gathering a weight is a collective of all the ranks.
-    GROUP_DISPATCH = {"hf_bucket_plan": "all", "hf_bucket": "all"}
+    GROUP_DISPATCH = {"hf_bucket_plan": "all", "hf_bucket": "all", "weight_sync_send": "all", "weight_sync_share": "all"}
 
     """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
 

@@ -398,6 +398,38 @@ def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     assert any(not torch.equal(start[k], final[k]) for k in start)
 
 
+def test_grpo_run_on_ray_with_a_zero3_actor_at_dp2(policy, tmp_path):
+    """The user's path at DP > 1: two GRPO steps with vLLM rollout and a ZeRO-3 actor of two
+    Ray ranks that partition its parameters. The rollout engine samples with exactly the
+    gathered trainer weights after each sync, and the train state is the consolidated one
+    (resumable at any DP size, tests/engine/backends/test_deepspeed_zero_dp.py)."""
+    from config.parallel import ParallelConfig
+    from config.rl import RLParallelConfig
+    from engine.rl.loop import run_rl
+    from engine.rl.placement import shutdown_ray
+    from engine.storage.model_dir import load_model_dir
+    from engine.storage.train_state import load_train_state
+
+    cfg = rl_config(stage=3, steps=2, prompts_per_step=8, n_samples=4, micro_batch_size=8, checkpoint_every=1,
+                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
+                    parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2)),
+                    engine=EngineConfig(num_cpus=2, weight_sync_timeout_s=120.0))
+    try:
+        result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
+    finally:
+        shutdown_ray()
+    assert (result["rl/steps"], result["rl/steps_run"]) == (2.0, 2.0)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+        assert r["actor/pg_clipfrac"] == 0.0 and abs(r["actor/ppo_kl"]) < 1e-6  # on-policy single epoch
+    state = load_train_state(tmp_path / "resume")
+    assert state.step == 2 and state.extra["actor_backend"]["zero_stage"] == 3
+    start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
+    assert any(not torch.equal(start[k], final[k]) for k in start)
+
+
 def largest_private_mapping_gib() -> float:
     """The largest private writable mapping of this process, in GiB (/proc/self/maps)."""
     largest = 0
