@@ -1,7 +1,9 @@
-"""Import a llama-architecture GGUF file (llama.cpp format) as an HF model directory.
+"""Import a GGUF file (llama.cpp format; llama, qwen2, qwen3) as an HF model directory.
 
 Reads the file with the ``gguf`` package (llama.cpp's reader) and writes config.json,
-model.safetensors (fp32), the tokenizer files and generation_config.json.
+model.safetensors (fp32), the tokenizer files and generation_config.json. The name maps
+here (:data:`GGUF_ARCHITECTURES`, :data:`GLOBAL_NAMES`, :data:`LAYER_NAMES`) are the one
+place that knows HF <-> GGUF names; ``conversion.gguf_export`` uses them in reverse.
 
 Three things differ from the HF layout:
 
@@ -11,8 +13,12 @@ Three things differ from the HF layout:
   :func:`unpermute_qk` is its inverse.
 - Special-token ids may hold the uint32 "none" sentinel 4294967295 (stories260K's padding
   and separator ids); those are treated as absent.
-- The tokenizer is stored as a SentencePiece vocabulary (tokens, scores, types); it is
-  rebuilt with transformers' GGUF tokenizer conversion on the corrected metadata.
+- The tokenizer is stored as a SentencePiece vocabulary (``tokenizer.ggml.model`` "llama":
+  tokens, scores, types) or a byte-level BPE one ("gpt2": tokens, types, merges and the
+  pre-tokenizer's name); it is rebuilt with transformers' GGUF tokenizer conversion on the
+  corrected metadata.
+
+Tensors may be F32, F16, BF16 or Q8_0 (dequantized with ``gguf.quants.dequantize``).
 """
 
 from __future__ import annotations
@@ -29,18 +35,27 @@ from conversion.export import write_hf_safetensors
 from conversion.spec import GPTSpec
 
 NO_TOKEN_IDS = (0xFFFFFFFF, -1)  # llama.cpp's "no token" (LLAMA_TOKEN_NULL / uint32 max)
-_SUPPORTED_TYPES = ("F32", "F16", "BF16")
+_SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0")
+# general.architecture -> HF architectures[0] (llama.cpp convert_hf_to_gguf.py LlamaModel,
+# Qwen2Model, Qwen3Model).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+TOKENIZER_MODELS = ("llama", "gpt2")  # tokenizer.ggml.model: SentencePiece, byte-level BPE
 
-# GGUF tensor name -> HF name; "{i}" is the layer index.
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+# GGUF tensor name -> HF name; layer tensors are "blk.{i}.<key>" <-> "model.layers.{i}.<value>".
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # qwen2 (and qwen3 with attention_bias): q/k/v biases; qwen3: o_proj bias, per-head q/k norms
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama only: rotary layout of the q/k rows
 
 
 def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -55,6 +70,14 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row permutation, HF (rotate-half) -> GGUF (pairwise rotary) rows:
+    ``w.reshape(h, 2, r // h // 2, c).swapaxes(1, 2)`` (convert_hf_to_gguf.py
+    ``LlamaModel.permute``); the inverse of :func:`unpermute_qk`. Shapes as there."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 class _Gguf:
@@ -94,7 +117,11 @@ def _tensor(g: _Gguf, t) -> torch.Tensor:
         )
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     data = np.ascontiguousarray(t.data)
-    if kind == "BF16":  # the reader hands BF16 over as raw bytes
+    if kind == "Q8_0":
+        from gguf.quants import dequantize
+
+        out = torch.from_numpy(dequantize(data, t.tensor_type).astype(np.float32))
+    elif kind == "BF16":  # the reader hands BF16 over as raw bytes
         out = torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
     else:
         out = torch.from_numpy(data.copy())
@@ -102,39 +129,44 @@ def _tensor(g: _Gguf, t) -> torch.Tensor:
 
 
 def _read_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(HF config dict, tokenizer metadata) of a llama GGUF; errors name the key."""
+    """(HF config dict, tokenizer metadata) of a llama, qwen2 or qwen3 GGUF; errors name the key."""
     arch = g.need("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{g.path}: GGUF key 'general.architecture'={arch!r}; only 'llama' is supported")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{g.path}: GGUF key 'general.architecture'={arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     tok_model = g.need("tokenizer.ggml.model")
-    if tok_model != "llama":
-        raise ValueError(f"{g.path}: GGUF key 'tokenizer.ggml.model'={tok_model!r}; only 'llama' (SentencePiece) is supported")
+    if tok_model not in TOKENIZER_MODELS:
+        raise ValueError(f"{g.path}: GGUF key 'tokenizer.ggml.model'={tok_model!r}; supported: 'llama' (SentencePiece), "
+                         "'gpt2' (byte-level BPE)")
     tokens = g.need("tokenizer.ggml.tokens")
     vocab = len(tokens)
-    hidden, heads = int(g.need("llama.embedding_length")), int(g.need("llama.attention.head_count"))
-    head_dim = int(g.get("llama.attention.key_length", hidden // heads))
-    for key in ("llama.rope.dimension_count", "llama.attention.value_length"):
+    hidden, heads = int(g.need(f"{arch}.embedding_length")), int(g.need(f"{arch}.attention.head_count"))
+    head_dim = int(g.get(f"{arch}.attention.key_length", hidden // heads))
+    for key in (f"{arch}.rope.dimension_count", f"{arch}.attention.value_length"):
         if int(g.get(key, head_dim)) != head_dim:
             raise ValueError(f"{g.path}: GGUF key {key!r}={g.get(key)} != head_dim {head_dim} (not supported)")
-    scaling = g.get("llama.rope.scaling.type", "none")
+    scaling = g.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        raise ValueError(f"{g.path}: GGUF key 'llama.rope.scaling.type'={scaling!r} is not supported")
-    untied = any(t.name == "output.weight" for t in g.reader.tensors)
+        raise ValueError(f"{g.path}: GGUF key '{arch}.rope.scaling.type'={scaling!r} is not supported")
+    names = {t.name for t in g.reader.tensors}
+    bias = arch == "qwen2" or "blk.0.attn_q.bias" in names
     spec = GPTSpec(
-        architecture="llama", vocab_size=vocab, hidden_size=hidden, num_layers=int(g.need("llama.block_count")),
-        num_attention_heads=heads, num_key_value_heads=int(g.get("llama.attention.head_count_kv", heads)),
-        ffn_hidden_size=int(g.need("llama.feed_forward_length")),
-        max_position_embeddings=int(g.need("llama.context_length")),
-        rope_theta=float(g.get("llama.rope.freq_base", 10000.0)),
-        norm_epsilon=float(g.need("llama.attention.layer_norm_rms_epsilon")),
-        add_qkv_bias=False, tie_word_embeddings=not untied, head_dim=head_dim,
+        architecture=arch, vocab_size=vocab, hidden_size=hidden, num_layers=int(g.need(f"{arch}.block_count")),
+        num_attention_heads=heads, num_key_value_heads=int(g.get(f"{arch}.attention.head_count_kv", heads)),
+        ffn_hidden_size=int(g.need(f"{arch}.feed_forward_length")),
+        max_position_embeddings=int(g.need(f"{arch}.context_length")),
+        rope_theta=float(g.get(f"{arch}.rope.freq_base", 10000.0)),
+        norm_epsilon=float(g.need(f"{arch}.attention.layer_norm_rms_epsilon")),
+        add_qkv_bias=bias, tie_word_embeddings="output.weight" not in names, head_dim=head_dim,
     )
     ids = {name: g.token_id(f"tokenizer.ggml.{key}", vocab) for name, key in
            (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
     config = spec.to_hf_config()
     config.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     tok = {
-        "tokens": tokens, "scores": g.need("tokenizer.ggml.scores"), "token_type": g.need("tokenizer.ggml.token_type"),
+        "model": tok_model, "pre": g.get("tokenizer.ggml.pre"),
+        "tokens": tokens, "token_type": g.need("tokenizer.ggml.token_type"),
+        "scores": g.need("tokenizer.ggml.scores") if tok_model == "llama" else None,
+        "merges": g.need("tokenizer.ggml.merges") if tok_model == "gpt2" else None,
         "ids": ids, "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", True)),
         "add_eos": bool(g.get("tokenizer.ggml.add_eos_token", False)), "chat_template": g.get("tokenizer.chat_template"),
     }
@@ -143,40 +175,49 @@ def _read_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _hf_tensors(g: _Gguf, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     n_layers = config["num_hidden_layers"]
-    heads = {"attn_q.weight": config["num_attention_heads"], "attn_k.weight": config["num_key_value_heads"]}
+    heads = dict(zip(PERMUTED, (config["num_attention_heads"], config["num_key_value_heads"])))
+    permuted = config["architectures"][0] == GGUF_ARCHITECTURES["llama"]
     for t in g.reader.tensors:
         parts = t.name.split(".", 2)
-        if t.name in _GLOBAL_NAMES:
-            yield _GLOBAL_NAMES[t.name], _tensor(g, t)
-        elif parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers and parts[2] in _LAYER_NAMES:
+        if t.name in GLOBAL_NAMES:
+            yield GLOBAL_NAMES[t.name], _tensor(g, t)
+        elif parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layers and parts[2] in LAYER_NAMES:
             w = _tensor(g, t)
-            if parts[2] in heads:
+            if permuted and parts[2] in heads:
                 w = unpermute_qk(w, heads[parts[2]])
-            yield f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}", w
+            yield f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}", w
         else:
-            raise ValueError(f"{g.path}: unexpected GGUF tensor {t.name!r} for a llama model")
+            raise ValueError(f"{g.path}: unexpected GGUF tensor {t.name!r} for a "
+                             f"{config['architectures'][0]} model")
 
 
 def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
-    from transformers import LlamaTokenizer
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
     tokens, ids = tok["tokens"], tok["ids"]
-    tokenizer_dict = {"tokenizer_type": "llama", "tokens": tokens, "scores": tok["scores"], "token_type": tok["token_type"]}
+    tokenizer_dict = {"tokenizer_type": tok["model"], "tokens": tokens, "token_type": tok["token_type"]}
+    for key, value in (("scores", tok["scores"]), ("merges", tok["merges"]), ("pre_tokenizer_type", tok["pre"])):
+        if value is not None:
+            tokenizer_dict[key] = value
     tokenizer_dict.update({f"{k}_token_id": v for k, v in ids.items() if v is not None})
     backend, _ = convert_gguf_tokenizer("llama", tokenizer_dict)
     names = {f"{k}_token": (tokens[v] if v is not None else None) for k, v in ids.items()}
     extra = {"chat_template": tok["chat_template"]} if tok["chat_template"] else {}
-    tokenizer = LlamaTokenizer(tokenizer_object=backend, add_bos_token=tok["add_bos"], add_eos_token=tok["add_eos"],
-                               **names, **extra)
+    if tok["model"] == "llama":
+        tokenizer = LlamaTokenizer(tokenizer_object=backend, add_bos_token=tok["add_bos"],
+                                   add_eos_token=tok["add_eos"], **names, **extra)
+    else:  # byte-level BPE: no prefix space, BOS only where the file asks for it
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **names, **extra)
     tokenizer.save_pretrained(out_dir)
 
 
 def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Convert a llama GGUF file into an HF model directory (atomically written).
+    """Convert a llama, qwen2 or qwen3 GGUF file into an HF model directory (atomically written).
 
     Args:
-        gguf_path: the ``.gguf`` file (F32, F16 or BF16 tensors).
+        gguf_path: the ``.gguf`` file (F32, F16, BF16 or Q8_0 tensors; Q8_0 is dequantized:
+            32-value blocks, each an f16 scale times int8 values, ggml ``dequantize_row_q8_0``).
         out_dir: destination; gets config.json, model.safetensors (float32),
             tokenizer files and generation_config.json.
 
@@ -185,8 +226,8 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: naming the file and the metadata key or tensor: non-llama architecture
-            or tokenizer, rotary scaling, partial rotary, quantized tensor types,
+        ValueError: naming the file and the metadata key or tensor: another architecture
+            or tokenizer model, rotary scaling, partial rotary, quantized tensor types,
             unexpected or missing tensors, token ids outside the vocabulary.
     """
     path = Path(gguf_path)
@@ -213,7 +254,7 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
 
 def read_gguf_metadata(gguf_path: str | Path, tokenizer_dir: str | Path | None = None) -> dict[str, Any]:
-    """The HF ``config.json`` dict of a llama GGUF file, from its metadata alone: no tensor
+    """The HF ``config.json`` dict of a llama, qwen2 or qwen3 GGUF file, from its metadata alone: no tensor
     is read (``posttrain validate`` checks a model this way without importing it).
 
     Args:

@@ -325,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     _config_arguments(p)
     p.set_defaults(fn=cmd_validate)
     from flows.gc import add_gc_parser
+    from flows.export_gguf import add_export_gguf_parser
 
     add_gc_parser(sub, console)
+    add_export_gguf_parser(sub, console)
     from flows.replay import add_replay_parser
 
     add_replay_parser(sub)

@@ -344,7 +344,9 @@ def _alternatives(value, ann) -> list:
         # a shorter list (lora.target_modules), a list of ids, of reward plug-in sections, of named
         # benchmark files (evaluate.datasets), or of a cluster's nodes (rl.engine.cluster_nodes)
         shorter = [value[1:]] if isinstance(value, list) and len(value) > 1 else []
-        return shorter + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}],
+        item = typing.get_args(_unwrap_optional(ann))  # a list of choices (export.gguf: [q8_0])
+        choice = [[typing.get_args(item[0])[0]]] if item and typing.get_origin(item[0]) is typing.Literal else []
+        return shorter + choice + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}],
                           [{"cpus": 8}]]
     # an unset optional (an import path, then a section: rl.teacher, a dataset: data.kto)
     return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"}]

@@ -452,3 +452,14 @@ def test_kto_po_and_an_rl_mixture_run_through_the_flow(project):
     assert len(rows) == 3
     for source in ("sums_a", "sums_b"):
         assert any(f"reward/{source}/mean" in r for r in rows), source
+
+
+def test_export_holds_a_model_card_whose_lineage_ids_are_the_manifests(project):
+    from huggingface_hub import ModelCard
+
+    stages = project["first"]["stages"]
+    card = ModelCard.load(Path(stages["export"]["uri"]) / "hf_model" / "README.md")
+    for stage in ("rl", "evaluate", "sft", "convert", "validate"):
+        manifest = json.loads((Path(stages[stage]["uri"]) / "manifest.json").read_text())
+        assert f"| {stage} | `{manifest['artifact_id']}` |" in card.text, stage
+    assert card.data.base_model and {r.metric_type for r in card.data.eval_results} >= {"accuracy"}
