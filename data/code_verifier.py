@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from data.sandbox import SandboxLimits, TestResult, run_test
+from data.sandbox import SandboxLimits, CaseResult, run_test
 
 REWARD_MODES = ("all_pass", "fraction")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
@@ -106,7 +106,7 @@ def parse_tests(label: str) -> CodeTests:
 
 
 def run_code_tests(program: str, tests: Sequence[CodeTest], limits: SandboxLimits = SandboxLimits(),
-                   stop_at_failure: bool = False) -> list[TestResult]:
+                   stop_at_failure: bool = False) -> list[CaseResult]:
     """Each test of ``tests`` on ``program``, one sandbox each, in order (wall time at most
     ``len(tests) * limits.wall_s`` plus start-up); with ``stop_at_failure`` the results end at
     the first test that did not pass."""

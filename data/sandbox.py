@@ -73,7 +73,7 @@ class SandboxLimits:
 
 
 @dataclass(frozen=True)
-class TestResult:
+class CaseResult:
     """One test's outcome: ``status`` in :data:`STATUSES`, ``reason`` ('' when passed), the
     program's stdout (up to the limit) and the wall seconds it took."""
 
@@ -154,6 +154,8 @@ except SystemExit as e:
     if _test is None and e.code in (0, None):
         _verdict("ran")
     _verdict("error", "exit(%r) before the tests finished" % (e.code,))
+except SyntaxError as e:
+    _verdict("error", "%s: %s (%s, line %s)" % (type(e).__name__, e.msg, e.filename, e.lineno))
 except BaseException as e:
     _verdict("error", "".join(traceback.format_exception_only(e)).strip().splitlines()[-1])
 _verdict("passed" if _test is not None else "ran")
@@ -287,7 +289,7 @@ def _remove(path: str) -> None:
 
 
 def run_test(program: str, *, test: str | None = None, stdin: str = "", expected_stdout: str | None = None,
-             limits: SandboxLimits = SandboxLimits()) -> TestResult:
+             limits: SandboxLimits = SandboxLimits()) -> CaseResult:
     """Run ``program`` then ``test`` (assert mode) or ``program`` on ``stdin`` (stdin/stdout
     mode) in a fresh sandbox; see the module docstring for the isolation.
 
@@ -301,7 +303,7 @@ def run_test(program: str, *, test: str | None = None, stdin: str = "", expected
             trailing whitespace stripped and trailing blank lines dropped (APPS/TACO/LiveCodeBench).
         limits: the :class:`SandboxLimits`.
 
-    Returns: a :class:`TestResult`. ``timeout``: "timed out after X s" (wall) or "CPU time over
+    Returns: a :class:`CaseResult`. ``timeout``: "timed out after X s" (wall) or "CPU time over
     X s"; ``error``: the exception line (``ZeroDivisionError: division by zero``), "killed:
     memory", "output over N bytes", "exit(0) before the tests finished", "exited with status N";
     ``failed``: the failing assert line and exception, or the expected and the actual output.
@@ -359,7 +361,7 @@ def _short(text: str, n: int = 200) -> str:
     return repr(text if len(text) <= n else text[:n] + "...")
 
 
-def _supervise(proc, mode, data, verdict_pipe, nonce, expected_stdout, limits, started) -> TestResult:
+def _supervise(proc, mode, data, verdict_pipe, nonce, expected_stdout, limits, started) -> CaseResult:
     """Feed stdin, read the outputs within their limits, wait within ``wall_s``, classify."""
     killed = threading.Event()
 
@@ -399,9 +401,9 @@ def _supervise(proc, mode, data, verdict_pipe, nonce, expected_stdout, limits, s
     stdout = out.data.decode("utf-8", "replace")
     if out.over or err.over:
         which = "output" if out.over else "stderr"
-        return TestResult("error", f"{which} over {limits.max_output_bytes} bytes", stdout, seconds)
+        return CaseResult("error", f"{which} over {limits.max_output_bytes} bytes", stdout, seconds)
     if timed_out:
-        return TestResult("timeout", f"timed out after {limits.wall_s:g} s", stdout, seconds)
+        return CaseResult("timeout", f"timed out after {limits.wall_s:g} s", stdout, seconds)
     lines = [line for line in verdict.data.decode("utf-8", "replace").splitlines() if nonce in line]
     found = None
     for line in lines:
@@ -415,13 +417,13 @@ def _supervise(proc, mode, data, verdict_pipe, nonce, expected_stdout, limits, s
     stderr = err.data.decode("utf-8", "replace")
     if found is None:
         if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
-            return TestResult("error", "killed: memory", stdout, seconds)
+            return CaseResult("error", "killed: memory", stdout, seconds)
         tail = stderr.strip().splitlines()[-1:] or [""]
-        return TestResult("error", f"exited with status {proc.returncode} before a verdict{': ' + tail[0] if tail[0] else ''}",
+        return CaseResult("error", f"exited with status {proc.returncode} before a verdict{': ' + tail[0] if tail[0] else ''}",
                           stdout, seconds)
     status, reason = found["status"], found["reason"]
     if status == "ran":
         if _same_output(stdout, expected_stdout):
-            return TestResult("passed", "", stdout, seconds)
-        return TestResult("failed", f"expected {_short(expected_stdout)}, got {_short(stdout)}", stdout, seconds)
-    return TestResult(status, reason, stdout, seconds)
+            return CaseResult("passed", "", stdout, seconds)
+        return CaseResult("failed", f"expected {_short(expected_stdout)}, got {_short(stdout)}", stdout, seconds)
+    return CaseResult(status, reason, stdout, seconds)
