@@ -336,10 +336,12 @@ def run_test(program: str, *, test: str | None = None, stdin: str = "", expected
                                 env=_env(home), start_new_session=True)
         os.close(verdict_w)
         verdict_w = -1
-        return _supervise(proc, support.mode, data, os.fdopen(verdict_r, "rb"), nonce, expected_stdout, limits, started)
+        pipe, verdict_r = os.fdopen(verdict_r, "rb"), -1  # _supervise closes it
+        return _supervise(proc, support.mode, data, pipe, nonce, expected_stdout, limits, started)
     finally:
-        if verdict_w >= 0:
-            os.close(verdict_w)
+        for fd in (verdict_w, verdict_r):
+            if fd >= 0:
+                os.close(fd)
         if proc is not None:
             _kill_tree(proc, support.mode)
             proc.wait()
