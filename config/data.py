@@ -16,7 +16,7 @@ from config.rl import RewardConfig
 
 DatasetFormat = Literal[
     "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo",
-    "dpo_messages", "kto", "unpaired"
+    "dpo_messages", "kto", "unpaired", "mbpp", "humaneval", "apps"
 ]
 VerifierName = RewardConfig.model_fields["verifier"].annotation
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"

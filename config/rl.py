@@ -129,16 +129,33 @@ class RewardFunctionConfig(Strict):
         return self.name if self.name is not None else self.path.rpartition(":")[2]
 
 
+class CodeRewardConfig(Strict):
+    """The ``code`` verifier: the sandbox's limits per test and the reward mode (docs/algorithms.md, Code sandbox)."""
+
+    reward: Literal["all_pass", "fraction"] = Field(
+        "all_pass", description="all_pass: 1 when every test passes, else 0; fraction: the fraction of tests passed.")
+    wall_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="Wall-clock limit of one test in seconds.")
+    cpu_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="CPU-time limit (RLIMIT_CPU) of each process of a test in seconds.")
+    memory_mb: int = Field(1024, gt=0, description="Address-space limit (RLIMIT_AS) of each process of a test in MiB.")
+    max_processes: int = Field(16, gt=0, description="Processes a test may have at once (RLIMIT_NPROC).")
+    max_output_bytes: int = Field(1 << 20, gt=0, description="Stdout (and stderr) a test may write; more kills it.")
+    allow_network: bool = Field(
+        False, description="Run code tests even where the sandbox cannot cut the network (no network namespace); "
+                           "posttrain validate and run refuse otherwise.")
+
+
 class RewardConfig(Strict):
     """How rollouts are scored: the sum of the weighted parts in use."""
 
-    verifier: Literal["exact_match", "gsm8k", "math", "story", "none"] = Field(
+    verifier: Literal["exact_match", "gsm8k", "math", "story", "code", "none"] = Field(
         "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
     )
     verifier_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the verifier score in the reward.")
     reward_model_weight: float = Field(0.0, allow_inf_nan=False, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
     functions: list[RewardFunctionConfig] = Field(
         [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
+    code: CodeRewardConfig = Field(CodeRewardConfig(), description="Sandbox limits and reward mode of the code verifier "
+                                                                   "(RL and evaluation).")
 
     @model_validator(mode="after")
     def _function_names(self):

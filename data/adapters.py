@@ -24,13 +24,16 @@ invalid JSON inside a field) raise ``FieldError`` naming the source field.
 | hh_rlhf | chosen + rejected transcripts ``\\n\\nHuman: ...\\n\\nAssistant: ...`` | preference |
 | unpaired | prompt (string or messages) + completion (string or one assistant message) + label (boolean): TRL's unpaired preference format | kto |
 | prompt_label | prompt (string or messages) + label, optional tools | rl |
+| mbpp | text or prompt + test_list (asserts), optional test_setup_code, test_imports | rl (label: the ``code`` verifier's tests, :mod:`data.code_formats`) |
+| humaneval | prompt + test (``def check(candidate)``) + entry_point | rl (as mbpp) |
+| apps | question + input_output (``{"inputs", "outputs"}``, stdin/stdout problems) | rl (as mbpp) |
 
 Every format refuses a multimodal record (a non-empty ``images`` / ``videos`` / ``audios``
 field, or an image, video or audio content part): training is text-only
 (:func:`data.adapter_fields.no_media`).
 
 The adapters live by family of formats (:mod:`data.conversation_formats`,
-:mod:`data.preference_formats`, :mod:`data.problem_formats`); the field access they share,
+:mod:`data.preference_formats`, :mod:`data.problem_formats`, :mod:`data.code_formats`); the field access they share,
 labels and tool calls included, is :mod:`data.adapter_fields`.
 
 Detection (``detect_format``): the candidates are the formats whose keys the first records
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from data.adapter_fields import Example, FieldError, no_media
+from data.code_formats import apps_adapter, humaneval_adapter, mbpp_adapter
 from data.conversation_formats import (
     alpaca_adapter,
     kto_adapter,
@@ -117,6 +121,9 @@ ADAPTERS: dict[str, Adapter] = {
         _adapter("hh_rlhf", hh_rlhf_adapter, {"preference"}, {"chosen", "rejected"}),
         _adapter("unpaired", unpaired_adapter, {"kto"}, {"prompt", "completion", "label"}),
         _adapter("prompt_label", prompt_label_adapter, {"rl"}, {"prompt", "label"}),
+        _adapter("mbpp", mbpp_adapter, {"rl"}, {"test_list"}, lambda r: "text" in r or "prompt" in r),
+        _adapter("humaneval", humaneval_adapter, {"rl"}, {"prompt", "test", "entry_point"}),
+        _adapter("apps", apps_adapter, {"rl"}, {"question", "input_output"}),
     )
 }
 

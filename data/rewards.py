@@ -35,6 +35,10 @@ Registry ``VERIFIERS``:
   Not equal: ``1/2`` vs ``2``, ``0.5`` vs ``0.05``, ``1/3`` vs ``0.333``, ``(1,2)`` vs
   ``(2,1)``, ``(1,2)`` vs ``[1,2]``, ``52_8`` vs ``52``, ``x<5`` vs ``x\\le5``, ``0,111``
   vs ``111``.
+- ``code``: the response's Python run against the label's tests in a sandbox
+  (``data.code_verifier``: label kinds, code extraction, the ``all_pass`` / ``fraction``
+  reward; ``data.sandbox``: isolation and limits). Its settings are ``rl.reward.code``, passed
+  to :func:`get_verifier` as ``code``.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ import functools
 import inspect
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Callable
+from typing import Any, Callable
 
+from data.code_verifier import code_reward, limits_of
 from data.math_answer import answers_equal
 from data.math_expression import start_clock, stop_clock
 from data.math_extraction import boxed_answers
@@ -160,7 +165,8 @@ def math_boxed(response: str, label: str) -> float:
             stop_clock()
 
 
-VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward}
+VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward,
+                                               "code": code_reward}
 
 
 def label_problem(name: str, label: str) -> str | None:
@@ -186,8 +192,12 @@ def _scorer(fn: Callable[..., float], response: str, label: str, finish_reason: 
     return float(fn(response, label))
 
 
-def get_verifier(name: str) -> Callable[[str, str, str], float]:
+def get_verifier(name: str, code: Any = None) -> Callable[[str, str, str], float]:
     """The verifier registered as ``name``, called as ``fn(response, label, finish_reason)``.
+
+    ``code``: the ``code`` verifier's settings (``config.rl.CodeRewardConfig``,
+    ``rl.reward.code``: reward mode and sandbox limits); None: its defaults. Other verifiers
+    ignore it.
 
     Verifiers that judge the answer only take ``(response, label)``; those that also judge
     how generation ended (``story``: it must stop at EOS) take a keyword ``finish_reason``
@@ -198,4 +208,7 @@ def get_verifier(name: str) -> Callable[[str, str, str], float]:
     """
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; expected one of {', '.join(VERIFIERS)}")
-    return functools.partial(_scorer, VERIFIERS[name])
+    fn = VERIFIERS[name]
+    if name == "code" and code is not None:
+        fn = functools.partial(code_reward, reward=code.reward, limits=limits_of(code))
+    return functools.partial(_scorer, fn)

@@ -28,7 +28,7 @@ from config import ConfigError, load_config  # noqa: E402
 from flows.cluster_checks import check_layouts, check_rl_placement, check_stage_cpus, cluster_notes  # noqa: E402
 from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
 from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
-from flows.run_checks import check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
+from flows.run_checks import check_code_sandbox, check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
 # artifact ids and wrap paths.
@@ -39,7 +39,7 @@ def _load(path: str, overrides: list[str] = ()):
     cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
     plugin_problems, plugin_notes = check_plugin_tracking(cfg)
-    return cfg, problems + plugin_problems + check_wandb_key(cfg), notes + plugin_notes
+    return cfg, problems + plugin_problems + check_wandb_key(cfg) + check_code_sandbox(cfg), notes + plugin_notes
 
 
 def cmd_validate(args) -> int:

@@ -1,7 +1,8 @@
 """Checks every command makes before a stage starts, beside ``flows.preflight.check_inputs``:
 that W&B online has an API key (:func:`check_wandb_key`), and the cheap model checks of
 ``posttrain validate`` that ``posttrain run`` makes too (:func:`check_model_fit`; the model
-directory's weights are checked by ``check_inputs``). Each
+directory's weights are checked by ``check_inputs``), and that the ``code`` verifier's sandbox
+has no network (:func:`check_code_sandbox`). Each
 problem is one string naming the config key first."""
 
 from __future__ import annotations
@@ -106,3 +107,31 @@ def check_plugin_tracking(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
                          "data file(s); a data file the plug-in reads that is NOT listed in a DATA_FILES of its modules is "
                          "NOT tracked: editing it reuses the cached rl artifact (docs/concepts.md, Plug-ins and the cache)")
     return problems, notes
+
+
+def code_verifier_keys(cfg: PipelineConfig) -> list[str]:
+    """The config keys that name the ``code`` verifier (``rl.reward.verifier``, a
+    ``data.rl_train[i].verifier``, an ``evaluate.datasets[i].verifier``)."""
+    keys = ["rl.reward.verifier"] if cfg.rl.reward.verifier == "code" else []
+    sources = cfg.data.rl_train if isinstance(cfg.data.rl_train, list) else []
+    keys += [f"data.rl_train[{i}].verifier" for i, s in enumerate(sources) if s.verifier == "code"]
+    keys += [f"evaluate.datasets[{i}].verifier" for i, b in enumerate(cfg.evaluate.datasets) if b.verifier == "code"]
+    return keys
+
+
+def check_code_sandbox(cfg: PipelineConfig) -> list[str]:
+    """The ``code`` verifier runs model-written programs: refuse where its sandbox cannot cut
+    them off from the network (``data.sandbox.network_isolation_problem``), unless
+    ``rl.reward.code.allow_network`` is true. Probes the machine once (about 0.1 s) and only
+    when a key names the ``code`` verifier."""
+    keys = code_verifier_keys(cfg)
+    if not keys or cfg.rl.reward.code.allow_network:
+        return []
+    from data.sandbox import network_isolation_problem
+
+    why = network_isolation_problem()
+    if why is None:
+        return []
+    return [f"{keys[0]}: the code verifier runs model-written programs, and this machine's sandbox cannot cut them off "
+            f"from the network ({why}); run where unshare can make a network namespace, or set "
+            "rl.reward.code.allow_network: true to run them with network access"]

@@ -62,7 +62,7 @@ def evaluate(ctx: StageContext) -> dict:
     settings = cfg.evaluate.benchmarks(cfg.rl.reward.verifier, cfg.data.rl_eval is not None)
     if not settings:
         raise ValueError("evaluate: no benchmark to evaluate; set data.rl_eval or evaluate.datasets")
-    benchmarks = [load_benchmark(b, ctx.input_path("validate") / "rl_eval.jsonl") for b in settings]
+    benchmarks = [load_benchmark(b, ctx.input_path("validate") / "rl_eval.jsonl", cfg.rl.reward.code) for b in settings]
     results = evaluate_benchmarks(
         {base: ctx.input_path(rl_starting_policy(cfg)) / "model", "rl": ctx.input_path("rl") / "model"},
         benchmarks,

@@ -87,7 +87,8 @@ def rl(ctx: StageContext) -> dict:
     if ctx.cfg.rl.eval_every:  # the evaluate stage's code, on the rollout engines (engine.evaluation)
         from engine.evaluation.benchmarks import PolicyEvaluator, load_benchmark
 
-        bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl")
+        bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl",
+                               ctx.cfg.rl.reward.code)
         evaluator = PolicyEvaluator(bench, seed=ctx.cfg.run.seed)
     metrics = run_rl(
         ctx.input_path(rl_starting_policy(ctx.cfg)) / "model",

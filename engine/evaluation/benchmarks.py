@@ -25,13 +25,15 @@ if TYPE_CHECKING:
     from config.evaluate import BenchmarkSettings
 
 
-def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None) -> Benchmark:
+def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None,
+                   code: Any = None) -> Benchmark:
     """The :class:`~engine.evaluation.scoring.Benchmark` of resolved ``settings``
     (``config.evaluate.EvaluateConfig.benchmarks``): its rows as :func:`benchmark_rows`
-    reads them. Raises what :func:`benchmark_rows` raises."""
+    reads them; ``code``: ``rl.reward.code`` for the ``code`` verifier. Raises what
+    :func:`benchmark_rows` raises."""
     rows, _, _ = benchmark_rows(settings, rl_eval_path)
     return Benchmark(settings.name, tuple(rows), settings.verifier, settings.samples_per_prompt, settings.temperature,
-                     settings.max_new_tokens, settings.k, settings.breakdown)
+                     settings.max_new_tokens, settings.k, settings.breakdown, code)
 
 
 def benchmark_rows(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None

@@ -186,6 +186,7 @@ class Benchmark:
         samples_per_prompt, temperature, max_new_tokens: sampling (temperature 0 = greedy).
         k: the k of pass@k and maj@k (None: 1 and ``samples_per_prompt``).
         breakdown: fields of ``rows[i]["fields"]`` to break the metrics down by.
+        code: the ``code`` verifier's settings (``rl.reward.code``); None: its defaults.
     """
 
     name: str
@@ -196,6 +197,7 @@ class Benchmark:
     max_new_tokens: int = 32
     k: tuple[int, ...] | None = None
     breakdown: tuple[str, ...] = ()
+    code: Any = None
 
     @property
     def num_sequences(self) -> int:
@@ -220,7 +222,7 @@ def run_benchmark(engine: RolloutEngine, tokenizer, bench: Benchmark, seed: int 
     from engine.evaluation.statistics import answer_voting
 
     return evaluate_policy(
-        engine, tokenizer, bench.rows, get_verifier(bench.verifier), bench.max_new_tokens, bench.temperature,
+        engine, tokenizer, bench.rows, get_verifier(bench.verifier, bench.code), bench.max_new_tokens, bench.temperature,
         seed=seed, samples_per_prompt=bench.samples_per_prompt, ks=bench.k, voting=answer_voting(bench.verifier),
         breakdown=bench.breakdown)
 

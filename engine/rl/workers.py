@@ -442,7 +442,7 @@ class RewardWorker:
         worker_threads(num_threads)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(tokenizer_model_dir)
-        self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier)
+        self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier, cfg.code)
         self._verifiers = {} if self.verifier is None else {cfg.verifier: self.verifier}
         self.functions = []
         for i, f in enumerate(cfg.functions):
@@ -521,7 +521,7 @@ class RewardWorker:
         from data.rewards import get_verifier
 
         if name not in self._verifiers:
-            self._verifiers[name] = get_verifier(name)
+            self._verifiers[name] = get_verifier(name, self.cfg.code)
         return self._verifiers[name]
 
 
