@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from config.base import Strict
+from config.judge import JudgeConfig, RemoteRewardConfig
 from config.lora import LoraConfig
 from config.training import DeepSpeedConfig, OptimConfig
 from config.parallel import RLParallelConfig
@@ -139,10 +140,15 @@ class RewardConfig(Strict):
     reward_model_weight: float = Field(0.0, allow_inf_nan=False, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
     functions: list[RewardFunctionConfig] = Field(
         [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
+    judge: JudgeConfig | None = Field(None, description="An LLM judge's normalised score, times its weight "
+                                                        "(docs/algorithms.md, Judge and remote rewards).")
+    remote: RemoteRewardConfig | None = Field(None, description="A reward service's score over HTTP, times its weight "
+                                                                "(docs/algorithms.md, Judge and remote rewards).")
 
     @model_validator(mode="after")
     def _function_names(self):
-        seen = {"verifier": "the verifier", "model": "the reward model"}
+        seen = {"verifier": "the verifier", "model": "the reward model", "judge": "rl.reward.judge",
+                "remote": "rl.reward.remote"}
         for i, f in enumerate(self.functions):
             if f.metric_name in seen:
                 raise ValueError(f"rl.reward.functions[{i}]: metric name {f.metric_name!r} is already used by "
