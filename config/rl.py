@@ -147,8 +147,9 @@ class RewardConfig(Strict):
 
     @model_validator(mode="after")
     def _function_names(self):
-        seen = {"verifier": "the verifier", "model": "the reward model", "judge": "rl.reward.judge",
-                "remote": "rl.reward.remote"}
+        seen = {"verifier": "the verifier", "model": "the reward model",
+                **({"judge": "rl.reward.judge"} if self.judge is not None else {}),
+                **({"remote": "rl.reward.remote"} if self.remote is not None else {})}
         for i, f in enumerate(self.functions):
             if f.metric_name in seen:
                 raise ValueError(f"rl.reward.functions[{i}]: metric name {f.metric_name!r} is already used by "

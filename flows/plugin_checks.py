@@ -71,7 +71,7 @@ def check_judge(cfg: PipelineConfig) -> list[str]:
     if not any((d / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return [f"{key}.model_dir: {d} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model); "
                 "copy the judge's tokenizer files into it"]
-    if not any(d.glob(pattern) for pattern in WEIGHT_GLOBS):
+    if not any(next(d.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         return [f"{key}.model_dir: {d} has config.json but no weights (no *.safetensors or pytorch_model*.bin file) "
                 "for vLLM to load: copy the judge's weight files into it"]
     return []

@@ -455,8 +455,8 @@ class RewardWorker:
                 raise ImportError(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}") from exc
         if self.verifier is None and cfg.reward_model_weight == 0 and not self.functions and cfg.judge is None \
                 and cfg.remote is None:
-            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0, functions is empty and there "
-                             "is no judge or remote: nothing gives a reward")
+            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0, judge and remote are unset and "
+                             "functions is empty: nothing gives a reward")
         from engine.rl.judge import JudgeReward
         from engine.rl.remote_reward import RemoteReward
 

@@ -131,7 +131,7 @@ def test_reward_worker_adds_the_weighted_judge_and_remote_scores(tokenizer_dir):
     assert metrics == pytest.approx({"reward/verifier_mean": 1 / 3, "reward/judge_mean": 0.1, "reward/judge_failures": 1.0,
                                      "reward/remote_mean": 1.0 / 3, "reward/remote_failures": 0.0}, abs=1e-6)
 
-    with pytest.raises(ValueError, match="there is no judge or remote: nothing gives a reward"):
+    with pytest.raises(ValueError, match="judge and remote are unset and functions is empty: nothing gives a reward"):
         RewardWorker(tokenizer_dir, RewardConfig(verifier="none"))
     remote_only = RewardWorker(tokenizer_dir, RewardConfig(verifier="none", remote={"url": "http://127.0.0.1:9/x"}))
     assert [name for name, _, _ in remote_only.services] == ["remote"]
