@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from config.base import Strict
+from config.judge import JudgeConfig, RemoteRewardConfig
 from config.lora import LoraConfig
 from config.training import DeepSpeedConfig, OptimConfig
 from config.parallel import RLParallelConfig
@@ -156,10 +157,16 @@ class RewardConfig(Strict):
         [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
     code: CodeRewardConfig = Field(CodeRewardConfig(), description="Sandbox limits and reward mode of the code verifier "
                                                                    "(RL and evaluation).")
+    judge: JudgeConfig | None = Field(None, description="An LLM judge's normalised score, times its weight "
+                                                        "(docs/algorithms.md, Judge and remote rewards).")
+    remote: RemoteRewardConfig | None = Field(None, description="A reward service's score over HTTP, times its weight "
+                                                                "(docs/algorithms.md, Judge and remote rewards).")
 
     @model_validator(mode="after")
     def _function_names(self):
-        seen = {"verifier": "the verifier", "model": "the reward model"}
+        seen = {"verifier": "the verifier", "model": "the reward model",
+                **({"judge": "rl.reward.judge"} if self.judge is not None else {}),
+                **({"remote": "rl.reward.remote"} if self.remote is not None else {})}
         for i, f in enumerate(self.functions):
             if f.metric_name in seen:
                 raise ValueError(f"rl.reward.functions[{i}]: metric name {f.metric_name!r} is already used by "

@@ -7,6 +7,7 @@ problem is one string naming the config key first."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ def check_plugins(cfg: PipelineConfig, rows: dict[str, Any] | None = None) -> li
                 continue
             if trial is not None:
                 problems += _try(fn, f"rl.reward.functions[{i}]", *trial)
+    problems += check_judge(cfg)
     if cfg.rl.environment is not None:
         from engine.rollout.multi_turn import load_environment_factory
 
@@ -43,6 +45,36 @@ def check_plugins(cfg: PipelineConfig, rows: dict[str, Any] | None = None) -> li
         except ImportError as exc:
             problems.append(f"rl.environment: cannot load {cfg.rl.environment!r}: {exc}")
     return problems
+
+
+def check_judge(cfg: PipelineConfig) -> list[str]:
+    """The LLM judge's inputs (``rl.reward.judge``): its ``model_dir`` an HF model directory
+    (config.json, weights, a tokenizer) vLLM can serve, its ``api_key_env`` set here. (The
+    config itself refuses an endpoint or reward-service URL that is not an http(s) URL and a
+    template naming a field other than {prompt}, {response}, {label}.) Returns problems."""
+    from flows.content_checks import WEIGHT_GLOBS
+
+    judge = cfg.rl.reward.judge
+    if judge is None:
+        return []
+    key = "rl.reward.judge"
+    if judge.api_key_env is not None and not os.environ.get(judge.api_key_env):
+        return [f"{key}.api_key_env: environment variable {judge.api_key_env} is not set; export it where the run "
+                "starts (the reward worker reads it), or set api_key_env: null for an endpoint without a key"]
+    if judge.model_dir is None:
+        return []
+    d = Path(judge.model_dir)
+    if not (d / "config.json").is_file():
+        what = "directory not found" if not d.is_dir() else "no config.json (not an HF model directory)"
+        return [f"{key}.model_dir: {what}: {d}; give an HF model directory (config.json, SafeTensors, tokenizer), "
+                f"or serve the judge elsewhere and set {key}.base_url"]
+    if not any((d / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return [f"{key}.model_dir: {d} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model); "
+                "copy the judge's tokenizer files into it"]
+    if not any(next(d.glob(pattern), None) for pattern in WEIGHT_GLOBS):
+        return [f"{key}.model_dir: {d} has config.json but no weights (no *.safetensors or pytorch_model*.bin file) "
+                "for vLLM to load: copy the judge's weight files into it"]
+    return []
 
 
 def _trial_rows(rows: dict[str, Any]) -> tuple[list[dict], str] | None:

@@ -35,14 +35,17 @@ def _reward_plugin_files(cfg: PipelineConfig) -> dict[str, str]:
     found is left out here; the run then fails naming ``rl.reward.functions[i].path``,
     ``rl.environment``, ``rl.algorithm`` or ``rl.policy_loss``. Also the benchmark file
     ``rl.eval_every`` evaluates when it is an ``evaluate.datasets`` entry (``benchmark_<name>``),
-    and the teacher's model directory of on-policy distillation (``teacher``: ``rl.teacher.model_dir``,
-    every file of it), so retraining or replacing the teacher retrains."""
+    the teacher's model directory of on-policy distillation (``teacher``: ``rl.teacher.model_dir``,
+    every file of it), so retraining or replacing the teacher retrains, and the LLM judge's
+    (``judge``: ``rl.reward.judge.model_dir``), so replacing the judge retrains."""
     files = plugin_files(cfg)
     bench = eval_benchmark(cfg)
     if bench is not None and bench.path is not None:  # rl.eval_every reads an evaluate.datasets file
         files[f"benchmark_{bench.name}"] = bench.path
     if cfg.rl.teacher is not None:  # on-policy distillation reads the teacher's weights and tokenizer
         files["teacher"] = cfg.rl.teacher.model_dir
+    if cfg.rl.reward.judge is not None and cfg.rl.reward.judge.model_dir is not None:  # the judge's weights
+        files["judge"] = cfg.rl.reward.judge.model_dir
     return files
 
 
@@ -57,10 +60,16 @@ def eval_benchmark(cfg: PipelineConfig):
 
 # Where the engine runs, how weights are chunked for sync, how long a sync or a health check may
 # take, how many engines may be replaced, how often checkpoints are written: none of them changes
-# the result (resume is bit-identical; a replaced engine's share is generated again).
+# the result (resume is bit-identical; a replaced engine's share is generated again). Nor do how long
+# a judge or reward-service request may take, how often it is retried, how many are in flight, how
+# samples are batched into requests, or the name of the variable holding the judge's API key. (What
+# does: the judge's model_dir, hashed by content, or base_url + model; the template, parsing and
+# sampling settings; the service's url; the fallbacks and the failure policy.)
 _NOT_FINGERPRINTED = {
     "engine": {"ray_address", "num_cpus", "weight_sync", "weight_sync_bucket_mb", "weight_sync_timeout_s",
                "health_check_timeout_s", "max_engine_restarts"},
+    "reward": {"judge": {"timeout_s", "max_retries", "max_concurrency", "api_key_env"},
+               "remote": {"timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency"}},
     "checkpoint_every": True,
 }
 

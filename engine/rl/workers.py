@@ -417,13 +417,16 @@ class RewardModelWorker:
 
 class RewardWorker:
     """Scalar rewards of responses: ``verifier_weight * verifier(text, label, finish_reason) +
-    reward_model_weight * RM(prompt, text) + sum_i functions[i].weight * functions[i](text, ...)``.
+    reward_model_weight * RM(prompt, text) + sum_i functions[i].weight * functions[i](text, ...)
+    + judge.weight * judge(prompt, text, label) + remote.weight * remote(prompt, text, label, finish_reason)``.
 
     The verifier is ``data.rewards.VERIFIERS[cfg.verifier]`` (``"none"`` disables it); the
     reward model's scores come from the :class:`RewardModelWorker` role (``model_scores`` of
     :meth:`score`); the plug-ins (``cfg.functions``) are imported here, so a bad path
     fails when the worker starts, not at the first step (calling convention:
-    ``data.reward_plugins``).
+    ``data.reward_plugins``); the judge (``cfg.judge``: :class:`engine.rl.judge.JudgeReward`, its vLLM
+    engine started here when it has a ``model_dir``) and the reward service (``cfg.remote``:
+    :class:`engine.rl.remote_reward.RemoteReward`) too.
     Responses are decoded by ``data.chat_response.response_text`` (special tokens removed, so a final EOS
     is not part of the text), as evaluation decodes them.
 
@@ -450,9 +453,15 @@ class RewardWorker:
                 self.functions.append(load_reward_function(f.path, batched=f.batched, name=f.metric_name))
             except ImportError as exc:
                 raise ImportError(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}") from exc
-        if self.verifier is None and cfg.reward_model_weight == 0 and not self.functions:
-            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0 and functions is empty: "
-                             "nothing gives a reward")
+        if self.verifier is None and cfg.reward_model_weight == 0 and not self.functions and cfg.judge is None \
+                and cfg.remote is None:
+            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0, judge and remote are unset and "
+                             "functions is empty: nothing gives a reward")
+        from engine.rl.judge import JudgeReward
+        from engine.rl.remote_reward import RemoteReward
+
+        self.services = ([("judge", JudgeReward(cfg.judge), cfg.judge.weight)] if cfg.judge is not None else []) + (
+            [("remote", RemoteReward(cfg.remote), cfg.remote.weight)] if cfg.remote is not None else [])
 
     def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
         """Response texts by :func:`data.chat_response.response_text` (special tokens, e.g. the final
@@ -483,12 +492,14 @@ class RewardWorker:
                 required when ``reward_model_weight != 0``.
 
         Returns: ``(rewards [B] float32, metrics)`` with ``reward/verifier_mean``,
-            ``reward/model_mean`` and ``reward/<name>_mean`` per plug-in, for the parts in use
-            (means of the unweighted scores).
+            ``reward/model_mean``, ``reward/<name>_mean`` per plug-in, ``reward/judge_mean`` and
+            ``reward/remote_mean``, for the parts in use (means of the unweighted scores), and
+            ``reward/judge_failures``, ``reward/remote_failures``: the samples scored their fallback.
 
         Raises:
             ValueError: a plug-in returned the wrong number of values or a non-finite one;
                 ``reward_model_weight != 0`` without ``model_scores`` of ``B`` values.
+            engine.rl.remote_reward.RemoteRewardError: the reward service failed with ``on_failure: fail``.
         """
         texts = self.decode(response_ids)
         rewards = torch.zeros(len(texts))
@@ -512,6 +523,10 @@ class RewardWorker:
             values = torch.tensor(fn(texts, labels, prompts, finish_reasons), dtype=torch.float32)
             rewards += f.weight * values
             metrics[f"reward/{fn.name}_mean"] = float(values.mean())
+        for name, service, weight in self.services:
+            values, failures = service.score(prompts, texts, labels, finish_reasons)
+            rewards += weight * values
+            metrics[f"reward/{name}_mean"], metrics[f"reward/{name}_failures"] = float(values.mean()), float(failures)
         if reward_weights is not None:
             rewards *= torch.tensor(reward_weights, dtype=torch.float32)
         return rewards, metrics
