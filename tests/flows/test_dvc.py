@@ -348,8 +348,9 @@ def _alternatives(value, ann) -> list:
         choice = [[typing.get_args(item[0])[0]]] if item and typing.get_origin(item[0]) is typing.Literal else []
         return shorter + choice + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}],
                           [{"cpus": 8}]]
-    # an unset optional (an import path, then a section: rl.teacher, a dataset: data.kto)
-    return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"}]
+    # an unset optional (an import path, then a section: rl.teacher, rl.reward.judge, a dataset: data.kto)
+    return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"},
+            {"url": "http://127.0.0.1:8000/score"}]  # a reward service (rl.reward.remote)
 
 
 # Keys valid only together with others (cross-key checks of the schema).
