@@ -14,6 +14,9 @@ mlp.{gate,up}_proj.weight               mlp.linear_fc1.weight, fused [gate; up]
 mlp.down_proj.weight                    mlp.linear_fc2.weight
 ======================================  ==============================================
 
+(the MLP rows via ``conversion.moe_mlp``, which also maps the experts and router of the MoE
+layers of Mixtral, Qwen2-MoE and Qwen3-MoE, whose attention is Llama's, Qwen2's and Qwen3's)
+
 plus ``model.embed_tokens.weight`` <-> ``embedding.word_embeddings.weight``,
 ``model.norm.weight`` <-> ``decoder.final_layernorm.weight`` and, for untied embeddings,
 ``lm_head.weight`` <-> ``output_layer.weight``. The QKV biases exist only when
@@ -28,7 +31,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-from conversion.layout import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
+from conversion import moe_mlp
+from conversion.layout import fuse_qkv, split_qkv
 from conversion.spec import GPTSpec
 
 # One-to-one per-layer tensors: HF suffix -> megatron suffix.
@@ -36,7 +40,6 @@ LAYER_DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
 GLOBAL_DIRECT = {
     "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -71,7 +74,7 @@ def _qkv_kinds(spec: GPTSpec) -> tuple[str, ...]:
 
 def hf_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the map expects (tied models: without ``lm_head.weight``) -> shape."""
-    h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
+    h, d = spec.hidden_size, spec.kv_channels
     q_out, kv_out = spec.num_attention_heads * d, spec.num_key_value_heads * d
     out = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     if not spec.tie_word_embeddings:
@@ -79,8 +82,8 @@ def hf_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.gate_proj.weight": (f, h),
-                    p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+                    p + "self_attn.o_proj.weight": (h, q_out)})
+        out.update({p + name: shape for name, shape in moe_mlp.hf_shapes(spec, i).items()})
         out.update({p + name: shape for name, (_, shape) in _optional_direct(spec).items()})
         for kind in _qkv_kinds(spec):
             for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
@@ -90,7 +93,7 @@ def hf_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
 
 def mcore_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
     """Every megatron-core parameter name (``_extra_state`` excluded) -> shape."""
-    h, d, f = spec.hidden_size, spec.kv_channels, spec.ffn_hidden_size
+    h, d = spec.hidden_size, spec.kv_channels
     qkv_out = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * d
     out = {"embedding.word_embeddings.weight": (spec.vocab_size, h), "decoder.final_layernorm.weight": (h,)}
     if not spec.tie_word_embeddings:
@@ -99,8 +102,8 @@ def mcore_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
         p = f"decoder.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
                     p + "self_attention.linear_qkv.weight": (qkv_out, h),
-                    p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d),
-                    p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
+                    p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d)})
+        out.update({p + name: shape for name, shape in moe_mlp.mcore_shapes(spec, i).items()})
         out.update({p + name: shape for name, shape in _optional_direct(spec).values()})
         if spec.add_qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = (qkv_out,)
@@ -119,7 +122,7 @@ def to_megatron(spec: GPTSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, torc
         for kind in _qkv_kinds(spec):
             q, k, v = (hf[f"{hp}self_attn.{n}_proj.{kind}"] for n in "qkv")
             out[f"{mp}self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, spec.num_key_value_heads)
-        out[mp + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"])
+        out.update(moe_mlp.to_megatron(spec, i, hf, hp, mp))
     return out
 
 
@@ -136,8 +139,6 @@ def to_hf(spec: GPTSpec, mcore: Mapping[str, torch.Tensor]) -> Iterator[tuple[st
             q, k, v = split_qkv(mcore[f"{mp}self_attention.linear_qkv.{kind}"], spec.num_attention_heads,
                                 spec.num_key_value_heads, spec.kv_channels)
             yield from ((f"{hp}self_attn.{n}_proj.{kind}", t) for n, t in zip("qkv", (q, k, v)))
-        gate, up = split_gate_up(mcore[mp + "mlp.linear_fc1.weight"])
-        yield hp + "mlp.gate_proj.weight", gate
-        yield hp + "mlp.up_proj.weight", up
+        yield from moe_mlp.to_hf(spec, i, mcore, hp, mp)
     if not spec.tie_word_embeddings:
         yield LM_HEAD[0], mcore[LM_HEAD[1]]

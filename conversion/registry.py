@@ -15,7 +15,12 @@ import torch
 from conversion import llama, qwen2, qwen3
 from conversion.spec import GPTSpec
 
-FAMILIES: dict[str, ModuleType] = {"LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
+# The MoE classes share their dense family's map (attention, norms, embeddings); the MLP of each
+# layer, dense or experts + router, is mapped by ``conversion.moe_mlp`` from the spec.
+FAMILIES: dict[str, ModuleType] = {
+    "LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3,
+    "MixtralForCausalLM": llama, "Qwen2MoeForCausalLM": qwen2, "Qwen3MoeForCausalLM": qwen3,
+}
 
 # HF checkpoints may carry these non-parameter buffers; they are recomputed, never mapped.
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
