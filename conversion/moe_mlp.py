@@ -1,9 +1,8 @@
-"""The MLP of one decoder layer, dense or mixture-of-experts: HF names <-> megatron-core names.
+"""The MLP of one mixture-of-experts decoder layer: HF names <-> megatron-core names.
 
 Names are relative to the layer prefixes (HF ``model.layers.{i}.``, megatron
-``decoder.layers.{i}.``). A dense SwiGLU MLP (Llama, Qwen2, Qwen3, and the dense layers of
-Qwen MoE models) is ``mlp.{gate,up,down}_proj`` <-> ``mlp.linear_fc1`` ``[gate; up]`` and
-``mlp.linear_fc2``. An MoE layer (megatron-core ``MoELayer`` with ``TopKRouter`` and
+``decoder.layers.{i}.``); ``conversion.llama`` maps the rest of the layer, and the dense
+MLPs (``spec.moe_dense_layers``) as in a dense model. An MoE layer (megatron-core ``MoELayer`` with ``TopKRouter`` and
 ``SequentialMLP`` experts, local spec) maps, for expert j:
 
 ===========================================  ================================================
@@ -47,9 +46,8 @@ _DENSE = ("gate_proj", "up_proj", "down_proj")
 
 
 def _swiglu_pairs(spec, layer: int) -> list[tuple[str, str, tuple[str, str, str], int]]:
-    """(HF prefix, megatron prefix, HF (gate, up, down) names, width) of every SwiGLU MLP in ``layer``."""
-    if not spec.is_moe_layer(layer):
-        return [("mlp.", "mlp.", _DENSE, spec.ffn_hidden_size)]
+    """(HF prefix, megatron prefix, HF (gate, up, down) names, width) of every SwiGLU MLP in
+    MoE ``layer``: the routed experts, then the shared expert."""
     _, expert_hf, names = _HF_MOE[spec.architecture]
     out = [(expert_hf.format(j=j), EXPERT.format(j=j), names, spec.moe_ffn_hidden_size)
            for j in range(spec.num_experts)]
@@ -59,9 +57,7 @@ def _swiglu_pairs(spec, layer: int) -> list[tuple[str, str, tuple[str, str, str]
 
 
 def _router_pairs(spec, layer: int) -> list[tuple[str, str, tuple[int, int]]]:
-    """(HF suffix, megatron suffix, shape) of the router and the shared-expert gate of ``layer``."""
-    if not spec.is_moe_layer(layer):
-        return []
+    """(HF suffix, megatron suffix, shape) of the router and the shared-expert gate of MoE ``layer``."""
     out = [(_HF_MOE[spec.architecture][0], ROUTER, (spec.num_experts, spec.hidden_size))]
     if spec.moe_shared_expert_ffn_hidden_size is not None:
         out.append((SHARED_GATE_HF, SHARED_GATE, (1, spec.hidden_size)))
@@ -69,7 +65,7 @@ def _router_pairs(spec, layer: int) -> list[tuple[str, str, tuple[int, int]]]:
 
 
 def hf_shapes(spec, layer: int) -> dict[str, tuple[int, ...]]:
-    """HF MLP tensor suffixes of 0-based ``layer`` -> shapes."""
+    """HF MLP tensor suffixes of 0-based MoE ``layer`` -> shapes."""
     h = spec.hidden_size
     out = {hf: shape for hf, _, shape in _router_pairs(spec, layer)}
     for hp, _, (gate, up, down), f in _swiglu_pairs(spec, layer):
@@ -78,7 +74,7 @@ def hf_shapes(spec, layer: int) -> dict[str, tuple[int, ...]]:
 
 
 def mcore_shapes(spec, layer: int) -> dict[str, tuple[int, ...]]:
-    """megatron MLP parameter suffixes of 0-based ``layer`` -> shapes."""
+    """megatron MLP parameter suffixes of 0-based MoE ``layer`` -> shapes."""
     h = spec.hidden_size
     out = {m: shape for _, m, shape in _router_pairs(spec, layer)}
     for _, mp, _, f in _swiglu_pairs(spec, layer):

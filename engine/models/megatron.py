@@ -244,6 +244,8 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
+    MoE specs (``spec.num_experts``) get megatron's ``MoELayer`` in their expert layers
+    (:func:`_moe_config`), at tensor-parallel size 1 only.
     In a rank of a tensor-parallel group (``engine.models.platform.init_model_parallel(tp=N)`` called
     first) it builds that rank's shard: megatron's layers hold 1/N of the vocabulary, heads
     and FFN width (layouts: ``conversion.tensor_parallel``); every rank initialises the same
@@ -263,6 +265,9 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
 
     tp = ensure_model_parallel()
     if spec.num_experts is not None:
+        if tp > 1:
+            raise ValueError(f"{spec.architecture}: MoE models build at tensor-parallel size 1 only (got {tp}); "
+                             "tensor and expert parallelism of the experts are not implemented yet")
         patch_moe_without_transformer_engine()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
