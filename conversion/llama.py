@@ -14,6 +14,9 @@ mlp.{gate,up}_proj.weight               mlp.linear_fc1.weight, fused [gate; up]
 mlp.down_proj.weight                    mlp.linear_fc2.weight
 ======================================  ==============================================
 
+The MoE layers of Mixtral, Qwen2-MoE and Qwen3-MoE (whose attention is Llama's, Qwen2's and
+Qwen3's) have a router and experts instead of the three ``mlp`` rows: ``conversion.moe_mlp``.
+
 plus ``model.embed_tokens.weight`` <-> ``embedding.word_embeddings.weight``,
 ``model.norm.weight`` <-> ``decoder.final_layernorm.weight`` and, for untied embeddings,
 ``lm_head.weight`` <-> ``output_layer.weight``. The QKV biases exist only when
@@ -28,6 +31,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from conversion import moe_mlp
 from conversion.layout import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 from conversion.spec import GPTSpec
 
@@ -60,9 +64,16 @@ def _optional_direct(spec: GPTSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _layer_direct(spec: GPTSpec) -> dict[str, str]:
-    """All one-to-one per-layer tensors of ``spec``: HF suffix -> megatron suffix."""
-    return LAYER_DIRECT | {h: m for h, (m, _) in _optional_direct(spec).items()}
+_DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _layer_direct(spec: GPTSpec, layer: int) -> dict[str, str]:
+    """All one-to-one per-layer tensors of ``spec``'s ``layer``: HF suffix -> megatron suffix
+    (an MoE layer has no dense ``down_proj``)."""
+    direct = LAYER_DIRECT | {h: m for h, (m, _) in _optional_direct(spec).items()}
+    if spec.is_moe_layer(layer):
+        direct.pop(_DENSE_MLP[2])
+    return direct
 
 
 def _qkv_kinds(spec: GPTSpec) -> tuple[str, ...]:
@@ -79,8 +90,11 @@ def hf_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.o_proj.weight": (h, q_out), p + "mlp.gate_proj.weight": (f, h),
-                    p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+                    p + "self_attn.o_proj.weight": (h, q_out)})
+        if spec.is_moe_layer(i):
+            out.update({p + name: shape for name, shape in moe_mlp.hf_shapes(spec, i).items()})
+        else:
+            out.update(dict(zip((p + n for n in _DENSE_MLP), ((f, h), (f, h), (h, f)))))
         out.update({p + name: shape for name, (_, shape) in _optional_direct(spec).items()})
         for kind in _qkv_kinds(spec):
             for name, rows in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
@@ -99,8 +113,11 @@ def mcore_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
         p = f"decoder.layers.{i}."
         out.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
                     p + "self_attention.linear_qkv.weight": (qkv_out, h),
-                    p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d),
-                    p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
+                    p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d)})
+        if spec.is_moe_layer(i):
+            out.update({p + name: shape for name, shape in moe_mlp.mcore_shapes(spec, i).items()})
+        else:
+            out.update({p + "mlp.linear_fc1.weight": (2 * f, h), p + "mlp.linear_fc2.weight": (h, f)})
         out.update({p + name: shape for name, shape in _optional_direct(spec).values()})
         if spec.add_qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = (qkv_out,)
@@ -112,14 +129,16 @@ def to_megatron(spec: GPTSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, torc
     out = {m: hf[h] for h, m in GLOBAL_DIRECT.items()}
     if not spec.tie_word_embeddings:
         out[LM_HEAD[1]] = hf[LM_HEAD[0]]
-    direct = _layer_direct(spec)
     for i in range(spec.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out.update({mp + m: hf[hp + h] for h, m in direct.items()})
+        out.update({mp + m: hf[hp + h] for h, m in _layer_direct(spec, i).items()})
         for kind in _qkv_kinds(spec):
             q, k, v = (hf[f"{hp}self_attn.{n}_proj.{kind}"] for n in "qkv")
             out[f"{mp}self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, spec.num_key_value_heads)
-        out[mp + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"])
+        if spec.is_moe_layer(i):
+            out.update(moe_mlp.to_megatron(spec, i, hf, hp, mp))
+        else:
+            out[mp + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"])
     return out
 
 
@@ -127,15 +146,17 @@ def to_hf(spec: GPTSpec, mcore: Mapping[str, torch.Tensor]) -> Iterator[tuple[st
     """Megatron state (names checked by the caller) -> HF-named tensors, one at a time."""
     for h, m in GLOBAL_DIRECT.items():
         yield h, mcore[m]
-    direct = _layer_direct(spec)
     for i in range(spec.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for h, m in direct.items():
+        for h, m in _layer_direct(spec, i).items():
             yield hp + h, mcore[mp + m]
         for kind in _qkv_kinds(spec):
             q, k, v = split_qkv(mcore[f"{mp}self_attention.linear_qkv.{kind}"], spec.num_attention_heads,
                                 spec.num_key_value_heads, spec.kv_channels)
             yield from ((f"{hp}self_attn.{n}_proj.{kind}", t) for n, t in zip("qkv", (q, k, v)))
+        if spec.is_moe_layer(i):
+            yield from moe_mlp.to_hf(spec, i, mcore, hp, mp)
+            continue
         gate, up = split_gate_up(mcore[mp + "mlp.linear_fc1.weight"])
         yield hp + "mlp.gate_proj.weight", gate
         yield hp + "mlp.up_proj.weight", up

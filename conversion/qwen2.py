@@ -17,7 +17,7 @@ from conversion.spec import GPTSpec
 
 
 def _require_bias(spec: GPTSpec) -> GPTSpec:
-    if not spec.add_qkv_bias or spec.architecture != "qwen2":
+    if not spec.add_qkv_bias or spec.attention_family != "qwen2":
         raise ValueError(f"Qwen2 map needs a qwen2 spec with add_qkv_bias=True, got {spec!r}")
     return spec
 

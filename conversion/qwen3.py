@@ -28,7 +28,7 @@ from conversion.spec import GPTSpec
 
 
 def _require_qwen3(spec: GPTSpec) -> GPTSpec:
-    if spec.architecture != "qwen3" or not spec.qk_layernorm:
+    if spec.attention_family != "qwen3" or not spec.qk_layernorm:
         raise ValueError(f"Qwen3 map needs a qwen3 spec with qk_layernorm=True, got {spec!r}")
     return spec
 

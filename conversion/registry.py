@@ -15,7 +15,12 @@ import torch
 from conversion import llama, qwen2, qwen3
 from conversion.spec import GPTSpec
 
-FAMILIES: dict[str, ModuleType] = {"LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3}
+# The MoE classes share their dense family's map (attention, norms, embeddings); the MLP of each
+# layer, dense or experts + router, is mapped by ``conversion.moe_mlp`` from the spec.
+FAMILIES: dict[str, ModuleType] = {
+    "LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3,
+    "MixtralForCausalLM": llama, "Qwen2MoeForCausalLM": qwen2, "Qwen3MoeForCausalLM": qwen3,
+}
 
 # HF checkpoints may carry these non-parameter buffers; they are recomputed, never mapped.
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -81,7 +86,8 @@ def hf_to_megatron(
 
     Raises:
         ConversionError: unknown architecture, or a missing, unexpected or
-            wrongly shaped tensor (message names it).
+            wrongly shaped tensor (message names it); MoE experts in transformers'
+            in-memory fused layout (``experts.gate_up_proj``) instead of checkpoint names.
     """
     spec, fam = family(hf_config)
     state = dict(hf_state)
@@ -90,6 +96,12 @@ def hf_to_megatron(
         embed = state.get("model.embed_tokens.weight")
         if embed is not None and not torch.equal(head, embed):
             raise ConversionError("HF state: tensor 'lm_head.weight' differs from the embedding of a tied model")
+    fused = next((n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))), None)
+    if fused is not None:
+        raise ConversionError(
+            f"HF state: tensor {fused!r} holds all experts fused (transformers' in-memory layout); pass "
+            "checkpoint names (experts.{j}.*), e.g. transformers.core_model_loading.revert_weight_conversion("
+            "model, model.state_dict()) or the model's saved SafeTensors")
     _check("HF", state, fam.hf_shapes(spec))
     out = fam.to_megatron(spec, state)
     if padded_vocab_size is not None:

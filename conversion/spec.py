@@ -10,11 +10,20 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+from conversion.moe_config import MOE_ARCHITECTURES, moe_fields_from_hf, moe_hf_config
+
+Architecture = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 # Exact HF names -> our architecture key (no substring matching).
 HF_ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+# The dense family whose attention (and dense MLP) each architecture shares: Mixtral's decoder is
+# Llama's with MoE MLPs, Qwen2-MoE's is Qwen2's (QKV bias), Qwen3-MoE's is Qwen3's (q/k norms).
+ATTENTION_FAMILY: dict[Architecture, Architecture] = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
 }
 _HF_CLASS_OF: dict[Architecture, str] = {v: k for k, v in HF_ARCHITECTURES.items()}
 
@@ -66,7 +75,19 @@ class GPTSpec(BaseModel):
         qk_layernorm: RMSNorm over ``head_dim`` of every query and key head before RoPE
             (Qwen3: transformers ``modeling_qwen3.py`` ``q_norm``/``k_norm``; Qwen3 technical
             report, arXiv:2505.09388); megatron ``q_layernorm``/``k_layernorm``. Default
-            (and only valid value): architecture == "qwen3".
+            (and only valid value): architecture "qwen3" or "qwen3_moe".
+        num_experts: routed experts per MoE layer (None: a dense model). Mixtral, Qwen2-MoE and
+            Qwen3-MoE (Fedus et al. 2021, Switch Transformers; Jiang et al. 2024, Mixtral).
+        moe_router_topk: experts each token is routed to (HF ``num_experts_per_tok``).
+        moe_ffn_hidden_size: width of each routed expert's SwiGLU MLP (HF
+            ``moe_intermediate_size``; Mixtral: ``intermediate_size``).
+        moe_norm_topk_prob: the k routing weights are the softmax over all experts renormalised
+            over the k chosen, i.e. the softmax over the k top logits (Mixtral always; Qwen
+            ``norm_topk_prob``); False: the un-renormalised softmax over all experts.
+        moe_shared_expert_ffn_hidden_size: width of the shared expert that every token passes
+            through, scaled by ``sigmoid(x . shared_expert_gate)`` (Qwen2-MoE); None: none.
+        moe_dense_layers: 0-based layers with a dense MLP of ``ffn_hidden_size`` instead of
+            experts (Qwen ``mlp_only_layers`` and ``decoder_sparse_step``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -90,6 +111,12 @@ class GPTSpec(BaseModel):
     padded_vocab_size: int | None = Field(
         None, gt=0, description="Rows of megatron's embedding and output layer (None: vocab_size)"
     )
+    num_experts: int | None = Field(None, gt=1)
+    moe_router_topk: int | None = Field(None, gt=0)
+    moe_ffn_hidden_size: int | None = Field(None, gt=0)
+    moe_norm_topk_prob: bool = True
+    moe_shared_expert_ffn_hidden_size: int | None = Field(None, gt=0)
+    moe_dense_layers: tuple[int, ...] = ()
 
     @model_validator(mode="before")
     @classmethod
@@ -105,7 +132,7 @@ class GPTSpec(BaseModel):
                                      "give head_dim explicitly")
                 data["head_dim"] = hidden // heads
         # Both follow from the architecture (and Qwen3's attention_bias) unless given.
-        qwen3 = data.get("architecture") == "qwen3"
+        qwen3 = ATTENTION_FAMILY.get(data.get("architecture")) == "qwen3"
         data.setdefault("qk_layernorm", qwen3)
         data.setdefault("add_proj_bias", qwen3 and bool(data.get("add_qkv_bias")))
         return data
@@ -119,7 +146,7 @@ class GPTSpec(BaseModel):
             )
         # The flags must match what the HF class builds, or to_hf_config would describe a
         # model whose HF parameters differ from the megatron ones.
-        qwen3 = self.architecture == "qwen3"
+        qwen3 = self.attention_family == "qwen3"
         if self.qk_layernorm != qwen3:
             raise ValueError(f"qk_layernorm={self.qk_layernorm} does not fit architecture {self.architecture!r} "
                              "(Qwen3 always normalises queries and keys, Llama and Qwen2 never)")
@@ -129,7 +156,43 @@ class GPTSpec(BaseModel):
             raise ValueError("qwen3: add_qkv_bias and add_proj_bias must be equal (HF 'attention_bias' sets both)")
         if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}")
+        self._check_moe()
         return self
+
+    def _check_moe(self) -> None:
+        moe = self.architecture in MOE_ARCHITECTURES
+        if moe != (self.num_experts is not None):
+            raise ValueError(f"architecture {self.architecture!r} {'needs' if moe else 'takes no'} num_experts "
+                             f"(got {self.num_experts!r})")
+        if not moe:
+            extra = [k for k in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size")
+                     if getattr(self, k) is not None] + (["moe_dense_layers"] if self.moe_dense_layers else [])
+            if extra:
+                raise ValueError(f"{extra[0]} is set but architecture {self.architecture!r} is dense")
+            return
+        if self.moe_router_topk is None or self.moe_ffn_hidden_size is None:
+            raise ValueError("an MoE spec needs moe_router_topk and moe_ffn_hidden_size")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}")
+        if self.architecture == "mixtral" and (not self.moe_norm_topk_prob or self.moe_dense_layers):
+            raise ValueError("mixtral: moe_norm_topk_prob must be True and moe_dense_layers empty (HF Mixtral "
+                             "renormalises its top-k weights and has experts in every layer)")
+        if (self.moe_shared_expert_ffn_hidden_size is not None) != (self.architecture == "qwen2_moe"):
+            raise ValueError("moe_shared_expert_ffn_hidden_size is required by qwen2_moe and taken by no other "
+                             f"architecture (got {self.moe_shared_expert_ffn_hidden_size!r} for {self.architecture!r})")
+        bad = [i for i in self.moe_dense_layers if not 0 <= i < self.num_layers]
+        if bad or list(self.moe_dense_layers) != sorted(set(self.moe_dense_layers)):
+            raise ValueError(f"moe_dense_layers={list(self.moe_dense_layers)} must be sorted, distinct layer "
+                             f"indices in [0, {self.num_layers})")
+
+    @property
+    def attention_family(self) -> Architecture:
+        """The dense architecture whose attention this one has ("llama", "qwen2" or "qwen3")."""
+        return ATTENTION_FAMILY[self.architecture]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based decoder layer ``layer`` has routed experts (False for dense models)."""
+        return self.num_experts is not None and layer not in self.moe_dense_layers
 
     @property
     def megatron_vocab_size(self) -> int:
@@ -164,10 +227,11 @@ class GPTSpec(BaseModel):
 
         Raises:
             ValueError: naming the key, for an unsupported architecture (only
-                LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM), activation other
+                the classes of :data:`HF_ARCHITECTURES`), activation other
                 than SiLU, rotary scaling (``rope_scaling``, or a non-default
                 ``rope_parameters.rope_type``), partial rotary, sliding-window attention,
-                Llama attention biases, MLP biases, or a missing required key.
+                Llama attention biases, MLP biases, or a missing required key; for MoE
+                classes, see ``conversion.moe_config.moe_fields_from_hf``.
         """
         archs = cfg.get("architectures") or []
         if not archs:
@@ -189,9 +253,10 @@ class GPTSpec(BaseModel):
                 raise ValueError(f"config key {key!r}={cfg[key]!r} is not supported ({why})")
 
         reject("hidden_act", "silu", "only SwiGLU with SiLU")
+        moe = moe_fields_from_hf(arch, cfg)
         reject("use_sliding_window", False, "sliding-window attention")
         reject("mlp_bias", False, "MLP biases")
-        if arch == "llama":
+        if arch in ("llama", "mixtral"):
             reject("attention_bias", False, "attention biases in Llama")
         if any(t != "full_attention" for t in cfg.get("layer_types") or []):
             raise ValueError(f"config key 'layer_types'={cfg['layer_types']!r} is not supported (full attention only)")
@@ -212,7 +277,7 @@ class GPTSpec(BaseModel):
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = need("num_attention_heads")
         # Qwen3's attention_bias puts biases on q_proj, k_proj, v_proj and o_proj (modeling_qwen3.py).
-        qwen3_bias = arch == "qwen3" and bool(cfg.get("attention_bias", False))
+        qwen3_bias = ATTENTION_FAMILY[arch] == "qwen3" and bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
@@ -225,11 +290,12 @@ class GPTSpec(BaseModel):
             rope_theta=float(rope_theta),
             rope_scaling_factor=scaling_factor,
             norm_epsilon=float(need("rms_norm_eps")),
-            add_qkv_bias=arch == "qwen2" or qwen3_bias,
+            add_qkv_bias=ATTENTION_FAMILY[arch] == "qwen2" or qwen3_bias,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             head_dim=cfg.get("head_dim"),
             add_proj_bias=qwen3_bias,
-            qk_layernorm=arch == "qwen3",
+            qk_layernorm=ATTENTION_FAMILY[arch] == "qwen3",
+            **moe,
         )
 
     def _hf_rope_parameters(self) -> dict[str, Any]:
@@ -260,10 +326,15 @@ class GPTSpec(BaseModel):
             "tie_word_embeddings": self.tie_word_embeddings,
             "dtype": "float32",
         }
-        if self.architecture == "llama":
+        family = self.attention_family
+        if family == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
-        elif self.architecture == "qwen2":
+        elif family == "qwen2":
             cfg.update(use_sliding_window=False)
         else:
             cfg.update(attention_bias=self.add_qkv_bias, use_sliding_window=False)
+        if self.num_experts is not None:
+            cfg.update(moe_hf_config(self))
+            if self.architecture == "mixtral":
+                cfg.pop("mlp_bias")
         return cfg

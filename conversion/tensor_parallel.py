@@ -107,6 +107,11 @@ def split_of(name: str) -> Split | None:
 def _check_tp(spec: GPTSpec, tp_size: int) -> None:
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp_size!r}")
+    if spec.num_experts is not None and tp_size > 1:
+        raise ConversionError(
+            f"architecture {spec.architecture!r} has experts: tensor-parallel shards of MoE layers (router, "
+            "experts, shared experts) are not implemented yet, nor expert parallelism; use tensor-parallel size 1"
+        )
     if spec.num_key_value_heads % tp_size:
         raise ConversionError(
             f"num_key_value_heads={spec.num_key_value_heads} (megatron num_query_groups) is not divisible by "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from conversion.spec import GPTSpec
-from engine.models.platform import ensure_model_parallel
+from engine.models.platform import ensure_model_parallel, patch_moe_without_transformer_engine
 
 if TYPE_CHECKING:
     from engine.batching.packing import PackedSequences
@@ -132,14 +132,17 @@ def _row_parallel_linear_with_bias() -> type:
     return RowParallelLinearWithBias
 
 
-def _layer_spec(spec: GPTSpec, core_attention: CoreAttention):
+def _layer_spec(spec: GPTSpec, core_attention: CoreAttention, moe: bool = False):
     """megatron's local layer spec (RMSNorm) for ``spec``: q/k layernorms when
-    ``spec.qk_layernorm``, a ``linear_proj`` bias when ``spec.add_proj_bias``."""
+    ``spec.qk_layernorm``, a ``linear_proj`` bias when ``spec.add_proj_bias``; with ``moe``,
+    an ``MoELayer`` MLP (``TopKRouter``, ``SequentialMLP`` experts, no grouped GEMM, plus
+    ``SharedExpertMLP`` when the config has shared experts)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if core_attention not in ("local", "sdpa"):
         raise ValueError(f"core_attention must be 'local' or 'sdpa', got {core_attention!r}")
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts if moe else None, moe_grouped_gemm=False,
+                                     normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
     if core_attention == "sdpa" or spec.add_proj_bias:
         layer = copy.deepcopy(layer)
         attention = layer.submodules.self_attention.submodules
@@ -148,6 +151,44 @@ def _layer_spec(spec: GPTSpec, core_attention: CoreAttention):
         if spec.add_proj_bias:
             attention.linear_proj = _row_parallel_linear_with_bias()
     return layer
+
+
+def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention):
+    """One layer spec for every layer, or, when an MoE model has dense layers
+    (``spec.moe_dense_layers``), megatron's ``TransformerBlockSubmodules`` listing each layer's."""
+    if spec.num_experts is None or not spec.moe_dense_layers:
+        return _layer_spec(spec, core_attention, moe=spec.num_experts is not None)
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    dense, moe = _layer_spec(spec, core_attention), _layer_spec(spec, core_attention, moe=True)
+    return TransformerBlockSubmodules(layer_specs=[moe if spec.is_moe_layer(i) else dense
+                                                   for i in range(spec.num_layers)], layer_norm=LayerNormImpl)
+
+
+def _moe_config(spec: GPTSpec) -> dict:
+    """``TransformerConfig`` MoE fields for ``spec`` (``{}`` for a dense model).
+
+    Routing as HF: softmax over the router logits (computed in fp32), top-k; with
+    ``moe_norm_topk_prob`` the k weights are renormalised to sum to one, which is the softmax
+    over the k top logits (megatron ``moe_router_pre_softmax=False``: top-k of the logits,
+    then softmax); without, the softmax over all experts (``pre_softmax=True``). No auxiliary
+    loss, no capacity (no token dropping), no expert bias. Qwen2-MoE's shared expert is
+    megatron's ``SharedExpertMLP`` with ``moe_shared_expert_gate`` (``sigmoid(x . w)`` scale).
+    """
+    if spec.num_experts is None:
+        return {}
+    out = dict(
+        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob, moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+    )
+    if spec.moe_shared_expert_ffn_hidden_size is not None:
+        out.update(moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size,
+                   moe_shared_expert_gate=True)
+    return out
 
 
 def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -195,6 +236,7 @@ def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1):
         gradient_accumulation_fusion=False,
         init_method_std=0.02,
         cuda_graph_scope=[],  # the whole layer; megatron's default "full" means the same but warns
+        **_moe_config(spec),
     )
 
 
@@ -202,6 +244,8 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
+    MoE specs (``spec.num_experts``) get megatron's ``MoELayer`` in their expert layers
+    (:func:`_moe_config`), at tensor-parallel size 1 only.
     In a rank of a tensor-parallel group (``engine.models.platform.init_model_parallel(tp=N)`` called
     first) it builds that rank's shard: megatron's layers hold 1/N of the vocabulary, heads
     and FFN width (layouts: ``conversion.tensor_parallel``); every rank initialises the same
@@ -220,11 +264,16 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     from megatron.core.models.gpt import GPTModel
 
     tp = ensure_model_parallel()
+    if spec.num_experts is not None:
+        if tp > 1:
+            raise ValueError(f"{spec.architecture}: MoE models build at tensor-parallel size 1 only (got {tp}); "
+                             "tensor and expert parallelism of the experts are not implemented yet")
+        patch_moe_without_transformer_engine()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
             config=transformer_config(spec, tensor_model_parallel_size=tp),
-            transformer_layer_spec=_layer_spec(spec, core_attention),
+            transformer_layer_spec=_decoder_spec(spec, core_attention),
             vocab_size=spec.megatron_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=True,

@@ -87,6 +87,21 @@ def setup_cpu_platform() -> bool:
     return True
 
 
+def patch_moe_without_transformer_engine() -> None:
+    """Let megatron-core's MoE router run without Transformer Engine (idempotent).
+
+    megatron-core 0.16.1 ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only when
+    Transformer Engine imports, yet ``RouterGatingLinearFunction`` tests ``te_general_gemm is
+    not None`` unconditionally, so without TE every router forward raises ``NameError``.
+    Defining it as None selects the function's own ``torch.mm`` path (the router logits in
+    ``moe_router_dtype``). Needed on CPU and on any machine without TE.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -32,6 +32,7 @@ of it is copied into the bucket.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -51,10 +52,20 @@ FUSED_MODULES: dict[str, str] = {
 }
 
 
+# An MoE layer's routed experts (``...experts.{j}.<proj>.weight``): vLLM loads all of them into
+# one FusedMoE module (``w13_weight``/``w2_weight`` stacked over experts), named ``...experts``.
+_EXPERT = re.compile(r"(.+\.experts)\.\d+\.[^.]+\.weight")
+
+
 def load_group(hf_name: str) -> str:
     """The module a rollout engine loads ``hf_name`` into: the name without its last
     component, with fused projections renamed (``model.layers.0.self_attn.k_proj.bias`` ->
-    ``model.layers.0.self_attn.qkv_proj``). A name without a dot is its own group."""
+    ``model.layers.0.self_attn.qkv_proj``); every routed expert of an MoE layer goes to the
+    layer's one experts module (``model.layers.0.mlp.experts.3.up_proj.weight`` ->
+    ``model.layers.0.mlp.experts``). A name without a dot is its own group."""
+    expert = _EXPERT.fullmatch(hf_name)
+    if expert:
+        return expert.group(1)
     module, _, _ = hf_name.rpartition(".")
     if not module:
         return hf_name
