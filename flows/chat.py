@@ -48,7 +48,7 @@ def cmd_chat(args) -> int:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
     artifact = find_model_artifact(args.model, args.overrides, stage=args.stage, artifact_root=args.artifact_root)
     print(f"loading {artifact.name} ({artifact.stage}, {args.backend} backend)...", flush=True)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the engine's INFO lines would interleave with the chat
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's INFO and warning lines would interleave with the chat
     hf_dir = hf_model_dir(artifact)
     engine, tokenizer, context = _start_engine(args, hf_dir)
     from data.chat import encode_prompt

@@ -102,7 +102,7 @@ def find_model_artifact(target: str, overrides: list[str] | tuple[str, ...] = ()
         raise ConfigError(f"{target}: no such artifact directory, config file or artifact id "
                           "(give an artifact directory, an id like rl-0123456789abcdef, or a pipeline config .yaml)")
     if stage is not None and found.stage != stage:
-        raise ConfigError(f"{target} is a {found.stage} artifact, not {stage}; drop --stage or give a {stage} artifact")
+        raise ConfigError(f"{target} is an artifact of stage {found.stage}; this needs one of stage {stage} (check --stage)")
     return found
 
 
@@ -170,7 +170,7 @@ def _from_id(artifact_id: str, artifact_root: str) -> ModelArtifact:
 
 def _check_model_stage(stage: str, what: str) -> None:
     if stage not in MODEL_STAGES:
-        raise ConfigError(f"{what} is a {stage} artifact, which holds no policy model; give an artifact of "
+        raise ConfigError(f"{what} is an artifact of stage {stage}, which holds no policy model; give one of "
                           f"{', '.join(MODEL_STAGES)}")
 
 

@@ -61,8 +61,6 @@ def _vllm_token_deltas(engine, prompt_ids: list[int], sampling: SamplingSpec) ->
     params.output_kind = RequestOutputKind.DELTA
     llm_engine = engine.llm.llm_engine
     request_id = f"stream-{next(_request_ids)}"
-    # as VLLMRollout.generate: the CPU attention plans for this thread's OpenMP count
-    torch.set_num_threads(torch.get_num_threads())
     llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=[int(t) for t in prompt_ids]), params)
     try:
         while llm_engine.has_unfinished_requests():

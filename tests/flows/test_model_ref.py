@@ -35,7 +35,7 @@ def test_an_artifact_id_is_looked_up_in_the_artifact_root(tiny_chat_artifacts):
     found = find_model_artifact(export["id"], artifact_root=str(tiny_chat_artifacts["store"]))
     assert (found.name, found.stage, found.path) == (export["id"], "export", export["dir"])
     assert hf_model_dir(found) == export["dir"] / "hf_model"  # used in place, no copy
-    with pytest.raises(ConfigError, match=r"is a export artifact, not rl; drop --stage"):
+    with pytest.raises(ConfigError, match=r"is an artifact of stage export; this needs one of stage rl \(check --stage\)"):
         find_model_artifact(export["id"], artifact_root=str(tiny_chat_artifacts["store"]), stage="rl")
 
 
@@ -49,7 +49,7 @@ def test_an_unknown_id_a_missing_path_and_a_stage_without_a_policy_are_one_clear
     shutil.copytree(tiny_chat_artifacts["rl"]["dir"], rm)
     manifest = json.loads((rm / "manifest.json").read_text())
     (rm / "manifest.json").write_text(json.dumps({**manifest, "stage": "rm", "artifact_id": "rm-" + "1" * 16}))
-    with pytest.raises(ConfigError, match=r"is a rm artifact, which holds no policy model; give an artifact of export, rl"):
+    with pytest.raises(ConfigError, match=r"is an artifact of stage rm, which holds no policy model; give one of export, rl"):
         find_model_artifact(str(rm))
 
 
