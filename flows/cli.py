@@ -1,4 +1,4 @@
-"""The ``posttrain`` command: run, stage, status, gc, validate, replay, compare.
+"""The ``posttrain`` command: run, stage, status, gc, validate, replay, compare, chat, serve, push.
 
 ``run``, ``stage``, ``status`` and ``validate`` take ``KEY=VALUE`` overrides after the config
 (``posttrain run CONFIG rl.steps=60 rl.optim.lr=3e-4``; config.load.parse_override).
@@ -335,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     from flows.compare import add_compare_parser
 
     add_compare_parser(sub)
+    from flows.chat import add_chat_parser
+    from flows.push import add_push_parser
+    from flows.serve import add_serve_parser
+
+    add_chat_parser(sub)
+    add_serve_parser(sub)
+    add_push_parser(sub)
     # Overrides may follow options (`status CONFIG --json rl.steps=3`), which argparse's
     # positionals do not allow: what it leaves over joins the overrides, in order.
     args, extra = parser.parse_known_args(argv)
