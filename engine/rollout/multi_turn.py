@@ -159,7 +159,8 @@ def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Se
         tokenizer: the policy's HF tokenizer (decodes turns, encodes observations).
         prompt_ids: ``P`` non-empty prompts as token ids (chat template applied).
         rows: ``P`` data rows ``{"prompt": ..., "label": ...}`` given to ``Environment.reset``.
-        make_env: zero-argument factory; called once per sample (``P * n`` environments).
+        make_env: factory called once per sample (``P * n`` environments), with no argument or,
+            when it takes one named ``tokenizer``, with ``tokenizer``.
         sampling: n, temperature, top_p, seed; ``max_new_tokens`` is the budget of all
             response tokens of a sample, policy and observation tokens together.
         max_turns: policy turns per sample at most (>= 1).
@@ -177,7 +178,7 @@ def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Se
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     budget = sampling.max_new_tokens
     place = range(len(prompt_ids)) if sampling.prompt_index is None else sampling.prompt_index
-    episodes = [_Episode(list(p), make_env(), place[i] * sampling.n + j)
+    episodes = [_Episode(list(p), _make(make_env, tokenizer), place[i] * sampling.n + j)
                 for i, p in enumerate(prompt_ids) for j in range(sampling.n)]
     for k, ep in enumerate(episodes):
         ep.env.reset(rows[k // sampling.n])
@@ -192,6 +193,18 @@ def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Se
         for ep, left, [out] in zip(running, room, outputs):
             _play_turn(ep, out, left, tokenizer, last_turn=turn == max_turns - 1)
     return [[ep.sample() for ep in episodes[i * sampling.n : (i + 1) * sampling.n]] for i in range(len(prompt_ids))]
+
+
+def _make(make_env: EnvironmentFactory, tokenizer) -> Environment:
+    """``make_env()``, or ``make_env(tokenizer=tokenizer)`` for a factory that takes the
+    policy's tokenizer (``engine.rollout.tool_env.ToolEnvironment`` needs its chat template)."""
+    import inspect
+
+    try:
+        takes = "tokenizer" in inspect.signature(make_env).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature
+        takes = False
+    return make_env(tokenizer=tokenizer) if takes else make_env()
 
 
 def _play_turn(ep: _Episode, out, left: int, tokenizer, last_turn: bool) -> None:
