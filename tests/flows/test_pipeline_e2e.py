@@ -463,3 +463,17 @@ def test_export_holds_a_model_card_whose_lineage_ids_are_the_manifests(project):
         manifest = json.loads((Path(stages[stage]["uri"]) / "manifest.json").read_text())
         assert f"| {stage} | `{manifest['artifact_id']}` |" in card.text, stage
     assert card.data.base_model and {r.metric_type for r in card.data.eval_results} >= {"accuracy"}
+
+
+def test_push_dry_run_of_the_config_lists_its_current_export_and_card(project):
+    """`posttrain push CONFIG --dry-run`: the config resolves to its current export artifact,
+    whose hf_model/ files and model card header are listed (no network is used)."""
+    export = Path(project["first"]["stages"]["export"]["uri"])
+    proc = posttrain(["push", str(project["config"]), "--repo", "my-org/quickstart-policy", "--dry-run"],
+                     cwd=project["work"], env=project["env"])
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("would upload ") and f"from {export / 'hf_model'} ({export.name})" in lines[0]
+    listed = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert listed == sorted(p.relative_to(export / "hf_model").as_posix()
+                            for p in (export / "hf_model").rglob("*") if p.is_file())
+    assert "README.md" in listed and "model card header (README.md):" in proc.stdout and "base_model:" in proc.stdout
