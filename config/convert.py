@@ -7,6 +7,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from config.base import LocalPath, Strict
+from config.moe import MoERouterConfig
 
 
 class ModelConfig(Strict):
@@ -26,6 +27,10 @@ class ModelConfig(Strict):
         "(what it writes after an assistant message; EOS if it writes nothing). SFT trains it, and its token id is "
         "added to the EOS ids generation stops on (see Chat templates and the turn end, above).",
     )
+    moe: MoERouterConfig = Field(
+        MoERouterConfig(), description="Mixture-of-experts models: the router's training losses and dtype, recorded in "
+                                       "the converted model directory and used by every training stage (no effect on "
+                                       "a dense model).")
 
 
 class ConvertConfig(Strict):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from config.moe import MoERouterConfig
 from config.schema import PipelineConfig
 from tasks.runner import StageContext, StageSpec, stage_task
 
@@ -23,7 +24,9 @@ def _raw(cfg: PipelineConfig) -> dict[str, str]:
 SPEC = StageSpec(
     name="convert",
     inputs=lambda cfg: (),
-    config=lambda cfg: {"model": cfg.model.model_dump(), "convert": cfg.convert.model_dump()},
+    # model.moe enters the fingerprint only when set, so configs without it keep their artifacts
+    config=lambda cfg: {"model": cfg.model.model_dump(exclude={"moe"} if cfg.model.moe == MoERouterConfig() else set()),
+                        "convert": cfg.convert.model_dump()},
     raw_inputs=_raw,
     summary=("model/parameters",),
 )
@@ -46,7 +49,7 @@ def convert(ctx: StageContext) -> dict:
     init_model_parallel()
     # Megatron-LM pads to make_vocab_size_divisible_by × TP; training here runs at TP=1.
     spec = GPTSpec.from_hf_config(source.config).with_vocab_padding(ctx.cfg.convert.make_vocab_size_divisible_by)
-    model = build_gpt_model(spec)
+    model = build_gpt_model(spec, router=m.moe)  # the router settings are recorded in the model directory
     model.load_state_dict(hf_to_megatron(source.config, source.state, spec.padded_vocab_size), strict=True)
     vocab = int(source.config["vocab_size"])
     bad = [t for t in m.eos_token_ids or () if not 0 <= t < vocab]

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from conversion.spec import GPTSpec
+from engine.models.moe_router import router_config_fields
 from engine.models.platform import ensure_model_parallel, patch_moe_without_transformer_engine
 
 if TYPE_CHECKING:
+    from config.moe import MoERouterConfig
     from engine.batching.packing import PackedSequences
 
 
@@ -165,14 +167,16 @@ def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention):
                                                    for i in range(spec.num_layers)], layer_norm=LayerNormImpl)
 
 
-def _moe_config(spec: GPTSpec) -> dict:
+def _moe_config(spec: GPTSpec, router: "MoERouterConfig | None" = None) -> dict:
     """``TransformerConfig`` MoE fields for ``spec`` (``{}`` for a dense model).
 
     Routing as HF: softmax over the router logits (computed in fp32), top-k; with
     ``moe_norm_topk_prob`` the k weights are renormalised to sum to one, which is the softmax
     over the k top logits (megatron ``moe_router_pre_softmax=False``: top-k of the logits,
-    then softmax); without, the softmax over all experts (``pre_softmax=True``). No auxiliary
-    loss, no capacity (no token dropping), no expert bias. Qwen2-MoE's shared expert is
+    then softmax); without, the softmax over all experts (``pre_softmax=True``). The router's
+    training losses and dtype come from ``router`` (``model.moe``,
+    ``engine.models.moe_router.router_config_fields``; None: no losses, fp32). No capacity
+    (no token dropping), no expert bias. Qwen2-MoE's shared expert is
     megatron's ``SharedExpertMLP`` with ``moe_shared_expert_gate`` (``sigmoid(x . w)`` scale).
     """
     if spec.num_experts is None:
@@ -180,8 +184,7 @@ def _moe_config(spec: GPTSpec) -> dict:
     out = dict(
         num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_score_function="softmax",
-        moe_router_pre_softmax=not spec.moe_norm_topk_prob, moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob, **router_config_fields(router), moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
         moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
     )
@@ -201,11 +204,12 @@ def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x.contiguous())
 
 
-def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1):
+def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, router: "MoERouterConfig | None" = None):
     """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
 
     ``tensor_model_parallel_size`` must equal the model-parallel state's TP size (megatron's
     layers shard by the state's group; the config records the size for code that reads it).
+    ``router``: an MoE model's router settings (``model.moe``; see :func:`_moe_config`).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -236,11 +240,12 @@ def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1):
         gradient_accumulation_fusion=False,
         init_method_std=0.02,
         cuda_graph_scope=[],  # the whole layer; megatron's default "full" means the same but warns
-        **_moe_config(spec),
+        **_moe_config(spec, router),
     )
 
 
-def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local"):
+def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local",
+                    router: "MoERouterConfig | None" = None):
     """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
@@ -257,6 +262,8 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
         seed: seed for the weight initialisation (normal, std 0.02, megatron's default).
         core_attention: "local" (megatron's DotProductAttention) or "sdpa"
             (:class:`SDPACoreAttention`, same results, faster on CPU).
+        router: an MoE model's router losses and dtype (``model.moe``; None: no losses, fp32),
+            kept on the model as ``moe_router``; ignored for a dense model.
 
     Returns:
         ``megatron.core.models.gpt.GPTModel`` in train mode, fp32, on CPU.
@@ -272,7 +279,7 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
-            config=transformer_config(spec, tensor_model_parallel_size=tp),
+            config=transformer_config(spec, tensor_model_parallel_size=tp, router=router),
             transformer_layer_spec=_decoder_spec(spec, core_attention),
             vocab_size=spec.megatron_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
@@ -286,6 +293,7 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
             rotary_percent=1.0,
         )
     model.gpt_spec = spec
+    model.moe_router = router if spec.num_experts is not None else None
     return model
 
 

@@ -9,6 +9,8 @@ Layout::
       heads.safetensors    optional extra heads (e.g. reward_head.weight / .bias)
       megatron_spec.json   what megatron's model has beyond hf/config.json: today the
                            padded vocabulary size, when the vocabulary is padded
+      moe_router.json      an MoE model's router training settings (model.moe,
+                           config.moe.MoERouterConfig), when they are not the defaults
 
 ``hf/`` alone is enough for ``AutoTokenizer.from_pretrained`` and for building the HF
 architecture; export to SafeTensors and rollout weight sync map ``megatron/`` onto it.
@@ -27,12 +29,16 @@ from safetensors.torch import load_file
 
 from conversion.export import replace_dir_atomically, save_safetensors
 from conversion.hf_source import read_config_json
+from config.moe import MoERouterConfig
 from conversion.spec import GPTSpec
 
 MEGATRON_SUBDIR = "megatron"
 
 
 MEGATRON_SPEC_FILE = "megatron_spec.json"
+
+
+MOE_ROUTER_FILE = "moe_router.json"
 
 
 HF_SUBDIR = "hf"
@@ -169,6 +175,9 @@ def save_model_dir(
         (hf / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         if spec.padded_vocab_size is not None:
             (tmp / MEGATRON_SPEC_FILE).write_text(json.dumps({"padded_vocab_size": spec.padded_vocab_size}) + "\n")
+        router = getattr(model, "moe_router", None)
+        if router is not None and router != MoERouterConfig():
+            (tmp / MOE_ROUTER_FILE).write_text(json.dumps(router.model_dump(), sort_keys=True) + "\n")
         if (tokenizer_dir / "generation_config.json").is_file():
             gen = json.loads((tokenizer_dir / "generation_config.json").read_text())
         else:
@@ -238,13 +247,29 @@ def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "
             GPTSpec.model_validate(spec.model_dump())
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{extra}: expected {{\"padded_vocab_size\": <int >= vocab_size>}} ({e})") from e
-    model = build_gpt_model(spec, seed=seed, core_attention=core_attention)
+    model = build_gpt_model(spec, seed=seed, core_attention=core_attention, router=read_moe_router(model_dir))
     load_model_checkpoint(model, ckpt)
     if dtype != torch.float32:
         model.to(dtype)
     heads_path = model_dir / HEADS_FILE
     heads = load_file(str(heads_path)) if heads_path.is_file() else {}
     return LoadedModel(spec, hf_config, model, model_dir / HF_SUBDIR, heads, model_dir)
+
+
+def read_moe_router(model_dir: str | Path) -> MoERouterConfig | None:
+    """The router settings recorded in ``<model_dir>/moe_router.json`` (None when absent:
+    the defaults, no router losses).
+
+    Raises:
+        ValueError: naming the file and the bad key, when it is not a valid ``model.moe``.
+    """
+    path = Path(model_dir) / MOE_ROUTER_FILE
+    if not path.is_file():
+        return None
+    try:
+        return MoERouterConfig.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not a valid model.moe section ({e})") from e
 
 
 def load_tokenizer(model_dir: str | Path):

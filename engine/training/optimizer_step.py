@@ -30,6 +30,7 @@ from engine.distributed.collectives import (
     sum_across_ranks,
 )
 from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
+from engine.models.moe_router import RouterStats, has_router_losses, set_router_loss_scale
 
 # loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor", dict[str, float]]]
@@ -118,6 +119,13 @@ def accumulate_gradients(
     ``engine.algorithms.aggregation``), so the gradients are summed and not divided.
     Existing ``.grad`` values are cleared first.
 
+    MoE router losses (``model.moe``: load-balancing and z-loss, computed per micro-batch by
+    megatron's routers, ``engine.models.moe_router``) enter the same gradient as a mean over
+    micro-batches: weighted by each micro-batch's share of the loss units (``units / N``),
+    or, with ``normalized``, uniformly (``1 / M`` with ``M`` the micro-batches of the whole
+    global batch, all data-parallel ranks together: megatron's ``1 / num_microbatches``
+    convention). Both weightings are the same at every data-parallel size.
+
     Data parallelism (a megatron data-parallel group of size k > 1,
     ``engine.distributed.collectives``): ``micro_batches`` are this rank's share of the global
     batch; the gradients are summed over the k ranks in fp32 and ``N`` (and the loss and
@@ -159,6 +167,12 @@ def accumulate_gradients(
             p.grad = None
     total_units, loss_total = 0, 0.0
     metric_sums: dict[str, float] = {}
+    router_losses = has_router_losses(model)
+    if router_losses and normalized:
+        count = len(micro_batches)
+        if data_parallel_group() is not None:
+            count = int(sum_across_ranks({"__micro_batches": count})["__micro_batches"])
+        set_router_loss_scale(1.0 / count)
     for mb in micro_batches:
         loss_sum, units, metrics = loss_fn(model, mb)
         units = int(units)
@@ -166,6 +180,8 @@ def accumulate_gradients(
             if engine_reduces and loss_sum.requires_grad:
                 backward(loss_sum * 0.0)  # keeps this rank's backward collectives in step with the others'
             continue  # nothing to learn from (e.g. every target truncated away)
+        if router_losses and not normalized:
+            set_router_loss_scale(units)  # divided by N below with the rest: weight units / N
         loss_sum.backward() if backward is None else backward(loss_sum)
         total_units += units
         loss_total += float(loss_sum.detach())
@@ -205,13 +221,18 @@ def train_step(
 
     Returns:
         ``{"loss", "grad_norm" (before clipping), "lr" (used by this step), "num_units",
-        **metrics}``.
+        **metrics}``; an MoE model adds the ``moe/*`` metrics of
+        :meth:`engine.models.moe_router.RouterStats.metrics` (tokens per expert, load
+        imbalance, router losses) over the whole global batch.
 
     Raises:
         ValueError: see :func:`accumulate_gradients`.
         FloatingPointError: if the gradient norm is NaN or infinite (the step is not taken).
     """
-    loss, units, metrics = accumulate_gradients(model, micro_batches, loss_fn, normalized)
+    with RouterStats(model) as routing:  # MoE models: tokens per expert and router losses
+        loss, units, metrics = accumulate_gradients(model, micro_batches, loss_fn, normalized)
+    if routing.routers:
+        metrics = {**metrics, **routing.metrics(sum_across_ranks if data_parallel_group() is not None else None)}
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     grad_norm = clip_grad_norm(params, grad_clip)
     if not math.isfinite(grad_norm):

@@ -265,7 +265,9 @@ def train_sft(
     Returns:
         Final metrics: ``train/loss`` (last step's token-mean NLL, nats), ``train/grad_norm``,
         ``train/lr``, ``train/tokens`` (target tokens trained on so far), ``train/epoch``,
-        ``perf/tokens_per_s`` (real tokens per second of the last step), ``train/steps``.
+        ``perf/tokens_per_s`` (real tokens per second of the last step), ``train/steps``; an
+        MoE model adds the last step's ``moe/*`` metrics (tokens per expert, load imbalance,
+        router losses: ``engine.models.moe_router.RouterStats.metrics``).
 
     Raises:
         ValueError: bad dataset rows (names file and line), a ``resume_dir`` written
@@ -323,6 +325,7 @@ def train_sft(
             "train/epoch": sampler.epoch + sampler.offset / len(examples),
             "perf/tokens_per_s": sum(mb.num_tokens for mb in micro) / seconds,
             "timing_s/step": seconds,
+            **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models: expert loads, router losses
         }
         # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
         if lead and log_metrics is not None and (done % cfg.log_every == 0 or done == cfg.steps):

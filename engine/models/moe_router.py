@@ -1,0 +1,141 @@
+"""MoE router settings and statistics for training megatron-core's ``MoELayer``.
+
+:func:`router_config_fields` turns ``model.moe`` (:class:`config.moe.MoERouterConfig`) into
+megatron's ``TransformerConfig`` fields. megatron computes the router losses inside each
+router's forward (``megatron.core.transformer.moe.router.TopKRouter.routing``) and attaches
+them to the activations with ``MoEAuxLossAutoScaler``: the forward is unchanged and the
+backward adds ``scale * d(coeff * loss)/d(theta)``, where ``scale`` is a process-wide value
+(``MoEAuxLossAutoScaler.set_loss_scale``). :func:`set_router_loss_scale` sets it so the
+router losses enter this repository's loss normalisation
+(``engine.training.optimizer_step.accumulate_gradients``) as a mean over micro-batches.
+:class:`RouterStats` counts the tokens routed to each expert and reads megatron's loss
+tracker, for the ``moe/*`` metrics of a training step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from config.moe import MoERouterConfig
+
+
+def router_config_fields(router: MoERouterConfig | None) -> dict:
+    """megatron ``TransformerConfig`` fields for ``router`` (None: no losses, fp32 router).
+
+    ``moe_router_load_balancing_type`` ("aux_loss" | "none"), ``moe_aux_loss_coeff``,
+    ``moe_z_loss_coeff`` (None when 0: megatron skips the z-loss only for None) and
+    ``moe_router_dtype``.
+    """
+    router = router or MoERouterConfig()
+    return dict(moe_router_load_balancing_type=router.load_balancing, moe_aux_loss_coeff=router.aux_loss_coeff,
+                moe_z_loss_coeff=router.z_loss_coeff or None, moe_router_dtype=router.router_dtype)
+
+
+def has_router_losses(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (a GPTModel) has MoE layers whose routers add a load-balancing or z-loss."""
+    config = getattr(model, "config", None)
+    if getattr(config, "num_moe_experts", None) is None:
+        return False
+    return (config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0) or bool(
+        config.moe_z_loss_coeff)
+
+
+def set_router_loss_scale(scale: float) -> None:
+    """Weight of the router losses in the next backward passes (megatron's
+    ``MoEAuxLossAutoScaler.set_loss_scale``; process-wide, kept until set again).
+
+    The backward of a micro-batch adds ``scale * d(coeff * L_router)/d(theta)`` for each MoE
+    layer's router loss ``L_router`` of that micro-batch.
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale)))
+
+
+def _routers(model: torch.nn.Module) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+class RouterStats:
+    """Per-expert token counts and router losses of the forwards run while it is open.
+
+    Use as ``with RouterStats(model) as stats: ...``, then :meth:`metrics`. A forward hook on
+    every ``TopKRouter`` adds ``routing_map.sum(0)`` (``[E]``, tokens sent to each expert:
+    every routed position, padding included, counts once per chosen expert, so a layer's
+    counts sum to ``tokens * top_k``); megatron's layer-wise tracker
+    (``moe_utils.get_moe_layer_wise_logging_tracker``) is cleared on entry and holds, per
+    layer, the sum over micro-batches of the unweighted ``load_balancing_loss`` and
+    ``z_loss`` when they are on.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.routers = _routers(model)
+        self.counts = [None] * len(self.routers)
+        self.forwards = 0
+        self._hooks = []
+
+    def __enter__(self) -> "RouterStats":
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        for i, router in enumerate(self.routers):
+            self._hooks.append(router.register_forward_hook(self._hook(i)))
+        return self
+
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            counts = output[1].sum(0).detach().to(torch.float64)  # routing_map [tokens, E] -> [E]
+            self.counts[index] = counts if self.counts[index] is None else self.counts[index] + counts
+            if index == 0:
+                self.forwards += 1
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def metrics(self, reduce=None) -> dict[str, float]:
+        """``moe/*`` metrics (empty for a model without routers or no forward).
+
+        ``moe/tokens_per_expert/e{i}``: tokens routed to expert ``i``, mean over the MoE layers
+        (summed over the forwards; over the experts it sums to tokens x top-k);
+        ``moe/load_imbalance``: ``max_i count_i / mean_i count_i`` averaged over layers (1 is
+        perfectly balanced, ``E / top_k`` all on ``top_k`` experts); ``moe/load_balancing_loss``
+        and ``moe/z_loss`` (when on): the unweighted losses, mean over layers and forwards.
+
+        Args:
+            reduce: ``dict[str, float] -> dict[str, float]`` summing values over the
+                data-parallel ranks (``engine.distributed.collectives.sum_across_ranks``), or
+                None for this rank alone; every rank of a group must call it.
+        """
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        if not self.routers:
+            return {}
+        layers = [c if c is not None else torch.zeros(self.routers[0].config.num_moe_experts, dtype=torch.float64)
+                  for c in self.counts]
+        n_layers, n_experts = len(layers), layers[0].numel()
+        sums = {f"l{j}_e{i}": float(v) for j, c in enumerate(layers) for i, v in enumerate(c)}
+        sums["forwards"] = float(self.forwards)
+        tracker = get_moe_layer_wise_logging_tracker()
+        config = self.routers[0].config
+        on = {"load_balancing_loss": config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0,
+              "z_loss": bool(config.moe_z_loss_coeff)}
+        for name in ("load_balancing_loss", "z_loss"):
+            if on[name] and name in tracker:
+                sums[name] = float(tracker[name]["values"].sum())
+        if reduce is not None:
+            sums = reduce(sums)
+        if sums["forwards"] == 0:
+            return {}
+        counts = torch.tensor([[sums[f"l{j}_e{i}"] for i in range(n_experts)] for j in range(n_layers)])
+        out = {f"moe/tokens_per_expert/e{i}": float(counts[:, i].sum()) / n_layers for i in range(n_experts)}
+        means = counts.mean(1)
+        out["moe/load_imbalance"] = float((counts.max(1).values / means.clamp_min(1e-12)).mean())
+        for name in ("load_balancing_loss", "z_loss"):
+            if name in sums:
+                out[f"moe/{name}"] = sums[name] / n_layers / sums["forwards"]
+        return out
