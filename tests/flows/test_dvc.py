@@ -355,6 +355,9 @@ def _alternatives(value, ann) -> list:
 
 # Keys valid only together with others (cross-key checks of the schema).
 COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
+              # an MoE router's loss type and its coefficient are set together
+              ("model", "moe", "load_balancing"): {"aux_loss_coeff": 0.001},
+              ("model", "moe", "aux_loss_coeff"): {"load_balancing": "aux_loss"},
               ("rl", "max_turns"): {"environment": "my_module:factory"},
               ("rl", "teacher"): {"algorithm": "on_policy_distill"},
               # the quickstart's DPO-Positive penalty is a dpo term against the reference
