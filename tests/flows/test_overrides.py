@@ -133,7 +133,8 @@ def test_an_unknown_key_lists_the_valid_keys_and_names_the_override():
 
 
 def test_fingerprints_change_only_through_the_values_overrides_change():
-    fake_inputs = {"validate": "v" * 64, "convert": "c" * 64, "sft": "s" * 64, "rm": "r" * 64, "rl": "l" * 64}
+    fake_inputs = {"validate": "v" * 64, "convert": "c" * 64, "sft": "s" * 64, "rm": "r" * 64, "rl": "l" * 64,
+                   "evaluate": "e" * 64}  # export reads evaluate (the model card's results)
 
     def fingerprints(cfg):
         return {spec.name: spec.fingerprint(cfg, {u: fake_inputs[u] for u in spec.inputs(cfg)}, raw={})
