@@ -542,13 +542,6 @@ class RLConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _async_single_turn(self):
-        if self.engine.off_policy_steps > 0 and self.environment is not None:
-            raise ValueError("rl.engine.off_policy_steps > 0 is not supported with rl.environment (multi-turn "
-                             "rollouts are synchronous)")
-        return self
-
-    @model_validator(mode="after")
     def _multi_turn(self):
         if self.environment is None and self.max_turns > 1:
             raise ValueError("rl.max_turns > 1 needs rl.environment (an environment to answer the turns)")
