@@ -206,7 +206,8 @@ class EngineConfig(Strict):
     partial_rollout_chunk_tokens: int | None = Field(
         None, gt=0, description="Asynchronous RL: generate in chunks of this many tokens, so a weight update lands "
                                 "between chunks and unfinished responses continue under the new weights (partial "
-                                "rollouts). None: a weight update waits for the running generation to end.")
+                                "rollouts). None: pinned, the weight sync of step s waits for the rollout of step s + k, so "
+                                "every rollout runs on one policy version and a resumed run is bit-identical.")
     ray_address: str | None = Field(
         None, description="Ray cluster to join: its head's GCS address host:port, auto (a cluster `ray start` runs on "
                           "this machine; RAY_ADDRESS first when set) or ray://... (Ray Client). None: the cluster of the "
@@ -539,13 +540,6 @@ class RLConfig(Strict):
         if self.eval_every and self.engine.off_policy_steps > 0:
             raise ValueError("rl.eval_every needs rl.engine.off_policy_steps: 0 (asynchronous rollouts of the next "
                              "steps would share the rollout engines with the evaluation); set one of them to 0")
-        return self
-
-    @model_validator(mode="after")
-    def _async_single_turn(self):
-        if self.engine.off_policy_steps > 0 and self.environment is not None:
-            raise ValueError("rl.engine.off_policy_steps > 0 is not supported with rl.environment (multi-turn "
-                             "rollouts are synchronous)")
         return self
 
     @model_validator(mode="after")

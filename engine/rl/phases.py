@@ -245,7 +245,9 @@ def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, 
                         round_index: int = 0, restarts_before: int = 0) -> tuple[Trajectory, dict[str, float], float, int]:
     """Multi-turn rollout of ``cfg.n_samples`` samples per prompt against ``cfg.environment``
     (at most ``cfg.max_turns`` turns, ``rollout.max_new_tokens`` tokens in all), seeded as
-    :func:`generate`; all turns of a prompt's samples run on one rollout engine.
+    :func:`generate`; all turns of a prompt's samples run on one rollout engine. Versions and
+    partial-rollout chunks (within a turn) as in :func:`generate`; a weight update may also land
+    between two turns, while the environment steps (``engine.rollout.multi_turn``).
 
     Returns: ``(trajectory with the environment's rewards, engine.rollout.multi_turn.multi_turn_metrics,
         seconds, rollout engines replaced meanwhile)``.
@@ -253,10 +255,14 @@ def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, 
     t0 = time.perf_counter()
     prompt_ids = [p.token_ids for p in batch]
     rows = [{"prompt": p.messages, "label": p.label} for p in batch]
+    chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
     routed = rollout_call(workers, "generate_multi_turn", (
-        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns), restarts_before)
+        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns, chunk),
+        restarts_before)
     samples = routed.outputs
-    traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id)
+    traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id).with_(
+        rollout_version=torch.tensor([s.version_start for group in samples for s in group]),
+        rollout_version_end=torch.tensor([s.version_end for group in samples for s in group]))
     return traj, multi_turn_metrics(samples), time.perf_counter() - t0, routed.restarts
 
 

@@ -266,15 +266,19 @@ class RolloutWorker:
         self.gate.end_update(version)
 
     def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
-                            sampling: SamplingSpec, max_turns: int):
+                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None):
         """Multi-turn samples against the environment factory at import path ``environment``
         (``package.module:factory``, imported here once per path), with this worker's engine
         and the policy's tokenizer (see :func:`engine.rollout.multi_turn.multi_turn_rollout`).
+        Turns (and their chunks) hold this worker's weight gate, as :meth:`generate_versioned`'s
+        chunks do: a weight update (:meth:`begin_weight_update`) lands between them, and each
+        sample records the versions of its first and last policy token.
 
         Args:
             prompt_token_ids: ``P`` prompts; rows: their ``P`` data rows ``{"prompt", "label"}``.
             sampling: as for :meth:`generate`; ``max_new_tokens`` bounds all response tokens.
             max_turns: policy turns per sample at most.
+            chunk_tokens: partial-rollout chunk size within a turn (None: a turn is one chunk).
 
         Returns: ``P`` lists of ``sampling.n`` :class:`engine.rollout.multi_turn.MultiTurnSample`.
 
@@ -296,7 +300,7 @@ class RolloutWorker:
             self._tokenizer = load_tokenizer(self.policy_dir)
         _init_thread()
         return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
-                                  self._env_factories[environment], sampling, max_turns)
+                                  self._env_factories[environment], sampling, max_turns, chunk_tokens, self.gate)
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of

@@ -82,8 +82,9 @@ class FaultyRolloutWorker(RolloutWorker):
     def generate_versioned(self, prompt_token_ids, sampling, chunk_tokens=None):
         return self._run("generate_versioned", sampling, prompt_token_ids, sampling, chunk_tokens)
 
-    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns):
-        return self._run("generate_multi_turn", sampling, prompt_token_ids, rows, environment, sampling, max_turns)
+    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns, chunk_tokens=None):
+        return self._run("generate_multi_turn", sampling, prompt_token_ids, rows, environment, sampling, max_turns,
+                         chunk_tokens)
 
 
 def read_logs(run_dir: Path) -> dict[tuple[int, int], list[dict]]:

@@ -171,6 +171,40 @@ def test_rollout_is_deterministic_and_the_worker_loads_the_environment_by_path(p
         policy["worker"].generate_multi_turn(policy["prompt_ids"], policy["rows"], f"{EX}:missing", spec, 3)
 
 
+def test_a_weight_update_lands_between_turns_and_is_recorded(policy):
+    """Asynchronous RL: the environment's step runs outside the weight gate, so an update
+    (begin/end, as RolloutWorker.begin_weight_update does from another thread) can land while
+    a sample waits on its tool; here every step applies one. Each sample records the version
+    of its first and last policy token: (v0, v0) for one turn, (v0, v0 + 6) for two (turn 0
+    of all 6 samples ran at v0, then their 6 steps each bumped it); the tokens are the
+    gate-less loop's."""
+    from engine.rollout.partial import WeightGate
+
+    gate = WeightGate(version=5)
+
+    def make_env():
+        env = example.CounterEnv(done_after=2)
+        real_step = env.step
+
+        def step(text):
+            gate.begin_update(timeout_s=1.0)  # would time out if the step ran inside the gate
+            gate.end_update(gate.version + 1)
+            return real_step(text)
+
+        env.step = step
+        return env
+
+    spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
+    samples = multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
+                                 make_env, spec, 3, gate=gate)
+    plain, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
+    flat = [s for g in samples for s in g]
+    assert [(s.token_ids, s.logprobs, s.loss_mask) for s in flat] == [
+        (s.token_ids, s.logprobs, s.loss_mask) for g in plain for s in g]
+    assert [(s.version_start, s.version_end) for s in flat] == [(5, 5 if s.num_turns == 1 else 11) for s in flat]
+    assert any(s.num_turns == 2 for s in flat) and gate.version == 5 + sum(s.num_turns for s in flat)
+
+
 def test_loop_rejects_bad_steps_and_arguments(policy):
     class Bad:
         def reset(self, row):
