@@ -367,6 +367,15 @@ class RLConfig(Strict):
                           "environment (engine/rollout/multi_turn.py); its summed step rewards replace rl.reward. None: single-turn.")
     max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
                                                 "rollout.max_new_tokens bounds all turns and observations together.")
+    max_turn_tokens: int | None = Field(
+        None, gt=0, description="Multi-turn: policy tokens one turn may take; a turn that reaches it is still stepped "
+                                "and ends the sample (truncated). None: only rollout.max_new_tokens bounds a turn.")
+    environment_step_wait_s: float | None = Field(
+        1.0, ge=0, description="Multi-turn: once the first running environment step (tool call) of a rollout engine "
+                               "ends, how long the others get to end before the samples whose steps ended go on to "
+                               "their next turn without them. Steps that all end within it keep the rollout "
+                               "reproducible; a slower one holds back only its own sample. None: every turn waits "
+                               "for all steps (turn-synchronous).")
     eval_every: int | None = Field(
         None, ge=0, description="Evaluate the policy every N RL steps and at the last step with the rollout engines "
                                 "already loaded, as the evaluate stage does (same code and settings), logging "
@@ -546,6 +555,8 @@ class RLConfig(Strict):
     def _multi_turn(self):
         if self.environment is None and self.max_turns > 1:
             raise ValueError("rl.max_turns > 1 needs rl.environment (an environment to answer the turns)")
+        if self.environment is None and self.max_turn_tokens is not None:
+            raise ValueError("rl.max_turn_tokens needs rl.environment (single-turn: set rl.rollout.max_new_tokens)")
         if self.environment is not None and (self.reward.functions or self.reward.reward_model_weight != 0):
             raise ValueError("rl.environment gives the rewards: rl.reward.functions and rl.reward.reward_model_weight "
                              "would be ignored; remove them (rl.reward.verifier is still used by the evaluate stage)")

@@ -30,6 +30,7 @@ reward worker's (``engine.rollout.multi_turn``).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -257,7 +258,8 @@ def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, 
     rows = [{"prompt": p.messages, "label": p.label} for p in batch]
     chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
     routed = rollout_call(workers, "generate_multi_turn", (
-        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns, chunk),
+        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns, chunk,
+        math.inf if cfg.environment_step_wait_s is None else cfg.environment_step_wait_s, cfg.max_turn_tokens),
         restarts_before)
     samples = routed.outputs
     traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id).with_(

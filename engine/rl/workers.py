@@ -5,6 +5,7 @@ run starts and stops."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -266,7 +267,8 @@ class RolloutWorker:
         self.gate.end_update(version)
 
     def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
-                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None):
+                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None,
+                            step_wait_s: float = math.inf, turn_tokens: int | None = None):
         """Multi-turn samples against the environment factory at import path ``environment``
         (``package.module:factory``, imported here once per path), with this worker's engine
         and the policy's tokenizer (see :func:`engine.rollout.multi_turn.multi_turn_rollout`).
@@ -279,6 +281,9 @@ class RolloutWorker:
             sampling: as for :meth:`generate`; ``max_new_tokens`` bounds all response tokens.
             max_turns: policy turns per sample at most.
             chunk_tokens: partial-rollout chunk size within a turn (None: a turn is one chunk).
+            step_wait_s: how long ended environment steps wait for running ones
+                (``rl.environment_step_wait_s``; ``inf``: turn-synchronous).
+            turn_tokens: policy tokens per turn at most (``rl.max_turn_tokens``; None: no cap).
 
         Returns: ``P`` lists of ``sampling.n`` :class:`engine.rollout.multi_turn.MultiTurnSample`.
 
@@ -300,7 +305,8 @@ class RolloutWorker:
             self._tokenizer = load_tokenizer(self.policy_dir)
         _init_thread()
         return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
-                                  self._env_factories[environment], sampling, max_turns, chunk_tokens, self.gate)
+                                  self._env_factories[environment], sampling, max_turns, chunk_tokens, self.gate,
+                                  step_wait_s, turn_tokens)
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of

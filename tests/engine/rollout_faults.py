@@ -21,6 +21,7 @@ output directory (the parent of the rollout scratch directory ``.rollout``):
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -82,9 +83,10 @@ class FaultyRolloutWorker(RolloutWorker):
     def generate_versioned(self, prompt_token_ids, sampling, chunk_tokens=None):
         return self._run("generate_versioned", sampling, prompt_token_ids, sampling, chunk_tokens)
 
-    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns, chunk_tokens=None):
+    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns, chunk_tokens=None,
+                            step_wait_s=math.inf, turn_tokens=None):
         return self._run("generate_multi_turn", sampling, prompt_token_ids, rows, environment, sampling, max_turns,
-                         chunk_tokens)
+                         chunk_tokens, step_wait_s, turn_tokens)
 
 
 def read_logs(run_dir: Path) -> dict[tuple[int, int], list[dict]]:

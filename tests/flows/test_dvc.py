@@ -359,6 +359,9 @@ COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
               ("model", "moe", "load_balancing"): {"aux_loss_coeff": 0.001},
               ("model", "moe", "aux_loss_coeff"): {"load_balancing": "aux_loss"},
               ("rl", "max_turns"): {"environment": "my_module:factory"},
+              # multi-turn settings: read (and fingerprinted) only with an environment
+              ("rl", "max_turn_tokens"): {"environment": "my_module:factory"},
+              ("rl", "environment_step_wait_s"): {"environment": "my_module:factory"},
               ("rl", "teacher"): {"algorithm": "on_policy_distill"},
               # the quickstart's DPO-Positive penalty is a dpo term against the reference
               ("po", "loss"): {"dpop_lambda": 0.0},
