@@ -15,6 +15,8 @@ it runs ``transformers.core_model_loading.revert_weight_conversion`` (the conver
 parameter elements it came from. Each one that is a strided view of a single parameter (all
 the conversions above: slices, stacks, renames) is kept as that view's
 ``(parameter name, shape, stride, offset)``; an index tensor is kept only for any other.
+Building the map takes 8 bytes per parameter element for a moment (the float64 indices), once
+per engine (``HFRollout`` builds it on the first checkpoint name it does not hold).
 """
 
 from __future__ import annotations
