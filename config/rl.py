@@ -320,6 +320,10 @@ class RLConfig(Strict):
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    moe_routing_replay: bool = Field(
+        False, description="MoE policies: the update's forwards send each token to the experts the old-log-prob pass "
+                           "chose (recorded there; that pass then always runs), so routing flips do not move the PPO "
+                           "ratio (routing replay; docs/algorithms.md, Mixture of experts). Needs backend megatron.")
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update, the log-prob "
                                                             "passes and the critic; unused when max_tokens_per_micro_batch is set.")
     packing: bool = Field(False, description="Sequence packing: no pad tokens in the policy's and the reference's "
@@ -477,8 +481,9 @@ class RLConfig(Strict):
         """Whether the old log-probs get their own forward pass before the update: for the
         KL reward penalty (``kl.in_reward``) and for on-policy distillation, which need them
         before the advantages. Otherwise the update's first forward, at the same weights,
-        gives them (``engine.training.actor.actor_update``)."""
-        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm == "on_policy_distill"
+        gives them (``engine.training.actor.actor_update``). MoE routing replay
+        (``moe_routing_replay``) needs the pass too: it records the routing the update replays."""
+        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm == "on_policy_distill" or self.moe_routing_replay
 
     def policy_updates(self, steps: int) -> int:
         """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
@@ -531,6 +536,9 @@ class RLConfig(Strict):
         if self.backend == "deepspeed" and self.packing:
             raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches); "
                              "set rl.packing: false or rl.backend: megatron")
+        if self.backend == "deepspeed" and self.moe_routing_replay:
+            raise ValueError("rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
+                             "set rl.moe_routing_replay: false or rl.backend: megatron")
         return self
 
     @model_validator(mode="after")

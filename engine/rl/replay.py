@@ -137,7 +137,9 @@ def replay_update(workers: Workers, dump: StepDump, cfg: RLConfig) -> dict[str, 
     KL reward penalty at ``dump.meta["kl_coef"]``, the adaptive controller's value in that
     step), then :func:`engine.rl.phases.update_critic` and
     :func:`engine.rl.phases.update_actor`, as ``engine.rl.loop.run_rl`` runs them; old
-    log-probs the run took from the update's first forward are left to the update again.
+    log-probs the run took from the update's first forward are left to the update again. Under
+    ``rl.moe_routing_replay`` the old-log-prob pass runs again first, to record the routing the
+    update replays.
 
     Returns: :func:`engine.rl.metrics.step_metrics` of the step (the logged metrics' keys).
     """
@@ -149,6 +151,8 @@ def replay_update(workers: Workers, dump: StepDump, cfg: RLConfig) -> dict[str, 
     if meta["kl_coef"] is not None:
         controller.value = float(meta["kl_coef"])
     traj, kl_metrics = phases.add_advantages(traj, cfg, controller, meta["train_policy"], timer)
+    if cfg.moe_routing_replay and meta["train_policy"]:  # the update replays the routing of this pass (same weights)
+        ray.get(workers.actor.compute_logprobs.remote(traj))
     critic_metrics = phases.update_critic(workers, traj, timer)
     traj, actor_metrics = phases.update_actor(workers, traj, meta["train_policy"], timer)
     return step_metrics(dump.step, traj, {**critic_metrics, **actor_metrics}, {**meta["reward_metrics"], **kl_metrics},
