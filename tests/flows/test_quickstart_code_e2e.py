@@ -26,7 +26,7 @@ def project(tmp_path_factory):
     for name in ("sft", "rl_train", "rl_eval"):
         cfg["data"][name]["path"] = str(work / "inputs" / Path(cfg["data"][name]["path"]).name)
     cfg["model"]["source"] = str(work / "inputs" / "base_model")
-    cfg["sft"].update(steps=4, checkpoint_every=4, global_batch_size=32, micro_batch_size=32)
+    cfg["sft"].update(steps=6, checkpoint_every=6, global_batch_size=32, micro_batch_size=32)
     cfg["rl"].update(steps=2, prompts_per_step=4, n_samples=4, checkpoint_every=2, micro_batch_size=16)
     cfg["rl"]["optim"]["warmup_steps"] = 1
     cfg["evaluate"]["samples_per_prompt"] = 2
