@@ -10,7 +10,7 @@ import pytest
 
 from data.code_task import ALL_EXPRESSIONS, CodeProblem, Expression, make_code_datasets
 from data.code_verifier import parse_tests
-from data.rewards import get_verifier
+from data.rewards import get_verifier, score_all
 
 QUESTION = re.compile(r"^Write a Python function (\w+)\((\w+), (\w+)\) that returns (\w+) (plus|minus|times) (\d) "
                       r"(plus|minus|times) (\w+)\.$")
@@ -64,19 +64,37 @@ def test_held_out_expressions_appear_in_no_training_problem(splits):
 
 
 def test_every_reference_solution_passes_its_tests_in_the_sandbox_and_a_near_miss_fails(splits):
-    """The real sandbox (data.sandbox via the code verifier) on every rl_eval row and the first
-    rl_train rows: the reference solution passes; the same function with its constant one higher fails."""
-    verify = get_verifier("code")
-    rows = _rows(splits["rl_eval"]) + _rows(splits["rl_train"])[:10]
+    """The real sandbox (data.sandbox via the code verifier, on 4 threads) on rl_eval and rl_train
+    rows: the reference solution passes; the same function with its constant one higher fails."""
+    rows = _rows(splits["rl_eval"])[:16] + _rows(splits["rl_train"])[:8]
+    responses, labels = [], []
     for row in rows:
         name, (a, b), (u, o1, c, o2, v) = _parse(row["prompt"][0])
         tests = parse_tests(row["label"]).tests
         assert len(tests) == 1 and tests[0].test.count("assert ") == 3
-        right = f"def {name}({a}, {b}): return {u} {o1} {c} {o2} {v}"
-        wrong = f"def {name}({a}, {b}): return {u} {o1} {c + 1} {o2} {v}"
-        assert verify(right, row["label"], "stop") == 1.0, (right, row["label"])
-        assert verify(wrong, row["label"], "stop") == 0.0, (wrong, row["label"])
-    assert verify("```python\n" + right + "\n```", rows[-1]["label"], "stop") == 1.0  # a fenced answer too
+        responses += [f"def {name}({a}, {b}): return {u} {o1} {c} {o2} {v}",
+                      f"def {name}({a}, {b}): return {u} {o1} {c + 1} {o2} {v}"]
+        labels += [row["label"]] * 2
+    responses.append("```python\n" + responses[-2] + "\n```")  # a fenced answer too
+    labels.append(labels[-1])
+    rewards = score_all(get_verifier("code"), responses, labels, ["stop"] * len(labels))
+    assert rewards == [1.0, 0.0] * len(rows) + [1.0], list(zip(responses, rewards))
+
+
+def test_every_sft_target_passes_the_tests_of_its_problem(splits):
+    """SFT answers, run in the sandbox against the asserts their problem gets as an rl row."""
+    import random
+
+    rng = random.Random(0)
+    answers, labels = [], []
+    for row in _rows(splits["sft"])[:24]:
+        user, assistant = row["messages"]
+        name, args, (u, o1, c, o2, _) = _parse(user)
+        problem = CodeProblem(name, args, Expression(u == args[1], o1, c, o2))
+        assert problem.question() == user["content"]
+        answers.append(assistant["content"])
+        labels.append(problem.label(rng))
+    assert score_all(get_verifier("code"), answers, labels, ["stop"] * 24) == [1.0] * 24
 
 
 def test_tests_tell_every_neighbour_apart():
