@@ -25,13 +25,15 @@ RUN_TIMEOUT_S = 3 * 3600
 
 
 class QuickstartRuns:
-    """``posttrain run`` of the quickstart config with overrides, in one shared work directory."""
+    """``posttrain run`` of a quickstart config (``configs/<config>``, default the addition
+    quickstart; ``run_name`` its ``run.name``) with overrides, in one shared work directory."""
 
-    def __init__(self, work: Path):
+    def __init__(self, work: Path, config: str = "quickstart.yaml", run_name: str = "quickstart"):
         self.work = work
-        self.config = work / "quickstart.yaml"
+        self.run_name = run_name
+        self.config = work / config
         if not self.config.exists():
-            shutil.copy(REPO / "configs" / "quickstart.yaml", self.config)
+            shutil.copy(REPO / "configs" / config, self.config)
         self.env = env_for(work)
         self.default = self.run()
 
@@ -40,7 +42,7 @@ class QuickstartRuns:
         ``wall_s`` added: the command's wall time."""
         t0 = time.perf_counter()
         posttrain(["run", str(self.config), *overrides], cwd=self.work, env=self.env, timeout=RUN_TIMEOUT_S)
-        summary = read_summary(self.work, "quickstart")
+        summary = read_summary(self.work, self.run_name)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"posttrain run {' '.join(overrides) or '(defaults)'}: {summary['wall_s']} s; stages "
               + ", ".join(f"{k} {v.get('state')} {v.get('wall_s')} s" for k, v in summary["stages"].items()), flush=True)
