@@ -516,9 +516,15 @@ class RewardWorker:
         metrics: dict[str, float] = {}
         names = [v or self.cfg.verifier for v in verifiers] if verifiers is not None else [self.cfg.verifier] * len(texts)
         if any(name != "none" for name in names):
-            verified = torch.tensor([self._verifier(name)(t, label, f) if name != "none" else 0.0
-                                     for name, t, label, f in zip(names, texts, labels, finish_reasons)],
-                                    dtype=torch.float32)
+            from data.rewards import score_all
+
+            scorers = {name: self._verifier(name) for name in set(names) - {"none"}}
+
+            def verify(text: str, i: int, finish: str) -> float:
+                return scorers[names[i]](text, labels[i], finish) if names[i] != "none" else 0.0
+
+            # on threads: the code verifier waits on sandbox processes (data.rewards.SCORING_THREADS)
+            verified = torch.tensor(score_all(verify, texts, range(len(texts)), finish_reasons), dtype=torch.float32)
             rewards += self.cfg.verifier_weight * verified
             metrics["reward/verifier_mean"] = float(verified.mean())
         if self.cfg.reward_model_weight != 0:
