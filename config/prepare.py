@@ -10,6 +10,23 @@ from pydantic import Field, model_validator
 from config.base import LocalPath, Strict
 
 
+class AdditionMoEShape(Strict):
+    """The quickstart base model's mixture-of-experts shape (``prepare.moe``): with it, prepare
+    builds a Qwen3-MoE model (every layer's MLP a routed MoE block) instead of the dense Qwen2."""
+
+    num_experts: int = Field(8, ge=2, description="Routed experts per MoE layer.")
+    num_experts_per_tok: int = Field(2, gt=0, description="Experts each token is sent to (top-k); at most num_experts.")
+    moe_intermediate_size: int = Field(64, gt=0, description="SwiGLU width of each expert.")
+
+    @model_validator(mode="after")
+    def _topk(self):
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"prepare.moe.num_experts_per_tok: {self.num_experts_per_tok} is more than "
+                             f"prepare.moe.num_experts {self.num_experts} (each token picks top-k of the experts); "
+                             "use at most num_experts, e.g. 2 of 8")
+        return self
+
+
 class AdditionPrepareConfig(Strict):
     """Builds the quickstart's own base model, tokenizer and data (no hub access needed)."""
 
@@ -26,6 +43,9 @@ class AdditionPrepareConfig(Strict):
     num_key_value_heads: int = Field(2, gt=0, description="KV heads (GQA).")
     intermediate_size: int = Field(256, gt=0, description="SwiGLU MLP width.")
     max_position_embeddings: int = Field(128, gt=0, description="Longest sequence the model supports.")
+    moe: AdditionMoEShape | None = Field(
+        None, description="null: the dense Qwen2 model; set: a Qwen3-MoE model of this shape "
+                          "(configs/quickstart-moe.yaml; intermediate_size is then unused).")
 
     @model_validator(mode="after")
     def _heads(self):
