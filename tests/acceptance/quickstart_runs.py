@@ -18,6 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
+import yaml
 from e2e_support import REPO, env_for, posttrain, read_summary
 
 # A whole quickstart on 2 loaded cores can outlast e2e_support's 25-minute default.
@@ -25,13 +26,15 @@ RUN_TIMEOUT_S = 3 * 3600
 
 
 class QuickstartRuns:
-    """``posttrain run`` of the quickstart config with overrides, in one shared work directory."""
+    """``posttrain run`` of a quickstart config (``configs/<config>``, default the dense
+    quickstart) with overrides, in one shared work directory."""
 
-    def __init__(self, work: Path):
+    def __init__(self, work: Path, config: str = "quickstart.yaml"):
         self.work = work
-        self.config = work / "quickstart.yaml"
+        self.config = work / config
         if not self.config.exists():
-            shutil.copy(REPO / "configs" / "quickstart.yaml", self.config)
+            shutil.copy(REPO / "configs" / config, self.config)
+        self.run_name = yaml.safe_load(self.config.read_text())["run"]["name"]
         self.env = env_for(work)
         self.default = self.run()
 
@@ -40,7 +43,7 @@ class QuickstartRuns:
         ``wall_s`` added: the command's wall time."""
         t0 = time.perf_counter()
         posttrain(["run", str(self.config), *overrides], cwd=self.work, env=self.env, timeout=RUN_TIMEOUT_S)
-        summary = read_summary(self.work, "quickstart")
+        summary = read_summary(self.work, self.run_name)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"posttrain run {' '.join(overrides) or '(defaults)'}: {summary['wall_s']} s; stages "
               + ", ".join(f"{k} {v.get('state')} {v.get('wall_s')} s" for k, v in summary["stages"].items()), flush=True)
