@@ -30,7 +30,8 @@ def test_moe_quickstart_rl_beats_sft_by_more_than_2_paired_se(quickstart_moe):
     at T=1) beats the SFT policy's by more than 2 paired SE, and every RL step trained."""
     summary = quickstart_moe.default
     stages = ("prepare", "validate", "convert", "sft", "rm", "rl", "evaluate", "export")
-    assert {s: summary["stages"][s]["state"] for s in stages} == {s: "Completed" for s in stages}
+    states = {s: summary["stages"][s]["state"] for s in stages}
+    assert set(states.values()) <= {"Completed", "Cached"}, states  # Cached: a kept POSTTRAIN_ACCEPTANCE_WORK
     assert len(rl_metrics(summary)) == 100
     policies = evaluated(summary)
     assert set(policies) == {"sft", "rl"}
