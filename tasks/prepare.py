@@ -1,7 +1,8 @@
 """prepare (example configs only): write the example's own inputs.
 
 ``kind: addition`` (the quickstart) builds a tokenizer, a random-init base model and the
-addition datasets; ``kind: stories`` (configs/tinystories.yaml) writes story-opening prompts
+addition datasets; ``kind: code`` (configs/quickstart-code.yaml) the same for the coding task
+of ``data.code_task``; ``kind: stories`` (configs/tinystories.yaml) writes story-opening prompts
 for a pretrained model that ``model.source`` names.
 
 Not an artifact stage: it writes plain files to ``prepare.output_dir`` that the config's
@@ -109,23 +110,40 @@ def is_prepared(cfg: PipelineConfig) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == prepare_fingerprint(cfg)
 
 
-def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
+def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path]) -> None:
+    """A BPE chat tokenizer trained on every string of ``files``, and a random Qwen2 model with it
+    (Qwen3-MoE with ``prepare.moe``)."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from conversion.random_init import init_random_hf_model
-    from data.addition import make_addition_datasets
     from data.tokenizer_train import train_chat_tokenizer
 
     from transformers import AutoTokenizer
 
     p = cfg.prepare
-    files = make_addition_datasets(
-        tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
-    )
     texts = [text for path in files.values() for text in _strings(Path(path))]
     tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    hf_config = (_qwen2_config if p.moe is None else _qwen3_moe_config)(p, len(tokenizer), tokenizer)
+    moe = getattr(p, "moe", None)  # the addition kind's; the code kind has no MoE variant
+    hf_config = (_qwen2_config if moe is None else _qwen3_moe_config)(p, len(tokenizer), tokenizer)
     init_random_hf_model(tmp / "base_model", hf_config, seed=cfg.run.seed, tokenizer_dir=tok_dir)
+
+
+def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
+    from data.addition import make_addition_datasets
+
+    p = cfg.prepare
+    files = make_addition_datasets(
+        tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
+    )
+    _tokenizer_and_model(cfg, tmp, files)
+
+
+def _write_code(cfg: PipelineConfig, tmp: Path) -> None:
+    from data.code_task import make_code_datasets
+
+    p = cfg.prepare
+    files = make_code_datasets(tmp, num_sft=p.num_sft, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed)
+    _tokenizer_and_model(cfg, tmp, files)
 
 
 def _write_stories(cfg: PipelineConfig, tmp: Path) -> None:
@@ -149,7 +167,7 @@ def prepare(cfg: PipelineConfig) -> str:
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        {"addition": _write_addition, "stories": _write_stories}[p.kind](cfg, tmp)
+        {"addition": _write_addition, "code": _write_code, "stories": _write_stories}[p.kind](cfg, tmp)
         (tmp / STAMP).write_text(json.dumps({"fingerprint": fp}))
         if out.exists():
             shutil.rmtree(out)

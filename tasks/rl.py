@@ -75,10 +75,11 @@ _NOT_FINGERPRINTED = {
 
 
 def _fingerprinted_rl(rl) -> dict:
-    """The rl settings that decide the result; the multi-turn settings only with an environment
-    (so adding them left single-turn fingerprints as they were)."""
+    """The rl settings that decide the result; the multi-turn settings only with an environment,
+    MoE routing replay only when on (so adding them left other runs' fingerprints as they were)."""
     single_turn = {"environment_step_wait_s": True, "max_turn_tokens": True} if rl.environment is None else {}
-    return rl.model_dump(exclude={**_NOT_FINGERPRINTED, **single_turn})
+    no_replay = {"moe_routing_replay": True} if not rl.moe_routing_replay else {}
+    return rl.model_dump(exclude={**_NOT_FINGERPRINTED, **single_turn, **no_replay})
 
 SPEC = StageSpec(
     name="rl",

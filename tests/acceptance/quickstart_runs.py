@@ -18,7 +18,6 @@ import shutil
 import time
 from pathlib import Path
 
-import yaml
 from e2e_support import REPO, env_for, posttrain, read_summary
 
 # A whole quickstart on 2 loaded cores can outlast e2e_support's 25-minute default.
@@ -26,15 +25,15 @@ RUN_TIMEOUT_S = 3 * 3600
 
 
 class QuickstartRuns:
-    """``posttrain run`` of a quickstart config (``configs/<config>``, default the dense
-    quickstart) with overrides, in one shared work directory."""
+    """``posttrain run`` of a quickstart config (``configs/<config>``, default the addition
+    quickstart; ``run_name`` its ``run.name``) with overrides, in one shared work directory."""
 
-    def __init__(self, work: Path, config: str = "quickstart.yaml"):
+    def __init__(self, work: Path, config: str = "quickstart.yaml", run_name: str = "quickstart"):
         self.work = work
+        self.run_name = run_name
         self.config = work / config
         if not self.config.exists():
             shutil.copy(REPO / "configs" / config, self.config)
-        self.run_name = yaml.safe_load(self.config.read_text())["run"]["name"]
         self.env = env_for(work)
         self.default = self.run()
 

@@ -22,7 +22,7 @@ def quickstart_moe(tmp_path_factory) -> QuickstartRuns:
     keep = os.environ.get("POSTTRAIN_ACCEPTANCE_WORK")
     work = Path(keep) if keep else tmp_path_factory.mktemp("acceptance_quickstart_moe")
     work.mkdir(parents=True, exist_ok=True)
-    return QuickstartRuns(work, "quickstart-moe.yaml")
+    return QuickstartRuns(work, "quickstart-moe.yaml", run_name="quickstart-moe")
 
 
 def test_moe_quickstart_rl_beats_sft_by_more_than_2_paired_se(quickstart_moe):
