@@ -10,6 +10,23 @@ from pydantic import Field, model_validator
 from config.base import LocalPath, Strict
 
 
+class AdditionMoEShape(Strict):
+    """The quickstart base model's mixture-of-experts shape (``prepare.moe``): with it, prepare
+    builds a Qwen3-MoE model (every layer's MLP a routed MoE block) instead of the dense Qwen2."""
+
+    num_experts: int = Field(8, ge=2, description="Routed experts per MoE layer.")
+    num_experts_per_tok: int = Field(2, gt=0, description="Experts each token is sent to (top-k); at most num_experts.")
+    moe_intermediate_size: int = Field(64, gt=0, description="SwiGLU width of each expert.")
+
+    @model_validator(mode="after")
+    def _topk(self):
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"prepare.moe.num_experts_per_tok: {self.num_experts_per_tok} is more than "
+                             f"prepare.moe.num_experts {self.num_experts} (each token picks top-k of the experts); "
+                             "use at most num_experts, e.g. 2 of 8")
+        return self
+
+
 class TinyModelPrepareConfig(Strict):
     """The tokenizer and random-init Qwen2 base model a synthetic task's prepare builds (the
     fields the ``addition`` and ``code`` kinds share)."""
@@ -45,6 +62,9 @@ class AdditionPrepareConfig(TinyModelPrepareConfig):
     num_preference: int = Field(600, gt=0, description="Preference pairs (correct vs wrong sum).")
     num_rl: int = Field(2000, gt=0, description="RL training prompts.")
     num_eval: int = Field(300, gt=0, description="Held-out prompts, disjoint from all training prompts.")
+    moe: AdditionMoEShape | None = Field(
+        None, description="null: the dense Qwen2 model; set: a Qwen3-MoE model of this shape "
+                          "(configs/quickstart-moe.yaml; intermediate_size is then unused).")
 
 
 class CodePrepareConfig(TinyModelPrepareConfig):

@@ -27,7 +27,16 @@ STAMP = ".prepare.json"
 
 
 def prepare_fingerprint(cfg: PipelineConfig) -> str:
-    return fingerprint("prepare", {}, {"prepare": cfg.prepare.model_dump(), "seed": cfg.run.seed}, code_version("tasks.prepare"))
+    return fingerprint("prepare", {}, _fingerprint_config(cfg), code_version("tasks.prepare"))
+
+
+def _fingerprint_config(cfg: PipelineConfig) -> dict:
+    """The config part of :func:`prepare_fingerprint`: the prepare section and the seed. An unset
+    ``prepare.moe`` (the dense model) is left out, so dense configs hash as they did before it."""
+    dump = cfg.prepare.model_dump()
+    if dump.get("moe", 0) is None:
+        del dump["moe"]
+    return {"prepare": dump, "seed": cfg.run.seed}
 
 
 def _qwen2_config(p, vocab_size: int, tokenizer) -> dict:
@@ -50,6 +59,30 @@ def _qwen2_config(p, vocab_size: int, tokenizer) -> dict:
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     }
+
+
+def _qwen3_moe_config(p, vocab_size: int, tokenizer) -> dict:
+    """The Qwen3-MoE variant of :func:`_qwen2_config` for ``prepare.moe``: every layer's MLP a
+    routed MoE block (``decoder_sparse_step`` 1, no ``mlp_only_layers``) of ``num_experts`` SwiGLU
+    experts of width ``moe_intermediate_size``, top-k renormalised (``norm_topk_prob``, as the
+    released Qwen3-MoE models); per-head q/k RMSNorm and no attention biases (Qwen3's attention).
+    These are the keys ``conversion.moe_config.moe_fields_from_hf`` reads."""
+    moe = p.moe
+    out = _qwen2_config(p, vocab_size, tokenizer)
+    out.update({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "head_dim": p.hidden_size // p.num_attention_heads,
+        "attention_bias": False,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+    })
+    return out
 
 
 def _strings(jsonl: Path) -> list[str]:
@@ -78,7 +111,8 @@ def is_prepared(cfg: PipelineConfig) -> bool:
 
 
 def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path]) -> None:
-    """A BPE chat tokenizer trained on every string of ``files``, and a random Qwen2 model with it."""
+    """A BPE chat tokenizer trained on every string of ``files``, and a random Qwen2 model with it
+    (Qwen3-MoE with ``prepare.moe``)."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from conversion.random_init import init_random_hf_model
     from data.tokenizer_train import train_chat_tokenizer
@@ -89,7 +123,9 @@ def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path])
     texts = [text for path in files.values() for text in _strings(Path(path))]
     tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    init_random_hf_model(tmp / "base_model", _qwen2_config(p, len(tokenizer), tokenizer), seed=cfg.run.seed, tokenizer_dir=tok_dir)
+    moe = getattr(p, "moe", None)  # the addition kind's; the code kind has no MoE variant
+    hf_config = (_qwen2_config if moe is None else _qwen3_moe_config)(p, len(tokenizer), tokenizer)
+    init_random_hf_model(tmp / "base_model", hf_config, seed=cfg.run.seed, tokenizer_dir=tok_dir)
 
 
 def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
