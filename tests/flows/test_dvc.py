@@ -350,7 +350,8 @@ def _alternatives(value, ann) -> list:
                           [{"cpus": 8}]]
     # an unset optional (an import path, then a section: rl.teacher, rl.reward.judge, a dataset: data.kto)
     return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"},
-            {"url": "http://127.0.0.1:8000/score"}]  # a reward service (rl.reward.remote)
+            {"url": "http://127.0.0.1:8000/score"},  # a reward service (rl.reward.remote)
+            {"num_experts": 4}]  # an MoE shape (prepare.moe)
 
 
 # Keys valid only together with others (cross-key checks of the schema).
