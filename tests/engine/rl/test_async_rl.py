@@ -184,36 +184,13 @@ def test_killed_async_run_with_an_environment_resumes_bit_identically(async_env_
     """A driver SIGKILLed after a checkpoint; the checkpoint holds the rollout already made for
     the next step, so the resumed run trains on exactly the uninterrupted run's batches and
     ends with its metrics and weights, bit for bit."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from engine.rl.checkpoint import AHEAD_DIR
     from engine.rl.loop import run_rl
-    from engine.storage.train_state import has_train_state, load_train_state
-    from tests.engine.rl.test_rl import REPO, assert_same_weights, untimed
+    from engine.storage.train_state import load_train_state
+    from tests.engine.rl.test_rl import assert_same_weights, kill_after_first_checkpoint, untimed
 
     resume, out, cfg = tmp_path / "resume", tmp_path / "killed", env_config(3, ray_address)
-    script = tmp_path / "driver.py"
-    script.write_text(
-        "from config.schema import RLConfig\n"
-        "from engine.rl.loop import run_rl\n"
-        "if __name__ == '__main__':\n"
-        f"    run_rl({str(policy['dir'])!r}, {str(policy['prompts'])!r}, RLConfig.model_validate_json({cfg.model_dump_json()!r}),"
-        f" {str(out)!r}, {str(resume)!r}, seed=0)\n"
-    )
-    with open(tmp_path / "driver.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while not has_train_state(resume):
-            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no checkpoint within 300 s"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after_first_checkpoint(policy, cfg, out, resume, tmp_path)
     killed_at = load_train_state(resume).step
     assert 1 <= killed_at < 3, killed_at  # mid-run
     assert (resume / AHEAD_DIR / f"step_{killed_at + 1:08d}.pt").is_file()  # the next step's rollout, saved
