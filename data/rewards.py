@@ -238,6 +238,6 @@ def score_all(verifier: Callable[[str, str, str], float], responses: Sequence[st
     if threads < 1:
         raise ValueError(f"score_all: threads must be >= 1, got {threads}")
     if threads == 1 or len(responses) <= 1:
-        return [float(verifier(r, l, f)) for r, l, f in zip(responses, labels, finish_reasons)]
+        return [float(verifier(r, lab, f)) for r, lab, f in zip(responses, labels, finish_reasons)]
     with ThreadPoolExecutor(min(threads, len(responses)), thread_name_prefix="verifier") as pool:
         return [float(x) for x in pool.map(verifier, responses, labels, finish_reasons)]

@@ -120,7 +120,7 @@ class RoutingReplay:
         for layer, (router, replay, idx) in enumerate(zip(self.routers, self.replays, indices)):
             replay.set_target_indices(idx)
 
-            def check_tokens(module, args, layer=layer, expected=idx.size(0)):
+            def check_tokens(module, args, layer=layer, expected=idx.size(0)):  # noqa: B008 - binds this layer's values
                 tokens = args[0].numel() // args[0].size(-1)  # [seq, batch, hidden] or packed [tokens, 1, hidden]
                 if tokens != expected:
                     raise ValueError(f"RoutingReplay.replaying: MoE layer {layer} routes {tokens} tokens, the "

@@ -323,7 +323,7 @@ class RolloutRouter:
                     except RayActorError as exc:
                         failed[e] = (self.engines[e], f"its actor died ({type(exc).__name__})")
             now = time.monotonic()
-            for e, (ref, sent) in list(pings.items()):
+            for e, (_ref, sent) in list(pings.items()):
                 if now - sent > self.health_check_timeout_s:
                     pings.pop(e)
                     failed[e] = (self.engines[e], f"it did not answer its health check within {HEALTH_KEY}="
