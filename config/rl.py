@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from config.algorithms import AlgorithmNeeds, algorithm_needs, names_with
+from config.algorithms import BUILTIN_NEEDS, AlgorithmNeeds, algorithm_needs, names_with
 from config.base import Strict
 from config.judge import JudgeConfig, RemoteRewardConfig
 from config.lora import LoraConfig
@@ -79,8 +79,7 @@ def _import_path(value: str, attr: str) -> str:
 # The built-in names of rl.algorithm and rl.policy_loss: the keys of
 # engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal);
 # rl.algorithm's are also those of config.algorithms.BUILTIN_NEEDS (what each needs: critic, teacher, groups).
-BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
-                           "on_policy_distill"]
+BuiltinAdvantage = Literal[tuple(BUILTIN_NEEDS)]  # grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), gae, on_policy_distill
 BuiltinPolicyLoss = Literal["ppo_clip", "gspo"]
 
 
