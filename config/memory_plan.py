@@ -326,7 +326,7 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
         roles.append(training_role("teacher", "rl.teacher", ModelShape.from_hf_config(teacher), rl.parallel.reference,
                                    resolve_precision(rl.teacher.precision or p), b, s,
                                    int(teacher.get("padded_vocab_size", teacher["vocab_size"])), trainable=False))
-    if rl.algorithm == "gae":
+    if rl.algorithm_needs.critic:
         roles.append(training_role("critic", "rl.parallel.critic", shape, rl.parallel.critic, p, b, s, rows,
                                    logits=False))  # the critic stays padded (rl.packing)
     if rl.uses_reward_model:

@@ -102,14 +102,14 @@ _LAYOUT_KEY = {"actor": "actor", "reference": "reference", "teacher": "reference
 def training_roles(cfg: "RLConfig") -> dict[str, object]:
     """``role -> ParallelConfig`` of the run's training roles that start: the actor, the
     reference (with a KL term), the teacher (laid out as the reference), the critic
-    (``gae``) and the reward model (``reward_model_weight != 0``)."""
+    (an estimator that needs one: ``gae``) and the reward model (``reward_model_weight != 0``)."""
     par = cfg.parallel
     roles = {"actor": par.actor}
     if cfg.uses_reference:
         roles["reference"] = par.reference
     if cfg.teacher is not None:
         roles["teacher"] = par.reference
-    if cfg.algorithm == "gae":
+    if cfg.algorithm_needs.critic:
         roles["critic"] = par.critic
     if cfg.uses_reward_model:
         roles["reward_model"] = par.reward_model

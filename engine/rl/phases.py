@@ -40,12 +40,7 @@ import ray
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms.advantages import (
-    compute_gae,
-    get_advantage_estimator,
-    masked_whiten,
-    on_policy_distill_advantages,
-)
+from engine.algorithms.advantages import compute_gae, get_advantage_estimator, masked_whiten
 from engine.algorithms.dynamic_sampling import fill_batch
 from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
 from engine.batching.sampler import EpochSampler, MixtureSampler
@@ -392,32 +387,36 @@ def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool =
 
 def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token
-    rewards) by ``cfg.algorithm``.
+    rewards) by ``cfg.algorithm``, given the inputs its needs ask for (``cfg.algorithm_needs``).
 
     ``gae`` (PPO): :func:`engine.algorithms.advantages.compute_gae` with the critic's
     ``traj.values`` and ``rl.critic.gamma``/``lam`` (the score sits on each response's last
     loss-mask token), then whitened over the batch's loss-mask tokens
     (:func:`engine.algorithms.advantages.masked_whiten`, as verl and OpenAI baselines do); the
-    critic's targets ``returns = A + V`` (before whitening) are set too.
+    critic's targets ``returns = A + V`` (before whitening) are set too. Any other estimator:
+    ``fn(rewards, group_index, mask, **options)``; with a teacher (``on_policy_distill``) the
+    options are ``teacher_logprobs``, ``student_logprobs`` (the old log-probs) and
+    ``rl.teacher``'s ``kl_coef``, ``reward_weight``; with a critic (a plug-in) ``values`` and
+    the critic's targets are ``returns = (A + V) * mask``.
 
-    ``on_policy_distill``: :func:`engine.algorithms.advantages.on_policy_distill_advantages`
-    with the teacher's and the old (student) log-probs and ``rl.teacher``'s weights.
-
-    Raises: ValueError for ``gae`` without values, ``on_policy_distill`` without the teacher's
-        or the old log-probs.
+    Raises: ValueError for an estimator with a critic without values, one with a teacher
+        without the teacher's or the old log-probs.
     """
     rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
-    mask = traj.response_mask
-    if cfg.algorithm == "on_policy_distill":
+    mask, needs, options = traj.response_mask, cfg.algorithm_needs, {}
+    if needs.teacher:
         if traj.teacher_logprobs is None or traj.old_logprobs is None:
-            raise ValueError("rl.algorithm on_policy_distill needs the teacher's and the old log-probs")
-        return traj.with_(advantages=on_policy_distill_advantages(
-            rewards, traj.group_index, mask, teacher_logprobs=traj.teacher_logprobs,
-            student_logprobs=traj.old_logprobs, kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight))
-    if cfg.algorithm != "gae":
-        return traj.with_(advantages=get_advantage_estimator(cfg.algorithm)(rewards, traj.group_index, mask))
-    if traj.values is None:
-        raise ValueError("rl.algorithm gae needs the critic's values")
+            raise ValueError(f"rl.algorithm {cfg.algorithm} needs the teacher's and the old log-probs")
+        options = dict(teacher_logprobs=traj.teacher_logprobs, student_logprobs=traj.old_logprobs,
+                       kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight)
+    if needs.critic and traj.values is None:
+        raise ValueError(f"rl.algorithm {cfg.algorithm} needs the critic's values")
+    if cfg.algorithm != "gae":  # gae's own formula (below) also gives the returns and whitens
+        advantages = get_advantage_estimator(cfg.algorithm)(
+            rewards, traj.group_index, mask, **options, **({"values": traj.values} if needs.critic else {}))
+        if not needs.critic:
+            return traj.with_(advantages=advantages)
+        return traj.with_(advantages=advantages, returns=(advantages.float() + traj.values.float()) * mask)
     if rewards.dim() == 1:  # the outcome score on the last loss-mask token
         last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
         rewards = rewards[:, None] * last

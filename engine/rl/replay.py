@@ -178,7 +178,7 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
     actor = spawn_role(actor_worker_class(cfg), par.actor, placement.rank_options("actor", par.actor),
                        (str(policy_dir), cfg, seed, placement.threads("actor")), seed=seed,
                        norm_fn=lambda traj: actor_norm(traj, cfg))
-    critic = None if cfg.algorithm != "gae" else spawn_role(
+    critic = None if not cfg.algorithm_needs.critic else spawn_role(
         critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
         (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))

@@ -67,7 +67,7 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     reward_model = None if not cfg.uses_reward_model else spawn_role(
         RewardModelWorker, par.reward_model, placement.rank_options("reward_model", par.reward_model),
         (str(reward_model_dir), placement.threads("reward_model")), dict(precision=cfg.precision), seed=seed)
-    critic = None if cfg.algorithm != "gae" else spawn_role(
+    critic = None if not cfg.algorithm_needs.critic else spawn_role(
         critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
         (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
