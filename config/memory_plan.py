@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from config.parallel import ParallelConfig
 from config.precision import resolve_precision
+from config.stages import chat_trainers
 
 if TYPE_CHECKING:
     from config.lora import LoraConfig
@@ -528,7 +529,7 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     train = total - cfg.rl.engine.rollout_cpus if cfg.rl.engine.placement == "disaggregated" else total
     return check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
-                      cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
+                      cpus={**dict.fromkeys(chat_trainers(), total), "rl": train}, gpus=local_gpus(),
                       device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(), seq_lens=seq_lens)
 
 

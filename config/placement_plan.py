@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from config.stages import chat_trainers
+
 if TYPE_CHECKING:
     from config.schema import PipelineConfig
     from config.rl import RLConfig
@@ -319,7 +321,7 @@ def check_stage_cpus(cfg: "PipelineConfig", cluster_address: str | None) -> list
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     source = "rl.engine.num_cpus" if cfg.rl.engine.num_cpus else "this machine's CPUs"
     problems = []
-    for stage in ("sft", "rm", "po"):
+    for stage in chat_trainers():
         section = getattr(cfg, stage)
         layout = section.parallel
         if section.enabled and layout.world_size > 1 and layout.cpus_per_rank is not None \

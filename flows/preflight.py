@@ -20,6 +20,7 @@ from typing import Any
 
 from config.precision import auto_precision, bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
+from config.stages import chat_trainers
 from flows.content_checks import (SftFit, architecture_problem, check_benchmarks, exact_match_datasets, missing_weights,
                                   padded_number_warnings)
 from flows.plugin_checks import check_plugins
@@ -382,7 +383,7 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
                         f"({m.config.get('model_type')}), in place after each RL update (its CPU MoE backend repacks "
                         "the experts; a reload fails or serves wrong experts): set rl.rollout.backend: hf")
     context = m.config.get("max_position_embeddings")
-    for stage in ("sft", "rm", "po"):
+    for stage in chat_trainers():
         section = getattr(cfg, stage)
         if context and section.enabled and section.max_seq_len > context:
             problems.append(f"{stage}.max_seq_len: {section.max_seq_len} is above the context of {m.name} "
@@ -422,7 +423,7 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str
     if getattr(tok, "chat_template", None) is None:
         return [f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
                 f"render conversations; set {stage}.enabled: false (or model.tokenizer to a tokenizer with one)"
-                for stage in ("sft", "rm", "po") if getattr(cfg, stage).enabled]
+                for stage in chat_trainers() if getattr(cfg, stage).enabled]
     override = cfg.model.end_of_turn
     try:  # the turn end SFT trains and generation stops on
         eot = chat_template.end_of_turn(tok, override)

@@ -227,6 +227,26 @@ def test_every_stage_has_a_dvc_stage_that_runs_it():
         assert DVC[name]["metrics"] == [{f"{out}/{name}.metrics.json": {"cache": False}}]
 
 
+def test_dvc_stages_are_the_registrys_in_its_order_with_its_inputs():
+    """dvc.yaml against config.stages: after prepare, one DVC stage per registry stage in its
+    order; each reads the pointers of exactly the upstream stages the registry declares
+    (every one a DVC stage earlier in the file, so DVC's order is the registry's); the root
+    stages (no upstream stage) read what prepare writes instead."""
+    from config import stages
+
+    assert list(RAW_DVC["stages"]) == ["prepare", *stages.stage_names()]
+    prepared = RAW_DVC["stages"]["prepare"]["outs"]
+    for entry in stages.STAGES:
+        deps = RAW_DVC["stages"][entry.name]["deps"]
+        pointers = [re.fullmatch(r"outputs/\$\{run\}/(\w+)\.json", d) for d in deps]
+        read = [m.group(1) for m in pointers if m]
+        assert sorted(read) == sorted(entry.inputs), f"dvc.yaml {entry.name}.deps read the pointers of {read}, " \
+                                                     f"config/stages.py declares {list(entry.inputs)}"
+        earlier = list(RAW_DVC["stages"])[:list(RAW_DVC["stages"]).index(entry.name)]
+        assert set(read) <= set(earlier), (entry.name, read)
+        assert all(out in deps for out in prepared) == (not entry.inputs), (entry.name, prepared)
+
+
 def test_dvc_yaml_names_the_config_and_run_only_in_its_vars():
     """Pointing DVC at another config is the two vars: every cmd, params file, pointer and
     metrics path of the file goes through ${config} / ${run}, and run is the config's run.name."""
