@@ -10,7 +10,8 @@ from pathlib import Path
 
 from config.moe import MoERouterConfig
 from config.schema import PipelineConfig
-from tasks.runner import StageContext, StageSpec, stage_task
+from tasks.runner import StageContext, stage_task
+from tasks.spec import StageSpec
 
 
 def _raw(cfg: PipelineConfig) -> dict[str, str]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 from config.schema import PipelineConfig
 from config.stages import stage_names
 from tasks.artifacts import ArtifactRef
-from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
+from tasks.runner import StageContext, rl_starting_policy, stage_task
+from tasks.spec import StageSpec
 
 
 def baseline_name(cfg: PipelineConfig) -> str:

@@ -15,8 +15,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from tasks.artifacts import ArtifactRef, ArtifactStore
-from tasks.tracking import manifest_inputs
+from tasks.artifacts import ArtifactRef, ArtifactStore, manifest_inputs
 
 SOFTWARE = ("torch", "transformers", "megatron-core", "vllm", "ray", "prefect", "gguf", "huggingface_hub")
 EVAL_POLICY = "rl"  # the exported policy's row of the evaluation

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from config.schema import PipelineConfig
 from tasks.plugin_files import plugin_files
-from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
+from tasks.runner import StageContext, rl_starting_policy, stage_task
+from tasks.spec import StageSpec
 
 
 def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
