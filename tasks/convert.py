@@ -67,8 +67,8 @@ def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict
     """The chat template's turn end (``data.chat_template.end_of_turn``): its stop id, added to the EOS
     ids generation stops on, and the marker, recorded in the model directory's
     tokenizer_config.json so every later stage (and the export) uses the same one."""
+    # transformers and the chat-template checks: not paid by a cached run
     from transformers import AutoTokenizer
-
     from data.chat_template import RECORDED_KEY, ChatTemplateError, end_of_turn, turn_end_token_id
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))

@@ -91,6 +91,7 @@ def training_curves(ctx: StageContext) -> dict:
     Raises:
         ArtifactError: a file of the rm artifact is missing or corrupt.
     """
+    # matplotlib (curves) is heavy: not paid by a cached run
     from engine.evaluation.curves import CURVES_FILE, METRICS_FILE, STAGE_PANELS, stage_series
 
     refs = dict(ctx.inputs)

@@ -103,6 +103,7 @@ def rl(ctx: StageContext) -> dict:
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
     evaluator = None
     if ctx.cfg.rl.eval_every:  # the evaluate stage's code, on the rollout engines (engine.evaluation)
+        # torch and the evaluator: only when rl.eval_every asks for it
         from engine.evaluation.benchmarks import PolicyEvaluator, load_benchmark
 
         bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
 from prefect.logging import get_run_logger
 
@@ -277,8 +278,6 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
             store.discard(spec.name, store.artifact_id(spec.name, fp))
         ref, metrics, ctx, started = _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
     if ctx.markdown:
-        from prefect.artifacts import create_markdown_artifact
-
         create_markdown_artifact("\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}")
     write_pointer(cfg, ref, metrics, spec.summary)
     resumed = max((int(v) for k, v in metrics.items() if k.endswith("/resumed_from_step")), default=0)

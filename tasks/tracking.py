@@ -91,6 +91,7 @@ def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _prefect_run() -> tuple[str | None, str | None]:
     """(flow run id, deployment name) of the Prefect flow run this code runs in, or None."""
+    # Prefect's runtime: `posttrain validate` imports this module (wandb_mode) without Prefect
     from prefect.context import FlowRunContext
     from prefect.runtime import flow_run
 
@@ -102,6 +103,7 @@ def _prefect_run() -> tuple[str | None, str | None]:
     name = None
     if deployment_id is not None:
         try:
+            # Prefect's runtime: `posttrain validate` imports this module (wandb_mode) without Prefect
             from prefect.runtime import deployment
 
             name = deployment.name
@@ -291,6 +293,7 @@ class StageTracker:
         mode = wandb_mode(cfg)
         if mode == "disabled":
             return
+        # wandb is heavy (~1 s) and unused when W&B is disabled
         import wandb
 
         previous = self._read_run_file()
@@ -430,6 +433,7 @@ class StageTracker:
         """
         if self.run is None:
             return
+        # wandb is heavy (~1 s) and unused when W&B is disabled
         import wandb
 
         self._replay(before=math.inf)
@@ -526,6 +530,7 @@ def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, 
     key = (info["flow_run_id"] or "", ref.artifact_id)
     if info["flow_run_id"] and key in _reported:
         return None
+    # wandb is heavy (~1 s) and unused when W&B is disabled
     import wandb
 
     inputs = manifest_inputs(manifest)
