@@ -35,8 +35,8 @@ from config.memory_plan import local_gpus
 from config.stages import chat_trainers
 
 if TYPE_CHECKING:
-    from config.schema import PipelineConfig
     from config.rl import RLConfig
+    from config.schema import PipelineConfig
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import State
 from prefect.runtime import flow_run
+from prefect.states import State
 
 from config import load_config
 from config.schema import PipelineConfig

@@ -41,8 +41,8 @@ def convert(ctx: StageContext) -> dict:
     from conversion.registry import hf_to_megatron
     from conversion.spec import GPTSpec
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import save_model_dir
     from engine.models.platform import init_model_parallel
+    from engine.storage.model_dir import save_model_dir
 
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
@@ -69,6 +69,7 @@ def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict
     tokenizer_config.json so every later stage (and the export) uses the same one."""
     # transformers and the chat-template checks: not paid by a cached run
     from transformers import AutoTokenizer
+
     from data.chat_template import RECORDED_KEY, ChatTemplateError, end_of_turn, turn_end_token_id
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))

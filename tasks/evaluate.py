@@ -55,9 +55,9 @@ def evaluate(ctx: StageContext) -> dict:
     greedy by default), scored by each one's verifier."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.evaluation.benchmarks import load_benchmark, stage_metrics
-    from engine.evaluation.scoring import evaluate_benchmarks
     from engine.evaluation.curves import curves_markdown, plot_reward_curve
     from engine.evaluation.report import write_benchmark_report
+    from engine.evaluation.scoring import evaluate_benchmarks
 
     cfg = ctx.cfg
     base = baseline_name(cfg)

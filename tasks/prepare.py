@@ -114,11 +114,11 @@ def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path])
     """A BPE chat tokenizer trained on every string of ``files``, and a random Qwen2 model with it
     (Qwen3-MoE with ``prepare.moe``)."""
     # imported here, not at module level: a cached run must not pay for torch's import
-    from conversion.random_init import init_random_hf_model
-    from data.tokenizer_train import train_chat_tokenizer
-
     # transformers is heavy: only when a tokenizer is trained
     from transformers import AutoTokenizer
+
+    from conversion.random_init import init_random_hf_model
+    from data.tokenizer_train import train_chat_tokenizer
 
     p = cfg.prepare
     texts = [text for path in files.values() for text in _strings(Path(path))]

@@ -11,7 +11,6 @@ from __future__ import annotations
 from tasks.runner import StageContext, stage_task
 from tasks.spec import StageSpec
 
-
 SPEC = StageSpec(
     name="sft",
     inputs=lambda cfg: ("validate", "convert"),

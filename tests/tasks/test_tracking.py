@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_support import BIN, REPO, offline_runs, tiny_config
 
 from config.schema import PipelineConfig
-from e2e_support import BIN, REPO, offline_runs, tiny_config
 from engine.evaluation.curves import write_stage_curves
 from tasks.artifacts import ArtifactStore
 from tasks.graph import pipeline_identity
