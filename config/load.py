@@ -10,6 +10,7 @@ and the same errors; an error caused by one says so.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import io
 import re
@@ -218,8 +219,6 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[Override]) -> dict[
             a list index is out of range, ``+KEY`` names a key the file has, or ``~KEY`` one
             it does not have (the message quotes the override).
     """
-    import copy
-
     out = copy.deepcopy(raw)
     for o in overrides:
         node: Any = out

@@ -50,6 +50,7 @@ with torch, megatron-core and transformers imported: :data:`PROCESS_BYTES`.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -352,8 +353,6 @@ def teacher_hf_config(model_dir: str) -> dict[str, Any]:
 
     Raises: ValueError naming ``rl.teacher.model_dir`` and the file when it is missing or not JSON.
     """
-    import json
-
     config = os.path.join(model_dir, "hf", "config.json")
     try:
         with open(config, encoding="utf-8") as f:

@@ -31,11 +31,12 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from config.memory_plan import local_gpus
 from config.stages import chat_trainers
 
 if TYPE_CHECKING:
-    from config.schema import PipelineConfig
     from config.rl import RLConfig
+    from config.schema import PipelineConfig
 
 
 @dataclass(frozen=True)
@@ -286,8 +287,6 @@ def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[s
     (``rl.engine.num_cpus`` or every core, and its GPUs); a cluster joined without
     ``cluster_nodes`` is checked when the run starts. Returns (problems naming the key, notes:
     the placement table)."""
-    from config.memory_plan import local_gpus
-
     if rl.engine.cluster_nodes is not None:
         nodes = [(n.cpus, n.gpus) for n in rl.engine.cluster_nodes]
     elif cluster_address is None:

@@ -49,7 +49,7 @@ def _cuda_capability() -> tuple[int, int] | None:
     when an NVIDIA driver is present (or torch is already imported)."""
     if "torch" not in sys.modules and not (os.path.exists("/proc/driver/nvidia") or shutil.which("nvidia-smi")):
         return None
-    import torch
+    import torch  # heavy and optional here: only when a GPU may be present
 
     if not torch.cuda.is_available():
         return None

@@ -33,7 +33,7 @@ from config.stages import stage_names
 if TYPE_CHECKING:
     from config.schema import PipelineConfig
     from tasks.artifacts import ArtifactRef, ArtifactStore
-    from tasks.runner import StageSpec
+    from tasks.spec import StageSpec
 
 # tasks.* (Prefect and every stage module) is imported where it is used: the `posttrain`
 # command registers compare's arguments on every start, and `validate` stays fast.
@@ -106,7 +106,7 @@ def stage_inputs(stage: str, manifest: dict[str, Any]) -> dict[str, Any]:
     if stage in _BARE_SECTION:
         config = {_BARE_SECTION[stage]: config}
     raw = manifest.get("raw_inputs", {})
-    # A raw input enters the fingerprint by its content, not its path (tasks.runner.StageSpec):
+    # A raw input enters the fingerprint by its content, not its path (tasks.spec.StageSpec):
     # the path stands for "file <key>", whose sha256 is compared below.
     by_path = {v.get("path"): f"(file {k})" for k, v in raw.items()}
     out = {("run.seed" if k == "seed" else k): (by_path.get(v, v) if isinstance(v, str) else v)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import State
 from prefect.runtime import flow_run
+from prefect.states import State
 
 from config import load_config
 from config.schema import PipelineConfig
@@ -141,7 +141,7 @@ def pipeline(config_path: str, overrides: list[str] | None = None) -> dict[str, 
             i = names.index(exc.stage)
             continue
         manifest = store.manifest(refs[name])
-        write_pointer(cfg, refs[name], manifest.get("metrics"))  # also on cache hits
+        write_pointer(cfg, refs[name], manifest.get("metrics"), stage(name)[0].summary)  # also on cache hits
         summary["stages"][name] = _stage_entry(state, refs[name], manifest, time.time() - t0)
         reports.publish_stage(cfg, name, summary["stages"][name], stage(name)[0].summary)
         i += 1
@@ -201,7 +201,7 @@ def stage_flow(config_path: str, name: str, overrides: list[str] | None = None) 
     started = time.time()
     state, ref = _run_rebuilding_corrupt(cfg, name, refs, set())
     manifest = store.manifest(ref)
-    write_pointer(cfg, ref, manifest.get("metrics"))  # DVC deleted it before running us
+    write_pointer(cfg, ref, manifest.get("metrics"), spec.summary)  # DVC deleted it before running us
     reports.publish_stage(cfg, name, _stage_entry(state, ref, manifest, time.time() - started), spec.summary)
     return {"state": state.name, **ref.model_dump()}
 

@@ -585,3 +585,15 @@ class ArtifactStore:
             removed.append(str(entry))
             log.info("removed stale temporary publish copy %s", entry)
         return removed
+
+
+def manifest_inputs(manifest: dict[str, Any]) -> dict[str, ArtifactRef]:
+    """The upstream artifacts a manifest records (``manifest["inputs"]``), by input name; an
+    entry that does not parse as an ``ArtifactRef`` (an older manifest's) is left out."""
+    inputs = {}
+    for name, value in (manifest.get("inputs") or {}).items():
+        try:
+            inputs[name] = ArtifactRef.model_validate(value)
+        except ValueError:
+            continue
+    return inputs

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from config.moe import MoERouterConfig
 from config.schema import PipelineConfig
-from tasks.runner import StageContext, StageSpec, stage_task
+from tasks.runner import StageContext, stage_task
+from tasks.spec import StageSpec
 
 
 def _raw(cfg: PipelineConfig) -> dict[str, str]:
@@ -40,8 +41,8 @@ def convert(ctx: StageContext) -> dict:
     from conversion.registry import hf_to_megatron
     from conversion.spec import GPTSpec
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import save_model_dir
     from engine.models.platform import init_model_parallel
+    from engine.storage.model_dir import save_model_dir
 
     m = ctx.cfg.model
     source = load_hf_source(m.source, revision=m.revision, tokenizer=m.tokenizer)
@@ -66,6 +67,7 @@ def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict
     """The chat template's turn end (``data.chat_template.end_of_turn``): its stop id, added to the EOS
     ids generation stops on, and the marker, recorded in the model directory's
     tokenizer_config.json so every later stage (and the export) uses the same one."""
+    # transformers and the chat-template checks: not paid by a cached run
     from transformers import AutoTokenizer
 
     from data.chat_template import RECORDED_KEY, ChatTemplateError, end_of_turn, turn_end_token_id

@@ -19,7 +19,8 @@ from __future__ import annotations
 from config.schema import PipelineConfig
 from config.stages import stage_names
 from tasks.artifacts import ArtifactRef
-from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
+from tasks.runner import StageContext, rl_starting_policy, stage_task
+from tasks.spec import StageSpec
 
 
 def baseline_name(cfg: PipelineConfig) -> str:
@@ -54,9 +55,9 @@ def evaluate(ctx: StageContext) -> dict:
     greedy by default), scored by each one's verifier."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from engine.evaluation.benchmarks import load_benchmark, stage_metrics
-    from engine.evaluation.scoring import evaluate_benchmarks
     from engine.evaluation.curves import curves_markdown, plot_reward_curve
     from engine.evaluation.report import write_benchmark_report
+    from engine.evaluation.scoring import evaluate_benchmarks
 
     cfg = ctx.cfg
     base = baseline_name(cfg)
@@ -90,6 +91,7 @@ def training_curves(ctx: StageContext) -> dict:
     Raises:
         ArtifactError: a file of the rm artifact is missing or corrupt.
     """
+    # matplotlib (curves) is heavy: not paid by a cached run
     from engine.evaluation.curves import CURVES_FILE, METRICS_FILE, STAGE_PANELS, stage_series
 
     refs = dict(ctx.inputs)

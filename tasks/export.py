@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from tasks.runner import StageContext, StageSpec, stage_task
+from tasks.runner import StageContext, stage_task
+from tasks.spec import StageSpec
 
 SPEC = StageSpec(
     name="export",

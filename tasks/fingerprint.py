@@ -6,11 +6,19 @@ stage config + code version).
 - Upstream artifacts enter by their *content* hash (``ArtifactRef.content_hash``: their
   files' sha256s), not by their fingerprint, so a rebuild that produces byte-identical
   files reruns nothing after it (early cut-off).
-- The code version hashes the project source a stage actually runs: the transitive closure
-  of project modules its task module imports (found by reading import statements, not by
-  executing them), each file by its syntax tree with docstrings removed, so editing a
-  comment, a docstring or blank lines invalidates nothing, editing a helper the stage uses
-  invalidates the stage, and editing docs, tests or an unrelated stage invalidates nothing.
+- The code version hashes the project source that computes a stage's artifact: the stage's
+  task module (``tasks/<stage>.py``) and, recursively, every project module it imports (found
+  by reading import statements, not by executing them), except that the walk does not enter
+  the orchestration modules of ``tasks/`` (:data:`ORCHESTRATION`: the runner, tracking,
+  artifact store, locks, reaper, stage graph, fingerprints and stage spec), which publish,
+  record and schedule artifacts but compute none of their files. Every other module is
+  followed, a new ``tasks/`` helper included, so a module is left out only by being listed
+  there. Each file counts by its syntax tree with docstrings removed: editing a comment, a
+  docstring or blank lines invalidates nothing; editing a helper the stage uses (engine,
+  data, conversion, config, or a computing helper of ``tasks/`` such as ``model_card`` or
+  ``plugin_files``) invalidates the stage; editing docs, tests, an unrelated stage or an
+  orchestration module invalidates nothing. (A change to how fingerprints are computed
+  changes them by value; a change to publishing does not change what was built.)
 - User code the config names (reward plug-ins, environments) enters with its own import
   closure inside the user's code (:func:`user_modules`: every imported module found on
   ``sys.path`` outside the Python installation), by file content, and with the data files
@@ -36,6 +44,20 @@ from data.checksums import sha256_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("config", "data", "conversion", "engine", "tasks", "flows")
+
+ORCHESTRATION = frozenset({
+    "tasks.artifacts",  # the artifact store: publish, verify, read manifests
+    "tasks.fingerprint",  # this module
+    "tasks.graph",  # the stage graph (pairs config.stages with the stage modules)
+    "tasks.leftovers",  # what killed runs left behind
+    "tasks.locks",  # file locks
+    "tasks.reaper",  # kills what a stage started when its process dies
+    "tasks.runner",  # cache lookup, work dir, publish
+    "tasks.spec",  # StageSpec: what enters the fingerprint
+    "tasks.tracking",  # W&B runs and the Prefect logger
+})
+"""The modules of ``tasks/`` a stage's code version does not walk into (see the module
+docstring): they run around a stage's computation, not in it."""
 
 
 def _module_file(module: str) -> Path | None:
@@ -118,14 +140,15 @@ def _import_closure(module: str, locate: Callable[[str], Path | None]) -> dict[s
 
 
 def _closure(module: str) -> dict[str, Path]:
-    """``module`` and every project module it imports, recursively, with their files.
+    """``module`` and every project module it imports, recursively, with their files; the
+    walk does not enter :data:`ORCHESTRATION` (``module`` itself is kept even if listed).
 
     Raises:
         ValueError: ``module`` is not a module of this project.
     """
     if _module_file(module) is None:
         raise ValueError(f"{module} is not a module of this project")
-    return _import_closure(module, _module_file)
+    return _import_closure(module, lambda m: None if m in ORCHESTRATION and m != module else _module_file(m))
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -156,7 +179,8 @@ def source_digest(path: Path) -> bytes:
 @lru_cache(maxsize=None)
 def code_version(module: str) -> str:
     """sha256 over :func:`source_digest` of ``module`` and every project module it imports,
-    recursively (module names included, so moving code between modules counts)."""
+    recursively, outside :data:`ORCHESTRATION` (module names included, so moving code
+    between modules counts)."""
     seen = _closure(module)
     h = hashlib.sha256()
     for mod in sorted(seen):

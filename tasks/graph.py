@@ -18,13 +18,17 @@ from typing import Any
 from config import stages as registry
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactCheck, ArtifactRef, ArtifactStore, content_hash
-from tasks.runner import StageSpec, store_for
+from tasks.runner import store_for
+from tasks.spec import StageSpec
+from tasks.tracking import use_pipeline_identity
 
 
 def _implementation(entry: registry.Stage) -> tuple[StageSpec, object]:
     """``(SPEC, Prefect task)`` of a registry stage: ``tasks/<name>.py``'s ``SPEC`` and its
     function ``<name>``. Raises ImportError / ValueError naming the module when either is
     missing or the spec names another stage."""
+    # By name: the registry (config/stages.py) names the stage, tasks/<name>.py implements it.
+    # Nothing a stage module imports reaches back to this module (tests/test_structure.py).
     module = importlib.import_module(f"tasks.{entry.name}")
     spec, task = getattr(module, "SPEC", None), getattr(module, entry.name, None)
     if not isinstance(spec, StageSpec) or task is None:
@@ -132,3 +136,9 @@ def pipeline_identity(cfg: PipelineConfig) -> str:
     recipes = [{"stage": spec.name, "inputs": list(spec.inputs(cfg)), "recipe": spec.fingerprint(cfg, {})}
                for spec, _ in enabled_stages(cfg)]
     return hashlib.sha256(json.dumps(recipes, sort_keys=True).encode()).hexdigest()
+
+
+# Stage runs report the identity (their W&B group, their manifests' ``pipeline_run``); it is
+# handed to tasks.tracking rather than imported there, which would make a circle of imports
+# (tracking -> graph -> each stage module -> runner -> tracking).
+use_pipeline_identity(pipeline_identity)

@@ -15,8 +15,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Mapping
 
-from tasks.artifacts import ArtifactRef, ArtifactStore
-from tasks.tracking import manifest_inputs
+from tasks.artifacts import ArtifactRef, ArtifactStore, manifest_inputs
 
 SOFTWARE = ("torch", "transformers", "megatron-core", "vllm", "ray", "prefect", "gguf", "huggingface_hub")
 EVAL_POLICY = "rl"  # the exported policy's row of the evaluation
@@ -84,6 +83,7 @@ def build_model_card(manifests: Mapping[str, Mapping[str, Any]], eval_metrics: M
     Returns:
         ``ModelCard`` (``card.data`` holds the YAML metadata; ``card.save(path)`` writes it).
     """
+    # huggingface_hub's card module is heavy: only export and push write cards
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     rows = _eval_rows(eval_metrics or {})
@@ -124,6 +124,7 @@ def base_model_license(model_dir: str | Path | None) -> str | None:
         return None
     readme = Path(model_dir) / "README.md"
     if readme.is_file():
+        # huggingface_hub's card module is heavy: only export and push write cards
         from huggingface_hub import ModelCard
 
         found = ModelCard.load(readme).data.to_dict().get("license")

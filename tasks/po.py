@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
+from tasks.runner import StageContext, stage_task, starting_policy
+from tasks.spec import StageSpec
 
 SPEC = StageSpec(
     name="po",

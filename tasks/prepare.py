@@ -114,10 +114,11 @@ def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path])
     """A BPE chat tokenizer trained on every string of ``files``, and a random Qwen2 model with it
     (Qwen3-MoE with ``prepare.moe``)."""
     # imported here, not at module level: a cached run must not pay for torch's import
+    # transformers is heavy: only when a tokenizer is trained
+    from transformers import AutoTokenizer
+
     from conversion.random_init import init_random_hf_model
     from data.tokenizer_train import train_chat_tokenizer
-
-    from transformers import AutoTokenizer
 
     p = cfg.prepare
     texts = [text for path in files.values() for text in _strings(Path(path))]
@@ -129,6 +130,7 @@ def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path])
 
 
 def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
+    # each generator only when its dataset kind is asked for (they pull in tokenizers and torch)
     from data.addition import make_addition_datasets
 
     p = cfg.prepare
@@ -139,6 +141,7 @@ def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
 
 
 def _write_code(cfg: PipelineConfig, tmp: Path) -> None:
+    # each generator only when its dataset kind is asked for (they pull in tokenizers and torch)
     from data.code_task import make_code_datasets
 
     p = cfg.prepare
@@ -147,6 +150,7 @@ def _write_code(cfg: PipelineConfig, tmp: Path) -> None:
 
 
 def _write_stories(cfg: PipelineConfig, tmp: Path) -> None:
+    # each generator only when its dataset kind is asked for (they pull in tokenizers and torch)
     from data.stories import make_story_datasets
 
     make_story_datasets(tmp, num_rl=cfg.prepare.num_rl, num_eval=cfg.prepare.num_eval, seed=cfg.run.seed)

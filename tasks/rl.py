@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from config.schema import PipelineConfig
 from tasks.plugin_files import plugin_files
-from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
+from tasks.runner import StageContext, rl_starting_policy, stage_task
+from tasks.spec import StageSpec
 
 
 def _inputs(cfg: PipelineConfig) -> tuple[str, ...]:
@@ -102,6 +103,7 @@ def rl(ctx: StageContext) -> dict:
     rm_dir = ctx.input_path("rm") / "model" if "rm" in ctx.inputs else None
     evaluator = None
     if ctx.cfg.rl.eval_every:  # the evaluate stage's code, on the rollout engines (engine.evaluation)
+        # torch and the evaluator: only when rl.eval_every asks for it
         from engine.evaluation.benchmarks import PolicyEvaluator, load_benchmark
 
         bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl",

@@ -9,7 +9,8 @@ preference pairs. Resumes from its checkpoint under
 
 from __future__ import annotations
 
-from tasks.runner import StageContext, StageSpec, stage_task, starting_policy
+from tasks.runner import StageContext, stage_task, starting_policy
+from tasks.spec import StageSpec
 
 SPEC = StageSpec(
     name="rm",

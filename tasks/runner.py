@@ -1,6 +1,6 @@
 """What every stage task shares: fingerprint, cache lookup, work dir, tracking, atomic publish.
 
-A stage module defines a :class:`StageSpec` and a ``build(ctx) -> metrics`` function;
+A stage module defines a :class:`tasks.spec.StageSpec` and a ``build(ctx) -> metrics`` function;
 :func:`stage_task` turns them into a Prefect task with the signature
 ``(cfg, inputs: dict[str, ArtifactRef]) -> ArtifactRef``. Prefect's cache key is the
 stage fingerprint plus the artifact store, so a rerun with the same inputs, config and code
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from prefect import task
+from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
 from prefect.logging import get_run_logger
 
@@ -36,53 +37,11 @@ from config.precision import describe_precision
 from config.schema import PipelineConfig
 from config.stages import policy_before
 from tasks.artifacts import ArtifactRef, ArtifactStore
-from tasks.fingerprint import code_version, fingerprint, hash_path
+from tasks.fingerprint import code_version
 from tasks.locks import lock_path_of, open_locked, owned_dir, release, remove_if_unowned
 from tasks.reaper import ensure_reaper
+from tasks.spec import StageSpec
 from tasks.tracking import StageTracker, finish_interrupted_run
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """A pipeline stage: its name, upstream stages and the config it depends on.
-
-    inputs: upstream stage names (given the config: e.g. rl needs rm only when the
-        reward model is used).
-    config: the slice of the pipeline config that changes this stage's output.
-    raw_inputs: files or directories outside the artifact store read by the stage
-        (hashed into the fingerprint by content).
-    summary: metric keys shown by ``posttrain status`` and the run summary.
-    """
-
-    name: str
-    inputs: Callable[[PipelineConfig], tuple[str, ...]]
-    config: Callable[[PipelineConfig], Any]
-    raw_inputs: Callable[[PipelineConfig], dict[str, str]] = lambda cfg: {}
-    summary: tuple[str, ...] = ()
-
-    def raw_hashes(self, cfg: PipelineConfig) -> dict[str, str]:
-        """``file:<key>`` -> content hash of each raw input, as they are on disk now."""
-        return {f"file:{k}": hash_path(v) for k, v in self.raw_inputs(cfg).items()}
-
-    def fingerprint(self, cfg: PipelineConfig, input_hashes: dict[str, str], raw: dict[str, str] | None = None) -> str:
-        """The stage's fingerprint given ``input_hashes`` (upstream stage -> the content hash
-        of its artifact, ``ArtifactRef.content_hash``) and ``raw`` (:meth:`raw_hashes`,
-        computed now when not given)."""
-        raw = self.raw_hashes(cfg) if raw is None else raw
-        # A raw input enters by its content: where it lies (its path's spelling, the working
-        # directory, a copy of the project elsewhere) does not change the result.
-        by_content = {path: f"<content of {key}>" for key, path in self.raw_inputs(cfg).items()}
-        config = _replace_strings(self.config(cfg), by_content)
-        return fingerprint(self.name, {**input_hashes, **raw}, config, code_version(f"tasks.{self.name}"))
-
-
-def _replace_strings(value: Any, table: dict[str, str]) -> Any:
-    """``value`` with every string that is a key of ``table`` replaced (through dicts and lists)."""
-    if isinstance(value, dict):
-        return {k: _replace_strings(v, table) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_replace_strings(v, table) for v in value]
-    return table.get(value, value) if isinstance(value, str) else value
 
 
 def input_hashes(inputs: dict[str, ArtifactRef]) -> dict[str, str]:
@@ -133,20 +92,14 @@ def store_for(cfg: PipelineConfig) -> ArtifactStore:
     return ArtifactStore(cfg.run.artifact_root)
 
 
-def headline_metrics(stage: str, metrics: dict[str, Any] | None) -> dict[str, int | float]:
+def headline_metrics(summary: tuple[str, ...], metrics: dict[str, Any] | None) -> dict[str, int | float]:
     """The figures of a stage's metrics that ``dvc exp show`` / ``dvc metrics diff`` compare:
-    each key of the stage's ``StageSpec.summary`` that is in ``metrics`` (numbers only), with
-    its standard error ``<key>_se`` and its sample count ``<prefix>/n`` when the metrics have
-    them (evaluate: ``sft/accuracy``, ``sft/accuracy_se``, ``sft/n``, ...). Raises
-    ModuleNotFoundError for an unknown stage."""
-    # By name, not `import tasks.graph`: which figures DVC shows changes no artifact, so the
-    # stage modules stay out of every fingerprint's import closure (tasks.fingerprint).
-    import importlib
-
-    spec: StageSpec = importlib.import_module(f"tasks.{stage}").SPEC
+    each key of ``summary`` (the stage's ``StageSpec.summary``) that is in ``metrics`` (numbers
+    only), with its standard error ``<key>_se`` and its sample count ``<prefix>/n`` when the
+    metrics have them (evaluate: ``sft/accuracy``, ``sft/accuracy_se``, ``sft/n``, ...)."""
     metrics = metrics or {}
     keys: list[str] = []
-    for key in spec.summary:
+    for key in summary:
         if key in metrics:
             keys += [key, f"{key}_se", f"{key.rsplit('/', 1)[0]}/n"] if "/" in key else [key, f"{key}_se"]
     return {k: metrics[k] for k in dict.fromkeys(keys)
@@ -159,15 +112,15 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any] | None = None) -> None:
+def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any] | None, summary: tuple[str, ...]) -> None:
     """Record ``outputs/<run>/<stage>.json`` (the stage's current artifact and all its metrics:
-    DVC's out) and ``outputs/<run>/<stage>.metrics.json`` (its :func:`headline_metrics`:
-    DVC's metrics file). Both are small, git-tracked files, so an experiment's commit (and
+    DVC's out) and ``outputs/<run>/<stage>.metrics.json`` (the :func:`headline_metrics` of
+    ``summary``, the stage's ``StageSpec.summary``: DVC's metrics file). Both are small, git-tracked files, so an experiment's commit (and
     the baseline commit) holds them. Raises OSError if ``outputs/<run>`` is not writable."""
     out = Path("outputs") / cfg.run.name
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / f"{ref.stage}.json", {**ref.model_dump(), "metrics": metrics or {}})
-    _write_json(out / f"{ref.stage}.metrics.json", headline_metrics(ref.stage, metrics))
+    _write_json(out / f"{ref.stage}.metrics.json", headline_metrics(summary, metrics))
 
 
 def write_disabled_pointer(cfg: PipelineConfig, stage: str) -> None:
@@ -309,7 +262,7 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
     if existing is not None:
         logger.info("%s: up to date (%s)", spec.name, existing.artifact_id)
         clean_leftovers(spec, cfg, fp)
-        write_pointer(cfg, existing, store.manifest(existing).get("metrics"))
+        write_pointer(cfg, existing, store.manifest(existing).get("metrics"), spec.summary)
         return existing
     parent = Path(cfg.run.checkpoint_root) / spec.name
     with fingerprint_lock(parent, fp[:16], f"{spec.name} {store.artifact_id(spec.name, fp)}", logger.info):
@@ -317,7 +270,7 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
         if existing is not None:
             logger.info("%s: published by the other run meanwhile (%s)", spec.name, existing.artifact_id)
             clean_leftovers(spec, cfg, fp)
-            write_pointer(cfg, existing, store.manifest(existing).get("metrics"))
+            write_pointer(cfg, existing, store.manifest(existing).get("metrics"), spec.summary)
             return existing
         broken = store.check(spec.name, fp)
         if broken.state == "broken":
@@ -325,10 +278,8 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
             store.discard(spec.name, store.artifact_id(spec.name, fp))
         ref, metrics, ctx, started = _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
     if ctx.markdown:
-        from prefect.artifacts import create_markdown_artifact
-
         create_markdown_artifact("\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}")
-    write_pointer(cfg, ref, metrics)
+    write_pointer(cfg, ref, metrics, spec.summary)
     resumed = max((int(v) for k, v in metrics.items() if k.endswith("/resumed_from_step")), default=0)
     logger.info("%s: published %s in %.1f s%s", spec.name, ref.artifact_id, time.time() - started,
                 f" (resumed from the checkpoint of step {resumed})" if resumed else "")

@@ -8,8 +8,8 @@ Resumes from its checkpoint under
 
 from __future__ import annotations
 
-from tasks.runner import StageContext, StageSpec, stage_task
-
+from tasks.runner import StageContext, stage_task
+from tasks.spec import StageSpec
 
 SPEC = StageSpec(
     name="sft",

@@ -39,7 +39,6 @@ Images: a training stage logs its curves PNG (engine/evaluation/curves.py) with
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
@@ -47,11 +46,11 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from config.schema import PipelineConfig
 from config.stages import STAGES
-from tasks.artifacts import ArtifactError, ArtifactRef, ArtifactStore
+from tasks.artifacts import ArtifactError, ArtifactRef, ArtifactStore, manifest_inputs
 
 FLUSH_INTERVAL_S = 1.0
 """Seconds between writes of a stage run's W&B transaction log (and fsyncs of its history file)."""
@@ -64,6 +63,7 @@ _TAG_MAX = 64  # W&B's limit on a tag's length
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {s.name: s.sections for s in STAGES}  # in run order (config.stages)
 
 _identities: dict[tuple[str, str], str] = {}  # (flow run id, config) -> pipeline identity
+_identity_of: Callable[[PipelineConfig], str] | None = None  # set by tasks.graph (use_pipeline_identity)
 _deployments: dict[str, str | None] = {}  # flow run id -> deployment name
 _reported: set[tuple[str, str]] = set()  # (flow run id, artifact id) with a W&B run in this process
 
@@ -91,6 +91,7 @@ def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _prefect_run() -> tuple[str | None, str | None]:
     """(flow run id, deployment name) of the Prefect flow run this code runs in, or None."""
+    # Prefect's runtime: `posttrain validate` imports this module (wandb_mode) without Prefect
     from prefect.context import FlowRunContext
     from prefect.runtime import flow_run
 
@@ -102,6 +103,7 @@ def _prefect_run() -> tuple[str | None, str | None]:
     name = None
     if deployment_id is not None:
         try:
+            # Prefect's runtime: `posttrain validate` imports this module (wandb_mode) without Prefect
             from prefect.runtime import deployment
 
             name = deployment.name
@@ -112,16 +114,32 @@ def _prefect_run() -> tuple[str | None, str | None]:
     return run_id, name
 
 
+def use_pipeline_identity(identity_of: Callable[[PipelineConfig], str]) -> None:
+    """Set how a config's pipeline identity is computed: ``tasks.graph`` hands in its
+    ``pipeline_identity`` when it is imported. Passed in, not imported: the identity covers
+    every stage, so it needs every stage module, and the stage modules run their stage
+    through ``tasks.runner``, which imports this module; importing ``tasks.graph`` here would
+    close that circle."""
+    global _identity_of
+    _identity_of = identity_of
+
+
 def _identity(cfg: PipelineConfig, flow_run_id: str | None) -> str:
-    """``tasks.graph.pipeline_identity(cfg)``, computed once per Prefect flow run when
-    ``flow_run_id`` is given (all stages of one ``posttrain run`` share it, even if a raw
-    input is rewritten meanwhile)."""
+    """``tasks.graph.pipeline_identity(cfg)`` (:func:`use_pipeline_identity`), computed once
+    per Prefect flow run when ``flow_run_id`` is given (all stages of one ``posttrain run``
+    share it, even if a raw input is rewritten meanwhile).
+
+    Raises:
+        RuntimeError: ``tasks.graph`` was not imported in this process (every way to run a
+            stage, ``flows.pipeline`` and the CLI, takes its task from there).
+    """
     key = (flow_run_id or "", cfg.model_dump_json())
     if flow_run_id and key in _identities:
         return _identities[key]
-    # Imported by name: tasks.graph imports every stage module, and a stage's code version
-    # covers the modules its code imports (tasks.fingerprint); the group changes no result.
-    identity = importlib.import_module("tasks.graph").pipeline_identity(cfg)
+    if _identity_of is None:
+        raise RuntimeError("the pipeline identity is unknown in this process: import tasks.graph first (it hands "
+                           "tasks.tracking its pipeline_identity; flows.pipeline and the CLI do)")
+    identity = _identity_of(cfg)
     if flow_run_id:
         _identities[key] = identity
     return identity
@@ -275,6 +293,7 @@ class StageTracker:
         mode = wandb_mode(cfg)
         if mode == "disabled":
             return
+        # wandb is heavy (~1 s) and unused when W&B is disabled
         import wandb
 
         previous = self._read_run_file()
@@ -414,6 +433,7 @@ class StageTracker:
         """
         if self.run is None:
             return
+        # wandb is heavy (~1 s) and unused when W&B is disabled
         import wandb
 
         self._replay(before=math.inf)
@@ -488,18 +508,6 @@ def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict
     return info
 
 
-def manifest_inputs(manifest: dict[str, Any]) -> dict[str, ArtifactRef]:
-    """The upstream artifacts a manifest records (``manifest["inputs"]``), by input name; an
-    entry that does not parse as an ``ArtifactRef`` (an older manifest's) is left out."""
-    inputs = {}
-    for name, value in (manifest.get("inputs") or {}).items():
-        try:
-            inputs[name] = ArtifactRef.model_validate(value)
-        except ValueError:
-            continue
-    return inputs
-
-
 def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """Report a cache hit as a short W&B run in the pipeline's group, so that every pipeline
     run's group holds all of its stages: ``job_type`` = the stage, ``name`` = the artifact id,
@@ -522,6 +530,7 @@ def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, 
     key = (info["flow_run_id"] or "", ref.artifact_id)
     if info["flow_run_id"] and key in _reported:
         return None
+    # wandb is heavy (~1 s) and unused when W&B is disabled
     import wandb
 
     inputs = manifest_inputs(manifest)

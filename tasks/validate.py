@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 
 from data.validate import dataset_entries, validate_data, write_jsonl_atomic
-from tasks.runner import StageContext, StageSpec, stage_task
+from tasks.runner import StageContext, stage_task
+from tasks.spec import StageSpec
 
 SPEC = StageSpec(
     name="validate",

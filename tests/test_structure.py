@@ -3,7 +3,9 @@ from their syntax trees (``ast``; nothing is imported):
 
 - import layers: a module imports only from its own layer or below (``PACKAGE_LAYERS``,
   and inside engine ``ENGINE_LAYERS``); imports inside functions and ``if TYPE_CHECKING:``
-  blocks count like any other;
+  blocks count like any other, and so do ``importlib.import_module("<literal>")`` and
+  ``__import__("<literal>")`` calls (a module named at run time, e.g. ``tasks.graph``'s
+  ``f"tasks.{name}"`` from the stage registry, cannot be read and is not an edge);
 - no import cycles among project modules;
 - no file longer than ``MAX_LINES`` lines;
 - the ``__init__.py`` files of engine and its sub-packages hold nothing but a docstring, so
@@ -104,9 +106,23 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def _literal_import(node: ast.AST) -> str | None:
+    """The module a call ``importlib.import_module("a.b")``, ``import_module("a.b")`` or
+    ``__import__("a.b")`` imports, when it is named by a string literal; else None."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in ("import_module", "__import__"):
+        return None
+    arg = node.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
 def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
     """Every import of a project module in ``path``, at any depth of the file (functions,
-    ``if TYPE_CHECKING:`` blocks, ``try`` bodies), in file order.
+    ``if TYPE_CHECKING:`` blocks, ``try`` bodies), import statements and literal
+    ``importlib.import_module`` / ``__import__`` calls, in file order.
 
     Raises:
         SyntaxError: the file does not parse.
@@ -130,6 +146,8 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Import
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 targets.append(sub if sub in modules else _resolve(base, modules))
+        elif (name := _literal_import(node)) is not None:
+            targets = [_resolve(name, modules)]
         else:
             continue
         statement = ast.unparse(node)
@@ -372,6 +390,11 @@ def test_each_check_reports_a_deliberate_violation(tmp_path):
     (root / "data" / "_probe_b.py").write_text(
         '"""probe"""\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from ._probe_a import VALUE\n'
     )
+    # and one closed by a literal importlib call (the way around a cycle the check must see)
+    (root / "data" / "_probe_c.py").write_text('"""probe"""\n\nimport data._probe_d\n')
+    (root / "data" / "_probe_d.py").write_text(
+        '"""probe"""\n\nimport importlib\n\n\ndef f():\n    return importlib.import_module("data._probe_c")\n'
+    )
     # (c) one file just over the limit, one at it
     (root / "data" / "_probe_long.py").write_text("x = 0\n" * (MAX_LINES + 1))
     (root / "data" / "_probe_at_limit.py").write_text("x = 0\n" * MAX_LINES)
@@ -391,10 +414,12 @@ def test_each_check_reports_a_deliberate_violation(tmp_path):
         f"engine/models/platform.py:{upward_line}: engine.models.platform (engine.models, layer 2) imports "
         "engine.rl.loop (engine.rl, layer 9): `from engine.rl.loop import run_rl`",
     ], new["layers"]
-    # Two new cycles: the probe pair, and the upward import of (a), since rl reaches models.
-    assert len(new["cycles"]) == 2, new["cycles"]
+    # Three new cycles: the probe pairs, and the upward import of (a), since rl reaches models.
+    assert len(new["cycles"]) == 3, new["cycles"]
     [cycle] = [c for c in new["cycles"] if "data._probe_a" in c]
-    [upward_cycle] = [c for c in new["cycles"] if c is not cycle]
+    [by_name] = [c for c in new["cycles"] if "data._probe_c" in c]
+    assert "data/_probe_d.py:7 `importlib.import_module('data._probe_c')`" in by_name, by_name
+    [upward_cycle] = [c for c in new["cycles"] if c is not cycle and c is not by_name]
     assert "engine.models.platform" in upward_cycle and "engine.rl.loop" in upward_cycle, upward_cycle
     assert f"engine/models/platform.py:{upward_line} `from engine.rl.loop import run_rl`" in upward_cycle
     assert cycle.startswith("import cycle among ['data._probe_a', 'data._probe_b']: "

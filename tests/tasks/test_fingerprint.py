@@ -366,3 +366,31 @@ def test_user_modules_follow_imports_of_the_users_own_code_only(tmp_path, monkey
         "myplug.sub.deep": "myplug/sub/deep.py",
     }  # json (stdlib) and numpy (site-packages) are libraries: not followed
     assert fp_mod.user_modules("json") == {} and fp_mod.user_modules("no_such_module_anywhere") == {}
+
+
+def test_orchestration_modules_are_outside_every_stage_code_version(project_copy):
+    """A stage's code version stops at the orchestration modules of tasks/ (runner, tracking,
+    artifact store, ...: they publish and record artifacts, compute none of their files), so
+    editing them reruns nothing; the computing helpers of tasks/ (model_card writes export's
+    README.md) and engine code a stage reaches only through its imports still count."""
+    from config.stages import stage_names
+
+    assert all(fp_mod._module_file(m) is not None for m in fp_mod.ORCHESTRATION), fp_mod.ORCHESTRATION
+    for name in stage_names():
+        assert not set(modules_of(f"tasks.{name}")) & fp_mod.ORCHESTRATION, name
+    # Every stage imports tasks.runner (which imports tracking) and export's model card reads
+    # manifests through tasks.artifacts: editing those reruns neither sft nor export.
+    before = {name: _version(f"tasks.{name}") for name in ("sft", "export")}
+    for mod in ("tasks.runner", "tasks.tracking", "tasks.artifacts"):
+        path = fp_mod._module_file(mod)
+        original = _append(path, "\n\ndef _probe_edit():\n    return 3\n")
+        assert {name: _version(f"tasks.{name}") for name in before} == before, f"editing {mod} changed a stage"
+        path.write_bytes(original)
+    # ...while a helper of tasks/ that computes an artifact's files still invalidates its stage,
+    assert "tasks.model_card" in modules_of("tasks.export")
+    _append(project_copy / "tasks" / "model_card.py", "\n\ndef _probe_edit():\n    return 4\n")
+    assert _version("tasks.export") != before["export"]
+    assert _version("tasks.sft") == before["sft"]
+    # and so does engine code the stage runs.
+    _append(project_copy / "engine" / "training" / "optimizer_step.py", "\n\ndef _probe_edit():\n    return 5\n")
+    assert _version("tasks.sft") != before["sft"]

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_support import BIN, REPO, offline_runs, tiny_config
 
 from config.schema import PipelineConfig
-from e2e_support import BIN, REPO, offline_runs, tiny_config
 from engine.evaluation.curves import write_stage_curves
 from tasks.artifacts import ArtifactStore
 from tasks.graph import pipeline_identity
@@ -213,6 +213,7 @@ def test_history_without_wandb_keeps_the_earlier_attempts_steps_before_the_resum
 KILLED_ATTEMPT = textwrap.dedent("""
     import logging, sys, time
     from config.schema import PipelineConfig
+    import tasks.graph  # hands tasks.tracking the pipeline identity, as in every stage process
     from tasks.reaper import ensure_reaper
     from tasks.tracking import StageTracker
     ensure_reaper()  # as every stage process has: it ends wandb-core when this process dies
@@ -288,6 +289,7 @@ def test_sigkill_loses_at_most_a_second_and_the_resumed_attempt_relogs_the_histo
 KILLED_AFTER_PUBLISH = textwrap.dedent("""
     import logging, os, signal, sys, time
     from config.schema import PipelineConfig
+    import tasks.graph  # hands tasks.tracking the pipeline identity, as in every stage process
     from tasks import runner, validate
     from tasks.tracking import StageTracker
 
