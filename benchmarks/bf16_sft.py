@@ -47,9 +47,9 @@ def quickstart_batches(steps: int, seed: int | None = None):
     from transformers import AutoTokenizer
 
     from config.load import load_config
+    from engine.batching.collate import pad_token_id
     from engine.batching.sampler import EpochSampler
     from engine.training.sft import encode_sft_dataset, sft_micro_batches
-    from engine.batching.collate import pad_token_id
 
     paths = prepare_quickstart()
     cfg = load_config(paths["config"])

@@ -231,8 +231,8 @@ def convert_model_dir(hf_dir: Path, out_dir: Path, eos_token_ids: list[int] | No
     from conversion.registry import hf_to_megatron
     from conversion.spec import GPTSpec
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import save_model_dir
     from engine.models.platform import init_model_parallel
+    from engine.storage.model_dir import save_model_dir
 
     if (out_dir / "hf" / "config.json").is_file():
         return out_dir

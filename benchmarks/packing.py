@@ -79,9 +79,9 @@ def long_tail_batch(num_seqs: int, max_len: int, vocab: int, seed: int):
 def prepare_mode(traj, packing: bool, micro_batch_size: int, max_tokens: int | None) -> dict:
     """One mode's micro-batches and actor loss (token-mean PPO clip, no KL, no entropy bonus)."""
     from config.rl import KLConfig, RLConfig, RolloutConfig
+    from engine.algorithms.aggregation import global_norm
     from engine.training.actor import actor_loss_fn
     from engine.trajectory import actor_micro_batches
-    from engine.algorithms.aggregation import global_norm
 
     cfg = RLConfig(packing=packing, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens,
                    kl=KLConfig(coef=0.0), rollout=RolloutConfig(max_new_tokens=int(traj.response_ids.size(1))))

@@ -60,8 +60,8 @@ def latest_sft_model() -> Path:
 def main(argv: list[str] | None = None) -> None:
     from engine.evaluation.scoring import evaluate_model_dirs
     from engine.evaluation.statistics import paired_difference
-    from engine.rl.placement import shutdown_ray
     from engine.rl.loop import run_rl
+    from engine.rl.placement import shutdown_ray
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "quickstart.yaml"))

@@ -50,11 +50,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from benchmarks.models import (
-    PROJECT_ROOT, RAY_EQUAL_PRIORITY_ENV, SHAPES, WORK_DIR, benchmark_model, load_avg, matmul_gflops, prepare_quickstart,
+    PROJECT_ROOT,
+    RAY_EQUAL_PRIORITY_ENV,
+    SHAPES,
+    WORK_DIR,
+    benchmark_model,
+    load_avg,
+    matmul_gflops,
+    prepare_quickstart,
     read_prompt_rows,
 )
 
@@ -122,11 +129,11 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
                       tokens: int, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
     """The engine's ``VLLMRollout`` in this process, built as ``RolloutWorker`` builds it
     (placeholder weights, then ``update_weights``), without Ray. Returns ``(call, close)``."""
-    from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
+    from config.precision import DTYPE_NAMES
     from engine.rl.phases import sampling_seed
     from engine.rollout.base import SamplingSpec
     from engine.rollout.vllm_rollout import VLLMRollout
-    from config.precision import DTYPE_NAMES
+    from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
 
     engine = VLLMRollout(model_dir / HF_SUBDIR, num_sequences=len(prompts) * samples,
                          max_model_len=int(read_hf_config(model_dir)["max_position_embeddings"]),
@@ -153,12 +160,11 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
 
     from config.schema import RLConfig
     from engine.batching.collate import pad_token_id
-    from engine.storage.model_dir import load_tokenizer, read_hf_config
+    from engine.rl.phases import generate
     from engine.rl.placement import init_ray, make_placement, shutdown_ray
     from engine.rl.prompts import RLPrompt
-    from engine.rl.workers import Workers
-    from engine.rl.phases import generate
-    from engine.rl.workers import RolloutWorker, spawn
+    from engine.rl.workers import RolloutWorker, Workers, spawn
+    from engine.storage.model_dir import load_tokenizer, read_hf_config
 
     cfg = RLConfig.model_validate({"n_samples": samples, "prompts_per_step": len(prompts), "rollout": {
         "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens, "enforce_eager": enforce_eager}})

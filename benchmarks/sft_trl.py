@@ -58,8 +58,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.models import (
-    PROJECT_ROOT, SHAPES, WORK_DIR, benchmark_model, bf16_verdict, convert_model_dir, load_avg, matmul_peaks,
-    prepare_quickstart, random_qwen2, update_mfu,
+    PROJECT_ROOT,
+    SHAPES,
+    WORK_DIR,
+    benchmark_model,
+    bf16_verdict,
+    convert_model_dir,
+    load_avg,
+    matmul_peaks,
+    prepare_quickstart,
+    random_qwen2,
+    update_mfu,
 )
 
 SIDES = ("engine", "engine_nopack", "trl", "trl_autocast", "trl_bf16")

@@ -78,8 +78,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from benchmarks.models import (
-    PROJECT_ROOT, RAY_EQUAL_PRIORITY_ENV, WORK_DIR, benchmark_model, bf16_verdict, load_avg, matmul_peaks,
-    prepare_quickstart, update_mfu,
+    PROJECT_ROOT,
+    RAY_EQUAL_PRIORITY_ENV,
+    WORK_DIR,
+    benchmark_model,
+    bf16_verdict,
+    load_avg,
+    matmul_peaks,
+    prepare_quickstart,
+    update_mfu,
 )
 
 SIDES = ("engine", "engine_async", "trl", "trl_autocast", "trl_bf16")
@@ -242,8 +249,8 @@ def run_engine(size: str, paths: dict[str, Path], segments: list[int], seed: int
     from benchmarks.rounds import RoundGate
     from config.precision import resolve_precision
     from config.schema import RLConfig
-    from engine.rl.placement import shutdown_ray
     from engine.rl.loop import run_rl
+    from engine.rl.placement import shutdown_ray
 
     s = SETTINGS[size]
     gate = RoundGate(segments)

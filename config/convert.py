@@ -3,7 +3,6 @@ conversion."""
 
 from __future__ import annotations
 
-
 from pydantic import Field, model_validator
 
 from config.base import LocalPath, Strict

@@ -6,13 +6,12 @@ each with its sampling weight, verifier and reward weight (docs/algorithms.md, D
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from config.base import LocalPath, Strict
 from config.rl import RewardConfig
-
 
 DatasetFormat = Literal[
     "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo",
@@ -60,7 +59,7 @@ def _rl_train_shape(value) -> str:
 
 # One dataset or a list of sources, told apart by shape, so an error names only the one given
 # (the tag, ``dataset`` or ``sources``, is part of its key: data.rl_train.sources[0].weight).
-RLTrainConfig = Annotated[Union[Annotated[DatasetConfig, Tag("dataset")], Annotated[list[RLSourceConfig], Tag("sources")]],
+RLTrainConfig = Annotated[Annotated[DatasetConfig, Tag("dataset")] | Annotated[list[RLSourceConfig], Tag("sources")],
                           Discriminator(_rl_train_shape)]
 
 

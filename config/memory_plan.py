@@ -53,9 +53,10 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from config.parallel import ParallelConfig
 from config.precision import resolve_precision
@@ -99,7 +100,7 @@ class ModelShape:
     qk_norm: bool = False
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
         """Read an HF ``config.json`` dict as conversion/spec.py's ``GPTSpec.from_hf_config``
         does (Qwen2: q/k/v biases; Qwen3: q/k norms, biases from ``attention_bias``).
 
@@ -137,7 +138,7 @@ class ModelShape:
         embeddings = rows * h * (1 if self.tie_word_embeddings else 2)
         return (embeddings + self.num_layers * split) // tp + self.num_layers * whole + h
 
-    def lora_parameters(self, lora: "LoraConfig", tp: int = 1, per_projection: bool = False) -> int:
+    def lora_parameters(self, lora: LoraConfig, tp: int = 1, per_projection: bool = False) -> int:
         """LoRA adapter parameters on one of ``tp`` ranks (engine/models/lora.py): per layer and
         targeted linear ``r (in + out)``, the split half (column-parallel ``B``, row-parallel
         ``A``) divided by ``tp``. ``per_projection``: PEFT's adapters on a transformers model
@@ -224,7 +225,7 @@ class RoleMemory:
 
 def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig, precision: str, micro_batch: int,
                   seq_len: int, vocab_rows: int, *, trainable: bool = True, logits: bool = True,
-                  packing: bool = False, lora: "LoraConfig | None" = None, peft: bool = False) -> RoleMemory:
+                  packing: bool = False, lora: LoraConfig | None = None, peft: bool = False) -> RoleMemory:
     """Bytes per rank of a megatron role laid out as ``layout`` (module docstring's table).
     With ``lora`` enabled the trained parameters are its adapters
     (:meth:`ModelShape.lora_parameters`): they add weights and alone have masters, gradients
@@ -278,7 +279,7 @@ def _micro(rows: int, budget: int | None, seq_len: int) -> tuple[int, int]:
     return (max(1, budget // seq_len), seq_len) if budget else (rows, seq_len)
 
 
-def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
+def plan_stages(cfg: PipelineConfig, hf_config: Mapping[str, Any],
                 seq_lens: Mapping[str, int]) -> dict[str, list[RoleMemory]]:
     """The roles of the training stages in ``seq_lens`` (``sft``, ``rm``, ``po``, ``rl``; when
     enabled) and their bytes.
@@ -496,7 +497,7 @@ def check_plan(plans: dict[str, list[RoleMemory]], *, local: bool, cpus: Mapping
     return problems, notes
 
 
-def layout_problems(cfg: "PipelineConfig", hf_config: Mapping[str, Any], model: str,
+def layout_problems(cfg: PipelineConfig, hf_config: Mapping[str, Any], model: str,
                     vocab_known: bool = True) -> list[str]:
     """:func:`tensor_parallel_problems` of every role's layout (``sft.parallel``, ``rm.parallel``,
     ``po.parallel``, ``rl.parallel.<role>``) against ``hf_config``, the model's config.json
@@ -513,7 +514,7 @@ def layout_problems(cfg: "PipelineConfig", hf_config: Mapping[str, Any], model: 
             for p in tensor_parallel_problems(key, shape, layout.tensor_model_parallel_size, rows, model)]
 
 
-def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens: Mapping[str, int], model: str,
+def check_layouts(cfg: PipelineConfig, hf_config: Mapping[str, Any], seq_lens: Mapping[str, int], model: str,
                   cluster_address: str | None) -> tuple[list[str], list[str]]:
     """What ``posttrain validate`` reports of the layouts: (problems, notes).
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from config.memory_plan import local_gpus
 from config.stages import chat_trainers
@@ -102,7 +103,7 @@ _LAYOUT_KEY = {"actor": "actor", "reference": "reference", "teacher": "reference
                "reward_model": "reward_model"}
 
 
-def training_roles(cfg: "RLConfig") -> dict[str, object]:
+def training_roles(cfg: RLConfig) -> dict[str, object]:
     """``role -> ParallelConfig`` of the run's training roles that start: the actor, the
     reference (with a KL term), the teacher (laid out as the reference), the critic
     (an estimator that needs one: ``gae``) and the reward model (``reward_model_weight != 0``)."""
@@ -119,7 +120,7 @@ def training_roles(cfg: "RLConfig") -> dict[str, object]:
     return roles
 
 
-def plan_placement(cfg: "RLConfig", total_cpus: float) -> PlacementPlan:
+def plan_placement(cfg: RLConfig, total_cpus: float) -> PlacementPlan:
     """The bundles and seats of an RL run (module docstring).
 
     Args:
@@ -196,13 +197,13 @@ def _floor4(amount: float) -> float:
     return math.floor(amount * 10_000 + 1e-6) / 10_000
 
 
-def _cpus_per_rank(cfg: "RLConfig", role: str) -> float | None:
+def _cpus_per_rank(cfg: RLConfig, role: str) -> float | None:
     if role not in _LAYOUT_KEY:
         return None
     return getattr(cfg.parallel, _LAYOUT_KEY[role]).cpus_per_rank
 
 
-def _gpu_key(cfg: "RLConfig", role: str) -> str:
+def _gpu_key(cfg: RLConfig, role: str) -> str:
     return "rl.rollout.gpus_per_engine" if role == "rollout" else f"rl.parallel.{_LAYOUT_KEY[role]}.gpus_per_rank"
 
 
@@ -281,7 +282,7 @@ def placement_table(plan: PlacementPlan, nodes_of_bundles: Sequence[str] | None 
     return "\n".join(lines)
 
 
-def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[str], list[str]]:
+def check_placement(rl: RLConfig, cluster_address: str | None) -> tuple[list[str], list[str]]:
     """The RL run's bundles (:func:`plan_placement`) against the cluster's node shapes:
     ``rl.engine.cluster_nodes`` when given, else this machine when the cluster is local
     (``rl.engine.num_cpus`` or every core, and its GPUs); a cluster joined without
@@ -307,7 +308,7 @@ def check_placement(rl: "RLConfig", cluster_address: str | None) -> tuple[list[s
     return unplaceable(plan, nodes), notes
 
 
-def check_stage_cpus(cfg: "PipelineConfig", cluster_address: str | None) -> list[str]:
+def check_stage_cpus(cfg: PipelineConfig, cluster_address: str | None) -> list[str]:
     """The ranks of the sft, rm and po stages (those enabled, with ``<stage>.parallel`` of more
     than one rank and ``cpus_per_rank`` set) against the CPUs of the local Ray cluster they
     start (``rl.engine.num_cpus``, else this machine's), which the stage would otherwise

@@ -14,10 +14,10 @@ from config.algorithms import BUILTIN_NEEDS, AlgorithmNeeds, algorithm_needs, na
 from config.base import Strict
 from config.judge import JudgeConfig, RemoteRewardConfig
 from config.lora import LoraConfig
-from config.training import DeepSpeedConfig, OptimConfig
 from config.parallel import RLParallelConfig
 from config.run import Precision
 from config.teacher import TeacherConfig
+from config.training import DeepSpeedConfig, OptimConfig
 
 
 class RLOptimConfig(OptimConfig):

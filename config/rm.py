@@ -8,8 +8,8 @@ from pydantic import Field, model_validator
 
 from config.base import Strict
 from config.parallel import ParallelConfig, check_stage_layout
-from config.training import DeepSpeedConfig, OptimConfig
 from config.run import Precision
+from config.training import DeepSpeedConfig, OptimConfig
 
 
 class RMConfig(Strict):

@@ -16,19 +16,18 @@ from __future__ import annotations
 from pydantic import PrivateAttr, model_validator
 
 from config.base import Strict
-from config.precision import DTYPE_NAMES, resolve_precision
 from config.convert import ConvertConfig, ModelConfig
 from config.data import DataConfig
 from config.evaluate import EvaluateConfig
 from config.export import ExportConfig
 from config.po import PoConfig
+from config.precision import DTYPE_NAMES, resolve_precision
 from config.prepare import PrepareConfig
 from config.rl import RLConfig
 from config.rm import RMConfig
 from config.run import RunConfig, WandbConfig
 from config.sft import SFTConfig
 from config.stages import precision_stages
-
 
 PRECISION_STAGES = precision_stages()  # the sections with a `precision` setting (config.stages)
 

@@ -7,8 +7,8 @@ from pydantic import Field, model_validator
 from config.base import Strict
 from config.lora import LoraConfig
 from config.parallel import ParallelConfig, check_stage_layout
-from config.training import OptimConfig
 from config.run import Precision
+from config.training import OptimConfig
 
 
 class SFTConfig(Strict):

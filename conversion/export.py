@@ -10,9 +10,10 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import save_file

@@ -24,8 +24,9 @@ Tensors may be F32, F16, BF16 or Q8_0 (dequantized with ``gguf.quants.dequantize
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

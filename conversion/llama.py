@@ -27,7 +27,7 @@ per-head q/k norms only when ``spec.qk_layernorm`` and the output-projection bia
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

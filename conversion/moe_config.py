@@ -22,7 +22,8 @@ layer is not built for here are refused, naming the key.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 

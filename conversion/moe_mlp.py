@@ -26,7 +26,7 @@ turned into checkpoint names first (``transformers.core_model_loading.revert_wei
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

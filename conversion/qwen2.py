@@ -8,7 +8,7 @@ Yang et al. 2024; transformers ``modeling_qwen2.py``), so the tensor map is
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

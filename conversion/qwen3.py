@@ -19,7 +19,7 @@ spec has them) included; the spec must be a qwen3 one.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

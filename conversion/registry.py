@@ -7,8 +7,9 @@ matching). Each family module provides ``hf_shapes``, ``mcore_shapes``, ``to_meg
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from types import ModuleType
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 

@@ -6,7 +6,8 @@ Lives in ``conversion`` (not ``engine``) because the parameter maps need it and
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -138,7 +139,7 @@ class GPTSpec(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "GPTSpec":
+    def _check_heads(self) -> GPTSpec:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -199,7 +200,7 @@ class GPTSpec(BaseModel):
         """Rows of megatron's ``word_embeddings`` and ``output_layer`` (padded vocabulary)."""
         return self.padded_vocab_size or self.vocab_size
 
-    def with_vocab_padding(self, multiple: int) -> "GPTSpec":
+    def with_vocab_padding(self, multiple: int) -> GPTSpec:
         """This spec with megatron's vocabulary rounded up to a multiple of ``multiple``.
 
         Megatron-LM pads the vocabulary to ``make_vocab_size_divisible_by × TP`` so that it
@@ -222,7 +223,7 @@ class GPTSpec(BaseModel):
         return self.head_dim  # always set by _default_head_dim
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "GPTSpec":
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> GPTSpec:
         """Read an HF ``config.json`` dict (transformers 4.x or 5.x keys).
 
         Raises:

@@ -50,8 +50,8 @@ it against the attributes megatron puts on a built model's parameters.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 

@@ -44,8 +44,9 @@ earlier in the table. ``Detection.reason`` says which was chosen and why, for th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from data.adapter_fields import Example, FieldError, no_media
 from data.code_formats import apps_adapter, humaneval_adapter, mbpp_adapter

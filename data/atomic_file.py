@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 
 def replace_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], mode: str = "wb",

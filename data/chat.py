@@ -57,8 +57,9 @@ think block itself.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from data.chat_template import (
     ChatTemplateError,

@@ -13,7 +13,8 @@ character are shown as ``\\xNN`` escapes. The turn end is the chat template's
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from data.chat_template import _CACHE, _added_tokens, end_of_turn
 

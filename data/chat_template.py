@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 Message = dict[str, Any]
 
@@ -62,7 +63,7 @@ class _TurnEnd:
     emitted: bool
 
 
-_CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def _name(tokenizer: Any) -> str:

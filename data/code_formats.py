@@ -16,7 +16,8 @@ the JSON test spec of the ``code`` verifier (:mod:`data.code_verifier`).
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from data.adapter_fields import Example, FieldError, _get, _json_type, _text
 from data.code_verifier import parse_tests

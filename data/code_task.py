@@ -77,7 +77,7 @@ class Expression:
             return _APPLY[self.op1](u, self.constant * v)
         return _APPLY[self.op2](_APPLY[self.op1](u, self.constant), v)
 
-    def neighbours(self) -> list["Expression"]:
+    def neighbours(self) -> list[Expression]:
         """Every expression one edit away (another ``op1``, ``op2`` or constant, or the arguments
         swapped) that is a different function (``a + 3 + b`` swapped is the same one)."""
         out = [Expression(not self.swapped, self.op1, self.constant, self.op2)]

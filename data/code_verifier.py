@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from data.sandbox import SandboxLimits, CaseResult, run_test
+from data.sandbox import CaseResult, SandboxLimits, run_test
 
 REWARD_MODES = ("all_pass", "fraction")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)

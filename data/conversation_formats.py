@@ -10,7 +10,8 @@ Alpaca joins instruction and input with a newline, as LLaMA-Factory's alpaca con
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from data.adapter_fields import SHAREGPT_ROLES, Example, FieldError, _get, _json_type, _text, _turns, _with_tools
 

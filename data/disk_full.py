@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import errno
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 # Text that only a full file system (or a short write to one) produces.
 _SIGNS = ("no space left on device", "[errno 28]", "disk quota exceeded", "[errno 122]", "unexpected pos")

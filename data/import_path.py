@@ -7,7 +7,8 @@ Shared by the reward plug-ins (``data.reward_plugins``) and the RL environments
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def import_callable(path: str, kind: str = "function") -> Callable[..., Any]:

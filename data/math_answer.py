@@ -51,9 +51,9 @@ from fractions import Fraction
 from data.math_expression import (
     MAX_PARSE_CHARS,
     TIME_LIMIT_S,
+    TimeUp,
     _close,
     _sampled,
-    TimeUp,
     check_clock,
     decimal_rounds_to,
     expressions_equal,

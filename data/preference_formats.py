@@ -5,7 +5,8 @@ and kinds: the table of :mod:`data.adapters`). Rows with tool definitions are re
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from data.adapter_fields import SHAREGPT_ROLES, Example, FieldError, _get, _json_type, _no_tools, _prompt, _text, _turns
 

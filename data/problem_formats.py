@@ -7,7 +7,8 @@ GSM8K as sft keeps the answer verbatim, calculator annotations (``<<2*3=6>>``) i
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from data.adapter_fields import Example, FieldError, _get, _prompt, _text, _with_tools, label_text
 

@@ -23,9 +23,10 @@ import json
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 

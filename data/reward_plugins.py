@@ -39,8 +39,9 @@ import asyncio
 import inspect
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from data.import_path import import_callable
 

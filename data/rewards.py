@@ -46,9 +46,10 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, InvalidOperation
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from data.code_verifier import code_reward, limits_of
 from data.math_answer import answers_equal

@@ -190,7 +190,7 @@ def _unshare_cmd(mode: str, uid: int = 0) -> list[str]:
     return ["unshare", "--user", "--map-root-user", *ns, "--"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sandbox_support() -> SandboxSupport:
     """How this machine isolates a sandboxed program (probed once per process: about 0.1 s).
 

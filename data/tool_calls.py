@@ -29,8 +29,9 @@ results and a generation prompt, and cut after the assistant turn's end.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from data.chat_template import ChatTemplateError, _name, _render_or_raise, end_of_turn
 

@@ -19,10 +19,11 @@ rows name their ``source`` (:meth:`DataReport.outputs`).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tqdm import tqdm
 
@@ -349,7 +350,7 @@ class Overlap:
     lines: list[int]
 
     @classmethod
-    def between(cls, train: list[ValidationResult], held_out: ValidationResult) -> "Overlap":
+    def between(cls, train: list[ValidationResult], held_out: ValidationResult) -> Overlap:
         """The overlap of ``held_out`` with the rows of every ``train`` result (a mixture's sources)."""
         seen = {_prompt_key(r) for t in train for r in t.rows}
         shared = [(line, _prompt_key(r)) for line, r in zip(held_out.lines, held_out.rows) if _prompt_key(r) in seen]
@@ -453,7 +454,7 @@ class DataReport:
             raise DataValidationError("\n".join(message for _, message in problems), errors)
 
 
-def dataset_entries(data: "DataConfig") -> list[tuple[str, str, Any]]:
+def dataset_entries(data: DataConfig) -> list[tuple[str, str, Any]]:
     """``(name, config key, dataset config)`` of every dataset set in ``data``, in config
     order; a mixture's sources as ``("rl_train/<source>", "data.rl_train[i]", source)``."""
     out = []
@@ -466,7 +467,7 @@ def dataset_entries(data: "DataConfig") -> list[tuple[str, str, Any]]:
     return out
 
 
-def validate_data(data: "DataConfig", names: Iterable[str] | None = None) -> DataReport:
+def validate_data(data: DataConfig, names: Iterable[str] | None = None) -> DataReport:
     """Validate every dataset of a pipeline's ``data`` section, as the validate stage does.
 
     Args:

@@ -6,8 +6,9 @@ a prompt are consecutive), ``T`` the longest prompt + response, ``L`` the longes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -110,7 +111,7 @@ class Trajectory:
     @classmethod
     def from_rollout(
         cls, prompt_token_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[RolloutOutput]], pad_id: int
-    ) -> "Trajectory":
+    ) -> Trajectory:
         """Build a batch from a rollout: prompt ``i``'s ``n`` responses get group index ``i``.
 
         Raises:
@@ -133,8 +134,8 @@ class Trajectory:
 
     @classmethod
     def from_multi_turn(
-        cls, prompt_token_ids: Sequence[Sequence[int]], samples: Sequence[Sequence["MultiTurnSample"]], pad_id: int
-    ) -> "Trajectory":
+        cls, prompt_token_ids: Sequence[Sequence[int]], samples: Sequence[Sequence[MultiTurnSample]], pad_id: int
+    ) -> Trajectory:
         """Build a batch from a multi-turn rollout (:func:`engine.rollout.multi_turn.multi_turn_rollout`).
 
         Prompt ``i``'s samples get group index ``i``. ``response_ids`` hold every token after
@@ -166,7 +167,7 @@ class Trajectory:
         return cls._build(rows, pad_id)
 
     @classmethod
-    def _build(cls, rows: Sequence[_Row], pad_id: int) -> "Trajectory":
+    def _build(cls, rows: Sequence[_Row], pad_id: int) -> Trajectory:
         """Pad ``rows`` into a batch (shapes in the class docstring). Raises ValueError for no rows."""
         if not rows:
             raise ValueError("rollout produced no responses")
@@ -200,11 +201,11 @@ class Trajectory:
             response_valid=None if single_turn else valid,
         )
 
-    def with_(self, **fields) -> "Trajectory":
+    def with_(self, **fields) -> Trajectory:
         """A copy with some fields replaced (e.g. ``rewards=...``, ``advantages=...``)."""
         return replace(self, **fields)
 
-    def rows(self, start: int, stop: int) -> "Trajectory":
+    def rows(self, start: int, stop: int) -> Trajectory:
         """Rows ``start:stop`` as a batch trimmed to its own longest sequence and response."""
         t = int((self.prompt_lengths[start:stop] + self.response_lengths[start:stop]).max())
         length = int(self.response_lengths[start:stop].max())
@@ -230,13 +231,13 @@ class Trajectory:
             teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[start:stop, :length],
         )
 
-    def select(self, index: torch.Tensor) -> "Trajectory":
+    def select(self, index: torch.Tensor) -> Trajectory:
         """The rows ``index`` (LongTensor ``[K]``) in that order, trimmed like :meth:`rows`."""
         picked = Trajectory(**{f: (v[index] if isinstance(v, torch.Tensor) else v) for f, v in vars(self).items()})
         return picked.rows(0, len(index))
 
     @classmethod
-    def cat(cls, parts: Sequence["Trajectory"]) -> "Trajectory":
+    def cat(cls, parts: Sequence[Trajectory]) -> Trajectory:
         """Rows of several batches in order, padded to the widest; group ids are renumbered so
         groups of different parts stay apart (part ``k``'s ids are offset past part ``k-1``'s).
 
@@ -266,7 +267,7 @@ class Trajectory:
                                "teacher_logprobs")}
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
-    def micro_batches(self, micro_batch_size: int) -> list["Trajectory"]:
+    def micro_batches(self, micro_batch_size: int) -> list[Trajectory]:
         """Consecutive row slices of at most ``micro_batch_size`` rows (see :meth:`rows`).
 
         Raises:

@@ -27,8 +27,8 @@ from rich.table import Table  # noqa: E402
 from config import ConfigError, load_config  # noqa: E402
 from config.stages import is_enabled, stage_names  # noqa: E402
 from flows.cluster_checks import check_layouts, check_rl_placement, check_stage_cpus, cluster_notes  # noqa: E402
-from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
 from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
+from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
 from flows.run_checks import check_code_sandbox, check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a config and its inputs without running anything")
     _config_arguments(p)
     p.set_defaults(fn=cmd_validate)
-    from flows.gc import add_gc_parser
     from flows.export_gguf import add_export_gguf_parser
+    from flows.gc import add_gc_parser
 
     add_gc_parser(sub, console)
     add_export_gguf_parser(sub, console)

@@ -114,7 +114,7 @@ def read_trial_rows(cfg: PipelineConfig) -> dict[str, Any]:
         return {}
     from data.validate import dataset_entries, validate_dataset
 
-    name, key, ds = next((e for e in dataset_entries(cfg.data) if e[0].partition("/")[0] == "rl_train"))
+    name, key, ds = next(e for e in dataset_entries(cfg.data) if e[0].partition("/")[0] == "rl_train")
     if not Path(ds.path).is_file():
         return {}
     try:

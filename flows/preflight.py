@@ -21,8 +21,14 @@ from typing import Any
 from config.precision import auto_precision, bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
 from config.stages import chat_trainers
-from flows.content_checks import (SftFit, architecture_problem, check_benchmarks, exact_match_datasets, missing_weights,
-                                  padded_number_warnings)
+from flows.content_checks import (
+    SftFit,
+    architecture_problem,
+    check_benchmarks,
+    exact_match_datasets,
+    missing_weights,
+    padded_number_warnings,
+)
 from flows.plugin_checks import check_plugins
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -316,8 +322,9 @@ def _with_tokenizer(cfg: PipelineConfig, m: _Model, tok_dir: str, problems: list
     """``m`` with the tokenizer of ``tok_dir`` loaded (as the convert stage will load it)."""
     if not Path(tok_dir).is_dir():
         return m  # check_inputs reported the missing model.tokenizer
-    from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_vocabulary
     from transformers import AutoTokenizer
+
+    from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_vocabulary
 
     m.tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.source"
     m.tokenizer_name = cfg.model.tokenizer or m.name

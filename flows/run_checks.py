@@ -11,8 +11,8 @@ import json
 import os
 from pathlib import Path
 
-from config.schema import PipelineConfig
 from config.memory_plan import layout_problems
+from config.schema import PipelineConfig
 from flows.content_checks import architecture_problem
 from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared, planned_config
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -431,7 +431,7 @@ class ArtifactStore:
             "artifact_id": aid,
             "fingerprint": fingerprint,
             # Microseconds: list()/latest() order by this, and publishes can be < 1 ms apart.
-            "created_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+            "created_at": datetime.now(UTC).isoformat(timespec="microseconds"),
             **manifest_fields,
             "files": files,
             "content_hash": content_hash(files),

@@ -36,9 +36,10 @@ import site
 import sys
 import sysconfig
 import time
-from functools import lru_cache
+from collections.abc import Callable
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from data.checksums import sha256_file
 
@@ -176,7 +177,7 @@ def source_digest(path: Path) -> bytes:
     return ast.dump(_strip_docstrings(tree), include_attributes=False).encode()
 
 
-@lru_cache(maxsize=None)
+@cache
 def code_version(module: str) -> str:
     """sha256 over :func:`source_digest` of ``module`` and every project module it imports,
     recursively, outside :data:`ORCHESTRATION` (module names included, so moving code

@@ -31,9 +31,10 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tasks.locks import is_owned, remove_if_unowned
 

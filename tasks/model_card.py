@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import platform
+from collections.abc import Mapping
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from tasks.artifacts import ArtifactRef, ArtifactStore, manifest_inputs
 

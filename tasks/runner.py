@@ -23,10 +23,11 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact

@@ -7,8 +7,9 @@ the tools that compare configs (``flows.compare``) share it without importing ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from config.schema import PipelineConfig
 from tasks.fingerprint import code_version, fingerprint, hash_path

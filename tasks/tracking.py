@@ -45,8 +45,9 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from config.schema import PipelineConfig
 from config.stages import STAGES

@@ -15,8 +15,8 @@ A real defect (a wrong rotary, a misplaced weight, a missing bias) moves logits 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

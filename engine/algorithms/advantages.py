@@ -42,7 +42,7 @@ Needs: what each built-in needs from the run (critic, teacher, groups) is declar
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

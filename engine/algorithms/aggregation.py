@@ -8,8 +8,8 @@ gradients, however the batch was split and however each micro-batch was padded.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -9,8 +9,9 @@ verl ``filter_groups`` in ``recipe/dapo``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

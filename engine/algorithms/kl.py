@@ -12,7 +12,7 @@ Divergence", http://joschu.net/blog/kl-approx.html). With ``log r = ref_logprob 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -19,7 +19,8 @@ directory on ``PYTHONPATH`` (the Ray workers inherit it).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from data.import_path import import_callable
 

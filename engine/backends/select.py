@@ -18,7 +18,7 @@ own so that the rm stage's code version does not cover the RL workers.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from config.schema import RLConfig
 

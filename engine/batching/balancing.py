@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def _check_sizes(sizes: Sequence[int], what: str = "sizes") -> list[int]:

@@ -8,8 +8,9 @@ between them. Right padding is safe for causal decoders: position ``t`` attends 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 

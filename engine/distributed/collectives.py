@@ -15,11 +15,11 @@ order of the float additions.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 
 # Seconds this process spent in the data-parallel gradient all-reduce (read by benchmarks).
 COMM_SECONDS = {"all_reduce_s": 0.0}

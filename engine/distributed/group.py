@@ -34,7 +34,8 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 import torch
@@ -164,7 +165,7 @@ WATCH_INTERVAL_S = 2.0  # how often a group pings its ranks; a dead rank fails t
 # every group whose watchdog may still run: stopped before Ray disconnects, since a ping after
 # ray.shutdown() would make Ray auto-start a new local cluster from the watchdog's thread (and
 # the process's next init_ray would silently join that one, with the host's default resources)
-_WATCHED: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+_WATCHED: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
 _AT_EXIT = False
 
 
@@ -205,7 +206,7 @@ def _combine(kind: str, rows: list[list[int]] | None, shape: tuple[int, int], *r
 
 
 class _Method:
-    def __init__(self, group: "WorkerGroup", name: str):
+    def __init__(self, group: WorkerGroup, name: str):
         self.group, self.name = group, name
 
     def remote(self, *args, **kwargs):

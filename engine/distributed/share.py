@@ -11,7 +11,8 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 from engine.distributed.collectives import data_parallel_group, data_parallel_rank
 

@@ -20,7 +20,8 @@ other ranks are stopped at once rather than left waiting in a collective.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from config.parallel import ParallelConfig
 

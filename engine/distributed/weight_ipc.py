@@ -21,8 +21,9 @@ bucket ``i`` has loaded everywhere, so a slot is never overwritten while an engi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class Location:
     node_id: str
     device: str
 
-    def shares_memory_with(self, other: "Location") -> bool:
+    def shares_memory_with(self, other: Location) -> bool:
         """True when a handle made here opens there: the same node, and on CUDA the same GPU."""
         return self.node_id == other.node_id and self.device == other.device
 

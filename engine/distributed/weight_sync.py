@@ -27,8 +27,8 @@ Who calls what: ``engine.distributed.weight_source.HFBucketSource`` (trainer sid
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from config.evaluate import DEFAULT_BENCHMARK as DEFAULT  # rl_eval: its metrics keep the names without a benchmark part
 from engine.evaluation.scoring import Benchmark, read_eval_rows, run_benchmark

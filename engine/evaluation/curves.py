@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from data.atomic_file import replace_atomically
-
 
 CURVES_FILE = "curves.png"
 """The PNG each training stage writes into its artifact."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from config.evaluate import DEFAULT_BENCHMARK as DEFAULT  # rl_eval: its metrics keep the names without a benchmark part
 from data.atomic_file import replace_atomically

@@ -30,9 +30,10 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from engine.evaluation.statistics import AnswerVoting, Verifier, evaluate_generations
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
@@ -287,6 +288,7 @@ def evaluate_benchmarks(
     Raises:
         ValueError: no benchmark, repeated names, an unknown verifier or backend; errors of export.
     """
+    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from config.precision import DTYPE_NAMES, resolve_precision
@@ -294,7 +296,6 @@ def evaluate_benchmarks(
     from engine.models.platform import worker_threads
     from engine.rollout.factory import build_rollout_engine
     from engine.storage.hf_io import export_model_dir
-    from tqdm import tqdm
 
     names = [b.name for b in benchmarks]
     if not names or len(set(names)) != len(names):

@@ -5,8 +5,9 @@ response-length statistics, per-field breakdowns and paired differences between 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from data.rewards import score_all
 

@@ -4,9 +4,10 @@ logits and final hidden states with megatron-core's semantics."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -17,7 +17,7 @@ The rest of the repository sees the merged weights ``W + s B A`` under the plain
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 

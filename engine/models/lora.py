@@ -28,9 +28,10 @@ the optimizer (and, under bf16, the fp32 masters) hold the adapters only.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -334,6 +335,7 @@ def write_peft_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out_dir:
     Returns: ``Path(out_dir)``.
     """
     from peft import LoraConfig as PeftLoraConfig
+
     from conversion.export import save_safetensors
 
     out_dir = Path(out_dir)

@@ -26,8 +26,9 @@ unchanged: :func:`gradient_params` is then its own parameters.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -167,7 +167,7 @@ def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention):
                                                    for i in range(spec.num_layers)], layer_norm=LayerNormImpl)
 
 
-def _moe_config(spec: GPTSpec, router: "MoERouterConfig | None" = None) -> dict:
+def _moe_config(spec: GPTSpec, router: MoERouterConfig | None = None) -> dict:
     """``TransformerConfig`` MoE fields for ``spec`` (``{}`` for a dense model).
 
     Routing as HF: softmax over the router logits (computed in fp32), top-k; with
@@ -204,7 +204,7 @@ def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x.contiguous())
 
 
-def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, router: "MoERouterConfig | None" = None):
+def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, router: MoERouterConfig | None = None):
     """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
 
     ``tensor_model_parallel_size`` must equal the model-parallel state's TP size (megatron's
@@ -245,7 +245,7 @@ def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, route
 
 
 def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local",
-                    router: "MoERouterConfig | None" = None):
+                    router: MoERouterConfig | None = None):
     """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
@@ -339,7 +339,7 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return logits.float()  # bf16 models too: log-probs, entropy, KL and losses are computed in fp32
 
 
-def _packed_inputs(model, packed: "PackedSequences", caller: str):
+def _packed_inputs(model, packed: PackedSequences, caller: str):
     """``(input_ids [1, N], PackedSeqParams(qkv_format="thd"))`` for a packed forward of ``model``.
 
     Raises: ValueError when the model's core attention cannot run packed sequences or
@@ -361,7 +361,7 @@ def _packed_inputs(model, packed: "PackedSequences", caller: str):
                                 max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
 
 
-def gpt_logits_packed(model, packed: "PackedSequences") -> torch.Tensor:
+def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
     """Causal next-token logits of packed sequences (``engine.batching.packing``), no padding.
 
     Runs megatron-core's GPTModel on the packed row with ``PackedSeqParams(qkv_format="thd")``:
@@ -419,7 +419,7 @@ def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     return hidden.transpose(0, 1)
 
 
-def gpt_hidden_states_packed(model, packed: "PackedSequences") -> torch.Tensor:
+def gpt_hidden_states_packed(model, packed: PackedSequences) -> torch.Tensor:
     """Final-normed hidden states of packed sequences (``engine.batching.packing``), no padding.
 
     :func:`gpt_hidden_states` for the packed row of :func:`gpt_logits_packed` (same

@@ -76,7 +76,7 @@ class RouterStats:
         self.forwards = 0
         self._hooks = []
 
-    def __enter__(self) -> "RouterStats":
+    def __enter__(self) -> RouterStats:
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         clear_aux_losses_tracker()

@@ -33,8 +33,8 @@ the same rows in the same micro-batch layout (:meth:`RoutingReplay.check`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

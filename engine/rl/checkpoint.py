@@ -4,15 +4,15 @@ checkpoint of all of them, with the rollouts already made ahead (asynchronous RL
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import torch
 
-from data.atomic_file import replace_atomically
-
 from config.schema import RLConfig
+from data.atomic_file import replace_atomically
 from engine.rl.workers import Workers
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
 

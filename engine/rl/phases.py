@@ -32,8 +32,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import ray

@@ -31,6 +31,7 @@ from typing import Any
 from config.parallel import ParallelConfig
 from config.placement_plan import PlacementPlan, placement_table, plan_placement, unplaceable
 from config.schema import RLConfig
+
 # Re-exported: the RL engine's callers (and tests) reach the cluster functions through this module.
 from engine.distributed.cluster import PROJECT_ROOT, init_ray, runtime_env, shutdown_ray  # noqa: F401
 

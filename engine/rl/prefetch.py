@@ -17,8 +17,9 @@ rollouts ahead when they must not see a newer policy; the checkpoint saves them)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 R = TypeVar("R")
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 import torch

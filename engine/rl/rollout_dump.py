@@ -180,7 +180,7 @@ class RolloutDumps:
         self._pending: tuple[Trajectory, dict[str, Any]] | None = None
 
     @classmethod
-    def for_run(cls, cfg: RLConfig, resume_dir: str | Path | None, out_dir: str | Path) -> "RolloutDumps":
+    def for_run(cls, cfg: RLConfig, resume_dir: str | Path | None, out_dir: str | Path) -> RolloutDumps:
         """``resume_dir/rollouts`` when the run checkpoints (kept when it dies, copied into
         ``out_dir`` by :meth:`publish`), else ``out_dir/rollouts``; disabled unless
         ``cfg.dump_rollouts``."""

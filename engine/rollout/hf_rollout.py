@@ -10,8 +10,8 @@ tested token for token against ``model.generate(do_sample=False)``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig

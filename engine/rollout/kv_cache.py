@@ -10,8 +10,9 @@ rollout and evaluation engines instead ask for what their requests can occupy at
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

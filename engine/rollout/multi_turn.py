@@ -67,9 +67,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 import numpy as np
 

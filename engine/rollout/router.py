@@ -46,8 +46,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Generic, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayError
@@ -56,7 +57,12 @@ from engine.batching.balancing import greedy_partition
 from engine.rollout.base import SamplingSpec
 from engine.rollout.partial import VersionedOutputs
 from engine.rollout.weight_push import (  # noqa: F401 (push_weights: the callers' import path)
-    WEIGHT_SYNC_MODES, CollectiveGroup, push_weights, push_weights_collective, push_weights_shared)
+    WEIGHT_SYNC_MODES,
+    CollectiveGroup,
+    push_weights,
+    push_weights_collective,
+    push_weights_shared,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 

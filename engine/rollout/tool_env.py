@@ -25,9 +25,10 @@ process (the code sandbox, ``data.sandbox``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from data.tool_calls import MalformedCall, tool_call_format, tool_observation
 from engine.rollout.multi_turn import StepResult

@@ -14,8 +14,8 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

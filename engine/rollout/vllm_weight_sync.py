@@ -14,6 +14,7 @@ import time
 
 import torch
 
+
 class WeightSyncExtension:
     """Methods added to vLLM's worker class (no ``__init__``: state is made on first use).
 

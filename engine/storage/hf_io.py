@@ -3,8 +3,9 @@ DeepSpeed backend's transformers weights saved as (and loaded from) a model dire
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from tqdm import tqdm

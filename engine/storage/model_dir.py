@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from config.moe import MoERouterConfig
 from conversion.export import replace_dir_atomically, save_safetensors
 from conversion.hf_source import read_config_json
-from config.moe import MoERouterConfig
 from conversion.spec import GPTSpec
 
 MEGATRON_SUBDIR = "megatron"

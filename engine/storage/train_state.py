@@ -67,7 +67,12 @@ import torch
 from data.atomic_file import replace_atomically
 from data.checksums import CHECKSUMS, ChecksumMismatch, sha256_file, verify_checksums, write_checksums
 from data.disk_full import naming_a_full_disk
-from engine.models.master_weights import copy_masters_to_model, full_precision_weights, load_full_precision_state, master_params
+from engine.models.master_weights import (
+    copy_masters_to_model,
+    full_precision_weights,
+    load_full_precision_state,
+    master_params,
+)
 from engine.storage.rng_state import capture_rng_state, restore_rng_state, rng_source  # noqa: F401  (re-exported)
 
 STATE_FILE = "train_state.pt"

@@ -10,9 +10,10 @@ is right-padded or packed (``rl.packing``, ``engine.batching.packing``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -120,7 +121,7 @@ def response_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: fl
 @torch.no_grad()
 def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int,
                      max_tokens: int | None = None, packed: bool = False,
-                     routing: "RoutingReplay | None" = None) -> torch.Tensor:
+                     routing: RoutingReplay | None = None) -> torch.Tensor:
     """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
 
     Covers every real response token (``response_valid``), environment tokens of a
@@ -153,7 +154,7 @@ def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: floa
 
 
 def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured: dict[int, torch.Tensor] | None = None,
-                  replay: tuple["RoutingReplay", dict[int, list[torch.Tensor]]] | None = None):
+                  replay: tuple[RoutingReplay, dict[int, list[torch.Tensor]]] | None = None):
     """The per-micro-batch actor loss for :func:`engine.training.optimizer_step.train_step` (``normalized=True``).
 
     A micro-batch without ``old_logprobs`` is on-policy: its old log-probs are this forward's
@@ -251,7 +252,7 @@ class ActorUpdate:
 
 
 def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable,
-                 norm: GlobalNorm | None = None, routing: "RoutingReplay | None" = None) -> ActorUpdate:
+                 norm: GlobalNorm | None = None, routing: RoutingReplay | None = None) -> ActorUpdate:
     """``cfg.ppo_epochs`` optimizer steps on the whole batch in the micro-batches of
     :func:`engine.trajectory.micro_batch_rows`, the loss of :func:`actor_loss_fn` normalised by
     the whole batch (:func:`engine.algorithms.aggregation.global_norm`), so neither the split

@@ -16,8 +16,8 @@ a value head; ``engine.backends.deepspeed.critic`` on an HF model under DeepSpee
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 

@@ -16,12 +16,13 @@ fp32 gradients, and the bf16 weights are refreshed from the masters after each s
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from config.training import OptimConfig
 from config.precision import resolve_precision
+from config.training import OptimConfig
 from engine.distributed.collectives import (
     all_reduce_gradients,
     all_reduce_tensor_parallel_partial_grads,

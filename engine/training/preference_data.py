@@ -6,9 +6,10 @@ token ids (with the responses' loss masks) and their collation; and the unpaired
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from engine.batching.collate import TokenBatch, collate_tokens
 

@@ -40,10 +40,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm

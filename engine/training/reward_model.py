@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,8 +46,8 @@ from engine.distributed.collectives import data_parallel_rank, global_rank
 from engine.distributed.share import micro_batch_share
 from engine.storage.model_dir import load_tokenizer
 from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
-from engine.training.reward_contract import RewardTrainer
 from engine.training.preference_data import collate_pairs, encode_preference_dataset
+from engine.training.reward_contract import RewardTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from e2e_support import posttrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.acceptance]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from e2e_support import REPO, env_for, posttrain
 
 pytestmark = [pytest.mark.slow, pytest.mark.acceptance]

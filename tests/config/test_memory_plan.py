@@ -12,11 +12,11 @@ import pytest
 
 from config.memory_plan import (
     GIB,
-    check_layouts,
     PROCESS_BYTES,
     QWEN25,
     ModelShape,
     RoleMemory,
+    check_layouts,
     check_plan,
     host_memory_bytes,
     kv_cache_bytes,

@@ -16,7 +16,6 @@ from transformers import (
 from conversion import ConversionError, hf_to_megatron, megatron_to_hf
 from conversion.layout import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
-
 CLASSES = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
            "qwen3": (Qwen3ForCausalLM, Qwen3Config)}
 

@@ -22,8 +22,8 @@ from conversion import ConversionError, hf_to_megatron, megatron_to_hf
 from conversion.export import write_hf_safetensors
 from conversion.spec import GPTSpec
 from conversion.tensor_parallel import shard_state
-from engine.models.weight_buckets import load_group, plan_buckets
 from engine.models.megatron import build_gpt_model, gpt_logits, load_mcore_state, mcore_state
+from engine.models.weight_buckets import load_group, plan_buckets
 
 TOL = 1e-5
 VOCAB = 300

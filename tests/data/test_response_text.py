@@ -16,11 +16,11 @@ from config.rl import RewardConfig
 from data.chat_response import response_text
 from data.chat_template import encode_continuation, end_of_turn, turn_end_token_id
 from data.rewards import exact_match, get_verifier
-from engine.rollout.multi_turn import multi_turn_rollout
 from engine.evaluation.scoring import decode_response
 from engine.evaluation.statistics import evaluate_generations
-from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rl.workers import RewardWorker
+from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.rollout.multi_turn import multi_turn_rollout
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir, template_config
 from tests.engine.multi_turn_env_example import CounterEnv
 

@@ -234,11 +234,11 @@ def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from conversion.spec import GPTSpec
-    from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import load_tokenizer, save_model_dir
     from engine.models.heads import RewardModel
-    from engine.training.reward_scoring import load_reward_model, score
+    from engine.models.megatron import build_gpt_model
     from engine.rl.workers import RewardModelWorker, RewardWorker
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.training.reward_scoring import load_reward_model, score
     from engine.trajectory import RolloutOutput, Trajectory
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir / "hf")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from data.sandbox import SandboxLimits, CaseResult, run_test, sandbox_support
+from data.sandbox import CaseResult, SandboxLimits, run_test, sandbox_support
 
 # wall 10 s: a program that ends, or spins into the 1 s CPU limit, is never cut by the wall on a
 # loaded machine; SHORT (wall 2 s) for the attacks that only the wall ends

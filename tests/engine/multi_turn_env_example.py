@@ -7,7 +7,7 @@ import time
 
 from engine.rollout.multi_turn import StepResult
 
-CREATED: list["CounterEnv"] = []  # every environment the factories made, in order (tests clear it)
+CREATED: list[CounterEnv] = []  # every environment the factories made, in order (tests clear it)
 
 
 class CounterEnv:

@@ -29,7 +29,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from e2e_support import BIN, REPO, env_for, tiny_config, write_config
 from test_dvc import Service, copy_project
 

@@ -36,10 +36,10 @@ import httpx
 import psutil
 import pytest
 import yaml
+from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
 
 from config import load_config
 from config.schema import PipelineConfig
-from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
 
 PARAMS_FILE = "configs/quickstart.yaml"
 RUN = "quickstart"  # its run.name

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from e2e_support import BIN, env_for, offline_runs, posttrain, read_summary, tiny_config, wandb_records, write_config
 
 RUN = "quickstart"
@@ -220,8 +219,8 @@ def stage_states(summary: dict) -> dict[str, str]:
 
 
 def model_tensors(model_dir: Path) -> dict:
-    from engine.storage.model_dir import load_model_dir
     from engine.models.platform import init_model_parallel
+    from engine.storage.model_dir import load_model_dir
 
     init_model_parallel()
     return {k: v.clone() for k, v in load_model_dir(model_dir).model.state_dict().items() if hasattr(v, "dtype")}

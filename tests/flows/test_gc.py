@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from e2e_support import tiny_config, write_config
 
 from config import load_config
-from e2e_support import tiny_config, write_config
 from flows.cli import main
 from tasks import runner, validate
 

@@ -6,10 +6,10 @@ import json
 import shutil
 
 import pytest
+from e2e_support import tiny_config, write_config
 from safetensors.torch import load_file
 
 from config import ConfigError
-from e2e_support import tiny_config, write_config
 from flows.model_ref import find_model_artifact, hf_model_dir
 
 

@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from e2e_support import env_for, offline_runs, posttrain, read_summary, tiny_config, write_config
 
 pytestmark = pytest.mark.slow
@@ -107,8 +106,8 @@ def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.models.megatron import gpt_logits
-    from engine.storage.model_dir import load_model_dir
     from engine.models.platform import init_model_parallel
+    from engine.storage.model_dir import load_model_dir
 
     summary = project["first"]
     hf_dir = Path(summary["stages"]["export"]["uri"]) / "hf_model"

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from e2e_support import REPO, env_for, posttrain, read_summary, write_config
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from e2e_support import REPO, env_for, posttrain, read_summary, tiny_config, write_config
 
 pytestmark = pytest.mark.slow

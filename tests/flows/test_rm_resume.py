@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from e2e_support import posttrain, tiny_config, write_config
 from test_faults import (
     checkpoint_step,
     fingerprints,
@@ -23,8 +24,6 @@ from test_faults import (
     started_project,
     wait_for_checkpoints,
 )
-
-from e2e_support import posttrain, tiny_config, write_config
 
 RM_STEPS, RM_EVERY = 30, 5
 OVERRIDES = {
@@ -44,8 +43,8 @@ def reward_model_tensors(model_dir) -> dict:
     """Every GPT weight of a published reward model's directory and its head tensors."""
     import torch
 
-    from engine.storage.model_dir import load_model_dir
     from engine.models.platform import init_model_parallel
+    from engine.storage.model_dir import load_model_dir
 
     init_model_parallel()
     loaded = load_model_dir(model_dir)

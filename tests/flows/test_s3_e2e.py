@@ -13,7 +13,6 @@ import uuid
 
 import boto3
 import pytest
-
 from e2e_support import env_for, posttrain, read_summary, tiny_config, write_config
 
 STAGES = ["validate", "convert", "sft", "rm", "rl", "evaluate", "export"]

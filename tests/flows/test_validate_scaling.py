@@ -13,8 +13,8 @@ from fractions import Fraction
 
 import yaml
 
-from tests.flows.test_cli_validate import _out, _posttrain
 from tests.flows.model_dirs import write_stand_in_weights
+from tests.flows.test_cli_validate import _out, _posttrain
 from tests.flows.test_preflight import QWEN_CONFIG
 
 GIB = 2**30

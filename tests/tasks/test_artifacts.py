@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import cloudpickle
@@ -30,7 +30,15 @@ import pytest
 import yaml
 
 import tasks.artifacts as artifacts
-from tasks.artifacts import MANIFEST, ArtifactCheck, ArtifactError, ArtifactRef, ArtifactStore, CorruptArtifact, content_hash
+from tasks.artifacts import (
+    MANIFEST,
+    ArtifactCheck,
+    ArtifactError,
+    ArtifactRef,
+    ArtifactStore,
+    CorruptArtifact,
+    content_hash,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,10 +116,10 @@ def test_publish_writes_full_manifest_and_files(store, tmp_path):
     assert store.list("sft") == []
     assert store.latest("sft") is None
 
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     extra = {"inputs": {"convert": FP_B}, "config": {"sft": {"steps": 3, "lr": 0.001}}, "metrics": {"train/loss": 1.25}}
     ref = store.publish("sft", FP_A, work, extra)
-    after = datetime.now(timezone.utc)
+    after = datetime.now(UTC)
 
     assert ref.stage == "sft"
     assert ref.artifact_id == "sft-" + FP_A[:16]

@@ -47,9 +47,9 @@ def tiny_model(vocab_size: int, eos: int):
 
 
 def test_gemma_turn_end_stops_generation_and_is_recorded(tokenizer_dirs, tmp_path):
-    from engine.storage.hf_io import export_model_dir
     from engine.rollout.hf_rollout import HFRollout
     from engine.rollout.vllm_rollout import eos_token_ids
+    from engine.storage.hf_io import export_model_dir
 
     tok_dir = tokenizer_dirs["gemma"]
     stop, record = _turn_end(tok_dir, None, LOG)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
 
 Record = tuple[int, float, str]  # pid, create time, command line

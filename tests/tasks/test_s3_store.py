@@ -23,7 +23,15 @@ import boto3
 import pytest
 import s3fs
 
-from tasks.artifacts import MANIFEST, ArtifactCheck, ArtifactError, ArtifactRef, ArtifactStore, CorruptArtifact, content_hash
+from tasks.artifacts import (
+    MANIFEST,
+    ArtifactCheck,
+    ArtifactError,
+    ArtifactRef,
+    ArtifactStore,
+    CorruptArtifact,
+    content_hash,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FP_A = hashlib.sha256(b"s3 fingerprint a").hexdigest()

@@ -4,9 +4,10 @@ training LoRA adapters only (``rl.lora``, :mod:`engine.models.hf_lora`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -61,16 +61,26 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from config.precision import resolve_precision
 from config.training import DeepSpeedConfig, OptimConfig
-from engine.backends.deepspeed.world import (  # noqa: F401 (the backend's callers import these from here)
-    DEEPSPEED_BF16, FP32, MASTER_WEIGHTS, ZERO_BUFFER_DEFAULTS, deepspeed_config, engine_config, import_deepspeed,
-    init_process_group, precision_scheme, zero_buffer_sizes)
 from engine.backends.deepspeed.train_state import DeepSpeedTrainState
+from engine.backends.deepspeed.world import (  # noqa: F401 (the backend's callers import these from here)
+    DEEPSPEED_BF16,
+    FP32,
+    MASTER_WEIGHTS,
+    ZERO_BUFFER_DEFAULTS,
+    deepspeed_config,
+    engine_config,
+    import_deepspeed,
+    init_process_group,
+    precision_scheme,
+    zero_buffer_sizes,
+)
 from engine.models.embedding_grad import sum_embedding_grads_in_fp32
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 import torch
+
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm
 from engine.distributed.weight_source import HFBucketSource
@@ -16,7 +18,6 @@ from engine.training.actor import (
     logit_temperature,
 )
 from engine.trajectory import Trajectory
-
 
 
 class ActorWorker(HFBucketSource):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 import torch
+
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm
 from engine.models.heads import ValueModel
@@ -16,7 +18,6 @@ from engine.training.critic import (
     prune_critic_states,
 )
 from engine.trajectory import Trajectory
-
 
 
 class CriticWorker:

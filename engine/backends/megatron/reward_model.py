@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 from config.schema import RMConfig
 from engine.batching.collate import TokenBatch
 from engine.models.heads import RewardModel
@@ -18,7 +19,6 @@ from engine.storage.train_state import (
 )
 from engine.training.optimizer_step import build_model_optimizer, train_step
 from engine.training.reward_model import pair_loss
-
 
 
 class MegatronRewardTrainer:

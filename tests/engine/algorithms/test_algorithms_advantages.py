@@ -8,7 +8,16 @@ import statistics
 import pytest
 import torch
 
-from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_gae, dr_grpo_advantages, get_advantage_estimator, grpo_advantages, reinforce_plus_plus_advantages, reinforce_plus_plus_baseline_advantages, rloo_advantages
+from engine.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_gae,
+    dr_grpo_advantages,
+    get_advantage_estimator,
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    rloo_advantages,
+)
 
 OUTCOME = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]
 

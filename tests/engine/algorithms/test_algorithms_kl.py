@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from engine.algorithms.kl import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_estimator, kl_k1, kl_k2, kl_k3, kl_loss
+from engine.algorithms.kl import (
+    KL_CONTROLLERS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    get_kl_estimator,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    kl_loss,
+)
 
 
 def test_estimator_values():

@@ -141,10 +141,10 @@ def megatron_reference(policy) -> dict:
 
 
 def test_config_selects_the_backend():
-    from engine.backends.select import actor_worker_class
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
     from engine.backends.deepspeed.runtime import deepspeed_config
     from engine.backends.megatron.actor import ActorWorker
+    from engine.backends.select import actor_worker_class
 
     assert actor_worker_class(RLConfig()) is ActorWorker
     assert actor_worker_class(rl_config(stage=3)) is DeepSpeedActorWorker
@@ -241,8 +241,8 @@ def step_tolerance(gain: torch.Tensor, scale: torch.Tensor, lr: float, clip: flo
 @pytest.mark.parametrize("stage", (2, 3))
 def test_weight_sync_buckets_equal_the_megatron_actor(policy, stage):
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
-    from engine.models.weight_buckets import BucketServer, load_group
     from engine.backends.megatron.actor import ActorWorker
+    from engine.models.weight_buckets import BucketServer, load_group
 
     ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
                                                                                "param_persistence_threshold": 0}))
@@ -336,9 +336,9 @@ def test_untied_llama_matches_and_round_trips(fixtures_dir, tmp_path):
     """An untied output layer (lm_head.weight of its own, padded like the embedding)."""
     from conversion.spec import GPTSpec
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
+    from engine.backends.megatron.actor import ActorWorker
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import load_model_dir, save_model_dir
-    from engine.backends.megatron.actor import ActorWorker
 
     spec = GPTSpec(
         architecture="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,

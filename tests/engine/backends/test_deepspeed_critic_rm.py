@@ -92,9 +92,9 @@ def megatron_critic(policy, hf_config) -> dict:
 
 
 def test_config_selects_the_backends():
-    from engine.backends.select import critic_worker_class
-    from engine.backends.megatron.critic import CriticWorker
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
+    from engine.backends.megatron.critic import CriticWorker
+    from engine.backends.select import critic_worker_class
     from engine.backends.select_rm import reward_trainer
 
     assert critic_worker_class(RLConfig()) is CriticWorker
@@ -172,8 +172,8 @@ def test_critic_state_round_trip(policy, tmp_path, stage):
     """save_state/load_state restore the weights with the head, AdamW and the schedule bit
     for bit (another head seed is overwritten); the next update is identical; only the kept
     step survives prune_states; a missing step and a megatron critic's state are refused."""
-    from engine.backends.megatron.critic import CriticWorker
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
+    from engine.backends.megatron.critic import CriticWorker
 
     cfg = rl_config(stage=stage)
     traj = batch(policy["tokenizer"], seed=1)
@@ -251,8 +251,8 @@ def test_reward_model_trains_like_the_megatron_one(setup, megatron_rm, tmp_path,
     and, at every logged step, held-out and training losses, margins and gradient norms
     within small bounds of the megatron backend's (same data order, head and schedule);
     load_reward_model + score on the saved directory reproduce the held-out metrics."""
-    from engine.storage.model_dir import load_tokenizer
     from engine.backends.select_rm import reward_trainer
+    from engine.storage.model_dir import load_tokenizer
     from engine.training.reward_model import bradley_terry_loss, split_eval, train_reward_model
     from engine.training.reward_scoring import load_reward_model, score
 
@@ -293,8 +293,8 @@ def test_reward_model_directory_reads_back_exactly(policy, preferences, tmp_path
     weights bit for bit (megatron's padding rows zero), heads.safetensors its head, and the
     rewards load_reward_model computes from the directory equal the trainer's in-memory
     rewards exactly (the HF and megatron forwards run the same operations on CPU)."""
-    from engine.batching.collate import split_micro_batches
     from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
+    from engine.batching.collate import split_micro_batches
     from engine.storage.model_dir import load_model_dir, load_tokenizer
     from engine.training.preference_data import collate_pairs, encode_preference_dataset
     from engine.training.reward_scoring import load_reward_model, score
@@ -338,8 +338,8 @@ def test_reward_model_keeps_an_untied_output_layer(fixtures_dir, tmp_path):
     """An untied Llama: the output layer is not part of the reward model, so the saved
     directory holds it unchanged while the body has moved."""
     from conversion.spec import GPTSpec
-    from engine.batching.collate import collate_tokens
     from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
+    from engine.batching.collate import collate_tokens
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import load_model_dir, save_model_dir
     from tests.engine.backends.test_deepspeed_backend import zero_vocab_padding
@@ -373,8 +373,8 @@ def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, sta
     ZeRO stage) and the written model directory, every body weight and the head, is
     bit-identical to the straight run's, as are the metrics of the resumed steps."""
     from engine.backends.select_rm import reward_trainer
-    from engine.training.reward_model import train_reward_model
     from engine.storage.train_state import load_train_state
+    from engine.training.reward_model import train_reward_model
     from tests.engine.training.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
 
     root, data, _ = setup
@@ -432,8 +432,8 @@ def test_ppo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     and the checkpoint holds the DeepSpeed critic's state next to the DeepSpeed actor's.
     Needs engine.rl.workers.start_workers to spawn engine.backends.select.critic_worker_class(cfg)."""
     from config.rl import KLConfig
-    from engine.rl.placement import shutdown_ray
     from engine.rl.loop import run_rl
+    from engine.rl.placement import shutdown_ray
     from engine.storage.train_state import load_train_state
 
     cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=4, micro_batch_size=16, checkpoint_every=1,

@@ -17,15 +17,20 @@ import torch
 from config.rl import KLConfig, RLConfig, RolloutConfig
 from config.training import OptimConfig
 from conversion.spec import GPTSpec
-from engine.training.actor import actor_loss_fn, compute_logprobs, response_logits, response_logprobs
-from engine.trajectory import actor_micro_batches, micro_batch_rows
 from engine.algorithms.aggregation import LOSS_AGG_MODES, global_norm
 from engine.batching.balancing import greedy_partition, karmarkar_karp, partition_sums, token_budget_micro_batches
+from engine.batching.packing import (
+    cu_seqlens_of,
+    pack_sequences,
+    packed_position_ids,
+    packed_response_index,
+    unpack_sequences,
+)
 from engine.models.megatron import SDPACoreAttention, build_gpt_model, gpt_logits, gpt_logits_packed
-from engine.batching.packing import cu_seqlens_of, pack_sequences, packed_position_ids, packed_response_index, unpack_sequences
 from engine.rollout.base import RolloutOutput
+from engine.training.actor import actor_loss_fn, compute_logprobs, response_logits, response_logprobs
 from engine.training.optimizer_step import accumulate_gradients
-from engine.trajectory import Trajectory
+from engine.trajectory import Trajectory, actor_micro_batches, micro_batch_rows
 
 VOCAB = 101
 
@@ -370,8 +375,8 @@ def test_actor_worker_update_with_and_without_packing(policy_dir):
     rounding difference of 1e-10 in ``g`` moves the weight by ~0.1 * lr; at lr 1e-3 one such
     coordinate differs by 6.5e-6 while every gradient agrees within 3e-8 (the gradients are
     compared directly, to 1e-6, in the loss test above)."""
-    from engine.models.megatron import mcore_state
     from engine.backends.megatron.actor import ActorWorker
+    from engine.models.megatron import mcore_state
     from engine.rl.workers import ReferenceWorker
 
     traj = random_trajectory([5, 3], [[2, 8, 4, 1], [6, 3, 10, 2]], seed=9)

@@ -22,8 +22,8 @@ from engine.evaluation.statistics import (
     evaluate_generations,
     maj_at_k,
     majority_vote,
-    pass_at_k,
     paired_metric,
+    pass_at_k,
 )
 
 exact_match = get_verifier("exact_match")
@@ -247,11 +247,12 @@ def policies(fixtures_dir, tmp_path_factory):
     first 50 GSM8K and MATH-500 solutions: their prompts fit (at most ~450 tokens). (The real
     Qwen2.5 tokenizer fits too, but loading its 151k-token vocabulary from vocab.json and
     merges.txt takes 15-40 s each time here.)"""
+    from transformers import AutoTokenizer
+
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import save_model_dir
-    from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("benchmark_policies")
     turn = "<|im_start|>{}\n{}<|im_end|>\n"

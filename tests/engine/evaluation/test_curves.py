@@ -10,8 +10,19 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from engine.evaluation.curves import (CURVES_FILE, METRICS_FILE, STAGE_PANELS, Panel, curves_markdown, figure_size,
-                                      key_numbers, read_series, render_curves, stage_series, write_stage_curves)
+from engine.evaluation.curves import (
+    CURVES_FILE,
+    METRICS_FILE,
+    STAGE_PANELS,
+    Panel,
+    curves_markdown,
+    figure_size,
+    key_numbers,
+    read_series,
+    render_curves,
+    stage_series,
+    write_stage_curves,
+)
 
 # Two RM runs' worth of rows: the held-out rm/* metrics only every second step, wall times on every step.
 RM_HISTORY = [

@@ -14,13 +14,13 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from config.schema import EvaluateConfig
 from data.addition import make_addition_datasets
+from data.chat_response import readable_text
 from data.rewards import final_answer, get_verifier
 from data.tokenizer_train import train_chat_tokenizer
-from data.chat_response import readable_text
-from engine.evaluation.statistics import accuracy_with_se, evaluate_generations, paired_difference
-from engine.evaluation.scoring import decode_response, evaluate_model_dirs, evaluate_policy
 from engine.evaluation.curves import plot_reward_curve
 from engine.evaluation.report import write_eval_report
+from engine.evaluation.scoring import decode_response, evaluate_model_dirs, evaluate_policy
+from engine.evaluation.statistics import accuracy_with_se, evaluate_generations, paired_difference
 from engine.rollout.base import RolloutOutput
 from engine.rollout.hf_rollout import HFRollout
 

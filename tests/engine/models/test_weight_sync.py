@@ -12,8 +12,8 @@ from conversion.export import write_hf_safetensors
 from conversion.registry import megatron_to_hf
 from conversion.spec import GPTSpec
 from engine.models.megatron import build_gpt_model, gpt_logits, mcore_state
-from engine.rollout.hf_rollout import HFRollout
 from engine.models.weight_buckets import BucketServer, hf_bucket, iter_buckets, load_group, plan_buckets, plan_policy
+from engine.rollout.hf_rollout import HFRollout
 
 # qwen2: tied embeddings and QKV biases; llama: untied output layer, no biases.
 ARCHS = {"qwen2": ("Qwen2ForCausalLM", True), "llama": ("LlamaForCausalLM", False)}
@@ -239,8 +239,8 @@ def test_hf_rollout_updated_bucket_by_bucket_equals_a_full_update(setup, tmp_pat
 def actor_worker(tmp_path_factory, fixtures_dir):
     """ActorWorker in-process, from a model directory, with 1 MiB buckets. The Qwen2.5
     tokenizer's vocabulary makes the embedding ~19 MiB: over budget, a bucket of its own."""
-    from engine.storage.model_dir import save_model_dir
     from engine.backends.megatron.actor import ActorWorker
+    from engine.storage.model_dir import save_model_dir
 
     threads = torch.get_num_threads()
     cfg = {**hf_config("qwen2"), "vocab_size": 151665, "hidden_size": 32, "intermediate_size": 64}
@@ -300,10 +300,10 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
     import ray
 
     import engine.rl.phases as rl
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.rl.placement import init_ray, shutdown_ray
     from engine.rl.workers import Workers
     from engine.storage.model_dir import save_model_dir
-    from engine.rl.placement import init_ray, shutdown_ray
-    from engine.backends.megatron.actor import ActorWorker
 
     class HangingRollout:
         def update_weights(self, named_tensors):

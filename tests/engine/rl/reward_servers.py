@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from typing import Any
 
 # handler(path, body, request number from 0) -> (status, JSON-able reply or raw str)
 Handler = Callable[[str, Any, int], tuple[int, Any]]

@@ -30,7 +30,8 @@ import torch
 
 from config.parallel import ParallelConfig, RLParallelConfig
 from config.rl import EngineConfig, KLConfig, RolloutConfig
-from tests.engine.distributed.test_data_parallel import _close, _weights, rl_config as dp_config, trajectory
+from tests.engine.distributed.test_data_parallel import _close, _weights, trajectory
+from tests.engine.distributed.test_data_parallel import rl_config as dp_config
 from tests.engine.rl.test_rl import REQUIRED, random_tiny_policy, read_metrics, rl_config
 
 NODE_CPUS = 2

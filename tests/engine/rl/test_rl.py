@@ -45,11 +45,12 @@ def random_tiny_policy(root: Path) -> dict:
     """The policy fixture's tokenizer and tiny Qwen2 (hidden 64, head_dim 32, 2 layers) with
     random weights (no SFT), and its 25 sum prompts, under ``root``: for tests where what the
     policy answers does not matter (placement, clusters, engine failures)."""
+    from transformers import AutoTokenizer
+
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import load_tokenizer, save_model_dir
-    from transformers import AutoTokenizer
 
     pairs = [(a, b) for a in range(5) for b in range(5)]
     texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
@@ -199,8 +200,8 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     hand-computed token mean; the update raises the rewarded answer's likelihood."""
     from data.chat import encode_prompt
     from engine.algorithms.advantages import grpo_advantages
-    from engine.models.megatron import gpt_logits
     from engine.backends.megatron.actor import ActorWorker
+    from engine.models.megatron import gpt_logits
 
     tok = policy["tokenizer"]
     eos = tok.eos_token_id
@@ -242,8 +243,8 @@ def test_actor_update_does_not_depend_on_the_micro_batch_split(policy, mode):
     micro-batch of 6 responses or micro-batches of 4 + 2 (different padded lengths) give the
     same loss, gradient norm and updated weights."""
     from data.chat import encode_prompt
-    from engine.models.megatron import mcore_state
     from engine.backends.megatron.actor import ActorWorker
+    from engine.models.megatron import mcore_state
 
     tok = policy["tokenizer"]
     prompt = encode_prompt(tok, question(2, 2))
@@ -275,8 +276,8 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
     ones, also over 2 PPO epochs (the second epoch's ratio is against the pre-update policy),
     and it returns old log-probs equal to that separate pass."""
     from data.chat import encode_prompt
-    from engine.models.megatron import mcore_state
     from engine.backends.megatron.actor import ActorWorker
+    from engine.models.megatron import mcore_state
 
     tok = policy["tokenizer"]
     prompt = encode_prompt(tok, question(3, 4))
@@ -308,10 +309,10 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
     the reward model's own worker (RewardModelWorker.score_responses), independently
     recomputed with engine.training.reward_scoring.score on the decoded texts."""
     from config.rl import RewardConfig
-    from engine.storage.model_dir import load_model_dir, save_model_dir
     from engine.models.heads import RewardModel
-    from engine.training.reward_scoring import load_reward_model, score
     from engine.rl.workers import RewardModelWorker, RewardWorker
+    from engine.storage.model_dir import load_model_dir, save_model_dir
+    from engine.training.reward_scoring import load_reward_model, score
 
     loaded = load_model_dir(policy["dir"])
     head = RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads()
@@ -376,9 +377,9 @@ def test_rollout_actor_starts_vllm_beside_a_2gib_ballast(vllm_run, policy):
     """The rollout actor's RSS is above 10% of the node's memory before its engine starts, so
     vLLM's old default (gpu_memory_utilization 0.1) would budget a negative KV cache; sized from
     the run, the engine starts and the 3 steps generate (test_grpo_vllm_end_to_end checks them)."""
-    from engine.storage.model_dir import read_hf_config
     from engine.rl.prompts import load_rl_prompts
     from engine.rollout.kv_cache import kv_cache_bytes
+    from engine.storage.model_dir import read_hf_config
 
     out, result = vllm_run
     report = json.loads((out / "rollout_ballast.json").read_text())

@@ -25,7 +25,14 @@ import pytest
 
 from config.rl import EngineConfig, KLConfig, RolloutConfig
 from tests.engine.rl.test_rl import (  # noqa: F401
-    assert_same_weights, policy_weights, random_tiny_policy, ray_address, read_metrics, rl_config, untimed)
+    assert_same_weights,
+    policy_weights,
+    random_tiny_policy,
+    ray_address,
+    read_metrics,
+    rl_config,
+    untimed,
+)
 from tests.engine.rollout_faults import PLAN, read_logs
 
 ENV = "tests.engine.multi_turn_env_example:make_counter_env"

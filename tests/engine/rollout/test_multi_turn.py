@@ -14,8 +14,14 @@ import pytest
 import torch
 
 from config.rl import KLConfig, RewardConfig, RewardFunctionConfig, RLConfig, RolloutConfig
-from engine.rollout.multi_turn import MultiTurnSample, StepResult, load_environment_factory, multi_turn_metrics, multi_turn_rollout
 from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.rollout.multi_turn import (
+    MultiTurnSample,
+    StepResult,
+    load_environment_factory,
+    multi_turn_metrics,
+    multi_turn_rollout,
+)
 from engine.trajectory import Trajectory
 from tests.engine import multi_turn_env_example as example
 
@@ -38,8 +44,8 @@ def policy(tmp_path_factory) -> dict:
     from data.chat import encode_prompt
     from data.tokenizer_train import train_chat_tokenizer
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import save_model_dir
     from engine.rl.workers import RolloutWorker
+    from engine.storage.model_dir import save_model_dir
 
     root = tmp_path_factory.mktemp("multi_turn")
     texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
@@ -323,9 +329,9 @@ def test_environment_tokens_get_no_gradient(policy, monkeypatch):
     observation positions (advantages, old/ref/rollout log-probs) changes neither loss nor
     gradients."""
     import engine.models.megatron as megatron_model
-    from engine.training.actor import actor_loss_fn, compute_logprobs
     from engine.algorithms.aggregation import global_norm
     from engine.storage.model_dir import load_model_dir
+    from engine.training.actor import actor_loss_fn, compute_logprobs
 
     samples, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
     traj = Trajectory.from_multi_turn(policy["prompt_ids"], samples, pad_id=policy["tokenizer"].pad_token_id)
@@ -407,10 +413,10 @@ class _Remote:
 
 
 def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeypatch):
+    from engine.batching.sampler import EpochSampler
     from engine.rl import phases
     from engine.rl.prompts import RLPrompt
     from engine.rl.workers import Workers
-    from engine.batching.sampler import EpochSampler
 
     monkeypatch.setattr(phases.ray, "get", lambda x: x)  # in-process: handles return values directly
     prompts = [RLPrompt(r["prompt"], r["label"], ids) for r, ids in zip(policy["rows"], policy["prompt_ids"])]

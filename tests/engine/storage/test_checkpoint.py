@@ -9,9 +9,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from conversion import hf_to_megatron, megatron_to_hf
-from engine.storage.torch_dist import latest_checkpoint, load_checkpoint_hf_config, load_model_checkpoint, save_model_checkpoint
 from conversion.spec import GPTSpec
 from engine.models.megatron import build_gpt_model, load_mcore_state, mcore_state
+from engine.storage.torch_dist import (
+    latest_checkpoint,
+    load_checkpoint_hf_config,
+    load_model_checkpoint,
+    save_model_checkpoint,
+)
 
 
 def random_hf(arch: str):

@@ -21,8 +21,8 @@ from conversion.hf_source import load_hf_source
 from conversion.registry import hf_to_megatron
 from conversion.spec import GPTSpec
 from engine.models.megatron import build_gpt_model
-from engine.storage.model_dir import save_model_dir
 from engine.models.platform import init_model_parallel
+from engine.storage.model_dir import save_model_dir
 
 TOL = 1e-4  # megatron's strided SiLU rounds a little differently from HF's (see silu_contiguous)
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conversion.spec import GPTSpec
 from data.addition import make_addition_datasets
 from data.tokenizer_train import train_chat_tokenizer
-from engine.storage.hf_io import export_model_dir
-from conversion.spec import GPTSpec
 from engine.models.megatron import build_gpt_model, gpt_logits
+from engine.storage.hf_io import export_model_dir
 from engine.storage.model_dir import save_model_dir
 
 MAX_NEW = 8

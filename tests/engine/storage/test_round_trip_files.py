@@ -11,11 +11,11 @@ from safetensors import safe_open
 from conversion.gguf import gguf_to_hf
 from conversion.hf_source import load_hf_source
 from conversion.registry import hf_to_megatron
-from engine.storage.hf_io import export_model_dir
 from conversion.spec import GPTSpec
 from engine.models.megatron import build_gpt_model
-from engine.storage.model_dir import save_model_dir
 from engine.models.platform import init_model_parallel
+from engine.storage.hf_io import export_model_dir
+from engine.storage.model_dir import save_model_dir
 
 
 def _tensor_digests(hf_dir) -> dict[str, str]:

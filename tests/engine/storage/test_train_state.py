@@ -14,9 +14,9 @@ import torch
 
 from config.training import OptimConfig
 from conversion.spec import GPTSpec
+from data.checksums import CHECKSUMS
 from engine.models.heads import ValueModel
 from engine.models.master_weights import gradient_params
-from data.checksums import CHECKSUMS
 from engine.storage.train_state import (
     STATE_FILE,
     DataPosition,

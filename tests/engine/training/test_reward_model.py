@@ -13,15 +13,15 @@ import torch
 
 from config.rm import RMConfig
 from config.training import OptimConfig
-from data.tokenizer_train import train_chat_tokenizer
-from engine.batching.collate import collate_tokens
 from conversion.spec import GPTSpec
+from data.tokenizer_train import train_chat_tokenizer
+from engine.backends.select_rm import reward_trainer
+from engine.batching.collate import collate_tokens
+from engine.models.heads import RewardModel
 from engine.models.megatron import build_gpt_model, gpt_hidden_states
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
-from engine.models.heads import RewardModel
-from engine.backends.select_rm import reward_trainer
-from engine.training.reward_model import bradley_terry_loss, split_eval, train_reward_model
 from engine.training.preference_data import encode_preference_dataset
+from engine.training.reward_model import bradley_terry_loss, split_eval, train_reward_model
 from engine.training.reward_scoring import load_reward_model, score
 
 GOOD = ["great", "helpful", "correct", "clear", "kind", "precise"]

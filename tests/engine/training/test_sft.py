@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from config.sft import SFTConfig
 from config.training import OptimConfig
 from conversion.registry import hf_to_megatron
+from conversion.spec import GPTSpec
 from data.chat import encode_chat
 from data.tokenizer_train import train_chat_tokenizer
 from engine.batching.collate import collate_tokens
-from conversion.spec import GPTSpec
 from engine.models.megatron import build_gpt_model, load_mcore_state
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.training.sft import encode_sft_dataset, sft_loss, train_sft

@@ -31,7 +31,7 @@ from engine.models.heads import RewardModel
 from engine.models.megatron import build_gpt_model
 from engine.storage.model_dir import load_model_dir
 from engine.training.optimizer_step import accumulate_gradients, build_model_optimizer
-from engine.training.reward_model import pair_loss, packed_rewards, reward_micro_batches, train_reward_model
+from engine.training.reward_model import packed_rewards, pair_loss, reward_micro_batches, train_reward_model
 from engine.training.sft import sft_loss, sft_micro_batches, train_sft
 
 VOCAB = 101

@@ -12,13 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from config.training import OptimConfig
-from engine.batching.sampler import EpochSampler
-from engine.batching.collate import collate_tokens, split_micro_batches
 from conversion.spec import GPTSpec
+from engine.batching.collate import collate_tokens, split_micro_batches
+from engine.batching.sampler import EpochSampler
 from engine.models.megatron import build_gpt_model, gpt_logits
-from engine.training.sft import sft_loss
-from engine.storage.train_state import DataPosition, capture_rng_state, load_train_state, restore_rng_state, save_train_state
+from engine.storage.train_state import (
+    DataPosition,
+    capture_rng_state,
+    load_train_state,
+    restore_rng_state,
+    save_train_state,
+)
 from engine.training.optimizer_step import accumulate_gradients, build_optimizer, train_step, warmup_cosine_factor
+from engine.training.sft import sft_loss
 
 TINY = {
     "architectures": ["Qwen2ForCausalLM"],
