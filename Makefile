@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test acceptance install clean gpu-check
+.PHONY: demo test test-fast lint acceptance install clean gpu-check
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not acceptance"
+
+# ruff's lint and format check (pyproject.toml [tool.ruff]); CI runs it before the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The results the docs state as findings, rerun on the full quickstart with their paired SEs (README,
 # "Acceptance"): RL, async RL, distillation and bf16 over one shared default run, the mixture's

@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     allreduce = [(c["all_reduce_s"] - c0["all_reduce_s"]) / args.rounds for c, c0 in zip(comm, comm0)]
     tokens = args.rows * (args.prompt_tokens + args.response_tokens)
     print()
-    print(f"| size | rows x tokens | dp1 s/step (median) | dp2 s/step (median) | dp2/dp1 median [range] | "
-          f"all-reduce s/step per rank | weight gather s (dp1 / dp2) |")
+    print("| size | rows x tokens | dp1 s/step (median) | dp2 s/step (median) | dp2/dp1 median [range] | "
+          "all-reduce s/step per rank | weight gather s (dp1 / dp2) |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.size} | {args.rows} x {args.prompt_tokens + args.response_tokens} ({tokens} tokens) | "
           f"{statistics.median(r[2] for r in rows):.2f} | {statistics.median(r[3] for r in rows):.2f} | "

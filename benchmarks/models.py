@@ -90,7 +90,7 @@ def quickstart_config(sft_steps: int, root: Path = WORK_DIR) -> dict[str, Any]:
                   "checkpoint_root": str(root / "checkpoints")}
     cfg["wandb"] = {**cfg.get("wandb", {}), "enabled": False}
     cfg["prepare"] = {**cfg["prepare"], "output_dir": str(data_dir)}
-    for name, section in cfg["data"].items():
+    for section in cfg["data"].values():
         if isinstance(section, dict) and "path" in section:
             section["path"] = str(data_dir / Path(section["path"]).name)
     cfg["model"] = {**cfg["model"], "source": str(data_dir / "base_model")}

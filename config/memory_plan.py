@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from config.parallel import ParallelConfig
 from config.precision import resolve_precision
+from config.stages import chat_trainers
 
 if TYPE_CHECKING:
     from config.lora import LoraConfig
@@ -326,7 +327,7 @@ def plan_stages(cfg: "PipelineConfig", hf_config: Mapping[str, Any],
         roles.append(training_role("teacher", "rl.teacher", ModelShape.from_hf_config(teacher), rl.parallel.reference,
                                    resolve_precision(rl.teacher.precision or p), b, s,
                                    int(teacher.get("padded_vocab_size", teacher["vocab_size"])), trainable=False))
-    if rl.algorithm == "gae":
+    if rl.algorithm_needs.critic:
         roles.append(training_role("critic", "rl.parallel.critic", shape, rl.parallel.critic, p, b, s, rows,
                                    logits=False))  # the critic stays padded (rl.packing)
     if rl.uses_reward_model:
@@ -528,7 +529,7 @@ def check_layouts(cfg: "PipelineConfig", hf_config: Mapping[str, Any], seq_lens:
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     train = total - cfg.rl.engine.rollout_cpus if cfg.rl.engine.placement == "disaggregated" else total
     return check_plan(plan_stages(cfg, hf_config, seq_lens), local=cluster_address is None,
-                      cpus={"sft": total, "rm": total, "po": total, "rl": train}, gpus=local_gpus(),
+                      cpus={**dict.fromkeys(chat_trainers(), total), "rl": train}, gpus=local_gpus(),
                       device_memory_gib=cfg.run.device_memory_gib, host_bytes=host_memory_bytes(), seq_lens=seq_lens)
 
 

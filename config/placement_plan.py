@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from config.stages import chat_trainers
+
 if TYPE_CHECKING:
     from config.schema import PipelineConfig
     from config.rl import RLConfig
@@ -102,14 +104,14 @@ _LAYOUT_KEY = {"actor": "actor", "reference": "reference", "teacher": "reference
 def training_roles(cfg: "RLConfig") -> dict[str, object]:
     """``role -> ParallelConfig`` of the run's training roles that start: the actor, the
     reference (with a KL term), the teacher (laid out as the reference), the critic
-    (``gae``) and the reward model (``reward_model_weight != 0``)."""
+    (an estimator that needs one: ``gae``) and the reward model (``reward_model_weight != 0``)."""
     par = cfg.parallel
     roles = {"actor": par.actor}
     if cfg.uses_reference:
         roles["reference"] = par.reference
     if cfg.teacher is not None:
         roles["teacher"] = par.reference
-    if cfg.algorithm == "gae":
+    if cfg.algorithm_needs.critic:
         roles["critic"] = par.critic
     if cfg.uses_reward_model:
         roles["reward_model"] = par.reward_model
@@ -319,7 +321,7 @@ def check_stage_cpus(cfg: "PipelineConfig", cluster_address: str | None) -> list
     total = float(cfg.rl.engine.num_cpus or os.cpu_count() or 1)
     source = "rl.engine.num_cpus" if cfg.rl.engine.num_cpus else "this machine's CPUs"
     problems = []
-    for stage in ("sft", "rm", "po"):
+    for stage in chat_trainers():
         section = getattr(cfg, stage)
         layout = section.parallel
         if section.enabled and layout.world_size > 1 and layout.cpus_per_rank is not None \

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from config.algorithms import BUILTIN_NEEDS, AlgorithmNeeds, algorithm_needs, names_with
 from config.base import Strict
 from config.judge import JudgeConfig, RemoteRewardConfig
 from config.lora import LoraConfig
@@ -76,9 +77,9 @@ def _import_path(value: str, attr: str) -> str:
 
 
 # The built-in names of rl.algorithm and rl.policy_loss: the keys of
-# engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal).
-BuiltinAdvantage = Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
-                           "on_policy_distill"]
+# engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal);
+# rl.algorithm's are also those of config.algorithms.BUILTIN_NEEDS (what each needs: critic, teacher, groups).
+BuiltinAdvantage = Literal[tuple(BUILTIN_NEEDS)]  # grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), gae, on_policy_distill
 BuiltinPolicyLoss = Literal["ppo_clip", "gspo"]
 
 
@@ -206,7 +207,8 @@ class EngineConfig(Strict):
     partial_rollout_chunk_tokens: int | None = Field(
         None, gt=0, description="Asynchronous RL: generate in chunks of this many tokens, so a weight update lands "
                                 "between chunks and unfinished responses continue under the new weights (partial "
-                                "rollouts). None: a weight update waits for the running generation to end.")
+                                "rollouts). None: pinned, the weight sync of step s waits for the rollout of step s + k, so "
+                                "every rollout runs on one policy version and a resumed run is bit-identical.")
     ray_address: str | None = Field(
         None, description="Ray cluster to join: its head's GCS address host:port, auto (a cluster `ray start` runs on "
                           "this machine; RAY_ADDRESS first when set) or ray://... (Ray Client). None: the cluster of the "
@@ -311,7 +313,8 @@ class RLConfig(Strict):
         "grpo", description="Advantage estimator (engine.algorithms.advantages.ADVANTAGE_ESTIMATORS; docs/algorithms.md); "
                             "gae is PPO with a critic (rl.critic); on_policy_distill: per-token reverse KL to "
                             "rl.teacher (on-policy distillation). Or a plug-in's import path 'package.module:function' "
-                            "(engine/algorithms/advantages.py; treated as a group-baseline estimator without a critic).")
+                            "(engine/algorithms/advantages.py; a group-baseline estimator without a critic unless its module "
+                            "declares ALGORITHM_NEEDS: config/algorithms.py).")
     teacher: TeacherConfig | None = Field(
         None, description="The teacher of rl.algorithm on_policy_distill (required by it, refused otherwise).")
     steps: int = Field(20, gt=0, description="RL iterations (rollout + update).")
@@ -319,6 +322,10 @@ class RLConfig(Strict):
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    moe_routing_replay: bool = Field(
+        False, description="MoE policies: the update's forwards send each token to the experts the old-log-prob pass "
+                           "chose (recorded there; that pass then always runs), so routing flips do not move the PPO "
+                           "ratio (routing replay; docs/algorithms.md, Mixture of experts). Needs backend megatron.")
     micro_batch_size: int = Field(32, gt=0, description="Sequences per forward/backward in the policy update, the log-prob "
                                                             "passes and the critic; unused when max_tokens_per_micro_batch is set.")
     packing: bool = Field(False, description="Sequence packing: no pad tokens in the policy's and the reference's "
@@ -366,6 +373,15 @@ class RLConfig(Strict):
                           "environment (engine/rollout/multi_turn.py); its summed step rewards replace rl.reward. None: single-turn.")
     max_turns: int = Field(1, ge=1, description="Policy turns per sample at most (multi-turn, with rl.environment); "
                                                 "rollout.max_new_tokens bounds all turns and observations together.")
+    max_turn_tokens: int | None = Field(
+        None, gt=0, description="Multi-turn: policy tokens one turn may take; a turn that reaches it is still stepped "
+                                "and ends the sample (truncated). None: only rollout.max_new_tokens bounds a turn.")
+    environment_step_wait_s: float | None = Field(
+        1.0, ge=0, description="Multi-turn: once the first running environment step (tool call) of a rollout engine "
+                               "ends, how long the others get to end before the samples whose steps ended go on to "
+                               "their next turn without them. Steps that all end within it keep the rollout "
+                               "reproducible; a slower one holds back only its own sample. None: every turn waits "
+                               "for all steps (turn-synchronous).")
     eval_every: int | None = Field(
         None, ge=0, description="Evaluate the policy every N RL steps and at the last step with the rollout engines "
                                 "already loaded, as the evaluate stage does (same code and settings), logging "
@@ -392,7 +408,7 @@ class RLConfig(Strict):
         rows = self.prompts_per_step * self.n_samples
         for role in ("actor", "critic", "reference", "reward_model"):
             dp = getattr(self.parallel, role).data_parallel_size
-            if dp > rows and (role != "critic" or self.algorithm == "gae") and (
+            if dp > rows and (role != "critic" or self.algorithm_needs.critic) and (
                     role != "reward_model" or self.reward.reward_model_weight != 0):
                 # each data-parallel rank takes a share of a step's rows (engine.distributed.group)
                 raise ValueError(f"rl.parallel.{role}.data_parallel_size={dp} is more than the {rows} rows of a step "
@@ -416,13 +432,14 @@ class RLConfig(Strict):
 
     @model_validator(mode="after")
     def _group_size(self):
-        if self.n_samples == 1 and ":" in self.algorithm:
+        if self.n_samples == 1 and self.algorithm_needs.group and ":" in self.algorithm:
             raise ValueError(f"rl.n_samples: 1 with the plug-in estimator {self.algorithm}: a plug-in is treated as a "
-                             "group-baseline estimator (it compares the responses of one prompt); use n_samples >= 2")
-        if self.n_samples == 1 and self.algorithm not in ("reinforce_plus_plus", "gae", "on_policy_distill"):
+                             "group-baseline estimator (it compares the responses of one prompt); use n_samples >= 2, "
+                             "or declare it ALGORITHM_NEEDS = {name: {'group': False}} (docs/algorithms.md, Plug-ins)")
+        if self.n_samples == 1 and self.algorithm_needs.group:
+            *others, last = names_with("group", False)
             raise ValueError(f"rl.n_samples: 1 gives every response a zero {self.algorithm} advantage (it compares the "
-                             "responses of one prompt); use n_samples >= 2 or algorithm reinforce_plus_plus, gae or "
-                             "on_policy_distill")
+                             f"responses of one prompt); use n_samples >= 2 or algorithm {', '.join(others)} or {last}")
         if self.n_samples > 1 and self.rollout.temperature == 0:
             raise ValueError(f"rl.rollout.temperature: 0 (greedy) samples the same response {self.n_samples} times per "
                              f"prompt (rl.n_samples {self.n_samples}): their group advantages are all zero and vLLM "
@@ -449,6 +466,11 @@ class RLConfig(Strict):
         return self.engine.placement == "colocated" and self.engine.colocated_offload
 
     @property
+    def algorithm_needs(self) -> AlgorithmNeeds:
+        """What ``rl.algorithm`` needs (critic, teacher, groups): :func:`config.algorithms.algorithm_needs`."""
+        return algorithm_needs(self.algorithm)
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the run needs the frozen reference policy: only for a KL term
         (``kl.coef > 0``, loss or reward). Without one no reference model is loaded and
@@ -467,37 +489,37 @@ class RLConfig(Strict):
         """Whether the old log-probs get their own forward pass before the update: for the
         KL reward penalty (``kl.in_reward``) and for on-policy distillation, which need them
         before the advantages. Otherwise the update's first forward, at the same weights,
-        gives them (``engine.training.actor.actor_update``)."""
-        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm == "on_policy_distill"
+        gives them (``engine.training.actor.actor_update``). MoE routing replay
+        (``moe_routing_replay``) needs the pass too: it records the routing the update replays."""
+        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm_needs.teacher or self.moe_routing_replay
 
     def policy_updates(self, steps: int) -> int:
         """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
-        warm-up steps with ``algorithm: gae`` (the policy's schedule and version count these)."""
-        warmup = self.critic.warmup_steps if self.algorithm == "gae" else 0
+        warm-up steps of an estimator with a critic (``algorithm: gae``; the policy's schedule and version count these)."""
+        warmup = self.critic.warmup_steps if self.algorithm_needs.critic else 0
         return max(0, steps - warmup)
 
     @model_validator(mode="after")
     def _dynamic_sampling(self):
-        if self.dynamic_sampling.enabled and (self.n_samples == 1 or self.algorithm in ("gae", "reinforce_plus_plus",
-                                                                                        "on_policy_distill")):
+        if self.dynamic_sampling.enabled and (self.n_samples == 1 or not self.algorithm_needs.group):
             raise ValueError("rl.dynamic_sampling.enabled drops groups of equal rewards, which only group-baseline "
-                             f"estimators (grpo, dr_grpo, rloo, reinforce_plus_plus_baseline, plug-ins) with n_samples >= 2 "
+                             f"estimators ({', '.join(names_with('group'))}, plug-ins) with n_samples >= 2 "
                              f"learn nothing from; here algorithm is {self.algorithm} and n_samples {self.n_samples}")
         return self
 
     @model_validator(mode="after")
     def _teacher(self):
-        if self.algorithm == "on_policy_distill" and self.teacher is None:
-            raise ValueError("rl.algorithm on_policy_distill needs rl.teacher (its model_dir: the model whose "
+        if self.algorithm_needs.teacher and self.teacher is None:
+            raise ValueError(f"rl.algorithm {self.algorithm} needs rl.teacher (its model_dir: the model whose "
                              "per-token log-probs the student is distilled towards)")
-        if self.algorithm != "on_policy_distill" and self.teacher is not None:
+        if not self.algorithm_needs.teacher and self.teacher is not None:
             raise ValueError(f"rl.teacher is set but rl.algorithm is {self.algorithm}; only on_policy_distill uses a "
                              "teacher (remove rl.teacher or set rl.algorithm: on_policy_distill)")
         return self
 
     @model_validator(mode="after")
     def _critic(self):
-        if self.algorithm == "gae" and self.critic.warmup_steps >= self.steps:
+        if self.algorithm_needs.critic and self.critic.warmup_steps >= self.steps:
             raise ValueError(f"rl.critic.warmup_steps ({self.critic.warmup_steps}) must be below rl.steps ({self.steps}): "
                              "the policy would never be trained")
         return self
@@ -508,11 +530,11 @@ class RLConfig(Strict):
         steps = f"rl.steps {self.steps}" if self.ppo_epochs > 1 else "rl.steps"
         epochs = f" x rl.ppo_epochs {self.ppo_epochs}" if self.ppo_epochs > 1 else ""
         policy = steps + epochs
-        if self.algorithm == "gae" and self.critic.warmup_steps:
+        if self.algorithm_needs.critic and self.critic.warmup_steps:
             policy = f"(rl.steps {self.steps} - rl.critic.warmup_steps {self.critic.warmup_steps}){epochs}" if epochs \
                 else f"rl.steps {self.steps} - rl.critic.warmup_steps {self.critic.warmup_steps}"
         self.optim.check_warmup("rl.optim", self.policy_updates(self.steps) * self.ppo_epochs, policy)
-        if self.algorithm == "gae":
+        if self.algorithm_needs.critic:
             self.critic.optim.check_warmup("rl.critic.optim", self.steps * self.ppo_epochs, steps + epochs)
         return self
 
@@ -521,6 +543,9 @@ class RLConfig(Strict):
         if self.backend == "deepspeed" and self.packing:
             raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches); "
                              "set rl.packing: false or rl.backend: megatron")
+        if self.backend == "deepspeed" and self.moe_routing_replay:
+            raise ValueError("rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
+                             "set rl.moe_routing_replay: false or rl.backend: megatron")
         return self
 
     @model_validator(mode="after")
@@ -542,16 +567,11 @@ class RLConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _async_single_turn(self):
-        if self.engine.off_policy_steps > 0 and self.environment is not None:
-            raise ValueError("rl.engine.off_policy_steps > 0 is not supported with rl.environment (multi-turn "
-                             "rollouts are synchronous)")
-        return self
-
-    @model_validator(mode="after")
     def _multi_turn(self):
         if self.environment is None and self.max_turns > 1:
             raise ValueError("rl.max_turns > 1 needs rl.environment (an environment to answer the turns)")
+        if self.environment is None and self.max_turn_tokens is not None:
+            raise ValueError("rl.max_turn_tokens needs rl.environment (single-turn: set rl.rollout.max_new_tokens)")
         if self.environment is not None and (self.reward.functions or self.reward.reward_model_weight != 0):
             raise ValueError("rl.environment gives the rewards: rl.reward.functions and rl.reward.reward_model_weight "
                              "would be ignored; remove them (rl.reward.verifier is still used by the evaluate stage)")

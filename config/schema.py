@@ -27,9 +27,10 @@ from config.rl import RLConfig
 from config.rm import RMConfig
 from config.run import RunConfig, WandbConfig
 from config.sft import SFTConfig
+from config.stages import precision_stages
 
 
-PRECISION_STAGES = ("sft", "rm", "po", "rl", "evaluate")  # the sections with a `precision` setting
+PRECISION_STAGES = precision_stages()  # the sections with a `precision` setting (config.stages)
 
 
 class PipelineConfig(Strict):

@@ -106,7 +106,9 @@ def readable_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | N
     if marker and shown.rstrip().endswith(marker):
         shown = shown.rstrip()[: len(shown.rstrip()) - len(marker)]
     # The escapes must stand exactly where the tokenizer put U+FFFD; otherwise keep its text.
-    collapse = lambda t, pattern: re.sub(pattern, "\ufffd", t)
+    def collapse(t: str, pattern: str) -> str:
+        return re.sub(pattern, "\ufffd", t)
+
     if collapse(collapse(shown, r"(?:\\x[0-9a-f]{2})+"), "\ufffd+") != collapse(text, "\ufffd+"):
         return text
     return shown

@@ -312,7 +312,7 @@ _DECIMAL = re.compile(r"-?\d*\.\d+")
 
 
 def _decimal_comma_equal(pair: Answer, number: Answer) -> bool:
-    """``1,22`` (read as the list {1, 22}) against a decimal written with a point, ``1.22``: a
+    r"""``1,22`` (read as the list {1, 22}) against a decimal written with a point, ``1.22``: a
     decimal comma (math-verify's ``test_number_extraction``: ``0,111`` = ``0.111``). Only
     against a decimal with a point, so ``0,111`` never equals ``111``, and never for a set in
     braces (``\{1,22\}`` is two numbers)."""

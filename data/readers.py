@@ -312,5 +312,4 @@ def _parquet(name: str) -> Iterator[Item]:
     except Exception as e:  # polars raises several error types for a damaged file
         yield 0, RowError(name, 0, FILE, f"cannot read parquet: {e}")
         return
-    for row, record in enumerate(frame.iter_rows(named=True), start=1):
-        yield row, record
+    yield from enumerate(frame.iter_rows(named=True), start=1)

@@ -25,6 +25,7 @@ from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from config import ConfigError, load_config  # noqa: E402
+from config.stages import is_enabled, stage_names  # noqa: E402
 from flows.cluster_checks import check_layouts, check_rl_placement, check_stage_cpus, cluster_notes  # noqa: E402
 from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
 from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
@@ -69,9 +70,9 @@ def cmd_validate(args) -> int:
     return 0
 
 
-# Kept here (and checked against tasks.graph by a test) so `validate` stays fast: it
-# must not import the training stack just to list stage names.
-STAGE_ORDER = ("validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export")
+# From config.stages, not tasks.graph, so `validate` stays fast: it must not import the
+# training stack just to list stage names.
+STAGE_ORDER = stage_names()
 
 
 def _stage_list(cfg) -> list[str]:
@@ -79,8 +80,8 @@ def _stage_list(cfg) -> list[str]:
 
 
 def _enabled(cfg, name: str) -> bool:
-    """sft, rm and po can be switched off (``<stage>.enabled``); every other stage always runs."""
-    return getattr(cfg, name).enabled if name in ("sft", "rm", "po") else True
+    """sft, rm and po can be switched off (``<stage>.enabled``, config.stages); every other stage always runs."""
+    return is_enabled(cfg, name)
 
 
 class StageFailed(Exception):

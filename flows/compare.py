@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from config import ConfigError, load_config
+from config.stages import stage_names
 
 if TYPE_CHECKING:
     from config.schema import PipelineConfig
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 # tasks.* (Prefect and every stage module) is imported where it is used: the `posttrain`
 # command registers compare's arguments on every start, and `validate` stays fast.
-STAGE_NAMES = ("validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export")  # tasks.graph.STAGE_NAMES (a test checks)
+STAGE_NAMES = stage_names()  # config.stages, the order of tasks.graph.STAGE_NAMES
 ARTIFACT_ID = re.compile(rf"({'|'.join(STAGE_NAMES)})-[0-9a-f]{{16}}")
 
 # (panel title, metric keys in order of preference) of the RL curves figure. KL: to the

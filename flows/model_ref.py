@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import ConfigError
+from config.stages import policy_chain
 
-# Newest first: what a config resolves to when no --stage is given.
-POLICY_CHAIN = ("export", "rl", "po", "sft")
-# Stages whose artifact holds a policy (convert: the base model as converted).
-MODEL_STAGES = (*POLICY_CHAIN, "convert")
+# Stages whose artifact holds a policy (config.stages.policy_chain), newest first; the last is
+# convert: the base model as converted.
+MODEL_STAGES = tuple(reversed(policy_chain()))
+# What a config resolves to when no --stage is given: the trained ones, newest first.
+POLICY_CHAIN = MODEL_STAGES[:-1]
 ARTIFACT_ID = re.compile(r"^([a-z]+)-[0-9a-f]{16}$")
 DEFAULT_ARTIFACT_ROOT = "artifacts"  # the quickstart's run.artifact_root
 HF_CACHE = Path(tempfile.gettempdir()) / "posttrain-hf-models"

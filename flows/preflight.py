@@ -20,6 +20,7 @@ from typing import Any
 
 from config.precision import auto_precision, bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
+from config.stages import chat_trainers
 from flows.content_checks import (SftFit, architecture_problem, check_benchmarks, exact_match_datasets, missing_weights,
                                   padded_number_warnings)
 from flows.plugin_checks import check_plugins
@@ -271,8 +272,11 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
 def planned_config(p) -> dict[str, Any]:
     """The config.json sizes of the model an addition ``prepare`` section will build, as
     ``tasks.prepare`` writes them, but for ``vocab_size``: the trained tokenizer's, known once
-    it is trained (the section's ``vocab_size`` is only its target)."""
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+    it is trained (the section's ``vocab_size`` is only its target). With ``prepare.moe`` the
+    model type is Qwen3-MoE (what the vLLM checks read)."""
+    moe = getattr(p, "moe", None) is not None
+    return {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"],
+            "model_type": "qwen3_moe" if moe else "qwen2",
             "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size, "num_hidden_layers": p.num_layers,
             "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
             "max_position_embeddings": p.max_position_embeddings, "tie_word_embeddings": True}
@@ -356,6 +360,13 @@ def _on_cpu() -> bool:
         return not torch.cuda.is_available()
 
 
+def _reloads_in_place(config: dict[str, Any]) -> bool:
+    # imported here: validate of a cached run must not pay for the evaluation engine's imports
+    from engine.evaluation.scoring import reloads_in_place
+
+    return reloads_in_place("vllm", config)
+
+
 def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
     """head_dim against the rollout backend, the context against max_seq_len, the tokenizer
     against the embedding rows."""
@@ -367,8 +378,12 @@ def _check_model(cfg: PipelineConfig, m: _Model) -> list[str]:
         for key in vllm_keys:
             problems.append(f"{key}: vllm on CPU supports head_dim {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
                             f"{m.name} has head_dim {hd}: set {key}: hf")
+    if cfg.rl.rollout.backend == "vllm" and _on_cpu() and not _reloads_in_place(m.config):
+        problems.append(f"rl.rollout.backend: vllm on CPU cannot reload the weights of {m.name}, a mixture of experts "
+                        f"({m.config.get('model_type')}), in place after each RL update (its CPU MoE backend repacks "
+                        "the experts; a reload fails or serves wrong experts): set rl.rollout.backend: hf")
     context = m.config.get("max_position_embeddings")
-    for stage in ("sft", "rm", "po"):
+    for stage in chat_trainers():
         section = getattr(cfg, stage)
         if context and section.enabled and section.max_seq_len > context:
             problems.append(f"{stage}.max_seq_len: {section.max_seq_len} is above the context of {m.name} "
@@ -408,7 +423,7 @@ def _check_chat(cfg: PipelineConfig, m: _Model, rows: dict, longest_of: dict[str
     if getattr(tok, "chat_template", None) is None:
         return [f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
                 f"render conversations; set {stage}.enabled: false (or model.tokenizer to a tokenizer with one)"
-                for stage in ("sft", "rm", "po") if getattr(cfg, stage).enabled]
+                for stage in chat_trainers() if getattr(cfg, stage).enabled]
     override = cfg.model.end_of_turn
     try:  # the turn end SFT trains and generation stops on
         eot = chat_template.end_of_turn(tok, override)

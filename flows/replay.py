@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from config import ConfigError, load_config
+from config.stages import policy_chain
 
 console = Console(width=None if sys.stdout.isatty() else 200)
 
@@ -40,13 +41,17 @@ class ReplaySource:
 
 
 def _policy_of(store, inputs: dict) -> Path:
-    """The starting policy's ``model/`` from an rl artifact's recorded inputs (po, else sft, else convert)."""
+    """The starting policy's ``model/`` from an rl artifact's recorded inputs (po, else sft, else
+    convert: the policy stages before rl, newest first, config.stages.policy_chain)."""
     from tasks.artifacts import ArtifactRef
 
-    for name in ("po", "sft", "convert"):
+    chain = policy_chain()
+    starts = tuple(reversed(chain[:chain.index("rl")]))
+    for name in starts:
         if name in inputs:
             return store.local_path(ArtifactRef(**inputs[name])) / "model"
-    raise ConfigError(f"the rl artifact records no po, sft or convert input ({sorted(inputs)}); cannot build its workers")
+    raise ConfigError(f"the rl artifact records no {', '.join(starts[:-1])} or {starts[-1]} input ({sorted(inputs)}); "
+                      "cannot build its workers")
 
 
 def locate(cfg, artifact_id: str | None = None) -> ReplaySource:

@@ -17,6 +17,7 @@ each one's ``curves.png`` URI and the first, last, min and max of every plotted 
 from __future__ import annotations
 
 from config.schema import PipelineConfig
+from config.stages import stage_names
 from tasks.artifacts import ArtifactRef
 from tasks.runner import StageContext, StageSpec, rl_starting_policy, stage_task
 
@@ -89,7 +90,7 @@ def training_curves(ctx: StageContext) -> dict:
     Raises:
         ArtifactError: a file of the rm artifact is missing or corrupt.
     """
-    from engine.evaluation.curves import CURVES_FILE, METRICS_FILE, stage_series
+    from engine.evaluation.curves import CURVES_FILE, METRICS_FILE, STAGE_PANELS, stage_series
 
     refs = dict(ctx.inputs)
     for via, stage in (("rl", "rm"), ("po", "sft")):
@@ -98,7 +99,7 @@ def training_curves(ctx: StageContext) -> dict:
             refs[stage] = ArtifactRef.model_validate(upstream)
             ctx.store.verify(refs[stage])
     curves = {}
-    for stage in ("sft", "rm", "po", "rl"):
+    for stage in (s for s in stage_names() if s in STAGE_PANELS):  # the stages with training curves, in run order
         if stage in refs:
             local = ctx.input_path(stage) if stage in ctx.inputs else ctx.store.local_path(refs[stage])
             curves[stage] = (f"{refs[stage].uri}/{CURVES_FILE}", stage_series(stage, local / METRICS_FILE))

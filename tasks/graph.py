@@ -10,33 +10,41 @@ stage (what ``posttrain status`` shows), and its fingerprint is unknown.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from config import stages as registry
 from config.schema import PipelineConfig
-from tasks import convert, evaluate, export, po, rl, rm, sft, validate
 from tasks.artifacts import ArtifactCheck, ArtifactRef, ArtifactStore, content_hash
 from tasks.runner import StageSpec, store_for
 
-# (spec, Prefect task) in topological order.
-STAGES = [
-    (validate.SPEC, validate.validate),
-    (convert.SPEC, convert.convert),
-    (sft.SPEC, sft.sft),
-    (rm.SPEC, rm.rm),
-    (po.SPEC, po.po),
-    (rl.SPEC, rl.rl),
-    (evaluate.SPEC, evaluate.evaluate),
-    (export.SPEC, export.export),
-]
+
+def _implementation(entry: registry.Stage) -> tuple[StageSpec, object]:
+    """``(SPEC, Prefect task)`` of a registry stage: ``tasks/<name>.py``'s ``SPEC`` and its
+    function ``<name>``. Raises ImportError / ValueError naming the module when either is
+    missing or the spec names another stage."""
+    module = importlib.import_module(f"tasks.{entry.name}")
+    spec, task = getattr(module, "SPEC", None), getattr(module, entry.name, None)
+    if not isinstance(spec, StageSpec) or task is None:
+        raise ImportError(f"tasks/{entry.name}.py: stage {entry.name!r} (config/stages.py) needs a StageSpec `SPEC` "
+                          f"and its Prefect task `{entry.name}`")
+    if spec.name != entry.name:
+        raise ValueError(f"tasks/{entry.name}.py: SPEC.name is {spec.name!r}, not the stage's name {entry.name!r} "
+                         "(config/stages.py)")
+    return spec, task
+
+
+# (spec, Prefect task) of each config.stages entry, in its (topological) order.
+STAGES = [_implementation(entry) for entry in registry.STAGES]
 STAGE_NAMES = [spec.name for spec, _ in STAGES]
 
 
 def enabled_stages(cfg: PipelineConfig) -> list[tuple[StageSpec, object]]:
-    """Stages this config runs (sft, rm and po only when ``<stage>.enabled``)."""
-    switch = {"sft": cfg.sft.enabled, "rm": cfg.rm.enabled, "po": cfg.po.enabled}
-    return [(s, t) for s, t in STAGES if switch.get(s.name, True)]
+    """Stages this config runs (a stage with a switch, ``config.stages.Stage.switch``: sft, rm
+    and po, only when ``<stage>.enabled``)."""
+    return [(s, t) for s, t in STAGES if registry.is_enabled(cfg, s.name)]
 
 
 def stage(name: str) -> tuple[StageSpec, object]:

@@ -1,7 +1,8 @@
 """prepare (example configs only): write the example's own inputs.
 
 ``kind: addition`` (the quickstart) builds a tokenizer, a random-init base model and the
-addition datasets; ``kind: stories`` (configs/tinystories.yaml) writes story-opening prompts
+addition datasets; ``kind: code`` (configs/quickstart-code.yaml) the same for the coding task
+of ``data.code_task``; ``kind: stories`` (configs/tinystories.yaml) writes story-opening prompts
 for a pretrained model that ``model.source`` names.
 
 Not an artifact stage: it writes plain files to ``prepare.output_dir`` that the config's
@@ -26,7 +27,16 @@ STAMP = ".prepare.json"
 
 
 def prepare_fingerprint(cfg: PipelineConfig) -> str:
-    return fingerprint("prepare", {}, {"prepare": cfg.prepare.model_dump(), "seed": cfg.run.seed}, code_version("tasks.prepare"))
+    return fingerprint("prepare", {}, _fingerprint_config(cfg), code_version("tasks.prepare"))
+
+
+def _fingerprint_config(cfg: PipelineConfig) -> dict:
+    """The config part of :func:`prepare_fingerprint`: the prepare section and the seed. An unset
+    ``prepare.moe`` (the dense model) is left out, so dense configs hash as they did before it."""
+    dump = cfg.prepare.model_dump()
+    if dump.get("moe", 0) is None:
+        del dump["moe"]
+    return {"prepare": dump, "seed": cfg.run.seed}
 
 
 def _qwen2_config(p, vocab_size: int, tokenizer) -> dict:
@@ -49,6 +59,30 @@ def _qwen2_config(p, vocab_size: int, tokenizer) -> dict:
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     }
+
+
+def _qwen3_moe_config(p, vocab_size: int, tokenizer) -> dict:
+    """The Qwen3-MoE variant of :func:`_qwen2_config` for ``prepare.moe``: every layer's MLP a
+    routed MoE block (``decoder_sparse_step`` 1, no ``mlp_only_layers``) of ``num_experts`` SwiGLU
+    experts of width ``moe_intermediate_size``, top-k renormalised (``norm_topk_prob``, as the
+    released Qwen3-MoE models); per-head q/k RMSNorm and no attention biases (Qwen3's attention).
+    These are the keys ``conversion.moe_config.moe_fields_from_hf`` reads."""
+    moe = p.moe
+    out = _qwen2_config(p, vocab_size, tokenizer)
+    out.update({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "head_dim": p.hidden_size // p.num_attention_heads,
+        "attention_bias": False,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+    })
+    return out
 
 
 def _strings(jsonl: Path) -> list[str]:
@@ -76,22 +110,40 @@ def is_prepared(cfg: PipelineConfig) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == prepare_fingerprint(cfg)
 
 
-def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
+def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path]) -> None:
+    """A BPE chat tokenizer trained on every string of ``files``, and a random Qwen2 model with it
+    (Qwen3-MoE with ``prepare.moe``)."""
     # imported here, not at module level: a cached run must not pay for torch's import
     from conversion.random_init import init_random_hf_model
-    from data.addition import make_addition_datasets
     from data.tokenizer_train import train_chat_tokenizer
 
     from transformers import AutoTokenizer
 
     p = cfg.prepare
-    files = make_addition_datasets(
-        tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
-    )
     texts = [text for path in files.values() for text in _strings(Path(path))]
     tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
-    init_random_hf_model(tmp / "base_model", _qwen2_config(p, len(tokenizer), tokenizer), seed=cfg.run.seed, tokenizer_dir=tok_dir)
+    moe = getattr(p, "moe", None)  # the addition kind's; the code kind has no MoE variant
+    hf_config = (_qwen2_config if moe is None else _qwen3_moe_config)(p, len(tokenizer), tokenizer)
+    init_random_hf_model(tmp / "base_model", hf_config, seed=cfg.run.seed, tokenizer_dir=tok_dir)
+
+
+def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
+    from data.addition import make_addition_datasets
+
+    p = cfg.prepare
+    files = make_addition_datasets(
+        tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
+    )
+    _tokenizer_and_model(cfg, tmp, files)
+
+
+def _write_code(cfg: PipelineConfig, tmp: Path) -> None:
+    from data.code_task import make_code_datasets
+
+    p = cfg.prepare
+    files = make_code_datasets(tmp, num_sft=p.num_sft, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed)
+    _tokenizer_and_model(cfg, tmp, files)
 
 
 def _write_stories(cfg: PipelineConfig, tmp: Path) -> None:
@@ -115,7 +167,7 @@ def prepare(cfg: PipelineConfig) -> str:
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        {"addition": _write_addition, "stories": _write_stories}[p.kind](cfg, tmp)
+        {"addition": _write_addition, "code": _write_code, "stories": _write_stories}[p.kind](cfg, tmp)
         (tmp / STAMP).write_text(json.dumps({"fingerprint": fp}))
         if out.exists():
             shutil.rmtree(out)

@@ -73,10 +73,18 @@ _NOT_FINGERPRINTED = {
     "checkpoint_every": True,
 }
 
+
+def _fingerprinted_rl(rl) -> dict:
+    """The rl settings that decide the result; the multi-turn settings only with an environment,
+    MoE routing replay only when on (so adding them left other runs' fingerprints as they were)."""
+    single_turn = {"environment_step_wait_s": True, "max_turn_tokens": True} if rl.environment is None else {}
+    no_replay = {"moe_routing_replay": True} if not rl.moe_routing_replay else {}
+    return rl.model_dump(exclude={**_NOT_FINGERPRINTED, **single_turn, **no_replay})
+
 SPEC = StageSpec(
     name="rl",
     inputs=_inputs,
-    config=lambda cfg: {"rl": cfg.rl.model_dump(exclude=_NOT_FINGERPRINTED), "seed": cfg.run.seed,
+    config=lambda cfg: {"rl": _fingerprinted_rl(cfg.rl), "seed": cfg.run.seed,
                         **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {}),
                         **({"rl_train": [s.model_dump() for s in cfg.data.rl_sources()]} if cfg.data.rl_sources() else {})},
     raw_inputs=_reward_plugin_files,

@@ -34,6 +34,7 @@ from prefect.logging import get_run_logger
 
 from config.precision import describe_precision
 from config.schema import PipelineConfig
+from config.stages import policy_before
 from tasks.artifacts import ArtifactRef, ArtifactStore
 from tasks.fingerprint import code_version, fingerprint, hash_path
 from tasks.locks import lock_path_of, open_locked, owned_dir, release, remove_if_unowned
@@ -401,11 +402,13 @@ def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], An
 
 def starting_policy(cfg: PipelineConfig) -> str:
     """The stage whose ``model/`` the reward model and preference optimization start from:
-    ``sft``, or ``convert`` (the base model as converted) when ``sft.enabled`` is false."""
-    return "sft" if cfg.sft.enabled else "convert"
+    ``sft``, or ``convert`` (the base model as converted) when ``sft.enabled`` is false
+    (``config.stages.policy_before``: the newest enabled policy stage before them)."""
+    return policy_before(cfg, "rm")
 
 
 def rl_starting_policy(cfg: PipelineConfig) -> str:
     """The stage whose ``model/`` RL starts from (its reference too) and evaluation compares
-    with: ``po`` when ``po.enabled``, else :func:`starting_policy`."""
-    return "po" if cfg.po.enabled else starting_policy(cfg)
+    with: ``po`` when ``po.enabled``, else :func:`starting_policy`
+    (``config.stages.policy_before``)."""
+    return policy_before(cfg, "rl")

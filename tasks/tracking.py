@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from config.schema import PipelineConfig
+from config.stages import STAGES
 from tasks.artifacts import ArtifactError, ArtifactRef, ArtifactStore
 
 FLUSH_INTERVAL_S = 1.0
@@ -60,16 +61,7 @@ SUPERSEDED_SUFFIX = ".synced"  # beside run-<id>.wandb: the marker `wandb sync` 
 _TAG_MAX = 64  # W&B's limit on a tag's length
 
 # The YAML sections that make each stage's result (what a run of the stage reports as config).
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "validate": ("data",),
-    "convert": ("model", "convert"),
-    "sft": ("sft",),
-    "rm": ("rm",),
-    "po": ("po",),
-    "rl": ("rl",),
-    "evaluate": ("evaluate",),
-    "export": ("export",),
-}
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {s.name: s.sections for s in STAGES}  # in run order (config.stages)
 
 _identities: dict[tuple[str, str], str] = {}  # (flow run id, config) -> pipeline identity
 _deployments: dict[str, str | None] = {}  # flow run id -> deployment name

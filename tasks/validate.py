@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 
-from config.schema import PipelineConfig
 from data.validate import dataset_entries, validate_data, write_jsonl_atomic
 from tasks.runner import StageContext, StageSpec, stage_task
 

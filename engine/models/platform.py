@@ -360,7 +360,8 @@ def _engine_offloads(engine) -> bool:
     if not getattr(engine, "_posttrain_offload_warned", False):
         engine._posttrain_offload_warned = True
         warnings.warn("colocated offload: this DeepSpeed engine's optimizer cannot move its states (ZeRO stage 0); "
-                      "the trainer stays in device memory while the rollout runs (use rl.deepspeed.zero_stage >= 1)")
+                      "the trainer stays in device memory while the rollout runs (use rl.deepspeed.zero_stage >= 1)",
+                      stacklevel=2)
     return False
 
 

@@ -176,7 +176,7 @@ def plan_buckets(
 
     starts = [0]
     filled = 0
-    for start, end, size in segments:
+    for start, _end, size in segments:
         if filled and filled + size > bucket_bytes:
             starts.append(start)
             filled = 0

@@ -49,7 +49,12 @@ the rollout engines (``engine/rollout/``) and the weight buckets (``models/weigh
 
 A run whose ``resume_dir`` holds a checkpoint continues after it (weights, AdamW state,
 schedule, data position, RNG and the metrics so far), ending with the same weights as an
-uninterrupted run.
+uninterrupted run. Asynchronous RL without partial rollouts (``off_policy_steps > 0``,
+``partial_rollout_chunk_tokens: None``) is "pinned": the weight sync of step ``s`` first waits
+for the rollout of step ``s + k`` (:func:`wait_for_rollouts`), so every rollout runs on
+one policy version fixed by the schedule (step ``r``'s on version ``max(r - 1 - k, 0)``), and
+the checkpoint saves the rollouts of the steps after it (``rl/checkpoint.py``): a resumed run
+trains on exactly those and is bit-identical to an uninterrupted one.
 
 The PPO ratio's "old" log-probs are the trainer's, not the rollout engine's: computed in a
 pass before the update when the KL reward penalty needs them (as verl always does), otherwise
@@ -77,7 +82,7 @@ from config.schema import RLConfig
 from engine.batching.collate import pad_token_id
 from engine.batching.sampler import EpochSampler, MixtureSampler
 from engine.rl import phases
-from engine.rl.checkpoint import check_checkpoint, checkpoint_if_due, resume
+from engine.rl.checkpoint import check_checkpoint, checkpoint_if_due, load_ahead, resume
 from engine.rl.metrics import MetricsLog, MetricsLogger, StepTimer, step_metrics
 from engine.rl.plugins import check_algorithm_plugins
 from engine.rl.prefetch import RolloutPipeline
@@ -210,6 +215,17 @@ def evaluate_if_due(workers: Workers, evaluator, cfg: RLConfig, step: int, token
     return {**metrics, "timing_s/eval": time.perf_counter() - t0}
 
 
+def wait_for_rollouts(pipeline: RolloutPipeline[phases.ScoredBatch], step: int, timer: StepTimer) -> None:
+    """Pinned asynchronous RL (:func:`run_rl`): before the weight sync, wait until step
+    ``step``'s rollout (the last one started ahead) is done, so it never sees the new weights.
+    Records ``rollout_wait_sync``, the seconds the sync waited.
+
+    Raises: whatever producing that rollout raised."""
+    t0 = time.perf_counter()
+    pipeline.wait(step)
+    timer.record(rollout_wait_sync=time.perf_counter() - t0)
+
+
 def prompt_sampler(prompts: PromptSet, seed: int, position: DataPosition) -> EpochSampler | MixtureSampler:
     """The sampler of the run's prompts at ``position``: one dataset's :class:`EpochSampler`,
     or a mixture's :class:`MixtureSampler` (docs/algorithms.md, Data mixtures)."""
@@ -276,14 +292,19 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         log = MetricsLog(out_dir / METRICS_FILE, history, log_metrics)
         dumps = RolloutDumps.for_run(cfg, resume_dir, out_dir)  # rl.dump_rollouts: each step's batch, for replay
         dumps.begin(workers, start, position)
-        sampler = prompt_sampler(run.prompts, seed, position)
+        # asynchronous without partial rollouts: the rollouts ahead never see a newer policy, so the
+        # checkpoint keeps them and a resumed run trains on exactly those (bit-identical resume)
+        pinned = cfg.engine.off_policy_steps > 0 and cfg.engine.partial_rollout_chunk_tokens is None
+        ready = load_ahead(resume_dir, start, cfg.engine.off_policy_steps) if pinned else {}
+        sampler = prompt_sampler(run.prompts, seed, ready[max(ready)].position if ready else position)
         # the policy version: updates applied so far (critic warm-up steps apply none), what the rollout engine holds
         version = cfg.policy_updates(start)
         with phases.handed_to_rollout(workers, cfg):  # colocated: the trainer offloaded while the rollout runs
             phases.update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
         kl_ctl = phases.kl_controller(cfg, log.last)
         producer = phases.RolloutProducer(workers, run.prompts, sampler, cfg, seed, run.pad_id)
-        pipeline = RolloutPipeline(producer, cfg.steps, cfg.engine.off_policy_steps)
+        pipeline = RolloutPipeline(producer, cfg.steps, cfg.engine.off_policy_steps, ready)
+        ahead = (lambda: {t: pipeline.wait(t) for t in pipeline.in_flight}) if pinned else None
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             timer = StepTimer()
             batch = phases.take_rollout(pipeline, step, timer)  # rollout and rewards
@@ -295,13 +316,15 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
             critic_metrics = phases.update_critic(workers, traj, timer)
             traj, actor_metrics = phases.update_actor(workers, traj, train_policy, timer)
             policy_version = version
+            if pinned and step < cfg.steps:  # the rollout of step + k runs on the weights before this update
+                wait_for_rollouts(pipeline, min(step + cfg.engine.off_policy_steps, cfg.steps), timer)
             with phases.handed_to_rollout(workers, cfg, timer):  # trainer offloaded, engine weights, then KV cache
                 version = phases.sync_weights(workers, cfg, version, train_policy, timer)
             metrics = step_metrics(step, traj, {**critic_metrics, **actor_metrics},
                                    {**batch.reward_metrics, **kl_metrics}, timer, policy_version)
             log.append({**metrics, **evaluate_if_due(workers, evaluator, cfg, step, run.tokenizer)})  # rl.eval_every
             dumps.after_step(workers, step, traj, log.last, batch.position)
-            checkpoint_if_due(workers, resume_dir, cfg, step, batch.position, run.identity, log.history)
+            checkpoint_if_due(workers, resume_dir, cfg, step, batch.position, run.identity, log.history, ahead)
         dumps.publish(out_dir)
         ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
     finally:

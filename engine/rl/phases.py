@@ -30,6 +30,7 @@ reward worker's (``engine.rollout.multi_turn``).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -39,12 +40,7 @@ import ray
 import torch
 
 from config.schema import RLConfig
-from engine.algorithms.advantages import (
-    compute_gae,
-    get_advantage_estimator,
-    masked_whiten,
-    on_policy_distill_advantages,
-)
+from engine.algorithms.advantages import compute_gae, get_advantage_estimator, masked_whiten
 from engine.algorithms.dynamic_sampling import fill_batch
 from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
 from engine.batching.sampler import EpochSampler, MixtureSampler
@@ -245,7 +241,9 @@ def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, 
                         round_index: int = 0, restarts_before: int = 0) -> tuple[Trajectory, dict[str, float], float, int]:
     """Multi-turn rollout of ``cfg.n_samples`` samples per prompt against ``cfg.environment``
     (at most ``cfg.max_turns`` turns, ``rollout.max_new_tokens`` tokens in all), seeded as
-    :func:`generate`; all turns of a prompt's samples run on one rollout engine.
+    :func:`generate`; all turns of a prompt's samples run on one rollout engine. Versions and
+    partial-rollout chunks (within a turn) as in :func:`generate`; a weight update may also land
+    between two turns, while the environment steps (``engine.rollout.multi_turn``).
 
     Returns: ``(trajectory with the environment's rewards, engine.rollout.multi_turn.multi_turn_metrics,
         seconds, rollout engines replaced meanwhile)``.
@@ -253,10 +251,15 @@ def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, 
     t0 = time.perf_counter()
     prompt_ids = [p.token_ids for p in batch]
     rows = [{"prompt": p.messages, "label": p.label} for p in batch]
+    chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
     routed = rollout_call(workers, "generate_multi_turn", (
-        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns), restarts_before)
+        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns, chunk,
+        math.inf if cfg.environment_step_wait_s is None else cfg.environment_step_wait_s, cfg.max_turn_tokens),
+        restarts_before)
     samples = routed.outputs
-    traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id)
+    traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id).with_(
+        rollout_version=torch.tensor([s.version_start for group in samples for s in group]),
+        rollout_version_end=torch.tensor([s.version_end for group in samples for s in group]))
     return traj, multi_turn_metrics(samples), time.perf_counter() - t0, routed.restarts
 
 
@@ -384,32 +387,36 @@ def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool =
 
 def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token
-    rewards) by ``cfg.algorithm``.
+    rewards) by ``cfg.algorithm``, given the inputs its needs ask for (``cfg.algorithm_needs``).
 
     ``gae`` (PPO): :func:`engine.algorithms.advantages.compute_gae` with the critic's
     ``traj.values`` and ``rl.critic.gamma``/``lam`` (the score sits on each response's last
     loss-mask token), then whitened over the batch's loss-mask tokens
     (:func:`engine.algorithms.advantages.masked_whiten`, as verl and OpenAI baselines do); the
-    critic's targets ``returns = A + V`` (before whitening) are set too.
+    critic's targets ``returns = A + V`` (before whitening) are set too. Any other estimator:
+    ``fn(rewards, group_index, mask, **options)``; with a teacher (``on_policy_distill``) the
+    options are ``teacher_logprobs``, ``student_logprobs`` (the old log-probs) and
+    ``rl.teacher``'s ``kl_coef``, ``reward_weight``; with a critic (a plug-in) ``values`` and
+    the critic's targets are ``returns = (A + V) * mask``.
 
-    ``on_policy_distill``: :func:`engine.algorithms.advantages.on_policy_distill_advantages`
-    with the teacher's and the old (student) log-probs and ``rl.teacher``'s weights.
-
-    Raises: ValueError for ``gae`` without values, ``on_policy_distill`` without the teacher's
-        or the old log-probs.
+    Raises: ValueError for an estimator with a critic without values, one with a teacher
+        without the teacher's or the old log-probs.
     """
     rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
-    mask = traj.response_mask
-    if cfg.algorithm == "on_policy_distill":
+    mask, needs, options = traj.response_mask, cfg.algorithm_needs, {}
+    if needs.teacher:
         if traj.teacher_logprobs is None or traj.old_logprobs is None:
-            raise ValueError("rl.algorithm on_policy_distill needs the teacher's and the old log-probs")
-        return traj.with_(advantages=on_policy_distill_advantages(
-            rewards, traj.group_index, mask, teacher_logprobs=traj.teacher_logprobs,
-            student_logprobs=traj.old_logprobs, kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight))
-    if cfg.algorithm != "gae":
-        return traj.with_(advantages=get_advantage_estimator(cfg.algorithm)(rewards, traj.group_index, mask))
-    if traj.values is None:
-        raise ValueError("rl.algorithm gae needs the critic's values")
+            raise ValueError(f"rl.algorithm {cfg.algorithm} needs the teacher's and the old log-probs")
+        options = dict(teacher_logprobs=traj.teacher_logprobs, student_logprobs=traj.old_logprobs,
+                       kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight)
+    if needs.critic and traj.values is None:
+        raise ValueError(f"rl.algorithm {cfg.algorithm} needs the critic's values")
+    if cfg.algorithm != "gae":  # gae's own formula (below) also gives the returns and whitens
+        advantages = get_advantage_estimator(cfg.algorithm)(
+            rewards, traj.group_index, mask, **options, **({"values": traj.values} if needs.critic else {}))
+        if not needs.critic:
+            return traj.with_(advantages=advantages)
+        return traj.with_(advantages=advantages, returns=(advantages.float() + traj.values.float()) * mask)
     if rewards.dim() == 1:  # the outcome score on the last loss-mask token
         last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
         rewards = rewards[:, None] * last

@@ -137,7 +137,9 @@ def replay_update(workers: Workers, dump: StepDump, cfg: RLConfig) -> dict[str, 
     KL reward penalty at ``dump.meta["kl_coef"]``, the adaptive controller's value in that
     step), then :func:`engine.rl.phases.update_critic` and
     :func:`engine.rl.phases.update_actor`, as ``engine.rl.loop.run_rl`` runs them; old
-    log-probs the run took from the update's first forward are left to the update again.
+    log-probs the run took from the update's first forward are left to the update again. Under
+    ``rl.moe_routing_replay`` the old-log-prob pass runs again first, to record the routing the
+    update replays.
 
     Returns: :func:`engine.rl.metrics.step_metrics` of the step (the logged metrics' keys).
     """
@@ -149,6 +151,8 @@ def replay_update(workers: Workers, dump: StepDump, cfg: RLConfig) -> dict[str, 
     if meta["kl_coef"] is not None:
         controller.value = float(meta["kl_coef"])
     traj, kl_metrics = phases.add_advantages(traj, cfg, controller, meta["train_policy"], timer)
+    if cfg.moe_routing_replay and meta["train_policy"]:  # the update replays the routing of this pass (same weights)
+        ray.get(workers.actor.compute_logprobs.remote(traj))
     critic_metrics = phases.update_critic(workers, traj, timer)
     traj, actor_metrics = phases.update_actor(workers, traj, meta["train_policy"], timer)
     return step_metrics(dump.step, traj, {**critic_metrics, **actor_metrics}, {**meta["reward_metrics"], **kl_metrics},
@@ -174,7 +178,7 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
     actor = spawn_role(actor_worker_class(cfg), par.actor, placement.rank_options("actor", par.actor),
                        (str(policy_dir), cfg, seed, placement.threads("actor")), seed=seed,
                        norm_fn=lambda traj: actor_norm(traj, cfg))
-    critic = None if cfg.algorithm != "gae" else spawn_role(
+    critic = None if not cfg.algorithm_needs.critic else spawn_role(
         critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
         (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))

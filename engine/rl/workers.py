@@ -5,6 +5,7 @@ run starts and stops."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -66,7 +67,7 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
     reward_model = None if not cfg.uses_reward_model else spawn_role(
         RewardModelWorker, par.reward_model, placement.rank_options("reward_model", par.reward_model),
         (str(reward_model_dir), placement.threads("reward_model")), dict(precision=cfg.precision), seed=seed)
-    critic = None if cfg.algorithm != "gae" else spawn_role(
+    critic = None if not cfg.algorithm_needs.critic else spawn_role(
         critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
         (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
         norm_fn=lambda traj: global_norm(traj.response_mask))
@@ -266,15 +267,23 @@ class RolloutWorker:
         self.gate.end_update(version)
 
     def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
-                            sampling: SamplingSpec, max_turns: int):
+                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None,
+                            step_wait_s: float = math.inf, turn_tokens: int | None = None):
         """Multi-turn samples against the environment factory at import path ``environment``
         (``package.module:factory``, imported here once per path), with this worker's engine
         and the policy's tokenizer (see :func:`engine.rollout.multi_turn.multi_turn_rollout`).
+        Turns (and their chunks) hold this worker's weight gate, as :meth:`generate_versioned`'s
+        chunks do: a weight update (:meth:`begin_weight_update`) lands between them, and each
+        sample records the versions of its first and last policy token.
 
         Args:
             prompt_token_ids: ``P`` prompts; rows: their ``P`` data rows ``{"prompt", "label"}``.
             sampling: as for :meth:`generate`; ``max_new_tokens`` bounds all response tokens.
             max_turns: policy turns per sample at most.
+            chunk_tokens: partial-rollout chunk size within a turn (None: a turn is one chunk).
+            step_wait_s: how long ended environment steps wait for running ones
+                (``rl.environment_step_wait_s``; ``inf``: turn-synchronous).
+            turn_tokens: policy tokens per turn at most (``rl.max_turn_tokens``; None: no cap).
 
         Returns: ``P`` lists of ``sampling.n`` :class:`engine.rollout.multi_turn.MultiTurnSample`.
 
@@ -296,7 +305,8 @@ class RolloutWorker:
             self._tokenizer = load_tokenizer(self.policy_dir)
         _init_thread()
         return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
-                                  self._env_factories[environment], sampling, max_turns)
+                                  self._env_factories[environment], sampling, max_turns, chunk_tokens, self.gate,
+                                  step_wait_s, turn_tokens)
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of
@@ -506,9 +516,15 @@ class RewardWorker:
         metrics: dict[str, float] = {}
         names = [v or self.cfg.verifier for v in verifiers] if verifiers is not None else [self.cfg.verifier] * len(texts)
         if any(name != "none" for name in names):
-            verified = torch.tensor([self._verifier(name)(t, label, f) if name != "none" else 0.0
-                                     for name, t, label, f in zip(names, texts, labels, finish_reasons)],
-                                    dtype=torch.float32)
+            from data.rewards import score_all
+
+            scorers = {name: self._verifier(name) for name in set(names) - {"none"}}
+
+            def verify(text: str, i: int, finish: str) -> float:
+                return scorers[names[i]](text, labels[i], finish) if names[i] != "none" else 0.0
+
+            # on threads: the code verifier waits on sandbox processes (data.rewards.SCORING_THREADS)
+            verified = torch.tensor(score_all(verify, texts, range(len(texts)), finish_reasons), dtype=torch.float32)
             rewards += self.cfg.verifier_weight * verified
             metrics["reward/verifier_mean"] = float(verified.mean())
         if self.cfg.reward_model_weight != 0:

@@ -113,6 +113,7 @@ class HFRollout:
         self.model.eval()
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
+        self._checkpoint_views = None  # checkpoint names held in another layout (update_weights)
 
         try:
             gen_cfg = GenerationConfig.from_pretrained(path)
@@ -256,9 +257,12 @@ class HFRollout:
 
         Args:
             named_tensors: ``(hf_name, tensor)`` pairs, names as in the model's
-                ``state_dict()`` (e.g. ``model.layers.0.self_attn.q_proj.weight``), each tensor
-                full and of the parameter's shape; any dtype/device (cast on copy). A subset
-                of the parameters may be given; the others keep their values.
+                ``state_dict()`` (e.g. ``model.layers.0.self_attn.q_proj.weight``) or as in its
+                checkpoint where transformers holds them in another layout (a mixture-of-experts
+                layer's ``mlp.experts.{j}.gate_proj.weight``, fused in memory into
+                ``mlp.experts.gate_up_proj``: :func:`engine.rollout.hf_weight_names.checkpoint_views`),
+                each tensor full and of the checkpoint's shape; any dtype/device (cast on copy). A
+                subset of the parameters may be given; the others keep their values.
 
         Raises:
             KeyError: a name the model does not have (named in the message).
@@ -269,13 +273,24 @@ class HFRollout:
         state = self.model.state_dict(keep_vars=True)
         pending = []
         for name, tensor in named_tensors:
-            if name not in state:
-                raise KeyError(f"HFRollout.update_weights: unknown parameter name {name!r}")
-            if tuple(tensor.shape) != tuple(state[name].shape):
+            if name in state:
+                shape = tuple(state[name].shape)
+            else:
+                if self._checkpoint_views is None:  # built once, on the first name it is needed for
+                    from engine.rollout.hf_weight_names import checkpoint_views
+
+                    self._checkpoint_views = checkpoint_views(self.model)
+                if name not in self._checkpoint_views:
+                    raise KeyError(f"HFRollout.update_weights: unknown parameter name {name!r}")
+                shape = self._checkpoint_views[name].shape
+            if tuple(tensor.shape) != shape:
                 raise ValueError(
-                    f"HFRollout.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(state[name].shape)}"
+                    f"HFRollout.update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {shape}"
                 )
-            pending.append((state[name], tensor))
-        for target, tensor in pending:
-            target.copy_(tensor)
+            pending.append((name, tensor))
+        with torch.no_grad():
+            for name, tensor in pending:
+                if name in state:
+                    state[name].copy_(tensor)
+                else:
+                    self._checkpoint_views[name].write(state, tensor)

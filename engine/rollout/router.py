@@ -43,6 +43,7 @@ on the share an engine received (seeded ``seed + prompt_index[0] * n``).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -239,12 +240,17 @@ class RolloutRouter:
         return replace(routed, outputs=VersionedOutputs(**merged))
 
     def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
-                            sampling: SamplingSpec, max_turns: int, restarts_before: int = 0) -> Routed[list]:
+                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None,
+                            step_wait_s: float = math.inf, turn_tokens: int | None = None,
+                            restarts_before: int = 0) -> Routed[list]:
         """Multi-turn samples (``RolloutWorker.generate_multi_turn``): each prompt's whole
         episode runs on its engine (every turn of its ``n`` samples).
 
-        Args: as ``RolloutWorker.generate_multi_turn`` (``rows``: the ``P`` data rows), and
-            ``restarts_before`` as :meth:`generate_versioned`.
+        Args: as ``RolloutWorker.generate_multi_turn`` (``rows``: the ``P`` data rows;
+            ``chunk_tokens``: partial-rollout chunks within a turn; ``step_wait_s``: how long
+            ended steps wait for running ones; ``turn_tokens``: a turn's token cap), and
+            ``restarts_before`` as
+            :meth:`generate_versioned`.
 
         Returns: :class:`Routed` with ``P`` lists of ``n``
             :class:`engine.rollout.multi_turn.MultiTurnSample` in prompt order.
@@ -252,7 +258,8 @@ class RolloutRouter:
         Raises: as :meth:`generate_versioned`.
         """
         parts, routed = self._call("generate_multi_turn", prompt_token_ids, sampling, restarts_before,
-                                   lambda ids, spec, idx: (ids, [rows[i] for i in idx], environment, spec, max_turns))
+                                   lambda ids, spec, idx: (ids, [rows[i] for i in idx], environment, spec, max_turns,
+                                                                    chunk_tokens, step_wait_s, turn_tokens))
         merged = reassemble([share for share, _ in parts], [out for _, out in parts], len(prompt_token_ids))
         return replace(routed, outputs=merged)
 
@@ -316,7 +323,7 @@ class RolloutRouter:
                     except RayActorError as exc:
                         failed[e] = (self.engines[e], f"its actor died ({type(exc).__name__})")
             now = time.monotonic()
-            for e, (ref, sent) in list(pings.items()):
+            for e, (_ref, sent) in list(pings.items()):
                 if now - sent > self.health_check_timeout_s:
                     pings.pop(e)
                     failed[e] = (self.engines[e], f"it did not answer its health check within {HEALTH_KEY}="

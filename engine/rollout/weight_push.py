@@ -89,7 +89,7 @@ def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, 
         on_every_engine(lambda e: e.begin_weight_update.remote(timeout_s), "pausing generation")
     for index in range(plan.num_buckets):
         bucket = actor.hf_bucket.remote(index)  # fetched once, shared by every engine
-        on_every_engine(lambda e: e.update_weights.remote(bucket), f"bucket {index + 1} of {plan.num_buckets}")
+        on_every_engine(lambda e, b=bucket: e.update_weights.remote(b), f"bucket {index + 1} of {plan.num_buckets}")
     if version is not None:
         on_every_engine(lambda e: e.end_weight_update.remote(version), "resuming generation")
     return time.perf_counter() - t0, dead

@@ -10,8 +10,9 @@ is right-padded or packed (``rl.packing``, ``engine.batching.packing``).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -21,6 +22,9 @@ from engine.algorithms.kl import get_kl_estimator
 from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
 from engine.trajectory import Trajectory, micro_batch_rows
+
+if TYPE_CHECKING:
+    from engine.models.routing_replay import RoutingReplay
 
 
 def logit_temperature(temperature: float) -> float:
@@ -115,14 +119,17 @@ def response_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: fl
 
 @torch.no_grad()
 def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int,
-                     max_tokens: int | None = None, packed: bool = False) -> torch.Tensor:
+                     max_tokens: int | None = None, packed: bool = False,
+                     routing: "RoutingReplay | None" = None) -> torch.Tensor:
     """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
 
     Covers every real response token (``response_valid``), environment tokens of a
     multi-turn sample included (harmless: the loss masks them out). The rows are run in the
     micro-batches of :func:`micro_batch_rows` (``micro_batch_size`` rows, or
     ``max_tokens`` real tokens), padded or ``packed`` (see :func:`response_logprobs`); the
-    result does not depend on either choice (up to float rounding).
+    result does not depend on either choice (up to float rounding). With ``routing`` (an MoE
+    policy under ``rl.moe_routing_replay``) its recordings are replaced by this pass's, one per
+    micro-batch (:class:`engine.models.routing_replay.RoutingReplay`), for the update to replay.
 
     Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``, rows
         in ``traj``'s order.
@@ -132,23 +139,32 @@ def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: floa
     was_training = model.training
     model.eval()
     out = torch.zeros(traj.response_ids.shape, device=traj.response_ids.device)  # the batch's device (CPU or CUDA)
+    if routing is not None:
+        routing.clear()
     try:
         for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
             mb = traj.select(rows)
-            lp, _ = response_logprobs(model, mb, temperature, packed)
+            with routing.recording(rows) if routing is not None else nullcontext():
+                lp, _ = response_logprobs(model, mb, temperature, packed)
             out[rows, : lp.size(1)] = lp * mb.response_valid
     finally:
         model.train(was_training)
     return out
 
 
-def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured: dict[int, torch.Tensor] | None = None):
+def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured: dict[int, torch.Tensor] | None = None,
+                  replay: tuple["RoutingReplay", dict[int, list[torch.Tensor]]] | None = None):
     """The per-micro-batch actor loss for :func:`engine.training.optimizer_step.train_step` (``normalized=True``).
 
     A micro-batch without ``old_logprobs`` is on-policy: its old log-probs are this forward's
     own, detached (the ratio is exactly 1 and its gradient is ``grad log pi``, the
     policy-gradient estimator; TRL's ``GRPOTrainer`` does the same when each batch is used for
     one optimizer step). They are stored in ``captured`` under ``id(micro_batch)``.
+
+    With ``replay = (routing, indices)`` (``rl.moe_routing_replay``) the forward of micro-batch
+    ``mb`` sends every token to the experts ``indices[id(mb)]`` recorded in the old-log-prob pass
+    (:meth:`engine.models.routing_replay.RoutingReplay.replaying`); its backward uses the same
+    routing.
 
     Per micro-batch: ``pg_loss`` of ``cfg.policy_loss`` (PPO clip or GSPO, with clip-higher,
     dual-clip and TIS as configured) ``+ kl.coef * aggregate(KL_t)`` when the KL is a loss
@@ -177,8 +193,9 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured:
         if mb.old_logprobs is None and captured is None:
             raise ValueError("actor loss: the trajectory has no old_logprobs")
         mask = mb.response_mask
-        logprobs, entropy = response_logprobs(model, mb, temperature, cfg.packing, entropy=True,
-                                              entropy_grad=cfg.entropy_coef > 0)
+        with replay[0].replaying(replay[1][id(mb)]) if replay is not None else nullcontext():
+            logprobs, entropy = response_logprobs(model, mb, temperature, cfg.packing, entropy=True,
+                                                  entropy_grad=cfg.entropy_coef > 0)
         old_logprobs = mb.old_logprobs
         if old_logprobs is None:
             old_logprobs = captured[id(mb)] = (logprobs.detach() * mb.response_valid).float()
@@ -234,7 +251,7 @@ class ActorUpdate:
 
 
 def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable,
-                 norm: GlobalNorm | None = None) -> ActorUpdate:
+                 norm: GlobalNorm | None = None, routing: "RoutingReplay | None" = None) -> ActorUpdate:
     """``cfg.ppo_epochs`` optimizer steps on the whole batch in the micro-batches of
     :func:`engine.trajectory.micro_batch_rows`, the loss of :func:`actor_loss_fn` normalised by
     the whole batch (:func:`engine.algorithms.aggregation.global_norm`), so neither the split
@@ -245,6 +262,11 @@ def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Call
     use those (the PPO ratio is measured from the pre-update policy), which saves the
     separate forward pass verl and OpenRLHF make before the update.
 
+    With ``routing`` (``rl.moe_routing_replay``) every epoch's forward of a micro-batch replays
+    the experts recorded for it by :func:`compute_logprobs` (same trajectory, same
+    micro-batching: checked), so with ``ppo_epochs > 1`` the later epochs, too, route as the
+    pre-update policy did. The batch must then carry those ``old_logprobs``.
+
     Args:
         traj: the batch with ``advantages`` (and ``ref_logprobs`` for a KL term).
         cfg: the ``rl`` section (micro-batching, loss settings, ``ppo_epochs``).
@@ -254,14 +276,25 @@ def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Call
         norm: the loss normalisers of the whole global batch when ``traj`` is one
             data-parallel rank's share of it (``engine.distributed.group``; the ranks'
             gradients then sum to the whole batch's); default ``traj``'s own (:func:`actor_norm`).
+        routing: the policy's :class:`engine.models.routing_replay.RoutingReplay` holding the
+            old-log-prob pass's routing of ``traj``, or None (no replay).
 
-    Raises: ValueError as :func:`micro_batch_rows`, or when the batch has no loss tokens.
+    Raises: ValueError as :func:`micro_batch_rows`, or when the batch has no loss tokens;
+        with ``routing``, when ``traj`` has no ``old_logprobs`` or its micro-batches are not the
+        recorded ones (:meth:`engine.models.routing_replay.RoutingReplay.check`).
     """
     rows = micro_batch_rows(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     micro = [traj.select(r) for r in rows]
     norm = actor_norm(traj, cfg) if norm is None else norm
     captured: dict[int, torch.Tensor] | None = {} if traj.old_logprobs is None else None
-    loss_fn = actor_loss_fn(cfg, temperature, norm, captured)
+    replay = None
+    if routing is not None:
+        if traj.old_logprobs is None:
+            raise ValueError("rl.moe_routing_replay: the update needs the old log-probs of the pass that recorded "
+                             "the routing (compute_logprobs before update)")
+        routing.check(rows)
+        replay = (routing, {id(mb): indices for mb, indices in zip(micro, routing.recorded)})
+    loss_fn = actor_loss_fn(cfg, temperature, norm, captured, replay)
     epochs = []
     for _ in range(cfg.ppo_epochs):
         epochs.append(step(micro, loss_fn))

@@ -1,4 +1,4 @@
-"""The RL backend contracts: what the RL loop calls on the actor and the critic, as
+r"""The RL backend contracts: what the RL loop calls on the actor and the critic, as
 ``typing.Protocol``\ s that the megatron-core and DeepSpeed classes both satisfy (the reward
 model's is :class:`engine.training.reward_contract.RewardTrainer`, a module of its own so that
 the rm stage's code version does not cover the RL code).

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-from tests.acceptance.quickstart_runs import QuickstartRuns
+from tests.acceptance.quickstart_runs import QuickstartRuns, shipped_run
 
 
 @pytest.fixture(scope="session")
 def quickstart(tmp_path_factory) -> QuickstartRuns:
     """The default quickstart, run once (``QuickstartRuns.default`` is its summary)."""
-    keep = os.environ.get("POSTTRAIN_ACCEPTANCE_WORK")
-    work = Path(keep) if keep else tmp_path_factory.mktemp("acceptance_quickstart")
-    work.mkdir(parents=True, exist_ok=True)
-    return QuickstartRuns(work)
+    return shipped_run(tmp_path_factory)

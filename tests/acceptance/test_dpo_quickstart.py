@@ -64,7 +64,7 @@ def test_dpo_positive_raises_held_out_margin_accuracy_on_the_quickstart_pairs(qu
     diff = correct["po"] - correct["sft"]
     se = float(diff.std(unbiased=True)) / math.sqrt(len(diff))
     summary = (float(correct["sft"].mean()), float(correct["po"].mean()), float(diff.mean()), se)
-    print("held-out margin accuracy sft %.3f -> po %.3f: %+.3f +- %.3f" % summary)
+    print("held-out margin accuracy sft {:.3f} -> po {:.3f}: {:+.3f} +- {:.3f}".format(*summary))
     assert float(diff.mean()) > 2 * se, summary
     # DPO-Positive's point: the right sums do not get less likely on average
     assert float(logps["po"]["chosen"].mean()) >= float(logps["sft"]["chosen"].mean()), summary

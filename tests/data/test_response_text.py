@@ -3,7 +3,7 @@ evaluation, on every real chat template of ../shared/fixtures.
 
 Each response goes through the three real paths that read response text: the RL reward
 worker (``RewardWorker.decode`` / ``score``, tokenizer loaded from a model directory as RL
-loads it), the multi-turn loop (``_play_turn`` stepping a recording environment) and
+loads it), the multi-turn loop (``multi_turn_rollout`` stepping a recording environment) and
 evaluation (``decode_response`` / ``evaluate_generations``).
 """
 
@@ -16,10 +16,10 @@ from config.rl import RewardConfig
 from data.chat_response import response_text
 from data.chat_template import encode_continuation, end_of_turn, turn_end_token_id
 from data.rewards import exact_match, get_verifier
-from engine.rollout.multi_turn import _Episode, _play_turn
+from engine.rollout.multi_turn import multi_turn_rollout
 from engine.evaluation.scoring import decode_response
 from engine.evaluation.statistics import evaluate_generations
-from engine.rollout.base import RolloutOutput
+from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rl.workers import RewardWorker
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir, template_config
 from tests.engine.multi_turn_env_example import CounterEnv
@@ -47,9 +47,13 @@ def reward_worker(tok, tmp_path, verifier: str = "exact_match") -> RewardWorker:
 def environment_text(tok, ids: list[int], finish_reason: str = "stop") -> str:
     """What a multi-turn environment is shown for a policy turn of ``ids``."""
     env = CounterEnv(done_after=1)
-    env.reset({"prompt": [], "label": "4"})
-    out = RolloutOutput(tuple(ids), (0.0,) * len(ids), finish_reason)
-    _play_turn(_Episode([1], env), out, len(ids), tok, last_turn=True)
+
+    class Scripted:  # a policy that answers ``ids``: the loop's own decoding is what is tested
+        def generate(self, prompts, sampling):
+            return [[RolloutOutput(tuple(ids), (0.0,) * len(ids), finish_reason)] for _ in prompts]
+
+    multi_turn_rollout(Scripted(), tok, [[1]], [{"prompt": [], "label": "4"}], lambda: env,
+                       SamplingSpec(max_new_tokens=len(ids)), max_turns=1)
     return env.texts[0]
 
 

@@ -57,7 +57,7 @@ def test_function_config_defaults_and_metric_name():
 @pytest.mark.parametrize("path", [f"{EX}", "a.b.c", "a:b:c", "a/b.py:f", ":f", "a:", "a.b:c.d", "1a:f", "a b:f", "a..b:f"])
 def test_bad_import_path_is_a_config_error_naming_the_key(tmp_path, path):
     msg = _config_error(tmp_path, [{"path": f"{EX}:stopped"}, {"path": path}])
-    assert f"  rl.reward.functions[1].path: expected an import path 'package.module:function'" in msg
+    assert "  rl.reward.functions[1].path: expected an import path 'package.module:function'" in msg
     assert msg.rstrip().endswith(f"(got {path!r})") and len(msg.splitlines()) == 2
 
 

@@ -135,10 +135,10 @@ def test_socket_to_a_local_server_is_refused():
 
 
 def test_kill_of_the_parent_does_not_reach_the_test_process():
-    program = ("import os, signal\nprint('ppid', os.getppid())\nfor pid in (os.getppid(), %d):\n"
+    program = ("import os, signal\nprint('ppid', os.getppid())\nfor pid in (os.getppid(), {pid}):\n"
                "    if pid:  # pid 0 would be the sandbox's own process group\n        try:\n"
                "            os.kill(pid, signal.SIGKILL)\n        except OSError as e:\n"
-               "            print(pid, e.errno)\n") % os.getpid()
+               "            print(pid, e.errno)\n").replace("{pid}", str(os.getpid()))
     result = run_test(program, stdin="", expected_stdout="", limits=LIMITS)
     assert result.status == "failed"  # it printed what happened, and this process is alive to read it
     if sandbox_support().mode != "process":

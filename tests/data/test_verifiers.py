@@ -106,7 +106,7 @@ def test_exact_match_on_gsm8k_differs_only_by_commas(fixtures_dir):
     # exact_match compares text: the 38 references written with thousands commas ("#### 2,125")
     # do not equal their comma-free labels; every other one does.
     pairs = _gsm8k_pairs(fixtures_dir)
-    misses = [(a, l) for a, l in pairs if exact_match(a, l) == 0.0]
+    misses = [(a, lab) for a, lab in pairs if exact_match(a, lab) == 0.0]
     assert len(misses) == 38
     assert all("," in a.rsplit("####", 1)[1] for a, _ in misses)
 

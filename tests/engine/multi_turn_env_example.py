@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from engine.rollout.multi_turn import StepResult
 
 CREATED: list["CounterEnv"] = []  # every environment the factories made, in order (tests clear it)
@@ -44,3 +46,20 @@ def make_long_observation_env() -> CounterEnv:
 
 
 NOT_CALLABLE = 3
+
+
+SLOW_LABEL, SLOW_STEP_S = "slow", 3.0
+
+
+class SlowToolEnv:
+    """Two turns; the first step of a row labelled ``"slow"`` sleeps ``SLOW_STEP_S`` seconds
+    (a slow tool call), every other step returns at once. Reward 0, observation ``" ok"``."""
+
+    def reset(self, prompt_row: dict) -> None:
+        self.slow, self.steps = prompt_row["label"] == SLOW_LABEL, 0
+
+    def step(self, response_text: str) -> StepResult:
+        self.steps += 1
+        if self.slow and self.steps == 1:
+            time.sleep(SLOW_STEP_S)
+        return StepResult(" ok", 0.0, done=self.steps >= 2)

@@ -21,6 +21,7 @@ output directory (the parent of the rollout scratch directory ``.rollout``):
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 from engine.rl.workers import RolloutWorker
 
 PLAN = "faults.json"
+HOLD_LIMIT_S = 180.0  # a held call that nobody signals fails instead of hanging the suite
 
 
 def engine_of(scratch_dir: str | Path) -> tuple[int, Path]:
@@ -74,16 +76,24 @@ class FaultyRolloutWorker(RolloutWorker):
             armed = "after" not in hold or (self.run_dir / f"held-{hold['after']}.json").exists()
             if (hold["engine"], hold["call"]) == (self.index, self.calls) and armed and not marker.exists():
                 self._write({"held": self.calls, "name": hold["name"]})
-                marker.write_text(json.dumps({"pid": self.pid(), "engine": self.index, "call": self.calls}))
-                while True:  # until the test kills this process
+                # written whole and renamed: the test's watcher must never read a half-written marker
+                partial = marker.with_suffix(".partial")
+                partial.write_text(json.dumps({"pid": self.pid(), "engine": self.index, "call": self.calls}))
+                os.replace(partial, marker)
+                deadline = time.monotonic() + HOLD_LIMIT_S
+                while time.monotonic() < deadline:  # until the test kills this process
                     time.sleep(0.1)
+                raise RuntimeError(f"held call {self.calls} of engine {self.index} was never signalled "
+                                   f"in {HOLD_LIMIT_S} s: the test's saboteur is not watching")
         return result
 
     def generate_versioned(self, prompt_token_ids, sampling, chunk_tokens=None):
         return self._run("generate_versioned", sampling, prompt_token_ids, sampling, chunk_tokens)
 
-    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns):
-        return self._run("generate_multi_turn", sampling, prompt_token_ids, rows, environment, sampling, max_turns)
+    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns, chunk_tokens=None,
+                            step_wait_s=math.inf, turn_tokens=None):
+        return self._run("generate_multi_turn", sampling, prompt_token_ids, rows, environment, sampling, max_turns,
+                         chunk_tokens, step_wait_s, turn_tokens)
 
 
 def read_logs(run_dir: Path) -> dict[tuple[int, int], list[dict]]:

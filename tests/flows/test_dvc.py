@@ -227,6 +227,26 @@ def test_every_stage_has_a_dvc_stage_that_runs_it():
         assert DVC[name]["metrics"] == [{f"{out}/{name}.metrics.json": {"cache": False}}]
 
 
+def test_dvc_stages_are_the_registrys_in_its_order_with_its_inputs():
+    """dvc.yaml against config.stages: after prepare, one DVC stage per registry stage in its
+    order; each reads the pointers of exactly the upstream stages the registry declares
+    (every one a DVC stage earlier in the file, so DVC's order is the registry's); the root
+    stages (no upstream stage) read what prepare writes instead."""
+    from config import stages
+
+    assert list(RAW_DVC["stages"]) == ["prepare", *stages.stage_names()]
+    prepared = RAW_DVC["stages"]["prepare"]["outs"]
+    for entry in stages.STAGES:
+        deps = RAW_DVC["stages"][entry.name]["deps"]
+        pointers = [re.fullmatch(r"outputs/\$\{run\}/(\w+)\.json", d) for d in deps]
+        read = [m.group(1) for m in pointers if m]
+        assert sorted(read) == sorted(entry.inputs), f"dvc.yaml {entry.name}.deps read the pointers of {read}, " \
+                                                     f"config/stages.py declares {list(entry.inputs)}"
+        earlier = list(RAW_DVC["stages"])[:list(RAW_DVC["stages"]).index(entry.name)]
+        assert set(read) <= set(earlier), (entry.name, read)
+        assert all(out in deps for out in prepared) == (not entry.inputs), (entry.name, prepared)
+
+
 def test_dvc_yaml_names_the_config_and_run_only_in_its_vars():
     """Pointing DVC at another config is the two vars: every cmd, params file, pointer and
     metrics path of the file goes through ${config} / ${run}, and run is the config's run.name."""
@@ -350,12 +370,19 @@ def _alternatives(value, ann) -> list:
                           [{"cpus": 8}]]
     # an unset optional (an import path, then a section: rl.teacher, rl.reward.judge, a dataset: data.kto)
     return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"},
-            {"url": "http://127.0.0.1:8000/score"}]  # a reward service (rl.reward.remote)
+            {"url": "http://127.0.0.1:8000/score"},  # a reward service (rl.reward.remote)
+            {"num_experts": 4}]  # an MoE shape (prepare.moe)
 
 
 # Keys valid only together with others (cross-key checks of the schema).
 COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
+              # an MoE router's loss type and its coefficient are set together
+              ("model", "moe", "load_balancing"): {"aux_loss_coeff": 0.001},
+              ("model", "moe", "aux_loss_coeff"): {"load_balancing": "aux_loss"},
               ("rl", "max_turns"): {"environment": "my_module:factory"},
+              # multi-turn settings: read (and fingerprinted) only with an environment
+              ("rl", "max_turn_tokens"): {"environment": "my_module:factory"},
+              ("rl", "environment_step_wait_s"): {"environment": "my_module:factory"},
               ("rl", "teacher"): {"algorithm": "on_policy_distill"},
               # the quickstart's DPO-Positive penalty is a dpo term against the reference
               ("po", "loss"): {"dpop_lambda": 0.0},

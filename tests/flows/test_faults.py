@@ -86,10 +86,10 @@ def cli(project: Project, args: list, env: dict | None = None, cwd: Path | None 
     project.sessions.append(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"posttrain {' '.join(map(str, args))} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}")
+        raise AssertionError(f"posttrain {' '.join(map(str, args))} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}") from exc
     return Result(proc.returncode, out, err)
 
 
@@ -449,7 +449,7 @@ def test_two_commands_at_once_on_one_artifact_root_publish_one_artifact(project)
     config = project.variant("concurrent", **{"data.max_bad_fraction": 0.02})
     artifact_id = f"validate-{fingerprints(config)['validate'][:16]}"
     procs = [start(project, ["stage", "validate", config], f"concurrent-{i}", env=project.ephemeral_env) for i in (0, 1)]
-    for i, proc in enumerate(procs):
+    for proc in procs:
         try:
             proc.wait(timeout=600)
         except subprocess.TimeoutExpired:

@@ -133,7 +133,8 @@ def test_an_unknown_key_lists_the_valid_keys_and_names_the_override():
 
 
 def test_fingerprints_change_only_through_the_values_overrides_change():
-    fake_inputs = {"validate": "v" * 64, "convert": "c" * 64, "sft": "s" * 64, "rm": "r" * 64, "rl": "l" * 64}
+    fake_inputs = {"validate": "v" * 64, "convert": "c" * 64, "sft": "s" * 64, "rm": "r" * 64, "rl": "l" * 64,
+                   "evaluate": "e" * 64}  # export reads evaluate (the model card's results)
 
     def fingerprints(cfg):
         return {spec.name: spec.fingerprint(cfg, {u: fake_inputs[u] for u in spec.inputs(cfg)}, raw={})
@@ -146,6 +147,13 @@ def test_fingerprints_change_only_through_the_values_overrides_change():
     assert fingerprints(load_config(QUICKSTART, ["rl.engine.health_check_timeout_s=5",
                                                  "rl.engine.max_engine_restarts=0",
                                                  "rl.engine.weight_sync=object_store"])) == base
+    # multi-turn settings without an environment: read by nothing, no retrain
+    assert fingerprints(load_config(QUICKSTART, ["rl.environment_step_wait_s=0"])) == base
+    # with one they decide which samples share a turn's call, and how long a turn may be
+    multi = ["rl.environment=my_env:make_env", "rl.max_turns=2", "rl.reward.reward_model_weight=0"]
+    with_env = fingerprints(load_config(QUICKSTART, multi))["rl"]
+    for extra in ("rl.environment_step_wait_s=0", "rl.max_turn_tokens=4"):
+        assert fingerprints(load_config(QUICKSTART, [*multi, extra]))["rl"] != with_env
     changed = fingerprints(load_config(QUICKSTART, ["rl.optim.lr=3e-4"]))
     assert {s for s in base if base[s] != changed[s]} == {"rl"}  # evaluate/export chain on rl's content
     changed = fingerprints(load_config(QUICKSTART, ["run.seed=1"]))

@@ -463,3 +463,21 @@ def test_export_holds_a_model_card_whose_lineage_ids_are_the_manifests(project):
         manifest = json.loads((Path(stages[stage]["uri"]) / "manifest.json").read_text())
         assert f"| {stage} | `{manifest['artifact_id']}` |" in card.text, stage
     assert card.data.base_model and {r.metric_type for r in card.data.eval_results} >= {"accuracy"}
+
+
+def test_push_dry_run_of_the_config_lists_its_current_export_and_card(project):
+    """`posttrain push CONFIG --dry-run`: the config resolves to its current export artifact
+    (the one `posttrain status` names: earlier tests here may have published newer ones),
+    whose hf_model/ files and model card header are listed (no network is used)."""
+    work, env = project["work"], project["env"]
+    rows = json.loads(posttrain(["status", str(project["config"]), "--json"], cwd=work, env=env).stdout)
+    current = next(r["artifact_id"] for r in rows if r["stage"] == "export")
+    export = work / "artifacts" / "export" / current
+    proc = posttrain(["push", str(project["config"]), "--repo", "my-org/quickstart-policy", "--dry-run"], cwd=work, env=env)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("would upload ") and f"hf_model ({current}) to my-org/quickstart-policy:" in lines[0]
+    header = lines.index("model card header (README.md):")
+    listed = [line.split()[0] for line in lines[1:header]]  # the card's YAML below is indented too
+    assert listed == sorted(p.relative_to(export / "hf_model").as_posix()
+                            for p in (export / "hf_model").rglob("*") if p.is_file())
+    assert "README.md" in listed and "base_model:" in "\n".join(lines[header:])

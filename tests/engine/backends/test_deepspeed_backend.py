@@ -367,18 +367,14 @@ def test_untied_llama_matches_and_round_trips(fixtures_dir, tmp_path):
 # ----------------------------------------------------------------------------- on Ray
 
 
-def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
-    """Two GRPO steps with vLLM rollout and a ZeRO-2 actor: the rollout engine samples with
-    exactly the trainer's weights after each sync, the checkpoint is the DeepSpeed actor's,
-    and the final model directory loads and differs from the start."""
-    from engine.storage.model_dir import load_model_dir
-    from engine.rl.placement import shutdown_ray
+def _two_grpo_steps(policy, cfg, tmp_path):
+    """Run ``cfg`` (two steps, vLLM rollout) on Ray and check what every such run must hold:
+    both steps ran, vLLM sampled with exactly the trainer's weights after each sync, finite
+    losses, an on-policy single epoch, and a train state at step 2. Returns (metric rows, state)."""
     from engine.rl.loop import run_rl
+    from engine.rl.placement import shutdown_ray
     from engine.storage.train_state import load_train_state
 
-    cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=8, micro_batch_size=16, checkpoint_every=1,
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
-                    engine=EngineConfig(num_cpus=2))
     try:
         result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
     finally:
@@ -390,9 +386,23 @@ def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
         assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
         assert all(math.isfinite(r[k]) for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"))
         assert r["actor/pg_clipfrac"] == 0.0 and abs(r["actor/ppo_kl"]) < 1e-6  # on-policy single epoch
-    assert max(r["critic/score/max"] for r in rows) == 1.0
     state = load_train_state(tmp_path / "resume")
-    assert state.step == 2 and state.extra["actor_backend"] == {"backend": "deepspeed", "zero_stage": 2}
+    assert state.step == 2
+    return rows, state
+
+
+def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
+    """Two GRPO steps with vLLM rollout and a ZeRO-2 actor: the rollout engine samples with
+    exactly the trainer's weights after each sync, the checkpoint is the DeepSpeed actor's,
+    and the final model directory loads and differs from the start."""
+    from engine.storage.model_dir import load_model_dir
+
+    cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=8, micro_batch_size=16, checkpoint_every=1,
+                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
+                    engine=EngineConfig(num_cpus=2))
+    rows, state = _two_grpo_steps(policy, cfg, tmp_path)
+    assert max(r["critic/score/max"] for r in rows) == 1.0
+    assert state.extra["actor_backend"] == {"backend": "deepspeed", "zero_stage": 2}
     assert "model.embed_tokens.weight" in state.model  # HF-named weights: the DeepSpeed actor wrote it
     start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
     assert any(not torch.equal(start[k], final[k]) for k in start)
@@ -405,27 +415,14 @@ def test_grpo_run_on_ray_with_a_zero3_actor_at_dp2(policy, tmp_path):
     (resumable at any DP size, tests/engine/backends/test_deepspeed_zero_dp.py)."""
     from config.parallel import ParallelConfig
     from config.rl import RLParallelConfig
-    from engine.rl.loop import run_rl
-    from engine.rl.placement import shutdown_ray
     from engine.storage.model_dir import load_model_dir
-    from engine.storage.train_state import load_train_state
 
     cfg = rl_config(stage=3, steps=2, prompts_per_step=8, n_samples=4, micro_batch_size=8, checkpoint_every=1,
                     rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
                     parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2)),
                     engine=EngineConfig(num_cpus=2, weight_sync_timeout_s=120.0))
-    try:
-        result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
-    finally:
-        shutdown_ray()
-    assert (result["rl/steps"], result["rl/steps_run"]) == (2.0, 2.0)
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
-        assert r["actor/pg_clipfrac"] == 0.0 and abs(r["actor/ppo_kl"]) < 1e-6  # on-policy single epoch
-    state = load_train_state(tmp_path / "resume")
-    assert state.step == 2 and state.extra["actor_backend"]["zero_stage"] == 3
+    _, state = _two_grpo_steps(policy, cfg, tmp_path)
+    assert state.extra["actor_backend"]["zero_stage"] == 3
     start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
     assert any(not torch.equal(start[k], final[k]) for k in start)
 

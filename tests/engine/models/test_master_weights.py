@@ -68,7 +68,7 @@ def test_master_moves_below_bf16_resolution_and_the_weight_follows():
     # The master moved by 1e-4 (to fp32 rounding); the bf16 weight did not (1e-4 < 2^-8).
     assert abs(master.item() - (1.0 + LR)) <= FP32_ULP_AT_1
     assert master.item() > 1.0 and model.w.item() == 1.0
-    for n in range(2, 40):
+    for _ in range(2, 40):
         train_step(model, optimizer, scheduler, [None], minus_w, optim.grad_clip)
     n = 39
     assert abs(master.item() - (1.0 + n * LR)) <= n * FP32_ULP_AT_1

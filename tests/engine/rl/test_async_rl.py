@@ -1,4 +1,5 @@
-"""Disaggregated placement and asynchronous (off-policy-bounded) RL on Ray with vLLM rollout.
+"""Disaggregated placement and asynchronous (off-policy-bounded) RL on Ray with vLLM rollout,
+and with a multi-turn environment (HF rollout), killed and resumed.
 
 Reuses test_rl's tiny SFT'd policy on one-digit sums and its Ray cluster fixture.
 """
@@ -6,6 +7,7 @@ Reuses test_rl's tiny SFT'd policy on one-digit sums and its Ray cluster fixture
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 from tests.engine.rl.test_rl import REQUIRED, policy, policy_weights, ray_address, read_metrics, rl_config  # noqa: F401
 
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction")
+ENV = "tests.engine.multi_turn_env_example:make_counter_env"  # done after 2 turns; observation "ok" / "again"
 
 
 def engine_config(**fields) -> EngineConfig:
@@ -30,8 +33,7 @@ def test_async_config_rules():
     for bad in (float("inf"), 1e12):
         with pytest.raises(ValueError, match="weight_sync_timeout_s"):
             EngineConfig(weight_sync_timeout_s=bad)
-    with pytest.raises(ValueError, match="not supported with rl.environment"):
-        RLConfig(engine=engine_config(off_policy_steps=1), environment="tests.engine.multi_turn_env_example:make")
+    assert RLConfig(engine=engine_config(off_policy_steps=1), environment=ENV).environment == ENV  # multi-turn too
 
 
 def test_disaggregated_placement_splits_the_cpus(ray_address):
@@ -124,3 +126,77 @@ def test_async_run_resumes_from_its_checkpoint(async_run, policy, tmp_path):
     result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "b", resume, seed=0)
     assert (result["rl/resumed_from_step"], result["rl/steps_run"]) == (4.0, 1.0)
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == [1, 2, 3, 4, 5]
+
+
+# ----------------------------------------------------------------------------- with an environment
+
+
+def env_config(steps: int, ray_address: str) -> RLConfig:
+    """Asynchronous (one step ahead, no partial rollouts: pinned) GRPO against the counter
+    environment, two turns, HF rollout, every step's batch dumped."""
+    return rl_config("hf", steps, environment=ENV, max_turns=2, dump_rollouts=True,
+                     rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
+                     engine=engine_config(off_policy_steps=1, ray_address=ray_address))
+
+
+@pytest.fixture(scope="module")
+def async_env_run(policy, ray_address, tmp_path_factory):
+    from engine.rl.loop import run_rl
+
+    out = tmp_path_factory.mktemp("async_env")
+    return out, run_rl(policy["dir"], policy["prompts"], env_config(3, ray_address), out, out / "resume", seed=0)
+
+
+def test_async_run_with_an_environment(async_env_run, policy):
+    """Every sample of step r ran on policy version max(r - 2, 0) (pinned: staleness exactly
+    0, 1, 1, none partial); its observation is the environment's "ok" after a rewarded first
+    turn, "again" otherwise, with loss mask 0; the environment's summed rewards are the scores."""
+    from engine.rl.rollout_dump import read_step, step_path
+
+    out, result = async_env_run
+    tok = policy["tokenizer"]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and result["rl/steps_run"] == 3.0
+    assert [(r["async/staleness_mean"], r["async/staleness_max"], r["async/partial_fraction"]) for r in rows] == [
+        (0.0, 0.0, 0.0), (1.0, 1.0, 0.0), (1.0, 1.0, 0.0)]
+    assert rows[0]["rollout_vs_trainer/logprob_diff_max"] < 1e-4  # step 1 is on-policy: the sync reached the engine
+    for step, r in zip((1, 2, 3), rows):
+        assert all(math.isfinite(r[k]) for k in REQUIRED) and ("timing_s/rollout_wait_sync" in r) == (step < 3)
+        traj = read_step(step_path(out / "rollouts", step)).traj
+        assert traj.rollout_version.tolist() == [max(step - 2, 0)] * 64 == traj.rollout_version_end.tolist()
+        observations, obs_tokens = [], 0
+        for b in range(len(traj)):
+            valid, mask, ids = traj.response_valid[b], traj.response_mask[b], traj.response_ids[b]
+            a, c = re.search(r"What is (\d) \+ (\d)\?", tok.decode(traj.input_ids[b, : int(traj.prompt_lengths[b])])).groups()
+            env_tokens = ids[(valid == 1) & (mask == 0)].tolist()
+            if env_tokens:  # the one observation, between turn 1 and turn 2: the environment's verdict on turn 1
+                turn1 = tok.decode(ids[: int((mask[: int(valid.sum())] == 0).nonzero()[0])], skip_special_tokens=True)
+                observations.append(tok.decode(env_tokens))  # the budget may cut it
+                assert ("ok" if str(int(a) + int(c)) in turn1 else "again").startswith(observations[-1]), (step, b)
+                assert float(traj.rewards[b]) >= (observations[-1] == "ok")
+            obs_tokens += len(env_tokens)
+        assert r["env/observation_token_fraction"] == pytest.approx(obs_tokens / float(traj.response_valid.sum()))
+        assert 1.0 + r["env/done_fraction"] <= r["env/turns_mean"] <= 2.0 and observations
+        assert r["critic/score/mean"] == pytest.approx(r["reward/env_mean"]) == pytest.approx(float(traj.rewards.mean()))
+
+
+def test_killed_async_run_with_an_environment_resumes_bit_identically(async_env_run, policy, ray_address, tmp_path):
+    """A driver SIGKILLed after a checkpoint; the checkpoint holds the rollout already made for
+    the next step, so the resumed run trains on exactly the uninterrupted run's batches and
+    ends with its metrics and weights, bit for bit."""
+    from engine.rl.checkpoint import AHEAD_DIR
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import load_train_state
+    from tests.engine.rl.test_rl import assert_same_weights, kill_after_first_checkpoint, untimed
+
+    resume, out, cfg = tmp_path / "resume", tmp_path / "killed", env_config(3, ray_address)
+    kill_after_first_checkpoint(policy, cfg, out, resume, tmp_path)
+    killed_at = load_train_state(resume).step
+    assert 1 <= killed_at < 3, killed_at  # mid-run
+    assert (resume / AHEAD_DIR / f"step_{killed_at + 1:08d}.pt").is_file()  # the next step's rollout, saved
+
+    result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "resumed", resume, seed=0)
+    assert (result["rl/resumed_from_step"], result["rl/steps_run"]) == (float(killed_at), float(3 - killed_at))
+    full_out, _ = async_env_run
+    assert [untimed(r) for r in read_metrics(tmp_path / "resumed")] == [untimed(r) for r in read_metrics(full_out)]
+    assert_same_weights(policy_weights(tmp_path / "resumed" / "model"), policy_weights(full_out / "model"))

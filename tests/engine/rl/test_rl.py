@@ -591,26 +591,23 @@ def test_multi_turn_environment_run_on_ray(policy, ray_address, tmp_path):
     assert (tmp_path / "out" / "model").is_dir()
 
 
-def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tmp_path):
-    """A driver killed with SIGKILL after its first checkpoint; a new run resumes from the
-    last checkpoint and reaches the uninterrupted run's weights exactly."""
-    from engine.rl.loop import run_rl
-    from engine.storage.train_state import has_train_state, load_train_state
+def kill_after_first_checkpoint(policy: dict, cfg, out: Path, resume: Path, tmp_path: Path) -> None:
+    """Run ``run_rl`` of ``policy`` with ``cfg`` in a driver process of its own (output ``out``,
+    checkpoints in ``resume``) and SIGKILL it as soon as its first train state is written (within
+    300 s, else the test fails with the driver's log)."""
+    from engine.storage.train_state import has_train_state
 
-    resume, out = tmp_path / "resume", tmp_path / "killed"
-    cfg = rl_config("hf", 3, ppo_epochs=2, engine=EngineConfig(ray_address=ray_address, num_cpus=2))
     script = tmp_path / "driver.py"
     script.write_text(
-        "import sys\n"
         "from config.schema import RLConfig\n"
         "from engine.rl.loop import run_rl\n"
         "if __name__ == '__main__':\n"
         f"    run_rl({str(policy['dir'])!r}, {str(policy['prompts'])!r}, RLConfig.model_validate_json({cfg.model_dump_json()!r}),"
         f" {str(out)!r}, {str(resume)!r}, seed=0)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     with open(tmp_path / "driver.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not has_train_state(resume):
             assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
@@ -618,6 +615,17 @@ def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tm
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tmp_path):
+    """A driver killed with SIGKILL after its first checkpoint; a new run resumes from the
+    last checkpoint and reaches the uninterrupted run's weights exactly."""
+    from engine.rl.loop import run_rl
+    from engine.storage.train_state import load_train_state
+
+    resume, out = tmp_path / "resume", tmp_path / "killed"
+    cfg = rl_config("hf", 3, ppo_epochs=2, engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    kill_after_first_checkpoint(policy, cfg, out, resume, tmp_path)
     killed_at = load_train_state(resume).step
     assert 1 <= killed_at < 3, killed_at  # mid-run
 

@@ -54,3 +54,20 @@ def test_a_failed_rollout_raises_at_its_step():
         pipe.get(3)
     with pytest.raises(ValueError, match="off_policy_steps must be >= 0"):
         RolloutPipeline(produce, 3, ahead=-1)
+
+
+def test_ready_rollouts_are_returned_and_production_starts_after_them():
+    """A resumed run hands in the rollouts its checkpoint saved (steps 3 and 4 with k = 2):
+    they come back as they are, the first one produced is step 5 (at step 3, k ahead), and
+    wait() returns a step's rollout without taking it."""
+    produced = []
+    pipe = RolloutPipeline(lambda s: produced.append(s) or s * 10, 6, ahead=2, ready={3: "saved 3", 4: "saved 4"})
+    assert pipe.get(3) == "saved 3"
+    assert pipe.wait(5) == 50 and produced == [5] and pipe.in_flight == [4, 5]
+    assert pipe.wait(4) == "saved 4" and pipe.get(4) == "saved 4" and pipe.get(5) == 50
+    assert pipe.wait(6) == 60 and pipe.get(6) == 60 and produced == [5, 6]
+    with pytest.raises(KeyError, match="step 7 is not started"):
+        pipe.wait(7)
+    pipe.close()
+    inline = RolloutPipeline(lambda s: s, 3, ahead=0, ready={2: "saved"})
+    assert [inline.get(s) for s in (2, 3)] == ["saved", 3]

@@ -171,6 +171,40 @@ def test_rollout_is_deterministic_and_the_worker_loads_the_environment_by_path(p
         policy["worker"].generate_multi_turn(policy["prompt_ids"], policy["rows"], f"{EX}:missing", spec, 3)
 
 
+def test_a_weight_update_lands_between_turns_and_is_recorded(policy):
+    """Asynchronous RL: the environment's step runs outside the weight gate, so an update
+    (begin/end, as RolloutWorker.begin_weight_update does from another thread) can land while
+    a sample waits on its tool; here every step applies one. Each sample records the version
+    of its first and last policy token: (v0, v0) for one turn, (v0, v0 + 6) for two (turn 0
+    of all 6 samples ran at v0, then their 6 steps each bumped it); the tokens are the
+    gate-less loop's."""
+    from engine.rollout.partial import WeightGate
+
+    gate = WeightGate(version=5)
+
+    def make_env():
+        env = example.CounterEnv(done_after=2)
+        real_step = env.step
+
+        def step(text):
+            gate.begin_update(timeout_s=1.0)  # would time out if the step ran inside the gate
+            gate.end_update(gate.version + 1)
+            return real_step(text)
+
+        env.step = step
+        return env
+
+    spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
+    samples = multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
+                                 make_env, spec, 3, gate=gate)
+    plain, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
+    flat = [s for g in samples for s in g]
+    assert [(s.token_ids, s.logprobs, s.loss_mask) for s in flat] == [
+        (s.token_ids, s.logprobs, s.loss_mask) for g in plain for s in g]
+    assert [(s.version_start, s.version_end) for s in flat] == [(5, 5 if s.num_turns == 1 else 11) for s in flat]
+    assert any(s.num_turns == 2 for s in flat) and gate.version == 5 + sum(s.num_turns for s in flat)
+
+
 def test_loop_rejects_bad_steps_and_arguments(policy):
     class Bad:
         def reset(self, row):
@@ -189,6 +223,43 @@ def test_loop_rejects_bad_steps_and_arguments(policy):
         load_environment_factory("no_colon")
     assert load_environment_factory(f"{EX}:make_counter_env") is example.make_counter_env
 
+
+
+def test_steps_within_the_wait_keep_the_turn_synchronous_samples(policy):
+    """Steps that end at once, with the product's rl.environment_step_wait_s (and with 0), give
+    exactly the turn-synchronous loop's samples (every turn's call holds the same samples)."""
+    from config.rl import RLConfig
+
+    spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
+    synced, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
+    for wait_s in (RLConfig().environment_step_wait_s, 0.5):
+        free = multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
+                                  example.make_counter_env, spec, 3, step_wait_s=wait_s)
+        assert free == synced and any(s.num_turns == 2 for g in free for s in g)
+    with pytest.raises(ValueError, match="step_wait_s must be >= 0"):
+        multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
+                           example.make_counter_env, spec, 3, step_wait_s=-1.0)
+
+
+def test_a_failing_step_fails_the_rollout_without_waiting_for_slow_ones(policy):
+    """One sample's step raises while others sleep: the error reaches the caller at once (the
+    sleeping steps are not waited for)."""
+    import time
+
+    class Flaky:
+        def reset(self, row):
+            self.first = row is policy["rows"][0]
+
+        def step(self, text):
+            if self.first:
+                raise RuntimeError("tool crashed")
+            time.sleep(5.0)
+            return StepResult("x", 0.0, False)
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="tool crashed"):
+        rollout(policy, Flaky, max_turns=2, budget=8, n=1)
+    assert time.monotonic() - t0 < 4.0
 
 # ----------------------------------------------------------------------------- the batch
 
@@ -355,3 +426,28 @@ def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeyp
     assert metrics["reward/env_mean"] == pytest.approx(float(traj.rewards.mean()))
     assert (traj.response_valid - traj.response_mask).sum() > 0
     json.dumps(metrics)
+
+
+def test_a_turn_cap_cuts_each_policy_turn_and_ends_the_sample(policy):
+    """turn_tokens=2: no policy turn is longer than 2 tokens; a turn of 2 tokens that did not
+    end at a stop id was cut, was still stepped, and ended its sample as "length". Turn 0 holds
+    every sample in one call with or without the cap, so its draws are the uncapped ones cut
+    to 2 tokens."""
+    spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
+    engine, tok = policy["worker"].engine, policy["tokenizer"]
+    stops = set(engine.eos_token_ids)
+    capped = multi_turn_rollout(engine, tok, policy["prompt_ids"], policy["rows"], example.make_counter_env, spec, 3,
+                                turn_tokens=2)
+    free, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
+    cut = 0
+    for s, f in zip([s for g in capped for s in g], [s for g in free for s in g]):
+        turns = [tokens for m, tokens in segments(s) if m == 1]
+        assert all(len(t) <= 2 for t in turns) and len(turns) == s.num_turns
+        assert turns[0] == [tokens for m, tokens in segments(f) if m == 1][0][:2]
+        if turns[-1][-1] not in stops:
+            cut += 1
+            assert (s.finish_reason, len(turns[-1]), len(s.turn_rewards)) == ("length", 2, len(turns))
+    assert cut > 0
+    with pytest.raises(ValueError, match="turn_tokens must be >= 1"):
+        multi_turn_rollout(engine, tok, policy["prompt_ids"], policy["rows"], example.make_counter_env, spec, 3,
+                           turn_tokens=0)

@@ -1,0 +1,153 @@
+"""What each advantage estimator (``rl.algorithm``) needs from the run: a critic, a teacher,
+groups of responses per prompt. The one declaration every check asks (the config's
+validation, the memory and placement plans, the workers that start, the RL step's inputs)
+instead of testing names.
+
+- Built-ins: :data:`BUILTIN_NEEDS`, keyed by the names of
+  :data:`engine.algorithms.advantages.ADVANTAGE_ESTIMATORS` (a test keeps them equal).
+- Plug-ins (``rl.algorithm: package.module:function``): the module declares them next to the
+  function, as a literal, e.g. ``ALGORITHM_NEEDS = {"my_fn": {"critic": True, "group": False}}``
+  (:func:`declared_needs`); a function it does not name, or a module without the name, gets
+  :data:`PLUGIN_NEEDS` (a group-baseline estimator without a critic, like ``grpo``). The
+  declaration is read from the module's syntax tree, never by importing it (as the
+  fingerprint reads ``DATA_FILES``): the config is validated by ``validate``, ``status`` and
+  DVC's commands, which must not run user code; the RL driver imports the plug-in later
+  (``engine.rl.plugins``).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class AlgorithmNeeds:
+    """What an advantage estimator needs.
+
+    Attributes:
+        critic: a PPO critic (``rl.critic``, ``rl.parallel.critic``) is trained and its
+            values ``[B, L]`` are passed as ``values=``; the critic learns the returns
+            (``engine.rl.phases.compute_advantages``); ``rl.critic.warmup_steps`` apply.
+        teacher: ``rl.teacher`` is required (and refused without this need); the teacher's and
+            the old (student) log-probs ``[B, L]`` are computed before the advantages and
+            passed as ``teacher_logprobs=``, ``student_logprobs=``.
+        group: the advantage compares the ``rl.n_samples`` responses of one prompt, so
+            ``n_samples`` must be >= 2; DAPO dynamic sampling (which drops groups of equal
+            rewards) is allowed only with this need.
+    """
+
+    critic: bool = False
+    teacher: bool = False
+    group: bool = False
+
+
+BUILTIN_NEEDS: dict[str, AlgorithmNeeds] = {
+    "grpo": AlgorithmNeeds(group=True),
+    "dr_grpo": AlgorithmNeeds(group=True),
+    "rloo": AlgorithmNeeds(group=True),
+    "reinforce_plus_plus": AlgorithmNeeds(),  # a batch baseline, not a group's
+    "reinforce_plus_plus_baseline": AlgorithmNeeds(group=True),
+    "gae": AlgorithmNeeds(critic=True),
+    "on_policy_distill": AlgorithmNeeds(teacher=True),
+}
+"""The built-in estimators' needs, in the order of ``config.rl.BuiltinAdvantage``."""
+
+PLUGIN_NEEDS = AlgorithmNeeds(group=True)
+"""The needs of a plug-in that declares none: a group-baseline estimator without a critic."""
+
+ALGORITHM_NEEDS = "ALGORITHM_NEEDS"
+"""The module-level name under which a plug-in module declares its estimators' needs."""
+
+
+def names_with(need: str, value: bool = True) -> list[str]:
+    """The built-in names whose ``need`` (a field of :class:`AlgorithmNeeds`) is ``value``, in table order."""
+    return [name for name, needs in BUILTIN_NEEDS.items() if getattr(needs, need) == value]
+
+
+def algorithm_needs(algorithm: str) -> AlgorithmNeeds:
+    """The needs of ``rl.algorithm``: a built-in's entry, or a plug-in's declaration
+    (:func:`declared_needs` of its module's source file, found on ``sys.path`` without
+    importing it; :data:`PLUGIN_NEEDS` when the file is not found, does not parse or declares none).
+
+    Raises:
+        KeyError: a name without a colon that is not a built-in.
+        ValueError: the plug-in module's declaration is malformed (names file and line).
+    """
+    if ":" not in algorithm:
+        return BUILTIN_NEEDS[algorithm]
+    module, _, function = algorithm.partition(":")
+    path = module_source(module)
+    if path is None:
+        return PLUGIN_NEEDS
+    st = path.stat()
+    try:
+        declared = _declared(str(path), st.st_mtime_ns, st.st_size)
+    except SyntaxError:  # the driver's import reports it, naming rl.algorithm (engine.rl.plugins)
+        return PLUGIN_NEEDS
+    return declared.get(function, PLUGIN_NEEDS)
+
+
+def module_source(module: str) -> Path | None:
+    """The source file of the dotted ``module``, found without importing it: its
+    ``__file__`` when it is imported already, else the first ``<dir>/a/b.py`` or
+    ``<dir>/a/b/__init__.py`` over the ``sys.path`` directories (``''`` is the working
+    directory). None when none exists (e.g. a compiled or zipped module)."""
+    loaded = sys.modules.get(module)
+    if loaded is not None and getattr(loaded, "__file__", None):
+        return Path(loaded.__file__)
+    parts = module.split(".")
+    for entry in sys.path:
+        base = Path(entry or os.getcwd()).joinpath(*parts)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+@lru_cache(maxsize=64)
+def _declared(path: str, mtime_ns: int, size: int) -> dict[str, AlgorithmNeeds]:
+    return declared_needs(Path(path))
+
+
+def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
+    """The needs a plug-in module declares at module level::
+
+        ALGORITHM_NEEDS = {"my_estimator": {"critic": True, "group": False}}
+
+    one entry per function name, each a literal dict of :class:`AlgorithmNeeds` fields
+    (``critic``, ``teacher``, ``group``: bools; a field left out takes its value from
+    :data:`PLUGIN_NEEDS`, so ``{"critic": True}`` still needs groups). Read from the syntax
+    tree (module docstring): the value must be a literal.
+
+    Returns: function name -> needs; empty when the module declares none.
+
+    Raises:
+        ValueError: not a literal dict of function names to dicts of known fields with bool
+            values (names the file, the line and the fix).
+        SyntaxError: the file does not parse.
+    """
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    known = [f.name for f in fields(AlgorithmNeeds)]
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if not any(isinstance(t, ast.Name) and t.id == ALGORITHM_NEEDS for t in targets):
+            continue
+        try:
+            value = ast.literal_eval(node.value) if node.value is not None else None
+        except ValueError:
+            value = None
+        ok = isinstance(value, dict) and all(
+            isinstance(fn, str) and isinstance(needs, dict)
+            and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
+        if not ok:
+            raise ValueError(f"{path}:{node.lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
+                             f"dicts of needs ({', '.join(known)}: True or False), e.g. "
+                             f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
+                             "importing the module, so it cannot be computed")
+        return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}
+    return {}

@@ -1,0 +1,154 @@
+"""MoE routing replay for the policy update (``rl.moe_routing_replay``).
+
+The PPO ratio ``pi_new(a|s) / pi_old(a|s)`` of a mixture-of-experts policy jumps wherever a
+token's top-k experts differ between the old-log-prob forward and the update's forward (a
+routing flip: a small change of the router logits swaps an expert in or out, and the token's
+MLP output changes discretely). Routing replay (slime; the Routing Replay of GSPO, Zheng et al.
+2025, arXiv:2507.18071) records the experts each token was sent to in the old-log-prob
+forward and makes the update's forwards use those experts, so the ratio measures the change of
+everything but the expert choice. (R3, Ma et al. 2025, arXiv:2510.11370, replays the rollout
+engine's routing instead; not done here.)
+
+This uses megatron-core's mechanism (0.16, ``megatron.core.transformer.moe.router_replay``):
+every ``TopKRouter`` with a ``router_replay`` (a :class:`RouterReplay`) routes through
+``RouterReplay.get_replay_topk`` (``moe_utils.topk_routing_with_score_function``). Under
+``RECORD`` it computes the top-k as usual and keeps the indices ``[num_tokens, k]``; under
+``REPLAY_FORWARD`` it takes given indices and gathers the router scores at them (for softmax
+routing with ``pre_softmax`` false, the model's gating weights are the softmax over the
+gathered logits; with ``pre_softmax`` true, the full softmax gathered at the indices). The
+router therefore still gets gradient, through the gating weights of the replayed experts (and
+through the load-balancing and z-losses, which megatron computes from the current logits and
+their own top-k, not the replayed one); only the discrete choice is fixed.
+``REPLAY_BACKWARD`` is for activation recomputation in the backward, which this repository's
+training does not use: the backward reuses the forward's saved routing.
+
+:class:`RoutingReplay` attaches one ``RouterReplay`` per router of one model (not megatron's
+process-wide instance list, which would mix the routers of every model built in the process;
+the instances made here are taken off that list) and records / replays a micro-batch's
+routing as a list of ``[num_tokens, k]`` LongTensors, one per MoE layer in model order. A
+micro-batch's token order is megatron's: ``[seq, batch]`` flattened sequence-major for a
+right-padded batch, the packed order for a packed one; so a recording is valid only for
+the same rows in the same micro-batch layout (:meth:`RoutingReplay.check`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+class RoutingReplay:
+    """Record and replay the top-k expert choice of every MoE router of ``model``.
+
+    Args:
+        model: a megatron-core GPTModel with at least one MoE layer (``TopKRouter``).
+
+    Raises: ValueError when ``model`` has no MoE router (a dense policy: nothing to replay),
+        or a router routes with a fused kernel (megatron's replay path covers only the unfused
+        top-k) or with Sinkhorn.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        if not routers:
+            raise ValueError("rl.moe_routing_replay: the policy has no MoE layer; set it to false for a dense model")
+        for router in routers:
+            if router.config.moe_router_fusion or router.routing_type == "sinkhorn":
+                raise ValueError("rl.moe_routing_replay: needs unfused top-k routing (moe_router_fusion false, "
+                                 "not sinkhorn)")
+            if router.router_replay is None:
+                router.router_replay = RouterReplay()
+                RouterReplay.global_router_replay_instances.remove(router.router_replay)
+        self.routers = routers
+        self.replays = [router.router_replay for router in routers]
+        self.recorded: list[list[torch.Tensor]] = []  # per micro-batch, per MoE layer: [num_tokens, k]
+        self.rows: list[list[int]] = []  # the trajectory rows of each recorded micro-batch
+
+    def _set(self, action) -> None:
+        for replay in self.replays:
+            replay.clear_indices()
+            replay.set_router_replay_action(action)
+
+    def _reset(self) -> None:
+        for replay in self.replays:
+            replay.clear_router_replay_action()
+            replay.clear_indices()
+
+    def clear(self) -> None:
+        """Forget every recorded micro-batch."""
+        self.recorded, self.rows = [], []
+
+    @contextmanager
+    def recording(self, rows: list[int]) -> Iterator[None]:
+        """Inside: the model's forwards route as usual and keep their top-k indices; on exit the
+        micro-batch of trajectory ``rows`` is appended to :attr:`recorded` (one forward per
+        micro-batch: a second forward inside would overwrite the first's indices)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._set(RouterReplayAction.RECORD)
+        try:
+            yield
+            indices = [replay.get_recorded_indices() for replay in self.replays]
+            if any(i is None for i in indices):
+                raise RuntimeError("RoutingReplay.recording: a MoE layer routed no tokens inside the block")
+            self.recorded.append([i.detach().clone() for i in indices])
+            self.rows.append([int(r) for r in rows])
+        finally:
+            self._reset()
+
+    @contextmanager
+    def replaying(self, indices: list[torch.Tensor]) -> Iterator[None]:
+        """Inside: every MoE layer sends each token to the experts in ``indices`` (one
+        ``[num_tokens, k]`` LongTensor per MoE layer, as :meth:`recording` keeps them) instead of
+        its own top-k. One forward (and its backward) per block.
+
+        Raises: ValueError when the number of tensors is not the number of MoE layers, or (from
+            the forward) when a layer routes another number of tokens than its tensor has rows
+            (megatron would gather a part of the scores silently).
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if len(indices) != len(self.replays):
+            raise ValueError(f"RoutingReplay.replaying: {len(indices)} index tensors for {len(self.replays)} MoE layers")
+        self._set(RouterReplayAction.REPLAY_FORWARD)
+        hooks = []
+        for layer, (router, replay, idx) in enumerate(zip(self.routers, self.replays, indices)):
+            replay.set_target_indices(idx)
+
+            def check_tokens(module, args, layer=layer, expected=idx.size(0)):  # noqa: B008 - binds this layer's values
+                tokens = args[0].numel() // args[0].size(-1)  # [seq, batch, hidden] or packed [tokens, 1, hidden]
+                if tokens != expected:
+                    raise ValueError(f"RoutingReplay.replaying: MoE layer {layer} routes {tokens} tokens, the "
+                                     f"recorded routing has {expected}: replay into the same micro-batch layout")
+
+            hooks.append(router.register_forward_pre_hook(check_tokens))
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self._reset()
+
+    def check(self, rows: list[list[int]]) -> None:
+        """Check that the recorded micro-batches are ``rows`` (trajectory rows per micro-batch,
+        in order), the micro-batches an update is about to replay them into.
+
+        Raises: ValueError naming the first difference and the fix: the old-log-prob pass and
+            the update must split the batch the same way (same ``rl.micro_batch_size``,
+            ``rl.max_tokens_per_micro_batch`` and ``rl.packing``, the same trajectory).
+        """
+        rows = [[int(r) for r in mb] for mb in rows]
+        if self.rows == rows:
+            return
+        if not self.rows:
+            raise ValueError("rl.moe_routing_replay: the update has no recorded routing; the old-log-prob "
+                             "pass (compute_logprobs) must run on the same batch before it")
+        first = next((i for i, (a, b) in enumerate(zip(self.rows, rows)) if a != b), min(len(self.rows), len(rows)))
+        raise ValueError(f"rl.moe_routing_replay: the update's micro-batches differ from the old-log-prob pass's "
+                         f"(first at micro-batch {first}; {len(rows)} vs {len(self.rows)} micro-batches): both must "
+                         "run on the same trajectory with the same micro-batch settings")
