@@ -8,7 +8,7 @@ joined by one torch.distributed process group (gloo on CPU, NCCL on CUDA) and me
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from config.base import Strict
 
@@ -22,10 +22,25 @@ class ParallelConfig(Strict):
     tensor_model_parallel_size: int = Field(
         1, ge=1, description="Tensor-parallel ranks per model replica (megatron-core: attention heads and MLP columns "
                              "split across ranks). Must divide the attention heads, the KV heads and the FFN size.")
+    expert_model_parallel_size: int = Field(
+        1, ge=1, description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
+                             "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
+                             "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
+                             "Every rank of the group must run the same number of micro-batches per step. The sft "
+                             "stage only: rl.parallel.* and rm/po refuse it (docs/conversion.md, Expert parallelism).")
     cpus_per_rank: float | None = Field(
         None, gt=0, description="CPUs Ray reserves for each rank (and its torch threads). None: the role's share of the "
                                 "engine's CPUs, divided among its ranks.")
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs Ray reserves for each rank (0 on CPU machines).")
+
+    @model_validator(mode="after")
+    def _expert_parallel(self):
+        ep = self.expert_model_parallel_size
+        if ep > 1 and (self.data_parallel_size % ep or self.tensor_model_parallel_size > 1):
+            raise ValueError(f"expert_model_parallel_size={ep} must divide data_parallel_size="
+                             f"{self.data_parallel_size} at tensor_model_parallel_size 1 (got "
+                             f"{self.tensor_model_parallel_size}): the experts are sharded over data-parallel ranks")
+        return self
 
     @property
     def world_size(self) -> int:
@@ -35,6 +50,16 @@ class ParallelConfig(Strict):
 
 class RLParallelConfig(Strict):
     """Layouts of the RL stage's training roles (rl.parallel)."""
+
+    @model_validator(mode="after")
+    def _no_expert_parallel(self):
+        for role in ("actor", "critic", "reference", "reward_model"):
+            ep = getattr(self, role).expert_model_parallel_size
+            if ep > 1:  # their no-grad forwards are not lock-stepped over the EP ranks: one would wait forever
+                raise ValueError(f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the "
+                                 "sft stage only (every MoE forward is a collective of the expert group, and the RL "
+                                 f"roles' ranks run different numbers of forwards); set it to 1")
+        return self
 
     actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
     critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
@@ -63,6 +88,10 @@ def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: 
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
     dp = layout.data_parallel_size
+    if layout.expert_model_parallel_size > 1 and section != "sft":  # rank 0 alone evaluates: a hang under EP
+        raise ValueError(f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
+                         f"parallelism runs in the sft stage only ({section}'s held-out evaluation runs on one rank, "
+                         "and every MoE forward is a collective of the expert group); set it to 1")
     if dp == 1:
         return
     if token_budget is None and global_batch_size // micro_batch_size < dp:

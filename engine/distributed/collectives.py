@@ -54,6 +54,18 @@ def tensor_parallel_group():
     return _megatron_group("tensor_model")
 
 
+def expert_model_parallel_group():
+    """Megatron's expert-model-parallel group (the ranks an MoE layer's experts are sharded
+    over), or None when its size is 1 (or no state)."""
+    return _megatron_group("expert_model")
+
+
+def expert_data_parallel_group():
+    """Megatron's expert-data-parallel group (the ranks holding the same experts), or None
+    when its size is 1 (or no state)."""
+    return _megatron_group("expert_data")
+
+
 def data_parallel_rank() -> int:
     """This rank's index in its data-parallel group (0 in a single process)."""
     group = data_parallel_group()
@@ -87,6 +99,17 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
     """
     import time
 
+    if group is None and expert_model_parallel_group() is not None:
+        # Expert parallelism: an expert shard (megatron's ``allreduce=False``) differs between the
+        # ranks of its expert-model-parallel group and is summed only over the ranks holding the
+        # same experts; megatron's all-gather dispatcher already summed every rank's tokens into it.
+        dense = [p for p in params if getattr(p, "allreduce", True)]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        seconds = all_reduce_gradients(dense, data_parallel_group())
+        expert_group = expert_data_parallel_group()
+        if expert_group is not None:
+            seconds += all_reduce_gradients(experts, expert_group)
+        return seconds
     group = data_parallel_group() if group is None else group
     if group is None or not params:
         return 0.0
@@ -154,10 +177,28 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> flo
     attribute) holds only this rank's slice: the squared norms of the shards are summed over
     the tensor-parallel group, those of replicated parameters (norms, row-parallel biases,
     identical on every rank) are counted once, as megatron's ``clip_grad_norm_fp32`` does.
+    Under expert parallelism (tensor parallelism 1) the expert shards (megatron's
+    ``allreduce=False``) are summed likewise over the expert-model-parallel group.
     Without TP it is ``torch.nn.utils.clip_grad_norm_``.
     """
     params = [p for p in params if p.grad is not None]
-    tp = tensor_parallel_group()
+    tp, ep = tensor_parallel_group(), expert_model_parallel_group()
+    if ep is not None:  # expert shards (allreduce=False): their squared norms summed over the expert group
+        shards = torch.zeros((), dtype=torch.float32)
+        replicated = torch.zeros((), dtype=torch.float32)
+        for p in params:
+            sq = p.grad.detach().float().pow(2).sum()
+            if getattr(p, "allreduce", True):
+                replicated += sq
+            else:
+                shards += sq
+        dist.all_reduce(shards, op=dist.ReduceOp.SUM, group=ep)
+        total = float((shards + replicated).sqrt())
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                p.grad.detach().mul_(coef)
+        return total
     if tp is None:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     sharded = torch.zeros((), dtype=torch.float32)

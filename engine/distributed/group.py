@@ -115,7 +115,7 @@ class RankActor:
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, master: tuple[str, int], tensor_model_parallel_size: int, seed: int,
-              worker_cls: type, args: tuple, kwargs: dict) -> None:
+              worker_cls: type, args: tuple, kwargs: dict, expert_model_parallel_size: int = 1) -> None:
         """Join the process group at ``master``, start megatron's parallel state with
         ``tensor_model_parallel_size`` (the data-parallel size is the rest of the world), then
         build ``worker_cls(*args, **kwargs)``.
@@ -134,7 +134,7 @@ class RankActor:
         addr, port = master
         dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
                                 world_size=self.world_size, timeout=datetime.timedelta(seconds=600))
-        init_model_parallel(tp=tensor_model_parallel_size, seed=seed)
+        init_model_parallel(tp=tensor_model_parallel_size, seed=seed, ep=expert_model_parallel_size)
         self.worker = worker_cls(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs):
@@ -257,7 +257,8 @@ class WorkerGroup:
         remote = ray.remote(concurrency_groups={"health": 1})(RankActor)
         self.ranks = [remote.options(**per_rank[r]).remote(r, layout.world_size) for r in range(layout.world_size)]
         master = ray.get(self.ranks[0].address.remote())
-        self._ready = [r.setup.remote(master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}))
+        self._ready = [r.setup.remote(master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}),
+                                      layout.expert_model_parallel_size)
                        for r in self.ranks]
         self._combine = ray.remote(num_cpus=0)(_combine)
         self._stop = threading.Event()

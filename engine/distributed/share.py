@@ -38,8 +38,9 @@ def micro_batch_share(micro_batches: Sequence[T], section: str) -> Sequence[T]:
     Raises:
         ValueError: fewer micro-batches than ranks (a token budget can form fewer micro-batches
             than ``<section>.parallel.data_parallel_size``; a rank without one would have
-            nothing to back-propagate). Every rank raises it for the same step, so none is
-            left waiting in the gradient all-reduce.
+            nothing to back-propagate), or, under expert parallelism, a count that the ranks
+            cannot share evenly (their MoE layers exchange tokens in every forward). Every rank
+            raises it for the same step, so none is left waiting in a collective.
     """
     k = data_parallel_size()
     if k == 1:
@@ -49,4 +50,12 @@ def micro_batch_share(micro_batches: Sequence[T], section: str) -> Sequence[T]:
             f"{section}.parallel.data_parallel_size={k}: this step formed only {len(micro_batches)} micro-batches "
             f"({section}.max_tokens_per_micro_batch), fewer than the ranks (every rank needs at least one); lower "
             f"{section}.max_tokens_per_micro_batch, raise {section}.global_batch_size or use fewer ranks")
+    from engine.distributed.collectives import expert_model_parallel_group
+
+    if len(micro_batches) % k and expert_model_parallel_group() is not None:
+        raise ValueError(
+            f"{section}.parallel.expert_model_parallel_size > 1: every rank must run as many micro-batches (the "
+            f"ranks exchange tokens in every MoE layer), but this step formed {len(micro_batches)} for {k} "
+            f"data-parallel ranks; make {section}.global_batch_size / {section}.micro_batch_size a multiple of "
+            f"{section}.parallel.data_parallel_size (or unset {section}.max_tokens_per_micro_batch)")
     return micro_batches[data_parallel_rank()::k]

@@ -85,6 +85,7 @@ def to_mixed_precision(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat
         masters[name] = torch.nn.Parameter(p.detach().clone())
         # megatron's marker of a tensor-parallel shard (the gradient norm counts shards across ranks)
         masters[name].tensor_model_parallel = getattr(p, "tensor_model_parallel", False)
+        masters[name].allreduce = getattr(p, "allreduce", True)  # False: an expert-parallel shard
     model.to(dtype)
     sum_embedding_grads_in_fp32(model)
     params = dict(model.named_parameters())

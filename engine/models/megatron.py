@@ -204,17 +204,22 @@ def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x.contiguous())
 
 
-def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, router: MoERouterConfig | None = None):
+def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, router: MoERouterConfig | None = None,
+                       expert_model_parallel_size: int = 1):
     """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
 
-    ``tensor_model_parallel_size`` must equal the model-parallel state's TP size (megatron's
-    layers shard by the state's group; the config records the size for code that reads it).
+    ``tensor_model_parallel_size`` and ``expert_model_parallel_size`` must equal the
+    model-parallel state's sizes (megatron's layers shard by the state's groups; the config
+    records the sizes for code that reads them: an expert layer marks its weights
+    ``allreduce=False``, the expert shards the data-parallel all-reduce must leave out, only
+    when the config's expert size is above 1).
     ``router``: an MoE model's router settings (``model.moe``; see :func:`_moe_config`).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -271,7 +276,11 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     from megatron.core.models.gpt import GPTModel
 
     tp = ensure_model_parallel()
+    ep = 1
     if spec.num_experts is not None:
+        from megatron.core import parallel_state
+
+        ep = parallel_state.get_expert_model_parallel_world_size()
         if tp > 1:
             raise ValueError(f"{spec.architecture}: MoE models build at tensor-parallel size 1 only (got {tp}); "
                              "tensor and expert parallelism of the experts are not implemented yet")
@@ -279,7 +288,8 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
-            config=transformer_config(spec, tensor_model_parallel_size=tp, router=router),
+            config=transformer_config(spec, tensor_model_parallel_size=tp, router=router,
+                                      expert_model_parallel_size=ep),
             transformer_layer_spec=_decoder_spec(spec, core_attention),
             vocab_size=spec.megatron_vocab_size,
             max_sequence_length=spec.max_position_embeddings,

@@ -155,7 +155,7 @@ def ensure_process_group() -> None:
     dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> None:
     """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
 
     In a process with no process group yet, creates a single-process gloo group on
@@ -169,6 +169,8 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
             (a single process supports only 1).
         pp: pipeline-model-parallel size.
         seed: seed for the tracker's named RNG states.
+        ep: expert-model-parallel size (an MoE model's experts sharded over ``ep`` ranks of the
+            data-parallel group; megatron's ``expert_model_parallel_size``).
 
     Raises:
         ValueError: the model-parallel state already exists with different sizes, or
@@ -183,14 +185,16 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
             have = (
                 parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size(),
             )
-            if have != (tp, pp):
-                raise ValueError(f"model parallel already initialised with (tp, pp)={have}, asked for {(tp, pp)}")
+            if have != (tp, pp, ep):
+                raise ValueError(f"model parallel already initialised with (tp, pp, ep)={have}, asked for {(tp, pp, ep)}")
             return
         world = dist.get_world_size()
         if tp < 1 or pp < 1 or world % (tp * pp):
             raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
         _seed_rng_tracker(seed)
 
 

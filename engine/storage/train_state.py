@@ -73,6 +73,7 @@ from engine.models.master_weights import (
     load_full_precision_state,
     master_params,
 )
+from engine.storage.expert_shards import gathered_metadata, global_names, is_expert, name_mismatch
 from engine.storage.rng_state import capture_rng_state, restore_rng_state, rng_source  # noqa: F401  (re-exported)
 
 STATE_FILE = "train_state.pt"
@@ -393,10 +394,11 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
     try:
         with full_precision_weights(model):  # fp32 masters under mixed precision
             model_state = sharded_model_state(model)
-            common = {**payload, "scheduler": scheduler.state_dict(), "layout": _layout(), "rng": rng,
-                      "keys": _checkpoint_keys(model_state),
-                      "optimizer": {"param_groups": torch_state["param_groups"], "names": names,
-                                    "moments": {n: sorted(per) for n, per in moments.items()}, "scalars": scalars}}
+            keys, all_names, all_moments, all_scalars = gathered_metadata(  # experts by global index
+                _checkpoint_keys(model_state), names, {n: sorted(per) for n, per in moments.items()}, scalars)
+            common = {**payload, "scheduler": scheduler.state_dict(), "layout": _layout(), "rng": rng, "keys": keys,
+                      "optimizer": {"param_groups": torch_state["param_groups"], "names": all_names,
+                                    "moments": all_moments, "scalars": all_scalars}}
             save_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, moments), _COMMON: common},
                          tmp)
         if lead:
@@ -421,14 +423,16 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     common = state._common
     opt = common["optimizer"]
     names = _optimizer_names(model, optimizer)
-    if sorted(names) != sorted(opt["names"]):
-        raise ValueError(f"{state.path}: train state does not match the model: it trained "
-                         f"{sorted(set(opt['names']) ^ set(names))[:5]} (only one of them has these)")
     tensors = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
     with full_precision_weights(model):
         model_state = sharded_model_state(model)
-        template = {n: {m: torch.zeros_like(tensors[n]) for m in ms}
-                    for n, ms in opt["moments"].items()}
+        glob = global_names(_checkpoint_keys(model_state))  # the saved names (engine.storage.expert_shards)
+        mismatch = name_mismatch([glob.get(n, n) for n in names], opt["names"])
+        if mismatch:
+            raise ValueError(f"{state.path}: train state does not match the model: it trained "
+                             f"{mismatch[:5]} (only one of them has these)")
+        template = {n: {m: torch.zeros_like(tensors[n]) for m in opt["moments"][glob.get(n, n)]}
+                    for n in names if glob.get(n, n) in opt["moments"]}
         loaded = load_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, template)},
                               state.checkpoint)
         try:
@@ -440,10 +444,16 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
             raise ValueError(f"{state.checkpoint}: train state does not match the model: {exc}") from exc
     copy_masters_to_model(model)
     current = optimizer.state_dict()["param_groups"]
-    if [len(g["params"]) for g in current] != [len(g["params"]) for g in opt["param_groups"]]:
+    expert_parallel = any(map(is_expert, names))  # EP: a group's size differs per rank; compare the group count
+
+    def sizes(groups: list[dict]) -> list[int]:
+        return [len(groups)] if expert_parallel else [len(g["params"]) for g in groups]
+
+    if sizes(current) != sizes(opt["param_groups"]):
         raise ValueError(f"{state.checkpoint}: train state has other optimizer parameter groups than the model's")
     groups = [{**saved, "params": now["params"]} for saved, now in zip(opt["param_groups"], current)]
-    per_param = {index: {**opt["scalars"].get(n, {}), **loaded.get("optimizer", {}).get(n, {})} for index, n in enumerate(names)}
+    per_param = {index: {**opt["scalars"].get(glob.get(n, n), {}), **loaded.get("optimizer", {}).get(n, {})}
+                 for index, n in enumerate(names)}
     optimizer.load_state_dict({"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups})
     scheduler.load_state_dict(common["scheduler"])
     source, with_tracker = rng_source(common["layout"], _layout(), global_rank())

@@ -121,10 +121,12 @@ def test_config_refuses_layouts_the_stages_cannot_run():
     assert PoConfig(global_batch_size=4, micro_batch_size=4, parallel=tp).parallel.world_size == 2
 
 
-def _killed_at_dp2_and_resumed_at_dp1(train, section: str, cfg, data: dict, tmp_path: Path):
+def _killed_at_dp2_and_resumed_at_dp1(train, section: str, cfg, data: dict, tmp_path: Path,
+                                     layout: ParallelConfig = DP2):
     """Three steps of ``train`` (a stage's trainer; ``data``: its input arguments) with ``cfg``
     (``steps=3, checkpoint_every=2, log_every=1``) at DP=1 in this process (``dp1/model``, resume
-    directory ``resume1``) and at DP=2 by ``run_stage`` (``resume2``), whose driver-side
+    directory ``resume1``) and at ``layout`` (DP=2; tests/engine/distributed/test_expert_parallel.py:
+    DP=2 x EP=2) by ``run_stage`` (``resume2``), whose driver-side
     ``log_metrics`` raises at step 3 (after step 3, before its checkpoint): the ranks are gone
     and no model directory was written; the step-2 train states hold the same step and data
     position and weights within the bounds. DP=1 then resumes the DP=2 state at step 2
@@ -152,7 +154,7 @@ def _killed_at_dp2_and_resumed_at_dp1(train, section: str, cfg, data: dict, tmp_
         if step == 3:
             raise Crash("killed after step 3")
 
-    dp2_cfg = cfg.model_copy(update={"parallel": DP2})
+    dp2_cfg = cfg.model_copy(update={"parallel": layout})
     args = dict(**data, cfg=dp2_cfg, out_dir=tmp_path / "dp2" / "model", resume_dir=tmp_path / "resume2", seed=0)
     with pytest.raises(Crash):
         run_stage(train, args, dp2_cfg.parallel, section, log_metrics=log_two)

@@ -1,0 +1,146 @@
+"""Expert parallelism (``<section>.parallel.expert_model_parallel_size``) on the sft stage's Ray
+actor ranks: DP=2 x EP=2 makes DP=1's steps, its checkpoint resumes at DP=1, and the layouts
+that cannot run are refused.
+
+The model is tests/engine/training/test_moe_router.py's tiny Qwen3-MoE (2 layers, hidden 64,
+4 experts, top-2) on 16 alpaca rows with a 400-token tokenizer trained on them; at EP=2 each
+rank holds 2 of the 4 experts of each layer and megatron's all-gather dispatcher exchanges the
+ranks' tokens in every MoE forward. Bounds: tests/engine/distributed/test_data_parallel_stages.py's
+(losses and gradient norms within 1e-6 of max(|value|, 1), weights within 1e-2 x lr with at most
+1e-4 of them beyond 1e-6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from config.parallel import ParallelConfig
+from config.sft import SFTConfig
+from config.training import OptimConfig
+from tests.engine.distributed.test_data_parallel_stages import LR, _close, _killed_at_dp2_and_resumed_at_dp1
+
+EP2 = ParallelConfig(data_parallel_size=2, expert_model_parallel_size=2)
+
+
+def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parallel_ranks():
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 must divide data_parallel_size=3"):
+        ParallelConfig(data_parallel_size=3, expert_model_parallel_size=2)
+    from config.parallel import RLParallelConfig
+    from config.po import PoConfig
+    from config.rm import RMConfig
+
+    with pytest.raises(ValueError, match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism runs "
+                                         r"in the sft stage only"):
+        RLParallelConfig(actor={"data_parallel_size": 2, "expert_model_parallel_size": 2})
+    for cls, section in ((RMConfig, "rm"), (PoConfig, "po")):
+        with pytest.raises(ValueError, match=rf"{section}.parallel.expert_model_parallel_size=2: expert parallelism "
+                                             r"runs in the sft stage only"):
+            cls(global_batch_size=8, micro_batch_size=2, parallel=EP2)
+    assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
+
+
+@pytest.fixture(scope="module")
+def moe_inputs(tmp_path_factory, fixtures_dir) -> dict[str, Path]:
+    from data.tokenizer_train import train_chat_tokenizer
+    from engine.storage.model_dir import save_model_dir
+    from tests.engine.training.test_moe_router import build, moe_config
+    from tests.engine.training.test_sft import alpaca_messages, load_tokenizer_dir, write_jsonl
+
+    root = tmp_path_factory.mktemp("ep")
+    rows = alpaca_messages(fixtures_dir, 16)
+    tok_dir = train_chat_tokenizer([m["content"] for r in rows for m in r["messages"]], root / "tok", vocab_size=400)
+    vocab = len(load_tokenizer_dir(tok_dir))
+    save_model_dir(root / "base", build(None, vocab), moe_config(vocab), tok_dir)
+    return {"base": root / "base", "sft": write_jsonl(root / "sft.jsonl", rows), "vocab": vocab}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from engine.distributed.cluster import init_ray
+
+    init_ray(num_cpus=2)  # idempotent: the cluster of the other distributed tests when it runs already
+    yield
+
+
+def test_sft_at_dp2_ep2_equals_dp1_and_its_checkpoint_resumes_at_dp1(moe_inputs, ray_cluster, tmp_path):
+    """Three sft steps at DP=1 and at DP=2 x EP=2, the EP run killed after step 3 and its step-2
+    state resumed at DP=1 (``_killed_at_dp2_and_resumed_at_dp1``: weights after 2 steps and after
+    the resumed third within the DP bounds; megatron's sharded checkpoint stores each expert at
+    its global index, so the DP=1 model reads both ranks' halves).
+
+    Measured: step 1's loss and gradient norm bit-identical to DP=1's (asserted): loss 5.99174,
+    grad_norm 1.20451 (clipped to 1.0, so the EP norm path, expert shards' squares summed over
+    the expert group, sets the step); steps 2 and 3 (weight decay 0.01) within 1.5e-8 relative
+    (step 3's grad_norm equal); weights after 2 steps at most 1.8e-6 apart (2 of 175,040 beyond
+    1e-6), the same after the resumed step 3. The ranks
+    back-propagate DP=1's micro-batches, every other one each, and each expert's gradient sums
+    both ranks' tokens through the dispatcher, in DP=1's order up to the all-reduce's one fp32
+    addition. Before the fix of ``build_gpt_model`` (the TransformerConfig carried EP size 1, so
+    megatron marked the expert weights ``allreduce=True`` and the data-parallel all-reduce added
+    rank 0's expert k to rank 1's expert k + 2) the step-1 grad_norm was 1.2045283 against
+    1.2045107 (1.5e-5 apart) and step 2's loss 1.1e-4 apart: this test fails on that.
+    """
+    from engine.training.sft import train_sft
+
+    cfg = SFTConfig(precision="fp32", steps=3, global_batch_size=8, micro_batch_size=2, max_seq_len=64,
+                    optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+                    checkpoint_every=2, log_every=1)
+    one, two, final, resumed = _killed_at_dp2_and_resumed_at_dp1(
+        train_sft, "sft", cfg, dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"]), tmp_path,
+        layout=EP2)
+    for step in (1, 2, 3):
+        for key in ("train/loss", "train/grad_norm"):
+            print(f"sft step {step} {key}: dp1 {one[step][key]!r} dp2 x ep2 {two[step][key]!r}")
+            assert _close(two[step][key], one[step][key]), (step, key)
+            if step == 1:  # the same weights and micro-batches: bit for bit
+                assert two[step][key] == one[step][key], key
+        assert two[step]["train/tokens"] == one[step]["train/tokens"] and two[step]["train/lr"] == one[step]["train/lr"]
+        # the routing: every expert's token count is the sum over both ranks' micro-batches
+        loads = [k for k in one[step] if k.startswith("moe/tokens_per_expert/")]
+        assert len(loads) == 4 and all(two[step][k] == one[step][k] for k in loads), step
+    assert one[1]["train/grad_norm"] > cfg.optim.grad_clip  # clipping is exercised (by the EP-aware norm)
+    for key in ("train/loss", "train/grad_norm"):
+        print(f"sft step 3 resumed at DP=1 {key}: {resumed[key]!r} vs dp1 {final[key]!r}")
+        assert _close(resumed[key], final[key]), key
+
+
+def test_expert_weights_are_sharded_and_an_uneven_step_is_refused(moe_inputs, ray_cluster, tmp_path):
+    """On a DP=2 x EP=2 group: (1) each rank's model holds 2 of each MoE layer's 4 experts, marked ``allreduce=False`` (the expert shards ``engine.distributed.collectives``
+    all-reduces over the expert-data-parallel group only), and every dense weight (attention,
+    norms, router, embeddings) is not. Before the fix the experts were ``allreduce=True``.
+    (2) a step of 3 micro-batches for 2 ranks: every rank raises the share's error at step 1
+    (the ranks exchange tokens in every MoE forward, so they must run as many), none hangs."""
+    import ray
+
+    from engine.distributed.group import WorkerGroup
+    from engine.distributed.stage_group import StageRank
+    from engine.training.sft import train_sft
+    from tests.engine.distributed.expert_ranks import expert_flags
+    from tests.engine.training.test_moe_router import moe_config
+
+    group = WorkerGroup(StageRank, EP2, {"num_cpus": 0}, (1,))  # one torch thread per rank
+    try:
+        ray.get(group.__ray_ready__.remote())
+        ranks = ray.get(group.run.remote(expert_flags, {"spec_config": moe_config(moe_inputs["vocab"])}))
+        assert len(ranks) == 2 and ranks[0].keys() == ranks[1].keys()
+        experts = [n for n in ranks[0] if ".experts." in n]
+        assert len(experts) == 2 * 2 * 2  # 2 layers x 2 local experts x (fc1, fc2)
+        for r, params in enumerate(ranks):
+            assert [n for n, (_, flag, _) in params.items() if not flag] == experts, r
+            assert all(params[n][0] in ([96, 64], [64, 48]) for n in experts), r  # one expert each: fc1 [2F, H], fc2
+        assert all(ranks[0][n][2] == ranks[1][n][2] for n in ranks[0] if n not in experts)  # the same dense weights
+
+        # model_copy skips the config's validation, which refuses this layout up front (6 / 2 = 3
+        # micro-batches for 2 ranks); the step's own check is the one a token budget reaches
+        cfg = SFTConfig(precision="fp32", steps=1, global_batch_size=6, micro_batch_size=2, max_seq_len=64)
+        cfg = cfg.model_copy(update={"parallel": EP2})
+        args = dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"], cfg=cfg,
+                    out_dir=tmp_path / "out", resume_dir=None, seed=0)
+        with pytest.raises(Exception, match=r"sft.parallel.expert_model_parallel_size > 1: every rank must run as "
+                                            r"many micro-batches .* this step formed 3 for 2 data-parallel ranks"):
+            ray.get(group.run.remote(train_sft, args))
+    finally:
+        group.kill()
+    assert not (tmp_path / "out").exists()
