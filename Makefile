@@ -31,6 +31,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Units and contracts only (no test marked slow: clusters, engines, servers, pipelines), a few
+# minutes on 2 cores; `make test` runs them too.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not slow and not acceptance"
+
 # The results the docs state as findings, rerun on the full quickstart with their paired SEs (README,
 # "Acceptance"): RL, async RL, distillation and bf16 over one shared default run, the mixture's
 # draws, DPO. Minutes of training each, kept out of `make test` so that it stays within an hour on 2 cores.

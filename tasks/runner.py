@@ -37,6 +37,7 @@ from prefect.logging import get_run_logger
 from config.precision import describe_precision
 from config.schema import PipelineConfig
 from config.stages import policy_before
+from data.atomic_file import replace_atomically
 from tasks.artifacts import ArtifactRef, ArtifactStore
 from tasks.fingerprint import code_version
 from tasks.locks import lock_path_of, open_locked, owned_dir, release, remove_if_unowned
@@ -108,9 +109,9 @@ def headline_metrics(summary: tuple[str, ...], metrics: dict[str, Any] | None) -
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    # a temporary file of its own: two commands on one artifact root write the same pointers at once
+    text = json.dumps(payload, indent=2, sort_keys=True) + "\n"
+    replace_atomically(path, lambda f: f.write(text), mode="w", fsync=False)
 
 
 def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any] | None, summary: tuple[str, ...]) -> None:

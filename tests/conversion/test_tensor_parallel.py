@@ -20,6 +20,8 @@ from conversion.spec import GPTSpec
 from conversion.tensor_parallel import merge_shards, shard_state, split_of
 from tests.numerics import hf_logits_reference
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 TOL = 1e-5
 CLASSES = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
            "qwen3": (Qwen3ForCausalLM, Qwen3Config)}

@@ -24,6 +24,8 @@ from engine.rollout.multi_turn import multi_turn_rollout
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir, template_config
 from tests.engine.multi_turn_env_example import CounterEnv
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 CASES = [("qwen2.5", "bpe"), ("qwen3", "bpe")] + [(f, b) for f in FAMILIES for b in BASES]
 # The special tokens a turn of each template ends with: its turn end (the stop id), then the
 # tokenizer's EOS when that is another token (Qwen's EOS is <|im_end|>; <|endoftext|> is the

@@ -18,6 +18,8 @@ import pytest
 
 from data.sandbox import CaseResult, SandboxLimits, run_test, sandbox_support
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 # wall 10 s: a program that ends, or spins into the 1 s CPU limit, is never cut by the wall on a
 # loaded machine; SHORT (wall 2 s) for the attacks that only the wall ends
 LIMITS = SandboxLimits(wall_s=10.0, cpu_s=1.0, memory_mb=256, max_processes=8, max_output_bytes=100_000)

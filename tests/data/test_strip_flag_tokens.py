@@ -19,6 +19,8 @@ from data.chat import encode_chat, encode_prompt
 from data.chat_template import end_of_turn, turn_end_token_id
 from tests.data.chat_tokenizers import BASES, paired_tokenizer, sentencepiece_dir, template_config, with_token_flags
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 # Qwen2.5 vocabulary ids (checked against the vocabulary by test_qwen_ids_are_its_vocabulary).
 QWEN = {"<|im_start|>": 151644, "<|im_end|>": 151645, "system": 8948, "user": 872, "assistant": 77091,
         "Ċ": 198, "Be": 3430, "Ġbrief": 9814, ".": 13, "Hi": 13048, "Hello": 9707, "Ġthere": 1052,

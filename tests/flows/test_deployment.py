@@ -32,6 +32,8 @@ import yaml
 from e2e_support import BIN, REPO, env_for, tiny_config, write_config
 from test_dvc import Service, copy_project
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 DEPLOYMENT = "quickstart-nightly"
 FULL_NAME = f"posttrain-pipeline/{DEPLOYMENT}"
 POOL = "posttrain-process"

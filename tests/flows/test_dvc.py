@@ -41,6 +41,8 @@ from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
 from config import load_config
 from config.schema import PipelineConfig
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 PARAMS_FILE = "configs/quickstart.yaml"
 RUN = "quickstart"  # its run.name
 OUT = f"outputs/{RUN}"

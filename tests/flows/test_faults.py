@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 from e2e_support import BIN, env_for, offline_runs, posttrain, read_summary, tiny_config, wandb_records, write_config
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 RUN = "quickstart"
 SFT_STEPS, SFT_EVERY = 40, 5
 RL_STEPS = 6

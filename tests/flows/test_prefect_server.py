@@ -19,6 +19,8 @@ from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_LOG_RETRYABLE_ERROR
 
 from flows.prefect_server import RetriedSQLiteLockFilter, prefect_api
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ from config import PipelineConfig, load_config
 from flows.preflight import check_inputs
 from tests.flows.model_dirs import write_stand_in_weights
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[2]
 CARD = "---\nlicense: apache-2.0\ntags:\n- posttrain\n---\n# tiny policy\n"
 

@@ -25,6 +25,8 @@ from test_faults import (
     wait_for_checkpoints,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 RM_STEPS, RM_EVERY = 30, 5
 OVERRIDES = {
     # Small batches keep a step short, so the 30 steps leave time to kill mid-run.

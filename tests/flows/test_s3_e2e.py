@@ -15,6 +15,8 @@ import boto3
 import pytest
 from e2e_support import env_for, posttrain, read_summary, tiny_config, write_config
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 STAGES = ["validate", "convert", "sft", "rm", "rl", "evaluate", "export"]
 
 

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 REPO = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "What is 12 + 35?"}]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 from flows.preflight import check_contents, check_inputs
@@ -15,6 +16,8 @@ from flows.run_checks import check_model_fit
 from tests.flows.model_dirs import write_stand_in_weights
 from tests.flows.test_cli_validate import _out, _posttrain
 from tests.flows.test_preflight import _cfg, _qwen_dir, qwen  # noqa: F401  (qwen: a fixture)
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 SUPPORTED = ("LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
              "Qwen3MoeForCausalLM")

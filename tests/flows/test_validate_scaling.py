@@ -11,11 +11,14 @@ import json
 import math
 from fractions import Fraction
 
+import pytest
 import yaml
 
 from tests.flows.model_dirs import write_stand_in_weights
 from tests.flows.test_cli_validate import _out, _posttrain
 from tests.flows.test_preflight import QWEN_CONFIG
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 GIB = 2**30
 

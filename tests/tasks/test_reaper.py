@@ -26,6 +26,8 @@ import psutil
 import pytest
 from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 Record = tuple[int, float, str]  # pid, create time, command line
 
 

@@ -26,6 +26,8 @@ from tasks.artifacts import ArtifactStore, content_hash
 from tasks.graph import stage
 from tasks.runner import InputChanged, fingerprint_lock, input_hashes, run_stage
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -33,6 +33,8 @@ from tasks.artifacts import (
     content_hash,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[2]
 FP_A = hashlib.sha256(b"s3 fingerprint a").hexdigest()
 FP_B = hashlib.sha256(b"s3 fingerprint b").hexdigest()

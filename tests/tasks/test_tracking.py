@@ -23,6 +23,8 @@ from tasks.artifacts import ArtifactStore
 from tasks.graph import pipeline_identity
 from tasks.tracking import FLUSH_INTERVAL_S, HISTORY_FILE, RUN_FILE, StageTracker, log_cached_stage
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 LOG = logging.getLogger("test_tracking")
 
 

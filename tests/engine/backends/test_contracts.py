@@ -37,6 +37,8 @@ from engine.trajectory import Trajectory
 from tests.engine.backends.test_deepspeed_backend import with_targets, zero_vocab_padding
 from tests.engine.backends.test_deepspeed_critic_rm import rl_config, rm_config, targets
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 BACKENDS = ("megatron", "deepspeed")
 
 ACTOR_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",

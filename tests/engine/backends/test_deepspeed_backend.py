@@ -30,6 +30,8 @@ from engine.rollout.base import RolloutOutput
 from engine.storage.train_state import DataPosition
 from engine.trajectory import Trajectory
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 STAGES = (0, 1, 2, 3)
 
 

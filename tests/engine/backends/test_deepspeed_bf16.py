@@ -29,6 +29,8 @@ from engine.models.hf import hf_logits
 from engine.storage.train_state import DataPosition, load_train_state
 from tests.engine.backends.test_deepspeed_backend import first_step_gain, step_tolerance
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 STAGES = (0, 1, 2, 3)
 LR, WD, CLIP = 1e-3, 0.1, 0.5
 OPTIM = OptimConfig(lr=LR, min_lr=1e-4, warmup_steps=1, weight_decay=WD, grad_clip=CLIP)

@@ -34,6 +34,8 @@ from tests.engine.backends.test_deepspeed_backend import STAGES, batch, first_st
 from tests.engine.backends.test_deepspeed_backend import rl_config as actor_rl_config
 from tests.engine.training.test_reward_model import setup  # noqa: F401
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 CRITIC_LR, CRITIC_WD = 1e-3, 0.1
 
 

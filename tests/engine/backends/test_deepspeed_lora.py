@@ -23,6 +23,8 @@ from engine.models.hf_lora import ADAPTER, is_adapter, lora_layers
 from engine.storage.train_state import DataPosition, load_train_state
 from tests.engine.backends.test_deepspeed_backend import batch, policy, rl_config, with_targets  # noqa: F401 (fixture)
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 STAGES = (0, 1, 2, 3)
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0, save_adapter=True)
 HF_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]

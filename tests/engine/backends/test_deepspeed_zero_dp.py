@@ -31,6 +31,8 @@ from config.training import OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 DP2 = ParallelConfig(data_parallel_size=2)
 STEPS = 3
 LARGEST = 300 * 64  # the policy's largest parameter, its (tied) embedding

@@ -32,6 +32,8 @@ from engine.training.actor import actor_loss_fn, compute_logprobs, response_logi
 from engine.training.optimizer_step import accumulate_gradients
 from engine.trajectory import Trajectory, actor_micro_batches, micro_batch_rows
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 VOCAB = 101
 
 

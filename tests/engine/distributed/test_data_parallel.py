@@ -26,6 +26,8 @@ from config.training import OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 DP2 = ParallelConfig(data_parallel_size=2)
 
 

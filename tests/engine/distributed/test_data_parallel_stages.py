@@ -36,6 +36,8 @@ from config.rm import RMConfig
 from config.sft import SFTConfig
 from config.training import OptimConfig
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 DP2 = ParallelConfig(data_parallel_size=2)
 LR = 2e-3
 

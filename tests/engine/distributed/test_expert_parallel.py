@@ -21,6 +21,8 @@ from config.sft import SFTConfig
 from config.training import OptimConfig
 from tests.engine.distributed.test_data_parallel_stages import LR, _close, _killed_at_dp2_and_resumed_at_dp1
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 EP2 = ParallelConfig(data_parallel_size=2, expert_model_parallel_size=2)
 
 

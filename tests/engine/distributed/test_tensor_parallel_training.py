@@ -44,6 +44,8 @@ from config.sft import SFTConfig
 from config.training import OptimConfig
 from tests.engine.distributed.test_data_parallel import _close, _weights, rl_config, trajectory
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 TP2 = ParallelConfig(tensor_model_parallel_size=2)
 
 

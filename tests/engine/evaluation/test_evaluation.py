@@ -24,6 +24,8 @@ from engine.evaluation.statistics import accuracy_with_se, evaluate_generations,
 from engine.rollout.base import RolloutOutput
 from engine.rollout.hf_rollout import HFRollout
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 exact_match = get_verifier("exact_match")  # (response, label, finish_reason) -> reward
 
 MAX_NEW = 6

@@ -24,6 +24,8 @@ from engine.models.lora import (
 )
 from engine.models.megatron import build_gpt_model, gpt_logits, mcore_state
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 SPEC = GPTSpec(architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
                num_key_value_heads=2, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
                norm_epsilon=1e-6, add_qkv_bias=True, qk_layernorm=False, tie_word_embeddings=True)

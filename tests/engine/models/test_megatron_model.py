@@ -75,8 +75,10 @@ def test_platform_setup_is_idempotent():
     init_model_parallel()
     init_model_parallel()
     assert torch.distributed.get_world_size() == 1 and torch.distributed.get_backend() == "gloo"
-    with pytest.raises(ValueError, match=r"\(tp, pp\)=\(1, 1\)"):
+    with pytest.raises(ValueError, match=r"\(tp, pp, ep\)=\(1, 1, 1\), asked for \(2, 1, 1\)"):
         init_model_parallel(tp=2)
+    with pytest.raises(ValueError, match=r"\(tp, pp, ep\)=\(1, 1, 1\), asked for \(1, 1, 2\)"):
+        init_model_parallel(ep=2)
 
 
 @pytest.mark.parametrize(("core_attention", "hf_attention"), ATTENTION_PAIRS)

@@ -15,6 +15,8 @@ from engine.models.megatron import build_gpt_model, gpt_logits, mcore_state
 from engine.models.weight_buckets import BucketServer, hf_bucket, iter_buckets, load_group, plan_buckets, plan_policy
 from engine.rollout.hf_rollout import HFRollout
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 # qwen2: tied embeddings and QKV biases; llama: untied output layer, no biases.
 ARCHS = {"qwen2": ("Qwen2ForCausalLM", True), "llama": ("LlamaForCausalLM", False)}
 # Tensor sizes of the tiny model (fp32): q 16 KiB, k/v 8 KiB, o_proj 16 KiB, down 32 KiB,

@@ -15,6 +15,8 @@ import torch
 from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 from tests.engine.rl.test_rl import REQUIRED, policy, policy_weights, ray_address, read_metrics, rl_config  # noqa: F401
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 ASYNC_KEYS = ("async/staleness_mean", "async/staleness_max", "async/partial_fraction")
 ENV = "tests.engine.multi_turn_env_example:make_counter_env"  # done after 2 turns; observation "ok" / "again"
 

@@ -16,6 +16,8 @@ from config.rl import EngineConfig, RLConfig
 from engine.models import platform
 from tests.engine.rl.test_rl import random_tiny_policy, read_metrics, rl_config, untimed
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 # one step of a colocated run with a reference (KL term), in order; "generate", "update_actor"
 # and "weight_sync" are the loop's own markers around the hand-off calls
 TO_ROLLOUT = ["actor.offload", "reference.offload", "rollout.wake_up(weights)", "weight_sync",
@@ -81,7 +83,9 @@ def handoff_runs(tmp_path_factory):
     policy = random_tiny_policy(root)
     runs = {}
     with pytest.MonkeyPatch.context() as mp:
-        # set before Ray starts: the workers take it from the runtime environment
+        # set before Ray starts: the workers take it from the runtime environment. So a cluster an
+        # earlier module of this process left running (init_ray is idempotent) must go first.
+        shutdown_ray()
         mp.setenv(platform.HANDOFF_TRACE_ENV, str(root / "trace"))
         init_ray(num_cpus=2)
         try:

@@ -27,6 +27,8 @@ from config.teacher import TeacherConfig
 from config.training import OptimConfig
 from tests.engine.rl.test_rl import question, random_tiny_policy
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 PAIRS = [(a, b) for a in range(5) for b in range(5)]
 HELD_OUT = PAIRS[::3]  # 9 sums the distillation never sees
 TRAIN = [p for p in PAIRS if p not in HELD_OUT]  # 16

@@ -34,6 +34,8 @@ from tests.engine.distributed.test_data_parallel import _close, _weights, trajec
 from tests.engine.distributed.test_data_parallel import rl_config as dp_config
 from tests.engine.rl.test_rl import REQUIRED, random_tiny_policy, read_metrics, rl_config
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 NODE_CPUS = 2
 
 

@@ -17,6 +17,8 @@ from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 from tests.engine.rl.test_rl import REQUIRED, policy, question, ray_address, read_metrics, rl_config, untimed  # noqa: F401
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 PPO_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
             "critic/values/mean", "critic/returns/mean", "timing_s/update_critic")
 

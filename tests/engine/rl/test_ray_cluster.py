@@ -30,6 +30,8 @@ import pytest
 from config.rl import EngineConfig, KLConfig, RLConfig
 from tests.engine.rl.test_rl import REQUIRED, random_tiny_policy, read_metrics, rl_config
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[3]
 RAY = str(Path(sys.executable).parent / "ray")
 

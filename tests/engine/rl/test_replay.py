@@ -27,6 +27,8 @@ from engine.storage.train_state import DataPosition
 from engine.trajectory import Trajectory
 from tests.engine.rl.test_rl import random_tiny_policy, ray_address, read_metrics, rl_config  # noqa: F401
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 
 def dump_config(steps: int = 2, **overrides):
     fields = dict(algorithm="gae", prompts_per_step=4, n_samples=4, checkpoint_every=2, dump_rollouts=True,

@@ -28,6 +28,8 @@ from config.training import OptimConfig
 from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 REPO = Path(__file__).resolve().parents[3]
 REQUIRED = (
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",

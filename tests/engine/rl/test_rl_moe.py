@@ -11,8 +11,12 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from config.rl import KLConfig
 from tests.engine.rl.test_rl import question, ray_address, read_metrics, rl_config  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 
 def random_tiny_moe_policy(root: Path) -> dict:

@@ -35,6 +35,8 @@ from tests.engine.rl.test_rl import (  # noqa: F401
 )
 from tests.engine.rollout_faults import PLAN, read_logs
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 ENV = "tests.engine.multi_turn_env_example:make_counter_env"
 PROMPTS, SAMPLES = 8, 8  # rl_config's prompts_per_step and n_samples
 

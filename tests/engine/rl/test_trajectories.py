@@ -20,6 +20,8 @@ from engine.rollout.base import SamplingSpec
 from tests.engine.multi_turn_env_example import SLOW_LABEL, SLOW_STEP_S
 from tests.engine.rl.test_rl import question, random_tiny_policy, ray_address  # noqa: F401
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 ENV = "tests.engine.multi_turn_env_example:SlowToolEnv"
 PROMPTS = [question(a, b) for a, b in ((1, 2), (3, 4), (2, 2), (4, 1))]
 LABELS = [SLOW_LABEL, "fast", "fast", "fast"]

@@ -14,6 +14,8 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from engine.rollout.base import SamplingSpec
 from engine.rollout.vllm_rollout import VLLMRollout, eos_token_ids
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 VOCAB = 400
 PROMPTS = [[5, 6, 7], [9, 9], [123, 4, 77, 300, 2]]
 

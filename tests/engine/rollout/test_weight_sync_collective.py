@@ -19,6 +19,8 @@ from engine.models.weight_buckets import plan_buckets
 from tests.engine.rl.test_rl import random_tiny_policy
 from tests.engine.weight_source import WeightSource
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 PROMPTS = [[5, 6, 7], [9, 9], [12, 4, 77, 30, 2], [40, 41]]
 BUCKET_BYTES = 20_000  # the tiny policy's ~0.3 MB of HF tensors in a dozen buckets
 

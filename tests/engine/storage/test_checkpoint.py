@@ -18,6 +18,8 @@ from engine.storage.torch_dist import (
     save_model_checkpoint,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 
 def random_hf(arch: str):
     torch.manual_seed(0)

@@ -21,6 +21,8 @@ from engine.models.megatron import build_gpt_model, gpt_logits
 from engine.storage.hf_io import export_model_dir
 from engine.storage.model_dir import save_model_dir
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 MAX_NEW = 8
 QUESTIONS = ["What is 47 + 38?", "What is 5 + 7?", "What is 90 + 19?", "What is 33 + 66?"]
 

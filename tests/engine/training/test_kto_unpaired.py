@@ -23,6 +23,8 @@ from engine.training.preference_optimization import (
     unpaired_logps,
 )
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
 
 class Crash(RuntimeError):
     pass
