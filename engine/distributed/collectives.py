@@ -15,7 +15,7 @@ order of the float additions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -183,34 +183,28 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> flo
     """
     params = [p for p in params if p.grad is not None]
     tp, ep = tensor_parallel_group(), expert_model_parallel_group()
-    if ep is not None:  # expert shards (allreduce=False): their squared norms summed over the expert group
-        shards = torch.zeros((), dtype=torch.float32)
-        replicated = torch.zeros((), dtype=torch.float32)
-        for p in params:
-            sq = p.grad.detach().float().pow(2).sum()
-            if getattr(p, "allreduce", True):
-                replicated += sq
-            else:
-                shards += sq
-        dist.all_reduce(shards, op=dist.ReduceOp.SUM, group=ep)
-        total = float((shards + replicated).sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                p.grad.detach().mul_(coef)
-        return total
+    if ep is not None:  # expert shards: megatron's allreduce=False
+        return _clip_shards_over(params, max_norm, lambda p: not getattr(p, "allreduce", True), ep)
     if tp is None:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    sharded = torch.zeros((), dtype=torch.float32)
+    return _clip_shards_over(params, max_norm, lambda p: getattr(p, "tensor_model_parallel", False), tp)
+
+
+def _clip_shards_over(params: Sequence[torch.nn.Parameter], max_norm: float,
+                      is_shard: Callable[[torch.nn.Parameter], bool], group) -> float:
+    """:func:`clip_grad_norm` where the ``params`` for which ``is_shard`` holds are slices held
+    by the ranks of ``group`` (their squared norms summed over it) and the rest are replicated
+    (counted once)."""
+    shards = torch.zeros((), dtype=torch.float32)
     replicated = torch.zeros((), dtype=torch.float32)
     for p in params:
         sq = p.grad.detach().float().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
+        if is_shard(p):
+            shards += sq
         else:
             replicated += sq
-    dist.all_reduce(sharded, op=dist.ReduceOp.SUM, group=tp)
-    total = float((sharded + replicated).sqrt())
+    dist.all_reduce(shards, op=dist.ReduceOp.SUM, group=group)
+    total = float((shards + replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for p in params:

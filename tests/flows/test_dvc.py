@@ -393,6 +393,8 @@ COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
               ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1},
               # dotted keys are set from the config's root: DP=k needs k micro-batches per step
               ("sft", "parallel", "data_parallel_size"): {"sft.micro_batch_size": 256},
+              # expert parallelism is carved out of the data-parallel ranks
+              ("sft", "parallel", "expert_model_parallel_size"): {"data_parallel_size": 2, "sft.micro_batch_size": 256},
               ("rm", "parallel", "data_parallel_size"): {"rm.micro_batch_size": 16},
               ("po", "parallel", "data_parallel_size"): {"po.micro_batch_size": 16}}
 
@@ -438,6 +440,8 @@ def test_dvc_params_cover_the_config_each_fingerprint_reads():
         if changed is None:
             fixed.append(".".join(path))
             if path[-1] == "tensor_model_parallel_size":  # the schema refuses TP > 1 in these stages yet
+                continue
+            if path[-1] == "expert_model_parallel_size" and path[0] != "sft":  # EP runs in sft only yet
                 continue
             assert typing.get_origin(ann) is typing.Literal and len(typing.get_args(ann)) == 1, f"could not change {'.'.join(path)}"
             continue
