@@ -17,12 +17,13 @@ instead of testing names.
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
+
+from config.module_literal import module_literal
 
 
 @dataclass(frozen=True)
@@ -131,23 +132,17 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
             values (names the file, the line and the fix).
         SyntaxError: the file does not parse.
     """
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     known = [f.name for f in fields(AlgorithmNeeds)]
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        if not any(isinstance(t, ast.Name) and t.id == ALGORITHM_NEEDS for t in targets):
-            continue
-        try:
-            value = ast.literal_eval(node.value) if node.value is not None else None
-        except ValueError:
-            value = None
-        ok = isinstance(value, dict) and all(
-            isinstance(fn, str) and isinstance(needs, dict)
-            and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
-        if not ok:
-            raise ValueError(f"{path}:{node.lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
-                             f"dicts of needs ({', '.join(known)}: True or False), e.g. "
-                             f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
-                             "importing the module, so it cannot be computed")
-        return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}
-    return {}
+    found = module_literal(path, ALGORITHM_NEEDS)
+    if found is None:
+        return {}
+    lineno, value = found
+    ok = isinstance(value, dict) and all(
+        isinstance(fn, str) and isinstance(needs, dict)
+        and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
+    if not ok:
+        raise ValueError(f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
+                         f"dicts of needs ({', '.join(known)}: True or False), e.g. "
+                         f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
+                         "importing the module, so it cannot be computed")
+    return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}

@@ -41,6 +41,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
+from config.module_literal import module_literal
 from data.checksums import sha256_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -262,21 +263,15 @@ def declared_data_files(path: Path) -> tuple[tuple[str, Path], ...]:
             and line).
         SyntaxError: the file does not parse.
     """
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        if not any(isinstance(t, ast.Name) and t.id == DATA_FILES for t in targets):
-            continue
-        try:
-            value = ast.literal_eval(node.value) if node.value is not None else None
-        except ValueError:
-            value = None
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-            raise ValueError(f"{path}:{node.lineno}: {DATA_FILES} must be a literal list of path strings "
-                             f"(relative to {path.name}'s directory), e.g. {DATA_FILES} = [\"lexicon.txt\"]; "
-                             "it is read without importing the module, so it cannot be computed")
-        return tuple((v, path.parent / v) for v in value)
-    return ()
+    found = module_literal(path, DATA_FILES)
+    if found is None:
+        return ()
+    lineno, value = found
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{path}:{lineno}: {DATA_FILES} must be a literal list of path strings "
+                         f"(relative to {path.name}'s directory), e.g. {DATA_FILES} = [\"lexicon.txt\"]; "
+                         "it is read without importing the module, so it cannot be computed")
+    return tuple((v, path.parent / v) for v in value)
 
 
 def modules_of(module: str) -> list[str]:
