@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from config import ConfigError, load_config
-from config.rl import RewardConfig, RewardFunctionConfig
+from config.reward import RewardConfig, RewardFunctionConfig
 from data.reward_plugins import load_reward_function
 from tests.data import reward_plugins_example as example
 

@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 
-from config.rl import KLConfig, RewardConfig, RewardFunctionConfig, RLConfig, RolloutConfig
+from config.reward import RewardConfig, RewardFunctionConfig
+from config.rl import KLConfig, RLConfig, RolloutConfig
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.multi_turn import (
     MultiTurnSample,
