@@ -9,7 +9,7 @@ One iteration, in order, and where each phase lives (megatron backend; the DeepS
    ``prompts_per_step`` groups have differing rewards; ``engine.algorithms.dynamic_sampling.fill_batch``),
    through the ``RolloutRouter`` (``rollout/router.py``) over ``rl.rollout.num_engines`` engines,
    which replaces a dead or hung engine within the step (``rollout/engine_restarts``);
-2. rewards: in the same producer, ``RewardWorker.score`` (``rl/workers.py``), with a trained
+2. rewards: in the same producer, ``RewardWorker.score`` (``rl/reward_workers.py``), with a trained
    reward model's scores from ``RewardModelWorker`` (``rl.parallel.reward_model``); with
    ``rl.environment`` the rollout is multi-turn and the environment scores it instead (no
    reward worker is started; ``engine.rollout.multi_turn``);
