@@ -10,7 +10,7 @@ stage config + code version).
   task module (``tasks/<stage>.py``) and, recursively, every project module it imports (found
   by reading import statements, not by executing them), except that the walk does not enter
   the orchestration modules of ``tasks/`` (:data:`ORCHESTRATION`: the runner, tracking,
-  artifact store, locks, reaper, stage graph, fingerprints and stage spec), which publish,
+  artifact store and its manifests, locks, reaper, stage graph, fingerprints and stage spec), which publish,
   record and schedule artifacts but compute none of their files. Every other module is
   followed, a new ``tasks/`` helper included, so a module is left out only by being listed
   there. Each file counts by its syntax tree with docstrings removed: editing a comment, a
@@ -53,6 +53,8 @@ ORCHESTRATION = frozenset({
     "tasks.graph",  # the stage graph (pairs config.stages with the stage modules)
     "tasks.leftovers",  # what killed runs left behind
     "tasks.locks",  # file locks
+    "tasks.manifests",  # an artifact's manifest.json and files table (for the artifact store)
+    "tasks.pipeline_run",  # which pipeline run a stage belongs to; its W&B group, tags and config
     "tasks.reaper",  # kills what a stage started when its process dies
     "tasks.runner",  # cache lookup, work dir, publish
     "tasks.spec",  # StageSpec: what enters the fingerprint
