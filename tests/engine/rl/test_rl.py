@@ -121,15 +121,17 @@ def _build_sft_policy(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ray_address():
+    """A local 2-CPU Ray cluster, left running for the next module of this test process (as the
+    distributed tests' fixtures do; init_ray is idempotent, a test that needs a cluster of its own
+    shuts it down first, and Ray stops it when the process exits): a cluster start saved per module."""
     import ray
 
-    from engine.rl.placement import init_ray, shutdown_ray
+    from engine.rl.placement import init_ray
 
     first = init_ray(num_cpus=2)
     assert init_ray(num_cpus=1) == ray.cluster_resources()  # idempotent: still the first cluster
     assert first["CPU"] == 2.0
-    yield ray.get_runtime_context().gcs_address
-    shutdown_ray()
+    return ray.get_runtime_context().gcs_address
 
 
 def rl_config(backend: str, steps: int, **overrides) -> RLConfig:
