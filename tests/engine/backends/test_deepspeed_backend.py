@@ -381,13 +381,11 @@ def _two_grpo_steps(policy, cfg, tmp_path):
     both steps ran, vLLM sampled with exactly the trainer's weights after each sync, finite
     losses, an on-policy single epoch, and a train state at step 2. Returns (metric rows, state)."""
     from engine.rl.loop import run_rl
-    from engine.rl.placement import shutdown_ray
     from engine.storage.train_state import load_train_state
 
-    try:
-        result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
-    finally:
-        shutdown_ray()
+    # run_rl starts a local cluster (or joins the one an earlier test left running) and leaves it
+    # for the next run: a cluster start saved
+    result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
     assert (result["rl/steps"], result["rl/steps_run"]) == (2.0, 2.0)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
