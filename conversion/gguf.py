@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from conversion.export import write_hf_safetensors
+from conversion.registry import ConversionError, family
 from conversion.spec import GPTSpec
 
 NO_TOKEN_IDS = (0xFFFFFFFF, -1)  # llama.cpp's "no token" (LLAMA_TOKEN_NULL / uint32 max)
@@ -85,6 +86,7 @@ class _Gguf:
     """Metadata access with errors naming the file and key."""
 
     def __init__(self, path: Path):
+        # gguf: ~1 s to import; only GGUF files need it
         from gguf import GGUFReader
 
         self.path = path
@@ -119,6 +121,7 @@ def _tensor(g: _Gguf, t) -> torch.Tensor:
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     data = np.ascontiguousarray(t.data)
     if kind == "Q8_0":
+        # gguf: ~1 s to import; only GGUF files need it
         from gguf.quants import dequantize
 
         out = torch.from_numpy(dequantize(data, t.tensor_type).astype(np.float32))
@@ -193,6 +196,7 @@ def _hf_tensors(g: _Gguf, config: dict[str, Any]) -> Iterator[tuple[str, torch.T
 
 
 def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import LlamaTokenizer, PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
@@ -236,8 +240,6 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         raise FileNotFoundError(f"{path}: no such GGUF file")
     g = _Gguf(path)
     config, tok = _read_config(g)
-    from conversion.registry import ConversionError, family
-
     spec, fam = family(config)
     # disable=None: the bar is drawn on a terminal only, no log lines
     tensors = dict(tqdm(_hf_tensors(g, config), total=len(g.reader.tensors), desc="import GGUF", unit="tensor",

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from conversion.gguf import GGUF_ARCHITECTURES, GLOBAL_NAMES, LAYER_NAMES, PERMUTED, permute_qk
+from conversion.hf_source import load_hf_source
+from conversion.registry import family
 
 # --type -> (GGML tensor type of 2-D weights, general.file_type as llama.cpp's LlamaFileType)
 GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
@@ -58,6 +60,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 def _encode(a: np.ndarray, kind: str) -> tuple[np.ndarray, Any]:
     """(data, raw_dtype) for ``GGUFWriter.add_tensor``; 1-D tensors stay F32, Q8_0 falls back
     to F16 for rows not a multiple of the 32-value block (llama.cpp's converter does both)."""
+    # gguf: ~1 s to import; only GGUF files need it
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
 
@@ -115,6 +118,7 @@ def tokenizer_metadata(tokenizer_dir: str | Path, architecture: str, vocab_size:
         ValueError: another tokenizer model (Unigram, WordPiece), or more tokens than
             ``vocab_size`` (naming the directory).
     """
+    # transformers and gguf: 1-2 s to import; only tokenizers and HF models need it
     from gguf import TokenType
     from transformers import AutoTokenizer
 
@@ -216,10 +220,8 @@ def hf_to_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "q8
         FileNotFoundError / ConversionError: as ``conversion.hf_source.load_hf_source`` and
             ``conversion.registry.family``.
     """
+    # gguf: ~1 s to import; only GGUF files need it
     import gguf
-
-    from conversion.hf_source import load_hf_source
-    from conversion.registry import family
 
     if gguf_type not in GGUF_TYPES:
         raise ValueError(f"GGUF type {gguf_type!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")

@@ -122,6 +122,7 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
     elif path.exists():
         raise ValueError(f"{path}: model source must be a directory or a .gguf file")
     elif _HUB_ID.match(str(source)):
+        # huggingface_hub: its client takes ~0.4 s to import; only Hub calls need it
         from huggingface_hub import snapshot_download
 
         model_dir = Path(snapshot_download(str(source), revision=revision, cache_dir=str(cache_root / "hub"),
@@ -147,6 +148,7 @@ def check_tokenizer_fits(source: HFSource) -> None:
     Raises:
         ValueError: naming the tokenizer directory, both sizes and ``model.tokenizer``.
     """
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import AutoTokenizer
 
     vocab = source.config.get("vocab_size")

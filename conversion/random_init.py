@@ -30,6 +30,7 @@ def init_random_hf_model(out_dir: str | Path, hf_config: Mapping[str, Any], seed
     Raises:
         ValueError: ``model_type`` missing or unknown to transformers.
     """
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = dict(hf_config)

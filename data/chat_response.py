@@ -12,6 +12,7 @@ character are shown as ``\\xNN`` escapes. The turn end is the chat template's
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -118,8 +119,6 @@ def readable_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | N
 def _sampled_bytes(tokenizer: Any, token_ids: Sequence[int]) -> bytes | None:
     """The bytes the non-special tokens stand for, or None when the tokenizer's decoder is
     neither byte-level BPE nor SentencePiece with byte fallback."""
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

@@ -37,6 +37,7 @@ hacking by introspection impossible.
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -176,8 +177,6 @@ def _probe(cmd: list[str]) -> str | None:
         return f"{' '.join(cmd[:2])} failed: {exc}"
     if done.returncode != 0:
         return f"{' '.join(cmd[:2])} exited {done.returncode}: {done.stderr.strip()[-300:]}"
-    import errno
-
     if done.stdout.strip() != str(errno.ENETUNREACH):
         return f"the namespace still reaches the network (connect gave errno {done.stdout.strip()})"
     return None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.batching.balancing import token_budget_micro_batches
 from engine.rollout.base import RolloutOutput
 
 if TYPE_CHECKING:
@@ -308,8 +309,6 @@ def micro_batch_rows(traj: Trajectory, micro_batch_size: int, max_tokens: int | 
         if micro_batch_size < 1:
             raise ValueError(f"rl.micro_batch_size must be >= 1, got {micro_batch_size}")
         return [torch.arange(i, min(i + micro_batch_size, b)) for i in range(0, b, micro_batch_size)]
-    from engine.batching.balancing import token_budget_micro_batches
-
     lengths = (traj.prompt_lengths + traj.response_lengths).tolist()
     return [torch.tensor(g, dtype=torch.long) for g in token_budget_micro_batches(lengths, max_tokens)]
 

@@ -11,10 +11,12 @@ or end of input (Ctrl-D) ends the chat; ``/reset`` forgets the conversation.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 from config import ConfigError
+from data.chat import encode_prompt
 from flows.model_ref import add_model_arguments, find_model_artifact, hf_model_dir
 
 PROMPT = "you> "
@@ -51,7 +53,7 @@ def cmd_chat(args) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's INFO and warning lines would interleave with the chat
     hf_dir = hf_model_dir(artifact)
     engine, tokenizer, context = _start_engine(args, hf_dir)
-    from data.chat import encode_prompt
+    # torch (via engine.rollout.base, engine.rollout.streaming): seconds to import, not paid until this runs
     from engine.rollout.base import SamplingSpec
     from engine.rollout.streaming import stream_text
 
@@ -113,8 +115,7 @@ def _start_engine(args, hf_dir):
     """``(engine, tokenizer, context tokens)`` for ``hf_dir`` on ``args.backend``: the rollout
     engine evaluation builds (engine.rollout.factory), sized for one sequence of the model's
     whole context."""
-    import json
-
+    # torch (via engine.rollout.factory) and transformers: seconds to import, paid only when chatting
     from transformers import AutoTokenizer
 
     from engine.models.platform import worker_threads

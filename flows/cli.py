@@ -9,9 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+from data.disk_full import DiskFull, wrapped_exceptions
+from flows.chat import add_chat_parser
+from flows.compare import add_compare_parser
+from flows.export_gguf import add_export_gguf_parser
+from flows.gc import add_gc_parser, human_size, leftover_table
+from flows.prefect_server import prefect_api
+from flows.push import add_push_parser
+from flows.replay import add_replay_parser
+from flows.reports import result_lines
+from flows.serve import add_serve_parser
+from tasks.leftovers import REMOVABLE, Leftover
 
 # Local services stay quiet and local unless the user says otherwise.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -97,6 +110,7 @@ class Interrupted(StageFailed):
 @contextmanager
 def _stage_errors():
     """Turn a failed or interrupted flow into one closing line and an exit code."""
+    # prefect (via flows.pipeline): 1-2 s to import; only flows and stage runs need it
     from flows.pipeline import MissingUpstream
 
     try:
@@ -113,7 +127,7 @@ def _one_line(exc: BaseException) -> str:
     """The closing line for a stage's exception: the message of a full disk or a refused
     checkpoint found anywhere in what it wraps (a Ray task error's cause, a CheckpointException's
     per-rank failures), else ``Type: message`` (a CheckpointException: its first rank's failure)."""
-    from data.disk_full import DiskFull, wrapped_exceptions
+    # torch (via engine.storage.train_state): seconds to import, not paid until this runs
     from engine.storage.train_state import CorruptCheckpoint
 
     for item in wrapped_exceptions(exc):  # not a Ray wrapper (it has a `cause`): its text is a traceback
@@ -140,8 +154,8 @@ def cmd_run(args) -> int:
     problems += before_first_stage(cfg)
     if problems:
         raise ConfigError("cannot run:\n  " + "\n  ".join(problems))
+    # prefect (via flows.pipeline): 1-2 s to import; only flows and stage runs need it
     from flows.pipeline import pipeline
-    from flows.prefect_server import prefect_api
 
     with _stage_errors(), prefect_api():
         summary = pipeline(config_path=args.config, overrides=list(args.overrides))
@@ -153,8 +167,6 @@ def cmd_run(args) -> int:
 
 
 def _print_summary(summary: dict) -> None:
-    from flows.reports import result_lines
-
     table = Table(title="posttrain: pipeline summary")
     for col in ("stage", "state", "wall time (s)", "artifact"):
         table.add_column(col)
@@ -181,6 +193,7 @@ def cmd_stage(args) -> int:
             with ``rl.reward.reward_model_weight`` above 0 and rm switched off.
         StageFailed: the stage raised, or was interrupted (exit code 130).
     """
+    # psutil (via flows.parent_watch): ~20 ms to import, not paid until this runs
     from flows.parent_watch import watch_parent
 
     watch_parent()
@@ -197,10 +210,11 @@ def cmd_stage(args) -> int:
         # validate reports it too, but a DVC experiment that switches rm off reruns only rm and rl
         raise ConfigError(f"{args.config}: rl.reward.reward_model_weight is {cfg.rl.reward.reward_model_weight}, which needs "
                           "rm.enabled: true (set the weight to 0 to train without the reward model)")
+    # prefect (via flows.pipeline): 1-2 s to import; only flows and stage runs need it
     from flows.pipeline import MissingUpstream, stage_flow
-    from flows.prefect_server import prefect_api
 
     if args.name != "prepare":  # fail before starting Prefect if an upstream artifact is missing
+        # prefect (via tasks.graph): 1-2 s to import; only flows and stage runs need it
         from tasks.graph import stage, stage_states
 
         spec, _ = stage(args.name)
@@ -226,6 +240,7 @@ def cmd_stage(args) -> int:
 def _skip_disabled(cfg, name: str) -> int:
     """A stage switched off by ``<name>.enabled: false``: record it (pointer ``{"disabled":
     true}``, empty metrics) so that DVC's stage completes; nothing else runs. Returns 0."""
+    # prefect (via tasks.runner): 1-2 s to import; only flows and stage runs need it
     from tasks.runner import write_disabled_pointer
 
     write_disabled_pointer(cfg, name)
@@ -247,13 +262,12 @@ def _state_cell(row: dict) -> str:
 
 def _command_args(args) -> str:
     """The config and its overrides as a command line takes them (for messages)."""
-    import shlex
-
     return shlex.join([args.config, *args.overrides])
 
 
 def cmd_status(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    # prefect (via flows.status): 1-2 s to import; only flows and stage runs need it
     from flows.status import stage_status
 
     rows = stage_status(cfg, verify=args.verify)
@@ -285,9 +299,6 @@ def cmd_status(args) -> int:
 def _print_leftovers(cfg, rows: list[dict]) -> None:
     """The resume and work directories under run.checkpoint_root (the status rows'
     ``leftovers``), and what ``gc`` would free."""
-    from flows.gc import human_size, leftover_table
-    from tasks.leftovers import REMOVABLE, Leftover
-
     items = [Leftover(**{**{k: v for k, v in item.items() if k != "age_s"}, "path": Path(item["path"])})
              for r in rows for item in r.get("leftovers", [])]
     if not items:
@@ -325,21 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="check a config and its inputs without running anything")
     _config_arguments(p)
     p.set_defaults(fn=cmd_validate)
-    from flows.export_gguf import add_export_gguf_parser
-    from flows.gc import add_gc_parser
-
     add_gc_parser(sub, console)
     add_export_gguf_parser(sub, console)
-    from flows.replay import add_replay_parser
-
     add_replay_parser(sub)
-    from flows.compare import add_compare_parser
-
     add_compare_parser(sub)
-    from flows.chat import add_chat_parser
-    from flows.push import add_push_parser
-    from flows.serve import add_serve_parser
-
     add_chat_parser(sub)
     add_serve_parser(sub)
     add_push_parser(sub)

@@ -6,10 +6,15 @@ connects to a Ray cluster."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from config.memory_plan import check_layouts as plan_layouts
+from config.memory_plan import layout_problems
+from config.placement_plan import check_placement
+from config.placement_plan import check_stage_cpus as check
 from config.schema import PipelineConfig
 from flows.model_checks import made_by_prepare
 
@@ -60,14 +65,10 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     Without a plan (no model sizes yet) the tensor-parallel sizes are checked against what the
     prepare section will build, and the sft, rm and po ranks against the local CPUs
     (:func:`check_stage_cpus`). Reads nothing itself and never connects to a Ray cluster."""
-    from config.memory_plan import check_layouts as plan_layouts
-
     m, longest = seen.get("model"), seen.get("longest", {})
     if m is None:
         return check_stage_cpus(cfg), []
     if made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
-        from config.memory_plan import layout_problems
-
         return (layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),
                 [f"memory plan: made once the prepare step has built {m.name}"])
     context = m.config.get("max_position_embeddings") or 10**9
@@ -92,8 +93,6 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
 def check_stage_cpus(cfg: PipelineConfig) -> list[str]:
     """The sft, rm and po stages' ranks against the local cluster's CPUs
     (``config.placement_plan.check_stage_cpus``); never connects to a Ray cluster."""
-    from config.placement_plan import check_stage_cpus as check
-
     joined = cluster_address(cfg)
     return check(cfg, joined[0] if joined else None)
 
@@ -103,8 +102,6 @@ def check_rl_placement(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     (``config.placement_plan.check_placement``: the declared ``rl.engine.cluster_nodes``, else
     this machine for a local cluster); returns (problems naming the key, notes: the placement
     table). Never connects to a Ray cluster."""
-    from config.placement_plan import check_placement
-
     joined = cluster_address(cfg)
     problems, notes = check_placement(cfg.rl, joined[0] if joined else None)
     return problems + check_shared_memory(cfg, joined is None), notes
@@ -114,8 +111,6 @@ def check_shared_memory(cfg: PipelineConfig, local: bool, shm: str = "/dev/shm")
     """``rl.engine.weight_sync: ipc`` on CPU keeps two buckets in POSIX shared memory
     (``engine.distributed.weight_ipc``): on a cluster started here, ``shm`` must have room for
     them, or the first weight sync fails. Returns the problem, naming both keys, or nothing."""
-    import shutil
-
     rl = cfg.rl
     if not (local and rl.weight_sync_mode == "ipc" and rl.parallel.actor.gpus_per_rank == 0):
         return []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ def paired_rows(runs: list[Run]) -> list[dict[str, Any]]:
     paired standard error (``engine.evaluation.statistics.paired_difference`` over the
     per-prompt mean@k). Rows: ``{"run", "benchmark", "policy", "metric", "n", "delta", "se"}``
     where ``metric`` is the evaluate metric the delta belongs to."""
+    # polars (via engine.evaluation.statistics): ~0.5 s to import, not paid until this runs
     from engine.evaluation.statistics import paired_difference
 
     first = _samples(runs[0]) if runs else None
@@ -147,6 +149,7 @@ def plot_curves(runs: list[Run], out: Path) -> Path | None:
     """Write a 2x2 PNG (matplotlib, Agg) overlaying the runs' RL curves: reward, KL, entropy
     and response length per step, one line per run. Returns ``out``, or None (nothing
     written) when no run has an rl artifact with ``metrics.jsonl``."""
+    # matplotlib: heavy to import; only figures need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -235,8 +238,7 @@ def default_png(labels: list[str]) -> Path:
 def print_report(doc: dict[str, Any], only_changed: bool = False) -> None:
     """Print the comparison as rich tables: metrics with deltas (and paired SEs), the stage
     inputs that differ, what could not be found, and where the curves are."""
-    import sys
-
+    # rich: its console and tables take ~0.1 s to import; only printing needs them
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from config import ConfigError, load_config
 from config.stages import stage_names
+from tasks.fingerprint import code_version
 
 if TYPE_CHECKING:
     from config.schema import PipelineConfig
@@ -114,6 +117,7 @@ def _read_manifest(store: ArtifactStore, stage: str, artifact_id: str) -> dict[s
 def from_config(label: str, cfg: PipelineConfig) -> Run:
     """The artifacts of ``cfg``'s current fingerprints (``tasks.graph.stage_states``); a
     stage without one keeps the config slice its fingerprint would use."""
+    # prefect (via tasks.graph, tasks.runner): 1-2 s to import; only flows and stage runs need it
     from tasks.graph import enabled_stages, stage_states
     from tasks.runner import store_for
 
@@ -133,8 +137,6 @@ def from_config(label: str, cfg: PipelineConfig) -> Run:
 def _unbuilt_inputs(spec: StageSpec, cfg: PipelineConfig) -> dict[str, Any]:
     """:func:`stage_inputs` of a stage that has no artifact for ``cfg``: its config slice, raw
     input files and code version as its fingerprint would take them now (no upstream ids)."""
-    from tasks.fingerprint import code_version
-
     raw = spec.raw_hashes(cfg)
     return stage_inputs(spec.name, {
         "config": spec.config(cfg),
@@ -189,6 +191,7 @@ def _git(*args: str) -> str:
 def experiment_commit(name: str) -> str | None:
     """The commit of the DVC experiment ``name`` in the repository of the working directory
     (DVC's own name resolution: ``dvc exp list``), or None when there is none of that name."""
+    # dvc: heavy to import; only DVC lookups need it
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
     from dvc.repo.experiments.utils import resolve_name
@@ -204,7 +207,7 @@ def experiment_commit(name: str) -> str | None:
 def _params_file(commit: str) -> str:
     """The params file the stages of ``dvc.yaml`` read at ``commit`` (dvc.yaml's ``vars``
     interpolated by DVC's own resolver), e.g. ``configs/quickstart.yaml``."""
-    import yaml
+    # dvc: heavy to import; only DVC lookups need it
     from dvc.parsing import DataResolver
     from dvc.repo import Repo
 
@@ -225,6 +228,7 @@ def from_experiment(label: str, commit: str) -> Run:
     Raises:
         ConfigError: the committed params file is not a valid config.
     """
+    # prefect (via tasks.graph, tasks.runner): 1-2 s to import; only flows and stage runs need it
     from tasks.graph import enabled_stages
     from tasks.runner import store_for
 
@@ -260,6 +264,7 @@ def resolve(arg: str, artifact_root: str | None = None, overrides: list[str] = (
         CompareError: ``arg`` is none of these, or has overrides but is no config file.
         ConfigError: a config file (or an experiment's params file) is invalid.
     """
+    # fsspec (via tasks.artifacts): ~0.1 s to import; only artifact stores need it
     from tasks.artifacts import ArtifactStore
 
     path = Path(arg)

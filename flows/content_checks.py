@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,7 @@ def architecture_problem(name: str, config: dict[str, Any]) -> str | None:
     without a parameter map, or a feature megatron-core does not build: sliding windows,
     rotary scaling, biases; ``conversion.spec.GPTSpec.from_hf_config``), as one problem
     naming ``model.source`` (``name``), or None. Pure: no torch import, no file read."""
+    # torch (via conversion.spec): seconds to import, not paid until this runs
     from conversion.spec import HF_ARCHITECTURES, GPTSpec
 
     archs = config.get("architectures") or []
@@ -99,6 +101,7 @@ def check_benchmarks(cfg: PipelineConfig, readable) -> tuple[list[str], list[Ben
     read); a problem names ``evaluate.datasets[i]`` and the benchmark, then the file, line and
     field (an SFT or preference file: the format it was read as and the formats that give
     prompt/label rows). A missing file is left to ``check_inputs``."""
+    # torch (via engine.evaluation.benchmarks) and polars (via data.validate): seconds to import, paid here only
     from data.validate import DataValidationError
     from engine.evaluation.benchmarks import benchmark_rows
 
@@ -192,13 +195,12 @@ def _padded(label: str) -> str | None:
     """The number ``label`` is, written plainly, when the numeric verifier (``gsm8k``) reads
     it as a number but its text is not that plain form (``025`` -> ``25``, ``1,000`` ->
     ``1000``, ``18.0`` -> ``18``); else None."""
+    # polars (via data.rewards): ~0.5 s to import, not paid until this runs
     from data.rewards import label_problem
 
     text = label.strip()
     if not text or label_problem("gsm8k", text) is not None:
         return None
-    from decimal import Decimal
-
     plain = f"{Decimal(text.replace(',', '')).normalize():f}"
     return plain if plain != text else None
 

@@ -60,6 +60,7 @@ def leftover_table(items: list[Leftover], title: str) -> Table:
 def cmd_gc(args, console: Console) -> int:
     """Remove (``--dry-run``: list) the abandoned resume and dead work directories of CONFIG's
     checkpoint root; print what was kept and why. Returns 0."""
+    # prefect (via flows.status): 1-2 s to import; only flows and stage runs need it
     from flows.status import leftovers
 
     cfg = load_config(args.config, args.overrides)

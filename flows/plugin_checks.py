@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from config.schema import PipelineConfig
+from flows.content_checks import WEIGHT_GLOBS
 
 TRIAL_ROWS = 2  # two, so that a batched function returning one value for the batch shows
 
@@ -25,6 +26,7 @@ def check_plugins(cfg: PipelineConfig, rows: dict[str, Any] | None = None) -> li
     the functions are only imported. Returns problems, each naming its key."""
     problems = []
     if cfg.rl.reward.functions:
+        # asyncio (via data.reward_plugins): ~30 ms to import, not paid until this runs
         from data.reward_plugins import load_reward_function
 
         trial = _trial_rows(rows or {})
@@ -38,6 +40,7 @@ def check_plugins(cfg: PipelineConfig, rows: dict[str, Any] | None = None) -> li
                 problems += _try(fn, f"rl.reward.functions[{i}]", *trial)
     problems += check_judge(cfg)
     if cfg.rl.environment is not None:
+        # torch (via engine.rollout.multi_turn): seconds to import, not paid until this runs
         from engine.rollout.multi_turn import load_environment_factory
 
         try:
@@ -52,8 +55,6 @@ def check_judge(cfg: PipelineConfig) -> list[str]:
     (config.json, weights, a tokenizer) vLLM can serve, its ``api_key_env`` set here. (The
     config itself refuses an endpoint or reward-service URL that is not an http(s) URL and a
     template naming a field other than {prompt}, {response}, {label}.) Returns problems."""
-    from flows.content_checks import WEIGHT_GLOBS
-
     judge = cfg.rl.reward.judge
     if judge is None:
         return []
@@ -112,6 +113,7 @@ def read_trial_rows(cfg: PipelineConfig) -> dict[str, Any]:
     (the prepare step makes it, or it is missing: check_inputs reports that)."""
     if not cfg.rl.reward.functions or cfg.data.rl_train is None:
         return {}
+    # polars (via data.validate): ~0.5 s to import, not paid until this runs
     from data.validate import dataset_entries, validate_dataset
 
     name, key, ds = next(e for e in dataset_entries(cfg.data) if e[0].partition("/")[0] == "rl_train")

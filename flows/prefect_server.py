@@ -76,6 +76,7 @@ class RetriedSQLiteLockFilter(logging.Filter):
             return True
         if getattr(orig, "sqlite_errorname", None) not in _SQLITE_BUSY_NAMES and "database is locked" not in orig.args:
             return True
+        # prefect: 1-2 s to import; only flows and stage runs need it
         from prefect.settings import get_current_settings
 
         return get_current_settings().server.log_retryable_errors
@@ -96,6 +97,7 @@ def _session_server():
     Built on first use: importing Prefect's server module takes seconds, and commands that
     use a configured API never need it.
     """
+    # prefect: 1-2 s to import; only flows and stage runs need it
     import prefect
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
@@ -127,6 +129,7 @@ def _session_server():
 def _start(server) -> None:
     """``server.start()``; its time-out error says what to do about it (a busy machine
     starts the server slowly: Prefect's own message names neither the setting nor a way out)."""
+    # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
     try:
@@ -156,6 +159,7 @@ def prefect_api() -> Iterator[str]:
             ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` (the message names the
             setting and the two ways out).
     """
+    # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings

@@ -19,6 +19,8 @@ from typing import Any
 from config.precision import auto_precision, bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
 from config.stages import chat_trainers
+from data import chat, chat_template
+from data.chat import encode_prompt
 from flows.content_checks import (
     SftFit,
     architecture_problem,
@@ -63,6 +65,7 @@ def _not_a_file(path: str | Path) -> str:
 
 def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     """Returns (problems, notes). Problems name the config key and the missing path."""
+    # polars (via data.validate): ~0.5 s to import, not paid until this runs
     from data.validate import dataset_entries
 
     problems, notes = [], []
@@ -178,6 +181,7 @@ def _prepared(cfg: PipelineConfig, notes: list[str]) -> bool:
     """Whether ``prepare.output_dir`` holds the prepare output of this very config."""
     if cfg.prepare is None:
         return False
+    # prefect (via tasks.prepare): 1-2 s to import; only flows and stage runs need it
     from tasks.prepare import is_prepared
 
     if is_prepared(cfg):
@@ -202,6 +206,7 @@ def _check_datasets(cfg: PipelineConfig, prepared: bool, problems: list[str], no
     """The data files through the validate stage's own check (``data.validate.validate_data``:
     rows, bad-row fraction, duplicates, rl_eval/rl_train overlap); returns
     ``{name: ValidationResult}`` for the later checks (their valid rows)."""
+    # polars (via data.validate): ~0.5 s to import, not paid until this runs
     from data.validate import dataset_entries, validate_data
 
     entries = {name: ds for name, _, ds in dataset_entries(cfg.data) if _readable(cfg, ds.path, prepared)}
@@ -224,6 +229,7 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
     and rl.reward.verifier_weight != 0) can be scored by ``rl.reward.verifier`` (a mixture
     source's by its own verifier): a gsm8k label must be a number, a math one non-blank
     (``data.rewards.label_problem``)."""
+    # polars (via data.rewards): ~0.5 s to import, not paid until this runs
     from data.rewards import label_problem
 
     if cfg.rl.reward.verifier == "none":
@@ -258,8 +264,6 @@ def _check_chat(cfg: PipelineConfig, m: ModelFacts, rows: dict, longest_of: dict
     """The chat template: present where SFT or the reward model need it, its turn end found,
     and every SFT conversation and preference pair rendered with it; ``longest_of`` receives
     the longest rendering of each (tokens), ``fit`` each SFT row's loss mask."""
-    from data import chat, chat_template
-
     tok = m.tokenizer
     if getattr(tok, "chat_template", None) is None:
         return [f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
@@ -317,8 +321,6 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: ModelFacts, rows: dict, notes:
                           longest_of: dict[str, int] | None = None) -> list[str]:
     """RL and evaluation prompts (``data.chat.encode_prompt``) against the model's context
     minus the response budget; ``longest_of`` receives each dataset's longest prompt (tokens)."""
-    from data.chat import encode_prompt
-
     context = m.config.get("max_position_embeddings")
     if not context:
         return []

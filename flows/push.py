@@ -58,6 +58,7 @@ def card_header(readme: Path) -> str | None:
 
 def hub_token_problem() -> str | None:
     """Why no upload can start (offline mode, no token), or None. Reads no network."""
+    # huggingface_hub: its client takes ~0.4 s to import; only Hub calls need it
     from huggingface_hub import constants, get_token
 
     if constants.HF_HUB_OFFLINE:
@@ -81,6 +82,7 @@ def cmd_push(args) -> int:
     artifact = find_model_artifact(args.model, args.overrides, stage="export", artifact_root=args.artifact_root)
     directory = hf_model_dir(artifact)
     files = upload_files(directory)
+    # rich (via flows.gc): its console and tables take ~0.1 s to import; only printing needs them
     from flows.gc import human_size
 
     where = f"https://huggingface.co/{args.repo}" if not args.dry_run else args.repo
@@ -112,6 +114,7 @@ def cmd_push(args) -> int:
 
 
 def _upload(directory: Path, repo: str, private: bool, name: str) -> None:
+    # huggingface_hub: its client takes ~0.4 s to import; only Hub calls need it
     from huggingface_hub import HfApi, constants
 
     api = HfApi()

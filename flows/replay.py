@@ -43,6 +43,7 @@ class ReplaySource:
 def _policy_of(store, inputs: dict) -> Path:
     """The starting policy's ``model/`` from an rl artifact's recorded inputs (po, else sft, else
     convert: the policy stages before rl, newest first, config.stages.policy_chain)."""
+    # fsspec (via tasks.artifacts): ~0.1 s to import; only artifact stores need it
     from tasks.artifacts import ArtifactRef
 
     chain = policy_chain()
@@ -62,6 +63,7 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
             config's rl stage has neither a published artifact nor a resume directory with
             dumps (naming ``rl.dump_rollouts`` and the artifacts that have dumps).
     """
+    # ray (via engine.rl.rollout_dump) and prefect (via tasks.graph, tasks.runner): seconds to import, paid here only
     from engine.rl.rollout_dump import DUMP_DIR
     from tasks.graph import stage_states
     from tasks.runner import rl_starting_policy, store_for
@@ -98,6 +100,7 @@ def cmd_replay(args) -> int:
     if not cfg.rl.dump_rollouts and args.artifact is None:
         raise ConfigError(f"{args.config}: rl.dump_rollouts is false, so its rl run kept no rollout dumps to replay")
     source = locate(cfg, args.artifact)
+    # ray (via engine.rl.replay): ~1 s to import; only the RL driver and its actors need it
     from engine.rl.replay import replay_start, replay_step
 
     try:
@@ -118,6 +121,7 @@ def cmd_replay(args) -> int:
 
 
 def _print_table(result) -> None:
+    # ray (via engine.rl.replay): ~1 s to import; only the RL driver and its actors need it
     from engine.rl.replay import comparable
 
     target = result.target

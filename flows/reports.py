@@ -142,6 +142,7 @@ def publish_stage(cfg: PipelineConfig, name: str, entry: dict[str, Any], headlin
     Raises:
         prefect.exceptions.PrefectHTTPStatusError: the Prefect API refused it.
     """
+    # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.artifacts import create_table_artifact
 
     create_table_artifact(stage_rows(name, entry, headline), key=artifact_key(cfg, name),
@@ -151,6 +152,7 @@ def publish_stage(cfg: PipelineConfig, name: str, entry: dict[str, Any], headlin
 def publish_config(cfg: PipelineConfig, config_path: str) -> str:
     """Create ``<run>-config`` (the config used and its diff against the previous version of
     that artifact); returns the markdown."""
+    # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.artifacts import Artifact, create_markdown_artifact
 
     key = artifact_key(cfg, "config")
@@ -162,6 +164,7 @@ def publish_config(cfg: PipelineConfig, config_path: str) -> str:
 
 def publish_summary(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
     """Create ``<run>-summary`` (:func:`summary_markdown`) and a link artifact per online W&B run."""
+    # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
     create_markdown_artifact(summary_markdown(summary), key=artifact_key(cfg, "summary"), description=f"summary of {cfg.run.name}")

@@ -8,23 +8,25 @@ problem is one string naming the config key first."""
 from __future__ import annotations
 
 import json
+import netrc
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 from config.memory_plan import layout_problems
 from config.schema import PipelineConfig
 from flows.content_checks import architecture_problem
 from flows.model_checks import ModelFacts, check_model, made_by_prepare, no_room, planned_config
 from flows.preflight import _prepared
+from tasks.fingerprint import declared_data_files, user_modules
+from tasks.plugin_files import plugin_paths
 
 
 def check_wandb_key(cfg: PipelineConfig) -> list[str]:
     """W&B online without an API key fails the first stage that logs; say so before any runs.
     The key is where the W&B client looks: ``WANDB_API_KEY``, else the netrc entry of the W&B
     host (``WANDB_BASE_URL``, default api.wandb.ai) that ``wandb login`` writes."""
-    import netrc
-    from urllib.parse import urlparse
-
+    # fsspec (via tasks.tracking): ~0.1 s to import; only artifact stores need it
     from tasks.tracking import wandb_mode
 
     if wandb_mode(cfg) != "online" or os.environ.get("WANDB_API_KEY"):
@@ -85,9 +87,6 @@ def check_plugin_tracking(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     files enter the fingerprint and, loudly, that a data file it reads without declaring it
     in ``DATA_FILES`` is not tracked. Reads source files only; imports nothing of the user's.
     Returns (problems, notes), each naming its config key."""
-    from tasks.fingerprint import declared_data_files, user_modules
-    from tasks.plugin_files import plugin_paths
-
     problems, notes = [], []
     for key, path in plugin_paths(cfg).items():
         name = _PLUGIN_KEYS.get(key) or f"rl.reward.functions[{key.rsplit('_', 1)[1]}].path"
@@ -128,6 +127,7 @@ def check_code_sandbox(cfg: PipelineConfig) -> list[str]:
     keys = code_verifier_keys(cfg)
     if not keys or cfg.rl.reward.code.allow_network:
         return []
+    # looked up at each call: tests replace data.sandbox.network_isolation_problem
     from data.sandbox import network_isolation_problem
 
     why = network_isolation_problem()

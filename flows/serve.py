@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from config import ConfigError
+from config.precision import DTYPE_NAMES, resolve_precision
 from flows.model_ref import add_model_arguments, find_model_artifact, hf_model_dir
 
 LAUNCHER = "import sys; from vllm.entrypoints.launchers.api_server.entry import main; sys.argv[0] = 'vllm-serve'; main()"
@@ -57,7 +58,7 @@ def server_command(hf_dir: Path, name: str, *, host: str, port: int, precision: 
     Raises:
         ConfigError: ``port`` outside 1..65535, ``max_num_seqs`` or ``max_model_len`` below 1.
     """
-    from config.precision import DTYPE_NAMES, resolve_precision
+    # torch (via engine.rollout.kv_cache, engine.rollout.vllm_rollout): seconds to import, paid here only
     from engine.rollout.kv_cache import kv_cache_bytes
     from engine.rollout.vllm_rollout import default_enforce_eager
 

@@ -24,24 +24,28 @@ from config.schema import RLConfig
 
 
 def _megatron_actor() -> type:
+    # torch (via engine.backends.megatron.actor): seconds to import, not paid until this runs
     from engine.backends.megatron.actor import ActorWorker
 
     return ActorWorker
 
 
 def _deepspeed_actor() -> type:
+    # torch (via engine.backends.deepspeed.actor): seconds to import, not paid until this runs
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
 
     return DeepSpeedActorWorker
 
 
 def _megatron_critic() -> type:
+    # torch (via engine.backends.megatron.critic): seconds to import, not paid until this runs
     from engine.backends.megatron.critic import CriticWorker
 
     return CriticWorker
 
 
 def _deepspeed_critic() -> type:
+    # torch (via engine.backends.deepspeed.critic): seconds to import, not paid until this runs
     from engine.backends.deepspeed.critic import DeepSpeedCriticWorker
 
     return DeepSpeedCriticWorker

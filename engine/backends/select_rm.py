@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from config.schema import RMConfig
+from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
+from engine.backends.megatron.reward_model import MegatronRewardTrainer
 from engine.training.reward_contract import RewardTrainer
 
 
@@ -27,11 +29,7 @@ def reward_trainer(base_model_dir: str | Path, cfg: RMConfig, seed: int = 0) -> 
         RuntimeError: ``deepspeed`` cannot run here (``engine.backends.deepspeed.runtime.import_deepspeed``).
     """
     if cfg.backend == "megatron":
-        from engine.backends.megatron.reward_model import MegatronRewardTrainer
-
         return MegatronRewardTrainer(base_model_dir, cfg, seed)
     if cfg.backend == "deepspeed":
-        from engine.backends.deepspeed.reward_model import DeepSpeedRewardTrainer
-
         return DeepSpeedRewardTrainer(base_model_dir, cfg, seed)
     raise ValueError(f"rm.backend: unknown backend {cfg.backend!r}; expected 'megatron' or 'deepspeed'")

@@ -55,6 +55,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
     (failures still arrive as exceptions with the worker's traceback; full worker logs stay
     in Ray's session directory, ``/tmp/ray/session_latest/logs``).
     """
+    # ray: ~1 s to import; only the RL driver and its actors need it
     import ray
 
     if not ray.is_initialized():
@@ -89,6 +90,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
 
 def shutdown_ray() -> None:
     """Disconnect from Ray (stopping the local cluster if this process started it)."""
+    # ray (via engine.distributed.group): ~1 s to import; only the RL driver and its actors need it
     import ray
 
     from engine.distributed.group import stop_watchdogs

@@ -15,11 +15,14 @@ order of the float additions.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from engine.models.master_weights import master_params
 
 # Seconds this process spent in the data-parallel gradient all-reduce (read by benchmarks).
 COMM_SECONDS = {"all_reduce_s": 0.0}
@@ -34,6 +37,7 @@ def _megatron_group(kind: str):
     single process (no torch.distributed group, no megatron state) or when that size is 1."""
     if not _initialized():
         return None
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -97,8 +101,6 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
 
     Returns: seconds spent in the all-reduce (0.0 without a group).
     """
-    import time
-
     if group is None and expert_model_parallel_group() is not None:
         # Expert parallelism: an expert shard (megatron's ``allreduce=False``) differs between the
         # ranks of its expert-model-parallel group and is summed only over the ranks holding the
@@ -155,8 +157,6 @@ TP_PARTIAL_GRAD_NAMES = (".q_layernorm.", ".k_layernorm.")
 def all_reduce_tensor_parallel_partial_grads(model: torch.nn.Module) -> None:
     """Sum the gradients of :data:`TP_PARTIAL_GRAD_NAMES` parameters over the tensor-parallel
     group (their fp32 masters' under mixed precision); nothing without TP."""
-    from engine.models.master_weights import master_params
-
     group = tensor_parallel_group()
     if group is None:
         return

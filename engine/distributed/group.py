@@ -32,15 +32,25 @@ so DP=1 runs exactly as a single worker always has.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import datetime
+import logging
 import os
+import socket
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from config.parallel import ParallelConfig
+from engine.batching.balancing import karmarkar_karp
+from engine.distributed.collectives import COMM_SECONDS
+from engine.models.platform import init_model_parallel, setup_cpu_platform
 
 # How each worker method is spread over the ranks (see the module docstring).
 DISPATCH: dict[str, str] = {
@@ -75,8 +85,6 @@ def shard_rows(lengths: Sequence[int], k: int) -> list[list[int]]:
         ValueError: fewer rows than ranks (every rank needs a share: a rank without rows
             would have nothing to back-propagate while the others wait for its gradients).
     """
-    from engine.batching.balancing import karmarkar_karp
-
     if len(lengths) < k:
         raise ValueError(f"a batch of {len(lengths)} rows cannot be split over data_parallel_size={k} ranks; "
                          "use a smaller data_parallel_size or a larger batch")
@@ -89,8 +97,6 @@ def shard_rows(lengths: Sequence[int], k: int) -> list[list[int]]:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -110,8 +116,6 @@ class RankActor:
 
     def address(self) -> tuple[str, int]:
         """This rank's node address and a free port on it (rank 0's is the rendezvous)."""
-        import ray
-
         return ray.util.get_node_ip_address(), _free_port()
 
     def setup(self, master: tuple[str, int], tensor_model_parallel_size: int, seed: int,
@@ -123,12 +127,6 @@ class RankActor:
         Raises: what ``torch.distributed.init_process_group`` (e.g. a rendezvous timeout) or
         the worker's constructor raises.
         """
-        import datetime
-
-        import torch.distributed as dist
-
-        from engine.models.platform import init_model_parallel, setup_cpu_platform
-
         setup_cpu_platform()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         addr, port = master
@@ -149,14 +147,10 @@ class RankActor:
 
     def comm_seconds(self) -> dict[str, float]:
         """Seconds this rank spent in collectives so far (``engine.distributed.collectives.COMM_SECONDS``)."""
-        from engine.distributed.collectives import COMM_SECONDS
-
         return dict(COMM_SECONDS)
 
     def node_id(self) -> str:
         """The Ray node this rank runs on."""
-        import ray
-
         return ray.get_runtime_context().get_node_id()
 
 
@@ -198,8 +192,6 @@ def _combine(kind: str, rows: list[list[int]] | None, shape: tuple[int, int], *r
     # engine.training.actor.ActorUpdate, recognised by its field and not imported: the sft and
     # rm stages run this module, and their code versions must not cover the RL actor
     if hasattr(results[0], "old_logprobs"):  # metrics are all-reduced already: equal on every rank
-        import dataclasses
-
         old = _combine("rows", rows, shape, *[r.old_logprobs for r in results])
         return dataclasses.replace(results[0], old_logprobs=old)
     return results[0]  # e.g. critic metrics: reduced over the ranks already
@@ -239,10 +231,6 @@ class WorkerGroup:
     def __init__(self, worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any] | list[dict[str, Any]],
                  args: tuple = (),
                  kwargs: dict | None = None, seed: int = 0, norm_fn: Callable | None = None):
-        import threading
-
-        import ray
-
         self.layout = layout
         self.dp, self.tp = layout.data_parallel_size, layout.tensor_model_parallel_size
         self.norm_fn = norm_fn
@@ -274,11 +262,6 @@ class WorkerGroup:
         """Every :data:`WATCH_INTERVAL_S`: ping each rank; when one has died, kill the others, so
         every pending call of the group fails now instead of waiting in a collective for a
         rank that will never come (the gloo/NCCL timeout)."""
-        import logging
-
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
         while not self._stop.wait(WATCH_INTERVAL_S):
             for index, rank in enumerate(self.ranks):
                 if self._stop.is_set() or not ray.is_initialized():  # see _WATCHED
@@ -330,14 +313,10 @@ class WorkerGroup:
 
     def pids(self) -> list[int]:
         """Process ids of the ranks, in rank order."""
-        import ray
-
         return ray.get([r.pid.remote() for r in self.ranks])
 
     def kill(self) -> None:
         """Kill every rank (and stop the watchdog)."""
-        import ray
-
         self._stop.set()
         for r in self.ranks:
             ray.kill(r)
@@ -348,8 +327,6 @@ def spawn_role(worker_cls: type, layout: ParallelConfig, actor_options: dict[str
                kwargs: dict | None = None, seed: int = 0, norm_fn: Callable | None = None):
     """A single Ray actor of ``worker_cls`` when ``layout.world_size == 1`` (exactly today's
     worker), else a :class:`WorkerGroup`. Both answer ``.method.remote(...)`` the same way."""
-    import ray
-
     if layout.world_size == 1:
         options = actor_options[0] if isinstance(actor_options, list) else actor_options
         return ray.remote(worker_cls).options(**options).remote(*args, **(kwargs or {}))
@@ -358,8 +335,6 @@ def spawn_role(worker_cls: type, layout: ParallelConfig, actor_options: dict[str
 
 def kill_role(handle) -> None:
     """Kill a worker spawned by :func:`spawn_role` (one actor or a group)."""
-    import ray
-
     if isinstance(handle, WorkerGroup):
         handle.kill()
     else:

@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from engine.distributed.collectives import data_parallel_group, data_parallel_rank
+import torch.distributed as dist
+
+from engine.distributed.collectives import data_parallel_group, data_parallel_rank, expert_model_parallel_group
 
 T = TypeVar("T")
 
 
 def data_parallel_size() -> int:
     """Ranks of this process's data-parallel group (1 in a single process)."""
-    import torch.distributed as dist
-
     group = data_parallel_group()
     return 1 if group is None else dist.get_world_size(group)
 
@@ -50,8 +50,6 @@ def micro_batch_share(micro_batches: Sequence[T], section: str) -> Sequence[T]:
             f"{section}.parallel.data_parallel_size={k}: this step formed only {len(micro_batches)} micro-batches "
             f"({section}.max_tokens_per_micro_batch), fewer than the ranks (every rank needs at least one); lower "
             f"{section}.max_tokens_per_micro_batch, raise {section}.global_batch_size or use fewer ranks")
-    from engine.distributed.collectives import expert_model_parallel_group
-
     if len(micro_batches) % k and expert_model_parallel_group() is not None:
         raise ValueError(
             f"{section}.parallel.expert_model_parallel_size > 1: every rank must run as many micro-batches (the "

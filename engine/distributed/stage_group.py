@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from config.parallel import ParallelConfig
+from engine.distributed.cluster import init_ray
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class StageRank:
     """
 
     def __init__(self, num_threads: int):
+        # torch (via engine.models.platform): seconds to import, not paid until this runs
         from engine.models.platform import worker_threads
 
         worker_threads(num_threads)
@@ -51,6 +53,7 @@ class _MetricsRelay:
     """Ray actor (asyncio): rank 0's metrics to the driver, in order, each held until logged."""
 
     def __init__(self):
+        # asyncio: ~30 ms to import, not paid until this runs
         import asyncio
 
         self._pending: list[tuple[int, dict[str, float], int]] = []
@@ -85,6 +88,7 @@ class _RelayLogger:
         self.relay = relay
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
+        # ray: ~1 s to import; only the RL driver and its actors need it
         import ray
 
         ray.get(self.relay.put.remote(dict(metrics), int(step)))
@@ -124,9 +128,9 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
     """
     if layout.world_size == 1:
         return fn(**kwargs, log_metrics=log_metrics)
+    # ray (via engine.distributed.group): ~1 s to import; only the RL driver and its actors need it
     import ray
 
-    from engine.distributed.cluster import init_ray
     from engine.distributed.group import WorkerGroup
 
     cluster_cpus = float(init_ray(ray_address, num_cpus).get("CPU", 0.0))
@@ -161,6 +165,7 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
 def _wait(refs: list, relay, log_metrics) -> dict[str, float]:
     """Rank 0's result once every rank has finished, logging relayed metrics meanwhile; the
     first rank's failure is raised as soon as it is seen."""
+    # ray: ~1 s to import; only the RL driver and its actors need it
     import ray
 
     results: dict[int, Any] = {}

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
-from engine.distributed.weight_sync import Scratch, pack
+from engine.distributed.weight_sync import Scratch, layout, pack
 
 SLOTS = 2
 
@@ -54,6 +56,7 @@ def location() -> Location:
     ``"cpu"`` without CUDA)."""
     node = ""
     try:
+        # ray: ~1 s to import; only the RL driver and its actors need it
         import ray
 
         if ray.is_initialized():
@@ -105,11 +108,7 @@ class SharedSlots:
         if self.cuda:
             flat = pack(named_tensors, torch.device("cuda", torch.cuda.current_device()), self._scratch[slot])
             torch.cuda.current_stream().synchronize()  # the engine reads it on another stream
-            from torch.multiprocessing.reductions import reduce_tensor
-
             return Handle("cuda", reduce_tensor(flat), flat.numel(), slot)
-        from engine.distributed.weight_sync import layout
-
         total = layout(sizes)[1]
         segment = self._segment(slot, total)
         flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
@@ -118,8 +117,6 @@ class SharedSlots:
         return Handle("shm", segment.name, total, slot)
 
     def _segment(self, slot: int, nbytes: int):
-        from multiprocessing import shared_memory
-
         seg = self._segments[slot]
         if seg is None or seg.size < nbytes:
             self._drop(slot)
@@ -198,8 +195,6 @@ class OpenedHandles:
 def _attach(name: str):
     """Map the trainer's segment ``name`` without taking ownership: Python 3.11's resource
     tracker would otherwise unlink it when this process exits (bpo-39959), under the trainer."""
-    from multiprocessing import resource_tracker, shared_memory
-
     seg = shared_memory.SharedMemory(name=name, create=False)
     try:
         resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001 - the tracker's key

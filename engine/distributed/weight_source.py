@@ -5,6 +5,11 @@ engines through Ray's object store (``hf_bucket``) or broadcast over the collect
 
 from __future__ import annotations
 
+import time
+
+import torch.distributed as dist
+
+from engine.distributed.weight_ipc import SLOTS, SharedSlots, location
 from engine.distributed.weight_sync import TrainerEnd
 from engine.models.weight_buckets import BucketPlan, BucketServer, NamedTensors, _tensor_parallel_group
 
@@ -12,8 +17,6 @@ from engine.models.weight_buckets import BucketPlan, BucketServer, NamedTensors,
 def _sync_root() -> bool:
     """Whether this process sends weight-sync buckets: global rank 0 of the trainer's group
     (a single process is its own root). Its peers only take part in gathering them."""
-    import torch.distributed as dist
-
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
@@ -52,8 +55,6 @@ class HFBucketSource:
         bucket = self._weight_buckets().bucket(index)
         group = _tensor_parallel_group()
         if group is not None:
-            import torch.distributed as dist
-
             if dist.get_rank(group) != 0:
                 return []
         return bucket
@@ -89,8 +90,6 @@ class HFBucketSource:
             the group's timeout); the group is dropped then (its connections close, so the
             engines' pending receives fail instead of waiting), and the router forms a new one.
         """
-        import time
-
         t0 = time.perf_counter()
         bucket = self.hf_bucket(index)
         t1 = time.perf_counter()
@@ -111,8 +110,6 @@ class HFBucketSource:
     def weight_sync_location(self):
         """Where this worker's weights live (:func:`engine.distributed.weight_ipc.location`):
         the router hands buffer handles to the engines that share it (``rl.engine.weight_sync: ipc``)."""
-        from engine.distributed.weight_ipc import location
-
         return location()
 
     def weight_sync_share(self, index: int):
@@ -126,10 +123,6 @@ class HFBucketSource:
 
         Returns: ``(handle, seconds making the bucket, seconds packing)``.
         """
-        import time
-
-        from engine.distributed.weight_ipc import SLOTS, SharedSlots
-
         t0 = time.perf_counter()
         bucket = self.hf_bucket(index)
         t1 = time.perf_counter()

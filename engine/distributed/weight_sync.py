@@ -31,6 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 # The key named in errors, and the PrefixStore namespace of each generation
 WEIGHT_SYNC_KEY = "rl.engine.weight_sync"
@@ -70,6 +73,7 @@ def _device(backend: str) -> torch.device:
 def _local_host() -> str:
     """This node's address as Ray knows it (reachable by the other nodes), else the loopback."""
     try:
+        # ray: ~1 s to import; only the RL driver and its actors need it
         import ray
 
         if ray.is_initialized():
@@ -82,8 +86,6 @@ def _local_host() -> str:
 def open_store(timeout_s: float):
     """A ``TCPStore`` server on a free port of this node (the trainer's side; it must live as
     long as the group). Returns ``(store, host, port)``."""
-    from torch.distributed import TCPStore
-
     host = _local_host()
     store = TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, host, store.port
@@ -94,8 +96,6 @@ def connect_store(spec: GroupSpec):
 
     Raises: RuntimeError (torch's) when the store cannot be reached within ``spec.timeout_s``.
     """
-    from torch.distributed import TCPStore
-
     return TCPStore(spec.host, spec.port, None, False, timeout=datetime.timedelta(seconds=spec.timeout_s))
 
 
@@ -108,15 +108,12 @@ def make_group(store, spec: GroupSpec, rank: int):
         ValueError: an unknown backend (names :data:`WEIGHT_SYNC_KEY`).
         RuntimeError: torch's, when the other ranks do not join in time.
     """
-    from torch.distributed import PrefixStore
-
     prefixed = PrefixStore(f"{_PREFIX}/{spec.generation}/", store)
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if spec.backend == "gloo":
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
-
         return ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
     if spec.backend == "nccl":
+        # CUDA builds of torch only: the CPU build has no ProcessGroupNCCL
         from torch.distributed.distributed_c10d import ProcessGroupNCCL
 
         options = ProcessGroupNCCL.Options()
@@ -128,8 +125,6 @@ def make_group(store, spec: GroupSpec, rank: int):
 def broadcast(group, buffer: torch.Tensor) -> None:
     """Broadcast ``buffer`` (any shape, contiguous) from rank 0 of ``group`` in place, waiting
     for completion. Raises torch's RuntimeError when a peer is gone or the timeout passes."""
-    import torch.distributed as dist
-
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     group.broadcast([buffer], opts).wait()

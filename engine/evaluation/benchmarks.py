@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from config.evaluate import DEFAULT_BENCHMARK as DEFAULT  # rl_eval: its metrics keep the names without a benchmark part
+from data.rewards import label_problem
+from data.validate import DataValidationError, check_threshold, validate_dataset
 from engine.evaluation.scoring import Benchmark, read_eval_rows, run_benchmark
 from engine.evaluation.statistics import paired_metric, scalar_metrics
 
@@ -57,9 +59,6 @@ def benchmark_rows(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike 
             preference file; names ``<key>`` and ``<key>.format``); a label the verifier
             cannot score (``file:line``); ``rl_eval_path`` None for ``data.rl_eval``.
     """
-    from data.rewards import label_problem
-    from data.validate import DataValidationError, check_threshold, validate_dataset
-
     if settings.path is None:
         if rl_eval_path is None:
             raise ValueError(f"{settings.name}: the validate stage's rl_eval.jsonl is needed for {settings.key}")

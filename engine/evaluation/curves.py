@@ -132,6 +132,7 @@ def render_curves(series: Mapping[str, np.ndarray], panels: Sequence[Panel], out
     Raises:
         ValueError: ``panels`` is empty.
     """
+    # matplotlib: heavy to import; only figures need it
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator

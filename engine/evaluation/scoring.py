@@ -35,8 +35,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.evaluation.statistics import AnswerVoting, Verifier, evaluate_generations
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from config.precision import DTYPE_NAMES, resolve_precision
+from conversion.moe_config import MOE_ARCHITECTURES
+from data.chat import encode_prompt
+from data.chat_response import readable_text, response_text
+from data.readers import RowError, read_records
+from data.rewards import get_verifier
+from engine.evaluation.statistics import AnswerVoting, Verifier, answer_voting, evaluate_generations
+from engine.models.platform import worker_threads
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
+from engine.rollout.factory import build_rollout_engine
+from engine.storage.hf_io import export_model_dir
 
 if TYPE_CHECKING:
     from config.evaluate import EvaluateConfig
@@ -56,8 +68,6 @@ def decode_response(tokenizer, output: RolloutOutput) -> str:
     emitted, also in a ``"length"`` output), and so is a plain-text turn end at the end of
     the text. ``response_length`` is still counted on the ids.
     """
-    from data.chat_response import response_text
-
     return response_text(tokenizer, output.token_ids)
 
 
@@ -106,8 +116,6 @@ def evaluate_policy(
     Raises:
         KeyError: a row lacks ``prompt`` or ``label``, or a breakdown field (names the row index).
     """
-    from data.chat import encode_prompt
-
     for i, row in enumerate(eval_rows):
         for key in ("prompt", "label"):
             if key not in row:
@@ -132,8 +140,6 @@ def evaluate_policy(
         voting=voting,
         breakdown={f: [row["fields"][f] for row in eval_rows] for f in breakdown},
     )
-    from data.chat_response import readable_text
-
     for record, row, output in zip(result["records"], rows, outputs):
         record["prompt"] = list(row["prompt"])
         shown = readable_text(tokenizer, output.token_ids)
@@ -152,8 +158,6 @@ def read_eval_rows(path: str | os.PathLike, limit: int | None = None) -> list[di
         ValueError: a malformed line or a row without ``prompt``/``label`` (``file:line``).
         FileNotFoundError: the file does not exist.
     """
-    from data.readers import RowError, read_records
-
     rows = []
     for line, item in read_records(str(path), limit=limit):
         if isinstance(item, RowError):
@@ -168,8 +172,6 @@ def read_eval_rows(path: str | os.PathLike, limit: int | None = None) -> list[di
 
 
 def _hf_tensors(hf_dir: Path):
-    from safetensors.torch import load_file
-
     for shard in sorted(hf_dir.glob("*.safetensors")):
         yield from load_file(str(shard)).items()
 
@@ -208,8 +210,6 @@ class Benchmark:
     def context_tokens(self, tokenizer) -> int:
         """The longest prompt as :func:`evaluate_policy` submits it (``data.chat.encode_prompt``)
         plus ``max_new_tokens``: the engine context the benchmark needs."""
-        from data.chat import encode_prompt
-
         return max(len(encode_prompt(tokenizer, r["prompt"], tools=r.get("tools"))) for r in self.rows) + self.max_new_tokens
 
 
@@ -219,9 +219,6 @@ def run_benchmark(engine: RolloutEngine, tokenizer, bench: Benchmark, seed: int 
 
     Raises: ValueError for an unknown verifier; as :func:`evaluate_policy`.
     """
-    from data.rewards import get_verifier
-    from engine.evaluation.statistics import answer_voting
-
     return evaluate_policy(
         engine, tokenizer, bench.rows, get_verifier(bench.verifier, bench.code), bench.max_new_tokens, bench.temperature,
         seed=seed, samples_per_prompt=bench.samples_per_prompt, ks=bench.k, voting=answer_voting(bench.verifier),
@@ -236,8 +233,6 @@ def reloads_in_place(backend: str, hf_config: Mapping[str, Any]) -> bool:
     fails (docs/conversion.md) or, at shapes where the repacked copy fits, silently serves wrong
     experts (configs/quickstart-moe.yaml: the RL policy's accuracy 0.007 through a reload vs
     0.068 in transformers, docs/quickstart.md, MoE quickstart)."""
-    from conversion.moe_config import MOE_ARCHITECTURES
-
     return not (backend == "vllm" and hf_config.get("model_type") in MOE_ARCHITECTURES)
 
 
@@ -288,14 +283,8 @@ def evaluate_benchmarks(
     Raises:
         ValueError: no benchmark, repeated names, an unknown verifier or backend; errors of export.
     """
-    from tqdm import tqdm
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import AutoTokenizer
-
-    from config.precision import DTYPE_NAMES, resolve_precision
-    from data.rewards import get_verifier
-    from engine.models.platform import worker_threads
-    from engine.rollout.factory import build_rollout_engine
-    from engine.storage.hf_io import export_model_dir
 
     names = [b.name for b in benchmarks]
     if not names or len(set(names)) != len(names):

@@ -9,7 +9,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from data.rewards import score_all
+from data.math_answer import answers_equal
+from data.math_extraction import last_boxed_answer
+from data.rewards import final_answer, final_number, score_all
 
 Verifier = Callable[[str, str, str], float]  # (response, label, finish_reason) -> reward: data.rewards.get_verifier
 
@@ -65,10 +67,6 @@ def answer_voting(verifier: str) -> AnswerVoting | None:
     - ``math``: ``data.math_extraction.last_boxed_answer`` (no box, or an unclosed one, is no answer),
       equal by ``data.math_answer.answers_equal`` (``\\frac12`` = ``0.5``).
     """
-    from data.math_answer import answers_equal
-    from data.math_extraction import last_boxed_answer
-    from data.rewards import final_answer, final_number
-
     table = {
         "exact_match": AnswerVoting(lambda r: _nonblank(final_answer(r)), lambda a, b: a == b),
         "gsm8k": AnswerVoting(final_number, lambda a, b: a == b),
@@ -134,6 +132,7 @@ def length_stats(lengths: Sequence[int], finish_reasons: Sequence[str]) -> dict[
     Raises:
         ValueError: no lengths, or lengths and finish reasons differ in number.
     """
+    # numpy: ~0.2 s to import, not paid until this runs
     import numpy as np
 
     if not lengths or len(lengths) != len(finish_reasons):

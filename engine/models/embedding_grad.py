@@ -83,6 +83,7 @@ class _LookupMode(TorchFunctionMode):
 
 
 def _embedding_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     return [m for m in model.modules() if isinstance(m, (torch.nn.Embedding, VocabParallelEmbedding))]

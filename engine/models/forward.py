@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.hf import hf_logits, is_hf_causal_lm
+
 
 def causal_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Causal next-token logits of either backend's model, batch-first.
@@ -23,10 +25,9 @@ def causal_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tens
     Raises:
         ValueError: ``input_ids`` is not a 2-D integer tensor.
     """
-    from engine.models.hf import hf_logits, is_hf_causal_lm
-
     if is_hf_causal_lm(model):
         return hf_logits(model, input_ids)
+    # looked up at each call: tests replace engine.models.megatron.gpt_logits
     from engine.models.megatron import gpt_logits
 
     return gpt_logits(model, input_ids)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.hf import hf_final_hidden_states
+from engine.models.megatron import gpt_hidden_states
 
 HEAD_WEIGHT, HEAD_BIAS = "reward_head.weight", "reward_head.bias"
 
@@ -71,8 +72,6 @@ class ValueModel(_ValueHeadModel):
         self.value_head = scalar_head(hidden_size, seed)
 
     def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from engine.models.megatron import gpt_hidden_states
-
         return gpt_hidden_states(self.gpt, input_ids)
 
 
@@ -164,8 +163,6 @@ class RewardModel(_RewardHeadModel):
         self.reward_head = scalar_head(hidden_size, seed)
 
     def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        from engine.models.megatron import gpt_hidden_states
-
         return gpt_hidden_states(self.gpt, input_ids)
 
     def heads(self) -> dict[str, torch.Tensor]:

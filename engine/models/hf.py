@@ -95,6 +95,7 @@ def build_hf_causal_lm(tokenizer_dir: str | Path, seed: int = 0) -> torch.nn.Mod
     Raises:
         OSError / ValueError from transformers when the config is missing or unknown.
     """
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(tokenizer_dir))

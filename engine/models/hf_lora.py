@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from config.lora import LoraConfig
+from engine.models.lora import hf_target_modules
 
 ADAPTER = "default"  # PEFT's adapter name: the parameters are <layer>.lora_A.default.weight, ...
 
@@ -50,10 +51,9 @@ def apply_hf_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> lis
     Raises:
         ValueError: from PEFT, when the model has none of the target modules.
     """
+    # peft: seconds to import; only PEFT adapters need it
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
-
-    from engine.models.lora import hf_target_modules
 
     config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                             target_modules=hf_target_modules(cfg.target_modules), bias="none")
@@ -65,6 +65,7 @@ def apply_hf_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> lis
 
 def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """PEFT's LoRA layers of ``model`` by module name, in module order ({} without adapters)."""
+    # peft: seconds to import; only PEFT adapters need it
     from peft.tuners.lora import LoraLayer
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}

@@ -34,10 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from config.lora import LoraConfig
+from conversion.export import save_safetensors
+from conversion.layout import split_gate_up, split_qkv
+from conversion.registry import megatron_to_hf
 from engine.models.master_weights import master_params
+from engine.models.megatron import mcore_state
+from engine.models.weight_buckets import gather_tensor_parallel
 
 # megatron-core module name -> how its weight is split under tensor parallelism
 _PARALLEL_KIND = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
@@ -45,6 +51,7 @@ _ADAPTERS = "_lora_layers"  # attribute on the model: {module name: adapted modu
 
 
 def _tp_rank_size() -> tuple[int, int]:
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -57,6 +64,7 @@ def _lora_hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
 
     Shapes: ``x = args[0]`` ``[..., in]`` (this rank's input slice on a row-parallel layer),
     ``out`` ``[..., out]`` (this rank's output slice on a column-parallel layer)."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
@@ -161,8 +169,6 @@ def merged_mcore_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``engine.models.megatron.mcore_state`` with every adapted weight merged
     (:func:`merged_weight`, in the weight's dtype) and no adapter entries: the state a model
     without adapters would have. Without adapters, ``mcore_state(model)``."""
-    from engine.models.megatron import mcore_state
-
     layers = lora_layers(model)
     state = mcore_state(model)
     if not layers:
@@ -191,9 +197,6 @@ class MergedWeights:
 
     def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, tensor)`` of every weight (a collective under tensor parallelism)."""
-        from conversion.registry import megatron_to_hf
-        from engine.models.weight_buckets import gather_tensor_parallel
-
         return iter(megatron_to_hf(self.hf_config, gather_tensor_parallel(merged_mcore_state(self.model))))
 
 
@@ -240,6 +243,7 @@ def adapter_sharded_state(model: torch.nn.Module) -> dict[str, Any]:
     replicated. Each layer's adapter is its own checkpoint key, so a train state of adapters
     loads at any tensor-parallel size. Read inside ``full_precision_weights`` to get the
     fp32 masters."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -280,9 +284,6 @@ def peft_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Names: ``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`` ``[r, in]``,
     ``...lora_B.weight`` ``[out, r]`` (PEFT's saved layout for a causal LM).
     """
-    from conversion.layout import split_gate_up, split_qkv
-    from engine.models.weight_buckets import gather_tensor_parallel
-
     spec = model.gpt_spec
     out: dict[str, torch.Tensor] = {}
     for name, module in lora_layers(model).items():
@@ -315,8 +316,6 @@ def save_peft_adapter(model: torch.nn.Module, cfg: LoraConfig, out_dir: str | Pa
 
     Returns: ``Path(out_dir)``.
     """
-    import torch.distributed as dist
-
     out_dir = Path(out_dir)
     state = peft_adapter_state(model)
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -334,9 +333,8 @@ def write_peft_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out_dir:
 
     Returns: ``Path(out_dir)``.
     """
+    # peft: seconds to import; only PEFT adapters need it
     from peft import LoraConfig as PeftLoraConfig
-
-    from conversion.export import save_safetensors
 
     out_dir = Path(out_dir)
     PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,

@@ -125,6 +125,7 @@ def _row_parallel_linear_with_bias() -> type:
     gives the MLP biases; Qwen3 with ``attention_bias`` has an o_proj bias but no MLP ones,
     so the layer spec swaps this class in for ``linear_proj`` alone. (Cached: one class.)
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.tensor_parallel import RowParallelLinear
 
     class RowParallelLinearWithBias(RowParallelLinear):
@@ -139,6 +140,7 @@ def _layer_spec(spec: GPTSpec, core_attention: CoreAttention, moe: bool = False)
     ``spec.qk_layernorm``, a ``linear_proj`` bias when ``spec.add_proj_bias``; with ``moe``,
     an ``MoELayer`` MLP (``TopKRouter``, ``SequentialMLP`` experts, no grouped GEMM, plus
     ``SharedExpertMLP`` when the config has shared experts)."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if core_attention not in ("local", "sdpa"):
@@ -160,6 +162,7 @@ def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention):
     (``spec.moe_dense_layers``), megatron's ``TransformerBlockSubmodules`` listing each layer's."""
     if spec.num_experts is None or not spec.moe_dense_layers:
         return _layer_spec(spec, core_attention, moe=spec.num_experts is not None)
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     dense, moe = _layer_spec(spec, core_attention), _layer_spec(spec, core_attention, moe=True)
@@ -215,6 +218,7 @@ def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, route
     when the config's expert size is above 1).
     ``router``: an MoE model's router settings (``model.moe``; see :func:`_moe_config`).
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -273,11 +277,13 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
     Returns:
         ``megatron.core.models.gpt.GPTModel`` in train mode, fp32, on CPU.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.models.gpt import GPTModel
 
     tp = ensure_model_parallel()
     ep = 1
     if spec.num_experts is not None:
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core import parallel_state
 
         ep = parallel_state.get_expert_model_parallel_world_size()
@@ -355,6 +361,7 @@ def _packed_inputs(model, packed: PackedSequences, caller: str):
     Raises: ValueError when the model's core attention cannot run packed sequences or
     ``packed.input_ids`` is not ``[1, N]``.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.packed_seq_params import PackedSeqParams
 
     for layer in model.decoder.layers:

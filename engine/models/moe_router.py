@@ -47,12 +47,14 @@ def set_router_loss_scale(scale: float) -> None:
     The backward of a micro-batch adds ``scale * d(coeff * L_router)/d(theta)`` for each MoE
     layer's router loss ``L_router`` of that micro-batch.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(scale)))
 
 
 def _routers(model: torch.nn.Module) -> list:
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
@@ -77,6 +79,7 @@ class RouterStats:
         self._hooks = []
 
     def __enter__(self) -> RouterStats:
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         clear_aux_losses_tracker()
@@ -111,6 +114,7 @@ class RouterStats:
                 data-parallel ranks (``engine.distributed.collectives.sum_across_ranks``), or
                 None for this rank alone; every rank of a group must call it.
         """
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         if not self.routers:

@@ -73,6 +73,7 @@ def setup_cpu_platform() -> bool:
     with _LOCK:
         if _CPU_PLATFORM_READY:
             return True
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.fusions import fused_softmax
         from megatron.core.tensor_parallel import random as mcore_random
         from megatron.core.transformer import utils as mcore_utils
@@ -96,6 +97,7 @@ def patch_moe_without_transformer_engine() -> None:
     Defining it as None selects the function's own ``torch.mm`` path (the router logits in
     ``moe_router_dtype``). Needed on CPU and on any machine without TE.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -116,6 +118,7 @@ def _seed_rng_tracker(seed: int) -> None:
     fresh CPU generators so the global CPU generator is left untouched.
     Source: megatron/core/tensor_parallel/random.py::model_parallel_cuda_manual_seed.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -145,6 +148,7 @@ def ensure_process_group() -> None:
     so that stale state is dropped first; the next :func:`init_model_parallel` rebuilds it.
     Used before torch_dist checkpoint I/O, which asks the default group for its rank.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
     if dist.is_initialized():
@@ -176,6 +180,7 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) ->
         ValueError: the model-parallel state already exists with different sizes, or
             ``tp * pp`` does not divide the world size.
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
     setup_cpu_platform()
@@ -208,6 +213,7 @@ def ensure_model_parallel() -> int:
     Returns:
         ``parallel_state.get_tensor_model_parallel_world_size()`` (1 unless the caller set up TP).
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
     setup_cpu_platform()
@@ -225,8 +231,6 @@ def worker_threads(num_threads: int | None = None) -> int:
     workers run one at a time, so each should use every core: ``num_threads`` or
     ``os.cpu_count()``.
     """
-    import torch
-
     n = int(num_threads or os.cpu_count() or 1)
     torch.set_num_threads(n)
     return n

@@ -51,6 +51,7 @@ class RoutingReplay:
     """
 
     def __init__(self, model: torch.nn.Module):
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
@@ -88,6 +89,7 @@ class RoutingReplay:
         """Inside: the model's forwards route as usual and keep their top-k indices; on exit the
         micro-batch of trajectory ``rows`` is appended to :attr:`recorded` (one forward per
         micro-batch: a second forward inside would overwrite the first's indices)."""
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._set(RouterReplayAction.RECORD)
@@ -111,6 +113,7 @@ class RoutingReplay:
             the forward) when a layer routes another number of tokens than its tensor has rows
             (megatron would gather a part of the scores silently).
         """
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if len(indices) != len(self.replays):

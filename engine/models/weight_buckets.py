@@ -38,6 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from conversion.registry import megatron_to_hf
+from conversion.tensor_parallel import split_of
+from engine.models.megatron import mcore_state
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -193,9 +198,6 @@ def _hf_stream(hf_config: Mapping[str, Any], model) -> tuple[Iterator[tuple[str,
     hf_tensors = getattr(model, "hf_tensors", None)
     if callable(hf_tensors):
         return iter(hf_tensors()), None
-    from conversion.registry import megatron_to_hf
-    from engine.models.megatron import mcore_state
-
     state = mcore_state(model)
     aliased = {t.untyped_storage().data_ptr() for t in state.values()}
     return iter(megatron_to_hf(hf_config, gather_tensor_parallel(state))), aliased
@@ -204,7 +206,7 @@ def _hf_stream(hf_config: Mapping[str, Any], model) -> tuple[Iterator[tuple[str,
 def _tensor_parallel_group():
     """Megatron's tensor-parallel group of this process, or None when its size is 1 (or there is
     no process group or megatron state)."""
-    import torch.distributed as dist
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
     if not (dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
@@ -229,10 +231,6 @@ def gather_tensor_parallel(state: Mapping[str, torch.Tensor]) -> Mapping[str, to
     Raises:
         conversion.registry.ConversionError: a tensor the layout table does not know.
     """
-    import torch.distributed as dist
-
-    from conversion.tensor_parallel import split_of
-
     group = _tensor_parallel_group()
     if group is None:
         return state

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from config.judge import JudgeConfig
+from engine.rollout.base import SamplingSpec
+from engine.rollout.factory import build_rollout_engine
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class JudgeReward:
         if cfg.model_dir is not None:
             self._start_engine(Path(cfg.model_dir))
         else:
+            # openai: ~2 s to import; only a judge or remote client needs it
             from openai import OpenAI
 
             key = "EMPTY"  # the client refuses no key at all; a local server ignores it
@@ -99,9 +102,8 @@ class JudgeReward:
             self.client = OpenAI(base_url=cfg.base_url, api_key=key, timeout=cfg.timeout_s, max_retries=cfg.max_retries)
 
     def _start_engine(self, model_dir: Path) -> None:
+        # transformers: 1-2 s to import; only tokenizers and HF models need it
         from transformers import AutoConfig, AutoTokenizer
-
-        from engine.rollout.factory import build_rollout_engine
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.max_model_len = self.cfg.max_model_len or AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
@@ -124,8 +126,6 @@ class JudgeReward:
         return self._local(texts) if self.engine is not None else self._remote(texts)
 
     def _local(self, texts: Sequence[str]) -> list[str | None]:
-        from engine.rollout.base import SamplingSpec
-
         ids = [self.token_ids(t) for t in texts]
         fits = [i for i, x in enumerate(ids) if len(x) + self.cfg.max_new_tokens <= self.max_model_len]
         if len(fits) < len(ids):

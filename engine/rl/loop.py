@@ -84,12 +84,15 @@ from engine.batching.sampler import EpochSampler, MixtureSampler
 from engine.rl import phases, rollout_phase
 from engine.rl.checkpoint import check_checkpoint, checkpoint_if_due, load_ahead, resume
 from engine.rl.metrics import MetricsLog, MetricsLogger, StepTimer, step_metrics
+from engine.rl.placement import init_ray, make_placement
 from engine.rl.plugins import check_algorithm_plugins
 from engine.rl.prefetch import RolloutPipeline
 from engine.rl.prompts import PromptSet, load_rl_prompts
 from engine.rl.rollout_dump import RolloutDumps
 from engine.rl.teacher import check_teacher
 from engine.rl.workers import Workers, start_workers, stop_workers
+from engine.rollout.multi_turn import load_environment_factory
+from engine.storage.model_dir import load_tokenizer, read_hf_config
 from engine.storage.train_state import DataPosition
 
 logger = logging.getLogger(__name__)
@@ -133,8 +136,6 @@ def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLC
     Raises: ValueError: a bad prompt row (names file and line), prompts too long for the model
         (``rl.long_prompts: fail``; names every line), a source left without prompts.
     """
-    from engine.storage.model_dir import load_tokenizer, read_hf_config
-
     tokenizer = load_tokenizer(policy_dir)
     max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
     prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens, sources,
@@ -158,8 +159,6 @@ def check_environment(cfg: RLConfig) -> None:
     """
     if cfg.environment is None:
         return
-    from engine.rollout.multi_turn import load_environment_factory
-
     try:
         load_environment_factory(cfg.environment)
     except ImportError as exc:
@@ -171,8 +170,6 @@ def launch_workers(policy_dir: str | Path, cfg: RLConfig, seed: int, out_dir: Pa
     """Connect to (or start) Ray (``rl.engine.ray_address``, ``num_cpus``), reserve the
     placement of ``rl.engine.placement`` and start the run's workers in it (see
     :func:`engine.rl.workers.start_workers`)."""
-    from engine.rl.placement import init_ray, make_placement
-
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     return start_workers(make_placement(cfg), policy_dir, cfg, seed, out_dir, reward_model_dir, rollout_len)
 

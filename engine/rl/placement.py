@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 def cluster_nodes() -> list[tuple[float, float]]:
     """``(CPUs, GPUs)`` of each alive node of the connected Ray cluster, largest first."""
+    # ray: ~1 s to import; only the RL driver and its actors need it
     import ray
 
     return sorted(((float(n["Resources"].get("CPU", 0.0)), float(n["Resources"].get("GPU", 0.0)))
@@ -63,6 +64,7 @@ class RankPlacement:
         its share of the bundle's CPUs and GPUs (Ray sets its ``CUDA_VISIBLE_DEVICES``).
 
         Raises: KeyError when the plan has no such worker."""
+        # ray: ~1 s to import; only the RL driver and its actors need it
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         seat = self.plan.seat(role, index)
@@ -82,6 +84,7 @@ class RankPlacement:
 
     def bundle_nodes(self) -> list[str]:
         """The Ray node id each bundle was placed on, in bundle order."""
+        # ray: ~1 s to import; only the RL driver and its actors need it
         import ray
 
         where = ray.util.placement_group_table(self.group).get("bundles_to_node_id", {})
@@ -93,6 +96,7 @@ class RankPlacement:
 
     def remove(self) -> None:
         """Release the placement group (kill its actors first)."""
+        # ray: ~1 s to import; only the RL driver and its actors need it
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(self.group)
@@ -109,6 +113,7 @@ def make_placement(cfg: RLConfig, timeout_s: float = 60.0) -> RankPlacement:
         TimeoutError: the nodes could hold it but it was not placed within ``timeout_s``
             (a busy cluster; the group is released).
     """
+    # ray: ~1 s to import; only the RL driver and its actors need it
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 

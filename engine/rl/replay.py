@@ -27,10 +27,15 @@ import torch
 from tqdm import tqdm
 
 from config.schema import RLConfig
+from engine.algorithms.aggregation import global_norm
+from engine.backends.select import actor_worker_class, critic_worker_class
+from engine.distributed.group import kill_role, spawn_role
 from engine.rl import phases
 from engine.rl.metrics import StepTimer, step_metrics
+from engine.rl.placement import init_ray, make_placement
 from engine.rl.rollout_dump import StepDump, dumped_steps, read_step, state_dir, state_steps, step_path
 from engine.rl.workers import Workers
+from engine.training.actor import actor_norm
 
 # wall times, and the evaluation of rl.eval_every (it runs on the rollout engines, which a replay does not start)
 NOT_REPLAYED = ("timing_s/", "perf/", "val/")
@@ -166,12 +171,6 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
 
     Raises: whatever a worker's constructor raised (the workers are stopped first).
     """
-    from engine.algorithms.aggregation import global_norm
-    from engine.backends.select import actor_worker_class, critic_worker_class
-    from engine.distributed.group import spawn_role
-    from engine.rl.placement import init_ray, make_placement
-    from engine.training.actor import actor_norm
-
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     placement = make_placement(cfg)  # the run's placement: the same seats and threads per worker
     par = cfg.parallel
@@ -193,8 +192,6 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
 
 def stop_training_workers(workers: Workers) -> None:
     """Kill the workers of :func:`start_training_workers` and release their placement."""
-    from engine.distributed.group import kill_role
-
     for w in (workers.actor, workers.critic):
         if w is not None:
             kill_role(w)

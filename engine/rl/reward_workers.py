@@ -10,6 +10,12 @@ from typing import Any
 import torch
 
 from config.reward import RewardConfig
+from data.chat_response import response_text
+from data.reward_plugins import load_reward_function
+from engine.models.platform import worker_threads
+from engine.rl.judge import JudgeReward
+from engine.storage.model_dir import load_tokenizer
+from engine.training.reward_scoring import load_reward_model, score
 from engine.trajectory import Trajectory
 
 
@@ -30,10 +36,6 @@ class RewardModelWorker:
     """
 
     def __init__(self, reward_model_dir: str | Path, num_threads: int | None = None, precision: str | None = None):
-        from engine.models.platform import worker_threads
-        from engine.storage.model_dir import load_tokenizer
-        from engine.training.reward_scoring import load_reward_model
-
         worker_threads(num_threads)
         self.model = load_reward_model(reward_model_dir, precision)
         self.tokenizer = load_tokenizer(reward_model_dir)
@@ -52,8 +54,6 @@ class RewardModelWorker:
         Raises:
             ValueError: ``prompts`` or ``texts`` do not hold one item per row of ``traj``.
         """
-        from engine.training.reward_scoring import score
-
         if len(prompts) != len(traj) or len(texts) != len(traj):
             raise ValueError(f"score_responses: {len(traj)} rows but {len(prompts)} prompts and {len(texts)} texts")
         return score(self.model, self.tokenizer, list(prompts), list(texts)).float()
@@ -81,10 +81,8 @@ class RewardWorker:
     """
 
     def __init__(self, tokenizer_model_dir: str | Path, cfg: RewardConfig, num_threads: int | None = None):
-        from data.reward_plugins import load_reward_function
+        # polars (via data.rewards): ~0.5 s to import, not paid until this runs
         from data.rewards import get_verifier
-        from engine.models.platform import worker_threads
-        from engine.storage.model_dir import load_tokenizer
 
         worker_threads(num_threads)
         self.cfg = cfg
@@ -101,7 +99,7 @@ class RewardWorker:
                 and cfg.remote is None:
             raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0, judge and remote are unset and "
                              "functions is empty: nothing gives a reward")
-        from engine.rl.judge import JudgeReward
+        # httpx (via engine.rl.remote_reward): ~0.2 s to import; only a remote reward service needs it
         from engine.rl.remote_reward import RemoteReward
 
         self.services = ([("judge", JudgeReward(cfg.judge), cfg.judge.weight)] if cfg.judge is not None else []) + (
@@ -110,8 +108,6 @@ class RewardWorker:
     def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
         """Response texts by :func:`data.chat_response.response_text` (special tokens, e.g. the final
         EOS, and a plain-text turn end at the end removed), the rule evaluation uses too."""
-        from data.chat_response import response_text
-
         return [response_text(self.tokenizer, ids) for ids in response_ids]
 
     def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
@@ -150,6 +146,7 @@ class RewardWorker:
         metrics: dict[str, float] = {}
         names = [v or self.cfg.verifier for v in verifiers] if verifiers is not None else [self.cfg.verifier] * len(texts)
         if any(name != "none" for name in names):
+            # polars (via data.rewards): ~0.5 s to import, not paid until this runs
             from data.rewards import score_all
 
             scorers = {name: self._verifier(name) for name in set(names) - {"none"}}
@@ -183,6 +180,7 @@ class RewardWorker:
 
     def _verifier(self, name: str):
         """The verifier ``name`` (``data.rewards.get_verifier``), loaded once."""
+        # polars (via data.rewards): ~0.5 s to import, not paid until this runs
         from data.rewards import get_verifier
 
         if name not in self._verifiers:

@@ -46,6 +46,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+from safetensors.torch import save
+
 from config.schema import RLConfig
 from data.atomic_file import replace_atomically
 from engine.rl.checkpoint import save_checkpoint
@@ -120,8 +123,6 @@ def write_step(directory: str | Path, traj: Trajectory, meta: dict[str, Any]) ->
 
     Returns: the file's path (:func:`step_path`).
     """
-    from safetensors.torch import save
-
     # clones: safetensors refuses tensors that share storage (response_valid is response_mask
     # in single-turn batches) or are views of a larger batch
     tensors = {name: getattr(traj, name).detach().contiguous().clone()
@@ -139,8 +140,6 @@ def read_step(path: str | Path) -> StepDump:
         FileNotFoundError: no such file.
         ValueError: not a rollout dump of format :data:`FORMAT`, or unreadable (names the file).
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no rollout dump at {path}")

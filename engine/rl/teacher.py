@@ -15,6 +15,7 @@ def check_teacher(student_dir: str | Path, teacher_dir: str | Path) -> None:
         FileNotFoundError: ``teacher_dir`` is not a model directory (names ``rl.teacher.model_dir``).
         ValueError: the vocabularies differ; names both directories and the first difference.
     """
+    # torch (via engine.storage.model_dir): seconds to import, not paid until this runs
     from engine.storage.model_dir import load_tokenizer, read_hf_config
 
     key = f"rl.teacher.model_dir {teacher_dir}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,17 @@ import torch
 from config.rl import RLConfig, RolloutConfig
 from engine.algorithms.aggregation import global_norm
 from engine.backends.select import actor_worker_class, critic_worker_class
+from engine.distributed.group import kill_role, spawn_role
+from engine.models.master_weights import compute_dtype
+from engine.models.platform import offload_trainer, reload_trainer, rollout_sleep, rollout_wake_up, worker_threads
 from engine.rl.reward_workers import RewardModelWorker, RewardWorker
 from engine.rollout.base import RolloutOutput, SamplingSpec
-from engine.training.actor import compute_logprobs, logit_temperature
+from engine.rollout.factory import build_rollout_engine
+from engine.rollout.multi_turn import load_environment_factory, multi_turn_rollout
+from engine.rollout.partial import WeightGate, generate_in_chunks
+from engine.rollout.router import RolloutRouter
+from engine.storage.model_dir import HF_SUBDIR, load_model_dir, load_tokenizer
+from engine.training.actor import actor_norm, compute_logprobs, logit_temperature
 from engine.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -41,9 +50,6 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
             (before any worker starts; the placement is released).
         whatever a worker's constructor raised (the workers started so far are stopped first).
     """
-    from engine.distributed.group import spawn_role
-    from engine.training.actor import actor_norm
-
     if cfg.uses_reward_model and reward_model_dir is None:
         placement.remove()
         raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
@@ -85,8 +91,6 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
 def stop_workers(workers: Workers) -> None:
     """Kill every worker of the run (every rank of a data/tensor-parallel role), then release
     its placement group."""
-    from engine.distributed.group import kill_role
-
     for w in (workers.actor, workers.reference, workers.reward, workers.critic, workers.teacher, workers.reward_model):
         if w is not None:
             kill_role(w)
@@ -109,8 +113,6 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
     also a weight update's calls (two or three concurrent calls). Engine 0's scratch directory
     is ``out_dir/.rollout``, engine ``i``'s ``out_dir/.rollout/engine{i}``.
     """
-    from engine.rollout.router import RolloutRouter
-
     n = cfg.rollout.num_engines
     share = -(-cfg.prompts_per_step // n)
 
@@ -162,10 +164,6 @@ class ReferenceWorker:
                  num_threads: int | None = None, *, packing: bool = False,
                  max_tokens_per_micro_batch: int | None = None, precision: str | None = None,
                  role: str = "reference"):
-        from engine.models.master_weights import compute_dtype
-        from engine.models.platform import worker_threads
-        from engine.storage.model_dir import load_model_dir
-
         worker_threads(num_threads)
         self.model = load_model_dir(model_dir, seed=seed, dtype=compute_dtype(precision)).model.eval()
         for p in self.model.parameters():
@@ -179,14 +177,10 @@ class ReferenceWorker:
     def offload(self) -> None:
         """Colocated hand-off: the frozen weights to host memory while the rollout runs
         (:func:`engine.models.platform.offload_trainer`, recorded as ``reference.offload``; a no-op on CPU)."""
-        from engine.models.platform import offload_trainer
-
         offload_trainer(self.model, None, self.role)
 
     def reload(self) -> None:
         """Colocated hand-off: back on the device before the next log-prob pass (a no-op on CPU)."""
-        from engine.models.platform import reload_trainer
-
         reload_trainer(self.model, None, self.role)
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
@@ -224,11 +218,6 @@ class RolloutWorker:
     def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
                  max_model_len: int | None = None, num_threads: int | None = None,
                  num_sequences: int | None = None, precision: str | None = None, sleep_mode: bool = False):
-        from engine.models.platform import worker_threads
-        from engine.rollout.factory import build_rollout_engine
-        from engine.rollout.partial import WeightGate
-        from engine.storage.model_dir import HF_SUBDIR
-
         worker_threads(num_threads)
         self.gate = WeightGate()
         self.policy_dir = Path(policy_dir)
@@ -254,8 +243,6 @@ class RolloutWorker:
         samples continue under the new weights (partial rollouts,
         :func:`engine.rollout.partial.generate_in_chunks`). Returns
         :class:`engine.rollout.partial.VersionedOutputs`."""
-        from engine.rollout.partial import generate_in_chunks
-
         _init_thread()
         return generate_in_chunks(self.engine, prompt_token_ids, sampling, chunk_tokens, self.gate)
 
@@ -291,12 +278,6 @@ class RolloutWorker:
         Raises:
             ImportError: the factory cannot be loaded (the message names ``rl.environment``).
         """
-        from engine.rollout.multi_turn import (
-            load_environment_factory,
-            multi_turn_rollout,
-        )
-        from engine.storage.model_dir import load_tokenizer
-
         if environment not in self._env_factories:
             try:
                 self._env_factories[environment] = load_environment_factory(environment)
@@ -344,15 +325,11 @@ class RolloutWorker:
     def sleep(self, level: int) -> None:
         """Colocated hand-off: free the engine's device memory while training runs (vLLM sleep
         ``level`` 1 or 2, :func:`engine.models.platform.rollout_sleep`; a no-op on CPU and for the HF backend)."""
-        from engine.models.platform import rollout_sleep
-
         rollout_sleep(getattr(self.engine, "llm", None), level)
 
     def wake_up(self, tag: str) -> None:
         """Colocated hand-off: reallocate the engine's ``"weights"`` (before the weight sync) or
         ``"kv_cache"`` (after it) (:func:`engine.models.platform.rollout_wake_up`; a no-op on CPU)."""
-        from engine.models.platform import rollout_wake_up
-
         rollout_wake_up(getattr(self.engine, "llm", None), tag)
 
     def ping(self) -> None:
@@ -361,8 +338,6 @@ class RolloutWorker:
 
     def pid(self) -> int:
         """This worker's process id."""
-        import os
-
         return os.getpid()
 
 
@@ -383,7 +358,5 @@ def spawn(cls, placement, *args, role: str, index: int = 0, max_concurrency: int
     """Start ``cls(*args, **kwargs)`` as a Ray actor in the placement seat of worker ``index`` of
     ``role`` (``"reward"``, ``"rollout"``; ``engine.rl.placement``), with that seat's CPUs and
     GPUs, serving ``max_concurrency`` calls at once."""
-    import ray
-
     options = {**placement.actor_options(role, index), "max_concurrency": max_concurrency}
     return ray.remote(cls).options(**options).remote(*args, **kwargs)

@@ -7,7 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from config.precision import DTYPE_NAMES, resolve_precision
+from conversion.hf_source import read_config_json
 from engine.rollout.base import RolloutEngine
+from engine.rollout.vllm_rollout import VLLMRollout
+from engine.storage.hf_io import export_model_dir
 
 
 def build_rollout_engine(
@@ -65,16 +69,12 @@ def build_rollout_engine(
             or ``precision`` is not bf16/fp32/auto; errors of the engine, the config file or
             the export.
     """
-    from config.precision import DTYPE_NAMES, resolve_precision
-
     hf_dir = Path(hf_dir)
     dtype = DTYPE_NAMES[resolve_precision(precision)]
     if backend == "vllm":
-        from conversion.hf_source import read_config_json
-        from engine.rollout.vllm_rollout import VLLMRollout
-
         vocab = int(read_config_json(hf_dir / "config.json")["vocab_size"])
         if tokenizer is None:
+            # transformers: 1-2 s to import; only tokenizers and HF models need it
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
@@ -84,11 +84,10 @@ def build_rollout_engine(
                            max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None,
                            load_format=load_format, dtype=dtype, enforce_eager=enforce_eager, sleep_mode=sleep_mode)
     if backend == "hf":
+        # transformers (via engine.rollout.hf_rollout): 1-2 s to import; only tokenizers and HF models need it
         from engine.rollout.hf_rollout import HFRollout
 
         if hf_export is not None:
-            from engine.storage.hf_io import export_model_dir
-
             hf_dir = export_model_dir(*hf_export, dtype=dtype)
         return HFRollout(hf_dir, dtype=dtype)
     raise ValueError(f"{what}: unknown rollout backend {backend!r}; expected 'vllm' or 'hf'")

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.rollout.hf_weight_names import checkpoint_views
 
 
 def _as_id_list(value) -> list[int]:
@@ -277,8 +278,6 @@ class HFRollout:
                 shape = tuple(state[name].shape)
             else:
                 if self._checkpoint_views is None:  # built once, on the first name it is needed for
-                    from engine.rollout.hf_weight_names import checkpoint_views
-
                     self._checkpoint_views = checkpoint_views(self.model)
                 if name not in self._checkpoint_views:
                     raise KeyError(f"HFRollout.update_weights: unknown parameter name {name!r}")

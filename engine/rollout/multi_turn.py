@@ -65,6 +65,7 @@ Decisions:
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -76,6 +77,7 @@ import numpy as np
 
 from data.chat_response import response_text
 from data.chat_template import encode_continuation
+from data.import_path import import_callable
 from engine.rollout.base import RolloutEngine, SamplingSpec
 from engine.rollout.partial import WeightGate, generate_in_chunks
 
@@ -308,8 +310,6 @@ def _stepped(pending: dict[Future, _Episode], wait_s: float, tokenizer, budget: 
 def _make(make_env: EnvironmentFactory, tokenizer) -> Environment:
     """``make_env()``, or ``make_env(tokenizer=tokenizer)`` for a factory that takes the
     policy's tokenizer (``engine.rollout.tool_env.ToolEnvironment`` needs its chat template)."""
-    import inspect
-
     try:
         takes = "tokenizer" in inspect.signature(make_env).parameters
     except (TypeError, ValueError):  # a builtin or C callable: no signature
@@ -358,6 +358,4 @@ def load_environment_factory(path: str) -> EnvironmentFactory:
     Raises:
         ImportError: as :func:`data.import_path.import_callable`.
     """
-    from data.import_path import import_callable
-
     return import_callable(path, kind="factory")

@@ -44,6 +44,7 @@ def stream_text(engine: Any, tokenizer: Any, prompt_ids: list[int], sampling: Sa
         raise ValueError("stream_text: the prompt has no tokens")
     if sampling.n != 1:
         raise ValueError(f"stream_text: streams one response, got n={sampling.n}")
+    # transformers (via engine.rollout.hf_rollout): 1-2 s to import; only tokenizers and HF models need it
     from engine.rollout.hf_rollout import HFRollout
 
     if isinstance(engine, HFRollout):
@@ -55,6 +56,7 @@ def stream_text(engine: Any, tokenizer: Any, prompt_ids: list[int], sampling: Sa
 
 def _vllm_token_deltas(engine, prompt_ids: list[int], sampling: SamplingSpec) -> Iterator[list[int]]:
     """New token ids of each decode step of one request on ``engine``'s in-process vLLM engine."""
+    # vllm: seconds to import; only a rollout engine needs it
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -92,6 +94,7 @@ def _decoded(tokenizer, deltas: Iterable[list[int]]) -> Iterator[str]:
 
 
 def _hf_stream(engine, tokenizer, prompt_ids: list[int], sampling: SamplingSpec) -> Iterator[str]:
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import TextIteratorStreamer
 
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

@@ -18,8 +18,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from config.precision import bf16_hardware
 from engine.library_warnings import silence_library_deprecations
+from engine.models.platform import sleep_mode_kwargs
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.kv_cache import VLLM_MAX_NUM_SEQS, kv_cache_bytes
 
@@ -84,7 +87,7 @@ def drop_dead_vllm_process_groups() -> list[str]:
     Returns:
         The names of the globals that were reset (empty when the state was live or unset).
     """
-    import torch.distributed as dist
+    # vllm: seconds to import; only a rollout engine needs it
     from vllm.distributed import parallel_state
 
     world = parallel_state._WORLD
@@ -206,9 +209,8 @@ class VLLMRollout:
         # RL-style short generate calls and in-place weight reload cheap here.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         silence_library_deprecations()
+        # vllm: seconds to import; only a rollout engine needs it
         from vllm import LLM
-
-        from engine.models.platform import sleep_mode_kwargs
 
         dtype = _dtype_name(dtype)
         self.enforce_eager = default_enforce_eager() if enforce_eager is None else bool(enforce_eager)
@@ -259,6 +261,7 @@ class VLLMRollout:
         self.dtype = _running_dtype(self.llm, dtype)
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):
+        # vllm: seconds to import; only a rollout engine needs it
         from vllm import SamplingParams
 
         greedy = spec.temperature == 0.0
@@ -289,6 +292,7 @@ class VLLMRollout:
         Raises:
             ValueError: an empty prompt.
         """
+        # vllm: seconds to import; only a rollout engine needs it
         from vllm.inputs import TokensPrompt
 
         for i, ids in enumerate(prompt_token_ids):
@@ -394,6 +398,7 @@ def default_enforce_eager() -> bool:
     steps of the GRPO benchmark; evaluate and short runs never win it back. On CUDA the
     compiled model with CUDA graphs is vLLM's default, as OpenRLHF and TRL run it.
     """
+    # vllm: seconds to import; only a rollout engine needs it
     from vllm.platforms import current_platform
 
     return not current_platform.is_cuda_alike()
@@ -409,6 +414,7 @@ def _vllm_logging():
     lock that thread needs for its next log call: the run hangs in ``LLM.__init__`` (seen: the
     evaluate stage stopped there with no CPU use). Nothing here calls dictConfig.
     """
+    # vllm: seconds to import; only a rollout engine needs it
     from vllm.config.logging import LoggingConfig
 
     vllm_logger = logging.getLogger("vllm")
@@ -457,9 +463,8 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
 def _running_dtype(llm, asked: str) -> torch.dtype:
     """The dtype ``llm`` runs, checked against ``asked``; logs it (and that bfloat16 is
     emulated where the CPU lacks avx512_bf16 and AMX)."""
+    # vllm: seconds to import; only a rollout engine needs it
     from vllm.platforms import current_platform
-
-    from config.precision import bf16_hardware
 
     vllm_config = llm.llm_engine.vllm_config
     running = vllm_config.model_config.dtype

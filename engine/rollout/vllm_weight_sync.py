@@ -11,8 +11,13 @@ on GPU, where each tensor-parallel worker is its own rank of the group. The grou
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from engine.distributed.weight_ipc import OpenedHandles, location
+from engine.distributed.weight_sync import EngineEnd, unpack
+from engine.rollout.vllm_rollout import _cast, _with_tied_head
 
 
 class WeightSyncExtension:
@@ -26,8 +31,6 @@ class WeightSyncExtension:
         """Join the group ``spec`` (:class:`engine.distributed.weight_sync.GroupSpec`) as rank
         ``rank_offset + <this worker's rank in its engine>``, leaving any earlier generation.
         Blocks until every member joined (at most ``spec.timeout_s``). Returns the rank."""
-        from engine.distributed.weight_sync import EngineEnd
-
         end = getattr(self, "_weight_sync_end", None)
         if end is None:
             end = self._weight_sync_end = EngineEnd()
@@ -50,10 +53,6 @@ class WeightSyncExtension:
         Raises: RuntimeError when this worker is in no group or a broadcast fails (a peer
         gone, the group's timeout).
         """
-        from concurrent.futures import ThreadPoolExecutor
-
-        from engine.rollout.vllm_rollout import _cast, _with_tied_head
-
         end = getattr(self, "_weight_sync_end", None)
         if end is None or end.group is None:
             raise RuntimeError("weight sync: this rollout engine has not joined the collective group")
@@ -73,8 +72,6 @@ class WeightSyncExtension:
 
     def weight_sync_location(self):
         """Where this worker's weights live (:func:`engine.distributed.weight_ipc.location`)."""
-        from engine.distributed.weight_ipc import location
-
         return location()
 
     def weight_sync_load_shared(self, handle, metas, tie_word_embeddings: bool, dtype: torch.dtype) -> float:
@@ -88,10 +85,6 @@ class WeightSyncExtension:
         Raises: as :meth:`engine.distributed.weight_ipc.OpenedHandles.open`, and ValueError when
         ``metas`` do not lay out ``handle.nbytes`` bytes.
         """
-        from engine.distributed.weight_ipc import OpenedHandles
-        from engine.distributed.weight_sync import unpack
-        from engine.rollout.vllm_rollout import _cast, _with_tied_head
-
         opened = getattr(self, "_weight_sync_handles", None)
         if opened is None:
             opened = self._weight_sync_handles = OpenedHandles()

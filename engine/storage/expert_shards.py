@@ -39,6 +39,7 @@ def gathered_metadata(keys: dict[str, tuple[str, list[int]]], names: list[str], 
     """This rank's checkpoint ``keys``, optimizer ``names`` (in optimizer order), moment names and
     scalars, renamed by :func:`global_names` and merged over every rank (a collective when the
     process group has several ranks; rank 0's entries first). Returns the four, merged."""
+    # torch (via engine.distributed.collectives): seconds to import, not paid until this runs
     import torch.distributed as dist
 
     from engine.distributed.collectives import world_size

@@ -3,6 +3,7 @@ DeepSpeed backend's transformers weights saved as (and loaded from) a model dire
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,11 @@ import torch
 from tqdm import tqdm
 
 from conversion.export import write_hf_safetensors
-from conversion.registry import megatron_to_hf
+from conversion.registry import hf_to_megatron, megatron_to_hf
 from conversion.spec import GPTSpec
 from engine.models.hf import LoadedHFModel, build_hf_causal_lm, load_hf_state
-from engine.models.megatron import mcore_state
-from engine.storage.model_dir import load_model_dir
+from engine.models.megatron import build_gpt_model, load_mcore_state, mcore_state
+from engine.storage.model_dir import load_model_dir, save_model_dir
 
 
 def export_model_dir(model_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
@@ -34,8 +35,6 @@ def export_model_dir(model_dir: str | Path, out_dir: str | Path, dtype: str = "f
         FileNotFoundError / ValueError from :func:`engine.storage.model_dir.load_model_dir`;
         conversion.registry.ConversionError if the weights do not match the config.
     """
-    import json
-
     loaded = load_model_dir(model_dir)
     # one bar over the tensors written; disable=None: drawn on a terminal only, no log lines
     tensors = tqdm(megatron_to_hf(loaded.hf_config, mcore_state(loaded.model)), desc="write HF weights", unit="tensor",
@@ -63,10 +62,6 @@ def load_hf_causal_lm(model_dir: str | Path, seed: int = 0) -> LoadedHFModel:
         conversion.registry.ConversionError if the weights do not match the config;
         KeyError (:func:`load_hf_state`) if transformers builds other parameters than the map gives.
     """
-    from conversion.registry import megatron_to_hf
-    from engine.models.megatron import mcore_state
-    from engine.storage.model_dir import load_model_dir
-
     loaded = load_model_dir(model_dir, seed=seed)
     model = build_hf_causal_lm(loaded.tokenizer_dir, seed=seed)
     load_hf_state(model, loaded.spec, dict(megatron_to_hf(loaded.hf_config, mcore_state(loaded.model))))
@@ -99,10 +94,6 @@ def save_hf_as_model_dir(out_dir: str | Path, hf_state: Mapping[str, torch.Tenso
         conversion.registry.ConversionError: a tensor is missing, unexpected or misshapen.
         ValueError / FileNotFoundError from :func:`engine.storage.model_dir.save_model_dir`.
     """
-    from conversion.registry import hf_to_megatron
-    from engine.models.megatron import build_gpt_model, load_mcore_state
-    from engine.storage.model_dir import save_model_dir
-
     mcore = hf_to_megatron(hf_config, hf_state, padded_vocab_size=spec.padded_vocab_size)
     model = build_gpt_model(spec, seed=seed)
     load_mcore_state(model, mcore)

@@ -32,6 +32,9 @@ from config.moe import MoERouterConfig
 from conversion.export import replace_dir_atomically, save_safetensors
 from conversion.hf_source import read_config_json
 from conversion.spec import GPTSpec
+from engine.distributed.collectives import barrier, global_rank
+from engine.models.megatron import build_gpt_model
+from engine.storage.torch_dist import load_model_checkpoint, save_model_checkpoint, shared_temporary_dir
 
 MEGATRON_SUBDIR = "megatron"
 
@@ -85,6 +88,7 @@ class LoadedModel:
 
 
 def _generation_config(hf_config: dict[str, Any], tokenizer_dir: Path) -> dict[str, Any]:
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -140,9 +144,6 @@ def save_model_dir(
             ``model.gpt_spec``.
         FileNotFoundError: ``tokenizer_dir`` holds none of :data:`TOKENIZER_FILES`.
     """
-    from engine.distributed.collectives import barrier, global_rank
-    from engine.storage.torch_dist import save_model_checkpoint, shared_temporary_dir
-
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     spec = GPTSpec.from_hf_config(hf_config)
     model_spec = getattr(model, "gpt_spec", None)
@@ -231,9 +232,6 @@ def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "
         FileNotFoundError: ``hf/config.json`` or ``megatron/`` is missing (names the path).
         ValueError: the config is not a supported architecture (names the key).
     """
-    from engine.models.megatron import build_gpt_model
-    from engine.storage.torch_dist import load_model_checkpoint
-
     model_dir = Path(model_dir)
     hf_config = read_hf_config(model_dir)
     ckpt = model_dir / MEGATRON_SUBDIR
@@ -282,6 +280,7 @@ def load_tokenizer(model_dir: str | Path):
     hf = Path(model_dir) / HF_SUBDIR
     if not hf.is_dir():
         raise FileNotFoundError(f"{hf}: missing; {model_dir} is not a model directory")
+    # transformers: 1-2 s to import; only tokenizers and HF models need it
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(hf))

@@ -54,6 +54,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 def _megatron_rng_tracker():
     try:
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     except ImportError:
         return None

@@ -8,19 +8,23 @@ only a sharded state needs them.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
+from engine.distributed.collectives import world_size
+from engine.models.lora import adapter_sharded_state, lora_layers
 from engine.models.master_weights import master_params
 from engine.storage.rng_state import capture_rng_state
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds a megatron-core module (its train state is then sharded)."""
-    import sys
-
     megatron = sys.modules.get("megatron.core.transformer.module")  # not imported: no megatron module exists
     return megatron is not None and any(isinstance(m, megatron.MegatronModule) for m in model.modules())
 
@@ -32,10 +36,9 @@ def sharded_model_state(model: torch.nn.Module, prefix: str = "") -> dict[str, A
     value head) are replicated tensors (``megatron.core.utils.make_sharded_tensor_for_checkpoint``:
     written once, by the rank whose tensor- and data-parallel ranks are 0). A model with LoRA
     adapters (``engine.models.lora``) gives its adapters only."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.utils import make_sharded_tensor_for_checkpoint
-
-    from engine.models.lora import adapter_sharded_state, lora_layers
 
     if lora_layers(model):  # the frozen base comes from the model directory the run starts from
         return adapter_sharded_state(model)
@@ -69,6 +72,7 @@ def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 def sharded_moments(model_state: dict[str, Any], moments: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
     """AdamW moments as dist_checkpointing tensors sharded like their parameters:
     ``{name: {moment: make_sharded_optimizer_tensor(model_state[name], tensor, "optimizer.state.<moment>")}}``."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     return {name: {m: make_sharded_optimizer_tensor(model_state[name], t, prefix=f"optimizer.state.{m}")
@@ -79,6 +83,7 @@ def checkpoint_keys(model_state: dict[str, Any]) -> dict[str, tuple[str, list[in
     """``{state_dict name: (checkpoint key, offsets on the prepended axes)}`` of every tensor:
     megatron saves the layers of a block as one tensor per kind with a leading layer axis, so
     the full tensor of ``decoder.layers.3.x`` is ``checkpoint[key][3]``."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     out = {}
@@ -99,10 +104,6 @@ def select_offsets(full: torch.Tensor, offsets: list[int]) -> torch.Tensor:
 def read_full_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of a torch_dist checkpoint by key, read with
     ``torch.distributed.checkpoint`` in this process alone (``no_dist``)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
     reader = dcp.FileSystemReader(str(checkpoint))
     meta = reader.read_metadata().state_dict_metadata
     out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
@@ -114,9 +115,8 @@ def read_full_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tens
 
 def group_layout() -> dict[str, int]:
     """This process's group: world size and megatron's tensor-parallel size (1 without a group)."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
-
-    from engine.distributed.collectives import world_size
 
     world = world_size()
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
@@ -125,10 +125,6 @@ def group_layout() -> dict[str, int]:
 
 def all_rng_states() -> list[dict[str, Any]]:
     """Every rank's :func:`capture_rng_state`, in global rank order (a collective)."""
-    import torch.distributed as dist
-
-    from engine.distributed.collectives import world_size
-
     mine = capture_rng_state()
     if world_size() == 1:
         return [mine]

@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import queue
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from data.disk_full import naming_a_full_disk
+from engine.distributed.collectives import barrier, broadcast_object, global_rank
 from engine.library_warnings import silence_library_deprecations
 from engine.models.master_weights import copy_masters_to_model, full_precision_weights
+from engine.models.platform import ensure_process_group
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -69,8 +75,7 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
     ``{bucket index: write results}`` (or the first bucket's exception) goes to
     ``global_results_queue``, as the forked version puts it (source:
     megatron/core/dist_checkpointing/strategies/filesystem_async.py)."""
-    import queue
-
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     results: dict[int, list] = {}
@@ -92,8 +97,7 @@ def _use_in_process_writer() -> None:
     give them an in-process results queue in place of megatron's ``spawn`` manager queue: with
     no writer process there is nothing to share it with, and that manager is a server process
     that outlives a SIGKILLed parent. Idempotent."""
-    import queue
-
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_buckets_in_process)
@@ -107,8 +111,6 @@ def shared_temporary_dir(root: Path, prefix: str) -> Path:
     before it exists. Several ranks (data/tensor parallelism) write one checkpoint into it, each
     its own shards; the caller's rank 0 then publishes it by rename (and removes it on failure).
     In a single process it is a plain ``mkdir``."""
-    from engine.distributed.collectives import barrier, broadcast_object, global_rank
-
     tmp = root / broadcast_object(f"{prefix}{uuid.uuid4().hex[:8]}")
     if global_rank() == 0:
         tmp.mkdir()
@@ -121,9 +123,8 @@ def save_sharded(state: dict[str, Any], directory: Path) -> None:
     it with its own sharded tensors), written in this process (module docstring). Take
     ``state`` (e.g. ``model.sharded_state_dict()``) before calling: a destroyed process group is
     re-created here (``engine.models.platform.ensure_process_group``), not before."""
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import dist_checkpointing
-
-    from engine.models.platform import ensure_process_group
 
     ensure_process_group()
     _use_in_process_writer()
@@ -140,12 +141,8 @@ def load_sharded(state: dict[str, Any], directory: Path) -> dict[str, Any]:
         ValueError: naming ``directory`` and the first failing tensor (a missing key, a shape
             that does not fit, an unreadable file).
     """
+    # megatron: seconds to import; only megatron-core models need it
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import (
-        CheckpointException,  # a BaseException subclass
-    )
-
-    from engine.models.platform import ensure_process_group
 
     try:
         ensure_process_group()
@@ -169,8 +166,6 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     Returns:
         The iteration directory written (``directory/iter_0000123`` or ``directory/release``).
     """
-    from engine.distributed.collectives import barrier, global_rank
-
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / iteration_dir_name(iteration)
@@ -212,8 +207,6 @@ def _reproducible_metadata(checkpoint_dir: Path) -> None:
     directory it was written to (here a temporary one) and a random ``save_id``. Loading does
     not need it (the reader makes a fresh one), and without it a rebuilt model directory has
     the same content hash as before, so the stages after it stay cached (early cut-off)."""
-    import pickle
-
     for path in checkpoint_dir.glob("*.metadata"):
         with open(path, "rb") as f:
             metadata = pickle.load(f)

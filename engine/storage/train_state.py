@@ -68,6 +68,8 @@ import torch
 from data.atomic_file import replace_atomically
 from data.checksums import CHECKSUMS, ChecksumMismatch, sha256_file, verify_checksums, write_checksums
 from data.disk_full import naming_a_full_disk
+from engine.distributed.collectives import barrier, global_rank
+from engine.models.lora import lora_layers
 from engine.models.master_weights import (
     copy_masters_to_model,
     full_precision_weights,
@@ -86,6 +88,7 @@ from engine.storage.sharded_state import (
     sharded_model_state,
     sharded_moments,
 )
+from engine.storage.torch_dist import load_sharded
 
 STATE_FILE = "train_state.pt"
 
@@ -183,6 +186,7 @@ class TrainState:
                                     f"delete {path.parent} to start this stage over")
         if "checksums" in raw:  # states written before checksums existed have none
             _verify(path.parent, self.checkpoint, raw["checksums"])
+        # megatron: seconds to import; only megatron-core models need it
         from megatron.core.dist_checkpointing import load_common_state_dict
 
         try:  # rank 0's common state: torch.load(weights_only=True), no tensors of the model
@@ -266,7 +270,7 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
 
 def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, scheduler) -> None:
     """Every rank: its shards of a new checkpoint directory; rank 0 then commits it (module docstring)."""
-    from engine.distributed.collectives import barrier, global_rank
+    # looked up at each call: tests replace engine.storage.torch_dist.save_sharded
     from engine.storage.torch_dist import save_sharded, shared_temporary_dir
 
     lead = global_rank() == 0
@@ -308,10 +312,6 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
 def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     """Every rank: its shards of weights and moments (resharded to this layout), then the
     optimizer, scheduler and RNG states (module docstring)."""
-    from engine.distributed.collectives import global_rank
-    from engine.models.lora import lora_layers
-    from engine.storage.torch_dist import load_sharded
-
     common = state._common
     opt = common["optimizer"]
     names = optimizer_names(model, optimizer)
@@ -383,8 +383,6 @@ def save_train_state(
     Returns:
         Path of ``train_state.pt``.
     """
-    from engine.distributed.collectives import barrier, global_rank
-
     root = Path(directory)
     payload = {"format_version": SHARDED, "step": int(step), "extra": dict(extra or {}),
                "data_position": dataclasses.asdict(data_position)}

@@ -22,6 +22,8 @@ from engine.algorithms.aggregation import GlobalNorm, aggregate_loss, global_nor
 from engine.algorithms.kl import get_kl_estimator
 from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
+from engine.batching.packing import pack_sequences, packed_response_index
+from engine.models.megatron import gpt_logits_packed
 from engine.trajectory import Trajectory, micro_batch_rows
 
 if TYPE_CHECKING:
@@ -59,13 +61,11 @@ def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: floa
     """
     length = batch.response_ids.size(1)
     if packed:
-        from engine.batching.packing import pack_sequences, packed_response_index
-        from engine.models.megatron import gpt_logits_packed
-
         seqs = pack_sequences(batch.input_ids, batch.prompt_lengths + batch.response_lengths)
         logits = gpt_logits_packed(model, seqs)  # [N, V]
         picked = logits[packed_response_index(seqs.cu_seqlens, batch.prompt_lengths, length)]  # [B, L, V]
     else:
+        # looked up at each call: tests replace engine.models.forward.causal_logits
         from engine.models.forward import causal_logits
 
         logits = causal_logits(model, batch.input_ids)  # [B, T, V]; megatron or HF (rl.backend)
@@ -100,9 +100,6 @@ def response_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: fl
         logits = response_logits(model, batch, temperature)
         ent = entropy_from_logits(logits if entropy_grad else logits.detach()) if entropy else None
         return logprobs_from_logits(logits, batch.response_ids), ent
-    from engine.batching.packing import pack_sequences, packed_response_index
-    from engine.models.megatron import gpt_logits_packed
-
     seqs = pack_sequences(batch.input_ids, batch.prompt_lengths + batch.response_lengths)
     logits = gpt_logits_packed(model, seqs)  # [N, V]
     valid = batch.response_valid > 0  # [B, L]

@@ -16,6 +16,7 @@ a value head; ``engine.backends.deepspeed.critic`` on an HF model under DeepSpee
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm, global_norm, masked_sum
 from engine.algorithms.value_loss import clipped_value_loss
-from engine.trajectory import Trajectory
+from engine.trajectory import Trajectory, actor_micro_batches, micro_batch_rows
 
 CRITIC_STATE_SUBDIR = "critic"
 
@@ -55,8 +56,6 @@ def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batc
     (``micro_batch_size`` rows, or ``max_tokens`` real tokens each:
     :func:`engine.trajectory.micro_batch_rows`), with ``model`` in eval mode (its mode is
     restored), 0 on padding."""
-    from engine.trajectory import micro_batch_rows
-
     was_training = model.training
     model.eval()
     out = torch.zeros(traj.response_ids.shape)
@@ -95,8 +94,6 @@ def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep, norm: Globa
     """
     if traj.values is None or traj.returns is None:
         raise ValueError("critic update: the trajectory has no values/returns (compute GAE first)")
-    from engine.trajectory import actor_micro_batches
-
     micro = actor_micro_batches(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     norm = global_norm([mb.response_mask for mb in micro]) if norm is None else norm
     clip = cfg.critic.cliprange_value
@@ -123,8 +120,6 @@ def critic_state_dir(resume_dir: str | Path, step: int) -> Path:
 
 def prune_critic_states(resume_dir: str | Path, keep_step: int) -> None:
     """Delete the critic states under ``resume_dir/critic`` of every step except ``keep_step``."""
-    import shutil
-
     keep = critic_state_dir(resume_dir, keep_step)
     for d in (Path(resume_dir) / CRITIC_STATE_SUBDIR).glob("step_*"):
         if d != keep:

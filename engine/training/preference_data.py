@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from data.chat import encode_chat
+from data.readers import RowError, read_records
 from engine.batching.collate import TokenBatch, collate_tokens
 
 logger = logging.getLogger(__name__)
@@ -31,8 +33,6 @@ def encode_response(tokenizer, prompt: Any, response: str, max_len: int | None) 
 
     Raises: ValueError / KeyError / TypeError from the chat template (the caller names the row).
     """
-    from data.chat import encode_chat
-
     enc = encode_chat(tokenizer, _conversation(prompt, response), max_len=max_len)
     return list(enc.input_ids), list(enc.loss_mask)
 
@@ -45,8 +45,6 @@ def _read_rows(path: str | Path, fields: dict[str, tuple[type, str]]) -> list[tu
         ValueError: naming ``file:line`` and the field, for a missing or mistyped field; or for
             an empty file.
     """
-    from data.readers import RowError, read_records
-
     rows = []
     for line, row in read_records(str(path)):
         if isinstance(row, RowError):
@@ -121,8 +119,6 @@ def collate_pairs(pairs: Sequence[tuple[list[int], list[int]]], pad_id: int) -> 
 def is_unpaired(path: str | Path) -> bool:
     """Whether the JSONL file holds unpaired KTO rows (its first record has ``completion`` and
     ``label``, as ``kto.jsonl``) rather than preference pairs."""
-    from data.readers import read_records
-
     for _, row in read_records(str(path)):
         return isinstance(row, dict) and "completion" in row and "label" in row
     return False

@@ -168,3 +168,13 @@ def test_bad_inputs_give_one_clear_error(stories_dir, tmp_path):
     with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.experts.weight' has no GGUF name"):
         gguf_tensor_name("model.layers.0.mlp.experts.weight")
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*tmp*"))
+
+
+def test_the_config_and_the_command_offer_the_types_export_writes():
+    """config.export.GgufType (export.gguf, and `posttrain export-gguf --type`, which must not
+    import torch to register) lists exactly the types hf_to_gguf writes."""
+    import typing
+
+    from config.export import GgufType
+
+    assert list(typing.get_args(GgufType)) == list(GGUF_TYPES) == ["f32", "f16", "bf16", "q8_0"]

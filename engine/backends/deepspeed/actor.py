@@ -19,13 +19,17 @@ from engine.backends.deepspeed.runtime import (
     init_process_group,
 )
 from engine.distributed.weight_source import HFBucketSource
+from engine.models.hf_lora import apply_hf_lora, merged_hf_tensors, peft_adapter_tensors
+from engine.models.lora import write_peft_adapter
+from engine.models.platform import offload_trainer, reload_trainer, worker_threads
+from engine.storage.hf_io import load_hf_causal_lm, save_hf_as_model_dir
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
     compute_logprobs,
     logit_temperature,
 )
-from engine.trajectory import Trajectory
+from engine.trajectory import Trajectory, micro_batch_rows
 
 # train_state.pt's ``extra`` key recording which backend (and ZeRO stage) wrote the state:
 # the optimizer state's layout depends on both.
@@ -67,9 +71,6 @@ class DeepSpeedActorWorker(HFBucketSource):
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
-        from engine.models.platform import worker_threads
-        from engine.storage.hf_io import load_hf_causal_lm
-
         if cfg.packing:
             raise ValueError("rl.packing needs rl.backend: megatron (the deepspeed backend runs padded micro-batches)")
         worker_threads(num_threads)
@@ -77,8 +78,6 @@ class DeepSpeedActorWorker(HFBucketSource):
         init_process_group()
         loaded = load_hf_causal_lm(policy_dir, seed=seed)
         if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
-            from engine.models.hf_lora import apply_hf_lora
-
             apply_hf_lora(loaded.model, cfg.lora, seed=seed)
         self.hf_config, self.spec, self.tokenizer_dir = loaded.hf_config, loaded.spec, loaded.tokenizer_dir
         self.cfg = cfg
@@ -95,23 +94,17 @@ class DeepSpeedActorWorker(HFBucketSource):
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
         rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import offload_trainer
-
         offload_trainer(self.module, self.optimizer, "actor", engine=self.engine)
 
     def reload(self) -> None:
         """Colocated hand-off: back on the device before the next forward
         (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import reload_trainer
-
         reload_trainer(self.module, self.optimizer, "actor", engine=self.engine)
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` log-probs (nats) of the response tokens under the current policy, 0 on
         padding (:func:`engine.training.actor.compute_logprobs`; micro-batches of
         ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens)."""
-        from engine.trajectory import micro_batch_rows
-
         rows = micro_batch_rows(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
         padding = self.trainer.forward_padding(len(rows))  # ZeRO-3 at DP > 1: as many forwards as the other ranks
         out = compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
@@ -158,15 +151,10 @@ class DeepSpeedActorWorker(HFBucketSource):
         merged weights in fp32 (the base upcast plus the fp32 update), and with
         ``rl.lora.save_adapter`` the adapters alone go to ``adapter/`` in PEFT's format
         (``engine.models.lora.write_peft_adapter``), as the megatron backend writes them."""
-        from engine.storage.hf_io import save_hf_as_model_dir
-
         weights = dict(self._weights(full_precision=True))
         out = save_hf_as_model_dir(out_dir, weights, self.spec, self.hf_config, self.tokenizer_dir,
                                    iteration=iteration, seed=self.seed)
         if self.cfg.lora.enabled and self.cfg.lora.save_adapter:
-            from engine.models.hf_lora import peft_adapter_tensors
-            from engine.models.lora import write_peft_adapter
-
             adapters = peft_adapter_tensors(self.module, partial(self.trainer.full_tensor, full_precision=True))
             write_peft_adapter(adapters, self.cfg.lora, out / "adapter")
         return str(out)
@@ -176,8 +164,6 @@ class DeepSpeedActorWorker(HFBucketSource):
         fp32 when ``full_precision``."""
         if not self.cfg.lora.enabled:
             return self.trainer.named_tensors(full_precision)
-        from engine.models.hf_lora import merged_hf_tensors
-
         return merged_hf_tensors(self.module, partial(self.trainer.full_tensor, full_precision=True),
                                  torch.float32 if full_precision else None)
 

@@ -29,6 +29,9 @@ from engine.backends.deepspeed.runtime import (
     init_process_group,
 )
 from engine.models.heads import HFValueModel
+from engine.models.platform import offload_trainer, reload_trainer, worker_threads
+from engine.storage.hf_io import load_hf_causal_lm
+from engine.storage.train_state import has_train_state
 from engine.training.critic import (
     compute_response_values,
     critic_state_dir,
@@ -36,7 +39,7 @@ from engine.training.critic import (
     missing_critic_state,
     prune_critic_states,
 )
-from engine.trajectory import Trajectory
+from engine.trajectory import Trajectory, micro_batch_rows
 
 # train_state.pt's ``extra`` key recording which backend (and ZeRO stage) wrote a critic state.
 CRITIC_TAG_KEY = "critic_backend"
@@ -64,9 +67,6 @@ class DeepSpeedCriticWorker:
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
-        from engine.models.platform import worker_threads
-        from engine.storage.hf_io import load_hf_causal_lm
-
         worker_threads(num_threads)
         import_deepspeed()
         init_process_group()
@@ -80,21 +80,15 @@ class DeepSpeedCriticWorker:
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
         rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import offload_trainer
-
         offload_trainer(self.model, self.trainer.optimizer, "critic", engine=self.engine)
 
     def reload(self) -> None:
         """Colocated hand-off: back on the device before the next forward
         (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import reload_trainer
-
         reload_trainer(self.model, self.trainer.optimizer, "critic", engine=self.engine)
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` values (``engine.training.critic.response_values``) in eval mode, 0 on padding."""
-        from engine.trajectory import micro_batch_rows
-
         rows = micro_batch_rows(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
         padding = self.trainer.forward_padding(len(rows))  # ZeRO-3 at DP > 1: as many forwards as the other ranks
         out = compute_response_values(self.engine, traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
@@ -141,8 +135,6 @@ class DeepSpeedCriticWorker:
             ValueError: the state was written by the megatron critic or at another ZeRO stage
                 (names ``rl.backend`` and ``rl.deepspeed.zero_stage``).
         """
-        from engine.storage.train_state import has_train_state
-
         directory = critic_state_dir(resume_dir, step)
         if not has_train_state(directory):
             raise missing_critic_state(resume_dir, step)

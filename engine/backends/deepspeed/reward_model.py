@@ -26,13 +26,18 @@ from typing import Any
 import torch
 
 from config.schema import RMConfig
+from conversion.registry import hf_to_megatron
 from engine.backends.deepspeed.runtime import (
     DeepSpeedTrainer,
     import_deepspeed,
     init_process_group,
 )
 from engine.batching.collate import TokenBatch
+from engine.distributed.collectives import sum_across_ranks
 from engine.models.heads import BODY_PREFIX, HFRewardModel
+from engine.models.megatron import build_gpt_model, load_mcore_state
+from engine.storage.hf_io import load_hf_causal_lm
+from engine.storage.model_dir import save_model_dir
 from engine.storage.train_state import DataPosition, TrainState
 from engine.training.reward_model import pair_loss
 
@@ -68,8 +73,6 @@ class DeepSpeedRewardTrainer:
     """
 
     def __init__(self, base_model_dir: str | Path, cfg: RMConfig, seed: int = 0):
-        from engine.storage.hf_io import load_hf_causal_lm
-
         import_deepspeed()
         init_process_group()
         loaded = load_hf_causal_lm(base_model_dir, seed=seed)
@@ -100,8 +103,6 @@ class DeepSpeedRewardTrainer:
             ValueError: no micro-batches.
             FloatingPointError: a non-finite gradient norm.
         """
-        from engine.distributed.collectives import sum_across_ranks
-
         # the whole batch's pairs: at DP > 1 ``micro`` is this rank's share (engine.distributed.share)
         total = int(sum_across_ranks({"pairs": sum(batch.input_ids.size(0) // 2 for batch in micro)})["pairs"])
 
@@ -158,10 +159,6 @@ class DeepSpeedRewardTrainer:
         Raises:
             conversion.registry.ConversionError: a tensor is missing, unexpected or misshapen.
         """
-        from conversion.registry import hf_to_megatron
-        from engine.models.megatron import build_gpt_model, load_mcore_state
-        from engine.storage.model_dir import save_model_dir
-
         mcore = hf_to_megatron(self.hf_config, self.hf_state(), padded_vocab_size=self.spec.padded_vocab_size)
         gpt = build_gpt_model(self.spec, seed=self.seed)
         load_mcore_state(gpt, mcore)

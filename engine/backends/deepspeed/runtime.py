@@ -65,6 +65,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from config.precision import resolve_precision
 from config.training import DeepSpeedConfig, OptimConfig
@@ -82,6 +83,8 @@ from engine.backends.deepspeed.world import (  # noqa: F401 (the backend's calle
     zero_buffer_sizes,
 )
 from engine.models.embedding_grad import sum_embedding_grads_in_fp32
+from engine.models.master_weights import copy_masters_to_model, master_params, to_mixed_precision
+from engine.training.optimizer_step import accumulate_gradients, build_optimizer
 
 
 def _to_master_weights(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -89,8 +92,6 @@ def _to_master_weights(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     fp32 masters made from the fp32 weights, fp32 gradient accumulation), with the module's
     floating buffers (e.g. rotary inverse frequencies) put back in their own dtype, as
     DeepSpeed's bf16 cast at ZeRO 1-3 leaves them. Returns the masters."""
-    from engine.models.master_weights import to_mixed_precision
-
     buffers = {name: b for name, b in module.named_buffers() if b.is_floating_point()}
     masters = to_mixed_precision(module)
     for name, buffer in buffers.items():
@@ -140,8 +141,6 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
 
     def __init__(self, module: torch.nn.Module, optim: OptimConfig, total_steps: int, ds: DeepSpeedConfig,
                  micro_batch_size: int, precision: str | None = "fp32"):
-        from engine.training.optimizer_step import build_optimizer
-
         self.deepspeed = import_deepspeed()
         self.world = init_process_group()
         self.zero_stage = ds.zero_stage
@@ -191,8 +190,6 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         Raises: what ``torch.distributed.all_reduce`` raises (a rank that died)."""
         if self.world == 1:
             return count
-        import torch.distributed as dist
-
         most = torch.tensor([int(count)], dtype=torch.long)
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         return int(most)
@@ -227,9 +224,6 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
             FloatingPointError: the gradient norm is NaN or infinite (DeepSpeed's ZeRO skips
                 such a step, and below ZeRO it is not taken either).
         """
-        from engine.models.master_weights import copy_masters_to_model
-        from engine.training.optimizer_step import accumulate_gradients
-
         masters = self._repository_masters()  # bf16 at ZeRO-0 only, else empty
         for p in masters:  # a step that failed part-way leaves no gradient behind
             p.grad = None
@@ -340,6 +334,7 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         Raises:
             AttributeError: the module has no parameter ``name``.
         """
+        # deepspeed: seconds to import; only the DeepSpeed backend needs it
         from deepspeed.utils import safe_get_full_fp32_param
 
         p = self.module.get_parameter(name)
@@ -354,8 +349,6 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
 
     def _repository_masters_by_name(self) -> dict[str, torch.nn.Parameter]:
         """bf16 at ZeRO-0: ``engine.models.master_weights``' fp32 masters by parameter name; else empty."""
-        from engine.models.master_weights import master_params
-
         return (master_params(self.module) or {}) if self.scheme == MASTER_WEIGHTS else {}
 
     def _repository_masters(self) -> list[torch.nn.Parameter]:
@@ -369,6 +362,7 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         Raises:
             KeyError: a trainable parameter is not in ``weights``.
         """
+        # deepspeed: seconds to import; only the DeepSpeed backend needs it
         from deepspeed.utils import safe_set_full_fp32_param
 
         for name, p in self.module.named_parameters():
@@ -386,6 +380,7 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         if self.scheme != DEEPSPEED_BF16:
             yield
             return
+        # deepspeed: seconds to import; only the DeepSpeed backend needs it
         from deepspeed.utils import safe_get_full_fp32_param
 
         trainable = [p for p in self.module.parameters() if p.requires_grad]

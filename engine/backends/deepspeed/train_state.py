@@ -13,6 +13,9 @@ from typing import Any
 import torch
 
 from engine.backends.deepspeed.world import DEEPSPEED_BF16, MASTER_WEIGHTS
+from engine.models.master_weights import copy_masters_to_model
+from engine.storage.train_state import load_train_state, restore_rng_state, save_train_state
+from engine.training.optimizer_step import build_optimizer
 
 
 class DeepSpeedTrainState:
@@ -54,8 +57,6 @@ class DeepSpeedTrainState:
         ``safe_get_full_optimizer_state``, gathered from the ranks' partitions), keyed as a plain
         AdamW over the module would key them, so the state resumes at any data-parallel size. At
         ZeRO-0 the AdamW is such a plain AdamW already and its own ``state_dict()`` is written."""
-        from engine.storage.train_state import save_train_state
-
         saved = self._state_module()
         if self.zero_stage > 0:
             with self.gathered(saved.parameters()), self._deepspeed_masters_in_params():
@@ -73,8 +74,6 @@ class DeepSpeedTrainState:
         """The trained parameters of ``module`` in the groups (and order) of a plain
         ``build_optimizer`` over them: the layout of a consolidated optimizer state. Under
         ZeRO-3 call it with the parameters gathered (the groups depend on their shapes)."""
-        from engine.training.optimizer_step import build_optimizer
-
         template, _ = build_optimizer([p for p in module.parameters() if p.requires_grad], self.optim, self.total_steps)
         return [list(group["params"]) for group in template.param_groups]
 
@@ -84,6 +83,7 @@ class DeepSpeedTrainState:
         (a collective at DP > 1: each is gathered from the ranks' partitions), indices as
         :meth:`_template_groups`, hyper-parameters (lr, ...) the live optimizer's. Before the
         first step (torch creates AdamW's state lazily) ``"state"`` is empty, as a plain AdamW's."""
+        # deepspeed: seconds to import; only the DeepSpeed backend needs it
         from deepspeed.utils import safe_get_full_optimizer_state
 
         groups = self._template_groups(module)
@@ -121,15 +121,11 @@ class DeepSpeedTrainState:
                 earlier version's partition state is loaded at DP > 1 (the message names the fix:
                 resume it at data-parallel size 1 once, whose next save is consolidated).
         """
-        from engine.storage.train_state import load_train_state
-
         state = load_train_state(directory)
         written_by = state.extra.pop(tag_key, {"backend": "megatron"})
         if written_by != self.state_tag():
             raise ValueError(f"{directory}: train state was written with {written_by}, this worker runs "
                              f"{self.state_tag()}; resume with the same {config_keys}")
-        from engine.models.master_weights import copy_masters_to_model
-
         restored = self._state_module()
         if state.format_version == 1 and state.optimizer.get("consolidated") == self.CONSOLIDATED:
             self._restore_consolidated(state, restored)
@@ -157,8 +153,6 @@ class DeepSpeedTrainState:
 
         Raises:
             ValueError: the saved weights or parameter groups do not match the module's."""
-        from engine.storage.train_state import restore_rng_state
-
         opt = state.optimizer
         with self.gathered(restored.parameters(), modifier_rank=0):
             result = restored.load_state_dict(state.model, strict=False)
@@ -185,6 +179,7 @@ class DeepSpeedTrainState:
         """Put each parameter's whole saved moments (``saved[index]``, ``params[index]``, in
         :meth:`_template_groups` order) into this rank's partition and the saved step count
         into every flat partition's AdamW state."""
+        # deepspeed: seconds to import; only the DeepSpeed backend needs it
         from deepspeed.utils import safe_set_full_optimizer_state
 
         # A trainer that has not stepped yet has no AdamW state (torch creates it in the first

@@ -67,6 +67,7 @@ def import_deepspeed():
     if accelerator != "cpu":
         raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DS_ACCELERATOR "
                            f"is {accelerator!r} (unset it or set 'cpu')")
+    # deepspeed: seconds to import; only the DeepSpeed backend needs it
     import deepspeed
     from deepspeed.utils import logger as ds_logger
 
@@ -97,6 +98,7 @@ def init_process_group() -> int:
         RuntimeError: ``WORLD_SIZE`` names a world of several ranks but no process group is
             running (a launcher this backend does not use).
     """
+    # torch: seconds to import, not paid until this runs
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -11,12 +11,18 @@ import torch
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm
 from engine.distributed.weight_source import HFBucketSource
+from engine.models.lora import MergedWeights, apply_lora, merged_for_saving, save_peft_adapter
+from engine.models.platform import offload_trainer, reload_trainer, worker_threads
+from engine.models.routing_replay import RoutingReplay
+from engine.storage.model_dir import load_model_dir, save_model_dir
+from engine.storage.train_state import load_train_state, save_train_state
 from engine.training.actor import (
     ActorUpdate,
     actor_update,
     compute_logprobs,
     logit_temperature,
 )
+from engine.training.optimizer_step import build_model_optimizer, train_step
 from engine.trajectory import Trajectory
 
 
@@ -43,39 +49,27 @@ class ActorWorker(HFBucketSource):
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
-        from engine.models.platform import worker_threads
-        from engine.storage.model_dir import load_model_dir
-        from engine.training.optimizer_step import build_model_optimizer
-
         worker_threads(num_threads)
         loaded = load_model_dir(policy_dir, seed=seed)  # fp32 weights: the masters are made from them under bf16
         self.model, self.hf_config, self.tokenizer_dir = loaded.model, loaded.hf_config, loaded.tokenizer_dir
         self.cfg = cfg
         self.temperature = logit_temperature(cfg.rollout.temperature)
         if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
-            from engine.models.lora import apply_lora
-
             apply_lora(self.model, cfg.lora, seed=seed)
         self.optimizer, self.scheduler = build_model_optimizer(
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
         self.routing = None  # rl.moe_routing_replay: the old-log-prob pass records, the update replays
         if cfg.moe_routing_replay:
-            from engine.models.routing_replay import RoutingReplay
-
             self.routing = RoutingReplay(self.model)
 
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
         rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import offload_trainer
-
         offload_trainer(self.model, self.optimizer, "actor")
 
     def reload(self) -> None:
         """Colocated hand-off: back on the device before the next forward
         (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import reload_trainer
-
         reload_trainer(self.model, self.optimizer, "actor")
 
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
@@ -101,8 +95,6 @@ class ActorWorker(HFBucketSource):
 
         Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
         """
-        from engine.training.optimizer_step import train_step
-
         def step(micro, loss_fn):
             return train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip,
                               normalized=True)
@@ -118,8 +110,6 @@ class ActorWorker(HFBucketSource):
         (:meth:`engine.distributed.weight_source.HFBucketSource._bucket_weights`); with LoRA its
         merged weights (:class:`engine.models.lora.MergedWeights`)."""
         if self.cfg.lora.enabled:
-            from engine.models.lora import MergedWeights
-
             return MergedWeights(self.hf_config, self.model)
         return self.model
 
@@ -127,8 +117,6 @@ class ActorWorker(HFBucketSource):
         """Write the resumable train state (weights, AdamW, schedule, data position, RNG) atomically: a
         torch_dist checkpoint to which every rank of a data/tensor-parallel group writes its shards
         (``engine.storage.train_state``), so it resumes at any layout."""
-        from engine.storage.train_state import save_train_state
-
         save_train_state(
             resume_dir, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             data_position=data_position, extra=extra,
@@ -137,8 +125,6 @@ class ActorWorker(HFBucketSource):
     def load_state(self, resume_dir: str | Path):
         """Restore a train state written by :meth:`save_state` at any layout (resharded on load; every
         rank of a group calls it); returns ``(step, data_position, extra)``."""
-        from engine.storage.train_state import load_train_state
-
         state = load_train_state(resume_dir)
         state.restore(self.model, self.optimizer, self.scheduler)
         return state.step, state.data_position, state.extra
@@ -147,9 +133,6 @@ class ActorWorker(HFBucketSource):
         """Write the policy as a model directory (``engine.storage.model_dir.save_model_dir``; the
         fp32 masters under bf16; with LoRA the merged weights, ``engine.models.lora.merged_for_saving``,
         and with ``rl.lora.save_adapter`` the adapters in PEFT's format under ``adapter/``)."""
-        from engine.models.lora import merged_for_saving, save_peft_adapter
-        from engine.storage.model_dir import save_model_dir
-
         with merged_for_saving(self.model):
             out = save_model_dir(out_dir, self.model, self.hf_config, self.tokenizer_dir, iteration=iteration)
         if self.cfg.lora.enabled and self.cfg.lora.save_adapter:

@@ -10,6 +10,9 @@ import torch
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm
 from engine.models.heads import ValueModel
+from engine.models.platform import offload_trainer, reload_trainer, worker_threads
+from engine.storage.model_dir import load_model_dir
+from engine.storage.train_state import has_train_state, load_train_state, save_train_state
 from engine.training.critic import (
     compute_response_values,
     critic_state_dir,
@@ -17,6 +20,7 @@ from engine.training.critic import (
     missing_critic_state,
     prune_critic_states,
 )
+from engine.training.optimizer_step import build_model_optimizer, train_step
 from engine.trajectory import Trajectory
 
 
@@ -36,10 +40,6 @@ class CriticWorker:
     """
 
     def __init__(self, policy_dir: str | Path, cfg: RLConfig, seed: int = 0, num_threads: int | None = None):
-        from engine.models.platform import worker_threads
-        from engine.storage.model_dir import load_model_dir
-        from engine.training.optimizer_step import build_model_optimizer
-
         worker_threads(num_threads)
         loaded = load_model_dir(policy_dir, seed=seed)
         self.model = ValueModel(loaded.model, int(loaded.hf_config["hidden_size"]), seed)
@@ -51,15 +51,11 @@ class CriticWorker:
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
         rollout runs (:func:`engine.models.platform.offload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import offload_trainer
-
         offload_trainer(self.model, self.optimizer, "critic")
 
     def reload(self) -> None:
         """Colocated hand-off: back on the device before the next forward
         (:func:`engine.models.platform.reload_trainer`; a no-op on CPU)."""
-        from engine.models.platform import reload_trainer
-
         reload_trainer(self.model, self.optimizer, "critic")
 
     def compute_values(self, traj: Trajectory) -> torch.Tensor:
@@ -82,8 +78,6 @@ class CriticWorker:
 
         Raises: ValueError when ``values`` or ``returns`` is missing.
         """
-        from engine.training.optimizer_step import train_step
-
         clip = self.cfg.critic.optim.grad_clip
         return critic_update(traj, self.cfg, lambda micro, loss_fn: train_step(
             self.model, self.optimizer, self.scheduler, micro, loss_fn, clip, normalized=True), norm)
@@ -93,8 +87,6 @@ class CriticWorker:
         under ``resume_dir/critic/step_<step>`` (sharded: every rank writes its shards, and it
         resumes at any layout, ``engine.storage.train_state``); earlier steps' states stay until
         :meth:`prune_states` (so a crash before the actor's checkpoint leaves a matching pair)."""
-        from engine.storage.train_state import save_train_state
-
         save_train_state(critic_state_dir(resume_dir, step), step=step, model=self.model, optimizer=self.optimizer,
                          scheduler=self.scheduler, data_position=data_position, extra=extra)
 
@@ -106,8 +98,6 @@ class CriticWorker:
         """Restore the state :meth:`save_state` wrote for ``step`` (the actor's checkpoint step).
 
         Raises: FileNotFoundError naming the directory when there is none."""
-        from engine.storage.train_state import has_train_state, load_train_state
-
         directory = critic_state_dir(resume_dir, step)
         if not has_train_state(directory):
             raise missing_critic_state(resume_dir, step)
