@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from config.po import PoConfig
+from conversion.export import save_safetensors
 from engine.algorithms.logits import logprobs_from_logits
 from engine.batching.collate import TokenBatch, collate_tokens, split_micro_batches
 from engine.distributed.collectives import broadcast_object, global_rank
@@ -37,6 +39,7 @@ def response_logps(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Ten
 
     Returns: ``([B] float32 nats, [B] float32 token counts)``.
     """
+    # looked up at each call: tests replace engine.models.megatron.gpt_logits
     from engine.models.megatron import gpt_logits
 
     logits = gpt_logits(model, batch.input_ids)  # [B, T, V] fp32
@@ -89,8 +92,6 @@ def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[Preferenc
                    identity: dict) -> None:
     """Write the reference log-probs (:data:`REFERENCE_FILE` layout) atomically, ``identity`` (the
     run's config, dataset size and seed) in the safetensors metadata."""
-    from conversion.export import save_safetensors
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     lines = torch.tensor([p.line for p in pairs], dtype=torch.int64)
@@ -103,8 +104,6 @@ def reference_logps(model, pairs: Sequence[PreferencePair], cfg: PoConfig, pad_i
     """The starting policy's log-probs: zeros when the loss uses no reference; else read from
     ``resume_dir`` when an earlier attempt of the same run wrote them, or computed now (by every
     rank) and written there (by rank 0)."""
-    from safetensors import safe_open
-
     if not cfg.uses_reference:
         return {"chosen": torch.zeros(len(pairs)), "rejected": torch.zeros(len(pairs))}
     cached = resume_dir / REFERENCE_FILE if resume_dir is not None else None

@@ -40,6 +40,7 @@ from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batches
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.distributed.share import micro_batch_share
+from engine.models.megatron import gpt_hidden_states_packed
 from engine.storage.model_dir import load_tokenizer
 from engine.training.loop import MetricsLogger, StepInfo, StepTrainer, run_loop
 from engine.training.preference_data import collate_pairs, encode_preference_dataset
@@ -84,8 +85,6 @@ def packed_rewards(model: torch.nn.Module, batch: PackedTokenBatch) -> torch.Ten
         ValueError: ``model`` is not a megatron reward model (``rm.packing`` needs
             ``rm.backend: megatron``), or as :func:`engine.models.megatron.gpt_hidden_states_packed`.
     """
-    from engine.models.megatron import gpt_hidden_states_packed
-
     if not (hasattr(model, "gpt") and hasattr(model, "reward_head")):
         raise ValueError(f"rm.packing needs the megatron reward model (rm.backend: megatron), got {type(model).__name__}")
     hidden = gpt_hidden_states_packed(model.gpt, batch.packed)  # [N, H]

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 from config.precision import resolve_precision
 from config.schema import SFTConfig
+from data.chat import encode_chat
+from data.chat_template import end_of_turn as resolve_end_of_turn
+from data.readers import RowError, read_records
 from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import (
     TokenBatch,
@@ -36,6 +39,7 @@ from engine.batching.collate import (
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
 from engine.distributed.share import micro_batch_share
 from engine.models.lora import apply_lora, merged_for_saving, save_peft_adapter
+from engine.models.megatron import gpt_logits_packed
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
 from engine.training.loop import MetricsLogger, StepInfo, StepTrainer, run_loop
 from engine.training.model_trainer import ModelTrainer
@@ -106,10 +110,9 @@ def sft_loss(model: torch.nn.Module, batch: TokenBatch | PackedTokenBatch) -> tu
             a model whose core attention cannot run packed sequences.
     """
     if isinstance(batch, PackedTokenBatch):
-        from engine.models.megatron import gpt_logits_packed
-
         logits = gpt_logits_packed(model, batch.packed)  # [N, V] fp32
         return packed_token_nll_sum(logits, batch), int(batch.loss_mask.sum()), {}
+    # looked up at each call: tests replace engine.models.megatron.gpt_logits
     from engine.models.megatron import gpt_logits
 
     logits = gpt_logits(model, batch.input_ids)  # fp32, upcast from a bf16 model
@@ -118,8 +121,6 @@ def sft_loss(model: torch.nn.Module, batch: TokenBatch | PackedTokenBatch) -> tu
 
 
 def _read_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
-    from data.readers import RowError, read_records
-
     rows = []
     for line, item in read_records(str(path)):
         if isinstance(item, RowError):
@@ -154,9 +155,6 @@ def encode_sft_dataset(
             list of objects, or that the chat template rejects (its message, e.g. "System
             role not supported"); or if no row has a target token.
     """
-    from data.chat import encode_chat
-    from data.chat_template import end_of_turn as resolve_end_of_turn
-
     resolve_end_of_turn(tokenizer, end_of_turn)  # one clear error for the model, not one per row
     out, dropped = [], 0
     for line, row in _read_rows(path):
