@@ -98,8 +98,9 @@ def module_source(module: str) -> Path | None:
     ``<dir>/a/b/__init__.py`` over the ``sys.path`` directories (``''`` is the working
     directory). None when none exists (e.g. a compiled or zipped module)."""
     loaded = sys.modules.get(module)
-    if loaded is not None and getattr(loaded, "__file__", None):
-        return Path(loaded.__file__)
+    file = getattr(loaded, "__file__", None) if loaded is not None else None
+    if file:
+        return Path(file)
     parts = module.split(".")
     for entry in sys.path:
         base = Path(entry or os.getcwd()).joinpath(*parts)
@@ -134,17 +135,23 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     known = [f.name for f in fields(AlgorithmNeeds)]
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        rhs: ast.expr | None
+        if isinstance(node, ast.Assign):
+            targets, rhs = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, rhs = [node.target], node.value
+        else:
+            continue
         if not any(isinstance(t, ast.Name) and t.id == ALGORITHM_NEEDS for t in targets):
             continue
         try:
-            value = ast.literal_eval(node.value) if node.value is not None else None
+            value = ast.literal_eval(rhs) if rhs is not None else None
         except ValueError:
             value = None
         ok = isinstance(value, dict) and all(
             isinstance(fn, str) and isinstance(needs, dict)
             and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
-        if not ok:
+        if not ok or not isinstance(value, dict):
             raise ValueError(f"{path}:{node.lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
                              f"dicts of needs ({', '.join(known)}: True or False), e.g. "
                              f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
