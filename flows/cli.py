@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from flows.run_checks import check_code_sandbox, check_model_fit, check_plugin_t
 console = Console(width=None if sys.stdout.isatty() else 200)
 
 
-def _load(path: str, overrides: list[str] = ()):
+def _load(path: str, overrides: Sequence[str] = ()):
     cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
     plugin_problems, plugin_notes = check_plugin_tracking(cfg)

@@ -264,11 +264,17 @@ def declared_data_files(path: Path) -> tuple[tuple[str, Path], ...]:
     """
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        rhs: ast.expr | None
+        if isinstance(node, ast.Assign):
+            targets, rhs = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, rhs = [node.target], node.value
+        else:
+            continue
         if not any(isinstance(t, ast.Name) and t.id == DATA_FILES for t in targets):
             continue
         try:
-            value = ast.literal_eval(node.value) if node.value is not None else None
+            value = ast.literal_eval(rhs) if rhs is not None else None
         except ValueError:
             value = None
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
