@@ -23,7 +23,7 @@ native and measured faster than fp32, ``benchmarks.models.bf16_verdict``, unless
 - ``engine``: what ``engine.rl.loop.run_rl`` does for a rollout. A local Ray cluster, the
   colocated placement group, an ``engine.rl.workers.RolloutWorker`` actor started from the
   converted model directory, the weights pushed through ``RolloutWorker.update_weights``,
-  then ``engine.rl.phases.generate`` (the Ray call and the ``Trajectory`` built from the outputs).
+  then ``engine.rl.rollout_phase.generate`` (the Ray call and the ``Trajectory`` built from the outputs).
 - ``engine-compiled``: the same with ``rl.rollout.enforce_eager: false`` (vLLM compiles the
   model at start-up, as ``standalone`` does).
 
@@ -130,7 +130,7 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
     """The engine's ``VLLMRollout`` in this process, built as ``RolloutWorker`` builds it
     (placeholder weights, then ``update_weights``), without Ray. Returns ``(call, close)``."""
     from config.precision import DTYPE_NAMES
-    from engine.rl.phases import sampling_seed
+    from engine.rl.rollout_phase import sampling_seed
     from engine.rollout.base import SamplingSpec
     from engine.rollout.vllm_rollout import VLLMRollout
     from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
@@ -155,14 +155,14 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
                 tokens: int, precision: str = "fp32", enforce_eager: bool = True) -> tuple[Call, Callable[[], None]]:
     """The RL engine's rollout path (see the module docstring): a local Ray cluster, the
     colocated placement group and a ``RolloutWorker`` actor given the weights; a call is one
-    ``engine.rl.phases.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
+    ``engine.rl.rollout_phase.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
     import ray
 
     from config.schema import RLConfig
     from engine.batching.collate import pad_token_id
-    from engine.rl.phases import generate
     from engine.rl.placement import init_ray, make_placement, shutdown_ray
     from engine.rl.prompts import RLPrompt
+    from engine.rl.rollout_phase import generate
     from engine.rl.workers import RolloutWorker, Workers, spawn
     from engine.storage.model_dir import load_tokenizer, read_hf_config
 

@@ -17,12 +17,13 @@ instead of testing names.
 
 from __future__ import annotations
 
-import ast
 import os
 import sys
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
+
+from config.module_literal import module_literal
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,8 @@ def module_source(module: str) -> Path | None:
     ``<dir>/a/b/__init__.py`` over the ``sys.path`` directories (``''`` is the working
     directory). None when none exists (e.g. a compiled or zipped module)."""
     loaded = sys.modules.get(module)
-    file = getattr(loaded, "__file__", None) if loaded is not None else None
-    if file:
-        return Path(file)
+    if loaded is not None and getattr(loaded, "__file__", None):
+        return Path(loaded.__file__)
     parts = module.split(".")
     for entry in sys.path:
         base = Path(entry or os.getcwd()).joinpath(*parts)
@@ -132,29 +132,17 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
             values (names the file, the line and the fix).
         SyntaxError: the file does not parse.
     """
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     known = [f.name for f in fields(AlgorithmNeeds)]
-    for node in tree.body:
-        rhs: ast.expr | None
-        if isinstance(node, ast.Assign):
-            targets, rhs = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign):
-            targets, rhs = [node.target], node.value
-        else:
-            continue
-        if not any(isinstance(t, ast.Name) and t.id == ALGORITHM_NEEDS for t in targets):
-            continue
-        try:
-            value = ast.literal_eval(rhs) if rhs is not None else None
-        except ValueError:
-            value = None
-        ok = isinstance(value, dict) and all(
-            isinstance(fn, str) and isinstance(needs, dict)
-            and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
-        if not ok or not isinstance(value, dict):
-            raise ValueError(f"{path}:{node.lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
-                             f"dicts of needs ({', '.join(known)}: True or False), e.g. "
-                             f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
-                             "importing the module, so it cannot be computed")
-        return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}
-    return {}
+    found = module_literal(path, ALGORITHM_NEEDS)
+    if found is None:
+        return {}
+    lineno, value = found
+    ok = isinstance(value, dict) and all(
+        isinstance(fn, str) and isinstance(needs, dict)
+        and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
+    if not ok or not isinstance(value, dict):
+        raise ValueError(f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
+                         f"dicts of needs ({', '.join(known)}: True or False), e.g. "
+                         f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
+                         "importing the module, so it cannot be computed")
+    return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}

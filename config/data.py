@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from config.base import LocalPath, Strict
-from config.rl import RewardConfig
+from config.reward import RewardConfig
 
 DatasetFormat = Literal[
     "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo",

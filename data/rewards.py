@@ -197,7 +197,7 @@ def _scorer(fn: Callable[..., float], response: str, label: str, finish_reason: 
 def get_verifier(name: str, code: Any = None) -> Callable[[str, str, str], float]:
     """The verifier registered as ``name``, called as ``fn(response, label, finish_reason)``.
 
-    ``code``: the ``code`` verifier's settings (``config.rl.CodeRewardConfig``,
+    ``code``: the ``code`` verifier's settings (``config.reward.CodeRewardConfig``,
     ``rl.reward.code``: reward mode and sandbox limits); None: its defaults. Other verifiers
     ignore it.
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from config.schema import PipelineConfig
-from flows.preflight import _made_by_prepare
+from flows.model_checks import made_by_prepare
 
 
 def cluster_address(cfg: PipelineConfig) -> tuple[str, str] | None:
@@ -65,7 +65,7 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     m, longest = seen.get("model"), seen.get("longest", {})
     if m is None:
         return check_stage_cpus(cfg), []
-    if _made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
+    if made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
         from config.memory_plan import layout_problems
 
         return (layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),

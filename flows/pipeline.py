@@ -25,9 +25,10 @@ from config.schema import PipelineConfig
 from flows import reports
 from tasks.artifacts import ArtifactRef, CorruptArtifact
 from tasks.graph import enabled_stages, stage, stage_states
+from tasks.pipeline_run import pipeline_run_info
 from tasks.prepare import is_prepared, prepare
 from tasks.runner import clean_leftovers, input_hashes, store_for, write_pointer
-from tasks.tracking import log_cached_stage, pipeline_run_info, wandb_mode
+from tasks.tracking import log_cached_stage, wandb_mode
 
 # The engine's own progress lines (how SFT splits its batches, resuming from step N, the vLLM
 # KV cache, each policy's accuracy) show on the console beside Prefect's run logs: these

@@ -14,7 +14,8 @@ from pathlib import Path
 from config.memory_plan import layout_problems
 from config.schema import PipelineConfig
 from flows.content_checks import architecture_problem
-from flows.preflight import _check_model, _made_by_prepare, _Model, _no_room, _prepared, planned_config
+from flows.model_checks import ModelFacts, check_model, made_by_prepare, no_room, planned_config
+from flows.preflight import _prepared
 
 
 def check_wandb_key(cfg: PipelineConfig) -> list[str]:
@@ -49,17 +50,17 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
     vocabulary. Reads no data, no tokenizer and no weights (milliseconds), so a later stage
     does not fail on what the config already says. Returns problems, each naming its key."""
     src, problems = cfg.model.source, []
-    if _made_by_prepare(cfg, src) and not (cfg.prepare is not None and _prepared(cfg, [])):
+    if made_by_prepare(cfg, src) and not (cfg.prepare is not None and _prepared(cfg, [])):
         p = cfg.prepare
         if getattr(p, "kind", None) != "addition":
             return []
-        m, vocab_known = _Model(src, planned_config(p)), False
+        m, vocab_known = ModelFacts(src, planned_config(p)), False
     else:
         config = Path(src) / "config.json"
         if not config.is_file():
             return []  # a hub id or a GGUF file: the convert stage reads it; validate reads GGUF metadata
         try:  # json, not conversion.hf_source: a cached run must not pay for importing torch
-            m = _Model(src, json.loads(config.read_text()))
+            m = ModelFacts(src, json.loads(config.read_text()))
         except (ValueError, OSError):
             return []  # validate and the convert stage report an unreadable config, with the reason
         if not isinstance(m.config, dict):
@@ -71,7 +72,7 @@ def check_model_fit(cfg: PipelineConfig) -> list[str]:
         layouts = layout_problems(cfg, m.config, m.name, vocab_known)
     except (ValueError, TypeError):
         layouts = []  # a config.json without the sizes: validate's memory plan says so in a note
-    return problems + _check_model(cfg, m) + _no_room(cfg, m) + layouts
+    return problems + check_model(cfg, m) + no_room(cfg, m) + layouts
 
 
 _PLUGIN_KEYS = {"environment": "rl.environment", "algorithm": "rl.algorithm", "policy_loss": "rl.policy_loss"}

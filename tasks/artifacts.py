@@ -38,8 +38,16 @@ from pydantic import BaseModel, ConfigDict
 from data.checksums import sha256_file  # noqa: F401  (the project's one file hash; also imported from here)
 from data.disk_full import naming_a_full_disk
 from tasks.locks import open_locked, owned_dir, release, remove_if_unowned
+from tasks.manifests import (
+    MANIFEST,
+    BadManifest,
+    content_hash,
+    file_table,
+    hash_file,
+    parse_manifest,
+    table_problem,
+)
 
-MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 log = logging.getLogger("posttrain.artifacts")
 
@@ -104,46 +112,12 @@ class ArtifactCheck:
     manifest: dict[str, Any] | None = None
 
 
-def content_hash(files: list[dict[str, Any]]) -> str:
-    """The content hash of an artifact: hex sha256 of the canonical JSON of its files table.
-
-    The table is ``[[path, sha256], ...]`` sorted by path (the artifact's top-level
-    manifest.json is not in a files table), serialized as
-    ``json.dumps(table, separators=(",", ":"))`` (no spaces, ASCII) and UTF-8 encoded. Sizes,
-    times and every other manifest field are left out: two artifacts with the same bytes
-    under the same paths have the same content hash.
-
-    Raises:
-        KeyError: an entry has no "path" or "sha256".
-    """
-    table = sorted([f["path"], f["sha256"]] for f in files)
-    return hashlib.sha256(json.dumps(table, separators=(",", ":")).encode()).hexdigest()
-
-
-def _file_table(directory: Path) -> list[dict[str, Any]]:
-    files = []
-    for p in sorted(directory.rglob("*")):
-        rel = p.relative_to(directory).as_posix()
-        # Only the top-level manifest is ours; a stage's own nested manifest.json is data.
-        if p.is_file() and rel != MANIFEST:
-            files.append({"path": rel, "size": p.stat().st_size, "sha256": sha256_file(p)})
-    return files
-
-
-def _hash_remote(fs: Any, path: str) -> str:
-    h = hashlib.sha256()
-    with fs.open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _check_files(fs: Any, url: str, manifest: dict[str, Any], action: str, stage: str, artifact_id: str) -> None:
     """Raise CorruptArtifact naming the first file under ``url`` that is missing or whose
     sha256 differs from ``manifest``; ``action`` says what was being done (for the message)."""
     for entry in manifest["files"]:
         try:
-            digest = _hash_remote(fs, f"{url}/{entry['path']}")
+            digest = hash_file(fs, f"{url}/{entry['path']}")
         except FileNotFoundError:
             raise CorruptArtifact(
                 f"file {entry['path']} is missing while {action} {artifact_id} ({url})", stage, artifact_id, entry["path"]
@@ -156,39 +130,6 @@ def _check_files(fs: Any, url: str, manifest: dict[str, Any], action: str, stage
                 artifact_id,
                 entry["path"],
             )
-
-
-class _BadManifest(Exception):
-    """manifest.json exists but is not a JSON object. ``detail`` says what is wrong
-    ("is not valid JSON (line 1 column 40)"); the message is "manifest.json <detail>"."""
-
-    def __init__(self, detail: str):
-        super().__init__(f"{MANIFEST} {detail}")
-        self.detail = detail
-
-
-def _parse_manifest(data: bytes) -> dict[str, Any]:
-    try:
-        manifest = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise _BadManifest(f"is not valid UTF-8 (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise _BadManifest(f"is not valid JSON (line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(manifest, dict):
-        raise _BadManifest("is not a JSON object")
-    return manifest
-
-
-def _table_problem(manifest: dict[str, Any]) -> str | None:
-    """What is wrong with a manifest's files table (None: a list of path/size/sha256 entries)."""
-    files = manifest.get("files")
-    if not isinstance(files, list):
-        return f"{MANIFEST} has no files table"
-    for i, f in enumerate(files):
-        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str)
-                and isinstance(f.get("size"), int) and not isinstance(f.get("size"), bool)):
-            return f"{MANIFEST}: entry {i} of its files table has no path, size and sha256"
-    return None
 
 
 def _timestamp(fs: Any, info: dict[str, Any]) -> float:
@@ -244,9 +185,9 @@ class ArtifactStore:
         return ArtifactRef(stage=stage, artifact_id=aid, fingerprint=fingerprint, uri=self._uri(stage, aid), content_hash=chash)
 
     def _read_manifest(self, path: str) -> dict[str, Any]:
-        """Parsed manifest.json at ``path``. Raises FileNotFoundError or _BadManifest."""
+        """Parsed manifest.json at ``path``. Raises FileNotFoundError or BadManifest."""
         with self.fs.open(path, "rb") as f:
-            return _parse_manifest(f.read())
+            return parse_manifest(f.read())
 
     # --- lookup -----------------------------------------------------------------------
     def check(self, stage: str, fingerprint: str, verify: bool = False) -> ArtifactCheck:
@@ -277,13 +218,13 @@ class ArtifactStore:
             manifest = self._read_manifest(f"{directory}/{MANIFEST}")
         except FileNotFoundError:  # removed between the listing and the read
             return ArtifactCheck("missing")
-        except _BadManifest as exc:
+        except BadManifest as exc:
             return ArtifactCheck("broken", problem=str(exc))
 
         def broken(problem: str) -> ArtifactCheck:
             return ArtifactCheck("broken", problem=problem, manifest=manifest)
 
-        if (problem := _table_problem(manifest)) is not None:
+        if (problem := table_problem(manifest)) is not None:
             return broken(problem)
         if manifest.get("fingerprint", fingerprint) != fingerprint:
             return broken(f"{MANIFEST} is of fingerprint {str(manifest['fingerprint'])[:16]}, not {fingerprint[:16]}")
@@ -300,7 +241,7 @@ class ArtifactStore:
         if verify:
             for entry in files:
                 try:
-                    digest = _hash_remote(self.fs, f"{directory}/{entry['path']}")
+                    digest = hash_file(self.fs, f"{directory}/{entry['path']}")
                 except FileNotFoundError:
                     return broken(f"{entry['path']} is missing")
                 if digest != entry["sha256"]:
@@ -325,7 +266,7 @@ class ArtifactStore:
             return self._read_manifest(path)
         except FileNotFoundError:
             raise ArtifactError(f"artifact {ref.artifact_id} has no {MANIFEST} at {path} (not published)") from None
-        except _BadManifest as exc:
+        except BadManifest as exc:
             raise ArtifactError(f"{self._display(path)} {exc.detail} (artifact {ref.artifact_id})") from None
 
     def list(self, stage: str) -> list[dict[str, Any]]:
@@ -349,7 +290,7 @@ class ArtifactStore:
                 out.append(self._read_manifest(mpath))
             except FileNotFoundError:
                 continue  # a directory without manifest: never published
-            except _BadManifest as exc:
+            except BadManifest as exc:
                 log.warning("skipping version %s of %s: %s %s", name, stage, self._display(mpath), exc.detail)
         return sorted(out, key=lambda m: (str(m.get("created_at", "")), str(m.get("artifact_id", ""))))
 
@@ -381,10 +322,10 @@ class ArtifactStore:
         except FileNotFoundError:
             raise ArtifactError(f"artifact {ref.artifact_id} is not published under {self.root}") from None
         try:
-            manifest = _parse_manifest(manifest_bytes)
-        except _BadManifest as exc:
+            manifest = parse_manifest(manifest_bytes)
+        except BadManifest as exc:
             raise ArtifactError(f"{self._display(remote)}/{MANIFEST} {exc.detail} (artifact {ref.artifact_id})") from None
-        if (problem := _table_problem(manifest)) is not None:
+        if (problem := table_problem(manifest)) is not None:
             raise ArtifactError(f"artifact {ref.artifact_id} ({self._display(remote)}): {problem}")
         # Keyed by root too: two stores may hold different bytes under the same artifact id.
         root_key = hashlib.sha256(self.root.encode()).hexdigest()[:16]
@@ -425,7 +366,7 @@ class ArtifactStore:
         if current.state == "published":
             return current.ref
         aid = self.artifact_id(stage, fingerprint)
-        files = _file_table(workdir)
+        files = file_table(workdir)
         manifest = {
             "stage": stage,
             "artifact_id": aid,
@@ -500,7 +441,7 @@ class ArtifactStore:
         """
         manifest = self.manifest(ref)
         directory = self._dir(ref.stage, ref.artifact_id)
-        if (problem := _table_problem(manifest)) is not None:
+        if (problem := table_problem(manifest)) is not None:
             raise ArtifactError(f"artifact {ref.artifact_id} ({self._uri(ref.stage, ref.artifact_id)}): {problem}")
         chash = manifest.get("content_hash") or content_hash(manifest["files"])
         if chash != ref.content_hash:

@@ -10,7 +10,7 @@ stage config + code version).
   task module (``tasks/<stage>.py``) and, recursively, every project module it imports (found
   by reading import statements, not by executing them), except that the walk does not enter
   the orchestration modules of ``tasks/`` (:data:`ORCHESTRATION`: the runner, tracking,
-  artifact store, locks, reaper, stage graph, fingerprints and stage spec), which publish,
+  artifact store and its manifests, locks, reaper, stage graph, fingerprints and stage spec), which publish,
   record and schedule artifacts but compute none of their files. Every other module is
   followed, a new ``tasks/`` helper included, so a module is left out only by being listed
   there. Each file counts by its syntax tree with docstrings removed: editing a comment, a
@@ -41,6 +41,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
+from config.module_literal import module_literal
 from data.checksums import sha256_file
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,8 @@ ORCHESTRATION = frozenset({
     "tasks.graph",  # the stage graph (pairs config.stages with the stage modules)
     "tasks.leftovers",  # what killed runs left behind
     "tasks.locks",  # file locks
+    "tasks.manifests",  # an artifact's manifest.json and files table (for the artifact store)
+    "tasks.pipeline_run",  # which pipeline run a stage belongs to; its W&B group, tags and config
     "tasks.reaper",  # kills what a stage started when its process dies
     "tasks.runner",  # cache lookup, work dir, publish
     "tasks.spec",  # StageSpec: what enters the fingerprint
@@ -262,27 +265,15 @@ def declared_data_files(path: Path) -> tuple[tuple[str, Path], ...]:
             and line).
         SyntaxError: the file does not parse.
     """
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    for node in tree.body:
-        rhs: ast.expr | None
-        if isinstance(node, ast.Assign):
-            targets, rhs = node.targets, node.value
-        elif isinstance(node, ast.AnnAssign):
-            targets, rhs = [node.target], node.value
-        else:
-            continue
-        if not any(isinstance(t, ast.Name) and t.id == DATA_FILES for t in targets):
-            continue
-        try:
-            value = ast.literal_eval(rhs) if rhs is not None else None
-        except ValueError:
-            value = None
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-            raise ValueError(f"{path}:{node.lineno}: {DATA_FILES} must be a literal list of path strings "
-                             f"(relative to {path.name}'s directory), e.g. {DATA_FILES} = [\"lexicon.txt\"]; "
-                             "it is read without importing the module, so it cannot be computed")
-        return tuple((v, path.parent / v) for v in value)
-    return ()
+    found = module_literal(path, DATA_FILES)
+    if found is None:
+        return ()
+    lineno, value = found
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{path}:{lineno}: {DATA_FILES} must be a literal list of path strings "
+                         f"(relative to {path.name}'s directory), e.g. {DATA_FILES} = [\"lexicon.txt\"]; "
+                         "it is read without importing the module, so it cannot be computed")
+    return tuple((v, path.parent / v) for v in value)
 
 
 def modules_of(module: str) -> list[str]:

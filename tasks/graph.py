@@ -18,9 +18,9 @@ from typing import Any
 from config import stages as registry
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactCheck, ArtifactRef, ArtifactStore, content_hash
+from tasks.pipeline_run import use_pipeline_identity
 from tasks.runner import store_for
 from tasks.spec import StageSpec
-from tasks.tracking import use_pipeline_identity
 
 
 def _implementation(entry: registry.Stage) -> tuple[StageSpec, object]:
@@ -139,6 +139,6 @@ def pipeline_identity(cfg: PipelineConfig) -> str:
 
 
 # Stage runs report the identity (their W&B group, their manifests' ``pipeline_run``); it is
-# handed to tasks.tracking rather than imported there, which would make a circle of imports
-# (tracking -> graph -> each stage module -> runner -> tracking).
+# handed to tasks.pipeline_run rather than imported there, which would make a circle of imports
+# (pipeline_run -> graph -> each stage module -> runner -> tracking -> pipeline_run).
 use_pipeline_identity(pipeline_identity)

@@ -3,7 +3,7 @@
 One W&B run per executed stage and one short run per cached stage, so that every pipeline
 run's group holds all of its stages:
 
-* ``group`` = :func:`pipeline_group`: ``<run.name>-<12 hex digits>`` of
+* ``group`` = ``tasks.pipeline_run.pipeline_group``: ``<run.name>-<12 hex digits>`` of
   ``tasks.graph.pipeline_identity``, which every process computes from the config and the
   raw input files alone. A rerun or resume of the same pipeline, each ``posttrain stage``
   process of a ``dvc repro``, and every scheduled run of an unchanged config land in the
@@ -45,27 +45,18 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from config.schema import PipelineConfig
-from config.stages import STAGES
-from tasks.artifacts import ArtifactError, ArtifactRef, ArtifactStore, manifest_inputs
+from tasks.artifacts import ArtifactRef, ArtifactStore, manifest_inputs
+from tasks.pipeline_run import pipeline_run_info, run_tags, stage_run_config, upstream_artifacts
 
 FLUSH_INTERVAL_S = 1.0
 """Seconds between writes of a stage run's W&B transaction log (and fsyncs of its history file)."""
 HISTORY_FILE = "history.jsonl"
 RUN_FILE = "wandb_run.json"
 SUPERSEDED_SUFFIX = ".synced"  # beside run-<id>.wandb: the marker `wandb sync` skips
-_TAG_MAX = 64  # W&B's limit on a tag's length
-
-# The YAML sections that make each stage's result (what a run of the stage reports as config).
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {s.name: s.sections for s in STAGES}  # in run order (config.stages)
-
-_identities: dict[tuple[str, str], str] = {}  # (flow run id, config) -> pipeline identity
-_identity_of: Callable[[PipelineConfig], str] | None = None  # set by tasks.graph (use_pipeline_identity)
-_deployments: dict[str, str | None] = {}  # flow run id -> deployment name
 _reported: set[tuple[str, str]] = set()  # (flow run id, artifact id) with a W&B run in this process
 
 
@@ -75,146 +66,6 @@ def wandb_mode(cfg: PipelineConfig) -> str:
     if not cfg.wandb.enabled:
         return "disabled"
     return os.environ.get("WANDB_MODE") or cfg.wandb.mode
-
-
-def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"rl": {"optim": {"lr": 1e-4}}}`` -> ``{"rl.optim.lr": 1e-4}``: nested dicts become
-    dotted keys; lists and scalars are kept as values."""
-    flat: dict[str, Any] = {}
-    for key, item in value.items():
-        name = f"{prefix}{key}"
-        if isinstance(item, dict) and item:
-            flat.update(flatten(item, f"{name}."))
-        else:
-            flat[name] = item
-    return flat
-
-
-def _prefect_run() -> tuple[str | None, str | None]:
-    """(flow run id, deployment name) of the Prefect flow run this code runs in, or None."""
-    # Prefect's runtime: `posttrain validate` imports this module (wandb_mode) without Prefect
-    from prefect.context import FlowRunContext
-    from prefect.runtime import flow_run
-
-    run_id = flow_run.get_id()
-    if run_id in _deployments:
-        return run_id, _deployments[run_id]
-    ctx = FlowRunContext.get()
-    deployment_id = getattr(getattr(ctx, "flow_run", None), "deployment_id", None)
-    name = None
-    if deployment_id is not None:
-        try:
-            # Prefect's runtime: `posttrain validate` imports this module (wandb_mode) without Prefect
-            from prefect.runtime import deployment
-
-            name = deployment.name
-        except Exception:  # the API is out of reach: the id still names it
-            name = str(deployment_id)
-    if run_id:
-        _deployments[run_id] = name
-    return run_id, name
-
-
-def use_pipeline_identity(identity_of: Callable[[PipelineConfig], str]) -> None:
-    """Set how a config's pipeline identity is computed: ``tasks.graph`` hands in its
-    ``pipeline_identity`` when it is imported. Passed in, not imported: the identity covers
-    every stage, so it needs every stage module, and the stage modules run their stage
-    through ``tasks.runner``, which imports this module; importing ``tasks.graph`` here would
-    close that circle."""
-    global _identity_of
-    _identity_of = identity_of
-
-
-def _identity(cfg: PipelineConfig, flow_run_id: str | None) -> str:
-    """``tasks.graph.pipeline_identity(cfg)`` (:func:`use_pipeline_identity`), computed once
-    per Prefect flow run when ``flow_run_id`` is given (all stages of one ``posttrain run``
-    share it, even if a raw input is rewritten meanwhile).
-
-    Raises:
-        RuntimeError: ``tasks.graph`` was not imported in this process (every way to run a
-            stage, ``flows.pipeline`` and the CLI, takes its task from there).
-    """
-    key = (flow_run_id or "", cfg.model_dump_json())
-    if flow_run_id and key in _identities:
-        return _identities[key]
-    if _identity_of is None:
-        raise RuntimeError("the pipeline identity is unknown in this process: import tasks.graph first (it hands "
-                           "tasks.tracking its pipeline_identity; flows.pipeline and the CLI do)")
-    identity = _identity_of(cfg)
-    if flow_run_id:
-        _identities[key] = identity
-    return identity
-
-
-def pipeline_group(cfg: PipelineConfig, identity: str) -> str:
-    """The W&B group of a pipeline: ``<run.name>-<identity[:12]>``."""
-    return f"{cfg.run.name}-{identity[:12]}"
-
-
-def pipeline_run_info(cfg: PipelineConfig) -> dict[str, str | None]:
-    """Which pipeline run this is (recorded in each artifact's manifest as ``pipeline_run``):
-    ``group`` (:func:`pipeline_group`), ``identity`` (64 hex digits), ``flow_run_id`` and
-    ``deployment`` (Prefect; None outside a flow run / for an unscheduled run) and
-    ``dvc_experiment`` (``DVC_EXP_NAME``; None outside ``dvc exp run``)."""
-    flow_run_id, deployment = _prefect_run()
-    identity = _identity(cfg, flow_run_id)
-    return {
-        "group": pipeline_group(cfg, identity),
-        "identity": identity,
-        "flow_run_id": flow_run_id,
-        "deployment": deployment,
-        "dvc_experiment": os.environ.get("DVC_EXP_NAME") or None,
-    }
-
-
-def run_tags(info: dict[str, str | None], *extra: str) -> list[str]:
-    """W&B tags of a stage run: ``extra``, then ``flow-run:<id>``, ``deployment:<name>`` and
-    ``dvc-exp:<name>`` where :func:`pipeline_run_info` has them (each cut to 64 characters)."""
-    tags = list(extra)
-    for prefix, key in (("flow-run", "flow_run_id"), ("deployment", "deployment"), ("dvc-exp", "dvc_experiment")):
-        if info.get(key):
-            tags.append(f"{prefix}:{info[key]}")
-    return [t[:_TAG_MAX] for t in tags]
-
-
-def upstream_artifacts(store: ArtifactStore | None, inputs: dict[str, ArtifactRef]) -> dict[str, str]:
-    """Stage -> artifact id of every artifact upstream of ``inputs``: the inputs themselves
-    and, through their manifests' ``inputs``, the artifacts they were built from,
-    transitively (nearest first). A manifest that cannot be read ends that branch."""
-    found: dict[str, str] = {}
-    todo = list(inputs.values())
-    while todo:
-        ref = todo.pop(0)
-        if ref.stage in found:
-            continue
-        found[ref.stage] = ref.artifact_id
-        if store is None:
-            continue
-        try:
-            manifest = store.manifest(ref)
-        except (ArtifactError, OSError):
-            continue
-        for value in (manifest.get("inputs") or {}).values():
-            try:
-                todo.append(ArtifactRef.model_validate(value))
-            except ValueError:
-                continue
-    return found
-
-
-def stage_run_config(cfg: PipelineConfig, stage: str, artifact_id: str, fingerprint: str | None,
-                     upstream: dict[str, str]) -> dict[str, Any]:
-    """The flat W&B config of a stage run: ``artifact_id``, ``fingerprint``, ``run.*``, the
-    YAML sections (:data:`STAGE_SECTIONS`) of ``stage`` and of every stage in ``upstream``
-    (stage -> artifact id, see :func:`upstream_artifacts`), each key named as in the YAML
-    (``rl.optim.lr``), and ``upstream/<stage>/artifact_id``."""
-    config: dict[str, Any] = {"artifact_id": artifact_id, "fingerprint": fingerprint}
-    config.update(flatten({"run": cfg.run.model_dump(mode="json")}))
-    for name in [*(s for s in STAGE_SECTIONS if s in upstream and s != stage), stage]:
-        for section in STAGE_SECTIONS.get(name, ()):
-            config.update(flatten({section: getattr(cfg, section).model_dump(mode="json")}))
-    config.update({f"upstream/{name}/artifact_id": aid for name, aid in upstream.items()})
-    return config
 
 
 def _settings(wandb, short: bool):
@@ -249,8 +100,8 @@ class StageTracker:
     attempts included) and, at most every few seconds, to the run logger.
 
     Attributes:
-        group: the W&B group (:func:`pipeline_group`), also without W&B.
-        pipeline_run: :func:`pipeline_run_info` (what the artifact's manifest records).
+        group: the W&B group (``tasks.pipeline_run.pipeline_group``), also without W&B.
+        pipeline_run: ``tasks.pipeline_run.pipeline_run_info`` (what the artifact's manifest records).
         wandb: ``{"project", "group", "run_id", "name", "job_type", "mode"}`` of the W&B run,
             or None when W&B is disabled.
     """
@@ -269,7 +120,7 @@ class StageTracker:
             resume_dir: the stage's resume directory (``StageContext.resume_dir``), where the
                 history and the run id survive a kill; None: no resume.
             store: the artifact store, to read the upstream manifests.
-            pipeline_run: the :func:`pipeline_run_info` to report (group, tags); default:
+            pipeline_run: the ``tasks.pipeline_run.pipeline_run_info`` to report (group, tags); default:
                 this process's. A run finished after a kill takes its artifact's.
 
         Raises:
@@ -512,8 +363,8 @@ def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict
 def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, Any]) -> dict[str, Any] | None:
     """Report a cache hit as a short W&B run in the pipeline's group, so that every pipeline
     run's group holds all of its stages: ``job_type`` = the stage, ``name`` = the artifact id,
-    tagged ``cached`` (and as :func:`run_tags`), config as a built run's
-    (:func:`stage_run_config`, the upstream ids read from ``manifest["inputs"]`` and the
+    tagged ``cached`` (and as ``tasks.pipeline_run.run_tags``), config as a built run's
+    (``tasks.pipeline_run.stage_run_config``, the upstream ids read from ``manifest["inputs"]`` and the
     store) plus ``built_by/wandb_run_id`` when the manifest records the run that built it,
     summary = the artifact's metrics; no history.
 

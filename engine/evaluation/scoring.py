@@ -40,7 +40,7 @@ from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
 
 if TYPE_CHECKING:
     from config.evaluate import EvaluateConfig
-    from config.rl import EngineConfig
+    from config.rl_engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def evaluate_benchmarks(
         benchmarks: the :class:`Benchmark` s, names distinct.
         backend: ``evaluate.backend`` (``vllm`` or ``hf``).
         precision: ``evaluate.precision``.
-        engine_cfg: ``config.rl.EngineConfig``; evaluation runs its rollout engine in
+        engine_cfg: ``config.rl_engine.EngineConfig``; evaluation runs its rollout engine in
             this process, so placement and Ray settings do not apply to it; ``num_cpus`` is
             this process's torch thread count (None: every core, ``os.cpu_count()``), set
             before the engine starts (vLLM's CPU worker then pins it).

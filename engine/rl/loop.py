@@ -3,13 +3,13 @@
 One iteration, in order, and where each phase lives (megatron backend; the DeepSpeed one is
 ``engine/backends/deepspeed/``):
 
-1. rollout: ``rl/phases.py`` ``take_rollout`` takes the step's batch from the prefetch queue
+1. rollout: ``rl/rollout_phase.py`` ``take_rollout`` takes the step's batch from the prefetch queue
    (``rl/prefetch.py``), produced by ``RolloutProducer``: the prompts' responses from the
    ``RolloutWorker`` (``rl/workers.py``), with DAPO dynamic sampling (more rounds until
    ``prompts_per_step`` groups have differing rewards; ``engine.algorithms.dynamic_sampling.fill_batch``),
    through the ``RolloutRouter`` (``rollout/router.py``) over ``rl.rollout.num_engines`` engines,
    which replaces a dead or hung engine within the step (``rollout/engine_restarts``);
-2. rewards: in the same producer, ``RewardWorker.score`` (``rl/workers.py``), with a trained
+2. rewards: in the same producer, ``RewardWorker.score`` (``rl/reward_workers.py``), with a trained
    reward model's scores from ``RewardModelWorker`` (``rl.parallel.reward_model``); with
    ``rl.environment`` the rollout is multi-turn and the environment scores it instead (no
    reward worker is started; ``engine.rollout.multi_turn``);
@@ -42,7 +42,7 @@ With ``rl.eval_every`` the policy is evaluated after the weight sync of every N-
 of the last one (:func:`evaluate_if_due`), on the rollout engines that now hold it, by the
 evaluate stage's code (the ``evaluator`` the rl stage passes in), as ``val/<benchmark>/*``.
 
-So an iteration reads in ``rl/{loop,phases,prefetch,workers,metrics,checkpoint}.py``,
+So an iteration reads in ``rl/{loop,rollout_phase,phases,prefetch,workers,metrics,checkpoint}.py``,
 ``backends/megatron/actor.py``, ``training/{actor,optimizer_step}.py`` and
 ``algorithms/{advantages,policy_loss}.py`` (PPO adds ``training/critic.py``); below them sit
 the rollout engines (``engine/rollout/``) and the weight buckets (``models/weight_buckets.py``).
@@ -81,7 +81,7 @@ from config.data import RLSourceConfig
 from config.schema import RLConfig
 from engine.batching.collate import pad_token_id
 from engine.batching.sampler import EpochSampler, MixtureSampler
-from engine.rl import phases
+from engine.rl import phases, rollout_phase
 from engine.rl.checkpoint import check_checkpoint, checkpoint_if_due, load_ahead, resume
 from engine.rl.metrics import MetricsLog, MetricsLogger, StepTimer, step_metrics
 from engine.rl.plugins import check_algorithm_plugins
@@ -189,7 +189,7 @@ def tear_down(workers: Workers, pipeline: RolloutPipeline | None, out_dir: Path)
 class RolloutEngineView:
     """The run's rollout engines (``workers.rollout``, behind the router) as an
     ``engine.rollout.base.RolloutEngine`` for ``rl.eval_every``'s evaluator: ``generate``
-    only (through ``phases.rollout_call``, one chunk); the weights are the actor's, synced by
+    only (through ``rollout_phase.rollout_call``, one chunk); the weights are the actor's, synced by
     ``sync_weights``, never set through this view."""
 
     def __init__(self, workers: Workers):
@@ -197,7 +197,7 @@ class RolloutEngineView:
 
     def generate(self, prompt_token_ids, sampling):
         """As ``RolloutEngine.generate``: ``sampling.n`` outputs per prompt, in prompt order."""
-        return phases.rollout_call(self.workers, "generate_versioned", (prompt_token_ids, sampling, None)).outputs.outputs
+        return rollout_phase.rollout_call(self.workers, "generate_versioned", (prompt_token_ids, sampling, None)).outputs.outputs
 
     def update_weights(self, named_tensors) -> None:
         raise NotImplementedError("RolloutEngineView: the rollout engines take the actor's weights (sync_weights)")
@@ -215,7 +215,7 @@ def evaluate_if_due(workers: Workers, evaluator, cfg: RLConfig, step: int, token
     return {**metrics, "timing_s/eval": time.perf_counter() - t0}
 
 
-def wait_for_rollouts(pipeline: RolloutPipeline[phases.ScoredBatch], step: int, timer: StepTimer) -> None:
+def wait_for_rollouts(pipeline: RolloutPipeline[rollout_phase.ScoredBatch], step: int, timer: StepTimer) -> None:
     """Pinned asynchronous RL (:func:`run_rl`): before the weight sync, wait until step
     ``step``'s rollout (the last one started ahead) is done, so it never sees the new weights.
     Records ``rollout_wait_sync``, the seconds the sync waited.
@@ -302,12 +302,12 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         with phases.handed_to_rollout(workers, cfg):  # colocated: the trainer offloaded while the rollout runs
             phases.update_weights(workers, cfg.engine.weight_sync_timeout_s, version)
         kl_ctl = phases.kl_controller(cfg, log.last)
-        producer = phases.RolloutProducer(workers, run.prompts, sampler, cfg, seed, run.pad_id)
+        producer = rollout_phase.RolloutProducer(workers, run.prompts, sampler, cfg, seed, run.pad_id)
         pipeline = RolloutPipeline(producer, cfg.steps, cfg.engine.off_policy_steps, ready)
         ahead = (lambda: {t: pipeline.wait(t) for t in pipeline.in_flight}) if pinned else None
         for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
             timer = StepTimer()
-            batch = phases.take_rollout(pipeline, step, timer)  # rollout and rewards
+            batch = rollout_phase.take_rollout(pipeline, step, timer)  # rollout and rewards
             phases.hand_to_trainer(workers, cfg, timer)  # colocated: rollout asleep, trainer back on the device
             traj = phases.add_logprobs(workers, batch.traj, cfg, timer)
             train_policy = cfg.policy_updates(step) > cfg.policy_updates(step - 1)  # false in the critic warm-up

@@ -22,6 +22,7 @@ Two formats:
   scheduler, AdamW hyper-parameters and per-parameter step counts, step, data position,
   ``extra``, the layout that wrote it and every rank's RNG states. A state therefore loads at
   any data x tensor-parallel layout: dist_checkpointing reshards weights and moments on load.
+  The mapping of a model and its optimizer to that state is ``engine.storage.sharded_state``.
   The directory is written under a temporary name, renamed, and only then named by the new
   index; the previous directory is deleted after that.
 * **single file** (format 1): ``train_state.pt`` holds the ``state_dict()``s themselves
@@ -71,10 +72,20 @@ from engine.models.master_weights import (
     copy_masters_to_model,
     full_precision_weights,
     load_full_precision_state,
-    master_params,
 )
 from engine.storage.expert_shards import gathered_metadata, global_names, is_expert, name_mismatch
 from engine.storage.rng_state import capture_rng_state, restore_rng_state, rng_source  # noqa: F401  (re-exported)
+from engine.storage.sharded_state import (
+    all_rng_states,
+    checkpoint_keys,
+    group_layout,
+    is_sharded_model,
+    optimizer_names,
+    read_full_tensors,
+    select_offsets,
+    sharded_model_state,
+    sharded_moments,
+)
 
 STATE_FILE = "train_state.pt"
 
@@ -189,8 +200,8 @@ class TrainState:
         process, not a collective)."""
         if self._raw is not None:
             return self._raw["model"]
-        full = _read_full_tensors(self.checkpoint, [key for key, _ in self._common["keys"].values()])
-        return {name: _select(full[key], offsets) for name, (key, offsets) in self._common["keys"].items()}
+        full = read_full_tensors(self.checkpoint, [key for key, _ in self._common["keys"].values()])
+        return {name: select_offsets(full[key], offsets) for name, (key, offsets) in self._common["keys"].items()}
 
     @property
     def optimizer(self) -> dict[str, Any]:
@@ -200,12 +211,12 @@ class TrainState:
             return self._raw["optimizer"]
         opt, keys = self._common["optimizer"], self._common["keys"]
         wanted = [f"optimizer.state.{m}.{keys[name][0]}" for name, moments in opt["moments"].items() for m in moments]
-        full = _read_full_tensors(self.checkpoint, wanted)
+        full = read_full_tensors(self.checkpoint, wanted)
         state = {}
         for index, name in enumerate(opt["names"]):
             key, offsets = keys[name]
             entry = dict(opt["scalars"].get(name, {}))
-            entry.update({m: _select(full[f"optimizer.state.{m}.{key}"], offsets) for m in opt["moments"].get(name, ())})
+            entry.update({m: select_offsets(full[f"optimizer.state.{m}.{key}"], offsets) for m in opt["moments"].get(name, ())})
             if entry:
                 state[index] = entry
         return {"state": state, "param_groups": opt["param_groups"]}
@@ -253,125 +264,6 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
         }
 
 
-def is_sharded_model(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds a megatron-core module (its train state is then sharded)."""
-    import sys
-
-    megatron = sys.modules.get("megatron.core.transformer.module")  # not imported: no megatron module exists
-    return megatron is not None and any(isinstance(m, megatron.MegatronModule) for m in model.modules())
-
-
-def sharded_model_state(model: torch.nn.Module, prefix: str = "") -> dict[str, Any]:
-    """``model``'s dist_checkpointing state, keyed like ``model.state_dict()``: megatron-core
-    modules give their own ``sharded_state_dict`` (tensor-parallel shards, per-layer offsets);
-    the parameters and persistent buffers of plain torch modules around them (a reward or
-    value head) are replicated tensors (``megatron.core.utils.make_sharded_tensor_for_checkpoint``:
-    written once, by the rank whose tensor- and data-parallel ranks are 0). A model with LoRA
-    adapters (``engine.models.lora``) gives its adapters only."""
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.utils import make_sharded_tensor_for_checkpoint
-
-    from engine.models.lora import adapter_sharded_state, lora_layers
-
-    if lora_layers(model):  # the frozen base comes from the model directory the run starts from
-        return adapter_sharded_state(model)
-    if isinstance(model, MegatronModule):
-        return model.sharded_state_dict(prefix=prefix)
-    out: dict[str, Any] = {}
-    own = [*model._parameters.items(),
-           *((k, v) for k, v in model._buffers.items() if k not in model._non_persistent_buffers_set)]
-    for name, tensor in own:
-        if tensor is not None:
-            out[prefix + name] = make_sharded_tensor_for_checkpoint(tensor, prefix + name)
-    for name, child in model.named_children():
-        out.update(sharded_model_state(child, f"{prefix}{name}."))
-    return out
-
-
-def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The parameter name of every tensor the optimizer steps, in its ``state_dict()`` id order
-    (the fp32 masters under mixed precision carry their parameter's name).
-
-    Raises: ValueError for an optimizer tensor that is none of the model's parameters."""
-    named = master_params(model) or dict(model.named_parameters())
-    by_id = {id(t): name for name, t in named.items()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-    if missing:
-        raise ValueError(f"train state: optimizer parameters {missing[:5]} are not parameters of the model")
-    return [by_id[id(p)] for p in params]
-
-
-def _sharded_moments(model_state: dict[str, Any], moments: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """AdamW moments as dist_checkpointing tensors sharded like their parameters:
-    ``{name: {moment: make_sharded_optimizer_tensor(model_state[name], tensor, "optimizer.state.<moment>")}}``."""
-    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
-
-    return {name: {m: make_sharded_optimizer_tensor(model_state[name], t, prefix=f"optimizer.state.{m}")
-                   for m, t in per.items()} for name, per in moments.items()}
-
-
-def _checkpoint_keys(model_state: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
-    """``{state_dict name: (checkpoint key, offsets on the prepended axes)}`` of every tensor:
-    megatron saves the layers of a block as one tensor per kind with a leading layer axis, so
-    the full tensor of ``decoder.layers.3.x`` is ``checkpoint[key][3]``."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    out = {}
-    for name, sh in model_state.items():
-        if isinstance(sh, ShardedTensorFactory):  # e.g. SwiGLU's fc1: two chunks of one global tensor
-            built = sh.build()
-            sh = built[0] if isinstance(built, (list, tuple)) else next(iter(built.values()))
-        if isinstance(sh, ShardedTensor):
-            out[name] = (sh.key, [int(o) for o in sh.global_offset[: sh.prepend_axis_num]])
-    return out
-
-
-def _select(full: torch.Tensor, offsets: list[int]) -> torch.Tensor:
-    return full[tuple(offsets)].clone() if offsets else full
-
-
-def _read_full_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors of a torch_dist checkpoint by key, read with
-    ``torch.distributed.checkpoint`` in this process alone (``no_dist``)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(str(checkpoint))
-    meta = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(out, storage_reader=reader, no_dist=True)
-    return out
-
-
-def _layout() -> dict[str, int]:
-    """This process's group: world size and megatron's tensor-parallel size (1 without a group)."""
-    from megatron.core import parallel_state
-
-    from engine.distributed.collectives import world_size
-
-    world = world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
-    return {"world_size": world, "tensor_model_parallel_size": tp, "data_parallel_size": world // tp}
-
-
-def _all_rng_states() -> list[dict[str, Any]]:
-    """Every rank's :func:`capture_rng_state`, in global rank order (a collective)."""
-    import torch.distributed as dist
-
-    from engine.distributed.collectives import world_size
-
-    mine = capture_rng_state()
-    if world_size() == 1:
-        return [mine]
-    states: list[Any] = [None] * world_size()
-    dist.all_gather_object(states, mine)
-    return states
-
-
 def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, scheduler) -> None:
     """Every rank: its shards of a new checkpoint directory; rank 0 then commits it (module docstring)."""
     from engine.distributed.collectives import barrier, global_rank
@@ -380,11 +272,11 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
     lead = global_rank() == 0
     if lead:
         root.mkdir(parents=True, exist_ok=True)
-    rng = _all_rng_states()
+    rng = all_rng_states()
     tmp = shared_temporary_dir(root, f".{SHARDS_PREFIX}{payload['step']:08d}-")
     published = tmp.name[1:]  # without the leading dot
     torch_state = optimizer.state_dict()
-    names = _optimizer_names(model, optimizer)
+    names = optimizer_names(model, optimizer)
     moments: dict[str, dict[str, torch.Tensor]] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for index, name in enumerate(names):
@@ -395,11 +287,11 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
         with full_precision_weights(model):  # fp32 masters under mixed precision
             model_state = sharded_model_state(model)
             keys, all_names, all_moments, all_scalars = gathered_metadata(  # experts by global index
-                _checkpoint_keys(model_state), names, {n: sorted(per) for n, per in moments.items()}, scalars)
-            common = {**payload, "scheduler": scheduler.state_dict(), "layout": _layout(), "rng": rng, "keys": keys,
+                checkpoint_keys(model_state), names, {n: sorted(per) for n, per in moments.items()}, scalars)
+            common = {**payload, "scheduler": scheduler.state_dict(), "layout": group_layout(), "rng": rng, "keys": keys,
                       "optimizer": {"param_groups": torch_state["param_groups"], "names": all_names,
                                     "moments": all_moments, "scalars": all_scalars}}
-            save_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, moments), _COMMON: common},
+            save_sharded({"model": model_state, "optimizer": sharded_moments(model_state, moments), _COMMON: common},
                          tmp)
         if lead:
             checksums = sha256_file(write_checksums(tmp))  # after every rank's shards (save_sharded returns then)
@@ -422,18 +314,18 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
 
     common = state._common
     opt = common["optimizer"]
-    names = _optimizer_names(model, optimizer)
+    names = optimizer_names(model, optimizer)
     tensors = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
     with full_precision_weights(model):
         model_state = sharded_model_state(model)
-        glob = global_names(_checkpoint_keys(model_state))  # the saved names (engine.storage.expert_shards)
+        glob = global_names(checkpoint_keys(model_state))  # the saved names (engine.storage.expert_shards)
         mismatch = name_mismatch([glob.get(n, n) for n in names], opt["names"])
         if mismatch:
             raise ValueError(f"{state.path}: train state does not match the model: it trained "
                              f"{mismatch[:5]} (only one of them has these)")
         template = {n: {m: torch.zeros_like(tensors[n]) for m in opt["moments"][glob.get(n, n)]}
                     for n in names if glob.get(n, n) in opt["moments"]}
-        loaded = load_sharded({"model": model_state, "optimizer": _sharded_moments(model_state, template)},
+        loaded = load_sharded({"model": model_state, "optimizer": sharded_moments(model_state, template)},
                               state.checkpoint)
         try:
             result = model.load_state_dict(loaded["model"], strict=not lora_layers(model))  # LoRA: adapters only
@@ -456,7 +348,7 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
                  for index, n in enumerate(names)}
     optimizer.load_state_dict({"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups})
     scheduler.load_state_dict(common["scheduler"])
-    source, with_tracker = rng_source(common["layout"], _layout(), global_rank())
+    source, with_tracker = rng_source(common["layout"], group_layout(), global_rank())
     rng = dict(common["rng"][source])
     if not with_tracker:
         rng.pop("megatron_tracker", None)

@@ -10,21 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from config.memory_plan import (
+from config.memory_estimates import (
     GIB,
     PROCESS_BYTES,
-    QWEN25,
     ModelShape,
     RoleMemory,
+    kv_cache_bytes,
+    padded_vocab,
+    rollout_role,
+    training_role,
+)
+from config.memory_plan import (
+    QWEN25,
     check_layouts,
     check_plan,
     host_memory_bytes,
-    kv_cache_bytes,
-    padded_vocab,
     render_table,
-    rollout_role,
     tensor_parallel_problems,
-    training_role,
 )
 from config.parallel import ParallelConfig
 
@@ -326,7 +328,8 @@ def test_rl_gpus_are_counted_by_the_placement_and_the_rollout_by_its_keys():
     vLLM's gpu_memory_utilization the rollout engine's KV cache is what that share of its GPUs
     leaves after the weights."""
     from config import PipelineConfig
-    from config.memory_plan import WEIGHT_BYTES, plan_stages
+    from config.memory_estimates import WEIGHT_BYTES
+    from config.memory_plan import plan_stages
 
     plans = {"rl": [_role("actor", "rl.parallel.actor", 2, GIB, gpus=1.0), _role("rollout", "rl.rollout", 2, GIB, gpus=1.0)]}
     assert check_plan(plans, local=True, cpus={"rl": 2}, gpus=2, device_memory_gib=None, host_bytes=None)[0] == []

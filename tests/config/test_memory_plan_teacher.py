@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from config.memory_plan import ModelShape, plan_stages, training_role
+from config.memory_estimates import ModelShape, training_role
+from config.memory_plan import plan_stages
 from config.parallel import ParallelConfig
 
 # the student: h 64, 2 layers, 256 tokens; the teacher: twice as wide, vocabulary padded to 384

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from config.rl import CodeRewardConfig, RewardConfig
+from config.reward import CodeRewardConfig, RewardConfig
 from data.code_verifier import extract_code, parse_tests
 from data.rewards import get_verifier, label_problem
 from data.validate import validate_dataset

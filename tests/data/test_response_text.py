@@ -18,7 +18,7 @@ from data.chat_template import encode_continuation, end_of_turn, turn_end_token_
 from data.rewards import exact_match, get_verifier
 from engine.evaluation.scoring import decode_response
 from engine.evaluation.statistics import evaluate_generations
-from engine.rl.workers import RewardWorker
+from engine.rl.reward_workers import RewardWorker
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.multi_turn import multi_turn_rollout
 from tests.data.chat_tokenizers import BASES, FAMILIES, every_template_tokenizer, sentencepiece_dir, template_config

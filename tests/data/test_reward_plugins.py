@@ -3,7 +3,7 @@
 the function or the config key, and the reward worker's weighted sum of verifier, reward
 model and plug-ins against hand-computed values.
 
-No Ray: :class:`engine.rl.workers.RewardWorker` is a plain class, used in-process here; it needs
+No Ray: :class:`engine.rl.reward_workers.RewardWorker` is a plain class, used in-process here; it needs
 only a tokenizer under ``<dir>/hf`` (and a reward-model directory when its weight is set).
 The plug-ins are in tests/data/reward_plugins_example.py.
 """
@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from config import ConfigError, load_config
-from config.rl import RewardConfig, RewardFunctionConfig
+from config.reward import RewardConfig, RewardFunctionConfig
 from data.reward_plugins import load_reward_function
 from tests.data import reward_plugins_example as example
 
@@ -185,7 +185,7 @@ def test_reward_worker_sums_the_weighted_verifier_and_plugins(tokenizer_dir):
     exact_match [1, 0, 0] x 2; length_penalty [0, -0.25, -0.25] x 4; stopped [1, 0, 1] x -1;
     shortest_in_batch [1, 0, 0] x 0.5 (batched); async_exact [1, 0, 0] x 1
     -> [2 + 0 - 1 + 0.5 + 1, 0 - 1 + 0 + 0 + 0, 0 - 1 - 1 + 0 + 0] = [2.5, -1, -2]."""
-    from engine.rl.workers import RewardWorker
+    from engine.rl.reward_workers import RewardWorker
 
     cfg = RewardConfig(verifier="exact_match", verifier_weight=2.0, functions=[
         {"path": f"{EX}:length_penalty", "weight": 4.0},
@@ -205,7 +205,7 @@ def test_reward_worker_sums_the_weighted_verifier_and_plugins(tokenizer_dir):
 
 
 def test_reward_worker_with_plugins_only_and_its_errors(tokenizer_dir):
-    from engine.rl.workers import RewardWorker
+    from engine.rl.reward_workers import RewardWorker
 
     worker = RewardWorker(tokenizer_dir, RewardConfig(verifier="none", functions=[{"path": f"{EX}:length_penalty", "weight": 2.0}]))
     rewards, metrics = worker.score([question(3, 4)] * 2, ["7", "7"], _responses(worker, ["7", "123"], [True, True]),
@@ -236,7 +236,7 @@ def test_reward_worker_adds_the_trained_reward_model(tokenizer_dir, tmp_path):
     from conversion.spec import GPTSpec
     from engine.models.heads import RewardModel
     from engine.models.megatron import build_gpt_model
-    from engine.rl.workers import RewardModelWorker, RewardWorker
+    from engine.rl.reward_workers import RewardModelWorker, RewardWorker
     from engine.storage.model_dir import load_tokenizer, save_model_dir
     from engine.training.reward_scoring import load_reward_model, score
     from engine.trajectory import RolloutOutput, Trajectory

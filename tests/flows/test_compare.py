@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from flows.cli import main
-from flows.compare import compare, from_artifact, stage_inputs
+from flows.compare import compare
+from flows.compare_runs import from_artifact, stage_inputs
 from tasks.artifacts import ArtifactRef, ArtifactStore
 
 # Per prompt (4 prompts, 2 samples each): is each sample correct?
@@ -156,7 +157,8 @@ def test_stage_inputs_are_what_enters_the_fingerprint():
 
 
 def test_overrides_on_the_command_line_belong_to_the_config_before_them(tmp_path):
-    from flows.compare import CompareError, default_png, group_runs
+    from flows.compare import default_png, group_runs
+    from flows.compare_runs import CompareError
 
     assert group_runs(["a.yaml", "rl.steps=5", "~prepare", "rl-0123456789abcdef", "b.yaml", "x=[1, 2]"]) == [
         ("a.yaml", ["rl.steps=5", "~prepare"]), ("rl-0123456789abcdef", []), ("b.yaml", ["x=[1, 2]"])]
@@ -167,8 +169,8 @@ def test_overrides_on_the_command_line_belong_to_the_config_before_them(tmp_path
 
 
 def test_the_stage_list_is_the_graphs():
-    """flows.compare keeps its own copy so that `posttrain` does not import the stages to start."""
-    from flows.compare import STAGE_NAMES
+    """flows.compare_runs keeps its own copy so that `posttrain` does not import the stages to start."""
+    from flows.compare_runs import STAGE_NAMES
     from tasks.graph import STAGE_NAMES as GRAPH
 
     assert list(STAGE_NAMES) == GRAPH

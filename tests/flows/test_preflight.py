@@ -195,10 +195,10 @@ def _contents(raw: dict) -> tuple[list[str], list[str]]:
 
 
 def test_vllm_cpu_head_sizes_are_vllms_own():
-    """preflight keeps a copy (importing vLLM takes ~10 s); it must be the installed backend's set."""
+    """model_checks keeps a copy (importing vLLM takes ~10 s); it must be the installed backend's set."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from flows.preflight import VLLM_CPU_HEAD_SIZES
+    from flows.model_checks import VLLM_CPU_HEAD_SIZES
 
     assert VLLM_CPU_HEAD_SIZES == tuple(CPUAttentionBackend.get_supported_head_sizes())
     assert 32 in VLLM_CPU_HEAD_SIZES and 64 in VLLM_CPU_HEAD_SIZES

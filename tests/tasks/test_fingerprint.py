@@ -381,7 +381,7 @@ def test_orchestration_modules_are_outside_every_stage_code_version(project_copy
     # Every stage imports tasks.runner (which imports tracking) and export's model card reads
     # manifests through tasks.artifacts: editing those reruns neither sft nor export.
     before = {name: _version(f"tasks.{name}") for name in ("sft", "export")}
-    for mod in ("tasks.runner", "tasks.tracking", "tasks.artifacts"):
+    for mod in ("tasks.runner", "tasks.tracking", "tasks.pipeline_run", "tasks.artifacts", "tasks.manifests"):
         path = fp_mod._module_file(mod)
         original = _append(path, "\n\ndef _probe_edit():\n    return 3\n")
         assert {name: _version(f"tasks.{name}") for name in before} == before, f"editing {mod} changed a stage"

@@ -70,7 +70,7 @@ def test_only_the_adapters_train(policy, stage):
     down) against 92,224 base ones; every base tensor keeps its value bit for bit and has no
     gradient; every adapter tensor moves; AdamW holds exp_avg and exp_avg_sq of the adapters
     alone; validate's memory plan counts the same adapters."""
-    from config.memory_plan import ModelShape
+    from config.memory_estimates import ModelShape
 
     w = lora_worker(policy["dir"], stage)
     trained = [n for n, p in w.module.named_parameters() if p.requires_grad]

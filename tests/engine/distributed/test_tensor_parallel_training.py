@@ -512,7 +512,7 @@ def test_po_dpo_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
 
 def test_reward_model_role_scores_at_dp2_and_tp2_as_one_rank(sft_inputs, tmp_path):
     """The RL stage's reward-model role (``rl.parallel.reward_model``:
-    :class:`engine.rl.workers.RewardModelWorker` spawned by ``spawn_role``) scores 5 of the
+    :class:`engine.rl.reward_workers.RewardModelWorker` spawned by ``spawn_role``) scores 5 of the
     quickstart's conversations (prompt, assistant answer) at DP=2 (the rows and the per-row
     prompts and texts split by tokens and put back in order) and at TP=2 (both ranks
     score every row with half the heads) as the worker does in this process at TP=1, each row
@@ -526,7 +526,7 @@ def test_reward_model_role_scores_at_dp2_and_tp2_as_one_rank(sft_inputs, tmp_pat
     from engine.distributed.group import WorkerGroup, spawn_role
     from engine.models.heads import RewardModel
     from engine.rl.placement import init_ray
-    from engine.rl.workers import RewardModelWorker
+    from engine.rl.reward_workers import RewardModelWorker
     from engine.rollout.base import RolloutOutput
     from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
     from engine.trajectory import Trajectory

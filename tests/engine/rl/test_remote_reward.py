@@ -111,7 +111,7 @@ def test_reward_worker_adds_the_weighted_judge_and_remote_scores(tokenizer_dir):
     exact_match [1, 0, 0] x 2; judge (Score: len(response), 0..10, fallback 0) [0.1, 0.2, 0] x 3
     (the third answer has no score: 1 failure); remote (len(response) / 10) [0.1, 0.2, 0.7] x -1
     -> [2 + 0.3 - 0.1, 0 + 0.6 - 0.2, 0 + 0 - 0.7] = [2.2, 0.4, -0.7]."""
-    from engine.rl.workers import RewardWorker
+    from engine.rl.reward_workers import RewardWorker
 
     def judge(path, body, number):
         response = re.search(r"^A: (.*)$", body["messages"][0]["content"], re.M).group(1)

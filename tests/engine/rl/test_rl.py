@@ -312,7 +312,7 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
     recomputed with engine.training.reward_scoring.score on the decoded texts."""
     from config.rl import RewardConfig
     from engine.models.heads import RewardModel
-    from engine.rl.workers import RewardModelWorker, RewardWorker
+    from engine.rl.reward_workers import RewardModelWorker, RewardWorker
     from engine.storage.model_dir import load_model_dir, save_model_dir
     from engine.training.reward_scoring import load_reward_model, score
 
@@ -697,7 +697,7 @@ def test_long_prompts_are_filtered_and_counted_per_source_or_named_in_one_error(
 def test_each_source_is_scored_by_its_verifier_and_reward_weight(policy):
     """reward = reward_weight * (verifier_weight * verifier + sum of weighted plug-ins), by hand."""
     from config.rl import RewardConfig
-    from engine.rl.workers import RewardWorker
+    from engine.rl.reward_workers import RewardWorker
 
     cfg = RewardConfig(verifier="exact_match", verifier_weight=0.5,
                        functions=[{"path": "tests.data.reward_plugins_example:length_penalty"}])  # -0.25/char over the label

@@ -171,7 +171,7 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
       which nothing failed: failures and resume leave no trace in what is trained.
     """
     from engine.rl.loop import run_rl
-    from engine.rl.phases import sampling_seed
+    from engine.rl.rollout_phase import sampling_seed
     from engine.rollout.multi_turn import turn_seed
     from engine.rollout.router import assign_prompts
     from engine.storage.train_state import load_train_state

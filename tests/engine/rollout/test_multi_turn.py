@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 
-from config.rl import KLConfig, RewardConfig, RewardFunctionConfig, RLConfig, RolloutConfig
+from config.reward import RewardConfig, RewardFunctionConfig
+from config.rl import KLConfig, RLConfig, RolloutConfig
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.multi_turn import (
     MultiTurnSample,
@@ -414,16 +415,16 @@ class _Remote:
 
 def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeypatch):
     from engine.batching.sampler import EpochSampler
-    from engine.rl import phases
+    from engine.rl import rollout_phase
     from engine.rl.prompts import RLPrompt
     from engine.rl.workers import Workers
 
-    monkeypatch.setattr(phases.ray, "get", lambda x: x)  # in-process: handles return values directly
+    monkeypatch.setattr(rollout_phase.ray, "get", lambda x: x)  # in-process: handles return values directly
     prompts = [RLPrompt(r["prompt"], r["label"], ids) for r, ids in zip(policy["rows"], policy["prompt_ids"])]
     cfg = RLConfig(prompts_per_step=2, n_samples=3, environment=f"{EX}:make_counter_env", max_turns=3,
                    rollout=RolloutConfig(backend="hf", max_new_tokens=24))
     workers = Workers(None, None, None, _Remote(policy["worker"]), reward=None)
-    traj, metrics, t_gen, t_reward = phases.rollout_batch(workers, prompts, EpochSampler(2, 0), cfg, 0, 1,
+    traj, metrics, t_gen, t_reward = rollout_phase.rollout_batch(workers, prompts, EpochSampler(2, 0), cfg, 0, 1,
                                                            pad_id=policy["tokenizer"].pad_token_id)
     assert len(traj) == 6 and t_reward == 0.0 and t_gen > 0
     assert set(metrics) == {"reward/env_mean", "env/turns_mean", "env/done_fraction", "env/observation_token_fraction",

@@ -213,7 +213,7 @@ def test_reward_trainer_under_bf16_saves_fp32_and_scores_in_bf16(policy_dir, tmp
     gives a frozen bf16 model whose scores equal the trainer's bit for bit, under fp32 the
     masters themselves; the RL reward-model worker loads it in the stage's compute dtype."""
     from engine.backends.megatron.reward_model import MegatronRewardTrainer
-    from engine.rl.workers import RewardModelWorker
+    from engine.rl.reward_workers import RewardModelWorker
     from engine.storage.model_dir import load_model_dir
     from engine.training.preference_data import collate_pairs
     from engine.training.reward_scoring import load_reward_model
