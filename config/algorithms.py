@@ -99,8 +99,9 @@ def module_source(module: str) -> Path | None:
     ``<dir>/a/b/__init__.py`` over the ``sys.path`` directories (``''`` is the working
     directory). None when none exists (e.g. a compiled or zipped module)."""
     loaded = sys.modules.get(module)
-    if loaded is not None and getattr(loaded, "__file__", None):
-        return Path(loaded.__file__)
+    file = getattr(loaded, "__file__", None) if loaded is not None else None
+    if file:
+        return Path(file)
     parts = module.split(".")
     for entry in sys.path:
         base = Path(entry or os.getcwd()).joinpath(*parts)

@@ -103,11 +103,11 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
         batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
         if cfg.environment is None:
             traj, t_gen, restarts = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds),
-                                             restarts_before=timing["restarts"])
+                                             restarts_before=int(timing["restarts"]))
             traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
         else:
             traj, metrics, t_gen, restarts = generate_multi_turn(workers, batch, cfg, seed, step, pad_id,
-                                                                 round_index=len(rounds), restarts_before=timing["restarts"])
+                                                                 round_index=len(rounds), restarts_before=int(timing["restarts"]))
             t_reward = 0.0
         timing["gen"] += t_gen
         timing["reward"] += t_reward

@@ -174,7 +174,9 @@ class TrainState:
         self.data_position = DataPosition(**raw["data_position"])
         self.extra: dict[str, Any] = raw.get("extra", {})
         if self.format_version == SINGLE_FILE:
-            self.checkpoint, self._raw, self._common = None, raw, None
+            self.checkpoint: Path | None = None
+            self._raw: dict[str, Any] | None = raw
+            self._common: dict[str, Any] | None = None
             self.scheduler = raw["scheduler"]
             return
         self.checkpoint = path.parent / raw["checkpoint"]
@@ -193,6 +195,12 @@ class TrainState:
         self.scheduler = self._common["scheduler"]
         self._raw = None
 
+    def _sharded(self) -> tuple[Path, dict[str, Any]]:
+        """``(checkpoint directory, common state)`` of a sharded state."""
+        if self.checkpoint is None or self._common is None:
+            raise ValueError(f"{self.path}: a single-file train state, not a sharded one")
+        return self.checkpoint, self._common
+
     @property
     def model(self) -> dict[str, torch.Tensor]:
         """The saved weights by ``state_dict()`` name (no ``_extra_state``); for a sharded state
@@ -200,8 +208,9 @@ class TrainState:
         process, not a collective)."""
         if self._raw is not None:
             return self._raw["model"]
-        full = read_full_tensors(self.checkpoint, [key for key, _ in self._common["keys"].values()])
-        return {name: select_offsets(full[key], offsets) for name, (key, offsets) in self._common["keys"].items()}
+        checkpoint, common = self._sharded()
+        full = read_full_tensors(checkpoint, [key for key, _ in common["keys"].values()])
+        return {name: select_offsets(full[key], offsets) for name, (key, offsets) in common["keys"].items()}
 
     @property
     def optimizer(self) -> dict[str, Any]:
@@ -209,9 +218,10 @@ class TrainState:
         with the moments gathered to full tensors, like :attr:`model`."""
         if self._raw is not None:
             return self._raw["optimizer"]
-        opt, keys = self._common["optimizer"], self._common["keys"]
+        checkpoint, common = self._sharded()
+        opt, keys = common["optimizer"], common["keys"]
         wanted = [f"optimizer.state.{m}.{keys[name][0]}" for name, moments in opt["moments"].items() for m in moments]
-        full = read_full_tensors(self.checkpoint, wanted)
+        full = read_full_tensors(checkpoint, wanted)
         state = {}
         for index, name in enumerate(opt["names"]):
             key, offsets = keys[name]
@@ -224,7 +234,7 @@ class TrainState:
     @property
     def rng(self) -> dict[str, Any]:
         """RNG states (:func:`capture_rng_state`) of the writer's rank 0."""
-        return self._raw["rng"] if self._raw is not None else self._common["rng"][0]
+        return self._raw["rng"] if self._raw is not None else self._sharded()[1]["rng"][0]
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
         """Load weights, optimizer and scheduler states, then the RNG states. For a sharded
@@ -312,7 +322,9 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     from engine.models.lora import lora_layers
     from engine.storage.torch_dist import load_sharded
 
-    common = state._common
+    common, checkpoint = state._common, state.checkpoint
+    if common is None or checkpoint is None:
+        raise ValueError(f"{state.path}: a single-file train state, not a sharded one")
     opt = common["optimizer"]
     names = optimizer_names(model, optimizer)
     tensors = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
@@ -326,7 +338,7 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
         template = {n: {m: torch.zeros_like(tensors[n]) for m in opt["moments"][glob.get(n, n)]}
                     for n in names if glob.get(n, n) in opt["moments"]}
         loaded = load_sharded({"model": model_state, "optimizer": sharded_moments(model_state, template)},
-                              state.checkpoint)
+                              checkpoint)
         try:
             result = model.load_state_dict(loaded["model"], strict=not lora_layers(model))  # LoRA: adapters only
             missing = [k for k in model_state if k in result.missing_keys]
