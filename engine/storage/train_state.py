@@ -61,7 +61,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -97,6 +97,13 @@ SINGLE_FILE, SHARDED = 1, 2  # format versions
 
 
 _COMMON = "train_state"  # the common (rank-0) entry of a sharded checkpoint
+
+
+class OptimizerState(Protocol):
+    """What a single-file train state reads of an optimizer: its ``state_dict()`` (a torch
+    optimizer, or the DeepSpeed trainer's consolidated ZeRO state)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -380,7 +387,7 @@ def save_train_state(
     *,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerState,
     scheduler,
     data_position: DataPosition,
     extra: dict[str, Any] | None = None,
@@ -402,6 +409,8 @@ def save_train_state(
                "data_position": dataclasses.asdict(data_position)}
     with naming_a_full_disk(root, f"the train state of step {step}", _state_bytes(model, optimizer), FULL_DISK_FIX):
         if is_sharded_model(model):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"a sharded train state needs the torch optimizer, not {type(optimizer).__name__}")
             _save_sharded(root, payload, model, optimizer, scheduler)
             return root / STATE_FILE
         if global_rank() != 0:  # data parallelism: the ranks hold the same state; rank 0 writes it
@@ -420,7 +429,7 @@ FULL_DISK_FIX = ("free space there or set run.checkpoint_root to a directory on 
                  "the last checkpoint is kept, so a rerun resumes from it")
 
 
-def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | OptimizerState) -> int:
     """About the bytes a train state of ``model`` takes: its weights and the optimizer's tensors."""
     tensors = [v for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
     # state_dict(), not .state: a consolidated DeepSpeed state hands over only what save reads
