@@ -37,20 +37,16 @@ writes the files that are not torch_dist shards (the reference cache among them)
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from config.po import PoConfig
 from config.precision import resolve_precision
-from engine.algorithms.logits import logprobs_from_logits
 from engine.algorithms.preference_loss import (
     PreferenceLoss,
     dpo_loss,
@@ -61,19 +57,13 @@ from engine.algorithms.preference_loss import (
     with_chosen_nll,
 )
 from engine.batching.collate import TokenBatch, collate_tokens, pad_token_id, split_micro_batches
-from engine.batching.sampler import EpochSampler
-from engine.distributed.collectives import broadcast_object, data_parallel_rank, global_rank
+from engine.distributed.collectives import global_rank
 from engine.distributed.share import micro_batch_share
 from engine.models.lora import apply_lora, merged_for_saving, save_peft_adapter
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
-from engine.storage.train_state import (
-    DataPosition,
-    check_run_identity,
-    has_train_state,
-    load_train_state,
-    save_train_state,
-)
-from engine.training.optimizer_step import build_model_optimizer, train_step
+from engine.training.loop import MetricsLogger, StepInfo, StepTrainer, run_loop
+from engine.training.model_trainer import ModelTrainer
+from engine.training.optimizer_step import build_model_optimizer
 from engine.training.preference_data import (
     EncodedResponse,
     PreferencePair,
@@ -82,90 +72,43 @@ from engine.training.preference_data import (
     encode_unpaired,
     is_unpaired,
 )
+from engine.training.preference_logps import (
+    REFERENCE_FILE,
+    pair_logps,
+    reference_logps,
+    response_logps,
+    save_reference,
+    sequence_logps,
+    unpaired_logps,
+)
 from engine.training.reward_model import split_eval
 
 logger = logging.getLogger(__name__)
-
-REFERENCE_FILE = "reference_logps.safetensors"
-"""The starting policy's summed response log-probs per pair (``chosen``, ``rejected``; KTO also
-``mismatched_chosen``, ``mismatched_rejected``; each ``[N]`` fp32) or, for unpaired KTO rows, per
-row (``completion``, ``mismatched``), and the pairs' (rows') source ``line`` numbers (``[N]``
-int64), in file order."""
 
 
 @dataclass(frozen=True)
 class PreferenceMicroBatch:
     """A micro-batch of ``n`` pairs: ``tokens`` ``[2n, T]`` (chosen rows, then rejected rows, with
     the response loss masks) and the reference's summed log-probs ``ref_chosen``, ``ref_rejected``
-    ``[n]`` (zeros when the loss uses no reference)."""
+    ``[n]`` (zeros when the loss uses no reference); KTO: the step's reference point z0 (a scalar
+    tensor, :func:`engine.algorithms.preference_loss.kto_reference_point`), else None."""
 
     tokens: TokenBatch
     ref_chosen: torch.Tensor
     ref_rejected: torch.Tensor
+    reference_point: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class UnpairedMicroBatch:
     """A micro-batch of ``n`` unpaired rows: ``tokens`` ``[n, T]`` (with the completion loss masks),
-    ``labels`` ``[n]`` bool (True: desirable) and the reference's summed log-probs ``ref`` ``[n]``."""
+    ``labels`` ``[n]`` bool (True: desirable), the reference's summed log-probs ``ref`` ``[n]`` and
+    the step's KTO reference point z0 (scalar tensor)."""
 
     tokens: TokenBatch
     labels: torch.Tensor
     ref: torch.Tensor
-
-
-def response_logps(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probs of each row's response tokens and their count.
-
-    ``logp[b] = sum_t log softmax(logits[b, t - 1])[ids[b, t]] * loss_mask[b, t]`` from the fp32
-    logits of :func:`engine.models.megatron.gpt_logits` (under the caller's grad mode).
-
-    Returns: ``([B] float32 nats, [B] float32 token counts)``.
-    """
-    from engine.models.megatron import gpt_logits
-
-    logits = gpt_logits(model, batch.input_ids)  # [B, T, V] fp32
-    mask = batch.loss_mask[:, 1:].float()
-    per_token = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])  # [B, T - 1]
-    return (per_token * mask).sum(-1), mask.sum(-1)
-
-
-@torch.no_grad()
-def sequence_logps(model: torch.nn.Module, sequences: Sequence[EncodedResponse], pad_id: int,
-                   micro_batch_size: int) -> torch.Tensor:
-    """Summed response log-probs ``[len(sequences)]`` (fp32 nats) of ``model`` in eval mode
-    (its mode is restored), ``micro_batch_size`` sequences per forward."""
-    was_training = model.training
-    model.eval()
-    out = [response_logps(model, collate_tokens([s[0] for s in chunk], [s[1] for s in chunk], pad_id))[0]
-           for chunk in split_micro_batches(list(sequences), micro_batch_size)]
-    model.train(was_training)
-    return torch.cat(out)
-
-
-def pair_logps(model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: int,
-               micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """``{"chosen", "rejected"}`` (and ``"mismatched_chosen"``, ``"mismatched_rejected"`` when the
-    pairs carry them): each ``[N]`` summed response log-probs of ``model`` (no gradient)."""
-    out = {"chosen": sequence_logps(model, [p.chosen for p in pairs], pad_id, micro_batch_size),
-           "rejected": sequence_logps(model, [p.rejected for p in pairs], pad_id, micro_batch_size)}
-    if pairs[0].mismatched is not None:
-        for k, key in enumerate(("mismatched_chosen", "mismatched_rejected")):
-            out[key] = sequence_logps(model, [p.mismatched[k] for p in pairs], pad_id, micro_batch_size)
-    return out
-
-
-def unpaired_logps(model: torch.nn.Module, examples: Sequence[UnpairedExample], pad_id: int,
-                   micro_batch_size: int) -> dict[str, torch.Tensor]:
-    """``{"completion", "mismatched"}``: each ``[N]`` summed response log-probs of ``model`` (no gradient)."""
-    return {"completion": sequence_logps(model, [e.completion for e in examples], pad_id, micro_batch_size),
-            "mismatched": sequence_logps(model, [e.mismatched for e in examples], pad_id, micro_batch_size)}
-
-
-def _example_logps(model, examples, pad_id: int, micro_batch_size: int) -> dict[str, torch.Tensor]:
-    if isinstance(examples[0], UnpairedExample):
-        return unpaired_logps(model, examples, pad_id, micro_batch_size)
-    return pair_logps(model, examples, pad_id, micro_batch_size)
+    reference_point: torch.Tensor | None = None
 
 
 def preference_loss(cfg: PoConfig, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
@@ -216,7 +159,7 @@ def kto_sign_correct(out: PreferenceLoss) -> torch.Tensor:
 def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroBatch, cfg: PoConfig,
             reference_point: torch.Tensor | None = None) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step` (bind ``cfg`` and, for
-    KTO, ``reference_point`` with ``functools.partial``).
+    KTO, ``reference_point`` with ``functools.partial``, or leave it None to use the batch's).
 
     Returns:
         ``(sum of the per-example losses, number of examples (pairs; KTO: 2 x pairs; unpaired
@@ -228,6 +171,8 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroB
         divided by the global batch's class fraction is that class's mean reward) and
         ``accuracy`` (:func:`kto_sign_correct`'s fraction).
     """
+    if reference_point is None:
+        reference_point = batch.reference_point
     if isinstance(batch, UnpairedMicroBatch):
         logps, _ = response_logps(model, batch.tokens)
         out = unpaired_kto_loss(cfg, logps, batch.ref, batch.labels, reference_point)
@@ -248,18 +193,18 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroB
 
 
 def _micro_batches(pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], indices: Sequence[int],
-                   reference: dict[str, torch.Tensor], micro_batch_size: int,
-                   pad_id: int) -> list[PreferenceMicroBatch] | list[UnpairedMicroBatch]:
+                   reference: dict[str, torch.Tensor], micro_batch_size: int, pad_id: int,
+                   z0: torch.Tensor | None) -> list[PreferenceMicroBatch] | list[UnpairedMicroBatch]:
     if isinstance(pairs[0], UnpairedExample):
         return [UnpairedMicroBatch(collate_tokens([pairs[i].completion[0] for i in chunk],
                                                   [pairs[i].completion[1] for i in chunk], pad_id),
-                                   torch.tensor([pairs[i].label for i in chunk]), reference["completion"][chunk])
+                                   torch.tensor([pairs[i].label for i in chunk]), reference["completion"][chunk], z0)
                 for chunk in split_micro_batches(list(indices), micro_batch_size)]
     out = []
     for chunk in split_micro_batches(list(indices), micro_batch_size):
         rows = [pairs[i].chosen for i in chunk] + [pairs[i].rejected for i in chunk]
         tokens = collate_tokens([r[0] for r in rows], [r[1] for r in rows], pad_id)
-        out.append(PreferenceMicroBatch(tokens, reference["chosen"][chunk], reference["rejected"][chunk]))
+        out.append(PreferenceMicroBatch(tokens, reference["chosen"][chunk], reference["rejected"][chunk], z0))
     return out
 
 
@@ -320,45 +265,6 @@ def evaluate_unpaired(model: torch.nn.Module, examples: Sequence[UnpairedExample
             "po/eval_margin": desirable - undesirable}
 
 
-def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[PreferencePair], path: Path,
-                   identity: dict) -> None:
-    """Write the reference log-probs (:data:`REFERENCE_FILE` layout) atomically, ``identity`` (the
-    run's config, dataset size and seed) in the safetensors metadata."""
-    from conversion.export import save_safetensors
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    lines = torch.tensor([p.line for p in pairs], dtype=torch.int64)
-    save_safetensors({**reference, "line": lines}, tmp, metadata={"identity": json.dumps(identity, sort_keys=True)})
-    tmp.replace(path)
-
-
-def _reference_logps(model, pairs: Sequence[PreferencePair], cfg: PoConfig, pad_id: int, resume_dir: Path | None,
-                     identity: dict) -> dict[str, torch.Tensor]:
-    """The starting policy's log-probs: zeros when the loss uses no reference; else read from
-    ``resume_dir`` when an earlier attempt of the same run wrote them, or computed now (by every
-    rank) and written there (by rank 0)."""
-    from safetensors import safe_open
-
-    if not cfg.uses_reference:
-        return {"chosen": torch.zeros(len(pairs)), "rejected": torch.zeros(len(pairs))}
-    cached = resume_dir / REFERENCE_FILE if resume_dir is not None else None
-    # rank 0's answer on every rank, given before it may write the file: all take the same
-    # path (a tensor-parallel forward is a collective of the group)
-    if cached is not None and broadcast_object(cached.exists() if global_rank() == 0 else None):
-        with safe_open(str(cached), "pt") as f:
-            if json.loads((f.metadata() or {}).get("identity", "null")) != identity:
-                raise ValueError(f"{cached}: reference log-probs of a different run (config, dataset or seed); "
-                                 f"delete {resume_dir} to start over")
-            logger.info("reusing the reference log-probs in %s", cached)
-            return {k: f.get_tensor(k) for k in f.keys() if k != "line"}
-    logger.info("reference log-probs of %d pairs or rows (computed once)", len(pairs))
-    reference = _example_logps(model, pairs, pad_id, cfg.micro_batch_size)
-    if cached is not None and global_rank() == 0:
-        save_reference(reference, pairs, cached, identity)
-    return reference
-
-
 def _log_class_balance(examples: Sequence[UnpairedExample], cfg: PoConfig) -> None:
     """Log the desirable and undesirable counts and ``lambda_D n_D / (lambda_U n_U)``; warn when that
     ratio is outside [1, 4/3], the range Ethayarajh et al. 2024 (arXiv:2402.01306, section 4.2) and
@@ -377,6 +283,52 @@ def _log_class_balance(examples: Sequence[UnpairedExample], cfg: PoConfig) -> No
 _NOT_IN_RUN_IDENTITY = {"log_every", "checkpoint_every", "parallel"}
 
 
+class POStage:
+    """The po stage's part of :func:`engine.training.loop.run_loop`. A step's batch is its pairs'
+    (KTO: rows') indices in ``examples``; the step estimates KTO's z0 on the whole global batch
+    (:func:`_kto_reference_point`, every rank alike), forms the micro-batches of
+    ``cfg.micro_batch_size`` pairs with the reference log-probs and z0, and steps each rank's share
+    (:func:`engine.distributed.share.micro_batch_share`) on :func:`po_loss`. Metrics ``po/*`` as
+    :func:`train_preference_optimization` returns them; the held-out ones from
+    :func:`evaluate_pairs` or :func:`evaluate_unpaired`."""
+
+    def __init__(self, examples: Sequence[PreferencePair] | Sequence[UnpairedExample], train_idx: list[int],
+                 eval_idx: list[int], reference: dict[str, torch.Tensor], cfg: PoConfig, pad_id: int):
+        self.examples, self.train_idx, self.eval_idx, self.reference = examples, train_idx, eval_idx, reference
+        self.cfg, self.pad_id, self.unpaired = cfg, pad_id, isinstance(examples[0], UnpairedExample)
+        self.z0: torch.Tensor | None = None
+
+    def batch(self, indices: list[int]) -> list[int]:
+        return [self.train_idx[i] for i in indices]
+
+    def step(self, trainer: StepTrainer, indices: list[int]) -> dict[str, float]:
+        cfg, examples = self.cfg, self.examples
+        # on the whole global batch on every rank: the z0 of one process, for every rank's share
+        self.z0 = (_kto_reference_point(trainer.model, examples, indices, self.reference, self.pad_id,
+                                        cfg.micro_batch_size) if cfg.loss == "kto" else None)
+        micro = _micro_batches(examples, indices, self.reference, cfg.micro_batch_size, self.pad_id, self.z0)
+        out = trainer.step(micro_batch_share(micro, "po"))
+        if self.unpaired:  # class sums per row -> class means (see po_loss)
+            fraction = out["desirable_fraction"]
+            out["rewards/chosen"] = out["rewards/desirable_sum"] / fraction if fraction else float("nan")
+            out["rewards/rejected"] = (out["rewards/undesirable_sum"] / (1 - fraction) if fraction < 1
+                                       else float("nan"))
+            out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+    def metrics(self, out: dict[str, float], indices: list[int], info: StepInfo) -> dict[str, float]:
+        return {"po/loss": out["loss"], "po/rewards/chosen": out["rewards/chosen"],
+                "po/rewards/rejected": out["rewards/rejected"], "po/rewards/margin": out["rewards/margin"],
+                "po/accuracy": out["accuracy"], **({"po/chosen_nll": out["chosen_nll"]} if "chosen_nll" in out else {}),
+                "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
+                **({"po/kl": float(self.z0)} if self.z0 is not None else {}),
+                "perf/pairs_per_s": len(indices) / info.seconds}
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        evaluate = evaluate_unpaired if self.unpaired else evaluate_pairs
+        return evaluate(model, self.examples, self.eval_idx, self.reference, self.cfg, self.pad_id)
+
+
 def train_preference_optimization(
     base_model_dir: str | Path,
     dataset_path: str | Path,
@@ -384,7 +336,7 @@ def train_preference_optimization(
     out_dir: str | Path,
     resume_dir: str | Path | None,
     seed: int = 0,
-    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    log_metrics: MetricsLogger | None = None,
 ) -> dict[str, float]:
     """Optimize the policy in ``base_model_dir`` on preference pairs (KTO: or unpaired rows) with
     ``cfg.loss``; write a model dir.
@@ -467,66 +419,24 @@ def train_preference_optimization(
                 "seed": seed}
     if cfg.lora.enabled:  # the train state holds the adapters; the base weights are this directory's
         identity["base_model"] = str(base_model_dir)
-    reference = _reference_logps(model, pairs, cfg, pad_id, Path(resume_dir) if resume_dir else None, identity)
+    reference = reference_logps(model, pairs, cfg, pad_id, Path(resume_dir) if resume_dir else None, identity)
     logger.info("%s on %d pairs (%d held out): precision %s", cfg.loss, len(train_idx), len(eval_idx), precision)
 
-    start, position, metrics = 0, DataPosition(0, 0, seed), {}
-    if has_train_state(resume_dir):
-        check_run_identity(resume_dir, identity)
-        state = load_train_state(resume_dir)
-        state.restore(model, optimizer, scheduler)
-        start, position, metrics = state.step, state.data_position, dict(state.extra["metrics"])
-        logger.info("resuming preference optimization from step %d (%s)", start, resume_dir)
-    sampler = EpochSampler(len(train_idx), seed, position.epoch, position.offset)
-
-    lead = global_rank() == 0  # data and tensor parallelism: rank 0 logs and shows progress
-    # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates)
-    evaluates = data_parallel_rank() == 0
-    for step in tqdm(range(start, cfg.steps), desc=f"po ({cfg.loss})", initial=start, total=cfg.steps,
-                     dynamic_ncols=True, disable=not lead):
-        indices = [train_idx[i] for i in sampler.next_indices(cfg.global_batch_size)]
-        t0 = time.perf_counter()
-        # on the whole global batch on every rank: the z0 of one process, for every rank's share
-        z0 = (_kto_reference_point(model, pairs, indices, reference, pad_id, cfg.micro_batch_size)
-              if cfg.loss == "kto" else None)
-        micro = _micro_batches(pairs, indices, reference, cfg.micro_batch_size, pad_id)
-        out = train_step(model, optimizer, scheduler, micro_batch_share(micro, "po"),
-                         partial(po_loss, cfg=cfg, reference_point=z0), cfg.optim.grad_clip)
-        done = step + 1
-        if unpaired:  # class sums per row -> class means (see po_loss)
-            fraction = out["desirable_fraction"]
-            out["rewards/chosen"] = out["rewards/desirable_sum"] / fraction if fraction else float("nan")
-            out["rewards/rejected"] = (out["rewards/undesirable_sum"] / (1 - fraction) if fraction < 1
-                                       else float("nan"))
-            out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
-        metrics = {"po/loss": out["loss"], "po/rewards/chosen": out["rewards/chosen"],
-                   "po/rewards/rejected": out["rewards/rejected"], "po/rewards/margin": out["rewards/margin"],
-                   "po/accuracy": out["accuracy"], **({"po/chosen_nll": out["chosen_nll"]} if "chosen_nll" in out else {}),
-                   "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
-                   **({"po/kl": float(z0)} if z0 is not None else {}),
-                   "perf/pairs_per_s": len(indices) / (time.perf_counter() - t0)}
-        due = done % cfg.log_every == 0 or done == cfg.steps
-        if evaluates and due:
-            evaluate = evaluate_unpaired if unpaired else evaluate_pairs
-            metrics.update(evaluate(model, pairs, eval_idx, reference, cfg, pad_id))
-        # before the checkpoint: a run resumed from step N has logged up to N
-        if lead and due and log_metrics is not None:
-            log_metrics(metrics, done)
-        if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            save_train_state(resume_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
-                             data_position=DataPosition(sampler.epoch, sampler.offset, seed),
-                             extra={**identity, "metrics": metrics})
+    trainer = ModelTrainer(model, optimizer, scheduler, partial(po_loss, cfg=cfg), cfg.optim.grad_clip)
+    stage = POStage(pairs, train_idx, eval_idx, reference, cfg, pad_id)
+    result = run_loop(trainer, stage, cfg, num_examples=len(train_idx), seed=seed, identity=identity,
+                      resume_dir=resume_dir, log_metrics=log_metrics, desc=f"po ({cfg.loss})",
+                      label="preference optimization")
 
     with merged_for_saving(model):  # LoRA: the merged weights W + s B A (no-op without adapters)
         save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
     if cfg.lora.enabled and cfg.lora.save_adapter:
         save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
-    if cfg.uses_reference and lead:
+    if cfg.uses_reference and global_rank() == 0:
         save_reference(reference, pairs, Path(out_dir).parent / REFERENCE_FILE, identity)
     counts = ({"po/num_train_rows": float(len(train_idx)), "po/num_eval_rows": float(len(eval_idx)),
                "po/num_desirable": float(sum(e.label for e in pairs)),
                "po/num_undesirable": float(sum(not e.label for e in pairs))} if unpaired else
               {"po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx))})
-    return {**metrics, **counts, "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
-            "train/steps_run": float(cfg.steps - start)}
+    return {**result.metrics, **counts, **result.summary()}
 

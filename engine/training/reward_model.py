@@ -28,30 +28,24 @@ progress and writes the files that are not torch_dist shards.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from config.schema import RMConfig
 from engine.batching.balancing import token_budget_micro_batches
 from engine.batching.collate import TokenBatch, pad_token_id, split_micro_batches
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
-from engine.batching.sampler import EpochSampler
-from engine.distributed.collectives import data_parallel_rank, global_rank
 from engine.distributed.share import micro_batch_share
 from engine.storage.model_dir import load_tokenizer
-from engine.storage.train_state import DataPosition, check_run_identity, has_train_state
+from engine.training.loop import MetricsLogger, StepInfo, StepTrainer, run_loop
 from engine.training.preference_data import collate_pairs, encode_preference_dataset
 from engine.training.reward_contract import RewardTrainer
 
 logger = logging.getLogger(__name__)
-
-
 
 
 # A reward model's call: (input_ids LongTensor [B, T], lengths LongTensor [B]) -> rewards FloatTensor [B].
@@ -180,6 +174,38 @@ def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[in
     return order[n_eval:], order[:n_eval]
 
 
+class RMStage:
+    """The rm stage's part of :func:`engine.training.loop.run_loop`: a step's pairs of ``train_pairs``
+    in the micro-batches of :func:`reward_micro_batches`, each rank's share
+    (:func:`engine.distributed.share.micro_batch_share`) stepped by the backend's trainer (the
+    Bradley-Terry loss, :func:`pair_loss`), the training metrics :func:`train_reward_model` returns
+    and the held-out ``rm/*`` of :func:`evaluate_pairs` on ``eval_pairs``."""
+
+    def __init__(self, train_pairs: list[tuple[list[int], list[int]]], eval_pairs: list[tuple[list[int], list[int]]],
+                 cfg: RMConfig, pad_id: int):
+        self.train_pairs, self.eval_pairs, self.cfg, self.pad_id = train_pairs, eval_pairs, cfg, pad_id
+
+    def batch(self, indices: list[int]) -> list[TokenBatch | PackedTokenBatch]:
+        return reward_micro_batches([self.train_pairs[i] for i in indices], self.cfg, self.pad_id)
+
+    def step(self, trainer: StepTrainer, micro: list[TokenBatch | PackedTokenBatch]) -> dict[str, float]:
+        return trainer.step(micro_batch_share(micro, "rm"))
+
+    def metrics(self, out: dict[str, float], micro: list[TokenBatch | PackedTokenBatch],
+                info: StepInfo) -> dict[str, float]:
+        return {
+            "train/loss": out["loss"],
+            "train/accuracy": out["accuracy"],
+            "train/margin": out["margin"],
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "perf/pairs_per_s": self.cfg.global_batch_size / info.seconds,
+        }
+
+    def evaluate(self, model: RewardFn) -> dict[str, float]:
+        return evaluate_pairs(model, self.eval_pairs, self.pad_id, self.cfg.micro_batch_size)
+
+
 # Neither changes the trained weights or the final metrics: a run resumes across a change of
 # them (tasks/rm.py leaves them out of the fingerprint too, so it reuses the resume directory).
 # The layout changes them only by float rounding (as the thread count does): a data-parallel
@@ -195,7 +221,7 @@ def train_reward_model(
     out_dir: str | Path,
     resume_dir: str | Path | None = None,
     seed: int = 0,
-    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    log_metrics: MetricsLogger | None = None,
 ) -> dict[str, float]:
     """Train a reward model from ``base_model_dir`` on preference pairs; write a model dir.
 
@@ -254,48 +280,12 @@ def train_reward_model(
     pad_id = pad_token_id(tokenizer)
     torch.manual_seed(seed)
 
-    start, position, metrics = 0, DataPosition(0, 0, seed), {}
     identity = {"config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY), "num_pairs": len(pairs),
                 "seed": seed}
-    if has_train_state(resume_dir):
-        check_run_identity(resume_dir, identity)
-        state = trainer.load_state(resume_dir)
-        start, position, metrics = state.step, state.data_position, dict(state.extra["metrics"])
-        logger.info("resuming the reward model from step %d (%s)", start, resume_dir)
-    sampler = EpochSampler(len(train_pairs), seed, position.epoch, position.offset)
-
-    lead = global_rank() == 0  # data parallelism: rank 0 evaluates, logs and shows progress
-    # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates)
-    # (a DeepSpeed ZeRO-3 forward gathers parameters from every rank: all of them evaluate)
-    evaluates = data_parallel_rank() == 0 or getattr(trainer, "collective_forward", False)
-    for step in tqdm(range(start, cfg.steps), desc="reward model", initial=start, total=cfg.steps,
-                     dynamic_ncols=True, disable=not lead):
-        chosen = [train_pairs[i] for i in sampler.next_indices(cfg.global_batch_size)]
-        micro = reward_micro_batches(chosen, cfg, pad_id)
-        t0 = time.perf_counter()
-        out = trainer.step(micro_batch_share(micro, "rm"))
-        seconds = time.perf_counter() - t0
-        done = step + 1
-        metrics = {
-            "train/loss": out["loss"],
-            "train/accuracy": out["accuracy"],
-            "train/margin": out["margin"],
-            "train/grad_norm": out["grad_norm"],
-            "train/lr": out["lr"],
-            "perf/pairs_per_s": len(chosen) / seconds,
-        }
-        due = done % cfg.log_every == 0 or done == cfg.steps
-        log_now = lead and due
-        if evaluates and due:
-            metrics.update(evaluate_pairs(trainer.model, eval_pairs, pad_id, cfg.micro_batch_size))
-        # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
-        if log_now and log_metrics is not None:
-            log_metrics(metrics, done)
-        if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            trainer.save_state(resume_dir, done, DataPosition(sampler.epoch, sampler.offset, seed),
-                               {**identity, "metrics": metrics})
+    result = run_loop(trainer, RMStage(train_pairs, eval_pairs, cfg, pad_id), cfg, num_examples=len(train_pairs),
+                      seed=seed, identity=identity, resume_dir=resume_dir, log_metrics=log_metrics,
+                      desc="reward model", label="the reward model")
 
     trainer.save(out_dir, iteration=cfg.steps)
-    return {**metrics, "rm/num_train_pairs": float(len(train_pairs)), "rm/num_eval_pairs": float(len(eval_pairs)),
-            "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
-            "train/steps_run": float(cfg.steps - start)}
+    return {**result.metrics, "rm/num_train_pairs": float(len(train_pairs)),
+            "rm/num_eval_pairs": float(len(eval_pairs)), **result.summary()}

@@ -18,14 +18,11 @@ alone logs, shows progress and writes the files that are not torch_dist shards.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from config.precision import resolve_precision
 from config.schema import SFTConfig
@@ -37,24 +34,14 @@ from engine.batching.collate import (
     split_micro_batches,
 )
 from engine.batching.packing import PackedTokenBatch, pack_token_batch
-from engine.batching.sampler import EpochSampler
-from engine.distributed.collectives import global_rank
 from engine.distributed.share import micro_batch_share
 from engine.models.lora import apply_lora, merged_for_saving, save_peft_adapter
 from engine.storage.model_dir import load_model_dir, load_tokenizer, save_model_dir
-from engine.storage.train_state import (
-    DataPosition,
-    check_run_identity,
-    has_train_state,
-    load_train_state,
-    save_train_state,
-)
-from engine.training.optimizer_step import build_model_optimizer, train_step
+from engine.training.loop import MetricsLogger, StepInfo, StepTrainer, run_loop
+from engine.training.model_trainer import ModelTrainer
+from engine.training.optimizer_step import build_model_optimizer
 
 logger = logging.getLogger(__name__)
-
-
-MetricsLogger = Callable[[dict[str, float], int], None]
 
 
 def masked_token_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -222,6 +209,43 @@ def sft_micro_batches(rows: list[tuple[list[int], list[int]]], cfg: SFTConfig,
     return [pack_token_batch(mb) for mb in micro] if cfg.packing else micro
 
 
+class SFTStage:
+    """The sft stage's part of :func:`engine.training.loop.run_loop`: a step's rows of ``examples``
+    in the micro-batches of :func:`sft_micro_batches`, each rank's share
+    (:func:`engine.distributed.share.micro_batch_share`) stepped with :func:`sft_loss`, and the
+    metrics :func:`train_sft` returns; the train state also keeps ``tokens`` (target tokens
+    trained on so far)."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], cfg: SFTConfig, pad_id: int):
+        self.examples, self.cfg, self.pad_id, self.tokens = examples, cfg, pad_id, 0
+
+    def batch(self, indices: list[int]) -> list[TokenBatch | PackedTokenBatch]:
+        return sft_micro_batches([self.examples[i] for i in indices], self.cfg, self.pad_id)
+
+    def step(self, trainer: StepTrainer, micro: list[TokenBatch | PackedTokenBatch]) -> dict[str, float]:
+        return trainer.step(micro_batch_share(micro, "sft"))
+
+    def metrics(self, out: dict[str, float], micro: list[TokenBatch | PackedTokenBatch],
+                info: StepInfo) -> dict[str, float]:
+        self.tokens += int(out["num_units"])
+        return {
+            "train/loss": out["loss"],
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "train/tokens": float(self.tokens),
+            "train/epoch": info.epoch,
+            "perf/tokens_per_s": sum(mb.num_tokens for mb in micro) / info.seconds,
+            "timing_s/step": info.seconds,
+            **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models: expert loads, router losses
+        }
+
+    def state_extra(self) -> dict[str, int]:
+        return {"tokens": self.tokens}
+
+    def resume(self, extra: dict) -> None:
+        self.tokens = int(extra["tokens"])
+
+
 def train_sft(
     base_model_dir: str | Path,
     dataset_path: str | Path,
@@ -291,7 +315,6 @@ def train_sft(
     logger.info("SFT on %d conversations: precision %s, %s micro-batches of %s", len(examples), precision, layout, split)
     torch.manual_seed(seed)
 
-    start, position, tokens, metrics = 0, DataPosition(0, 0, seed), 0, {}
     # How often metrics are logged and checkpoints written may change between attempts
     # (they are not part of the stage's fingerprint either).
     # Nor may the layout: a data-parallel state resumes at another data_parallel_size.
@@ -299,48 +322,12 @@ def train_sft(
     identity = {"config": config, "num_examples": len(examples), "seed": seed}
     if cfg.lora.enabled:  # the train state holds the adapters; the base weights are this directory's
         identity["base_model"] = str(base_model_dir)
-    if has_train_state(resume_dir):
-        check_run_identity(resume_dir, identity)
-        state = load_train_state(resume_dir)
-        state.restore(model, optimizer, scheduler)
-        start, position = state.step, state.data_position
-        tokens, metrics = int(state.extra["tokens"]), dict(state.extra["metrics"])
-        logger.info("resuming SFT from step %d (%s)", start, resume_dir)
-    sampler = EpochSampler(len(examples), seed, position.epoch, position.offset)
-
-    lead = global_rank() == 0  # data parallelism: rank 0 logs and shows progress
-    for step in tqdm(range(start, cfg.steps), desc="sft", initial=start, total=cfg.steps, dynamic_ncols=True,
-                     disable=not lead):
-        rows = [examples[i] for i in sampler.next_indices(cfg.global_batch_size)]
-        micro = sft_micro_batches(rows, cfg, pad_id)
-        t0 = time.perf_counter()
-        out = train_step(model, optimizer, scheduler, micro_batch_share(micro, "sft"), sft_loss, cfg.optim.grad_clip)
-        seconds = time.perf_counter() - t0
-        tokens += int(out["num_units"])
-        done = step + 1
-        metrics = {
-            "train/loss": out["loss"],
-            "train/grad_norm": out["grad_norm"],
-            "train/lr": out["lr"],
-            "train/tokens": float(tokens),
-            "train/epoch": sampler.epoch + sampler.offset / len(examples),
-            "perf/tokens_per_s": sum(mb.num_tokens for mb in micro) / seconds,
-            "timing_s/step": seconds,
-            **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models: expert loads, router losses
-        }
-        # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
-        if lead and log_metrics is not None and (done % cfg.log_every == 0 or done == cfg.steps):
-            log_metrics(metrics, done)
-        if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            save_train_state(
-                resume_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
-                data_position=DataPosition(sampler.epoch, sampler.offset, seed),
-                extra={**identity, "tokens": tokens, "metrics": metrics},
-            )
+    trainer = ModelTrainer(model, optimizer, scheduler, sft_loss, cfg.optim.grad_clip)
+    result = run_loop(trainer, SFTStage(examples, cfg, pad_id), cfg, num_examples=len(examples), seed=seed,
+                      identity=identity, resume_dir=resume_dir, log_metrics=log_metrics, desc="sft", label="SFT")
 
     with merged_for_saving(model):  # LoRA: the merged weights W + s B A (no-op without adapters)
         save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
     if cfg.lora.enabled and cfg.lora.save_adapter:
         save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
-    return {**metrics, "train/steps": float(cfg.steps), "train/resumed_from_step": float(start),
-            "train/steps_run": float(cfg.steps - start)}
+    return {**result.metrics, **result.summary()}

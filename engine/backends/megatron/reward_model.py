@@ -4,26 +4,23 @@ preference pairs by :func:`engine.training.reward_model.train_reward_model`."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from config.schema import RMConfig
 from engine.batching.collate import TokenBatch
 from engine.models.heads import RewardModel
 from engine.models.master_weights import full_precision_weights
 from engine.storage.model_dir import load_model_dir, save_model_dir
-from engine.storage.train_state import (
-    DataPosition,
-    TrainState,
-    load_train_state,
-    save_train_state,
-)
-from engine.training.optimizer_step import build_model_optimizer, train_step
+from engine.training.model_trainer import ModelTrainer
+from engine.training.optimizer_step import build_model_optimizer
 from engine.training.reward_model import pair_loss
 
 
-class MegatronRewardTrainer:
+class MegatronRewardTrainer(ModelTrainer):
     """``rm.backend: megatron``: a :class:`RewardModel` on the base model's GPTModel, trained by
-    :func:`engine.training.optimizer_step.train_step` with AdamW + warmup/cosine over ``cfg.steps``.
+    :func:`engine.training.optimizer_step.train_step` with AdamW + warmup/cosine over ``cfg.steps``
+    on :func:`engine.training.reward_model.pair_loss` (the :class:`ModelTrainer`'s ``step``,
+    ``save_state`` and ``load_state``: the :class:`RewardModel`'s ``gpt.*`` and ``reward_head.*``
+    tensors, AdamW and the schedule, as a sharded train state that resumes at any layout).
 
     Under ``cfg.precision`` bf16 (None/auto resolved by :func:`config.precision.resolve_precision`)
     the body and the reward head compute in bf16 and AdamW steps their fp32 masters
@@ -35,12 +32,14 @@ class MegatronRewardTrainer:
 
     def __init__(self, base_model_dir: str | Path, cfg: RMConfig, seed: int = 0):
         self.loaded = load_model_dir(base_model_dir, seed=seed)
-        self.model = RewardModel(self.loaded.model, self.loaded.spec.hidden_size, seed=seed)
-        self.optimizer, self.scheduler = build_model_optimizer(self.model, cfg.optim, cfg.steps, cfg.precision)
-        self.grad_clip = cfg.optim.grad_clip
+        model = RewardModel(self.loaded.model, self.loaded.spec.hidden_size, seed=seed)
+        optimizer, scheduler = build_model_optimizer(model, cfg.optim, cfg.steps, cfg.precision)
+        super().__init__(model, optimizer, scheduler, pair_loss, cfg.optim.grad_clip)
 
     def step(self, micro: list[TokenBatch]) -> dict[str, float]:
-        return train_step(self.model, self.optimizer, self.scheduler, micro, pair_loss, self.grad_clip)
+        """:meth:`engine.training.reward_contract.RewardTrainer.step` (:meth:`ModelTrainer.step` on
+        :func:`engine.training.reward_model.pair_loss`)."""
+        return super().step(micro)
 
     def save(self, out_dir: str | Path, iteration: int) -> Path:
         """Write the trained reward model as a model directory (body as torch_dist, head in
@@ -49,20 +48,3 @@ class MegatronRewardTrainer:
         with full_precision_weights(self.model):
             return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
                                   iteration=iteration, heads=self.model.heads())
-
-    def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
-        """:meth:`engine.training.reward_contract.RewardTrainer.save_state`: the
-        :class:`RewardModel`'s ``gpt.*`` and ``reward_head.*`` tensors, AdamW and the
-        ``LambdaLR`` schedule, as a sharded train state (``engine.storage.train_state``: every rank
-        writes its shards; the head is replicated, written once) that resumes at any layout."""
-        save_train_state(directory, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                         data_position=data_position, extra=extra)
-
-    def load_state(self, directory: str | Path) -> TrainState:
-        """:meth:`engine.training.reward_contract.RewardTrainer.load_state`.
-
-        Raises: FileNotFoundError / ValueError from :func:`engine.storage.train_state.load_train_state`;
-        ValueError naming mismatched keys (e.g. a state of the deepspeed backend)."""
-        state = load_train_state(directory)
-        state.restore(self.model, self.optimizer, self.scheduler)
-        return state

@@ -4,13 +4,16 @@ Signatures (no model): every method of ActorTrainer, CriticTrainer and RewardTra
 on the megatron-core and the DeepSpeed class with the same parameters (names, kinds, order,
 the protocol's defaults) and, where both annotate them, the same types; the constructors
 take what engine.rl.workers.start_workers and engine.backends.select_rm.reward_trainer pass.
+So does the training loop's StepTrainer (engine.training.loop) on every trainer the loop runs:
+both reward trainers and, for sft and po (megatron only), engine.training.model_trainer.ModelTrainer.
 
 Behaviour (in process, no Ray): one tiny Qwen2 (hidden 64, two layers whose MLPs make the
 HF weights about 3 MiB, so weight sync at 1 MiB has several buckets; tied embeddings,
 vocabulary padded from 300 to 384 rows) and one batch of six responses; each backend's
 actor, critic and reward trainer called through the protocol methods, with the results'
 types, shapes and keys, the state round trips, and the two backends' log-probs, values,
-bucket plans and first reward-model loss compared on the same weights.
+bucket plans and first reward-model loss compared on the same weights; the loop run over each
+backend's reward trainer, crashed and resumed, ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from engine.rollout.base import RolloutOutput
 from engine.storage.train_state import DataPosition, TrainState
 from engine.training.actor import ActorUpdate
 from engine.training.contracts import ActorTrainer, CriticTrainer
+from engine.training.loop import StepTrainer
+from engine.training.model_trainer import ModelTrainer
 from engine.training.reward_contract import RewardTrainer
 from engine.trajectory import Trajectory
 from tests.engine.backends.test_deepspeed_backend import with_targets, zero_vocab_padding
@@ -53,6 +58,18 @@ def _rl_worker_init(self, policy_dir, cfg, seed=0, num_threads=None):
 
 def _reward_trainer_init(self, base_model_dir, cfg, seed=0):
     """The constructor engine.backends.select_rm.reward_trainer calls: ``cls(base_model_dir, cfg, seed)``."""
+
+
+def _model_trainer_init(self, model, optimizer, scheduler, loss_fn, grad_clip):
+    """The constructor engine.training.sft and engine.training.preference_optimization call."""
+
+
+def loop_trainers(backend: str) -> list[tuple[type, typing.Callable]]:
+    """``(class, reference constructor)`` of each trainer engine.training.loop.run_loop runs on
+    ``backend``: the reward trainer, and on megatron also the sft/po ModelTrainer (those stages
+    have no DeepSpeed backend)."""
+    out = [(reward_trainer_class(backend), _reward_trainer_init)]
+    return out + [(ModelTrainer, _model_trainer_init)] if backend == "megatron" else out
 
 
 def reward_trainer_class(backend: str) -> type:
@@ -109,6 +126,11 @@ def test_protocols_hold_the_methods_the_rl_loop_calls():
     assert typing.get_type_hints(RewardTrainer)["model"] is typing.Any
 
 
+def test_the_loop_contract_holds_what_run_loop_calls():
+    assert set(protocol_methods(StepTrainer)) == {"step", "save_state", "load_state"}
+    assert typing.get_type_hints(StepTrainer)["model"] is typing.Any
+
+
 def signature_problems(protocol: type, cls: type, init: typing.Callable) -> list[str]:
     """Where ``cls`` departs from ``protocol``: a method missing or not a plain function, other
     parameters (names, kinds, order), another default where the protocol has one, another
@@ -146,6 +168,13 @@ def test_signatures_match_the_protocols(backend):
         assert signature_problems(protocol, cls, init) == []
         if protocol is not RewardTrainer:  # a data member (``model``) rules out issubclass
             assert issubclass(cls, protocol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loop_trainers_match_the_step_trainer_contract(backend):
+    """Every trainer the shared loop runs has StepTrainer's methods, parameters and types."""
+    for cls, init in loop_trainers(backend):
+        assert signature_problems(StepTrainer, cls, init) == []
 
 
 def test_the_signature_check_finds_departures():
@@ -383,3 +412,50 @@ def test_reward_trainers_start_alike(tiny, tmp_path):
         losses[backend] = trainer.step(micro)["loss"]
         trainer.load_state(tmp_path / backend)
     assert losses["deepspeed"] == pytest.approx(losses["megatron"], abs=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_loop_resumes_bit_identical_on_each_backend(tiny, backend, tmp_path):
+    """engine.training.loop.run_loop with the rm stage's RMStage over the backend's reward trainer:
+    three steps straight, and a run that crashes after step 3 is logged (last checkpoint: step 2)
+    and resumes, end with the same metrics (held-out ones included) and rewards, bit for bit. The
+    trainer is restored to its start afterwards."""
+    from engine.training.loop import run_loop
+    from engine.training.reward_model import RMStage
+
+    trainer = tiny["rm"][backend]
+    assert isinstance(trainer, StepTrainer)
+    trainer.save_state(tmp_path / "start", 0, DataPosition(0, 0, 0), {})
+    gen = torch.Generator().manual_seed(2)
+    pairs = [(torch.randint(3, 300, (n,), generator=gen).tolist(), torch.randint(3, 300, (n + 1,), generator=gen).tolist())
+             for n in range(3, 11)]
+    cfg = rm_config(backend, steps=3, global_batch_size=4, micro_batch_size=2, log_every=1, checkpoint_every=2)
+    batch = preference_micro_batches()[0]
+
+    def run(resume_dir, log=None):
+        result = run_loop(trainer, RMStage(pairs[:6], pairs[6:], cfg, 0), cfg, num_examples=6, seed=1,
+                          identity={"backend": backend}, resume_dir=resume_dir, log_metrics=log, desc="rm", label="rm")
+        with torch.no_grad():
+            trainer.model.eval()
+            rewards = trainer.model(batch.input_ids, batch.lengths)
+            trainer.model.train()
+        return result, rewards
+
+    def crash_at_3(metrics, step):
+        if step == 3:
+            raise RuntimeError("crash")
+
+    try:
+        straight, rewards = run(tmp_path / "a")
+        trainer.load_state(tmp_path / "start")
+        with pytest.raises(RuntimeError, match="crash"):
+            run(tmp_path / "b", crash_at_3)
+        seen: list[int] = []
+        resumed, resumed_rewards = run(tmp_path / "b", lambda m, s: seen.append(s))
+    finally:
+        trainer.load_state(tmp_path / "start")
+    assert seen == [3] and resumed.start == 2
+    assert {"rm/accuracy", "rm/loss", "train/loss"} <= set(straight.metrics)
+    assert {k: v for k, v in resumed.metrics.items() if not k.startswith("perf/")} == {
+        k: v for k, v in straight.metrics.items() if not k.startswith("perf/")}
+    assert torch.equal(resumed_rewards, rewards)

@@ -49,16 +49,25 @@ def zero_vocab_padding(model, vocab_size: int) -> None:
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> dict:
-    """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps."""
+    """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps (built
+    once per test process and copied: tests/engine/built_once.py)."""
+    from engine.storage.model_dir import load_tokenizer
+    from tests.engine.built_once import build_once
+
+    root = build_once("ds_sft_tiny_policy", tmp_path_factory.mktemp("ds_policy"), _build_policy)
+    assert json.loads((root / "sft" / "megatron_spec.json").read_text()) == {"padded_vocab_size": 384}
+    return {"dir": root / "sft", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "sft")}
+
+
+def _build_policy(root: Path) -> None:
     from transformers import AutoTokenizer
 
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.storage.model_dir import save_model_dir
     from engine.training.sft import train_sft
 
-    root = tmp_path_factory.mktemp("ds_policy")
     pairs = [(a, b) for a in range(5) for b in range(5)]
     texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280)
@@ -80,8 +89,6 @@ def policy(tmp_path_factory) -> dict:
             f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
     sft = SFTConfig(steps=40, global_batch_size=32, micro_batch_size=32, max_seq_len=64, optim=OptimConfig(lr=1e-2))
     train_sft(root / "base", root / "sft.jsonl", sft, root / "sft", None)
-    assert json.loads((root / "sft" / "megatron_spec.json").read_text()) == {"padded_vocab_size": 384}
-    return {"dir": root / "sft", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "sft")}
 
 
 def rl_config(backend: str = "deepspeed", stage: int = 2, **overrides) -> RLConfig:
@@ -374,13 +381,11 @@ def _two_grpo_steps(policy, cfg, tmp_path):
     both steps ran, vLLM sampled with exactly the trainer's weights after each sync, finite
     losses, an on-policy single epoch, and a train state at step 2. Returns (metric rows, state)."""
     from engine.rl.loop import run_rl
-    from engine.rl.placement import shutdown_ray
     from engine.storage.train_state import load_train_state
 
-    try:
-        result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
-    finally:
-        shutdown_ray()
+    # run_rl starts a local cluster (or joins the one an earlier test left running) and leaves it
+    # for the next run: a cluster start saved
+    result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)
     assert (result["rl/steps"], result["rl/steps_run"]) == (2.0, 2.0)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

@@ -303,7 +303,7 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
 
     import engine.rl.phases as rl
     from engine.backends.megatron.actor import ActorWorker
-    from engine.rl.placement import init_ray, shutdown_ray
+    from engine.rl.placement import init_ray
     from engine.rl.workers import Workers
     from engine.storage.model_dir import save_model_dir
 
@@ -317,17 +317,22 @@ def test_hung_or_failing_sync_raises_within_the_timeout(tmp_path, fixtures_dir):
 
     cfg = hf_config("qwen2")
     policy_dir = save_model_dir(tmp_path / "policy", policy(cfg, seed=3), cfg, fixtures_dir / "qwen2.5-tokenizer")
-    init_ray(num_cpus=2)
+    init_ray(num_cpus=2)  # left running for the next module (a cluster start saved); this test kills its actors
+    started = []
     try:
         actor = ray.remote(ActorWorker).options(num_cpus=0).remote(str(policy_dir), RLConfig(precision="fp32"), 0, 1)
+        started.append(actor)
         ray.get(actor.__ray_ready__.remote())
         hanging = ray.remote(HangingRollout).options(num_cpus=0, max_concurrency=2).remote()
+        started.append(hanging)
         t0 = time.perf_counter()
         with pytest.raises(TimeoutError, match=r"bucket 1 of 1 not done within rl.engine.weight_sync_timeout_s=2.0 s"):
             rl.update_weights(Workers(None, actor, None, hanging, None), timeout_s=2.0)
         assert time.perf_counter() - t0 < 30  # the deadline, not the rollout's 120 s
         failing = ray.remote(FailingRollout).options(num_cpus=0).remote()
+        started.append(failing)
         with pytest.raises(RuntimeError, match=r"bucket 1 of 1 failed: .*no parameter 'model.embed_tokens.weight'"):
             rl.update_weights(Workers(None, actor, None, failing, None), timeout_s=30.0)
     finally:
-        shutdown_ray()
+        for handle in started:  # the hanging one still sleeps in its call
+            ray.kill(handle)

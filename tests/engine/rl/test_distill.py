@@ -81,11 +81,10 @@ def models(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from engine.rl.placement import init_ray, shutdown_ray
+    """A local 2-CPU Ray cluster, left running for the next module (test_rl's ray_address)."""
+    from engine.rl.placement import init_ray
 
     init_ray(num_cpus=2)
-    yield
-    shutdown_ray()
 
 
 def distill_config(teacher: Path, steps: int) -> RLConfig:

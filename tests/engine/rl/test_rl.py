@@ -46,13 +46,22 @@ def question(a: int, b: int) -> list[dict]:
 def random_tiny_policy(root: Path) -> dict:
     """The policy fixture's tokenizer and tiny Qwen2 (hidden 64, head_dim 32, 2 layers) with
     random weights (no SFT), and its 25 sum prompts, under ``root``: for tests where what the
-    policy answers does not matter (placement, clusters, engine failures)."""
+    policy answers does not matter (placement, clusters, engine failures). Built once per test
+    process and copied (tests/engine/built_once.py)."""
+    from engine.storage.model_dir import load_tokenizer
+    from tests.engine.built_once import build_once
+
+    build_once("random_tiny_policy", root, _build_random_tiny_policy)
+    return {"dir": root / "policy", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "policy")}
+
+
+def _build_random_tiny_policy(root: Path) -> None:
     from transformers import AutoTokenizer
 
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.storage.model_dir import save_model_dir
 
     pairs = [(a, b) for a in range(5) for b in range(5)]
     texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
@@ -67,19 +76,26 @@ def random_tiny_policy(root: Path) -> dict:
     with open(root / "rl.jsonl", "w") as f:
         for a, b in pairs:
             f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
-    return {"dir": root / "policy", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "policy")}
 
 
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> dict:
-    """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps."""
+    """Tokenizer (byte-level BPE trained on the task), random base model, 40 SFT steps (built
+    once per test process and copied: tests/engine/built_once.py)."""
+    from engine.storage.model_dir import load_tokenizer
+    from tests.engine.built_once import build_once
+
+    root = build_once("sft_tiny_policy", tmp_path_factory.mktemp("rl_policy"), _build_sft_policy)
+    return {"dir": root / "sft", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "sft")}
+
+
+def _build_sft_policy(root: Path) -> None:
     from conversion.spec import GPTSpec
     from data.tokenizer_train import train_chat_tokenizer
     from engine.models.megatron import build_gpt_model
-    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.storage.model_dir import save_model_dir
     from engine.training.sft import train_sft
 
-    root = tmp_path_factory.mktemp("rl_policy")
     pairs = [(a, b) for a in range(5) for b in range(5)]
     texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280)
@@ -101,20 +117,21 @@ def policy(tmp_path_factory) -> dict:
             f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
     sft = SFTConfig(steps=40, global_batch_size=32, micro_batch_size=32, max_seq_len=64, optim=OptimConfig(lr=1e-2))
     train_sft(root / "base", root / "sft.jsonl", sft, root / "sft", None)
-    return {"dir": root / "sft", "prompts": root / "rl.jsonl", "tokenizer": load_tokenizer(root / "sft")}
 
 
 @pytest.fixture(scope="module")
 def ray_address():
+    """A local 2-CPU Ray cluster, left running for the next module of this test process (as the
+    distributed tests' fixtures do; init_ray is idempotent, a test that needs a cluster of its own
+    shuts it down first, and Ray stops it when the process exits): a cluster start saved per module."""
     import ray
 
-    from engine.rl.placement import init_ray, shutdown_ray
+    from engine.rl.placement import init_ray
 
     first = init_ray(num_cpus=2)
     assert init_ray(num_cpus=1) == ray.cluster_resources()  # idempotent: still the first cluster
     assert first["CPU"] == 2.0
-    yield ray.get_runtime_context().gcs_address
-    shutdown_ray()
+    return ray.get_runtime_context().gcs_address
 
 
 def rl_config(backend: str, steps: int, **overrides) -> RLConfig:

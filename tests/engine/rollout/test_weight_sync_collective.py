@@ -45,14 +45,15 @@ def test_pack_and_unpack_round_trip_mixed_dtypes():
 def cluster(tmp_path_factory):
     import ray
 
-    from engine.rl.placement import init_ray, shutdown_ray
+    from engine.rl.placement import init_ray
 
     policy = random_tiny_policy(tmp_path_factory.mktemp("wsync_policy"))
-    init_ray(num_cpus=2)
+    init_ray(num_cpus=2)  # left running for the next module (test_rl's ray_address)
     remote = ray.remote(WeightSource).options(num_cpus=0)
     sources = {name: remote.remote(str(policy["dir"]), seed, BUCKET_BYTES) for name, seed in (("p", 1), ("q", 2))}
     yield policy, sources, tmp_path_factory.mktemp("wsync_scratch")
-    shutdown_ray()
+    for source in sources.values():
+        ray.kill(source)
 
 
 def greedy_logprobs(router) -> list[tuple[float, ...]]:
