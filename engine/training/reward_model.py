@@ -158,7 +158,8 @@ def reward_micro_batches(pairs: Sequence[tuple[list[int], list[int]]], cfg: RMCo
         sizes = [len(c) + len(r) for c, r in pairs]
         groups = [[pairs[i] for i in g] for g in token_budget_micro_batches(sizes, cfg.max_tokens_per_micro_batch)]
     micro = [collate_pairs(g, pad_id) for g in groups]
-    return [pack_token_batch(mb) for mb in micro] if cfg.packing else micro
+    out: list[TokenBatch | PackedTokenBatch] = [pack_token_batch(mb) for mb in micro] if cfg.packing else list(micro)
+    return out
 
 
 def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
