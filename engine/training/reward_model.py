@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +68,7 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
     return -F.logsigmoid(r_chosen - r_rejected)
 
 
-def packed_rewards(model: torch.nn.Module, batch: PackedTokenBatch) -> torch.Tensor:
+def packed_rewards(model: Any, batch: PackedTokenBatch) -> torch.Tensor:  # checked: .gpt and .reward_head
     """Rewards of packed sequences: ``reward_head`` on each sequence's last token's
     final-normed hidden state (packed position ``cu_seqlens[b + 1] - 1``), from
     :func:`engine.models.megatron.gpt_hidden_states_packed`; equal to the right-padded
@@ -117,7 +118,7 @@ def pair_loss(model: RewardFn, batch: TokenBatch | PackedTokenBatch) -> tuple[to
 
 
 @torch.no_grad()
-def evaluate_pairs(model: RewardFn, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
+def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
                    micro_batch_size: int) -> dict[str, float]:
     """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
     wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (an
@@ -203,7 +204,7 @@ class RMStage:
             "perf/pairs_per_s": self.cfg.global_batch_size / info.seconds,
         }
 
-    def evaluate(self, model: RewardFn) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         return evaluate_pairs(model, self.eval_pairs, self.pad_id, self.cfg.micro_batch_size)
 
 
