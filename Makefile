@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint acceptance install clean gpu-check
+.PHONY: demo test test-fast lint typecheck acceptance install clean gpu-check
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(STAMP)
 # ruff's lint (pyproject.toml [tool.ruff]); CI runs it before the tests.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# mypy with the pydantic plugin over the product packages (pyproject.toml [tool.mypy]); CI runs
+# it before the tests and fails on a finding.
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 # Units and contracts only (no test marked slow: clusters, engines, servers, pipelines), a few
 # minutes on 2 cores; `make test` runs them too.

@@ -99,8 +99,9 @@ def module_source(module: str) -> Path | None:
     ``<dir>/a/b/__init__.py`` over the ``sys.path`` directories (``''`` is the working
     directory). None when none exists (e.g. a compiled or zipped module)."""
     loaded = sys.modules.get(module)
-    if loaded is not None and getattr(loaded, "__file__", None):
-        return Path(loaded.__file__)
+    file = getattr(loaded, "__file__", None) if loaded is not None else None
+    if file:
+        return Path(file)
     parts = module.split(".")
     for entry in sys.path:
         base = Path(entry or os.getcwd()).joinpath(*parts)
@@ -140,7 +141,7 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
     ok = isinstance(value, dict) and all(
         isinstance(fn, str) and isinstance(needs, dict)
         and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
-    if not ok:
+    if not ok or not isinstance(value, dict):
         raise ValueError(f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
                          f"dicts of needs ({', '.join(known)}: True or False), e.g. "
                          f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "

@@ -11,13 +11,12 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Field, Tag, field_validator
 
 from config.base import LocalPath, Strict
-from config.reward import RewardConfig
+from config.reward import VerifierName
 
 DatasetFormat = Literal[
     "auto", "messages", "alpaca", "sharegpt", "seed_tasks", "gsm8k", "math", "hh_rlhf", "prompt_label", "preference", "dpo",
     "dpo_messages", "kto", "unpaired", "mbpp", "humaneval", "apps"
 ]
-VerifierName = RewardConfig.model_fields["verifier"].annotation
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
 

@@ -14,7 +14,7 @@ import copy
 import difflib
 import io
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,7 @@ def _data_path(raw: Any, loc: tuple) -> tuple:
     return tuple(out)
 
 
-def _caused_by(path: tuple, loc: tuple, error: dict) -> bool:
+def _caused_by(path: tuple, loc: tuple, error: Mapping[str, Any]) -> bool:
     """Whether the override of ``path`` set what the error at ``loc`` is about: the key or a
     section holding it, or (a check across the keys of the section at ``loc``) a key inside."""
     if loc[: len(path)] == path:

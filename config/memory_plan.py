@@ -65,22 +65,22 @@ def plan_stages(cfg: PipelineConfig, hf_config: Mapping[str, Any],
     plans: dict[str, list[RoleMemory]] = {}
     if cfg.sft.enabled and "sft" in seq_lens:
         b, s = _micro(cfg.sft.micro_batch_size, cfg.sft.max_tokens_per_micro_batch, seq_lens["sft"])
-        plans["sft"] = [training_role("sft", "sft.parallel", shape, cfg.sft.parallel, cfg.sft.precision, b, s, rows,
+        plans["sft"] = [training_role("sft", "sft.parallel", shape, cfg.sft.parallel, resolve_precision(cfg.sft.precision), b, s, rows,
                                       packing=cfg.sft.packing, lora=cfg.sft.lora)]
     if cfg.rm.enabled and "rm" in seq_lens:  # a pair is two sequences, chosen and rejected
         b, s = _micro(2 * cfg.rm.micro_batch_size, cfg.rm.max_tokens_per_micro_batch, seq_lens["rm"])
-        plans["rm"] = [training_role("rm", "rm.parallel", shape, cfg.rm.parallel, cfg.rm.precision, b, s, rows,
+        plans["rm"] = [training_role("rm", "rm.parallel", shape, cfg.rm.parallel, resolve_precision(cfg.rm.precision), b, s, rows,
                                      logits=False, packing=cfg.rm.packing)]
     if cfg.po.enabled and "po" in seq_lens:
         # a pair is two sequences (an unpaired KTO row of data.kto one); the reference's log-probs
         # are computed by the policy itself before the first step and cached: no second model
         per_example = 1 if cfg.data.kto is not None else 2
-        plans["po"] = [training_role("po", "po.parallel", shape, cfg.po.parallel, cfg.po.precision,
+        plans["po"] = [training_role("po", "po.parallel", shape, cfg.po.parallel, resolve_precision(cfg.po.precision),
                                      per_example * cfg.po.micro_batch_size, seq_lens["po"], rows, lora=cfg.po.lora)]
     if "rl" not in seq_lens:
         return plans
     rollout_tokens = seq_lens["rl"]
-    rl, p = cfg.rl, cfg.rl.precision
+    rl, p = cfg.rl, resolve_precision(cfg.rl.precision)  # resolved already in a loaded config
     b, s = _micro(rl.micro_batch_size, rl.max_tokens_per_micro_batch, rollout_tokens)
     roles = [training_role("actor", "rl.parallel.actor", shape, rl.parallel.actor, p, b, s, rows, packing=rl.packing,
                            lora=rl.lora, peft=rl.backend == "deepspeed")]
@@ -310,7 +310,7 @@ QWEN25 = {
                        num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False),
 }
 TABLE_LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2), (1, 4))  # (data_parallel_size, tensor_model_parallel_size)
-TABLE_WORKLOAD = dict(micro_batch=4, seq_len=1024, sequences=256, precision="bf16")
+TABLE_WORKLOAD: dict[str, Any] = dict(micro_batch=4, seq_len=1024, sequences=256, precision="bf16")
 
 
 def render_table() -> str:

@@ -36,6 +36,7 @@ from config.memory_plan import local_gpus
 from config.stages import chat_trainers
 
 if TYPE_CHECKING:
+    from config.parallel import ParallelConfig
     from config.rl import RLConfig
     from config.schema import PipelineConfig
 
@@ -103,7 +104,7 @@ _LAYOUT_KEY = {"actor": "actor", "reference": "reference", "teacher": "reference
                "reward_model": "reward_model"}
 
 
-def training_roles(cfg: RLConfig) -> dict[str, object]:
+def training_roles(cfg: RLConfig) -> dict[str, ParallelConfig]:
     """``role -> ParallelConfig`` of the run's training roles that start: the actor, the
     reference (with a KL term), the teacher (laid out as the reference), the critic
     (an estimator that needs one: ``gae``) and the reward model (``reward_model_weight != 0``)."""

@@ -53,7 +53,7 @@ def _cuda_capability() -> tuple[int, int] | None:
 
     if not torch.cuda.is_available():
         return None
-    return tuple(torch.cuda.get_device_capability(0))
+    return torch.cuda.get_device_capability(0)
 
 
 @functools.cache

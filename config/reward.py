@@ -67,10 +67,13 @@ class CodeRewardConfig(Strict):
                            "posttrain validate and run refuse otherwise.")
 
 
+VerifierName = Literal["exact_match", "gsm8k", "math", "story", "code", "none"]  # data.rewards.VERIFIERS and "none"
+
+
 class RewardConfig(Strict):
     """How rollouts are scored: the sum of the weighted parts in use."""
 
-    verifier: Literal["exact_match", "gsm8k", "math", "story", "code", "none"] = Field(
+    verifier: VerifierName = Field(
         "exact_match", description="Rule reward scoring the response against the label (data.rewards.VERIFIERS)."
     )
     verifier_weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the verifier score in the reward.")

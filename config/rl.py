@@ -68,7 +68,10 @@ class RolloutConfig(Strict):
 # The built-in names of rl.algorithm and rl.policy_loss: the keys of
 # engine.algorithms.advantages.ADVANTAGE_ESTIMATORS and engine.algorithms.policy_loss.POLICY_LOSSES (a test keeps them equal);
 # rl.algorithm's are also those of config.algorithms.BUILTIN_NEEDS (what each needs: critic, teacher, groups).
-BuiltinAdvantage = Literal[tuple(BUILTIN_NEEDS)]  # grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), gae, on_policy_distill
+if typing.TYPE_CHECKING:  # built at run time from BUILTIN_NEEDS, so to mypy one of its names is a str
+    BuiltinAdvantage = str
+else:
+    BuiltinAdvantage = Literal[tuple(BUILTIN_NEEDS)]  # grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline), gae, on_policy_distill
 BuiltinPolicyLoss = Literal["ppo_clip", "gspo"]
 
 

@@ -197,7 +197,7 @@ def _hf_tensors(g: _Gguf, config: dict[str, Any]) -> Iterator[tuple[str, torch.T
 
 def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
     # transformers: 1-2 s to import; only tokenizers and HF models need it
-    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
+    from transformers import LlamaTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer
 
     tokens, ids = tok["tokens"], tok["ids"]
@@ -209,6 +209,7 @@ def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
     backend, _ = convert_gguf_tokenizer("llama", tokenizer_dict)
     names = {f"{k}_token": (tokens[v] if v is not None else None) for k, v in ids.items()}
     extra = {"chat_template": tok["chat_template"]} if tok["chat_template"] else {}
+    tokenizer: PreTrainedTokenizerBase
     if tok["model"] == "llama":
         tokenizer = LlamaTokenizer(tokenizer_object=backend, add_bos_token=tok["add_bos"],
                                    add_eos_token=tok["add_eos"], **names, **extra)

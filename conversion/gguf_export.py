@@ -141,7 +141,9 @@ def tokenizer_metadata(tokenizer_dir: str | Path, architecture: str, vocab_size:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     added = tok.added_tokens_decoder
     special = _special_added(tok) | set(tok.all_special_ids)
-    tokens, types, scores = [], [], [] if kind == "llama" else None
+    tokens: list[str] = []
+    types: list[TokenType] = []
+    scores: list[float] | None = [] if kind == "llama" else None
     if kind == "llama":  # tokens in the order merges first make them (dense: one merge list may
         first: dict[str, int] = {}  # hold several ways to make a token)
         for r, m in enumerate(merges):
@@ -166,7 +168,7 @@ def tokenizer_metadata(tokenizer_dir: str | Path, architecture: str, vocab_size:
                 types.append(TokenType.NORMAL)
         if scores is not None:  # pieces no merge makes (characters) follow, in id order
             normal = text is not None and types[-1] == TokenType.NORMAL
-            scores.append(-float(rank.setdefault(text, len(rank))) if normal else 0.0)
+            scores.append(-float(rank.setdefault(text, len(rank))) if text is not None and normal else 0.0)
     probe = tok("a").input_ids
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
     return {
@@ -227,7 +229,7 @@ def hf_to_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "q8
         raise ValueError(f"GGUF type {gguf_type!r} is not supported; choose one of {', '.join(GGUF_TYPES)}")
     src = load_hf_source(model_dir)
     archs = src.config.get("architectures") or []
-    arch = {v: k for k, v in GGUF_ARCHITECTURES.items()}.get(archs[0] if archs else None)
+    arch = {v: k for k, v in GGUF_ARCHITECTURES.items()}.get(archs[0]) if archs else None
     if arch is None:
         raise ValueError(f"{model_dir}/config.json: 'architectures'={archs!r} has no GGUF writer; "
                          f"supported: {', '.join(GGUF_ARCHITECTURES.values())}")

@@ -56,7 +56,7 @@ PROJ_BIAS = ("self_attn.o_proj.bias", "self_attention.linear_proj.bias")  # when
 
 def _optional_direct(spec: GPTSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
     """One-to-one per-layer tensors only some specs have: HF suffix -> (megatron suffix, shape)."""
-    out = {}
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
     if spec.qk_layernorm:
         out.update({h: (m, (spec.kv_channels,)) for h, m in QK_NORMS.items()})
     if spec.add_proj_bias:

@@ -67,7 +67,7 @@ def _router_pairs(spec, layer: int) -> list[tuple[str, str, tuple[int, int]]]:
 def hf_shapes(spec, layer: int) -> dict[str, tuple[int, ...]]:
     """HF MLP tensor suffixes of 0-based MoE ``layer`` -> shapes."""
     h = spec.hidden_size
-    out = {hf: shape for hf, _, shape in _router_pairs(spec, layer)}
+    out: dict[str, tuple[int, ...]] = {hf: shape for hf, _, shape in _router_pairs(spec, layer)}
     for hp, _, (gate, up, down), f in _swiglu_pairs(spec, layer):
         out.update({f"{hp}{gate}.weight": (f, h), f"{hp}{up}.weight": (f, h), f"{hp}{down}.weight": (h, f)})
     return out
@@ -76,7 +76,7 @@ def hf_shapes(spec, layer: int) -> dict[str, tuple[int, ...]]:
 def mcore_shapes(spec, layer: int) -> dict[str, tuple[int, ...]]:
     """megatron MLP parameter suffixes of 0-based MoE ``layer`` -> shapes."""
     h = spec.hidden_size
-    out = {m: shape for _, m, shape in _router_pairs(spec, layer)}
+    out: dict[str, tuple[int, ...]] = {m: shape for _, m, shape in _router_pairs(spec, layer)}
     for _, mp, _, f in _swiglu_pairs(spec, layer):
         out.update({mp + "linear_fc1.weight": (2 * f, h), mp + "linear_fc2.weight": (h, f)})
     return out

@@ -173,6 +173,7 @@ class GPTSpec(BaseModel):
             return
         if self.moe_router_topk is None or self.moe_ffn_hidden_size is None:
             raise ValueError("an MoE spec needs moe_router_topk and moe_ffn_hidden_size")
+        assert self.num_experts is not None  # an MoE architecture, checked above
         if self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}")
         if self.architecture == "mixtral" and (not self.moe_norm_topk_prob or self.moe_dense_layers):
@@ -220,7 +221,8 @@ class GPTSpec(BaseModel):
     @property
     def kv_channels(self) -> int:
         """Per-head width used by attention (HF ``head_dim``, Megatron ``kv_channels``)."""
-        return self.head_dim  # always set by _default_head_dim
+        assert self.head_dim is not None  # always set by _default_head_dim
+        return self.head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> GPTSpec:

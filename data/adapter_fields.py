@@ -186,7 +186,9 @@ def _tool_call(call: Any, path: str, where: str) -> dict[str, Any]:
     """
     if not isinstance(call, dict):
         raise FieldError(path, f"{where}: expected a tool call object, got {_json_type(call)}")
-    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        fn = call
     name = fn.get("name")
     if not isinstance(name, str) or not name.strip():
         raise FieldError(path, f"{where}: expected a non-empty string \"name\", got {_json_type(name)}")
@@ -311,7 +313,8 @@ def _turns(
         weight, weight_src = _turn_weight(turn, role, where) if tools_allowed else (1, None)
         if weight == 0 and role == "assistant":
             message["weight"] = 0
-            origin[f"{dst}[{k}].weight"] = weight_src
+            if weight_src is not None:  # always set here: an assistant turn without a weight field weighs 1
+                origin[f"{dst}[{k}].weight"] = weight_src
         out.append(message)
     if src != dst:
         origin[dst] = src

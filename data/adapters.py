@@ -178,7 +178,7 @@ def detect(records: Iterable[Mapping[str, Any]], kind: str | None = None, sample
     by_keys = max(matching, key=lambda n: (len(matching[n]), -order.index(n)))
     keys_reason = f"{by_keys} ({len(matching[by_keys])} of the first {len(head)} records have its keys"
     usable = [name for name in matching if kind is not None and kind in ADAPTERS[name].kinds]
-    if not usable:
+    if kind is None or not usable:  # no kind: nothing is usable
         return Detection(by_keys, keys_reason + ")", {n: (len(rs), 0) for n, rs in matching.items()})
     scores = {n: (len(matching[n]), _n_valid(ADAPTERS[n], matching[n], kind)) for n in usable}
     best = max(scores, key=lambda n: (scores[n][1], scores[n][0], -order.index(n)))

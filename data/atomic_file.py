@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def replace_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], mode: str = "wb",
+def replace_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], object], mode: str = "wb",
                        fsync: bool = True) -> Path:
     """Call ``write(f)`` on a new temporary sibling of ``path``, then rename it onto ``path``.
 
@@ -44,7 +44,7 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        with open(tmp, mode.replace("w", "x"), **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+        with open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else "utf-8") as f:
             write(f)
             if fsync:
                 f.flush()

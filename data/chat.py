@@ -242,7 +242,7 @@ def _give_stripped_whitespace(tokenizer: Any, segments: Sequence[tuple[str, int]
     lstrip, rstrip = _stripping_tokens(tokenizer)
     if not lstrip and not rstrip:
         return list(segments)
-    out = [list(seg) for seg in segments]
+    out: list[list[Any]] = [list(seg) for seg in segments]  # [text, flag], texts edited in place
     for left, right in zip(out, out[1:]):
         if any(left[0].endswith(t) for t in rstrip):
             rest = right[0].lstrip()

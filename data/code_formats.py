@@ -101,6 +101,7 @@ def apps_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
         bad = [i for i, v in enumerate(value) if not isinstance(v, str)]
         if bad:
             raise FieldError(f"input_output.{name}[{bad[0]}]", f"expected a string, got {_json_type(value[bad[0]])}")
+    assert isinstance(inputs, list) and isinstance(outputs, list)  # checked above, one at a time
     if len(inputs) != len(outputs):
         raise FieldError("input_output", f"{len(inputs)} inputs but {len(outputs)} outputs")
     label = {"stdin_stdout": [[i, o] for i, o in zip(inputs, outputs)]}

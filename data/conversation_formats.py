@@ -45,8 +45,8 @@ def kto_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     origin: dict[str, str] = {}
     turns = _turns(_get(record, "messages"), "messages", "messages", origin)
     if not turns or turns[-1]["role"] != "assistant":
-        last = f"messages[{len(turns) - 1}].role" if turns else "messages"
-        raise FieldError(last, "the last turn must be the assistant's completion")
+        where = f"messages[{len(turns) - 1}].role" if turns else "messages"
+        raise FieldError(where, "the last turn must be the assistant's completion")
     last = len(turns) - 1
     origin = {k.replace("messages", "prompt", 1): v for k, v in origin.items() if not k.startswith(f"messages[{last}]")}
     origin["completion"] = f"messages[{last}].content"

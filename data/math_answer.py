@@ -146,7 +146,7 @@ def _split_relations(s: str) -> tuple[list[str], list[str]]:
                 continue
         if c == "\\":
             m = re.match(r"\\(?:[A-Za-z]+|.)?", s[i:], re.DOTALL)  # a command is one step
-            i += max(1, len(m.group()))
+            i += max(1, len(m.group()) if m else 1)
             continue
         i += 1
     sides.append(s[start:])

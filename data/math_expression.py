@@ -169,7 +169,7 @@ class _Parser:
     def implicit(self, stop_at_function: bool = False) -> Node:
         node = self.power()
         while self._starts_factor(self.peek()):
-            if stop_at_function and self.peek()[1:] in _FUNCS:
+            if stop_at_function and (self.peek() or "")[1:] in _FUNCS:
                 break
             node = self.node("mul", node, self.power())
         return node

@@ -147,8 +147,7 @@ def _brace_commands(s: str) -> str:
                 out.append(s[i] + "{" + _brace_commands(got[0]) + "}")
                 i = got[1]
                 continue
-        if s[i] == "\\" and i + 1 < len(s):
-            m = re.match(r"\\(?:[A-Za-z]+|.)", s[i:])
+        if s[i] == "\\" and (m := re.match(r"\\(?:[A-Za-z]+|.)", s[i:], re.DOTALL)):  # "\\\n" too
             out.append(m.group())
             i += len(m.group())
             continue

@@ -81,6 +81,7 @@ def iter_located(path: str | os.PathLike[str], limit: int | None = None) -> Iter
     a .json array element, None for JSONL lines and parquet rows (the line says it all)."""
     name = str(path)
     lower = name.lower()
+    items: Iterator[LocatedItem]
     if lower.endswith(".parquet"):
         items = (((where, None), item) for where, item in _parquet(name))
     elif lower.endswith((".jsonl", ".jsonl.gz")):

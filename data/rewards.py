@@ -49,7 +49,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, TypeVar
 
 from data.code_verifier import code_reward, limits_of
 from data.math_answer import answers_equal
@@ -224,7 +224,10 @@ sandbox process, so scorings overlap: 128 responses of the code quickstart on th
 and lose little (the GIL serialises them)."""
 
 
-def score_all(verifier: Callable[[str, str, str], float], responses: Sequence[str], labels: Sequence[str],
+Label = TypeVar("Label")  # what score_all's verifier takes as a label (a string; any value for a wrapper)
+
+
+def score_all(verifier: Callable[[str, Label, str], float], responses: Sequence[str], labels: Sequence[Label],
               finish_reasons: Sequence[str], threads: int = SCORING_THREADS) -> list[float]:
     """``[verifier(responses[i], labels[i], finish_reasons[i]) for i]`` (a :func:`get_verifier`
     callable), computed on up to ``threads`` threads, in input order.

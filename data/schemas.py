@@ -46,7 +46,7 @@ SFT_ROLES: tuple[str, ...] = ROLES + ("tool",)
 MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String}))
 TOOL_CALL = pl.Struct({"type": pl.String, "function": pl.Struct({"name": pl.String, "arguments": pl.String})})
 SFT_MESSAGES = pl.List(pl.Struct({"role": pl.String, "content": pl.String, "tool_calls": pl.List(TOOL_CALL)}))
-COLUMN_TYPES: dict[str, dict[str, pl.DataType]] = {
+COLUMN_TYPES: dict[str, dict[str, pl.DataType | type[pl.DataType]]] = {  # pl.String is a class
     "sft": {"messages": SFT_MESSAGES, "tools": pl.List(pl.String)},
     "preference": {"prompt": MESSAGES, "chosen": pl.String, "rejected": pl.String},
     "rl": {"prompt": MESSAGES, "label": pl.String},
@@ -161,7 +161,7 @@ class Rule:
     explain: Callable[[Any], list[Problem]]
 
 
-def _nested_rule(explain: Callable[[list[dict[str, Any]]], list[Problem]], error: str) -> Rule:
+def _nested_rule(explain: Callable[[Any], list[Problem]], error: str) -> Rule:
     # Element-wise polars checks receive a list cell as a pl.Series of structs.
     def ok(cell: Any) -> bool:
         return not explain(_to_python(cell))

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -31,7 +31,7 @@ from data.adapter_fields import Example, FieldError
 from data.adapters import ADAPTERS, DETECT_SAMPLE, detect, get_adapter
 from data.atomic_file import replace_atomically
 from data.readers import FILE, LocatedItem, RowError, iter_located
-from data.schemas import KINDS, frame_problems, natural_key, rows_to_frame
+from data.schemas import KINDS, Kind, frame_problems, natural_key, rows_to_frame
 
 if TYPE_CHECKING:
     from config.schema import DataConfig
@@ -53,7 +53,7 @@ __all__ = [
 REPORT_ERRORS = 50
 MESSAGE_ERRORS = 5
 CHUNK = 256  # records converted and schema-checked together
-DATASET_KINDS = {"sft": "sft", "preference": "preference", "kto": "kto", "rl_train": "rl", "rl_eval": "rl"}
+DATASET_KINDS: dict[str, Kind] = {"sft": "sft", "preference": "preference", "kto": "kto", "rl_train": "rl", "rl_eval": "rl"}
 
 
 def _lines_text(lines: list[int], shown: int = 10) -> str:
@@ -177,7 +177,7 @@ def _read_head(items: Iterator[LocatedItem]) -> list[LocatedItem]:
 
 def validate_dataset(
     path: str | Path,
-    kind: Literal["sft", "preference", "rl"],
+    kind: Kind,
     format: str = "auto",
     limit: int | None = None,
     key: str | None = None,
@@ -211,7 +211,7 @@ def validate_dataset(
     result = ValidationResult(file=name, kind=kind, format=format, limit=limit, keep=tuple(keep))
     sample = [r for _, r in head if not isinstance(r, RowError)]
     if not sample:
-        result.errors = sorted((r for _, r in head), key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
+        result.errors = sorted((r for _, r in head if isinstance(r, RowError)), key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
         result.n_total = sum(1 for e in result.errors if e.field != FILE)
         return result
     detected = ""

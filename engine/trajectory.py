@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -85,7 +85,8 @@ class Trajectory:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
-    response_valid: torch.Tensor | None = None
+    # None: response_mask, set by __post_init__, so a Trajectory's response_valid is always a tensor
+    response_valid: torch.Tensor = None  # type: ignore[assignment]
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     rollout_version: torch.Tensor | None = None
@@ -199,7 +200,7 @@ class Trajectory:
             advantages=torch.zeros((b, length)),
             truncated=torch.tensor([r.finish_reason == "length" for r in rows]),
             pad_id=pad_id,
-            response_valid=None if single_turn else valid,
+            response_valid=mask if single_turn else valid,
         )
 
     def with_(self, **fields) -> Trajectory:
@@ -234,7 +235,8 @@ class Trajectory:
 
     def select(self, index: torch.Tensor) -> Trajectory:
         """The rows ``index`` (LongTensor ``[K]``) in that order, trimmed like :meth:`rows`."""
-        picked = Trajectory(**{f: (v[index] if isinstance(v, torch.Tensor) else v) for f, v in vars(self).items()})
+        picked_fields: dict[str, Any] = {f: (v[index] if isinstance(v, torch.Tensor) else v) for f, v in vars(self).items()}
+        picked = Trajectory(**picked_fields)
         return picked.rows(0, len(index))
 
     @classmethod
@@ -261,7 +263,7 @@ class Trajectory:
             groups.append(p.group_index - p.group_index.min() + offsets)
             offsets = int(groups[-1].max()) + 1
         pad = parts[0].pad_id
-        fields = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
+        fields: dict[str, Any] = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
                   for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
                                "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards",
                                "response_valid", "values", "returns", "rollout_version", "rollout_version_end",

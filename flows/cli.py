@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from flows.run_checks import check_code_sandbox, check_model_fit, check_plugin_t
 console = Console(width=None if sys.stdout.isatty() else 200)
 
 
-def _load(path: str, overrides: list[str] = ()):
+def _load(path: str, overrides: Sequence[str] = ()):
     cfg = load_config(path, overrides)
     problems, notes = check_inputs(cfg)
     plugin_problems, plugin_notes = check_plugin_tracking(cfg)

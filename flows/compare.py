@@ -161,7 +161,7 @@ def plot_curves(runs: list[Run], out: Path) -> Path | None:
     fig = Figure(figsize=(11, 8), layout="constrained")
     FigureCanvasAgg(fig)
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    styles = [dict(linestyle=("-", "--", ":", "-.")[i % 4], marker="osD^v"[i % 5]) for i in range(len(runs))]  # equal curves stay apart
+    styles: list[dict[str, Any]] = [dict(linestyle=("-", "--", ":", "-.")[i % 4], marker="osD^v"[i % 5]) for i in range(len(runs))]  # equal curves stay apart
     for ax, (title, keys) in zip(fig.subplots(2, 2).flat, CURVES):
         used = set()
         for c, color, style in zip(curves, colors, styles):

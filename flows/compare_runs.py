@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,10 +127,11 @@ def from_config(label: str, cfg: PipelineConfig) -> Run:
     for spec, _ in enabled_stages(cfg):
         state = states[spec.name]
         if state.ref is not None:
+            assert state.check is not None and state.check.manifest is not None  # published: checked, manifest read
             run.add(state.check.manifest)
         else:
             run.inputs[spec.name] = _unbuilt_inputs(spec, cfg)
-            why = f"waits on {state.waiting_on}" if state.waiting_on else f"has no artifact for fingerprint {state.fingerprint[:16]}"
+            why = f"waits on {state.waiting_on}" if state.waiting_on else f"has no artifact for fingerprint {(state.fingerprint or '')[:16]}"
             run.notes.append(f"{spec.name} {why}")
     return run
 
@@ -255,7 +257,7 @@ def from_experiment(label: str, commit: str) -> Run:
     return run
 
 
-def resolve(arg: str, artifact_root: str | None = None, overrides: list[str] = ()) -> Run:
+def resolve(arg: str, artifact_root: str | None = None, overrides: Sequence[str] = ()) -> Run:
     """One argument of ``posttrain compare`` as a :class:`Run`: a config file (with
     ``overrides`` applied, ``config.load.load_config``), an artifact id (in ``artifact_root``,
     default ``artifacts``) or directory, or a DVC experiment name.

@@ -160,7 +160,9 @@ def _from_id(artifact_id: str, artifact_root: str) -> ModelArtifact:
     # fsspec (via tasks.artifacts): ~0.1 s to import; only artifact stores need it
     from tasks.artifacts import ArtifactRef, ArtifactStore
 
-    stage = ARTIFACT_ID.match(artifact_id).group(1)
+    matched = ARTIFACT_ID.match(artifact_id)
+    assert matched is not None  # the caller matched it
+    stage = matched.group(1)
     _check_model_stage(stage, artifact_id)
     store = ArtifactStore(artifact_root)
     manifest = next((m for m in store.list(stage) if m.get("artifact_id") == artifact_id), None)

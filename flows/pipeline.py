@@ -189,16 +189,17 @@ def stage_flow(config_path: str, name: str, overrides: list[str] | None = None) 
     spec, _ = stage(name)
     store = store_for(cfg)
     states = stage_states(cfg, store)
-    refs = {}
+    refs: dict[str, ArtifactRef] = {}
     for up in spec.inputs(cfg):
-        if states[up].ref is None:
+        up_ref = states[up].ref
+        if up_ref is None:
             raise MissingUpstream(f"stage {name} reads the {up} artifact of this config, which is not published "
                                   f"({_why(states[up])}); run `posttrain stage {up} "
                                   f"{shlex.join([config_path, *cfg.overrides])}` first")
-        refs[up] = states[up].ref
+        refs[up] = up_ref
     # An upstream artifact found corrupt is rebuilt from its own (published) inputs.
     for up in list(refs):
-        refs.update({k: states[k].ref for k in stage(up)[0].inputs(cfg) if states[k].ref is not None})
+        refs.update({k: ref for k in stage(up)[0].inputs(cfg) if (ref := states[k].ref) is not None})
     started = time.time()
     state, ref = _run_rebuilding_corrupt(cfg, name, refs, set())
     manifest = store.manifest(ref)

@@ -235,7 +235,7 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
     if cfg.rl.reward.verifier == "none":
         return []  # check_inputs reports it
     default = (cfg.rl.reward.verifier, "rl.reward.verifier")
-    checks = [("rl_eval", "data.rl_eval", *default)]  # (dataset, its key, verifier, the setting that names it)
+    checks: list[tuple[str, str, str, str]] = [("rl_eval", "data.rl_eval", *default)]  # (dataset, its key, verifier, the setting that names it)
     if cfg.rl.environment is None and cfg.rl.reward.verifier_weight != 0:
         sources = cfg.data.rl_sources()
         checks[:0] = ([(f"rl_train/{s.name}", f"data.rl_train[{i}]",

@@ -156,8 +156,9 @@ def publish_config(cfg: PipelineConfig, config_path: str) -> str:
     from prefect.artifacts import Artifact, create_markdown_artifact
 
     key = artifact_key(cfg, "config")
-    last = Artifact.get(key)
-    markdown = config_markdown(config_path, config_yaml(cfg), previous_config(last.data if last is not None else None))
+    last = Artifact.get(key)  # called from sync code: the stored artifact or None (prefect types the async result too)
+    data = getattr(last, "data", None)
+    markdown = config_markdown(config_path, config_yaml(cfg), previous_config(data if isinstance(data, str) else None))
     create_markdown_artifact(markdown, key=key, description=f"config of {cfg.run.name} ({config_path})")
     return markdown
 

@@ -19,6 +19,7 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from config import ConfigError
@@ -43,7 +44,7 @@ def add_serve_parser(sub) -> None:
 
 
 def server_command(hf_dir: Path, name: str, *, host: str, port: int, precision: str = "auto",
-                   max_model_len: int | None = None, max_num_seqs: int = 8, extra: list[str] = ()) -> list[str]:
+                   max_model_len: int | None = None, max_num_seqs: int = 8, extra: Sequence[str] = ()) -> list[str]:
     """The child process's argv: vLLM's API server on ``hf_dir`` named ``name``.
 
     Args:

@@ -40,7 +40,7 @@ def stage_status(cfg: PipelineConfig, verify: bool = False) -> list[dict[str, An
         latest = store.latest(spec.name)
         row: dict[str, Any] = {
             "stage": spec.name,
-            "state": "waiting" if s.waiting_on else s.check.state,
+            "state": "waiting" if s.waiting_on or s.check is None else s.check.state,
             "up_to_date": s.ref is not None,
             "artifact_id": None,
             "fingerprint": s.fingerprint,

@@ -19,6 +19,7 @@ stores an absolute path.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
@@ -110,6 +111,12 @@ class ArtifactCheck:
     ref: ArtifactRef | None = None
     problem: str | None = None
     manifest: dict[str, Any] | None = None
+
+    def published_ref(self) -> ArtifactRef:
+        """``ref`` of a published artifact (RuntimeError for any other state)."""
+        if self.state != "published" or self.ref is None:
+            raise RuntimeError(f"artifact check: {self.state}, not published")
+        return self.ref
 
 
 def _check_files(fs: Any, url: str, manifest: dict[str, Any], action: str, stage: str, artifact_id: str) -> None:
@@ -364,7 +371,7 @@ class ArtifactStore:
         self.clean_stale_tmp(stage)
         current = self.check(stage, fingerprint)
         if current.state == "published":
-            return current.ref
+            return current.published_ref()
         aid = self.artifact_id(stage, fingerprint)
         files = file_table(workdir)
         manifest = {
@@ -395,7 +402,7 @@ class ArtifactStore:
             current = self.check(stage, fingerprint)
             if current.state == "published":  # another process published it meanwhile
                 self.fs.rm(tmp, recursive=True)
-                return current.ref
+                return current.published_ref()
             if current.state == "broken" or self.fs.exists(final):
                 # A broken artifact, or a partial leftover without manifest: never valid.
                 self.discard(stage, aid)
@@ -407,7 +414,7 @@ class ArtifactStore:
                     if winner.state != "published":
                         raise
                     shutil.rmtree(tmp)  # another process published this fingerprint meanwhile
-                    return winner.ref
+                    return winner.published_ref()
             else:
                 self._move_remote(tmp, final, manifest)
         except BaseException:
@@ -473,7 +480,7 @@ class ArtifactStore:
             self.fs.rm(directory, recursive=True)
         log.info("discarded artifact %s (%s)", artifact_id, self._uri(stage, artifact_id))
 
-    def clean_stale_tmp(self, stage: str) -> list[str]:
+    def clean_stale_tmp(self, stage: str) -> builtins.list[str]:  # list: the method above
         """Remove the temporary publish copies of ``stage`` that killed publishes left behind.
 
         Local stores: a ``.tmp-*`` directory whose ``.lock`` file no live process holds
@@ -503,7 +510,7 @@ class ArtifactStore:
                 log.info("removed stale temporary publish copy %s (newest object %.0f s old)", removed[-1], now - newest)
         return removed
 
-    def _clean_stale_tmp_local(self, stage_dir: Path) -> list[str]:
+    def _clean_stale_tmp_local(self, stage_dir: Path) -> builtins.list[str]:
         if not stage_dir.is_dir():
             return []
         removed = []

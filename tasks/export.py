@@ -30,7 +30,9 @@ def export(ctx: StageContext) -> dict:
     from engine.storage.hf_io import export_model_dir
     from tasks.model_card import base_model_license, build_model_card, upstream_manifests
 
-    out = export_model_dir(ctx.input_path("rl") / "model", ctx.workdir / "hf_model", dtype=ctx.cfg.export.dtype)
+    dtype = ctx.cfg.export.dtype
+    assert dtype is not None  # PipelineConfig resolves it from rl.precision
+    out = export_model_dir(ctx.input_path("rl") / "model", ctx.workdir / "hf_model", dtype=dtype)
     metrics_file = ctx.input_path("evaluate") / "metrics.json"
     card = build_model_card(upstream_manifests(ctx.store, ctx.inputs),
                             json.loads(metrics_file.read_text()) if metrics_file.is_file() else None,

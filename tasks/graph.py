@@ -51,7 +51,7 @@ def enabled_stages(cfg: PipelineConfig) -> list[tuple[StageSpec, object]]:
     return [(s, t) for s, t in STAGES if registry.is_enabled(cfg, s.name)]
 
 
-def stage(name: str) -> tuple[StageSpec, object]:
+def stage(name: str) -> tuple[StageSpec, Any]:  # (spec, its Prefect task)
     for s, t in STAGES:
         if s.name == name:
             return s, t
@@ -102,7 +102,7 @@ def stage_states(cfg: PipelineConfig, store: ArtifactStore | None = None, verify
         if waiting is not None:
             states[spec.name] = StageState(spec.name, None, None, waiting)
             continue
-        fp = spec.fingerprint(cfg, {u: states[u].content_hash for u in ups})
+        fp = spec.fingerprint(cfg, {u: h for u in ups if (h := states[u].content_hash) is not None})  # every one: not waiting
         states[spec.name] = StageState(spec.name, fp, store.check(spec.name, fp, verify=verify), None)
     return states
 

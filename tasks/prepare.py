@@ -20,10 +20,18 @@ from pathlib import Path
 from prefect import task
 from prefect.logging import get_run_logger
 
+from config.prepare import AdditionPrepareConfig, CodePrepareConfig, StoriesPrepareConfig, TinyModelPrepareConfig
 from config.schema import PipelineConfig
 from tasks.fingerprint import code_version, fingerprint
 
 STAMP = ".prepare.json"
+
+
+def _section(cfg: PipelineConfig) -> AdditionPrepareConfig | CodePrepareConfig | StoriesPrepareConfig:
+    """``cfg.prepare``; ValueError when the config has no prepare section."""
+    if cfg.prepare is None:
+        raise ValueError("prepare: the config has no prepare section; add one (prepare.kind: addition, code or stories)")
+    return cfg.prepare
 
 
 def prepare_fingerprint(cfg: PipelineConfig) -> str:
@@ -33,7 +41,7 @@ def prepare_fingerprint(cfg: PipelineConfig) -> str:
 def _fingerprint_config(cfg: PipelineConfig) -> dict:
     """The config part of :func:`prepare_fingerprint`: the prepare section and the seed. An unset
     ``prepare.moe`` (the dense model) is left out, so dense configs hash as they did before it."""
-    dump = cfg.prepare.model_dump()
+    dump = _section(cfg).model_dump()
     if dump.get("moe", 0) is None:
         del dump["moe"]
     return {"prepare": dump, "seed": cfg.run.seed}
@@ -106,7 +114,7 @@ def _strings(jsonl: Path) -> list[str]:
 
 def is_prepared(cfg: PipelineConfig) -> bool:
     """True when ``prepare.output_dir`` holds the output of this exact prepare config and code."""
-    stamp = Path(cfg.prepare.output_dir) / STAMP
+    stamp = Path(_section(cfg).output_dir) / STAMP
     return stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == prepare_fingerprint(cfg)
 
 
@@ -121,6 +129,7 @@ def _tokenizer_and_model(cfg: PipelineConfig, tmp: Path, files: dict[str, Path])
     from data.tokenizer_train import train_chat_tokenizer
 
     p = cfg.prepare
+    assert isinstance(p, TinyModelPrepareConfig)  # the kinds that train a tokenizer and a model
     texts = [text for path in files.values() for text in _strings(Path(path))]
     tok_dir = train_chat_tokenizer(texts, tmp / "tokenizer", vocab_size=p.vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
@@ -134,6 +143,7 @@ def _write_addition(cfg: PipelineConfig, tmp: Path) -> None:
     from data.addition import make_addition_datasets
 
     p = cfg.prepare
+    assert isinstance(p, AdditionPrepareConfig)  # dispatched on prepare.kind
     files = make_addition_datasets(
         tmp, num_sft=p.num_sft, num_preference=p.num_preference, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed
     )
@@ -145,6 +155,7 @@ def _write_code(cfg: PipelineConfig, tmp: Path) -> None:
     from data.code_task import make_code_datasets
 
     p = cfg.prepare
+    assert isinstance(p, CodePrepareConfig)  # dispatched on prepare.kind
     files = make_code_datasets(tmp, num_sft=p.num_sft, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed)
     _tokenizer_and_model(cfg, tmp, files)
 
@@ -153,13 +164,15 @@ def _write_stories(cfg: PipelineConfig, tmp: Path) -> None:
     # each generator only when its dataset kind is asked for (they pull in tokenizers and torch)
     from data.stories import make_story_datasets
 
-    make_story_datasets(tmp, num_rl=cfg.prepare.num_rl, num_eval=cfg.prepare.num_eval, seed=cfg.run.seed)
+    p = cfg.prepare
+    assert isinstance(p, StoriesPrepareConfig)  # dispatched on prepare.kind
+    make_story_datasets(tmp, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed)
 
 
 @task(name="prepare", cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}", persist_result=True)
 def prepare(cfg: PipelineConfig) -> str:
     """Write the example's inputs under ``prepare.output_dir``; returns that path."""
-    p = cfg.prepare
+    p = _section(cfg)
     out = Path(p.output_dir)
     fp = prepare_fingerprint(cfg)
     if is_prepared(cfg):

@@ -87,7 +87,7 @@ SPEC = StageSpec(
     inputs=_inputs,
     config=lambda cfg: {"rl": _fingerprinted_rl(cfg.rl), "seed": cfg.run.seed,
                         **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {}),
-                        **({"rl_train": [s.model_dump() for s in cfg.data.rl_sources()]} if cfg.data.rl_sources() else {})},
+                        **({"rl_train": [s.model_dump() for s in sources]} if (sources := cfg.data.rl_sources()) else {})},
     raw_inputs=_reward_plugin_files,
     summary=("critic/score/mean", "actor/pg_loss"),
 )

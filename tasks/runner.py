@@ -175,6 +175,7 @@ def fingerprint_lock(parent: Path, fp16: str, what: str, log: Callable[[str], No
             owner = "another process"
         log(f"{what} is being built by another run ({owner}); waiting for it to finish")
         f = open_locked(lock_path, blocking=True)
+    assert f is not None  # a blocking open waits for the lock
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -342,7 +343,8 @@ def stage_task(spec: StageSpec) -> Callable[[Callable[[StageContext], dict]], An
 
         body.__name__ = body.__qualname__ = spec.name  # Prefect derives the task key from these
         body.__doc__ = build.__doc__
-        body.build = build  # the stage's own computation, for tests and tools: ``<task>.fn.build``
+        # the stage's own computation, for tests and tools: ``<task>.fn.build`` (a function attribute)
+        body.build = build  # type: ignore[attr-defined]
         return task(
             name=spec.name,
             cache_key_fn=_cache_key(spec),

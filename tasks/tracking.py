@@ -46,7 +46,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from config.schema import PipelineConfig
 from tasks.artifacts import ArtifactRef, ArtifactStore, manifest_inputs
@@ -136,7 +136,7 @@ class StageTracker:
         self.run = None
         self._last_log = 0.0
         self._resume_dir = Path(resume_dir) if resume_dir is not None else None
-        self._history = None  # open history.jsonl
+        self._history: IO[str] | None = None  # open history.jsonl
         self._last_fsync = 0.0
         self._floor = 0  # W&B holds the steps before this already (an online run resumed)
         self._attempts: list[str] = []
@@ -161,7 +161,7 @@ class StageTracker:
             resume="allow",
             tags=run_tags(self.pipeline_run, *(["resumed"] if previous else [])),
             config=stage_run_config(cfg, stage, artifact_id, fingerprint, upstream),
-            mode=mode,
+            mode=mode,  # type: ignore[arg-type]  # WANDB_MODE passed on as wandb reads it; wandb checks it
             dir=cfg.wandb.dir,
             reinit="create_new",
             settings=_settings(wandb, short=False),
@@ -194,7 +194,7 @@ class StageTracker:
         this = str(self.run.settings.sync_file)
         attempts = [*(p for p in self._attempts if p != this), this]
         self._attempts = attempts
-        record = {"run_id": self.run.id, "attempts": attempts}
+        record: dict[str, Any] = {"run_id": self.run.id, "attempts": attempts}
         if exit_code is not None:
             record.update(finished=True, exit_code=exit_code)
         self._resume_dir.mkdir(parents=True, exist_ok=True)
@@ -394,7 +394,8 @@ def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, 
     run_id = f"{ref.artifact_id}-{uuid.uuid4().hex[:8]}"
     os.makedirs(cfg.wandb.dir, exist_ok=True)
     run = wandb.init(project=cfg.wandb.project, group=info["group"], job_type=ref.stage, name=ref.artifact_id, id=run_id,
-                     tags=run_tags(info, "cached"), config=config, mode=mode, dir=cfg.wandb.dir, reinit="create_new",
+                     tags=run_tags(info, "cached"), config=config, mode=mode,  # type: ignore[arg-type]  # as above
+                     dir=cfg.wandb.dir, reinit="create_new",
                      settings=_settings(wandb, short=True))
     info = run_info(run, cfg, ref.stage, mode)
     try:

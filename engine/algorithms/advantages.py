@@ -71,7 +71,11 @@ def _out_dtype(rewards: torch.Tensor) -> torch.dtype:
 def _scores(rewards: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``[B]`` float64 outcome scores (token-level rewards summed over the mask)."""
     r = rewards.double()
-    return r if r.dim() == 1 else (r * mask.double()).sum(-1)
+    if r.dim() == 1:
+        return r
+    if mask is None:
+        raise ValueError(f"token-level rewards {tuple(r.shape)} need the response mask to be summed")
+    return (r * mask.double()).sum(-1)
 
 
 def _token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from typing import Any
 
 
 def _check_sizes(sizes: Sequence[int], what: str = "sizes") -> list[int]:
@@ -74,7 +75,7 @@ def karmarkar_karp(sizes: Sequence[int], k: int, equal_size: bool = False) -> li
 
     # A partial solution: k subsets [sum, indices], kept sorted by sum, largest first.
     def solution(items: list[int]) -> list[list]:
-        subsets = [[values[i], [i]] for i in items] + [[0, []] for _ in range(k - len(items))]
+        subsets: list[list[Any]] = [[values[i], [i]] for i in items] + [[0, []] for _ in range(k - len(items))]
         subsets.sort(key=lambda s: -s[0])
         return subsets
 

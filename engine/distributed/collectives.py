@@ -119,7 +119,7 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
         if p.grad is None:
             p.grad = torch.zeros_like(p, dtype=torch.float32 if p.dtype == torch.float32 else p.dtype)
     t0 = time.perf_counter()
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if p.grad is not None]  # every one, given a zero gradient above
     flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
@@ -197,8 +197,9 @@ def _clip_shards_over(params: Sequence[torch.nn.Parameter], max_norm: float,
     (counted once)."""
     shards = torch.zeros((), dtype=torch.float32)
     replicated = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        sq = p.grad.detach().float().pow(2).sum()
+    grads = [(p, p.grad) for p in params if p.grad is not None]  # as clip_grad_norm_, one without a gradient is skipped
+    for p, g in grads:
+        sq = g.detach().float().pow(2).sum()
         if is_shard(p):
             shards += sq
         else:
@@ -207,8 +208,8 @@ def _clip_shards_over(params: Sequence[torch.nn.Parameter], max_norm: float,
     total = float((shards + replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for p in params:
-            p.grad.detach().mul_(coef)
+        for _, g in grads:
+            g.detach().mul_(coef)
     return total
 
 

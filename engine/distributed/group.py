@@ -179,6 +179,7 @@ def _combine(kind: str, rows: list[list[int]] | None, shape: tuple[int, int], *r
     ``[B_r, L_r]`` row tensors into one ``[B, L]`` (``shape``) in the batch's row order."""
     if kind == "first":
         return results[0]
+    assert rows is not None, "the row combinations need each rank's rows"  # kind "rows"
     if isinstance(results[0], torch.Tensor) and results[0].dim() == 1:  # [B_r] per shard -> [B]
         out = results[0].new_zeros(shape[:1])
         for idx, r in zip(rows, results):
@@ -242,7 +243,8 @@ class WorkerGroup:
         per_rank = actor_options if isinstance(actor_options, list) else [actor_options] * layout.world_size
         if len(per_rank) != layout.world_size:
             raise ValueError(f"{len(per_rank)} actor options for a group of {layout.world_size} ranks")
-        remote = ray.remote(concurrency_groups={"health": 1})(RankActor)
+        # ray's overloads of remote() leave out concurrency_groups, which it takes (documented)
+        remote = ray.remote(concurrency_groups={"health": 1})(RankActor)  # type: ignore[call-overload]
         self.ranks = [remote.options(**per_rank[r]).remote(r, layout.world_size) for r in range(layout.world_size)]
         master = ray.get(self.ranks[0].address.remote())
         self._ready = [r.setup.remote(master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}),

@@ -143,9 +143,9 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
     options: dict[str, Any] = {"num_cpus": per_rank}
     if layout.gpus_per_rank:
         options["num_gpus"] = layout.gpus_per_rank
-    relay = None
+    relay: ray.actor.ActorHandle | None = None
     if log_metrics is not None:
-        relay = ray.remote(num_cpus=0)(_MetricsRelay).options(max_concurrency=8).remote()
+        relay = ray.remote(num_cpus=0)(_MetricsRelay).options(max_concurrency=8).remote()  # type: ignore[assignment]  # ray: options().remote() typed as handle or class
     logger.info("%s on %d ranks (data_parallel_size %d x tensor_model_parallel_size %d; %g CPUs, %d torch threads "
                 "each)", section, k, layout.data_parallel_size, layout.tensor_model_parallel_size, per_rank,
                 max(1, int(per_rank)))

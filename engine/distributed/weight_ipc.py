@@ -148,7 +148,7 @@ class _Fixed(Scratch):
 
     def __init__(self, buffer: torch.Tensor):
         super().__init__()
-        self.buffer = buffer
+        self.buffer: torch.Tensor = buffer
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return self.buffer[:nbytes]
@@ -197,7 +197,7 @@ def _attach(name: str):
     tracker would otherwise unlink it when this process exits (bpo-39959), under the trainer."""
     seg = shared_memory.SharedMemory(name=name, create=False)
     try:
-        resource_tracker.unregister(seg._name, "shared_memory")  # noqa: SLF001 - the tracker's key
+        resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]  # the tracker's key, private
     except Exception:  # noqa: BLE001 - no tracker running in this process
         pass
     return seg

@@ -6,12 +6,16 @@ engines through Ray's object store (``hf_bucket``) or broadcast over the collect
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from engine.distributed.weight_ipc import SLOTS, SharedSlots, location
 from engine.distributed.weight_sync import TrainerEnd
 from engine.models.weight_buckets import BucketPlan, BucketServer, NamedTensors, _tensor_parallel_group
+
+if TYPE_CHECKING:
+    from config.rl import RLConfig
 
 
 def _sync_root() -> bool:
@@ -30,6 +34,8 @@ class HFBucketSource:
     """
 
     _bucket_server: BucketServer | None = None
+    hf_config: dict[str, Any]  # provided by the worker class
+    cfg: RLConfig  # provided by the worker class
 
     def _bucket_weights(self):
         """What the buckets are cut from (the ``model`` of :class:`BucketServer`): by default the
@@ -59,7 +65,7 @@ class HFBucketSource:
                 return []
         return bucket
 
-    _weight_sync_end = None  # engine.distributed.weight_sync.TrainerEnd, made on first use
+    _weight_sync_end: TrainerEnd | None = None  # made on first use
 
     def weight_sync_open(self, world_size: int, generation: int, timeout_s: float):
         """Announce generation ``generation`` of the collective weight-sync group
@@ -74,6 +80,8 @@ class HFBucketSource:
     def weight_sync_join(self) -> None:
         """Form the group announced by :meth:`weight_sync_open` (blocks until every engine
         worker joined, at most the group's timeout)."""
+        if self._weight_sync_end is None:
+            raise RuntimeError("weight sync: weight_sync_join before weight_sync_open")
         self._weight_sync_end.join()
 
     def weight_sync_send(self, index: int) -> tuple[int, float, float]:

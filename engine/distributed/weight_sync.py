@@ -228,7 +228,7 @@ class TrainerEnd:
 
     def send(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> int:
         """Broadcast one bucket; returns its bytes. Raises RuntimeError without a group."""
-        if self.group is None:
+        if self.group is None or self.spec is None:
             raise RuntimeError("weight sync: no collective group (the router forms it before a sync)")
         flat = pack(named_tensors, _device(self.spec.backend), self.scratch)
         broadcast(self.group, flat)
@@ -259,7 +259,7 @@ class EngineEnd:
         """Receive one bucket broadcast by the trainer: ``(name, tensor)`` views of scratch
         buffer ``slot`` (0 or 1), per :func:`unpack`, valid until the next receive into that
         slot (load them first). Raises RuntimeError without a group."""
-        if self.group is None:
+        if self.group is None or self.spec is None:
             raise RuntimeError("weight sync: this engine is in no collective group")
         flat = self.scratch[slot].take(buffer_bytes(metas), _device(self.spec.backend))
         broadcast(self.group, flat)

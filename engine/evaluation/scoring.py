@@ -301,7 +301,7 @@ def evaluate_benchmarks(
                     disable=None)
     with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp, progress:
         for name, model_dir in model_dirs.items():
-            hf_dir = export_model_dir(model_dir, Path(tmp) / name, dtype=DTYPE_NAMES[precision])
+            hf_dir = export_model_dir(Path(model_dir), Path(tmp) / name, dtype=DTYPE_NAMES[precision])
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
             config = json.loads((hf_dir / "config.json").read_text())
             if engine is not None and config == engine_config and reloads_in_place(backend, config):

@@ -321,7 +321,7 @@ def evaluate_generations(
         "accuracy": [math.fsum(correct[i] for i in p) / len(p) for p in prompts],
         "mean_reward": [math.fsum(rewards[i] for i in p) / len(p) for p in prompts],
         **prompt_metrics([[bool(correct[i]) for i in p] for p in prompts], ks,
-                         *(() if voting is None else ([[answers[i] for i in p] for p in prompts], voting.same))),
+                         *(() if voting is None or answers is None else ([[answers[i] for i in p] for p in prompts], voting.same))),
     }
     out: dict[str, Any] = {"n": len(prompts), "samples": n}
     for metric, values in per_prompt.items():

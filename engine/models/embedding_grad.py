@@ -103,17 +103,18 @@ def sum_embedding_grads_in_fp32(model: torch.nn.Module) -> int:
             continue
 
         def enter(mod: torch.nn.Module, _inputs: Any) -> None:
-            if _needs_fp32_sum(mod.weight):
-                mode = _LookupMode(mod.weight)
+            weight = mod.weight
+            if isinstance(weight, torch.Tensor) and _needs_fp32_sum(weight):
+                mode = _LookupMode(weight)
                 mode.__enter__()
-                mod._fp32_grad_mode = mode
+                mod.__dict__["_fp32_grad_mode"] = mode  # a plain attribute, popped by leave
 
         def leave(mod: torch.nn.Module, _inputs: Any, _output: Any) -> None:
             mode = mod.__dict__.pop("_fp32_grad_mode", None)
             if mode is not None:
                 mode.__exit__(None, None, None)
 
-        module._fp32_grad_hooks = (module.register_forward_pre_hook(enter),
-                                   module.register_forward_hook(leave, always_call=True))
+        module.__dict__["_fp32_grad_hooks"] = (module.register_forward_pre_hook(enter),
+                                               module.register_forward_hook(leave, always_call=True))
         hooked += 1
     return hooked

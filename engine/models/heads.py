@@ -5,10 +5,15 @@ Shapes: ``B`` sequences, ``T`` positions, ``H`` hidden size."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.models.hf import hf_final_hidden_states
 from engine.models.megatron import gpt_hidden_states
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 HEAD_WEIGHT, HEAD_BIAS = "reward_head.weight", "reward_head.bias"
 
@@ -91,7 +96,7 @@ class HFValueModel(_ValueHeadModel):
         value_head: ``Linear(hidden_size, 1)``.
     """
 
-    def __init__(self, causal_lm: torch.nn.Module, hidden_size: int, seed: int = 0):
+    def __init__(self, causal_lm: PreTrainedModel, hidden_size: int, seed: int = 0):
         super().__init__()
 
         self.body = causal_lm.base_model
@@ -121,7 +126,7 @@ class HFRewardModel(_RewardHeadModel):
         reward_head: ``Linear(hidden_size, 1)``.
     """
 
-    def __init__(self, causal_lm: torch.nn.Module, hidden_size: int, seed: int = 0):
+    def __init__(self, causal_lm: PreTrainedModel, hidden_size: int, seed: int = 0):
         super().__init__()
         self.body = causal_lm.base_model
         self.reward_head = scalar_head(hidden_size, seed)

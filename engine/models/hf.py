@@ -7,11 +7,14 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from conversion.spec import GPTSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def hf_final_hidden_states(body: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,7 @@ class LoadedHFModel:
         tokenizer_dir: the ``hf/`` directory (tokenizer and generation config files).
     """
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     spec: GPTSpec
     hf_config: dict[str, Any]
     tokenizer_dir: Path
@@ -87,7 +90,7 @@ def hf_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids.long(), use_cache=False).logits.float()  # fp32 for log-probs and losses
 
 
-def build_hf_causal_lm(tokenizer_dir: str | Path, seed: int = 0) -> torch.nn.Module:
+def build_hf_causal_lm(tokenizer_dir: str | Path, seed: int = 0) -> PreTrainedModel:
     """The transformers causal LM of ``<tokenizer_dir>/config.json`` (a model directory's
     ``hf/``), fp32, SDPA attention, initialised from ``seed`` (the global torch RNG state
     is left as it was); train mode.

@@ -18,6 +18,7 @@ The rest of the repository sees the merged weights ``W + s B A`` under the plain
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -55,7 +56,8 @@ def apply_hf_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> lis
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
-    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    # PEFT annotates lora_alpha as int; it only scales, alpha / r, and a float scales the same
+    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                             target_modules=hf_target_modules(cfg.target_modules), bias="none")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -63,8 +65,8 @@ def apply_hf_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> lis
     return list(lora_layers(model))
 
 
-def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """PEFT's LoRA layers of ``model`` by module name, in module order ({} without adapters)."""
+def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """PEFT's LoRA layers (``peft.tuners.lora.LoraLayer``, a mixin of the module) of ``model`` by module name, in module order ({} without adapters)."""
     # peft: seconds to import; only PEFT adapters need it
     from peft.tuners.lora import LoraLayer
 

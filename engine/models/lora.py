@@ -28,7 +28,7 @@ the optimizer (and, under bf16, the fp32 masters) hold the adapters only.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ def _tp_rank_size() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
-def _lora_hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+def _lora_hook(module: Any, args: tuple, output: Any) -> Any:  # module: an adapted layer (lora_A, lora_B, ...)
     """Forward hook of an adapted linear layer: ``(out + s * B A dropout(x), bias)`` (module docstring).
 
     Shapes: ``x = args[0]`` ``[..., in]`` (this rank's input slice on a row-parallel layer),
@@ -137,8 +137,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> list[s
     return list(adapted)
 
 
-def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """The adapted modules by name ({} for a model without adapters)."""
+def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
+    """The adapted modules by name ({} for a model without adapters); each a megatron linear
+    layer that also holds ``lora_A``, ``lora_B``, ``lora_scale``, ``lora_dropout`` and ``lora_kind``."""
     return getattr(model, _ADAPTERS, {})
 
 
@@ -219,7 +220,7 @@ def merged_for_saving(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     merged = {name: merged_weight(model, name, torch.float32) for name in layers}
     saved_data = {p: p.data for p in model.parameters()}
     hidden = {name: {k: module._parameters.pop(k) for k in ("lora_A", "lora_B")} for name, module in layers.items()}
-    hidden_masters = {n: masters.pop(n) for n in list(masters or {}) if n.endswith((".lora_A", ".lora_B"))}
+    hidden_masters = {n: masters.pop(n) for n in list(masters) if n.endswith((".lora_A", ".lora_B"))} if masters else {}
     try:
         for p in model.parameters():
             p.data = p.data.float()
@@ -263,7 +264,7 @@ _HF_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "lin
                "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
 
 
-def hf_target_modules(targets: list[str]) -> list[str]:
+def hf_target_modules(targets: Sequence[str]) -> list[str]:
     """The HF module names of megatron-core layer names (``lora.target_modules``), sorted:
     ``linear_qkv`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``linear_proj`` -> ``o_proj``;
     ``linear_fc1`` -> ``gate_proj``, ``up_proj``; ``linear_fc2`` -> ``down_proj``.
@@ -284,7 +285,7 @@ def peft_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     Names: ``base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`` ``[r, in]``,
     ``...lora_B.weight`` ``[out, r]`` (PEFT's saved layout for a causal LM).
     """
-    spec = model.gpt_spec
+    spec = getattr(model, "gpt_spec")  # noqa: B009 - set by build_gpt_model; torch types attribute access as tensors
     out: dict[str, torch.Tensor] = {}
     for name, module in lora_layers(model).items():
         a, b = (t.detach().float() for t in _full_precision_adapters(model, name, module))
@@ -337,7 +338,8 @@ def write_peft_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out_dir:
     from peft import LoraConfig as PeftLoraConfig
 
     out_dir = Path(out_dir)
-    PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+    # PEFT annotates lora_alpha as int; it only scales, alpha / r, and a float scales the same
+    PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
                    target_modules=hf_target_modules(cfg.target_modules), bias="none",
                    task_type="CAUSAL_LM").save_pretrained(str(out_dir))
     save_safetensors(state, out_dir / "adapter_model.safetensors")

@@ -48,6 +48,8 @@ def compute_dtype(precision: str | None) -> torch.dtype:
 def _accumulate_into(master: torch.nn.Parameter):
     def hook(param: torch.Tensor) -> None:
         grad = param.grad
+        if grad is None:  # not reached: torch runs the hook after accumulating a gradient
+            return
         if master.grad is None:
             master.grad = grad.to(torch.float32)
         else:
@@ -84,8 +86,9 @@ def to_mixed_precision(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat
             raise ValueError(f"to_mixed_precision: parameter {name!r} is {p.dtype}, expected the fp32 weights")
         masters[name] = torch.nn.Parameter(p.detach().clone())
         # megatron's marker of a tensor-parallel shard (the gradient norm counts shards across ranks)
-        masters[name].tensor_model_parallel = getattr(p, "tensor_model_parallel", False)
-        masters[name].allreduce = getattr(p, "allreduce", True)  # False: an expert-parallel shard
+        # (attributes megatron sets on its tensors, unknown to torch's types)
+        masters[name].tensor_model_parallel = getattr(p, "tensor_model_parallel", False)  # type: ignore[attr-defined]
+        masters[name].allreduce = getattr(p, "allreduce", True)  # type: ignore[attr-defined]  # False: an expert-parallel shard
     model.to(dtype)
     sum_embedding_grads_in_fp32(model)
     params = dict(model.named_parameters())

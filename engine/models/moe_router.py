@@ -15,6 +15,7 @@ tracker, for the ``moe/*`` metrics of a training step.
 from __future__ import annotations
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from config.moe import MoERouterConfig
 
@@ -34,7 +35,7 @@ def router_config_fields(router: MoERouterConfig | None) -> dict:
 def has_router_losses(model: torch.nn.Module) -> bool:
     """Whether ``model`` (a GPTModel) has MoE layers whose routers add a load-balancing or z-loss."""
     config = getattr(model, "config", None)
-    if getattr(config, "num_moe_experts", None) is None:
+    if config is None or getattr(config, "num_moe_experts", None) is None:
         return False
     return (config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0) or bool(
         config.moe_z_loss_coeff)
@@ -76,7 +77,7 @@ class RouterStats:
         self.routers = _routers(model)
         self.counts = [None] * len(self.routers)
         self.forwards = 0
-        self._hooks = []
+        self._hooks: list[RemovableHandle] = []
 
     def __enter__(self) -> RouterStats:
         # megatron: seconds to import; only megatron-core models need it

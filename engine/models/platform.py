@@ -78,7 +78,8 @@ def setup_cpu_platform() -> bool:
         from megatron.core.tensor_parallel import random as mcore_random
         from megatron.core.transformer import utils as mcore_utils
 
-        torch.cuda.current_device = lambda: torch.device("cpu")
+        # megatron-core asks torch.cuda for the current device: on CPU it is the CPU (not an index)
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
         torch.cuda.synchronize = lambda device=None: None
         mcore_random._get_cuda_rng_state = _cpu_get_rng_state
         mcore_random._set_cuda_rng_state = _cpu_set_rng_state
@@ -394,7 +395,7 @@ def offload_trainer(model: torch.nn.Module, optimizer=None, role: str = "actor",
     first = next(model.parameters(), None)
     if first is None or not first.is_cuda:
         return
-    model._posttrain_home_device = first.device
+    model._posttrain_home_device = first.device  # type: ignore[assignment]  # torch types Module attributes as tensors or modules; a plain one is allowed
     _move_training_state(model, optimizer, torch.device("cpu"))
     torch.cuda.empty_cache()  # hand the freed blocks back so vLLM's allocator can map them
 

@@ -33,7 +33,7 @@ the same rows in the same micro-batch layout (:meth:`RoutingReplay.check`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -85,7 +85,7 @@ class RoutingReplay:
         self.recorded, self.rows = [], []
 
     @contextmanager
-    def recording(self, rows: list[int]) -> Iterator[None]:
+    def recording(self, rows: Sequence[int] | torch.Tensor) -> Iterator[None]:
         """Inside: the model's forwards route as usual and keep their top-k indices; on exit the
         micro-batch of trajectory ``rows`` is appended to :attr:`recorded` (one forward per
         micro-batch: a second forward inside would overwrite the first's indices)."""
@@ -137,7 +137,7 @@ class RoutingReplay:
                 hook.remove()
             self._reset()
 
-    def check(self, rows: list[list[int]]) -> None:
+    def check(self, rows: Sequence[Sequence[int] | torch.Tensor]) -> None:
         """Check that the recorded micro-batches are ``rows`` (trajectory rows per micro-batch,
         in order), the micro-batches an update is about to replay them into.
 

@@ -3,6 +3,7 @@ checkpoint of all of them, with the rollouts already made ahead (asynchronous RL
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -77,7 +78,7 @@ def save_ahead(resume_dir, batches: dict[int, Any]) -> None:
     for step, batch in batches.items():
         path = _ahead_path(resume_dir, step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_atomically(path, lambda f, b=batch: torch.save(b, f))
+        replace_atomically(path, functools.partial(torch.save, batch))  # torch.save(batch, f)
 
 
 def prune_ahead(resume_dir, step: int) -> None:

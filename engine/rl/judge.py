@@ -19,13 +19,18 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from config.judge import JudgeConfig
 from engine.rollout.base import SamplingSpec
 from engine.rollout.factory import build_rollout_engine
+
+if TYPE_CHECKING:
+    from openai import OpenAI
+
+    from engine.rollout.base import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +91,16 @@ class JudgeReward:
 
     def __init__(self, cfg: JudgeConfig):
         self.cfg = cfg
-        self.engine = self.tokenizer = self.client = None
+        self.engine: RolloutEngine | None = None
+        self.tokenizer: Any = None  # a transformers tokenizer, with the local engine
+        self.client: OpenAI | None = None
         if cfg.model_dir is not None:
             self._start_engine(Path(cfg.model_dir))
         else:
             # openai: ~2 s to import; only a judge or remote client needs it
             from openai import OpenAI
 
-            key = "EMPTY"  # the client refuses no key at all; a local server ignores it
+            key: str | None = "EMPTY"  # the client refuses no key at all; a local server ignores it
             if cfg.api_key_env is not None:
                 key = os.environ.get(cfg.api_key_env)
                 if not key:
@@ -126,6 +133,7 @@ class JudgeReward:
         return self._local(texts) if self.engine is not None else self._remote(texts)
 
     def _local(self, texts: Sequence[str]) -> list[str | None]:
+        assert self.engine is not None  # answers() calls this with a local engine
         ids = [self.token_ids(t) for t in texts]
         fits = [i for i, x in enumerate(ids) if len(x) + self.cfg.max_new_tokens <= self.max_model_len]
         if len(fits) < len(ids):
@@ -152,17 +160,21 @@ class JudgeReward:
             return list(pool.map(self._request, texts))
 
     def _request(self, text: str) -> str | None:
+        from openai import omit
+
         cfg = self.cfg
-        extra = {"seed": cfg.seed} if cfg.temperature > 0 else {}
+        seed = cfg.seed if cfg.temperature > 0 else omit  # omit: no "seed" key in the request
+        # with base_url: a client, and a model (config.judge requires it)
+        assert self.client is not None and cfg.model is not None
         try:
             if cfg.api == "chat":
-                reply = self.client.chat.completions.create(
+                chat = self.client.chat.completions.create(
                     model=cfg.model, messages=[{"role": "user", "content": text}], temperature=cfg.temperature,
-                    max_tokens=cfg.max_new_tokens, **extra)
-                return reply.choices[0].message.content
-            reply = self.client.completions.create(model=cfg.model, prompt=text, temperature=cfg.temperature,
-                                                   max_tokens=cfg.max_new_tokens, **extra)
-            return reply.choices[0].text
+                    max_tokens=cfg.max_new_tokens, seed=seed)
+                return chat.choices[0].message.content
+            completion = self.client.completions.create(model=cfg.model, prompt=text, temperature=cfg.temperature,
+                                                        max_tokens=cfg.max_new_tokens, seed=seed)
+            return completion.choices[0].text
         except Exception as exc:  # openai.APIError after the retries, or an answer without choices
             logger.warning("rl.reward.judge: request to %s failed: %s: %s", cfg.base_url, type(exc).__name__, exc)
             return None

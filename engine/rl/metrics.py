@@ -98,13 +98,15 @@ class MetricsLog:
         self.history.append(metrics)
         append_metrics(self.path, metrics)
         if self.log_metrics is not None:
-            self.log_metrics(metrics, metrics["step"])
+            self.log_metrics(metrics, int(metrics["step"]))
 
 
 def value_metrics(traj: Trajectory) -> dict[str, float]:
     """The critic's fit (PPO): ``critic/values/mean``, ``critic/returns/mean`` over the loss-mask
     tokens and ``critic/vf_explained_var = 1 - Var[R - V] / Var[R]`` (1: perfect, 0: no better
     than a constant; as verl reports it; left out when the returns are all equal)."""
+    if traj.values is None or traj.returns is None:
+        raise ValueError("value_metrics: the trajectory has no critic values and returns (only an estimator with a critic has)")
     mask = traj.response_mask.bool()
     v, r = traj.values[mask].double(), traj.returns[mask].double()
     out = {"critic/values/mean": float(v.mean()), "critic/returns/mean": float(r.mean())}
@@ -118,9 +120,12 @@ def staleness_metrics(traj: Trajectory, policy_version: int) -> dict[str, float]
     """Off-policy-ness of the batch: ``async/staleness_mean`` and ``_max`` (policy version
     that trains on a response minus the version of its first token; 0 when synchronous) and
     ``async/partial_fraction`` (responses whose tokens span two or more versions)."""
+    if traj.rollout_version is None or traj.rollout_version_end is None:
+        raise ValueError("staleness_metrics: the trajectory records no rollout versions")
     stale = (policy_version - traj.rollout_version).double()
+    partial = traj.rollout_version.ne(traj.rollout_version_end).double()
     return {"async/staleness_mean": float(stale.mean()), "async/staleness_max": float(stale.max()),
-            "async/partial_fraction": float((traj.rollout_version != traj.rollout_version_end).double().mean())}
+            "async/partial_fraction": float(partial.mean())}
 
 
 def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict | StepTimer,
@@ -137,6 +142,8 @@ def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing:
     of the policy before this step's update."""
     timing = timing.timing() if isinstance(timing, StepTimer) else timing
     policy_version = step - 1 if policy_version is None else policy_version
+    if traj.old_logprobs is None:
+        raise ValueError("step_metrics: the trajectory has no old log-probs (computed before the update)")
     mask = traj.response_mask.bool()
     lengths = traj.response_lengths.float()
     diff = (traj.rollout_logprobs.double() - traj.old_logprobs.double()).abs()[mask]

@@ -106,6 +106,8 @@ def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool =
     """
     if not cfg.kl.in_reward or cfg.kl.coef == 0:
         return traj, {}
+    if traj.old_logprobs is None or traj.ref_logprobs is None:
+        raise ValueError("rl.kl.in_reward: the KL penalty needs the old and the reference log-probs")
     coef = controller.value
     token_rewards, seq_kl = apply_kl_penalty(traj.rewards, traj.old_logprobs, traj.ref_logprobs, traj.response_mask,
                                              coef, cfg.kl.estimator)
@@ -137,20 +139,24 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     if needs.teacher:
         if traj.teacher_logprobs is None or traj.old_logprobs is None:
             raise ValueError(f"rl.algorithm {cfg.algorithm} needs the teacher's and the old log-probs")
+        if cfg.teacher is None:
+            raise ValueError(f"rl.algorithm {cfg.algorithm} needs rl.teacher")
         options = dict(teacher_logprobs=traj.teacher_logprobs, student_logprobs=traj.old_logprobs,
                        kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight)
-    if needs.critic and traj.values is None:
+    values = traj.values
+    if needs.critic and values is None:
         raise ValueError(f"rl.algorithm {cfg.algorithm} needs the critic's values")
     if cfg.algorithm != "gae":  # gae's own formula (below) also gives the returns and whitens
         advantages = get_advantage_estimator(cfg.algorithm)(
             rewards, traj.group_index, mask, **options, **({"values": traj.values} if needs.critic else {}))
-        if not needs.critic:
+        if not needs.critic or values is None:  # (values is set when the critic is needed: checked above)
             return traj.with_(advantages=advantages)
-        return traj.with_(advantages=advantages, returns=(advantages.float() + traj.values.float()) * mask)
+        return traj.with_(advantages=advantages, returns=(advantages.float() + values.float()) * mask)
     if rewards.dim() == 1:  # the outcome score on the last loss-mask token
         last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
         rewards = rewards[:, None] * last
-    advantages, returns = compute_gae(rewards.float(), traj.values, mask, cfg.critic.gamma, cfg.critic.lam)
+    assert values is not None  # gae needs the critic: checked above
+    advantages, returns = compute_gae(rewards.float(), values, mask, cfg.critic.gamma, cfg.critic.lam)
     return traj.with_(advantages=masked_whiten(advantages, mask).float(), returns=returns)
 
 
@@ -180,6 +186,8 @@ def distill_metrics(traj: Trajectory) -> dict[str, float]:
     ``KL(p_student || p_teacher)`` per token), and ``distill/teacher_logprob_mean``, the
     teacher's log-prob of the sampled tokens (nats). Needs ``old_logprobs`` and
     ``teacher_logprobs`` ``[B, L]``."""
+    if traj.teacher_logprobs is None or traj.old_logprobs is None:
+        raise ValueError("distillation metrics need the teacher's and the old log-probs")
     mask = traj.response_mask.double()
     n = float(mask.sum().clamp(min=1))
     teacher = traj.teacher_logprobs.double() * mask

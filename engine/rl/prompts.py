@@ -55,7 +55,7 @@ def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, sources
         if len(ids) > max_prompt_tokens:
             long[name].append((line, len(ids)))
             continue
-        source = settings.get(name)
+        source = settings.get(name) if name is not None else None
         by_source[name].append(RLPrompt(messages, label, ids, name, source.verifier if source else None,
                                         source.reward_weight if source else 1.0))
     too_long = sorted(x for lines in long.values() for x in lines)
@@ -73,7 +73,7 @@ def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, sources
     return PromptSet([p for prompts in by_source.values() for p in prompts],
                      [len(prompts) for prompts in by_source.values()],
                      {name: len(lines) for name, lines in long.items()},
-                     [settings[name].weight for name in by_source] if sources else [])
+                     [s.weight for s in settings.values()] if sources else [])  # by_source's order
 
 
 @dataclass(frozen=True)

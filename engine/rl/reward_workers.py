@@ -3,7 +3,7 @@ reward worker (verifier, plug-ins, judge, remote service) and a trained reward m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,8 @@ class RewardWorker:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(tokenizer_model_dir)
         self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier, cfg.code)
-        self._verifiers = {} if self.verifier is None else {cfg.verifier: self.verifier}
+        self._verifiers: dict[str, Callable[[str, str, str], float]] = {} if self.verifier is None else {
+            cfg.verifier: self.verifier}
         self.functions = []
         for i, f in enumerate(cfg.functions):
             try:

@@ -228,6 +228,8 @@ class RolloutDumps:
         checkpoint of step K always has the state of step K beside it."""
         if self.directory is None:
             return
+        if self._pending is None:
+            raise RuntimeError("rollout dump: the update of a step whose rollout was not recorded")
         dumped, meta = self._pending
         meta = {**meta, "metrics": metrics, "old_logprobs": meta["old_logprobs"] or "update"}
         write_step(self.directory, dumped.with_(old_logprobs=traj.old_logprobs), meta)

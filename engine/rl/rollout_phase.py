@@ -27,7 +27,7 @@ from engine.batching.sampler import EpochSampler, MixtureSampler
 from engine.models.platform import record_handoff
 from engine.rl.metrics import StepTimer
 from engine.rl.prefetch import RolloutPipeline
-from engine.rl.prompts import RLPrompt
+from engine.rl.prompts import PromptSet, RLPrompt
 from engine.rl.workers import Workers
 from engine.rollout.base import SamplingSpec
 from engine.rollout.multi_turn import multi_turn_metrics
@@ -55,7 +55,7 @@ class _Group:
         return self.traj.rewards.tolist()
 
 
-def source_metrics(prompts: list[RLPrompt], groups: list[_Group]) -> dict[str, float]:
+def source_metrics(prompts: list[RLPrompt] | PromptSet, groups: list[_Group]) -> dict[str, float]:
     """Per mixture source (none without a mixture): ``reward/<source>/count``, the prompts drawn
     from it, and ``reward/<source>/mean``, the mean reward of their responses (after the
     source's reward weight; left out when the source drew none), over ``groups``: every
@@ -69,7 +69,7 @@ def source_metrics(prompts: list[RLPrompt], groups: list[_Group]) -> dict[str, f
     return out
 
 
-def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler | MixtureSampler, cfg: RLConfig, seed: int,
+def rollout_batch(workers: Workers, prompts: list[RLPrompt] | PromptSet, sampler: EpochSampler | MixtureSampler, cfg: RLConfig, seed: int,
                   step: int, pad_id: int) -> tuple[Trajectory, dict[str, float], float, float]:
     """The step's scored batch: ``prompts_per_step`` prompts x ``n_samples`` responses.
 
@@ -103,11 +103,11 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt], sampler: EpochSampl
         batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
         if cfg.environment is None:
             traj, t_gen, restarts = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds),
-                                             restarts_before=timing["restarts"])
+                                             restarts_before=int(timing["restarts"]))
             traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
         else:
             traj, metrics, t_gen, restarts = generate_multi_turn(workers, batch, cfg, seed, step, pad_id,
-                                                                 round_index=len(rounds), restarts_before=timing["restarts"])
+                                                                 round_index=len(rounds), restarts_before=int(timing["restarts"]))
             t_reward = 0.0
         timing["gen"] += t_gen
         timing["reward"] += t_reward
@@ -158,7 +158,7 @@ class RolloutProducer:
     :class:`ScoredBatch` by :func:`rollout_batch`. The pipeline calls it once per step, in
     step order, on one thread, so ``sampler`` draws the prompts of the steps in order."""
 
-    def __init__(self, workers: Workers, prompts: list[RLPrompt], sampler: EpochSampler | MixtureSampler,
+    def __init__(self, workers: Workers, prompts: list[RLPrompt] | PromptSet, sampler: EpochSampler | MixtureSampler,
                  cfg: RLConfig, seed: int, pad_id: int):
         self.workers, self.prompts, self.sampler = workers, prompts, sampler
         self.cfg, self.seed, self.pad_id = cfg, seed, pad_id

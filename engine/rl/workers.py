@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -29,6 +29,9 @@ from engine.rollout.router import RolloutRouter
 from engine.storage.model_dir import HF_SUBDIR, load_model_dir, load_tokenizer
 from engine.training.actor import actor_norm, compute_logprobs, logit_temperature
 from engine.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from engine.rollout.vllm_rollout import VLLMRollout
 
 logger = logging.getLogger(__name__)
 
@@ -297,30 +300,39 @@ class RolloutWorker:
         _init_thread()
         self.engine.update_weights(named_tensors)
 
+    def _vllm(self) -> VLLMRollout:
+        """The engine, which the collective and IPC weight syncs need to be vLLM."""
+        from engine.rollout.vllm_rollout import VLLMRollout
+
+        if not isinstance(self.engine, VLLMRollout):
+            raise RuntimeError(f"weight sync over a collective group or IPC needs the vLLM rollout engine, "
+                               f"not {type(self.engine).__name__}")
+        return self.engine
+
     def weight_sync_join(self, spec, rank_offset: int):
         """Join the collective weight-sync group (``rl.engine.weight_sync: collective``; vLLM
         only, see :meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_join`)."""
         _init_thread()
-        return self.engine.weight_sync_join(spec, rank_offset)
+        return self._vllm().weight_sync_join(spec, rank_offset)
 
     def weight_sync_receive(self, buckets) -> tuple[float, float]:
         """Receive and load every bucket of one sync over the collective group; returns
         ``(seconds waiting for buckets, seconds loading)``
         (:meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_receive`)."""
         _init_thread()
-        return self.engine.weight_sync_receive(buckets)
+        return self._vllm().weight_sync_receive(buckets)
 
     def weight_sync_location(self) -> list:
         """Where each of the engine's workers holds its weights (vLLM only,
         :meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_location`)."""
         _init_thread()
-        return self.engine.weight_sync_location()
+        return self._vllm().weight_sync_location()
 
     def weight_sync_load_shared(self, handle, metas) -> float:
         """Load one bucket from the actor's shared buffer (``rl.engine.weight_sync: ipc``;
         :meth:`engine.rollout.vllm_rollout.VLLMRollout.weight_sync_load_shared`)."""
         _init_thread()
-        return self.engine.weight_sync_load_shared(handle, metas)
+        return self._vllm().weight_sync_load_shared(handle, metas)
 
     def sleep(self, level: int) -> None:
         """Colocated hand-off: free the engine's device memory while training runs (vLLM sleep

@@ -12,12 +12,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from engine.rollout.base import RolloutOutput, SamplingSpec
 from engine.rollout.hf_weight_names import checkpoint_views
+
+if TYPE_CHECKING:
+    from engine.rollout.hf_weight_names import CheckpointView
 
 
 def _as_id_list(value) -> list[int]:
@@ -110,11 +114,12 @@ class HFRollout:
             raise ValueError(f"HFRollout: dtype must be a floating-point torch dtype or its name, got {dtype!r}")
         self.dtype: torch.dtype = resolved
         # use_safetensors=True: never unpickle weights.
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved, use_safetensors=True).to(device)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved, use_safetensors=True).to(
+            device)  # type: ignore[arg-type]  # transformers' wrapper of Module.to loses its signature
         self.model.eval()
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
-        self._checkpoint_views = None  # checkpoint names held in another layout (update_weights)
+        self._checkpoint_views: dict[str, CheckpointView] | None = None  # checkpoint names held in another layout (update_weights)
 
         try:
             gen_cfg = GenerationConfig.from_pretrained(path)
@@ -292,4 +297,5 @@ class HFRollout:
                 if name in state:
                     state[name].copy_(tensor)
                 else:
+                    assert self._checkpoint_views is not None  # built above for every name not in state
                     self._checkpoint_views[name].write(state, tensor)

@@ -47,6 +47,7 @@ class CheckpointView:
 
     def target(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """The view of ``state[self.param]`` to copy into (only for a strided view)."""
+        assert self.stride is not None, "an indexed view has no target; write copies it element by element"
         return state[self.param].as_strided(self.shape, self.stride, state[self.param].storage_offset() + self.offset)
 
     def write(self, state: dict[str, torch.Tensor], tensor: torch.Tensor) -> None:
@@ -55,6 +56,7 @@ class CheckpointView:
             self.target(state).copy_(tensor)
         else:
             flat = state[self.param].view(-1)
+            assert self.index is not None  # a view is strided or indexed
             flat.index_copy_(0, self.index.reshape(-1), tensor.reshape(-1).to(flat.dtype))
 
 
@@ -104,7 +106,8 @@ def checkpoint_views(model: torch.nn.Module) -> dict[str, CheckpointView]:
         starts[name] = start
         indexed[name] = torch.arange(start, start + tensor.numel(), dtype=torch.float64).view(tensor.shape)
         start += tensor.numel()
-    reverted = revert_weight_conversion(model, dict(indexed))
+    # transformers types it for a PreTrainedModel; another module has no conversions: returned as given
+    reverted = revert_weight_conversion(model, dict(indexed))  # type: ignore[arg-type]
     bounds = sorted((s, n) for n, s in starts.items())
     views = {}
     for key, idx in reverted.items():

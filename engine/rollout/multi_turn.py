@@ -111,7 +111,7 @@ class Environment(Protocol):
     def step(self, response_text: str) -> StepResult: ...
 
 
-EnvironmentFactory = Callable[[], Environment]
+EnvironmentFactory = Callable[..., Environment]  # make_env() or make_env(tokenizer=...) (_make)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,11 @@ class _Sample:
     version_start: int = -1
     version_end: int = -1
 
+    def output(self) -> RolloutOutput:
+        """The finished sample as one rollout output."""
+        assert self.finish is not None, "the loop of partial_rollout runs until every sample finishes"
+        return RolloutOutput(tuple(self.tokens), tuple(self.logprobs), self.finish)
+
 
 @dataclass(frozen=True)
 class VersionedOutputs:
@@ -146,13 +151,13 @@ def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]],
                        max_new_tokens=min(chunk, budget - len(running[0].tokens)),
                        prompt_index=tuple(s.index for s in running))
         with gate as version:
-            outs = engine.generate([s.prompt + s.tokens for s in running], spec)
-        for s, (out,) in zip(running, outs):
+            continued = engine.generate([s.prompt + s.tokens for s in running], spec)
+        for s, (out,) in zip(running, continued):
             s.version_end = version
             _extend(s, out, budget)
         k += 1
     return VersionedOutputs(
-        outputs=[[RolloutOutput(tuple(s.tokens), tuple(s.logprobs), s.finish) for s in g] for g in samples],
+        outputs=[[s.output() for s in g] for g in samples],
         version_start=[[s.version_start for s in g] for g in samples],
         version_end=[[s.version_end for s in g] for g in samples],
     )

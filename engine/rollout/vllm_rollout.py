@@ -16,6 +16,7 @@ import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -224,8 +225,8 @@ class VLLMRollout:
         if gpu_memory_utilization is None:
             # vLLM's own default (a fraction of the node's memory minus this process's RSS)
             # depends on what the host reports and fails once the process holds a model.
-            self.kv_cache_memory_bytes = kv_cache_bytes(config, max_num_seqs, max_model_len, dtype)
-            memory = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes}
+            self.kv_cache_memory_bytes: int | None = kv_cache_bytes(config, max_num_seqs, max_model_len, dtype)
+            memory: dict[str, Any] = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes}
             logger.info("vLLM KV cache: %s bytes for %d sequences of %d tokens", f"{self.kv_cache_memory_bytes:,}",
                         max_num_seqs, max_model_len)
         else:
@@ -452,12 +453,13 @@ def _quiet_partial_reload():
             logger.removeFilter(_not_a_partial_reload_warning)
 
 
-def _dtype_name(dtype: str | torch.dtype) -> str:
+def _dtype_name(dtype: str | torch.dtype) -> Literal["float32", "bfloat16", "float16"]:
     """``"float32"``/``"bfloat16"``/``"float16"`` for a dtype or its name; ValueError otherwise."""
     name = str(dtype).removeprefix("torch.")
-    if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"VLLMRollout: dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return name
+    for known in ("float32", "bfloat16", "float16"):
+        if name == known:
+            return known
+    raise ValueError(f"VLLMRollout: dtype must be float32, bfloat16 or float16, got {dtype!r}")
 
 
 def _running_dtype(llm, asked: str) -> torch.dtype:

@@ -11,7 +11,9 @@ on GPU, where each tensor-parallel worker is its own rank of the group. The grou
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +28,11 @@ class WeightSyncExtension:
     The names start with ``weight_sync_`` because vLLM refuses an extension whose attributes
     clash with the worker's own.
     """
+
+    if TYPE_CHECKING:  # what the vLLM worker it is mixed into provides
+        rank: int
+
+        def reload_weights(self, weights_iterator: Iterator[tuple[str, torch.Tensor]]) -> None: ...
 
     def weight_sync_join(self, spec, rank_offset: int) -> int:
         """Join the group ``spec`` (:class:`engine.distributed.weight_sync.GroupSpec`) as rank
@@ -61,6 +68,7 @@ class WeightSyncExtension:
             pending = pool.submit(end.receive, buckets[0], 0) if buckets else None
             for i in range(len(buckets)):
                 t0 = time.perf_counter()
+                assert pending is not None  # submitted before the loop, then for the next bucket
                 named = pending.result()
                 t1 = time.perf_counter()
                 if i + 1 < len(buckets):

@@ -7,6 +7,7 @@ replaces an engine."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -80,7 +81,7 @@ def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, 
 
     wait = _waiter(t0, timeout_s, several, dead, tolerate_death)
 
-    def on_every_engine(call: Callable[[Any], Any], what: str) -> None:
+    def on_every_engine(call: Callable[..., Any], what: str) -> None:  # call(engine)
         refs = {k: call(e) for k, e in enumerate(engines) if k not in dead}
         for k, ref in refs.items():
             wait(ref, what, k)
@@ -156,7 +157,8 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         """Wait for ``{key: ref}`` (an int key: that engine's call, any other: the actor's); an
         engine death is recorded (with ``tolerate_death``), any other error raised after all
         were waited."""
-        out, errors = {}, []
+        out: dict = {}
+        errors: list[tuple[Any, str, RayError]] = []
         for k, ref in refs.items():
             left = None if timeout_s is None else max(0.0, timeout_s - (time.perf_counter() - t0))
             where = f" on rollout engine {k}" if several and isinstance(k, int) else ""
@@ -177,9 +179,9 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         if errors or dead:
             group.members = ()
         if errors and not dead:  # with a dead engine the others' errors are its consequence
-            k, where, exc = errors[0]
-            cause = getattr(exc, "cause", None) or exc
-            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from exc
+            k, where, error = errors[0]
+            cause = getattr(error, "cause", None) or error
+            raise RuntimeError(f"weight sync: {what}{where} failed: {type(cause).__name__}: {cause}") from error
         return out
 
     plan = wait_all({None: actor.hf_bucket_plan.remote()}, "planning the buckets")[None]
@@ -191,7 +193,7 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         per = group.workers_per_engine
         spec = wait_all({None: actor.weight_sync_open.remote(1 + per * len(engines), group.generation, timeout)},
                         "opening the collective group")[None]
-        refs = {None: actor.weight_sync_join.remote()}
+        refs: dict = {None: actor.weight_sync_join.remote()}
         refs.update({k: e.weight_sync_join.remote(spec, 1 + per * k) for k, e in enumerate(engines)})
         wait_all(refs, f"forming the collective group (generation {group.generation})")
         if dead:
@@ -207,7 +209,7 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
             return time.perf_counter() - t0, dead
     # every bucket's send queued on the actor (it runs them in order) and one receive call per
     # engine, which loads bucket i while bucket i + 1 arrives
-    refs: dict = {("send", i): actor.weight_sync_send.remote(i) for i in range(plan.num_buckets)}
+    refs = {("send", i): actor.weight_sync_send.remote(i) for i in range(plan.num_buckets)}
     buckets = [plan.bucket(i) for i in range(plan.num_buckets)]
     refs.update({k: engines[k].weight_sync_receive.remote(buckets) for k in live})
     out = wait_all(refs, f"the {plan.num_buckets} buckets")
@@ -310,12 +312,11 @@ def push_weights_shared(actor, engines: Sequence[Any], group: CollectiveGroup, l
     live = [k for k in range(len(engines)) if k not in dead]
     local = [k for k in live if all(w.shares_memory_with(here) for w in locations[engines[k]._actor_id])]
     remote = [k for k in live if k not in local]
-    for push, idx in ((push_weights_ipc, local), (push_weights_collective, remote)):
+    for push, idx in ((push_weights_ipc, local), (functools.partial(push_weights_collective, group=group), remote)):
         if not idx:
             continue
-        extra = (group,) if push is push_weights_collective else ()
         sub_paused = {j for j, k in enumerate(idx) if k in paused}
-        _, sub_dead = push(actor, [engines[k] for k in idx], *extra, timeout_s=timeout_s, version=version,
+        _, sub_dead = push(actor, [engines[k] for k in idx], timeout_s=timeout_s, version=version,
                            tolerate_death=tolerate_death, paused=sub_paused)
         paused.difference_update(idx)
         paused.update(idx[j] for j in sub_paused)

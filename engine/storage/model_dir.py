@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file
@@ -35,6 +35,9 @@ from conversion.spec import GPTSpec
 from engine.distributed.collectives import barrier, global_rank
 from engine.models.megatron import build_gpt_model
 from engine.storage.torch_dist import load_model_checkpoint, save_model_checkpoint, shared_temporary_dir
+
+if TYPE_CHECKING:
+    from engine.models.megatron import CoreAttention
 
 MEGATRON_SUBDIR = "megatron"
 
@@ -212,7 +215,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return read_config_json(Path(model_dir) / HF_SUBDIR / "config.json", f"{model_dir} is not a model directory")
 
 
-def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: str = "sdpa",
+def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: CoreAttention = "sdpa",
                    dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Build the megatron-core model of a model directory and load its weights.
 

@@ -8,7 +8,7 @@ reads them back; and which saved rank's states a rank restores when the layout c
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,7 +20,9 @@ def capture_rng_state() -> dict[str, Any]:
     Also megatron-core's named RNG-tracker states (used around dropout) when they exist.
     """
     version, mt, gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    # legacy=True (the default) gives the MT19937 tuple or raises; numpy's stub also allows a dict
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     state: dict[str, Any] = {
         "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
         "numpy": {

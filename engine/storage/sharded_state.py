@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from engine.distributed.collectives import world_size
 from engine.models.lora import adapter_sharded_state, lora_layers
@@ -106,7 +107,12 @@ def read_full_tensors(checkpoint: Path, keys: list[str]) -> dict[str, torch.Tens
     ``torch.distributed.checkpoint`` in this process alone (``no_dist``)."""
     reader = dcp.FileSystemReader(str(checkpoint))
     meta = reader.read_metadata().state_dict_metadata
-    out = {k: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in keys}
+    out = {}
+    for k in keys:
+        m = meta[k]
+        if not isinstance(m, TensorStorageMetadata):
+            raise ValueError(f"{checkpoint}: {k!r} is not a tensor in this checkpoint")
+        out[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(out, storage_reader=reader, no_dist=True)

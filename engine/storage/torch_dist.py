@@ -80,7 +80,8 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 
     results: dict[int, list] = {}
     for index, bucket in enumerate(write_buckets):
-        local_results, done = queue.Queue(), queue.Queue()
+        local_results: queue.Queue = queue.Queue()
+        done: queue.Queue = queue.Queue()
         done.put(index)  # the writer takes one item and marks it done, as each forked writer does
         FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local_results, done, True,
                                                    use_msc=use_msc)

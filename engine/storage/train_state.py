@@ -61,7 +61,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -100,6 +100,13 @@ SINGLE_FILE, SHARDED = 1, 2  # format versions
 
 
 _COMMON = "train_state"  # the common (rank-0) entry of a sharded checkpoint
+
+
+class OptimizerState(Protocol):
+    """What a single-file train state reads of an optimizer: its ``state_dict()`` (a torch
+    optimizer, or the DeepSpeed trainer's consolidated ZeRO state)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,9 @@ class TrainState:
         self.data_position = DataPosition(**raw["data_position"])
         self.extra: dict[str, Any] = raw.get("extra", {})
         if self.format_version == SINGLE_FILE:
-            self.checkpoint, self._raw, self._common = None, raw, None
+            self.checkpoint: Path | None = None
+            self._raw: dict[str, Any] | None = raw
+            self._common: dict[str, Any] | None = None
             self.scheduler = raw["scheduler"]
             return
         self.checkpoint = path.parent / raw["checkpoint"]
@@ -197,6 +206,12 @@ class TrainState:
         self.scheduler = self._common["scheduler"]
         self._raw = None
 
+    def _sharded(self) -> tuple[Path, dict[str, Any]]:
+        """``(checkpoint directory, common state)`` of a sharded state."""
+        if self.checkpoint is None or self._common is None:
+            raise ValueError(f"{self.path}: a single-file train state, not a sharded one")
+        return self.checkpoint, self._common
+
     @property
     def model(self) -> dict[str, torch.Tensor]:
         """The saved weights by ``state_dict()`` name (no ``_extra_state``); for a sharded state
@@ -204,8 +219,9 @@ class TrainState:
         process, not a collective)."""
         if self._raw is not None:
             return self._raw["model"]
-        full = read_full_tensors(self.checkpoint, [key for key, _ in self._common["keys"].values()])
-        return {name: select_offsets(full[key], offsets) for name, (key, offsets) in self._common["keys"].items()}
+        checkpoint, common = self._sharded()
+        full = read_full_tensors(checkpoint, [key for key, _ in common["keys"].values()])
+        return {name: select_offsets(full[key], offsets) for name, (key, offsets) in common["keys"].items()}
 
     @property
     def optimizer(self) -> dict[str, Any]:
@@ -213,9 +229,10 @@ class TrainState:
         with the moments gathered to full tensors, like :attr:`model`."""
         if self._raw is not None:
             return self._raw["optimizer"]
-        opt, keys = self._common["optimizer"], self._common["keys"]
+        checkpoint, common = self._sharded()
+        opt, keys = common["optimizer"], common["keys"]
         wanted = [f"optimizer.state.{m}.{keys[name][0]}" for name, moments in opt["moments"].items() for m in moments]
-        full = read_full_tensors(self.checkpoint, wanted)
+        full = read_full_tensors(checkpoint, wanted)
         state = {}
         for index, name in enumerate(opt["names"]):
             key, offsets = keys[name]
@@ -228,7 +245,7 @@ class TrainState:
     @property
     def rng(self) -> dict[str, Any]:
         """RNG states (:func:`capture_rng_state`) of the writer's rank 0."""
-        return self._raw["rng"] if self._raw is not None else self._common["rng"][0]
+        return self._raw["rng"] if self._raw is not None else self._sharded()[1]["rng"][0]
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> None:
         """Load weights, optimizer and scheduler states, then the RNG states. For a sharded
@@ -312,7 +329,9 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
 def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     """Every rank: its shards of weights and moments (resharded to this layout), then the
     optimizer, scheduler and RNG states (module docstring)."""
-    common = state._common
+    common, checkpoint = state._common, state.checkpoint
+    if common is None or checkpoint is None:
+        raise ValueError(f"{state.path}: a single-file train state, not a sharded one")
     opt = common["optimizer"]
     names = optimizer_names(model, optimizer)
     tensors = dict(zip(names, (p for group in optimizer.param_groups for p in group["params"])))
@@ -326,7 +345,7 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
         template = {n: {m: torch.zeros_like(tensors[n]) for m in opt["moments"][glob.get(n, n)]}
                     for n in names if glob.get(n, n) in opt["moments"]}
         loaded = load_sharded({"model": model_state, "optimizer": sharded_moments(model_state, template)},
-                              state.checkpoint)
+                              checkpoint)
         try:
             result = model.load_state_dict(loaded["model"], strict=not lora_layers(model))  # LoRA: adapters only
             missing = [k for k in model_state if k in result.missing_keys]
@@ -368,7 +387,7 @@ def save_train_state(
     *,
     step: int,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerState,
     scheduler,
     data_position: DataPosition,
     extra: dict[str, Any] | None = None,
@@ -388,6 +407,8 @@ def save_train_state(
                "data_position": dataclasses.asdict(data_position)}
     with naming_a_full_disk(root, f"the train state of step {step}", _state_bytes(model, optimizer), FULL_DISK_FIX):
         if is_sharded_model(model):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"a sharded train state needs the torch optimizer, not {type(optimizer).__name__}")
             _save_sharded(root, payload, model, optimizer, scheduler)
             return root / STATE_FILE
         if global_rank() != 0:  # data parallelism: the ranks hold the same state; rank 0 writes it
@@ -406,7 +427,7 @@ FULL_DISK_FIX = ("free space there or set run.checkpoint_root to a directory on 
                  "the last checkpoint is kept, so a rerun resumes from it")
 
 
-def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | OptimizerState) -> int:
     """About the bytes a train state of ``model`` takes: its weights and the optimizer's tensors."""
     tensors = [v for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
     # state_dict(), not .state: a consolidated DeepSpeed state hands over only what save reads

@@ -194,8 +194,10 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured:
         with replay[0].replaying(replay[1][id(mb)]) if replay is not None else nullcontext():
             logprobs, entropy = response_logprobs(model, mb, temperature, cfg.packing, entropy=True,
                                                   entropy_grad=cfg.entropy_coef > 0)
+        assert entropy is not None  # asked for: entropy=True
         old_logprobs = mb.old_logprobs
         if old_logprobs is None:
+            assert captured is not None  # checked on entry
             old_logprobs = captured[id(mb)] = (logprobs.detach() * mb.response_valid).float()
         pg = policy_loss(logprobs, old_logprobs, mb.advantages, mask, cfg.clip_ratio,
                          rollout_logprobs=mb.rollout_logprobs, loss_agg_mode=cfg.loss_agg_mode, norm=norm, **clip)
@@ -302,6 +304,7 @@ def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Call
     if old is None:
         old = torch.zeros(traj.response_ids.shape, device=traj.response_ids.device)
         for r, mb in zip(rows, micro):
+            assert mb.old_logprobs is not None  # captured by the first epoch's loss_fn
             old[r, : mb.old_logprobs.size(1)] = mb.old_logprobs
     keys = [k for k in ACTOR_METRICS if k in epochs[0]]
     return ActorUpdate({f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}, old)

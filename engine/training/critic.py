@@ -99,6 +99,8 @@ def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep, norm: Globa
     clip = cfg.critic.cliprange_value
 
     def loss_fn(model: Callable[[torch.Tensor], torch.Tensor], mb: Trajectory):
+        if mb.values is None or mb.returns is None:
+            raise ValueError("critic update: the batch has no old values and returns (GAE computes them first)")
         mask = mb.response_mask
         values = response_values(model, mb)
         out = clipped_value_loss(values, mb.values, mb.returns, mask, clip, "token-mean", norm)

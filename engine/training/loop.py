@@ -156,7 +156,7 @@ def run_loop(trainer: StepTrainer, stage: LoopStage, cfg: Any, *, num_examples: 
             or as the trainer's ``load_state`` and the stage raise.
     """
     start, position, metrics = 0, DataPosition(0, 0, seed), {}
-    if has_train_state(resume_dir):
+    if resume_dir is not None and has_train_state(resume_dir):
         check_run_identity(resume_dir, identity)
         state = trainer.load_state(resume_dir)
         start, position, metrics = state.step, state.data_position, dict(state.extra["metrics"])
@@ -179,7 +179,7 @@ def run_loop(trainer: StepTrainer, stage: LoopStage, cfg: Any, *, num_examples: 
         metrics = stage.metrics(out, batch, StepInfo(done, sampler.epoch + sampler.offset / num_examples, seconds))
         due = done % cfg.log_every == 0 or done == cfg.steps
         if evaluates and due:
-            metrics.update(stage.evaluate(trainer.model))
+            metrics.update(_call(stage, "evaluate", trainer.model))  # an optional method: evaluates checked it
         # Logged before the checkpoint: a run resumed from step N has logged every step up to N.
         if lead and due and log_metrics is not None:
             log_metrics(metrics, done)

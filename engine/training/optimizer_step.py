@@ -178,7 +178,7 @@ def accumulate_gradients(
         loss_sum, units, metrics = loss_fn(model, mb)
         units = int(units)
         if units == 0:
-            if engine_reduces and loss_sum.requires_grad:
+            if engine_reduces and backward is not None and loss_sum.requires_grad:  # an engine's backward
                 backward(loss_sum * 0.0)  # keeps this rank's backward collectives in step with the others'
             continue  # nothing to learn from (e.g. every target truncated away)
         if router_losses and not normalized:

@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -69,7 +70,9 @@ def pair_logps(model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: 
            "rejected": sequence_logps(model, [p.rejected for p in pairs], pad_id, micro_batch_size)}
     if pairs[0].mismatched is not None:
         for k, key in enumerate(("mismatched_chosen", "mismatched_rejected")):
-            out[key] = sequence_logps(model, [p.mismatched[k] for p in pairs], pad_id, micro_batch_size)
+            # every pair carries them when the first does (encode_pairs makes them all alike)
+            rows = [cast("tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]", p.mismatched)[k] for p in pairs]
+            out[key] = sequence_logps(model, rows, pad_id, micro_batch_size)
     return out
 
 
@@ -83,12 +86,13 @@ def unpaired_logps(model: torch.nn.Module, examples: Sequence[UnpairedExample], 
 def example_logps(model: torch.nn.Module, examples: Sequence[PreferencePair] | Sequence[UnpairedExample], pad_id: int,
                   micro_batch_size: int) -> dict[str, torch.Tensor]:
     """:func:`unpaired_logps` of unpaired rows, else :func:`pair_logps` of pairs."""
+    # the rows are all of one kind: the first says which (mypy cannot narrow a sequence by it)
     if isinstance(examples[0], UnpairedExample):
-        return unpaired_logps(model, examples, pad_id, micro_batch_size)
-    return pair_logps(model, examples, pad_id, micro_batch_size)
+        return unpaired_logps(model, cast("Sequence[UnpairedExample]", examples), pad_id, micro_batch_size)
+    return pair_logps(model, cast("Sequence[PreferencePair]", examples), pad_id, micro_batch_size)
 
 
-def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[PreferencePair], path: Path,
+def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], path: Path,
                    identity: dict) -> None:
     """Write the reference log-probs (:data:`REFERENCE_FILE` layout) atomically, ``identity`` (the
     run's config, dataset size and seed) in the safetensors metadata."""
@@ -99,7 +103,7 @@ def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[Preferenc
     tmp.replace(path)
 
 
-def reference_logps(model, pairs: Sequence[PreferencePair], cfg: PoConfig, pad_id: int, resume_dir: Path | None,
+def reference_logps(model, pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], cfg: PoConfig, pad_id: int, resume_dir: Path | None,
                      identity: dict) -> dict[str, torch.Tensor]:
     """The starting policy's log-probs: zeros when the loss uses no reference; else read from
     ``resume_dir`` when an earlier attempt of the same run wrote them, or computed now (by every

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -174,6 +175,8 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroB
     if reference_point is None:
         reference_point = batch.reference_point
     if isinstance(batch, UnpairedMicroBatch):
+        if reference_point is None:
+            raise ValueError("po.loss kto: the batch has no reference point z0 (the KL estimate of the step)")
         logps, _ = response_logps(model, batch.tokens)
         out = unpaired_kto_loss(cfg, logps, batch.ref, batch.labels, reference_point)
         n = logps.size(0)
@@ -195,11 +198,13 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroB
 def _micro_batches(pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], indices: Sequence[int],
                    reference: dict[str, torch.Tensor], micro_batch_size: int, pad_id: int,
                    z0: torch.Tensor | None) -> list[PreferenceMicroBatch] | list[UnpairedMicroBatch]:
-    if isinstance(pairs[0], UnpairedExample):
-        return [UnpairedMicroBatch(collate_tokens([pairs[i].completion[0] for i in chunk],
-                                                  [pairs[i].completion[1] for i in chunk], pad_id),
-                                   torch.tensor([pairs[i].label for i in chunk]), reference["completion"][chunk], z0)
+    if isinstance(pairs[0], UnpairedExample):  # the rows are of one kind: the first says which
+        unpaired = cast("Sequence[UnpairedExample]", pairs)
+        return [UnpairedMicroBatch(collate_tokens([unpaired[i].completion[0] for i in chunk],
+                                                  [unpaired[i].completion[1] for i in chunk], pad_id),
+                                   torch.tensor([unpaired[i].label for i in chunk]), reference["completion"][chunk], z0)
                 for chunk in split_micro_batches(list(indices), micro_batch_size)]
+    pairs = cast("Sequence[PreferencePair]", pairs)
     out = []
     for chunk in split_micro_batches(list(indices), micro_batch_size):
         rows = [pairs[i].chosen for i in chunk] + [pairs[i].rejected for i in chunk]
@@ -325,8 +330,11 @@ class POStage:
                 "perf/pairs_per_s": len(indices) / info.seconds}
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        evaluate = evaluate_unpaired if self.unpaired else evaluate_pairs
-        return evaluate(model, self.examples, self.eval_idx, self.reference, self.cfg, self.pad_id)
+        if self.unpaired:  # the examples are of one kind (mypy cannot narrow them by the flag)
+            return evaluate_unpaired(model, cast("Sequence[UnpairedExample]", self.examples), self.eval_idx,
+                                     self.reference, self.cfg, self.pad_id)
+        return evaluate_pairs(model, cast("Sequence[PreferencePair]", self.examples), self.eval_idx, self.reference,
+                              self.cfg, self.pad_id)
 
 
 def train_preference_optimization(
@@ -401,6 +409,7 @@ def train_preference_optimization(
     if unpaired and cfg.loss != "kto":
         raise ValueError(f"{dataset_path}: unpaired desirable/undesirable rows (data.kto) train only po.loss: kto, "
                          f"not {cfg.loss!r}; set po.loss: kto, or give pairs (data.preference)")
+    pairs: list[PreferencePair] | list[UnpairedExample]
     if unpaired:
         pairs = encode_unpaired(dataset_path, tokenizer, cfg.max_seq_len)
         _log_class_balance(pairs, cfg)
@@ -434,9 +443,10 @@ def train_preference_optimization(
         save_peft_adapter(model, cfg.lora, Path(out_dir) / "adapter")
     if cfg.uses_reference and global_rank() == 0:
         save_reference(reference, pairs, Path(out_dir).parent / REFERENCE_FILE, identity)
+    labels = [e.label for e in pairs if isinstance(e, UnpairedExample)]  # every row when unpaired
     counts = ({"po/num_train_rows": float(len(train_idx)), "po/num_eval_rows": float(len(eval_idx)),
-               "po/num_desirable": float(sum(e.label for e in pairs)),
-               "po/num_undesirable": float(sum(not e.label for e in pairs))} if unpaired else
+               "po/num_desirable": float(sum(labels)),
+               "po/num_undesirable": float(sum(not label for label in labels))} if unpaired else
               {"po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx))})
     return {**result.metrics, **counts, **result.summary()}
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torc
     return -F.logsigmoid(r_chosen - r_rejected)
 
 
-def packed_rewards(model: torch.nn.Module, batch: PackedTokenBatch) -> torch.Tensor:
+def packed_rewards(model: Any, batch: PackedTokenBatch) -> torch.Tensor:  # checked: .gpt and .reward_head
     """Rewards of packed sequences: ``reward_head`` on each sequence's last token's
     final-normed hidden state (packed position ``cu_seqlens[b + 1] - 1``), from
     :func:`engine.models.megatron.gpt_hidden_states_packed`; equal to the right-padded
@@ -116,7 +117,7 @@ def pair_loss(model: RewardFn, batch: TokenBatch | PackedTokenBatch) -> tuple[to
 
 
 @torch.no_grad()
-def evaluate_pairs(model: RewardFn, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
+def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
                    micro_batch_size: int) -> dict[str, float]:
     """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
     wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (an
@@ -157,7 +158,8 @@ def reward_micro_batches(pairs: Sequence[tuple[list[int], list[int]]], cfg: RMCo
         sizes = [len(c) + len(r) for c, r in pairs]
         groups = [[pairs[i] for i in g] for g in token_budget_micro_batches(sizes, cfg.max_tokens_per_micro_batch)]
     micro = [collate_pairs(g, pad_id) for g in groups]
-    return [pack_token_batch(mb) for mb in micro] if cfg.packing else micro
+    out: list[TokenBatch | PackedTokenBatch] = [pack_token_batch(mb) for mb in micro] if cfg.packing else list(micro)
+    return out
 
 
 def split_eval(num_pairs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -201,7 +203,7 @@ class RMStage:
             "perf/pairs_per_s": self.cfg.global_batch_size / info.seconds,
         }
 
-    def evaluate(self, model: RewardFn) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         return evaluate_pairs(model, self.eval_pairs, self.pad_id, self.cfg.micro_batch_size)
 
 

@@ -204,7 +204,8 @@ def sft_micro_batches(rows: list[tuple[list[int], list[int]]], cfg: SFTConfig,
         groups = [[rows[i] for i in g] for g in
                   token_budget_micro_batches([len(r[0]) for r in rows], cfg.max_tokens_per_micro_batch)]
     micro = [collate_tokens([r[0] for r in g], [r[1] for r in g], pad_id) for g in groups]
-    return [pack_token_batch(mb) for mb in micro] if cfg.packing else micro
+    out: list[TokenBatch | PackedTokenBatch] = [pack_token_batch(mb) for mb in micro] if cfg.packing else list(micro)
+    return out
 
 
 class SFTStage:

@@ -161,6 +161,8 @@ def test_tokenizer_of_another_model_and_a_broken_gguf_are_named(base, fixtures_d
         check_tokenizer_fits(load_hf_source(base, tokenizer=fixtures_dir / "qwen2.5-tokenizer"))
     stories = load_hf_source(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", cache_dir=tmp_path / "c")
     check_tokenizer_fits(stories)  # 512 tokens, vocab_size 512: fits
+    # No vocab_size to compare with: nothing to refuse here (it raised TypeError, int > None).
+    check_tokenizer_fits(stories._replace(config={k: v for k, v in stories.config.items() if k != "vocab_size"}))
     fake = tmp_path / "random.gguf"
     fake.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ValueError, match=r"random\.gguf: cannot import this GGUF file"):

@@ -341,6 +341,15 @@ def test_normalize(answer, canonical):
     assert normalize(answer) == canonical
 
 
+def test_backslash_before_a_line_break_is_scored_not_raised():
+    # A backslash followed by a line break inside the box used to raise AttributeError in
+    # normalize (the command pattern's "." does not match a newline): math_boxed raised on
+    # such a response instead of scoring it. The pair is read as one command now.
+    assert normalize("a\\\nb") == "a\\b"
+    assert math_boxed("The answer is \\boxed{a\\\nb}", "ab") == 0.0
+    assert math_boxed("\\boxed{a\\\nb}", "a\\b") == 1.0
+
+
 def test_math_is_registered():
     assert VERIFIERS["math"] is math_boxed
     assert get_verifier("math")("\\boxed{0.5}", "\\frac12", "stop") == 1.0

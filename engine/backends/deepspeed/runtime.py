@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -205,7 +205,7 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         :attr:`collective_forward`, else 0 and no collective). Call it before the forwards."""
         return self.rounds(count) - count if self.collective_forward else 0
 
-    def train_step(self, micro: list[Any], loss_fn) -> dict[str, float]:
+    def train_step(self, micro: Sequence[Any], loss_fn) -> dict[str, float]:
         """One optimizer step over the batch's micro-batches; the contract of
         :func:`engine.training.optimizer_step.train_step` with ``normalized=True``: ``loss_fn(engine, mb)``
         returns ``(loss already divided by the batch's global normaliser, units, metrics)``,

@@ -8,7 +8,7 @@ data-parallel size (docs/scaling.md)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,23 @@ class DeepSpeedTrainState:
     """Saving and loading :class:`engine.backends.deepspeed.runtime.DeepSpeedTrainer`'s train
     state; the trainer provides ``engine``, ``module``, ``zero_stage``, ``precision`` and its
     master-weight helpers."""
+
+    if TYPE_CHECKING:  # what DeepSpeedTrainer (engine.backends.deepspeed.runtime) provides
+        engine: Any
+        module: torch.nn.Module
+        world: int
+        zero_stage: int
+        scheme: str
+        optim: Any
+        total_steps: int
+        optimizer: torch.optim.Optimizer
+        scheduler: Any
+
+        def gathered(self, params, modifier_rank: int | None = None) -> Any: ...
+        def _repository_masters_by_name(self) -> dict[str, torch.nn.Parameter]: ...
+        def _set_masters(self, weights: dict[str, torch.Tensor]) -> None: ...
+        def _deepspeed_masters_in_params(self) -> Any: ...
+        def _optimizer_param_groups(self) -> Any: ...
 
     def _state_module(self) -> torch.nn.Module:
         """What the train state reads and restores: the module, or, when some of its parameters are

@@ -170,7 +170,7 @@ def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float,
     (:func:`zero_buffer_sizes`) instead of DeepSpeed's multi-GB defaults.
     """
     scheme = precision_scheme(ds.zero_stage, precision)
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,

@@ -45,6 +45,8 @@ class MegatronRewardTrainer(ModelTrainer):
         """Write the trained reward model as a model directory (body as torch_dist, head in
         ``heads.safetensors``), fp32 under bf16 too: the masters belong to the whole
         :class:`RewardModel`, so they are put in place around it, body and head alike."""
-        with full_precision_weights(self.model):
-            return save_model_dir(out_dir, self.model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
-                                  iteration=iteration, heads=self.model.heads())
+        model = self.model
+        assert isinstance(model, RewardModel)  # built in __init__
+        with full_precision_weights(model):
+            return save_model_dir(out_dir, model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
+                                  iteration=iteration, heads=model.heads())
