@@ -109,6 +109,37 @@ def drop_dead_vllm_process_groups() -> list[str]:
     return names
 
 
+# The config.json keys under which vLLM reads an MoE model's expert count (ModelConfig.get_num_experts).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def rebuild_vllm_groups_for_experts(config: dict[str, Any]) -> bool:
+    """Let an MoE engine start in a process where a dense model's engine set vLLM's groups up.
+
+    vLLM builds its model-parallel groups once per process and reuses them for every later
+    engine; the expert-parallel group is built only when the first engine's model has experts.
+    An MoE engine after a dense one then fails while building its layers ("expert parallel
+    group is not initialized"). When the groups exist without an EP group and ``config``
+    (an HF ``config.json``) has experts, vLLM's model-parallel groups are destroyed
+    (``destroy_model_parallel``) so that the new engine builds them again, EP included. The
+    uniprocess engines here have one rank per group, so an engine still alive in the process
+    keeps working on the rebuilt groups (a test checks it).
+
+    Returns:
+        Whether the groups were rebuilt.
+    """
+    if not any(int(config.get(key) or 0) > 0 for key in _EXPERT_COUNT_KEYS):
+        return False
+    # vllm: seconds to import; only a rollout engine needs it
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state._EP is not None:
+        return False
+    parallel_state.destroy_model_parallel()
+    logger.info("vLLM's groups were built for a dense model; rebuilding them with an expert-parallel group")
+    return True
+
+
 def eos_token_ids(model_dir: str | Path) -> list[int]:
     """EOS ids of an HF model directory: ``generation_config.json`` if present, else ``config.json``.
 
@@ -235,6 +266,7 @@ class VLLMRollout:
         for name in _TOKENIZER_FREE_LOGGERS:
             logging.getLogger(name).addFilter(_not_a_missing_tokenizer_warning)  # once per logger
         drop_dead_vllm_process_groups()
+        rebuild_vllm_groups_for_experts(config)
         with _modules_hidden_from_vllm_kernel_scan():
             self.llm = LLM(
                 model=str(self.model_dir),
