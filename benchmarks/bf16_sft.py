@@ -60,8 +60,10 @@ def quickstart_batches(steps: int, seed: int | None = None):
     seed = cfg.run.seed if seed is None else seed
     sampler = EpochSampler(len(rows), seed)
     pad = pad_token_id(tokenizer)
-    batches = [sft_micro_batches([rows[i] for i in sampler.next_indices(sft.global_batch_size)], sft, pad)
-               for _ in range(steps)]
+    batches = [
+        sft_micro_batches([rows[i] for i in sampler.next_indices(sft.global_batch_size)], sft, pad)
+        for _ in range(steps)
+    ]
     return base, sft, seed, batches
 
 
@@ -122,7 +124,7 @@ def run_side(side: str, base: Path, sft, seed: int, batches) -> list[float]:
 
 def window(losses: list[float], step: int) -> float:
     """Mean loss of steps ``step-9..step`` (1-based)."""
-    part = losses[max(0, step - 10):step]
+    part = losses[max(0, step - 10) : step]
     return sum(part) / len(part)
 
 
@@ -175,8 +177,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
-    parser.add_argument("--seeds", nargs="+", type=int, default=None,
-                        help="data-order seeds; several give paired ratios with SEs (default: run.seed)")
+    parser.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="data-order seeds; several give paired ratios with SEs (default: run.seed)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     runs = []

@@ -44,7 +44,9 @@ def _timed(args: list[str], cwd: Path) -> tuple[float, str]:
     proc = subprocess.run([str(POSTTRAIN), *args], cwd=cwd, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
-        raise RuntimeError(f"posttrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"posttrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return wall, proc.stdout
 
 
@@ -83,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     for r, load, floor, cached in rows:
         print(f"{r:>5} {load:>8.2f} {floor:>11.1f} {cached:>13.1f} {cached / floor:>15.2f}")
     ratios = [cached / floor for _, _, floor, cached in rows]
-    print(f"\ncached run / validate: median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}); "
-          f"cached run median {statistics.median(c for *_, c in rows):.1f} s")
+    print(
+        f"\ncached run / validate: median {statistics.median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}); "
+        f"cached run median {statistics.median(c for *_, c in rows):.1f} s"
+    )
     return 0
 
 

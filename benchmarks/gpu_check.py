@@ -54,16 +54,32 @@ def missing(*packages: str) -> str | None:
 def _small_spec():
     from conversion.spec import GPTSpec
 
-    return GPTSpec(architecture="qwen2", vocab_size=1024, hidden_size=256, num_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2, ffn_hidden_size=688, max_position_embeddings=128, rope_theta=10000.0,
-                   norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True)
+    return GPTSpec(
+        architecture="qwen2",
+        vocab_size=1024,
+        hidden_size=256,
+        num_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=688,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
+    )
 
 
 def _trajectory_to(traj, device):
     import dataclasses
 
-    return traj.with_(**{f.name: getattr(traj, f.name).to(device) for f in dataclasses.fields(traj)
-                         if torch.is_tensor(getattr(traj, f.name))})
+    return traj.with_(
+        **{
+            f.name: getattr(traj, f.name).to(device)
+            for f in dataclasses.fields(traj)
+            if torch.is_tensor(getattr(traj, f.name))
+        }
+    )
 
 
 def reference_run(kind: str, device: str) -> dict:
@@ -97,15 +113,28 @@ def reference_run(kind: str, device: str) -> dict:
     from engine.trajectory import Trajectory
 
     prompts = [torch.randint(0, 1024, (16,), generator=gen).tolist() for _ in range(4)]
-    outs = [[RolloutOutput(tuple(torch.randint(0, 1024, (24,), generator=gen).tolist()), (-1.0,) * 24, "length")
-             for _ in range(2)] for _ in prompts]
+    outs = [
+        [
+            RolloutOutput(tuple(torch.randint(0, 1024, (24,), generator=gen).tolist()), (-1.0,) * 24, "length")
+            for _ in range(2)
+        ]
+        for _ in prompts
+    ]
     traj = Trajectory.from_rollout(prompts, outs, 0)
     traj = traj.with_(advantages=torch.randn(traj.response_ids.shape, generator=gen))
     cfg = RLConfig(precision="bf16", micro_batch_size=8)
-    update = actor_update(_trajectory_to(traj, device), cfg, 1.0,
-                          lambda micro, fn: train_step(model, optimizer, scheduler, micro, fn, 1.0, normalized=True))
+    update = actor_update(
+        _trajectory_to(traj, device),
+        cfg,
+        1.0,
+        lambda micro, fn: train_step(model, optimizer, scheduler, micro, fn, 1.0, normalized=True),
+    )
     m = update.metrics
-    return {"loss": m["actor/pg_loss"], "grad_norm": m["actor/grad_norm"], "logprobs": update.old_logprobs.float().cpu()}
+    return {
+        "loss": m["actor/pg_loss"],
+        "grad_norm": m["actor/grad_norm"],
+        "logprobs": update.old_logprobs.float().cpu(),
+    }
 
 
 def _cpu_reference(kind: str) -> dict:
@@ -113,8 +142,13 @@ def _cpu_reference(kind: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ref.pt"
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(PROJECT_ROOT)}
-        subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--reference", kind, "--out", str(out)],
-                       cwd=PROJECT_ROOT, env=env, check=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "benchmarks.gpu_check", "--reference", kind, "--out", str(out)],
+            cwd=PROJECT_ROOT,
+            env=env,
+            check=True,
+            timeout=300,
+        )
         return torch.load(out, weights_only=True)
 
 
@@ -181,7 +215,7 @@ def matmul_peak(n: int = 8192, iters: int = 20) -> float:
     for _ in range(iters):
         a @ b
     torch.cuda.synchronize()
-    return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
 
 
 def check_mfu(peak: float, steps: int = 5) -> tuple[bool, str]:
@@ -189,9 +223,16 @@ def check_mfu(peak: float, steps: int = 5) -> tuple[bool, str]:
     bf16 and AdamW; MFU = 6 N tokens/s / peak (attention FLOPs left out, as usual)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -239,8 +280,12 @@ def run_checks() -> list[tuple[str, str, str]]:
     run("bf16_matmul_peak", peak_row)
     run("update_mfu", lambda: check_mfu(peak.get("tflops") or matmul_peak()), "transformers")
     # parts of the product that need the packages a bare GPU machine may lack
-    for package, part in (("ray", "ray_placement"), ("vllm", "vllm_sleep_mode"), ("deepspeed", "deepspeed_offload"),
-                          ("prefect", "prefect_flows")):
+    for package, part in (
+        ("ray", "ray_placement"),
+        ("vllm", "vllm_sleep_mode"),
+        ("deepspeed", "deepspeed_offload"),
+        ("prefect", "prefect_flows"),
+    ):
         if missing(package):
             rows.append((part, f"skipped: {package} not installed", ""))
         else:

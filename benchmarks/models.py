@@ -86,16 +86,24 @@ def quickstart_config(sft_steps: int, root: Path = WORK_DIR) -> dict[str, Any]:
 
     cfg = yaml.safe_load(QUICKSTART_CONFIG.read_text())
     data_dir = root / "quickstart"
-    cfg["run"] = {**cfg["run"], "name": "bench-quickstart", "artifact_root": str(root / "artifacts"),
-                  "checkpoint_root": str(root / "checkpoints")}
+    cfg["run"] = {
+        **cfg["run"],
+        "name": "bench-quickstart",
+        "artifact_root": str(root / "artifacts"),
+        "checkpoint_root": str(root / "checkpoints"),
+    }
     cfg["wandb"] = {**cfg.get("wandb", {}), "enabled": False}
     cfg["prepare"] = {**cfg["prepare"], "output_dir": str(data_dir)}
     for section in cfg["data"].values():
         if isinstance(section, dict) and "path" in section:
             section["path"] = str(data_dir / Path(section["path"]).name)
     cfg["model"] = {**cfg["model"], "source": str(data_dir / "base_model")}
-    cfg["sft"] = {**cfg["sft"], "steps": sft_steps, "checkpoint_every": min(cfg["sft"]["checkpoint_every"], sft_steps),
-                  "optim": {**cfg["sft"]["optim"], "warmup_steps": min(cfg["sft"]["optim"]["warmup_steps"], sft_steps)}}
+    cfg["sft"] = {
+        **cfg["sft"],
+        "steps": sft_steps,
+        "checkpoint_every": min(cfg["sft"]["checkpoint_every"], sft_steps),
+        "optim": {**cfg["sft"]["optim"], "warmup_steps": min(cfg["sft"]["optim"]["warmup_steps"], sft_steps)},
+    }
     return cfg
 
 
@@ -126,8 +134,13 @@ def run_posttrain_stage(name: str, config_path: Path) -> float:
 
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "WANDB_MODE": "disabled"}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "stage", name, str(config_path)], cwd=PROJECT_ROOT,
-                         env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "stage", name, str(config_path)],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"posttrain stage {name} {config_path} failed:\n{(out.stdout + out.stderr)[-4000:]}")
     return time.perf_counter() - t0
@@ -196,12 +209,22 @@ def random_qwen2(out_dir: Path, tokenizer_dir: Path, shape: Qwen2Shape, seed: in
         return out_dir
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": padded_vocab_size(len(tok)),
-        "hidden_size": shape.hidden_size, "intermediate_size": shape.intermediate_size,
-        "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
-        "num_key_value_heads": shape.num_key_value_heads, "max_position_embeddings": shape.max_position_embeddings,
-        "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
-        "torch_dtype": "float32", "bos_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": padded_vocab_size(len(tok)),
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": tok.pad_token_id,
+        "eos_token_id": tok.eos_token_id,
         "pad_token_id": tok.pad_token_id,
     }
     return init_random_hf_model(out_dir, config, seed=seed, tokenizer_dir=tokenizer_dir)

@@ -43,10 +43,19 @@ def model_config(hidden: int, layers: int, vocab: int) -> dict:
     """A Qwen2 ``config.json`` dict: ``layers`` layers of width ``hidden`` (8 query heads,
     2 key-value heads, FFN 2.75x), ``vocab`` tokens, tied embeddings."""
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden,
-        "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "intermediate_size": int(hidden * 2.75), "max_position_embeddings": 4096, "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": int(hidden * 2.75),
+        "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
     }
 
 
@@ -66,8 +75,10 @@ def long_tail_batch(num_seqs: int, max_len: int, vocab: int, seed: int):
 
     prompt_lens, response_lens = lengths(48.0, 0.5), lengths(64.0, 1.0)
     prompts = [torch.randint(1, vocab, (p,), generator=gen).tolist() for p in prompt_lens]
-    outs = [[RolloutOutput(tuple(torch.randint(1, vocab, (n,), generator=gen).tolist()), (0.0,) * n, "stop")]
-            for n in response_lens]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(1, vocab, (n,), generator=gen).tolist()), (0.0,) * n, "stop")]
+        for n in response_lens
+    ]
     traj = Trajectory.from_rollout(prompts, outs, pad_id=0)
     traj = traj.select(torch.randperm(len(traj), generator=gen))
     mask = traj.response_mask
@@ -83,13 +94,24 @@ def prepare_mode(traj, packing: bool, micro_batch_size: int, max_tokens: int | N
     from engine.training.actor import actor_loss_fn
     from engine.trajectory import actor_micro_batches
 
-    cfg = RLConfig(packing=packing, micro_batch_size=micro_batch_size, max_tokens_per_micro_batch=max_tokens,
-                   kl=KLConfig(coef=0.0), rollout=RolloutConfig(max_new_tokens=int(traj.response_ids.size(1))))
+    cfg = RLConfig(
+        packing=packing,
+        micro_batch_size=micro_batch_size,
+        max_tokens_per_micro_batch=max_tokens,
+        kl=KLConfig(coef=0.0),
+        rollout=RolloutConfig(max_new_tokens=int(traj.response_ids.size(1))),
+    )
     micro = actor_micro_batches(traj, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
     norm = global_norm([mb.response_mask for mb in micro], max_response_length=cfg.rollout.max_new_tokens)
     positions = sum(mb.num_tokens if packing else mb.input_ids.numel() for mb in micro)
-    return {"micro": micro, "loss_fn": actor_loss_fn(cfg, 1.0, norm), "micro_batches": len(micro),
-            "positions": positions, "times": [], "loss": 0.0}
+    return {
+        "micro": micro,
+        "loss_fn": actor_loss_fn(cfg, 1.0, norm),
+        "micro_batches": len(micro),
+        "positions": positions,
+        "times": [],
+        "loss": 0.0,
+    }
 
 
 def time_pass(model, mode: dict) -> None:
@@ -112,8 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per mode (fastest is reported)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: CPU time is the work done, without OpenMP spin-waiting)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: CPU time is the work done, without OpenMP spin-waiting)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
     args = parser.parse_args(argv)
 
@@ -127,13 +153,18 @@ def main(argv: list[str] | None = None) -> None:
     tokens = traj.num_tokens
     lengths = (traj.prompt_lengths + traj.response_lengths).float()
     params = sum(p.numel() for p in model.parameters())
-    print(f"Qwen2-shaped policy: {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab "
-          f"{args.vocab}), float32, CPU, {args.threads} thread(s); best of {args.repeats} passes")
-    print(f"batch: {len(traj)} sequences, {tokens} real tokens; length median {lengths.median():.0f}, "
-          f"mean {lengths.mean():.0f}, max {lengths.max():.0f}")
+    print(
+        f"Qwen2-shaped policy: {params / 1e6:.1f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab "
+        f"{args.vocab}), float32, CPU, {args.threads} thread(s); best of {args.repeats} passes"
+    )
+    print(
+        f"batch: {len(traj)} sequences, {tokens} real tokens; length median {lengths.median():.0f}, "
+        f"mean {lengths.mean():.0f}, max {lengths.max():.0f}"
+    )
     modes = {"padded": (False, None), "packed": (True, None), "packed+budget": (True, args.max_tokens)}
-    rows = {name: prepare_mode(traj, packing, args.micro_batch_size, budget)
-            for name, (packing, budget) in modes.items()}
+    rows = {
+        name: prepare_mode(traj, packing, args.micro_batch_size, budget) for name, (packing, budget) in modes.items()
+    }
     for r in rows.values():  # untimed warm-up pass (allocator, kernels)
         time_pass(model, r)
         r["times"].clear()
@@ -144,18 +175,41 @@ def main(argv: list[str] | None = None) -> None:
         r["seconds"] = min(w for w, _ in r["times"])
         r["cpu_seconds"] = min(c for _, c in r["times"])
     base, base_cpu = tokens / rows["padded"]["seconds"], tokens / rows["padded"]["cpu_seconds"]
-    head = ("mode", "micro-batches", "positions run", "pad share", "wall s", "trained tokens/s", "vs padded",
-            "CPU s", "tokens/CPU-s", "vs padded (CPU)", "loss")
+    head = (
+        "mode",
+        "micro-batches",
+        "positions run",
+        "pad share",
+        "wall s",
+        "trained tokens/s",
+        "vs padded",
+        "CPU s",
+        "tokens/CPU-s",
+        "vs padded (CPU)",
+        "loss",
+    )
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for name, r in rows.items():
         rate, rate_cpu = tokens / r["seconds"], tokens / r["cpu_seconds"]
-        cells = (name, str(r["micro_batches"]), str(r["positions"]), f"{1 - tokens / r['positions']:.0%}",
-                 f"{r['seconds']:.2f}", f"{rate:.0f}", f"{rate / base:.2f}x", f"{r['cpu_seconds']:.2f}",
-                 f"{rate_cpu:.0f}", f"{rate_cpu / base_cpu:.2f}x", f"{r['loss']:.7f}")
+        cells = (
+            name,
+            str(r["micro_batches"]),
+            str(r["positions"]),
+            f"{1 - tokens / r['positions']:.0%}",
+            f"{r['seconds']:.2f}",
+            f"{rate:.0f}",
+            f"{rate / base:.2f}x",
+            f"{r['cpu_seconds']:.2f}",
+            f"{rate_cpu:.0f}",
+            f"{rate_cpu / base_cpu:.2f}x",
+            f"{r['loss']:.7f}",
+        )
         print("| " + " | ".join(cells) + " |")
-    print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall times are only "
-          "meaningful on an otherwise idle machine; CPU times count this process's work alone)")
+    print(
+        f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (wall times are only "
+        "meaningful on an otherwise idle machine; CPU times count this process's work alone)"
+    )
 
 
 if __name__ == "__main__":

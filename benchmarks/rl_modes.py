@@ -36,24 +36,37 @@ def mode_config(base: RLConfig, mode: str, steps: int) -> RLConfig:
     engine = base.engine.model_dump()
     update: dict = {"steps": steps}
     if mode in ("async", "async_tis"):
-        update["engine"] = EngineConfig(**{**engine, "placement": "disaggregated", "rollout_cpus": 1,
-                                           "off_policy_steps": 1, "partial_rollout_chunk_tokens": 2})
+        update["engine"] = EngineConfig(
+            **{
+                **engine,
+                "placement": "disaggregated",
+                "rollout_cpus": 1,
+                "off_policy_steps": 1,
+                "partial_rollout_chunk_tokens": 2,
+            }
+        )
         if mode == "async_tis":  # weight stale tokens by p_trainer / p_rollout (AReaL's decoupled PPO), capped
             update["tis_cap"] = 2.0
     elif mode == "ppo":
-        update |= {"algorithm": "gae", "kl": base.kl.model_copy(update={"coef": 0.01, "in_reward": True}),
-                   "critic": CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=5), lam=1.0, warmup_steps=5)}
+        update |= {
+            "algorithm": "gae",
+            "kl": base.kl.model_copy(update={"coef": 0.01, "in_reward": True}),
+            "critic": CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=5), lam=1.0, warmup_steps=5),
+        }
     elif mode != "colocated":
         raise ValueError(f"unknown mode {mode!r}; expected colocated, async, async_tis or ppo")
-    return RLConfig.model_validate({**base.model_dump(), **{k: v.model_dump() if hasattr(v, "model_dump") else v
-                                                            for k, v in update.items()}})
+    return RLConfig.model_validate(
+        {**base.model_dump(), **{k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in update.items()}}
+    )
 
 
 def latest_sft_model() -> Path:
     """The newest ``artifacts/sft/*/model`` (raises FileNotFoundError naming the command to run)."""
     found = sorted((REPO / "artifacts" / "sft").glob("*/model"), key=lambda p: p.stat().st_mtime)
     if not found:
-        raise FileNotFoundError("no SFT artifact under artifacts/sft: run `posttrain run configs/quickstart.yaml` first")
+        raise FileNotFoundError(
+            "no SFT artifact under artifacts/sft: run `posttrain run configs/quickstart.yaml` first"
+        )
     return found[-1]
 
 
@@ -81,11 +94,18 @@ def main(argv: list[str] | None = None) -> None:
         runs[mode] = (out / "model", time.perf_counter() - t0, last)
         shutdown_ray()
         print(f"{mode}: RL {runs[mode][1]:.0f} s, last training reward {last['critic/score/mean']:.3f}", flush=True)
-    results = evaluate_model_dirs({"sft": policy, **{m: r[0] for m, r in runs.items()}}, held_out, cfg.evaluate,
-                                  verifier=cfg.rl.reward.verifier, seed=cfg.run.seed)
+    results = evaluate_model_dirs(
+        {"sft": policy, **{m: r[0] for m, r in runs.items()}},
+        held_out,
+        cfg.evaluate,
+        verifier=cfg.rl.reward.verifier,
+        seed=cfg.run.seed,
+    )
     base_time = runs.get("colocated", (None, None))[1]
-    print(f"\npolicy: {policy}\nsteps: {args.steps}; held-out mean@{cfg.evaluate.samples_per_prompt} at "
-          f"T={cfg.evaluate.temperature}\n")
+    print(
+        f"\npolicy: {policy}\nsteps: {args.steps}; held-out mean@{cfg.evaluate.samples_per_prompt} at "
+        f"T={cfg.evaluate.temperature}\n"
+    )
     print(f"{'mode':<10} {'accuracy':>16} {'minus SFT (paired)':>20} {'RL s':>7} {'time / colocated':>17}")
     sft = results["sft"]
     print(f"{'sft':<10} {sft['accuracy']:>9.3f} ± {sft['accuracy_se']:.3f}")
@@ -93,7 +113,9 @@ def main(argv: list[str] | None = None) -> None:
         r = results[mode]
         diff, se = paired_difference(sft, r)
         ratio = f"{seconds / base_time:.2f}" if base_time else "-"
-        print(f"{mode:<10} {r['accuracy']:>9.3f} ± {r['accuracy_se']:.3f} {diff:>+12.3f} ± {se:.3f} {seconds:>7.0f} {ratio:>17}")
+        print(
+            f"{mode:<10} {r['accuracy']:>9.3f} ± {r['accuracy_se']:.3f} {diff:>+12.3f} ± {se:.3f} {seconds:>7.0f} {ratio:>17}"
+        )
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def prompt_ids(hf_dir: Path, num_prompts: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------- one mode (child process)
 
 
-def open_standalone(hf_dir: Path, prompts: list[list[int]], samples: int, tokens: int,
-                    eager: bool = False, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
+def open_standalone(
+    hf_dir: Path, prompts: list[list[int]], samples: int, tokens: int, eager: bool = False, precision: str = "fp32"
+) -> tuple[Call, Callable[[], None]]:
     """Standalone in-process vLLM (``enforce_eager`` as given; vLLM's default False lets it
     compile the model) in ``precision``'s dtype. Returns ``(call, close)``."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -103,11 +104,24 @@ def open_standalone(hf_dir: Path, prompts: list[list[int]], samples: int, tokens
     from config.precision import DTYPE_NAMES
 
     dtype = DTYPE_NAMES[precision]
-    llm = LLM(model=str(hf_dir), dtype=dtype, max_model_len=max_len,
-              kv_cache_memory_bytes=kv_cache_bytes(config, len(prompts) * samples, max_len, dtype),
-              skip_tokenizer_init=True, distributed_executor_backend="uni", seed=0, enforce_eager=eager)
-    params = SamplingParams(n=samples, temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False,
-                            allowed_token_ids=list(range(vocab)))
+    llm = LLM(
+        model=str(hf_dir),
+        dtype=dtype,
+        max_model_len=max_len,
+        kv_cache_memory_bytes=kv_cache_bytes(config, len(prompts) * samples, max_len, dtype),
+        skip_tokenizer_init=True,
+        distributed_executor_backend="uni",
+        seed=0,
+        enforce_eager=eager,
+    )
+    params = SamplingParams(
+        n=samples,
+        temperature=1.0,
+        max_tokens=tokens,
+        ignore_eos=True,
+        detokenize=False,
+        allowed_token_ids=list(range(vocab)),
+    )
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
     def call(index: int) -> tuple[int, float]:
@@ -125,8 +139,9 @@ def _hf_weights(hf_dir: Path) -> list:
     return list(load_file(str(hf_dir / "model.safetensors")).items())
 
 
-def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples: int,
-                      tokens: int, precision: str = "fp32") -> tuple[Call, Callable[[], None]]:
+def open_vllm_rollout(
+    hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples: int, tokens: int, precision: str = "fp32"
+) -> tuple[Call, Callable[[], None]]:
     """The engine's ``VLLMRollout`` in this process, built as ``RolloutWorker`` builds it
     (placeholder weights, then ``update_weights``), without Ray. Returns ``(call, close)``."""
     from config.precision import DTYPE_NAMES
@@ -135,10 +150,14 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
     from engine.rollout.vllm_rollout import VLLMRollout
     from engine.storage.model_dir import HF_SUBDIR, load_tokenizer, read_hf_config
 
-    engine = VLLMRollout(model_dir / HF_SUBDIR, num_sequences=len(prompts) * samples,
-                         max_model_len=int(read_hf_config(model_dir)["max_position_embeddings"]),
-                         valid_vocab_size=len(load_tokenizer(model_dir)), load_format="dummy",
-                         dtype=DTYPE_NAMES[precision])
+    engine = VLLMRollout(
+        model_dir / HF_SUBDIR,
+        num_sequences=len(prompts) * samples,
+        max_model_len=int(read_hf_config(model_dir)["max_position_embeddings"]),
+        valid_vocab_size=len(load_tokenizer(model_dir)),
+        load_format="dummy",
+        dtype=DTYPE_NAMES[precision],
+    )
     engine.update_weights(_hf_weights(hf_dir))
 
     def call(index: int) -> tuple[int, float]:
@@ -151,8 +170,15 @@ def open_vllm_rollout(hf_dir: Path, model_dir: Path, prompts: list[list[int]], s
     return call, lambda: None
 
 
-def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples: int,
-                tokens: int, precision: str = "fp32", enforce_eager: bool = True) -> tuple[Call, Callable[[], None]]:
+def open_engine(
+    hf_dir: Path,
+    model_dir: Path,
+    prompts: list[list[int]],
+    samples: int,
+    tokens: int,
+    precision: str = "fp32",
+    enforce_eager: bool = True,
+) -> tuple[Call, Callable[[], None]]:
     """The RL engine's rollout path (see the module docstring): a local Ray cluster, the
     colocated placement group and a ``RolloutWorker`` actor given the weights; a call is one
     ``engine.rl.rollout_phase.generate``. Returns ``(call, close)``; ``close`` stops the worker and Ray."""
@@ -166,17 +192,36 @@ def open_engine(hf_dir: Path, model_dir: Path, prompts: list[list[int]], samples
     from engine.rl.workers import RolloutWorker, Workers, spawn
     from engine.storage.model_dir import load_tokenizer, read_hf_config
 
-    cfg = RLConfig.model_validate({"n_samples": samples, "prompts_per_step": len(prompts), "rollout": {
-        "backend": "vllm", "temperature": 1.0, "max_new_tokens": tokens, "enforce_eager": enforce_eager}})
+    cfg = RLConfig.model_validate(
+        {
+            "n_samples": samples,
+            "prompts_per_step": len(prompts),
+            "rollout": {
+                "backend": "vllm",
+                "temperature": 1.0,
+                "max_new_tokens": tokens,
+                "enforce_eager": enforce_eager,
+            },
+        }
+    )
     batch = [RLPrompt([], "", p) for p in prompts]
     pad_id = pad_token_id(load_tokenizer(model_dir))
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     # the run's placement (engine.rl.workers.start_workers); only the rollout worker is needed here
     placement = make_placement(cfg)
     max_len = int(read_hf_config(model_dir)["max_position_embeddings"])
-    rollout = spawn(RolloutWorker, placement, str(model_dir), cfg.rollout, str(WORK_DIR / "scratch"), max_len,
-                    placement.threads("rollout"), role="rollout", num_sequences=len(prompts) * samples,
-                    precision=precision)
+    rollout = spawn(
+        RolloutWorker,
+        placement,
+        str(model_dir),
+        cfg.rollout,
+        str(WORK_DIR / "scratch"),
+        max_len,
+        placement.threads("rollout"),
+        role="rollout",
+        num_sequences=len(prompts) * samples,
+        precision=precision,
+    )
 
     def close() -> None:
         ray.kill(rollout)
@@ -204,13 +249,15 @@ def serve_mode(mode: str, size: str, num_prompts: int, samples: int, tokens: int
     prompts = prompt_ids(hf_dir, num_prompts)
     t0 = time.perf_counter()
     if mode in ("standalone", "standalone-eager"):
-        call, close = open_standalone(hf_dir, prompts, samples, tokens, eager=mode == "standalone-eager",
-                                      precision=precision)
+        call, close = open_standalone(
+            hf_dir, prompts, samples, tokens, eager=mode == "standalone-eager", precision=precision
+        )
     elif mode == "vllm-rollout":
         call, close = open_vllm_rollout(hf_dir, model_dir, prompts, samples, tokens, precision)
     else:
-        call, close = open_engine(hf_dir, model_dir, prompts, samples, tokens, precision,
-                                  enforce_eager=mode != "engine-compiled")
+        call, close = open_engine(
+            hf_dir, model_dir, prompts, samples, tokens, precision, enforce_eager=mode != "engine-compiled"
+        )
     try:
         startup = time.perf_counter() - t0
         call(0)
@@ -247,12 +294,33 @@ class ModeProcess:
     def __init__(self, mode: str, size: str, args, log_path: Path):
         self.mode = mode
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "benchmarks.rollout_vllm", "--child", mode, "--sizes", size, "--prompts",
-               str(args.prompts), "--samples", str(args.samples), "--tokens", str(args.tokens),
-               "--precision", args.resolved_precision]
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.rollout_vllm",
+            "--child",
+            mode,
+            "--sizes",
+            size,
+            "--prompts",
+            str(args.prompts),
+            "--samples",
+            str(args.samples),
+            "--tokens",
+            str(args.tokens),
+            "--precision",
+            args.resolved_precision,
+        ]
         self._log = log_path.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env={**os.environ, **RAY_EQUAL_PRIORITY_ENV})
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=PROJECT_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, **RAY_EQUAL_PRIORITY_ENV},
+        )
 
     def read(self) -> dict:
         """The next protocol line (other stdout lines are skipped).
@@ -262,11 +330,13 @@ class ModeProcess:
         """
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                return json.loads(line[len(MARK) :])
         self.proc.wait()
         self._log.flush()
-        raise RuntimeError(f"{self.mode}: benchmark subprocess ended (exit {self.proc.returncode}):\n"
-                           f"{self.log_path.read_text()[-4000:]}")
+        raise RuntimeError(
+            f"{self.mode}: benchmark subprocess ended (exit {self.proc.returncode}):\n"
+            f"{self.log_path.read_text()[-4000:]}"
+        )
 
     def call(self) -> tuple[int, float]:
         self.proc.stdin.write("go\n")
@@ -299,11 +369,15 @@ def measure_size(size: str, args) -> dict:
             procs.append(ModeProcess(mode, size, args, log_dir / f"{size}-{mode}.log"))
             startup[mode] = procs[-1].read()["startup_s"]
         for r in range(args.repeats):
-            order = procs[r % len(procs):] + procs[:r % len(procs)]
+            order = procs[r % len(procs) :] + procs[: r % len(procs)]
             for p in order:
                 calls[p.mode].append(p.call())
-            print(f"  round {r + 1}/{args.repeats}: " + ", ".join(
-                f"{m} {calls[m][-1][0] / calls[m][-1][1]:.0f}" for m in args.modes) + " tok/s", flush=True)
+            print(
+                f"  round {r + 1}/{args.repeats}: "
+                + ", ".join(f"{m} {calls[m][-1][0] / calls[m][-1][1]:.0f}" for m in args.modes)
+                + " tok/s",
+                flush=True,
+            )
     finally:
         for p in procs:
             p.close()
@@ -312,15 +386,30 @@ def measure_size(size: str, args) -> dict:
 
 def render(rows: list[dict]) -> str:
     """The results table: per model size one row per mode, rates relative to ``standalone``."""
-    head = ("model", "params", "mode", "tok/s best", "tok/s median", "vs standalone best", "vs standalone median",
-            "start-up s")
+    head = (
+        "model",
+        "params",
+        "mode",
+        "tok/s best",
+        "tok/s median",
+        "vs standalone best",
+        "vs standalone median",
+        "start-up s",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         base = r["modes"].get("standalone")
         for mode, m in r["modes"].items():
             rel = (f"{m['best'] / base['best']:.2f}", f"{m['median'] / base['median']:.2f}") if base else ("", "")
-            cells = (r["size"], f"{r['params'] / 1e6:.2f}M", mode, f"{m['best']:.0f}", f"{m['median']:.0f}", *rel,
-                     f"{m['startup_s']:.1f}")
+            cells = (
+                r["size"],
+                f"{r['params'] / 1e6:.2f}M",
+                mode,
+                f"{m['best']:.0f}",
+                f"{m['median']:.0f}",
+                *rel,
+                f"{m['startup_s']:.1f}",
+            )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -332,9 +421,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per response (every response runs to it)")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds, after one warm-up call per mode")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="what to measure (module docstring)")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="dtype of every mode (auto: bf16 where the hardware has it)")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(MODES), choices=MODES, help="what to measure (module docstring)"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="dtype of every mode (auto: bf16 where the hardware has it)",
+    )
     parser.add_argument("--force-bf16", action="store_true", help="run bf16 even where it is not native or not faster")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -360,9 +455,11 @@ def main(argv: list[str] | None = None) -> None:
         vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
         print(f"{size}:", flush=True)
         rows.append({"size": size, "params": SHAPES[size].num_parameters(vocab), "modes": measure_size(size, args)})
-    print(f"\n{args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, {args.resolved_precision}, "
-          f"{os.cpu_count()} CPU cores, "
-          f"{args.repeats} interleaved rounds; matmul {matmul_gflops():.0f} GFLOP/s, load average {load_avg():.1f} at the end")
+    print(
+        f"\n{args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, {args.resolved_precision}, "
+        f"{os.cpu_count()} CPU cores, "
+        f"{args.repeats} interleaved rounds; matmul {matmul_gflops():.0f} GFLOP/s, load average {load_avg():.1f} at the end"
+    )
     print(render(rows))
 
 

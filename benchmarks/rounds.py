@@ -143,8 +143,9 @@ class SideProcess:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
+        )
 
     def read(self) -> dict[str, Any]:
         """The next protocol line (other stdout lines are skipped).
@@ -154,11 +155,13 @@ class SideProcess:
         """
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
+                return json.loads(line[len(MARK) :])
         self.proc.wait()
         self._log.flush()
-        raise RuntimeError(f"{self.name}: benchmark subprocess ended (exit {self.proc.returncode}):\n"
-                           f"{self.log_path.read_text()[-6000:]}")
+        raise RuntimeError(
+            f"{self.name}: benchmark subprocess ended (exit {self.proc.returncode}):\n"
+            f"{self.log_path.read_text()[-6000:]}"
+        )
 
     def go(self) -> None:
         """Let the child run its next segment (or finish, after the last)."""
@@ -206,8 +209,15 @@ class InterleavedRun:
         return [r for r in self.rounds if r.side == side]
 
 
-def run_interleaved(commands: dict[str, list[str]], rounds: int, log_dir: Path, cwd: Path, env: dict[str, str],
-                    peaks: Callable[[], dict[str, float]], progress: Callable[[str], None] = print) -> InterleavedRun:
+def run_interleaved(
+    commands: dict[str, list[str]],
+    rounds: int,
+    log_dir: Path,
+    cwd: Path,
+    env: dict[str, str],
+    peaks: Callable[[], dict[str, float]],
+    progress: Callable[[str], None] = print,
+) -> InterleavedRun:
     """Start each side (its warm-up segment), then ``rounds`` rounds of every side in turn.
 
     Args:
@@ -242,9 +252,11 @@ def run_interleaved(commands: dict[str, list[str]], rounds: int, log_dir: Path, 
                 others = max(0.0, (_busy_cpu_seconds() - busy0) - (_tree_cpu_seconds([me]) - ours0)) / wall
                 waited = wait_idle(proc.proc.pid)
                 out.rounds.append(RoundResult(side, r, records, wall, measured, load, others, waited))
-                progress(f"  round {r + 1}/{rounds} {side}: {wall:.0f} s, {len(records)} steps; load average "
-                         f"{load:.1f}, other processes {others:.2f} cores; matmul fp32 {measured['fp32']:.0f} / "
-                         f"bf16 {measured['bf16']:.1f} GFLOP/s" + (f"; idle after {waited:.0f} s" if waited > 5 else ""))
+                progress(
+                    f"  round {r + 1}/{rounds} {side}: {wall:.0f} s, {len(records)} steps; load average "
+                    f"{load:.1f}, other processes {others:.2f} cores; matmul fp32 {measured['fp32']:.0f} / "
+                    f"bf16 {measured['bf16']:.1f} GFLOP/s" + (f"; idle after {waited:.0f} s" if waited > 5 else "")
+                )
         for side, proc in procs.items():  # one at a time: a side's tear-down never overlaps another's work
             proc.go()
             out.final[side] = proc.read()
@@ -297,5 +309,7 @@ def machine_description() -> str:
     import psutil
 
     mem = psutil.virtual_memory().total / 2**30
-    return (f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB; flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
-            f" (absent: {' '.join(f for f in wanted if f not in flags) or 'none'})")
+    return (
+        f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB; flags: {' '.join(have) or 'none of ' + ' '.join(wanted)}"
+        f" (absent: {' '.join(f for f in wanted if f not in flags) or 'none'})"
+    )

@@ -193,8 +193,9 @@ class _Clock:
         self.last = now + (self.gate.paused_s - paused)
 
 
-def run_engine(dataset: str, paths: dict[str, Path], segments: list[int], seed: int, precision: str,
-               packing: bool) -> dict:
+def run_engine(
+    dataset: str, paths: dict[str, Path], segments: list[int], seed: int, precision: str, packing: bool
+) -> dict:
     """``train_sft`` for ``sum(segments)`` steps, pausing after each segment; returns the
     resolved precision, whether packing was on and the wall time (pauses excluded)."""
     from benchmarks.rounds import RoundGate
@@ -204,24 +205,42 @@ def run_engine(dataset: str, paths: dict[str, Path], segments: list[int], seed: 
 
     s = DATASETS[dataset]
     gate = RoundGate(segments)
-    section = {"steps": gate.total_steps, "global_batch_size": s.global_batch_size,
-               "micro_batch_size": s.micro_batch_size, "max_seq_len": s.max_seq_len, "precision": precision,
-               "optim": {"lr": s.lr, "min_lr": s.lr, "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0},
-               "log_every": 1, "checkpoint_every": gate.total_steps}
+    section = {
+        "steps": gate.total_steps,
+        "global_batch_size": s.global_batch_size,
+        "micro_batch_size": s.micro_batch_size,
+        "max_seq_len": s.max_seq_len,
+        "precision": precision,
+        "optim": {"lr": s.lr, "min_lr": s.lr, "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 1.0},
+        "log_every": 1,
+        "checkpoint_every": gate.total_steps,
+    }
     has_packing = "packing" in SFTConfig.model_fields
     if has_packing:
         section["packing"] = packing
     cfg = SFTConfig.model_validate(section)
     clock = _Clock(gate)
     t0 = time.perf_counter()
-    train_sft(paths["engine_model"], paths["data"], cfg, WORK_DIR / "sft_trl" / dataset / "engine_out", None,
-              seed=seed, log_metrics=lambda m, step: clock.step(round(m["perf/tokens_per_s"] * m["timing_s/step"])))
-    return {"wall_s": time.perf_counter() - t0 - gate.paused_s, "precision": resolve_precision(cfg.precision),
-            "packing": bool(has_packing and packing), "packing_field": has_packing}
+    train_sft(
+        paths["engine_model"],
+        paths["data"],
+        cfg,
+        WORK_DIR / "sft_trl" / dataset / "engine_out",
+        None,
+        seed=seed,
+        log_metrics=lambda m, step: clock.step(round(m["perf/tokens_per_s"] * m["timing_s/step"])),
+    )
+    return {
+        "wall_s": time.perf_counter() - t0 - gate.paused_s,
+        "precision": resolve_precision(cfg.precision),
+        "packing": bool(has_packing and packing),
+        "packing_field": has_packing,
+    }
 
 
-def run_trl(dataset: str, paths: dict[str, Path], segments: list[int], seed: int, side: str,
-            batches: tuple[int, int]) -> dict:
+def run_trl(
+    dataset: str, paths: dict[str, Path], segments: list[int], seed: int, side: str, batches: tuple[int, int]
+) -> dict:
     """TRL ``SFTTrainer`` at the precision setting of ``side`` with packing, for
     ``sum(segments)`` steps of ``batches`` (:func:`trl_batches`), pausing after each segment.
 
@@ -255,22 +274,45 @@ def run_trl(dataset: str, paths: dict[str, Path], segments: list[int], seed: int
 
     dtype, autocast = TRL_SIDES[side]
     args = SFTConfig(
-        output_dir=str(WORK_DIR / "sft_trl" / dataset / side), max_steps=gate.total_steps, seed=seed,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=True, bf16=autocast,
-        fp16=False, gradient_checkpointing=False, dataloader_num_workers=0, dataloader_pin_memory=False,
-        model_init_kwargs={"dtype": getattr(torch, dtype)}, per_device_train_batch_size=batches[0],
-        gradient_accumulation_steps=batches[1], learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, max_length=s.max_seq_len, packing=True, pad_to_multiple_of=None,
+        output_dir=str(WORK_DIR / "sft_trl" / dataset / side),
+        max_steps=gate.total_steps,
+        seed=seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=autocast,
+        fp16=False,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        model_init_kwargs={"dtype": getattr(torch, dtype)},
+        per_device_train_batch_size=batches[0],
+        gradient_accumulation_steps=batches[1],
+        learning_rate=s.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_length=s.max_seq_len,
+        packing=True,
+        pad_to_multiple_of=None,
     )
-    trainer = SFTTrainer(model=str(paths["hf_model"]), args=args, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[Steps()])
+    trainer = SFTTrainer(
+        model=str(paths["hf_model"]), args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Steps()]
+    )
     clock.last = time.perf_counter()
     t0 = time.perf_counter()
     trainer.train()
     if len(seen) != gate.total_steps:
         raise RuntimeError(f"TRL logged {len(seen)} steps of {gate.total_steps}")
-    return {"wall_s": time.perf_counter() - t0 - gate.paused_s, "precision": side_precision(side, "fp32"),
-            "weights_dtype": str(next(trainer.model.parameters()).dtype), "packing": True}
+    return {
+        "wall_s": time.perf_counter() - t0 - gate.paused_s,
+        "precision": side_precision(side, "fp32"),
+        "weights_dtype": str(next(trainer.model.parameters()).dtype),
+        "packing": True,
+    }
 
 
 # ----------------------------------------------------------------------------- driver
@@ -297,8 +339,17 @@ def measure_dataset(dataset: str, args) -> dict:
     peaks = matmul_peaks()
     run_bf16, reason = bf16_verdict(peaks, bf16_hardware(), args.force_bf16)
     engine_precision = resolve_precision(args.engine_precision)
-    row: dict = {"dataset": dataset, "params": params, "mean_tokens": mean_tokens, "batches": batches,
-                 "rounds": [], "skipped": {}, "engine_precision": engine_precision, "bf16": reason, "final": {}}
+    row: dict = {
+        "dataset": dataset,
+        "params": params,
+        "mean_tokens": mean_tokens,
+        "batches": batches,
+        "rounds": [],
+        "skipped": {},
+        "engine_precision": engine_precision,
+        "bf16": reason,
+        "final": {},
+    }
     commands = {}
     segments = ",".join(map(str, [1] + [per_round] * rounds))
     for side in args.sides:
@@ -306,40 +357,85 @@ def measure_dataset(dataset: str, args) -> dict:
             row["skipped"][side] = reason
             print(f"  {side}: skipped, bf16 sides do not run here: {reason}", flush=True)
             continue
-        commands[side] = [sys.executable, "-m", "benchmarks.sft_trl", "--child", side, "--datasets", dataset,
-                          "--child-segments", segments, "--seed", str(args.seed), "--engine-precision",
-                          args.engine_precision,
-                          "--child-batches", f"{batches[0]},{batches[1]}",
-                          "--child-paths", json.dumps({k: str(v) for k, v in paths.items()})]
+        commands[side] = [
+            sys.executable,
+            "-m",
+            "benchmarks.sft_trl",
+            "--child",
+            side,
+            "--datasets",
+            dataset,
+            "--child-segments",
+            segments,
+            "--seed",
+            str(args.seed),
+            "--engine-precision",
+            args.engine_precision,
+            "--child-batches",
+            f"{batches[0]},{batches[1]}",
+            "--child-paths",
+            json.dumps({k: str(v) for k, v in paths.items()}),
+        ]
     if not commands:
         return row
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
-    run = run_interleaved(commands, rounds, WORK_DIR / "sft_trl" / dataset / "logs", PROJECT_ROOT, env, matmul_peaks,
-                          lambda line: print(line, flush=True))
+    run = run_interleaved(
+        commands,
+        rounds,
+        WORK_DIR / "sft_trl" / dataset / "logs",
+        PROJECT_ROOT,
+        env,
+        matmul_peaks,
+        lambda line: print(line, flush=True),
+    )
     # MFU against the highest peak measured in this run: a busy host lowers a single measurement
     best = {k: max([peaks[k]] + [x.peaks[k] for x in run.rounds]) for k in peaks}
     row["best_peaks"] = best
     for x in run.rounds:
         precision = side_precision(x.side, engine_precision)
         seconds, tokens = sum(r["seconds"] for r in x.records), sum(r["tokens"] for r in x.records)
-        row["rounds"].append({"side": x.side, "round": x.round, "precision": precision, "load_avg": x.load_avg,
-                              "other_cores": x.other_cores, "peaks": x.peaks, "s_per_step": seconds / len(x.records),
-                              "tokens_per_step": tokens / len(x.records), "tok_s": tokens / seconds,
-                              "mfu": update_mfu(params, tokens, seconds, best[precision])})
+        row["rounds"].append(
+            {
+                "side": x.side,
+                "round": x.round,
+                "precision": precision,
+                "load_avg": x.load_avg,
+                "other_cores": x.other_cores,
+                "peaks": x.peaks,
+                "s_per_step": seconds / len(x.records),
+                "tokens_per_step": tokens / len(x.records),
+                "tok_s": tokens / seconds,
+                "mfu": update_mfu(params, tokens, seconds, best[precision]),
+            }
+        )
     row["final"] = run.final
     return row
 
 
 def render_rounds(rows: list[dict]) -> str:
     """Every side's every round: load, matmul peaks, seconds and tokens per step, tokens/s, MFU."""
-    head = ("data", "round", "side", "precision", "load avg", "other cores", "fp32 peak GFLOP/s", "bf16 peak GFLOP/s",
-            "s/step", "tokens/step", "tokens/s", "MFU")
+    head = (
+        "data",
+        "round",
+        "side",
+        "precision",
+        "load avg",
+        "other cores",
+        "fp32 peak GFLOP/s",
+        "bf16 peak GFLOP/s",
+        "s/step",
+        "tokens/step",
+        "tokens/s",
+        "MFU",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         for x in r["rounds"]:
-            lines.append(f"| {r['dataset']} | {x['round'] + 1} | {x['side']} | {x['precision']} | {x['load_avg']:.1f} | "
-                         f"{x['other_cores']:.2f} | {x['peaks']['fp32']:.0f} | {x['peaks']['bf16']:.1f} | "
-                         f"{x['s_per_step']:.2f} | {x['tokens_per_step']:.0f} | {x['tok_s']:.0f} | {100 * x['mfu']:.1f}% |")
+            lines.append(
+                f"| {r['dataset']} | {x['round'] + 1} | {x['side']} | {x['precision']} | {x['load_avg']:.1f} | "
+                f"{x['other_cores']:.2f} | {x['peaks']['fp32']:.0f} | {x['peaks']['bf16']:.1f} | "
+                f"{x['s_per_step']:.2f} | {x['tokens_per_step']:.0f} | {x['tok_s']:.0f} | {100 * x['mfu']:.1f}% |"
+            )
     return "\n".join(lines)
 
 
@@ -355,15 +451,21 @@ def render(rows: list[dict]) -> str:
             by_side.setdefault(x["side"], []).append(x)
         for side, xs in by_side.items():
             rates, mfu = [x["tok_s"] for x in xs], [100 * x["mfu"] for x in xs]
-            lines.append(f"| {r['dataset']} | {side} tokens/s ({xs[0]['precision']}) | {statistics.median(rates):.0f} | "
-                         f"{min(rates):.0f}-{max(rates):.0f} | {len(xs)} |")
-            lines.append(f"| {r['dataset']} | {side} MFU ({xs[0]['precision']} peak) | {statistics.median(mfu):.1f}% | "
-                         f"{min(mfu):.1f}-{max(mfu):.1f}% | {len(xs)} |")
+            lines.append(
+                f"| {r['dataset']} | {side} tokens/s ({xs[0]['precision']}) | {statistics.median(rates):.0f} | "
+                f"{min(rates):.0f}-{max(rates):.0f} | {len(xs)} |"
+            )
+            lines.append(
+                f"| {r['dataset']} | {side} MFU ({xs[0]['precision']} peak) | {statistics.median(mfu):.1f}% | "
+                f"{min(mfu):.1f}-{max(mfu):.1f}% | {len(xs)} |"
+            )
         for side in (t for t in TRL_SIDES if t in by_side):
             for engine in (e for e in ENGINE_SIDES if e in by_side):
                 st = ratio_stats([x["tok_s"] for x in by_side[engine]], [x["tok_s"] for x in by_side[side]])
-                lines.append(f"| {r['dataset']} | {engine}/{side} tokens/s | **{st['median']:.2f}** | "
-                             f"{st['min']:.2f}-{st['max']:.2f} | {st['n']:.0f} |")
+                lines.append(
+                    f"| {r['dataset']} | {engine}/{side} tokens/s | **{st['median']:.2f}** | "
+                    f"{st['min']:.2f}-{st['max']:.2f} | {st['n']:.0f} |"
+                )
     return "\n".join(lines)
 
 
@@ -371,17 +473,37 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="SFT data")
     parser.add_argument("--model", default="25m", choices=list(SHAPES), help="model shape (benchmarks.models.SHAPES)")
-    parser.add_argument("--sides", nargs="+", default=list(DEFAULT_SIDES), choices=list(SIDES),
-                        help="the engine with packing (engine) or padded (engine_nopack); TRL in fp32 (trl), with bf16 "
-                             "autocast (trl_autocast), loaded in bf16 (trl_bf16); default: " + " ".join(DEFAULT_SIDES))
-    parser.add_argument("--rounds", type=int, default=None, help="rounds per side (default " + ", ".join(
-        f"{k} {v.rounds}" for k, v in DATASETS.items()) + ")")
-    parser.add_argument("--steps-per-round", type=int, default=None, help="steps per round (default " + ", ".join(
-        f"{k} {v.steps_per_round}" for k, v in DATASETS.items()) + ")")
-    parser.add_argument("--engine-precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="sft.precision of the engine side (auto: bf16 where the hardware has it)")
-    parser.add_argument("--force-bf16", action="store_true",
-                        help="run the bf16 sides even where bf16 is not native or not faster than fp32")
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=list(DEFAULT_SIDES),
+        choices=list(SIDES),
+        help="the engine with packing (engine) or padded (engine_nopack); TRL in fp32 (trl), with bf16 "
+        "autocast (trl_autocast), loaded in bf16 (trl_bf16); default: " + " ".join(DEFAULT_SIDES),
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per side (default " + ", ".join(f"{k} {v.rounds}" for k, v in DATASETS.items()) + ")",
+    )
+    parser.add_argument(
+        "--steps-per-round",
+        type=int,
+        default=None,
+        help="steps per round (default " + ", ".join(f"{k} {v.steps_per_round}" for k, v in DATASETS.items()) + ")",
+    )
+    parser.add_argument(
+        "--engine-precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="sft.precision of the engine side (auto: bf16 where the hardware has it)",
+    )
+    parser.add_argument(
+        "--force-bf16",
+        action="store_true",
+        help="run the bf16 sides even where bf16 is not native or not faster than fp32",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data-order seed (all sides)")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--child-paths", help=argparse.SUPPRESS)
@@ -408,21 +530,32 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{machine_description()}; {bf16_hardware()[1]}", flush=True)
     rows = [measure_dataset(d, args) for d in args.datasets]
     end = matmul_peaks()
-    print(f"\n{machine_description()}\nmatmul peaks at the end: fp32 {end['fp32']:.0f}, bf16 {end['bf16']:.1f} GFLOP/s; "
-          f"load average {load_avg():.1f}; model {args.model}")
+    print(
+        f"\n{machine_description()}\nmatmul peaks at the end: fp32 {end['fp32']:.0f}, bf16 {end['bf16']:.1f} GFLOP/s; "
+        f"load average {load_avg():.1f}; model {args.model}"
+    )
     for r in rows:
         s = DATASETS[r["dataset"]]
-        packing = ", ".join(f"{side} packing {'on' if f.get('packing') else 'off'}" for side, f in r["final"].items()
-                            if side in ENGINE_SIDES)
+        packing = ", ".join(
+            f"{side} packing {'on' if f.get('packing') else 'off'}"
+            for side, f in r["final"].items()
+            if side in ENGINE_SIDES
+        )
         if any(not f.get("packing_field", True) for f in r["final"].values()):
             packing += " (the config has no sft.packing)"
-        print(f"{r['dataset']}: {r['params'] / 1e6:.2f}M parameters, {r['mean_tokens']:.0f} tokens per row (mean), "
-              f"max_seq_len {s.max_seq_len}; engine: {s.global_batch_size} rows per step in micro-batches of "
-              f"{s.micro_batch_size}, precision {r['engine_precision']}, {packing}; "
-              f"TRL: packing, {r['batches'][0]} x {s.max_seq_len}-token sequences per micro-batch, "
-              f"{r['batches'][1]} micro-batches per step; bf16: {r['bf16']}" + (
-                  f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "
-                  f"bf16 {r['best_peaks']['bf16']:.1f} GFLOP/s" if "best_peaks" in r else ""))
+        print(
+            f"{r['dataset']}: {r['params'] / 1e6:.2f}M parameters, {r['mean_tokens']:.0f} tokens per row (mean), "
+            f"max_seq_len {s.max_seq_len}; engine: {s.global_batch_size} rows per step in micro-batches of "
+            f"{s.micro_batch_size}, precision {r['engine_precision']}, {packing}; "
+            f"TRL: packing, {r['batches'][0]} x {s.max_seq_len}-token sequences per micro-batch, "
+            f"{r['batches'][1]} micro-batches per step; bf16: {r['bf16']}"
+            + (
+                f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "
+                f"bf16 {r['best_peaks']['bf16']:.1f} GFLOP/s"
+                if "best_peaks" in r
+                else ""
+            )
+        )
         for side, why in r["skipped"].items():
             print(f"  {side} skipped: {why}")
     print("\nPer round:")

@@ -94,7 +94,10 @@ ENGINE_SIDES = {
     "engine": {},  # the shipped default: colocated, synchronous
     # disaggregated bundles (1 CPU rollout, the rest training), step s+1's rollout overlapping
     # step s's training, stale tokens reweighted by truncated importance sampling (docs/algorithms.md)
-    "engine_async": {"engine": {"placement": "disaggregated", "rollout_cpus": 1, "off_policy_steps": 1}, "tis_cap": 2.0},
+    "engine_async": {
+        "engine": {"placement": "disaggregated", "rollout_cpus": 1, "off_policy_steps": 1},
+        "tis_cap": 2.0,
+    },
 }
 # TRL side -> (dtype the model is loaded in, TrainingArguments.bf16: autocast to bf16)
 TRL_SIDES = {"trl": ("float32", False), "trl_autocast": ("float32", True), "trl_bf16": ("bfloat16", True)}
@@ -240,8 +243,9 @@ def _stale(hf_dir: Path, source: Path) -> bool:
 # ----------------------------------------------------------------------------- engine side (child)
 
 
-def run_engine(size: str, paths: dict[str, Path], segments: list[int], seed: int, side: str = "engine",
-               precision: str = "auto") -> dict:
+def run_engine(
+    size: str, paths: dict[str, Path], segments: list[int], seed: int, side: str = "engine", precision: str = "auto"
+) -> dict:
     """``engine.rl.loop.run_rl`` in the mode of ``side`` (:data:`ENGINE_SIDES`) at ``rl.precision``
     ``precision``, for ``sum(segments)`` steps, pausing after each segment
     (:class:`benchmarks.rounds.RoundGate`); returns the mean phase seconds, the resolved
@@ -256,13 +260,23 @@ def run_engine(size: str, paths: dict[str, Path], segments: list[int], seed: int
     gate = RoundGate(segments)
     steps = gate.total_steps
     # the `rl:` section as a config file would give it
-    cfg = RLConfig.model_validate({
-        "algorithm": "grpo", "steps": steps, "prompts_per_step": s.prompts_per_step, "n_samples": s.n_samples,
-        "micro_batch_size": s.micro_batch_size, "clip_ratio": 0.2, "kl": {"coef": 0.0}, "precision": precision,
-        "optim": {"lr": s.lr, "warmup_steps": warmup_steps(s, steps), "grad_clip": 1.0}, "checkpoint_every": steps,
-        "rollout": {"backend": "vllm", "temperature": s.temperature, "max_new_tokens": s.max_new_tokens},
-        "reward": {"verifier": "exact_match"}, **ENGINE_SIDES[side],
-    })
+    cfg = RLConfig.model_validate(
+        {
+            "algorithm": "grpo",
+            "steps": steps,
+            "prompts_per_step": s.prompts_per_step,
+            "n_samples": s.n_samples,
+            "micro_batch_size": s.micro_batch_size,
+            "clip_ratio": 0.2,
+            "kl": {"coef": 0.0},
+            "precision": precision,
+            "optim": {"lr": s.lr, "warmup_steps": warmup_steps(s, steps), "grad_clip": 1.0},
+            "checkpoint_every": steps,
+            "rollout": {"backend": "vllm", "temperature": s.temperature, "max_new_tokens": s.max_new_tokens},
+            "reward": {"verifier": "exact_match"},
+            **ENGINE_SIDES[side],
+        }
+    )
     out_dir = WORK_DIR / "trl_grpo" / size / side
     shutil.rmtree(out_dir, ignore_errors=True)
     history: list[dict] = []
@@ -276,18 +290,24 @@ def run_engine(size: str, paths: dict[str, Path], segments: list[int], seed: int
         run_rl(paths["engine_model"], paths["prompts"], cfg, out_dir, resume_dir=None, seed=seed, log_metrics=log)
     finally:
         shutdown_ray()
-    phases = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights") + (("rollout_wait",) if "engine" in ENGINE_SIDES[side] else ())
-    timed = history[segments[0]:] or history
+    phases = ("gen", "reward", "old_log_prob", "ref", "update_actor", "update_weights") + (
+        ("rollout_wait",) if "engine" in ENGINE_SIDES[side] else ()
+    )
+    timed = history[segments[0] :] or history
     breakdown = {p: statistics.fmean(m.get(f"timing_s/{p}", 0.0) for m in timed) for p in phases}
-    return {"wall_s": time.perf_counter() - t0 - gate.paused_s, "phases_s": breakdown,
-            "precision": resolve_precision(cfg.precision)}
+    return {
+        "wall_s": time.perf_counter() - t0 - gate.paused_s,
+        "phases_s": breakdown,
+        "precision": resolve_precision(cfg.precision),
+    }
 
 
 # ----------------------------------------------------------------------------- TRL side (child)
 
 
-def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, generation: str,
-            side: str = "trl") -> dict:
+def run_trl(
+    size: str, paths: dict[str, Path], segments: list[int], seed: int, generation: str, side: str = "trl"
+) -> dict:
     """TRL ``GRPOTrainer`` at the precision setting of ``side`` (:data:`TRL_SIDES`) with the
     settings of ``size``, for ``sum(segments)`` steps, pausing after each segment
     (:class:`benchmarks.rounds.RoundGate`); returns the mean phase seconds and the wall time of
@@ -356,13 +376,22 @@ def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, g
             self.num_tokens.append(float(logs["num_tokens"]))
             i = len(self.num_tokens) - 1
             if not (len(self.seconds) == len(generated) == len(rewards) == len(to_reward) == i + 1):
-                raise RuntimeError(f"TRL steps do not line up at step {i + 1}: {len(self.seconds)} timed, "
-                                   f"{len(generated)} rollouts, {i + 1} token logs")
+                raise RuntimeError(
+                    f"TRL steps do not line up at step {i + 1}: {len(self.seconds)} timed, "
+                    f"{len(generated)} rollouts, {i + 1} token logs"
+                )
             if s.fixed_length and generated[i] != batch * s.max_new_tokens:
-                raise RuntimeError(f"TRL generation {generation!r} did not run every response to {s.max_new_tokens} "
-                                   f"tokens (step {i + 1}: {generated[i]}); use --trl-generation generate")
-            record = StepRecord(self.seconds[i], generated[i], round(self.num_tokens[i] - previous), rewards[i],
-                                update_seconds=self.seconds[i] - to_reward[i])
+                raise RuntimeError(
+                    f"TRL generation {generation!r} did not run every response to {s.max_new_tokens} "
+                    f"tokens (step {i + 1}: {generated[i]}); use --trl-generation generate"
+                )
+            record = StepRecord(
+                self.seconds[i],
+                generated[i],
+                round(self.num_tokens[i] - previous),
+                rewards[i],
+                update_seconds=self.seconds[i] - to_reward[i],
+            )
             paused = gate.paused_s
             gate.step_done(asdict(record))
             self.last += gate.paused_s - paused
@@ -371,31 +400,71 @@ def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, g
     if s.fixed_length:
         vocab = json.loads((paths["hf_model"] / "config.json").read_text())["vocab_size"]
         if generation == "vllm":
-            generation_kwargs = {"min_tokens": s.max_new_tokens, "ignore_eos": True,
-                                 "allowed_token_ids": list(range(len(tokenizer)))}
+            generation_kwargs = {
+                "min_tokens": s.max_new_tokens,
+                "ignore_eos": True,
+                "allowed_token_ids": list(range(len(tokenizer))),
+            }
         else:  # the engine samples only the tokenizer's ids: suppress the embedding's spare rows too
-            generation_kwargs = {"min_new_tokens": s.max_new_tokens,
-                                 "suppress_tokens": list(range(len(tokenizer), vocab))}
+            generation_kwargs = {
+                "min_new_tokens": s.max_new_tokens,
+                "suppress_tokens": list(range(len(tokenizer), vocab)),
+            }
     out_dir = WORK_DIR / "trl_grpo" / size / side
     shutil.rmtree(out_dir, ignore_errors=True)
     dtype, autocast = TRL_SIDES[side]
     args = GRPOConfig(
-        output_dir=str(out_dir), max_steps=steps, seed=seed, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, use_cpu=True, bf16=autocast, fp16=False, gradient_checkpointing=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False, model_init_kwargs={"dtype": getattr(torch, dtype)},
-        per_device_train_batch_size=s.micro_batch_size, gradient_accumulation_steps=batch // s.micro_batch_size,
-        num_generations=s.n_samples, max_completion_length=s.max_new_tokens, temperature=s.temperature,
-        top_p=1.0, top_k=0, learning_rate=s.lr, lr_scheduler_type="cosine", warmup_steps=warmup_steps(s, steps),
-        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, beta=0.0, epsilon=0.2,
-        num_iterations=1, loss_type="dapo", scale_rewards="group", log_completions=False,
+        output_dir=str(out_dir),
+        max_steps=steps,
+        seed=seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=autocast,
+        fp16=False,
+        gradient_checkpointing=False,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        model_init_kwargs={"dtype": getattr(torch, dtype)},
+        per_device_train_batch_size=s.micro_batch_size,
+        gradient_accumulation_steps=batch // s.micro_batch_size,
+        num_generations=s.n_samples,
+        max_completion_length=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=s.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=warmup_steps(s, steps),
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        log_completions=False,
         generation_kwargs=generation_kwargs,
-        use_transformers_continuous_batching=generation == "continuous", use_vllm=generation == "vllm",
-        vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_enable_sleep_mode=False,
+        use_transformers_continuous_batching=generation == "continuous",
+        use_vllm=generation == "vllm",
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.1,
+        vllm_enable_sleep_mode=False,
     )
     dataset = Dataset.from_list(read_prompt_rows(paths["prompts"]))
     clock = StepClock()
-    trainer = GRPOTrainer(model=str(paths["hf_model"]), reward_funcs=exact_match_reward, args=args,
-                          train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=str(paths["hf_model"]),
+        reward_funcs=exact_match_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0 - gate.paused_s
@@ -404,8 +473,12 @@ def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, g
     timed = slice(segments[0], None) if steps > segments[0] else slice(None)
     gen = statistics.fmean(to_reward[timed])
     phases = {"gen": gen, "rest": statistics.fmean(clock.seconds[timed]) - gen}
-    return {"wall_s": wall, "phases_s": phases, "precision": side_precision(side, "fp32"),
-            "weights_dtype": str(next(trainer.model.parameters()).dtype)}
+    return {
+        "wall_s": wall,
+        "phases_s": phases,
+        "precision": side_precision(side, "fp32"),
+        "weights_dtype": str(next(trainer.model.parameters()).dtype),
+    }
 
 
 # ----------------------------------------------------------------------------- driver
@@ -414,10 +487,25 @@ def run_trl(size: str, paths: dict[str, Path], segments: list[int], seed: int, g
 def _command(side: str, size: str, paths: dict[str, Path], segments: list[int], args) -> list[str]:
     # the inputs are resolved once, here: a child resolving them again could see other fingerprints
     # (the stages' code version changes when the product source does) and rebuild them
-    return [sys.executable, "-m", "benchmarks.trl_grpo", "--child", side, "--sizes", size,
-            "--child-segments", ",".join(map(str, segments)), "--seed", str(args.seed),
-            "--trl-generation", args.trl_generation, "--engine-precision", args.engine_precision,
-            "--child-paths", json.dumps({k: str(v) for k, v in paths.items()})]
+    return [
+        sys.executable,
+        "-m",
+        "benchmarks.trl_grpo",
+        "--child",
+        side,
+        "--sizes",
+        size,
+        "--child-segments",
+        ",".join(map(str, segments)),
+        "--seed",
+        str(args.seed),
+        "--trl-generation",
+        args.trl_generation,
+        "--engine-precision",
+        args.engine_precision,
+        "--child-paths",
+        json.dumps({k: str(v) for k, v in paths.items()}),
+    ]
 
 
 def round_stats(records: list[StepRecord], num_parameters: int, peak_gflops: float) -> dict[str, float]:
@@ -435,43 +523,73 @@ def round_stats(records: list[StepRecord], num_parameters: int, peak_gflops: flo
     updates = [r.update_seconds for r in records if r.update_seconds is not None]
     trained = sum(r.trained_tokens for r in records)
     update_total = sum(updates) if len(updates) == len(records) else 0.0
-    return {"s_per_step": seconds / len(records), "gen_tok_s": sum(r.generated_tokens for r in records) / seconds,
-            "train_tok_s": trained / seconds, "update_s": update_total / len(records),
-            "mfu": update_mfu(num_parameters, trained, update_total, peak_gflops)}
+    return {
+        "s_per_step": seconds / len(records),
+        "gen_tok_s": sum(r.generated_tokens for r in records) / seconds,
+        "train_tok_s": trained / seconds,
+        "update_s": update_total / len(records),
+        "mfu": update_mfu(num_parameters, trained, update_total, peak_gflops),
+    }
 
 
 def render(rows: list[dict]) -> str:
     """The results table: per size, a row per side and an engine/TRL ratio row per engine mode."""
-    head = ("size", "side", "s/step", "s/step median", "generated tok/s", "trained tok/s", "reward (last steps)",
-            "timed steps")
+    head = (
+        "size",
+        "side",
+        "s/step",
+        "s/step median",
+        "generated tok/s",
+        "trained tok/s",
+        "reward (last steps)",
+        "timed steps",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         sides = [side for side in SIDES if side in r]
         for side in sides:
             m = r[side]
-            lines.append(f"| {r['size']} | {side} | {m['s_per_step']:.2f} | {m['s_per_step_median']:.2f} | "
-                         f"{m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} | {m['reward_last']:.3f} | {m['timed_steps']:.0f} |")
+            lines.append(
+                f"| {r['size']} | {side} | {m['s_per_step']:.2f} | {m['s_per_step_median']:.2f} | "
+                f"{m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} | {m['reward_last']:.3f} | {m['timed_steps']:.0f} |"
+            )
         for trl_side in (t for t in TRL_SIDES if t in r):
             t = r[trl_side]
             label = "TRL" if trl_side == "trl" else trl_side
             for side in (e for e in sides if e in ENGINE_SIDES):
                 e = r[side]
-                lines.append(f"| {r['size']} | {side}/{label} | {e['s_per_step'] / t['s_per_step']:.2f} | "
-                             f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
-                             f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |")
+                lines.append(
+                    f"| {r['size']} | {side}/{label} | {e['s_per_step'] / t['s_per_step']:.2f} | "
+                    f"{e['s_per_step_median'] / t['s_per_step_median']:.2f} | {e['gen_tok_s'] / t['gen_tok_s']:.2f} | "
+                    f"{e['train_tok_s'] / t['train_tok_s']:.2f} | {e['reward_last'] - t['reward_last']:+.3f} (difference) | |"
+                )
     return "\n".join(lines)
 
 
 def render_rounds(rows: list[dict]) -> str:
     """Every side's every round: the load and matmul peaks it ran under, its speed, the update's MFU."""
-    head = ("size", "round", "side", "precision", "load avg", "other cores", "fp32 peak GFLOP/s", "bf16 peak GFLOP/s",
-            "s/step", "trained tok/s", "update s/step", "update MFU")
+    head = (
+        "size",
+        "round",
+        "side",
+        "precision",
+        "load avg",
+        "other cores",
+        "fp32 peak GFLOP/s",
+        "bf16 peak GFLOP/s",
+        "s/step",
+        "trained tok/s",
+        "update s/step",
+        "update MFU",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         for x in r["rounds"]:
-            lines.append(f"| {r['size']} | {x['round'] + 1} | {x['side']} | {x['precision']} | {x['load_avg']:.1f} | "
-                         f"{x['other_cores']:.2f} | {x['peaks']['fp32']:.0f} | {x['peaks']['bf16']:.1f} | "
-                         f"{x['s_per_step']:.2f} | {x['train_tok_s']:.0f} | {x['update_s']:.2f} | {100 * x['mfu']:.1f}% |")
+            lines.append(
+                f"| {r['size']} | {x['round'] + 1} | {x['side']} | {x['precision']} | {x['load_avg']:.1f} | "
+                f"{x['other_cores']:.2f} | {x['peaks']['fp32']:.0f} | {x['peaks']['bf16']:.1f} | "
+                f"{x['s_per_step']:.2f} | {x['train_tok_s']:.0f} | {x['update_s']:.2f} | {100 * x['mfu']:.1f}% |"
+            )
     return "\n".join(lines)
 
 
@@ -487,13 +605,19 @@ def render_ratios(rows: list[dict]) -> str:
             by_side.setdefault(x["side"], []).append(x)
         for side, xs in by_side.items():
             mfu = [100 * x["mfu"] for x in xs]
-            lines.append(f"| {r['size']} | {side} update MFU ({xs[0]['precision']} peak) | {statistics.median(mfu):.1f}% | "
-                         f"{min(mfu):.1f}-{max(mfu):.1f}% | {len(xs)} |")
+            lines.append(
+                f"| {r['size']} | {side} update MFU ({xs[0]['precision']} peak) | {statistics.median(mfu):.1f}% | "
+                f"{min(mfu):.1f}-{max(mfu):.1f}% | {len(xs)} |"
+            )
         for trl_side in (t for t in TRL_SIDES if t in by_side):
             for side in (e for e in ENGINE_SIDES if e in by_side):
-                st = ratio_stats([x["train_tok_s"] for x in by_side[side]], [x["train_tok_s"] for x in by_side[trl_side]])
-                lines.append(f"| {r['size']} | {side}/{trl_side} trained tok/s | **{st['median']:.2f}** | "
-                             f"{st['min']:.2f}-{st['max']:.2f} | {st['n']:.0f} |")
+                st = ratio_stats(
+                    [x["train_tok_s"] for x in by_side[side]], [x["train_tok_s"] for x in by_side[trl_side]]
+                )
+                lines.append(
+                    f"| {r['size']} | {side}/{trl_side} trained tok/s | **{st['median']:.2f}** | "
+                    f"{st['min']:.2f}-{st['max']:.2f} | {st['n']:.0f} |"
+                )
     return "\n".join(lines)
 
 
@@ -511,8 +635,15 @@ def measure_size(size: str, args) -> dict:
     peaks = matmul_peaks()
     run_bf16, reason = bf16_verdict(peaks, bf16_hardware(), args.force_bf16)
     engine_precision = resolve_precision(args.engine_precision)
-    row: dict = {"size": size, "params": params, "rounds": [], "skipped": {}, "engine_precision": engine_precision,
-                 "bf16": reason, "per_round": per_round}
+    row: dict = {
+        "size": size,
+        "params": params,
+        "rounds": [],
+        "skipped": {},
+        "engine_precision": engine_precision,
+        "bf16": reason,
+        "per_round": per_round,
+    }
     commands = {}
     for side in args.sides:
         if side_precision(side, engine_precision) == "bf16" and not run_bf16:
@@ -524,8 +655,15 @@ def measure_size(size: str, args) -> dict:
     if not commands:
         return row
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", **RAY_EQUAL_PRIORITY_ENV}
-    run = run_interleaved(commands, rounds, WORK_DIR / "trl_grpo" / size / "logs", PROJECT_ROOT, env, matmul_peaks,
-                          lambda line: print(line, flush=True))
+    run = run_interleaved(
+        commands,
+        rounds,
+        WORK_DIR / "trl_grpo" / size / "logs",
+        PROJECT_ROOT,
+        env,
+        matmul_peaks,
+        lambda line: print(line, flush=True),
+    )
     # MFU against the highest peak measured in this run: a busy host lowers a single measurement
     best = {k: max([peaks[k]] + [x.peaks[k] for x in run.rounds]) for k in peaks}
     row["best_peaks"] = best
@@ -537,43 +675,90 @@ def measure_size(size: str, args) -> dict:
             every += records
             records = records[1:] if side in OVERLAPPING else records
             timed += records
-            row["rounds"].append({"side": side, "round": x.round, "precision": precision, "load_avg": x.load_avg,
-                                  "other_cores": x.other_cores, "peaks": x.peaks,
-                                  **round_stats(records, params, best[precision])})
-        row[side] = {**summarize(timed, skip_first=0, reward_window=args.reward_window),
-                     "reward_last": statistics.fmean(r.reward for r in every[-args.reward_window:])}
+            row["rounds"].append(
+                {
+                    "side": side,
+                    "round": x.round,
+                    "precision": precision,
+                    "load_avg": x.load_avg,
+                    "other_cores": x.other_cores,
+                    "peaks": x.peaks,
+                    **round_stats(records, params, best[precision]),
+                }
+            )
+        row[side] = {
+            **summarize(timed, skip_first=0, reward_window=args.reward_window),
+            "reward_last": statistics.fmean(r.reward for r in every[-args.reward_window :]),
+        }
         final = run.final[side]
         extra = ", ".join(f"{k} {v:.2f}" for k, v in final.get("phases_s", {}).items())
         weights = f", weights {final['weights_dtype']}" if "weights_dtype" in final else ""
-        print(f"  {side} ({final.get('precision', precision)}{weights}): {row[side]['s_per_step']:.2f} s/step, reward per step "
-              f"{' '.join(f'{r.reward:.3f}' for r in every)}; wall {final['wall_s']:.0f} s"
-              + (f"; mean phase seconds: {extra}" if extra else ""), flush=True)
+        print(
+            f"  {side} ({final.get('precision', precision)}{weights}): {row[side]['s_per_step']:.2f} s/step, reward per step "
+            f"{' '.join(f'{r.reward:.3f}' for r in every)}; wall {final['wall_s']:.0f} s"
+            + (f"; mean phase seconds: {extra}" if extra else ""),
+            flush=True,
+        )
     row["rounds"].sort(key=lambda x: (x["round"], list(commands).index(x["side"])))
     return row
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SETTINGS),
-                        help="benchmark sizes (default: " + " ".join(DEFAULT_SIZES) + ")")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds per side (default per size: " + ", ".join(f"{k} {v.rounds}" for k, v in SETTINGS.items()) + ")")
-    parser.add_argument("--steps-per-round", type=int, default=None,
-                        help="timed steps per round (default per size: " +
-                             ", ".join(f"{k} {v.steps_per_round}" for k, v in SETTINGS.items()) + ")")
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
-                        help="what to run: the engine colocated (engine) or asynchronous (engine_async); TRL in "
-                             "fp32 (trl), with bf16 autocast (trl_autocast), loaded in bf16 (trl_bf16)")
-    parser.add_argument("--engine-precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="rl.precision of the engine sides (auto: bf16 where the hardware has it)")
-    parser.add_argument("--force-bf16", action="store_true",
-                        help="run the bf16 sides even where bf16 is not native or not faster than fp32")
-    parser.add_argument("--sft-steps", type=int, default=300,
-                        help="SFT steps before the quickstart size's RL (300: the quickstart's SFT policy)")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        choices=list(SETTINGS),
+        help="benchmark sizes (default: " + " ".join(DEFAULT_SIZES) + ")",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per side (default per size: " + ", ".join(f"{k} {v.rounds}" for k, v in SETTINGS.items()) + ")",
+    )
+    parser.add_argument(
+        "--steps-per-round",
+        type=int,
+        default=None,
+        help="timed steps per round (default per size: "
+        + ", ".join(f"{k} {v.steps_per_round}" for k, v in SETTINGS.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=list(SIDES),
+        choices=list(SIDES),
+        help="what to run: the engine colocated (engine) or asynchronous (engine_async); TRL in "
+        "fp32 (trl), with bf16 autocast (trl_autocast), loaded in bf16 (trl_bf16)",
+    )
+    parser.add_argument(
+        "--engine-precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="rl.precision of the engine sides (auto: bf16 where the hardware has it)",
+    )
+    parser.add_argument(
+        "--force-bf16",
+        action="store_true",
+        help="run the bf16 sides even where bf16 is not native or not faster than fp32",
+    )
+    parser.add_argument(
+        "--sft-steps",
+        type=int,
+        default=300,
+        help="SFT steps before the quickstart size's RL (300: the quickstart's SFT policy)",
+    )
     parser.add_argument("--reward-window", type=int, default=5, help="the reward is averaged over this many last steps")
     parser.add_argument("--seed", type=int, default=0, help="data-order and sampling seed (all sides)")
-    parser.add_argument("--trl-generation", choices=TRL_GENERATION, default="generate",
-                        help="TRL's generation backend (see the module docstring)")
+    parser.add_argument(
+        "--trl-generation",
+        choices=TRL_GENERATION,
+        default="generate",
+        help="TRL's generation backend (see the module docstring)",
+    )
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--child-paths", help=argparse.SUPPRESS)
     parser.add_argument("--child-segments", help=argparse.SUPPRESS)
@@ -599,20 +784,30 @@ def main(argv: list[str] | None = None) -> None:
     for size in args.sizes:  # each size's tables as soon as it is done: a later size's failure loses nothing
         rows.append(measure_size(size, args))
         if len(args.sizes) > 1:
-            print(f"\n{size}, all rounds pooled:\n{render(rows[-1:])}\n{size}, over rounds:\n{render_ratios(rows[-1:])}",
-                  flush=True)
+            print(
+                f"\n{size}, all rounds pooled:\n{render(rows[-1:])}\n{size}, over rounds:\n{render_ratios(rows[-1:])}",
+                flush=True,
+            )
     end = matmul_peaks()
-    print(f"\n{machine_description()}\nmatmul peaks at the end: fp32 {end['fp32']:.0f}, bf16 {end['bf16']:.1f} GFLOP/s; "
-          f"load average {load_avg():.1f}; TRL generation: {args.trl_generation}; quickstart policy: SFT {args.sft_steps} steps")
+    print(
+        f"\n{machine_description()}\nmatmul peaks at the end: fp32 {end['fp32']:.0f}, bf16 {end['bf16']:.1f} GFLOP/s; "
+        f"load average {load_avg():.1f}; TRL generation: {args.trl_generation}; quickstart policy: SFT {args.sft_steps} steps"
+    )
     for r in rows:
         s = SETTINGS[r["size"]]
         rounds = max((x["round"] + 1 for x in r["rounds"]), default=0)
-        print(f"{r['size']}: {r['params'] / 1e6:.2f}M parameters, {s.prompts_per_step} prompts x {s.n_samples} samples, "
-              f"{'exactly' if s.fixed_length else 'at most'} {s.max_new_tokens} response tokens, lr {s.lr:g}, "
-              f"warm-up {s.warmup_steps} (at most half the steps); {rounds} rounds x {r['per_round']} timed steps per side after 1 warm-up "
-              f"step; engine precision {r['engine_precision']}; bf16: {r['bf16']}" + (
-                  f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "
-                  f"bf16 {r['best_peaks']['bf16']:.1f} GFLOP/s" if "best_peaks" in r else ""))
+        print(
+            f"{r['size']}: {r['params'] / 1e6:.2f}M parameters, {s.prompts_per_step} prompts x {s.n_samples} samples, "
+            f"{'exactly' if s.fixed_length else 'at most'} {s.max_new_tokens} response tokens, lr {s.lr:g}, "
+            f"warm-up {s.warmup_steps} (at most half the steps); {rounds} rounds x {r['per_round']} timed steps per side after 1 warm-up "
+            f"step; engine precision {r['engine_precision']}; bf16: {r['bf16']}"
+            + (
+                f"; MFU against the run's highest matmul peaks: fp32 {r['best_peaks']['fp32']:.0f}, "
+                f"bf16 {r['best_peaks']['bf16']:.1f} GFLOP/s"
+                if "best_peaks" in r
+                else ""
+            )
+        )
         for side, why in r["skipped"].items():
             print(f"  {side} skipped: {why}")
     print("\nAll rounds pooled:")

@@ -71,10 +71,19 @@ def model_config(layers: int, vocab: int) -> dict:
     """A Qwen2 ``config.json`` dict: Qwen2-0.5B-like layer shape (GQA 12/2, head_dim 64, QKV
     bias), ``layers`` layers, ``vocab`` tokens, tied embeddings."""
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": 768,
-        "num_hidden_layers": layers, "num_attention_heads": 12, "num_key_value_heads": 2,
-        "intermediate_size": 2048, "max_position_embeddings": 2048, "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": 768,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "intermediate_size": 2048,
+        "max_position_embeddings": 2048,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
     }
 
 
@@ -185,9 +194,16 @@ def run_mode(mode: str, layers: int, vocab: int, repeats: int, threads: int, dty
         times.append(time.perf_counter() - t0)
     peak_bytes = peak.stop()
     return {
-        "mode": mode, "dtype": dtype, "params": params, "model_mb": model_bytes / MIB, "buckets": buckets,
-        "peak_extra_mb": (peak_bytes - baseline) / MIB, "seconds": min(times),
-        "mb_per_s": model_bytes / MIB / min(times), "checksum": checksum, "method": peak.method,
+        "mode": mode,
+        "dtype": dtype,
+        "params": params,
+        "model_mb": model_bytes / MIB,
+        "buckets": buckets,
+        "peak_extra_mb": (peak_bytes - baseline) / MIB,
+        "seconds": min(times),
+        "mb_per_s": model_bytes / MIB / min(times),
+        "checksum": checksum,
+        "method": peak.method,
     }
 
 
@@ -235,7 +251,9 @@ def _engine_dir(root: Path, layers: int, vocab: int) -> Path:
     """A model directory holding only ``hf/config.json``: vLLM starts on placeholder weights."""
     hf = root / "hf"
     hf.mkdir(parents=True, exist_ok=True)
-    (hf / "config.json").write_text(json.dumps({**model_config(layers, vocab), "eos_token_id": 1, "torch_dtype": "float32"}))
+    (hf / "config.json").write_text(
+        json.dumps({**model_config(layers, vocab), "eos_token_id": 1, "torch_dtype": "float32"})
+    )
     return root
 
 
@@ -249,11 +267,24 @@ def transport_size(size: int, args, scratch: Path) -> dict:
     from engine.rollout.weight_push import push_weights_ipc
 
     layers = SIZE_LAYERS[size]
-    actor = ray.remote(BenchSource).options(num_cpus=0).remote(layers, args.vocab, args.transport_bucket_mb, args.threads)
+    actor = (
+        ray.remote(BenchSource).options(num_cpus=0).remote(layers, args.vocab, args.transport_bucket_mb, args.threads)
+    )
     policy_dir = _engine_dir(scratch / f"m{size}", layers, args.vocab)
-    engines = [ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=2).remote(
-        str(policy_dir), RolloutConfig(backend="vllm"), str(scratch / f"e{size}_{k}"), 64, args.threads,
-        num_sequences=1, precision="fp32") for k in range(args.engines)]
+    engines = [
+        ray.remote(RolloutWorker)
+        .options(num_cpus=0, max_concurrency=2)
+        .remote(
+            str(policy_dir),
+            RolloutConfig(backend="vllm"),
+            str(scratch / f"e{size}_{k}"),
+            64,
+            args.threads,
+            num_sequences=1,
+            precision="fp32",
+        )
+        for k in range(args.engines)
+    ]
     try:
         ray.get([e.__ray_ready__.remote() for e in engines])
         plan = ray.get(actor.hf_bucket_plan.remote())
@@ -277,26 +308,68 @@ def transport_size(size: int, args, scratch: Path) -> dict:
         ray.kill(actor)
     best = min(range(args.rounds), key=lambda i: col[i])
     gb = plan.total_bytes / 1e9
-    return {"size": size, "params": params, "gb": gb, "buckets": plan.num_buckets, "engines": args.engines,
-            "object_store_s": min(obj), "collective_s": min(col), "object_store_gbps": gb / min(obj),
-            "collective_gbps": gb / min(col), "ratio": min(obj) / min(col), "make_s": min(make),
-            "ipc_s": min(ipc), "ipc_gbps": gb / min(ipc), "ipc_ratio": min(obj) / min(ipc), "all_ipc_s": ipc,
-            "form_s": form.get("form", 0.0), **{f"collective_{k}_s": v for k, v in phases[best].items() if k != "form"},
-            "all_object_store_s": obj, "all_collective_s": col}
+    return {
+        "size": size,
+        "params": params,
+        "gb": gb,
+        "buckets": plan.num_buckets,
+        "engines": args.engines,
+        "object_store_s": min(obj),
+        "collective_s": min(col),
+        "object_store_gbps": gb / min(obj),
+        "collective_gbps": gb / min(col),
+        "ratio": min(obj) / min(col),
+        "make_s": min(make),
+        "ipc_s": min(ipc),
+        "ipc_gbps": gb / min(ipc),
+        "ipc_ratio": min(obj) / min(ipc),
+        "all_ipc_s": ipc,
+        "form_s": form.get("form", 0.0),
+        **{f"collective_{k}_s": v for k, v in phases[best].items() if k != "form"},
+        "all_object_store_s": obj,
+        "all_collective_s": col,
+    }
 
 
 def render_transport(rows: list[dict]) -> str:
-    head = ("params", "HF GB", "buckets", "engines", "object store s", "GB/s", "collective s", "GB/s",
-            "object/collective", "ipc s", "GB/s", "object/ipc", "make s (alone)", "collective actor: make / send s", "collective engine: wait / load s", "group forms s")
+    head = (
+        "params",
+        "HF GB",
+        "buckets",
+        "engines",
+        "object store s",
+        "GB/s",
+        "collective s",
+        "GB/s",
+        "object/collective",
+        "ipc s",
+        "GB/s",
+        "object/ipc",
+        "make s (alone)",
+        "collective actor: make / send s",
+        "collective engine: wait / load s",
+        "group forms s",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = (f"{r['params'] / 1e6:.1f}M", f"{r['gb']:.2f}", str(r["buckets"]), str(r["engines"]),
-                 f"{r['object_store_s']:.2f}", f"{r['object_store_gbps']:.2f}", f"{r['collective_s']:.2f}",
-                 f"{r['collective_gbps']:.2f}", f"{r['ratio']:.2f}", f"{r['ipc_s']:.2f}", f"{r['ipc_gbps']:.2f}",
-                 f"{r['ipc_ratio']:.2f}", f"{r['make_s']:.2f}",
-                 f"{r['collective_make_s']:.2f} / {r['collective_send_s']:.2f}",
-                 f"{r['collective_engine_wait_s']:.2f} / {r['collective_load_s']:.2f}",
-                 f"{r['form_s']:.2f}")
+        cells = (
+            f"{r['params'] / 1e6:.1f}M",
+            f"{r['gb']:.2f}",
+            str(r["buckets"]),
+            str(r["engines"]),
+            f"{r['object_store_s']:.2f}",
+            f"{r['object_store_gbps']:.2f}",
+            f"{r['collective_s']:.2f}",
+            f"{r['collective_gbps']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['ipc_s']:.2f}",
+            f"{r['ipc_gbps']:.2f}",
+            f"{r['ipc_ratio']:.2f}",
+            f"{r['make_s']:.2f}",
+            f"{r['collective_make_s']:.2f} / {r['collective_send_s']:.2f}",
+            f"{r['collective_engine_wait_s']:.2f} / {r['collective_load_s']:.2f}",
+            f"{r['form_s']:.2f}",
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -317,8 +390,10 @@ def transport_main(args) -> None:
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         shutdown_ray()
-    print(f"float32 Qwen2-shaped policies, {args.transport_bucket_mb} MiB buckets, best of {args.rounds} interleaved "
-          f"rounds; {os.cpu_count()} CPUs, load average before {load[0]:.1f} / after {os.getloadavg()[0]:.1f}")
+    print(
+        f"float32 Qwen2-shaped policies, {args.transport_bucket_mb} MiB buckets, best of {args.rounds} interleaved "
+        f"rounds; {os.cpu_count()} CPUs, load average before {load[0]:.1f} / after {os.getloadavg()[0]:.1f}"
+    )
     print(render_transport(rows))
 
 
@@ -326,9 +401,23 @@ def transport_main(args) -> None:
 
 
 def _child(mode: str, dtype: str, args) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.weight_sync", "--child", mode, "--layers", str(args.layers),
-           "--vocab", str(args.vocab), "--repeats", str(args.repeats), "--threads", str(args.threads),
-           "--dtype", dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.weight_sync",
+        "--child",
+        mode,
+        "--layers",
+        str(args.layers),
+        "--vocab",
+        str(args.vocab),
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+        "--dtype",
+        dtype,
+    ]
     env = dict(os.environ)
     if args.malloc_mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
@@ -340,14 +429,31 @@ def _child(mode: str, dtype: str, args) -> dict:
 
 def render(rows: list[dict]) -> str:
     """The table: one row per dtype and mode, ratios against the ``full`` row of the same dtype."""
-    head = ("dtype", "mode", "buckets", "model MiB", "peak extra MiB", "extra/model", "MiB/s", "extra vs full",
-            "MiB/s vs full")
+    head = (
+        "dtype",
+        "mode",
+        "buckets",
+        "model MiB",
+        "peak extra MiB",
+        "extra/model",
+        "MiB/s",
+        "extra vs full",
+        "MiB/s vs full",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         full = next(f for f in rows if f["mode"] == "full" and f.get("dtype") == r.get("dtype"))
-        cells = (r.get("dtype", "float32"), r["mode"], str(r["buckets"]), f"{r['model_mb']:.0f}", f"{r['peak_extra_mb']:.0f}",
-                 f"{r['peak_extra_mb'] / r['model_mb']:.2f}", f"{r['mb_per_s']:.0f}",
-                 f"{r['peak_extra_mb'] / full['peak_extra_mb']:.2f}", f"{r['mb_per_s'] / full['mb_per_s']:.2f}")
+        cells = (
+            r.get("dtype", "float32"),
+            r["mode"],
+            str(r["buckets"]),
+            f"{r['model_mb']:.0f}",
+            f"{r['peak_extra_mb']:.0f}",
+            f"{r['peak_extra_mb'] / r['model_mb']:.2f}",
+            f"{r['mb_per_s']:.0f}",
+            f"{r['peak_extra_mb'] / full['peak_extra_mb']:.2f}",
+            f"{r['mb_per_s'] / full['mb_per_s']:.2f}",
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -363,8 +469,15 @@ def render_dtypes(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mode in modes:
         a, b = by["float32", mode], by["bfloat16", mode]
-        cells = (mode, f"{a['model_mb']:.0f}", f"{b['model_mb']:.0f}", f"{b['model_mb'] / a['model_mb']:.2f}",
-                 f"{a['seconds']:.3f}", f"{b['seconds']:.3f}", f"{b['seconds'] / a['seconds']:.2f}")
+        cells = (
+            mode,
+            f"{a['model_mb']:.0f}",
+            f"{b['model_mb']:.0f}",
+            f"{b['model_mb'] / a['model_mb']:.2f}",
+            f"{a['seconds']:.3f}",
+            f"{b['seconds']:.3f}",
+            f"{b['seconds'] / a['seconds']:.2f}",
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -376,14 +489,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=16384, help="vocabulary size")
     parser.add_argument("--repeats", type=int, default=3, help="passes per mode (fastest is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each subprocess")
-    parser.add_argument("--malloc-mmap-threshold", type=int, default=None,
-                        help="run the subprocesses with glibc's MALLOC_MMAP_THRESHOLD_ fixed to this many bytes")
-    parser.add_argument("--dtype", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"],
-                        help="dtypes of the streamed weights (float32: rl.precision fp32; bfloat16: bf16)")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="run the subprocesses with glibc's MALLOC_MMAP_THRESHOLD_ fixed to this many bytes",
+    )
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=("float32", "bfloat16"),
+        default=["float32", "bfloat16"],
+        help="dtypes of the streamed weights (float32: rl.precision fp32; bfloat16: bf16)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--transport", action="store_true", help="collective vs object store to vLLM engines")
-    parser.add_argument("--sizes", type=int, nargs="+", choices=sorted(SIZE_LAYERS), default=sorted(SIZE_LAYERS),
-                        help="--transport: model sizes in millions of parameters")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        choices=sorted(SIZE_LAYERS),
+        default=sorted(SIZE_LAYERS),
+        help="--transport: model sizes in millions of parameters",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--transport: interleaved rounds (best is reported)")
     parser.add_argument("--engines", type=int, default=1, help="--transport: vLLM rollout engines")
     parser.add_argument("--transport-bucket-mb", type=int, default=256, help="--transport: bucket MiB")
@@ -400,8 +528,10 @@ def main(argv: list[str] | None = None) -> None:
     first = rows[0]
     malloc = "" if args.malloc_mmap_threshold is None else f"; MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}"
     sizes = ", ".join(f"{r['dtype']} {r['model_mb']:.0f} MiB" for r in rows if r["mode"] == "full")
-    print(f"Qwen2-shaped policy: {first['params'] / 1e6:.1f}M parameters, HF tensors {sizes} "
-          f"(CPU, {args.threads} thread(s)); peak via {first['method']}; best of {args.repeats} passes{malloc}")
+    print(
+        f"Qwen2-shaped policy: {first['params'] / 1e6:.1f}M parameters, HF tensors {sizes} "
+        f"(CPU, {args.threads} thread(s)); peak via {first['method']}; best of {args.repeats} passes{malloc}"
+    )
     print(render(rows))
     if len(args.dtype) > 1:
         print()

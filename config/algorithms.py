@@ -139,11 +139,16 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
         return {}
     lineno, value = found
     ok = isinstance(value, dict) and all(
-        isinstance(fn, str) and isinstance(needs, dict)
-        and all(k in known and isinstance(v, bool) for k, v in needs.items()) for fn, needs in value.items())
+        isinstance(fn, str)
+        and isinstance(needs, dict)
+        and all(k in known and isinstance(v, bool) for k, v in needs.items())
+        for fn, needs in value.items()
+    )
     if not ok or not isinstance(value, dict):
-        raise ValueError(f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
-                         f"dicts of needs ({', '.join(known)}: True or False), e.g. "
-                         f"{ALGORITHM_NEEDS} = {{\"my_estimator\": {{\"critic\": True}}}}; it is read without "
-                         "importing the module, so it cannot be computed")
+        raise ValueError(
+            f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
+            f"dicts of needs ({', '.join(known)}: True or False), e.g. "
+            f'{ALGORITHM_NEEDS} = {{"my_estimator": {{"critic": True}}}}; it is read without '
+            "importing the module, so it cannot be computed"
+        )
     return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}

@@ -33,7 +33,10 @@ def _number(value, kinds: set):
         return [_number(v, kinds) for v in value]
     if isinstance(value, bool) and bool not in kinds:
         raise PydanticCustomError(
-            "bool_not_number", "expected {what}, not a boolean", {"what": "a number" if float in kinds else "an integer"})
+            "bool_not_number",
+            "expected {what}, not a boolean",
+            {"what": "a number" if float in kinds else "an integer"},
+        )
     if isinstance(value, str) and int in kinds and float not in kinds:
         try:  # YAML 1.1 reads 1e3 as a string; an exact integer in exponent form is that integer
             exact = Decimal(value.strip().replace("_", ""))
@@ -73,10 +76,11 @@ def _local_path(value: str | None) -> str | None:
     if not value.strip():
         raise ValueError("empty path; give a path (or remove the key to use its default)")
     if "$" in value:
-        unset = [m.group(1).strip("{}") for m in _ENV_VAR.finditer(value)
-                 if m.group(1).strip("{}") not in os.environ]
+        unset = [m.group(1).strip("{}") for m in _ENV_VAR.finditer(value) if m.group(1).strip("{}") not in os.environ]
         if unset:
-            raise ValueError(f"environment variable ${unset[0]} in {value!r} is not set; export it or write the path out")
+            raise ValueError(
+                f"environment variable ${unset[0]} in {value!r} is not set; export it or write the path out"
+            )
         value = os.path.expandvars(value)
     if value.startswith("file://~"):
         return "file://" + os.path.expanduser(value.removeprefix("file://"))
@@ -117,6 +121,9 @@ class Strict(BaseModel):
         try:
             handler(data)
         except ValidationError as exc:  # every other problem of the section, in the same message
-            errors += [InitErrorDetails(type=PydanticCustomError(d["type"], d["msg"]), loc=d["loc"], input=d["input"])
-                       for d in exc.errors() if d["input"] is not _REFUSED]
+            errors += [
+                InitErrorDetails(type=PydanticCustomError(d["type"], d["msg"]), loc=d["loc"], input=d["input"])
+                for d in exc.errors()
+                if d["input"] is not _REFUSED
+            ]
         raise ValidationError.from_exception_data(cls.__name__, errors)

@@ -25,8 +25,10 @@ def _check_k(where: str, k: typing.Sequence[int], samples: int) -> None:
     """k of pass@k / maj@k: each in ``1 .. samples``, no repeats (ValueError naming ``where``)."""
     bad = [v for v in k if not 1 <= v <= samples]
     if bad:
-        raise ValueError(f"{where}.k: {bad} outside 1 .. samples_per_prompt ({samples}); pass@k and maj@k need k "
-                         "responses of each prompt")
+        raise ValueError(
+            f"{where}.k: {bad} outside 1 .. samples_per_prompt ({samples}); pass@k and maj@k need k "
+            "responses of each prompt"
+        )
     if len(set(k)) != len(k):
         raise ValueError(f"{where}.k: {list(k)} repeats a value")
 
@@ -40,13 +42,24 @@ class BenchmarkConfig(NamedDatasetConfig):
     """One named benchmark file (``name``, ``path``, ``format``, ``verifier`` as every named
     dataset; the name rl_eval is data.rl_eval's); unset settings take the ``evaluate.*`` value."""
 
-    samples_per_prompt: int | None = Field(None, gt=0, description="Responses per prompt; None: evaluate.samples_per_prompt.")
-    temperature: float | None = Field(None, ge=0, description="Sampling temperature (0 = greedy); None: evaluate.temperature.")
-    max_new_tokens: int | None = Field(None, gt=0, description="Response budget in tokens; None: evaluate.max_new_tokens.")
-    num_prompts: int | None = Field(None, gt=0, description="Evaluate the first N valid rows; None: evaluate.num_prompts.")
+    samples_per_prompt: int | None = Field(
+        None, gt=0, description="Responses per prompt; None: evaluate.samples_per_prompt."
+    )
+    temperature: float | None = Field(
+        None, ge=0, description="Sampling temperature (0 = greedy); None: evaluate.temperature."
+    )
+    max_new_tokens: int | None = Field(
+        None, gt=0, description="Response budget in tokens; None: evaluate.max_new_tokens."
+    )
+    num_prompts: int | None = Field(
+        None, gt=0, description="Evaluate the first N valid rows; None: evaluate.num_prompts."
+    )
     k: list[int] | None = Field(None, description="k of pass@k and maj@k; None: evaluate.k.")
-    breakdown: list[str] = Field([], description="Source fields to report metrics by (e.g. [subject, level] for "
-                                                 "MATH-500); every row must have them.")
+    breakdown: list[str] = Field(
+        [],
+        description="Source fields to report metrics by (e.g. [subject, level] for "
+        "MATH-500); every row must have them.",
+    )
     max_bad_fraction: float = Field(0.0, ge=0.0, le=1.0, description="Fail above this fraction of bad rows.")
 
 
@@ -95,18 +108,23 @@ class EvaluateConfig(Strict):
         return self
 
     num_prompts: int | None = Field(None, gt=0, description="Evaluate on the first N held-out prompts (all if unset).")
-    precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
+    precision: Precision | None = Field(
+        None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision."
+    )
     max_new_tokens: int = Field(32, gt=0, description="Response length budget in tokens.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     samples_per_prompt: int = Field(
         1, gt=0, description="Responses per prompt; accuracy is their mean (mean@k) and its SE is over prompts."
     )
-    k: list[int] | None = Field(None, description="k of pass@k and maj@k (each <= samples_per_prompt); None: 1 and "
-                                                  "samples_per_prompt.")
+    k: list[int] | None = Field(
+        None, description="k of pass@k and maj@k (each <= samples_per_prompt); None: 1 and samples_per_prompt."
+    )
     backend: Literal["vllm", "hf"] = Field("vllm", description="Generation backend for evaluation.")
     datasets: list[BenchmarkConfig] = Field(
-        [], description="More benchmarks, each reported per policy as <policy>/<name>/<metric> (docs/evaluation.md); "
-                        "data.rl_eval stays the default one (<policy>/<metric>).")
+        [],
+        description="More benchmarks, each reported per policy as <policy>/<name>/<metric> (docs/evaluation.md); "
+        "data.rl_eval stays the default one (<policy>/<metric>).",
+    )
 
     def _k(self, k: list[int] | None, samples: int) -> tuple[int, ...]:
         """``k`` if given, else ``evaluate.k`` if given, else ``(1, samples)`` (deduplicated)."""
@@ -126,20 +144,40 @@ class EvaluateConfig(Strict):
         """
         out = []
         if rl_eval:
-            out.append(BenchmarkSettings(
-                name=DEFAULT_BENCHMARK, key="data.rl_eval", path=None, format="auto", verifier=verifier,
-                samples_per_prompt=self.samples_per_prompt, temperature=self.temperature,
-                max_new_tokens=self.max_new_tokens, num_prompts=self.num_prompts,
-                k=self._k(None, self.samples_per_prompt), breakdown=(), max_bad_fraction=0.0))
+            out.append(
+                BenchmarkSettings(
+                    name=DEFAULT_BENCHMARK,
+                    key="data.rl_eval",
+                    path=None,
+                    format="auto",
+                    verifier=verifier,
+                    samples_per_prompt=self.samples_per_prompt,
+                    temperature=self.temperature,
+                    max_new_tokens=self.max_new_tokens,
+                    num_prompts=self.num_prompts,
+                    k=self._k(None, self.samples_per_prompt),
+                    breakdown=(),
+                    max_bad_fraction=0.0,
+                )
+            )
         for i, b in enumerate(self.datasets):
             samples = b.samples_per_prompt or self.samples_per_prompt
             k = self._k(b.k, samples)
             _check_k(f"evaluate.datasets[{i}]", k, samples)
-            out.append(BenchmarkSettings(
-                name=b.name, key=f"evaluate.datasets[{i}]", path=b.path, format=b.format,
-                verifier=b.verifier or verifier, samples_per_prompt=samples,
-                temperature=self.temperature if b.temperature is None else b.temperature,
-                max_new_tokens=b.max_new_tokens or self.max_new_tokens,
-                num_prompts=b.num_prompts or self.num_prompts, k=k, breakdown=tuple(b.breakdown),
-                max_bad_fraction=b.max_bad_fraction))
+            out.append(
+                BenchmarkSettings(
+                    name=b.name,
+                    key=f"evaluate.datasets[{i}]",
+                    path=b.path,
+                    format=b.format,
+                    verifier=b.verifier or verifier,
+                    samples_per_prompt=samples,
+                    temperature=self.temperature if b.temperature is None else b.temperature,
+                    max_new_tokens=b.max_new_tokens or self.max_new_tokens,
+                    num_prompts=b.num_prompts or self.num_prompts,
+                    k=k,
+                    breakdown=tuple(b.breakdown),
+                    max_bad_fraction=b.max_bad_fraction,
+                )
+            )
         return out

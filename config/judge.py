@@ -50,8 +50,10 @@ def template_fields(template: str) -> list[str]:
         if name is None:
             continue
         if spec or conversion or not name.isidentifier():
-            raise ValueError(f"field {{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}} "
-                             f"is not a plain {{name}} (write a literal brace as {{{{ or }}}})")
+            raise ValueError(
+                f"field {{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}} "
+                f"is not a plain {{name}} (write a literal brace as {{{{ or }}}})"
+            )
         names.append(name)
     return names
 
@@ -66,40 +68,68 @@ class JudgeConfig(Strict):
 
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the judge's normalised score in the reward.")
     model_dir: LocalPath | None = Field(
-        None, description="HF model directory of the judge (config.json, SafeTensors, tokenizer), served by an in-process "
-                          "vLLM engine in the reward worker; its files are hashed by content into the rl fingerprint. "
-                          "The template goes through its chat template when the tokenizer has one.")
+        None,
+        description="HF model directory of the judge (config.json, SafeTensors, tokenizer), served by an in-process "
+        "vLLM engine in the reward worker; its files are hashed by content into the rl fingerprint. "
+        "The template goes through its chat template when the tokenizer has one.",
+    )
     base_url: str | None = Field(
-        None, description="OpenAI-compatible endpoint instead of model_dir, e.g. http://judge-host:8000/v1 (vLLM serve, "
-                          "or a hosted API). Scores from an endpoint are not reproducible: its model can change under "
-                          "the same name.")
+        None,
+        description="OpenAI-compatible endpoint instead of model_dir, e.g. http://judge-host:8000/v1 (vLLM serve, "
+        "or a hosted API). Scores from an endpoint are not reproducible: its model can change under "
+        "the same name.",
+    )
     model: str | None = Field(None, description="Model name sent to base_url (required with base_url).")
     api: Literal["chat", "completions"] = Field(
-        "chat", description="base_url's API: chat (/chat/completions, the template as one user message) or completions "
-                            "(/completions, the template as the prompt).")
+        "chat",
+        description="base_url's API: chat (/chat/completions, the template as one user message) or completions "
+        "(/completions, the template as the prompt).",
+    )
     api_key_env: str | None = Field(
-        None, description="Name of the environment variable holding base_url's API key (it must be set where the "
-                          "reward worker runs); None sends no key.")
+        None,
+        description="Name of the environment variable holding base_url's API key (it must be set where the "
+        "reward worker runs); None sends no key.",
+    )
     template: str = Field(
-        DEFAULT_TEMPLATE, description="Rubric prompt, a Python format string with the fields {prompt} (the prompt's "
-                                      "message texts), {response} (required) and {label}; write literal braces as {{ }}.")
+        DEFAULT_TEMPLATE,
+        description="Rubric prompt, a Python format string with the fields {prompt} (the prompt's "
+        "message texts), {response} (required) and {label}; write literal braces as {{ }}.",
+    )
     score_pattern: str | None = Field(
-        DEFAULT_SCORE_PATTERN, description="Regular expression with one group capturing the score; its last match in "
-                                           "the judge's answer counts. None: the last number in the answer.")
+        DEFAULT_SCORE_PATTERN,
+        description="Regular expression with one group capturing the score; its last match in "
+        "the judge's answer counts. None: the last number in the answer.",
+    )
     min_score: float = Field(0.0, allow_inf_nan=False, description="Lowest score of the rubric (normalised to 0).")
-    max_score: float = Field(10.0, allow_inf_nan=False, description="Highest score of the rubric (normalised to 1); a "
-                                                                    "parsed score outside [min_score, max_score] is a failure.")
-    fallback: float = Field(0.0, allow_inf_nan=False, description="Normalised score of a sample the judge failed on "
-                                                                  "(no score in its answer, or the request failed).")
+    max_score: float = Field(
+        10.0,
+        allow_inf_nan=False,
+        description="Highest score of the rubric (normalised to 1); a "
+        "parsed score outside [min_score, max_score] is a failure.",
+    )
+    fallback: float = Field(
+        0.0,
+        allow_inf_nan=False,
+        description="Normalised score of a sample the judge failed on (no score in its answer, or the request failed).",
+    )
     temperature: float = Field(0.0, ge=0, description="Judge sampling temperature; 0 (default): greedy.")
     max_new_tokens: int = Field(64, gt=0, description="Longest judge answer in tokens.")
     seed: int = Field(0, description="Sampling seed of the judge (matters only with temperature > 0).")
-    precision: Precision | None = Field(None, description="model_dir: the judge engine's compute precision; None: auto.")
-    max_model_len: int | None = Field(None, gt=0, description="model_dir: longest judge prompt + answer in tokens; "
-                                                              "None: the judge's max_position_embeddings.")
+    precision: Precision | None = Field(
+        None, description="model_dir: the judge engine's compute precision; None: auto."
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="model_dir: longest judge prompt + answer in tokens; None: the judge's max_position_embeddings.",
+    )
     timeout_s: float = Field(60.0, gt=0, allow_inf_nan=False, description="base_url: seconds one request may take.")
-    max_retries: int = Field(2, ge=0, description="base_url: retries of a failed request (connection errors, timeouts, "
-                                                  "429 and 5xx; exponential backoff) before it counts as a failure.")
+    max_retries: int = Field(
+        2,
+        ge=0,
+        description="base_url: retries of a failed request (connection errors, timeouts, "
+        "429 and 5xx; exponential backoff) before it counts as a failure.",
+    )
     max_concurrency: int = Field(8, gt=0, description="base_url: requests in flight at once.")
 
     @field_validator("base_url")
@@ -113,8 +143,10 @@ class JudgeConfig(Strict):
         names = template_fields(value)
         unknown = [n for n in names if n not in TEMPLATE_FIELDS]
         if unknown:
-            raise ValueError(f"unknown field {{{unknown[0]}}}; the fields are {{prompt}}, {{response}} and {{label}} "
-                             "(write a literal brace as {{ or }})")
+            raise ValueError(
+                f"unknown field {{{unknown[0]}}}; the fields are {{prompt}}, {{response}} and {{label}} "
+                "(write a literal brace as {{ or }})"
+            )
         if "response" not in names:
             raise ValueError("the template has no {response} field: the judge would never see the answer it grades")
         return value
@@ -135,8 +167,10 @@ class JudgeConfig(Strict):
     @model_validator(mode="after")
     def _one_judge(self):
         if (self.model_dir is None) == (self.base_url is None):
-            raise ValueError("set exactly one of model_dir (a judge served by vLLM in the reward worker) and base_url "
-                             "(an OpenAI-compatible endpoint)")
+            raise ValueError(
+                "set exactly one of model_dir (a judge served by vLLM in the reward worker) and base_url "
+                "(an OpenAI-compatible endpoint)"
+            )
         if self.base_url is not None and not self.model:
             raise ValueError("base_url needs model: the model name the endpoint serves")
         if self.max_score <= self.min_score:
@@ -153,16 +187,27 @@ class RemoteRewardConfig(Strict):
     url: str = Field(description="http(s) URL the samples are POSTed to.")
     weight: float = Field(1.0, allow_inf_nan=False, description="Weight of the service's score in the reward.")
     timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False, description="Seconds one request may take.")
-    max_retries: int = Field(3, ge=0, description="Retries of a failed request (connection error, timeout, 429 or 5xx) "
-                                                  "after backoff_s, 2 x backoff_s, 4 x backoff_s, ...")
-    backoff_s: float = Field(0.5, ge=0, allow_inf_nan=False, description="Wait before the first retry, doubled each retry.")
-    batch_size: int | None = Field(None, gt=0, description="Samples per request ({\"samples\": [...]} -> "
-                                                           "{\"scores\": [...]}); None: one sample per request.")
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="Retries of a failed request (connection error, timeout, 429 or 5xx) "
+        "after backoff_s, 2 x backoff_s, 4 x backoff_s, ...",
+    )
+    backoff_s: float = Field(
+        0.5, ge=0, allow_inf_nan=False, description="Wait before the first retry, doubled each retry."
+    )
+    batch_size: int | None = Field(
+        None,
+        gt=0,
+        description='Samples per request ({"samples": [...]} -> {"scores": [...]}); None: one sample per request.',
+    )
     max_concurrency: int = Field(8, gt=0, description="Requests in flight at once.")
     on_failure: Literal["fail", "fallback"] = Field(
-        "fallback", description="A sample whose request still fails after the retries (or whose answer is not a finite "
-                                "score): fail the run (one line naming the URL), or score it fallback and count it "
-                                "(reward/remote_failures).")
+        "fallback",
+        description="A sample whose request still fails after the retries (or whose answer is not a finite "
+        "score): fail the run (one line naming the URL), or score it fallback and count it "
+        "(reward/remote_failures).",
+    )
     fallback: float = Field(0.0, allow_inf_nan=False, description="Score of a failed sample with on_failure: fallback.")
 
     @field_validator("url")

@@ -75,8 +75,9 @@ def _allowed_keys(model_cls: Any, loc: tuple) -> list[str] | None:
     return sorted(getattr(cls, "model_fields", {}))
 
 
-def format_validation_error(err: ValidationError, source: str, overrides: Sequence[Override] = (),
-                            raw: dict[str, Any] | None = None) -> str:
+def format_validation_error(
+    err: ValidationError, source: str, overrides: Sequence[Override] = (), raw: dict[str, Any] | None = None
+) -> str:
     """One readable message for all problems of a config: ``key.path: problem``.
 
     An unknown key suggests the closest allowed key of its section when one is close enough
@@ -180,14 +181,18 @@ def parse_override(text: str) -> Override:
     if op == "delete" and eq:
         raise ConfigError(f"override {text!r}: ~KEY removes a key and takes no value; write ~{key}")
     if op != "delete" and not eq:
-        raise ConfigError(f"override {text!r} is not KEY=VALUE: write a dotted key, '=' and a YAML value, "
-                          "e.g. rl.steps=60 or rl.optim.lr=3e-4 (~KEY removes a key)")
+        raise ConfigError(
+            f"override {text!r} is not KEY=VALUE: write a dotted key, '=' and a YAML value, "
+            "e.g. rl.steps=60 or rl.optim.lr=3e-4 (~KEY removes a key)"
+        )
     path: list[str | int] = []
     for part in key.strip().split("."):
         m = _KEY_PART.match(part)
         if m is None:
-            raise ConfigError(f"override {text!r}: {key.strip()!r} is not a dotted key such as rl.optim.lr or "
-                              "rl.reward.functions[0].weight")
+            raise ConfigError(
+                f"override {text!r}: {key.strip()!r} is not a dotted key such as rl.optim.lr or "
+                "rl.reward.functions[0].weight"
+            )
         if m.group(3) is not None:
             path.append(int(m.group(3)))
         else:
@@ -227,8 +232,10 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[Override]) -> dict[
             here = _dotted(o.path[: depth + 1])
             if isinstance(node, list):
                 if not isinstance(part, int) or not -len(node) <= part < len(node):
-                    raise ConfigError(f"override {o.text!r}: {_dotted(o.path[:depth])} is a list of {len(node)}; "
-                                      f"give an index 0..{len(node) - 1}")
+                    raise ConfigError(
+                        f"override {o.text!r}: {_dotted(o.path[:depth])} is a list of {len(node)}; "
+                        f"give an index 0..{len(node) - 1}"
+                    )
             elif isinstance(part, int):
                 raise ConfigError(f"override {o.text!r}: {_dotted(o.path[:depth]) or 'the config'} is not a list")
             elif o.op == "delete" and part not in node:
@@ -237,14 +244,18 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[Override]) -> dict[
                 node[part] = {}  # a section the file leaves out (or sets to null)
             child = node[part]
             if not isinstance(child, (dict, list)):
-                raise ConfigError(f"override {o.text!r}: {here} is {child!r} in the config, not a section, "
-                                  f"so it has no key {o.path[depth + 1]!r}")
+                raise ConfigError(
+                    f"override {o.text!r}: {here} is {child!r} in the config, not a section, "
+                    f"so it has no key {o.path[depth + 1]!r}"
+                )
             node = child
         leaf = o.path[-1]
         if isinstance(node, list):
             if not isinstance(leaf, int) or not -len(node) <= leaf < len(node):
-                raise ConfigError(f"override {o.text!r}: {_dotted(o.path[:-1])} is a list of {len(node)}; "
-                                  f"give an index 0..{len(node) - 1}")
+                raise ConfigError(
+                    f"override {o.text!r}: {_dotted(o.path[:-1])} is a list of {len(node)}; "
+                    f"give an index 0..{len(node) - 1}"
+                )
             if o.op == "delete":
                 del node[leaf]
             else:
@@ -257,8 +268,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[Override]) -> dict[
                 raise ConfigError(f"override {o.text!r}: the config has no key {_dotted(o.path)} to remove")
             del node[leaf]
         elif o.op == "add" and leaf in node:
-            raise ConfigError(f"override {o.text!r}: {_dotted(o.path)} is already in the config "
-                              f"(set it with {o.text[1:]})")
+            raise ConfigError(
+                f"override {o.text!r}: {_dotted(o.path)} is already in the config (set it with {o.text[1:]})"
+            )
         else:
             node[leaf] = o.value
     return out
@@ -288,8 +300,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> PipelineConf
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise ConfigError(f"config {p} is not valid UTF-8: byte 0x{data[exc.start]:02x} at line {line}, "
-                          f"column {column}") from None
+        raise ConfigError(
+            f"config {p} is not valid UTF-8: byte 0x{data[exc.start]:02x} at line {line}, column {column}"
+        ) from None
     try:
         stream = io.StringIO(text)
         stream.name = str(p)  # PyYAML's marks name the stream: the file, not "<unicode string>"

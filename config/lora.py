@@ -16,19 +16,27 @@ class LoraConfig(Strict):
     """LoRA: ``y = W x + (alpha / rank) * B A dropout(x)`` on the named linear layers of every
     decoder layer; only ``A`` and ``B`` train (docs/lora.md)."""
 
-    enabled: bool = Field(False, description="Train LoRA adapters instead of every weight; the published model holds "
-                                             "the merged weights W + (alpha/rank) B A.")
+    enabled: bool = Field(
+        False,
+        description="Train LoRA adapters instead of every weight; the published model holds "
+        "the merged weights W + (alpha/rank) B A.",
+    )
     rank: int = Field(8, gt=0, description="Rank r of the update B A (A is r x in, B is out x r).")
-    alpha: float = Field(16.0, gt=0, allow_inf_nan=False, description="Scale numerator: the update is multiplied by "
-                                                                      "alpha / rank.")
+    alpha: float = Field(
+        16.0, gt=0, allow_inf_nan=False, description="Scale numerator: the update is multiplied by alpha / rank."
+    )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training (0: none).")
     target_modules: list[LoraTarget] = Field(
         ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         description="Linear layers that get adapters, in megatron-core names: linear_qkv (HF q_proj, k_proj, v_proj), "
-                    "linear_proj (o_proj), linear_fc1 (gate_proj, up_proj), linear_fc2 (down_proj).")
-    save_adapter: bool = Field(False, description="Also write the adapters alone in HF PEFT's format "
-                                                  "(adapter_config.json, adapter_model.safetensors, HF module names) "
-                                                  "into the published model directory's adapter/.")
+        "linear_proj (o_proj), linear_fc1 (gate_proj, up_proj), linear_fc2 (down_proj).",
+    )
+    save_adapter: bool = Field(
+        False,
+        description="Also write the adapters alone in HF PEFT's format "
+        "(adapter_config.json, adapter_model.safetensors, HF module names) "
+        "into the published model directory's adapter/.",
+    )
 
     @field_validator("target_modules")
     @classmethod

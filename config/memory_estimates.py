@@ -94,6 +94,7 @@ class ModelShape:
         does (Qwen2: q/k/v biases; Qwen3: q/k norms, biases from ``attention_bias``).
 
         Raises: ValueError naming a missing key."""
+
         def need(key: str) -> int:
             if cfg.get(key) is None:
                 raise ValueError(f"config key {key!r} is missing")
@@ -105,11 +106,17 @@ class ModelShape:
         heads = need("num_attention_heads")
         bias = bool(cfg.get("attention_bias", False))
         return cls(
-            vocab_size=need("vocab_size"), hidden_size=need("hidden_size"), num_layers=need("num_hidden_layers"),
-            num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or need("hidden_size") // heads), ffn_hidden_size=need("intermediate_size"),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qwen2 or bias,
-            proj_bias=qwen3 and bias, qk_norm=qwen3,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or need("hidden_size") // heads),
+            ffn_hidden_size=need("intermediate_size"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or bias,
+            proj_bias=qwen3 and bias,
+            qk_norm=qwen3,
         )
 
     def rank_parameters(self, tp: int = 1, vocab_rows: int | None = None) -> int:
@@ -137,8 +144,12 @@ class ModelShape:
         qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
         qkv_a, fc1_a = (3, 2) if per_projection else (1, 1)
         # (whole, split) adapter elements: column (A whole, B split), row (A split, B whole)
-        parts = {"linear_qkv": (qkv_a * r * h, qkv * r), "linear_fc1": (fc1_a * r * h, 2 * f * r),
-                 "linear_proj": (r * h, r * self.num_attention_heads * d), "linear_fc2": (r * h, r * f)}
+        parts = {
+            "linear_qkv": (qkv_a * r * h, qkv * r),
+            "linear_fc1": (fc1_a * r * h, 2 * f * r),
+            "linear_proj": (r * h, r * self.num_attention_heads * d),
+            "linear_fc2": (r * h, r * f),
+        }
         whole = sum(parts[t][0] for t in lora.target_modules)
         split = sum(parts[t][1] for t in lora.target_modules)
         return self.num_layers * (whole + split // tp)
@@ -150,8 +161,15 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def activation_bytes(shape: ModelShape, tp: int, micro_batch: int, seq_len: int, precision: str,
-                     vocab_rows: int | None, attention_scores: bool = True) -> int:
+def activation_bytes(
+    shape: ModelShape,
+    tp: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    vocab_rows: int | None,
+    attention_scores: bool = True,
+) -> int:
     """Activation bytes one rank holds for the backward pass of one micro-batch of
     ``micro_batch`` sequences of ``seq_len`` tokens (module docstring: Korthikanti et al. 2022
     per layer, times 2 under fp32, plus ``8 s b V / t`` for fp32 logits and log-softmax when
@@ -174,8 +192,15 @@ def kv_cache_bytes(shape: ModelShape, num_sequences: int, tokens_per_sequence: i
     docstring gives vLLM's sources) computes it, without importing torch."""
     sequences = min(num_sequences, KV_MAX_SEQS)
     blocks = sequences * math.ceil(tokens_per_sequence / KV_BLOCK_TOKENS) + 1
-    exact = (blocks * KV_BLOCK_TOKENS * shape.num_layers * 2 * shape.num_key_value_heads * shape.head_dim
-             * WEIGHT_BYTES[precision])
+    exact = (
+        blocks
+        * KV_BLOCK_TOKENS
+        * shape.num_layers
+        * 2
+        * shape.num_key_value_heads
+        * shape.head_dim
+        * WEIGHT_BYTES[precision]
+    )
     return math.ceil(exact * (1 + KV_HEADROOM))
 
 
@@ -212,9 +237,22 @@ class RoleMemory:
         return f"{self.role} {self.ranks} x {self.per_rank / GIB:.2f} GiB ({parts})"
 
 
-def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig, precision: str, micro_batch: int,
-                  seq_len: int, vocab_rows: int, *, trainable: bool = True, logits: bool = True,
-                  packing: bool = False, lora: LoraConfig | None = None, peft: bool = False) -> RoleMemory:
+def training_role(
+    role: str,
+    key: str,
+    shape: ModelShape,
+    layout: ParallelConfig,
+    precision: str,
+    micro_batch: int,
+    seq_len: int,
+    vocab_rows: int,
+    *,
+    trainable: bool = True,
+    logits: bool = True,
+    packing: bool = False,
+    lora: LoraConfig | None = None,
+    peft: bool = False,
+) -> RoleMemory:
     """Bytes per rank of a megatron role laid out as ``layout`` (module docstring's table).
     With ``lora`` enabled the trained parameters are its adapters
     (:meth:`ModelShape.lora_parameters`): they add weights and alone have masters, gradients
@@ -241,23 +279,36 @@ def training_role(role: str, key: str, shape: ModelShape, layout: ParallelConfig
         p += trained
     parts = {"weights": WEIGHT_BYTES[precision] * p}
     if trainable:
-        parts.update(master_weights=4 * trained if precision == "bf16" else 0, gradients=4 * trained,
-                     optimizer=8 * trained,
-                     activations=activation_bytes(shape, tp, micro_batch, seq_len, precision,
-                                                  vocab_rows if logits else None, attention_scores=not packing))
+        parts.update(
+            master_weights=4 * trained if precision == "bf16" else 0,
+            gradients=4 * trained,
+            optimizer=8 * trained,
+            activations=activation_bytes(
+                shape, tp, micro_batch, seq_len, precision, vocab_rows if logits else None, attention_scores=not packing
+            ),
+        )
     elif logits:
         parts["activations"] = 8 * seq_len * micro_batch * vocab_rows // tp
     return RoleMemory(role, key, layout.world_size, layout.gpus_per_rank, parts, layout.cpus_per_rank)
 
 
-def rollout_role(shape: ModelShape, precision: str, num_sequences: int, tokens_per_sequence: int,
-                 num_engines: int = 1, engine_bytes: int | None = None, gpus_per_engine: float = 0.0) -> RoleMemory:
+def rollout_role(
+    shape: ModelShape,
+    precision: str,
+    num_sequences: int,
+    tokens_per_sequence: int,
+    num_engines: int = 1,
+    engine_bytes: int | None = None,
+    gpus_per_engine: float = 0.0,
+) -> RoleMemory:
     """A rollout engine: the full model in ``precision`` and its KV cache (what is left of
     ``engine_bytes``, the engine's whole reservation, when given; else :func:`kv_cache_bytes`
     for ``num_sequences`` sequences of ``tokens_per_sequence``), on ``gpus_per_engine`` GPUs
     (``rl.rollout.gpus_per_engine``; 0: host memory)."""
     weights = WEIGHT_BYTES[precision] * shape.rank_parameters(1)
-    kv = (max(0, engine_bytes - weights) if engine_bytes is not None
-          else kv_cache_bytes(shape, num_sequences, tokens_per_sequence, precision))
+    kv = (
+        max(0, engine_bytes - weights)
+        if engine_bytes is not None
+        else kv_cache_bytes(shape, num_sequences, tokens_per_sequence, precision)
+    )
     return RoleMemory("rollout", "rl.rollout", num_engines, gpus_per_engine, {"weights": weights, "kv_cache": kv})
-

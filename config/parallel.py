@@ -17,29 +17,43 @@ class ParallelConfig(Strict):
     """One role's layout: ``data_parallel_size x tensor_model_parallel_size`` ranks."""
 
     data_parallel_size: int = Field(
-        1, ge=1, description="Data-parallel ranks: each takes a share of every batch (balanced by sequence length, "
-                             "Karmarkar-Karp); gradients are summed across them in fp32, so DP=k makes the update DP=1 makes.")
+        1,
+        ge=1,
+        description="Data-parallel ranks: each takes a share of every batch (balanced by sequence length, "
+        "Karmarkar-Karp); gradients are summed across them in fp32, so DP=k makes the update DP=1 makes.",
+    )
     tensor_model_parallel_size: int = Field(
-        1, ge=1, description="Tensor-parallel ranks per model replica (megatron-core: attention heads and MLP columns "
-                             "split across ranks). Must divide the attention heads, the KV heads and the FFN size.")
+        1,
+        ge=1,
+        description="Tensor-parallel ranks per model replica (megatron-core: attention heads and MLP columns "
+        "split across ranks). Must divide the attention heads, the KV heads and the FFN size.",
+    )
     expert_model_parallel_size: int = Field(
-        1, ge=1, description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
-                             "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
-                             "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
-                             "Every rank of the group must run the same number of micro-batches per step. The sft "
-                             "stage only: rl.parallel.* and rm/po refuse it (docs/conversion.md, Expert parallelism).")
+        1,
+        ge=1,
+        description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
+        "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
+        "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
+        "Every rank of the group must run the same number of micro-batches per step. The sft "
+        "stage only: rl.parallel.* and rm/po refuse it (docs/conversion.md, Expert parallelism).",
+    )
     cpus_per_rank: float | None = Field(
-        None, gt=0, description="CPUs Ray reserves for each rank (and its torch threads). None: the role's share of the "
-                                "engine's CPUs, divided among its ranks.")
+        None,
+        gt=0,
+        description="CPUs Ray reserves for each rank (and its torch threads). None: the role's share of the "
+        "engine's CPUs, divided among its ranks.",
+    )
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs Ray reserves for each rank (0 on CPU machines).")
 
     @model_validator(mode="after")
     def _expert_parallel(self):
         ep = self.expert_model_parallel_size
         if ep > 1 and (self.data_parallel_size % ep or self.tensor_model_parallel_size > 1):
-            raise ValueError(f"expert_model_parallel_size={ep} must divide data_parallel_size="
-                             f"{self.data_parallel_size} at tensor_model_parallel_size 1 (got "
-                             f"{self.tensor_model_parallel_size}): the experts are sharded over data-parallel ranks")
+            raise ValueError(
+                f"expert_model_parallel_size={ep} must divide data_parallel_size="
+                f"{self.data_parallel_size} at tensor_model_parallel_size 1 (got "
+                f"{self.tensor_model_parallel_size}): the experts are sharded over data-parallel ranks"
+            )
         return self
 
     @property
@@ -56,23 +70,29 @@ class RLParallelConfig(Strict):
         for role in ("actor", "critic", "reference", "reward_model"):
             ep = getattr(self, role).expert_model_parallel_size
             if ep > 1:  # their no-grad forwards are not lock-stepped over the EP ranks: one would wait forever
-                raise ValueError(f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the "
-                                 "sft stage only (every MoE forward is a collective of the expert group, and the RL "
-                                 f"roles' ranks run different numbers of forwards); set it to 1")
+                raise ValueError(
+                    f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the "
+                    "sft stage only (every MoE forward is a collective of the expert group, and the RL "
+                    f"roles' ranks run different numbers of forwards); set it to 1"
+                )
         return self
 
     actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
     critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
-    reference: ParallelConfig = Field(ParallelConfig(), description="The frozen reference policy (log-probs only): "
-                                                                    "data parallelism splits its rows.")
+    reference: ParallelConfig = Field(
+        ParallelConfig(), description="The frozen reference policy (log-probs only): data parallelism splits its rows."
+    )
     reward_model: ParallelConfig = Field(
-        ParallelConfig(), description="The trained reward model that scores responses during RL (only with "
-                                       "rl.reward.reward_model_weight != 0; frozen, scores only): data parallelism "
-                                       "splits the responses, tensor parallelism the model.")
+        ParallelConfig(),
+        description="The trained reward model that scores responses during RL (only with "
+        "rl.reward.reward_model_weight != 0; frozen, scores only): data parallelism "
+        "splits the responses, tensor parallelism the model.",
+    )
 
 
-def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: int, micro_batch_size: int,
-                       token_budget: int | None) -> None:
+def check_stage_layout(
+    section: str, layout: ParallelConfig, global_batch_size: int, micro_batch_size: int, token_budget: int | None
+) -> None:
     """Raise unless ``layout`` (``<section>.parallel``) can run the sft, rm or po stage.
 
     Data parallelism gives each rank every ``data_parallel_size``-th micro-batch of a step, so
@@ -89,16 +109,22 @@ def check_stage_layout(section: str, layout: ParallelConfig, global_batch_size: 
     """
     dp = layout.data_parallel_size
     if layout.expert_model_parallel_size > 1 and section != "sft":  # rank 0 alone evaluates: a hang under EP
-        raise ValueError(f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
-                         f"parallelism runs in the sft stage only ({section}'s held-out evaluation runs on one rank, "
-                         "and every MoE forward is a collective of the expert group); set it to 1")
+        raise ValueError(
+            f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
+            f"parallelism runs in the sft stage only ({section}'s held-out evaluation runs on one rank, "
+            "and every MoE forward is a collective of the expert group); set it to 1"
+        )
     if dp == 1:
         return
     if token_budget is None and global_batch_size // micro_batch_size < dp:
-        raise ValueError(f"{section}.parallel.data_parallel_size={dp} needs at least {dp} micro-batches per step (one "
-                         f"per rank), but {section}.global_batch_size / {section}.micro_batch_size = "
-                         f"{global_batch_size} / {micro_batch_size} = {global_batch_size // micro_batch_size}; "
-                         f"lower {section}.micro_batch_size or raise {section}.global_batch_size")
+        raise ValueError(
+            f"{section}.parallel.data_parallel_size={dp} needs at least {dp} micro-batches per step (one "
+            f"per rank), but {section}.global_batch_size / {section}.micro_batch_size = "
+            f"{global_batch_size} / {micro_batch_size} = {global_batch_size // micro_batch_size}; "
+            f"lower {section}.micro_batch_size or raise {section}.global_batch_size"
+        )
     if token_budget is not None and global_batch_size < dp:
-        raise ValueError(f"{section}.parallel.data_parallel_size={dp} needs at least {dp} rows per step (one "
-                         f"micro-batch per rank), but {section}.global_batch_size = {global_batch_size}")
+        raise ValueError(
+            f"{section}.parallel.data_parallel_size={dp} needs at least {dp} rows per step (one "
+            f"micro-batch per rank), but {section}.global_batch_size = {global_batch_size}"
+        )

@@ -95,13 +95,19 @@ class PlacementPlan:
         try:
             return self.seats[(role, index)]
         except KeyError:
-            raise KeyError(f"the placement has no {role} worker {index} (roles: "
-                           f"{sorted({r for r, _ in self.seats})})") from None
+            raise KeyError(
+                f"the placement has no {role} worker {index} (roles: {sorted({r for r, _ in self.seats})})"
+            ) from None
 
 
 # The training roles whose rank i sits in slot i, with the rl.parallel key that lays each out.
-_LAYOUT_KEY = {"actor": "actor", "reference": "reference", "teacher": "reference", "critic": "critic",
-               "reward_model": "reward_model"}
+_LAYOUT_KEY = {
+    "actor": "actor",
+    "reference": "reference",
+    "teacher": "reference",
+    "critic": "critic",
+    "reward_model": "reward_model",
+}
 
 
 def training_roles(cfg: RLConfig) -> dict[str, ParallelConfig]:
@@ -146,8 +152,10 @@ def plan_placement(cfg: RLConfig, total_cpus: float) -> PlacementPlan:
     disaggregated = cfg.engine.placement == "disaggregated"
     train_cpus = total_cpus - cfg.engine.rollout_cpus if disaggregated else float(total_cpus)
     if train_cpus <= 0:
-        raise ValueError(f"rl.engine.rollout_cpus={cfg.engine.rollout_cpus:g} leaves no CPU of the run's "
-                         f"{total_cpus:g} (rl.engine.num_cpus) for training; lower it or raise rl.engine.num_cpus")
+        raise ValueError(
+            f"rl.engine.rollout_cpus={cfg.engine.rollout_cpus:g} leaves no CPU of the run's "
+            f"{total_cpus:g} (rl.engine.num_cpus) for training; lower it or raise rl.engine.num_cpus"
+        )
     slot_cpus = float(cfg.parallel.actor.cpus_per_rank or train_cpus / slots)
 
     occupants: list[list[tuple[str, int, float]]] = [[] for _ in range(slots)]  # (role, index, gpus asked)
@@ -170,9 +178,11 @@ def plan_placement(cfg: RLConfig, total_cpus: float) -> PlacementPlan:
             gpus = max((m[2] for m in gpu_members), default=0.0)
             if len(gpu_members) > 1 and gpus > 1:
                 worst = max(gpu_members, key=lambda m: m[2])
-                raise ValueError(f"{_gpu_key(cfg, worst[0])}={worst[2]:g}: colocated workers share their bundle's "
-                                 "GPU in fractions (verl's resource pools), so each may ask for at most 1; set it "
-                                 "to 1 (one device per rank), or rl.engine.placement: disaggregated")
+                raise ValueError(
+                    f"{_gpu_key(cfg, worst[0])}={worst[2]:g}: colocated workers share their bundle's "
+                    "GPU in fractions (verl's resource pools), so each may ask for at most 1; set it "
+                    "to 1 (one device per rank), or rl.engine.placement: disaggregated"
+                )
         engines_here = sum(1 for m in members if m[0] == "rollout")
         for role, rank, asked in members:
             share = (asked if disaggregated else gpus / len(gpu_members)) if asked > 0 else 0.0
@@ -181,9 +191,12 @@ def plan_placement(cfg: RLConfig, total_cpus: float) -> PlacementPlan:
             seats[(role, rank)] = Seat(index, _floor4(slot_cpus / len(members)), _floor4(share), max(1, int(threads)))
         bundles.append(Bundle(slot_cpus, gpus, tuple(f"{role} {rank}" for role, rank, _ in members)))
         largest = max(gpu_members, key=lambda m: m[2], default=("actor", 0, 0.0))
-        keys[index] = ("rl.parallel.actor.cpus_per_rank" if cfg.parallel.actor.cpus_per_rank else
-                       "rl.engine.num_cpus" + (" - rl.engine.rollout_cpus" if disaggregated else ""),
-                       _gpu_key(cfg, largest[0]))
+        keys[index] = (
+            "rl.parallel.actor.cpus_per_rank"
+            if cfg.parallel.actor.cpus_per_rank
+            else "rl.engine.num_cpus" + (" - rl.engine.rollout_cpus" if disaggregated else ""),
+            _gpu_key(cfg, largest[0]),
+        )
     if disaggregated:
         each = cfg.engine.rollout_cpus / engines
         for j in range(engines):
@@ -256,20 +269,27 @@ def unplaceable(plan: PlacementPlan, nodes: Sequence[tuple[float, float]]) -> li
     for index, b in enumerate(plan.bundles):
         what = ", ".join(b.occupants)
         if b.cpus > largest_cpus + 1e-9:
-            problems.append(f"{plan.keys[index][0]}: bundle {index} ({what}) needs {b.cpus:g} CPUs but the largest node "
-                            f"of the cluster has {largest_cpus:g} (a bundle sits on one node); lower it, set "
-                            "rl.parallel.actor.cpus_per_rank, or add ranks so that each bundle fits a node")
+            problems.append(
+                f"{plan.keys[index][0]}: bundle {index} ({what}) needs {b.cpus:g} CPUs but the largest node "
+                f"of the cluster has {largest_cpus:g} (a bundle sits on one node); lower it, set "
+                "rl.parallel.actor.cpus_per_rank, or add ranks so that each bundle fits a node"
+            )
         if b.gpus > largest_gpus + 1e-9:
-            problems.append(f"{plan.keys[index][1]}: bundle {index} ({what}) needs {b.gpus:g} GPUs but the largest node of the "
-                            f"cluster has {largest_gpus:g}; lower the GPUs per rank or engine")
+            problems.append(
+                f"{plan.keys[index][1]}: bundle {index} ({what}) needs {b.gpus:g} GPUs but the largest node of the "
+                f"cluster has {largest_gpus:g}; lower the GPUs per rank or engine"
+            )
     if problems:
         return problems
     if assign_to_nodes(plan.bundles, nodes) is None:
         cpus, gpus = sum(b.cpus for b in plan.bundles), sum(b.gpus for b in plan.bundles)
         have = ", ".join(f"{c:g} CPUs" + (f" + {g:g} GPUs" if g else "") for c, g in nodes)
-        problems.append(f"rl.engine.placement: {plan.mode}: the run's {len(plan.bundles)} bundles ({cpus:g} CPUs"
-                        + (f", {gpus:g} GPUs" if gpus else "") + f") do not fit the cluster's nodes ({have}) "
-                        "together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes")
+        problems.append(
+            f"rl.engine.placement: {plan.mode}: the run's {len(plan.bundles)} bundles ({cpus:g} CPUs"
+            + (f", {gpus:g} GPUs" if gpus else "")
+            + f") do not fit the cluster's nodes ({have}) "
+            "together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes"
+        )
     return problems
 
 
@@ -300,12 +320,18 @@ def check_placement(rl: RLConfig, cluster_address: str | None) -> tuple[list[str
         plan = plan_placement(rl, total)
     except ValueError as exc:
         return [str(exc)], []
-    notes = [f"placement ({plan.mode}, {plan.strategy}): " + "; ".join(
-        f"bundle {i} = {b.cpus:g} CPUs" + (f" + {b.gpus:g} GPUs" if b.gpus else "") + f" ({', '.join(b.occupants)})"
-        for i, b in enumerate(plan.bundles))]
+    notes = [
+        f"placement ({plan.mode}, {plan.strategy}): "
+        + "; ".join(
+            f"bundle {i} = {b.cpus:g} CPUs" + (f" + {b.gpus:g} GPUs" if b.gpus else "") + f" ({', '.join(b.occupants)})"
+            for i, b in enumerate(plan.bundles)
+        )
+    ]
     if nodes is None:
-        return [], notes + [f"placement: checked against {cluster_address}'s nodes when the run starts (set "
-                            "rl.engine.cluster_nodes to check it here)"]
+        return [], notes + [
+            f"placement: checked against {cluster_address}'s nodes when the run starts (set "
+            "rl.engine.cluster_nodes to check it here)"
+        ]
     return unplaceable(plan, nodes), notes
 
 
@@ -325,9 +351,15 @@ def check_stage_cpus(cfg: PipelineConfig, cluster_address: str | None) -> list[s
     for stage in chat_trainers():
         section = getattr(cfg, stage)
         layout = section.parallel
-        if section.enabled and layout.world_size > 1 and layout.cpus_per_rank is not None \
-                and layout.world_size * layout.cpus_per_rank > total + 1e-9:
-            problems.append(f"{stage}.parallel.cpus_per_rank: {layout.world_size} ranks x {layout.cpus_per_rank:g} CPUs "
-                            f"is more than the local Ray cluster's {total:g} CPUs ({source}); lower it (or unset it: "
-                            f"each rank gets an equal share), or lower {stage}.parallel.data_parallel_size")
+        if (
+            section.enabled
+            and layout.world_size > 1
+            and layout.cpus_per_rank is not None
+            and layout.world_size * layout.cpus_per_rank > total + 1e-9
+        ):
+            problems.append(
+                f"{stage}.parallel.cpus_per_rank: {layout.world_size} ranks x {layout.cpus_per_rank:g} CPUs "
+                f"is more than the local Ray cluster's {total:g} CPUs ({source}); lower it (or unset it: "
+                f"each rank gets an equal share), or lower {stage}.parallel.data_parallel_size"
+            )
     return problems

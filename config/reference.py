@@ -69,7 +69,9 @@ def _rows(model: type[BaseModel], prefix: str, instance: BaseModel | None = None
             rows.extend(_rows(item, f"{key}[]."))
             continue
         if len(nested) == 1:
-            rows.append((key, "section", required, (field.description or nested[0].__doc__ or "").strip().split("\n")[0]))
+            rows.append(
+                (key, "section", required, (field.description or nested[0].__doc__ or "").strip().split("\n")[0])
+            )
             rows.extend(_rows(nested[0], f"{key}.", value if isinstance(value, BaseModel) else None))
             continue
         for variant in nested:  # a tagged union: one block per `kind`

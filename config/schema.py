@@ -75,11 +75,15 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _po_data(self):
         if self.po.enabled and self.data.preference is None and self.data.kto is None:
-            raise ValueError("po.enabled needs preference pairs: set data.preference (or, for po.loss: kto, the "
-                             "unpaired rows of data.kto; or po.enabled: false)")
+            raise ValueError(
+                "po.enabled needs preference pairs: set data.preference (or, for po.loss: kto, the "
+                "unpaired rows of data.kto; or po.enabled: false)"
+            )
         if self.po.enabled and self.data.kto is not None and self.po.loss != "kto":
-            raise ValueError(f"data.kto: unpaired desirable/undesirable rows train only po.loss: kto, not "
-                             f"{self.po.loss!r}; set po.loss: kto, or give pairs in data.preference and unset data.kto")
+            raise ValueError(
+                f"data.kto: unpaired desirable/undesirable rows train only po.loss: kto, not "
+                f"{self.po.loss!r}; set po.loss: kto, or give pairs in data.preference and unset data.kto"
+            )
         return self
 
     @model_validator(mode="after")
@@ -89,6 +93,7 @@ class PipelineConfig(Strict):
             names = [b.name for b in self.evaluate.benchmarks(self.rl.reward.verifier, self.data.rl_eval is not None)]
             if self.rl.eval_benchmark not in names:
                 known = ", ".join(names) or "none: set data.rl_eval or evaluate.datasets"
-                raise ValueError(f"rl.eval_benchmark: {self.rl.eval_benchmark!r} is not a benchmark of the evaluate "
-                                 f"stage ({known})")
+                raise ValueError(
+                    f"rl.eval_benchmark: {self.rl.eval_benchmark!r} is not a benchmark of the evaluate stage ({known})"
+                )
         return self

@@ -14,37 +14,56 @@ from config.training import OptimConfig
 class SFTConfig(Strict):
     """Supervised fine-tuning (stage sft)."""
 
-    enabled: bool = Field(True, description="Fine-tune before RL; false starts RL (and the reward model) from the converted base model.")
+    enabled: bool = Field(
+        True, description="Fine-tune before RL; false starts RL (and the reward model) from the converted base model."
+    )
     steps: int = Field(100, gt=0, description="Optimizer steps.")
-    precision: Precision | None = Field(None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision.")
+    precision: Precision | None = Field(
+        None, description="Compute precision of this stage (bf16 | fp32 | auto); default run.precision."
+    )
     global_batch_size: int = Field(32, gt=0, description="Sequences per optimizer step.")
-    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward (gradient accumulation in between); "
-                                                       "unused when max_tokens_per_micro_batch is set.")
-    packing: bool = Field(False, description="Sequence packing: no pad tokens in the micro-batches (each micro-batch's "
-                                             "conversations run end to end in one row; same loss and gradients as padded; "
-                                             "docs/algorithms.md, Batching).")
+    micro_batch_size: int = Field(
+        8,
+        gt=0,
+        description="Sequences per forward/backward (gradient accumulation in between); "
+        "unused when max_tokens_per_micro_batch is set.",
+    )
+    packing: bool = Field(
+        False,
+        description="Sequence packing: no pad tokens in the micro-batches (each micro-batch's "
+        "conversations run end to end in one row; same loss and gradients as padded; "
+        "docs/algorithms.md, Batching).",
+    )
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
-                                "most this many real tokens each, balanced by Karmarkar-Karp; a longer conversation "
-                                "runs alone. None: micro_batch_size sequences each.")
+        None,
+        gt=0,
+        description="When set, micro-batches are formed by token budget instead of micro_batch_size: at "
+        "most this many real tokens each, balanced by Karmarkar-Karp; a longer conversation "
+        "runs alone. None: micro_batch_size sequences each.",
+    )
     max_seq_len: int = Field(256, gt=0, description="Longer conversations are truncated (prefix kept).")
     optim: OptimConfig = Field(OptimConfig(), description="Optimizer and schedule.")
-    lora: LoraConfig = Field(LoraConfig(), description="LoRA adapters (docs/lora.md): only they train; the published "
-                                                   "model holds the merged weights.")
+    lora: LoraConfig = Field(
+        LoraConfig(),
+        description="LoRA adapters (docs/lora.md): only they train; the published model holds the merged weights.",
+    )
     checkpoint_every: int = Field(50, gt=0, description="Save a resumable checkpoint every N steps.")
     log_every: int = Field(10, gt=0, description="Log metrics every N steps.")
     parallel: ParallelConfig = Field(
-        ParallelConfig(), description="Data and tensor parallelism: data_parallel_size > 1 runs the stage as that many "
-                                      "Ray actor ranks (times tensor_model_parallel_size), each data-parallel rank "
-                                      "back-propagating every k-th micro-batch of a step, with the gradients summed (the "
-                                      "update of DP=1 up to float rounding); tensor_model_parallel_size splits the model's "
-                                      "heads and MLP columns across ranks. Its train state resumes at any layout "
-                                      "(docs/scaling.md).")
+        ParallelConfig(),
+        description="Data and tensor parallelism: data_parallel_size > 1 runs the stage as that many "
+        "Ray actor ranks (times tensor_model_parallel_size), each data-parallel rank "
+        "back-propagating every k-th micro-batch of a step, with the gradients summed (the "
+        "update of DP=1 up to float rounding); tensor_model_parallel_size splits the model's "
+        "heads and MLP columns across ranks. Its train state resumes at any layout "
+        "(docs/scaling.md).",
+    )
 
     @model_validator(mode="after")
     def _parallel(self):
-        check_stage_layout("sft", self.parallel, self.global_batch_size, self.micro_batch_size,
-                           self.max_tokens_per_micro_batch)
+        check_stage_layout(
+            "sft", self.parallel, self.global_batch_size, self.micro_batch_size, self.max_tokens_per_micro_batch
+        )
         return self
 
     @model_validator(mode="after")

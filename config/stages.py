@@ -62,12 +62,27 @@ class Stage:
 STAGES: tuple[Stage, ...] = (
     Stage("validate", sections=("data",)),
     Stage("convert", policy=True, sections=("model", "convert")),
-    Stage("sft", inputs=("validate", "convert"), switch="sft", policy=True, precision=True, sections=("sft",),
-          chat_trainer=True),
-    Stage("rm", inputs=("validate", "convert", "sft"), switch="rm", precision=True, sections=("rm",),
-          chat_trainer=True),
-    Stage("po", inputs=("validate", "convert", "sft"), switch="po", policy=True, precision=True, sections=("po",),
-          chat_trainer=True),
+    Stage(
+        "sft",
+        inputs=("validate", "convert"),
+        switch="sft",
+        policy=True,
+        precision=True,
+        sections=("sft",),
+        chat_trainer=True,
+    ),
+    Stage(
+        "rm", inputs=("validate", "convert", "sft"), switch="rm", precision=True, sections=("rm",), chat_trainer=True
+    ),
+    Stage(
+        "po",
+        inputs=("validate", "convert", "sft"),
+        switch="po",
+        policy=True,
+        precision=True,
+        sections=("po",),
+        chat_trainer=True,
+    ),
     Stage("rl", inputs=("validate", "convert", "sft", "rm", "po"), policy=True, precision=True, sections=("rl",)),
     Stage("evaluate", inputs=("validate", "convert", "sft", "po", "rl"), precision=True, sections=("evaluate",)),
     Stage("export", inputs=("rl", "evaluate"), policy=True, sections=("export",)),
@@ -82,8 +97,10 @@ def _check(stages: tuple[Stage, ...]) -> None:
             raise ValueError(f"config/stages.py: stage {s.name!r} is declared twice")
         late = [u for u in s.inputs if u not in seen]
         if late:
-            raise ValueError(f"config/stages.py: stage {s.name!r} has inputs {late} that are not earlier stages; "
-                             "list stages in run order")
+            raise ValueError(
+                f"config/stages.py: stage {s.name!r} has inputs {late} that are not earlier stages; "
+                "list stages in run order"
+            )
         seen.append(s.name)
 
 
@@ -128,7 +145,7 @@ def policy_before(cfg: Any, name: str) -> str:
     """The policy ``name`` starts from: the newest stage of :func:`policy_chain` that runs
     before ``name`` and that ``cfg`` enables (e.g. rl: po if on, else sft if on, else
     convert). Raises KeyError for an unknown stage, ValueError when none comes before it."""
-    before = stage_names()[:stage_names().index(get(name).name)]
+    before = stage_names()[: stage_names().index(get(name).name)]
     chain = [s for s in policy_chain() if s in before and _BY_NAME[s].enabled(cfg)]
     if not chain:
         raise ValueError(f"stage {name!r} has no enabled policy stage before it")

@@ -20,13 +20,23 @@ class TeacherConfig(Strict):
 
     model_dir: LocalPath = Field(
         description="Model directory of the teacher, as the sft and rl stages publish it (an artifact's model/: "
-                    "megatron/ weights, hf/ config and tokenizer). Its tokenizer must be the student's (same vocabulary "
-                    "and size); hashed by content into the rl fingerprint.")
+        "megatron/ weights, hf/ config and tokenizer). Its tokenizer must be the student's (same vocabulary "
+        "and size); hashed by content into the rl fingerprint."
+    )
     precision: Precision | None = Field(
-        None, description="Compute precision of the teacher's forward (bf16, fp32 or auto); default rl.precision. "
-                          "Its log-probs are fp32 either way (logits upcast).")
-    kl_coef: float = Field(1.0, gt=0, allow_inf_nan=False,
-                           description="Weight of the per-token reverse-KL advantage log p_teacher - log p_student.")
+        None,
+        description="Compute precision of the teacher's forward (bf16, fp32 or auto); default rl.precision. "
+        "Its log-probs are fp32 either way (logits upcast).",
+    )
+    kl_coef: float = Field(
+        1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Weight of the per-token reverse-KL advantage log p_teacher - log p_student.",
+    )
     reward_weight: float = Field(
-        0.0, allow_inf_nan=False, description="Weight of the response's reward (rl.reward) added to every token's "
-                                              "advantage; 0: pure distillation (the reward is still logged).")
+        0.0,
+        allow_inf_nan=False,
+        description="Weight of the response's reward (rl.reward) added to every token's "
+        "advantage; 0: pure distillation (the reward is still logged).",
+    )

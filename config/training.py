@@ -22,25 +22,35 @@ class OptimConfig(Strict):
     @model_validator(mode="after")
     def _min_lr(self):
         if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr:g}) is above lr ({self.lr:g}): the cosine decay goes from lr "
-                             "down to min_lr")
+            raise ValueError(
+                f"min_lr ({self.min_lr:g}) is above lr ({self.lr:g}): the cosine decay goes from lr down to min_lr"
+            )
         return self
 
     def check_warmup(self, key: str, total_steps: int, run: str) -> None:
         """Raise when the linear warm-up is longer than the ``total_steps`` optimizer steps
         of the run (described by ``run``): the learning rate would never reach ``lr``."""
         if self.warmup_steps > total_steps:
-            raise ValueError(f"{key}.warmup_steps ({self.warmup_steps}) is longer than the run ({run} = {total_steps} "
-                             f"optimizer steps): the learning rate would never reach {key}.lr")
+            raise ValueError(
+                f"{key}.warmup_steps ({self.warmup_steps}) is longer than the run ({run} = {total_steps} "
+                f"optimizer steps): the learning rate would never reach {key}.lr"
+            )
 
 
 class DeepSpeedConfig(Strict):
     """DeepSpeed training backend (rl.backend / rm.backend: deepspeed; docs/algorithms.md)."""
 
     zero_stage: int = Field(
-        2, ge=0, le=3, description="ZeRO stage: 0 plain data parallel, 1 shards the optimizer state, 2 also the "
-                                   "gradients, 3 also the weights (across the role's or stage's data-parallel ranks, "
-                                   "<section>.parallel.data_parallel_size; docs/scaling.md).")
+        2,
+        ge=0,
+        le=3,
+        description="ZeRO stage: 0 plain data parallel, 1 shards the optimizer state, 2 also the "
+        "gradients, 3 also the weights (across the role's or stage's data-parallel ranks, "
+        "<section>.parallel.data_parallel_size; docs/scaling.md).",
+    )
     param_persistence_threshold: int = Field(
-        100000, ge=0, description="ZeRO-3: parameters with fewer elements than this stay whole on every rank "
-                                  "instead of being sharded (DeepSpeed's stage3_param_persistence_threshold).")
+        100000,
+        ge=0,
+        description="ZeRO-3: parameters with fewer elements than this stay whole on every rank "
+        "instead of being sharded (DeepSpeed's stage3_param_persistence_threshold).",
+    )

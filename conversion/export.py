@@ -20,8 +20,15 @@ from safetensors.torch import save_file
 
 # Files transformers' tokenizers read; whichever exist in the tokenizer directory are copied.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 # What holds the vocabulary itself, one of which a tokenizer directory needs (the rest of
 # TOKENIZER_FILES only configure it): a fast tokenizer, a byte-level BPE pair, SentencePiece.
@@ -51,10 +58,15 @@ def missing_vocabulary(tokenizer_dir: str | Path) -> str | None:
         return None
     found = sorted(p.name for p in src.iterdir() if p.is_file()) if src.is_dir() else []
     needed = ", or ".join(" and ".join(group) for group in VOCABULARY_FILES)
-    fix = ("encoder.json and vocab.bpe are GPT-2's original files: rename them to vocab.json and merges.txt, or "
-           if all((src / n).is_file() for n in GPT2_ORIGINAL_FILES) else "")
-    return (f"{src} holds {', '.join(found) or 'no files'} but no tokenizer vocabulary: a tokenizer needs "
-            f"{needed}; {fix}load the tokenizer with transformers and save_pretrained() it into this folder")
+    fix = (
+        "encoder.json and vocab.bpe are GPT-2's original files: rename them to vocab.json and merges.txt, or "
+        if all((src / n).is_file() for n in GPT2_ORIGINAL_FILES)
+        else ""
+    )
+    return (
+        f"{src} holds {', '.join(found) or 'no files'} but no tokenizer vocabulary: a tokenizer needs "
+        f"{needed}; {fix}load the tokenizer with transformers and save_pretrained() it into this folder"
+    )
 
 
 def copy_tokenizer_files(tokenizer_dir: str | Path, out_dir: str | Path) -> list[str]:
@@ -87,8 +99,9 @@ def process_umask() -> int:
     return mask
 
 
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | Path,
-                     metadata: Mapping[str, str] | None = None) -> Path:
+def save_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, str] | None = None
+) -> Path:
     """``safetensors.torch.save_file``, then the file's mode set to what any new file of the
     user gets (``0o666`` less :func:`process_umask`): save_file creates it ``0o600``, which
     leaves an artifact in a store a team shares readable by its writer alone.

@@ -44,18 +44,28 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", 
 TOKENIZER_MODELS = ("llama", "gpt2")  # tokenizer.ggml.model: SentencePiece, byte-level BPE
 
 # GGUF tensor name -> HF name; layer tensors are "blk.{i}.<key>" <-> "model.layers.{i}.<value>".
-GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 LAYER_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     # qwen2 (and qwen3 with attention_bias): q/k/v biases; qwen3: o_proj bias, per-head q/k norms
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 PERMUTED = ("attn_q.weight", "attn_k.weight")  # llama only: rotary layout of the q/k rows
 
@@ -107,7 +117,9 @@ class _Gguf:
         if value is None or value in NO_TOKEN_IDS:
             return None
         if not 0 <= value < vocab_size:
-            raise ValueError(f"{self.path}: GGUF metadata key {key!r}={value} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(
+                f"{self.path}: GGUF metadata key {key!r}={value} is outside the vocabulary [0, {vocab_size})"
+            )
         return int(value)
 
 
@@ -136,11 +148,15 @@ def _read_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
     """(HF config dict, tokenizer metadata) of a llama, qwen2 or qwen3 GGUF; errors name the key."""
     arch = g.need("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{g.path}: GGUF key 'general.architecture'={arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+        raise ValueError(
+            f"{g.path}: GGUF key 'general.architecture'={arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
     tok_model = g.need("tokenizer.ggml.model")
     if tok_model not in TOKENIZER_MODELS:
-        raise ValueError(f"{g.path}: GGUF key 'tokenizer.ggml.model'={tok_model!r}; supported: 'llama' (SentencePiece), "
-                         "'gpt2' (byte-level BPE)")
+        raise ValueError(
+            f"{g.path}: GGUF key 'tokenizer.ggml.model'={tok_model!r}; supported: 'llama' (SentencePiece), "
+            "'gpt2' (byte-level BPE)"
+        )
     tokens = g.need("tokenizer.ggml.tokens")
     vocab = len(tokens)
     hidden, heads = int(g.need(f"{arch}.embedding_length")), int(g.need(f"{arch}.attention.head_count"))
@@ -154,25 +170,42 @@ def _read_config(g: _Gguf) -> tuple[dict[str, Any], dict[str, Any]]:
     names = {t.name for t in g.reader.tensors}
     bias = arch == "qwen2" or "blk.0.attn_q.bias" in names
     spec = GPTSpec(
-        architecture=arch, vocab_size=vocab, hidden_size=hidden, num_layers=int(g.need(f"{arch}.block_count")),
-        num_attention_heads=heads, num_key_value_heads=int(g.get(f"{arch}.attention.head_count_kv", heads)),
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=int(g.need(f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(g.get(f"{arch}.attention.head_count_kv", heads)),
         ffn_hidden_size=int(g.need(f"{arch}.feed_forward_length")),
         max_position_embeddings=int(g.need(f"{arch}.context_length")),
         rope_theta=float(g.get(f"{arch}.rope.freq_base", 10000.0)),
         norm_epsilon=float(g.need(f"{arch}.attention.layer_norm_rms_epsilon")),
-        add_qkv_bias=bias, tie_word_embeddings="output.weight" not in names, head_dim=head_dim,
+        add_qkv_bias=bias,
+        tie_word_embeddings="output.weight" not in names,
+        head_dim=head_dim,
     )
-    ids = {name: g.token_id(f"tokenizer.ggml.{key}", vocab) for name, key in
-           (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
+    ids = {
+        name: g.token_id(f"tokenizer.ggml.{key}", vocab)
+        for name, key in (
+            ("bos", "bos_token_id"),
+            ("eos", "eos_token_id"),
+            ("unk", "unknown_token_id"),
+            ("pad", "padding_token_id"),
+        )
+    }
     config = spec.to_hf_config()
     config.update(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     tok = {
-        "model": tok_model, "pre": g.get("tokenizer.ggml.pre"),
-        "tokens": tokens, "token_type": g.need("tokenizer.ggml.token_type"),
+        "model": tok_model,
+        "pre": g.get("tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "token_type": g.need("tokenizer.ggml.token_type"),
         "scores": g.need("tokenizer.ggml.scores") if tok_model == "llama" else None,
         "merges": g.need("tokenizer.ggml.merges") if tok_model == "gpt2" else None,
-        "ids": ids, "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", True)),
-        "add_eos": bool(g.get("tokenizer.ggml.add_eos_token", False)), "chat_template": g.get("tokenizer.chat_template"),
+        "ids": ids,
+        "add_bos": bool(g.get("tokenizer.ggml.add_bos_token", True)),
+        "add_eos": bool(g.get("tokenizer.ggml.add_eos_token", False)),
+        "chat_template": g.get("tokenizer.chat_template"),
     }
     return config, tok
 
@@ -191,8 +224,7 @@ def _hf_tensors(g: _Gguf, config: dict[str, Any]) -> Iterator[tuple[str, torch.T
                 w = unpermute_qk(w, heads[parts[2]])
             yield f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}", w
         else:
-            raise ValueError(f"{g.path}: unexpected GGUF tensor {t.name!r} for a "
-                             f"{config['architectures'][0]} model")
+            raise ValueError(f"{g.path}: unexpected GGUF tensor {t.name!r} for a {config['architectures'][0]} model")
 
 
 def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
@@ -211,8 +243,9 @@ def _write_tokenizer(tok: dict[str, Any], out_dir: Path) -> None:
     extra = {"chat_template": tok["chat_template"]} if tok["chat_template"] else {}
     tokenizer: PreTrainedTokenizerBase
     if tok["model"] == "llama":
-        tokenizer = LlamaTokenizer(tokenizer_object=backend, add_bos_token=tok["add_bos"],
-                                   add_eos_token=tok["add_eos"], **names, **extra)
+        tokenizer = LlamaTokenizer(
+            tokenizer_object=backend, add_bos_token=tok["add_bos"], add_eos_token=tok["add_eos"], **names, **extra
+        )
     else:  # byte-level BPE: no prefix space, BOS only where the file asks for it
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **names, **extra)
     tokenizer.save_pretrained(out_dir)
@@ -243,8 +276,9 @@ def gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     config, tok = _read_config(g)
     spec, fam = family(config)
     # disable=None: the bar is drawn on a terminal only, no log lines
-    tensors = dict(tqdm(_hf_tensors(g, config), total=len(g.reader.tensors), desc="import GGUF", unit="tensor",
-                        disable=None))
+    tensors = dict(
+        tqdm(_hf_tensors(g, config), total=len(g.reader.tensors), desc="import GGUF", unit="tensor", disable=None)
+    )
     expected = fam.hf_shapes(spec)
     for name, shape in expected.items():
         if name not in tensors:

@@ -30,8 +30,12 @@ from conversion.hf_source import load_hf_source
 from conversion.registry import family
 
 # --type -> (GGML tensor type of 2-D weights, general.file_type as llama.cpp's LlamaFileType)
-GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
-              "q8_0": ("Q8_0", "MOSTLY_Q8_0")}
+GGUF_TYPES = {
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+}
 # tokenizer.ggml.pre of a byte-level BPE vocabulary, by architecture: what llama.cpp's converter
 # finds for these families' tokenizers (Qwen2/2.5/3 share one; Llama 3 is "llama-bpe").
 BPE_PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
@@ -85,11 +89,12 @@ def _turn_end_id(tok) -> int | None:
     if not isinstance(getattr(tok, "chat_template", None), str):
         return None
     try:
-        text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _MARK}],
-                                       tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _MARK}], tokenize=False
+        )
     except Exception:  # a template that needs more than plain turns (tools, a system turn): no eot
         return None
-    after = text[text.find(_MARK) + len(_MARK):] if _MARK in text else ""
+    after = text[text.find(_MARK) + len(_MARK) :] if _MARK in text else ""
     ids = tok(after, add_special_tokens=False).input_ids if after.strip() else []
     return ids[0] if ids and ids[0] in set(tok.all_special_ids) | _special_added(tok) else None
 
@@ -128,15 +133,23 @@ def tokenizer_metadata(tokenizer_dir: str | Path, architecture: str, vocab_size:
     pre = json.dumps(backend.get("pre_tokenizer"), ensure_ascii=False)
     if model["type"] == "BPE" and "ByteLevel" in pre:
         kind = "gpt2"
-    elif model["type"] == "BPE" and model.get("byte_fallback") and "\u2581" in pre + json.dumps(backend.get("normalizer"), ensure_ascii=False):
+    elif (
+        model["type"] == "BPE"
+        and model.get("byte_fallback")
+        and "\u2581" in pre + json.dumps(backend.get("normalizer"), ensure_ascii=False)
+    ):
         kind = "llama"
     else:
-        raise ValueError(f"{tokenizer_dir}: tokenizer model {model['type']!r} (pre-tokenizer {pre[:80]}) has no GGUF "
-                         "writer here; supported: SentencePiece-style BPE with byte fallback, byte-level BPE")
+        raise ValueError(
+            f"{tokenizer_dir}: tokenizer model {model['type']!r} (pre-tokenizer {pre[:80]}) has no GGUF "
+            "writer here; supported: SentencePiece-style BPE with byte fallback, byte-level BPE"
+        )
     vocab = tok.get_vocab()
     if max(vocab.values()) >= vocab_size:
-        raise ValueError(f"{tokenizer_dir}: the tokenizer has token id {max(vocab.values())}, outside the model's "
-                         f"vocab_size {vocab_size} (config.json)")
+        raise ValueError(
+            f"{tokenizer_dir}: the tokenizer has token id {max(vocab.values())}, outside the model's "
+            f"vocab_size {vocab_size} (config.json)"
+        )
     by_id = {i: t for t, i in vocab.items()}
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     added = tok.added_tokens_decoder
@@ -172,11 +185,19 @@ def tokenizer_metadata(tokenizer_dir: str | Path, architecture: str, vocab_size:
     probe = tok("a").input_ids
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
     return {
-        "model": kind, "pre": BPE_PRE_TOKENIZERS[architecture] if kind == "gpt2" else None,
-        "tokens": tokens, "token_types": [int(t) for t in types], "scores": scores,
+        "model": kind,
+        "pre": BPE_PRE_TOKENIZERS[architecture] if kind == "gpt2" else None,
+        "tokens": tokens,
+        "token_types": [int(t) for t in types],
+        "scores": scores,
         "merges": merges if kind == "gpt2" else None,
-        "ids": {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "unk": tok.unk_token_id, "pad": tok.pad_token_id,
-                "eot": _turn_end_id(tok)},
+        "ids": {
+            "bos": tok.bos_token_id,
+            "eos": tok.eos_token_id,
+            "unk": tok.unk_token_id,
+            "pad": tok.pad_token_id,
+            "eot": _turn_end_id(tok),
+        },
         "add_bos": bool(probe) and tok.bos_token_id is not None and probe[0] == tok.bos_token_id,
         "add_eos": bool(probe) and tok.eos_token_id is not None and probe[-1] == tok.eos_token_id,
         "chat_template": template,
@@ -202,8 +223,7 @@ def _add_tokenizer(w, meta: dict[str, Any]) -> None:
         w.add_chat_template(meta["chat_template"])
 
 
-def hf_to_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "q8_0",
-               name: str | None = None) -> Path:
+def hf_to_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "q8_0", name: str | None = None) -> Path:
     """Write an HF model directory as one GGUF file (written to a temporary sibling, then renamed).
 
     Args:
@@ -231,12 +251,16 @@ def hf_to_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "q8
     archs = src.config.get("architectures") or []
     arch = {v: k for k, v in GGUF_ARCHITECTURES.items()}.get(archs[0]) if archs else None
     if arch is None:
-        raise ValueError(f"{model_dir}/config.json: 'architectures'={archs!r} has no GGUF writer; "
-                         f"supported: {', '.join(GGUF_ARCHITECTURES.values())}")
+        raise ValueError(
+            f"{model_dir}/config.json: 'architectures'={archs!r} has no GGUF writer; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES.values())}"
+        )
     spec, fam = family(src.config)
     if spec.rope_scaling_factor is not None:
-        raise ValueError(f"{model_dir}/config.json: rotary scaling (rope_scaling factor {spec.rope_scaling_factor}) "
-                         "is not written to GGUF here; export without it")
+        raise ValueError(
+            f"{model_dir}/config.json: rotary scaling (rope_scaling factor {spec.rope_scaling_factor}) "
+            "is not written to GGUF here; export without it"
+        )
     state = {k: v for k, v in src.state.items() if k in fam.hf_shapes(spec)}
     meta = tokenizer_metadata(src.tokenizer_dir, arch, spec.vocab_size)
     kind, file_type = GGUF_TYPES[gguf_type]

@@ -21,8 +21,7 @@ from conversion.export import TOKENIZER_FILES, has_tokenizer_files, missing_voca
 from conversion.gguf import gguf_to_hf
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-                 *TOKENIZER_FILES]
+_HUB_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
 
 
 class HFSource(NamedTuple):
@@ -60,11 +59,16 @@ def _load_dir(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
     # one bar over the weight bytes; disable=None: drawn on a terminal only, no log lines
-    with tqdm(total=sum(f.stat().st_size for f in files), desc="read weights", unit="B", unit_scale=True,
-              disable=None) as progress:
+    with tqdm(
+        total=sum(f.stat().st_size for f in files), desc="read weights", unit="B", unit_scale=True, disable=None
+    ) as progress:
         for f in files:
             try:
-                part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+                part = (
+                    load_file(str(f))
+                    if f.suffix == ".safetensors"
+                    else torch.load(f, map_location="cpu", weights_only=True)
+                )
             except Exception as e:  # safetensors' and torch's errors do not name the file
                 raise ValueError(f"{f}: cannot read the weights (corrupt or truncated file?): {e}") from e
             repeated = sorted(part.keys() & state.keys())
@@ -83,8 +87,12 @@ def _gguf_cache_dir(path: Path, cache_root: Path) -> Path:
     return cache_root / f"{path.stem}-{h.hexdigest()[:16]}"
 
 
-def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: str | Path | None = None,
-                   cache_dir: str | Path | None = None) -> HFSource:
+def load_hf_source(
+    source: str | Path,
+    revision: str | None = None,
+    tokenizer: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+) -> HFSource:
     """Load a model from a directory, a ``.gguf`` file or an HF hub id.
 
     Args:
@@ -125,8 +133,11 @@ def load_hf_source(source: str | Path, revision: str | None = None, tokenizer: s
         # huggingface_hub: its client takes ~0.4 s to import; only Hub calls need it
         from huggingface_hub import snapshot_download
 
-        model_dir = Path(snapshot_download(str(source), revision=revision, cache_dir=str(cache_root / "hub"),
-                                           allow_patterns=_HUB_PATTERNS))
+        model_dir = Path(
+            snapshot_download(
+                str(source), revision=revision, cache_dir=str(cache_root / "hub"), allow_patterns=_HUB_PATTERNS
+            )
+        )
     else:
         raise FileNotFoundError(f"{source}: no such model directory or .gguf file, and not a hub id (org/name)")
     config, state = _load_dir(model_dir)

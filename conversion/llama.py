@@ -89,8 +89,13 @@ def hf_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
         out[LM_HEAD[0]] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.o_proj.weight": (h, q_out)})
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.o_proj.weight": (h, q_out),
+            }
+        )
         if spec.is_moe_layer(i):
             out.update({p + name: shape for name, shape in moe_mlp.hf_shapes(spec, i).items()})
         else:
@@ -111,9 +116,14 @@ def mcore_shapes(spec: GPTSpec) -> dict[str, tuple[int, ...]]:
         out[LM_HEAD[1]] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"decoder.layers.{i}."
-        out.update({p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
-                    p + "self_attention.linear_qkv.weight": (qkv_out, h),
-                    p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d)})
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "pre_mlp_layernorm.weight": (h,),
+                p + "self_attention.linear_qkv.weight": (qkv_out, h),
+                p + "self_attention.linear_proj.weight": (h, spec.num_attention_heads * d),
+            }
+        )
         if spec.is_moe_layer(i):
             out.update({p + name: shape for name, shape in moe_mlp.mcore_shapes(spec, i).items()})
         else:
@@ -138,7 +148,9 @@ def to_megatron(spec: GPTSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, torc
         if spec.is_moe_layer(i):
             out.update(moe_mlp.to_megatron(spec, i, hf, hp, mp))
         else:
-            out[mp + "mlp.linear_fc1.weight"] = fuse_gate_up(hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"])
+            out[mp + "mlp.linear_fc1.weight"] = fuse_gate_up(
+                hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"]
+            )
     return out
 
 
@@ -151,8 +163,12 @@ def to_hf(spec: GPTSpec, mcore: Mapping[str, torch.Tensor]) -> Iterator[tuple[st
         for h, m in _layer_direct(spec, i).items():
             yield hp + h, mcore[mp + m]
         for kind in _qkv_kinds(spec):
-            q, k, v = split_qkv(mcore[f"{mp}self_attention.linear_qkv.{kind}"], spec.num_attention_heads,
-                                spec.num_key_value_heads, spec.kv_channels)
+            q, k, v = split_qkv(
+                mcore[f"{mp}self_attention.linear_qkv.{kind}"],
+                spec.num_attention_heads,
+                spec.num_key_value_heads,
+                spec.kv_channels,
+            )
             yield from ((f"{hp}self_attn.{n}_proj.{kind}", t) for n, t in zip("qkv", (q, k, v)))
         if spec.is_moe_layer(i):
             yield from moe_mlp.to_hf(spec, i, mcore, hp, mp)

@@ -49,17 +49,27 @@ def moe_fields_from_hf(arch: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     if arch == "mixtral":
         if float(cfg.get("router_jitter_noise") or 0.0) != 0.0:
-            raise ValueError(f"config key 'router_jitter_noise'={cfg['router_jitter_noise']!r} is not supported "
-                             "(router input jitter in training; megatron conversion supports 0.0 only)")
+            raise ValueError(
+                f"config key 'router_jitter_noise'={cfg['router_jitter_noise']!r} is not supported "
+                "(router input jitter in training; megatron conversion supports 0.0 only)"
+            )
         if cfg.get("sliding_window") is not None:
-            raise ValueError(f"config key 'sliding_window'={cfg['sliding_window']!r} is not supported "
-                             "(sliding-window attention; set it to null for full attention)")
-        return {"num_experts": _int(cfg, "num_local_experts", "num_experts"), "moe_router_topk": _int(cfg, "num_experts_per_tok"),
-                "moe_ffn_hidden_size": _int(cfg, "intermediate_size"), "moe_norm_topk_prob": True}
+            raise ValueError(
+                f"config key 'sliding_window'={cfg['sliding_window']!r} is not supported "
+                "(sliding-window attention; set it to null for full attention)"
+            )
+        return {
+            "num_experts": _int(cfg, "num_local_experts", "num_experts"),
+            "moe_router_topk": _int(cfg, "num_experts_per_tok"),
+            "moe_ffn_hidden_size": _int(cfg, "intermediate_size"),
+            "moe_norm_topk_prob": True,
+        }
     experts = _int(cfg, "num_experts", "num_local_experts")  # transformers 5 writes Qwen3-MoE's as the latter
     if experts == 0:
-        raise ValueError("config key 'num_experts'=0 is not supported (an MoE class without experts; "
-                         "convert the model as its dense family)")
+        raise ValueError(
+            "config key 'num_experts'=0 is not supported (an MoE class without experts; "
+            "convert the model as its dense family)"
+        )
     step = cfg.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"config key 'decoder_sparse_step'={step!r} must be an integer >= 1")
@@ -68,7 +78,8 @@ def moe_fields_from_hf(arch: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(only, (list, tuple)) or any(not isinstance(i, int) or not 0 <= i < layers for i in only):
         raise ValueError(f"config key 'mlp_only_layers'={only!r} must be a list of layer indices in [0, {layers})")
     out: dict[str, Any] = {
-        "num_experts": experts, "moe_router_topk": _int(cfg, "num_experts_per_tok"),
+        "num_experts": experts,
+        "moe_router_topk": _int(cfg, "num_experts_per_tok"),
         "moe_ffn_hidden_size": _int(cfg, "moe_intermediate_size"),
         "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
         "moe_dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step),
@@ -83,11 +94,20 @@ def moe_fields_from_hf(arch: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
 def moe_hf_config(spec: Any) -> dict[str, Any]:
     """The HF config keys of a GPTSpec's MoE fields (the inverse of :func:`moe_fields_from_hf`)."""
     if spec.architecture == "mixtral":
-        return {"num_local_experts": spec.num_experts, "num_experts_per_tok": spec.moe_router_topk,
-                "router_jitter_noise": 0.0, "sliding_window": None}
-    out = {"num_experts": spec.num_experts, "num_experts_per_tok": spec.moe_router_topk,
-           "moe_intermediate_size": spec.moe_ffn_hidden_size, "norm_topk_prob": spec.moe_norm_topk_prob,
-           "decoder_sparse_step": 1, "mlp_only_layers": list(spec.moe_dense_layers)}
+        return {
+            "num_local_experts": spec.num_experts,
+            "num_experts_per_tok": spec.moe_router_topk,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    out = {
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.moe_router_topk,
+        "moe_intermediate_size": spec.moe_ffn_hidden_size,
+        "norm_topk_prob": spec.moe_norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(spec.moe_dense_layers),
+    }
     if spec.architecture == "qwen2_moe":
         out.update(shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size, qkv_bias=True)
     return out

@@ -49,8 +49,9 @@ def _swiglu_pairs(spec, layer: int) -> list[tuple[str, str, tuple[str, str, str]
     """(HF prefix, megatron prefix, HF (gate, up, down) names, width) of every SwiGLU MLP in
     MoE ``layer``: the routed experts, then the shared expert."""
     _, expert_hf, names = _HF_MOE[spec.architecture]
-    out = [(expert_hf.format(j=j), EXPERT.format(j=j), names, spec.moe_ffn_hidden_size)
-           for j in range(spec.num_experts)]
+    out = [
+        (expert_hf.format(j=j), EXPERT.format(j=j), names, spec.moe_ffn_hidden_size) for j in range(spec.num_experts)
+    ]
     if spec.moe_shared_expert_ffn_hidden_size is not None:
         out.append((SHARED_HF, SHARED, _DENSE, spec.moe_shared_expert_ffn_hidden_size))
     return out

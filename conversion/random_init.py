@@ -11,8 +11,9 @@ import torch
 from conversion.export import atomic_hf_dir
 
 
-def init_random_hf_model(out_dir: str | Path, hf_config: Mapping[str, Any], seed: int,
-                         tokenizer_dir: str | Path | None = None) -> Path:
+def init_random_hf_model(
+    out_dir: str | Path, hf_config: Mapping[str, Any], seed: int, tokenizer_dir: str | Path | None = None
+) -> Path:
     """Build ``AutoModelForCausalLM.from_config(hf_config)`` with seed ``seed`` and save it.
 
     Weights follow the model class's own initialisation (transformers ``_init_weights``,

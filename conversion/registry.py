@@ -19,8 +19,12 @@ from conversion.spec import GPTSpec
 # The MoE classes share their dense family's map (attention, norms, embeddings); the MLP of each
 # layer, dense or experts + router, is mapped by ``conversion.moe_mlp`` from the spec.
 FAMILIES: dict[str, ModuleType] = {
-    "LlamaForCausalLM": llama, "Qwen2ForCausalLM": qwen2, "Qwen3ForCausalLM": qwen3,
-    "MixtralForCausalLM": llama, "Qwen2MoeForCausalLM": qwen2, "Qwen3MoeForCausalLM": qwen3,
+    "LlamaForCausalLM": llama,
+    "Qwen2ForCausalLM": qwen2,
+    "Qwen3ForCausalLM": qwen3,
+    "MixtralForCausalLM": llama,
+    "Qwen2MoeForCausalLM": qwen2,
+    "Qwen3MoeForCausalLM": qwen3,
 }
 
 # HF checkpoints may carry these non-parameter buffers; they are recomputed, never mapped.
@@ -41,9 +45,7 @@ def family(hf_config: Mapping[str, Any]) -> tuple[GPTSpec, ModuleType]:
     """
     archs = hf_config.get("architectures") or []
     if not archs or archs[0] not in FAMILIES:
-        raise ConversionError(
-            f"config key 'architectures'={archs!r}: no parameter map; supported: {sorted(FAMILIES)}"
-        )
+        raise ConversionError(f"config key 'architectures'={archs!r}: no parameter map; supported: {sorted(FAMILIES)}")
     try:
         return GPTSpec.from_hf_config(hf_config), FAMILIES[archs[0]]
     except ValueError as e:
@@ -102,7 +104,8 @@ def hf_to_megatron(
         raise ConversionError(
             f"HF state: tensor {fused!r} holds all experts fused (transformers' in-memory layout); pass "
             "checkpoint names (experts.{j}.*), e.g. transformers.core_model_loading.revert_weight_conversion("
-            "model, model.state_dict()) or the model's saved SafeTensors")
+            "model, model.state_dict()) or the model's saved SafeTensors"
+        )
     _check("HF", state, fam.hf_shapes(spec))
     out = fam.to_megatron(spec, state)
     if padded_vocab_size is not None:

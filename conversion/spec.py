@@ -17,14 +17,22 @@ Architecture = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3
 
 # Exact HF names -> our architecture key (no substring matching).
 HF_ARCHITECTURES: dict[str, Architecture] = {
-    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # The dense family whose attention (and dense MLP) each architecture shares: Mixtral's decoder is
 # Llama's with MoE MLPs, Qwen2-MoE's is Qwen2's (QKV bias), Qwen3-MoE's is Qwen3's (q/k norms).
 ATTENTION_FAMILY: dict[Architecture, Architecture] = {
-    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-    "mixtral": "llama", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3",
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2",
+    "qwen3_moe": "qwen3",
 }
 _HF_CLASS_OF: dict[Architecture, str] = {v: k for k, v in HF_ARCHITECTURES.items()}
 
@@ -45,12 +53,16 @@ def _llama3_scaling_factor(scaling: Mapping[str, Any], key: str, shown: Any) -> 
         return None
     if kind != "llama3":
         named = f"'{key}'={shown!r}" if key == "rope_scaling" else f"'{key}.rope_type'={kind!r}"
-        raise ValueError(f"config key {named} is not supported (rotary scaling {kind!r}; megatron "
-                         "converts default RoPE and Llama 3.1's 'llama3' scaling only)")
+        raise ValueError(
+            f"config key {named} is not supported (rotary scaling {kind!r}; megatron "
+            "converts default RoPE and Llama 3.1's 'llama3' scaling only)"
+        )
     for field, value in LLAMA3_SCALING_CONSTANTS.items():
         if float(scaling.get(field, float("nan"))) != value:
-            raise ValueError(f"config key '{key}.{field}'={scaling.get(field)!r} is not supported (megatron-core's "
-                             f"llama3 rotary scaling is built with {field}={value:g})")
+            raise ValueError(
+                f"config key '{key}.{field}'={scaling.get(field)!r} is not supported (megatron-core's "
+                f"llama3 rotary scaling is built with {field}={value:g})"
+            )
     if not scaling.get("factor"):
         raise ValueError(f"config key '{key}.factor' is missing (llama3 rotary scaling)")
     return float(scaling["factor"])
@@ -129,8 +141,10 @@ class GPTSpec(BaseModel):
             hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
             if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
                 if hidden % heads:
-                    raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-                                     "give head_dim explicitly")
+                    raise ValueError(
+                        f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+                        "give head_dim explicitly"
+                    )
                 data["head_dim"] = hidden // heads
         # Both follow from the architecture (and Qwen3's attention_bias) unless given.
         qwen3 = ATTENTION_FAMILY.get(data.get("architecture")) == "qwen3"
@@ -149,8 +163,10 @@ class GPTSpec(BaseModel):
         # model whose HF parameters differ from the megatron ones.
         qwen3 = self.attention_family == "qwen3"
         if self.qk_layernorm != qwen3:
-            raise ValueError(f"qk_layernorm={self.qk_layernorm} does not fit architecture {self.architecture!r} "
-                             "(Qwen3 always normalises queries and keys, Llama and Qwen2 never)")
+            raise ValueError(
+                f"qk_layernorm={self.qk_layernorm} does not fit architecture {self.architecture!r} "
+                "(Qwen3 always normalises queries and keys, Llama and Qwen2 never)"
+            )
         if self.add_proj_bias and not qwen3:
             raise ValueError(f"add_proj_bias=True does not fit architecture {self.architecture!r} (Qwen3 only)")
         if qwen3 and self.add_qkv_bias != self.add_proj_bias:
@@ -163,11 +179,16 @@ class GPTSpec(BaseModel):
     def _check_moe(self) -> None:
         moe = self.architecture in MOE_ARCHITECTURES
         if moe != (self.num_experts is not None):
-            raise ValueError(f"architecture {self.architecture!r} {'needs' if moe else 'takes no'} num_experts "
-                             f"(got {self.num_experts!r})")
+            raise ValueError(
+                f"architecture {self.architecture!r} {'needs' if moe else 'takes no'} num_experts "
+                f"(got {self.num_experts!r})"
+            )
         if not moe:
-            extra = [k for k in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size")
-                     if getattr(self, k) is not None] + (["moe_dense_layers"] if self.moe_dense_layers else [])
+            extra = [
+                k
+                for k in ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size")
+                if getattr(self, k) is not None
+            ] + (["moe_dense_layers"] if self.moe_dense_layers else [])
             if extra:
                 raise ValueError(f"{extra[0]} is set but architecture {self.architecture!r} is dense")
             return
@@ -177,15 +198,21 @@ class GPTSpec(BaseModel):
         if self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}")
         if self.architecture == "mixtral" and (not self.moe_norm_topk_prob or self.moe_dense_layers):
-            raise ValueError("mixtral: moe_norm_topk_prob must be True and moe_dense_layers empty (HF Mixtral "
-                             "renormalises its top-k weights and has experts in every layer)")
+            raise ValueError(
+                "mixtral: moe_norm_topk_prob must be True and moe_dense_layers empty (HF Mixtral "
+                "renormalises its top-k weights and has experts in every layer)"
+            )
         if (self.moe_shared_expert_ffn_hidden_size is not None) != (self.architecture == "qwen2_moe"):
-            raise ValueError("moe_shared_expert_ffn_hidden_size is required by qwen2_moe and taken by no other "
-                             f"architecture (got {self.moe_shared_expert_ffn_hidden_size!r} for {self.architecture!r})")
+            raise ValueError(
+                "moe_shared_expert_ffn_hidden_size is required by qwen2_moe and taken by no other "
+                f"architecture (got {self.moe_shared_expert_ffn_hidden_size!r} for {self.architecture!r})"
+            )
         bad = [i for i in self.moe_dense_layers if not 0 <= i < self.num_layers]
         if bad or list(self.moe_dense_layers) != sorted(set(self.moe_dense_layers)):
-            raise ValueError(f"moe_dense_layers={list(self.moe_dense_layers)} must be sorted, distinct layer "
-                             f"indices in [0, {self.num_layers})")
+            raise ValueError(
+                f"moe_dense_layers={list(self.moe_dense_layers)} must be sorted, distinct layer "
+                f"indices in [0, {self.num_layers})"
+            )
 
     @property
     def attention_family(self) -> Architecture:
@@ -304,8 +331,12 @@ class GPTSpec(BaseModel):
     def _hf_rope_parameters(self) -> dict[str, Any]:
         if self.rope_scaling_factor is None:
             return {"rope_type": "default", "rope_theta": self.rope_theta}
-        return {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": self.rope_scaling_factor,
-                **LLAMA3_SCALING_CONSTANTS}
+        return {
+            "rope_type": "llama3",
+            "rope_theta": self.rope_theta,
+            "factor": self.rope_scaling_factor,
+            **LLAMA3_SCALING_CONSTANTS,
+        }
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (transformers 5 keys) describing this architecture.

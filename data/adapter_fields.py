@@ -135,9 +135,12 @@ def no_media(record: Mapping[str, Any]) -> None:
         if value is None or (isinstance(value, (str, list, tuple, dict)) and not value):
             continue  # an empty field (exporters write one on text rows) holds no media
         medium = key.rstrip("s")
-        raise FieldError(key, f"{medium}s are not supported (training is text-only): the {medium}s would be dropped "
-                              f"and '<{medium}>' placeholders trained as text; remove the '{key}' field (and the "
-                              "placeholders), remove these rows, or use a text-only dataset")
+        raise FieldError(
+            key,
+            f"{medium}s are not supported (training is text-only): the {medium}s would be dropped "
+            f"and '<{medium}>' placeholders trained as text; remove the '{key}' field (and the "
+            "placeholders), remove these rows, or use a text-only dataset",
+        )
 
 
 def _content(value: Any, path: str) -> str:
@@ -154,9 +157,12 @@ def _content(value: Any, path: str) -> str:
         kind = part.get("type", "text")
         medium = next((m for m in MEDIA if isinstance(kind, str) and m in kind), None)
         if medium:
-            raise FieldError(f"{where}.type", f"{medium}s are not supported (training is text-only; content part type "
-                                              f"{kind!r}): remove the part (keep the text parts) or the row, or use a "
-                                              "text-only dataset")
+            raise FieldError(
+                f"{where}.type",
+                f"{medium}s are not supported (training is text-only; content part type "
+                f"{kind!r}): remove the part (keep the text parts) or the row, or use a "
+                "text-only dataset",
+            )
         if kind != "text":
             raise FieldError(f"{where}.type", f"unsupported content part type {kind!r} (only text)")
         key = "value" if "value" in part else "text"  # LLaMA-Factory v1 / OpenAI spelling
@@ -191,15 +197,15 @@ def _tool_call(call: Any, path: str, where: str) -> dict[str, Any]:
         fn = call
     name = fn.get("name")
     if not isinstance(name, str) or not name.strip():
-        raise FieldError(path, f"{where}: expected a non-empty string \"name\", got {_json_type(name)}")
+        raise FieldError(path, f'{where}: expected a non-empty string "name", got {_json_type(name)}')
     arguments = fn.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
-            raise FieldError(path, f"{where}: \"arguments\" is invalid JSON at column {e.colno}: {e.msg}") from None
+            raise FieldError(path, f'{where}: "arguments" is invalid JSON at column {e.colno}: {e.msg}') from None
     if not isinstance(arguments, dict):
-        raise FieldError(path, f"{where}: \"arguments\" must be a JSON object, got {_json_type(arguments)}")
+        raise FieldError(path, f'{where}: "arguments" must be a JSON object, got {_json_type(arguments)}')
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -215,8 +221,11 @@ def tool_calls(value: Any, path: str) -> list[dict[str, Any]]:
     if isinstance(calls, dict):
         calls = [calls]
     if not isinstance(calls, list) or not calls:
-        raise FieldError(path, f"expected a tool call {{\"name\", \"arguments\"}} or a non-empty list of them, "
-                               f"got {'an empty list' if calls == [] else _json_type(calls)}")
+        raise FieldError(
+            path,
+            f'expected a tool call {{"name", "arguments"}} or a non-empty list of them, '
+            f"got {'an empty list' if calls == [] else _json_type(calls)}",
+        )
     return [_tool_call(c, path, f"tool call [{j}]") for j, c in enumerate(calls)]
 
 
@@ -244,7 +253,7 @@ def tool_schemas(value: Any, path: str = "tools") -> list[dict[str, Any]]:
         schema = tool["function"] if tool.get("type") == "function" and isinstance(tool.get("function"), dict) else tool
         name = schema.get("name")
         if not isinstance(name, str) or not name.strip():
-            raise FieldError(path, f"tool [{j}]: expected a non-empty string \"name\", got {_json_type(name)}")
+            raise FieldError(path, f'tool [{j}]: expected a non-empty string "name", got {_json_type(name)}')
         out.append({"type": "function", "function": schema})
     return out
 
@@ -253,8 +262,14 @@ def tool_schemas(value: Any, path: str = "tools") -> list[dict[str, Any]]:
 
 
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-    "observation": "tool", "tool": "tool", "function_call": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "observation": "tool",
+    "tool": "tool",
+    "function_call": "assistant",
 }
 FUNCTION_CALL = "function_call"  # the ShareGPT role whose value is a JSON tool call
 
@@ -320,9 +335,12 @@ def _turns(
         origin[dst] = src
     answers = [k for k, m in enumerate(out, offset) if m["role"] == "assistant"]
     if answers and all(out[k - offset].get("weight") == 0 for k in answers):
-        raise FieldError(origin[f"{dst}[{answers[-1]}].weight"], "every assistant turn has weight 0, so the "
-                                                                 "conversation has nothing to train on; give a turn "
-                                                                 "weight 1 or remove the row")
+        raise FieldError(
+            origin[f"{dst}[{answers[-1]}].weight"],
+            "every assistant turn has weight 0, so the "
+            "conversation has nothing to train on; give a turn "
+            "weight 1 or remove the row",
+        )
     return out
 
 
@@ -344,8 +362,11 @@ def _turn_weight(turn: Mapping[str, Any], role: str, where: str) -> tuple[int, s
     for key, value in found:
         if isinstance(value, bool) or not isinstance(value, (int, float, Decimal)) or value not in (0, 1):
             shown = json.dumps(value, default=str)
-            raise FieldError(f"{where}.{key}", f"expected 0 (not trained) or 1 (trained), got {shown}; "
-                                               "a turn is either in the SFT loss or not: set 0 or 1, or remove it")
+            raise FieldError(
+                f"{where}.{key}",
+                f"expected 0 (not trained) or 1 (trained), got {shown}; "
+                "a turn is either in the SFT loss or not: set 0 or 1, or remove it",
+            )
     if len({v for _, v in found}) > 1:
         (first, a), (second, b) = found
         raise FieldError(f"{where}.{second}", f"{b} disagrees with {first} = {a}; keep one of the two")

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def replace_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], object], mode: str = "wb",
-                       fsync: bool = True) -> Path:
+def replace_atomically(
+    path: str | os.PathLike, write: Callable[[IO[Any]], object], mode: str = "wb", fsync: bool = True
+) -> Path:
     """Call ``write(f)`` on a new temporary sibling of ``path``, then rename it onto ``path``.
 
     Args:

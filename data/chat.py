@@ -129,7 +129,7 @@ def _tool_calls_end(tokenizer: Any, message: Message, i: int, full: str, start: 
         if at < 0 or (n == 0 and found >= 0 and at >= found):
             raise ChatTemplateError(
                 f"messages[{i}]: the chat template of {_name(tokenizer)} does not render tool calls; the call to "
-                f"{name!r} is not in what the template renders for the assistant turn (before its turn end) {full[start:found if found >= 0 else limit][:80]!r}, "
+                f"{name!r} is not in what the template renders for the assistant turn (before its turn end) {full[start : found if found >= 0 else limit][:80]!r}, "
                 "so SFT would train a turn without it; use a model (or model.tokenizer) whose template renders "
                 "tool_calls, or data without tool calls"
             )
@@ -187,8 +187,8 @@ def _segments(
             at = len(os.path.commonprefix([full, head]))
             raise ChatTemplateError(
                 f"messages[{i}]: the chat template renders the conversation before this turn differently once later "
-                f"turns follow (first difference at character {at}: {head[at:at + 40]!r} as a prompt, "
-                f"{full[at:at + 40]!r} in the whole conversation), so the turn's tokens cannot be located; "
+                f"turns follow (first difference at character {at}: {head[at : at + 40]!r} as a prompt, "
+                f"{full[at : at + 40]!r} in the whole conversation), so the turn's tokens cannot be located; "
                 "templates that move or merge turns (e.g. a system turn that is not first) are not supported"
             )
         heads.append(len(head))
@@ -249,7 +249,7 @@ def _give_stripped_whitespace(tokenizer: Any, segments: Sequence[tuple[str, int]
             left[0], right[0] = left[0] + right[0][: len(right[0]) - len(rest)], rest
         elif any(right[0].lstrip().startswith(t) for t in lstrip):
             kept = left[0].rstrip()
-            left[0], right[0] = kept, left[0][len(kept):] + right[0]
+            left[0], right[0] = kept, left[0][len(kept) :] + right[0]
     return [(text, flag) for text, flag in out]
 
 

@@ -29,8 +29,13 @@ def _plain_turn_end(tokenizer: Any, override: str | None) -> str:
         cache = _CACHE.setdefault(tokenizer, {})
     except TypeError:
         cache = {}
-    key = ("plain_turn_end", str(tokenizer.chat_template), override, getattr(tokenizer, "eos_token", None),
-           len(tokenizer))
+    key = (
+        "plain_turn_end",
+        str(tokenizer.chat_template),
+        override,
+        getattr(tokenizer, "eos_token", None),
+        len(tokenizer),
+    )
     if key not in cache:
         marker = end_of_turn(tokenizer, override)
         for text, special in _added_tokens(tokenizer):
@@ -79,6 +84,7 @@ def response_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | N
             return body[: len(body) - len(marker)]
     return text
 
+
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -107,6 +113,7 @@ def readable_text(tokenizer: Any, token_ids: Sequence[int], end_of_turn: str | N
     marker = _plain_turn_end(tokenizer, end_of_turn)
     if marker and shown.rstrip().endswith(marker):
         shown = shown.rstrip()[: len(shown.rstrip()) - len(marker)]
+
     # The escapes must stand exactly where the tokenizer put U+FFFD; otherwise keep its text.
     def collapse(t: str, pattern: str) -> str:
         return re.sub(pattern, "\ufffd", t)
@@ -133,16 +140,22 @@ def _sampled_bytes(tokenizer: Any, token_ids: Sequence[int]) -> bytes | None:
 
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
         try:
-            return b"".join(added[i].encode() if i in added else bytes(byte_of[c] for c in p) for i, p in zip(ids, pieces))
+            return b"".join(
+                added[i].encode() if i in added else bytes(byte_of[c] for c in p) for i, p in zip(ids, pieces)
+            )
         except KeyError:  # a piece outside the byte alphabet: not what this decoder reads
             return None
     if "ByteFallback" in kinds:
         out = b"".join(
-            added[i].encode() if i in added else bytes([int(m.group(1), 16)]) if (m := _BYTE_PIECE.fullmatch(p)) else p.replace("\u2581", " ").encode()
+            added[i].encode()
+            if i in added
+            else bytes([int(m.group(1), 16)])
+            if (m := _BYTE_PIECE.fullmatch(p))
+            else p.replace("\u2581", " ").encode()
             for i, p in zip(ids, pieces)
         )
         strip = next((d for d in decoder.get("decoders", []) if d.get("type") == "Strip"), None)
         if strip and strip.get("start", 0) and out.startswith(strip.get("content", " ").encode()):
-            out = out[len(strip.get("content", " ").encode()):]
+            out = out[len(strip.get("content", " ").encode()) :]
         return out
     return None

@@ -48,7 +48,11 @@ Message = dict[str, Any]
 RECORDED_KEY = "posttrain_end_of_turn"
 
 # Sentinel contents of the probe conversation (unique, no whitespace, survive trim/strip).
-_PROBE = {"system": "PROBESYSTEMq7", "user": ("PROBEUSERq1", "PROBEUSERq2"), "assistant": ("PROBEREPLYq1", "PROBEREPLYq2")}
+_PROBE = {
+    "system": "PROBESYSTEMq7",
+    "user": ("PROBEUSERq1", "PROBEUSERq2"),
+    "assistant": ("PROBEREPLYq1", "PROBEREPLYq2"),
+}
 
 
 class ChatTemplateError(ValueError):
@@ -70,7 +74,9 @@ def _name(tokenizer: Any) -> str:
     return str(getattr(tokenizer, "name_or_path", "") or "the tokenizer")
 
 
-def _render(tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, tools: Sequence[dict] | None = None) -> str:
+def _render(
+    tokenizer: Any, messages: Sequence[Message], generation_prompt: bool, tools: Sequence[dict] | None = None
+) -> str:
     return tokenizer.apply_chat_template(
         list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=generation_prompt
     )
@@ -81,7 +87,9 @@ def _render_or_raise(tokenizer, messages, generation_prompt, tools, what: str) -
         return _render(tokenizer, messages, generation_prompt, tools)
     except Exception as e:  # templates raise anything: raise_exception's TemplateError, jinja errors, TypeError
         roles = ", ".join(str(m.get("role")) for m in messages) if all(isinstance(m, dict) for m in messages) else "?"
-        raise ChatTemplateError(f"the chat template of {_name(tokenizer)} cannot render {what} (roles: {roles}): {e}") from e
+        raise ChatTemplateError(
+            f"the chat template of {_name(tokenizer)} cannot render {what} (roles: {roles}): {e}"
+        ) from e
 
 
 def _added_tokens(tokenizer: Any) -> list[tuple[str, bool]]:
@@ -100,8 +108,12 @@ def _probe_after_texts(tokenizer: Any) -> tuple[str, str, str, str]:
     and at the end of the conversation; the text before the first user content, and the
     whole rendered probe. Raises the first template error if no probe renders."""
     (u1, u2), (a1, a2) = _PROBE["user"], _PROBE["assistant"]
-    turns = [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
-             {"role": "user", "content": u2}, {"role": "assistant", "content": a2}]
+    turns = [
+        {"role": "user", "content": u1},
+        {"role": "assistant", "content": a1},
+        {"role": "user", "content": u2},
+        {"role": "assistant", "content": a2},
+    ]
     error: Exception | None = None
     for messages in (turns, [{"role": "system", "content": _PROBE["system"]}] + turns):
         try:
@@ -165,8 +177,10 @@ def _stripping_tokens(tokenizer: Any) -> tuple[tuple[str, ...], tuple[str, ...]]
     key = ("stripping", len(tokenizer))
     if key not in cache:
         tokens = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
-        cache[key] = tuple(tuple(str(getattr(t, "content", t)) for t in tokens if getattr(t, flag, False))
-                           for flag in ("lstrip", "rstrip"))
+        cache[key] = tuple(
+            tuple(str(getattr(t, "content", t)) for t in tokens if getattr(t, flag, False))
+            for flag in ("lstrip", "rstrip")
+        )
     return cache[key]
 
 
@@ -253,9 +267,7 @@ def _resolve(tokenizer: Any, override: str | None) -> _TurnEnd:
             )
     elif derived:
         result = _TurnEnd(derived, emitted=True)
-        _check_token_boundaries(
-            tokenizer, probe_text, derived,
-            "the turn end derived from the chat template")
+        _check_token_boundaries(tokenizer, probe_text, derived, "the turn end derived from the chat template")
     elif getattr(tokenizer, "eos_token", None):
         result = _TurnEnd(str(tokenizer.eos_token), emitted=False)
     else:
@@ -311,8 +323,9 @@ def turn_end_token_id(tokenizer: Any, override: str | None = None) -> int | None
     marker = end_of_turn(tokenizer, override)
     ids = list(tokenizer(marker, add_special_tokens=False)["input_ids"])
     added = {t for t, _ in _added_tokens(tokenizer)}
-    if len(ids) == 1 and (ids[0] == getattr(tokenizer, "eos_token_id", None)
-                          or tokenizer.convert_ids_to_tokens(ids[0]) in added):
+    if len(ids) == 1 and (
+        ids[0] == getattr(tokenizer, "eos_token_id", None) or tokenizer.convert_ids_to_tokens(ids[0]) in added
+    ):
         return int(ids[0])
     if len(ids) > 1 and tokenizer.convert_ids_to_tokens(ids[-1]) in added:
         return int(ids[-1])

@@ -82,8 +82,9 @@ def read_checksums(directory: str | Path) -> list[dict] | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: unreadable checksum manifest ({exc})") from None
     files = raw.get("files") if isinstance(raw, dict) and raw.get("format") == FORMAT else None
-    if not isinstance(files, list) or not all(isinstance(f, dict) and {"path", "size", "sha256"} <= f.keys()
-                                              for f in files):
+    if not isinstance(files, list) or not all(
+        isinstance(f, dict) and {"path", "size", "sha256"} <= f.keys() for f in files
+    ):
         raise ValueError(f"{path}: not a checksum manifest of format {FORMAT}")
     return files
 

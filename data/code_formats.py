@@ -24,8 +24,10 @@ from data.code_verifier import parse_tests
 
 MBPP_TEMPLATE = "{task}\nYour code should pass these tests:\n\n{tests}\n"
 HUMANEVAL_TEMPLATE = "Complete the following Python function. Answer with the whole function in a ```python block.\n\n```python\n{stub}```\n"
-APPS_TEMPLATE = ("{question}\n\nWrite a Python program that reads the input from standard input and prints the "
-                 "answer to standard output. Answer with the program in a ```python block.")
+APPS_TEMPLATE = (
+    "{question}\n\nWrite a Python program that reads the input from standard input and prints the "
+    "answer to standard output. Answer with the program in a ```python block."
+)
 
 
 def _row(prompt: str, label: dict[str, Any], origin: dict[str, str], label_field: str) -> list[Example]:
@@ -55,8 +57,9 @@ def mbpp_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     tests = _get(record, "test_list")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
         raise FieldError("test_list", f"expected a non-empty list of assert strings, got {_json_type(tests)}")
-    setup = "\n".join(s for s in (_optional_text(record, "test_imports"), _optional_text(record, "test_setup_code"))
-                      if s.strip())
+    setup = "\n".join(
+        s for s in (_optional_text(record, "test_imports"), _optional_text(record, "test_setup_code")) if s.strip()
+    )
     label: dict[str, Any] = {"asserts": tests, **({"setup": setup} if setup else {})}
     prompt = MBPP_TEMPLATE.format(task=task, tests="\n".join(tests))
     return _row(prompt, label, {"prompt[0].content": key, "label": "test_list"}, "test_list")
@@ -74,8 +77,12 @@ def humaneval_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     if not entry.isidentifier():
         raise FieldError("entry_point", f"{entry!r} is not a function name")
     label = {"check": test, "entry_point": entry, "setup": stub}
-    return _row(HUMANEVAL_TEMPLATE.format(stub=stub if stub.endswith("\n") else stub + "\n"), label,
-                {"prompt[0].content": "prompt", "label": "test"}, "test")
+    return _row(
+        HUMANEVAL_TEMPLATE.format(stub=stub if stub.endswith("\n") else stub + "\n"),
+        label,
+        {"prompt[0].content": "prompt", "label": "test"},
+        "test",
+    )
 
 
 def apps_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
@@ -92,8 +99,11 @@ def apps_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     if not isinstance(io, dict):
         raise FieldError("input_output", f"expected an object with inputs and outputs, got {_json_type(io)}")
     if io.get("fn_name"):
-        raise FieldError("input_output", f"a call-based problem (fn_name {io['fn_name']!r}); only stdin/stdout "
-                                         "problems are supported: filter these rows out")
+        raise FieldError(
+            "input_output",
+            f"a call-based problem (fn_name {io['fn_name']!r}); only stdin/stdout "
+            "problems are supported: filter these rows out",
+        )
     inputs, outputs = io.get("inputs"), io.get("outputs")
     for name, value in (("inputs", inputs), ("outputs", outputs)):
         if not isinstance(value, list) or not value:
@@ -105,5 +115,9 @@ def apps_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     if len(inputs) != len(outputs):
         raise FieldError("input_output", f"{len(inputs)} inputs but {len(outputs)} outputs")
     label = {"stdin_stdout": [[i, o] for i, o in zip(inputs, outputs)]}
-    return _row(APPS_TEMPLATE.format(question=question), label,
-                {"prompt[0].content": "question", "label": "input_output"}, "input_output")
+    return _row(
+        APPS_TEMPLATE.format(question=question),
+        label,
+        {"prompt[0].content": "question", "label": "input_output"},
+        "input_output",
+    )

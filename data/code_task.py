@@ -88,8 +88,9 @@ class Expression:
         return [n for n in out if any(n.value(a, b) != self.value(a, b) for a, b in grid)]
 
 
-ALL_EXPRESSIONS = tuple(Expression(s, o1, c, o2) for s in (False, True) for o1 in OPERATORS for c in CONSTANTS
-                        for o2 in OPERATORS)
+ALL_EXPRESSIONS = tuple(
+    Expression(s, o1, c, o2) for s in (False, True) for o1 in OPERATORS for c in CONSTANTS for o2 in OPERATORS
+)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,9 @@ def _variants(expression: Expression) -> list[CodeProblem]:
     return [CodeProblem(name, args, expression) for name, args in itertools.product(FUNCTION_NAMES, ARGUMENT_PAIRS)]
 
 
-def make_code_datasets(out_dir: str | os.PathLike, *, num_sft: int, num_rl: int, num_eval: int,
-                       seed: int) -> dict[str, Path]:
+def make_code_datasets(
+    out_dir: str | os.PathLike, *, num_sft: int, num_rl: int, num_eval: int, seed: int
+) -> dict[str, Path]:
     """Write the three code splits as JSONL files into ``out_dir``.
 
     There are ``len(ALL_EXPRESSIONS)`` = 162 expressions, each under 16 (name, arguments)
@@ -158,9 +160,11 @@ def make_code_datasets(out_dir: str | os.PathLike, *, num_sft: int, num_rl: int,
     per_expression = len(FUNCTION_NAMES) * len(ARGUMENT_PAIRS)
     held = -(-num_eval // per_expression)  # ceil
     if held >= len(ALL_EXPRESSIONS):
-        raise ValueError(f"make_code_datasets: num_eval={num_eval} would hold out {held} of the "
-                         f"{len(ALL_EXPRESSIONS)} expressions and leave none to train on; use at most "
-                         f"{(len(ALL_EXPRESSIONS) - 1) * per_expression}")
+        raise ValueError(
+            f"make_code_datasets: num_eval={num_eval} would hold out {held} of the "
+            f"{len(ALL_EXPRESSIONS)} expressions and leave none to train on; use at most "
+            f"{(len(ALL_EXPRESSIONS) - 1) * per_expression}"
+        )
     rng = random.Random(seed)
     expressions = list(ALL_EXPRESSIONS)
     rng.shuffle(expressions)
@@ -169,8 +173,10 @@ def make_code_datasets(out_dir: str | os.PathLike, *, num_sft: int, num_rl: int,
 
     def draw(name: str, n: int, pool: list[CodeProblem]) -> list[CodeProblem]:
         if n > len(pool):
-            raise ValueError(f"make_code_datasets: {name}={n} exceeds the {len(pool)} problems of its pool "
-                             f"(training problems are those whose expression is not held out); lower {name}")
+            raise ValueError(
+                f"make_code_datasets: {name}={n} exceeds the {len(pool)} problems of its pool "
+                f"(training problems are those whose expression is not held out); lower {name}"
+            )
         return rng.sample(pool, n)
 
     eval_problems = draw("num_eval", num_eval, eval_pool)
@@ -178,8 +184,10 @@ def make_code_datasets(out_dir: str | os.PathLike, *, num_sft: int, num_rl: int,
     def user(p: CodeProblem) -> list[dict]:
         return [{"role": "user", "content": p.question()}]
 
-    sft = [{"messages": user(p) + [{"role": "assistant", "content": p.solution()}]}
-           for p in draw("num_sft", num_sft, train_pool)]
+    sft = [
+        {"messages": user(p) + [{"role": "assistant", "content": p.solution()}]}
+        for p in draw("num_sft", num_sft, train_pool)
+    ]
     rl_train = [{"prompt": user(p), "label": p.label(rng)} for p in draw("num_rl", num_rl, train_pool)]
     rl_eval = [{"prompt": user(p), "label": p.label(rng)} for p in eval_problems]
 

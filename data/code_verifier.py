@@ -80,8 +80,9 @@ def parse_tests(label: str) -> CodeTests:
     try:
         spec = json.loads(label)
     except ValueError as exc:
-        raise ValueError(f"code label is not JSON ({exc}); expected an object with asserts, check + entry_point "
-                         "or stdin_stdout") from None
+        raise ValueError(
+            f"code label is not JSON ({exc}); expected an object with asserts, check + entry_point or stdin_stdout"
+        ) from None
     if not isinstance(spec, dict):
         raise ValueError(f"code label is a JSON {type(spec).__name__}, expected an object")
     kinds = [k for k in ("asserts", "check", "stdin_stdout") if k in spec]
@@ -100,14 +101,18 @@ def parse_tests(label: str) -> CodeTests:
             raise ValueError(f"code label: entry_point must be a function name, got {entry!r}")
         return CodeTests(setup, (CodeTest(test=f"{check}\ncheck({entry})\n"),))
     pairs = spec["stdin_stdout"]
-    if (not isinstance(pairs, list) or not pairs
-            or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs)):
+    if (
+        not isinstance(pairs, list)
+        or not pairs
+        or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs)
+    ):
         raise ValueError("code label: stdin_stdout must be a non-empty list of [input, output] string pairs")
     return CodeTests(setup, tuple(CodeTest(stdin=i, expected_stdout=o) for i, o in pairs))
 
 
-def run_code_tests(program: str, tests: Sequence[CodeTest], limits: SandboxLimits = SandboxLimits(),
-                   stop_at_failure: bool = False) -> list[CaseResult]:
+def run_code_tests(
+    program: str, tests: Sequence[CodeTest], limits: SandboxLimits = SandboxLimits(), stop_at_failure: bool = False
+) -> list[CaseResult]:
     """Each test of ``tests`` on ``program``, one sandbox each, in order (wall time at most
     ``len(tests) * limits.wall_s`` plus start-up); with ``stop_at_failure`` the results end at
     the first test that did not pass."""
@@ -119,8 +124,9 @@ def run_code_tests(program: str, tests: Sequence[CodeTest], limits: SandboxLimit
     return results
 
 
-def code_reward(response: str, label: str, *, reward: str = "all_pass",
-                limits: SandboxLimits = SandboxLimits()) -> float:
+def code_reward(
+    response: str, label: str, *, reward: str = "all_pass", limits: SandboxLimits = SandboxLimits()
+) -> float:
     """The ``code`` verifier: the reward of ``response`` against the tests of ``label``.
 
     A blank program scores 0.0 without running anything (so ``data.rewards.label_problem``
@@ -146,5 +152,10 @@ def code_reward(response: str, label: str, *, reward: str = "all_pass",
 
 def limits_of(settings: Any) -> SandboxLimits:
     """:class:`SandboxLimits` of a ``config.reward.CodeRewardConfig`` (``rl.reward.code``)."""
-    return SandboxLimits(wall_s=settings.wall_s, cpu_s=settings.cpu_s, memory_mb=settings.memory_mb,
-                         max_processes=settings.max_processes, max_output_bytes=settings.max_output_bytes)
+    return SandboxLimits(
+        wall_s=settings.wall_s,
+        cpu_s=settings.cpu_s,
+        memory_mb=settings.memory_mb,
+        max_processes=settings.max_processes,
+        max_output_bytes=settings.max_output_bytes,
+    )

@@ -67,8 +67,15 @@ def sharegpt_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
         messages.append({"role": "system", "content": _text(record["system"], "system")})
         origin["messages[0].content"] = "system"
     messages += _turns(
-        _get(record, "conversations"), "conversations", "messages", origin,
-        role_key="from", content_key="value", role_map=SHAREGPT_ROLES, offset=len(messages), tools_allowed=True,
+        _get(record, "conversations"),
+        "conversations",
+        "messages",
+        origin,
+        role_key="from",
+        content_key="value",
+        role_map=SHAREGPT_ROLES,
+        offset=len(messages),
+        tools_allowed=True,
     )
     return [Example(_with_tools({"messages": messages}, record, origin), origin)]
 
@@ -115,6 +122,8 @@ def seed_tasks_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
             raise FieldError(f"instances[{j}]", f"expected an object, got {_json_type(inst)}")
         out_src = f"instances[{j}].output"
         examples.append(
-            _instruction_example(record, inst.get("input"), _get(inst, "output", out_src), out_src, f"instances[{j}].input")
+            _instruction_example(
+                record, inst.get("input"), _get(inst, "output", out_src), out_src, f"instances[{j}].input"
+            )
         )
     return examples

@@ -96,7 +96,11 @@ def disk_full_error(path: str | Path, what: str, needed: int | None, fix: str) -
     """The one-line :class:`DiskFull` for writing ``what`` to ``path``: needs about ``needed``
     bytes (None: unknown), ``shutil.disk_usage`` free now, then ``fix``."""
     free = _size(free_bytes(path))
-    need = f"needs about {_size(needed)}, and {free} are free there" if needed else f"does not fit in the {free} free there"
+    need = (
+        f"needs about {_size(needed)}, and {free} are free there"
+        if needed
+        else f"does not fit in the {free} free there"
+    )
     return DiskFull(f"disk full: {what} at {path} {need}; {fix}")
 
 

@@ -78,6 +78,7 @@ def stop_clock() -> None:
     """End the budget ``start_clock`` started."""
     _clock.deadline = None
 
+
 # A small LaTeX arithmetic parser (no eval): expression trees of tuples
 #   ("num", Fraction) ("sym", name) ("pi",) ("I",) ("add", a, b) ("sub", a, b) ("mul", a, b)
 #   ("div", a, b) ("neg", a) ("pow", a, b) ("root", a, n) ("fact", a) ("binom", a, b)
@@ -94,11 +95,58 @@ class _NotExact(Exception):
     pass
 
 
-_FUNCS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "ln", "log", "exp"}
+_FUNCS = {
+    "sin",
+    "cos",
+    "tan",
+    "cot",
+    "sec",
+    "csc",
+    "arcsin",
+    "arccos",
+    "arctan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "ln",
+    "log",
+    "exp",
+}
 _GREEK = {
-    "alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota",
-    "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi",
-    "omega", "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "varepsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "vartheta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "rho",
+    "sigma",
+    "tau",
+    "upsilon",
+    "phi",
+    "varphi",
+    "chi",
+    "psi",
+    "omega",
+    "Gamma",
+    "Delta",
+    "Theta",
+    "Lambda",
+    "Xi",
+    "Sigma",
+    "Phi",
+    "Psi",
+    "Omega",
 }
 _TOKEN = re.compile(r"\d+\.?\d*|\.\d+|\\[A-Za-z]+|\\.|[A-Za-z]|\S")
 
@@ -343,11 +391,21 @@ def exact_value(node: Node) -> Fraction:
 
 
 _FN = {
-    "sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan,
-    "cot": lambda z: 1 / cmath.tan(z), "sec": lambda z: 1 / cmath.cos(z), "csc": lambda z: 1 / cmath.sin(z),
-    "arcsin": cmath.asin, "arccos": cmath.acos, "arctan": cmath.atan,
-    "sinh": cmath.sinh, "cosh": cmath.cosh, "tanh": cmath.tanh,
-    "ln": cmath.log, "log": cmath.log, "exp": cmath.exp,
+    "sin": cmath.sin,
+    "cos": cmath.cos,
+    "tan": cmath.tan,
+    "cot": lambda z: 1 / cmath.tan(z),
+    "sec": lambda z: 1 / cmath.cos(z),
+    "csc": lambda z: 1 / cmath.sin(z),
+    "arcsin": cmath.asin,
+    "arccos": cmath.acos,
+    "arctan": cmath.atan,
+    "sinh": cmath.sinh,
+    "cosh": cmath.cosh,
+    "tanh": cmath.tanh,
+    "ln": cmath.log,
+    "log": cmath.log,
+    "exp": cmath.exp,
 }
 
 

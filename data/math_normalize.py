@@ -49,8 +49,20 @@ from data.math_expression import _GREEK, MAX_PARSE_CHARS, check_clock
 from data.math_extraction import _group_end
 
 _TEXT_CMDS = (
-    "text", "textbf", "textit", "textrm", "textnormal", "textsf", "texttt", "mbox",
-    "mathrm", "mathbf", "mathit", "mathsf", "mathtt", "operatorname",
+    "text",
+    "textbf",
+    "textit",
+    "textrm",
+    "textnormal",
+    "textsf",
+    "texttt",
+    "mbox",
+    "mathrm",
+    "mathbf",
+    "mathit",
+    "mathsf",
+    "mathtt",
+    "operatorname",
 )
 _TEXT_RE = "|".join(_TEXT_CMDS)
 _TEXT_OPEN = re.compile(rf"\\(?:{_TEXT_RE})(?![A-Za-z])\s*(?=\{{)")
@@ -72,7 +84,9 @@ _TRAILING_UNIT_WORD = re.compile(
 _SIZES = re.compile(r"\\(?:big|Big|bigg|Bigg)[lrm]?(?![A-Za-z])")
 _LEFT_RIGHT = re.compile(r"\\(?:left|right)(?![A-Za-z])\s*\.?")
 _SPACING = re.compile(r"(?<!\\)\\[!,;: ]|\\q?quad(?![A-Za-z])|~")
-_DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![A-Za-z])|(?<=[\d}])\s*\\circ(?![A-Za-z])|\^\s*\{\s*\\degree\s*\}|\\degree(?![A-Za-z])|°")
+_DEGREES = re.compile(
+    r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![A-Za-z])|(?<=[\d}])\s*\\circ(?![A-Za-z])|\^\s*\{\s*\\degree\s*\}|\\degree(?![A-Za-z])|°"
+)
 _LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:,\\!\s*|\{,\})(?=\d{3}(?!\d))")
 # A leading group of 0 is never thousands: "0,111" is a decimal comma or a list, not 111.
 _THOUSANDS = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:,\d{3})+(?![\d])(?!,\d)")

@@ -28,8 +28,13 @@ def dpo_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     _no_tools(record)
     origin: dict[str, str] = {"chosen": "chosen.value", "rejected": "rejected.value"}
     prompt = _turns(
-        _get(record, "conversations"), "conversations", "prompt", origin,
-        role_key="from", content_key="value", role_map=SHAREGPT_ROLES,
+        _get(record, "conversations"),
+        "conversations",
+        "prompt",
+        origin,
+        role_key="from",
+        content_key="value",
+        role_map=SHAREGPT_ROLES,
     )
     row = {
         "prompt": prompt,
@@ -69,9 +74,12 @@ def dpo_messages_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
         if rest[0]["role"] != "assistant":
             raise FieldError(f"{src}[{n}].role", f"the response must be an 'assistant' turn, got {rest[0]['role']!r}")
         responses.append(rest[0]["content"])
-    origin = {k: v for k, v in chosen_origin.items() if k.startswith("prompt[") and int(k[7:k.index("]")]) < n}
-    origin |= {"prompt": "chosen_messages", "chosen": f"chosen_messages[{n}].content",
-               "rejected": f"rejected_messages[{n}].content"}
+    origin = {k: v for k, v in chosen_origin.items() if k.startswith("prompt[") and int(k[7 : k.index("]")]) < n}
+    origin |= {
+        "prompt": "chosen_messages",
+        "chosen": f"chosen_messages[{n}].content",
+        "rejected": f"rejected_messages[{n}].content",
+    }
     return [Example({"prompt": chosen[:n], "chosen": responses[0], "rejected": responses[1]}, origin)]
 
 
@@ -149,9 +157,7 @@ def hh_rlhf_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     parts = _HH_TURN.split(prompt_text)
     if parts[0].strip():
         raise FieldError("chosen", "transcript must start with '\\n\\nHuman:'")
-    prompt = [
-        {"role": _HH_ROLES[speaker], "content": text.strip()} for speaker, text in zip(parts[1::2], parts[2::2])
-    ]
+    prompt = [{"role": _HH_ROLES[speaker], "content": text.strip()} for speaker, text in zip(parts[1::2], parts[2::2])]
     start = cut + len(_HH_ANSWER)
     row = {"prompt": prompt, "chosen": chosen[start:].strip(), "rejected": rejected[start:].strip()}
     origin = {f"prompt[{i}].{k}": "chosen" for i in range(len(prompt)) for k in ("role", "content")}

@@ -39,18 +39,23 @@ def gsm8k_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     raw = _get(record, "answer")
     answer = label_text(raw, "answer")
     if kind == "sft":
-        return [Example(
-            {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]},
-            {"messages[0].content": "question", "messages[1].content": "answer"},
-        )]
+        return [
+            Example(
+                {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]},
+                {"messages[0].content": "question", "messages[1].content": "answer"},
+            )
+        ]
     if isinstance(raw, str):
         try:
             answer = gsm8k_label(answer)
         except ValueError as e:
             raise FieldError("answer", str(e)) from None
     origin = {"prompt[0].content": "question", "label": "answer"}
-    return [Example(_with_tools({"prompt": [{"role": "user", "content": question}], "label": answer}, record, origin),
-                    origin)]
+    return [
+        Example(
+            _with_tools({"prompt": [{"role": "user", "content": question}], "label": answer}, record, origin), origin
+        )
+    ]
 
 
 def math_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
@@ -68,14 +73,17 @@ def math_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:
     if kind == "sft":
         src = "solution" if "solution" in record else "answer"
         reply = _text(record[src], src) if src == "solution" else label_text(_get(record, src), src)
-        return [Example(
-            {"messages": [{"role": "user", "content": problem}, {"role": "assistant", "content": reply}]},
-            {"messages[0].content": key, "messages[1].content": src},
-        )]
+        return [
+            Example(
+                {"messages": [{"role": "user", "content": problem}, {"role": "assistant", "content": reply}]},
+                {"messages[0].content": key, "messages[1].content": src},
+            )
+        ]
     label = label_text(_get(record, "answer"), "answer").strip()
     origin = {"prompt[0].content": key, "label": "answer"}
-    return [Example(_with_tools({"prompt": [{"role": "user", "content": problem}], "label": label}, record, origin),
-                    origin)]
+    return [
+        Example(_with_tools({"prompt": [{"role": "user", "content": problem}], "label": label}, record, origin), origin)
+    ]
 
 
 def prompt_label_adapter(record: Mapping[str, Any], kind: str) -> list[Example]:

@@ -142,8 +142,10 @@ def _syntax_error(text: str, e: json.JSONDecodeError) -> tuple[int, str]:
         comma = len(before) - 1
         line = text.count("\n", 0, comma) + 1
         column = comma - (text.rfind("\n", 0, comma) + 1) + 1
-        return line, (f"malformed JSON at column {column}: trailing comma before {text[e.pos]!r} "
-                      "(JSON allows no comma after the last item; remove it)")
+        return line, (
+            f"malformed JSON at column {column}: trailing comma before {text[e.pos]!r} "
+            "(JSON allows no comma after the last item; remove it)"
+        )
     return e.lineno, f"malformed JSON at column {e.colno}: {e.msg}"
 
 
@@ -151,14 +153,19 @@ def _unicode_problem(value: Any, path: str = "") -> tuple[str, str] | None:
     """The first lone surrogate or over-long integer in a decoded value, as (field, problem)."""
     if isinstance(value, _LongInt):
         limit = sys.get_int_max_str_digits()
-        return (path or RECORD, f"integer of {len(value) - value.startswith('-')} digits "
-                f"(at most {limit} are read; write it as a string if it is meant as text)")
+        return (
+            path or RECORD,
+            f"integer of {len(value) - value.startswith('-')} digits "
+            f"(at most {limit} are read; write it as a string if it is meant as text)",
+        )
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            return (path or RECORD, f"lone surrogate escape \\u{ord(value[e.start]):04x} at character "
-                    f"{e.start + 1} (not valid Unicode)")
+            return (
+                path or RECORD,
+                f"lone surrogate escape \\u{ord(value[e.start]):04x} at character {e.start + 1} (not valid Unicode)",
+            )
         return None
     if isinstance(value, dict):
         for k, v in value.items():
@@ -205,8 +212,11 @@ def _jsonl(name: str) -> Iterator[Item]:
                 try:
                     text = raw.rstrip(b"\r\n").decode("utf-8")
                 except UnicodeDecodeError as e:
-                    yield line, RowError(
-                        name, line, RECORD, f"not valid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                    yield (
+                        line,
+                        RowError(
+                            name, line, RECORD, f"not valid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}"
+                        ),
                     )
                     continue
                 try:
@@ -242,7 +252,10 @@ def _json_array(name: str) -> Iterator[LocatedItem]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        yield (line, None), RowError(name, line, FILE, f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {column}")
+        yield (
+            (line, None),
+            RowError(name, line, FILE, f"not valid UTF-8: byte 0x{data[e.start]:02x} at column {column}"),
+        )
         return
     try:
         elements = _array_elements(text)

@@ -68,8 +68,9 @@ class RewardFunction:
     batched: bool
     keywords: frozenset[str]
 
-    def __call__(self, responses: Sequence[str], labels: Sequence[str], prompts: Sequence[Any],
-                 finish_reasons: Sequence[str]) -> list[float]:
+    def __call__(
+        self, responses: Sequence[str], labels: Sequence[str], prompts: Sequence[Any], finish_reasons: Sequence[str]
+    ) -> list[float]:
         """One float per response.
 
         Raises:
@@ -112,8 +113,9 @@ class RewardFunction:
 
     def _checked(self, value: Any, index: int) -> float:
         if not isinstance(value, numbers.Real) or isinstance(value, bool):
-            raise ValueError(f"{self._who()} returned {value!r} ({type(value).__name__}) for response {index}; "
-                             "expected a float")
+            raise ValueError(
+                f"{self._who()} returned {value!r} ({type(value).__name__}) for response {index}; expected a float"
+            )
         try:
             finite = math.isfinite(value)
         except OverflowError:  # an int too large for a float
@@ -163,7 +165,11 @@ def load_reward_function(path: str, batched: bool = False, name: str | None = No
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         keywords = frozenset(options)
     else:
-        named = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+        named = {
+            p.name
+            for p in params
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        }
         keywords = frozenset(options) & named
     try:
         signature.bind("response", "label", **dict.fromkeys(keywords))

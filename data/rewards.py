@@ -167,8 +167,13 @@ def math_boxed(response: str, label: str) -> float:
             stop_clock()
 
 
-VERIFIERS: dict[str, Callable[..., float]] = {"exact_match": exact_match, "gsm8k": gsm8k, "math": math_boxed, "story": story_reward,
-                                               "code": code_reward}
+VERIFIERS: dict[str, Callable[..., float]] = {
+    "exact_match": exact_match,
+    "gsm8k": gsm8k,
+    "math": math_boxed,
+    "story": story_reward,
+    "code": code_reward,
+}
 
 
 def label_problem(name: str, label: str) -> str | None:
@@ -227,8 +232,13 @@ and lose little (the GIL serialises them)."""
 Label = TypeVar("Label")  # what score_all's verifier takes as a label (a string; any value for a wrapper)
 
 
-def score_all(verifier: Callable[[str, Label, str], float], responses: Sequence[str], labels: Sequence[Label],
-              finish_reasons: Sequence[str], threads: int = SCORING_THREADS) -> list[float]:
+def score_all(
+    verifier: Callable[[str, Label, str], float],
+    responses: Sequence[str],
+    labels: Sequence[Label],
+    finish_reasons: Sequence[str],
+    threads: int = SCORING_THREADS,
+) -> list[float]:
     """``[verifier(responses[i], labels[i], finish_reasons[i]) for i]`` (a :func:`get_verifier`
     callable), computed on up to ``threads`` threads, in input order.
 
@@ -237,8 +247,10 @@ def score_all(verifier: Callable[[str, Label, str], float], responses: Sequence[
         Whatever ``verifier`` raises, for the first failing response in input order.
     """
     if not len(responses) == len(labels) == len(finish_reasons):
-        raise ValueError(f"score_all: {len(responses)} responses, {len(labels)} labels, "
-                         f"{len(finish_reasons)} finish reasons; they must match")
+        raise ValueError(
+            f"score_all: {len(responses)} responses, {len(labels)} labels, "
+            f"{len(finish_reasons)} finish reasons; they must match"
+        )
     if threads < 1:
         raise ValueError(f"score_all: threads must be >= 1, got {threads}")
     if threads == 1 or len(responses) <= 1:

@@ -168,11 +168,19 @@ _verdict("passed" if _test is not None else "ran")
 
 def _probe(cmd: list[str]) -> str | None:
     """None when ``cmd`` runs a Python that finds no route to the network, else why not."""
-    code = ("import socket\ns = socket.socket()\ns.settimeout(1)\n"
-            "try:\n    s.connect(('127.0.0.1', 9))\nexcept OSError as e:\n    print(e.errno)\n")
+    code = (
+        "import socket\ns = socket.socket()\ns.settimeout(1)\n"
+        "try:\n    s.connect(('127.0.0.1', 9))\nexcept OSError as e:\n    print(e.errno)\n"
+    )
     try:
-        done = subprocess.run(cmd + [sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=30,
-                              env=_env(tempfile.gettempdir()), cwd=tempfile.gettempdir())
+        done = subprocess.run(
+            cmd + [sys.executable, "-I", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=_env(tempfile.gettempdir()),
+            cwd=tempfile.gettempdir(),
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{' '.join(cmd[:2])} failed: {exc}"
     if done.returncode != 0:
@@ -250,7 +258,7 @@ class _Reader(threading.Thread):
         try:
             while chunk := self.fd.read1(65536):
                 room = self.limit - len(self.data)
-                self.data += chunk[:max(room, 0)]
+                self.data += chunk[: max(room, 0)]
                 if len(chunk) > room and not self.over:
                     self.over = True
                     self.on_over()
@@ -287,8 +295,14 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, onerror=unlock)
 
 
-def run_test(program: str, *, test: str | None = None, stdin: str = "", expected_stdout: str | None = None,
-             limits: SandboxLimits = SandboxLimits()) -> CaseResult:
+def run_test(
+    program: str,
+    *,
+    test: str | None = None,
+    stdin: str = "",
+    expected_stdout: str | None = None,
+    limits: SandboxLimits = SandboxLimits(),
+) -> CaseResult:
     """Run ``program`` then ``test`` (assert mode) or ``program`` on ``stdin`` (stdin/stdout
     mode) in a fresh sandbox; see the module docstring for the isolation.
 
@@ -315,24 +329,36 @@ def run_test(program: str, *, test: str | None = None, stdin: str = "", expected
     support = sandbox_support()
     home = tempfile.mkdtemp(prefix=_MARK + "-")
     uid = _throwaway_uid()
-    rlimits = {"RLIMIT_CPU": max(1, int(-(-limits.cpu_s // 1))), "RLIMIT_AS": limits.memory_mb << 20,
-               "RLIMIT_FSIZE": limits.max_file_mb << 20, "RLIMIT_CORE": 0,
-               "RLIMIT_NPROC": limits.max_processes + (_user_processes() if support.mode == "process" else 0)}
+    rlimits = {
+        "RLIMIT_CPU": max(1, int(-(-limits.cpu_s // 1))),
+        "RLIMIT_AS": limits.memory_mb << 20,
+        "RLIMIT_FSIZE": limits.max_file_mb << 20,
+        "RLIMIT_CORE": 0,
+        "RLIMIT_NPROC": limits.max_processes + (_user_processes() if support.mode == "process" else 0),
+    }
     if support.mode == "uid":
         os.chown(home, uid, uid)
     os.chmod(home, 0o700)
     nonce = secrets.token_hex(16)
     verdict_r, verdict_w = os.pipe()
-    payload = json.dumps({"program": program, "test": test, "nonce": nonce, "limits": rlimits,
-                          "fd": verdict_w}).encode()
+    payload = json.dumps(
+        {"program": program, "test": test, "nonce": nonce, "limits": rlimits, "fd": verdict_w}
+    ).encode()
     data = b"%d\n" % len(payload) + payload + stdin.encode()
     prefix = _unshare_cmd(support.mode, uid) if support.mode != "process" else []
     started = time.monotonic()
     proc = None
     try:
-        proc = subprocess.Popen(prefix + [sys.executable, "-I", "-c", RUNNER], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(verdict_w,), cwd=home,
-                                env=_env(home), start_new_session=True)
+        proc = subprocess.Popen(
+            prefix + [sys.executable, "-I", "-c", RUNNER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(verdict_w,),
+            cwd=home,
+            env=_env(home),
+            start_new_session=True,
+        )
         os.close(verdict_w)
         verdict_w = -1
         pipe, verdict_r = os.fdopen(verdict_r, "rb"), -1  # _supervise closes it
@@ -349,6 +375,7 @@ def run_test(program: str, *, test: str | None = None, stdin: str = "", expected
 
 def _same_output(got: str, expected: str) -> bool:
     """Equal line by line after stripping trailing whitespace, trailing blank lines dropped."""
+
     def norm(text: str) -> list[str]:
         lines = [line.rstrip() for line in text.replace("\r\n", "\n").split("\n")]
         while lines and not lines[-1]:
@@ -420,8 +447,12 @@ def _supervise(proc, mode, data, verdict_pipe, nonce, expected_stdout, limits, s
         if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
             return CaseResult("error", "killed: memory", stdout, seconds)
         tail = stderr.strip().splitlines()[-1:] or [""]
-        return CaseResult("error", f"exited with status {proc.returncode} before a verdict{': ' + tail[0] if tail[0] else ''}",
-                          stdout, seconds)
+        return CaseResult(
+            "error",
+            f"exited with status {proc.returncode} before a verdict{': ' + tail[0] if tail[0] else ''}",
+            stdout,
+            seconds,
+        )
     status, reason = found["status"], found["reason"]
     if status == "ran":
         if _same_output(stdout, expected_stdout):

@@ -226,9 +226,7 @@ def build_schema(kind: str) -> pa.DataFrameSchema:
         )
         for name, dtype in COLUMN_TYPES[kind].items()
     }
-    return pa.DataFrameSchema(
-        columns, checks=[c for c, _, _ in FRAME_RULES.get(kind, [])], strict=True, name=kind
-    )
+    return pa.DataFrameSchema(columns, checks=[c for c, _, _ in FRAME_RULES.get(kind, [])], strict=True, name=kind)
 
 
 SCHEMAS: dict[str, pa.DataFrameSchema] = {k: build_schema(k) for k in KINDS}
@@ -240,7 +238,9 @@ def _frame_call(call: Any) -> dict[str, Any]:
     kind = call.get("type")
     return {
         "type": kind if isinstance(kind, str) else None,
-        "function": None if fn is None else {
+        "function": None
+        if fn is None
+        else {
             "name": fn["name"] if isinstance(fn.get("name"), str) else None,
             "arguments": json.dumps(fn.get("arguments"), ensure_ascii=False, default=str),
         },
@@ -251,9 +251,13 @@ def _frame_sft(row: dict[str, Any]) -> dict[str, Any]:
     messages = row.get("messages")
     if isinstance(messages, list):
         messages = [
-            {"role": t.get("role"), "content": t.get("content"),
-             "tool_calls": [_frame_call(c) for c in t["tool_calls"]] if t.get("tool_calls") else None}
-            if isinstance(t, dict) else t
+            {
+                "role": t.get("role"),
+                "content": t.get("content"),
+                "tool_calls": [_frame_call(c) for c in t["tool_calls"]] if t.get("tool_calls") else None,
+            }
+            if isinstance(t, dict)
+            else t
             for t in messages
         ]
     tools = row.get("tools")

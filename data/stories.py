@@ -20,14 +20,64 @@ from pathlib import Path
 from data.validate import write_jsonl_atomic
 
 CHARACTERS = (
-    "girl", "boy", "dog", "cat", "bird", "bunny", "bear", "fish",
-    "mouse", "frog", "duck", "puppy", "kitten", "lion", "fox", "owl",
+    "girl",
+    "boy",
+    "dog",
+    "cat",
+    "bird",
+    "bunny",
+    "bear",
+    "fish",
+    "mouse",
+    "frog",
+    "duck",
+    "puppy",
+    "kitten",
+    "lion",
+    "fox",
+    "owl",
 )
 NAMES = (
-    "Lily", "Tim", "Tom", "Ben", "Sue", "Max", "Sam", "Mia", "Anna", "Lucy",
-    "Jack", "Timmy", "Sara", "Amy", "Bob", "Jane", "Kitty", "Spot", "Daisy", "Molly",
-    "Billy", "Zoe", "Mark", "Jill", "Joe", "Kate", "Ellie", "Emma", "Jake", "Leo",
-    "Mike", "Rose", "Pete", "Fred", "Ted", "Ann", "Lila", "Benny", "Bella", "Sally",
+    "Lily",
+    "Tim",
+    "Tom",
+    "Ben",
+    "Sue",
+    "Max",
+    "Sam",
+    "Mia",
+    "Anna",
+    "Lucy",
+    "Jack",
+    "Timmy",
+    "Sara",
+    "Amy",
+    "Bob",
+    "Jane",
+    "Kitty",
+    "Spot",
+    "Daisy",
+    "Molly",
+    "Billy",
+    "Zoe",
+    "Mark",
+    "Jill",
+    "Joe",
+    "Kate",
+    "Ellie",
+    "Emma",
+    "Jake",
+    "Leo",
+    "Mike",
+    "Rose",
+    "Pete",
+    "Fred",
+    "Ted",
+    "Ann",
+    "Lila",
+    "Benny",
+    "Bella",
+    "Sally",
 )
 SPLIT_FILES = {"rl_train": "rl_train.jsonl", "rl_eval": "rl_eval.jsonl"}
 
@@ -54,13 +104,17 @@ def make_story_datasets(out_dir: str | os.PathLike, *, num_rl: int, num_eval: in
             raise ValueError(f"make_story_datasets: {name} must be a positive int, got {value!r}")
     pairs = [(c, n) for c in CHARACTERS for n in NAMES]
     if num_eval >= len(pairs):
-        raise ValueError(f"make_story_datasets: num_eval={num_eval} leaves none of the {len(pairs)} openings for training")
+        raise ValueError(
+            f"make_story_datasets: num_eval={num_eval} leaves none of the {len(pairs)} openings for training"
+        )
     rng = random.Random(seed)
     held_out = rng.sample(pairs, num_eval)
     held = set(held_out)
     train_pool = [p for p in pairs if p not in held]
     rows = {
-        "rl_train": [{"prompt": story_opening(c, n), "label": n} for c, n in (rng.choice(train_pool) for _ in range(num_rl))],
+        "rl_train": [
+            {"prompt": story_opening(c, n), "label": n} for c, n in (rng.choice(train_pool) for _ in range(num_rl))
+        ],
         "rl_eval": [{"prompt": story_opening(c, n), "label": n} for c, n in held_out],
     }
     out = Path(out_dir)

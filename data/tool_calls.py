@@ -40,8 +40,14 @@ PROBE_ARGS = {"probe_arg": 7}
 PROBE_QUESTION = "probe question"
 PROBE_CONTENT = "\u00a7probe answer"  # starts with a character no template writes at a turn's start
 PROBE_RESULT = "\u00a7probe result "
-PROBE_TOOL = {"type": "function", "function": {"name": PROBE_NAME, "description": "probe",
-                                                "parameters": {"type": "object", "properties": {"probe_arg": {"type": "integer"}}}}}
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": PROBE_NAME,
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {"probe_arg": {"type": "integer"}}},
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,9 @@ class ToolCallFormat:
         :class:`MalformedCall` (arguments given as a JSON string are decoded, as OpenAI's
         format writes them)."""
         if not self.open:
-            return [self._call(obj, raw) for obj, raw in _objects(text) if isinstance(obj, dict) and self.name_key in obj]
+            return [
+                self._call(obj, raw) for obj, raw in _objects(text) if isinstance(obj, dict) and self.name_key in obj
+            ]
         out: list[ToolCall | MalformedCall] = []
         at = 0
         while (start := text.find(self.open, at)) >= 0:
@@ -146,7 +154,9 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat:
             renders it in a form without a JSON object naming the tool. Names the model.
     """
     with_call = _render_or_raise(tokenizer, _probe_turns(True), False, [PROBE_TOOL], "an assistant tool call")
-    with_text = _render_or_raise(tokenizer, _probe_turns(False, PROBE_CONTENT), False, [PROBE_TOOL], "an assistant turn")
+    with_text = _render_or_raise(
+        tokenizer, _probe_turns(False, PROBE_CONTENT), False, [PROBE_TOOL], "an assistant turn"
+    )
     # the assistant turn's body starts where the two renderings part (the header is common)
     body = 0
     while body < min(len(with_call), len(with_text)) and with_call[body] == with_text[body]:
@@ -162,12 +172,14 @@ def tool_call_format(tokenizer: Any) -> ToolCallFormat:
         start = with_call.index(raw, body)
         end = start + len(raw)
         stop = with_call.find(turn_end, end)
-        close = with_call[end: stop if stop >= 0 else len(with_call)].strip()
+        close = with_call[end : stop if stop >= 0 else len(with_call)].strip()
         return ToolCallFormat(with_call[body:start].strip(), close, name_key, args_key)
-    raise ChatTemplateError(f"the chat template of {_name(tokenizer)} does not render assistant tool calls as a JSON "
-                            "object naming the tool (tool_calls of an assistant message), so its tool-call format is "
-                            "unknown; use a model whose template writes tool calls (Qwen2.5, Qwen3, Llama-3.1) for "
-                            "tool-using RL")
+    raise ChatTemplateError(
+        f"the chat template of {_name(tokenizer)} does not render assistant tool calls as a JSON "
+        "object naming the tool (tool_calls of an assistant message), so its tool-call format is "
+        "unknown; use a model whose template writes tool calls (Qwen2.5, Qwen3, Llama-3.1) for "
+        "tool-using RL"
+    )
 
 
 def tool_observation(tokenizer: Any, results: Sequence[str]) -> str:
@@ -195,11 +207,15 @@ def tool_observation(tokenizer: Any, results: Sequence[str]) -> str:
     turn_end = end_of_turn(tokenizer)
     cut = placed.rfind(turn_end, 0, placed.index(PROBE_RESULT))
     if cut < 0:
-        raise ChatTemplateError(f"the chat template of {_name(tokenizer)} writes no turn end {turn_end!r} between a tool "
-                                "call and its results; tool observations cannot be appended to the sampled tokens")
+        raise ChatTemplateError(
+            f"the chat template of {_name(tokenizer)} writes no turn end {turn_end!r} between a tool "
+            "call and its results; tool observations cannot be appended to the sampled tokens"
+        )
     cut += len(turn_end)
     full = render(results)
     if full[:cut] != placed[:cut]:
-        raise ChatTemplateError(f"the chat template of {_name(tokenizer)} renders the turns before tool results "
-                                "differently by their content; tool observations cannot be appended to the sampled tokens")
+        raise ChatTemplateError(
+            f"the chat template of {_name(tokenizer)} renders the turns before tool results "
+            "differently by their content; tool observations cannot be appended to the sampled tokens"
+        )
     return full[cut:]

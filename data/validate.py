@@ -53,7 +53,13 @@ __all__ = [
 REPORT_ERRORS = 50
 MESSAGE_ERRORS = 5
 CHUNK = 256  # records converted and schema-checked together
-DATASET_KINDS: dict[str, Kind] = {"sft": "sft", "preference": "preference", "kto": "kto", "rl_train": "rl", "rl_eval": "rl"}
+DATASET_KINDS: dict[str, Kind] = {
+    "sft": "sft",
+    "preference": "preference",
+    "kto": "kto",
+    "rl_train": "rl",
+    "rl_eval": "rl",
+}
 
 
 def _lines_text(lines: list[int], shown: int = 10) -> str:
@@ -211,7 +217,9 @@ def validate_dataset(
     result = ValidationResult(file=name, kind=kind, format=format, limit=limit, keep=tuple(keep))
     sample = [r for _, r in head if not isinstance(r, RowError)]
     if not sample:
-        result.errors = sorted((r for _, r in head if isinstance(r, RowError)), key=lambda e: (e.line, e.record or 0, natural_key(e.field)))
+        result.errors = sorted(
+            (r for _, r in head if isinstance(r, RowError)), key=lambda e: (e.line, e.record or 0, natural_key(e.field))
+        )
         result.n_total = sum(1 for e in result.errors if e.field != FILE)
         return result
     detected = ""
@@ -357,8 +365,10 @@ class Overlap:
         return cls(len(shared), len({k for _, k in shared}), sorted(line for line, _ in shared))
 
     def describe(self) -> str:
-        return (f"data.rl_eval: {self.n_rows} rows ({self.n_prompts} distinct prompts) have a prompt that is also "
-                f"in data.rl_train (rl_eval lines {_lines_text(self.lines)})")
+        return (
+            f"data.rl_eval: {self.n_rows} rows ({self.n_prompts} distinct prompts) have a prompt that is also "
+            f"in data.rl_train (rl_eval lines {_lines_text(self.lines)})"
+        )
 
 
 @dataclass
@@ -399,8 +409,13 @@ class DataReport:
                 except DataValidationError as e:
                     problems.append((name, f"{key}: {e}"))
         if self.overlap and self.overlap.n_rows and not self.allow_eval_overlap:
-            problems.append((None, f"{self.overlap.describe()}; held-out prompts should not be trained on "
-                                   "(remove them, or set data.allow_eval_overlap: true to allow it)"))
+            problems.append(
+                (
+                    None,
+                    f"{self.overlap.describe()}; held-out prompts should not be trained on "
+                    "(remove them, or set data.allow_eval_overlap: true to allow it)",
+                )
+            )
         return problems
 
     def outputs(self) -> dict[str, list[dict[str, Any]]]:
@@ -422,8 +437,10 @@ class DataReport:
             if result.duplicates:
                 pairs = ", ".join(f"{a} (= {b})" for a, b in result.duplicates[:10])
                 more = f" and {len(result.duplicates) - 10} more" if len(result.duplicates) > 10 else ""
-                notes.append(f"{self.keys[name]}: {len(result.duplicates)} duplicate rows (identical after normalization) "
-                             f"in {result.file}: lines {pairs}{more}")
+                notes.append(
+                    f"{self.keys[name]}: {len(result.duplicates)} duplicate rows (identical after normalization) "
+                    f"in {result.file}: lines {pairs}{more}"
+                )
         if self.overlap and self.overlap.n_rows and self.allow_eval_overlap:
             notes.append(f"{self.overlap.describe()}; set data.allow_eval_overlap: false to make this an error")
         return notes
@@ -437,15 +454,16 @@ class DataReport:
             report[name] = {"error": message}
         if self.overlap is not None and "rl_eval" in report:
             report["rl_eval"]["overlap_with_rl_train"] = {
-                "n_rows": self.overlap.n_rows, "n_prompts": self.overlap.n_prompts,
+                "n_rows": self.overlap.n_rows,
+                "n_prompts": self.overlap.n_prompts,
                 "lines": self.overlap.lines[:REPORT_ERRORS],
             }
         return report
 
     def raise_for_problems(self) -> None:
         """Raises:
-            DataValidationError: ``problems()`` joined by newlines; ``errors`` holds every
-                row error of the failing datasets.
+        DataValidationError: ``problems()`` joined by newlines; ``errors`` holds every
+            row error of the failing datasets.
         """
         problems = self._problems()
         if problems:
@@ -481,15 +499,17 @@ def validate_data(data: DataConfig, names: Iterable[str] | None = None) -> DataR
         a ``DataReport``; nothing is raised for bad data: call ``problems()`` for the
         messages or ``raise_for_problems()`` to fail.
     """
-    out = DataReport(max_bad_fraction=data.max_bad_fraction,
-                     allow_eval_overlap=getattr(data, "allow_eval_overlap", True))
+    out = DataReport(
+        max_bad_fraction=data.max_bad_fraction, allow_eval_overlap=getattr(data, "allow_eval_overlap", True)
+    )
     for name, key, ds in dataset_entries(data):
         if names is not None and name not in set(names):
             continue
         out.keys[name] = key
         try:
-            out.results[name] = validate_dataset(ds.path, DATASET_KINDS[name.partition("/")[0]], format=ds.format,
-                                                 limit=ds.limit, key=key)
+            out.results[name] = validate_dataset(
+                ds.path, DATASET_KINDS[name.partition("/")[0]], format=ds.format, limit=ds.limit, key=key
+            )
         except FileNotFoundError:
             out.failures[name] = f"file not found: {ds.path} ({key}.path)"
         except ValueError as e:
@@ -507,6 +527,7 @@ def write_jsonl_atomic(rows: Iterable[dict[str, Any]], path: str | Path) -> Path
     gets the process umask's permissions (:func:`data.atomic_file.replace_atomically`).
     Returns the final path.
     """
+
     def write(f):
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from engine.rollout.multi_turn import MultiTurnSample
 
 
-
 class _Row(NamedTuple):
     """One response before padding: its prompt, tokens and per-token values."""
 
@@ -160,12 +159,23 @@ class Trajectory:
             for j, smp in enumerate(group):
                 n = len(smp.token_ids)
                 if n == 0 or len(smp.logprobs) != n or len(smp.loss_mask) != n:
-                    raise ValueError(f"prompt {i} sample {j}: {n} tokens, {len(smp.logprobs)} logprobs, "
-                                     f"{len(smp.loss_mask)} loss-mask entries (need equal, >= 1)")
+                    raise ValueError(
+                        f"prompt {i} sample {j}: {n} tokens, {len(smp.logprobs)} logprobs, "
+                        f"{len(smp.loss_mask)} loss-mask entries (need equal, >= 1)"
+                    )
                 if any(m not in (0, 1) for m in smp.loss_mask):
                     raise ValueError(f"prompt {i} sample {j}: loss mask values must be 0 or 1")
-                rows.append(_Row(list(prompt), smp.token_ids, smp.logprobs, smp.loss_mask, i, smp.finish_reason,
-                                 float(smp.reward)))
+                rows.append(
+                    _Row(
+                        list(prompt),
+                        smp.token_ids,
+                        smp.logprobs,
+                        smp.loss_mask,
+                        i,
+                        smp.finish_reason,
+                        float(smp.reward),
+                    )
+                )
         return cls._build(rows, pad_id)
 
     @classmethod
@@ -235,7 +245,9 @@ class Trajectory:
 
     def select(self, index: torch.Tensor) -> Trajectory:
         """The rows ``index`` (LongTensor ``[K]``) in that order, trimmed like :meth:`rows`."""
-        picked_fields: dict[str, Any] = {f: (v[index] if isinstance(v, torch.Tensor) else v) for f, v in vars(self).items()}
+        picked_fields: dict[str, Any] = {
+            f: (v[index] if isinstance(v, torch.Tensor) else v) for f, v in vars(self).items()
+        }
         picked = Trajectory(**picked_fields)
         return picked.rows(0, len(index))
 
@@ -263,11 +275,28 @@ class Trajectory:
             groups.append(p.group_index - p.group_index.min() + offsets)
             offsets = int(groups[-1].max()) + 1
         pad = parts[0].pad_id
-        fields: dict[str, Any] = {name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
-                  for name in ("input_ids", "prompt_lengths", "response_ids", "response_mask", "rollout_logprobs",
-                               "rewards", "advantages", "truncated", "old_logprobs", "ref_logprobs", "token_rewards",
-                               "response_valid", "values", "returns", "rollout_version", "rollout_version_end",
-                               "teacher_logprobs")}
+        fields: dict[str, Any] = {
+            name: stack(name, pad if name in ("input_ids", "response_ids") else 0)
+            for name in (
+                "input_ids",
+                "prompt_lengths",
+                "response_ids",
+                "response_mask",
+                "rollout_logprobs",
+                "rewards",
+                "advantages",
+                "truncated",
+                "old_logprobs",
+                "ref_logprobs",
+                "token_rewards",
+                "response_valid",
+                "values",
+                "returns",
+                "rollout_version",
+                "rollout_version_end",
+                "teacher_logprobs",
+            )
+        }
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)
 
     def micro_batches(self, micro_batch_size: int) -> list[Trajectory]:

@@ -33,8 +33,12 @@ def add_chat_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (temperature > 0 only)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (each turn adds its index)")
     p.add_argument("--system", default=None, help="a system prompt placed before the conversation")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="compute precision (auto: bf16 where the hardware has it, as run.precision)")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="compute precision (auto: bf16 where the hardware has it, as run.precision)",
+    )
     p.set_defaults(fn=cmd_chat)
 
 
@@ -50,7 +54,9 @@ def cmd_chat(args) -> int:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {args.temperature} and {args.top_p}")
     artifact = find_model_artifact(args.model, args.overrides, stage=args.stage, artifact_root=args.artifact_root)
     print(f"loading {artifact.name} ({artifact.stage}, {args.backend} backend)...", flush=True)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's INFO and warning lines would interleave with the chat
+    os.environ.setdefault(
+        "VLLM_LOGGING_LEVEL", "ERROR"
+    )  # the engine's INFO and warning lines would interleave with the chat
     hf_dir = hf_model_dir(artifact)
     engine, tokenizer, context = _start_engine(args, hf_dir)
     # torch (via engine.rollout.base, engine.rollout.streaming): seconds to import, not paid until this runs
@@ -75,11 +81,18 @@ def cmd_chat(args) -> int:
         prompt_ids = encode_prompt(tokenizer, messages)
         budget = min(args.max_new_tokens, context - len(prompt_ids))
         if budget < 1:
-            print(f"(the conversation has {len(prompt_ids)} tokens, the model's context {context}: /reset to start over)",
-                  flush=True)
+            print(
+                f"(the conversation has {len(prompt_ids)} tokens, the model's context {context}: /reset to start over)",
+                flush=True,
+            )
             continue
-        spec = SamplingSpec(n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=budget,
-                            seed=args.seed + len(history) // 2)
+        spec = SamplingSpec(
+            n=1,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=budget,
+            seed=args.seed + len(history) // 2,
+        )
         sys.stdout.write(REPLY)
         pieces = []
         try:
@@ -126,6 +139,13 @@ def _start_engine(args, hf_dir):
         print(f"note: {hf_dir} has no chat template; each turn continues its own text (no history)", flush=True)
     context = int(json.loads((hf_dir / "config.json").read_text()).get("max_position_embeddings", 2048))
     worker_threads(None)
-    engine = build_rollout_engine(args.backend, hf_dir, what="--backend", tokenizer=tokenizer, num_sequences=1,
-                                  max_model_len=context, precision=args.precision)
+    engine = build_rollout_engine(
+        args.backend,
+        hf_dir,
+        what="--backend",
+        tokenizer=tokenizer,
+        num_sequences=1,
+        max_model_len=context,
+        precision=args.precision,
+    )
     return engine, tokenizer, context

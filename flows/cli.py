@@ -79,8 +79,10 @@ def cmd_validate(args) -> int:
         return 1
     with_overrides = f" with {' '.join(args.overrides)}" if args.overrides else ""
     warned = f", with {len(warnings)} warning(s) above" if warnings else ""
-    console.print(f"[green]config {escape(str(args.config) + with_overrides)} is valid[/] ({escape(cfg.run.name)}: "
-                  f"{', '.join(_stage_list(cfg))}){warned}")
+    console.print(
+        f"[green]config {escape(str(args.config) + with_overrides)} is valid[/] ({escape(cfg.run.name)}: "
+        f"{', '.join(_stage_list(cfg))}){warned}"
+    )
     return 0
 
 
@@ -146,8 +148,12 @@ def before_first_stage(cfg) -> list[str]:
     stage starts (milliseconds, no weights): what a later stage would otherwise fail on. The
     model's sizes against the lengths and layouts, each reward plug-in called on two rl_train
     rows, the rl placement and the sft/rm/po ranks against the cluster's CPUs."""
-    return (check_model_fit(cfg) + check_plugins(cfg, read_trial_rows(cfg)) + check_rl_placement(cfg)[0]
-            + check_stage_cpus(cfg))
+    return (
+        check_model_fit(cfg)
+        + check_plugins(cfg, read_trial_rows(cfg))
+        + check_rl_placement(cfg)[0]
+        + check_stage_cpus(cfg)
+    )
 
 
 def cmd_run(args) -> int:
@@ -209,8 +215,10 @@ def cmd_stage(args) -> int:
         return _skip_disabled(cfg, args.name)
     if args.name == "rl" and cfg.rl.reward.reward_model_weight and not cfg.rm.enabled:
         # validate reports it too, but a DVC experiment that switches rm off reruns only rm and rl
-        raise ConfigError(f"{args.config}: rl.reward.reward_model_weight is {cfg.rl.reward.reward_model_weight}, which needs "
-                          "rm.enabled: true (set the weight to 0 to train without the reward model)")
+        raise ConfigError(
+            f"{args.config}: rl.reward.reward_model_weight is {cfg.rl.reward.reward_model_weight}, which needs "
+            "rm.enabled: true (set the weight to 0 to train without the reward model)"
+        )
     # prefect (via flows.pipeline): 1-2 s to import; only flows and stage runs need it
     from flows.pipeline import MissingUpstream, stage_flow
 
@@ -225,7 +233,8 @@ def cmd_stage(args) -> int:
             console.print(
                 f"[red]error:[/] stage {args.name} reads the {', '.join(missing)} artifact(s) of this config, which are "
                 f"not published (or out of date); run `posttrain stage {missing[0]} {_command_args(args)}` first",
-                highlight=False, soft_wrap=True,
+                highlight=False,
+                soft_wrap=True,
             )
             return 3
     try:
@@ -291,8 +300,10 @@ def cmd_status(args) -> int:
         )
     console.print(table)
     if any(r["state"] == "waiting" for r in rows):
-        console.print("[dim]after X: X has no artifact for this config yet; whether this stage reruns is known once X "
-                      "has run (a byte-identical X leaves it as it is)[/]")
+        console.print(
+            "[dim]after X: X has no artifact for this config yet; whether this stage reruns is known once X "
+            "has run (a byte-identical X leaves it as it is)[/]"
+        )
     _print_leftovers(cfg, rows)
     return 0
 
@@ -300,23 +311,34 @@ def cmd_status(args) -> int:
 def _print_leftovers(cfg, rows: list[dict]) -> None:
     """The resume and work directories under run.checkpoint_root (the status rows'
     ``leftovers``), and what ``gc`` would free."""
-    items = [Leftover(**{**{k: v for k, v in item.items() if k != "age_s"}, "path": Path(item["path"])})
-             for r in rows for item in r.get("leftovers", [])]
+    items = [
+        Leftover(**{**{k: v for k, v in item.items() if k != "age_s"}, "path": Path(item["path"])})
+        for r in rows
+        for item in r.get("leftovers", [])
+    ]
     if not items:
         return
     console.print(leftover_table(items, f"checkpoints and work directories ({cfg.run.checkpoint_root})"))
     garbage = [i for i in items if i.state in REMOVABLE]
     if garbage:
-        console.print(f"{len(garbage)} of them no run will use again: `posttrain gc CONFIG` removes them, freeing "
-                      f"{human_size(sum(i.bytes for i in garbage))} (`--dry-run` lists them first)",
-                      highlight=False, soft_wrap=True, markup=False)
+        console.print(
+            f"{len(garbage)} of them no run will use again: `posttrain gc CONFIG` removes them, freeing "
+            f"{human_size(sum(i.bytes for i in garbage))} (`--dry-run` lists them first)",
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
 
 
 def _config_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="the pipeline config (YAML)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="override a config key (dotted, value as YAML): rl.steps=60 rl.optim.lr=3e-4 a.b=[1,2] x=null; "
-                        "+KEY=VALUE adds a key the file lacks, ~KEY removes one")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="override a config key (dotted, value as YAML): rl.steps=60 rl.optim.lr=3e-4 a.b=[1,2] x=null; "
+        "+KEY=VALUE adds a key the file lacks, ~KEY removes one",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,18 +40,26 @@ def cluster_notes(cfg: PipelineConfig) -> list[str]:
         return []
     address, key = joined
     root, ckpt = cfg.run.artifact_root, cfg.run.checkpoint_root
-    notes = [f"{key}: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at {address}; this "
-             "process is its driver and publishes the artifacts, the workers run on the cluster's nodes"]
+    notes = [
+        f"{key}: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at {address}; this "
+        "process is its driver and publishes the artifacts, the workers run on the cluster's nodes"
+    ]
     if "://" not in root or root.startswith("file://"):
-        notes.append(f"run.artifact_root: {root} is a local path: on a Ray cluster of several nodes every node must "
-                     "see it at the same path (a filesystem they all mount; the workers read the input models there), "
-                     "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)")
+        notes.append(
+            f"run.artifact_root: {root} is a local path: on a Ray cluster of several nodes every node must "
+            "see it at the same path (a filesystem they all mount; the workers read the input models there), "
+            "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)"
+        )
     else:
-        notes.append(f"run.artifact_root: {root}: inputs are downloaded to {tempfile.gettempdir()}/posttrain-artifact-"
-                     "cache on this machine and the workers read them there: on several nodes, point TMPDIR at a "
-                     "filesystem every node mounts")
-    notes.append(f"run.checkpoint_root: {ckpt}: the workers write the stage's checkpoints and trained model under it: on "
-                 "several nodes it must be a filesystem every node mounts at the same path")
+        notes.append(
+            f"run.artifact_root: {root}: inputs are downloaded to {tempfile.gettempdir()}/posttrain-artifact-"
+            "cache on this machine and the workers read them there: on several nodes, point TMPDIR at a "
+            "filesystem every node mounts"
+        )
+    notes.append(
+        f"run.checkpoint_root: {ckpt}: the workers write the stage's checkpoints and trained model under it: on "
+        "several nodes it must be a filesystem every node mounts at the same path"
+    )
     return notes
 
 
@@ -69,25 +77,37 @@ def check_layouts(cfg: PipelineConfig, seen: dict[str, Any]) -> tuple[list[str],
     if m is None:
         return check_stage_cpus(cfg), []
     if made_by_prepare(cfg, m.name) and not (Path(m.name) / "config.json").is_file():
-        return (layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),
-                [f"memory plan: made once the prepare step has built {m.name}"])
+        return (
+            layout_problems(cfg, m.config, m.name, vocab_known=False) + check_stage_cpus(cfg),
+            [f"memory plan: made once the prepare step has built {m.name}"],
+        )
     context = m.config.get("max_position_embeddings") or 10**9
-    lengths = {"rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
-               "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
-               "rm": min(cfg.rm.max_seq_len, longest["preference"]) if "preference" in longest else None,
-               # unpaired KTO rows (data.kto) are not rendered here: planned at po.max_seq_len
-               "po": (cfg.po.max_seq_len if cfg.data.kto is not None else
-                      min(cfg.po.max_seq_len, longest["preference"]) if "preference" in longest else None)}
+    lengths = {
+        "rl": min(context, longest["rl_train"] + cfg.rl.rollout.max_new_tokens) if "rl_train" in longest else None,
+        "sft": min(cfg.sft.max_seq_len, longest["sft"]) if "sft" in longest else None,
+        "rm": min(cfg.rm.max_seq_len, longest["preference"]) if "preference" in longest else None,
+        # unpaired KTO rows (data.kto) are not rendered here: planned at po.max_seq_len
+        "po": (
+            cfg.po.max_seq_len
+            if cfg.data.kto is not None
+            else min(cfg.po.max_seq_len, longest["preference"])
+            if "preference" in longest
+            else None
+        ),
+    }
     joined = cluster_address(cfg)
     try:
-        problems, notes = plan_layouts(cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name,
-                                       joined[0] if joined else None)
+        problems, notes = plan_layouts(
+            cfg, m.config, {k: v for k, v in lengths.items() if v}, m.name, joined[0] if joined else None
+        )
     except ValueError as exc:  # a config.json without the sizes the plan needs
         return check_stage_cpus(cfg), [f"memory plan: not made ({m.name}: {exc})"]
     data = {"rl": "rl_train prompts", "sft": "sft conversations", "rm": "preference pairs", "po": "preference pairs"}
-    return problems, notes + [f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the "
-                              "sequence length)" for stage, tokens in lengths.items()
-                              if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)]
+    return problems, notes + [
+        f"memory plan ({stage}): made once the {data[stage]} can be read (the longest sets the sequence length)"
+        for stage, tokens in lengths.items()
+        if tokens is None and (stage == "rl" or getattr(cfg, stage).enabled)
+    ]
 
 
 def check_stage_cpus(cfg: PipelineConfig) -> list[str]:
@@ -118,11 +138,15 @@ def check_shared_memory(cfg: PipelineConfig, local: bool, shm: str = "/dev/shm")
     try:
         free = shutil.disk_usage(shm).free
     except OSError:
-        return [f"rl.engine.weight_sync: ipc keeps the weight-sync buckets in {shm}, which this machine lacks; use "
-                "rl.engine.weight_sync: collective"]
+        return [
+            f"rl.engine.weight_sync: ipc keeps the weight-sync buckets in {shm}, which this machine lacks; use "
+            "rl.engine.weight_sync: collective"
+        ]
     if free >= need:
         return []
-    return [f"rl.engine.weight_sync: ipc keeps two buckets of rl.engine.weight_sync_bucket_mb="
-            f"{rl.engine.weight_sync_bucket_mb} MiB in {shm}, which has {free / 2**20:.0f} MiB free (needs "
-            f"{need / 2**20:.0f}); lower rl.engine.weight_sync_bucket_mb to {max(1, int(free / 2**21) - 1)} or less, give "
-            f"{shm} more room (a container's --shm-size), or use rl.engine.weight_sync: collective"]
+    return [
+        f"rl.engine.weight_sync: ipc keeps two buckets of rl.engine.weight_sync_bucket_mb="
+        f"{rl.engine.weight_sync_bucket_mb} MiB in {shm}, which has {free / 2**20:.0f} MiB free (needs "
+        f"{need / 2**20:.0f}); lower rl.engine.weight_sync_bucket_mb to {max(1, int(free / 2**21) - 1)} or less, give "
+        f"{shm} more room (a container's --shm-size), or use rl.engine.weight_sync: collective"
+    ]

@@ -94,8 +94,10 @@ def _samples(run: Run) -> dict[tuple[str | None, str], dict[str, Any]] | None:
 
 def _prompts(records: list[dict[str, Any]]) -> dict[int, str]:
     """prompt id -> what identifies the prompt (its text when recorded, and its label)."""
-    return {int(r.get("prompt_index", r["index"])): json.dumps([r.get("prompt"), r.get("label")], sort_keys=True)
-            for r in records}
+    return {
+        int(r.get("prompt_index", r["index"])): json.dumps([r.get("prompt"), r.get("label")], sort_keys=True)
+        for r in records
+    }
 
 
 def paired_rows(runs: list[Run]) -> list[dict[str, Any]]:
@@ -122,8 +124,17 @@ def paired_rows(runs: list[Run]) -> list[dict[str, Any]]:
             # <policy>/<benchmark>/accuracy; the default benchmark's (rl_eval) is <policy>/accuracy
             names = [f"{policy}/{bench}/accuracy"] if bench is not None else []
             metric = next((m for m in names if m in metrics), f"{policy}/accuracy")
-            rows.append({"run": i, "benchmark": bench, "policy": policy, "metric": metric,
-                         "n": len(_prompts(base["records"])), "delta": delta, "se": None if math.isnan(se) else se})
+            rows.append(
+                {
+                    "run": i,
+                    "benchmark": bench,
+                    "policy": policy,
+                    "metric": metric,
+                    "n": len(_prompts(base["records"])),
+                    "delta": delta,
+                    "se": None if math.isnan(se) else se,
+                }
+            )
     return rows
 
 
@@ -161,7 +172,9 @@ def plot_curves(runs: list[Run], out: Path) -> Path | None:
     fig = Figure(figsize=(11, 8), layout="constrained")
     FigureCanvasAgg(fig)
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    styles: list[dict[str, Any]] = [dict(linestyle=("-", "--", ":", "-.")[i % 4], marker="osD^v"[i % 5]) for i in range(len(runs))]  # equal curves stay apart
+    styles: list[dict[str, Any]] = [
+        dict(linestyle=("-", "--", ":", "-.")[i % 4], marker="osD^v"[i % 5]) for i in range(len(runs))
+    ]  # equal curves stay apart
     for ax, (title, keys) in zip(fig.subplots(2, 2).flat, CURVES):
         used = set()
         for c, color, style in zip(curves, colors, styles):
@@ -174,8 +187,10 @@ def plot_curves(runs: list[Run], out: Path) -> Path | None:
         ax.set_xlabel("RL step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color=color, fillstyle="none", label=run.label, **style)
-               for run, color, style in zip(runs, colors, styles)]
+    handles = [
+        Line2D([], [], color=color, fillstyle="none", label=run.label, **style)
+        for run, color, style in zip(runs, colors, styles)
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(runs), 3), fontsize="small")
     fig.suptitle("RL curves")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -191,12 +206,22 @@ def compare(runs: list[Run], out: Path | None) -> dict[str, Any]:
     changed = input_changes(runs)
     png = plot_curves(runs, out) if out is not None else None
     return {
-        "runs": [{"label": r.label, "kind": r.kind, "artifact_root": r.store.root,
-                  "artifacts": {s: m["artifact_id"] for s, m in r.manifests.items()}, "notes": r.notes} for r in runs],
+        "runs": [
+            {
+                "label": r.label,
+                "kind": r.kind,
+                "artifact_root": r.store.root,
+                "artifacts": {s: m["artifact_id"] for s, m in r.manifests.items()},
+                "notes": r.notes,
+            }
+            for r in runs
+        ],
         "metrics": metric_rows(runs),
         "paired": paired_rows(runs),
         "changed": changed,
-        "changed_keys": sorted({c["key"] for c in changed if not c["key"].startswith(("input ", "file ", "code version"))}),
+        "changed_keys": sorted(
+            {c["key"] for c in changed if not c["key"].startswith(("input ", "file ", "code version"))}
+        ),
         "curves_png": str(png) if png is not None else None,
     }
 
@@ -311,9 +336,13 @@ def cmd_compare(args) -> int:
 def add_compare_parser(sub) -> None:
     """Register ``compare`` on the ``posttrain`` sub-command parsers ``sub``."""
     p = sub.add_parser("compare", help="pipeline runs side by side: metrics with deltas, changed inputs, RL curves")
-    p.add_argument("runs", nargs="+", metavar="RUN",
-                   help="a config file (KEY=VALUE overrides may follow it), an artifact id (rl-bd36d5b1dc982306) or "
-                        "directory, or a DVC experiment name; the first is the baseline of the deltas")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help="a config file (KEY=VALUE overrides may follow it), an artifact id (rl-bd36d5b1dc982306) or "
+        "directory, or a DVC experiment name; the first is the baseline of the deltas",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--out", help="where to write the PNG of the RL curves (default: outputs/compare/<runs>.png)")
     p.add_argument("--only-changed", action="store_true", help="leave out metrics equal in every run")

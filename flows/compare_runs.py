@@ -92,8 +92,10 @@ def stage_inputs(stage: str, manifest: dict[str, Any]) -> dict[str, Any]:
     # A raw input enters the fingerprint by its content, not its path (tasks.spec.StageSpec):
     # the path stands for "file <key>", whose sha256 is compared below.
     by_path = {v.get("path"): f"(file {k})" for k, v in raw.items()}
-    out = {("run.seed" if k == "seed" else k): (by_path.get(v, v) if isinstance(v, str) else v)
-           for k, v in flatten(config).items()}
+    out = {
+        ("run.seed" if k == "seed" else k): (by_path.get(v, v) if isinstance(v, str) else v)
+        for k, v in flatten(config).items()
+    }
     for up, ref in sorted(manifest.get("inputs", {}).items()):
         # Fingerprints chain on the content hash: an upstream artifact of the same id can
         # hold other bytes when it was rebuilt elsewhere.
@@ -131,7 +133,11 @@ def from_config(label: str, cfg: PipelineConfig) -> Run:
             run.add(state.check.manifest)
         else:
             run.inputs[spec.name] = _unbuilt_inputs(spec, cfg)
-            why = f"waits on {state.waiting_on}" if state.waiting_on else f"has no artifact for fingerprint {(state.fingerprint or '')[:16]}"
+            why = (
+                f"waits on {state.waiting_on}"
+                if state.waiting_on
+                else f"has no artifact for fingerprint {(state.fingerprint or '')[:16]}"
+            )
             run.notes.append(f"{spec.name} {why}")
     return run
 
@@ -140,11 +146,14 @@ def _unbuilt_inputs(spec: StageSpec, cfg: PipelineConfig) -> dict[str, Any]:
     """:func:`stage_inputs` of a stage that has no artifact for ``cfg``: its config slice, raw
     input files and code version as its fingerprint would take them now (no upstream ids)."""
     raw = spec.raw_hashes(cfg)
-    return stage_inputs(spec.name, {
-        "config": spec.config(cfg),
-        "raw_inputs": {k: {"path": path, "sha256": raw[f"file:{k}"]} for k, path in spec.raw_inputs(cfg).items()},
-        "code_version": code_version(f"tasks.{spec.name}"),
-    })
+    return stage_inputs(
+        spec.name,
+        {
+            "config": spec.config(cfg),
+            "raw_inputs": {k: {"path": path, "sha256": raw[f"file:{k}"]} for k, path in spec.raw_inputs(cfg).items()},
+            "code_version": code_version(f"tasks.{spec.name}"),
+        },
+    )
 
 
 def from_artifact(label: str, store: ArtifactStore, artifact_id: str) -> Run:
@@ -157,8 +166,9 @@ def from_artifact(label: str, store: ArtifactStore, artifact_id: str) -> Run:
     stage = artifact_id.rsplit("-", 1)[0]
     manifest = _read_manifest(store, stage, artifact_id)
     if manifest is None:
-        raise CompareError(f"{label}: no artifact {artifact_id} in {store.root} (give --artifact-root, or the "
-                           "artifact's directory)")
+        raise CompareError(
+            f"{label}: no artifact {artifact_id} in {store.root} (give --artifact-root, or the artifact's directory)"
+        )
     run = Run(label, "artifact", store)
     todo = [manifest]
     while todo:  # upstream, through each manifest's inputs
@@ -169,13 +179,20 @@ def from_artifact(label: str, store: ArtifactStore, artifact_id: str) -> Run:
         for up, ref in m.get("inputs", {}).items():
             if up not in run.manifests and (um := _read_manifest(store, up, ref["artifact_id"])) is not None:
                 todo.append(um)
-    for later in STAGE_NAMES[STAGE_NAMES.index(stage) + 1:]:  # downstream: built from what we have
+    for later in STAGE_NAMES[STAGE_NAMES.index(stage) + 1 :]:  # downstream: built from what we have
         if later in run.manifests:
             continue
-        built_from_ours = [m for m in store.list(later) if m.get("inputs")
-                           and any(up in run.manifests for up in m["inputs"])
-                           and all(run.manifests[up]["artifact_id"] == ref["artifact_id"]
-                                   for up, ref in m["inputs"].items() if up in run.manifests)]
+        built_from_ours = [
+            m
+            for m in store.list(later)
+            if m.get("inputs")
+            and any(up in run.manifests for up in m["inputs"])
+            and all(
+                run.manifests[up]["artifact_id"] == ref["artifact_id"]
+                for up, ref in m["inputs"].items()
+                if up in run.manifests
+            )
+        ]
         if built_from_ours:
             run.add(built_from_ours[-1])  # store.list is oldest first
             if len(built_from_ours) > 1:
@@ -218,8 +235,10 @@ def _params_file(commit: str) -> str:
         stages = DataResolver(repo, repo.root_dir, raw).resolve()["stages"]
     files = {f for st in stages.values() for p in st.get("params", []) if isinstance(p, dict) for f in p}
     if len(files) != 1:
-        raise CompareError(f"dvc.yaml at {commit[:7]} reads {len(files)} params files ({', '.join(sorted(files))}); "
-                           "compare needs the one pipeline config")
+        raise CompareError(
+            f"dvc.yaml at {commit[:7]} reads {len(files)} params files ({', '.join(sorted(files))}); "
+            "compare needs the one pipeline config"
+        )
     return files.pop()
 
 
@@ -281,8 +300,10 @@ def resolve(arg: str, artifact_root: str | None = None, overrides: Sequence[str]
     commit = experiment_commit(arg)
     if commit is not None:
         return from_experiment(arg, commit)
-    raise CompareError(f"{arg!r} is not a config file, an artifact id (<stage>-<16 hex digits>) or directory, "
-                       "nor a DVC experiment of this repository (dvc exp list --all-commits)")
+    raise CompareError(
+        f"{arg!r} is not a config file, an artifact id (<stage>-<16 hex digits>) or directory, "
+        "nor a DVC experiment of this repository (dvc exp list --all-commits)"
+    )
 
 
 # --- comparing ------------------------------------------------------------------------------

@@ -46,18 +46,24 @@ def missing_weights(model_dir: str | Path, key: str = "model.source") -> list[st
         try:
             shards = sorted(set(json.loads((d / index).read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            return [f"{key}: {d / index}: not a weights index (no 'weight_map' of tensor -> file): {exc}; "
-                    "copy the index as the model was saved, or remove it"]
+            return [
+                f"{key}: {d / index}: not a weights index (no 'weight_map' of tensor -> file): {exc}; "
+                "copy the index as the model was saved, or remove it"
+            ]
         gone = [s for s in shards if not (d / s).is_file()]
         if gone:
-            return [f"{key}: {d / index} lists {len(shards)} weight files and {len(gone)} of them are missing from "
-                    f"{d} ({', '.join(gone[:SHOWN])}{', ...' if len(gone) > SHOWN else ''}): copy every shard "
-                    "into the directory"]
+            return [
+                f"{key}: {d / index} lists {len(shards)} weight files and {len(gone)} of them are missing from "
+                f"{d} ({', '.join(gone[:SHOWN])}{', ...' if len(gone) > SHOWN else ''}): copy every shard "
+                "into the directory"
+            ]
     if present:
         return []
-    return [f"{key}: {d} has config.json but no weights (no *.safetensors or pytorch_model*.bin file), which the "
-            "convert stage loads: copy the weight files into it (huggingface-cli download ORG/NAME --local-dir "
-            f"{d}), or set {key} to a hub id or a .gguf file"]
+    return [
+        f"{key}: {d} has config.json but no weights (no *.safetensors or pytorch_model*.bin file), which the "
+        "convert stage loads: copy the weight files into it (huggingface-cli download ORG/NAME --local-dir "
+        f"{d}), or set {key} to a hub id or a .gguf file"
+    ]
 
 
 def architecture_problem(name: str, config: dict[str, Any]) -> str | None:
@@ -70,8 +76,10 @@ def architecture_problem(name: str, config: dict[str, Any]) -> str | None:
 
     archs = config.get("architectures") or []
     if archs and archs[0] not in HF_ARCHITECTURES:
-        return (f"model.source: {name} is a {archs[0]} (config.json 'architectures'), which the convert stage has no "
-                f"parameter map for; supported architectures: {', '.join(sorted(HF_ARCHITECTURES))}")
+        return (
+            f"model.source: {name} is a {archs[0]} (config.json 'architectures'), which the convert stage has no "
+            f"parameter map for; supported architectures: {', '.join(sorted(HF_ARCHITECTURES))}"
+        )
     try:
         GPTSpec.from_hf_config(config)
     except ValueError as exc:
@@ -165,9 +173,11 @@ class SftFit:
         hold them)."""
         if self.rows and len(self.dropped) == self.rows:
             tokens, line = self.longest
-            return [f"sft.max_seq_len: {self.max_seq_len} tokens hold no assistant token of any of the {self.rows} "
-                    f"rows of {self.file} (data.sft), so the sft stage has nothing to train on; the longest row, line "
-                    f"{-line}, has {tokens} tokens: raise sft.max_seq_len"]
+            return [
+                f"sft.max_seq_len: {self.max_seq_len} tokens hold no assistant token of any of the {self.rows} "
+                f"rows of {self.file} (data.sft), so the sft stage has nothing to train on; the longest row, line "
+                f"{-line}, has {tokens} tokens: raise sft.max_seq_len"
+            ]
         out = warnings
         lost = sorted(self.dropped + self.cut)
         if lost:
@@ -177,14 +187,16 @@ class SftFit:
                 f"data.sft: {len(lost)} of {self.rows} rows do not fit sft.max_seq_len {self.max_seq_len} (tokens, "
                 f"chat template applied): {len(self.dropped)} dropped (no assistant token within it), {len(self.cut)} "
                 f"cut inside an answer, losing its turn end (the model does not learn to stop there); lines {_lines(lost)} of {self.file}; the longest, line {-line}, has {tokens} tokens: raise "
-                f"sft.max_seq_len{raise_to} or filter out the long rows")
+                f"sft.max_seq_len{raise_to} or filter out the long rows"
+            )
         if self.past_context:
             line, tokens, chars = max(self.past_context, key=lambda r: r[1])
             out.append(
                 f"data.sft: {len(self.past_context)} of {self.rows} rows are longer than the context of {model} "
                 f"(max_position_embeddings {self.context}), which no sft.max_seq_len can hold: lines "
                 f"{_lines([r[0] for r in self.past_context])} of {self.file}; the longest, line {line}, has {tokens} "
-                f"tokens ({chars} characters): filter them out (or fix the rows: a file pasted into one?)")
+                f"tokens ({chars} characters): filter them out (or fix the rows: a file pasted into one?)"
+            )
         return []
 
 
@@ -215,13 +227,28 @@ def exact_match_datasets(cfg: PipelineConfig, rows: dict, benchmarks: Sequence[B
     named = [("rl_eval", "data.rl_eval", *default)]  # (dataset, its key, verifier, the setting that names it)
     if cfg.rl.environment is None and cfg.rl.reward.verifier_weight != 0:
         sources = cfg.data.rl_sources()
-        named += ([(f"rl_train/{s.name}", f"data.rl_train[{i}]",
-                    *((s.verifier, f"data.rl_train[{i}].verifier") if s.verifier else default))
-                   for i, s in enumerate(sources)] if sources else [("rl_train", "data.rl_train", *default)])
-    checks = [(key, setting, rows[name].file, rows[name].lines, rows[name].rows)
-              for name, key, verifier, setting in named if verifier == "exact_match" and name in rows]
-    return checks + [(f"{b.key} ({b.name})", f"{b.key}.verifier", b.file, b.lines, b.rows)
-                     for b in benchmarks if b.verifier == "exact_match"]
+        named += (
+            [
+                (
+                    f"rl_train/{s.name}",
+                    f"data.rl_train[{i}]",
+                    *((s.verifier, f"data.rl_train[{i}].verifier") if s.verifier else default),
+                )
+                for i, s in enumerate(sources)
+            ]
+            if sources
+            else [("rl_train", "data.rl_train", *default)]
+        )
+    checks = [
+        (key, setting, rows[name].file, rows[name].lines, rows[name].rows)
+        for name, key, verifier, setting in named
+        if verifier == "exact_match" and name in rows
+    ]
+    return checks + [
+        (f"{b.key} ({b.name})", f"{b.key}.verifier", b.file, b.lines, b.rows)
+        for b in benchmarks
+        if b.verifier == "exact_match"
+    ]
 
 
 def padded_number_warnings(checks: Sequence[tuple[str, str, str, Sequence[int], Sequence[dict]]]) -> list[str]:
@@ -231,12 +258,17 @@ def padded_number_warnings(checks: Sequence[tuple[str, str, str, Sequence[int], 
     lines, rows)`` of each dataset scored by ``exact_match``."""
     out = []
     for key, setting, file, lines, rows in checks:
-        found = [(line, str(row["label"]), plain) for line, row in zip(lines, rows)
-                 if (plain := _padded(str(row["label"]))) is not None]
+        found = [
+            (line, str(row["label"]), plain)
+            for line, row in zip(lines, rows)
+            if (plain := _padded(str(row["label"]))) is not None
+        ]
         if found:
             line, label, plain = found[0]
-            out.append(f"{key}: {len(found)} of {len(rows)} labels are numbers written other than plainly (e.g. "
-                       f"{file}:{line}: label {label!r}, the number {plain}), which exact_match ({setting}) compares "
-                       f"as text: an answer of {plain} never matches; set {setting}: gsm8k (numbers compared by "
-                       "value) or math")
+            out.append(
+                f"{key}: {len(found)} of {len(rows)} labels are numbers written other than plainly (e.g. "
+                f"{file}:{line}: label {label!r}, the number {plain}), which exact_match ({setting}) compares "
+                f"as text: an answer of {plain} never matches; set {setting}: gsm8k (numbers compared by "
+                "value) or math"
+            )
     return out

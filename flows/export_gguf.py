@@ -32,6 +32,8 @@ def add_export_gguf_parser(sub, console: Console) -> None:
     """Register ``export-gguf`` on the ``posttrain`` command's subparsers."""
     p = sub.add_parser("export-gguf", help="write an HF model directory as a GGUF file (llama.cpp, Ollama)")
     p.add_argument("model_dir", help="HF model directory, e.g. an export artifact's hf_model/")
-    p.add_argument("--type", default="q8_0", choices=list(typing.get_args(GgufType)), help="weight type of the 2-D tensors")
+    p.add_argument(
+        "--type", default="q8_0", choices=list(typing.get_args(GgufType)), help="weight type of the 2-D tensors"
+    )
     p.add_argument("--out", help="the .gguf file (default: ./<model_dir name>-<type>.gguf)")
     p.set_defaults(fn=lambda args: cmd_export_gguf(args, console))

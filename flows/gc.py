@@ -52,8 +52,15 @@ def leftover_table(items: list[Leftover], title: str) -> Table:
         table.add_column(col)
     colour = {"abandoned": "yellow", "dead": "yellow", "in use": "green", "current": "green", "undetermined": "dim"}
     for item in items:
-        table.add_row(item.stage, item.kind, item.fingerprint, human_size(item.bytes), human_age(now - item.modified),
-                      f"[{colour[item.state]}]{item.state}[/]: {escape(item.reason)}", escape(str(item.path)))
+        table.add_row(
+            item.stage,
+            item.kind,
+            item.fingerprint,
+            human_size(item.bytes),
+            human_age(now - item.modified),
+            f"[{colour[item.state]}]{item.state}[/]: {escape(item.reason)}",
+            escape(str(item.path)),
+        )
     return table
 
 
@@ -70,28 +77,47 @@ def cmd_gc(args, console: Console) -> int:
         if item.state in REMOVABLE and (args.dry_run or remove_leftover(item)):
             removed.append(item)
         else:
-            kept.append(item if item.state not in REMOVABLE else
-                        Leftover(**{**item.__dict__, "state": "in use", "reason": "a run took its lock meanwhile"}))
+            kept.append(
+                item
+                if item.state not in REMOVABLE
+                else Leftover(**{**item.__dict__, "state": "in use", "reason": "a run took its lock meanwhile"})
+            )
     freed = sum(item.bytes for item in removed)
     if args.json:
-        print(json.dumps({"dry_run": args.dry_run, "bytes_freed": freed, "removed": [i.as_row() for i in removed],
-                          "kept": [i.as_row() for i in kept]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "dry_run": args.dry_run,
+                    "bytes_freed": freed,
+                    "removed": [i.as_row() for i in removed],
+                    "kept": [i.as_row() for i in kept],
+                },
+                indent=2,
+            )
+        )
         return 0
     verb = "would remove" if args.dry_run else "removed"
     if removed:
         console.print(leftover_table(removed, f"posttrain gc: {verb} ({cfg.run.checkpoint_root})"))
     if kept:
         console.print(leftover_table(kept, "kept"))
-    console.print(f"{verb} {len(removed)} director{'y' if len(removed) == 1 else 'ies'}, "
-                  f"{'would free' if args.dry_run else 'freed'} {human_size(freed)} ({freed} bytes)", highlight=False)
+    console.print(
+        f"{verb} {len(removed)} director{'y' if len(removed) == 1 else 'ies'}, "
+        f"{'would free' if args.dry_run else 'freed'} {human_size(freed)} ({freed} bytes)",
+        highlight=False,
+    )
     return 0
 
 
 def add_gc_parser(sub, console: Console) -> None:
     """Register ``gc`` on the ``posttrain`` command's subparsers."""
-    p = sub.add_parser("gc", help="remove resume/work directories that killed attempts left for fingerprints no longer in use")
+    p = sub.add_parser(
+        "gc", help="remove resume/work directories that killed attempts left for fingerprints no longer in use"
+    )
     p.add_argument("config", help="the pipeline config (YAML)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="override a config key, as for run")
-    p.add_argument("--dry-run", action="store_true", help="list what would be removed and the bytes freed; remove nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="list what would be removed and the bytes freed; remove nothing"
+    )
     p.add_argument("--json", action="store_true", help="print what was (or would be) removed and kept as JSON")
     p.set_defaults(fn=lambda args: cmd_gc(args, console))

@@ -34,7 +34,6 @@ def made_by_prepare(cfg: PipelineConfig, path: str) -> bool:
     return out == Path(path).resolve() or out in Path(path).resolve().parents
 
 
-
 @dataclass
 class ModelFacts:
     """What the checks need of the model: its HF config and tokenizer (never its weights)."""
@@ -61,11 +60,17 @@ def planned_config(p) -> dict[str, Any]:
     it is trained (the section's ``vocab_size`` is only its target). With ``prepare.moe`` the
     model type is Qwen3-MoE (what the vLLM checks read)."""
     moe = getattr(p, "moe", None) is not None
-    return {"architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"],
-            "model_type": "qwen3_moe" if moe else "qwen2",
-            "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size, "num_hidden_layers": p.num_layers,
-            "num_attention_heads": p.num_attention_heads, "num_key_value_heads": p.num_key_value_heads,
-            "max_position_embeddings": p.max_position_embeddings, "tie_word_embeddings": True}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen2",
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "max_position_embeddings": p.max_position_embeddings,
+        "tie_word_embeddings": True,
+    }
 
 
 def read_model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> ModelFacts | None:
@@ -95,8 +100,10 @@ def read_model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: 
         problems.append(f"model.source: cannot read {src}: {exc}")
         return None
     if HUB_ID.match(src) and not path.exists():
-        notes.append(f"model.source: {src} is not downloaded by validate: its tokenizer, chat template, head_dim "
-                     "and context are checked by the convert stage")
+        notes.append(
+            f"model.source: {src} is not downloaded by validate: its tokenizer, chat template, head_dim "
+            "and context are checked by the convert stage"
+        )
     return None  # otherwise check_inputs reported the problem
 
 
@@ -112,8 +119,10 @@ def _with_tokenizer(cfg: PipelineConfig, m: ModelFacts, tok_dir: str, problems: 
     m.tokenizer_key = "model.tokenizer" if cfg.model.tokenizer else "model.source"
     m.tokenizer_name = cfg.model.tokenizer or m.name
     if not has_tokenizer_files(tok_dir):
-        problems.append(f"{m.tokenizer_key}: {m.tokenizer_name} has no tokenizer files (expected some of "
-                        f"{', '.join(TOKENIZER_FILES)})" + ("" if cfg.model.tokenizer else "; set model.tokenizer"))
+        problems.append(
+            f"{m.tokenizer_key}: {m.tokenizer_name} has no tokenizer files (expected some of "
+            f"{', '.join(TOKENIZER_FILES)})" + ("" if cfg.model.tokenizer else "; set model.tokenizer")
+        )
         return m
     if (why := missing_vocabulary(tok_dir)) is not None:
         problems.append(f"{m.tokenizer_key}: {why}")
@@ -121,7 +130,9 @@ def _with_tokenizer(cfg: PipelineConfig, m: ModelFacts, tok_dir: str, problems: 
     try:
         m.tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     except Exception as exc:  # transformers raises anything from a broken tokenizer directory
-        problems.append(f"{m.tokenizer_key}: cannot load a tokenizer from {m.tokenizer_name}: {type(exc).__name__}: {exc}")
+        problems.append(
+            f"{m.tokenizer_key}: cannot load a tokenizer from {m.tokenizer_name}: {type(exc).__name__}: {exc}"
+        )
     return m
 
 
@@ -161,22 +172,31 @@ def check_model(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
     against the embedding rows."""
     problems = []
     hd = m.head_dim
-    vllm_keys = [k for k, backend in (("rl.rollout.backend", cfg.rl.rollout.backend),
-                                      ("evaluate.backend", cfg.evaluate.backend)) if backend == "vllm"]
+    vllm_keys = [
+        k
+        for k, backend in (("rl.rollout.backend", cfg.rl.rollout.backend), ("evaluate.backend", cfg.evaluate.backend))
+        if backend == "vllm"
+    ]
     if hd is not None and vllm_keys and hd not in VLLM_CPU_HEAD_SIZES and _on_cpu():
         for key in vllm_keys:
-            problems.append(f"{key}: vllm on CPU supports head_dim {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
-                            f"{m.name} has head_dim {hd}: set {key}: hf")
+            problems.append(
+                f"{key}: vllm on CPU supports head_dim {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}; "
+                f"{m.name} has head_dim {hd}: set {key}: hf"
+            )
     if cfg.rl.rollout.backend == "vllm" and _on_cpu() and not _reloads_in_place(m.config):
-        problems.append(f"rl.rollout.backend: vllm on CPU cannot reload the weights of {m.name}, a mixture of experts "
-                        f"({m.config.get('model_type')}), in place after each RL update (its CPU MoE backend repacks "
-                        "the experts; a reload fails or serves wrong experts): set rl.rollout.backend: hf")
+        problems.append(
+            f"rl.rollout.backend: vllm on CPU cannot reload the weights of {m.name}, a mixture of experts "
+            f"({m.config.get('model_type')}), in place after each RL update (its CPU MoE backend repacks "
+            "the experts; a reload fails or serves wrong experts): set rl.rollout.backend: hf"
+        )
     context = m.config.get("max_position_embeddings")
     for stage in chat_trainers():
         section = getattr(cfg, stage)
         if context and section.enabled and section.max_seq_len > context:
-            problems.append(f"{stage}.max_seq_len: {section.max_seq_len} is above the context of {m.name} "
-                            f"(max_position_embeddings {context})")
+            problems.append(
+                f"{stage}.max_seq_len: {section.max_seq_len} is above the context of {m.name} "
+                f"(max_position_embeddings {context})"
+            )
     vocab = m.config.get("vocab_size")
     if not isinstance(vocab, int):
         return problems
@@ -187,8 +207,10 @@ def check_model(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
         ids = m.config.get(key)
         out = [t for t in (ids if isinstance(ids, list) else [ids]) if isinstance(t, int) and not 0 <= t < vocab]
         if out:
-            problems.append(f"model.source: {m.name}: {key} {out if len(out) > 1 else out[0]} is outside the model's "
-                            f"vocabulary (0..{vocab - 1})")
+            problems.append(
+                f"model.source: {m.name}: {key} {out if len(out) > 1 else out[0]} is outside the model's "
+                f"vocabulary (0..{vocab - 1})"
+            )
     if m.tokenizer is None:
         return problems
     # A transformers tokenizer numbers its tokens 0..len-1, its special tokens included (one
@@ -196,8 +218,10 @@ def check_model(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
     # fitting its length into the embedding rows puts every id it can produce in range.
     tokens = len(m.tokenizer)
     if tokens > vocab:
-        problems.append(f"{m.tokenizer_key}: the tokenizer of {m.tokenizer_name} has {tokens} tokens but {m.name} has "
-                        f"vocab_size {vocab} (embedding rows): the tokenizer does not belong to this model")
+        problems.append(
+            f"{m.tokenizer_key}: the tokenizer of {m.tokenizer_name} has {tokens} tokens but {m.name} has "
+            f"vocab_size {vocab} (embedding rows): the tokenizer does not belong to this model"
+        )
     return problems
 
 
@@ -205,7 +229,11 @@ def no_room(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
     """A response budget (``rl.rollout.max_new_tokens``, ``evaluate.max_new_tokens``) that fills the
     model's whole context, leaving no token for a prompt."""
     context = m.config.get("max_position_embeddings")
-    return [f"{key}: {budget} leaves no room for a prompt in the context of {m.name} (max_position_embeddings {context})"
-            for key, budget in (("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens),
-                                ("evaluate.max_new_tokens", cfg.evaluate.max_new_tokens))
-            if context and context - budget < 1]
+    return [
+        f"{key}: {budget} leaves no room for a prompt in the context of {m.name} (max_position_embeddings {context})"
+        for key, budget in (
+            ("rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens),
+            ("evaluate.max_new_tokens", cfg.evaluate.max_new_tokens),
+        )
+        if context and context - budget < 1
+    ]

@@ -66,16 +66,30 @@ class ModelArtifact:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model reference arguments of chat, serve and push: ``model``, ``KEY=VALUE``
     overrides, ``--stage`` and ``--artifact-root``."""
-    p.add_argument("model", help="an artifact directory, an artifact id (e.g. rl-0123456789abcdef) or a pipeline config (YAML)")
+    p.add_argument(
+        "model", help="an artifact directory, an artifact id (e.g. rl-0123456789abcdef) or a pipeline config (YAML)"
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as `posttrain run` takes them")
-    p.add_argument("--stage", choices=MODEL_STAGES, default=None,
-                   help=f"with a config: the stage whose model to use (default: the newest current of {' > '.join(POLICY_CHAIN)})")
-    p.add_argument("--artifact-root", default=DEFAULT_ARTIFACT_ROOT,
-                   help=f"where an artifact id is looked up (default: {DEFAULT_ARTIFACT_ROOT}, the quickstart's run.artifact_root)")
+    p.add_argument(
+        "--stage",
+        choices=MODEL_STAGES,
+        default=None,
+        help=f"with a config: the stage whose model to use (default: the newest current of {' > '.join(POLICY_CHAIN)})",
+    )
+    p.add_argument(
+        "--artifact-root",
+        default=DEFAULT_ARTIFACT_ROOT,
+        help=f"where an artifact id is looked up (default: {DEFAULT_ARTIFACT_ROOT}, the quickstart's run.artifact_root)",
+    )
 
 
-def find_model_artifact(target: str, overrides: list[str] | tuple[str, ...] = (), *, stage: str | None = None,
-                        artifact_root: str = DEFAULT_ARTIFACT_ROOT) -> ModelArtifact:
+def find_model_artifact(
+    target: str,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    stage: str | None = None,
+    artifact_root: str = DEFAULT_ARTIFACT_ROOT,
+) -> ModelArtifact:
     """The policy artifact ``target`` names (see the module docstring for the forms).
 
     Args:
@@ -101,10 +115,14 @@ def find_model_artifact(target: str, overrides: list[str] | tuple[str, ...] = ()
     elif ARTIFACT_ID.match(target):
         found = _from_id(target, artifact_root)
     else:
-        raise ConfigError(f"{target}: no such artifact directory, config file or artifact id "
-                          "(give an artifact directory, an id like rl-0123456789abcdef, or a pipeline config .yaml)")
+        raise ConfigError(
+            f"{target}: no such artifact directory, config file or artifact id "
+            "(give an artifact directory, an id like rl-0123456789abcdef, or a pipeline config .yaml)"
+        )
     if stage is not None and found.stage != stage:
-        raise ConfigError(f"{target} is an artifact of stage {found.stage}; this needs one of stage {stage} (check --stage)")
+        raise ConfigError(
+            f"{target} is an artifact of stage {found.stage}; this needs one of stage {stage} (check --stage)"
+        )
     return found
 
 
@@ -145,8 +163,10 @@ def _from_directory(path: Path) -> ModelArtifact:
     if not manifest_path.is_file():
         if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
             return ModelArtifact(path.resolve().name, "hf", path.resolve())
-        raise ConfigError(f"{path}: neither an artifact directory (no manifest.json) nor an HF model directory "
-                          "(config.json + *.safetensors)")
+        raise ConfigError(
+            f"{path}: neither an artifact directory (no manifest.json) nor an HF model directory "
+            "(config.json + *.safetensors)"
+        )
     try:
         manifest = json.loads(manifest_path.read_text())
         stage, artifact_id = manifest["stage"], manifest["artifact_id"]
@@ -167,17 +187,26 @@ def _from_id(artifact_id: str, artifact_root: str) -> ModelArtifact:
     store = ArtifactStore(artifact_root)
     manifest = next((m for m in store.list(stage) if m.get("artifact_id") == artifact_id), None)
     if manifest is None:
-        raise ConfigError(f"artifact {artifact_id} is not published under {artifact_root}; give --artifact-root "
-                          "(the config's run.artifact_root) or the artifact's directory")
-    ref = ArtifactRef(stage=stage, artifact_id=artifact_id, fingerprint=manifest["fingerprint"],
-                      uri=f"{store.root}/{stage}/{artifact_id}", content_hash=manifest.get("content_hash", ""))
+        raise ConfigError(
+            f"artifact {artifact_id} is not published under {artifact_root}; give --artifact-root "
+            "(the config's run.artifact_root) or the artifact's directory"
+        )
+    ref = ArtifactRef(
+        stage=stage,
+        artifact_id=artifact_id,
+        fingerprint=manifest["fingerprint"],
+        uri=f"{store.root}/{stage}/{artifact_id}",
+        content_hash=manifest.get("content_hash", ""),
+    )
     return ModelArtifact(artifact_id, stage, store.local_path(ref), ref.content_hash)
 
 
 def _check_model_stage(stage: str, what: str) -> None:
     if stage not in MODEL_STAGES:
-        raise ConfigError(f"{what} is an artifact of stage {stage}, which holds no policy model; give one of "
-                          f"{', '.join(MODEL_STAGES)}")
+        raise ConfigError(
+            f"{what} is an artifact of stage {stage}, which holds no policy model; give one of "
+            f"{', '.join(MODEL_STAGES)}"
+        )
 
 
 def _from_config(config: str, overrides: list[str], stage: str | None) -> ModelArtifact:
@@ -196,7 +225,11 @@ def _from_config(config: str, overrides: list[str], stage: str | None) -> ModelA
         if state is not None and state.ref is not None:
             return ModelArtifact(state.ref.artifact_id, name, store.local_path(state.ref), state.ref.content_hash)
     if stage:
-        raise ConfigError(f"{config}: stage {stage} has no current artifact for this config; run "
-                          f"`posttrain run {command}` (or `posttrain stage {stage} {command}`) first")
-    raise ConfigError(f"{config}: no stage of {', '.join(POLICY_CHAIN)} has a current artifact for this config; run "
-                      f"`posttrain run {command}` first (`posttrain status {command}` shows each stage)")
+        raise ConfigError(
+            f"{config}: stage {stage} has no current artifact for this config; run "
+            f"`posttrain run {command}` (or `posttrain stage {stage} {command}`) first"
+        )
+    raise ConfigError(
+        f"{config}: no stage of {', '.join(POLICY_CHAIN)} has a current artifact for this config; run "
+        f"`posttrain run {command}` first (`posttrain status {command}` shows each stage)"
+    )

@@ -95,8 +95,12 @@ def _watch(chain: list[tuple[psutil.Process, str]], ppid: int, poll_s: float, gr
         time.sleep(poll_s)
     what = dead or f"the parent (pid {ppid})"
     try:
-        print(f"posttrain: {what}, which started this stage, has exited; stopping the stage as SIGTERM would "
-              "(nothing is published; its checkpoint is kept for the next run)", file=sys.stderr, flush=True)
+        print(
+            f"posttrain: {what}, which started this stage, has exited; stopping the stage as SIGTERM would "
+            "(nothing is published; its checkpoint is kept for the next run)",
+            file=sys.stderr,
+            flush=True,
+        )
     except (OSError, ValueError):  # stderr may be a closed pipe once the parent is gone
         pass
     os.kill(os.getpid(), signal.SIGTERM)
@@ -119,6 +123,8 @@ def watch_parent(poll_s: float = POLL_S, grace_s: float = GRACE_S) -> threading.
     if not chain:
         return None
     described = [(p, _describe(p)) for p in chain]  # named now: a dead process has no name
-    thread = threading.Thread(target=_watch, args=(described, ppid, poll_s, grace_s), name="posttrain-parent-watch", daemon=True)
+    thread = threading.Thread(
+        target=_watch, args=(described, ppid, poll_s, grace_s), name="posttrain-parent-watch", daemon=True
+    )
     thread.start()
     return thread

@@ -72,7 +72,9 @@ def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef])
     found = store_for(cfg).find(name, fp)
     if found is not None:
         clean_leftovers(spec, cfg, fp)
-    state = stage_task.with_options(refresh_cache=found is None, result_storage=result_storage(cfg))(cfg, inputs, return_state=True)
+    state = stage_task.with_options(refresh_cache=found is None, result_storage=result_storage(cfg))(
+        cfg, inputs, return_state=True
+    )
     ref = state.result()  # raises the stage's exception if it failed
     if found is None:
         return state, ref
@@ -86,7 +88,9 @@ def run_stage_task(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef])
 _cached_runs: dict[str, dict[str, Any]] = {}
 
 
-def _run_rebuilding_corrupt(cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef], rebuild: set[str]) -> tuple[State, ArtifactRef]:
+def _run_rebuilding_corrupt(
+    cfg: PipelineConfig, name: str, refs: dict[str, ArtifactRef], rebuild: set[str]
+) -> tuple[State, ArtifactRef]:
     """:func:`run_stage_task`, except that when the stage finds one of its upstream artifacts
     corrupt, that artifact is discarded, the upstream stage rebuilt (with ``refs`` of its
     own inputs) and the stage run again; each upstream stage at most once (``rebuild``
@@ -104,7 +108,9 @@ def _discard_corrupt(cfg: PipelineConfig, reader: str, exc: CorruptArtifact, ref
     re-raise ``exc`` if it is not an input of this run or was rebuilt once already."""
     if exc.stage not in refs or exc.stage in rebuilt:
         raise exc
-    get_run_logger().warning("%s found %s corrupt (%s); discarding it and rebuilding %s", reader, exc.artifact_id, exc, exc.stage)
+    get_run_logger().warning(
+        "%s found %s corrupt (%s); discarding it and rebuilding %s", reader, exc.artifact_id, exc, exc.stage
+    )
     rebuilt.add(exc.stage)
     store_for(cfg).discard(exc.stage, exc.artifact_id)
 
@@ -123,7 +129,9 @@ def pipeline(config_path: str, overrides: list[str] | None = None) -> dict[str, 
     reports.publish_config(cfg, config_path)
     if cfg.prepare is not None:
         t0 = time.time()
-        state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(cfg, return_state=True)
+        state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(
+            cfg, return_state=True
+        )
         state.result()
         summary["stages"]["prepare"] = {"state": state.name, "wall_s": round(time.time() - t0, 2)}
     refs: dict[str, ArtifactRef] = {}
@@ -184,7 +192,9 @@ def stage_flow(config_path: str, name: str, overrides: list[str] | None = None) 
     """
     cfg = load_config(config_path, overrides or ())
     if name == "prepare":
-        state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(cfg, return_state=True)
+        state = prepare.with_options(refresh_cache=not is_prepared(cfg), result_storage=result_storage(cfg))(
+            cfg, return_state=True
+        )
         return {"state": state.name, "artifact_id": state.result()}
     spec, _ = stage(name)
     store = store_for(cfg)
@@ -193,9 +203,11 @@ def stage_flow(config_path: str, name: str, overrides: list[str] | None = None) 
     for up in spec.inputs(cfg):
         up_ref = states[up].ref
         if up_ref is None:
-            raise MissingUpstream(f"stage {name} reads the {up} artifact of this config, which is not published "
-                                  f"({_why(states[up])}); run `posttrain stage {up} "
-                                  f"{shlex.join([config_path, *cfg.overrides])}` first")
+            raise MissingUpstream(
+                f"stage {name} reads the {up} artifact of this config, which is not published "
+                f"({_why(states[up])}); run `posttrain stage {up} "
+                f"{shlex.join([config_path, *cfg.overrides])}` first"
+            )
         refs[up] = up_ref
     # An upstream artifact found corrupt is rebuilt from its own (published) inputs.
     for up in list(refs):

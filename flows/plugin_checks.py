@@ -60,21 +60,29 @@ def check_judge(cfg: PipelineConfig) -> list[str]:
         return []
     key = "rl.reward.judge"
     if judge.api_key_env is not None and not os.environ.get(judge.api_key_env):
-        return [f"{key}.api_key_env: environment variable {judge.api_key_env} is not set; export it where the run "
-                "starts (the reward worker reads it), or set api_key_env: null for an endpoint without a key"]
+        return [
+            f"{key}.api_key_env: environment variable {judge.api_key_env} is not set; export it where the run "
+            "starts (the reward worker reads it), or set api_key_env: null for an endpoint without a key"
+        ]
     if judge.model_dir is None:
         return []
     d = Path(judge.model_dir)
     if not (d / "config.json").is_file():
         what = "directory not found" if not d.is_dir() else "no config.json (not an HF model directory)"
-        return [f"{key}.model_dir: {what}: {d}; give an HF model directory (config.json, SafeTensors, tokenizer), "
-                f"or serve the judge elsewhere and set {key}.base_url"]
+        return [
+            f"{key}.model_dir: {what}: {d}; give an HF model directory (config.json, SafeTensors, tokenizer), "
+            f"or serve the judge elsewhere and set {key}.base_url"
+        ]
     if not any((d / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return [f"{key}.model_dir: {d} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model); "
-                "copy the judge's tokenizer files into it"]
+        return [
+            f"{key}.model_dir: {d} has no tokenizer (tokenizer.json, tokenizer_config.json or tokenizer.model); "
+            "copy the judge's tokenizer files into it"
+        ]
     if not any(next(d.glob(pattern), None) for pattern in WEIGHT_GLOBS):
-        return [f"{key}.model_dir: {d} has config.json but no weights (no *.safetensors or pytorch_model*.bin file) "
-                "for vLLM to load: copy the judge's weight files into it"]
+        return [
+            f"{key}.model_dir: {d} has config.json but no weights (no *.safetensors or pytorch_model*.bin file) "
+            "for vLLM to load: copy the judge's weight files into it"
+        ]
     return []
 
 
@@ -101,8 +109,10 @@ def _try(fn, key: str, picked: list[dict], where: str) -> list[str]:
         # RewardFunction names the function in its own errors (ValueError for what it returned,
         # RewardFunctionError for what it raised); anything else escaped it
         said = str(exc) if str(exc).startswith("reward function ") else f"{fn.path} raised {type(exc).__name__}: {exc}"
-        return [f"{key}: a trial call on the rl_train rows at {where} (each label as the response) failed: {said}; "
-                "fix the function (its calling convention: docs/algorithms.md, Reward plug-ins)"]
+        return [
+            f"{key}: a trial call on the rl_train rows at {where} (each label as the response) failed: {said}; "
+            "fix the function (its calling convention: docs/algorithms.md, Reward plug-ins)"
+        ]
     return []
 
 

@@ -72,7 +72,12 @@ class RetriedSQLiteLockFilter(logging.Filter):
         retried = _RETRIED_FAILURES.get(record.name)
         exc = record.exc_info[1] if record.exc_info else None
         orig = getattr(exc, "orig", None)
-        if not (retried and isinstance(record.msg, str) and record.msg.startswith(retried) and isinstance(orig, sqlite3.OperationalError)):
+        if not (
+            retried
+            and isinstance(record.msg, str)
+            and record.msg.startswith(retried)
+            and isinstance(orig, sqlite3.OperationalError)
+        ):
             return True
         if getattr(orig, "sqlite_errorname", None) not in _SQLITE_BUSY_NAMES and "database is locked" not in orig.args:
             return True
@@ -142,7 +147,8 @@ def _start(server) -> None:
             f"the temporary Prefect server did not answer within {limit:g} s "
             f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): on a busy machine set it higher, or start "
             f"a server once (`prefect server start`) and set PREFECT_API_URL=http://127.0.0.1:4200/api. "
-            f"Prefect said: {exc}") from exc
+            f"Prefect said: {exc}"
+        ) from exc
 
 
 @contextmanager

@@ -43,16 +43,19 @@ from flows.plugin_checks import check_plugins
 SHOWN = 5  # problems listed per check; the rest are counted
 
 
-
 def precision_notes(cfg: PipelineConfig) -> list[str]:
     """What each stage computes in (resolved when the config was loaded) and why; a warning
     when bf16 is asked for on hardware that only emulates it."""
     stages = ", ".join(f"{s} {getattr(cfg, s).precision}" for s in PRECISION_STAGES if s != "po" or cfg.po.enabled)
     has_bf16 = bf16_hardware()[0]
-    notes = [f"precision: {stages}; export {cfg.export.dtype} (run.precision {cfg.run.precision}; {auto_precision()[1]})"]
+    notes = [
+        f"precision: {stages}; export {cfg.export.dtype} (run.precision {cfg.run.precision}; {auto_precision()[1]})"
+    ]
     if not has_bf16 and any(getattr(cfg, s).precision == "bf16" for s in PRECISION_STAGES):
-        notes.append("precision: bf16 is set but this machine has no native bf16 (it is emulated, many times slower "
-                     "than fp32 here); run.precision: auto picks fp32 on it")
+        notes.append(
+            "precision: bf16 is set but this machine has no native bf16 (it is emulated, many times slower "
+            "than fp32 here); run.precision: auto picks fp32 on it"
+        )
     return notes
 
 
@@ -82,10 +85,14 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
             needs = "the sft stage (or set sft.enabled: false)" if key == "sft" else "the rl/evaluate stages"
             problems.append(f"data.{key}: required by {needs} but not set")
     if cfg.rm.enabled and cfg.data.preference is None:
-        problems.append("data.preference: required when rm.enabled is true (set rm.enabled: false to skip the reward model)")
+        problems.append(
+            "data.preference: required when rm.enabled is true (set rm.enabled: false to skip the reward model)"
+        )
     if cfg.rl.reward.verifier == "none":
-        problems.append("rl.reward.verifier: 'none' leaves the evaluate stage nothing to score with; "
-                        "set a verifier (it is also the rl reward unless rl.reward.verifier_weight is 0)")
+        problems.append(
+            "rl.reward.verifier: 'none' leaves the evaluate stage nothing to score with; "
+            "set a verifier (it is also the rl reward unless rl.reward.verifier_weight is 0)"
+        )
     if cfg.rl.reward.reward_model_weight and not cfg.rm.enabled:
         problems.append("rl.reward.reward_model_weight: needs rm.enabled: true")
     src = cfg.model.source
@@ -105,14 +112,20 @@ def check_inputs(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
     teacher = cfg.rl.teacher.model_dir if cfg.rl.teacher is not None else None
     if teacher and "://" not in teacher and not made_by_prepare(cfg, teacher):
         if not Path(teacher).is_dir():
-            problems.append(f"rl.teacher.model_dir: directory not found: {teacher} (give the model/ directory of an "
-                            "sft or rl artifact)")
+            problems.append(
+                f"rl.teacher.model_dir: directory not found: {teacher} (give the model/ directory of an "
+                "sft or rl artifact)"
+            )
         elif not (Path(teacher) / "hf" / "config.json").is_file():
-            problems.append(f"rl.teacher.model_dir: {teacher} is not a model directory (no hf/config.json); give the "
-                            "model/ directory of an sft or rl artifact")
+            problems.append(
+                f"rl.teacher.model_dir: {teacher} is not a model directory (no hf/config.json); give the "
+                "model/ directory of an sft or rl artifact"
+            )
     if cfg.model.tokenizer and not Path(cfg.model.tokenizer).exists() and not made_by_prepare(cfg, cfg.model.tokenizer):
         problems.append(f"model.tokenizer: directory not found: {cfg.model.tokenizer}")
-    problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(cfg.run.checkpoint_root, "run.checkpoint_root")
+    problems += _unwritable(cfg.run.artifact_root, "run.artifact_root") + _unwritable(
+        cfg.run.checkpoint_root, "run.checkpoint_root"
+    )
     return problems, notes
 
 
@@ -134,8 +147,9 @@ def _unwritable(root: str, key: str) -> list[str]:
 # ----------------------------------------------------------------------------- contents
 
 
-def check_contents(cfg: PipelineConfig, seen: dict[str, Any] | None = None,
-                   warnings: list[str] | None = None) -> tuple[list[str], list[str]]:
+def check_contents(
+    cfg: PipelineConfig, seen: dict[str, Any] | None = None, warnings: list[str] | None = None
+) -> tuple[list[str], list[str]]:
     """Read what the config names and report what would fail later; returns (problems, notes).
 
     Inputs that are missing are skipped (:func:`check_inputs` reports them); inputs the
@@ -187,8 +201,10 @@ def _prepared(cfg: PipelineConfig, notes: list[str]) -> bool:
     if is_prepared(cfg):
         notes.append(f"prepare.output_dir: {cfg.prepare.output_dir} holds this config's prepare output: checked")
         return True
-    notes.append(f"prepare.output_dir: {cfg.prepare.output_dir} does not hold this config's prepare output yet: the "
-                 "files it makes are checked once it does (run `posttrain stage prepare CONFIG`, then validate again)")
+    notes.append(
+        f"prepare.output_dir: {cfg.prepare.output_dir} does not hold this config's prepare output yet: the "
+        "files it makes are checked once it does (run `posttrain stage prepare CONFIG`, then validate again)"
+    )
     return False
 
 
@@ -218,8 +234,10 @@ def _check_datasets(cfg: PipelineConfig, prepared: bool, problems: list[str], no
     for name, result in checked.results.items():
         if checked.keys[name] not in failing:
             bad = f", {result.n_bad} bad (within data.max_bad_fraction)" if result.n_bad else ""
-            notes.append(f"{checked.keys[name]}: {len(result.rows)} valid rows of {result.n_total}{bad} in {result.file} "
-                         f"(format {result.format}{', detected' if entries[name].format == 'auto' else ''})")
+            notes.append(
+                f"{checked.keys[name]}: {len(result.rows)} valid rows of {result.n_total}{bad} in {result.file} "
+                f"(format {result.format}{', detected' if entries[name].format == 'auto' else ''})"
+            )
     notes += checked.warnings()
     return checked.results
 
@@ -235,12 +253,23 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
     if cfg.rl.reward.verifier == "none":
         return []  # check_inputs reports it
     default = (cfg.rl.reward.verifier, "rl.reward.verifier")
-    checks: list[tuple[str, str, str, str]] = [("rl_eval", "data.rl_eval", *default)]  # (dataset, its key, verifier, the setting that names it)
+    checks: list[tuple[str, str, str, str]] = [
+        ("rl_eval", "data.rl_eval", *default)
+    ]  # (dataset, its key, verifier, the setting that names it)
     if cfg.rl.environment is None and cfg.rl.reward.verifier_weight != 0:
         sources = cfg.data.rl_sources()
-        checks[:0] = ([(f"rl_train/{s.name}", f"data.rl_train[{i}]",
-                        *((s.verifier, f"data.rl_train[{i}].verifier") if s.verifier else default))
-                       for i, s in enumerate(sources)] if sources else [("rl_train", "data.rl_train", *default)])
+        checks[:0] = (
+            [
+                (
+                    f"rl_train/{s.name}",
+                    f"data.rl_train[{i}]",
+                    *((s.verifier, f"data.rl_train[{i}].verifier") if s.verifier else default),
+                )
+                for i, s in enumerate(sources)
+            ]
+            if sources
+            else [("rl_train", "data.rl_train", *default)]
+        )
     problems = []
     for name, key, verifier, setting in checks:
         if name not in rows or verifier == "none":
@@ -252,23 +281,30 @@ def _check_labels(cfg: PipelineConfig, rows: dict) -> list[str]:
             if why is not None:
                 bad.append(f"{result.file}:{line}: label: {why}")
         if bad:
-            problems.append(_listed(f"{key}: {len(bad)} of {len(result.rows)} labels cannot be scored by "
-                                    f"{setting}: {verifier} (a wrong verifier for this data, or bad labels):", bad))
+            problems.append(
+                _listed(
+                    f"{key}: {len(bad)} of {len(result.rows)} labels cannot be scored by "
+                    f"{setting}: {verifier} (a wrong verifier for this data, or bad labels):",
+                    bad,
+                )
+            )
     return problems
 
 
-
-
-def _check_chat(cfg: PipelineConfig, m: ModelFacts, rows: dict, longest_of: dict[str, int] | None = None,
-                fit: SftFit | None = None) -> list[str]:
+def _check_chat(
+    cfg: PipelineConfig, m: ModelFacts, rows: dict, longest_of: dict[str, int] | None = None, fit: SftFit | None = None
+) -> list[str]:
     """The chat template: present where SFT or the reward model need it, its turn end found,
     and every SFT conversation and preference pair rendered with it; ``longest_of`` receives
     the longest rendering of each (tokens), ``fit`` each SFT row's loss mask."""
     tok = m.tokenizer
     if getattr(tok, "chat_template", None) is None:
-        return [f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
-                f"render conversations; set {stage}.enabled: false (or model.tokenizer to a tokenizer with one)"
-                for stage in chat_trainers() if getattr(cfg, stage).enabled]
+        return [
+            f"{stage}.enabled: the tokenizer of {m.name} has no chat template, which the {stage} stage needs to "
+            f"render conversations; set {stage}.enabled: false (or model.tokenizer to a tokenizer with one)"
+            for stage in chat_trainers()
+            if getattr(cfg, stage).enabled
+        ]
     override = cfg.model.end_of_turn
     try:  # the turn end SFT trains and generation stops on
         eot = chat_template.end_of_turn(tok, override)
@@ -283,9 +319,12 @@ def _check_chat(cfg: PipelineConfig, m: ModelFacts, rows: dict, longest_of: dict
             f"model.end_of_turn: the turn end {eot!r} of the chat template of {m.tokenizer_name} has no stop id "
             f"({n} token{'s' if n != 1 else ''}, not a single special token), so {' and '.join(generating)}, which "
             "generate with this chat template, would not stop at the end of an assistant turn (only at the EOS ids); "
-            "set model.end_of_turn to a single special token the template writes after an assistant turn")
-    for name, stages, conversations in (("sft", ("sft",), _sft_conversations),
-                                        ("preference", ("rm", "po"), _pair_conversations)):
+            "set model.end_of_turn to a single special token the template writes after an assistant turn"
+        )
+    for name, stages, conversations in (
+        ("sft", ("sft",), _sft_conversations),
+        ("preference", ("rm", "po"), _pair_conversations),
+    ):
         if name not in rows or not any(getattr(cfg, stage).enabled for stage in stages):
             continue
         result = rows[name]
@@ -303,8 +342,13 @@ def _check_chat(cfg: PipelineConfig, m: ModelFacts, rows: dict, longest_of: dict
                     failed.append(f"{result.file}:{line}: {field}: {exc}")
                     break
         if failed:
-            problems.append(_listed(f"data.{name}: {len(failed)} of {len(result.rows)} rows cannot be rendered with "
-                                    f"the chat template of {m.tokenizer_name} (turn end {eot!r}):", failed))
+            problems.append(
+                _listed(
+                    f"data.{name}: {len(failed)} of {len(result.rows)} rows cannot be rendered with "
+                    f"the chat template of {m.tokenizer_name} (turn end {eot!r}):",
+                    failed,
+                )
+            )
     return problems
 
 
@@ -317,8 +361,9 @@ def _pair_conversations(row: dict):
         yield side, [*row["prompt"], {"role": "assistant", "content": row[side]}]
 
 
-def _check_prompt_lengths(cfg: PipelineConfig, m: ModelFacts, rows: dict, notes: list[str],
-                          longest_of: dict[str, int] | None = None) -> list[str]:
+def _check_prompt_lengths(
+    cfg: PipelineConfig, m: ModelFacts, rows: dict, notes: list[str], longest_of: dict[str, int] | None = None
+) -> list[str]:
     """RL and evaluation prompts (``data.chat.encode_prompt``) against the model's context
     minus the response budget; ``longest_of`` receives each dataset's longest prompt (tokens)."""
     context = m.config.get("max_position_embeddings")
@@ -326,12 +371,14 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: ModelFacts, rows: dict, notes:
         return []
     problems = no_room(cfg, m)
     sources = cfg.data.rl_sources()
-    train = ([(f"rl_train/{s.name}", f"data.rl_train[{i}]") for i, s in enumerate(sources)] if sources
-             else [("rl_train", "data.rl_train")])  # (dataset, its config key)
-    for name, dataset, key, budget, count in (
-            [(n, d, "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None) for n, d in train]
-            + [("rl_eval", "data.rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens,
-                cfg.evaluate.num_prompts)]):
+    train = (
+        [(f"rl_train/{s.name}", f"data.rl_train[{i}]") for i, s in enumerate(sources)]
+        if sources
+        else [("rl_train", "data.rl_train")]
+    )  # (dataset, its config key)
+    for name, dataset, key, budget, count in [
+        (n, d, "rl.rollout.max_new_tokens", cfg.rl.rollout.max_new_tokens, None) for n, d in train
+    ] + [("rl_eval", "data.rl_eval", "evaluate.max_new_tokens", cfg.evaluate.max_new_tokens, cfg.evaluate.num_prompts)]:
         limit = context - budget
         if limit < 1:  # reported once by no_room
             continue
@@ -341,8 +388,9 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: ModelFacts, rows: dict, notes:
         failed, long_lines, longest = [], [], 0
         for line, row in list(zip(result.lines, result.rows))[:count]:
             try:
-                n = len(encode_prompt(m.tokenizer, row["prompt"], tools=row.get("tools"),
-                                      end_of_turn=cfg.model.end_of_turn))
+                n = len(
+                    encode_prompt(m.tokenizer, row["prompt"], tools=row.get("tools"), end_of_turn=cfg.model.end_of_turn)
+                )
             except Exception as exc:  # ChatTemplateError, or the template's own error
                 failed.append(f"{result.file}:{line}: prompt: {exc}")
                 continue
@@ -354,13 +402,20 @@ def _check_prompt_lengths(cfg: PipelineConfig, m: ModelFacts, rows: dict, notes:
                 long_lines.append(line)
         checked = len(result.rows[:count])
         if failed:
-            problems.append(_listed(f"{dataset}: {len(failed)} of {checked} prompts cannot be encoded with the "
-                                    f"tokenizer of {m.tokenizer_name}:", failed))
+            problems.append(
+                _listed(
+                    f"{dataset}: {len(failed)} of {checked} prompts cannot be encoded with the "
+                    f"tokenizer of {m.tokenizer_name}:",
+                    failed,
+                )
+            )
         if long_lines:
             lines = ", ".join(map(str, long_lines[:SHOWN])) + (", ..." if len(long_lines) > SHOWN else "")
-            found = (f"{dataset}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
-                     f"context of {m.name}, max_position_embeddings {context}, minus {key} {budget}; the longest "
-                     f"has {longest}): lines {lines} of {result.file}")
+            found = (
+                f"{dataset}: {len(long_lines)} of {checked} prompts are longer than {limit} tokens (the "
+                f"context of {m.name}, max_position_embeddings {context}, minus {key} {budget}; the longest "
+                f"has {longest}): lines {lines} of {result.file}"
+            )
             if name != "rl_eval" and cfg.rl.long_prompts == "filter" and len(long_lines) < checked:
                 notes.append(f"{found}; the rl stage leaves them out (rl.long_prompts: filter)")
             else:

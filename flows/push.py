@@ -62,7 +62,9 @@ def hub_token_problem() -> str | None:
     from huggingface_hub import constants, get_token
 
     if constants.HF_HUB_OFFLINE:
-        return "HF_HUB_OFFLINE is set: push needs the network; unset HF_HUB_OFFLINE (or use --dry-run to list the files)"
+        return (
+            "HF_HUB_OFFLINE is set: push needs the network; unset HF_HUB_OFFLINE (or use --dry-run to list the files)"
+        )
     if not get_token():
         return "no Hugging Face token: set HF_TOKEN (a write token from https://huggingface.co/settings/tokens) or run `hf auth login`"
     return None
@@ -88,8 +90,10 @@ def cmd_push(args) -> int:
     where = f"https://huggingface.co/{args.repo}" if not args.dry_run else args.repo
     total = human_size(sum(size for _, size in files))
     if args.dry_run:
-        print(f"would upload {len(files)} files ({total}) from {directory} ({artifact.name}) to {where}"
-              f"{' (private)' if args.private else ''}:")
+        print(
+            f"would upload {len(files)} files ({total}) from {directory} ({artifact.name}) to {where}"
+            f"{' (private)' if args.private else ''}:"
+        )
         for path, size in files:
             print(f"  {path}  {human_size(size)}")
         header = card_header(directory / "README.md")
@@ -120,8 +124,9 @@ def _upload(directory: Path, repo: str, private: bool, name: str) -> None:
     api = HfApi()
     try:
         api.create_repo(repo, repo_type="model", private=private, exist_ok=True)
-        api.upload_folder(repo_id=repo, repo_type="model", folder_path=str(directory),
-                          commit_message=f"posttrain export {name}")
+        api.upload_folder(
+            repo_id=repo, repo_type="model", folder_path=str(directory), commit_message=f"posttrain export {name}"
+        )
     except Exception as exc:  # HfHubHTTPError, httpx's connection errors, OSError
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise PushFailed(f"upload to {constants.ENDPOINT} ({repo}) failed: {type(exc).__name__}: {detail}") from exc

@@ -47,12 +47,14 @@ def _policy_of(store, inputs: dict) -> Path:
     from tasks.artifacts import ArtifactRef
 
     chain = policy_chain()
-    starts = tuple(reversed(chain[:chain.index("rl")]))
+    starts = tuple(reversed(chain[: chain.index("rl")]))
     for name in starts:
         if name in inputs:
             return store.local_path(ArtifactRef(**inputs[name])) / "model"
-    raise ConfigError(f"the rl artifact records no {', '.join(starts[:-1])} or {starts[-1]} input ({sorted(inputs)}); "
-                      "cannot build its workers")
+    raise ConfigError(
+        f"the rl artifact records no {', '.join(starts[:-1])} or {starts[-1]} input ({sorted(inputs)}); "
+        "cannot build its workers"
+    )
 
 
 def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
@@ -76,12 +78,17 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
         ref = store.find("rl", manifest["fingerprint"])
         if ref is None:
             raise ConfigError(f"--artifact {artifact_id}: {store.check('rl', manifest['fingerprint']).problem}")
-        return ReplaySource(store.local_path(ref) / DUMP_DIR, _policy_of(store, manifest.get("inputs", {})), artifact_id)
+        return ReplaySource(
+            store.local_path(ref) / DUMP_DIR, _policy_of(store, manifest.get("inputs", {})), artifact_id
+        )
     states = stage_states(cfg, store)
     rl = states["rl"]
     if rl.ref is not None:
-        return ReplaySource(store.local_path(rl.ref) / DUMP_DIR, _policy_of(store, store.manifest(rl.ref).get("inputs", {})),
-                            rl.ref.artifact_id)
+        return ReplaySource(
+            store.local_path(rl.ref) / DUMP_DIR,
+            _policy_of(store, store.manifest(rl.ref).get("inputs", {})),
+            rl.ref.artifact_id,
+        )
     policy = states[rl_starting_policy(cfg)].ref
     if rl.fingerprint is not None and policy is not None:
         resume = Path(cfg.run.checkpoint_root) / "rl" / rl.fingerprint[:16] / DUMP_DIR
@@ -89,8 +96,10 @@ def locate(cfg, artifact_id: str | None = None) -> ReplaySource:
             return ReplaySource(resume, store.local_path(policy) / "model", f"the unpublished run in {resume.parent}")
     with_dumps = [m["artifact_id"] for m in store.list("rl") if m.get("config", {}).get("rl", {}).get("dump_rollouts")]
     hint = f"; rl artifacts with dumps: {', '.join(with_dumps)} (--artifact ID)" if with_dumps else ""
-    raise ConfigError(f"the rl stage of this config has no artifact or unfinished run with rollout dumps in "
-                      f"{cfg.run.artifact_root} (run it with rl.dump_rollouts: true){hint}")
+    raise ConfigError(
+        f"the rl stage of this config has no artifact or unfinished run with rollout dumps in "
+        f"{cfg.run.artifact_root} (run it with rl.dump_rollouts: true){hint}"
+    )
 
 
 def cmd_replay(args) -> int:
@@ -111,10 +120,18 @@ def cmd_replay(args) -> int:
     result = replay_step(source.rollouts, source.policy, cfg.rl, args.step, seed=cfg.run.seed)
     target = result.target
     if args.json:
-        print(json.dumps({"step": target.step, "from_state": result.from_state, "metrics": target.metrics,
-                          "recorded": target.recorded,
-                          "differences": [list(d) for s in result.steps for d in s.differences],
-                          "identical": target.recorded is not None and not any(s.differences for s in result.steps)}))
+        print(
+            json.dumps(
+                {
+                    "step": target.step,
+                    "from_state": result.from_state,
+                    "metrics": target.metrics,
+                    "recorded": target.recorded,
+                    "differences": [list(d) for s in result.steps for d in s.differences],
+                    "identical": target.recorded is not None and not any(s.differences for s in result.steps),
+                }
+            )
+        )
         return 0
     _print_table(result)
     return 0
@@ -139,11 +156,14 @@ def _print_table(result) -> None:
             console.print(f"step {s.step}: the run logged no metrics for it (it did not finish)", highlight=False)
         elif s.differences:
             keys = ", ".join(k for k, _, _ in s.differences[:5])
-            console.print(f"[red]step {s.step}: {len(s.differences)} metric(s) differ from the run's[/] ({keys})",
-                          highlight=False)
+            console.print(
+                f"[red]step {s.step}: {len(s.differences)} metric(s) differ from the run's[/] ({keys})", highlight=False
+            )
         else:
-            console.print(f"[green]step {s.step}: every metric identical to the run's[/] (timing_s/*, perf/* and val/* aside)",
-                          highlight=False)
+            console.print(
+                f"[green]step {s.step}: every metric identical to the run's[/] (timing_s/*, perf/* and val/* aside)",
+                highlight=False,
+            )
 
 
 def add_replay_parser(sub) -> None:

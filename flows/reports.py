@@ -82,7 +82,9 @@ def config_markdown(config_path: str, now: str, previous: str | None) -> str:
     elif previous == now:
         change = "Unchanged since the previous run."
     else:
-        diff = difflib.unified_diff(previous.splitlines(), now.splitlines(), "previous run", "this run", lineterm="", n=1)
+        diff = difflib.unified_diff(
+            previous.splitlines(), now.splitlines(), "previous run", "this run", lineterm="", n=1
+        )
         change = "Changed since the previous run:\n\n```diff\n" + "\n".join(diff) + "\n```"
     return f"# Config used: `{config_path}`\n\n{change}\n\n```yaml\n{now}```\n"
 
@@ -109,7 +111,9 @@ def result_lines(summary: dict[str, Any]) -> list[str]:
     if ev:
         base = next((b for b in ("po", "sft") if f"{b}/accuracy" in ev), "base")
         label = {"po": "PO", "sft": "SFT", "base": "base"}[base]
-        lines.append(f"{label + ' accuracy:':<15}{format_metric(ev, f'{base}/accuracy')}   (n={ev.get(f'{base}/n', '?')})")
+        lines.append(
+            f"{label + ' accuracy:':<15}{format_metric(ev, f'{base}/accuracy')}   (n={ev.get(f'{base}/n', '?')})"
+        )
         lines.append(f"{'RL accuracy:':<15}{format_metric(ev, 'rl/accuracy')}   (n={ev.get('rl/n', '?')})")
         if f"rl_minus_{base}/accuracy" in ev:
             delta, se = ev[f"rl_minus_{base}/accuracy"], ev[f"rl_minus_{base}/accuracy_se"]
@@ -126,7 +130,12 @@ def result_lines(summary: dict[str, Any]) -> list[str]:
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The run summary as markdown: one row per stage (state, wall time, artifact, W&B run),
     then :func:`result_lines`."""
-    lines = ["# posttrain: pipeline summary", "", "| stage | state | wall time (s) | artifact | W&B run |", "|---|---|---|---|---|"]
+    lines = [
+        "# posttrain: pipeline summary",
+        "",
+        "| stage | state | wall time (s) | artifact | W&B run |",
+        "|---|---|---|---|---|",
+    ]
     for name, s in summary["stages"].items():
         run = wandb_text(s["wandb"]) if s.get("wandb") else "-"
         lines.append(f"| {name} | {s.get('state', '-')} | {s['wall_s']:.1f} | {s.get('artifact_id', '-')} | {run} |")
@@ -145,8 +154,11 @@ def publish_stage(cfg: PipelineConfig, name: str, entry: dict[str, Any], headlin
     # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.artifacts import create_table_artifact
 
-    create_table_artifact(stage_rows(name, entry, headline), key=artifact_key(cfg, name),
-                          description=f"{name} of {cfg.run.name}: {entry.get('state', '-')}, {entry.get('artifact_id', '-')}")
+    create_table_artifact(
+        stage_rows(name, entry, headline),
+        key=artifact_key(cfg, name),
+        description=f"{name} of {cfg.run.name}: {entry.get('state', '-')}, {entry.get('artifact_id', '-')}",
+    )
 
 
 def publish_config(cfg: PipelineConfig, config_path: str) -> str:
@@ -168,7 +180,9 @@ def publish_summary(cfg: PipelineConfig, summary: dict[str, Any]) -> None:
     # prefect: 1-2 s to import; only flows and stage runs need it
     from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
-    create_markdown_artifact(summary_markdown(summary), key=artifact_key(cfg, "summary"), description=f"summary of {cfg.run.name}")
+    create_markdown_artifact(
+        summary_markdown(summary), key=artifact_key(cfg, "summary"), description=f"summary of {cfg.run.name}"
+    )
     for name, s in summary["stages"].items():
         url = (s.get("wandb") or {}).get("url")
         if url:

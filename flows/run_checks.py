@@ -38,8 +38,10 @@ def check_wandb_key(cfg: PipelineConfig) -> list[str]:
     except (OSError, netrc.NetrcParseError):
         pass  # no netrc file (or an unreadable one): no key there
     source = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else "wandb.mode: online"
-    return [f"wandb.mode: {source} needs a W&B API key and none was found (WANDB_API_KEY, or {host} in ~/.netrc): "
-            "run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline and `wandb sync` later"]
+    return [
+        f"wandb.mode: {source} needs a W&B API key and none was found (WANDB_API_KEY, or {host} in ~/.netrc): "
+        "run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline and `wandb sync` later"
+    ]
 
 
 def check_model_fit(cfg: PipelineConfig) -> list[str]:
@@ -101,11 +103,15 @@ def check_plugin_tracking(cfg: PipelineConfig) -> tuple[list[str], list[str]]:
             for entry, data_path in declared:
                 data.append(data_path)
                 if not data_path.exists():
-                    problems.append(f"{name}: {file} declares DATA_FILES entry {entry!r}, which does not exist ({data_path})")
+                    problems.append(
+                        f"{name}: {file} declares DATA_FILES entry {entry!r}, which does not exist ({data_path})"
+                    )
         if modules:
-            notes.append(f"{name} ({path}): the rl fingerprint tracks {len(modules)} source file(s) and {len(data)} declared "
-                         "data file(s); a data file the plug-in reads that is NOT listed in a DATA_FILES of its modules is "
-                         "NOT tracked: editing it reuses the cached rl artifact (docs/concepts.md, Plug-ins and the cache)")
+            notes.append(
+                f"{name} ({path}): the rl fingerprint tracks {len(modules)} source file(s) and {len(data)} declared "
+                "data file(s); a data file the plug-in reads that is NOT listed in a DATA_FILES of its modules is "
+                "NOT tracked: editing it reuses the cached rl artifact (docs/concepts.md, Plug-ins and the cache)"
+            )
     return problems, notes
 
 
@@ -133,6 +139,8 @@ def check_code_sandbox(cfg: PipelineConfig) -> list[str]:
     why = network_isolation_problem()
     if why is None:
         return []
-    return [f"{keys[0]}: the code verifier runs model-written programs, and this machine's sandbox cannot cut them off "
-            f"from the network ({why}); run where unshare can make a network namespace, or set "
-            "rl.reward.code.allow_network: true to run them with network access"]
+    return [
+        f"{keys[0]}: the code verifier runs model-written programs, and this machine's sandbox cannot cut them off "
+        f"from the network ({why}); run where unshare can make a network namespace, or set "
+        "rl.reward.code.allow_network: true to run them with network access"
+    ]

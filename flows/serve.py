@@ -26,7 +26,9 @@ from config import ConfigError
 from config.precision import DTYPE_NAMES, resolve_precision
 from flows.model_ref import add_model_arguments, find_model_artifact, hf_model_dir
 
-LAUNCHER = "import sys; from vllm.entrypoints.launchers.api_server.entry import main; sys.argv[0] = 'vllm-serve'; main()"
+LAUNCHER = (
+    "import sys; from vllm.entrypoints.launchers.api_server.entry import main; sys.argv[0] = 'vllm-serve'; main()"
+)
 
 
 def add_serve_parser(sub) -> None:
@@ -35,16 +37,35 @@ def add_serve_parser(sub) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="compute precision (auto: bf16 where the hardware has it, as run.precision)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + reply in tokens (default: the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together; sizes the KV cache (default: 8)")
+    p.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="compute precision (auto: bf16 where the hardware has it, as run.precision)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + reply in tokens (default: the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=8, help="requests decoded together; sizes the KV cache (default: 8)"
+    )
     p.set_defaults(fn=cmd_serve)
 
 
-def server_command(hf_dir: Path, name: str, *, host: str, port: int, precision: str = "auto",
-                   max_model_len: int | None = None, max_num_seqs: int = 8, extra: Sequence[str] = ()) -> list[str]:
+def server_command(
+    hf_dir: Path,
+    name: str,
+    *,
+    host: str,
+    port: int,
+    precision: str = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 8,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The child process's argv: vLLM's API server on ``hf_dir`` named ``name``.
 
     Args:
@@ -66,16 +87,34 @@ def server_command(hf_dir: Path, name: str, *, host: str, port: int, precision: 
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     if max_num_seqs < 1 or (max_model_len is not None and max_model_len < 1):
-        raise ConfigError(f"--max-num-seqs and --max-model-len must be at least 1, got {max_num_seqs} and {max_model_len}")
+        raise ConfigError(
+            f"--max-num-seqs and --max-model-len must be at least 1, got {max_num_seqs} and {max_model_len}"
+        )
     config = json.loads((hf_dir / "config.json").read_text())
     context = int(max_model_len or config.get("max_position_embeddings", 2048))
     dtype = DTYPE_NAMES[resolve_precision(precision)]
     argv = [
-        sys.executable, "-c", LAUNCHER, "--model", str(hf_dir), "--served-model-name", name,
-        "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(context),
-        "--max-num-seqs", str(max_num_seqs),
-        "--kv-cache-memory-bytes", str(kv_cache_bytes(config, max_num_seqs, context, dtype)),
-        "--generation-config", "auto",  # the model's generation_config.json: its EOS ids end replies
+        sys.executable,
+        "-c",
+        LAUNCHER,
+        "--model",
+        str(hf_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(context),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes(config, max_num_seqs, context, dtype)),
+        "--generation-config",
+        "auto",  # the model's generation_config.json: its EOS ids end replies
     ]
     if default_enforce_eager():
         argv.append("--enforce-eager")
@@ -91,10 +130,20 @@ def cmd_serve(args) -> int:
     """
     artifact = find_model_artifact(args.model, args.overrides, stage=args.stage, artifact_root=args.artifact_root)
     hf_dir = hf_model_dir(artifact)
-    argv = server_command(hf_dir, artifact.name, host=args.host, port=args.port, precision=args.precision,
-                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
-    print(f"serving {artifact.name} ({artifact.stage}, {hf_dir}) at http://{args.host}:{args.port}/v1 "
-          f"(OpenAI API; model name {artifact.name}); Ctrl-C stops it", flush=True)
+    argv = server_command(
+        hf_dir,
+        artifact.name,
+        host=args.host,
+        port=args.port,
+        precision=args.precision,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    print(
+        f"serving {artifact.name} ({artifact.stage}, {hf_dir}) at http://{args.host}:{args.port}/v1 "
+        f"(OpenAI API; model name {artifact.name}); Ctrl-C stops it",
+        flush=True,
+    )
     child = subprocess.Popen(argv)
     stopping = []
 

@@ -61,9 +61,21 @@ def stage_status(cfg: PipelineConfig, verify: bool = False) -> list[dict[str, An
             )
         rows.append(row)
     for name, items in left.items():  # stages switched off in this config
-        rows.append({"stage": name, "state": "disabled", "up_to_date": False, "artifact_id": None, "fingerprint": None,
-                     "created_at": None, "metrics": {}, "problem": None, "waiting_on": None, "latest": None,
-                     "leftovers": items})
+        rows.append(
+            {
+                "stage": name,
+                "state": "disabled",
+                "up_to_date": False,
+                "artifact_id": None,
+                "fingerprint": None,
+                "created_at": None,
+                "metrics": {},
+                "problem": None,
+                "waiting_on": None,
+                "latest": None,
+                "leftovers": items,
+            }
+        )
     return rows
 
 
@@ -73,5 +85,9 @@ def leftovers(cfg: PipelineConfig, states: dict[str, StageState] | None = None) 
     computed when not given): in use, current, undetermined (the stage waits on an upstream
     stage), abandoned or dead (see tasks.leftovers)."""
     states = stage_states(cfg) if states is None else states
-    return find_leftovers(cfg.run.checkpoint_root, {n: s.fingerprint for n, s in states.items()}, STAGE_NAMES,
-                          {n: s.waiting_on for n, s in states.items()})
+    return find_leftovers(
+        cfg.run.checkpoint_root,
+        {n: s.fingerprint for n, s in states.items()},
+        STAGE_NAMES,
+        {n: s.waiting_on for n, s in states.items()},
+    )

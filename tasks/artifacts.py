@@ -127,7 +127,10 @@ def _check_files(fs: Any, url: str, manifest: dict[str, Any], action: str, stage
             digest = hash_file(fs, f"{url}/{entry['path']}")
         except FileNotFoundError:
             raise CorruptArtifact(
-                f"file {entry['path']} is missing while {action} {artifact_id} ({url})", stage, artifact_id, entry["path"]
+                f"file {entry['path']} is missing while {action} {artifact_id} ({url})",
+                stage,
+                artifact_id,
+                entry["path"],
             ) from None
         if digest != entry["sha256"]:
             raise CorruptArtifact(
@@ -189,7 +192,9 @@ class ArtifactStore:
 
     def _ref(self, stage: str, fingerprint: str, chash: str) -> ArtifactRef:
         aid = self.artifact_id(stage, fingerprint)
-        return ArtifactRef(stage=stage, artifact_id=aid, fingerprint=fingerprint, uri=self._uri(stage, aid), content_hash=chash)
+        return ArtifactRef(
+            stage=stage, artifact_id=aid, fingerprint=fingerprint, uri=self._uri(stage, aid), content_hash=chash
+        )
 
     def _read_manifest(self, path: str) -> dict[str, Any]:
         """Parsed manifest.json at ``path``. Raises FileNotFoundError or BadManifest."""
@@ -218,7 +223,7 @@ class ArtifactStore:
             listing = self.fs.find(directory, detail=True)
         except FileNotFoundError:
             listing = {}
-        sizes = {name[len(prefix):]: info.get("size") for name, info in listing.items() if name.startswith(prefix)}
+        sizes = {name[len(prefix) :]: info.get("size") for name, info in listing.items() if name.startswith(prefix)}
         if MANIFEST not in sizes:
             return ArtifactCheck("missing")
         try:
@@ -331,7 +336,9 @@ class ArtifactStore:
         try:
             manifest = parse_manifest(manifest_bytes)
         except BadManifest as exc:
-            raise ArtifactError(f"{self._display(remote)}/{MANIFEST} {exc.detail} (artifact {ref.artifact_id})") from None
+            raise ArtifactError(
+                f"{self._display(remote)}/{MANIFEST} {exc.detail} (artifact {ref.artifact_id})"
+            ) from None
         if (problem := table_problem(manifest)) is not None:
             raise ArtifactError(f"artifact {ref.artifact_id} ({self._display(remote)}): {problem}")
         # Keyed by root too: two stores may hold different bytes under the same artifact id.
@@ -390,8 +397,13 @@ class ArtifactStore:
         lock: IO[str] | None = None
         try:
             size = sum(f["size"] for f in files)
-            with naming_a_full_disk(self._display(tmp), f"publishing {aid}", size, "free space there or set "
-                                    "run.artifact_root elsewhere; nothing was published and the stage's checkpoint is kept"):
+            with naming_a_full_disk(
+                self._display(tmp),
+                f"publishing {aid}",
+                size,
+                "free space there or set "
+                "run.artifact_root elsewhere; nothing was published and the stage's checkpoint is kept",
+            ):
                 if self.is_local:
                     os.makedirs(os.path.dirname(tmp), exist_ok=True)
                     lock = owned_dir(Path(tmp))  # locked before it exists: never seen unowned
@@ -507,7 +519,9 @@ class ArtifactStore:
             if now - newest > self.stale_tmp_age_s:
                 self.fs.rm(name, recursive=True)
                 removed.append(self.fs.unstrip_protocol(name))
-                log.info("removed stale temporary publish copy %s (newest object %.0f s old)", removed[-1], now - newest)
+                log.info(
+                    "removed stale temporary publish copy %s (newest object %.0f s old)", removed[-1], now - newest
+                )
         return removed
 
     def _clean_stale_tmp_local(self, stage_dir: Path) -> builtins.list[str]:

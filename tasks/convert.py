@@ -26,8 +26,10 @@ SPEC = StageSpec(
     name="convert",
     inputs=lambda cfg: (),
     # model.moe enters the fingerprint only when set, so configs without it keep their artifacts
-    config=lambda cfg: {"model": cfg.model.model_dump(exclude={"moe"} if cfg.model.moe == MoERouterConfig() else set()),
-                        "convert": cfg.convert.model_dump()},
+    config=lambda cfg: {
+        "model": cfg.model.model_dump(exclude={"moe"} if cfg.model.moe == MoERouterConfig() else set()),
+        "convert": cfg.convert.model_dump(),
+    },
     raw_inputs=_raw,
     summary=("model/parameters",),
 )
@@ -58,8 +60,15 @@ def convert(ctx: StageContext) -> dict:
         raise ValueError(f"model.eos_token_ids: {bad} outside the vocabulary of {m.source} (0..{vocab - 1})")
     overrides = {"eos_token_id": list(m.eos_token_ids)} if m.eos_token_ids else None
     stop_ids, record = _turn_end(source.tokenizer_dir, m.end_of_turn, ctx.logger)
-    save_model_dir(ctx.workdir / "model", model, source.config, source.tokenizer_dir, generation_overrides=overrides,
-                   stop_token_ids=stop_ids, tokenizer_config_updates=record)
+    save_model_dir(
+        ctx.workdir / "model",
+        model,
+        source.config,
+        source.tokenizer_dir,
+        generation_overrides=overrides,
+        stop_token_ids=stop_ids,
+        tokenizer_config_updates=record,
+    )
     return {"model/parameters": sum(p.numel() for p in model.parameters())}
 
 
@@ -75,7 +84,9 @@ def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if getattr(tokenizer, "chat_template", None) is None:
         if override is not None:
-            raise ValueError(f"model.end_of_turn: {tokenizer_dir} has no chat template, so there is no turn to end; remove it")
+            raise ValueError(
+                f"model.end_of_turn: {tokenizer_dir} has no chat template, so there is no turn to end; remove it"
+            )
         return [], None
     try:
         marker = end_of_turn(tokenizer, override)
@@ -84,6 +95,9 @@ def _turn_end(tokenizer_dir, override: str | None, log) -> tuple[list[int], dict
         raise ValueError(f"model.end_of_turn: {e}") from e
     log.info("convert: an assistant turn ends with %r (stop id %s)", marker, stop)
     if stop is None:
-        log.warning("the turn end %r is not a single special token (nor ends with one): generation stops "
-                    "only at the EOS ids (stop strings are not available with token-in/token-out rollout)", marker)
+        log.warning(
+            "the turn end %r is not a single special token (nor ends with one): generation stops "
+            "only at the EOS ids (stop strings are not available with token-in/token-out rollout)",
+            marker,
+        )
     return ([] if stop is None else [stop]), {RECORDED_KEY: marker}

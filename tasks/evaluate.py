@@ -44,8 +44,15 @@ SPEC = StageSpec(
         "rollout": cfg.rl.rollout.gpu_memory_utilization,
         "seed": cfg.run.seed,
     },
-    summary=("sft/accuracy", "po/accuracy", "base/accuracy", "rl/accuracy", "rl_minus_sft/accuracy",
-             "rl_minus_po/accuracy", "rl_minus_base/accuracy"),
+    summary=(
+        "sft/accuracy",
+        "po/accuracy",
+        "base/accuracy",
+        "rl/accuracy",
+        "rl_minus_sft/accuracy",
+        "rl_minus_po/accuracy",
+        "rl_minus_base/accuracy",
+    ),
 )
 
 

@@ -34,10 +34,13 @@ def export(ctx: StageContext) -> dict:
     assert dtype is not None  # PipelineConfig resolves it from rl.precision
     out = export_model_dir(ctx.input_path("rl") / "model", ctx.workdir / "hf_model", dtype=dtype)
     metrics_file = ctx.input_path("evaluate") / "metrics.json"
-    card = build_model_card(upstream_manifests(ctx.store, ctx.inputs),
-                            json.loads(metrics_file.read_text()) if metrics_file.is_file() else None,
-                            base_model=str(ctx.cfg.model.source), license=base_model_license(ctx.cfg.model.source),
-                            model_name=f"{ctx.cfg.run.name} policy")
+    card = build_model_card(
+        upstream_manifests(ctx.store, ctx.inputs),
+        json.loads(metrics_file.read_text()) if metrics_file.is_file() else None,
+        base_model=str(ctx.cfg.model.source),
+        license=base_model_license(ctx.cfg.model.source),
+        model_name=f"{ctx.cfg.run.name} policy",
+    )
     card.save(out / "README.md")
     for kind in ctx.cfg.export.gguf:
         hf_to_gguf(out, ctx.workdir / "gguf" / f"model-{kind}.gguf", kind, name=ctx.cfg.run.name)

@@ -47,19 +47,21 @@ from data.checksums import sha256_file
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("config", "data", "conversion", "engine", "tasks", "flows")
 
-ORCHESTRATION = frozenset({
-    "tasks.artifacts",  # the artifact store: publish, verify, read manifests
-    "tasks.fingerprint",  # this module
-    "tasks.graph",  # the stage graph (pairs config.stages with the stage modules)
-    "tasks.leftovers",  # what killed runs left behind
-    "tasks.locks",  # file locks
-    "tasks.manifests",  # an artifact's manifest.json and files table (for the artifact store)
-    "tasks.pipeline_run",  # which pipeline run a stage belongs to; its W&B group, tags and config
-    "tasks.reaper",  # kills what a stage started when its process dies
-    "tasks.runner",  # cache lookup, work dir, publish
-    "tasks.spec",  # StageSpec: what enters the fingerprint
-    "tasks.tracking",  # W&B runs and the Prefect logger
-})
+ORCHESTRATION = frozenset(
+    {
+        "tasks.artifacts",  # the artifact store: publish, verify, read manifests
+        "tasks.fingerprint",  # this module
+        "tasks.graph",  # the stage graph (pairs config.stages with the stage modules)
+        "tasks.leftovers",  # what killed runs left behind
+        "tasks.locks",  # file locks
+        "tasks.manifests",  # an artifact's manifest.json and files table (for the artifact store)
+        "tasks.pipeline_run",  # which pipeline run a stage belongs to; its W&B group, tags and config
+        "tasks.reaper",  # kills what a stage started when its process dies
+        "tasks.runner",  # cache lookup, work dir, publish
+        "tasks.spec",  # StageSpec: what enters the fingerprint
+        "tasks.tracking",  # W&B runs and the Prefect logger
+    }
+)
 """The modules of ``tasks/`` a stage's code version does not walk into (see the module
 docstring): they run around a stage's computation, not in it."""
 
@@ -160,8 +162,12 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 node.body = body[1:] or [ast.Pass()]
     return tree
 
@@ -270,9 +276,11 @@ def declared_data_files(path: Path) -> tuple[tuple[str, Path], ...]:
         return ()
     lineno, value = found
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"{path}:{lineno}: {DATA_FILES} must be a literal list of path strings "
-                         f"(relative to {path.name}'s directory), e.g. {DATA_FILES} = [\"lexicon.txt\"]; "
-                         "it is read without importing the module, so it cannot be computed")
+        raise ValueError(
+            f"{path}:{lineno}: {DATA_FILES} must be a literal list of path strings "
+            f'(relative to {path.name}\'s directory), e.g. {DATA_FILES} = ["lexicon.txt"]; '
+            "it is read without importing the module, so it cannot be computed"
+        )
     return tuple((v, path.parent / v) for v in value)
 
 
@@ -336,5 +344,7 @@ def fingerprint(stage: str, inputs: dict[str, str], config: Any, code: str) -> s
     """sha256 of the canonical JSON of (stage, inputs, config, code); paths in ``config``
     inside the working directory count in their relative form."""
     config = _relative_paths(config, os.getcwd())
-    payload = json.dumps({"stage": stage, "inputs": inputs, "config": config, "code": code}, sort_keys=True, default=str)
+    payload = json.dumps(
+        {"stage": stage, "inputs": inputs, "config": config, "code": code}, sort_keys=True, default=str
+    )
     return hashlib.sha256(payload.encode()).hexdigest()

@@ -32,11 +32,14 @@ def _implementation(entry: registry.Stage) -> tuple[StageSpec, object]:
     module = importlib.import_module(f"tasks.{entry.name}")
     spec, task = getattr(module, "SPEC", None), getattr(module, entry.name, None)
     if not isinstance(spec, StageSpec) or task is None:
-        raise ImportError(f"tasks/{entry.name}.py: stage {entry.name!r} (config/stages.py) needs a StageSpec `SPEC` "
-                          f"and its Prefect task `{entry.name}`")
+        raise ImportError(
+            f"tasks/{entry.name}.py: stage {entry.name!r} (config/stages.py) needs a StageSpec `SPEC` "
+            f"and its Prefect task `{entry.name}`"
+        )
     if spec.name != entry.name:
-        raise ValueError(f"tasks/{entry.name}.py: SPEC.name is {spec.name!r}, not the stage's name {entry.name!r} "
-                         "(config/stages.py)")
+        raise ValueError(
+            f"tasks/{entry.name}.py: SPEC.name is {spec.name!r}, not the stage's name {entry.name!r} (config/stages.py)"
+        )
     return spec, task
 
 
@@ -91,7 +94,9 @@ class StageState:
         return None
 
 
-def stage_states(cfg: PipelineConfig, store: ArtifactStore | None = None, verify: bool = False) -> dict[str, StageState]:
+def stage_states(
+    cfg: PipelineConfig, store: ArtifactStore | None = None, verify: bool = False
+) -> dict[str, StageState]:
     """Each enabled stage's :class:`StageState`, in run order. ``verify`` re-hashes every
     file of each current artifact (otherwise files are checked for presence and size)."""
     store = store or store_for(cfg)
@@ -102,7 +107,9 @@ def stage_states(cfg: PipelineConfig, store: ArtifactStore | None = None, verify
         if waiting is not None:
             states[spec.name] = StageState(spec.name, None, None, waiting)
             continue
-        fp = spec.fingerprint(cfg, {u: h for u in ups if (h := states[u].content_hash) is not None})  # every one: not waiting
+        fp = spec.fingerprint(
+            cfg, {u: h for u in ups if (h := states[u].content_hash) is not None}
+        )  # every one: not waiting
         states[spec.name] = StageState(spec.name, fp, store.check(spec.name, fp, verify=verify), None)
     return states
 
@@ -133,8 +140,10 @@ def pipeline_identity(cfg: PipelineConfig) -> str:
 
     identity = sha256(canonical JSON of [{stage, inputs, recipe} for each enabled stage])
     """
-    recipes = [{"stage": spec.name, "inputs": list(spec.inputs(cfg)), "recipe": spec.fingerprint(cfg, {})}
-               for spec, _ in enabled_stages(cfg)]
+    recipes = [
+        {"stage": spec.name, "inputs": list(spec.inputs(cfg)), "recipe": spec.fingerprint(cfg, {})}
+        for spec, _ in enabled_stages(cfg)
+    ]
     return hashlib.sha256(json.dumps(recipes, sort_keys=True).encode()).hexdigest()
 
 

@@ -95,8 +95,12 @@ def _classify(kind: str, fp16: str, current: str | None, stage_runs: bool, waiti
     return "abandoned", f"an earlier config's fingerprint (now {current[:16]})"
 
 
-def find_leftovers(checkpoint_root: str | Path, current: dict[str, str | None], stages: Iterable[str],
-                   waiting_on: dict[str, str | None] | None = None) -> list[Leftover]:
+def find_leftovers(
+    checkpoint_root: str | Path,
+    current: dict[str, str | None],
+    stages: Iterable[str],
+    waiting_on: dict[str, str | None] | None = None,
+) -> list[Leftover]:
     """Every resume and work directory under ``<checkpoint_root>/<stage>/`` for each of
     ``stages``, sorted by stage order then path.
 
@@ -125,7 +129,9 @@ def find_leftovers(checkpoint_root: str | Path, current: dict[str, str | None], 
             if is_owned(path):
                 state, reason = "in use", "a live run holds its lock"
             else:
-                state, reason = _classify(kind, fp16, current.get(stage), stage in current, (waiting_on or {}).get(stage))
+                state, reason = _classify(
+                    kind, fp16, current.get(stage), stage in current, (waiting_on or {}).get(stage)
+                )
             found.append(Leftover(stage, kind, path, fp16, size, modified, state, reason))
     return found
 

@@ -83,7 +83,12 @@ def table_problem(manifest: dict[str, Any]) -> str | None:
     if not isinstance(files, list):
         return f"{MANIFEST} has no files table"
     for i, f in enumerate(files):
-        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("sha256"), str)
-                and isinstance(f.get("size"), int) and not isinstance(f.get("size"), bool)):
+        if not (
+            isinstance(f, dict)
+            and isinstance(f.get("path"), str)
+            and isinstance(f.get("sha256"), str)
+            and isinstance(f.get("size"), int)
+            and not isinstance(f.get("size"), bool)
+        ):
             return f"{MANIFEST}: entry {i} of its files table has no path, size and sha256"
     return None

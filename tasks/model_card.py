@@ -66,9 +66,14 @@ def _eval_rows(metrics: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str,
     return rows
 
 
-def build_model_card(manifests: Mapping[str, Mapping[str, Any]], eval_metrics: Mapping[str, Any] | None,
-                     base_model: str, license: str | None = None, software: Mapping[str, str] | None = None,
-                     model_name: str = "posttrain policy"):
+def build_model_card(
+    manifests: Mapping[str, Mapping[str, Any]],
+    eval_metrics: Mapping[str, Any] | None,
+    base_model: str,
+    license: str | None = None,
+    software: Mapping[str, str] | None = None,
+    model_name: str = "posttrain policy",
+):
     """The ``huggingface_hub.ModelCard`` of an exported policy.
 
     Args:
@@ -88,17 +93,44 @@ def build_model_card(manifests: Mapping[str, Mapping[str, Any]], eval_metrics: M
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     rows = _eval_rows(eval_metrics or {})
-    results = [EvalResult(task_type="text-generation", dataset_type=bench, dataset_name=bench, metric_type=metric,
-                          metric_value=value, task_name="text generation")
-               for policy, bench, metric, value, _ in rows if policy == EVAL_POLICY]
-    data_files = {f"{stage}:{key}": entry for stage, m in manifests.items()
-                  for key, entry in (m.get("raw_inputs") or {}).items() if isinstance(entry, Mapping)}
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=bench,
+            dataset_name=bench,
+            metric_type=metric,
+            metric_value=value,
+            task_name="text generation",
+        )
+        for policy, bench, metric, value, _ in rows
+        if policy == EVAL_POLICY
+    ]
+    data_files = {
+        f"{stage}:{key}": entry
+        for stage, m in manifests.items()
+        for key, entry in (m.get("raw_inputs") or {}).items()
+        if isinstance(entry, Mapping)
+    }
     datasets = sorted({str(e.get("path")) for e in data_files.values() if e.get("path")})
-    card_data = ModelCardData(base_model=base_model, datasets=datasets or None, license=license,
-                              tags=["posttrain", "rl", "text-generation"], library_name="transformers",
-                              model_name=model_name if results else None, eval_results=results or None)
-    lines = [f"# {model_name}", "", f"Post-trained from `{base_model}` by the posttrain pipeline.", "",
-             "## Lineage", "", "| stage | artifact id | code version |", "|---|---|---|"]
+    card_data = ModelCardData(
+        base_model=base_model,
+        datasets=datasets or None,
+        license=license,
+        tags=["posttrain", "rl", "text-generation"],
+        library_name="transformers",
+        model_name=model_name if results else None,
+        eval_results=results or None,
+    )
+    lines = [
+        f"# {model_name}",
+        "",
+        f"Post-trained from `{base_model}` by the posttrain pipeline.",
+        "",
+        "## Lineage",
+        "",
+        "| stage | artifact id | code version |",
+        "|---|---|---|",
+    ]
     lines += [f"| {stage} | `{m.get('artifact_id')}` | `{m.get('code_version')}` |" for stage, m in manifests.items()]
     lines += ["", "## Data files", "", "| input | path | sha256 |", "|---|---|---|"]
     lines += [f"| {k} | `{e.get('path')}` | `{e.get('sha256')}` |" for k, e in sorted(data_files.items())]
@@ -110,8 +142,14 @@ def build_model_card(manifests: Mapping[str, Mapping[str, Any]], eval_metrics: M
         lines.append("No evaluation results.")
     lines += ["", "## Stage configs", ""]
     for stage, m in manifests.items():
-        lines += [f"### {stage}", "", "```json", json.dumps(m.get("config"), indent=2, sort_keys=True, default=str),
-                  "```", ""]
+        lines += [
+            f"### {stage}",
+            "",
+            "```json",
+            json.dumps(m.get("config"), indent=2, sort_keys=True, default=str),
+            "```",
+            "",
+        ]
     lines += ["## Software", "", "| package | version |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in (software if software is not None else software_versions()).items()]
     content = f"---\n{card_data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"

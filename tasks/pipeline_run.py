@@ -86,8 +86,10 @@ def _identity(cfg: PipelineConfig, flow_run_id: str | None) -> str:
     if flow_run_id and key in _identities:
         return _identities[key]
     if _identity_of is None:
-        raise RuntimeError("the pipeline identity is unknown in this process: import tasks.graph first (it hands "
-                           "tasks.pipeline_run its pipeline_identity; flows.pipeline and the CLI do)")
+        raise RuntimeError(
+            "the pipeline identity is unknown in this process: import tasks.graph first (it hands "
+            "tasks.pipeline_run its pipeline_identity; flows.pipeline and the CLI do)"
+        )
     identity = _identity_of(cfg)
     if flow_run_id:
         _identities[key] = identity
@@ -150,8 +152,9 @@ def upstream_artifacts(store: ArtifactStore | None, inputs: dict[str, ArtifactRe
     return found
 
 
-def stage_run_config(cfg: PipelineConfig, stage: str, artifact_id: str, fingerprint: str | None,
-                     upstream: dict[str, str]) -> dict[str, Any]:
+def stage_run_config(
+    cfg: PipelineConfig, stage: str, artifact_id: str, fingerprint: str | None, upstream: dict[str, str]
+) -> dict[str, Any]:
     """The flat W&B config of a stage run: ``artifact_id``, ``fingerprint``, ``run.*``, the
     YAML sections (:data:`STAGE_SECTIONS`) of ``stage`` and of every stage in ``upstream``
     (stage -> artifact id, see :func:`upstream_artifacts`), each key named as in the YAML

@@ -24,8 +24,10 @@ SPEC = StageSpec(
     # How often metrics are logged and checkpoints written cannot change the result; the
     # data-parallel layout changes it only by float rounding, as the thread count does (and a
     # killed attempt resumes at another layout).
-    config=lambda cfg: {"po": cfg.po.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
-                        "seed": cfg.run.seed},
+    config=lambda cfg: {
+        "po": cfg.po.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
+        "seed": cfg.run.seed,
+    },
     summary=("po/eval_accuracy", "po/eval_kto_accuracy", "po/eval_margin"),
 )
 
@@ -48,11 +50,23 @@ def po(ctx: StageContext) -> dict:
     from engine.evaluation.curves import write_stage_curves
     from engine.training.preference_optimization import train_preference_optimization
 
-    args = dict(base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
-                dataset_path=training_data(ctx.input_path("validate"), ctx.cfg.po.loss), cfg=ctx.cfg.po,
-                out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    metrics = run_stage(train_preference_optimization, args, ctx.cfg.po.parallel, "po", log_metrics=ctx.log_metrics,
-                        ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    args = dict(
+        base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
+        dataset_path=training_data(ctx.input_path("validate"), ctx.cfg.po.loss),
+        cfg=ctx.cfg.po,
+        out_dir=ctx.workdir / "model",
+        resume_dir=ctx.resume_dir,
+        seed=ctx.cfg.run.seed,
+    )
+    metrics = run_stage(
+        train_preference_optimization,
+        args,
+        ctx.cfg.po.parallel,
+        "po",
+        log_metrics=ctx.log_metrics,
+        ray_address=ctx.cfg.rl.engine.ray_address,
+        num_cpus=ctx.cfg.rl.engine.num_cpus,
+    )
     png, _ = write_stage_curves("po", ctx.workdir, ctx.tracker.history())
     ctx.tracker.log_images({"curves": png})
     return metrics

@@ -30,7 +30,9 @@ STAMP = ".prepare.json"
 def _section(cfg: PipelineConfig) -> AdditionPrepareConfig | CodePrepareConfig | StoriesPrepareConfig:
     """``cfg.prepare``; ValueError when the config has no prepare section."""
     if cfg.prepare is None:
-        raise ValueError("prepare: the config has no prepare section; add one (prepare.kind: addition, code or stories)")
+        raise ValueError(
+            "prepare: the config has no prepare section; add one (prepare.kind: addition, code or stories)"
+        )
     return cfg.prepare
 
 
@@ -77,19 +79,21 @@ def _qwen3_moe_config(p, vocab_size: int, tokenizer) -> dict:
     These are the keys ``conversion.moe_config.moe_fields_from_hf`` reads."""
     moe = p.moe
     out = _qwen2_config(p, vocab_size, tokenizer)
-    out.update({
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "head_dim": p.hidden_size // p.num_attention_heads,
-        "attention_bias": False,
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.num_experts_per_tok,
-        "moe_intermediate_size": moe.moe_intermediate_size,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "output_router_logits": False,
-    })
+    out.update(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": p.hidden_size // p.num_attention_heads,
+            "attention_bias": False,
+            "num_experts": moe.num_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok,
+            "moe_intermediate_size": moe.moe_intermediate_size,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+        }
+    )
     return out
 
 
@@ -169,7 +173,11 @@ def _write_stories(cfg: PipelineConfig, tmp: Path) -> None:
     make_story_datasets(tmp, num_rl=p.num_rl, num_eval=p.num_eval, seed=cfg.run.seed)
 
 
-@task(name="prepare", cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}", persist_result=True)
+@task(
+    name="prepare",
+    cache_key_fn=lambda ctx, params: f"prepare-{prepare_fingerprint(params['cfg'])}",
+    persist_result=True,
+)
 def prepare(cfg: PipelineConfig) -> str:
     """Write the example's inputs under ``prepare.output_dir``; returns that path."""
     p = _section(cfg)
@@ -179,8 +187,10 @@ def prepare(cfg: PipelineConfig) -> str:
         get_run_logger().info("prepare: %s is up to date", out)
         return str(out)
     if out.is_dir() and any(out.iterdir()) and not (out / STAMP).is_file():
-        raise ValueError(f"prepare.output_dir: {out} holds files prepare did not write; it would replace the "
-                         "whole directory, so point prepare.output_dir at a new or prepare-made directory")
+        raise ValueError(
+            f"prepare.output_dir: {out} holds files prepare did not write; it would replace the "
+            "whole directory, so point prepare.output_dir at a new or prepare-made directory"
+        )
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:

@@ -110,7 +110,17 @@ def ensure_reaper() -> None:
         read_fd, write_fd = os.pipe()  # both ends close-on-exec: no exec'd child inherits them
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tasks.reaper", "--fd", str(read_fd), "--pid", str(os.getpid()), "--token", token],
+                [
+                    sys.executable,
+                    "-m",
+                    "tasks.reaper",
+                    "--fd",
+                    str(read_fd),
+                    "--pid",
+                    str(os.getpid()),
+                    "--token",
+                    token,
+                ],
                 cwd=_ROOT,  # `-m tasks.reaper` resolves from here, whatever the stage's working directory
                 pass_fds=(read_fd,),
                 stdin=subprocess.DEVNULL,

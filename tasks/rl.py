@@ -67,10 +67,19 @@ def eval_benchmark(cfg: PipelineConfig):
 # does: the judge's model_dir, hashed by content, or base_url + model; the template, parsing and
 # sampling settings; the service's url; the fallbacks and the failure policy.)
 _NOT_FINGERPRINTED = {
-    "engine": {"ray_address", "num_cpus", "weight_sync", "weight_sync_bucket_mb", "weight_sync_timeout_s",
-               "health_check_timeout_s", "max_engine_restarts"},
-    "reward": {"judge": {"timeout_s", "max_retries", "max_concurrency", "api_key_env"},
-               "remote": {"timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency"}},
+    "engine": {
+        "ray_address",
+        "num_cpus",
+        "weight_sync",
+        "weight_sync_bucket_mb",
+        "weight_sync_timeout_s",
+        "health_check_timeout_s",
+        "max_engine_restarts",
+    },
+    "reward": {
+        "judge": {"timeout_s", "max_retries", "max_concurrency", "api_key_env"},
+        "remote": {"timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency"},
+    },
     "checkpoint_every": True,
 }
 
@@ -82,12 +91,16 @@ def _fingerprinted_rl(rl) -> dict:
     no_replay = {"moe_routing_replay": True} if not rl.moe_routing_replay else {}
     return rl.model_dump(exclude={**_NOT_FINGERPRINTED, **single_turn, **no_replay})
 
+
 SPEC = StageSpec(
     name="rl",
     inputs=_inputs,
-    config=lambda cfg: {"rl": _fingerprinted_rl(cfg.rl), "seed": cfg.run.seed,
-                        **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {}),
-                        **({"rl_train": [s.model_dump() for s in sources]} if (sources := cfg.data.rl_sources()) else {})},
+    config=lambda cfg: {
+        "rl": _fingerprinted_rl(cfg.rl),
+        "seed": cfg.run.seed,
+        **({"eval": eval_benchmark(cfg).model_dump()} if cfg.rl.eval_every else {}),
+        **({"rl_train": [s.model_dump() for s in sources]} if (sources := cfg.data.rl_sources()) else {}),
+    },
     raw_inputs=_reward_plugin_files,
     summary=("critic/score/mean", "actor/pg_loss"),
 )
@@ -106,8 +119,9 @@ def rl(ctx: StageContext) -> dict:
         # torch and the evaluator: only when rl.eval_every asks for it
         from engine.evaluation.benchmarks import PolicyEvaluator, load_benchmark
 
-        bench = load_benchmark(eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl",
-                               ctx.cfg.rl.reward.code)
+        bench = load_benchmark(
+            eval_benchmark(ctx.cfg), ctx.input_path("validate") / "rl_eval.jsonl", ctx.cfg.rl.reward.code
+        )
         evaluator = PolicyEvaluator(bench, seed=ctx.cfg.run.seed)
     metrics = run_rl(
         ctx.input_path(rl_starting_policy(ctx.cfg)) / "model",

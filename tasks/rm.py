@@ -17,8 +17,10 @@ SPEC = StageSpec(
     inputs=lambda cfg: ("validate", starting_policy(cfg)),
     # how often metrics are logged and checkpoints written does not change the result (resume is bit-identical);
     # the data-parallel layout changes it only by float rounding (as the thread count does)
-    config=lambda cfg: {"rm": cfg.rm.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
-                        "seed": cfg.run.seed},
+    config=lambda cfg: {
+        "rm": cfg.rm.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
+        "seed": cfg.run.seed,
+    },
     summary=("rm/accuracy",),
 )
 
@@ -34,11 +36,24 @@ def rm(ctx: StageContext) -> dict:
     from engine.evaluation.curves import write_stage_curves
     from engine.training.reward_model import train_reward_model
 
-    args = dict(make_trainer=reward_trainer, base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
-                dataset_path=ctx.input_path("validate") / "preference.jsonl", cfg=ctx.cfg.rm,
-                out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    metrics = run_stage(train_reward_model, args, ctx.cfg.rm.parallel, "rm", log_metrics=ctx.log_metrics,
-                        ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    args = dict(
+        make_trainer=reward_trainer,
+        base_model_dir=ctx.input_path(starting_policy(ctx.cfg)) / "model",
+        dataset_path=ctx.input_path("validate") / "preference.jsonl",
+        cfg=ctx.cfg.rm,
+        out_dir=ctx.workdir / "model",
+        resume_dir=ctx.resume_dir,
+        seed=ctx.cfg.run.seed,
+    )
+    metrics = run_stage(
+        train_reward_model,
+        args,
+        ctx.cfg.rm.parallel,
+        "rm",
+        log_metrics=ctx.log_metrics,
+        ray_address=ctx.cfg.rl.engine.ray_address,
+        num_cpus=ctx.cfg.rl.engine.num_cpus,
+    )
     png, _ = write_stage_curves("rm", ctx.workdir, ctx.tracker.history())
     ctx.tracker.log_images({"curves": png})
     return metrics

@@ -104,8 +104,11 @@ def headline_metrics(summary: tuple[str, ...], metrics: dict[str, Any] | None) -
     for key in summary:
         if key in metrics:
             keys += [key, f"{key}_se", f"{key.rsplit('/', 1)[0]}/n"] if "/" in key else [key, f"{key}_se"]
-    return {k: metrics[k] for k in dict.fromkeys(keys)
-            if k in metrics and isinstance(metrics[k], (int, float)) and not isinstance(metrics[k], bool)}
+    return {
+        k: metrics[k]
+        for k in dict.fromkeys(keys)
+        if k in metrics and isinstance(metrics[k], (int, float)) and not isinstance(metrics[k], bool)
+    }
 
 
 def _write_json(path: Path, payload: dict[str, Any]) -> None:
@@ -114,7 +117,9 @@ def _write_json(path: Path, payload: dict[str, Any]) -> None:
     replace_atomically(path, lambda f: f.write(text), mode="w", fsync=False)
 
 
-def write_pointer(cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any] | None, summary: tuple[str, ...]) -> None:
+def write_pointer(
+    cfg: PipelineConfig, ref: ArtifactRef, metrics: dict[str, Any] | None, summary: tuple[str, ...]
+) -> None:
     """Record ``outputs/<run>/<stage>.json`` (the stage's current artifact and all its metrics:
     DVC's out) and ``outputs/<run>/<stage>.metrics.json`` (the :func:`headline_metrics` of
     ``summary``, the stage's ``StageSpec.summary``: DVC's metrics file). Both are small, git-tracked files, so an experiment's commit (and
@@ -133,7 +138,9 @@ def write_disabled_pointer(cfg: PipelineConfig, stage: str) -> None:
     Raises OSError if ``outputs/<run>`` is not writable."""
     out = Path("outputs") / cfg.run.name
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / f"{stage}.json", {"stage": stage, "disabled": True, "reason": f"{stage}.enabled is false", "metrics": {}})
+    _write_json(
+        out / f"{stage}.json", {"stage": stage, "disabled": True, "reason": f"{stage}.enabled is false", "metrics": {}}
+    )
     _write_json(out / f"{stage}.metrics.json", {})
 
 
@@ -218,7 +225,9 @@ def _finish_killed_run(spec: StageSpec, cfg: PipelineConfig, store: ArtifactStor
     try:
         finish_interrupted_run(cfg, ref, store.manifest(ref), resume_dir, log, store=store)
     except Exception as exc:  # wandb raises its own errors and plain ones alike
-        log.warning("%s: could not finish the W&B run of %s left by a killed attempt: %s", spec.name, ref.artifact_id, exc)
+        log.warning(
+            "%s: could not finish the W&B run of %s left by a killed attempt: %s", spec.name, ref.artifact_id, exc
+        )
 
 
 def _attempt_workdir(parent: Path, fp16: str) -> tuple[Path, IO[str]]:
@@ -244,12 +253,19 @@ def _check_raw_unchanged(spec: StageSpec, cfg: PipelineConfig, before: dict[str,
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:
         paths = spec.raw_inputs(cfg)
-        names = ", ".join(f"{paths.get(k.removeprefix('file:'), k.removeprefix('file:'))} ({k.removeprefix('file:')})" for k in changed)
-        raise InputChanged(f"{spec.name}: {names} changed while the stage was running; nothing was published (the "
-                           "result could hold rows of either version). Rerun once the file is no longer being written.")
+        names = ", ".join(
+            f"{paths.get(k.removeprefix('file:'), k.removeprefix('file:'))} ({k.removeprefix('file:')})"
+            for k in changed
+        )
+        raise InputChanged(
+            f"{spec.name}: {names} changed while the stage was running; nothing was published (the "
+            "result could hold rows of either version). Rerun once the file is no longer being written."
+        )
 
 
-def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: PipelineConfig, inputs: dict[str, ArtifactRef]) -> ArtifactRef:
+def run_stage(
+    spec: StageSpec, build: Callable[[StageContext], dict], cfg: PipelineConfig, inputs: dict[str, ArtifactRef]
+) -> ArtifactRef:
     """Run ``build`` unless the fingerprint's artifact exists; publish its work dir atomically.
 
     Raises:
@@ -277,15 +293,27 @@ def run_stage(spec: StageSpec, build: Callable[[StageContext], dict], cfg: Pipel
             return existing
         broken = store.check(spec.name, fp)
         if broken.state == "broken":
-            logger.warning("%s: artifact %s is broken (%s); rebuilding it", spec.name, store.artifact_id(spec.name, fp), broken.problem)
+            logger.warning(
+                "%s: artifact %s is broken (%s); rebuilding it",
+                spec.name,
+                store.artifact_id(spec.name, fp),
+                broken.problem,
+            )
             store.discard(spec.name, store.artifact_id(spec.name, fp))
         ref, metrics, ctx, started = _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
     if ctx.markdown:
-        create_markdown_artifact("\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}")
+        create_markdown_artifact(
+            "\n\n".join(ctx.markdown), key=f"{spec.name}-report", description=f"{spec.name} of {cfg.run.name}"
+        )
     write_pointer(cfg, ref, metrics, spec.summary)
     resumed = max((int(v) for k, v in metrics.items() if k.endswith("/resumed_from_step")), default=0)
-    logger.info("%s: published %s in %.1f s%s", spec.name, ref.artifact_id, time.time() - started,
-                f" (resumed from the checkpoint of step {resumed})" if resumed else "")
+    logger.info(
+        "%s: published %s in %.1f s%s",
+        spec.name,
+        ref.artifact_id,
+        time.time() - started,
+        f" (resumed from the checkpoint of step {resumed})" if resumed else "",
+    )
     return ref
 
 
@@ -295,8 +323,16 @@ def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
     resume_dir = parent / fp[:16]
     resume_dir.mkdir(parents=True, exist_ok=True)
     workdir, workdir_lock = _attempt_workdir(parent, fp[:16])
-    tracker = StageTracker(cfg, spec.name, store.artifact_id(spec.name, fp), logger, fingerprint=fp, inputs=inputs,
-                           resume_dir=resume_dir, store=store)
+    tracker = StageTracker(
+        cfg,
+        spec.name,
+        store.artifact_id(spec.name, fp),
+        logger,
+        fingerprint=fp,
+        inputs=inputs,
+        resume_dir=resume_dir,
+        store=store,
+    )
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
     section = getattr(cfg, spec.name, None)
     if getattr(section, "precision", None) is not None:  # resolved when the config was loaded

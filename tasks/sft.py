@@ -17,8 +17,10 @@ SPEC = StageSpec(
     # How often metrics are logged and checkpoints written cannot change the result; the
     # data-parallel layout changes it only by float rounding, as the thread count does (and a
     # killed attempt resumes at another layout).
-    config=lambda cfg: {"sft": cfg.sft.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
-                        "seed": cfg.run.seed},
+    config=lambda cfg: {
+        "sft": cfg.sft.model_dump(exclude={"log_every", "checkpoint_every", "parallel"}),
+        "seed": cfg.run.seed,
+    },
     summary=("train/loss",),
 )
 
@@ -32,10 +34,23 @@ def sft(ctx: StageContext) -> dict:
     from engine.evaluation.curves import write_stage_curves
     from engine.training.sft import train_sft
 
-    args = dict(base_model_dir=ctx.input_path("convert") / "model", dataset_path=ctx.input_path("validate") / "sft.jsonl",
-                cfg=ctx.cfg.sft, out_dir=ctx.workdir / "model", resume_dir=ctx.resume_dir, seed=ctx.cfg.run.seed)
-    metrics = run_stage(train_sft, args, ctx.cfg.sft.parallel, "sft", log_metrics=ctx.log_metrics,
-                        ray_address=ctx.cfg.rl.engine.ray_address, num_cpus=ctx.cfg.rl.engine.num_cpus)
+    args = dict(
+        base_model_dir=ctx.input_path("convert") / "model",
+        dataset_path=ctx.input_path("validate") / "sft.jsonl",
+        cfg=ctx.cfg.sft,
+        out_dir=ctx.workdir / "model",
+        resume_dir=ctx.resume_dir,
+        seed=ctx.cfg.run.seed,
+    )
+    metrics = run_stage(
+        train_sft,
+        args,
+        ctx.cfg.sft.parallel,
+        "sft",
+        log_metrics=ctx.log_metrics,
+        ray_address=ctx.cfg.rl.engine.ray_address,
+        num_cpus=ctx.cfg.rl.engine.num_cpus,
+    )
     png, _ = write_stage_curves("sft", ctx.workdir, ctx.tracker.history())
     ctx.tracker.log_images({"curves": png})
     return metrics

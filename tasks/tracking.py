@@ -71,8 +71,19 @@ def wandb_mode(cfg: PipelineConfig) -> str:
 def _settings(wandb, short: bool):
     # A cached stage's short run needs none of what W&B collects about the machine, the git
     # checkout and the installed packages (collecting it makes wandb.init take ~0.5 s, not ~0.02 s).
-    extra = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True, "disable_git": True,
-             "save_code": False, "disable_job_creation": True, "x_save_requirements": False} if short else {}
+    extra = (
+        {
+            "x_disable_stats": True,
+            "x_disable_meta": True,
+            "x_disable_machine_info": True,
+            "disable_git": True,
+            "save_code": False,
+            "disable_job_creation": True,
+            "x_save_requirements": False,
+        }
+        if short
+        else {}
+    )
     return wandb.Settings(console="off", silent=True, x_transaction_log_flush_interval=FLUSH_INTERVAL_S, **extra)
 
 
@@ -106,10 +117,19 @@ class StageTracker:
             or None when W&B is disabled.
     """
 
-    def __init__(self, cfg: PipelineConfig, stage: str, artifact_id: str, logger: logging.Logger | logging.LoggerAdapter, *,
-                 fingerprint: str | None = None, inputs: dict[str, ArtifactRef] | None = None,
-                 resume_dir: str | Path | None = None, store: ArtifactStore | None = None,
-                 pipeline_run: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        stage: str,
+        artifact_id: str,
+        logger: logging.Logger | logging.LoggerAdapter,
+        *,
+        fingerprint: str | None = None,
+        inputs: dict[str, ArtifactRef] | None = None,
+        resume_dir: str | Path | None = None,
+        store: ArtifactStore | None = None,
+        pipeline_run: dict[str, Any] | None = None,
+    ):
         """Start the stage's W&B run (unless disabled): the run id of an earlier attempt at
         this fingerprint when ``resume_dir`` records one, else a new ``<artifact_id>-<8 hex>``.
 
@@ -129,8 +149,9 @@ class StageTracker:
         self.logger = logger
         self.stage = stage
         self.artifact_id = artifact_id
-        self.pipeline_run = pipeline_run if isinstance(pipeline_run, dict) and pipeline_run.get("group") \
-            else pipeline_run_info(cfg)
+        self.pipeline_run = (
+            pipeline_run if isinstance(pipeline_run, dict) and pipeline_run.get("group") else pipeline_run_info(cfg)
+        )
         self.group = self.pipeline_run["group"]
         self.wandb: dict[str, Any] | None = None
         self.run = None
@@ -324,9 +345,14 @@ class StageTracker:
             (self._resume_dir / name).unlink(missing_ok=True)
 
 
-def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, Any], resume_dir: str | Path,
-                           logger: logging.Logger | logging.LoggerAdapter,
-                           store: ArtifactStore | None = None) -> dict[str, Any] | None:
+def finish_interrupted_run(
+    cfg: PipelineConfig,
+    ref: ArtifactRef,
+    manifest: dict[str, Any],
+    resume_dir: str | Path,
+    logger: logging.Logger | logging.LoggerAdapter,
+    store: ArtifactStore | None = None,
+) -> dict[str, Any] | None:
     """Finish the W&B run of a published artifact whose stage process was killed between the
     publish and the run's finish (the run file in ``resume_dir`` records the run and no
     ``finished``): the run is resumed under its id (``resume="allow"``), in the group and
@@ -351,12 +377,25 @@ def finish_interrupted_run(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict
     if wandb_mode(cfg) == "disabled":
         return None
     inputs = manifest_inputs(manifest)
-    tracker = StageTracker(cfg, ref.stage, ref.artifact_id, logger, fingerprint=ref.fingerprint, inputs=inputs,
-                           resume_dir=resume_dir, store=store, pipeline_run=manifest.get("pipeline_run"))
+    tracker = StageTracker(
+        cfg,
+        ref.stage,
+        ref.artifact_id,
+        logger,
+        fingerprint=ref.fingerprint,
+        inputs=inputs,
+        resume_dir=resume_dir,
+        store=store,
+        pipeline_run=manifest.get("pipeline_run"),
+    )
     info = tracker.wandb
     tracker.finish(manifest.get("metrics") or {}, ok=True)
-    logger.info("%s: finished W&B run %s, left unfinished by a kill after %s was published", ref.stage,
-                record["run_id"], ref.artifact_id)
+    logger.info(
+        "%s: finished W&B run %s, left unfinished by a kill after %s was published",
+        ref.stage,
+        record["run_id"],
+        ref.artifact_id,
+    )
     return info
 
 
@@ -386,17 +425,31 @@ def log_cached_stage(cfg: PipelineConfig, ref: ArtifactRef, manifest: dict[str, 
     import wandb
 
     inputs = manifest_inputs(manifest)
-    config = stage_run_config(cfg, ref.stage, ref.artifact_id, ref.fingerprint,
-                              upstream_artifacts(ArtifactStore(cfg.run.artifact_root), inputs))
+    config = stage_run_config(
+        cfg,
+        ref.stage,
+        ref.artifact_id,
+        ref.fingerprint,
+        upstream_artifacts(ArtifactStore(cfg.run.artifact_root), inputs),
+    )
     built_by = manifest.get("wandb")
     if isinstance(built_by, dict) and built_by.get("run_id"):
         config["built_by/wandb_run_id"] = built_by["run_id"]
     run_id = f"{ref.artifact_id}-{uuid.uuid4().hex[:8]}"
     os.makedirs(cfg.wandb.dir, exist_ok=True)
-    run = wandb.init(project=cfg.wandb.project, group=info["group"], job_type=ref.stage, name=ref.artifact_id, id=run_id,
-                     tags=run_tags(info, "cached"), config=config, mode=mode,  # type: ignore[arg-type]  # as above
-                     dir=cfg.wandb.dir, reinit="create_new",
-                     settings=_settings(wandb, short=True))
+    run = wandb.init(
+        project=cfg.wandb.project,
+        group=info["group"],
+        job_type=ref.stage,
+        name=ref.artifact_id,
+        id=run_id,
+        tags=run_tags(info, "cached"),
+        config=config,
+        mode=mode,  # type: ignore[arg-type]  # as above
+        dir=cfg.wandb.dir,
+        reinit="create_new",
+        settings=_settings(wandb, short=True),
+    )
     info = run_info(run, cfg, ref.stage, mode)
     try:
         for k, v in (manifest.get("metrics") or {}).items():
@@ -414,5 +467,13 @@ def run_info(run: Any, cfg: PipelineConfig, stage: str, mode: str) -> dict[str, 
     runs; None offline) and ``dir`` (the run's local directory, ``<wandb.dir>/wandb/<mode>-run-<time>-<id>``,
     which ``wandb sync`` uploads)."""
     url = getattr(run, "url", None) if mode == "online" else None
-    return {"project": cfg.wandb.project, "group": run.group, "run_id": run.id, "name": run.name, "job_type": stage,
-            "mode": mode, "url": url, "dir": str(Path(run.dir).parent)}
+    return {
+        "project": cfg.wandb.project,
+        "group": run.group,
+        "run_id": run.id,
+        "name": run.name,
+        "job_type": stage,
+        "mode": mode,
+        "url": url,
+        "dir": str(Path(run.dir).parent),
+    }

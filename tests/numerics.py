@@ -43,10 +43,14 @@ class Fp64Reference:
         """Assert ``ours`` is within ``max(tol, 2 * hf_rounding)`` of the exact values; print
         both numbers; return our error."""
         err, bound = self.error(ours), self.bound(tol)
-        print(f"{label}: ours vs exact (fp64) = {err:.3e}; reference fp32 vs exact = {self.hf_rounding:.3e}; "
-              f"bound max({tol:g}, {ROUNDING_FACTOR:g} x {self.hf_rounding:.3e}) = {bound:.3e}")
-        assert err <= bound, (f"{label}: |ours - exact| = {err:.3e} > {bound:.3e} "
-                              f"(reference's own fp32 rounding here: {self.hf_rounding:.3e})")
+        print(
+            f"{label}: ours vs exact (fp64) = {err:.3e}; reference fp32 vs exact = {self.hf_rounding:.3e}; "
+            f"bound max({tol:g}, {ROUNDING_FACTOR:g} x {self.hf_rounding:.3e}) = {bound:.3e}"
+        )
+        assert err <= bound, (
+            f"{label}: |ours - exact| = {err:.3e} > {bound:.3e} "
+            f"(reference's own fp32 rounding here: {self.hf_rounding:.3e})"
+        )
         return err
 
 

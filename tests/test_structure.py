@@ -62,8 +62,18 @@ PACKAGE_LAYERS = {"flows": 4, "tasks": 3, "engine": 2, "data": 1, "conversion": 
 # | 1     | batching                      |
 # | 0     | algorithms, library_warnings  |
 ENGINE_LAYERS = {
-    "rl": 9, "evaluation": 9, "backends": 8, "training": 7, "trajectory": 6, "rollout": 5,
-    "storage": 4, "distributed": 3, "models": 2, "batching": 1, "algorithms": 0, "library_warnings": 0,
+    "rl": 9,
+    "evaluation": 9,
+    "backends": 8,
+    "training": 7,
+    "trajectory": 6,
+    "rollout": 5,
+    "storage": 4,
+    "distributed": 3,
+    "models": 2,
+    "batching": 1,
+    "algorithms": 0,
+    "library_warnings": 0,
 }
 
 
@@ -307,8 +317,12 @@ def engine_init_contents(root: Path) -> list[str]:
         if module.split(".")[0] != "engine" or path.name != "__init__.py":
             continue
         body = ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             body = body[1:]
         for stmt in body:
             text = ast.unparse(stmt).splitlines()[0]
@@ -422,8 +436,9 @@ def test_each_check_reports_a_deliberate_violation(tmp_path):
     [upward_cycle] = [c for c in new["cycles"] if c is not cycle and c is not by_name]
     assert "engine.models.platform" in upward_cycle and "engine.rl.loop" in upward_cycle, upward_cycle
     assert f"engine/models/platform.py:{upward_line} `from engine.rl.loop import run_rl`" in upward_cycle
-    assert cycle.startswith("import cycle among ['data._probe_a', 'data._probe_b']: "
-                            "data._probe_a -> data._probe_b -> data._probe_a"), cycle
+    assert cycle.startswith(
+        "import cycle among ['data._probe_a', 'data._probe_b']: data._probe_a -> data._probe_b -> data._probe_a"
+    ), cycle
     assert "data/_probe_a.py:3 `from data import _probe_b`" in cycle, cycle
     assert "data/_probe_b.py:6 `from ._probe_a import VALUE`" in cycle, cycle
     assert new["lines"] == [f"data/_probe_long.py:{MAX_LINES + 1}: {MAX_LINES + 1} lines, more than {MAX_LINES}"]

@@ -362,12 +362,15 @@ def on_policy_distill_advantages(
         mask's, non-finite log-probs on mask tokens, or as :func:`grpo_advantages`.
     """
     if mask is None or teacher_logprobs is None or student_logprobs is None:
-        raise ValueError("on_policy_distill needs the response mask [B, L] and teacher_logprobs=, "
-                         "student_logprobs= [B, L]")
+        raise ValueError(
+            "on_policy_distill needs the response mask [B, L] and teacher_logprobs=, student_logprobs= [B, L]"
+        )
     _check(rewards, group_index, mask)
     if not (teacher_logprobs.shape == student_logprobs.shape == mask.shape):
-        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} and student_logprobs "
-                         f"{tuple(student_logprobs.shape)} must have the mask's shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"teacher_logprobs {tuple(teacher_logprobs.shape)} and student_logprobs "
+            f"{tuple(student_logprobs.shape)} must have the mask's shape {tuple(mask.shape)}"
+        )
     keep = mask.bool()
     diff = torch.where(keep, teacher_logprobs.double() - student_logprobs.double(), 0.0)
     if not torch.isfinite(diff).all():
@@ -398,16 +401,19 @@ def _checked_plugin(fn: AdvantageEstimator, path: str) -> AdvantageEstimator:
     ``[B, L]`` shape, all finite; cast to the dtype of ``rewards``."""
 
     @functools.wraps(fn)
-    def estimator(rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor | None = None,
-                  **options) -> torch.Tensor:
+    def estimator(
+        rewards: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor | None = None, **options
+    ) -> torch.Tensor:
         out = fn(rewards, group_index, mask, **options)
         expected = tuple(rewards.shape[:1]) if mask is None else tuple(mask.shape)
         who = f"rl.algorithm plug-in {path}"
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"{who} returned {type(out).__name__}; expected a tensor of shape {list(expected)}")
         if tuple(out.shape) != expected:
-            raise ValueError(f"{who} returned shape {list(out.shape)}; expected {list(expected)} "
-                             f"(rewards {list(rewards.shape)}, mask {None if mask is None else list(mask.shape)})")
+            raise ValueError(
+                f"{who} returned shape {list(out.shape)}; expected {list(expected)} "
+                f"(rewards {list(rewards.shape)}, mask {None if mask is None else list(mask.shape)})"
+            )
         if not torch.isfinite(out).all():
             raise ValueError(f"{who} returned non-finite advantages")
         return out.to(_out_dtype(rewards))
@@ -433,8 +439,13 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     if is_import_path(name):
         needs = algorithm_needs(name)
         keywords = (("values",) if needs.critic else ()) + (_TEACHER_OPTIONS if needs.teacher else ())
-        fn = load_plugin(name, "rl.algorithm", "advantage estimator", positional=("rewards", "group_index", "mask"),
-                         keywords=keywords)
+        fn = load_plugin(
+            name,
+            "rl.algorithm",
+            "advantage estimator",
+            positional=("rewards", "group_index", "mask"),
+            keywords=keywords,
+        )
         return _checked_plugin(fn, name)
     if name not in ADVANTAGE_ESTIMATORS:
         raise KeyError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}")

@@ -30,8 +30,9 @@ def is_import_path(name: str) -> bool:
     return ":" in name
 
 
-def load_plugin(path: str, key: str, kind: str, positional: tuple[str, ...],
-                keywords: tuple[str, ...] = ()) -> Callable[..., Any]:
+def load_plugin(
+    path: str, key: str, kind: str, positional: tuple[str, ...], keywords: tuple[str, ...] = ()
+) -> Callable[..., Any]:
     """The function at ``path``, checked to accept the ``positional`` arguments (passed
     by position) followed by the ``keywords``.
 
@@ -60,6 +61,8 @@ def load_plugin(path: str, key: str, kind: str, positional: tuple[str, ...],
         signature.bind(*positional, **dict.fromkeys(keywords))
     except TypeError as exc:
         call = ", ".join([*positional, *(f"{k}=..." for k in keywords)])
-        raise ImportError(f"{key}: cannot load the {kind} plug-in {path!r}: {path.partition(':')[2]}{signature} "
-                          f"cannot be called as ({call}): {exc}") from exc
+        raise ImportError(
+            f"{key}: cannot load the {kind} plug-in {path!r}: {path.partition(':')[2]}{signature} "
+            f"cannot be called as ({call}): {exc}"
+        ) from exc
     return fn

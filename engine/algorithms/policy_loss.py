@@ -176,10 +176,18 @@ def ppo_clip_loss(
     """
     log_ratio = torch.clamp(logprobs - old_logprobs, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return _clipped_objective(
-        torch.exp(log_ratio), log_ratio, old_logprobs, advantages, mask,
+        torch.exp(log_ratio),
+        log_ratio,
+        old_logprobs,
+        advantages,
+        mask,
         clip_ratio if clip_ratio_low is None else clip_ratio_low,
         clip_ratio if clip_ratio_high is None else clip_ratio_high,
-        clip_ratio_c, rollout_logprobs, tis_cap, loss_agg_mode, _with_num_tokens(mask, norm, num_tokens),
+        clip_ratio_c,
+        rollout_logprobs,
+        tis_cap,
+        loss_agg_mode,
+        _with_num_tokens(mask, norm, num_tokens),
     )
 
 
@@ -227,8 +235,18 @@ def gspo_loss(
     low = next(v for v in (clip_ratio_low, clip_ratio, _GSPO_CLIP[0]) if v is not None)
     high = next(v for v in (clip_ratio_high, clip_ratio, _GSPO_CLIP[1]) if v is not None)
     return _clipped_objective(
-        torch.exp(log_s), token_log_ratio, old_logprobs, advantages, mask, low, high,
-        clip_ratio_c, rollout_logprobs, tis_cap, loss_agg_mode, _with_num_tokens(mask, norm, num_tokens),
+        torch.exp(log_s),
+        token_log_ratio,
+        old_logprobs,
+        advantages,
+        mask,
+        low,
+        high,
+        clip_ratio_c,
+        rollout_logprobs,
+        tis_cap,
+        loss_agg_mode,
+        _with_num_tokens(mask, norm, num_tokens),
     )
 
 
@@ -259,8 +277,15 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {"ppo_clip": ppo_clip_loss, "gspo": gspo_
 
 # The arguments the actor passes a policy loss (engine.training.actor.actor_loss_fn): by position, by keyword.
 PLUGIN_POSITIONAL = ("logprobs", "old_logprobs", "advantages", "mask", "clip_ratio")
-PLUGIN_KEYWORDS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tis_cap", "rollout_logprobs",
-                   "loss_agg_mode", "norm")
+PLUGIN_KEYWORDS = (
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "tis_cap",
+    "rollout_logprobs",
+    "loss_agg_mode",
+    "norm",
+)
 
 
 def _checked_plugin(fn: PolicyLoss, path: str) -> PolicyLoss:
@@ -271,8 +296,9 @@ def _checked_plugin(fn: PolicyLoss, path: str) -> PolicyLoss:
         out = fn(*args, **kwargs)
         who = f"rl.policy_loss plug-in {path}"
         if not isinstance(out, PolicyLossOutput):
-            raise TypeError(f"{who} returned {type(out).__name__}; "
-                            "expected engine.algorithms.policy_loss.PolicyLossOutput")
+            raise TypeError(
+                f"{who} returned {type(out).__name__}; expected engine.algorithms.policy_loss.PolicyLossOutput"
+            )
         if not isinstance(out.pg_loss, torch.Tensor) or out.pg_loss.dim() != 0:
             shape = list(out.pg_loss.shape) if isinstance(out.pg_loss, torch.Tensor) else type(out.pg_loss).__name__
             raise TypeError(f"{who} returned pg_loss {shape}; expected a scalar tensor")
@@ -296,8 +322,7 @@ def get_policy_loss(name: str) -> PolicyLoss:
             message names ``rl.policy_loss``, the path and the reason).
     """
     if is_import_path(name):
-        fn = load_plugin(name, "rl.policy_loss", "policy loss", positional=PLUGIN_POSITIONAL,
-                         keywords=PLUGIN_KEYWORDS)
+        fn = load_plugin(name, "rl.policy_loss", "policy loss", positional=PLUGIN_POSITIONAL, keywords=PLUGIN_KEYWORDS)
         return _checked_plugin(fn, name)
     if name not in POLICY_LOSSES:
         raise KeyError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}")

@@ -50,9 +50,15 @@ def _sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
-             dpop_lambda: float = 0.0) -> PreferenceLoss:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    dpop_lambda: float = 0.0,
+) -> PreferenceLoss:
     """Direct Preference Optimization, Rafailov et al. 2023 (arXiv:2305.18290), eq. 7, with
     label smoothing (conservative DPO) as TRL's ``sigmoid`` loss, and the DPO-Positive penalty
     of Pal et al. 2024 (arXiv:2402.13228, eq. 3)::
@@ -82,8 +88,13 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return PreferenceLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
-def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float) -> PreferenceLoss:
+def ipo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> PreferenceLoss:
     """Identity Preference Optimization, Azar et al. 2023 (arXiv:2310.12036), eq. 17::
 
         h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
@@ -104,8 +115,9 @@ def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return PreferenceLoss(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
 
 
-def simpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, beta: float, gamma: float,
-               label_smoothing: float = 0.0) -> PreferenceLoss:
+def simpo_loss(
+    policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, beta: float, gamma: float, label_smoothing: float = 0.0
+) -> PreferenceLoss:
     """Simple Preference Optimization, Meng et al. 2024 (arXiv:2405.14734), eq. 6; no reference::
 
         loss = -(1 - eps) * log sigmoid(beta * (avg log pi(y_c) - avg log pi(y_r)) - gamma)
@@ -126,8 +138,9 @@ def simpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, beta:
     return PreferenceLoss(losses, chosen.detach(), rejected.detach())
 
 
-def with_chosen_nll(out: PreferenceLoss, policy_chosen_sum: torch.Tensor, chosen_tokens: torch.Tensor,
-                    alpha: float) -> PreferenceLoss:
+def with_chosen_nll(
+    out: PreferenceLoss, policy_chosen_sum: torch.Tensor, chosen_tokens: torch.Tensor, alpha: float
+) -> PreferenceLoss:
     """Add the chosen response's negative log-likelihood per token to each pair's loss (RPO)::
 
         loss_i = loss_pref_i + alpha * (-log pi(y_c,i | x_i) / |y_c,i|)
@@ -168,9 +181,16 @@ def kto_reference_point(policy_mismatched: torch.Tensor, ref_mismatched: torch.T
     return (policy_mismatched - ref_mismatched).mean().clamp(min=0).detach()
 
 
-def kto_loss(policy_desirable: torch.Tensor, policy_undesirable: torch.Tensor, ref_desirable: torch.Tensor,
-             ref_undesirable: torch.Tensor, reference_point: torch.Tensor, beta: float,
-             desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> PreferenceLoss:
+def kto_loss(
+    policy_desirable: torch.Tensor,
+    policy_undesirable: torch.Tensor,
+    ref_desirable: torch.Tensor,
+    ref_undesirable: torch.Tensor,
+    reference_point: torch.Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> PreferenceLoss:
     """Kahneman-Tversky Optimization, Ethayarajh et al. 2024 (arXiv:2402.01306), eq. 7, as TRL's
     ``KTOTrainer`` (``loss_type="kto"``)::
 
@@ -189,6 +209,10 @@ def kto_loss(policy_desirable: torch.Tensor, policy_undesirable: torch.Tensor, r
         rewards ``beta * r``.
     """
     desirable_ratio, undesirable_ratio = policy_desirable - ref_desirable, policy_undesirable - ref_undesirable
-    losses = torch.cat([desirable_weight * (1 - torch.sigmoid(beta * (desirable_ratio - reference_point))),
-                        undesirable_weight * (1 - torch.sigmoid(beta * (reference_point - undesirable_ratio)))])
+    losses = torch.cat(
+        [
+            desirable_weight * (1 - torch.sigmoid(beta * (desirable_ratio - reference_point))),
+            undesirable_weight * (1 - torch.sigmoid(beta * (reference_point - undesirable_ratio))),
+        ]
+    )
     return PreferenceLoss(losses, beta * desirable_ratio.detach(), beta * undesirable_ratio.detach())

@@ -58,8 +58,10 @@ def clipped_value_loss(
     Raises: ValueError when the shapes differ or ``cliprange_value <= 0``.
     """
     if not (values.shape == old_values.shape == returns.shape == mask.shape) or values.dim() != 2:
-        raise ValueError(f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns "
-                         f"{tuple(returns.shape)} and mask {tuple(mask.shape)} must all be [B, L]")
+        raise ValueError(
+            f"values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, returns "
+            f"{tuple(returns.shape)} and mask {tuple(mask.shape)} must all be [B, L]"
+        )
     if not cliprange_value > 0:
         raise ValueError(f"cliprange_value must be > 0, got {cliprange_value}")
     old_values, returns = old_values.detach(), returns.detach()

@@ -31,8 +31,10 @@ def _check_lengths(lengths: torch.Tensor, width: int | None = None) -> torch.Ten
     if int(lengths.min()) < 1:
         raise ValueError(f"packing: sequence {int(lengths.argmin())} has length {int(lengths.min())} (need >= 1)")
     if width is not None and int(lengths.max()) > width:
-        raise ValueError(f"packing: sequence {int(lengths.argmax())} has length {int(lengths.max())} "
-                         f"but the padded batch is only {width} wide")
+        raise ValueError(
+            f"packing: sequence {int(lengths.argmax())} has length {int(lengths.max())} "
+            f"but the padded batch is only {width} wide"
+        )
     return lengths
 
 
@@ -117,8 +119,9 @@ def pack_sequences(input_ids: torch.Tensor, lengths: torch.Tensor) -> PackedSequ
     )
 
 
-def unpack_sequences(values: torch.Tensor, cu_seqlens: torch.Tensor, width: int | None = None,
-                     fill: float = 0.0) -> torch.Tensor:
+def unpack_sequences(
+    values: torch.Tensor, cu_seqlens: torch.Tensor, width: int | None = None, fill: float = 0.0
+) -> torch.Tensor:
     """Per-token values of a packed row back into a right-padded batch.
 
     Args:

@@ -64,8 +64,14 @@ class MixtureSampler:
     BLOCK = 1024  # draws per seeded block
     MIX_STREAM = 0x6D6978  # "mix": keeps the source draws apart from the sources' permutations
 
-    def __init__(self, sizes: list[int], weights: list[float], seed: int, draws: int = 0,
-                 sources: tuple[tuple[int, int], ...] | None = None):
+    def __init__(
+        self,
+        sizes: list[int],
+        weights: list[float],
+        seed: int,
+        draws: int = 0,
+        sources: tuple[tuple[int, int], ...] | None = None,
+    ):
         if not sizes or len(sizes) != len(weights):
             raise ValueError(f"MixtureSampler: {len(sizes)} sources and {len(weights)} weights")
         w = np.asarray(weights, dtype=np.float64)
@@ -76,8 +82,9 @@ class MixtureSampler:
             raise ValueError(f"MixtureSampler: the position holds {len(sources)} sources, the mixture has {len(sizes)}")
         self.probabilities, self.seed, self.draws = w / w.sum(), seed, draws
         self.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
-        self.samplers = [EpochSampler(n, self.source_seed(seed, i), e, o)
-                         for i, (n, (e, o)) in enumerate(zip(sizes, sources))]
+        self.samplers = [
+            EpochSampler(n, self.source_seed(seed, i), e, o) for i, (n, (e, o)) in enumerate(zip(sizes, sources))
+        ]
 
     @staticmethod
     def source_seed(seed: int, index: int) -> int:

@@ -83,7 +83,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, object_sto
             except Exception as exc:
                 if attempt == attempts or "timed out during startup" not in str(exc):
                     raise
-                logging.getLogger(__name__).warning("Ray start-up timed out (attempt %d of %d); retrying", attempt, attempts)
+                logging.getLogger(__name__).warning(
+                    "Ray start-up timed out (attempt %d of %d); retrying", attempt, attempts
+                )
                 ray.shutdown()
     return ray.cluster_resources()
 

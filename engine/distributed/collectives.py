@@ -125,7 +125,7 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
     offset = 0
     for g in grads:
         n = g.numel()
-        g.copy_(flat[offset: offset + n].view_as(g))
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
     seconds = time.perf_counter() - t0
     COMM_SECONDS["all_reduce_s"] += seconds
@@ -190,8 +190,9 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> flo
     return _clip_shards_over(params, max_norm, lambda p: getattr(p, "tensor_model_parallel", False), tp)
 
 
-def _clip_shards_over(params: Sequence[torch.nn.Parameter], max_norm: float,
-                      is_shard: Callable[[torch.nn.Parameter], bool], group) -> float:
+def _clip_shards_over(
+    params: Sequence[torch.nn.Parameter], max_norm: float, is_shard: Callable[[torch.nn.Parameter], bool], group
+) -> float:
     """:func:`clip_grad_norm` where the ``params`` for which ``is_shard`` holds are slices held
     by the ranks of ``group`` (their squared norms summed over it) and the rest are replicated
     (counted once)."""

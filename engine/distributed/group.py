@@ -86,8 +86,10 @@ def shard_rows(lengths: Sequence[int], k: int) -> list[list[int]]:
             would have nothing to back-propagate while the others wait for its gradients).
     """
     if len(lengths) < k:
-        raise ValueError(f"a batch of {len(lengths)} rows cannot be split over data_parallel_size={k} ranks; "
-                         "use a smaller data_parallel_size or a larger batch")
+        raise ValueError(
+            f"a batch of {len(lengths)} rows cannot be split over data_parallel_size={k} ranks; "
+            "use a smaller data_parallel_size or a larger batch"
+        )
     if k == 1:
         return [list(range(len(lengths)))]
     parts = [sorted(p) for p in karmarkar_karp(list(lengths), k, equal_size=len(lengths) % k == 0)]
@@ -118,8 +120,16 @@ class RankActor:
         """This rank's node address and a free port on it (rank 0's is the rendezvous)."""
         return ray.util.get_node_ip_address(), _free_port()
 
-    def setup(self, master: tuple[str, int], tensor_model_parallel_size: int, seed: int,
-              worker_cls: type, args: tuple, kwargs: dict, expert_model_parallel_size: int = 1) -> None:
+    def setup(
+        self,
+        master: tuple[str, int],
+        tensor_model_parallel_size: int,
+        seed: int,
+        worker_cls: type,
+        args: tuple,
+        kwargs: dict,
+        expert_model_parallel_size: int = 1,
+    ) -> None:
         """Join the process group at ``master``, start megatron's parallel state with
         ``tensor_model_parallel_size`` (the data-parallel size is the rest of the world), then
         build ``worker_cls(*args, **kwargs)``.
@@ -130,8 +140,13 @@ class RankActor:
         setup_cpu_platform()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         addr, port = master
-        dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=600),
+        )
         init_model_parallel(tp=tensor_model_parallel_size, seed=seed, ep=expert_model_parallel_size)
         self.worker = worker_cls(*args, **kwargs)
 
@@ -229,9 +244,16 @@ class WorkerGroup:
     rank's constructor raised).
     """
 
-    def __init__(self, worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any] | list[dict[str, Any]],
-                 args: tuple = (),
-                 kwargs: dict | None = None, seed: int = 0, norm_fn: Callable | None = None):
+    def __init__(
+        self,
+        worker_cls: type,
+        layout: ParallelConfig,
+        actor_options: dict[str, Any] | list[dict[str, Any]],
+        args: tuple = (),
+        kwargs: dict | None = None,
+        seed: int = 0,
+        norm_fn: Callable | None = None,
+    ):
         self.layout = layout
         self.dp, self.tp = layout.data_parallel_size, layout.tensor_model_parallel_size
         self.norm_fn = norm_fn
@@ -247,9 +269,12 @@ class WorkerGroup:
         remote = ray.remote(concurrency_groups={"health": 1})(RankActor)  # type: ignore[call-overload]
         self.ranks = [remote.options(**per_rank[r]).remote(r, layout.world_size) for r in range(layout.world_size)]
         master = ray.get(self.ranks[0].address.remote())
-        self._ready = [r.setup.remote(master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}),
-                                      layout.expert_model_parallel_size)
-                       for r in self.ranks]
+        self._ready = [
+            r.setup.remote(
+                master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}), layout.expert_model_parallel_size
+            )
+            for r in self.ranks
+        ]
         self._combine = ray.remote(num_cpus=0)(_combine)
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="worker-group-watchdog", daemon=True)
@@ -297,7 +322,9 @@ class WorkerGroup:
         if mode == "tp0":  # rank 0 answers only once its tensor-parallel peers took part in the gather
             return [r.call.remote(name, *args, **kwargs) for r in self.ranks[: self.tp]][0]
         if mode == "all":
-            return self._combine.remote("first", None, (0, 0), *[r.call.remote(name, *args, **kwargs) for r in self.ranks])
+            return self._combine.remote(
+                "first", None, (0, 0), *[r.call.remote(name, *args, **kwargs) for r in self.ranks]
+            )
         traj, rest = args[0], args[1:]
         lengths = (traj.prompt_lengths + traj.response_lengths).tolist()
         shards = shard_rows(lengths, self.dp)
@@ -306,8 +333,9 @@ class WorkerGroup:
         refs = []
         for rank in range(len(self.ranks)):
             rows = shards[rank // self.tp]  # megatron's order: tensor-parallel ranks are adjacent
-            shard_args = [[a[i] for i in rows] if isinstance(a, (list, tuple)) and len(a) == len(traj) else a
-                          for a in rest]  # per-row lists go with their rows
+            shard_args = [
+                [a[i] for i in rows] if isinstance(a, (list, tuple)) and len(a) == len(traj) else a for a in rest
+            ]  # per-row lists go with their rows
             refs.append(self.ranks[rank].call.remote(name, traj.select(torch.tensor(rows)), *shard_args, **kwargs))
         # one result per data-parallel replica (its first tensor-parallel rank)
         shape = (len(traj), traj.response_ids.size(1))
@@ -324,9 +352,15 @@ class WorkerGroup:
             ray.kill(r)
 
 
-def spawn_role(worker_cls: type, layout: ParallelConfig, actor_options: dict[str, Any] | list[dict[str, Any]],
-               args: tuple = (),
-               kwargs: dict | None = None, seed: int = 0, norm_fn: Callable | None = None):
+def spawn_role(
+    worker_cls: type,
+    layout: ParallelConfig,
+    actor_options: dict[str, Any] | list[dict[str, Any]],
+    args: tuple = (),
+    kwargs: dict | None = None,
+    seed: int = 0,
+    norm_fn: Callable | None = None,
+):
     """A single Ray actor of ``worker_cls`` when ``layout.world_size == 1`` (exactly today's
     worker), else a :class:`WorkerGroup`. Both answer ``.method.remote(...)`` the same way."""
     if layout.world_size == 1:

@@ -49,11 +49,13 @@ def micro_batch_share(micro_batches: Sequence[T], section: str) -> Sequence[T]:
         raise ValueError(
             f"{section}.parallel.data_parallel_size={k}: this step formed only {len(micro_batches)} micro-batches "
             f"({section}.max_tokens_per_micro_batch), fewer than the ranks (every rank needs at least one); lower "
-            f"{section}.max_tokens_per_micro_batch, raise {section}.global_batch_size or use fewer ranks")
+            f"{section}.max_tokens_per_micro_batch, raise {section}.global_batch_size or use fewer ranks"
+        )
     if len(micro_batches) % k and expert_model_parallel_group() is not None:
         raise ValueError(
             f"{section}.parallel.expert_model_parallel_size > 1: every rank must run as many micro-batches (the "
             f"ranks exchange tokens in every MoE layer), but this step formed {len(micro_batches)} for {k} "
             f"data-parallel ranks; make {section}.global_batch_size / {section}.micro_batch_size a multiple of "
-            f"{section}.parallel.data_parallel_size (or unset {section}.max_tokens_per_micro_batch)")
-    return micro_batches[data_parallel_rank()::k]
+            f"{section}.parallel.data_parallel_size (or unset {section}.max_tokens_per_micro_batch)"
+        )
+    return micro_batches[data_parallel_rank() :: k]

@@ -94,9 +94,16 @@ class _RelayLogger:
         ray.get(self.relay.put.remote(dict(metrics), int(step)))
 
 
-def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layout: ParallelConfig, section: str, *,
-              log_metrics: Callable[[dict[str, float], int], None] | None = None, ray_address: str | None = None,
-              num_cpus: int | None = None) -> dict[str, float]:
+def run_stage(
+    fn: Callable[..., dict[str, float]],
+    kwargs: dict[str, Any],
+    layout: ParallelConfig,
+    section: str,
+    *,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+) -> dict[str, float]:
     """``fn(**kwargs, log_metrics=log_metrics)`` in this process (``layout.world_size == 1``)
     or on ``layout.world_size`` Ray actor ranks; returns rank 0's result.
 
@@ -137,18 +144,26 @@ def run_stage(fn: Callable[..., dict[str, float]], kwargs: dict[str, Any], layou
     k = layout.world_size
     per_rank = layout.cpus_per_rank if layout.cpus_per_rank is not None else cluster_cpus / k
     if per_rank * k > cluster_cpus + 1e-9:
-        raise ValueError(f"{section}.parallel: {k} ranks x {per_rank:g} CPUs ({section}.parallel.cpus_per_rank) "
-                         f"exceed the Ray cluster's {cluster_cpus:g} CPUs; lower {section}.parallel.cpus_per_rank or "
-                         f"{section}.parallel.data_parallel_size")
+        raise ValueError(
+            f"{section}.parallel: {k} ranks x {per_rank:g} CPUs ({section}.parallel.cpus_per_rank) "
+            f"exceed the Ray cluster's {cluster_cpus:g} CPUs; lower {section}.parallel.cpus_per_rank or "
+            f"{section}.parallel.data_parallel_size"
+        )
     options: dict[str, Any] = {"num_cpus": per_rank}
     if layout.gpus_per_rank:
         options["num_gpus"] = layout.gpus_per_rank
     relay: ray.actor.ActorHandle | None = None
     if log_metrics is not None:
         relay = ray.remote(num_cpus=0)(_MetricsRelay).options(max_concurrency=8).remote()  # type: ignore[assignment]  # ray: options().remote() typed as handle or class
-    logger.info("%s on %d ranks (data_parallel_size %d x tensor_model_parallel_size %d; %g CPUs, %d torch threads "
-                "each)", section, k, layout.data_parallel_size, layout.tensor_model_parallel_size, per_rank,
-                max(1, int(per_rank)))
+    logger.info(
+        "%s on %d ranks (data_parallel_size %d x tensor_model_parallel_size %d; %g CPUs, %d torch threads each)",
+        section,
+        k,
+        layout.data_parallel_size,
+        layout.tensor_model_parallel_size,
+        per_rank,
+        max(1, int(per_rank)),
+    )
     # seed 0: megatron's RNG tracker as the single-process path seeds it (init_model_parallel())
     group = WorkerGroup(StageRank, layout, options, (max(1, int(per_rank)),), seed=0)
     try:

@@ -111,7 +111,11 @@ class SharedSlots:
             return Handle("cuda", reduce_tensor(flat), flat.numel(), slot)
         total = layout(sizes)[1]
         segment = self._segment(slot, total)
-        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total) if total else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
+            if total
+            else torch.empty(0, dtype=torch.uint8)
+        )
         pack(named_tensors, flat.device, _Fixed(flat))
         del flat  # a segment with a live export cannot be closed later
         return Handle("shm", segment.name, total, slot)

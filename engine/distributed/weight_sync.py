@@ -165,8 +165,11 @@ class Scratch:
         return self.buffer[:nbytes]
 
 
-def pack(named_tensors: Sequence[tuple[str, torch.Tensor]], device: torch.device | None = None,
-         scratch: Scratch | None = None) -> torch.Tensor:
+def pack(
+    named_tensors: Sequence[tuple[str, torch.Tensor]],
+    device: torch.device | None = None,
+    scratch: Scratch | None = None,
+) -> torch.Tensor:
     """The tensors' bytes in one flat ``uint8`` tensor on ``device`` (default the first
     tensor's), in order, each at its :func:`layout` offset: what one broadcast sends. With
     ``scratch`` the tensor is a view of its buffer (valid until the next ``take``)."""

@@ -28,19 +28,30 @@ if TYPE_CHECKING:
     from config.evaluate import BenchmarkSettings
 
 
-def load_benchmark(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None,
-                   code: Any = None) -> Benchmark:
+def load_benchmark(
+    settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None, code: Any = None
+) -> Benchmark:
     """The :class:`~engine.evaluation.scoring.Benchmark` of resolved ``settings``
     (``config.evaluate.EvaluateConfig.benchmarks``): its rows as :func:`benchmark_rows`
     reads them; ``code``: ``rl.reward.code`` for the ``code`` verifier. Raises what
     :func:`benchmark_rows` raises."""
     rows, _, _ = benchmark_rows(settings, rl_eval_path)
-    return Benchmark(settings.name, tuple(rows), settings.verifier, settings.samples_per_prompt, settings.temperature,
-                     settings.max_new_tokens, settings.k, settings.breakdown, code)
+    return Benchmark(
+        settings.name,
+        tuple(rows),
+        settings.verifier,
+        settings.samples_per_prompt,
+        settings.temperature,
+        settings.max_new_tokens,
+        settings.k,
+        settings.breakdown,
+        code,
+    )
 
 
-def benchmark_rows(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None
-                   ) -> tuple[list[dict[str, Any]], list[int], str]:
+def benchmark_rows(
+    settings: BenchmarkSettings, rl_eval_path: str | os.PathLike | None = None
+) -> tuple[list[dict[str, Any]], list[int], str]:
     """The rows of a benchmark (``{"prompt", "label", "fields"?}``), the source line of each
     and the file they came from, read as the evaluate stage reads them (``posttrain validate``
     reads ``evaluate.datasets`` with it too).
@@ -67,8 +78,14 @@ def benchmark_rows(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike 
         where = str(rl_eval_path)
     else:
         try:
-            checked = validate_dataset(settings.path, "rl", format=settings.format, limit=settings.num_prompts,
-                                       key=settings.key, keep=settings.breakdown)
+            checked = validate_dataset(
+                settings.path,
+                "rl",
+                format=settings.format,
+                limit=settings.num_prompts,
+                key=settings.key,
+                keep=settings.breakdown,
+            )
         except FileNotFoundError:
             raise FileNotFoundError(f"{settings.key}.path: file not found: {settings.path}") from None
         except ValueError as e:  # a format that cannot give prompt/label rows (an SFT or preference file)
@@ -82,13 +99,15 @@ def benchmark_rows(settings: BenchmarkSettings, rl_eval_path: str | os.PathLike 
     for line, row in zip(lines, rows):
         problem = label_problem(settings.verifier, str(row["label"]))
         if problem is not None:
-            raise ValueError(f"{settings.key} ({settings.name}): {where}:{line}: label: {problem} "
-                             f"(verifier {settings.verifier})")
+            raise ValueError(
+                f"{settings.key} ({settings.name}): {where}:{line}: label: {problem} (verifier {settings.verifier})"
+            )
     return rows, lines, where
 
 
-def stage_metrics(results: Mapping[str, Mapping[str, Mapping[str, Any]]], baseline: str,
-                  candidate: str = "rl") -> dict[str, float]:
+def stage_metrics(
+    results: Mapping[str, Mapping[str, Mapping[str, Any]]], baseline: str, candidate: str = "rl"
+) -> dict[str, float]:
     """The evaluate stage's metrics from ``{benchmark: {policy: result}}``
     (:func:`engine.evaluation.scoring.evaluate_benchmarks`).
 

@@ -51,20 +51,28 @@ STAGE_PANELS: dict[str, tuple[Panel, ...]] = {
     # engine/training/sft.py logs train/loss (token-mean NLL) and train/lr.
     "sft": (Panel("loss (nats per target token)", ("train/loss",)), Panel("learning rate", ("train/lr",))),
     # engine/training/reward_model.py: the training batch's and, every log_every steps, the held-out pairs'.
-    "rm": (Panel("Bradley-Terry loss", ("train/loss", "rm/loss")),
-           Panel("pairwise accuracy", ("train/accuracy", "rm/accuracy"))),
+    "rm": (
+        Panel("Bradley-Terry loss", ("train/loss", "rm/loss")),
+        Panel("pairwise accuracy", ("train/accuracy", "rm/accuracy")),
+    ),
     # engine/training/preference_optimization.py: the training batch's and the held-out pairs' (eval).
-    "po": (Panel("loss", ("po/loss", "po/eval_loss")),
-           Panel("reward margin (beta x log-ratio)", ("po/rewards/margin", "po/eval_margin")),
-           Panel("accuracy (pairwise; unpaired KTO: reward sign)",
-                 ("po/accuracy", "po/eval_accuracy", "po/eval_logp_accuracy", "po/eval_kto_accuracy"))),
+    "po": (
+        Panel("loss", ("po/loss", "po/eval_loss")),
+        Panel("reward margin (beta x log-ratio)", ("po/rewards/margin", "po/eval_margin")),
+        Panel(
+            "accuracy (pairwise; unpaired KTO: reward sign)",
+            ("po/accuracy", "po/eval_accuracy", "po/eval_logp_accuracy", "po/eval_kto_accuracy"),
+        ),
+    ),
     # engine/rl/metrics.py step_metrics and the actor's metrics (engine/training/actor.py); KL: to the
     # reference (kl_loss, when the loss or the reward uses it), else the k1 estimate of KL(old || new).
-    "rl": (Panel("reward (critic/score/mean)", ("critic/score/mean",)),
-           Panel("KL (nats)", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")),
-           Panel("entropy (nats per token)", ("actor/entropy",)),
-           Panel("response length (tokens)", ("response_length/mean",)),
-           Panel("clip fraction", ("actor/pg_clipfrac",))),
+    "rl": (
+        Panel("reward (critic/score/mean)", ("critic/score/mean",)),
+        Panel("KL (nats)", ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")),
+        Panel("entropy (nats per token)", ("actor/entropy",)),
+        Panel("response length (tokens)", ("response_length/mean",)),
+        Panel("clip fraction", ("actor/pg_clipfrac",)),
+    ),
 }
 
 
@@ -116,8 +124,14 @@ def read_series(metrics_jsonl: str | os.PathLike, keys: Iterable[str]) -> dict[s
     return {k: np.asarray(p, dtype=np.float64) for k, p in points.items() if p}
 
 
-def render_curves(series: Mapping[str, np.ndarray], panels: Sequence[Panel], out_png: str | os.PathLike, *,
-                  title: str | None = None, xlabel: str = "step") -> Path:
+def render_curves(
+    series: Mapping[str, np.ndarray],
+    panels: Sequence[Panel],
+    out_png: str | os.PathLike,
+    *,
+    title: str | None = None,
+    xlabel: str = "step",
+) -> Path:
     """Draw ``panels`` (:func:`figure_size` pixels) from ``series`` and write a PNG atomically.
 
     Args:
@@ -150,8 +164,15 @@ def render_curves(series: Mapping[str, np.ndarray], panels: Sequence[Panel], out
             data = series[key]
             ax.plot(data[:, 0], data[:, 1], marker="o", markersize=3, label=key)
         if not drawn:
-            ax.text(0.5, 0.5, f"not logged: {', '.join(panel.keys)}", ha="center", va="center", wrap=True,
-                    transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                f"not logged: {', '.join(panel.keys)}",
+                ha="center",
+                va="center",
+                wrap=True,
+                transform=ax.transAxes,
+            )
         elif len(drawn) > 1:
             ax.legend(fontsize="small")
         else:
@@ -160,7 +181,7 @@ def render_curves(series: Mapping[str, np.ndarray], panels: Sequence[Panel], out
         ax.set_xlabel(xlabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
         ax.grid(alpha=0.3)
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_axis_off()
     if title:
         fig.suptitle(title)
@@ -202,6 +223,7 @@ def stage_series(stage: str, metrics_jsonl: str | os.PathLike) -> dict[str, np.n
 def write_metrics_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike) -> Path:
     """Write ``rows`` (each with ``step``) as one JSON line each, atomically, leaving out
     :data:`WALL_CLOCK_PREFIXES` metrics (same inputs, same bytes)."""
+
     def write(f):
         for row in rows:
             f.write(json.dumps({k: v for k, v in row.items() if not k.startswith(WALL_CLOCK_PREFIXES)}) + "\n")
@@ -211,8 +233,9 @@ def write_metrics_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLi
     return out
 
 
-def write_stage_curves(stage: str, out_dir: str | os.PathLike,
-                       history: Iterable[Mapping[str, Any]] | None = None) -> tuple[Path, dict[str, np.ndarray]]:
+def write_stage_curves(
+    stage: str, out_dir: str | os.PathLike, history: Iterable[Mapping[str, Any]] | None = None
+) -> tuple[Path, dict[str, np.ndarray]]:
     """A training stage's ``metrics.jsonl`` (from ``history`` when given, by
     :func:`write_metrics_jsonl`; else the one already in ``out_dir``) and its ``curves.png``
     (:data:`STAGE_PANELS` ``[stage]``) in ``out_dir``.
@@ -236,10 +259,15 @@ def key_numbers(points: np.ndarray) -> dict[str, float]:
     ``last_step``, ``points``."""
     values = points[:, 1]
     finite = values[np.isfinite(values)]
-    return {"first": float(values[0]), "last": float(values[-1]),
-            "min": float(finite.min()) if finite.size else math.nan,
-            "max": float(finite.max()) if finite.size else math.nan,
-            "first_step": float(points[0, 0]), "last_step": float(points[-1, 0]), "points": float(len(points))}
+    return {
+        "first": float(values[0]),
+        "last": float(values[-1]),
+        "min": float(finite.min()) if finite.size else math.nan,
+        "max": float(finite.max()) if finite.size else math.nan,
+        "first_step": float(points[0, 0]),
+        "last_step": float(points[-1, 0]),
+        "points": float(len(points)),
+    }
 
 
 def number(value: float) -> str:
@@ -256,12 +284,19 @@ def curves_markdown(stages: Mapping[str, tuple[str, Mapping[str, np.ndarray]]]) 
     """
     lines = ["## Training curves", ""]
     for stage, (uri, series) in stages.items():
-        lines += [f"**{stage}**: `{uri}`", "", "| series | steps | points | first | last | min | max |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"**{stage}**: `{uri}`",
+            "",
+            "| series | steps | points | first | last | min | max |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for key, points in series.items():
             k = key_numbers(points)
-            cells = [f"{k['first_step']:g}-{k['last_step']:g}", f"{k['points']:g}",
-                     *(number(k[c]) for c in ("first", "last", "min", "max"))]
+            cells = [
+                f"{k['first_step']:g}-{k['last_step']:g}",
+                f"{k['points']:g}",
+                *(number(k[c]) for c in ("first", "last", "min", "max")),
+            ]
             lines.append(f"| {key} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

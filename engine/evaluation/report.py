@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     pass
 
 
-
 # ----------------------------------------------------------------------------- artifact files
 
 
@@ -43,8 +42,12 @@ def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", "\\n")
 
 
-def write_eval_report(results: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike, num_samples: int = 5,
-                      sections: Sequence[str] = ()) -> str:
+def write_eval_report(
+    results: Mapping[str, Mapping[str, Any]],
+    out_dir: str | os.PathLike,
+    num_samples: int = 5,
+    sections: Sequence[str] = (),
+) -> str:
     """:func:`write_benchmark_report` of one benchmark, ``rl_eval``: ``results`` is
     ``{policy_name: evaluate_policy(...) result}``; the files hold no benchmark part in their
     metric names (``metrics.json``: ``{policy: {metric: value}}``).
@@ -65,8 +68,11 @@ def _benchmark_table(results: Mapping[str, Mapping[str, Any]], metrics: Mapping[
     first = results[policies[0]]
     ks = [k.removeprefix("pass@") for k in first if k.startswith("pass@") and not k.endswith("_se")]
     majs = [k.removeprefix("maj@") for k in first if k.startswith("maj@") and not k.endswith("_se")]
-    rows = [("held-out prompts", "n", None, False), ("samples per prompt", "samples_per_prompt", None, False),
-            ("accuracy", "accuracy", "accuracy_se", True)]
+    rows = [
+        ("held-out prompts", "n", None, False),
+        ("samples per prompt", "samples_per_prompt", None, False),
+        ("accuracy", "accuracy", "accuracy_se", True),
+    ]
     rows += [_percent_row(f"pass@{k}", f"pass@{k}") for k in ks] + [_percent_row(f"maj@{k}", f"maj@{k}") for k in majs]
     rows += [
         ("mean reward", "mean_reward", "mean_reward_se", False),
@@ -74,20 +80,32 @@ def _benchmark_table(results: Mapping[str, Mapping[str, Any]], metrics: Mapping[
         ("response length p50 / p90 / max", "response_length/p50", None, False),
         ("hit max_new_tokens", "response_length/clip_ratio", None, True),
     ]
-    metrics = {p: {**metrics[p], "samples_per_prompt": (results[p]["samples"] // results[p]["n"])
-                   if results[p].get("samples") and results[p].get("n") else None} for p in policies}
+    metrics = {
+        p: {
+            **metrics[p],
+            "samples_per_prompt": (results[p]["samples"] // results[p]["n"])
+            if results[p].get("samples") and results[p].get("n")
+            else None,
+        }
+        for p in policies
+    }
     lines = ["| metric | " + " | ".join(_md(p) for p in policies) + " |", "|---" * (len(policies) + 1) + "|"]
     for title, key, se_key, percent in rows:
         if all(metrics[p].get(key) in ((None, 1) if key == "samples_per_prompt" else (None,)) for p in policies):
             continue
         if key == "response_length/p50":
-            cells = [" / ".join(_cell(metrics[p].get(f"response_length/{q}")) for q in ("p50", "p90", "max")) for p in policies]
+            cells = [
+                " / ".join(_cell(metrics[p].get(f"response_length/{q}")) for q in ("p50", "p90", "max"))
+                for p in policies
+            ]
         else:
             cells = [_cell(metrics[p].get(key), metrics[p].get(se_key) if se_key else None, percent) for p in policies]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Accuracy (mean@k: the mean over prompts of each prompt's fraction of correct samples), pass@k, maj@k "
-                 "and mean reward: value ± standard error over prompts (sample std, ddof=1, / sqrt(n)).")
+    lines.append(
+        "Accuracy (mean@k: the mean over prompts of each prompt's fraction of correct samples), pass@k, maj@k "
+        "and mean reward: value ± standard error over prompts (sample std, ddof=1, / sqrt(n))."
+    )
     if len(policies) == 2 and all("records" in results[p] for p in policies):
         base, cand = policies
         if all("per_prompt" in results[p] for p in policies):
@@ -103,11 +121,18 @@ def _benchmark_table(results: Mapping[str, Mapping[str, Any]], metrics: Mapping[
     fields = list(dict.fromkeys(k.split("/")[0] for k in metrics[policies[0]] if k.startswith("by_")))
     for field in fields:
         values = list(dict.fromkeys(k.split("/")[1] for k in metrics[policies[0]] if k.startswith(f"{field}/")))
-        lines += ["", f"| {_md(field.removeprefix('by_'))} | prompts | " + " | ".join(f"{_md(p)} accuracy" for p in policies)
-                  + " |", "|---" * (len(policies) + 2) + "|"]
+        lines += [
+            "",
+            f"| {_md(field.removeprefix('by_'))} | prompts | "
+            + " | ".join(f"{_md(p)} accuracy" for p in policies)
+            + " |",
+            "|---" * (len(policies) + 2) + "|",
+        ]
         for v in values:
             pre = f"{field}/{v}"
-            cells = [_cell(metrics[p].get(f"{pre}/accuracy"), metrics[p].get(f"{pre}/accuracy_se"), True) for p in policies]
+            cells = [
+                _cell(metrics[p].get(f"{pre}/accuracy"), metrics[p].get(f"{pre}/accuracy_se"), True) for p in policies
+            ]
             lines.append(f"| {_md(v)} | {metrics[policies[0]][f'{pre}/n']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -116,10 +141,18 @@ def _examples(results: Mapping[str, Mapping[str, Any]], num_samples: int) -> lis
     """The first sample of each of the first ``num_samples`` prompts, every policy side by side."""
     policies = list(results)
     records = results[policies[0]].get("records", [])
-    firsts = [i for i, r in enumerate(records) if i == 0 or r.get("prompt_index", i) != records[i - 1].get("prompt_index", i - 1)]
+    firsts = [
+        i
+        for i, r in enumerate(records)
+        if i == 0 or r.get("prompt_index", i) != records[i - 1].get("prompt_index", i - 1)
+    ]
     if not firsts:
         return []
-    lines = ["", "| prompt | label | " + " | ".join(_md(p) for p in policies) + " |", "|---" * (len(policies) + 2) + "|"]
+    lines = [
+        "",
+        "| prompt | label | " + " | ".join(_md(p) for p in policies) + " |",
+        "|---" * (len(policies) + 2) + "|",
+    ]
     for i in firsts[:num_samples]:
         record = records[i]
         prompt = record.get("prompt") or [{"content": ""}]
@@ -133,8 +166,12 @@ def _examples(results: Mapping[str, Mapping[str, Any]], num_samples: int) -> lis
     return lines
 
 
-def write_benchmark_report(benchmarks: Mapping[str, Mapping[str, Mapping[str, Any]]], out_dir: str | os.PathLike,
-                           num_samples: int = 5, sections: Sequence[str] = ()) -> str:
+def write_benchmark_report(
+    benchmarks: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    out_dir: str | os.PathLike,
+    num_samples: int = 5,
+    sections: Sequence[str] = (),
+) -> str:
     """Write ``metrics.json``, ``samples.jsonl`` and ``report.md`` for every benchmark, policies side by side.
 
     Args:
@@ -164,8 +201,10 @@ def write_benchmark_report(benchmarks: Mapping[str, Mapping[str, Mapping[str, An
     if not benchmarks or not all(benchmarks.values()):
         raise ValueError("write_benchmark_report: no results")
     out = Path(out_dir)
-    per_bench = {b: {p: {k: _json_safe(v) for k, v in scalar_metrics(r).items()} for p, r in res.items()}
-                 for b, res in benchmarks.items()}
+    per_bench = {
+        b: {p: {k: _json_safe(v) for k, v in scalar_metrics(r).items()} for p, r in res.items()}
+        for b, res in benchmarks.items()
+    }
     metrics: dict[str, dict[str, Any]] = {}
     for b, by_policy in per_bench.items():
         for p, values in by_policy.items():

@@ -210,7 +210,10 @@ class Benchmark:
     def context_tokens(self, tokenizer) -> int:
         """The longest prompt as :func:`evaluate_policy` submits it (``data.chat.encode_prompt``)
         plus ``max_new_tokens``: the engine context the benchmark needs."""
-        return max(len(encode_prompt(tokenizer, r["prompt"], tools=r.get("tools"))) for r in self.rows) + self.max_new_tokens
+        return (
+            max(len(encode_prompt(tokenizer, r["prompt"], tools=r.get("tools"))) for r in self.rows)
+            + self.max_new_tokens
+        )
 
 
 def run_benchmark(engine: RolloutEngine, tokenizer, bench: Benchmark, seed: int = 0) -> dict[str, Any]:
@@ -220,9 +223,18 @@ def run_benchmark(engine: RolloutEngine, tokenizer, bench: Benchmark, seed: int 
     Raises: ValueError for an unknown verifier; as :func:`evaluate_policy`.
     """
     return evaluate_policy(
-        engine, tokenizer, bench.rows, get_verifier(bench.verifier, bench.code), bench.max_new_tokens, bench.temperature,
-        seed=seed, samples_per_prompt=bench.samples_per_prompt, ks=bench.k, voting=answer_voting(bench.verifier),
-        breakdown=bench.breakdown)
+        engine,
+        tokenizer,
+        bench.rows,
+        get_verifier(bench.verifier, bench.code),
+        bench.max_new_tokens,
+        bench.temperature,
+        seed=seed,
+        samples_per_prompt=bench.samples_per_prompt,
+        ks=bench.k,
+        voting=answer_voting(bench.verifier),
+        breakdown=bench.breakdown,
+    )
 
 
 def reloads_in_place(backend: str, hf_config: Mapping[str, Any]) -> bool:
@@ -297,8 +309,9 @@ def evaluate_benchmarks(
     results: dict[str, dict[str, dict[str, Any]]] = {b.name: {} for b in benchmarks}
     engine, engine_config = None, None
     # one bar over every generated sequence; disable=None: drawn on a terminal only, no log lines
-    progress = tqdm(total=len(model_dirs) * sum(b.num_sequences for b in benchmarks), desc="evaluate", unit="seq",
-                    disable=None)
+    progress = tqdm(
+        total=len(model_dirs) * sum(b.num_sequences for b in benchmarks), desc="evaluate", unit="seq", disable=None
+    )
     with tempfile.TemporaryDirectory(prefix="posttrain-eval-") as tmp, progress:
         for name, model_dir in model_dirs.items():
             hf_dir = export_model_dir(Path(model_dir), Path(tmp) / name, dtype=DTYPE_NAMES[precision])
@@ -309,18 +322,31 @@ def evaluate_benchmarks(
             else:
                 context = max(b.context_tokens(tokenizer) for b in benchmarks)
                 engine = build_rollout_engine(
-                    backend, hf_dir, what="evaluate.backend", tokenizer=tokenizer,
-                    gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                    backend,
+                    hf_dir,
+                    what="evaluate.backend",
+                    tokenizer=tokenizer,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    seed=seed,
                     num_sequences=max(b.num_sequences for b in benchmarks),
-                    max_model_len=min(int(config["max_position_embeddings"]), context), precision=precision)
+                    max_model_len=min(int(config["max_position_embeddings"]), context),
+                    precision=precision,
+                )
                 engine_config = config
             for bench in benchmarks:
-                logger.info("evaluating policy %r on %s: %d prompts (%s backend, %s)", name, bench.name,
-                            len(bench.rows), backend, precision)
+                logger.info(
+                    "evaluating policy %r on %s: %d prompts (%s backend, %s)",
+                    name,
+                    bench.name,
+                    len(bench.rows),
+                    backend,
+                    precision,
+                )
                 result = results[bench.name][name] = run_benchmark(engine, tokenizer, bench, seed)
                 progress.update(bench.num_sequences)
-                logger.info("policy %r on %s: accuracy %.4f ± %.4f", name, bench.name, result["accuracy"],
-                            result["accuracy_se"])
+                logger.info(
+                    "policy %r on %s: accuracy %.4f ± %.4f", name, bench.name, result["accuracy"], result["accuracy_se"]
+                )
     return results
 
 
@@ -343,7 +369,21 @@ def evaluate_model_dirs(
 
     Raises: ValueError: unknown verifier or backend, bad evaluation rows; errors of export.
     """
-    bench = Benchmark("rl_eval", tuple(read_eval_rows(eval_path, cfg.num_prompts)), verifier, cfg.samples_per_prompt,
-                      cfg.temperature, cfg.max_new_tokens, None if cfg.k is None else tuple(cfg.k))
-    return evaluate_benchmarks(model_dirs, [bench], backend=cfg.backend, precision=cfg.precision, engine_cfg=engine_cfg,
-                               gpu_memory_utilization=gpu_memory_utilization, seed=seed)[bench.name]
+    bench = Benchmark(
+        "rl_eval",
+        tuple(read_eval_rows(eval_path, cfg.num_prompts)),
+        verifier,
+        cfg.samples_per_prompt,
+        cfg.temperature,
+        cfg.max_new_tokens,
+        None if cfg.k is None else tuple(cfg.k),
+    )
+    return evaluate_benchmarks(
+        model_dirs,
+        [bench],
+        backend=cfg.backend,
+        precision=cfg.precision,
+        engine_cfg=engine_cfg,
+        gpu_memory_utilization=gpu_memory_utilization,
+        seed=seed,
+    )[bench.name]

@@ -102,8 +102,9 @@ def majority_vote(answers: Sequence[Any], same: Callable[[Any, Any], bool] = lam
     return max(classes, key=len)[0]  # max keeps the first of equal lengths: the earliest class
 
 
-def maj_at_k(answers: Sequence[Any], correct: Sequence[bool], k: int,
-             same: Callable[[Any, Any], bool] = lambda a, b: a == b) -> float:
+def maj_at_k(
+    answers: Sequence[Any], correct: Sequence[bool], k: int, same: Callable[[Any, Any], bool] = lambda a, b: a == b
+) -> float:
     """maj@k of one prompt: 1.0 when the majority answer of its first ``k`` samples
     (:func:`majority_vote`) is correct, else 0.0 (also when none of them answered).
 
@@ -175,10 +176,16 @@ def prompt_metrics(
 
 def _value_key(value: Any) -> tuple:
     # numbers before text, each in natural order: level 1, 2, ..., 10 (not 1, 10, 2)
-    return (0, float(value), "") if isinstance(value, (int, float)) and not isinstance(value, bool) else (1, 0.0, str(value))
+    return (
+        (0, float(value), "")
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+        else (1, 0.0, str(value))
+    )
 
 
-def breakdown_metrics(per_prompt: Mapping[str, Sequence[float]], values: Mapping[str, Sequence[Any]]) -> dict[str, float]:
+def breakdown_metrics(
+    per_prompt: Mapping[str, Sequence[float]], values: Mapping[str, Sequence[Any]]
+) -> dict[str, float]:
     """Each per-prompt metric again within the prompts of each value of each breakdown field.
 
     Args:
@@ -212,7 +219,6 @@ def breakdown_metrics(per_prompt: Mapping[str, Sequence[float]], values: Mapping
 def scalar_metrics(result: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of an :func:`evaluate_generations` result (not ``records`` or ``per_prompt``), in order."""
     return {k: v for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -320,8 +326,11 @@ def evaluate_generations(
     per_prompt = {
         "accuracy": [math.fsum(correct[i] for i in p) / len(p) for p in prompts],
         "mean_reward": [math.fsum(rewards[i] for i in p) / len(p) for p in prompts],
-        **prompt_metrics([[bool(correct[i]) for i in p] for p in prompts], ks,
-                         *(() if voting is None or answers is None else ([[answers[i] for i in p] for p in prompts], voting.same))),
+        **prompt_metrics(
+            [[bool(correct[i]) for i in p] for p in prompts],
+            ks,
+            *(() if voting is None or answers is None else ([[answers[i] for i in p] for p in prompts], voting.same)),
+        ),
     }
     out: dict[str, Any] = {"n": len(prompts), "samples": n}
     for metric, values in per_prompt.items():
@@ -330,7 +339,9 @@ def evaluate_generations(
     if breakdown:
         for field, column in breakdown.items():
             if len(column) != len(prompts):
-                raise ValueError(f"evaluate_generations: breakdown {field!r} has {len(column)} values for {len(prompts)} prompts")
+                raise ValueError(
+                    f"evaluate_generations: breakdown {field!r} has {len(column)} values for {len(prompts)} prompts"
+                )
         out.update(breakdown_metrics({k: v for k, v in per_prompt.items() if k != "mean_reward"}, breakdown))
     out["records"] = [
         {
@@ -399,5 +410,7 @@ def paired_metric(baseline: Mapping[str, Any], candidate: Mapping[str, Any], met
     """
     a, b = baseline["per_prompt"][metric], candidate["per_prompt"][metric]
     if len(a) != len(b):
-        raise ValueError(f"paired_metric: {metric} over {len(a)} vs {len(b)} prompts; the policies must see the same prompts")
+        raise ValueError(
+            f"paired_metric: {metric} over {len(a)} vs {len(b)} prompts; the policies must see the same prompts"
+        )
     return accuracy_with_se([y - x for x, y in zip(a, b)])

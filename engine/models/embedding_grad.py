@@ -54,8 +54,13 @@ class Fp32GradEmbedding(torch.autograd.Function):
 
 
 def _needs_fp32_sum(weight: Any) -> bool:
-    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16)
-            and weight.device.type == "cpu" and weight.requires_grad and torch.is_grad_enabled())
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.device.type == "cpu"
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+    )
 
 
 class _LookupMode(TorchFunctionMode):
@@ -68,16 +73,25 @@ class _LookupMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.embedding and len(args) == 2 and args[1] is self.weight and not any(
-                kwargs.get(k) for k in ("max_norm", "scale_grad_by_freq", "sparse")):
+        if (
+            func is F.embedding
+            and len(args) == 2
+            and args[1] is self.weight
+            and not any(kwargs.get(k) for k in ("max_norm", "scale_grad_by_freq", "sparse"))
+        ):
             # max_norm renormalises the weight in place, sparse returns a sparse gradient:
             # those keep torch's kernel
             padding_idx = kwargs.get("padding_idx")
             if padding_idx is not None and padding_idx < 0:
                 padding_idx += self.weight.shape[0]
             return Fp32GradEmbedding.apply(args[0], args[1], padding_idx)
-        if func is torch.Tensor.__getitem__ and args[0] is self.weight and isinstance(args[1], torch.Tensor) \
-                and not args[1].is_floating_point() and args[1].dtype != torch.bool:
+        if (
+            func is torch.Tensor.__getitem__
+            and args[0] is self.weight
+            and isinstance(args[1], torch.Tensor)
+            and not args[1].is_floating_point()
+            and args[1].dtype != torch.bool
+        ):
             return Fp32GradEmbedding.apply(args[1], args[0])
         return func(*args, **kwargs)
 
@@ -114,7 +128,9 @@ def sum_embedding_grads_in_fp32(model: torch.nn.Module) -> int:
             if mode is not None:
                 mode.__exit__(None, None, None)
 
-        module.__dict__["_fp32_grad_hooks"] = (module.register_forward_pre_hook(enter),
-                                               module.register_forward_hook(leave, always_call=True))
+        module.__dict__["_fp32_grad_hooks"] = (
+            module.register_forward_pre_hook(enter),
+            module.register_forward_hook(leave, always_call=True),
+        )
         hooked += 1
     return hooked

@@ -56,9 +56,14 @@ def apply_hf_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> lis
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
-    # PEFT annotates lora_alpha as int; it only scales, alpha / r, and a float scales the same
-    config = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                            target_modules=hf_target_modules(cfg.target_modules), bias="none")
+    config = PeftLoraConfig(
+        r=cfg.rank,
+        # PEFT annotates lora_alpha as int; it only scales, alpha / r, and a float scales the same
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+        lora_dropout=cfg.dropout,
+        target_modules=hf_target_modules(cfg.target_modules),
+        bias="none",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=ADAPTER)
@@ -78,8 +83,9 @@ def is_adapter(name: str) -> bool:
     return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
 
 
-def merged_hf_tensors(model: torch.nn.Module, tensor: TensorOf,
-                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_hf_tensors(
+    model: torch.nn.Module, tensor: TensorOf, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights as a model without adapters would name them, each adapted weight merged.
 
     For every parameter in module order, adapters skipped: ``<layer>.base_layer.weight`` of an
@@ -117,5 +123,8 @@ def peft_adapter_tensors(model: torch.nn.Module, tensor: TensorOf) -> dict[str, 
     """The adapters under the names ``PeftModel.save_pretrained`` writes for a causal LM
     (``base_model.model.<layer>.lora_A.weight`` ``[r, in]``, ``...lora_B.weight`` ``[out, r]``),
     fp32 copies of ``tensor``'s values; for ``engine.models.lora.write_peft_adapter``."""
-    return {f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": tensor(name).detach().float().clone()
-            for name, _ in model.named_parameters() if is_adapter(name)}
+    return {
+        f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}": tensor(name).detach().float().clone()
+        for name, _ in model.named_parameters()
+        if is_adapter(name)
+    }

@@ -120,7 +120,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> list[s
         a = torch.empty(cfg.rank, in_full, dtype=torch.float32)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)  # PEFT's init of lora_A
         if kind == "row":
-            a = a[:, rank * in_local:(rank + 1) * in_local].clone()
+            a = a[:, rank * in_local : (rank + 1) * in_local].clone()
         module.lora_A = torch.nn.Parameter(a.to(weight.dtype))
         module.lora_B = torch.nn.Parameter(torch.zeros(out_local, cfg.rank, dtype=weight.dtype))
         split = module.lora_B if kind == "column" else module.lora_A
@@ -260,8 +260,12 @@ def adapter_sharded_state(model: torch.nn.Module) -> dict[str, Any]:
 
 
 # megatron-core layer -> (HF parent module, the HF modules its output rows split into; conversion.layout)
-_HF_MODULES = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "linear_proj": ("self_attn", ("o_proj",)),
-               "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+_HF_MODULES = {
+    "linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "linear_proj": ("self_attn", ("o_proj",)),
+    "linear_fc1": ("mlp", ("gate_proj", "up_proj")),
+    "linear_fc2": ("mlp", ("down_proj",)),
+}
 
 
 def hf_target_modules(targets: Sequence[str]) -> list[str]:
@@ -338,9 +342,14 @@ def write_peft_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out_dir:
     from peft import LoraConfig as PeftLoraConfig
 
     out_dir = Path(out_dir)
-    # PEFT annotates lora_alpha as int; it only scales, alpha / r, and a float scales the same
-    PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,  # type: ignore[arg-type]
-                   target_modules=hf_target_modules(cfg.target_modules), bias="none",
-                   task_type="CAUSAL_LM").save_pretrained(str(out_dir))
+    PeftLoraConfig(
+        r=cfg.rank,
+        # PEFT annotates lora_alpha as int; it only scales, alpha / r, and a float scales the same
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]
+        lora_dropout=cfg.dropout,
+        target_modules=hf_target_modules(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    ).save_pretrained(str(out_dir))
     save_safetensors(state, out_dir / "adapter_model.safetensors")
     return out_dir

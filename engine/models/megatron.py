@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from engine.batching.packing import PackedSequences
 
 
-
 CoreAttention = Literal["local", "sdpa"]
 
 
@@ -56,8 +55,17 @@ class SDPACoreAttention(torch.nn.Module):
     (positions restart at 0) before calling this module.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__()
         self.config = config
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -66,12 +74,18 @@ class SDPACoreAttention(torch.nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal SDPA on ``[B, heads, T, d]`` (queries) / ``[B, kv_heads, T, d]`` (keys, values)."""
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=q.size(2) > 1, dropout_p=self.dropout_p if self.training else 0.0,
-            scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1),
+            q,
+            k,
+            v,
+            is_causal=q.size(2) > 1,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=k.size(1) != q.size(1),
         )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None or attention_mask is not None:
             raise NotImplementedError("SDPACoreAttention supports causal attention only (no attention_mask or bias)")
         if packed_seq_params is not None:
@@ -90,14 +104,17 @@ class SDPACoreAttention(torch.nn.Module):
         """
         if params.qkv_format != "thd":
             raise NotImplementedError(
-                f"SDPACoreAttention: packed sequences need qkv_format 'thd', got {params.qkv_format!r}")
+                f"SDPACoreAttention: packed sequences need qkv_format 'thd', got {params.qkv_format!r}"
+            )
         cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
         if cu_kv is not None and not torch.equal(cu_q, cu_kv):
             raise NotImplementedError("SDPACoreAttention: packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
         bounds = cu_q.tolist()
         if bounds[0] != 0 or bounds[-1] != query.size(0):
-            raise ValueError(f"SDPACoreAttention: cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the "
-                             f"{query.size(0)} packed tokens")
+            raise ValueError(
+                f"SDPACoreAttention: cu_seqlens {bounds[0]}..{bounds[-1]} do not cover the "
+                f"{query.size(0)} packed tokens"
+            )
         # One SDPA call for all sequences: scatter the packed tokens into a right-padded
         # [B, L] layout for the attention only (the projections and MLP stay unpadded), attend
         # causally, gather back. Causal attention never lets a real token see the padding that
@@ -107,7 +124,8 @@ class SDPACoreAttention(torch.nn.Module):
         batch, width, tokens = lengths.numel(), int(lengths.max()), query.size(0)
         starts = torch.repeat_interleave(cu[:-1], lengths)
         slots = torch.repeat_interleave(torch.arange(batch, device=query.device), lengths) * width + (
-            torch.arange(tokens, device=query.device) - starts)
+            torch.arange(tokens, device=query.device) - starts
+        )
 
         def padded(x: torch.Tensor) -> torch.Tensor:  # [N, h, d] -> [B, h, L, d]
             grid = x.new_zeros(batch * width, x.size(1), x.size(2)).index_copy(0, slots, x)
@@ -145,8 +163,12 @@ def _layer_spec(spec: GPTSpec, core_attention: CoreAttention, moe: bool = False)
 
     if core_attention not in ("local", "sdpa"):
         raise ValueError(f"core_attention must be 'local' or 'sdpa', got {core_attention!r}")
-    layer = get_gpt_layer_local_spec(num_experts=spec.num_experts if moe else None, moe_grouped_gemm=False,
-                                     normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    layer = get_gpt_layer_local_spec(
+        num_experts=spec.num_experts if moe else None,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        qk_layernorm=spec.qk_layernorm,
+    )
     if core_attention == "sdpa" or spec.add_proj_bias:
         layer = copy.deepcopy(layer)
         attention = layer.submodules.self_attention.submodules
@@ -166,8 +188,9 @@ def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention):
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
     dense, moe = _layer_spec(spec, core_attention), _layer_spec(spec, core_attention, moe=True)
-    return TransformerBlockSubmodules(layer_specs=[moe if spec.is_moe_layer(i) else dense
-                                                   for i in range(spec.num_layers)], layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(
+        layer_specs=[moe if spec.is_moe_layer(i) else dense for i in range(spec.num_layers)], layer_norm=LayerNormImpl
+    )
 
 
 def _moe_config(spec: GPTSpec, router: MoERouterConfig | None = None) -> dict:
@@ -185,15 +208,21 @@ def _moe_config(spec: GPTSpec, router: MoERouterConfig | None = None) -> dict:
     if spec.num_experts is None:
         return {}
     out = dict(
-        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_router_score_function="softmax",
-        moe_router_pre_softmax=not spec.moe_norm_topk_prob, **router_config_fields(router), moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather", moe_permute_fusion=False,
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        **router_config_fields(router),
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        moe_permute_fusion=False,
         moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
     )
     if spec.moe_shared_expert_ffn_hidden_size is not None:
-        out.update(moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size,
-                   moe_shared_expert_gate=True)
+        out.update(
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size, moe_shared_expert_gate=True
+        )
     return out
 
 
@@ -207,8 +236,12 @@ def silu_contiguous(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x.contiguous())
 
 
-def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, router: MoERouterConfig | None = None,
-                       expert_model_parallel_size: int = 1):
+def transformer_config(
+    spec: GPTSpec,
+    tensor_model_parallel_size: int = 1,
+    router: MoERouterConfig | None = None,
+    expert_model_parallel_size: int = 1,
+):
     """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
 
     ``tensor_model_parallel_size`` and ``expert_model_parallel_size`` must equal the
@@ -253,8 +286,9 @@ def transformer_config(spec: GPTSpec, tensor_model_parallel_size: int = 1, route
     )
 
 
-def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local",
-                    router: MoERouterConfig | None = None):
+def build_gpt_model(
+    spec: GPTSpec, seed: int = 0, core_attention: CoreAttention = "local", router: MoERouterConfig | None = None
+):
     """Build a megatron-core ``GPTModel`` for ``spec`` on CPU, initialised from ``seed``.
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
@@ -288,14 +322,17 @@ def build_gpt_model(spec: GPTSpec, seed: int = 0, core_attention: CoreAttention 
 
         ep = parallel_state.get_expert_model_parallel_world_size()
         if tp > 1:
-            raise ValueError(f"{spec.architecture}: MoE models build at tensor-parallel size 1 only (got {tp}); "
-                             "tensor and expert parallelism of the experts are not implemented yet")
+            raise ValueError(
+                f"{spec.architecture}: MoE models build at tensor-parallel size 1 only (got {tp}); "
+                "tensor and expert parallelism of the experts are not implemented yet"
+            )
         patch_moe_without_transformer_engine()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
-            config=transformer_config(spec, tensor_model_parallel_size=tp, router=router,
-                                      expert_model_parallel_size=ep),
+            config=transformer_config(
+                spec, tensor_model_parallel_size=tp, router=router, expert_model_parallel_size=ep
+            ),
             transformer_layer_spec=_decoder_spec(spec, core_attention),
             vocab_size=spec.megatron_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
@@ -367,15 +404,22 @@ def _packed_inputs(model, packed: PackedSequences, caller: str):
     for layer in model.decoder.layers:
         core = layer.self_attention.core_attention
         if not isinstance(core, SDPACoreAttention):
-            raise ValueError(f"sequence packing (rl.packing, sft.packing, rm.packing) needs the 'sdpa' core attention, "
-                             f"but the model's is {type(core).__name__}; build it with core_attention='sdpa' or set "
-                             "packing: false")
+            raise ValueError(
+                f"sequence packing (rl.packing, sft.packing, rm.packing) needs the 'sdpa' core attention, "
+                f"but the model's is {type(core).__name__}; build it with core_attention='sdpa' or set "
+                "packing: false"
+            )
     ids = _check_ids(packed.input_ids)
     if ids.size(0) != 1:
         raise ValueError(f"{caller}: packed input_ids must be [1, N], got {tuple(ids.shape)}")
     cu = packed.cu_seqlens.to(torch.int32)
-    return ids, PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+    return ids, PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=packed.max_seqlen,
+        max_seqlen_kv=packed.max_seqlen,
+    )
 
 
 def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
@@ -406,8 +450,13 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
     """
     ids, params = _packed_inputs(model, packed, "gpt_logits_packed")
     gather = True if model.config.tensor_model_parallel_size > 1 else None
-    logits = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
-                   packed_seq_params=params, runtime_gather_output=gather)[0]
+    logits = model(
+        input_ids=ids,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        packed_seq_params=params,
+        runtime_gather_output=gather,
+    )[0]
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]
@@ -460,8 +509,7 @@ def gpt_hidden_states_packed(model, packed: PackedSequences) -> torch.Tensor:
     saved = model.post_process  # as in gpt_hidden_states: skip the vocabulary projection
     model.post_process = False
     try:
-        hidden = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
-                       packed_seq_params=params)
+        hidden = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None, packed_seq_params=params)
     finally:
         model.post_process = saved
     return hidden[:, 0]  # [N, 1, H] (sequence-first, one packed row) -> [N, H]

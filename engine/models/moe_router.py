@@ -28,8 +28,12 @@ def router_config_fields(router: MoERouterConfig | None) -> dict:
     ``moe_router_dtype``.
     """
     router = router or MoERouterConfig()
-    return dict(moe_router_load_balancing_type=router.load_balancing, moe_aux_loss_coeff=router.aux_loss_coeff,
-                moe_z_loss_coeff=router.z_loss_coeff or None, moe_router_dtype=router.router_dtype)
+    return dict(
+        moe_router_load_balancing_type=router.load_balancing,
+        moe_aux_loss_coeff=router.aux_loss_coeff,
+        moe_z_loss_coeff=router.z_loss_coeff or None,
+        moe_router_dtype=router.router_dtype,
+    )
 
 
 def has_router_losses(model: torch.nn.Module) -> bool:
@@ -38,7 +42,8 @@ def has_router_losses(model: torch.nn.Module) -> bool:
     if config is None or getattr(config, "num_moe_experts", None) is None:
         return False
     return (config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0) or bool(
-        config.moe_z_loss_coeff)
+        config.moe_z_loss_coeff
+    )
 
 
 def set_router_loss_scale(scale: float) -> None:
@@ -94,6 +99,7 @@ class RouterStats:
             self.counts[index] = counts if self.counts[index] is None else self.counts[index] + counts
             if index == 0:
                 self.forwards += 1
+
         return hook
 
     def __exit__(self, *exc) -> None:
@@ -120,15 +126,20 @@ class RouterStats:
 
         if not self.routers:
             return {}
-        layers = [c if c is not None else torch.zeros(self.routers[0].config.num_moe_experts, dtype=torch.float64)
-                  for c in self.counts]
+        layers = [
+            c if c is not None else torch.zeros(self.routers[0].config.num_moe_experts, dtype=torch.float64)
+            for c in self.counts
+        ]
         n_layers, n_experts = len(layers), layers[0].numel()
         sums = {f"l{j}_e{i}": float(v) for j, c in enumerate(layers) for i, v in enumerate(c)}
         sums["forwards"] = float(self.forwards)
         tracker = get_moe_layer_wise_logging_tracker()
         config = self.routers[0].config
-        on = {"load_balancing_loss": config.moe_router_load_balancing_type == "aux_loss" and config.moe_aux_loss_coeff > 0,
-              "z_loss": bool(config.moe_z_loss_coeff)}
+        on = {
+            "load_balancing_loss": config.moe_router_load_balancing_type == "aux_loss"
+            and config.moe_aux_loss_coeff > 0,
+            "z_loss": bool(config.moe_z_loss_coeff),
+        }
         for name in ("load_balancing_loss", "z_loss"):
             if on[name] and name in tracker:
                 sums[name] = float(tracker[name]["values"].sum())

@@ -194,13 +194,16 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) ->
                 parallel_state.get_expert_model_parallel_world_size(),
             )
             if have != (tp, pp, ep):
-                raise ValueError(f"model parallel already initialised with (tp, pp, ep)={have}, asked for {(tp, pp, ep)}")
+                raise ValueError(
+                    f"model parallel already initialised with (tp, pp, ep)={have}, asked for {(tp, pp, ep)}"
+                )
             return
         world = dist.get_world_size()
         if tp < 1 or pp < 1 or world % (tp * pp):
             raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        )
         _seed_rng_tracker(seed)
 
 
@@ -364,9 +367,11 @@ def _engine_offloads(engine) -> bool:
         return True
     if not getattr(engine, "_posttrain_offload_warned", False):
         engine._posttrain_offload_warned = True
-        warnings.warn("colocated offload: this DeepSpeed engine's optimizer cannot move its states (ZeRO stage 0); "
-                      "the trainer stays in device memory while the rollout runs (use rl.deepspeed.zero_stage >= 1)",
-                      stacklevel=2)
+        warnings.warn(
+            "colocated offload: this DeepSpeed engine's optimizer cannot move its states (ZeRO stage 0); "
+            "the trainer stays in device memory while the rollout runs (use rl.deepspeed.zero_stage >= 1)",
+            stacklevel=2,
+        )
     return False
 
 

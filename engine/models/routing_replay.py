@@ -60,8 +60,9 @@ class RoutingReplay:
             raise ValueError("rl.moe_routing_replay: the policy has no MoE layer; set it to false for a dense model")
         for router in routers:
             if router.config.moe_router_fusion or router.routing_type == "sinkhorn":
-                raise ValueError("rl.moe_routing_replay: needs unfused top-k routing (moe_router_fusion false, "
-                                 "not sinkhorn)")
+                raise ValueError(
+                    "rl.moe_routing_replay: needs unfused top-k routing (moe_router_fusion false, not sinkhorn)"
+                )
             if router.router_replay is None:
                 router.router_replay = RouterReplay()
                 RouterReplay.global_router_replay_instances.remove(router.router_replay)
@@ -117,7 +118,9 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if len(indices) != len(self.replays):
-            raise ValueError(f"RoutingReplay.replaying: {len(indices)} index tensors for {len(self.replays)} MoE layers")
+            raise ValueError(
+                f"RoutingReplay.replaying: {len(indices)} index tensors for {len(self.replays)} MoE layers"
+            )
         self._set(RouterReplayAction.REPLAY_FORWARD)
         hooks = []
         for layer, (router, replay, idx) in enumerate(zip(self.routers, self.replays, indices)):
@@ -126,8 +129,10 @@ class RoutingReplay:
             def check_tokens(module, args, layer=layer, expected=idx.size(0)):  # noqa: B008 - binds this layer's values
                 tokens = args[0].numel() // args[0].size(-1)  # [seq, batch, hidden] or packed [tokens, 1, hidden]
                 if tokens != expected:
-                    raise ValueError(f"RoutingReplay.replaying: MoE layer {layer} routes {tokens} tokens, the "
-                                     f"recorded routing has {expected}: replay into the same micro-batch layout")
+                    raise ValueError(
+                        f"RoutingReplay.replaying: MoE layer {layer} routes {tokens} tokens, the "
+                        f"recorded routing has {expected}: replay into the same micro-batch layout"
+                    )
 
             hooks.append(router.register_forward_pre_hook(check_tokens))
         try:
@@ -149,9 +154,13 @@ class RoutingReplay:
         if self.rows == rows:
             return
         if not self.rows:
-            raise ValueError("rl.moe_routing_replay: the update has no recorded routing; the old-log-prob "
-                             "pass (compute_logprobs) must run on the same batch before it")
+            raise ValueError(
+                "rl.moe_routing_replay: the update has no recorded routing; the old-log-prob "
+                "pass (compute_logprobs) must run on the same batch before it"
+            )
         first = next((i for i, (a, b) in enumerate(zip(self.rows, rows)) if a != b), min(len(self.rows), len(rows)))
-        raise ValueError(f"rl.moe_routing_replay: the update's micro-batches differ from the old-log-prob pass's "
-                         f"(first at micro-batch {first}; {len(rows)} vs {len(self.rows)} micro-batches): both must "
-                         "run on the same trajectory with the same micro-batch settings")
+        raise ValueError(
+            f"rl.moe_routing_replay: the update's micro-batches differ from the old-log-prob pass's "
+            f"(first at micro-batch {first}; {len(rows)} vs {len(self.rows)} micro-batches): both must "
+            "run on the same trajectory with the same micro-batch settings"
+        )

@@ -273,8 +273,13 @@ def _owned(tensor: torch.Tensor, aliased: set[int] | None) -> torch.Tensor:
     with the model; otherwise (always when ``aliased`` is None) a contiguous copy."""
     tensor = tensor.detach()
     storage = tensor.untyped_storage()
-    if (aliased is None or storage.data_ptr() in aliased or not tensor.is_contiguous() or tensor.storage_offset() != 0
-            or storage.nbytes() != tensor.numel() * tensor.element_size()):
+    if (
+        aliased is None
+        or storage.data_ptr() in aliased
+        or not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or storage.nbytes() != tensor.numel() * tensor.element_size()
+    ):
         return tensor.clone(memory_format=torch.contiguous_format)
     return tensor
 
@@ -294,8 +299,10 @@ def _next_checked(stream: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta, 
 
 def _take(stream, plan: BucketPlan, index: int, aliased: set[int] | None) -> NamedTensors:
     first = plan.starts[index]
-    return [(meta.name, _owned(_next_checked(stream, meta, first + k), aliased))
-            for k, meta in enumerate(plan.bucket(index))]
+    return [
+        (meta.name, _owned(_next_checked(stream, meta, first + k), aliased))
+        for k, meta in enumerate(plan.bucket(index))
+    ]
 
 
 def iter_buckets(hf_config: Mapping[str, Any], model, plan: BucketPlan, start: int = 0) -> Iterator[NamedTensors]:
@@ -336,8 +343,9 @@ def _iter_buckets(hf_config, model, plan: BucketPlan, start: int) -> Iterator[Na
         yield _take(stream, plan, index, aliased)
     extra = next(stream, None)
     if extra is not None:
-        raise ValueError(f"weight stream has more tensors than the bucket plan ({len(plan.tensors)}): "
-                         f"next is {extra[0]!r}")
+        raise ValueError(
+            f"weight stream has more tensors than the bucket plan ({len(plan.tensors)}): next is {extra[0]!r}"
+        )
 
 
 def hf_bucket(hf_config: Mapping[str, Any], model, plan: BucketPlan, index: int) -> NamedTensors:

@@ -101,8 +101,16 @@ def load_ahead(resume_dir, step: int, ahead: int) -> dict[int, Any]:
     return out
 
 
-def checkpoint_if_due(workers: Workers, resume_dir, cfg: RLConfig, step: int, position: DataPosition, identity: dict,
-                      history: list[dict], ahead: Callable[[], dict[int, Any]] | None = None) -> bool:
+def checkpoint_if_due(
+    workers: Workers,
+    resume_dir,
+    cfg: RLConfig,
+    step: int,
+    position: DataPosition,
+    identity: dict,
+    history: list[dict],
+    ahead: Callable[[], dict[int, Any]] | None = None,
+) -> bool:
     """The checkpoint phase, after step ``step``'s metrics: :func:`save_checkpoint` every
     ``rl.checkpoint_every`` steps and at the last step (``rl.steps``), with the data
     ``position`` after the step's batch and, beside the run ``identity`` that

@@ -104,8 +104,10 @@ class JudgeReward:
             if cfg.api_key_env is not None:
                 key = os.environ.get(cfg.api_key_env)
                 if not key:
-                    raise ValueError(f"rl.reward.judge.api_key_env: environment variable {cfg.api_key_env} is not set "
-                                     "where the reward worker runs; export it (or set api_key_env: null)")
+                    raise ValueError(
+                        f"rl.reward.judge.api_key_env: environment variable {cfg.api_key_env} is not set "
+                        "where the reward worker runs; export it (or set api_key_env: null)"
+                    )
             self.client = OpenAI(base_url=cfg.base_url, api_key=key, timeout=cfg.timeout_s, max_retries=cfg.max_retries)
 
     def _start_engine(self, model_dir: Path) -> None:
@@ -113,16 +115,26 @@ class JudgeReward:
         from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.max_model_len = self.cfg.max_model_len or AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
-        self.engine = build_rollout_engine("vllm", model_dir, what="rl.reward.judge.model_dir", tokenizer=self.tokenizer,
-                                           max_model_len=self.max_model_len, precision=self.cfg.precision,
-                                           seed=self.cfg.seed, enforce_eager=True)
+        self.max_model_len = (
+            self.cfg.max_model_len or AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
+        )
+        self.engine = build_rollout_engine(
+            "vllm",
+            model_dir,
+            what="rl.reward.judge.model_dir",
+            tokenizer=self.tokenizer,
+            max_model_len=self.max_model_len,
+            precision=self.cfg.precision,
+            seed=self.cfg.seed,
+            enforce_eager=True,
+        )
 
     def token_ids(self, text: str) -> list[int]:
         """The judge prompt ``text`` as the local engine gets it (see the class docstring)."""
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.tokenizer(text)["input_ids"]
 
@@ -137,19 +149,26 @@ class JudgeReward:
         ids = [self.token_ids(t) for t in texts]
         fits = [i for i, x in enumerate(ids) if len(x) + self.cfg.max_new_tokens <= self.max_model_len]
         if len(fits) < len(ids):
-            logger.warning("rl.reward.judge: %d of %d judge prompts are longer than the judge's context (%d tokens "
-                           "with max_new_tokens %d); scored fallback", len(ids) - len(fits), len(ids),
-                           self.max_model_len, self.cfg.max_new_tokens)
+            logger.warning(
+                "rl.reward.judge: %d of %d judge prompts are longer than the judge's context (%d tokens "
+                "with max_new_tokens %d); scored fallback",
+                len(ids) - len(fits),
+                len(ids),
+                self.max_model_len,
+                self.cfg.max_new_tokens,
+            )
         out: list[str | None] = [None] * len(texts)
         if not fits:
             return out
-        spec = SamplingSpec(n=1, temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens,
-                            seed=self.cfg.seed)
+        spec = SamplingSpec(
+            n=1, temperature=self.cfg.temperature, max_new_tokens=self.cfg.max_new_tokens, seed=self.cfg.seed
+        )
         try:
             generated = self.engine.generate([ids[i] for i in fits], spec)
         except Exception as exc:  # counted as failures: a judge must not stop the run
-            logger.warning("rl.reward.judge: the judge engine failed on %d prompts: %s: %s", len(fits),
-                           type(exc).__name__, exc)
+            logger.warning(
+                "rl.reward.judge: the judge engine failed on %d prompts: %s: %s", len(fits), type(exc).__name__, exc
+            )
             return out
         for i, samples in zip(fits, generated):
             out[i] = self.tokenizer.decode(list(samples[0].token_ids), skip_special_tokens=True)
@@ -169,18 +188,28 @@ class JudgeReward:
         try:
             if cfg.api == "chat":
                 chat = self.client.chat.completions.create(
-                    model=cfg.model, messages=[{"role": "user", "content": text}], temperature=cfg.temperature,
-                    max_tokens=cfg.max_new_tokens, seed=seed)
+                    model=cfg.model,
+                    messages=[{"role": "user", "content": text}],
+                    temperature=cfg.temperature,
+                    max_tokens=cfg.max_new_tokens,
+                    seed=seed,
+                )
                 return chat.choices[0].message.content
-            completion = self.client.completions.create(model=cfg.model, prompt=text, temperature=cfg.temperature,
-                                                        max_tokens=cfg.max_new_tokens, seed=seed)
+            completion = self.client.completions.create(
+                model=cfg.model, prompt=text, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=seed
+            )
             return completion.choices[0].text
         except Exception as exc:  # openai.APIError after the retries, or an answer without choices
             logger.warning("rl.reward.judge: request to %s failed: %s: %s", cfg.base_url, type(exc).__name__, exc)
             return None
 
-    def score(self, prompts: Sequence[Any], responses: Sequence[str], labels: Sequence[str],
-              finish_reasons: Sequence[str] | None = None) -> tuple[torch.Tensor, int]:
+    def score(
+        self,
+        prompts: Sequence[Any],
+        responses: Sequence[str],
+        labels: Sequence[str],
+        finish_reasons: Sequence[str] | None = None,
+    ) -> tuple[torch.Tensor, int]:
         """Normalised judge scores of ``B`` samples.
 
         Args:
@@ -191,7 +220,8 @@ class JudgeReward:
             number of samples scored ``fallback``.
         """
         texts = [render(self.cfg.template, p, r, str(label)) for p, r, label in zip(prompts, responses, labels)]
-        parsed = [parse_score(a, self.cfg.score_pattern, self.cfg.min_score, self.cfg.max_score)
-                  for a in self.answers(texts)]
+        parsed = [
+            parse_score(a, self.cfg.score_pattern, self.cfg.min_score, self.cfg.max_score) for a in self.answers(texts)
+        ]
         failures = sum(s is None for s in parsed)
         return torch.tensor([self.cfg.fallback if s is None else s for s in parsed], dtype=torch.float32), failures

@@ -123,8 +123,14 @@ class RunSetup:
     pad_id: int
 
 
-def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, seed: int,
-                evaluator=None, sources: list[RLSourceConfig] | None = None) -> RunSetup:
+def prepare_run(
+    policy_dir: str | Path,
+    train_prompts_path: str | Path,
+    cfg: RLConfig,
+    seed: int,
+    evaluator=None,
+    sources: list[RLSourceConfig] | None = None,
+) -> RunSetup:
     """Load the tokenizer and the prompts and derive the run's identity and lengths.
 
     A checkpoint may be continued with a different ``steps`` (train longer) or checkpoint
@@ -138,13 +144,16 @@ def prepare_run(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLC
     """
     tokenizer = load_tokenizer(policy_dir)
     max_len = int(read_hf_config(policy_dir)["max_position_embeddings"])
-    prompts = load_rl_prompts(train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens, sources,
-                              cfg.long_prompts)
+    prompts = load_rl_prompts(
+        train_prompts_path, tokenizer, max_len - cfg.rollout.max_new_tokens, sources, cfg.long_prompts
+    )
     run_config = cfg.model_dump(mode="json", exclude={"engine", "steps", "checkpoint_every"})
     identity = {"config": run_config, "num_prompts": len(prompts), "seed": seed}
     if sources:
-        identity["sources"] = [{**s.model_dump(mode="json", include={"name", "weight", "verifier", "reward_weight"}),
-                                "num_prompts": n} for s, n in zip(sources, prompts.sizes)]
+        identity["sources"] = [
+            {**s.model_dump(mode="json", include={"name", "weight", "verifier", "reward_weight"}), "num_prompts": n}
+            for s, n in zip(sources, prompts.sizes)
+        ]
     rollout_len = max(len(p.token_ids) for p in prompts) + cfg.rollout.max_new_tokens
     if cfg.eval_every and evaluator is not None:
         rollout_len = max(rollout_len, evaluator.context_tokens(tokenizer))
@@ -165,8 +174,9 @@ def check_environment(cfg: RLConfig) -> None:
         raise ImportError(f"rl.environment: cannot load {cfg.environment!r}: {exc}") from exc
 
 
-def launch_workers(policy_dir: str | Path, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir,
-                   rollout_len: int) -> Workers:
+def launch_workers(
+    policy_dir: str | Path, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, rollout_len: int
+) -> Workers:
     """Connect to (or start) Ray (``rl.engine.ray_address``, ``num_cpus``), reserve the
     placement of ``rl.engine.placement`` and start the run's workers in it (see
     :func:`engine.rl.workers.start_workers`)."""
@@ -194,7 +204,9 @@ class RolloutEngineView:
 
     def generate(self, prompt_token_ids, sampling):
         """As ``RolloutEngine.generate``: ``sampling.n`` outputs per prompt, in prompt order."""
-        return rollout_phase.rollout_call(self.workers, "generate_versioned", (prompt_token_ids, sampling, None)).outputs.outputs
+        return rollout_phase.rollout_call(
+            self.workers, "generate_versioned", (prompt_token_ids, sampling, None)
+        ).outputs.outputs
 
     def update_weights(self, named_tensors) -> None:
         raise NotImplementedError("RolloutEngineView: the rollout engines take the actor's weights (sync_weights)")
@@ -231,10 +243,18 @@ def prompt_sampler(prompts: PromptSet, seed: int, position: DataPosition) -> Epo
     return EpochSampler(len(prompts), seed, position.epoch, position.offset)
 
 
-def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig, out_dir: str | Path,
-           resume_dir: str | Path | None, seed: int = 0, reward_model_dir: str | Path | None = None,
-           log_metrics: MetricsLogger | None = None, evaluator=None,
-           sources: list[RLSourceConfig] | None = None) -> dict[str, float]:
+def run_rl(
+    policy_dir: str | Path,
+    train_prompts_path: str | Path,
+    cfg: RLConfig,
+    out_dir: str | Path,
+    resume_dir: str | Path | None,
+    seed: int = 0,
+    reward_model_dir: str | Path | None = None,
+    log_metrics: MetricsLogger | None = None,
+    evaluator=None,
+    sources: list[RLSourceConfig] | None = None,
+) -> dict[str, float]:
     """Train the policy in ``policy_dir`` for ``cfg.steps`` RL steps (``cfg.algorithm``, GRPO by default).
 
     Args:
@@ -302,7 +322,9 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         producer = rollout_phase.RolloutProducer(workers, run.prompts, sampler, cfg, seed, run.pad_id)
         pipeline = RolloutPipeline(producer, cfg.steps, cfg.engine.off_policy_steps, ready)
         ahead = (lambda: {t: pipeline.wait(t) for t in pipeline.in_flight}) if pinned else None
-        for step in tqdm(range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True):
+        for step in tqdm(
+            range(start + 1, cfg.steps + 1), desc="rl", initial=start, total=cfg.steps, dynamic_ncols=True
+        ):
             timer = StepTimer()
             batch = rollout_phase.take_rollout(pipeline, step, timer)  # rollout and rewards
             phases.hand_to_trainer(workers, cfg, timer)  # colocated: rollout asleep, trainer back on the device
@@ -317,8 +339,14 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
                 wait_for_rollouts(pipeline, min(step + cfg.engine.off_policy_steps, cfg.steps), timer)
             with phases.handed_to_rollout(workers, cfg, timer):  # trainer offloaded, engine weights, then KV cache
                 version = phases.sync_weights(workers, cfg, version, train_policy, timer)
-            metrics = step_metrics(step, traj, {**critic_metrics, **actor_metrics},
-                                   {**batch.reward_metrics, **kl_metrics}, timer, policy_version)
+            metrics = step_metrics(
+                step,
+                traj,
+                {**critic_metrics, **actor_metrics},
+                {**batch.reward_metrics, **kl_metrics},
+                timer,
+                policy_version,
+            )
             log.append({**metrics, **evaluate_if_due(workers, evaluator, cfg, step, run.tokenizer)})  # rl.eval_every
             dumps.after_step(workers, step, traj, log.last, batch.position)
             checkpoint_if_due(workers, resume_dir, cfg, step, batch.position, run.identity, log.history, ahead)
@@ -326,5 +354,10 @@ def run_rl(policy_dir: str | Path, train_prompts_path: str | Path, cfg: RLConfig
         ray.get(workers.actor.save_model.remote(out_dir / "model", cfg.steps))
     finally:
         tear_down(workers, pipeline, out_dir)
-    return {**log.last, "rl/steps": float(cfg.steps), "rl/resumed_from_step": float(start),
-            "rl/steps_run": float(cfg.steps - start), **run.prompts.filtered_metrics()}
+    return {
+        **log.last,
+        "rl/steps": float(cfg.steps),
+        "rl/resumed_from_step": float(start),
+        "rl/steps_run": float(cfg.steps - start),
+        **run.prompts.filtered_metrics(),
+    }

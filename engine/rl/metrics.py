@@ -28,8 +28,19 @@ class StepTimer:
     ``step`` (seconds since the start).
     """
 
-    ORDER = ("gen", "reward", "rollout_wait", "old_log_prob", "ref", "teacher", "values", "adv", "update_critic",
-             "update_actor", "update_weights")
+    ORDER = (
+        "gen",
+        "reward",
+        "rollout_wait",
+        "old_log_prob",
+        "ref",
+        "teacher",
+        "values",
+        "adv",
+        "update_critic",
+        "update_actor",
+        "update_weights",
+    )
     NOT_RUN = {"old_log_prob": 0.0, "ref": 0.0, "update_weights": 0.0}
 
     def __init__(self) -> None:
@@ -106,7 +117,9 @@ def value_metrics(traj: Trajectory) -> dict[str, float]:
     tokens and ``critic/vf_explained_var = 1 - Var[R - V] / Var[R]`` (1: perfect, 0: no better
     than a constant; as verl reports it; left out when the returns are all equal)."""
     if traj.values is None or traj.returns is None:
-        raise ValueError("value_metrics: the trajectory has no critic values and returns (only an estimator with a critic has)")
+        raise ValueError(
+            "value_metrics: the trajectory has no critic values and returns (only an estimator with a critic has)"
+        )
     mask = traj.response_mask.bool()
     v, r = traj.values[mask].double(), traj.returns[mask].double()
     out = {"critic/values/mean": float(v.mean()), "critic/returns/mean": float(r.mean())}
@@ -124,12 +137,16 @@ def staleness_metrics(traj: Trajectory, policy_version: int) -> dict[str, float]
         raise ValueError("staleness_metrics: the trajectory records no rollout versions")
     stale = (policy_version - traj.rollout_version).double()
     partial = traj.rollout_version.ne(traj.rollout_version_end).double()
-    return {"async/staleness_mean": float(stale.mean()), "async/staleness_max": float(stale.max()),
-            "async/partial_fraction": float(partial.mean())}
+    return {
+        "async/staleness_mean": float(stale.mean()),
+        "async/staleness_max": float(stale.max()),
+        "async/partial_fraction": float(partial.mean()),
+    }
 
 
-def step_metrics(step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict | StepTimer,
-                 policy_version: int | None = None) -> dict[str, float]:
+def step_metrics(
+    step: int, traj: Trajectory, actor: dict, reward: dict, timing: dict | StepTimer, policy_version: int | None = None
+) -> dict[str, float]:
     """One step's metrics (verl-style names); ``rollout_vs_trainer/logprob_diff_max`` and
     ``rollout_vs_trainer/logprob_diff_mean`` are the largest and the mean |rollout log-prob -
     trainer old log-prob| over the policy's tokens (the loss mask: not a multi-turn sample's

@@ -69,8 +69,12 @@ def compute_logprobs(workers: Workers, traj: Trajectory, old: bool = True) -> tu
         name = pending.pop(done)
         results[name] = ray.get(done)
         timing[name] = time.perf_counter() - t0
-    return traj.with_(old_logprobs=results.get("old_log_prob"), ref_logprobs=results.get("ref"),
-                      teacher_logprobs=results.get("teacher"), values=results.get("values")), timing
+    return traj.with_(
+        old_logprobs=results.get("old_log_prob"),
+        ref_logprobs=results.get("ref"),
+        teacher_logprobs=results.get("teacher"),
+        values=results.get("values"),
+    ), timing
 
 
 def add_logprobs(workers: Workers, traj: Trajectory, cfg: RLConfig, timer: StepTimer) -> Trajectory:
@@ -89,13 +93,17 @@ def kl_controller(cfg: RLConfig, last_metrics: dict[str, float]):
     its KL and batch size), so it continues with the coefficient an uninterrupted run has."""
     if cfg.kl.target is None:
         return KL_CONTROLLERS["fixed"](cfg.kl.coef)
-    controller = KL_CONTROLLERS["adaptive"](last_metrics.get("actor/reward_kl_coef", cfg.kl.coef), cfg.kl.target, cfg.kl.horizon)
+    controller = KL_CONTROLLERS["adaptive"](
+        last_metrics.get("actor/reward_kl_coef", cfg.kl.coef), cfg.kl.target, cfg.kl.horizon
+    )
     if "actor/reward_kl_coef" in last_metrics:
         controller.update(last_metrics["actor/reward_kl_penalty"], int(last_metrics["batch/responses"]))
     return controller
 
 
-def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool = True) -> tuple[Trajectory, dict[str, float]]:
+def kl_reward_penalty(
+    traj: Trajectory, cfg: RLConfig, controller, adapt: bool = True
+) -> tuple[Trajectory, dict[str, float]]:
     """With ``kl.in_reward``: token rewards ``r_t = score [t = last] - coef * KL_t`` (InstructGPT's
     penalty, ``engine.algorithms.kl.apply_kl_penalty``), then the controller's update with the
     batch's mean sequence KL (skipped when ``adapt`` is false: the critic warm-up, where the
@@ -109,12 +117,15 @@ def kl_reward_penalty(traj: Trajectory, cfg: RLConfig, controller, adapt: bool =
     if traj.old_logprobs is None or traj.ref_logprobs is None:
         raise ValueError("rl.kl.in_reward: the KL penalty needs the old and the reference log-probs")
     coef = controller.value
-    token_rewards, seq_kl = apply_kl_penalty(traj.rewards, traj.old_logprobs, traj.ref_logprobs, traj.response_mask,
-                                             coef, cfg.kl.estimator)
+    token_rewards, seq_kl = apply_kl_penalty(
+        traj.rewards, traj.old_logprobs, traj.ref_logprobs, traj.response_mask, coef, cfg.kl.estimator
+    )
     if adapt:
         controller.update(float(seq_kl.mean()), len(traj))
-    return traj.with_(token_rewards=token_rewards), {"actor/reward_kl_penalty": float(seq_kl.mean()),
-                                                     "actor/reward_kl_coef": coef}
+    return traj.with_(token_rewards=token_rewards), {
+        "actor/reward_kl_penalty": float(seq_kl.mean()),
+        "actor/reward_kl_coef": coef,
+    }
 
 
 def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
@@ -141,14 +152,19 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
             raise ValueError(f"rl.algorithm {cfg.algorithm} needs the teacher's and the old log-probs")
         if cfg.teacher is None:
             raise ValueError(f"rl.algorithm {cfg.algorithm} needs rl.teacher")
-        options = dict(teacher_logprobs=traj.teacher_logprobs, student_logprobs=traj.old_logprobs,
-                       kl_coef=cfg.teacher.kl_coef, reward_weight=cfg.teacher.reward_weight)
+        options = dict(
+            teacher_logprobs=traj.teacher_logprobs,
+            student_logprobs=traj.old_logprobs,
+            kl_coef=cfg.teacher.kl_coef,
+            reward_weight=cfg.teacher.reward_weight,
+        )
     values = traj.values
     if needs.critic and values is None:
         raise ValueError(f"rl.algorithm {cfg.algorithm} needs the critic's values")
     if cfg.algorithm != "gae":  # gae's own formula (below) also gives the returns and whitens
         advantages = get_advantage_estimator(cfg.algorithm)(
-            rewards, traj.group_index, mask, **options, **({"values": traj.values} if needs.critic else {}))
+            rewards, traj.group_index, mask, **options, **({"values": traj.values} if needs.critic else {})
+        )
         if not needs.critic or values is None:  # (values is set when the critic is needed: checked above)
             return traj.with_(advantages=advantages)
         return traj.with_(advantages=advantages, returns=(advantages.float() + values.float()) * mask)
@@ -160,8 +176,9 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     return traj.with_(advantages=masked_whiten(advantages, mask).float(), returns=returns)
 
 
-def add_advantages(traj: Trajectory, cfg: RLConfig, controller, train_policy: bool,
-                   timer: StepTimer) -> tuple[Trajectory, dict[str, float]]:
+def add_advantages(
+    traj: Trajectory, cfg: RLConfig, controller, train_policy: bool, timer: StepTimer
+) -> tuple[Trajectory, dict[str, float]]:
     """Phase 3: the KL reward penalty (:func:`kl_reward_penalty`; the controller adapts only
     when ``train_policy``), then the ``[B, L]`` advantages (:func:`compute_advantages`; with
     ``gae`` also the critic's ``returns``). Records ``adv``.
@@ -191,8 +208,10 @@ def distill_metrics(traj: Trajectory) -> dict[str, float]:
     mask = traj.response_mask.double()
     n = float(mask.sum().clamp(min=1))
     teacher = traj.teacher_logprobs.double() * mask
-    return {"distill/reverse_kl": float(((traj.old_logprobs.double() * mask) - teacher).sum()) / n,
-            "distill/teacher_logprob_mean": float(teacher.sum()) / n}
+    return {
+        "distill/reverse_kl": float(((traj.old_logprobs.double() * mask) - teacher).sum()) / n,
+        "distill/teacher_logprob_mean": float(teacher.sum()) / n,
+    }
 
 
 def update_critic(workers: Workers, traj: Trajectory, timer: StepTimer) -> dict[str, float]:
@@ -205,8 +224,9 @@ def update_critic(workers: Workers, traj: Trajectory, timer: StepTimer) -> dict[
         return ray.get(workers.critic.update.remote(traj))
 
 
-def update_actor(workers: Workers, traj: Trajectory, train_policy: bool,
-                 timer: StepTimer) -> tuple[Trajectory, dict[str, float]]:
+def update_actor(
+    workers: Workers, traj: Trajectory, train_policy: bool, timer: StepTimer
+) -> tuple[Trajectory, dict[str, float]]:
     """Phase 5: the policy's update (skipped while ``train_policy`` is false: the critic
     warm-up). Records ``update_actor``.
 

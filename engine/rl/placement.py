@@ -43,8 +43,14 @@ def cluster_nodes() -> list[tuple[float, float]]:
     # ray: ~1 s to import; only the RL driver and its actors need it
     import ray
 
-    return sorted(((float(n["Resources"].get("CPU", 0.0)), float(n["Resources"].get("GPU", 0.0)))
-                   for n in ray.nodes() if n.get("Alive")), reverse=True)
+    return sorted(
+        (
+            (float(n["Resources"].get("CPU", 0.0)), float(n["Resources"].get("GPU", 0.0)))
+            for n in ray.nodes()
+            if n.get("Alive")
+        ),
+        reverse=True,
+    )
 
 
 @dataclass
@@ -68,8 +74,12 @@ class RankPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         seat = self.plan.seat(role, index)
-        options: dict[str, Any] = {"num_cpus": seat.cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=seat.bundle)}
+        options: dict[str, Any] = {
+            "num_cpus": seat.cpus,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=self.group, placement_group_bundle_index=seat.bundle
+            ),
+        }
         if seat.gpus:
             options["num_gpus"] = seat.gpus
         return options
@@ -127,8 +137,10 @@ def make_placement(cfg: RLConfig, timeout_s: float = 60.0) -> RankPlacement:
     if not ready:
         remove_placement_group(group)
         cpus, gpus = sum(b.cpus for b in plan.bundles), sum(b.gpus for b in plan.bundles)
-        raise TimeoutError(f"the RL placement ({len(plan.bundles)} bundles, {cpus:g} CPUs, {gpus:g} GPUs) was not "
-                           f"placed within {timeout_s:g} s: the cluster is busy (another run holds its CPUs?)")
+        raise TimeoutError(
+            f"the RL placement ({len(plan.bundles)} bundles, {cpus:g} CPUs, {gpus:g} GPUs) was not "
+            f"placed within {timeout_s:g} s: the cluster is busy (another run holds its CPUs?)"
+        )
     placement = RankPlacement(group, plan)
     logger.info("%s", placement.table())
     return placement

@@ -16,8 +16,13 @@ SHOWN_LINES = 10  # long-prompt lines named in the error
 # ----------------------------------------------------------------------------- set-up and state
 
 
-def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, sources: list[RLSourceConfig] | None = None,
-                    long_prompts: Literal["filter", "fail"] = "filter") -> PromptSet:
+def load_rl_prompts(
+    path: str | Path,
+    tokenizer,
+    max_prompt_tokens: int,
+    sources: list[RLSourceConfig] | None = None,
+    long_prompts: Literal["filter", "fail"] = "filter",
+) -> PromptSet:
     """Read and tokenize ``{"prompt": [messages], "label": str}`` rows (chat template, with
     the generation prompt: ``data.chat.encode_prompt``); with a mixture (``sources``, the
     ``data.rl_train`` list) every row also names its ``source``, and the prompts are grouped
@@ -49,31 +54,41 @@ def load_rl_prompts(path: str | Path, tokenizer, max_prompt_tokens: int, sources
             raise ValueError(f"{path}:{line}: label: expected a string, got {type(label).__name__}")
         name = row.get("source") if sources else None
         if name not in by_source:
-            raise ValueError(f"{path}:{line}: source: {name!r} is not a source of data.rl_train "
-                             f"({', '.join(settings)})")
+            raise ValueError(
+                f"{path}:{line}: source: {name!r} is not a source of data.rl_train ({', '.join(settings)})"
+            )
         ids = encode_prompt(tokenizer, messages, tools=row.get("tools"))
         if len(ids) > max_prompt_tokens:
             long[name].append((line, len(ids)))
             continue
         source = settings.get(name) if name is not None else None
-        by_source[name].append(RLPrompt(messages, label, ids, name, source.verifier if source else None,
-                                        source.reward_weight if source else 1.0))
+        by_source[name].append(
+            RLPrompt(
+                messages, label, ids, name, source.verifier if source else None, source.reward_weight if source else 1.0
+            )
+        )
     too_long = sorted(x for lines in long.values() for x in lines)
     if too_long and long_prompts == "fail":
         shown = ", ".join(f"{line} ({n} tokens)" for line, n in too_long[:SHOWN_LINES])
         more = f" and {len(too_long) - SHOWN_LINES} more" if len(too_long) > SHOWN_LINES else ""
-        raise ValueError(f"{path}: {len(too_long)} prompts leave no room for rl.rollout.max_new_tokens within the "
-                         f"model's max_position_embeddings (at most {max_prompt_tokens} prompt tokens): lines "
-                         f"{shown}{more}; shorten them, or set rl.long_prompts: filter to leave them out")
+        raise ValueError(
+            f"{path}: {len(too_long)} prompts leave no room for rl.rollout.max_new_tokens within the "
+            f"model's max_position_embeddings (at most {max_prompt_tokens} prompt tokens): lines "
+            f"{shown}{more}; shorten them, or set rl.long_prompts: filter to leave them out"
+        )
     for name, prompts in by_source.items():
         if not prompts:
             what = f"source {name!r} of data.rl_train" if name is not None else "the file"
-            raise ValueError(f"{path}: no prompts in {what}" + (f" ({len(long[name])} longer than {max_prompt_tokens} "
-                                                                  "tokens left out)" if long[name] else ""))
-    return PromptSet([p for prompts in by_source.values() for p in prompts],
-                     [len(prompts) for prompts in by_source.values()],
-                     {name: len(lines) for name, lines in long.items()},
-                     [s.weight for s in settings.values()] if sources else [])  # by_source's order
+            raise ValueError(
+                f"{path}: no prompts in {what}"
+                + (f" ({len(long[name])} longer than {max_prompt_tokens} tokens left out)" if long[name] else "")
+            )
+    return PromptSet(
+        [p for prompts in by_source.values() for p in prompts],
+        [len(prompts) for prompts in by_source.values()],
+        {name: len(lines) for name, lines in long.items()},
+        [s.weight for s in settings.values()] if sources else [],
+    )  # by_source's order
 
 
 @dataclass(frozen=True)
@@ -118,5 +133,7 @@ class PromptSet:
     def filtered_metrics(self) -> dict[str, float]:
         """``rl/long_prompts_filtered`` (all sources) and, in a mixture, ``rl/long_prompts_filtered/<source>``."""
         out = {"rl/long_prompts_filtered": float(sum(self.filtered.values()))}
-        out.update({f"rl/long_prompts_filtered/{name}": float(n) for name, n in self.filtered.items() if name is not None})
+        out.update(
+            {f"rl/long_prompts_filtered/{name}": float(n) for name, n in self.filtered.items() if name is not None}
+        )
         return out

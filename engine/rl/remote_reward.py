@@ -48,8 +48,7 @@ class RemoteReward:
 
     def __init__(self, cfg: RemoteRewardConfig):
         self.cfg = cfg
-        self.client = httpx.Client(timeout=cfg.timeout_s,
-                                   limits=httpx.Limits(max_connections=cfg.max_concurrency))
+        self.client = httpx.Client(timeout=cfg.timeout_s, limits=httpx.Limits(max_connections=cfg.max_concurrency))
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -68,7 +67,7 @@ class RemoteReward:
             except _Failed as exc:
                 if not exc.retry or attempt == tries - 1:
                     raise _Failed(f"{exc} (after {attempt + 1} {'try' if attempt == 0 else 'tries'})", False) from None
-                time.sleep(self.cfg.backoff_s * 2 ** attempt)
+                time.sleep(self.cfg.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
     def _once(self, body: dict[str, Any], key: str, count: int) -> list[float]:
@@ -91,8 +90,9 @@ class RemoteReward:
             raise _Failed(f"expected finite numbers in {key!r}, got {value!r}"[:300], False)
         return [float(v) for v in values]
 
-    def score(self, prompts: Sequence[Any], responses: Sequence[str], labels: Sequence[str],
-              finish_reasons: Sequence[str]) -> tuple[torch.Tensor, int]:
+    def score(
+        self, prompts: Sequence[Any], responses: Sequence[str], labels: Sequence[str], finish_reasons: Sequence[str]
+    ) -> tuple[torch.Tensor, int]:
         """The service's scores of ``B`` samples, in order.
 
         Returns: ``(scores [B] float32, failures)``, ``failures`` the samples scored ``fallback``.
@@ -101,14 +101,23 @@ class RemoteReward:
             RemoteRewardError: ``on_failure: fail`` and a request failed after its retries (one
                 line: ``rl.reward.remote: <url> failed: <cause> (after N tries)``).
         """
-        samples = [{"prompt": p, "response": r, "label": label, "finish_reason": f}
-                   for p, r, label, f in zip(prompts, responses, labels, finish_reasons)]
+        samples = [
+            {"prompt": p, "response": r, "label": label, "finish_reason": f}
+            for p, r, label, f in zip(prompts, responses, labels, finish_reasons)
+        ]
         size = self.cfg.batch_size
         if size is None:
             chunks = [(s, "score", 1, [i]) for i, s in enumerate(samples)]
         else:
-            chunks = [({"samples": samples[i:i + size]}, "scores", len(samples[i:i + size]), list(range(i, min(i + size, len(samples)))))
-                      for i in range(0, len(samples), size)]
+            chunks = [
+                (
+                    {"samples": samples[i : i + size]},
+                    "scores",
+                    len(samples[i : i + size]),
+                    list(range(i, min(i + size, len(samples)))),
+                )
+                for i in range(0, len(samples), size)
+            ]
 
         def run(chunk):
             body, key, count, _ = chunk
@@ -125,8 +134,13 @@ class RemoteReward:
             if isinstance(result, _Failed):
                 if self.cfg.on_failure == "fail":
                     raise RemoteRewardError(f"rl.reward.remote: {self.cfg.url} failed: {result}")
-                logger.warning("rl.reward.remote: %s failed on %d samples, scored fallback %s: %s", self.cfg.url,
-                               count, self.cfg.fallback, result)
+                logger.warning(
+                    "rl.reward.remote: %s failed on %d samples, scored fallback %s: %s",
+                    self.cfg.url,
+                    count,
+                    self.cfg.fallback,
+                    result,
+                )
                 failures += count
                 continue
             for i, v in zip(index, result):

@@ -58,8 +58,13 @@ def replay_start(directory: str | Path, step: int) -> int:
     if states and all(s in dumped for s in range(states[-1] + 1, step + 1)):
         return states[-1]
     can = replayable_steps(directory)
-    why = ("no dump of it" if step not in dumped else "no train state before it" if not states
-           else f"step {min(s for s in range(states[-1] + 1, step + 1) if s not in dumped)} has no dump")
+    why = (
+        "no dump of it"
+        if step not in dumped
+        else "no train state before it"
+        if not states
+        else f"step {min(s for s in range(states[-1] + 1, step + 1) if s not in dumped)} has no dump"
+    )
     listed = _ranges(can) if can else "none"
     raise ValueError(f"cannot replay step {step} from {directory}: {why}; steps that can be replayed: {listed}")
 
@@ -160,8 +165,14 @@ def replay_update(workers: Workers, dump: StepDump, cfg: RLConfig) -> dict[str, 
         ray.get(workers.actor.compute_logprobs.remote(traj))
     critic_metrics = phases.update_critic(workers, traj, timer)
     traj, actor_metrics = phases.update_actor(workers, traj, meta["train_policy"], timer)
-    return step_metrics(dump.step, traj, {**critic_metrics, **actor_metrics}, {**meta["reward_metrics"], **kl_metrics},
-                        timer, meta["policy_version"])
+    return step_metrics(
+        dump.step,
+        traj,
+        {**critic_metrics, **actor_metrics},
+        {**meta["reward_metrics"], **kl_metrics},
+        timer,
+        meta["policy_version"],
+    )
 
 
 def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> Workers:
@@ -174,13 +185,26 @@ def start_training_workers(policy_dir: str | Path, cfg: RLConfig, seed: int) -> 
     init_ray(cfg.engine.ray_address, cfg.engine.num_cpus)
     placement = make_placement(cfg)  # the run's placement: the same seats and threads per worker
     par = cfg.parallel
-    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.rank_options("actor", par.actor),
-                       (str(policy_dir), cfg, seed, placement.threads("actor")), seed=seed,
-                       norm_fn=lambda traj: actor_norm(traj, cfg))
-    critic = None if not cfg.algorithm_needs.critic else spawn_role(
-        critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
-        (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
-        norm_fn=lambda traj: global_norm(traj.response_mask))
+    actor = spawn_role(
+        actor_worker_class(cfg),
+        par.actor,
+        placement.rank_options("actor", par.actor),
+        (str(policy_dir), cfg, seed, placement.threads("actor")),
+        seed=seed,
+        norm_fn=lambda traj: actor_norm(traj, cfg),
+    )
+    critic = (
+        None
+        if not cfg.algorithm_needs.critic
+        else spawn_role(
+            critic_worker_class(cfg),
+            par.critic,
+            placement.rank_options("critic", par.critic),
+            (str(policy_dir), cfg, seed, placement.threads("critic")),
+            seed=seed,
+            norm_fn=lambda traj: global_norm(traj.response_mask),
+        )
+    )
     workers = Workers(placement, actor, None, None, None, critic)
     try:
         ray.get([w.__ray_ready__.remote() for w in (actor, critic) if w is not None])

@@ -88,33 +88,48 @@ class RewardWorker:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(tokenizer_model_dir)
         self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier, cfg.code)
-        self._verifiers: dict[str, Callable[[str, str, str], float]] = {} if self.verifier is None else {
-            cfg.verifier: self.verifier}
+        self._verifiers: dict[str, Callable[[str, str, str], float]] = (
+            {} if self.verifier is None else {cfg.verifier: self.verifier}
+        )
         self.functions = []
         for i, f in enumerate(cfg.functions):
             try:
                 self.functions.append(load_reward_function(f.path, batched=f.batched, name=f.metric_name))
             except ImportError as exc:
                 raise ImportError(f"rl.reward.functions[{i}].path: cannot load {f.path!r}: {exc}") from exc
-        if self.verifier is None and cfg.reward_model_weight == 0 and not self.functions and cfg.judge is None \
-                and cfg.remote is None:
-            raise ValueError("rl.reward: verifier is 'none', reward_model_weight is 0, judge and remote are unset and "
-                             "functions is empty: nothing gives a reward")
+        if (
+            self.verifier is None
+            and cfg.reward_model_weight == 0
+            and not self.functions
+            and cfg.judge is None
+            and cfg.remote is None
+        ):
+            raise ValueError(
+                "rl.reward: verifier is 'none', reward_model_weight is 0, judge and remote are unset and "
+                "functions is empty: nothing gives a reward"
+            )
         # httpx (via engine.rl.remote_reward): ~0.2 s to import; only a remote reward service needs it
         from engine.rl.remote_reward import RemoteReward
 
         self.services = ([("judge", JudgeReward(cfg.judge), cfg.judge.weight)] if cfg.judge is not None else []) + (
-            [("remote", RemoteReward(cfg.remote), cfg.remote.weight)] if cfg.remote is not None else [])
+            [("remote", RemoteReward(cfg.remote), cfg.remote.weight)] if cfg.remote is not None else []
+        )
 
     def decode(self, response_ids: Sequence[Sequence[int]]) -> list[str]:
         """Response texts by :func:`data.chat_response.response_text` (special tokens, e.g. the final
         EOS, and a plain-text turn end at the end removed), the rule evaluation uses too."""
         return [response_text(self.tokenizer, ids) for ids in response_ids]
 
-    def score(self, prompts: Sequence[Any], labels: Sequence[str], response_ids: Sequence[Sequence[int]],
-              finish_reasons: Sequence[str], verifiers: Sequence[str | None] | None = None,
-              reward_weights: Sequence[float] | None = None,
-              model_scores: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(
+        self,
+        prompts: Sequence[Any],
+        labels: Sequence[str],
+        response_ids: Sequence[Sequence[int]],
+        finish_reasons: Sequence[str],
+        verifiers: Sequence[str | None] | None = None,
+        reward_weights: Sequence[float] | None = None,
+        model_scores: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Rewards of ``B`` responses.
 
         In an RL data mixture each response has its source's verifier and reward weight:
@@ -145,7 +160,9 @@ class RewardWorker:
         texts = self.decode(response_ids)
         rewards = torch.zeros(len(texts))
         metrics: dict[str, float] = {}
-        names = [v or self.cfg.verifier for v in verifiers] if verifiers is not None else [self.cfg.verifier] * len(texts)
+        names = (
+            [v or self.cfg.verifier for v in verifiers] if verifiers is not None else [self.cfg.verifier] * len(texts)
+        )
         if any(name != "none" for name in names):
             # polars (via data.rewards): ~0.5 s to import, not paid until this runs
             from data.rewards import score_all
@@ -161,9 +178,11 @@ class RewardWorker:
             metrics["reward/verifier_mean"] = float(verified.mean())
         if self.cfg.reward_model_weight != 0:
             if model_scores is None or len(model_scores) != len(texts):
-                raise ValueError(f"rl.reward.reward_model_weight is {self.cfg.reward_model_weight} but "
-                                 f"{'no' if model_scores is None else len(model_scores)} reward-model scores were "
-                                 f"given for {len(texts)} responses")
+                raise ValueError(
+                    f"rl.reward.reward_model_weight is {self.cfg.reward_model_weight} but "
+                    f"{'no' if model_scores is None else len(model_scores)} reward-model scores were "
+                    f"given for {len(texts)} responses"
+                )
             rm = model_scores.float()
             rewards += self.cfg.reward_model_weight * rm
             metrics["reward/model_mean"] = float(rm.mean())

@@ -76,7 +76,7 @@ def state_dir(directory: str | Path, step: int) -> Path:
 def _numbered(directory: str | Path, prefix: str, suffix: str = "") -> list[int]:
     found = []
     for p in Path(directory).glob(f"{prefix}*{suffix}"):
-        digits = p.name[len(prefix):len(p.name) - len(suffix)]
+        digits = p.name[len(prefix) : len(p.name) - len(suffix)]
         if digits.isdigit():
             found.append(int(digits))
     return sorted(found)
@@ -125,8 +125,11 @@ def write_step(directory: str | Path, traj: Trajectory, meta: dict[str, Any]) ->
     """
     # clones: safetensors refuses tensors that share storage (response_valid is response_mask
     # in single-turn batches) or are views of a larger batch
-    tensors = {name: getattr(traj, name).detach().contiguous().clone()
-               for name in _TENSOR_FIELDS if getattr(traj, name) is not None}
+    tensors = {
+        name: getattr(traj, name).detach().contiguous().clone()
+        for name in _TENSOR_FIELDS
+        if getattr(traj, name) is not None
+    }
     payload = save(tensors, metadata={"format": FORMAT, "meta": json.dumps({**meta, "pad_id": traj.pad_id})})
     target = step_path(directory, int(meta["step"]))
     replace_atomically(target, lambda f: f.write(payload))
@@ -205,22 +208,36 @@ class RolloutDumps:
         if start == 0:
             save_checkpoint(workers, state_dir(self.directory, 0), 0, position, {})
 
-    def before_update(self, step: int, traj: Trajectory, reward_metrics: dict[str, float],
-                      kl_metrics: dict[str, float], policy_version: int, train_policy: bool) -> None:
+    def before_update(
+        self,
+        step: int,
+        traj: Trajectory,
+        reward_metrics: dict[str, float],
+        kl_metrics: dict[str, float],
+        policy_version: int,
+        train_policy: bool,
+    ) -> None:
         """Write step ``step``'s file: ``traj`` after the advantages (what the critic and
         actor updates consume), the policy version before the update, the KL coefficient
         used (``kl_metrics["actor/reward_kl_coef"]``), the reward and KL metrics."""
         if self.directory is None:
             return
-        meta = {"step": step, "policy_version": policy_version, "train_policy": train_policy,
-                "kl_coef": kl_metrics.get("actor/reward_kl_coef"), "reward_metrics": reward_metrics,
-                "kl_metrics": kl_metrics, "old_logprobs": None if traj.old_logprobs is None else "precomputed",
-                "metrics": None}
+        meta = {
+            "step": step,
+            "policy_version": policy_version,
+            "train_policy": train_policy,
+            "kl_coef": kl_metrics.get("actor/reward_kl_coef"),
+            "reward_metrics": reward_metrics,
+            "kl_metrics": kl_metrics,
+            "old_logprobs": None if traj.old_logprobs is None else "precomputed",
+            "metrics": None,
+        }
         write_step(self.directory, traj, meta)
         self._pending = (traj, meta)
 
-    def after_step(self, workers: Workers, step: int, traj: Trajectory, metrics: dict[str, float],
-                   position: DataPosition) -> None:
+    def after_step(
+        self, workers: Workers, step: int, traj: Trajectory, metrics: dict[str, float], position: DataPosition
+    ) -> None:
         """Rewrite step ``step``'s file with the old log-probs the update used (``traj``'s)
         and the step's logged ``metrics``; save the train state when a checkpoint is due
         (every ``rl.checkpoint_every`` steps and the last: the rule of
@@ -246,4 +263,6 @@ class RolloutDumps:
         if target.resolve() == self.directory.resolve():
             return
         shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(self.directory, target, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(_TMP_PATTERN))
+        shutil.copytree(
+            self.directory, target, copy_function=_link_or_copy, ignore=shutil.ignore_patterns(_TMP_PATTERN)
+        )

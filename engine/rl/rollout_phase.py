@@ -69,8 +69,15 @@ def source_metrics(prompts: list[RLPrompt] | PromptSet, groups: list[_Group]) ->
     return out
 
 
-def rollout_batch(workers: Workers, prompts: list[RLPrompt] | PromptSet, sampler: EpochSampler | MixtureSampler, cfg: RLConfig, seed: int,
-                  step: int, pad_id: int) -> tuple[Trajectory, dict[str, float], float, float]:
+def rollout_batch(
+    workers: Workers,
+    prompts: list[RLPrompt] | PromptSet,
+    sampler: EpochSampler | MixtureSampler,
+    cfg: RLConfig,
+    seed: int,
+    step: int,
+    pad_id: int,
+) -> tuple[Trajectory, dict[str, float], float, float]:
     """The step's scored batch: ``prompts_per_step`` prompts x ``n_samples`` responses.
 
     With ``dynamic_sampling.enabled`` (DAPO, Yu et al. 2025, arXiv:2503.14476, section 3.2)
@@ -102,19 +109,36 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt] | PromptSet, sampler
     def one_round() -> list[_Group]:
         batch = [prompts[i] for i in sampler.next_indices(cfg.prompts_per_step)]
         if cfg.environment is None:
-            traj, t_gen, restarts = generate(workers, batch, cfg, seed, step, pad_id, round_index=len(rounds),
-                                             restarts_before=int(timing["restarts"]))
+            traj, t_gen, restarts = generate(
+                workers,
+                batch,
+                cfg,
+                seed,
+                step,
+                pad_id,
+                round_index=len(rounds),
+                restarts_before=int(timing["restarts"]),
+            )
             traj, metrics, t_reward = compute_rewards(workers, traj, batch, cfg.n_samples)
         else:
-            traj, metrics, t_gen, restarts = generate_multi_turn(workers, batch, cfg, seed, step, pad_id,
-                                                                 round_index=len(rounds), restarts_before=int(timing["restarts"]))
+            traj, metrics, t_gen, restarts = generate_multi_turn(
+                workers,
+                batch,
+                cfg,
+                seed,
+                step,
+                pad_id,
+                round_index=len(rounds),
+                restarts_before=int(timing["restarts"]),
+            )
             t_reward = 0.0
         timing["gen"] += t_gen
         timing["reward"] += t_reward
         timing["restarts"] += restarts
         rounds.append(metrics)
-        groups = [_Group(traj.select(torch.nonzero(traj.group_index == g).flatten()), p.source)
-                  for g, p in enumerate(batch)]
+        groups = [
+            _Group(traj.select(torch.nonzero(traj.group_index == g).flatten()), p.source) for g, p in enumerate(batch)
+        ]
         generated.extend(groups)
         return groups
 
@@ -124,11 +148,16 @@ def rollout_batch(workers: Workers, prompts: list[RLPrompt] | PromptSet, sampler
     else:
         filled = fill_batch(one_round, cfg.prompts_per_step, ds.max_rounds, strict=ds.on_shortfall == "error")
         if not filled.groups:
-            raise RuntimeError(f"dynamic sampling: every one of {filled.num_generated} groups had equal rewards "
-                               f"in {filled.rounds} rounds; nothing to train on at step {step}")
+            raise RuntimeError(
+                f"dynamic sampling: every one of {filled.num_generated} groups had equal rewards "
+                f"in {filled.rounds} rounds; nothing to train on at step {step}"
+            )
         groups = filled.groups
-        extra = {"dynamic_sampling/rounds": float(filled.rounds), "dynamic_sampling/kept_groups": float(len(groups)),
-                 "dynamic_sampling/dropped_groups": float(filled.num_dropped)}
+        extra = {
+            "dynamic_sampling/rounds": float(filled.rounds),
+            "dynamic_sampling/kept_groups": float(len(groups)),
+            "dynamic_sampling/dropped_groups": float(filled.num_dropped),
+        }
     reward_metrics = {k: sum(r[k] for r in rounds) / len(rounds) for k in rounds[0]}
     extra["rollout/engine_restarts"] = float(timing["restarts"])
     extra.update(source_metrics(prompts, generated))
@@ -158,14 +187,22 @@ class RolloutProducer:
     :class:`ScoredBatch` by :func:`rollout_batch`. The pipeline calls it once per step, in
     step order, on one thread, so ``sampler`` draws the prompts of the steps in order."""
 
-    def __init__(self, workers: Workers, prompts: list[RLPrompt] | PromptSet, sampler: EpochSampler | MixtureSampler,
-                 cfg: RLConfig, seed: int, pad_id: int):
+    def __init__(
+        self,
+        workers: Workers,
+        prompts: list[RLPrompt] | PromptSet,
+        sampler: EpochSampler | MixtureSampler,
+        cfg: RLConfig,
+        seed: int,
+        pad_id: int,
+    ):
         self.workers, self.prompts, self.sampler = workers, prompts, sampler
         self.cfg, self.seed, self.pad_id = cfg, seed, pad_id
 
     def __call__(self, step: int) -> ScoredBatch:
-        traj, metrics, t_gen, t_reward = rollout_batch(self.workers, self.prompts, self.sampler, self.cfg, self.seed,
-                                                       step, self.pad_id)
+        traj, metrics, t_gen, t_reward = rollout_batch(
+            self.workers, self.prompts, self.sampler, self.cfg, self.seed, step, self.pad_id
+        )
         return ScoredBatch(traj, metrics, t_gen, t_reward, sampler_position(self.sampler, self.seed))
 
 
@@ -193,8 +230,16 @@ def take_rollout(pipeline: RolloutPipeline[ScoredBatch], step: int, timer: StepT
     return batch
 
 
-def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
-             round_index: int = 0, restarts_before: int = 0) -> tuple[Trajectory, float, int]:
+def generate(
+    workers: Workers,
+    batch: list[RLPrompt],
+    cfg: RLConfig,
+    seed: int,
+    step: int,
+    pad_id: int,
+    round_index: int = 0,
+    restarts_before: int = 0,
+) -> tuple[Trajectory, float, int]:
     """Rollout ``cfg.n_samples`` responses per prompt; the sampling seed depends only on
     ``(seed, step, round_index)`` and each prompt's place in the batch, so a resumed run
     samples what an uninterrupted one would, whichever engine a prompt lands on.
@@ -213,12 +258,21 @@ def generate(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, 
     out = routed.outputs
     traj = Trajectory.from_rollout(prompt_ids, out.outputs, pad_id).with_(
         rollout_version=torch.tensor([v for group in out.version_start for v in group]),
-        rollout_version_end=torch.tensor([v for group in out.version_end for v in group]))
+        rollout_version_end=torch.tensor([v for group in out.version_end for v in group]),
+    )
     return traj, time.perf_counter() - t0, routed.restarts
 
 
-def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, seed: int, step: int, pad_id: int,
-                        round_index: int = 0, restarts_before: int = 0) -> tuple[Trajectory, dict[str, float], float, int]:
+def generate_multi_turn(
+    workers: Workers,
+    batch: list[RLPrompt],
+    cfg: RLConfig,
+    seed: int,
+    step: int,
+    pad_id: int,
+    round_index: int = 0,
+    restarts_before: int = 0,
+) -> tuple[Trajectory, dict[str, float], float, int]:
     """Multi-turn rollout of ``cfg.n_samples`` samples per prompt against ``cfg.environment``
     (at most ``cfg.max_turns`` turns, ``rollout.max_new_tokens`` tokens in all), seeded as
     :func:`generate`; all turns of a prompt's samples run on one rollout engine. Versions and
@@ -232,14 +286,26 @@ def generate_multi_turn(workers: Workers, batch: list[RLPrompt], cfg: RLConfig, 
     prompt_ids = [p.token_ids for p in batch]
     rows = [{"prompt": p.messages, "label": p.label} for p in batch]
     chunk = cfg.engine.partial_rollout_chunk_tokens if cfg.engine.off_policy_steps > 0 else None
-    routed = rollout_call(workers, "generate_multi_turn", (
-        prompt_ids, rows, cfg.environment, sampling_spec(cfg, seed, step, round_index), cfg.max_turns, chunk,
-        math.inf if cfg.environment_step_wait_s is None else cfg.environment_step_wait_s, cfg.max_turn_tokens),
-        restarts_before)
+    routed = rollout_call(
+        workers,
+        "generate_multi_turn",
+        (
+            prompt_ids,
+            rows,
+            cfg.environment,
+            sampling_spec(cfg, seed, step, round_index),
+            cfg.max_turns,
+            chunk,
+            math.inf if cfg.environment_step_wait_s is None else cfg.environment_step_wait_s,
+            cfg.max_turn_tokens,
+        ),
+        restarts_before,
+    )
     samples = routed.outputs
     traj = Trajectory.from_multi_turn(prompt_ids, samples, pad_id).with_(
         rollout_version=torch.tensor([s.version_start for group in samples for s in group]),
-        rollout_version_end=torch.tensor([s.version_end for group in samples for s in group]))
+        rollout_version_end=torch.tensor([s.version_end for group in samples for s in group]),
+    )
     return traj, multi_turn_metrics(samples), time.perf_counter() - t0, routed.restarts
 
 
@@ -264,8 +330,13 @@ def rollout_call(workers: Workers, method: str, args: tuple, restarts_before: in
 def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> SamplingSpec:
     """The rollout's sampling: ``n_samples`` per prompt, ``rl.rollout``'s temperature, top-p and
     budget, the seed of :func:`sampling_seed`."""
-    return SamplingSpec(n=cfg.n_samples, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                        max_new_tokens=cfg.rollout.max_new_tokens, seed=sampling_seed(seed, step, round_index))
+    return SamplingSpec(
+        n=cfg.n_samples,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=sampling_seed(seed, step, round_index),
+    )
 
 
 def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
@@ -281,12 +352,16 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
     responses = [ids[: int(k)].tolist() for ids, k in zip(traj.response_ids, traj.response_lengths)]
     rows = [p for p in batch for _ in range(n)]
     finish_reasons = ["length" if t else "stop" for t in traj.truncated.tolist()]
-    extra = {} if rows[0].source is None else {"verifiers": [p.verifier for p in rows],
-                                                  "reward_weights": [p.reward_weight for p in rows]}
+    extra = (
+        {}
+        if rows[0].source is None
+        else {"verifiers": [p.verifier for p in rows], "reward_weights": [p.reward_weight for p in rows]}
+    )
     prompts = [p.messages for p in rows]
     if workers.reward_model is not None:  # scored by its own role while the reward worker waits for them
         texts = ray.get(workers.reward.decode.remote(responses))
         extra["model_scores"] = workers.reward_model.score_responses.remote(traj, prompts, texts)
-    rewards, metrics = ray.get(workers.reward.score.remote(prompts, [p.label for p in rows], responses,
-                                                           finish_reasons, **extra))
+    rewards, metrics = ray.get(
+        workers.reward.score.remote(prompts, [p.label for p in rows], responses, finish_reasons, **extra)
+    )
     return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0

@@ -26,13 +26,19 @@ def check_teacher(student_dir: str | Path, teacher_dir: str | Path) -> None:
     student_cfg, student_tok = read_hf_config(student_dir), load_tokenizer(student_dir)
     differ = f"{key} and the student {student_dir} do not share a tokenizer"
     if teacher_cfg.get("vocab_size") != student_cfg.get("vocab_size"):
-        raise ValueError(f"{differ}: hf/config.json vocab_size {teacher_cfg.get('vocab_size')} (teacher) vs "
-                         f"{student_cfg.get('vocab_size')} (student)")
+        raise ValueError(
+            f"{differ}: hf/config.json vocab_size {teacher_cfg.get('vocab_size')} (teacher) vs "
+            f"{student_cfg.get('vocab_size')} (student)"
+        )
     teacher_vocab, student_vocab = teacher_tok.get_vocab(), student_tok.get_vocab()
     if teacher_vocab != student_vocab:
         token = min(set(teacher_vocab.items()) ^ set(student_vocab.items()))[0]
-        raise ValueError(f"{differ}: token {token!r} has id {teacher_vocab.get(token)} in the teacher's vocabulary and "
-                         f"{student_vocab.get(token)} in the student's ({len(teacher_vocab)} vs {len(student_vocab)} "
-                         "tokens)")
+        raise ValueError(
+            f"{differ}: token {token!r} has id {teacher_vocab.get(token)} in the teacher's vocabulary and "
+            f"{student_vocab.get(token)} in the student's ({len(teacher_vocab)} vs {len(student_vocab)} "
+            "tokens)"
+        )
     if teacher_tok.eos_token != student_tok.eos_token:
-        raise ValueError(f"{differ}: EOS token {teacher_tok.eos_token!r} (teacher) vs {student_tok.eos_token!r} (student)")
+        raise ValueError(
+            f"{differ}: EOS token {teacher_tok.eos_token!r} (teacher) vs {student_tok.eos_token!r} (student)"
+        )

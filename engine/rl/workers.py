@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int) -> Workers:
+def start_workers(
+    placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path, reward_model_dir, max_len: int
+) -> Workers:
     """Start one RL run's workers in ``placement`` and wait until every one is constructed.
 
     The actor (``rl.backend``), the reference (only with a KL term), the teacher (only with
@@ -57,34 +59,86 @@ def start_workers(placement, policy_dir, cfg: RLConfig, seed: int, out_dir: Path
         placement.remove()
         raise ValueError("rl.reward.reward_model_weight is non-zero but no reward model directory was given")
     par = cfg.parallel
-    actor = spawn_role(actor_worker_class(cfg), par.actor, placement.rank_options("actor", par.actor),
-                       (str(policy_dir), cfg, seed, placement.threads("actor")), seed=seed,
-                       norm_fn=lambda traj: actor_norm(traj, cfg))
-    reference = None if not cfg.uses_reference else spawn_role(  # only a KL term needs the reference
-        ReferenceWorker, par.reference, placement.rank_options("reference", par.reference),
-        (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("reference")),
-        dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision),
-        seed=seed)
-    teacher = None if cfg.teacher is None else spawn_role(  # on-policy distillation's teacher
-        ReferenceWorker, par.reference, placement.rank_options("teacher", par.reference),
-        (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("teacher")),
-        dict(packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-             precision=cfg.teacher.precision or cfg.precision, role="teacher"),
-        seed=seed)
+    actor = spawn_role(
+        actor_worker_class(cfg),
+        par.actor,
+        placement.rank_options("actor", par.actor),
+        (str(policy_dir), cfg, seed, placement.threads("actor")),
+        seed=seed,
+        norm_fn=lambda traj: actor_norm(traj, cfg),
+    )
+    reference = (
+        None
+        if not cfg.uses_reference
+        else spawn_role(  # only a KL term needs the reference
+            ReferenceWorker,
+            par.reference,
+            placement.rank_options("reference", par.reference),
+            (str(policy_dir), cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("reference")),
+            dict(
+                packing=cfg.packing, max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch, precision=cfg.precision
+            ),
+            seed=seed,
+        )
+    )
+    teacher = (
+        None
+        if cfg.teacher is None
+        else spawn_role(  # on-policy distillation's teacher
+            ReferenceWorker,
+            par.reference,
+            placement.rank_options("teacher", par.reference),
+            (cfg.teacher.model_dir, cfg.rollout.temperature, cfg.micro_batch_size, seed, placement.threads("teacher")),
+            dict(
+                packing=cfg.packing,
+                max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                precision=cfg.teacher.precision or cfg.precision,
+                role="teacher",
+            ),
+            seed=seed,
+        )
+    )
     rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, actor)
-    reward = None if cfg.environment is not None else spawn(  # an environment gives the rewards
-        RewardWorker, placement, str(policy_dir), cfg.reward, placement.threads("reward"), role="reward")
-    reward_model = None if not cfg.uses_reward_model else spawn_role(
-        RewardModelWorker, par.reward_model, placement.rank_options("reward_model", par.reward_model),
-        (str(reward_model_dir), placement.threads("reward_model")), dict(precision=cfg.precision), seed=seed)
-    critic = None if not cfg.algorithm_needs.critic else spawn_role(
-        critic_worker_class(cfg), par.critic, placement.rank_options("critic", par.critic),
-        (str(policy_dir), cfg, seed, placement.threads("critic")), seed=seed,
-        norm_fn=lambda traj: global_norm(traj.response_mask))
+    reward = (
+        None
+        if cfg.environment is not None
+        else spawn(  # an environment gives the rewards
+            RewardWorker, placement, str(policy_dir), cfg.reward, placement.threads("reward"), role="reward"
+        )
+    )
+    reward_model = (
+        None
+        if not cfg.uses_reward_model
+        else spawn_role(
+            RewardModelWorker,
+            par.reward_model,
+            placement.rank_options("reward_model", par.reward_model),
+            (str(reward_model_dir), placement.threads("reward_model")),
+            dict(precision=cfg.precision),
+            seed=seed,
+        )
+    )
+    critic = (
+        None
+        if not cfg.algorithm_needs.critic
+        else spawn_role(
+            critic_worker_class(cfg),
+            par.critic,
+            placement.rank_options("critic", par.critic),
+            (str(policy_dir), cfg, seed, placement.threads("critic")),
+            seed=seed,
+            norm_fn=lambda traj: global_norm(traj.response_mask),
+        )
+    )
     workers = Workers(placement, actor, reference, rollout, reward, critic, teacher, reward_model)
     try:  # surface a constructor error here, not at the first call
-        ray.get([w.__ray_ready__.remote() for w in (actor, reference, teacher, *rollout.engines, reward, critic,
-                                                      reward_model) if w is not None])
+        ray.get(
+            [
+                w.__ray_ready__.remote()
+                for w in (actor, reference, teacher, *rollout.engines, reward, critic, reward_model)
+                if w is not None
+            ]
+        )
     except BaseException:
         stop_workers(workers)
         raise
@@ -121,17 +175,35 @@ def start_rollout(placement, policy_dir, cfg: RLConfig, out_dir: Path, max_len: 
 
     def spawn_engine(index: int):
         scratch = out_dir / ".rollout" if index == 0 else out_dir / ".rollout" / f"engine{index}"
-        return spawn(RolloutWorker, placement, str(policy_dir), cfg.rollout, str(scratch), max_len,
-                     placement.threads("rollout", index), role="rollout", index=index,
-                     max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
-                     num_sequences=share * cfg.n_samples, precision=cfg.precision,
-                     sleep_mode=cfg.colocated_handoff)
+        return spawn(
+            RolloutWorker,
+            placement,
+            str(policy_dir),
+            cfg.rollout,
+            str(scratch),
+            max_len,
+            placement.threads("rollout", index),
+            role="rollout",
+            index=index,
+            max_concurrency=3 if cfg.engine.off_policy_steps > 0 else 2,
+            num_sequences=share * cfg.n_samples,
+            precision=cfg.precision,
+            sleep_mode=cfg.colocated_handoff,
+        )
 
     weight_sync = cfg.weight_sync_mode
-    logger.info("weight sync to the rollout engines: %s (rl.engine.weight_sync: %s)", weight_sync, cfg.engine.weight_sync)
-    return RolloutRouter(spawn_engine, n, actor, health_check_timeout_s=cfg.engine.health_check_timeout_s,
-                         max_engine_restarts=cfg.engine.max_engine_restarts,
-                         weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s, weight_sync=weight_sync)
+    logger.info(
+        "weight sync to the rollout engines: %s (rl.engine.weight_sync: %s)", weight_sync, cfg.engine.weight_sync
+    )
+    return RolloutRouter(
+        spawn_engine,
+        n,
+        actor,
+        health_check_timeout_s=cfg.engine.health_check_timeout_s,
+        max_engine_restarts=cfg.engine.max_engine_restarts,
+        weight_sync_timeout_s=cfg.engine.weight_sync_timeout_s,
+        weight_sync=weight_sync,
+    )
 
 
 @dataclass
@@ -163,10 +235,19 @@ class ReferenceWorker:
     ``"teacher"``, the name the colocated hand-off records.
     """
 
-    def __init__(self, model_dir: str | Path, temperature: float, micro_batch_size: int, seed: int = 0,
-                 num_threads: int | None = None, *, packing: bool = False,
-                 max_tokens_per_micro_batch: int | None = None, precision: str | None = None,
-                 role: str = "reference"):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        temperature: float,
+        micro_batch_size: int,
+        seed: int = 0,
+        num_threads: int | None = None,
+        *,
+        packing: bool = False,
+        max_tokens_per_micro_batch: int | None = None,
+        precision: str | None = None,
+        role: str = "reference",
+    ):
         worker_threads(num_threads)
         self.model = load_model_dir(model_dir, seed=seed, dtype=compute_dtype(precision)).model.eval()
         for p in self.model.parameters():
@@ -189,8 +270,9 @@ class ReferenceWorker:
     def compute_logprobs(self, traj: Trajectory) -> torch.Tensor:
         """``[B, L]`` reference log-probs of the response tokens (micro-batches and packing as
         configured; see :func:`compute_logprobs`)."""
-        return compute_logprobs(self.model, traj, self.temperature, self.micro_batch_size,
-                                self.max_tokens_per_micro_batch, self.packing)
+        return compute_logprobs(
+            self.model, traj, self.temperature, self.micro_batch_size, self.max_tokens_per_micro_batch, self.packing
+        )
 
 
 class RolloutWorker:
@@ -218,9 +300,17 @@ class RolloutWorker:
             colocated hand-off (:meth:`sleep`, :meth:`wake_up`; ``rl.engine.colocated_offload``).
     """
 
-    def __init__(self, policy_dir: str | Path, cfg: RolloutConfig, scratch_dir: str | Path,
-                 max_model_len: int | None = None, num_threads: int | None = None,
-                 num_sequences: int | None = None, precision: str | None = None, sleep_mode: bool = False):
+    def __init__(
+        self,
+        policy_dir: str | Path,
+        cfg: RolloutConfig,
+        scratch_dir: str | Path,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+        num_sequences: int | None = None,
+        precision: str | None = None,
+        sleep_mode: bool = False,
+    ):
         worker_threads(num_threads)
         self.gate = WeightGate()
         self.policy_dir = Path(policy_dir)
@@ -228,10 +318,17 @@ class RolloutWorker:
         self._tokenizer = None
         self._env_factories: dict[str, Any] = {}
         self.engine = build_rollout_engine(
-            cfg.backend, self.policy_dir / HF_SUBDIR, what="rl.rollout.backend",
-            hf_export=(policy_dir, self.scratch_dir / "hf"), gpu_memory_utilization=cfg.gpu_memory_utilization,
-            num_sequences=num_sequences, max_model_len=max_model_len, load_format="dummy", precision=precision,
-            enforce_eager=cfg.enforce_eager, sleep_mode=sleep_mode,
+            cfg.backend,
+            self.policy_dir / HF_SUBDIR,
+            what="rl.rollout.backend",
+            hf_export=(policy_dir, self.scratch_dir / "hf"),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            num_sequences=num_sequences,
+            max_model_len=max_model_len,
+            load_format="dummy",
+            precision=precision,
+            enforce_eager=cfg.enforce_eager,
+            sleep_mode=sleep_mode,
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec) -> list[list[RolloutOutput]]:
@@ -239,8 +336,9 @@ class RolloutWorker:
         _init_thread()
         return self.engine.generate(prompt_token_ids, sampling)
 
-    def generate_versioned(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
-                           chunk_tokens: int | None = None):
+    def generate_versioned(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingSpec, chunk_tokens: int | None = None
+    ):
         """:meth:`generate` in chunks of ``chunk_tokens`` tokens that a weight update
         (:meth:`begin_weight_update` ... :meth:`end_weight_update`) may interrupt: unfinished
         samples continue under the new weights (partial rollouts,
@@ -257,9 +355,17 @@ class RolloutWorker:
         """The weights loaded since :meth:`begin_weight_update` are policy version ``version``."""
         self.gate.end_update(version)
 
-    def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
-                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None,
-                            step_wait_s: float = math.inf, turn_tokens: int | None = None):
+    def generate_multi_turn(
+        self,
+        prompt_token_ids: list[list[int]],
+        rows: list[dict[str, Any]],
+        environment: str,
+        sampling: SamplingSpec,
+        max_turns: int,
+        chunk_tokens: int | None = None,
+        step_wait_s: float = math.inf,
+        turn_tokens: int | None = None,
+    ):
         """Multi-turn samples against the environment factory at import path ``environment``
         (``package.module:factory``, imported here once per path), with this worker's engine
         and the policy's tokenizer (see :func:`engine.rollout.multi_turn.multi_turn_rollout`).
@@ -289,9 +395,19 @@ class RolloutWorker:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.policy_dir)
         _init_thread()
-        return multi_turn_rollout(self.engine, self._tokenizer, prompt_token_ids, rows,
-                                  self._env_factories[environment], sampling, max_turns, chunk_tokens, self.gate,
-                                  step_wait_s, turn_tokens)
+        return multi_turn_rollout(
+            self.engine,
+            self._tokenizer,
+            prompt_token_ids,
+            rows,
+            self._env_factories[environment],
+            sampling,
+            max_turns,
+            chunk_tokens,
+            self.gate,
+            step_wait_s,
+            turn_tokens,
+        )
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load some of the policy's weights, e.g. one bucket of
@@ -305,8 +421,10 @@ class RolloutWorker:
         from engine.rollout.vllm_rollout import VLLMRollout
 
         if not isinstance(self.engine, VLLMRollout):
-            raise RuntimeError(f"weight sync over a collective group or IPC needs the vLLM rollout engine, "
-                               f"not {type(self.engine).__name__}")
+            raise RuntimeError(
+                f"weight sync over a collective group or IPC needs the vLLM rollout engine, "
+                f"not {type(self.engine).__name__}"
+            )
         return self.engine
 
     def weight_sync_join(self, spec, rank_offset: int):
@@ -365,6 +483,7 @@ def _init_thread() -> None:
     thread's count to the process's on first use (``at::init_num_threads``).
     """
     torch.get_num_threads()
+
 
 def spawn(cls, placement, *args, role: str, index: int = 0, max_concurrency: int = 1, **kwargs):
     """Start ``cls(*args, **kwargs)`` as a Ray actor in the placement seat of worker ``index`` of

@@ -80,9 +80,18 @@ def build_rollout_engine(
             tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
         tokens = len(tokenizer)
         sized = {} if num_sequences is None else {"num_sequences": num_sequences}
-        return VLLMRollout(hf_dir, gpu_memory_utilization=gpu_memory_utilization, seed=seed, **sized,
-                           max_model_len=max_model_len, valid_vocab_size=tokens if tokens < vocab else None,
-                           load_format=load_format, dtype=dtype, enforce_eager=enforce_eager, sleep_mode=sleep_mode)
+        return VLLMRollout(
+            hf_dir,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            **sized,
+            max_model_len=max_model_len,
+            valid_vocab_size=tokens if tokens < vocab else None,
+            load_format=load_format,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            sleep_mode=sleep_mode,
+        )
     if backend == "hf":
         # transformers (via engine.rollout.hf_rollout): 1-2 s to import; only tokenizers and HF models need it
         from engine.rollout.hf_rollout import HFRollout

@@ -114,12 +114,13 @@ class HFRollout:
             raise ValueError(f"HFRollout: dtype must be a floating-point torch dtype or its name, got {dtype!r}")
         self.dtype: torch.dtype = resolved
         # use_safetensors=True: never unpickle weights.
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved, use_safetensors=True).to(
-            device)  # type: ignore[arg-type]  # transformers' wrapper of Module.to loses its signature
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolved, use_safetensors=True).to(device)  # type: ignore[arg-type]  # transformers' wrapper of Module.to loses its signature
         self.model.eval()
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
-        self._checkpoint_views: dict[str, CheckpointView] | None = None  # checkpoint names held in another layout (update_weights)
+        self._checkpoint_views: dict[str, CheckpointView] | None = (
+            None  # checkpoint names held in another layout (update_weights)
+        )
 
         try:
             gen_cfg = GenerationConfig.from_pretrained(path)
@@ -180,7 +181,9 @@ class HFRollout:
                 raise ValueError(f"HFRollout.generate: prompt {i} is empty")
             bad = [t for t in p if not 0 <= int(t) < self.vocab_size]
             if bad:
-                raise ValueError(f"HFRollout.generate: prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+                raise ValueError(
+                    f"HFRollout.generate: prompt {i} has token ids outside [0, {self.vocab_size}): {bad[:5]}"
+                )
 
     def _pick(self, logits: torch.Tensor, sampling: SamplingSpec, generator: torch.Generator):
         """Choose the next tokens. ``logits``: ``[B, V]`` float32. Returns ids ``[B]`` and logprobs ``[B]``."""
@@ -196,7 +199,9 @@ class HFRollout:
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
     @torch.inference_mode()
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingSpec, generator: torch.Generator) -> list[RolloutOutput]:
+    def _generate_chunk(
+        self, prompts: list[list[int]], sampling: SamplingSpec, generator: torch.Generator
+    ) -> list[RolloutOutput]:
         batch, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((batch, width), dtype=torch.long)
@@ -230,7 +235,9 @@ class HFRollout:
             finished |= stopped
             if bool(finished.all()) or step == sampling.max_new_tokens - 1:
                 break
-            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], dim=-1)
+            attention_mask = torch.cat(
+                [attention_mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], dim=-1
+            )
             out = self.model(
                 input_ids=tokens[:, None],
                 attention_mask=attention_mask,

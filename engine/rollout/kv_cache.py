@@ -93,8 +93,11 @@ def kv_cache_bytes(
         ValueError: a count is not positive, ``headroom`` is negative, the dtype is unknown,
             or the config lacks a key the shape needs.
     """
-    for name, value in (("num_sequences", num_sequences), ("tokens_per_sequence", tokens_per_sequence),
-                        ("block_size", block_size)):
+    for name, value in (
+        ("num_sequences", num_sequences),
+        ("tokens_per_sequence", tokens_per_sequence),
+        ("block_size", block_size),
+    ):
         if int(value) != value or value <= 0:
             raise ValueError(f"kv_cache_bytes: {name} must be a positive integer, got {value!r}")
     if max_num_seqs is not None and max_num_seqs <= 0:

@@ -181,10 +181,18 @@ class _Episode:
         self.finish_reason, self.closed = finish_reason, True
 
     def sample(self) -> MultiTurnSample:
-        return MultiTurnSample(tuple(self.tokens), tuple(self.logprobs), tuple(self.mask), math.fsum(self.rewards),
-                               tuple(self.rewards), self.finish_reason, self.done,
-                               self.version_end if self.version_start is None else self.version_start, self.version_end,
-                               self.elapsed_s)
+        return MultiTurnSample(
+            tuple(self.tokens),
+            tuple(self.logprobs),
+            tuple(self.mask),
+            math.fsum(self.rewards),
+            tuple(self.rewards),
+            self.finish_reason,
+            self.done,
+            self.version_end if self.version_start is None else self.version_start,
+            self.version_end,
+            self.elapsed_s,
+        )
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -193,11 +201,19 @@ def turn_seed(seed: int, turn: int) -> int:
     return seed if turn == 0 else int(np.random.SeedSequence([seed, turn]).generate_state(1)[0] >> 1)
 
 
-def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Sequence[int]],
-                       rows: Sequence[dict[str, Any]], make_env: EnvironmentFactory, sampling: SamplingSpec,
-                       max_turns: int, chunk_tokens: int | None = None,
-                       gate: WeightGate | None = None, step_wait_s: float = math.inf,
-                       turn_tokens: int | None = None) -> list[list[MultiTurnSample]]:
+def multi_turn_rollout(
+    engine: RolloutEngine,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    rows: Sequence[dict[str, Any]],
+    make_env: EnvironmentFactory,
+    sampling: SamplingSpec,
+    max_turns: int,
+    chunk_tokens: int | None = None,
+    gate: WeightGate | None = None,
+    step_wait_s: float = math.inf,
+    turn_tokens: int | None = None,
+) -> list[list[MultiTurnSample]]:
     """Roll out ``sampling.n`` multi-turn samples per prompt against fresh environments.
 
     Args:
@@ -239,8 +255,11 @@ def multi_turn_rollout(engine: RolloutEngine, tokenizer, prompt_ids: Sequence[Se
         raise ValueError(f"turn_tokens must be >= 1, got {turn_tokens}")
     gate = WeightGate() if gate is None else gate
     place = range(len(prompt_ids)) if sampling.prompt_index is None else sampling.prompt_index
-    episodes = [_Episode(list(p), _make(make_env, tokenizer), place[i] * sampling.n + j)
-                for i, p in enumerate(prompt_ids) for j in range(sampling.n)]
+    episodes = [
+        _Episode(list(p), _make(make_env, tokenizer), place[i] * sampling.n + j)
+        for i, p in enumerate(prompt_ids)
+        for j in range(sampling.n)
+    ]
     for k, ep in enumerate(episodes):
         ep.env.reset(rows[k // sampling.n])
     t0 = time.monotonic()
@@ -264,15 +283,28 @@ def _by_turn(ready: Sequence[_Episode]) -> list[list[_Episode]]:
     return [sorted((ep for ep in ready if ep.turns == t), key=lambda ep: ep.index) for t in turns]
 
 
-def _generate_turn(engine: RolloutEngine, tokenizer, group: Sequence[_Episode], sampling: SamplingSpec,
-                   turn_tokens: int | None, chunk_tokens: int | None, gate: WeightGate, pool: ThreadPoolExecutor,
-                   pending: dict[Future, _Episode]) -> None:
+def _generate_turn(
+    engine: RolloutEngine,
+    tokenizer,
+    group: Sequence[_Episode],
+    sampling: SamplingSpec,
+    turn_tokens: int | None,
+    chunk_tokens: int | None,
+    gate: WeightGate,
+    pool: ThreadPoolExecutor,
+    pending: dict[Future, _Episode],
+) -> None:
     """One policy turn for every episode of ``group`` (all at the same turn) in one call, each
     cut to its own budget (what is left of the total, at most ``turn_tokens``); then each
     episode's environment step is started on ``pool``."""
     room = [min(sampling.max_new_tokens - len(ep.tokens), turn_tokens or sampling.max_new_tokens) for ep in group]
-    spec = replace(sampling, n=1, max_new_tokens=max(room), seed=turn_seed(sampling.seed, group[0].turns),
-                   prompt_index=tuple(ep.index for ep in group))
+    spec = replace(
+        sampling,
+        n=1,
+        max_new_tokens=max(room),
+        seed=turn_seed(sampling.seed, group[0].turns),
+        prompt_index=tuple(ep.index for ep in group),
+    )
     out = generate_in_chunks(engine, [ep.prompt + ep.tokens for ep in group], spec, chunk_tokens, gate)
     for ep, left, [o], [start], [end] in zip(group, room, out.outputs, out.version_start, out.version_end):
         ep.version_start = start if ep.version_start is None else ep.version_start
@@ -283,8 +315,9 @@ def _generate_turn(engine: RolloutEngine, tokenizer, group: Sequence[_Episode], 
         pending[pool.submit(ep.env.step, response_text(tokenizer, tokens))] = ep
 
 
-def _stepped(pending: dict[Future, _Episode], wait_s: float, tokenizer, budget: int, max_turns: int,
-             t0: float) -> list[_Episode]:
+def _stepped(
+    pending: dict[Future, _Episode], wait_s: float, tokenizer, budget: int, max_turns: int, t0: float
+) -> list[_Episode]:
     """Wait for the first running step to end, then up to ``wait_s`` seconds for the others
     (not after a step raised); apply every ended step (:func:`_apply_step`) and return the
     episodes that go on, by place.
@@ -294,8 +327,11 @@ def _stepped(pending: dict[Future, _Episode], wait_s: float, tokenizer, budget: 
         return []
     first, _ = wait(pending, return_when=FIRST_COMPLETED)
     failed = [f for f in first if f.exception() is not None]
-    done = first if failed else wait(pending, timeout=None if math.isinf(wait_s) else wait_s,
-                                     return_when=FIRST_EXCEPTION)[0]
+    done = (
+        first
+        if failed
+        else wait(pending, timeout=None if math.isinf(wait_s) else wait_s, return_when=FIRST_EXCEPTION)[0]
+    )
     going_on = []
     for future in sorted(done, key=lambda f: pending[f].index):
         ep = pending.pop(future)

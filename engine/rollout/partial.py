@@ -104,8 +104,13 @@ class VersionedOutputs:
     version_end: list[list[int]]
 
 
-def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
-                       chunk_tokens: int | None, gate: WeightGate) -> VersionedOutputs:
+def generate_in_chunks(
+    engine: RolloutEngine,
+    prompt_token_ids: list[list[int]],
+    sampling: SamplingSpec,
+    chunk_tokens: int | None,
+    gate: WeightGate,
+) -> VersionedOutputs:
     """``sampling.n`` samples per prompt, generated ``chunk_tokens`` tokens at a time.
 
     Chunk 0 samples ``n`` continuations of every prompt with ``sampling`` (so with
@@ -133,8 +138,9 @@ def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]],
     budget = sampling.max_new_tokens
     chunk = budget if chunk_tokens is None else min(chunk_tokens, budget)
     place = range(len(prompt_token_ids)) if sampling.prompt_index is None else sampling.prompt_index
-    samples = [[_Sample(list(p), place[i] * sampling.n + j) for j in range(sampling.n)]
-               for i, p in enumerate(prompt_token_ids)]
+    samples = [
+        [_Sample(list(p), place[i] * sampling.n + j) for j in range(sampling.n)] for i, p in enumerate(prompt_token_ids)
+    ]
     with gate as version:
         first = engine.generate(prompt_token_ids, replace(sampling, max_new_tokens=chunk))
     for group, outs in zip(samples, first):
@@ -147,9 +153,13 @@ def generate_in_chunks(engine: RolloutEngine, prompt_token_ids: list[list[int]],
         if not running:
             break
         # an unfinished sample ran every chunk in full, so all have k * chunk tokens: the same room left
-        spec = replace(sampling, n=1, seed=sampling.seed + k * CHUNK_SEED_STRIDE,
-                       max_new_tokens=min(chunk, budget - len(running[0].tokens)),
-                       prompt_index=tuple(s.index for s in running))
+        spec = replace(
+            sampling,
+            n=1,
+            seed=sampling.seed + k * CHUNK_SEED_STRIDE,
+            max_new_tokens=min(chunk, budget - len(running[0].tokens)),
+            prompt_index=tuple(s.index for s in running),
+        )
         with gate as version:
             continued = engine.generate([s.prompt + s.tokens for s in running], spec)
         for s, (out,) in zip(running, continued):

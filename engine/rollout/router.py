@@ -185,13 +185,23 @@ class RolloutRouter:
     Raises: ValueError for ``num_engines < 1`` or an unknown ``weight_sync``.
     """
 
-    def __init__(self, spawn_engine: Callable[[int], Any], num_engines: int, actor, *,
-                 health_check_timeout_s: float = 60.0, max_engine_restarts: int = 2,
-                 weight_sync_timeout_s: float | None = None, weight_sync: str = "object_store"):
+    def __init__(
+        self,
+        spawn_engine: Callable[[int], Any],
+        num_engines: int,
+        actor,
+        *,
+        health_check_timeout_s: float = 60.0,
+        max_engine_restarts: int = 2,
+        weight_sync_timeout_s: float | None = None,
+        weight_sync: str = "object_store",
+    ):
         if num_engines < 1:
             raise ValueError(f"rl.rollout.num_engines must be >= 1, got {num_engines}")
         if weight_sync not in WEIGHT_SYNC_MODES:
-            raise ValueError(f"rl.engine.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {weight_sync!r}")
+            raise ValueError(
+                f"rl.engine.weight_sync must be one of {', '.join(WEIGHT_SYNC_MODES)}, got {weight_sync!r}"
+            )
         self.weight_sync = weight_sync
         self.group = CollectiveGroup()
         self._locations: dict = {}  # ipc: where the actor and each engine hold their weights
@@ -215,8 +225,13 @@ class RolloutRouter:
 
     # ----------------------------------------------------------------- generation
 
-    def generate_versioned(self, prompt_token_ids: list[list[int]], sampling: SamplingSpec,
-                           chunk_tokens: int | None = None, restarts_before: int = 0) -> Routed[VersionedOutputs]:
+    def generate_versioned(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSpec,
+        chunk_tokens: int | None = None,
+        restarts_before: int = 0,
+    ) -> Routed[VersionedOutputs]:
         """``sampling.n`` samples per prompt, each engine generating its share
         (:func:`assign_prompts`) with ``RolloutWorker.generate_versioned`` (chunks of
         ``chunk_tokens`` that a weight update may interrupt; None: one chunk).
@@ -238,17 +253,32 @@ class RolloutRouter:
             ValueError: ``sampling.prompt_index`` is set.
             Whatever an engine's own call raised (a bad prompt, ...): not an engine failure.
         """
-        parts, routed = self._call("generate_versioned", prompt_token_ids, sampling, restarts_before,
-                                   lambda ids, spec, _: (ids, spec, chunk_tokens))
+        parts, routed = self._call(
+            "generate_versioned",
+            prompt_token_ids,
+            sampling,
+            restarts_before,
+            lambda ids, spec, _: (ids, spec, chunk_tokens),
+        )
         shares, outs = [share for share, _ in parts], [out for _, out in parts]
-        merged = {field: reassemble(shares, [getattr(o, field) for o in outs], len(prompt_token_ids))
-                  for field in ("outputs", "version_start", "version_end")}
+        merged = {
+            field: reassemble(shares, [getattr(o, field) for o in outs], len(prompt_token_ids))
+            for field in ("outputs", "version_start", "version_end")
+        }
         return replace(routed, outputs=VersionedOutputs(**merged))
 
-    def generate_multi_turn(self, prompt_token_ids: list[list[int]], rows: list[dict[str, Any]], environment: str,
-                            sampling: SamplingSpec, max_turns: int, chunk_tokens: int | None = None,
-                            step_wait_s: float = math.inf, turn_tokens: int | None = None,
-                            restarts_before: int = 0) -> Routed[list]:
+    def generate_multi_turn(
+        self,
+        prompt_token_ids: list[list[int]],
+        rows: list[dict[str, Any]],
+        environment: str,
+        sampling: SamplingSpec,
+        max_turns: int,
+        chunk_tokens: int | None = None,
+        step_wait_s: float = math.inf,
+        turn_tokens: int | None = None,
+        restarts_before: int = 0,
+    ) -> Routed[list]:
         """Multi-turn samples (``RolloutWorker.generate_multi_turn``): each prompt's whole
         episode runs on its engine (every turn of its ``n`` samples).
 
@@ -263,14 +293,33 @@ class RolloutRouter:
 
         Raises: as :meth:`generate_versioned`.
         """
-        parts, routed = self._call("generate_multi_turn", prompt_token_ids, sampling, restarts_before,
-                                   lambda ids, spec, idx: (ids, [rows[i] for i in idx], environment, spec, max_turns,
-                                                                    chunk_tokens, step_wait_s, turn_tokens))
+        parts, routed = self._call(
+            "generate_multi_turn",
+            prompt_token_ids,
+            sampling,
+            restarts_before,
+            lambda ids, spec, idx: (
+                ids,
+                [rows[i] for i in idx],
+                environment,
+                spec,
+                max_turns,
+                chunk_tokens,
+                step_wait_s,
+                turn_tokens,
+            ),
+        )
         merged = reassemble([share for share, _ in parts], [out for _, out in parts], len(prompt_token_ids))
         return replace(routed, outputs=merged)
 
-    def _call(self, method: str, prompt_token_ids: list[list[int]], sampling: SamplingSpec, restarts_before: int,
-              make_args: Callable[[list[list[int]], SamplingSpec, list[int]], tuple]):
+    def _call(
+        self,
+        method: str,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingSpec,
+        restarts_before: int,
+        make_args: Callable[[list[list[int]], SamplingSpec, list[int]], tuple],
+    ):
         """Split, call ``method`` on every engine with a share, wait with health checks.
 
         Returns: ``([(prompt indices, the engine's result) per share], Routed(None, engine, restarts))``.
@@ -278,8 +327,11 @@ class RolloutRouter:
         if sampling.prompt_index is not None:
             raise ValueError("RolloutRouter: SamplingSpec.prompt_index is set by the router; pass None")
         shares = assign_prompts([len(p) for p in prompt_token_ids], self.num_engines, sampling.max_new_tokens)
-        calls = {e: make_args([list(prompt_token_ids[i]) for i in idx], replace(sampling, prompt_index=tuple(idx)), idx)
-                 for e, idx in enumerate(shares) if idx}
+        calls = {
+            e: make_args([list(prompt_token_ids[i]) for i in idx], replace(sampling, prompt_index=tuple(idx)), idx)
+            for e, idx in enumerate(shares)
+            if idx
+        }
         results, restarts = self._gather(method, calls, restarts_before)
         engine = [0] * len(prompt_token_ids)
         for e, idx in enumerate(shares):
@@ -332,8 +384,11 @@ class RolloutRouter:
             for e, (_ref, sent) in list(pings.items()):
                 if now - sent > self.health_check_timeout_s:
                     pings.pop(e)
-                    failed[e] = (self.engines[e], f"it did not answer its health check within {HEALTH_KEY}="
-                                                  f"{self.health_check_timeout_s:g} s (hung)")
+                    failed[e] = (
+                        self.engines[e],
+                        f"it did not answer its health check within {HEALTH_KEY}="
+                        f"{self.health_check_timeout_s:g} s (hung)",
+                    )
             if failed:
                 failed.update(self._probe({k for k, _ in pending.values()} - set(failed)))
                 for e in failed:
@@ -345,9 +400,11 @@ class RolloutRouter:
                     for handle, _ in failed.values():
                         ray.kill(handle, no_restart=True)
                     causes = "; ".join(f"rollout engine {e} failed: {why}" for e, (_, why) in sorted(failed.items()))
-                    raise RuntimeError(f"{causes}; replacing {'it' if len(failed) == 1 else 'them'} would make {total} "
-                                       f"engine restart{'s' if total > 1 else ''} in this step, over "
-                                       f"{RESTARTS_KEY}={self.max_engine_restarts}")
+                    raise RuntimeError(
+                        f"{causes}; replacing {'it' if len(failed) == 1 else 'them'} would make {total} "
+                        f"engine restart{'s' if total > 1 else ''} in this step, over "
+                        f"{RESTARTS_KEY}={self.max_engine_restarts}"
+                    )
                 for e, (handle, why) in sorted(failed.items()):
                     if self._replace(e, handle, why):
                         restarts += 1
@@ -372,8 +429,11 @@ class RolloutRouter:
         if not probes:
             return {}
         ready, late = ray.wait(list(probes), num_returns=len(probes), timeout=self.health_check_timeout_s)
-        failed = {probes[ref]: f"it did not answer its health check within {HEALTH_KEY}={self.health_check_timeout_s:g} s "
-                               "(hung)" for ref in late}
+        failed = {
+            probes[ref]: f"it did not answer its health check within {HEALTH_KEY}={self.health_check_timeout_s:g} s "
+            "(hung)"
+            for ref in late
+        }
         for ref in ready:
             try:
                 ray.get(ref)
@@ -410,8 +470,9 @@ class RolloutRouter:
                 self._push([fresh], self.weight_sync_timeout_s, self._version)
         except (RayError, TimeoutError, RuntimeError) as exc:
             ray.kill(fresh, no_restart=True)
-            raise RuntimeError(f"rollout engine {e} failed ({why}) and its replacement did not start: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(
+                f"rollout engine {e} failed ({why}) and its replacement did not start: {type(exc).__name__}: {exc}"
+            ) from exc
         return fresh
 
     def update_weights(self, timeout_s: float | None = None, version: int | None = None) -> float:
@@ -435,8 +496,10 @@ class RolloutRouter:
             if version is not None:
                 self._version = version
             if len(dead) > self.max_engine_restarts:
-                raise RuntimeError(f"weight sync: rollout engines {sorted(dead)} died; replacing them would make "
-                                   f"{len(dead)} engine restarts, over {RESTARTS_KEY}={self.max_engine_restarts}")
+                raise RuntimeError(
+                    f"weight sync: rollout engines {sorted(dead)} died; replacing them would make "
+                    f"{len(dead)} engine restarts, over {RESTARTS_KEY}={self.max_engine_restarts}"
+                )
             collective = self.weight_sync in ("collective", "ipc")
             for e in sorted(dead):
                 why = "its actor died during a weight sync"
@@ -451,16 +514,24 @@ class RolloutRouter:
                 self._push(list(self.engines), timeout_s, version, paused=paused - dead)
         return time.perf_counter() - t0
 
-    def _push(self, engines: Sequence[Any], timeout_s: float | None, version: int | None,
-              tolerate_death: bool = False, paused: set[int] | None = None) -> tuple[float, set[int]]:
+    def _push(
+        self,
+        engines: Sequence[Any],
+        timeout_s: float | None,
+        version: int | None,
+        tolerate_death: bool = False,
+        paused: set[int] | None = None,
+    ) -> tuple[float, set[int]]:
         """:func:`push_weights_collective`, :func:`push_weights_shared` or :func:`push_weights`,
         as ``weight_sync`` says."""
         if self.weight_sync == "ipc":
-            return push_weights_shared(self.actor, engines, self.group, self._locations, timeout_s, version,
-                                       tolerate_death, paused=paused)
+            return push_weights_shared(
+                self.actor, engines, self.group, self._locations, timeout_s, version, tolerate_death, paused=paused
+            )
         if self.weight_sync == "collective":
-            return push_weights_collective(self.actor, engines, self.group, timeout_s, version, tolerate_death,
-                                           paused=paused)
+            return push_weights_collective(
+                self.actor, engines, self.group, timeout_s, version, tolerate_death, paused=paused
+            )
         return push_weights(self.actor, engines, timeout_s, version, tolerate_death)
 
     def stop(self) -> None:

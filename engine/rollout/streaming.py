@@ -86,11 +86,11 @@ def _decoded(tokenizer, deltas: Iterable[list[int]]) -> Iterator[str]:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         if text.endswith("\ufffd") or not text.startswith(shown) or text == shown:
             continue
-        yield text[len(shown):]
+        yield text[len(shown) :]
         shown = text
     text = tokenizer.decode(ids, skip_special_tokens=True)
     if text != shown and text.startswith(shown):
-        yield text[len(shown):]
+        yield text[len(shown) :]
 
 
 def _hf_stream(engine, tokenizer, prompt_ids: list[int], sampling: SamplingSpec) -> Iterator[str]:
@@ -109,9 +109,16 @@ def _hf_stream(engine, tokenizer, prompt_ids: list[int], sampling: SamplingSpec)
         try:
             torch.manual_seed(generator_seed)
             with torch.no_grad():
-                engine.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sampling.max_new_tokens,
-                                      do_sample=not greedy, eos_token_id=list(engine.eos_token_ids), pad_token_id=pad,
-                                      streamer=streamer, **sample)
+                engine.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=sampling.max_new_tokens,
+                    do_sample=not greedy,
+                    eos_token_id=list(engine.eos_token_ids),
+                    pad_token_id=pad,
+                    streamer=streamer,
+                    **sample,
+                )
         except BaseException as exc:  # re-raised on the caller's thread
             failure.append(exc)
             streamer.end()

@@ -51,8 +51,14 @@ class ToolEnvironment:
         ValueError: an unknown verifier.
     """
 
-    def __init__(self, tools: Mapping[str, Callable[..., Any]], tokenizer, verifier: str = "exact_match",
-                 tool_timeout_s: float = 10.0, max_calls_per_turn: int = 4):
+    def __init__(
+        self,
+        tools: Mapping[str, Callable[..., Any]],
+        tokenizer,
+        verifier: str = "exact_match",
+        tool_timeout_s: float = 10.0,
+        max_calls_per_turn: int = 4,
+    ):
         # polars (via data.rewards): ~0.5 s to import, not paid until this runs
         from data.rewards import get_verifier
 

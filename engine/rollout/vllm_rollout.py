@@ -100,8 +100,7 @@ def drop_dead_vllm_process_groups() -> list[str]:
             return []
     except (ValueError, RuntimeError):
         pass
-    names = sorted(n for n, v in vars(parallel_state).items()
-                   if isinstance(v, parallel_state.GroupCoordinator))
+    names = sorted(n for n, v in vars(parallel_state).items() if isinstance(v, parallel_state.GroupCoordinator))
     for name in names:
         setattr(parallel_state, name, None)
     parallel_state._NODE_COUNT = None
@@ -258,8 +257,12 @@ class VLLMRollout:
             # depends on what the host reports and fails once the process holds a model.
             self.kv_cache_memory_bytes: int | None = kv_cache_bytes(config, max_num_seqs, max_model_len, dtype)
             memory: dict[str, Any] = {"kv_cache_memory_bytes": self.kv_cache_memory_bytes}
-            logger.info("vLLM KV cache: %s bytes for %d sequences of %d tokens", f"{self.kv_cache_memory_bytes:,}",
-                        max_num_seqs, max_model_len)
+            logger.info(
+                "vLLM KV cache: %s bytes for %d sequences of %d tokens",
+                f"{self.kv_cache_memory_bytes:,}",
+                max_num_seqs,
+                max_model_len,
+            )
         else:
             self.kv_cache_memory_bytes = None
             memory = {"gpu_memory_utilization": gpu_memory_utilization}
@@ -406,15 +409,19 @@ class VLLMRollout:
         object-store bucket (tied head, cast, prefix-cache reset). Returns seconds loading,
         the slowest worker's."""
         with _quiet_partial_reload():
-            times = self.llm.collective_rpc("weight_sync_load_shared",
-                                            args=(handle, tuple(metas), self.tie_word_embeddings, self.dtype))
+            times = self.llm.collective_rpc(
+                "weight_sync_load_shared", args=(handle, tuple(metas), self.tie_word_embeddings, self.dtype)
+            )
         self.llm.reset_prefix_cache()
         return max(times)
 
 
 # vLLM's in-place reload warns about every module a call did not load; with one bucket per
 # call that is every other module of the model, each call.
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.inplace", "vllm.model_executor.model_loader.reload.layerwise")
+_RELOAD_LOGGERS = (
+    "vllm.model_executor.model_loader.reload.inplace",
+    "vllm.model_executor.model_loader.reload.layerwise",
+)
 
 
 def _not_a_partial_reload_warning(record: logging.LogRecord) -> bool:
@@ -453,8 +460,9 @@ def _vllm_logging():
     vllm_logger = logging.getLogger("vllm")
     if not any(getattr(h, "_posttrain_vllm", False) for h in vllm_logger.handlers):
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
-                                               "%m-%d %H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S")
+        )
         handler._posttrain_vllm = True
         vllm_logger.addHandler(handler)
         vllm_logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
@@ -504,8 +512,9 @@ def _running_dtype(llm, asked: str) -> torch.dtype:
     running = vllm_config.model_config.dtype
     cache = vllm_config.cache_config.cache_dtype
     if running != getattr(torch, asked) or cache not in ("auto", asked):
-        raise RuntimeError(f"VLLMRollout: asked for {asked}, but vLLM runs weights in {running} and the KV cache "
-                           f"in {cache!r}")
+        raise RuntimeError(
+            f"VLLMRollout: asked for {asked}, but vLLM runs weights in {running} and the KV cache in {cache!r}"
+        )
     native, why = bf16_hardware()
     if running == torch.bfloat16 and not native and current_platform.is_cpu():
         logger.warning("vLLM runs bfloat16 emulated (%s): much slower than float32 here", why)

@@ -32,8 +32,10 @@ def _waiter(t0: float, timeout_s: float | None, several: bool, dead: set[int], t
         try:
             return ray.get(ref, timeout=left)
         except GetTimeoutError as exc:
-            raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}="
-                               f"{timeout_s} s; the rollout engine may hold a partial update") from exc
+            raise TimeoutError(
+                f"weight sync: {what}{where} not done within {TIMEOUT_KEY}="
+                f"{timeout_s} s; the rollout engine may hold a partial update"
+            ) from exc
         except RayActorError as exc:
             if tolerate_death and engine is not None:
                 logger.warning("weight sync: rollout engine %d died (%s: %s)", engine, type(exc).__name__, exc)
@@ -47,8 +49,13 @@ def _waiter(t0: float, timeout_s: float | None, several: bool, dead: set[int], t
     return wait
 
 
-def push_weights(actor, engines: Sequence[Any], timeout_s: float | None = None, version: int | None = None,
-                 tolerate_death: bool = False) -> tuple[float, set[int]]:
+def push_weights(
+    actor,
+    engines: Sequence[Any],
+    timeout_s: float | None = None,
+    version: int | None = None,
+    tolerate_death: bool = False,
+) -> tuple[float, set[int]]:
     """Stream the policy's HF-named weights from ``actor`` to every engine in ``engines``,
     bucket by bucket (``rl.engine.weight_sync_bucket_mb`` each, ``engine.models.weight_buckets``).
 
@@ -115,10 +122,16 @@ class CollectiveGroup:
         self.workers_per_engine = int(workers_per_engine)
 
 
-def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGroup, timeout_s: float | None = None,
-                            version: int | None = None, tolerate_death: bool = False,
-                            timings: dict[str, float] | None = None,
-                            paused: set[int] | None = None) -> tuple[float, set[int]]:
+def push_weights_collective(
+    actor,
+    engines: Sequence[Any],
+    group: CollectiveGroup,
+    timeout_s: float | None = None,
+    version: int | None = None,
+    tolerate_death: bool = False,
+    timings: dict[str, float] | None = None,
+    paused: set[int] | None = None,
+) -> tuple[float, set[int]]:
     """As :func:`push_weights`, but the buckets travel over the collective group: the actor
     broadcasts them one after the other (``weight_sync_send`` per bucket, queued at once) while
     every engine receives them and loads each (one ``weight_sync_receive`` call: it loads
@@ -166,8 +179,10 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
                 out[k] = ray.get(ref, timeout=left)
             except GetTimeoutError as exc:
                 group.members = ()
-                raise TimeoutError(f"weight sync: {what}{where} not done within {TIMEOUT_KEY}={timeout_s} s; the "
-                                   "rollout engine may hold a partial update") from exc
+                raise TimeoutError(
+                    f"weight sync: {what}{where} not done within {TIMEOUT_KEY}={timeout_s} s; the "
+                    "rollout engine may hold a partial update"
+                ) from exc
             except RayActorError as exc:
                 if tolerate_death and isinstance(k, int):
                     logger.warning("weight sync: rollout engine %d died (%s: %s)", k, type(exc).__name__, exc)
@@ -191,8 +206,10 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         group.members = ()
         group.generation += 1
         per = group.workers_per_engine
-        spec = wait_all({None: actor.weight_sync_open.remote(1 + per * len(engines), group.generation, timeout)},
-                        "opening the collective group")[None]
+        spec = wait_all(
+            {None: actor.weight_sync_open.remote(1 + per * len(engines), group.generation, timeout)},
+            "opening the collective group",
+        )[None]
         refs: dict = {None: actor.weight_sync_join.remote()}
         refs.update({k: e.weight_sync_join.remote(spec, 1 + per * k) for k, e in enumerate(engines)})
         wait_all(refs, f"forming the collective group (generation {group.generation})")
@@ -202,8 +219,9 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
         clock["form"] = time.perf_counter() - t1
     paused = set() if paused is None else paused
     if version is not None:
-        wait_all({k: engines[k].begin_weight_update.remote(timeout_s) for k in live if k not in paused},
-                 "pausing generation")
+        wait_all(
+            {k: engines[k].begin_weight_update.remote(timeout_s) for k in live if k not in paused}, "pausing generation"
+        )
         paused.update(k for k in live if k not in dead)
         if dead:
             return time.perf_counter() - t0, dead
@@ -230,9 +248,15 @@ def push_weights_collective(actor, engines: Sequence[Any], group: CollectiveGrou
     return seconds, dead
 
 
-def push_weights_ipc(actor, engines: Sequence[Any], timeout_s: float | None = None, version: int | None = None,
-                     tolerate_death: bool = False, timings: dict[str, float] | None = None,
-                     paused: set[int] | None = None) -> tuple[float, set[int]]:
+def push_weights_ipc(
+    actor,
+    engines: Sequence[Any],
+    timeout_s: float | None = None,
+    version: int | None = None,
+    tolerate_death: bool = False,
+    timings: dict[str, float] | None = None,
+    paused: set[int] | None = None,
+) -> tuple[float, set[int]]:
     """As :func:`push_weights`, for engines that share the actor's device
     (``rl.engine.weight_sync: ipc``, ``engine.distributed.weight_ipc``): the actor packs each
     bucket once into one of two buffers the engines map (CUDA IPC on GPU, shared memory on CPU)
@@ -281,9 +305,16 @@ def push_weights_ipc(actor, engines: Sequence[Any], timeout_s: float | None = No
     return time.perf_counter() - t0, dead
 
 
-def push_weights_shared(actor, engines: Sequence[Any], group: CollectiveGroup, locations: dict,
-                        timeout_s: float | None = None, version: int | None = None, tolerate_death: bool = False,
-                        paused: set[int] | None = None) -> tuple[float, set[int]]:
+def push_weights_shared(
+    actor,
+    engines: Sequence[Any],
+    group: CollectiveGroup,
+    locations: dict,
+    timeout_s: float | None = None,
+    version: int | None = None,
+    tolerate_death: bool = False,
+    paused: set[int] | None = None,
+) -> tuple[float, set[int]]:
     """``rl.engine.weight_sync: ipc``: the engines whose every worker shares the actor's device
     (:meth:`engine.distributed.weight_ipc.Location.shares_memory_with`) get buffer handles
     (:func:`push_weights_ipc`), the others the collective broadcast
@@ -316,8 +347,14 @@ def push_weights_shared(actor, engines: Sequence[Any], group: CollectiveGroup, l
         if not idx:
             continue
         sub_paused = {j for j, k in enumerate(idx) if k in paused}
-        _, sub_dead = push(actor, [engines[k] for k in idx], timeout_s=timeout_s, version=version,
-                           tolerate_death=tolerate_death, paused=sub_paused)
+        _, sub_dead = push(
+            actor,
+            [engines[k] for k in idx],
+            timeout_s=timeout_s,
+            version=version,
+            tolerate_death=tolerate_death,
+            paused=sub_paused,
+        )
         paused.difference_update(idx)
         paused.update(idx[j] for j in sub_paused)
         dead.update(idx[j] for j in sub_dead)

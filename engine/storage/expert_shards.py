@@ -30,12 +30,16 @@ def global_names(keys: dict[str, tuple[str, list[int]]]) -> dict[str, str]:
     out = {}
     for name, (_, offsets) in keys.items():
         m = _LOCAL_EXPERT.search(name)
-        out[name] = name if m is None or not offsets else f"{name[:m.start(1)]}{offsets[-1]}{name[m.end(1):]}"
+        out[name] = name if m is None or not offsets else f"{name[: m.start(1)]}{offsets[-1]}{name[m.end(1) :]}"
     return out
 
 
-def gathered_metadata(keys: dict[str, tuple[str, list[int]]], names: list[str], moments: dict[str, list[str]],
-                      scalars: dict[str, dict[str, Any]]) -> tuple[dict, list[str], dict, dict]:
+def gathered_metadata(
+    keys: dict[str, tuple[str, list[int]]],
+    names: list[str],
+    moments: dict[str, list[str]],
+    scalars: dict[str, dict[str, Any]],
+) -> tuple[dict, list[str], dict, dict]:
     """This rank's checkpoint ``keys``, optimizer ``names`` (in optimizer order), moment names and
     scalars, renamed by :func:`global_names` and merged over every rank (a collective when the
     process group has several ranks; rank 0's entries first). Returns the four, merged."""
@@ -45,15 +49,23 @@ def gathered_metadata(keys: dict[str, tuple[str, list[int]]], names: list[str], 
     from engine.distributed.collectives import world_size
 
     glob = global_names(keys)
-    mine = ({glob[n]: v for n, v in keys.items()}, [glob.get(n, n) for n in names],
-            {glob.get(n, n): v for n, v in moments.items()}, {glob.get(n, n): v for n, v in scalars.items()})
+    mine = (
+        {glob[n]: v for n, v in keys.items()},
+        [glob.get(n, n) for n in names],
+        {glob.get(n, n): v for n, v in moments.items()},
+        {glob.get(n, n): v for n, v in scalars.items()},
+    )
     if world_size() == 1:
         return mine
     ranks: list[Any] = [None] * world_size()
     dist.all_gather_object(ranks, mine)
     merged_names = list(dict.fromkeys(n for r in ranks for n in r[1]))
-    return ({k: v for r in ranks for k, v in r[0].items()}, merged_names,
-            {k: v for r in ranks for k, v in r[2].items()}, {k: v for r in ranks for k, v in r[3].items()})
+    return (
+        {k: v for r in ranks for k, v in r[0].items()},
+        merged_names,
+        {k: v for r in ranks for k, v in r[2].items()},
+        {k: v for r in ranks for k, v in r[3].items()},
+    )
 
 
 def name_mismatch(mine: list[str], saved: list[str]) -> list[str]:

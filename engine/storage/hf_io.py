@@ -37,11 +37,17 @@ def export_model_dir(model_dir: str | Path, out_dir: str | Path, dtype: str = "f
     """
     loaded = load_model_dir(model_dir)
     # one bar over the tensors written; disable=None: drawn on a terminal only, no log lines
-    tensors = tqdm(megatron_to_hf(loaded.hf_config, mcore_state(loaded.model)), desc="write HF weights", unit="tensor",
-                   disable=None)
+    tensors = tqdm(
+        megatron_to_hf(loaded.hf_config, mcore_state(loaded.model)),
+        desc="write HF weights",
+        unit="tensor",
+        disable=None,
+    )
     gen_path = loaded.tokenizer_dir / "generation_config.json"
     generation_config = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    return write_hf_safetensors(out_dir, loaded.hf_config, tensors, loaded.tokenizer_dir, dtype=dtype, generation_config=generation_config)
+    return write_hf_safetensors(
+        out_dir, loaded.hf_config, tensors, loaded.tokenizer_dir, dtype=dtype, generation_config=generation_config
+    )
 
 
 def load_hf_causal_lm(model_dir: str | Path, seed: int = 0) -> LoadedHFModel:
@@ -68,9 +74,15 @@ def load_hf_causal_lm(model_dir: str | Path, seed: int = 0) -> LoadedHFModel:
     return LoadedHFModel(model, loaded.spec, loaded.hf_config, loaded.tokenizer_dir)
 
 
-def save_hf_as_model_dir(out_dir: str | Path, hf_state: Mapping[str, torch.Tensor], spec: GPTSpec,
-                         hf_config: dict[str, Any], tokenizer_dir: str | Path, iteration: int | None = None,
-                         seed: int = 0) -> Path:
+def save_hf_as_model_dir(
+    out_dir: str | Path,
+    hf_state: Mapping[str, torch.Tensor],
+    spec: GPTSpec,
+    hf_config: dict[str, Any],
+    tokenizer_dir: str | Path,
+    iteration: int | None = None,
+    seed: int = 0,
+) -> Path:
     """Write HF-named weights as a model directory (megatron torch_dist + ``hf/``), atomically.
 
     The weights go through ``conversion.registry.hf_to_megatron`` (vocabulary padded to

@@ -215,8 +215,9 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return read_config_json(Path(model_dir) / HF_SUBDIR / "config.json", f"{model_dir} is not a model directory")
 
 
-def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: CoreAttention = "sdpa",
-                   dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model_dir(
+    model_dir: str | Path, seed: int = 0, core_attention: CoreAttention = "sdpa", dtype: torch.dtype = torch.float32
+) -> LoadedModel:
     """Build the megatron-core model of a model directory and load its weights.
 
     Args:
@@ -248,7 +249,7 @@ def load_model_dir(model_dir: str | Path, seed: int = 0, core_attention: CoreAtt
             spec = spec.model_copy(update={"padded_vocab_size": padded})
             GPTSpec.model_validate(spec.model_dump())
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{extra}: expected {{\"padded_vocab_size\": <int >= vocab_size>}} ({e})") from e
+            raise ValueError(f'{extra}: expected {{"padded_vocab_size": <int >= vocab_size>}} ({e})') from e
     model = build_gpt_model(spec, seed=seed, core_attention=core_attention, router=read_moe_router(model_dir))
     load_model_checkpoint(model, ckpt)
     if dtype != torch.float32:

@@ -46,8 +46,10 @@ def sharded_model_state(model: torch.nn.Module, prefix: str = "") -> dict[str, A
     if isinstance(model, MegatronModule):
         return model.sharded_state_dict(prefix=prefix)
     out: dict[str, Any] = {}
-    own = [*model._parameters.items(),
-           *((k, v) for k, v in model._buffers.items() if k not in model._non_persistent_buffers_set)]
+    own = [
+        *model._parameters.items(),
+        *((k, v) for k, v in model._buffers.items() if k not in model._non_persistent_buffers_set),
+    ]
     for name, tensor in own:
         if tensor is not None:
             out[prefix + name] = make_sharded_tensor_for_checkpoint(tensor, prefix + name)
@@ -76,8 +78,13 @@ def sharded_moments(model_state: dict[str, Any], moments: dict[str, dict[str, to
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    return {name: {m: make_sharded_optimizer_tensor(model_state[name], t, prefix=f"optimizer.state.{m}")
-                   for m, t in per.items()} for name, per in moments.items()}
+    return {
+        name: {
+            m: make_sharded_optimizer_tensor(model_state[name], t, prefix=f"optimizer.state.{m}")
+            for m, t in per.items()
+        }
+        for name, per in moments.items()
+    }
 
 
 def checkpoint_keys(model_state: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:

@@ -83,8 +83,9 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
         local_results: queue.Queue = queue.Queue()
         done: queue.Queue = queue.Queue()
         done.put(index)  # the writer takes one item and marks it done, as each forked writer does
-        FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, local_results, done, True,
-                                                   use_msc=use_msc)
+        FileSystemWriterAsync.write_preloaded_data(
+            transform_list, index, bucket, local_results, done, True, use_msc=use_msc
+        )
         _, written = local_results.get_nowait()
         if isinstance(written, Exception):
             global_results_queue.put(written)
@@ -153,8 +154,9 @@ def load_sharded(state: dict[str, Any], directory: Path) -> dict[str, Any]:
         raise ValueError(f"{directory}: checkpoint does not fit the model: {_root_cause(e)}") from e
 
 
-def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
-                          hf_config: dict[str, Any] | None = None) -> Path:
+def save_model_checkpoint(
+    model, directory: str | Path, iteration: int | None, hf_config: dict[str, Any] | None = None
+) -> Path:
     """Save ``model`` (megatron-core module) as a torch_dist checkpoint, atomically.
 
     Args:
@@ -174,11 +176,19 @@ def save_model_checkpoint(model, directory: str | Path, iteration: int | None,
     tmp = shared_temporary_dir(root, f".{final.name}.tmp-")
     try:
         with full_precision_weights(model):  # fp32 masters under mixed precision
-            state = {"model": model.sharded_state_dict(), "checkpoint_version": CHECKPOINT_VERSION,
-                     "iteration": -1 if iteration is None else iteration}
+            state = {
+                "model": model.sharded_state_dict(),
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": -1 if iteration is None else iteration,
+            }
             size = sum(p.numel() * 4 for p in model.parameters())  # about: fp32 weights
-            with naming_a_full_disk(final, "the model checkpoint", size, "free space there or set run.checkpoint_root "
-                                    "to a directory on a file system with room (stage work directories live there)"):
+            with naming_a_full_disk(
+                final,
+                "the model checkpoint",
+                size,
+                "free space there or set run.checkpoint_root "
+                "to a directory on a file system with room (stage work directories live there)",
+            ):
                 save_sharded(state, tmp)
         if not lead:
             barrier()  # rank 0 publishes

@@ -136,8 +136,10 @@ class CorruptCheckpoint(ValueError):
 
 
 def _refuse(root: Path, problem: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(f"refusing to resume from a corrupt train state: {problem}; no earlier state is kept: "
-                             f"delete {root} and rerun the same command to start this stage over")
+    return CorruptCheckpoint(
+        f"refusing to resume from a corrupt train state: {problem}; no earlier state is kept: "
+        f"delete {root} and rerun the same command to start this stage over"
+    )
 
 
 def _verify(root: Path, directory: Path, pinned: str | None = None) -> None:
@@ -191,8 +193,10 @@ class TrainState:
             return
         self.checkpoint = path.parent / raw["checkpoint"]
         if not (self.checkpoint / "metadata.json").is_file():
-            raise FileNotFoundError(f"{self.checkpoint}: the sharded train state named by {path} is missing; "
-                                    f"delete {path.parent} to start this stage over")
+            raise FileNotFoundError(
+                f"{self.checkpoint}: the sharded train state named by {path} is missing; "
+                f"delete {path.parent} to start this stage over"
+            )
         if "checksums" in raw:  # states written before checksums existed have none
             _verify(path.parent, self.checkpoint, raw["checksums"])
         # megatron: seconds to import; only megatron-core models need it
@@ -201,8 +205,10 @@ class TrainState:
         try:  # rank 0's common state: torch.load(weights_only=True), no tensors of the model
             self._common = load_common_state_dict(str(self.checkpoint))[_COMMON]
         except Exception as exc:
-            raise ValueError(f"{self.checkpoint}: unreadable train state ({exc.__class__.__name__}: {exc}); "
-                             f"delete {path.parent} to start this stage over") from exc
+            raise ValueError(
+                f"{self.checkpoint}: unreadable train state ({exc.__class__.__name__}: {exc}); "
+                f"delete {path.parent} to start this stage over"
+            ) from exc
         self.scheduler = self._common["scheduler"]
         self._raw = None
 
@@ -237,7 +243,9 @@ class TrainState:
         for index, name in enumerate(opt["names"]):
             key, offsets = keys[name]
             entry = dict(opt["scalars"].get(name, {}))
-            entry.update({m: select_offsets(full[f"optimizer.state.{m}.{key}"], offsets) for m in opt["moments"].get(name, ())})
+            entry.update(
+                {m: select_offsets(full[f"optimizer.state.{m}.{key}"], offsets) for m in opt["moments"].get(name, ())}
+            )
             if entry:
                 state[index] = entry
         return {"state": state, "param_groups": opt["param_groups"]}
@@ -262,8 +270,10 @@ class TrainState:
             result = load_full_precision_state(model, self._raw["model"])  # fp32 masters exactly, under mixed precision
         except RuntimeError as exc:  # size mismatch: name the first tensor
             first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
-            raise ValueError(f"{self.path}: a single-file train state (format 1, rank 0's tensors) loads only at the "
-                             f"layout that wrote it, not at another tensor-parallel size: {first}") from exc
+            raise ValueError(
+                f"{self.path}: a single-file train state (format 1, rank 0's tensors) loads only at the "
+                f"layout that wrote it, not at another tensor-parallel size: {first}"
+            ) from exc
         # Only megatron's opaque `_extra_state` entries may be absent (see _model_state).
         bad = [k for k in result.missing_keys + result.unexpected_keys if not k.endswith("_extra_state")]
         if bad:
@@ -308,12 +318,24 @@ def _save_sharded(root: Path, payload: dict[str, Any], model, optimizer, schedul
         with full_precision_weights(model):  # fp32 masters under mixed precision
             model_state = sharded_model_state(model)
             keys, all_names, all_moments, all_scalars = gathered_metadata(  # experts by global index
-                checkpoint_keys(model_state), names, {n: sorted(per) for n, per in moments.items()}, scalars)
-            common = {**payload, "scheduler": scheduler.state_dict(), "layout": group_layout(), "rng": rng, "keys": keys,
-                      "optimizer": {"param_groups": torch_state["param_groups"], "names": all_names,
-                                    "moments": all_moments, "scalars": all_scalars}}
-            save_sharded({"model": model_state, "optimizer": sharded_moments(model_state, moments), _COMMON: common},
-                         tmp)
+                checkpoint_keys(model_state), names, {n: sorted(per) for n, per in moments.items()}, scalars
+            )
+            common = {
+                **payload,
+                "scheduler": scheduler.state_dict(),
+                "layout": group_layout(),
+                "rng": rng,
+                "keys": keys,
+                "optimizer": {
+                    "param_groups": torch_state["param_groups"],
+                    "names": all_names,
+                    "moments": all_moments,
+                    "scalars": all_scalars,
+                },
+            }
+            save_sharded(
+                {"model": model_state, "optimizer": sharded_moments(model_state, moments), _COMMON: common}, tmp
+            )
         if lead:
             checksums = sha256_file(write_checksums(tmp))  # after every rank's shards (save_sharded returns then)
             os.replace(tmp, root / published)
@@ -340,12 +362,16 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
         glob = global_names(checkpoint_keys(model_state))  # the saved names (engine.storage.expert_shards)
         mismatch = name_mismatch([glob.get(n, n) for n in names], opt["names"])
         if mismatch:
-            raise ValueError(f"{state.path}: train state does not match the model: it trained "
-                             f"{mismatch[:5]} (only one of them has these)")
-        template = {n: {m: torch.zeros_like(tensors[n]) for m in opt["moments"][glob.get(n, n)]}
-                    for n in names if glob.get(n, n) in opt["moments"]}
-        loaded = load_sharded({"model": model_state, "optimizer": sharded_moments(model_state, template)},
-                              checkpoint)
+            raise ValueError(
+                f"{state.path}: train state does not match the model: it trained "
+                f"{mismatch[:5]} (only one of them has these)"
+            )
+        template = {
+            n: {m: torch.zeros_like(tensors[n]) for m in opt["moments"][glob.get(n, n)]}
+            for n in names
+            if glob.get(n, n) in opt["moments"]
+        }
+        loaded = load_sharded({"model": model_state, "optimizer": sharded_moments(model_state, template)}, checkpoint)
         try:
             result = model.load_state_dict(loaded["model"], strict=not lora_layers(model))  # LoRA: adapters only
             missing = [k for k in model_state if k in result.missing_keys]
@@ -363,8 +389,10 @@ def _restore_sharded(state: TrainState, model, optimizer, scheduler) -> None:
     if sizes(current) != sizes(opt["param_groups"]):
         raise ValueError(f"{state.checkpoint}: train state has other optimizer parameter groups than the model's")
     groups = [{**saved, "params": now["params"]} for saved, now in zip(opt["param_groups"], current)]
-    per_param = {index: {**opt["scalars"].get(glob.get(n, n), {}), **loaded.get("optimizer", {}).get(n, {})}
-                 for index, n in enumerate(names)}
+    per_param = {
+        index: {**opt["scalars"].get(glob.get(n, n), {}), **loaded.get("optimizer", {}).get(n, {})}
+        for index, n in enumerate(names)
+    }
     optimizer.load_state_dict({"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups})
     scheduler.load_state_dict(common["scheduler"])
     source, with_tracker = rng_source(common["layout"], group_layout(), global_rank())
@@ -403,8 +431,12 @@ def save_train_state(
         Path of ``train_state.pt``.
     """
     root = Path(directory)
-    payload = {"format_version": SHARDED, "step": int(step), "extra": dict(extra or {}),
-               "data_position": dataclasses.asdict(data_position)}
+    payload = {
+        "format_version": SHARDED,
+        "step": int(step),
+        "extra": dict(extra or {}),
+        "data_position": dataclasses.asdict(data_position),
+    }
     with naming_a_full_disk(root, f"the train state of step {step}", _state_bytes(model, optimizer), FULL_DISK_FIX):
         if is_sharded_model(model):
             if not isinstance(optimizer, torch.optim.Optimizer):
@@ -415,16 +447,24 @@ def save_train_state(
             barrier()
             return root / STATE_FILE
         root.mkdir(parents=True, exist_ok=True)
-        state = {**payload, "format_version": SINGLE_FILE, "model": _model_state(model),
-                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": capture_rng_state()}
+        state = {
+            **payload,
+            "format_version": SINGLE_FILE,
+            "model": _model_state(model),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": capture_rng_state(),
+        }
         _commit_index(root, state)
         _remove_other_states(root, keep=None)
     barrier()
     return root / STATE_FILE
 
 
-FULL_DISK_FIX = ("free space there or set run.checkpoint_root to a directory on a file system with room; "
-                 "the last checkpoint is kept, so a rerun resumes from it")
+FULL_DISK_FIX = (
+    "free space there or set run.checkpoint_root to a directory on a file system with room; "
+    "the last checkpoint is kept, so a rerun resumes from it"
+)
 
 
 def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | OptimizerState) -> int:
@@ -441,8 +481,10 @@ def has_train_state(directory: str | Path | None) -> bool:
     return directory is not None and (Path(directory) / STATE_FILE).is_file()
 
 
-_REQUIRED = {SINGLE_FILE: {"step", "data_position", "model", "optimizer", "scheduler", "rng"},
-             SHARDED: {"step", "data_position", "checkpoint"}}
+_REQUIRED = {
+    SINGLE_FILE: {"step", "data_position", "model", "optimizer", "scheduler", "rng"},
+    SHARDED: {"step", "data_position", "checkpoint"},
+}
 
 
 def _read_state_file(directory: str | Path, mmap: bool = False) -> dict[str, Any]:
@@ -454,8 +496,10 @@ def _read_state_file(directory: str | Path, mmap: bool = False) -> dict[str, Any
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # truncated or foreign file: say which, and how to recover
-        raise ValueError(f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
-                         f"delete {Path(path).parent} to start this stage over") from exc
+        raise ValueError(
+            f"{path}: unreadable train state ({exc.__class__.__name__}: {exc}); "
+            f"delete {Path(path).parent} to start this stage over"
+        ) from exc
     if not isinstance(raw, dict) or raw.get("format_version") not in _REQUIRED:
         raise ValueError(f"{path}: not a train state of format version {' or '.join(map(str, _REQUIRED))}")
     missing = _REQUIRED[raw["format_version"]] - raw.keys()
@@ -483,16 +527,21 @@ def check_run_identity(directory: str | Path, identity: dict[str, Any], what: st
     saved = {k: extra.get(k) for k in identity}
     if saved != identity:
         changed = ", ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in _differences(saved, identity)[:5])
-        raise ValueError(f"{directory}: train state was written by a different {what} ({changed}); "
-                         "use a fresh resume directory for this config")
+        raise ValueError(
+            f"{directory}: train state was written by a different {what} ({changed}); "
+            "use a fresh resume directory for this config"
+        )
     return int(raw["step"])
 
 
 def _differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
     """Dotted keys whose values differ between two nested dicts, with both values."""
     if isinstance(old, dict) and isinstance(new, dict):
-        return [d for k in sorted(set(old) | set(new), key=str)
-                for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+        return [
+            d
+            for k in sorted(set(old) | set(new), key=str)
+            for d in _differences(old.get(k), new.get(k), f"{prefix}{k}.")
+        ]
     return [] if old == new else [(prefix.rstrip("."), old, new)]
 
 

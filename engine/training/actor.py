@@ -36,8 +36,9 @@ def logit_temperature(temperature: float) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0,
-                    packed: bool = False) -> torch.Tensor:
+def response_logits(
+    model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0, packed: bool = False
+) -> torch.Tensor:
     """Logits that predict each response token, divided by ``temperature``.
 
     Row ``b``'s response token ``j`` sits at sequence position ``prompt_lengths[b] + j`` and
@@ -75,8 +76,14 @@ def response_logits(model: torch.nn.Module, batch: Trajectory, temperature: floa
     return picked / temperature if temperature != 1.0 else picked
 
 
-def response_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: float = 1.0, packed: bool = False,
-                      entropy: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: Trajectory,
+    temperature: float = 1.0,
+    packed: bool = False,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (nats) of the response tokens and, optionally, the entropy of each position's
     distribution (nats), from the logits of :func:`response_logits` divided by ``temperature``.
 
@@ -116,9 +123,15 @@ def response_logprobs(model: torch.nn.Module, batch: Trajectory, temperature: fl
 
 
 @torch.no_grad()
-def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: float, micro_batch_size: int,
-                     max_tokens: int | None = None, packed: bool = False,
-                     routing: RoutingReplay | None = None) -> torch.Tensor:
+def compute_logprobs(
+    model: torch.nn.Module,
+    traj: Trajectory,
+    temperature: float,
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    packed: bool = False,
+    routing: RoutingReplay | None = None,
+) -> torch.Tensor:
     """Log-probs (nats) of every response token under ``model``, in eval mode, no grad.
 
     Covers every real response token (``response_valid``), environment tokens of a
@@ -150,8 +163,13 @@ def compute_logprobs(model: torch.nn.Module, traj: Trajectory, temperature: floa
     return out
 
 
-def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured: dict[int, torch.Tensor] | None = None,
-                  replay: tuple[RoutingReplay, dict[int, list[torch.Tensor]]] | None = None):
+def actor_loss_fn(
+    cfg: RLConfig,
+    temperature: float,
+    norm: GlobalNorm,
+    captured: dict[int, torch.Tensor] | None = None,
+    replay: tuple[RoutingReplay, dict[int, list[torch.Tensor]]] | None = None,
+):
     """The per-micro-batch actor loss for :func:`engine.training.optimizer_step.train_step` (``normalized=True``).
 
     A micro-batch without ``old_logprobs`` is on-policy: its old log-probs are this forward's
@@ -184,23 +202,37 @@ def actor_loss_fn(cfg: RLConfig, temperature: float, norm: GlobalNorm, captured:
     policy_loss = get_policy_loss(cfg.policy_loss)
     kl_estimate = get_kl_estimator(cfg.kl.estimator)
     kl_in_loss = cfg.kl.coef > 0 and not cfg.kl.in_reward
-    clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high,
-            "clip_ratio_c": cfg.clip_ratio_c, "tis_cap": cfg.tis_cap}
+    clip = {
+        "clip_ratio_low": cfg.clip_ratio_low,
+        "clip_ratio_high": cfg.clip_ratio_high,
+        "clip_ratio_c": cfg.clip_ratio_c,
+        "tis_cap": cfg.tis_cap,
+    }
 
     def loss_fn(model: torch.nn.Module, mb: Trajectory):
         if mb.old_logprobs is None and captured is None:
             raise ValueError("actor loss: the trajectory has no old_logprobs")
         mask = mb.response_mask
         with replay[0].replaying(replay[1][id(mb)]) if replay is not None else nullcontext():
-            logprobs, entropy = response_logprobs(model, mb, temperature, cfg.packing, entropy=True,
-                                                  entropy_grad=cfg.entropy_coef > 0)
+            logprobs, entropy = response_logprobs(
+                model, mb, temperature, cfg.packing, entropy=True, entropy_grad=cfg.entropy_coef > 0
+            )
         assert entropy is not None  # asked for: entropy=True
         old_logprobs = mb.old_logprobs
         if old_logprobs is None:
             assert captured is not None  # checked on entry
             old_logprobs = captured[id(mb)] = (logprobs.detach() * mb.response_valid).float()
-        pg = policy_loss(logprobs, old_logprobs, mb.advantages, mask, cfg.clip_ratio,
-                         rollout_logprobs=mb.rollout_logprobs, loss_agg_mode=cfg.loss_agg_mode, norm=norm, **clip)
+        pg = policy_loss(
+            logprobs,
+            old_logprobs,
+            mb.advantages,
+            mask,
+            cfg.clip_ratio,
+            rollout_logprobs=mb.rollout_logprobs,
+            loss_agg_mode=cfg.loss_agg_mode,
+            norm=norm,
+            **clip,
+        )
         loss = pg.pg_loss
         if cfg.entropy_coef > 0:
             loss = loss + entropy_bonus(entropy, mask, cfg.entropy_coef, cfg.loss_agg_mode, norm)
@@ -250,8 +282,14 @@ class ActorUpdate:
     old_logprobs: torch.Tensor
 
 
-def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Callable,
-                 norm: GlobalNorm | None = None, routing: RoutingReplay | None = None) -> ActorUpdate:
+def actor_update(
+    traj: Trajectory,
+    cfg: RLConfig,
+    temperature: float,
+    step: Callable,
+    norm: GlobalNorm | None = None,
+    routing: RoutingReplay | None = None,
+) -> ActorUpdate:
     """``cfg.ppo_epochs`` optimizer steps on the whole batch in the micro-batches of
     :func:`engine.trajectory.micro_batch_rows`, the loss of :func:`actor_loss_fn` normalised by
     the whole batch (:func:`engine.algorithms.aggregation.global_norm`), so neither the split
@@ -290,8 +328,10 @@ def actor_update(traj: Trajectory, cfg: RLConfig, temperature: float, step: Call
     replay = None
     if routing is not None:
         if traj.old_logprobs is None:
-            raise ValueError("rl.moe_routing_replay: the update needs the old log-probs of the pass that recorded "
-                             "the routing (compute_logprobs before update)")
+            raise ValueError(
+                "rl.moe_routing_replay: the update needs the old log-probs of the pass that recorded "
+                "the routing (compute_logprobs before update)"
+            )
         routing.check(rows)
         replay = (routing, {id(mb): indices for mb, indices in zip(micro, routing.recorded)})
     loss_fn = actor_loss_fn(cfg, temperature, norm, captured, replay)

@@ -50,8 +50,9 @@ def response_values(values_of: Callable[[torch.Tensor], torch.Tensor], batch: Tr
 
 
 @torch.no_grad()
-def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batch_size: int,
-                            max_tokens: int | None = None) -> torch.Tensor:
+def compute_response_values(
+    model: torch.nn.Module, traj: Trajectory, micro_batch_size: int, max_tokens: int | None = None
+) -> torch.Tensor:
     """``[B, L]`` values (:func:`response_values`) of ``traj`` in the actor's micro-batches
     (``micro_batch_size`` rows, or ``max_tokens`` real tokens each:
     :func:`engine.trajectory.micro_batch_rows`), with ``model`` in eval mode (its mode is
@@ -71,7 +72,9 @@ def compute_response_values(model: torch.nn.Module, traj: Trajectory, micro_batc
 CriticStep = Callable[[Sequence[Trajectory], Callable], dict[str, float]]
 
 
-def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep, norm: GlobalNorm | None = None) -> dict[str, float]:
+def critic_update(
+    traj: Trajectory, cfg: RLConfig, step: CriticStep, norm: GlobalNorm | None = None
+) -> dict[str, float]:
     """``cfg.ppo_epochs`` optimizer steps of the clipped value loss
     (:func:`engine.algorithms.value_loss.clipped_value_loss` with clip range
     ``cfg.critic.cliprange_value``, token-mean over the loss mask of the whole batch, so the
@@ -105,9 +108,11 @@ def critic_update(traj: Trajectory, cfg: RLConfig, step: CriticStep, norm: Globa
         values = response_values(model, mb)
         out = clipped_value_loss(values, mb.values, mb.returns, mask, clip, "token-mean", norm)
         n = max(float(mask.sum()), 1.0)
-        metrics = {"vf_loss": float(out.vf_loss.detach()) * norm.num_tokens / n,
-                   "vf_clipfrac": float(out.vf_clipfrac),
-                   "vpred_mean": float(masked_sum(values.detach(), mask)) / n}
+        metrics = {
+            "vf_loss": float(out.vf_loss.detach()) * norm.num_tokens / n,
+            "vf_clipfrac": float(out.vf_clipfrac),
+            "vpred_mean": float(masked_sum(values.detach(), mask)) / n,
+        }
         return out.vf_loss, int(mask.sum()), metrics
 
     epochs = [step(micro, loss_fn) for _ in range(cfg.ppo_epochs)]
@@ -130,5 +135,7 @@ def prune_critic_states(resume_dir: str | Path, keep_step: int) -> None:
 
 def missing_critic_state(resume_dir: str | Path, step: int) -> FileNotFoundError:
     """The error of a resume whose critic has no state for the actor's checkpoint step."""
-    return FileNotFoundError(f"{critic_state_dir(resume_dir, step)}: no critic train state for step {step}; "
-                             f"delete {resume_dir} to start this stage over")
+    return FileNotFoundError(
+        f"{critic_state_dir(resume_dir, step)}: no critic train state for step {step}; "
+        f"delete {resume_dir} to start this stage over"
+    )

@@ -121,13 +121,26 @@ class LoopResult:
     def summary(self) -> dict[str, float]:
         """``train/steps`` (total), ``train/resumed_from_step`` (0 when fresh) and
         ``train/steps_run`` (steps taken by this call)."""
-        return {"train/steps": float(self.steps), "train/resumed_from_step": float(self.start),
-                "train/steps_run": float(self.steps - self.start)}
+        return {
+            "train/steps": float(self.steps),
+            "train/resumed_from_step": float(self.start),
+            "train/steps_run": float(self.steps - self.start),
+        }
 
 
-def run_loop(trainer: StepTrainer, stage: LoopStage, cfg: Any, *, num_examples: int, seed: int,
-             identity: dict[str, Any], resume_dir: str | Path | None, log_metrics: MetricsLogger | None,
-             desc: str, label: str) -> LoopResult:
+def run_loop(
+    trainer: StepTrainer,
+    stage: LoopStage,
+    cfg: Any,
+    *,
+    num_examples: int,
+    seed: int,
+    identity: dict[str, Any],
+    resume_dir: str | Path | None,
+    log_metrics: MetricsLogger | None,
+    desc: str,
+    label: str,
+) -> LoopResult:
     """Train ``cfg.steps`` steps of ``stage`` on ``trainer`` (see the module docstring).
 
     Args:
@@ -167,10 +180,12 @@ def run_loop(trainer: StepTrainer, stage: LoopStage, cfg: Any, *, num_examples: 
     lead = global_rank() == 0  # data (and tensor) parallelism: rank 0 logs and shows progress
     # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates);
     # a DeepSpeed ZeRO-3 forward gathers parameters from every rank (all of them evaluate)
-    evaluates = hasattr(stage, "evaluate") and (data_parallel_rank() == 0
-                                                or getattr(trainer, "collective_forward", False))
-    for step in tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, dynamic_ncols=True,
-                     disable=not lead):
+    evaluates = hasattr(stage, "evaluate") and (
+        data_parallel_rank() == 0 or getattr(trainer, "collective_forward", False)
+    )
+    for step in tqdm(
+        range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, dynamic_ncols=True, disable=not lead
+    ):
         batch = stage.batch(sampler.next_indices(cfg.global_batch_size))
         t0 = time.perf_counter()
         out = stage.step(trainer, batch)
@@ -184,7 +199,10 @@ def run_loop(trainer: StepTrainer, stage: LoopStage, cfg: Any, *, num_examples: 
         if lead and due and log_metrics is not None:
             log_metrics(metrics, done)
         if resume_dir is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            trainer.save_state(resume_dir, done, DataPosition(sampler.epoch, sampler.offset, seed),
-                               {**identity, **(_call(stage, "state_extra") or {}), "metrics": metrics})
+            trainer.save_state(
+                resume_dir,
+                done,
+                DataPosition(sampler.epoch, sampler.offset, seed),
+                {**identity, **(_call(stage, "state_extra") or {}), "metrics": metrics},
+            )
     return LoopResult(metrics, start, cfg.steps)
-

@@ -27,8 +27,14 @@ class ModelTrainer:
         grad_clip: maximum global gradient norm.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, loss_fn: LossFn, grad_clip: float):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        loss_fn: LossFn,
+        grad_clip: float,
+    ):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.loss_fn, self.grad_clip = loss_fn, grad_clip
 
@@ -43,8 +49,15 @@ class ModelTrainer:
         """The model's tensors, AdamW and the ``LambdaLR`` schedule, ``data_position``, the RNG states
         and ``extra`` as a train state (:func:`engine.storage.train_state.save_train_state`; sharded
         under model parallelism: every rank writes its shards), which resumes at any layout."""
-        save_train_state(directory, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                         data_position=data_position, extra=extra)
+        save_train_state(
+            directory,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data_position=data_position,
+            extra=extra,
+        )
 
     def load_state(self, directory: str | Path) -> TrainState:
         """Restore the state :meth:`save_state` wrote (weights, AdamW, schedule, RNG) and return it.

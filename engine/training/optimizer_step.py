@@ -77,9 +77,7 @@ def build_optimizer(
         {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2)
-    )
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
     min_ratio = cfg.min_lr / cfg.lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: warmup_cosine_factor(s, cfg.warmup_steps, total_steps, min_ratio)
@@ -107,8 +105,12 @@ def build_model_optimizer(
 
 
 def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: Sequence[Any], loss_fn: LossFn, normalized: bool = False,
-    backward: Callable[[torch.Tensor], None] | None = None, engine_reduces: bool = False,
+    model: torch.nn.Module,
+    micro_batches: Sequence[Any],
+    loss_fn: LossFn,
+    normalized: bool = False,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    engine_reduces: bool = False,
 ) -> tuple[float, int, dict[str, float]]:
     """Back-propagate every micro-batch and scale the summed gradients to a global mean.
 

@@ -104,8 +104,12 @@ def encode_preference_dataset(path: str | Path, tokenizer, max_seq_len: int) -> 
     pairs = []
     for line, prompt, chosen, rejected in read_preference_rows(path):
         try:
-            pairs.append((encode_response(tokenizer, prompt, chosen, max_seq_len)[0],
-                          encode_response(tokenizer, prompt, rejected, max_seq_len)[0]))
+            pairs.append(
+                (
+                    encode_response(tokenizer, prompt, chosen, max_seq_len)[0],
+                    encode_response(tokenizer, prompt, rejected, max_seq_len)[0],
+                )
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{line}: {e}") from e
     return pairs
@@ -166,15 +170,19 @@ def encode_pairs(path: str | Path, tokenizer, max_seq_len: int, mismatched: bool
     def sides(i: int) -> list[tuple]:
         _, prompt, chosen, rejected = rows[i]
         _, _, next_chosen, next_rejected = rows[(i + 1) % len(rows)]
-        return [(prompt, chosen), (prompt, rejected)] + ([(prompt, next_chosen), (prompt, next_rejected)]
-                                                         if mismatched else [])
+        return [(prompt, chosen), (prompt, rejected)] + (
+            [(prompt, next_chosen), (prompt, next_rejected)] if mismatched else []
+        )
 
-    return [PreferencePair(rows[i][0], enc[0], enc[1], (enc[2], enc[3]) if mismatched else None)
-            for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "pair")]
+    return [
+        PreferencePair(rows[i][0], enc[0], enc[1], (enc[2], enc[3]) if mismatched else None)
+        for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "pair")
+    ]
 
 
-def _encode_rows(path, lines: Sequence[int], sides: Callable[[int], list[tuple]], tokenizer, max_seq_len: int,
-                 what: str) -> list[tuple[int, list[EncodedResponse]]]:
+def _encode_rows(
+    path, lines: Sequence[int], sides: Callable[[int], list[tuple]], tokenizer, max_seq_len: int, what: str
+) -> list[tuple[int, list[EncodedResponse]]]:
     """``(i, encoded (prompt, response) sides of row i)`` for each row (``lines``: their file lines)
     none of whose responses loses every token to ``max_seq_len`` (the others are dropped, with a warning).
 
@@ -192,8 +200,9 @@ def _encode_rows(path, lines: Sequence[int], sides: Callable[[int], list[tuple]]
             continue
         kept.append((i, encoded))
     if dropped:
-        logger.warning("%s: %d %ss have a response with no token within max_seq_len=%d; skipped", path, dropped,
-                       what, max_seq_len)
+        logger.warning(
+            "%s: %d %ss have a response with no token within max_seq_len=%d; skipped", path, dropped, what, max_seq_len
+        )
     if not kept:
         raise ValueError(f"{path}: no {what} keeps a response token within po.max_seq_len={max_seq_len}")
     return kept
@@ -216,5 +225,7 @@ def encode_unpaired(path: str | Path, tokenizer, max_seq_len: int) -> list[Unpai
     def sides(i: int) -> list[tuple]:
         return [(rows[i][1], rows[i][2]), (rows[i][1], rows[(i + 1) % len(rows)][2])]
 
-    return [UnpairedExample(rows[i][0], enc[0], rows[i][3], enc[1])
-            for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "row")]
+    return [
+        UnpairedExample(rows[i][0], enc[0], rows[i][3], enc[1])
+        for i, enc in _encode_rows(path, [r[0] for r in rows], sides, tokenizer, max_seq_len, "row")
+    ]

@@ -50,41 +50,56 @@ def response_logps(model: torch.nn.Module, batch: TokenBatch) -> tuple[torch.Ten
 
 
 @torch.no_grad()
-def sequence_logps(model: torch.nn.Module, sequences: Sequence[EncodedResponse], pad_id: int,
-                   micro_batch_size: int) -> torch.Tensor:
+def sequence_logps(
+    model: torch.nn.Module, sequences: Sequence[EncodedResponse], pad_id: int, micro_batch_size: int
+) -> torch.Tensor:
     """Summed response log-probs ``[len(sequences)]`` (fp32 nats) of ``model`` in eval mode
     (its mode is restored), ``micro_batch_size`` sequences per forward."""
     was_training = model.training
     model.eval()
-    out = [response_logps(model, collate_tokens([s[0] for s in chunk], [s[1] for s in chunk], pad_id))[0]
-           for chunk in split_micro_batches(list(sequences), micro_batch_size)]
+    out = [
+        response_logps(model, collate_tokens([s[0] for s in chunk], [s[1] for s in chunk], pad_id))[0]
+        for chunk in split_micro_batches(list(sequences), micro_batch_size)
+    ]
     model.train(was_training)
     return torch.cat(out)
 
 
-def pair_logps(model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: int,
-               micro_batch_size: int) -> dict[str, torch.Tensor]:
+def pair_logps(
+    model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: int, micro_batch_size: int
+) -> dict[str, torch.Tensor]:
     """``{"chosen", "rejected"}`` (and ``"mismatched_chosen"``, ``"mismatched_rejected"`` when the
     pairs carry them): each ``[N]`` summed response log-probs of ``model`` (no gradient)."""
-    out = {"chosen": sequence_logps(model, [p.chosen for p in pairs], pad_id, micro_batch_size),
-           "rejected": sequence_logps(model, [p.rejected for p in pairs], pad_id, micro_batch_size)}
+    out = {
+        "chosen": sequence_logps(model, [p.chosen for p in pairs], pad_id, micro_batch_size),
+        "rejected": sequence_logps(model, [p.rejected for p in pairs], pad_id, micro_batch_size),
+    }
     if pairs[0].mismatched is not None:
         for k, key in enumerate(("mismatched_chosen", "mismatched_rejected")):
             # every pair carries them when the first does (encode_pairs makes them all alike)
-            rows = [cast("tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]", p.mismatched)[k] for p in pairs]
+            rows = [
+                cast("tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]", p.mismatched)[k] for p in pairs
+            ]
             out[key] = sequence_logps(model, rows, pad_id, micro_batch_size)
     return out
 
 
-def unpaired_logps(model: torch.nn.Module, examples: Sequence[UnpairedExample], pad_id: int,
-                   micro_batch_size: int) -> dict[str, torch.Tensor]:
+def unpaired_logps(
+    model: torch.nn.Module, examples: Sequence[UnpairedExample], pad_id: int, micro_batch_size: int
+) -> dict[str, torch.Tensor]:
     """``{"completion", "mismatched"}``: each ``[N]`` summed response log-probs of ``model`` (no gradient)."""
-    return {"completion": sequence_logps(model, [e.completion for e in examples], pad_id, micro_batch_size),
-            "mismatched": sequence_logps(model, [e.mismatched for e in examples], pad_id, micro_batch_size)}
+    return {
+        "completion": sequence_logps(model, [e.completion for e in examples], pad_id, micro_batch_size),
+        "mismatched": sequence_logps(model, [e.mismatched for e in examples], pad_id, micro_batch_size),
+    }
 
 
-def example_logps(model: torch.nn.Module, examples: Sequence[PreferencePair] | Sequence[UnpairedExample], pad_id: int,
-                  micro_batch_size: int) -> dict[str, torch.Tensor]:
+def example_logps(
+    model: torch.nn.Module,
+    examples: Sequence[PreferencePair] | Sequence[UnpairedExample],
+    pad_id: int,
+    micro_batch_size: int,
+) -> dict[str, torch.Tensor]:
     """:func:`unpaired_logps` of unpaired rows, else :func:`pair_logps` of pairs."""
     # the rows are all of one kind: the first says which (mypy cannot narrow a sequence by it)
     if isinstance(examples[0], UnpairedExample):
@@ -92,8 +107,12 @@ def example_logps(model: torch.nn.Module, examples: Sequence[PreferencePair] | S
     return pair_logps(model, cast("Sequence[PreferencePair]", examples), pad_id, micro_batch_size)
 
 
-def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], path: Path,
-                   identity: dict) -> None:
+def save_reference(
+    reference: dict[str, torch.Tensor],
+    pairs: Sequence[PreferencePair] | Sequence[UnpairedExample],
+    path: Path,
+    identity: dict,
+) -> None:
     """Write the reference log-probs (:data:`REFERENCE_FILE` layout) atomically, ``identity`` (the
     run's config, dataset size and seed) in the safetensors metadata."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,8 +122,14 @@ def save_reference(reference: dict[str, torch.Tensor], pairs: Sequence[Preferenc
     tmp.replace(path)
 
 
-def reference_logps(model, pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], cfg: PoConfig, pad_id: int, resume_dir: Path | None,
-                     identity: dict) -> dict[str, torch.Tensor]:
+def reference_logps(
+    model,
+    pairs: Sequence[PreferencePair] | Sequence[UnpairedExample],
+    cfg: PoConfig,
+    pad_id: int,
+    resume_dir: Path | None,
+    identity: dict,
+) -> dict[str, torch.Tensor]:
     """The starting policy's log-probs: zeros when the loss uses no reference; else read from
     ``resume_dir`` when an earlier attempt of the same run wrote them, or computed now (by every
     rank) and written there (by rank 0)."""
@@ -116,8 +141,10 @@ def reference_logps(model, pairs: Sequence[PreferencePair] | Sequence[UnpairedEx
     if cached is not None and broadcast_object(cached.exists() if global_rank() == 0 else None):
         with safe_open(str(cached), "pt") as f:
             if json.loads((f.metadata() or {}).get("identity", "null")) != identity:
-                raise ValueError(f"{cached}: reference log-probs of a different run (config, dataset or seed); "
-                                 f"delete {resume_dir} to start over")
+                raise ValueError(
+                    f"{cached}: reference log-probs of a different run (config, dataset or seed); "
+                    f"delete {resume_dir} to start over"
+                )
             logger.info("reusing the reference log-probs in %s", cached)
             return {k: f.get_tensor(k) for k in f.keys() if k != "line"}
     logger.info("reference log-probs of %d pairs or rows (computed once)", len(pairs))

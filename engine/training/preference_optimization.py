@@ -112,43 +112,77 @@ class UnpairedMicroBatch:
     reference_point: torch.Tensor | None = None
 
 
-def preference_loss(cfg: PoConfig, policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
-                    ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor,
-                    rejected_tokens: torch.Tensor, reference_point: torch.Tensor | None = None) -> PreferenceLoss:
+def preference_loss(
+    cfg: PoConfig,
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    reference_point: torch.Tensor | None = None,
+) -> PreferenceLoss:
     """``cfg.loss`` on summed log-probs ``[n]``: ipo and simpo divide them (and the reference's)
     by the responses' token counts ``[n]`` first (TRL's length-averaged log-probs). KTO needs
     ``reference_point`` (:func:`engine.algorithms.preference_loss.kto_reference_point`). With
     ``cfg.rpo_alpha`` each pair's loss also gets the chosen response's NLL per token
     (:func:`engine.algorithms.preference_loss.with_chosen_nll`)."""
-    out = _loss_of_pairs(cfg, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens,
-                         rejected_tokens, reference_point)
+    out = _loss_of_pairs(
+        cfg, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, reference_point
+    )
     return with_chosen_nll(out, policy_chosen, chosen_tokens, cfg.rpo_alpha)
 
 
-def _loss_of_pairs(cfg: PoConfig, policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_tokens,
-                   rejected_tokens, reference_point) -> PreferenceLoss:
+def _loss_of_pairs(
+    cfg: PoConfig,
+    policy_chosen,
+    policy_rejected,
+    ref_chosen,
+    ref_rejected,
+    chosen_tokens,
+    rejected_tokens,
+    reference_point,
+) -> PreferenceLoss:
     if cfg.length_normalized:
         policy_chosen, policy_rejected = policy_chosen / chosen_tokens, policy_rejected / rejected_tokens
         ref_chosen, ref_rejected = ref_chosen / chosen_tokens, ref_rejected / rejected_tokens
     if cfg.loss == "dpo":
-        return dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta, cfg.label_smoothing,
-                        cfg.dpop_lambda)
+        return dpo_loss(
+            policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta, cfg.label_smoothing, cfg.dpop_lambda
+        )
     if cfg.loss == "ipo":
         return ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, cfg.beta)
     if cfg.loss == "simpo":
         return simpo_loss(policy_chosen, policy_rejected, cfg.beta, cfg.simpo_gamma, cfg.label_smoothing)
-    return kto_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, reference_point, cfg.beta,
-                    cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
+    return kto_loss(
+        policy_chosen,
+        policy_rejected,
+        ref_chosen,
+        ref_rejected,
+        reference_point,
+        cfg.beta,
+        cfg.kto_desirable_weight,
+        cfg.kto_undesirable_weight,
+    )
 
 
-def unpaired_kto_loss(cfg: PoConfig, policy: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor,
-                      reference_point: torch.Tensor) -> PreferenceLoss:
+def unpaired_kto_loss(
+    cfg: PoConfig, policy: torch.Tensor, ref: torch.Tensor, labels: torch.Tensor, reference_point: torch.Tensor
+) -> PreferenceLoss:
     """KTO (:func:`engine.algorithms.preference_loss.kto_loss`) on unpaired rows: summed
     completion log-probs ``policy``, ``ref`` ``[n]`` split by ``labels`` ``[n]`` (bool, True:
     desirable). ``losses`` ``[n]`` desirable rows first; ``chosen_rewards`` ``[n_D]`` and
     ``rejected_rewards`` ``[n_U]`` are the desirable and undesirable rows' rewards."""
-    return kto_loss(policy[labels], policy[~labels], ref[labels], ref[~labels], reference_point, cfg.beta,
-                    cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
+    return kto_loss(
+        policy[labels],
+        policy[~labels],
+        ref[labels],
+        ref[~labels],
+        reference_point,
+        cfg.beta,
+        cfg.kto_desirable_weight,
+        cfg.kto_undesirable_weight,
+    )
 
 
 def kto_sign_correct(out: PreferenceLoss) -> torch.Tensor:
@@ -157,8 +191,12 @@ def kto_sign_correct(out: PreferenceLoss) -> torch.Tensor:
     return torch.cat([out.chosen_rewards > 0, out.rejected_rewards < 0])
 
 
-def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroBatch, cfg: PoConfig,
-            reference_point: torch.Tensor | None = None) -> tuple[torch.Tensor, int, dict[str, float]]:
+def po_loss(
+    model: torch.nn.Module,
+    batch: PreferenceMicroBatch | UnpairedMicroBatch,
+    cfg: PoConfig,
+    reference_point: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step` (bind ``cfg`` and, for
     KTO, ``reference_point`` with ``functools.partial``, or leave it None to use the batch's).
 
@@ -180,30 +218,49 @@ def po_loss(model: torch.nn.Module, batch: PreferenceMicroBatch | UnpairedMicroB
         logps, _ = response_logps(model, batch.tokens)
         out = unpaired_kto_loss(cfg, logps, batch.ref, batch.labels, reference_point)
         n = logps.size(0)
-        metrics = {"desirable_fraction": float(batch.labels.sum()) / n,
-                   "rewards/desirable_sum": float(out.chosen_rewards.sum()) / n,
-                   "rewards/undesirable_sum": float(out.rejected_rewards.sum()) / n,
-                   "accuracy": float(kto_sign_correct(out).float().mean())}
+        metrics = {
+            "desirable_fraction": float(batch.labels.sum()) / n,
+            "rewards/desirable_sum": float(out.chosen_rewards.sum()) / n,
+            "rewards/undesirable_sum": float(out.rejected_rewards.sum()) / n,
+            "accuracy": float(kto_sign_correct(out).float().mean()),
+        }
         return out.losses.sum(), n, metrics
     logps, tokens = response_logps(model, batch.tokens)
     n = logps.size(0) // 2
-    out = preference_loss(cfg, logps[:n], logps[n:], batch.ref_chosen, batch.ref_rejected, tokens[:n], tokens[n:],
-                          reference_point)
-    metrics = {"rewards/chosen": float(out.chosen_rewards.mean()), "rewards/rejected": float(out.rejected_rewards.mean()),
-               "rewards/margin": float(out.margins.mean()), "accuracy": float(out.correct.float().mean()),
-               "chosen_nll": float((-logps[:n].detach() / tokens[:n]).mean())}
+    out = preference_loss(
+        cfg, logps[:n], logps[n:], batch.ref_chosen, batch.ref_rejected, tokens[:n], tokens[n:], reference_point
+    )
+    metrics = {
+        "rewards/chosen": float(out.chosen_rewards.mean()),
+        "rewards/rejected": float(out.rejected_rewards.mean()),
+        "rewards/margin": float(out.margins.mean()),
+        "accuracy": float(out.correct.float().mean()),
+        "chosen_nll": float((-logps[:n].detach() / tokens[:n]).mean()),
+    }
     return out.losses.sum(), out.losses.numel(), metrics
 
 
-def _micro_batches(pairs: Sequence[PreferencePair] | Sequence[UnpairedExample], indices: Sequence[int],
-                   reference: dict[str, torch.Tensor], micro_batch_size: int, pad_id: int,
-                   z0: torch.Tensor | None) -> list[PreferenceMicroBatch] | list[UnpairedMicroBatch]:
+def _micro_batches(
+    pairs: Sequence[PreferencePair] | Sequence[UnpairedExample],
+    indices: Sequence[int],
+    reference: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    pad_id: int,
+    z0: torch.Tensor | None,
+) -> list[PreferenceMicroBatch] | list[UnpairedMicroBatch]:
     if isinstance(pairs[0], UnpairedExample):  # the rows are of one kind: the first says which
         unpaired = cast("Sequence[UnpairedExample]", pairs)
-        return [UnpairedMicroBatch(collate_tokens([unpaired[i].completion[0] for i in chunk],
-                                                  [unpaired[i].completion[1] for i in chunk], pad_id),
-                                   torch.tensor([unpaired[i].label for i in chunk]), reference["completion"][chunk], z0)
-                for chunk in split_micro_batches(list(indices), micro_batch_size)]
+        return [
+            UnpairedMicroBatch(
+                collate_tokens(
+                    [unpaired[i].completion[0] for i in chunk], [unpaired[i].completion[1] for i in chunk], pad_id
+                ),
+                torch.tensor([unpaired[i].label for i in chunk]),
+                reference["completion"][chunk],
+                z0,
+            )
+            for chunk in split_micro_batches(list(indices), micro_batch_size)
+        ]
     pairs = cast("Sequence[PreferencePair]", pairs)
     out = []
     for chunk in split_micro_batches(list(indices), micro_batch_size):
@@ -230,8 +287,14 @@ def _response_tokens(sequences: Sequence[EncodedResponse]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[PreferencePair], indices: Sequence[int],
-                   reference: dict[str, torch.Tensor], cfg: PoConfig, pad_id: int) -> dict[str, float]:
+def evaluate_pairs(
+    model: torch.nn.Module,
+    pairs: Sequence[PreferencePair],
+    indices: Sequence[int],
+    reference: dict[str, torch.Tensor],
+    cfg: PoConfig,
+    pad_id: int,
+) -> dict[str, float]:
     """Held-out metrics of ``model`` (eval mode; restored) on ``pairs[indices]``:
     ``po/eval_loss`` (mean loss), ``po/eval_accuracy`` (fraction with the higher implicit
     reward on the chosen response; ties wrong), ``po/eval_margin`` (mean reward margin) and
@@ -240,19 +303,41 @@ def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[PreferencePair], indi
     subset = [pairs[i] for i in indices]
     policy = pair_logps(model, subset, pad_id, cfg.micro_batch_size)
     ref = {k: v[list(indices)] for k, v in reference.items()}
-    z0 = (kto_reference_point(torch.cat([policy["mismatched_chosen"], policy["mismatched_rejected"]]),
-                              torch.cat([ref["mismatched_chosen"], ref["mismatched_rejected"]]))
-          if cfg.loss == "kto" else None)
-    out = preference_loss(cfg, policy["chosen"], policy["rejected"], ref["chosen"], ref["rejected"], _response_tokens([p.chosen for p in subset]),
-                          _response_tokens([p.rejected for p in subset]), z0)
-    return {"po/eval_loss": float(out.losses.mean()), "po/eval_accuracy": float(out.correct.float().mean()),
-            "po/eval_margin": float(out.margins.mean()),
-            "po/eval_logp_accuracy": float((policy["chosen"] > policy["rejected"]).float().mean())}
+    z0 = (
+        kto_reference_point(
+            torch.cat([policy["mismatched_chosen"], policy["mismatched_rejected"]]),
+            torch.cat([ref["mismatched_chosen"], ref["mismatched_rejected"]]),
+        )
+        if cfg.loss == "kto"
+        else None
+    )
+    out = preference_loss(
+        cfg,
+        policy["chosen"],
+        policy["rejected"],
+        ref["chosen"],
+        ref["rejected"],
+        _response_tokens([p.chosen for p in subset]),
+        _response_tokens([p.rejected for p in subset]),
+        z0,
+    )
+    return {
+        "po/eval_loss": float(out.losses.mean()),
+        "po/eval_accuracy": float(out.correct.float().mean()),
+        "po/eval_margin": float(out.margins.mean()),
+        "po/eval_logp_accuracy": float((policy["chosen"] > policy["rejected"]).float().mean()),
+    }
 
 
 @torch.no_grad()
-def evaluate_unpaired(model: torch.nn.Module, examples: Sequence[UnpairedExample], indices: Sequence[int],
-                      reference: dict[str, torch.Tensor], cfg: PoConfig, pad_id: int) -> dict[str, float]:
+def evaluate_unpaired(
+    model: torch.nn.Module,
+    examples: Sequence[UnpairedExample],
+    indices: Sequence[int],
+    reference: dict[str, torch.Tensor],
+    cfg: PoConfig,
+    pad_id: int,
+) -> dict[str, float]:
     """Held-out metrics of ``model`` (eval mode; restored) on unpaired KTO rows ``examples[indices]``,
     z0 estimated on their mismatched completions: ``po/eval_loss`` (mean KTO loss),
     ``po/eval_kto_accuracy`` (fraction of rows whose implicit reward ``beta * log(pi/pi_ref)`` has
@@ -265,9 +350,13 @@ def evaluate_unpaired(model: torch.nn.Module, examples: Sequence[UnpairedExample
     z0 = kto_reference_point(policy["mismatched"], ref["mismatched"])
     out = unpaired_kto_loss(cfg, policy["completion"], ref["completion"], torch.tensor([e.label for e in subset]), z0)
     desirable, undesirable = float(out.chosen_rewards.mean()), float(out.rejected_rewards.mean())
-    return {"po/eval_loss": float(out.losses.mean()), "po/eval_kto_accuracy": float(kto_sign_correct(out).float().mean()),
-            "po/eval_rewards/desirable": desirable, "po/eval_rewards/undesirable": undesirable,
-            "po/eval_margin": desirable - undesirable}
+    return {
+        "po/eval_loss": float(out.losses.mean()),
+        "po/eval_kto_accuracy": float(kto_sign_correct(out).float().mean()),
+        "po/eval_rewards/desirable": desirable,
+        "po/eval_rewards/undesirable": undesirable,
+        "po/eval_margin": desirable - undesirable,
+    }
 
 
 def _log_class_balance(examples: Sequence[UnpairedExample], cfg: PoConfig) -> None:
@@ -279,8 +368,11 @@ def _log_class_balance(examples: Sequence[UnpairedExample], cfg: PoConfig) -> No
     ratio = cfg.kto_desirable_weight * n_d / (cfg.kto_undesirable_weight * n_u) if n_u else float("inf")
     logger.info("kto: %d desirable, %d undesirable rows; lambda_D n_D / (lambda_U n_U) = %.3f", n_d, n_u, ratio)
     if not 1 <= ratio <= 4 / 3:
-        logger.warning("kto: lambda_D n_D / (lambda_U n_U) = %.3f is outside [1, 4/3]; set po.kto_desirable_weight "
-                       "and po.kto_undesirable_weight so that it falls inside (docs/algorithms.md, KTO)", ratio)
+        logger.warning(
+            "kto: lambda_D n_D / (lambda_U n_U) = %.3f is outside [1, 4/3]; set po.kto_desirable_weight "
+            "and po.kto_undesirable_weight so that it falls inside (docs/algorithms.md, KTO)",
+            ratio,
+        )
 
 
 # How often metrics are logged and checkpoints written changes neither the weights nor the final metrics;
@@ -297,8 +389,15 @@ class POStage:
     :func:`train_preference_optimization` returns them; the held-out ones from
     :func:`evaluate_pairs` or :func:`evaluate_unpaired`."""
 
-    def __init__(self, examples: Sequence[PreferencePair] | Sequence[UnpairedExample], train_idx: list[int],
-                 eval_idx: list[int], reference: dict[str, torch.Tensor], cfg: PoConfig, pad_id: int):
+    def __init__(
+        self,
+        examples: Sequence[PreferencePair] | Sequence[UnpairedExample],
+        train_idx: list[int],
+        eval_idx: list[int],
+        reference: dict[str, torch.Tensor],
+        cfg: PoConfig,
+        pad_id: int,
+    ):
         self.examples, self.train_idx, self.eval_idx, self.reference = examples, train_idx, eval_idx, reference
         self.cfg, self.pad_id, self.unpaired = cfg, pad_id, isinstance(examples[0], UnpairedExample)
         self.z0: torch.Tensor | None = None
@@ -309,32 +408,47 @@ class POStage:
     def step(self, trainer: StepTrainer, indices: list[int]) -> dict[str, float]:
         cfg, examples = self.cfg, self.examples
         # on the whole global batch on every rank: the z0 of one process, for every rank's share
-        self.z0 = (_kto_reference_point(trainer.model, examples, indices, self.reference, self.pad_id,
-                                        cfg.micro_batch_size) if cfg.loss == "kto" else None)
+        self.z0 = (
+            _kto_reference_point(trainer.model, examples, indices, self.reference, self.pad_id, cfg.micro_batch_size)
+            if cfg.loss == "kto"
+            else None
+        )
         micro = _micro_batches(examples, indices, self.reference, cfg.micro_batch_size, self.pad_id, self.z0)
         out = trainer.step(micro_batch_share(micro, "po"))
         if self.unpaired:  # class sums per row -> class means (see po_loss)
             fraction = out["desirable_fraction"]
             out["rewards/chosen"] = out["rewards/desirable_sum"] / fraction if fraction else float("nan")
-            out["rewards/rejected"] = (out["rewards/undesirable_sum"] / (1 - fraction) if fraction < 1
-                                       else float("nan"))
+            out["rewards/rejected"] = out["rewards/undesirable_sum"] / (1 - fraction) if fraction < 1 else float("nan")
             out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
 
     def metrics(self, out: dict[str, float], indices: list[int], info: StepInfo) -> dict[str, float]:
-        return {"po/loss": out["loss"], "po/rewards/chosen": out["rewards/chosen"],
-                "po/rewards/rejected": out["rewards/rejected"], "po/rewards/margin": out["rewards/margin"],
-                "po/accuracy": out["accuracy"], **({"po/chosen_nll": out["chosen_nll"]} if "chosen_nll" in out else {}),
-                "po/grad_norm": out["grad_norm"], "po/lr": out["lr"],
-                **({"po/kl": float(self.z0)} if self.z0 is not None else {}),
-                "perf/pairs_per_s": len(indices) / info.seconds}
+        return {
+            "po/loss": out["loss"],
+            "po/rewards/chosen": out["rewards/chosen"],
+            "po/rewards/rejected": out["rewards/rejected"],
+            "po/rewards/margin": out["rewards/margin"],
+            "po/accuracy": out["accuracy"],
+            **({"po/chosen_nll": out["chosen_nll"]} if "chosen_nll" in out else {}),
+            "po/grad_norm": out["grad_norm"],
+            "po/lr": out["lr"],
+            **({"po/kl": float(self.z0)} if self.z0 is not None else {}),
+            "perf/pairs_per_s": len(indices) / info.seconds,
+        }
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         if self.unpaired:  # the examples are of one kind (mypy cannot narrow them by the flag)
-            return evaluate_unpaired(model, cast("Sequence[UnpairedExample]", self.examples), self.eval_idx,
-                                     self.reference, self.cfg, self.pad_id)
-        return evaluate_pairs(model, cast("Sequence[PreferencePair]", self.examples), self.eval_idx, self.reference,
-                              self.cfg, self.pad_id)
+            return evaluate_unpaired(
+                model,
+                cast("Sequence[UnpairedExample]", self.examples),
+                self.eval_idx,
+                self.reference,
+                self.cfg,
+                self.pad_id,
+            )
+        return evaluate_pairs(
+            model, cast("Sequence[PreferencePair]", self.examples), self.eval_idx, self.reference, self.cfg, self.pad_id
+        )
 
 
 def train_preference_optimization(
@@ -407,8 +521,10 @@ def train_preference_optimization(
     tokenizer = load_tokenizer(base_model_dir)
     unpaired = is_unpaired(dataset_path)
     if unpaired and cfg.loss != "kto":
-        raise ValueError(f"{dataset_path}: unpaired desirable/undesirable rows (data.kto) train only po.loss: kto, "
-                         f"not {cfg.loss!r}; set po.loss: kto, or give pairs (data.preference)")
+        raise ValueError(
+            f"{dataset_path}: unpaired desirable/undesirable rows (data.kto) train only po.loss: kto, "
+            f"not {cfg.loss!r}; set po.loss: kto, or give pairs (data.preference)"
+        )
     pairs: list[PreferencePair] | list[UnpairedExample]
     if unpaired:
         pairs = encode_unpaired(dataset_path, tokenizer, cfg.max_seq_len)
@@ -424,8 +540,11 @@ def train_preference_optimization(
     optimizer, scheduler = build_model_optimizer(model, cfg.optim, cfg.steps, precision)
     torch.manual_seed(seed)
 
-    identity = {"config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY), "num_pairs": len(pairs),
-                "seed": seed}
+    identity = {
+        "config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY),
+        "num_pairs": len(pairs),
+        "seed": seed,
+    }
     if cfg.lora.enabled:  # the train state holds the adapters; the base weights are this directory's
         identity["base_model"] = str(base_model_dir)
     reference = reference_logps(model, pairs, cfg, pad_id, Path(resume_dir) if resume_dir else None, identity)
@@ -433,9 +552,18 @@ def train_preference_optimization(
 
     trainer = ModelTrainer(model, optimizer, scheduler, partial(po_loss, cfg=cfg), cfg.optim.grad_clip)
     stage = POStage(pairs, train_idx, eval_idx, reference, cfg, pad_id)
-    result = run_loop(trainer, stage, cfg, num_examples=len(train_idx), seed=seed, identity=identity,
-                      resume_dir=resume_dir, log_metrics=log_metrics, desc=f"po ({cfg.loss})",
-                      label="preference optimization")
+    result = run_loop(
+        trainer,
+        stage,
+        cfg,
+        num_examples=len(train_idx),
+        seed=seed,
+        identity=identity,
+        resume_dir=resume_dir,
+        log_metrics=log_metrics,
+        desc=f"po ({cfg.loss})",
+        label="preference optimization",
+    )
 
     with merged_for_saving(model):  # LoRA: the merged weights W + s B A (no-op without adapters)
         save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)
@@ -444,9 +572,14 @@ def train_preference_optimization(
     if cfg.uses_reference and global_rank() == 0:
         save_reference(reference, pairs, Path(out_dir).parent / REFERENCE_FILE, identity)
     labels = [e.label for e in pairs if isinstance(e, UnpairedExample)]  # every row when unpaired
-    counts = ({"po/num_train_rows": float(len(train_idx)), "po/num_eval_rows": float(len(eval_idx)),
-               "po/num_desirable": float(sum(labels)),
-               "po/num_undesirable": float(sum(not label for label in labels))} if unpaired else
-              {"po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx))})
+    counts = (
+        {
+            "po/num_train_rows": float(len(train_idx)),
+            "po/num_eval_rows": float(len(eval_idx)),
+            "po/num_desirable": float(sum(labels)),
+            "po/num_undesirable": float(sum(not label for label in labels)),
+        }
+        if unpaired
+        else {"po/num_train_pairs": float(len(train_idx)), "po/num_eval_pairs": float(len(eval_idx))}
+    )
     return {**result.metrics, **counts, **result.summary()}
-

@@ -87,7 +87,9 @@ def packed_rewards(model: Any, batch: PackedTokenBatch) -> torch.Tensor:  # chec
             ``rm.backend: megatron``), or as :func:`engine.models.megatron.gpt_hidden_states_packed`.
     """
     if not (hasattr(model, "gpt") and hasattr(model, "reward_head")):
-        raise ValueError(f"rm.packing needs the megatron reward model (rm.backend: megatron), got {type(model).__name__}")
+        raise ValueError(
+            f"rm.packing needs the megatron reward model (rm.backend: megatron), got {type(model).__name__}"
+        )
     hidden = gpt_hidden_states_packed(model.gpt, batch.packed)  # [N, H]
     last = batch.packed.cu_seqlens[1:].long() - 1
     return model.reward_head(hidden[last]).squeeze(-1).float()
@@ -117,8 +119,9 @@ def pair_loss(model: RewardFn, batch: TokenBatch | PackedTokenBatch) -> tuple[to
 
 
 @torch.no_grad()
-def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int,
-                   micro_batch_size: int) -> dict[str, float]:
+def evaluate_pairs(
+    model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], pad_id: int, micro_batch_size: int
+) -> dict[str, float]:
     """Held-out ``rm/accuracy`` (fraction with ``r_chosen > r_rejected``; ties count as
     wrong) and ``rm/loss`` (mean Bradley-Terry loss, nats) of ``model`` (an
     :class:`engine.models.heads.RewardModel` or any module with its call signature, run in eval
@@ -136,8 +139,9 @@ def evaluate_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list
     return {"rm/accuracy": correct / len(pairs), "rm/loss": loss / len(pairs)}
 
 
-def reward_micro_batches(pairs: Sequence[tuple[list[int], list[int]]], cfg: RMConfig,
-                         pad_id: int) -> list[TokenBatch | PackedTokenBatch]:
+def reward_micro_batches(
+    pairs: Sequence[tuple[list[int], list[int]]], cfg: RMConfig, pad_id: int
+) -> list[TokenBatch | PackedTokenBatch]:
     """A global batch's training micro-batches, as ``cfg`` forms and lays them out.
 
     ``cfg.max_tokens_per_micro_batch`` set: groups of pairs of at most that many real tokens
@@ -182,8 +186,13 @@ class RMStage:
     Bradley-Terry loss, :func:`pair_loss`), the training metrics :func:`train_reward_model` returns
     and the held-out ``rm/*`` of :func:`evaluate_pairs` on ``eval_pairs``."""
 
-    def __init__(self, train_pairs: list[tuple[list[int], list[int]]], eval_pairs: list[tuple[list[int], list[int]]],
-                 cfg: RMConfig, pad_id: int):
+    def __init__(
+        self,
+        train_pairs: list[tuple[list[int], list[int]]],
+        eval_pairs: list[tuple[list[int], list[int]]],
+        cfg: RMConfig,
+        pad_id: int,
+    ):
         self.train_pairs, self.eval_pairs, self.cfg, self.pad_id = train_pairs, eval_pairs, cfg, pad_id
 
     def batch(self, indices: list[int]) -> list[TokenBatch | PackedTokenBatch]:
@@ -192,8 +201,9 @@ class RMStage:
     def step(self, trainer: StepTrainer, micro: list[TokenBatch | PackedTokenBatch]) -> dict[str, float]:
         return trainer.step(micro_batch_share(micro, "rm"))
 
-    def metrics(self, out: dict[str, float], micro: list[TokenBatch | PackedTokenBatch],
-                info: StepInfo) -> dict[str, float]:
+    def metrics(
+        self, out: dict[str, float], micro: list[TokenBatch | PackedTokenBatch], info: StepInfo
+    ) -> dict[str, float]:
         return {
             "train/loss": out["loss"],
             "train/accuracy": out["accuracy"],
@@ -281,12 +291,28 @@ def train_reward_model(
     pad_id = pad_token_id(tokenizer)
     torch.manual_seed(seed)
 
-    identity = {"config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY), "num_pairs": len(pairs),
-                "seed": seed}
-    result = run_loop(trainer, RMStage(train_pairs, eval_pairs, cfg, pad_id), cfg, num_examples=len(train_pairs),
-                      seed=seed, identity=identity, resume_dir=resume_dir, log_metrics=log_metrics,
-                      desc="reward model", label="the reward model")
+    identity = {
+        "config": cfg.model_dump(mode="json", exclude=_NOT_IN_RUN_IDENTITY),
+        "num_pairs": len(pairs),
+        "seed": seed,
+    }
+    result = run_loop(
+        trainer,
+        RMStage(train_pairs, eval_pairs, cfg, pad_id),
+        cfg,
+        num_examples=len(train_pairs),
+        seed=seed,
+        identity=identity,
+        resume_dir=resume_dir,
+        log_metrics=log_metrics,
+        desc="reward model",
+        label="the reward model",
+    )
 
     trainer.save(out_dir, iteration=cfg.steps)
-    return {**result.metrics, "rm/num_train_pairs": float(len(train_pairs)),
-            "rm/num_eval_pairs": float(len(eval_pairs)), **result.summary()}
+    return {
+        **result.metrics,
+        "rm/num_train_pairs": float(len(train_pairs)),
+        "rm/num_eval_pairs": float(len(eval_pairs)),
+        **result.summary(),
+    }

@@ -65,9 +65,9 @@ def masked_token_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: t
     """
     targets = input_ids[:, 1:]
     mask = loss_mask[:, 1:].to(logits.dtype)
-    nll = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
-    ).view_as(targets)
+    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none").view_as(
+        targets
+    )
     return nll * mask
 
 
@@ -93,7 +93,9 @@ def packed_token_nll_sum(logits: torch.Tensor, batch: PackedTokenBatch) -> torch
     return F.cross_entropy(logits[where], ids[where + 1], reduction="sum")
 
 
-def sft_loss(model: torch.nn.Module, batch: TokenBatch | PackedTokenBatch) -> tuple[torch.Tensor, int, dict[str, float]]:
+def sft_loss(
+    model: torch.nn.Module, batch: TokenBatch | PackedTokenBatch
+) -> tuple[torch.Tensor, int, dict[str, float]]:
     """Loss function for :func:`engine.training.optimizer_step.train_step`: summed target-token NLL.
 
     A right-padded :class:`engine.batching.collate.TokenBatch` runs through
@@ -178,8 +180,9 @@ def encode_sft_dataset(
     return out
 
 
-def sft_micro_batches(rows: list[tuple[list[int], list[int]]], cfg: SFTConfig,
-                      pad_id: int) -> list[TokenBatch | PackedTokenBatch]:
+def sft_micro_batches(
+    rows: list[tuple[list[int], list[int]]], cfg: SFTConfig, pad_id: int
+) -> list[TokenBatch | PackedTokenBatch]:
     """A global batch's micro-batches, as ``cfg`` forms and lays them out.
 
     ``cfg.max_tokens_per_micro_batch`` set: groups of at most that many real tokens
@@ -201,8 +204,10 @@ def sft_micro_batches(rows: list[tuple[list[int], list[int]]], cfg: SFTConfig,
     if cfg.max_tokens_per_micro_batch is None:
         groups = split_micro_batches(rows, cfg.micro_batch_size)
     else:
-        groups = [[rows[i] for i in g] for g in
-                  token_budget_micro_batches([len(r[0]) for r in rows], cfg.max_tokens_per_micro_batch)]
+        groups = [
+            [rows[i] for i in g]
+            for g in token_budget_micro_batches([len(r[0]) for r in rows], cfg.max_tokens_per_micro_batch)
+        ]
     micro = [collate_tokens([r[0] for r in g], [r[1] for r in g], pad_id) for g in groups]
     out: list[TokenBatch | PackedTokenBatch] = [pack_token_batch(mb) for mb in micro] if cfg.packing else list(micro)
     return out
@@ -224,8 +229,9 @@ class SFTStage:
     def step(self, trainer: StepTrainer, micro: list[TokenBatch | PackedTokenBatch]) -> dict[str, float]:
         return trainer.step(micro_batch_share(micro, "sft"))
 
-    def metrics(self, out: dict[str, float], micro: list[TokenBatch | PackedTokenBatch],
-                info: StepInfo) -> dict[str, float]:
+    def metrics(
+        self, out: dict[str, float], micro: list[TokenBatch | PackedTokenBatch], info: StepInfo
+    ) -> dict[str, float]:
         self.tokens += int(out["num_units"])
         return {
             "train/loss": out["loss"],
@@ -309,9 +315,14 @@ def train_sft(
     precision = resolve_precision(cfg.precision)
     optimizer, scheduler = build_model_optimizer(model, cfg.optim, cfg.steps, precision)
     layout = "packed" if cfg.packing else "padded"
-    split = (f"{cfg.max_tokens_per_micro_batch} tokens" if cfg.max_tokens_per_micro_batch is not None
-             else f"{cfg.micro_batch_size} sequences")
-    logger.info("SFT on %d conversations: precision %s, %s micro-batches of %s", len(examples), precision, layout, split)
+    split = (
+        f"{cfg.max_tokens_per_micro_batch} tokens"
+        if cfg.max_tokens_per_micro_batch is not None
+        else f"{cfg.micro_batch_size} sequences"
+    )
+    logger.info(
+        "SFT on %d conversations: precision %s, %s micro-batches of %s", len(examples), precision, layout, split
+    )
     torch.manual_seed(seed)
 
     # How often metrics are logged and checkpoints written may change between attempts
@@ -322,8 +333,18 @@ def train_sft(
     if cfg.lora.enabled:  # the train state holds the adapters; the base weights are this directory's
         identity["base_model"] = str(base_model_dir)
     trainer = ModelTrainer(model, optimizer, scheduler, sft_loss, cfg.optim.grad_clip)
-    result = run_loop(trainer, SFTStage(examples, cfg, pad_id), cfg, num_examples=len(examples), seed=seed,
-                      identity=identity, resume_dir=resume_dir, log_metrics=log_metrics, desc="sft", label="SFT")
+    result = run_loop(
+        trainer,
+        SFTStage(examples, cfg, pad_id),
+        cfg,
+        num_examples=len(examples),
+        seed=seed,
+        identity=identity,
+        resume_dir=resume_dir,
+        log_metrics=log_metrics,
+        desc="sft",
+        label="SFT",
+    )
 
     with merged_for_saving(model):  # LoRA: the merged weights W + s B A (no-op without adapters)
         save_model_dir(out_dir, model, loaded.hf_config, loaded.tokenizer_dir, iteration=cfg.steps)

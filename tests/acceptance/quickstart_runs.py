@@ -46,8 +46,11 @@ class QuickstartRuns:
         posttrain(["run", str(self.config), *overrides], cwd=self.work, env=self.env, timeout=RUN_TIMEOUT_S)
         summary = read_summary(self.work, self.run_name)
         summary["wall_s"] = round(time.perf_counter() - t0, 1)
-        print(f"posttrain run {' '.join(overrides) or '(defaults)'}: {summary['wall_s']} s; stages "
-              + ", ".join(f"{k} {v.get('state')} {v.get('wall_s')} s" for k, v in summary["stages"].items()), flush=True)
+        print(
+            f"posttrain run {' '.join(overrides) or '(defaults)'}: {summary['wall_s']} s; stages "
+            + ", ".join(f"{k} {v.get('state')} {v.get('wall_s')} s" for k, v in summary["stages"].items()),
+            flush=True,
+        )
         return summary
 
 
@@ -69,8 +72,10 @@ def rl_over_sft(summary: dict, name: str) -> tuple[float, float, int, str]:
     assert set(policies) == {"sft", "rl"}
     delta, se, n = paired(policies["sft"], policies["rl"])
     ev = summary["stages"]["evaluate"]["metrics"]
-    line = (f"{name}: rl {ev['rl/accuracy']:.3f} minus sft {ev['sft/accuracy']:.3f}: {delta:+.3f} +- {se:.3f} "
-            f"(paired, n={n}; {delta / se:+.1f} SE)")
+    line = (
+        f"{name}: rl {ev['rl/accuracy']:.3f} minus sft {ev['sft/accuracy']:.3f}: {delta:+.3f} +- {se:.3f} "
+        f"(paired, n={n}; {delta / se:+.1f} SE)"
+    )
     print(line, flush=True)
     assert delta == pytest.approx(ev["rl/accuracy"] - ev["sft/accuracy"], abs=1e-9)
     return delta, se, n, line
@@ -96,8 +101,10 @@ def paired(base: dict, cand: dict) -> tuple[float, float, int]:
     from engine.evaluation.statistics import paired_difference
 
     def prompts(result: dict) -> dict[int, str]:
-        return {int(r["prompt_index"]): json.dumps([r.get("prompt"), r.get("label")], sort_keys=True)
-                for r in result["records"]}
+        return {
+            int(r["prompt_index"]): json.dumps([r.get("prompt"), r.get("label")], sort_keys=True)
+            for r in result["records"]
+        }
 
     assert prompts(base) == prompts(cand), "the two evaluations did not see the same held-out prompts"
     delta, se = paired_difference(base, cand)

@@ -46,10 +46,15 @@ def test_dpo_positive_raises_held_out_margin_accuracy_on_the_quickstart_pairs(qu
 
     work = quickstart.work
     # exits 3 (raised here) unless the default run's sft artifact is this config's upstream
-    posttrain(["stage", "po", str(quickstart.config), "po.enabled=true", "wandb.enabled=false"], cwd=work, env=quickstart.env)
+    posttrain(
+        ["stage", "po", str(quickstart.config), "po.enabled=true", "wandb.enabled=false"], cwd=work, env=quickstart.env
+    )
     sft = quickstart.default["stages"]["sft"]
-    (po,) = [m.parent for m in (work / "artifacts" / "po").glob("*/manifest.json")
-             if json.loads(m.read_text())["inputs"]["sft"]["artifact_id"] == sft["artifact_id"]]
+    (po,) = [
+        m.parent
+        for m in (work / "artifacts" / "po").glob("*/manifest.json")
+        if json.loads(m.read_text())["inputs"]["sft"]["artifact_id"] == sft["artifact_id"]
+    ]
     models = {"sft": Path(sft["uri"]) / "model", "po": po / "model"}
 
     tok = load_tokenizer(models["sft"])

@@ -42,8 +42,9 @@ def test_mixture_draw_counts_match_the_weights_within_the_binomial_se(tmp_path):
     (work / "few.jsonl").write_text("\n".join(rows[:1000]) + "\n")
     (work / "many.jsonl").write_text("\n".join(rows[1000:]) + "\n")
     cfg = yaml.safe_load(Path(config).read_text())
-    cfg["data"]["rl_train"] = [{"name": name, "path": f"{name}.jsonl", "format": "prompt_label", "weight": w}
-                               for name, w in WEIGHTS.items()]
+    cfg["data"]["rl_train"] = [
+        {"name": name, "path": f"{name}.jsonl", "format": "prompt_label", "weight": w} for name, w in WEIGHTS.items()
+    ]
     cfg["wandb"]["enabled"] = False
     cfg["sft"]["enabled"] = False
     cfg["rm"]["enabled"] = False

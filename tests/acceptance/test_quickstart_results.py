@@ -18,8 +18,13 @@ from tests.acceptance.quickstart_runs import evaluated, paired, rl_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.acceptance]
 
 STAGES = ("validate", "convert", "sft", "rm", "rl", "evaluate", "export")
-ASYNC_TIS = ("rl.engine.placement=disaggregated", "rl.engine.rollout_cpus=1", "rl.engine.off_policy_steps=1",
-             "rl.engine.partial_rollout_chunk_tokens=2", "rl.tis_cap=2.0")
+ASYNC_TIS = (
+    "rl.engine.placement=disaggregated",
+    "rl.engine.rollout_cpus=1",
+    "rl.engine.off_policy_steps=1",
+    "rl.engine.partial_rollout_chunk_tokens=2",
+    "rl.tis_cap=2.0",
+)
 
 
 def _report(label: str, delta: float, se: float, n: int) -> str:
@@ -62,8 +67,13 @@ def test_async_grpo_with_tis_beats_sft_by_more_than_2_paired_se(quickstart):
     policies = evaluated(summary)
     delta, se, n = paired(policies["sft"], policies["rl"])
     ev = summary["stages"]["evaluate"]["metrics"]
-    line = _report(f"async+tis rl {ev['rl/accuracy']:.3f} minus sft {ev['sft/accuracy']:.3f} "
-                   f"(rl stage {summary['stages']['rl']['wall_s']} s)", delta, se, n)
+    line = _report(
+        f"async+tis rl {ev['rl/accuracy']:.3f} minus sft {ev['sft/accuracy']:.3f} "
+        f"(rl stage {summary['stages']['rl']['wall_s']} s)",
+        delta,
+        se,
+        n,
+    )
     assert delta > 2 * se, line
 
 
@@ -86,8 +96,13 @@ def test_on_policy_distillation_of_the_rl_policy_beats_sft_by_more_than_2_paired
     delta, se, n = paired(policies["sft"], policies["rl"])
     teacher_gap, teacher_se, _ = paired(policies["sft"], evaluated(quickstart.default)["rl"])
     ev = summary["stages"]["evaluate"]["metrics"]
-    line = _report(f"distilled {ev['rl/accuracy']:.3f} minus sft {ev['sft/accuracy']:.3f} (teacher "
-                   f"{teacher_gap:+.3f} +- {teacher_se:.3f}; rl stage {summary['stages']['rl']['wall_s']} s)", delta, se, n)
+    line = _report(
+        f"distilled {ev['rl/accuracy']:.3f} minus sft {ev['sft/accuracy']:.3f} (teacher "
+        f"{teacher_gap:+.3f} +- {teacher_se:.3f}; rl stage {summary['stages']['rl']['wall_s']} s)",
+        delta,
+        se,
+        n,
+    )
     assert delta > 2 * se, line
 
 

@@ -39,8 +39,13 @@ def test_increments_turn_trl_running_token_totals_into_per_step_counts():
 
 def test_engine_record_reads_the_rl_metrics():
     # 16 responses of mean length 5.5 (88 tokens); 88 + 16 * 18 prompt tokens = 376 trained in 2 s
-    metrics = {"timing_s/step": 2.0, "response_length/mean": 5.5, "batch/responses": 16.0,
-               "perf/throughput": 188.0, "critic/score/mean": 0.25}
+    metrics = {
+        "timing_s/step": 2.0,
+        "response_length/mean": 5.5,
+        "batch/responses": 16.0,
+        "perf/throughput": 188.0,
+        "critic/score/mean": 0.25,
+    }
     assert engine_record(metrics) == StepRecord(seconds=2.0, generated_tokens=88, trained_tokens=376, reward=0.25)
 
 
@@ -62,10 +67,16 @@ def test_parameter_count_formula_matches_transformers(shape):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=384, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-                         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-                         num_key_value_heads=shape.num_key_value_heads,
-                         max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=384,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
     assert shape.num_parameters(384) == sum(p.numel() for p in model.parameters())
@@ -75,11 +86,25 @@ def test_render_gives_each_engine_mode_its_ratio_to_trl():
     from benchmarks.trl_grpo import render
 
     def side(s, gen, reward):
-        return {"s_per_step": s, "s_per_step_median": s, "gen_tok_s": gen, "train_tok_s": 2 * gen,
-                "reward_last": reward, "timed_steps": 3.0}
+        return {
+            "s_per_step": s,
+            "s_per_step_median": s,
+            "gen_tok_s": gen,
+            "train_tok_s": 2 * gen,
+            "reward_last": reward,
+            "timed_steps": 3.0,
+        }
 
-    table = render([{"size": "25m", "engine": side(2.0, 100.0, 0.5), "engine_async": side(1.0, 200.0, 0.25),
-                     "trl": side(4.0, 50.0, 0.5)}]).splitlines()
+    table = render(
+        [
+            {
+                "size": "25m",
+                "engine": side(2.0, 100.0, 0.5),
+                "engine_async": side(1.0, 200.0, 0.25),
+                "trl": side(4.0, 50.0, 0.5),
+            }
+        ]
+    ).splitlines()
     assert table[-2] == "| 25m | engine/TRL | 0.50 | 0.50 | 2.00 | 2.00 | +0.000 (difference) | |"
     assert table[-1] == "| 25m | engine_async/TRL | 0.25 | 0.25 | 4.00 | 4.00 | -0.250 (difference) | |"
     # without TRL there is nothing to divide by: the sides' rows only
@@ -96,7 +121,9 @@ def test_bf16_sides_run_only_on_native_and_faster_bf16_or_when_forced():
     # native but measured slower (e.g. a host too busy, or a poor kernel): still skipped
     assert not bf16_verdict({"fp32": 100.0, "bf16": 90.0}, (True, "CPU has amx_bf16"))[0]
     assert bf16_verdict({"fp32": 100.0, "bf16": 900.0}, (True, "CPU has amx_bf16")) == (
-        True, "CPU has amx_bf16 (bf16 matmul 900.0 GFLOP/s, fp32 100.0)")
+        True,
+        "CPU has amx_bf16 (bf16 matmul 900.0 GFLOP/s, fp32 100.0)",
+    )
 
 
 def test_update_mfu_is_six_n_t_over_time_and_peak():
@@ -131,8 +158,10 @@ def test_round_gate_reports_each_segment_and_waits_for_the_driver():
     assert gate.step_done({"s": 2}) is False
     assert gate.step_done({"s": 3}) is True
     lines = out.getvalue().splitlines()
-    assert [json.loads(x[len(MARK):]) for x in lines] == [
-        {"segment": 0, "records": [{"s": 1}]}, {"segment": 1, "records": [{"s": 2}, {"s": 3}]}]
+    assert [json.loads(x[len(MARK) :]) for x in lines] == [
+        {"segment": 0, "records": [{"s": 1}]},
+        {"segment": 1, "records": [{"s": 2}, {"s": 3}]},
+    ]
     with pytest.raises(RuntimeError, match="after the last segment"):
         gate.step_done({"s": 4})
     closed = RoundGate([1], stdin=io.StringIO(""), stdout=io.StringIO())
@@ -145,7 +174,10 @@ def test_round_gate_reports_each_segment_and_waits_for_the_driver():
 def test_round_stats_of_a_grpo_round():
     from benchmarks.trl_grpo import round_stats
 
-    records = [StepRecord(10.0, 1000, 2000, 0.0, update_seconds=4.0), StepRecord(6.0, 1000, 2000, 0.0, update_seconds=4.0)]
+    records = [
+        StepRecord(10.0, 1000, 2000, 0.0, update_seconds=4.0),
+        StepRecord(6.0, 1000, 2000, 0.0, update_seconds=4.0),
+    ]
     r = round_stats(records, num_parameters=1_000_000, peak_gflops=1.0)
     assert r["s_per_step"] == 8.0 and r["gen_tok_s"] == 2000 / 16 and r["train_tok_s"] == 4000 / 16
     assert r["update_s"] == 4.0
@@ -158,12 +190,30 @@ def test_side_precisions_and_ratio_rows_for_every_trl_side():
     from benchmarks.trl_grpo import render, side_precision
 
     assert [side_precision(s, "fp32") for s in ("engine", "trl", "trl_autocast", "trl_bf16")] == [
-        "fp32", "fp32", "bf16", "bf16"]
+        "fp32",
+        "fp32",
+        "bf16",
+        "bf16",
+    ]
     assert side_precision("engine_async", "bf16") == "bf16"
-    side = {"s_per_step": 2.0, "s_per_step_median": 2.0, "gen_tok_s": 100.0, "train_tok_s": 200.0,
-            "reward_last": 0.0, "timed_steps": 2.0}
-    table = render([{"size": "25m", "engine": side, "trl": {**side, "train_tok_s": 400.0},
-                     "trl_bf16": {**side, "train_tok_s": 100.0}}]).splitlines()
+    side = {
+        "s_per_step": 2.0,
+        "s_per_step_median": 2.0,
+        "gen_tok_s": 100.0,
+        "train_tok_s": 200.0,
+        "reward_last": 0.0,
+        "timed_steps": 2.0,
+    }
+    table = render(
+        [
+            {
+                "size": "25m",
+                "engine": side,
+                "trl": {**side, "train_tok_s": 400.0},
+                "trl_bf16": {**side, "train_tok_s": 100.0},
+            }
+        ]
+    ).splitlines()
     assert table[-2].startswith("| 25m | engine/TRL | 1.00 | 1.00 | 1.00 | 0.50 |")
     assert table[-1].startswith("| 25m | engine/trl_bf16 | 1.00 | 1.00 | 1.00 | 2.00 |")
 

@@ -16,13 +16,14 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_check_prints_skipped_rows_without_cuda():
     assert not torch.cuda.is_available()
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert time.perf_counter() - t0 < 60
     lines = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("check "))
-    rows = {line.split()[0]: line for line in lines[header + 1:]}
+    rows = {line.split()[0]: line for line in lines[header + 1 :]}
     for name in ("megatron_sft_step", "megatron_actor_update", "cuda_ipc_share", "bf16_matmul_peak", "update_mfu"):
         assert "skipped: CUDA not available" in rows[name], rows
     # this venv has the optional packages: their parts are listed, not skipped

@@ -72,10 +72,15 @@ CASES = [
     (["prepare.num_attention_heads=3"], "prepare.num_attention_heads"),
     (["prepare.num_key_value_heads=3"], "prepare.num_key_value_heads"),
     (["rl.engine.num_cpus=0"], "rl.engine.num_cpus"),
-    (["sft.parallel.data_parallel_size=2", "sft.micro_batch_size=256", "sft.parallel.cpus_per_rank=4"], "sft.parallel.cpus_per_rank"),
+    (
+        ["sft.parallel.data_parallel_size=2", "sft.micro_batch_size=256", "sft.parallel.cpus_per_rank=4"],
+        "sft.parallel.cpus_per_rank",
+    ),
     (["rl.parallel.actor.cpus_per_rank=8"], "rl.parallel.actor.cpus_per_rank"),
-    (["rl.prompts_per_step=1", "rl.n_samples=2", "rl.parallel.actor.data_parallel_size=4"],
-     "rl.parallel.actor.data_parallel_size"),
+    (
+        ["rl.prompts_per_step=1", "rl.n_samples=2", "rl.parallel.actor.data_parallel_size=4"],
+        "rl.parallel.actor.data_parallel_size",
+    ),
     (["evaluate.max_new_tokens=128"], "evaluate.max_new_tokens"),
     (["rl.reward.functions=[{path: no_such_rewards:score}]"], "rl.reward.functions[0].path"),
     (["rl.reward.reward_model_weight=1", "rm.enabled=false"], "rl.reward.reward_model_weight"),
@@ -125,33 +130,47 @@ def test_a_bad_value_is_refused_up_front_naming_its_key(overrides, key, command)
 
 def test_the_new_refusals_say_what_to_change(tmp_path):
     """The values the sweep once found accepted, each with its whole message."""
+
     def said(*overrides: str, command: str = "run") -> str:
         return up_front(list(overrides), command)
 
     model = "work/quickstart/base_model"
     assert said("prepare.num_attention_heads=3").splitlines()[1] == (
         "  prepare.addition: prepare.num_attention_heads: 3 does not divide prepare.hidden_size 128 (each head gets "
-        "hidden_size / heads dimensions); use a divisor, e.g. 4 heads of 32")
-    assert said("rl.prompts_per_step=1", "rl.n_samples=2", "rl.parallel.reference.data_parallel_size=4").splitlines()[1] == (
+        "hidden_size / heads dimensions); use a divisor, e.g. 4 heads of 32"
+    )
+    assert said("rl.prompts_per_step=1", "rl.n_samples=2", "rl.parallel.reference.data_parallel_size=4").splitlines()[
+        1
+    ] == (
         "  rl: rl.parallel.reference.data_parallel_size=4 is more than the 2 rows of a step (rl.prompts_per_step 1 x "
         "rl.n_samples 2): every rank needs at least one; lower it or raise rl.prompts_per_step (set on the command line: "
-        "rl.prompts_per_step=1 rl.n_samples=2 rl.parallel.reference.data_parallel_size=4)")
+        "rl.prompts_per_step=1 rl.n_samples=2 rl.parallel.reference.data_parallel_size=4)"
+    )
     # the critic and the reward model's ranks count only where they run
     assert said("rl.prompts_per_step=1", "rl.n_samples=2", "rl.parallel.critic.data_parallel_size=4") == ""
     for command in ("validate", "run"):
         assert said("sft.parallel.tensor_model_parallel_size=3", command=command) == (
             f"sft.parallel.tensor_model_parallel_size=3 does not divide num_attention_heads 4, num_key_value_heads 2, "
             f"intermediate_size 256 of {model}: megatron-core splits each evenly across the tensor-parallel ranks; use "
-            "a size that divides them")
+            "a size that divides them"
+        )
         assert said("evaluate.max_new_tokens=128", command=command) == (
             f"evaluate.max_new_tokens: 128 leaves no room for a prompt in the context of {model} "
-            "(max_position_embeddings 128)")
-        assert said("rl.engine.num_cpus=2", "rm.parallel.data_parallel_size=2", "rm.micro_batch_size=16",
-                    "rm.parallel.cpus_per_rank=1.5", command=command) == (
+            "(max_position_embeddings 128)"
+        )
+        assert said(
+            "rl.engine.num_cpus=2",
+            "rm.parallel.data_parallel_size=2",
+            "rm.micro_batch_size=16",
+            "rm.parallel.cpus_per_rank=1.5",
+            command=command,
+        ) == (
             "rm.parallel.cpus_per_rank: 2 ranks x 1.5 CPUs is more than the local Ray cluster's 2 CPUs "
             "(rl.engine.num_cpus); lower it (or unset it: each rank gets an equal share), or lower "
-            "rm.parallel.data_parallel_size")
+            "rm.parallel.data_parallel_size"
+        )
     (tmp_path / "teacher").mkdir()
     assert said("rl.algorithm=on_policy_distill", f"rl.teacher.model_dir={tmp_path / 'teacher'}") == (
         f"rl.teacher.model_dir: {tmp_path / 'teacher'} is not a model directory (no hf/config.json); give the model/ "
-        "directory of an sft or rl artifact")
+        "directory of an sft or rl artifact"
+    )

@@ -64,8 +64,10 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     raw["sft"]["stpes"] = 10
     msg = _error(_write(tmp_path, raw))
     assert msg.startswith(f"invalid config {tmp_path / 'config.yaml'}:")
-    allowed = ("checkpoint_every, enabled, global_batch_size, log_every, lora, max_seq_len, max_tokens_per_micro_batch, "
-               "micro_batch_size, optim, packing, parallel, precision, steps")
+    allowed = (
+        "checkpoint_every, enabled, global_batch_size, log_every, lora, max_seq_len, max_tokens_per_micro_batch, "
+        "micro_batch_size, optim, packing, parallel, precision, steps"
+    )
     assert sorted(SFTConfig.model_fields) == allowed.split(", ")
     assert f"sft.stpes: unknown key, did you mean 'steps'? (allowed keys here: {allowed})" in msg
 
@@ -75,9 +77,16 @@ def test_unknown_key_names_dotted_key_and_allowed_keys(tmp_path, quickstart_raw)
     [
         (("data", "sft", "fromat"), "format", "format, limit, path"),
         (("rl", "optim", "lrr"), "lr", "adam_beta1, adam_beta2, grad_clip, lr, min_lr, warmup_steps, weight_decay"),
-        (("rl", "rollout", "temprature"), "temperature",
-         "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p"),
-        (("stages",), None, "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb"),  # nothing close
+        (
+            ("rl", "rollout", "temprature"),
+            "temperature",
+            "backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p",
+        ),
+        (
+            ("stages",),
+            None,
+            "convert, data, evaluate, export, model, po, prepare, rl, rm, run, sft, wandb",
+        ),  # nothing close
     ],
 )
 def test_unknown_nested_key(tmp_path, quickstart_raw, path, guess, allowed):
@@ -243,8 +252,11 @@ def test_rl_options_that_cannot_train_are_refused():
     with pytest.raises(ValueError, match="n_samples: 1 gives every response a zero grpo advantage"):
         RLConfig(n_samples=1)
     assert RLConfig(n_samples=1, algorithm="reinforce_plus_plus").n_samples == 1
-    with pytest.raises(ValueError, match=r"rl.rollout.temperature: 0 \(greedy\) samples the same response 4 times per "
-                                         r"prompt \(rl.n_samples 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rl.rollout.temperature: 0 \(greedy\) samples the same response 4 times per "
+        r"prompt \(rl.n_samples 4\)",
+    ):
         RLConfig(n_samples=4, rollout={"temperature": 0.0})
     assert RLConfig(n_samples=1, algorithm="gae", rollout={"temperature": 0.0}).rollout.temperature == 0.0
     with pytest.raises(ValueError, match="verifier_weight"):
@@ -268,14 +280,21 @@ def _yaml_error(tmp_path: Path, quickstart_raw: dict, section: str, text: str) -
     return _error(_write(tmp_path, raw)).splitlines()[1:]
 
 
-@pytest.mark.parametrize("section, text, line", [
-    ("sft", "steps: true", "  sft.steps: expected an integer, not a boolean (got True)"),
-    ("rl", "prompts_per_step: false", "  rl.prompts_per_step: expected an integer, not a boolean (got False)"),
-    ("sft.optim", "lr: yes", "  sft.optim.lr: expected a number, not a boolean (got True)"),
-    ("evaluate", "num_prompts: on", "  evaluate.num_prompts: expected an integer, not a boolean (got True)"),  # int | None
-    ("run", "seed: true", "  run.seed: expected an integer, not a boolean (got True)"),
-    ("model", "eos_token_ids: [true]", "  model.eos_token_ids: expected an integer, not a boolean (got [True])"),
-])
+@pytest.mark.parametrize(
+    "section, text, line",
+    [
+        ("sft", "steps: true", "  sft.steps: expected an integer, not a boolean (got True)"),
+        ("rl", "prompts_per_step: false", "  rl.prompts_per_step: expected an integer, not a boolean (got False)"),
+        ("sft.optim", "lr: yes", "  sft.optim.lr: expected a number, not a boolean (got True)"),
+        (
+            "evaluate",
+            "num_prompts: on",
+            "  evaluate.num_prompts: expected an integer, not a boolean (got True)",
+        ),  # int | None
+        ("run", "seed: true", "  run.seed: expected an integer, not a boolean (got True)"),
+        ("model", "eos_token_ids: [true]", "  model.eos_token_ids: expected an integer, not a boolean (got [True])"),
+    ],
+)
 def test_booleans_are_not_numbers(tmp_path, quickstart_raw, section, text, line):
     """pydantic's lax mode took `steps: true` as 1 (and `lr: yes` as 1.0)."""
     assert _yaml_error(tmp_path, quickstart_raw, section, text) == [line]
@@ -287,28 +306,41 @@ def test_yaml_number_spellings_still_work(tmp_path, quickstart_raw):
     assert yaml.safe_load("a: 1e3")["a"] == "1e3" and yaml.safe_load("a: 1.0e-4")["a"] == 1.0e-4
     raw = copy.deepcopy(quickstart_raw)
     text = _write(tmp_path, raw).read_text()
-    text = text.replace("steps: 300", "steps: 1e3").replace("lr: 0.003", "lr: 1e-4").replace("warmup_steps: 5", "warmup_steps: 1.5e1")
+    text = (
+        text.replace("steps: 300", "steps: 1e3")
+        .replace("lr: 0.003", "lr: 1e-4")
+        .replace("warmup_steps: 5", "warmup_steps: 1.5e1")
+    )
     p = tmp_path / "spellings.yaml"
     p.write_text(text)
     cfg = load_config(p)
     assert (cfg.sft.steps, cfg.sft.optim.lr, cfg.sft.optim.warmup_steps) == (1000, 1e-4, 15)
     assert isinstance(cfg.sft.steps, int) and isinstance(cfg.sft.optim.warmup_steps, int)
     assert _yaml_error(tmp_path, quickstart_raw, "sft", "steps: 1e-3") == [
-        "  sft.steps: Input should be a valid integer, unable to parse string as an integer (got '1e-3')"]
+        "  sft.steps: Input should be a valid integer, unable to parse string as an integer (got '1e-3')"
+    ]
     assert _yaml_error(tmp_path, quickstart_raw, "sft", "steps: 1.5") == [
-        "  sft.steps: Input should be a valid integer, got a number with a fractional part (got 1.5)"]
+        "  sft.steps: Input should be a valid integer, got a number with a fractional part (got 1.5)"
+    ]
 
 
-@pytest.mark.parametrize("section, text, line", [
-    ("sft.optim", "lr: .inf", "  sft.optim.lr: Input should be a finite number (got inf)"),
-    ("rl.optim", "weight_decay: .nan", "  rl.optim.weight_decay: Input should be a finite number (got nan)"),
-    ("rl.rollout", "temperature: .inf", "  rl.rollout.temperature: Input should be a finite number (got inf)"),
-    ("sft.optim", "adam_beta1: 1.5", "  sft.optim.adam_beta1: Input should be less than 1 (got 1.5)"),
-    ("rm.optim", "adam_beta2: 1.0", "  rm.optim.adam_beta2: Input should be less than 1 (got 1.0)"),
-    ("rl.optim", "adam_beta1: -0.1", "  rl.optim.adam_beta1: Input should be greater than or equal to 0 (got -0.1)"),
-    ("run", "seed: 4294967296", "  run.seed: Input should be less than 4294967296 (got 4294967296)"),
-    ("run", "seed: -1", "  run.seed: Input should be greater than or equal to 0 (got -1)"),
-])
+@pytest.mark.parametrize(
+    "section, text, line",
+    [
+        ("sft.optim", "lr: .inf", "  sft.optim.lr: Input should be a finite number (got inf)"),
+        ("rl.optim", "weight_decay: .nan", "  rl.optim.weight_decay: Input should be a finite number (got nan)"),
+        ("rl.rollout", "temperature: .inf", "  rl.rollout.temperature: Input should be a finite number (got inf)"),
+        ("sft.optim", "adam_beta1: 1.5", "  sft.optim.adam_beta1: Input should be less than 1 (got 1.5)"),
+        ("rm.optim", "adam_beta2: 1.0", "  rm.optim.adam_beta2: Input should be less than 1 (got 1.0)"),
+        (
+            "rl.optim",
+            "adam_beta1: -0.1",
+            "  rl.optim.adam_beta1: Input should be greater than or equal to 0 (got -0.1)",
+        ),
+        ("run", "seed: 4294967296", "  run.seed: Input should be less than 4294967296 (got 4294967296)"),
+        ("run", "seed: -1", "  run.seed: Input should be greater than or equal to 0 (got -1)"),
+    ],
+)
 def test_non_finite_betas_and_seed_out_of_range(tmp_path, quickstart_raw, section, text, line):
     assert _yaml_error(tmp_path, quickstart_raw, section, text) == [line]
 
@@ -330,31 +362,54 @@ def test_seed_bounds_are_what_the_generators_accept(tmp_path, quickstart_raw):
 
 def test_min_lr_above_lr(tmp_path, quickstart_raw):
     assert _yaml_error(tmp_path, quickstart_raw, "sft.optim", "min_lr: 0.01") == [
-        "  sft.optim: min_lr (0.01) is above lr (0.003): the cosine decay goes from lr down to min_lr"]
+        "  sft.optim: min_lr (0.01) is above lr (0.003): the cosine decay goes from lr down to min_lr"
+    ]
     assert _yaml_error(tmp_path, quickstart_raw, "rl.critic", "optim: {lr: 1.0e-4, min_lr: 2.0e-4}") == [
-        "  rl.critic.optim: min_lr (0.0002) is above lr (0.0001): the cosine decay goes from lr down to min_lr"]
+        "  rl.critic.optim: min_lr (0.0002) is above lr (0.0001): the cosine decay goes from lr down to min_lr"
+    ]
 
 
-@pytest.mark.parametrize("section, text, line", [
-    ("sft", "optim: {lr: 3.0e-3, warmup_steps: 301}",
-     "  sft: sft.optim.warmup_steps (301) is longer than the run (sft.steps = 300 optimizer steps): the learning rate "
-     "would never reach sft.optim.lr"),
-    ("rm", "optim: {warmup_steps: 41}",
-     "  rm: rm.optim.warmup_steps (41) is longer than the run (rm.steps = 40 optimizer steps): the learning rate "
-     "would never reach rm.optim.lr"),
-    ("rl", "optim: {warmup_steps: 101}",
-     "  rl: rl.optim.warmup_steps (101) is longer than the run (rl.steps = 100 optimizer steps): the learning "
-     "rate would never reach rl.optim.lr"),
-    ("rl", "{ppo_epochs: 2, optim: {warmup_steps: 201}}",
-     "  rl: rl.optim.warmup_steps (201) is longer than the run (rl.steps 100 x rl.ppo_epochs 2 = 200 optimizer steps): "
-     "the learning rate would never reach rl.optim.lr"),
-    ("rl", "{algorithm: gae, critic: {warmup_steps: 10}, optim: {warmup_steps: 91}}",
-     "  rl: rl.optim.warmup_steps (91) is longer than the run (rl.steps 100 - rl.critic.warmup_steps 10 = 90 "
-     "optimizer steps): the learning rate would never reach rl.optim.lr"),
-    ("rl", "{algorithm: gae, critic: {optim: {warmup_steps: 101}}}",
-     "  rl: rl.critic.optim.warmup_steps (101) is longer than the run (rl.steps = 100 optimizer steps): the "
-     "learning rate would never reach rl.critic.optim.lr"),
-])
+@pytest.mark.parametrize(
+    "section, text, line",
+    [
+        (
+            "sft",
+            "optim: {lr: 3.0e-3, warmup_steps: 301}",
+            "  sft: sft.optim.warmup_steps (301) is longer than the run (sft.steps = 300 optimizer steps): the learning rate "
+            "would never reach sft.optim.lr",
+        ),
+        (
+            "rm",
+            "optim: {warmup_steps: 41}",
+            "  rm: rm.optim.warmup_steps (41) is longer than the run (rm.steps = 40 optimizer steps): the learning rate "
+            "would never reach rm.optim.lr",
+        ),
+        (
+            "rl",
+            "optim: {warmup_steps: 101}",
+            "  rl: rl.optim.warmup_steps (101) is longer than the run (rl.steps = 100 optimizer steps): the learning "
+            "rate would never reach rl.optim.lr",
+        ),
+        (
+            "rl",
+            "{ppo_epochs: 2, optim: {warmup_steps: 201}}",
+            "  rl: rl.optim.warmup_steps (201) is longer than the run (rl.steps 100 x rl.ppo_epochs 2 = 200 optimizer steps): "
+            "the learning rate would never reach rl.optim.lr",
+        ),
+        (
+            "rl",
+            "{algorithm: gae, critic: {warmup_steps: 10}, optim: {warmup_steps: 91}}",
+            "  rl: rl.optim.warmup_steps (91) is longer than the run (rl.steps 100 - rl.critic.warmup_steps 10 = 90 "
+            "optimizer steps): the learning rate would never reach rl.optim.lr",
+        ),
+        (
+            "rl",
+            "{algorithm: gae, critic: {optim: {warmup_steps: 101}}}",
+            "  rl: rl.critic.optim.warmup_steps (101) is longer than the run (rl.steps = 100 optimizer steps): the "
+            "learning rate would never reach rl.critic.optim.lr",
+        ),
+    ],
+)
 def test_warmup_longer_than_the_run(tmp_path, quickstart_raw, section, text, line):
     raw = copy.deepcopy(quickstart_raw)
     raw[section].update(yaml.safe_load(text))
@@ -371,7 +426,8 @@ def test_run_name_must_be_a_plain_name(tmp_path, quickstart_raw, name):
     """The name becomes outputs/<run.name>: `../..` wrote the stage pointers outside outputs/."""
     assert _yaml_error(tmp_path, quickstart_raw, "run", yaml.safe_dump({"name": name})) == [
         "  run.name: expected a plain name of letters, digits, '.', '_' or '-', starting with a letter or digit, at "
-        f"most 100 characters (it names the directory outputs/<run.name>) (got {name!r})"]
+        f"most 100 characters (it names the directory outputs/<run.name>) (got {name!r})"
+    ]
 
 
 def test_run_name_accepts_ordinary_names(tmp_path, quickstart_raw):
@@ -408,7 +464,9 @@ def test_home_is_expanded_in_every_local_path(tmp_path, quickstart_raw):
     assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == ("artifacts", "./checkpoints")
 
 
-def test_environment_variables_are_expanded_in_local_paths_and_unset_ones_refused(tmp_path, quickstart_raw, monkeypatch):
+def test_environment_variables_are_expanded_in_local_paths_and_unset_ones_refused(
+    tmp_path, quickstart_raw, monkeypatch
+):
     """`run.artifact_root=$SCRATCH/...` made a literal ./$SCRATCH tree; now $VAR and ${VAR} are
     the variable's value, and a variable that is not set is refused, naming it and the key."""
     monkeypatch.setenv("PT_SCRATCH", str(tmp_path / "scratch"))
@@ -416,10 +474,16 @@ def test_environment_variables_are_expanded_in_local_paths_and_unset_ones_refuse
     raw = copy.deepcopy(quickstart_raw)
     raw["run"].update(artifact_root="$PT_SCRATCH/artifacts", checkpoint_root="${PT_SCRATCH}/ckpt")
     cfg = load_config(_write(tmp_path, raw))
-    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == (f"{tmp_path}/scratch/artifacts", f"{tmp_path}/scratch/ckpt")
+    assert (cfg.run.artifact_root, cfg.run.checkpoint_root) == (
+        f"{tmp_path}/scratch/artifacts",
+        f"{tmp_path}/scratch/ckpt",
+    )
     raw["run"]["artifact_root"] = "$PT_UNSET/artifacts"
-    with pytest.raises(ConfigError, match=r"run\.artifact_root: .*environment variable \$PT_UNSET in "
-                                          r"'\$PT_UNSET/artifacts' is not set; export it or write the path out"):
+    with pytest.raises(
+        ConfigError,
+        match=r"run\.artifact_root: .*environment variable \$PT_UNSET in "
+        r"'\$PT_UNSET/artifacts' is not set; export it or write the path out",
+    ):
         load_config(_write(tmp_path, raw))
 
 
@@ -444,7 +508,13 @@ def test_path_spellings_give_one_fingerprint(tmp_path, quickstart_raw, monkeypat
     (tmp_path / "work" / "sft.jsonl").write_text('{"messages": []}\n')
     spec, _ = stage("validate")
     fps = set()
-    for spelling in ("work/sft.jsonl", "./work/sft.jsonl", "work//sft.jsonl", f"{tmp_path}/work/sft.jsonl", f"{tmp_path}//work/./sft.jsonl"):
+    for spelling in (
+        "work/sft.jsonl",
+        "./work/sft.jsonl",
+        "work//sft.jsonl",
+        f"{tmp_path}/work/sft.jsonl",
+        f"{tmp_path}//work/./sft.jsonl",
+    ):
         raw = copy.deepcopy(quickstart_raw)
         raw["data"]["sft"]["path"] = spelling
         fps.add(spec.fingerprint(load_config(_write(tmp_path, raw)), {}))
@@ -478,7 +548,9 @@ def test_non_utf8_config_is_one_error_naming_line_and_column(tmp_path, quickstar
     p = _write(tmp_path, quickstart_raw)
     p.write_bytes(p.read_bytes().replace(b"name: quickstart", b"name: quick\xe9start", 1))
     line = next(i for i, text in enumerate(p.read_bytes().split(b"\n"), start=1) if b"\xe9" in text)
-    assert _error(p) == f"config {p} is not valid UTF-8: byte 0xe9 at line {line}, column 14"  # "  name: quick" is 13 characters
+    assert (
+        _error(p) == f"config {p} is not valid UTF-8: byte 0xe9 at line {line}, column 14"
+    )  # "  name: quick" is 13 characters
 
 
 @pytest.mark.parametrize("text", ["1e1000000", "1e400", "9.3e18", "-1e19"])
@@ -502,8 +574,10 @@ def test_exponent_integers_within_range_still_load(tmp_path, quickstart_raw):
     p.write_text(p.read_text().replace("PLACEHOLDER", "9.2e18"))
     assert load_config(p).sft.steps == 9_200_000_000_000_000_000
     raw["sft"]["steps"] = 2**63
-    assert "  sft.steps: too large for an integer setting (at most 2^63 - 1) (got 9223372036854775808)" in \
-        _error(_write(tmp_path, raw)).splitlines()
+    assert (
+        "  sft.steps: too large for an integer setting (at most 2^63 - 1) (got 9223372036854775808)"
+        in _error(_write(tmp_path, raw)).splitlines()
+    )
 
 
 def test_empty_paths_are_refused(tmp_path, quickstart_raw):
@@ -534,7 +608,8 @@ def test_unpaired_kto_rows_train_only_the_kto_loss(tmp_path, quickstart_raw, fix
     del raw["data"]["preference"]
     raw["po"].update(enabled=True, loss="dpo")
     assert "data.kto: unpaired desirable/undesirable rows train only po.loss: kto, not 'dpo'" in _error(
-        _write(tmp_path, raw))
+        _write(tmp_path, raw)
+    )
     raw["po"].update(loss="kto", dpop_lambda=0.0)  # the quickstart's dpo penalty is no kto setting
     cfg = load_config(_write(tmp_path, raw))
     assert cfg.data.preference is None and cfg.data.kto.format == "kto"
@@ -546,7 +621,8 @@ def test_rpo_alpha_needs_pairs(tmp_path, quickstart_raw):
     raw = copy.deepcopy(quickstart_raw)
     raw["po"].update(enabled=True, loss="kto", rpo_alpha=1.0)
     assert "po.rpo_alpha: the chosen-response NLL term needs pairs (dpo, ipo, simpo), not kto" in _error(
-        _write(tmp_path, raw))
+        _write(tmp_path, raw)
+    )
     raw["po"]["loss"] = "dpo"
     assert load_config(_write(tmp_path, raw)).po.rpo_alpha == 1.0
 
@@ -554,9 +630,13 @@ def test_rpo_alpha_needs_pairs(tmp_path, quickstart_raw):
 def test_dpop_lambda_is_a_dpo_term_against_a_reference(tmp_path, quickstart_raw):
     raw = copy.deepcopy(quickstart_raw)
     raw["po"].update(enabled=True, loss="ipo", dpop_lambda=50.0)
-    assert "po.dpop_lambda: the DPO-Positive penalty is a term of the dpo loss, not ipo" in _error(_write(tmp_path, raw))
+    assert "po.dpop_lambda: the DPO-Positive penalty is a term of the dpo loss, not ipo" in _error(
+        _write(tmp_path, raw)
+    )
     raw["po"].update(loss="dpo", reference_free=True)
-    assert ("po.dpop_lambda: the DPO-Positive penalty compares the chosen response with the reference; set "
-            "po.dpop_lambda: 0 or po.reference_free: false") in _error(_write(tmp_path, raw))
+    assert (
+        "po.dpop_lambda: the DPO-Positive penalty compares the chosen response with the reference; set "
+        "po.dpop_lambda: 0 or po.reference_free: false"
+    ) in _error(_write(tmp_path, raw))
     raw["po"]["reference_free"] = False
     assert load_config(_write(tmp_path, raw)).po.dpop_lambda == 50.0

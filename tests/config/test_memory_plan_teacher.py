@@ -12,20 +12,37 @@ from config.memory_plan import plan_stages
 from config.parallel import ParallelConfig
 
 # the student: h 64, 2 layers, 256 tokens; the teacher: twice as wide, vocabulary padded to 384
-STUDENT = dict(architectures=["Qwen2ForCausalLM"], vocab_size=256, hidden_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, tie_word_embeddings=True)
+STUDENT = dict(
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    tie_word_embeddings=True,
+)
 TEACHER = {**STUDENT, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
 
 
 def _cfg(teacher_dir, precision=None):
     from config import PipelineConfig
 
-    return PipelineConfig.model_validate({
-        "run": {"name": "t", "precision": "fp32"}, "model": {"source": "m"},
-        "data": {"rl_train": {"path": "x.jsonl"}, "rl_eval": {"path": "y.jsonl"}},
-        "sft": {"enabled": False}, "rm": {"enabled": False},
-        "rl": {"micro_batch_size": 2, "algorithm": "on_policy_distill",
-               "teacher": {"model_dir": str(teacher_dir), "precision": precision}}})
+    return PipelineConfig.model_validate(
+        {
+            "run": {"name": "t", "precision": "fp32"},
+            "model": {"source": "m"},
+            "data": {"rl_train": {"path": "x.jsonl"}, "rl_eval": {"path": "y.jsonl"}},
+            "sft": {"enabled": False},
+            "rm": {"enabled": False},
+            "rl": {
+                "micro_batch_size": 2,
+                "algorithm": "on_policy_distill",
+                "teacher": {"model_dir": str(teacher_dir), "precision": precision},
+            },
+        }
+    )
 
 
 def test_the_teacher_is_a_frozen_role_of_its_own_shape(tmp_path):
@@ -45,5 +62,7 @@ def test_the_teacher_is_a_frozen_role_of_its_own_shape(tmp_path):
 
 
 def test_a_teacher_without_a_model_config_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"rl.teacher.model_dir: cannot read the teacher's model config .*nowhere/hf/config.json"):
+    with pytest.raises(
+        ValueError, match=r"rl.teacher.model_dir: cannot read the teacher's model config .*nowhere/hf/config.json"
+    ):
         plan_stages(_cfg(tmp_path / "nowhere"), STUDENT, {"rl": 32})

@@ -13,11 +13,15 @@ from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 
 
 def rl(dp=1, tp=1, gpus=0.0, engines=1, engine_gpus=0.0, kl=0.0, **engine) -> RLConfig:
-    return RLConfig(parallel=RLParallelConfig(
-        actor=ParallelConfig(data_parallel_size=dp, tensor_model_parallel_size=tp, gpus_per_rank=gpus),
-        reference=ParallelConfig(data_parallel_size=dp, gpus_per_rank=gpus)),
-        rollout=RolloutConfig(num_engines=engines, gpus_per_engine=engine_gpus), kl=KLConfig(coef=kl),
-        engine=EngineConfig(**engine))
+    return RLConfig(
+        parallel=RLParallelConfig(
+            actor=ParallelConfig(data_parallel_size=dp, tensor_model_parallel_size=tp, gpus_per_rank=gpus),
+            reference=ParallelConfig(data_parallel_size=dp, gpus_per_rank=gpus),
+        ),
+        rollout=RolloutConfig(num_engines=engines, gpus_per_engine=engine_gpus),
+        kl=KLConfig(coef=kl),
+        engine=EngineConfig(**engine),
+    )
 
 
 def test_colocated_one_bundle_per_rank_engines_beside_the_ranks():
@@ -25,11 +29,17 @@ def test_colocated_one_bundle_per_rank_engines_beside_the_ranks():
     in bundle 0), 2 CPUs each; the seats split a bundle equally (2/3 CPU, floored to Ray's
     1e-4), and every worker runs the bundle's 2 threads (they take turns)."""
     plan = plan_placement(rl(dp=2, engines=2), total_cpus=4)
-    assert plan.bundles == (Bundle(2.0, 0.0, ("actor 0", "reward 0", "rollout 0")),
-                            Bundle(2.0, 0.0, ("actor 1", "rollout 1")))
+    assert plan.bundles == (
+        Bundle(2.0, 0.0, ("actor 0", "reward 0", "rollout 0")),
+        Bundle(2.0, 0.0, ("actor 1", "rollout 1")),
+    )
     assert {k: (s.bundle, s.cpus, s.threads) for k, s in plan.seats.items()} == {
-        ("actor", 0): (0, 0.6666, 2), ("reward", 0): (0, 0.6666, 2), ("rollout", 0): (0, 0.6666, 2),
-        ("actor", 1): (1, 1.0, 2), ("rollout", 1): (1, 1.0, 2)}
+        ("actor", 0): (0, 0.6666, 2),
+        ("reward", 0): (0, 0.6666, 2),
+        ("rollout", 0): (0, 0.6666, 2),
+        ("actor", 1): (1, 1.0, 2),
+        ("rollout", 1): (1, 1.0, 2),
+    }
     assert sum(s.cpus for s in plan.seats.values() if s.bundle == 0) <= 2.0  # fits its bundle after rounding
     # one engine per two ranks: it sits in slot 0 (j * N // E); three engines over two slots
     assert plan_placement(rl(dp=2, engines=1), 4).seat("rollout", 0).bundle == 0
@@ -57,11 +67,28 @@ def test_disaggregated_engines_get_their_own_bundles():
     """Actor TP=2 x DP=2 (4 slots) with a GPU each, two engines of one GPU, 6 CPUs of which 2
     for rollout: 4 training bundles of 1 CPU and 1 GPU, then 2 rollout bundles of 1 CPU and 1
     GPU; the training roles do not share devices (sums, not fractions)."""
-    plan = plan_placement(rl(dp=2, tp=2, gpus=1, engines=2, engine_gpus=1, kl=0.1, placement="disaggregated",
-                             rollout_cpus=2, placement_strategy="SPREAD"), 6)
-    assert [b.resources for b in plan.bundles] == [{"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 2.0},
-                                                   {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0},
-                                                   {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    plan = plan_placement(
+        rl(
+            dp=2,
+            tp=2,
+            gpus=1,
+            engines=2,
+            engine_gpus=1,
+            kl=0.1,
+            placement="disaggregated",
+            rollout_cpus=2,
+            placement_strategy="SPREAD",
+        ),
+        6,
+    )
+    assert [b.resources for b in plan.bundles] == [
+        {"CPU": 1.0, "GPU": 2.0},
+        {"CPU": 1.0, "GPU": 2.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+        {"CPU": 1.0, "GPU": 1.0},
+    ]
     assert plan.bundles[1].occupants == ("actor 1", "reference 1")  # the reference has 2 ranks, the actor 4
     assert plan.seat("actor", 3).bundle == 3 and plan.seat("rollout", 1).bundle == 5
     assert plan.seat("reference", 0).gpus == 1.0 and plan.strategy == "SPREAD"
@@ -70,8 +97,12 @@ def test_disaggregated_engines_get_their_own_bundles():
 
 
 def test_cpus_per_rank_sizes_the_bundles():
-    plan = plan_placement(rl(dp=2).model_copy(update={"parallel": RLParallelConfig(
-        actor=ParallelConfig(data_parallel_size=2, cpus_per_rank=3))}), total_cpus=100)
+    plan = plan_placement(
+        rl(dp=2).model_copy(
+            update={"parallel": RLParallelConfig(actor=ParallelConfig(data_parallel_size=2, cpus_per_rank=3))}
+        ),
+        total_cpus=100,
+    )
     assert [b.cpus for b in plan.bundles] == [3.0, 3.0] and plan.seat("actor", 1).threads == 3
 
 
@@ -88,17 +119,22 @@ def test_nodes_fit_exactly_or_name_the_key():
     assert unplaceable(plan, [(2, 0), (2, 0), (2, 0)]) == []
     assert unplaceable(plan, [(3, 0)]) == [
         "rl.engine.placement: colocated: the run's 2 bundles (4 CPUs) do not fit the cluster's nodes (3 CPUs) "
-        "together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes"]
+        "together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes"
+    ]
     assert unplaceable(plan, [(1, 0)] * 4)[0].startswith(
         "rl.engine.num_cpus: bundle 0 (actor 0, reward 0, rollout 0) needs 2 CPUs but the largest node of the cluster "
-        "has 1 (a bundle sits on one node)")
+        "has 1 (a bundle sits on one node)"
+    )
     disagg = plan_placement(rl(engine_gpus=2, placement="disaggregated"), 4)
     assert unplaceable(disagg, [(8, 1)]) == [
         "rl.rollout.gpus_per_engine: bundle 1 (rollout 0) needs 2 GPUs but the largest node of the cluster has 1; "
-        "lower the GPUs per rank or engine"]
+        "lower the GPUs per rank or engine"
+    ]
     assert placement_table(plan, ["n1", "n2"]).splitlines() == [
         "placement (colocated, PACK): bundle | node | CPUs | GPUs | workers",
-        "  0 | n1 | 2 | 0 | actor 0, reward 0, rollout 0", "  1 | n2 | 2 | 0 | actor 1, rollout 1"]
+        "  0 | n1 | 2 | 0 | actor 0, reward 0, rollout 0",
+        "  1 | n2 | 2 | 0 | actor 1, rollout 1",
+    ]
 
 
 def test_validate_checks_the_declared_nodes():
@@ -109,20 +145,35 @@ def test_validate_checks_the_declared_nodes():
     nodes = [{"cpus": 2, "gpus": 1}, {"cpus": 2, "gpus": 1}]
     colocated = rl(dp=2, gpus=1, engines=2, engine_gpus=1, num_cpus=4, cluster_nodes=nodes)
     problems, notes = check_placement(colocated, "10.0.0.1:6379")
-    assert problems == [] and notes[0] == ("placement (colocated, PACK): bundle 0 = 2 CPUs + 1 GPUs (actor 0, reward 0, "
-                                           "rollout 0); bundle 1 = 2 CPUs + 1 GPUs (actor 1, rollout 1)")
-    disagg = rl(dp=2, gpus=1, engines=2, engine_gpus=1, num_cpus=4, cluster_nodes=nodes, placement="disaggregated",
-                rollout_cpus=2)
+    assert problems == [] and notes[0] == (
+        "placement (colocated, PACK): bundle 0 = 2 CPUs + 1 GPUs (actor 0, reward 0, "
+        "rollout 0); bundle 1 = 2 CPUs + 1 GPUs (actor 1, rollout 1)"
+    )
+    disagg = rl(
+        dp=2,
+        gpus=1,
+        engines=2,
+        engine_gpus=1,
+        num_cpus=4,
+        cluster_nodes=nodes,
+        placement="disaggregated",
+        rollout_cpus=2,
+    )
     assert check_placement(disagg, "10.0.0.1:6379")[0] == [
         "rl.engine.placement: disaggregated: the run's 4 bundles (4 CPUs, 4 GPUs) do not fit the cluster's nodes "
-        "(2 CPUs + 1 GPUs, 2 CPUs + 1 GPUs) together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes"]
+        "(2 CPUs + 1 GPUs, 2 CPUs + 1 GPUs) together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes"
+    ]
     problems, notes = check_placement(rl(dp=2, num_cpus=4), "10.0.0.1:6379")
-    assert problems == [] and notes[-1] == ("placement: checked against 10.0.0.1:6379's nodes when the run starts "
-                                            "(set rl.engine.cluster_nodes to check it here)")
+    assert problems == [] and notes[-1] == (
+        "placement: checked against 10.0.0.1:6379's nodes when the run starts "
+        "(set rl.engine.cluster_nodes to check it here)"
+    )
     # a local cluster is this machine: a GPU engine on a machine without GPUs is refused by its key
     problems, _ = check_placement(rl(engine_gpus=1, num_cpus=2), None)
     import torch
 
     if not torch.cuda.is_available():
-        assert problems == ["rl.rollout.gpus_per_engine: bundle 0 (actor 0, reward 0, rollout 0) needs 1 GPUs "
-                            "but the largest node of the cluster has 0; lower the GPUs per rank or engine"]
+        assert problems == [
+            "rl.rollout.gpus_per_engine: bundle 0 (actor 0, reward 0, rollout 0) needs 1 GPUs "
+            "but the largest node of the cluster has 0; lower the GPUs per rank or engine"
+        ]

@@ -42,13 +42,16 @@ def test_probe_agrees_with_torch():
     assert precision.resolve_precision("auto") == "fp32"  # a CPU: auto is fp32 there (config.precision)
 
 
-@pytest.mark.parametrize("flags,cuda,native,expected", [
-    ({"avx2", "amx_bf16", "avx512_bf16"}, None, True, "fp32"),  # Sapphire Rapids: native, yet auto is fp32 on CPU
-    ({"avx2", "avx512f", "avx512_bf16"}, None, True, "fp32"),   # Zen 4: the same
-    ({"avx2", "avx512f"}, None, False, "fp32"),                 # Skylake: no bf16 instructions
-    ({"avx2"}, (8, 0), True, "bf16"),                           # A100: the GPU decides
-    ({"avx2", "amx_bf16"}, (7, 0), False, "fp32"),             # V100 has no bf16 tensor cores
-])
+@pytest.mark.parametrize(
+    "flags,cuda,native,expected",
+    [
+        ({"avx2", "amx_bf16", "avx512_bf16"}, None, True, "fp32"),  # Sapphire Rapids: native, yet auto is fp32 on CPU
+        ({"avx2", "avx512f", "avx512_bf16"}, None, True, "fp32"),  # Zen 4: the same
+        ({"avx2", "avx512f"}, None, False, "fp32"),  # Skylake: no bf16 instructions
+        ({"avx2"}, (8, 0), True, "bf16"),  # A100: the GPU decides
+        ({"avx2", "amx_bf16"}, (7, 0), False, "fp32"),  # V100 has no bf16 tensor cores
+    ],
+)
 def test_auto_follows_the_hardware(hardware, flags, cuda, native, expected):
     hardware(flags, cuda)
     assert precision.resolve_precision("auto") == expected

@@ -40,8 +40,11 @@ def test_each_declaration_matches_its_config_sections():
             assert {"max_seq_len", "parallel"} <= set(section.model_fields), s.name
             assert section.model_fields["parallel"].annotation is ParallelConfig, s.name
     # a section with `enabled` at its top is a stage's switch (rl's dynamic_sampling.enabled is nested)
-    with_switch = {name for name, f in fields.items()
-                   if hasattr(f.annotation, "model_fields") and "enabled" in f.annotation.model_fields}
+    with_switch = {
+        name
+        for name, f in fields.items()
+        if hasattr(f.annotation, "model_fields") and "enabled" in f.annotation.model_fields
+    }
     assert {s.switch for s in stages.STAGES if s.switch} == with_switch - {"wandb"}
 
 
@@ -49,8 +52,16 @@ def test_enabled_follows_the_switches():
     cfg = load_config(QUICKSTART)
     for sft, rm, po in itertools.product((True, False), repeat=3):
         c = _switched(cfg, sft=sft, rm=rm, po=po)
-        expected = ["validate", "convert", *(["sft"] if sft else []), *(["rm"] if rm else []), *(["po"] if po else []),
-                    "rl", "evaluate", "export"]
+        expected = [
+            "validate",
+            "convert",
+            *(["sft"] if sft else []),
+            *(["rm"] if rm else []),
+            *(["po"] if po else []),
+            "rl",
+            "evaluate",
+            "export",
+        ]
         assert [s.name for s in stages.enabled(c)] == expected
         assert [n for n in ("prepare", *stages.stage_names()) if stages.is_enabled(c, n)] == ["prepare", *expected]
 
@@ -58,8 +69,12 @@ def test_enabled_follows_the_switches():
 def test_policy_before_is_the_newest_enabled_policy_stage():
     cfg = load_config(QUICKSTART)
     # (sft on, po on) -> what rm/po and rl start from (tasks.runner.starting_policy, rl_starting_policy)
-    table = {(True, True): ("sft", "po"), (True, False): ("sft", "sft"),
-             (False, True): ("convert", "po"), (False, False): ("convert", "convert")}
+    table = {
+        (True, True): ("sft", "po"),
+        (True, False): ("sft", "sft"),
+        (False, True): ("convert", "po"),
+        (False, False): ("convert", "convert"),
+    }
     for (sft, po), (first, rl) in table.items():
         c = _switched(cfg, sft=sft, po=po)
         assert (stages.policy_before(c, "rm"), stages.policy_before(c, "po")) == (first, first)

@@ -16,14 +16,24 @@ from transformers import (
 from conversion import ConversionError, hf_to_megatron, megatron_to_hf
 from conversion.layout import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
-CLASSES = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-           "qwen3": (Qwen3ForCausalLM, Qwen3Config)}
+CLASSES = {
+    "llama": (LlamaForCausalLM, LlamaConfig),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config),
+}
 
 
 def random_hf(arch: str, tied: bool, **extra):
     """A random tiny HF model: 8 query heads, 2 KV heads; Qwen3 with head_dim 16 != 64 / 8."""
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
     if arch == "qwen3":
         common["head_dim"] = 16
     cls, cfg_cls = CLASSES[arch]
@@ -57,8 +67,15 @@ def test_fc1_is_gate_then_up():
 
 @pytest.mark.parametrize(
     ("arch", "tied", "extra"),
-    [("llama", False, {}), ("llama", True, {}), ("qwen2", True, {}), ("qwen2", False, {}),
-     ("qwen3", True, {}), ("qwen3", False, {}), ("qwen3", False, {"attention_bias": True})],
+    [
+        ("llama", False, {}),
+        ("llama", True, {}),
+        ("qwen2", True, {}),
+        ("qwen2", False, {}),
+        ("qwen3", True, {}),
+        ("qwen3", False, {}),
+        ("qwen3", False, {"attention_bias": True}),
+    ],
 )
 def test_round_trip_is_bit_identical(arch, tied, extra):
     cfg, hf = random_hf(arch, tied, **extra)
@@ -112,8 +129,11 @@ def test_missing_tensor_is_named():
 def test_qwen3_norm_shape_and_checkpoint_mixups_are_named():
     cfg, hf = random_hf("qwen3", True)
     hf["model.layers.0.self_attn.k_norm.weight"] = torch.ones(8)  # hidden / heads, not head_dim
-    with pytest.raises(ConversionError, match=r"'model\.layers\.0\.self_attn\.k_norm\.weight' has shape \(8,\), "
-                                              r"expected \(16,\)"):
+    with pytest.raises(
+        ConversionError,
+        match=r"'model\.layers\.0\.self_attn\.k_norm\.weight' has shape \(8,\), "
+        r"expected \(16,\)",
+    ):
         hf_to_megatron(cfg, hf)
     # Qwen2 weights under a Qwen3 config lack the q/k norms; Qwen3 weights (with attention
     # biases) under a Qwen2 config have tensors the Qwen2 map does not know.
@@ -124,8 +144,11 @@ def test_qwen3_norm_shape_and_checkpoint_mixups_are_named():
     as_q2 = {**q3_cfg, "architectures": ["Qwen2ForCausalLM"]}
     with pytest.raises(ConversionError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.(o_proj\.bias|q_norm)"):
         hf_to_megatron(as_q2, q3)
-    with pytest.raises(ConversionError, match=r"unexpected tensor 'decoder\.layers\.0\.self_attention\."
-                                              r"(linear_proj\.bias|[qk]_layernorm)"):
+    with pytest.raises(
+        ConversionError,
+        match=r"unexpected tensor 'decoder\.layers\.0\.self_attention\."
+        r"(linear_proj\.bias|[qk]_layernorm)",
+    ):
         megatron_to_hf(as_q2, hf_to_megatron(q3_cfg, q3))
 
 
@@ -133,28 +156,51 @@ def test_qwen3_norm_shape_and_checkpoint_mixups_are_named():
 def test_rotary_scaling_other_than_llama3_is_rejected_naming_the_key(arch):
     cfg, hf = random_hf(arch, True)
     # A transformers 4.x config.json (Llama 3.1 style): rope_theta and rope_scaling at the top.
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 5e5, "rope_scaling": llama3}
     assert hf_to_megatron(legacy, hf).keys() == hf_to_megatron(cfg, hf).keys()  # megatron builds llama3 scaling
-    with pytest.raises(ConversionError, match=r"'rope_scaling.high_freq_factor'=2.0 is not supported .*high_freq_factor=4"):
+    with pytest.raises(
+        ConversionError, match=r"'rope_scaling.high_freq_factor'=2.0 is not supported .*high_freq_factor=4"
+    ):
         hf_to_megatron(legacy | {"rope_scaling": {**llama3, "high_freq_factor": 2.0}}, hf)
     with pytest.raises(ConversionError, match=r"'rope_scaling'=\{'type': 'linear'.*'linear'"):
         megatron_to_hf(legacy | {"rope_scaling": {"type": "linear", "factor": 2.0}}, {})
     # transformers 5 folds rope_scaling into rope_parameters (e.g. Qwen3's YaRN recipe).
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     folded = {**cfg, "rope_parameters": CLASSES[arch][1](rope_scaling=yarn).to_dict()["rope_parameters"]}
-    with pytest.raises(ConversionError, match=r"'rope_parameters\.rope_type'='yarn' is not supported \(rotary scaling 'yarn'"):
+    with pytest.raises(
+        ConversionError, match=r"'rope_parameters\.rope_type'='yarn' is not supported \(rotary scaling 'yarn'"
+    ):
         hf_to_megatron(folded, hf)
     # No scaling, spelled either way, still converts.
     for no_scaling in (None, {}, {"rope_type": "default"}):
         assert hf_to_megatron(legacy | {"rope_scaling": no_scaling}, hf).keys() == hf_to_megatron(cfg, hf).keys()
 
 
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192, "rope_theta": 10000.0}
-LLAMA_SHAPE = dict(vocab_size=96, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+}
+LLAMA_SHAPE = dict(
+    vocab_size=96,
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+)
 
 
 def llama_pair(rope_parameters: dict | None, rope_theta: float = 10000.0, seed: int = 0):
@@ -251,7 +297,9 @@ def test_a_second_model_in_the_process_gives_transformers_logits(first):
 def test_shape_mismatch_is_named():
     cfg, hf = random_hf("llama", False)
     hf["model.layers.0.mlp.up_proj.weight"] = torch.zeros(81, 64)
-    with pytest.raises(ConversionError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(81, 64\), expected \(80, 64\)"):
+    with pytest.raises(
+        ConversionError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(81, 64\), expected \(80, 64\)"
+    ):
         hf_to_megatron(cfg, hf)
     mc = hf_to_megatron(*random_hf("llama", False))
     mc["decoder.final_layernorm.weight"] = torch.ones(65)

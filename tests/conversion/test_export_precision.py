@@ -38,21 +38,37 @@ def tiny_policy(root: Path, seed: int = 3, eos_from: int | None = 0):
 
     from data.tokenizer_train import train_chat_tokenizer
 
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
-             for a in range(5) for b in range(5)]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
+        for a in range(5)
+        for b in range(5)
+    ]
     tok_dir = root / "tokenizer"
     if not tok_dir.is_dir():
         train_chat_tokenizer(texts, tok_dir, vocab_size=280)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
-        "max_position_embeddings": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "hidden_act": "silu", "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 128,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
     }
     model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=seed).eval()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-               for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS
+    ]
     prompts = [tok(p, add_special_tokens=False).input_ids for p in prompts]
     with torch.no_grad():
         for p in model.parameters():
@@ -76,9 +92,15 @@ def policy(tmp_path_factory):
 
 def hf_generate(model, prompt: list[int], tok) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)])
@@ -105,8 +127,13 @@ def test_export_dtype_loads_in_transformers_and_decodes_like_the_hf_rollout_engi
 
     # the project's HF rollout engine at the stage's precision, exported by the factory as the RL
     # rollout worker's HF backend does (hf_export): the same dtype, the same greedy tokens
-    engine = build_rollout_engine("hf", model_dir / "hf", what="rl.rollout.backend", precision=precision,
-                                  hf_export=(model_dir, tmp_path / "rollout_hf"))
+    engine = build_rollout_engine(
+        "hf",
+        model_dir / "hf",
+        what="rl.rollout.backend",
+        precision=precision,
+        hf_export=(model_dir, tmp_path / "rollout_hf"),
+    )
     assert engine.dtype == dtype and {p.dtype for p in engine.model.parameters()} == {dtype}
     assert json.loads((tmp_path / "rollout_hf" / "config.json").read_text())["dtype"] == name
     outs = engine.generate(prompts, SamplingSpec(n=1, temperature=0.0, max_new_tokens=MAX_NEW))

@@ -20,14 +20,24 @@ from conversion.random_init import init_random_hf_model
 # pretrained stories260K, logit std 8.4; qwen2/qwen3 random-init): f16 1.0e-3 / 1.8e-3 / 2.4e-3,
 # bf16 8.1e-3 / 1.3e-2 / 1.8e-2, q8_0 2.4e-2 / 5.1e-2 / 5.8e-2. f32 is exact. Bounds: ~2x the worst.
 REL_BOUND = {"f32": 0.0, "f16": 5e-3, "bf16": 3.5e-2, "q8_0": 1.2e-1}
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+)
 
 
 @pytest.fixture(scope="module")
 def stories_dir(fixtures_dir, tmp_path_factory):
-    return gguf_to_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf",
-                      tmp_path_factory.mktemp("stories") / "hf")
+    return gguf_to_hf(
+        fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", tmp_path_factory.mktemp("stories") / "hf"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +47,13 @@ def bpe_tokenizer_dir(tmp_path_factory):
     bpe = ByteLevelBPETokenizer()
     text = ["Once upon a time there was a little girl who liked to count 1, 2, 3 and sing."] * 50
     bpe.train_from_iterator(text, vocab_size=509, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=template)
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=template
+    )
     tok.save_pretrained(out)
     return out
 
@@ -64,8 +77,9 @@ def test_import_of_the_export_gives_the_models_logits(arch, stories_dir, bpe_tok
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     want = _logits(model_dir, ids)
     if arch == "qwen2":  # qwen2 carries q/k/v biases; make them count
-        assert "blk.0.attn_q.bias" in {t.name for t in gguf.GGUFReader(hf_to_gguf(model_dir, tmp_path / "b.gguf",
-                                                                                  "f32")).tensors}
+        assert "blk.0.attn_q.bias" in {
+            t.name for t in gguf.GGUFReader(hf_to_gguf(model_dir, tmp_path / "b.gguf", "f32")).tensors
+        }
     for kind in GGUF_TYPES:
         path = hf_to_gguf(model_dir, tmp_path / f"{kind}.gguf", kind)
         reader = gguf.GGUFReader(str(path))
@@ -86,9 +100,17 @@ def test_stories_gguf_metadata_round_trips_exactly(fixtures_dir, stories_dir, tm
     """GGUF -> our import -> our export gives the original vocabulary, scores, types and ids."""
     src = gguf.GGUFReader(str(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf"))
     out = gguf.GGUFReader(str(hf_to_gguf(stories_dir, tmp_path / "s.gguf", "f16")))
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
-                "llama.context_length", "llama.rope.dimension_count"):
+    for key in (
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.scores",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "llama.context_length",
+        "llama.rope.dimension_count",
+    ):
         assert out.fields[key].contents() == src.fields[key].contents(), key
     assert "tokenizer.ggml.padding_token_id" not in out.fields  # the source's was the "none" sentinel
     assert out.fields["tokenizer.ggml.add_bos_token"].contents() is True
@@ -103,7 +125,8 @@ def test_byte_level_bpe_metadata_round_trips(bpe_tokenizer_dir, stories_dir, tmp
     assert (f["tokenizer.ggml.model"].contents(), f["tokenizer.ggml.pre"].contents()) == ("gpt2", "qwen2")
     n = len(src)  # the trained vocabulary is smaller than the model's 512 rows: the rest are llama.cpp's pads
     assert f["tokenizer.ggml.tokens"].contents() == src.convert_ids_to_tokens(list(range(n))) + [
-        f"[PAD{i}]" for i in range(n, 512)]
+        f"[PAD{i}]" for i in range(n, 512)
+    ]
     merges = json.loads((model_dir / "tokenizer.json").read_text())["model"]["merges"]
     assert f["tokenizer.ggml.merges"].contents() == [" ".join(m) for m in merges]
     im_end = src.convert_tokens_to_ids("<|im_end|>")
@@ -130,7 +153,8 @@ def test_real_qwen_tokenizer_metadata(family, fixtures_dir, tmp_path):
         for name in ("vocab.json", "merges.txt"):
             (tok_dir / name).write_bytes((fixtures_dir / "qwen2.5-tokenizer" / name).read_bytes())
         (tok_dir / "tokenizer_config.json").write_bytes(
-            (fixtures_dir / "qwen2.5-tokenizer" / "qwen3" / "tokenizer_config.json").read_bytes())
+            (fixtures_dir / "qwen2.5-tokenizer" / "qwen3" / "tokenizer_config.json").read_bytes()
+        )
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
     meta = tokenizer_metadata(tok_dir, "qwen3" if family == "qwen3" else "qwen2", 151936)
     assert meta["chat_template"] == cfg["chat_template"]
@@ -162,8 +186,11 @@ def test_bad_inputs_give_one_clear_error(stories_dir, tmp_path):
         (other / p.name).write_bytes(p.read_bytes())
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"mistral/config.json: 'architectures'=\['MistralForCausalLM'\] has no GGUF "
-                                         r"writer; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"mistral/config.json: 'architectures'=\['MistralForCausalLM'\] has no GGUF "
+        r"writer; supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+    ):
         hf_to_gguf(other, tmp_path / "x.gguf", "f16")
     with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.experts.weight' has no GGUF name"):
         gguf_tensor_name("model.layers.0.mlp.experts.weight")

@@ -33,7 +33,7 @@ def test_stories260k_continues_the_story(stories_dir):
     ids = tok(PROMPT, return_tensors="pt").input_ids
     assert ids[0, 0].item() == 1  # SentencePiece llama tokenizers prepend BOS
     out = model.generate(ids, max_new_tokens=20, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert text.startswith(EXPECTED), text
 
 
@@ -66,15 +66,26 @@ def test_hf_source_loads_gguf_and_caches_the_import(stories_gguf, tmp_path):
 
 # ---- GGUF files written here from a random HF Llama, the way llama.cpp's converter does ----
 
+
 def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute`` (HF rotate-half -> GGUF pairwise)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def random_llama(tied: bool) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                      max_position_embeddings=256, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # HF initialises norms to 1; random values test their mapping too
@@ -84,8 +95,15 @@ def random_llama(tied: bool) -> LlamaForCausalLM:
     return model
 
 
-def write_gguf(path, model: LlamaForCausalLM, vocab_source, kind: str = "F32", quantize: str | None = None,
-               architecture: str = "llama", bos_id: int = 1):
+def write_gguf(
+    path,
+    model: LlamaForCausalLM,
+    vocab_source,
+    kind: str = "F32",
+    quantize: str | None = None,
+    architecture: str = "llama",
+    bos_id: int = 1,
+):
     """Write ``model`` as a llama GGUF with llama.cpp's writer (tensor data type ``kind``)."""
     src = gguf.GGUFReader(str(vocab_source))
     c = model.config
@@ -105,11 +123,22 @@ def write_gguf(path, model: LlamaForCausalLM, vocab_source, kind: str = "F32", q
     w.add_bos_token_id(bos_id)
     w.add_eos_token_id(2)
     w.add_pad_token_id(4294967295)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     for i in range(c.num_hidden_layers):
         names.update({f"model.layers.{i}.{h}.weight": f"blk.{i}.{g}.weight" for h, g in layer.items()})
     state = model.state_dict()

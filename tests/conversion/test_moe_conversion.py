@@ -27,18 +27,35 @@ from engine.models.weight_buckets import load_group, plan_buckets
 
 TOL = 1e-5
 VOCAB = 300
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, head_dim=32, initializer_range=0.1)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    head_dim=32,
+    initializer_range=0.1,
+)
 QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96)
 CASES = {  # name -> (HF class, config class, extra config)
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, {**QWEN_MOE, "norm_topk_prob": True}),
     # no renormalisation of the top-k weights, layer 0 dense (mlp_only_layers), q/k/v/o biases
-    "qwen3_moe_dense0": (Qwen3MoeForCausalLM, Qwen3MoeConfig,
-                         {**QWEN_MOE, "norm_topk_prob": False, "mlp_only_layers": [0], "attention_bias": True}),
-    "mixtral": (MixtralForCausalLM, MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                                    "intermediate_size": 48}),
-    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig, {**QWEN_MOE, "shared_expert_intermediate_size": 80,
-                                                        "tie_word_embeddings": True}),
+    "qwen3_moe_dense0": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        {**QWEN_MOE, "norm_topk_prob": False, "mlp_only_layers": [0], "attention_bias": True},
+    ),
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
+    ),
+    "qwen2_moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig,
+        {**QWEN_MOE, "shared_expert_intermediate_size": 80, "tie_word_embeddings": True},
+    ),
 }
 
 
@@ -88,7 +105,10 @@ def test_spec_reads_the_moe_fields(case):
     assert spec.moe_norm_topk_prob is (name != "qwen3_moe_dense0" and name != "qwen2_moe")
     assert spec.moe_dense_layers == ((0,) if name == "qwen3_moe_dense0" else ())
     assert spec.moe_shared_expert_ffn_hidden_size == (80 if name == "qwen2_moe" else None)
-    assert (spec.qk_layernorm, spec.add_qkv_bias) == (name.startswith("qwen3"), name != "mixtral" and name != "qwen3_moe")
+    assert (spec.qk_layernorm, spec.add_qkv_bias) == (
+        name.startswith("qwen3"),
+        name != "mixtral" and name != "qwen3_moe",
+    )
     assert GPTSpec.from_hf_config(spec.to_hf_config()) == spec  # the written config reads back the same
 
 
@@ -118,7 +138,10 @@ def test_round_trip_is_bit_identical_and_names_megatrons_moe_tensors(case):
     p, hp = f"decoder.layers.{moe_layer}.mlp.", f"model.layers.{moe_layer}."
     hf_moe = hp + ("block_sparse_moe." if name == "mixtral" else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if name == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    assert torch.equal(mc[p + "router.weight"], state[hf_moe + "gate.weight"]) and mc[p + "router.weight"].shape == (4, 64)
+    assert torch.equal(mc[p + "router.weight"], state[hf_moe + "gate.weight"]) and mc[p + "router.weight"].shape == (
+        4,
+        64,
+    )
     fc1 = mc[p + "experts.local_experts.3.linear_fc1.weight"]
     assert fc1.shape == (96, 64)
     assert torch.equal(fc1[:48], state[f"{hf_moe}experts.3.{gate}.weight"])
@@ -155,16 +178,19 @@ def test_transformers_in_memory_fused_experts_are_refused_with_the_fix():
         hf_to_megatron(cfg, dict(model.state_dict()))
 
 
-@pytest.mark.parametrize(("name", "update", "message"), [
-    ("mixtral", {"router_jitter_noise": 0.1}, r"'router_jitter_noise'=0\.1 is not supported"),
-    ("mixtral", {"sliding_window": 16}, r"'sliding_window'=16 is not supported"),
-    ("qwen3_moe", {"num_local_experts": 0}, r"'num_experts'=0 is not supported"),
-    ("qwen3_moe", {"decoder_sparse_step": 0}, r"'decoder_sparse_step'=0 must be an integer >= 1"),
-    ("qwen3_moe", {"mlp_only_layers": [5]}, r"'mlp_only_layers'=\[5\] must be a list of layer indices in \[0, 2\)"),
-    ("qwen3_moe", {"num_experts_per_tok": None}, r"'num_experts_per_tok' is missing"),
-    ("qwen3_moe", {"num_experts_per_tok": 8}, r"moe_router_topk=8 exceeds num_experts=4"),
-    ("qwen2_moe", {"qkv_bias": False}, r"'qkv_bias'=false is not supported"),
-])
+@pytest.mark.parametrize(
+    ("name", "update", "message"),
+    [
+        ("mixtral", {"router_jitter_noise": 0.1}, r"'router_jitter_noise'=0\.1 is not supported"),
+        ("mixtral", {"sliding_window": 16}, r"'sliding_window'=16 is not supported"),
+        ("qwen3_moe", {"num_local_experts": 0}, r"'num_experts'=0 is not supported"),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, r"'decoder_sparse_step'=0 must be an integer >= 1"),
+        ("qwen3_moe", {"mlp_only_layers": [5]}, r"'mlp_only_layers'=\[5\] must be a list of layer indices in \[0, 2\)"),
+        ("qwen3_moe", {"num_experts_per_tok": None}, r"'num_experts_per_tok' is missing"),
+        ("qwen3_moe", {"num_experts_per_tok": 8}, r"moe_router_topk=8 exceeds num_experts=4"),
+        ("qwen2_moe", {"qkv_bias": False}, r"'qkv_bias'=false is not supported"),
+    ],
+)
 def test_unsupported_moe_options_are_named(name, update, message):
     cls, cfg_cls, extra = CASES[name]
     cfg = {**cfg_cls(**COMMON, **extra).to_dict(), "architectures": [cls.__name__], **update}
@@ -174,11 +200,20 @@ def test_unsupported_moe_options_are_named(name, update, message):
 
 def test_decoder_sparse_step_makes_every_other_layer_dense():
     cls, cfg_cls, extra = CASES["qwen3_moe"]
-    cfg = {**cfg_cls(**{**COMMON, "num_hidden_layers": 4}, **extra).to_dict(), "architectures": [cls.__name__],
-           "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    cfg = {
+        **cfg_cls(**{**COMMON, "num_hidden_layers": 4}, **extra).to_dict(),
+        "architectures": [cls.__name__],
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+    }
     spec = GPTSpec.from_hf_config(cfg)
     # HF: layer i has experts iff i not in mlp_only_layers and (i + 1) % step == 0 -> only layer 1
-    assert spec.moe_dense_layers == (0, 2, 3) and [spec.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
+    assert spec.moe_dense_layers == (0, 2, 3) and [spec.is_moe_layer(i) for i in range(4)] == [
+        False,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_tensor_parallel_refuses_moe_and_says_so():
@@ -196,7 +231,9 @@ def test_weight_sync_load_groups_keep_a_layers_experts_together():
     groups = {load_group(n) for n, _ in stream if ".experts." in n}
     assert groups == {f"model.layers.{i}.block_sparse_moe.experts" for i in range(2)}
     assert load_group("model.layers.1.mlp.experts.3.up_proj.weight") == "model.layers.1.mlp.experts"
-    assert load_group("model.layers.1.mlp.shared_expert.up_proj.weight") == "model.layers.1.mlp.shared_expert.gate_up_proj"
+    assert (
+        load_group("model.layers.1.mlp.shared_expert.up_proj.weight") == "model.layers.1.mlp.shared_expert.gate_up_proj"
+    )
     # tiny buckets: every bucket holding an expert holds all 4 experts x 3 projections of its layer
     plan = plan_buckets(((n, t.shape, t.dtype) for n, t in stream), bucket_bytes=1)
     for b in range(plan.num_buckets):

@@ -16,10 +16,20 @@ from conversion.hf_source import check_tokenizer_fits, load_hf_source
 from conversion.random_init import init_random_hf_model
 
 QWEN2 = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 400, "hidden_size": 128,
-    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 400,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 
 
@@ -67,11 +77,20 @@ def test_megatron_export_loads_with_identical_logits(base, tmp_path):
     cfg, state, tok_dir = load_hf_source(base)
     out = write_hf_safetensors(tmp_path / "export", cfg, megatron_to_hf(cfg, hf_to_megatron(cfg, state)), tok_dir)
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "generation_config.json", "merges.txt", "model.safetensors", "tokenizer_config.json", "vocab.json"]
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        "model.safetensors",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
     ids = torch.randint(0, 400, (2, 30), generator=torch.Generator().manual_seed(0))
     assert torch.equal(logits(out, ids), logits(base, ids))
     assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
-    assert AutoTokenizer.from_pretrained(out)("hello world").input_ids == AutoTokenizer.from_pretrained(base)("hello world").input_ids
+    assert (
+        AutoTokenizer.from_pretrained(out)("hello world").input_ids
+        == AutoTokenizer.from_pretrained(base)("hello world").input_ids
+    )
 
 
 def test_bfloat16_export_and_atomic_replace(base, tmp_path):
@@ -123,7 +142,8 @@ def test_hf_source_reads_pytorch_bin_and_reports_bad_sources(base, tmp_path):
         f"model.tokenizer: {gpt2} holds encoder.json, vocab.bpe but no tokenizer vocabulary: a tokenizer needs "
         "tokenizer.json, or vocab.json and merges.txt, or tokenizer.model; encoder.json and vocab.bpe are GPT-2's "
         "original files: rename them to vocab.json and merges.txt, or load the tokenizer with transformers and "
-        "save_pretrained() it into this folder")
+        "save_pretrained() it into this folder"
+    )
     with pytest.raises(FileNotFoundError, match="config.json: missing"):
         load_hf_source(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such model directory"):
@@ -157,7 +177,9 @@ def test_corrupt_weights_and_config_are_named(base, tmp_path):
 
 def test_tokenizer_of_another_model_and_a_broken_gguf_are_named(base, fixtures_dir, tmp_path):
     # The random test model here has vocab_size 400; the real Qwen2.5 tokenizer has 151,665 tokens.
-    with pytest.raises(ValueError, match=r"the tokenizer has 151665 tokens but .*vocab_size=400: model.tokenizer does not"):
+    with pytest.raises(
+        ValueError, match=r"the tokenizer has 151665 tokens but .*vocab_size=400: model.tokenizer does not"
+    ):
         check_tokenizer_fits(load_hf_source(base, tokenizer=fixtures_dir / "qwen2.5-tokenizer"))
     stories = load_hf_source(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", cache_dir=tmp_path / "c")
     check_tokenizer_fits(stories)  # 512 tokens, vocab_size 512: fits

@@ -23,8 +23,11 @@ from tests.numerics import hf_logits_reference
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 TOL = 1e-5
-CLASSES = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),
-           "qwen3": (Qwen3ForCausalLM, Qwen3Config)}
+CLASSES = {
+    "llama": (LlamaForCausalLM, LlamaConfig),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config),
+}
 
 
 def tiny_hf(arch: str, tied: bool, vocab: int = 128, kv_heads: int = 2, **extra):
@@ -32,9 +35,18 @@ def tiny_hf(arch: str, tied: bool, vocab: int = 128, kv_heads: int = 2, **extra)
     attention); Qwen3 with head_dim 32 != 64 / 4. Norms and biases are randomised too (HF starts
     them at one and zero), so a misplaced replica or bias slice shows in the logits."""
     cls, cfg_cls = CLASSES[arch]
-    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
-                  tie_word_embeddings=tied, initializer_range=0.1, **extra)
+    kwargs = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,
+        **extra,
+    )
     if arch == "qwen3":
         kwargs["head_dim"] = 32
     torch.manual_seed(0)
@@ -54,13 +66,28 @@ def full_state(arch: str, tied: bool, **extra):
     return GPTSpec.from_hf_config(cfg), hf_to_megatron(cfg, model.state_dict())
 
 
-CASES = [("llama", True, {}), ("llama", False, {}), ("qwen2", True, {}), ("qwen2", False, {}),
-         ("qwen3", True, {}), ("qwen3", False, {}), ("qwen3", False, {"attention_bias": True})]
-CASE_IDS = ["llama-tied", "llama-untied", "qwen2-tied", "qwen2-untied", "qwen3-tied", "qwen3-untied",
-            "qwen3-attention-bias"]
+CASES = [
+    ("llama", True, {}),
+    ("llama", False, {}),
+    ("qwen2", True, {}),
+    ("qwen2", False, {}),
+    ("qwen3", True, {}),
+    ("qwen3", False, {}),
+    ("qwen3", False, {"attention_bias": True}),
+]
+CASE_IDS = [
+    "llama-tied",
+    "llama-untied",
+    "qwen2-tied",
+    "qwen2-untied",
+    "qwen3-tied",
+    "qwen3-untied",
+    "qwen3-attention-bias",
+]
 
 
 # ---- pure: shard and merge ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(("arch", "tied", "extra"), CASES, ids=CASE_IDS)
 def test_merge_of_shards_is_bit_identical(arch, tied, extra):
@@ -94,8 +121,8 @@ def test_tp2_shards_hold_the_ranks_heads_rows_and_gate_up_halves(arch, tied, ext
                 q, k, vv = split_qkv(full[f"{p}self_attention.linear_qkv.{kind}"], heads, groups, d)
                 q_r, k_r, v_r = split_qkv(shard[f"{p}self_attention.linear_qkv.{kind}"], heads // 2, groups // 2, d)
                 hq, hk = heads // 2 * d, groups // 2 * d
-                assert torch.equal(q_r, q[r * hq:(r + 1) * hq]) and torch.equal(k_r, k[r * hk:(r + 1) * hk])
-                assert torch.equal(v_r, vv[r * hk:(r + 1) * hk])
+                assert torch.equal(q_r, q[r * hq : (r + 1) * hq]) and torch.equal(k_r, k[r * hk : (r + 1) * hk])
+                assert torch.equal(v_r, vv[r * hk : (r + 1) * hk])
             gate, up = split_gate_up(full[p + "mlp.linear_fc1.weight"])
             fc1_r = shard[p + "mlp.linear_fc1.weight"]
             assert fc1_r.shape == (f, spec.hidden_size)
@@ -103,10 +130,17 @@ def test_tp2_shards_hold_the_ranks_heads_rows_and_gate_up_halves(arch, tied, ext
             assert torch.equal(fc1_r, torch.cat([gate[ffn], up[ffn]]))
             assert torch.equal(shard[p + "mlp.linear_fc2.weight"], full[p + "mlp.linear_fc2.weight"][:, ffn])
             cols = heads * d // 2
-            assert torch.equal(shard[p + "self_attention.linear_proj.weight"],
-                               full[p + "self_attention.linear_proj.weight"][:, r * cols:(r + 1) * cols])
-            for name in ("input_layernorm.weight", "pre_mlp_layernorm.weight", "self_attention.q_layernorm.weight",
-                         "self_attention.k_layernorm.weight", "self_attention.linear_proj.bias"):
+            assert torch.equal(
+                shard[p + "self_attention.linear_proj.weight"],
+                full[p + "self_attention.linear_proj.weight"][:, r * cols : (r + 1) * cols],
+            )
+            for name in (
+                "input_layernorm.weight",
+                "pre_mlp_layernorm.weight",
+                "self_attention.q_layernorm.weight",
+                "self_attention.k_layernorm.weight",
+                "self_attention.linear_proj.bias",
+            ):
                 if p + name in full:
                     assert shard[p + name] is full[p + name]
         assert shard["decoder.final_layernorm.weight"] is full["decoder.final_layernorm.weight"]
@@ -157,8 +191,11 @@ def test_bad_states_and_shards_are_named():
         split_of("decoder.layers.0.mlp.router.weight")
 
 
-@pytest.mark.parametrize(("arch", "tied", "extra"), [("llama", True, {}), ("qwen3", False, {"attention_bias": True})],
-                         ids=["llama-tied", "qwen3-untied-bias"])
+@pytest.mark.parametrize(
+    ("arch", "tied", "extra"),
+    [("llama", True, {}), ("qwen3", False, {"attention_bias": True})],
+    ids=["llama-tied", "qwen3-untied-bias"],
+)
 def test_table_matches_megatrons_parameter_attributes(arch, tied, extra):
     """megatron marks each parameter with tensor_model_parallel / partition_dim /
     partition_stride (tensor_parallel.layers.set_tensor_model_parallel_attributes); our table
@@ -218,19 +255,28 @@ def _tp_rank(rank: int, world: int, port: int, workdir: str, names: list[str]) -
                 logits = gpt_logits(model, case["ids"])
             ids = case["ids"]
             loss = torch.nn.functional.cross_entropy(
-                gpt_logits(model, ids)[:, :-1].reshape(-1, spec.vocab_size), ids[:, 1:].reshape(-1))
+                gpt_logits(model, ids)[:, :-1].reshape(-1, spec.vocab_size), ids[:, 1:].reshape(-1)
+            )
             loss.backward()
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-            torch.save({"init": init, "logits": logits, "loss": loss.detach(), "grads": grads,
-                        "loaded": {k: v.clone() for k, v in mcore_state(model).items()}},
-                       f"{workdir}/{name}.rank{rank}.pt")
+            torch.save(
+                {
+                    "init": init,
+                    "logits": logits,
+                    "loss": loss.detach(),
+                    "grads": grads,
+                    "loaded": {k: v.clone() for k, v in mcore_state(model).items()},
+                },
+                f"{workdir}/{name}.rank{rank}.pt",
+            )
     finally:
         dist.destroy_process_group()
 
 
 def _run_ranks(world: int, workdir: str, names: list[str]) -> None:
-    ctx = mp.start_processes(_tp_rank, args=(world, _free_port(), workdir, names), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _tp_rank, args=(world, _free_port(), workdir, names), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + TP_TIMEOUT_S
     try:
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -259,7 +305,9 @@ def tp2_runs(tmp_path_factory, fixtures_dir):
     cases = {}
     for name, case in TP_CASES.items():
         if case is None:
-            cfg, hf = stories260k_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", workdir / "stories_hf")
+            cfg, hf = stories260k_hf(
+                fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", workdir / "stories_hf"
+            )
         else:
             arch, tied, extra = case
             cfg, hf = tiny_hf(arch, tied, **extra)
@@ -272,8 +320,10 @@ def tp2_runs(tmp_path_factory, fixtures_dir):
     start = time.monotonic()
     _run_ranks(2, str(workdir), list(TP_CASES))
     print(f"2 TP ranks, {len(TP_CASES)} cases: {time.monotonic() - start:.1f} s")
-    return {name: (*cases[name], [torch.load(workdir / f"{name}.rank{r}.pt", weights_only=True) for r in range(2)])
-            for name in TP_CASES}
+    return {
+        name: (*cases[name], [torch.load(workdir / f"{name}.rank{r}.pt", weights_only=True) for r in range(2)])
+        for name in TP_CASES
+    }
 
 
 @pytest.mark.parametrize("name", list(TP_CASES))
@@ -289,8 +339,9 @@ def test_tp2_logits_match_transformers(tp2_runs, name):
     for out in ranks:  # gpt_logits gathers the vocabulary: every rank has all of it
         assert out["logits"].shape == ref.fp32.shape == (2, 24, spec.vocab_size)
         errs.append((out["logits"] - ref.fp32).abs().max().item())
-    print(f"TP=2 {name}: max |logit diff| vs transformers fp32 = {max(errs):.3e}; "
-          f"logits up to {ref.fp32.abs().max():.2f}")
+    print(
+        f"TP=2 {name}: max |logit diff| vs transformers fp32 = {max(errs):.3e}; logits up to {ref.fp32.abs().max():.2f}"
+    )
     for r, out in enumerate(ranks):
         ref.check(out["logits"], TOL, f"TP=2 {name} rank {r}")
     # Both sides' rounding together, each at most its exact-relative bound.
@@ -329,7 +380,8 @@ def test_tp2_matches_megatrons_own_sharding_and_gradients(tp2_runs, name):
     load_mcore_state(reference, full)
     reference.eval()
     loss = torch.nn.functional.cross_entropy(
-        gpt_logits(reference, ids)[:, :-1].reshape(-1, spec.vocab_size), ids[:, 1:].reshape(-1))
+        gpt_logits(reference, ids)[:, :-1].reshape(-1, spec.vocab_size), ids[:, 1:].reshape(-1)
+    )
     loss.backward()
     assert abs(ranks[0]["loss"].item() - loss.item()) < TOL and torch.equal(ranks[0]["loss"], ranks[1]["loss"])
     # Each rank's q/k_layernorm gradient covers only its own heads; megatron sums them over the

@@ -32,7 +32,9 @@ BASES = ("bpe", "sentencepiece")
 
 
 def template_config(fixtures_dir: Path, family: str) -> dict:
-    return json.loads((fixtures_dir / "chat-tokenizers" / "templates-only" / family / "tokenizer_config.json").read_text())
+    return json.loads(
+        (fixtures_dir / "chat-tokenizers" / "templates-only" / family / "tokenizer_config.json").read_text()
+    )
 
 
 def sentencepiece_dir(fixtures_dir: Path, out_dir: Path) -> Path:

@@ -14,13 +14,15 @@ from data.validate import validate_dataset
 def test_alpaca_with_system_and_history():
     record = {"system": "S", "history": [["q1", "a1"]], "instruction": "q2", "input": "x", "output": "a2"}
     [ex] = ADAPTERS["alpaca"](record, "sft")
-    assert ex.row == {"messages": [
-        {"role": "system", "content": "S"},
-        {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "q2\nx"},
-        {"role": "assistant", "content": "a2"},
-    ]}
+    assert ex.row == {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2\nx"},
+            {"role": "assistant", "content": "a2"},
+        ]
+    }
     assert ex.origin["messages[2].content"] == "history[0][1]"
     assert ex.origin["messages[4].content"] == "output"
 
@@ -36,10 +38,12 @@ def test_sharegpt_system_key_keeps_source_indices(tmp_path):
 
 
 def test_openai_style_text_parts():
-    record = {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": "c"},
-    ]}
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "c"},
+        ]
+    }
     [ex] = ADAPTERS["messages"](record, "sft")
     assert ex.row["messages"][0] == {"role": "user", "content": "ab"}
 
@@ -81,19 +85,25 @@ def test_trl_unpaired_rows_become_kto_rows_and_bad_ones_name_the_field():
     from data.adapter_fields import FieldError
 
     standard = {"prompt": "2+2=", "completion": "4", "label": True}
-    conversational = {"prompt": [{"role": "user", "content": "2+2="}],
-                      "completion": [{"role": "assistant", "content": "5"}], "label": False}
+    conversational = {
+        "prompt": [{"role": "user", "content": "2+2="}],
+        "completion": [{"role": "assistant", "content": "5"}],
+        "label": False,
+    }
     [a] = ADAPTERS["unpaired"](standard, "kto")
     [b] = ADAPTERS["unpaired"](conversational, "kto")
     assert a.row == {"prompt": [{"role": "user", "content": "2+2="}], "completion": "4", "label": True}
     assert b.row == {"prompt": [{"role": "user", "content": "2+2="}], "completion": "5", "label": False}
     assert (a.origin["completion"], b.origin["completion"]) == ("completion", "completion[0].content")
-    [c] = ADAPTERS["kto"]({"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}],
-                            "label": True}, "kto")
+    [c] = ADAPTERS["kto"](
+        {"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}], "label": True}, "kto"
+    )
     assert c.row == a.row
-    for record, field in (({**standard, "label": "yes"}, "label"),
-                          ({**standard, "completion": [{"role": "user", "content": "4"}]}, "completion[0].role"),
-                          ({**standard, "completion": ["4", "5"]}, "completion")):
+    for record, field in (
+        ({**standard, "label": "yes"}, "label"),
+        ({**standard, "completion": [{"role": "user", "content": "4"}]}, "completion[0].role"),
+        ({**standard, "completion": ["4", "5"]}, "completion"),
+    ):
         with pytest.raises(FieldError) as info:
             ADAPTERS["unpaired"](record, "kto")
         assert info.value.field == field, (record, info.value)

@@ -25,18 +25,18 @@ def _turns(*pairs) -> dict:
 def broken_sft(tmp_path):
     """Ten lines: four good ones and one of each fault."""
     lines = [
-        _line(GOOD),                                                              # 1
-        b'{"messages": [{"role": "user", "content": "hi"}\n',                    # 2 malformed JSON
-        _line({"conversation": GOOD["messages"]}),                                # 3 missing field
+        _line(GOOD),  # 1
+        b'{"messages": [{"role": "user", "content": "hi"}\n',  # 2 malformed JSON
+        _line({"conversation": GOOD["messages"]}),  # 3 missing field
         _line(_turns(("user", "hi"), ("assistant", "yo")) | {"messages": "hi"}),  # 4 wrong type (list)
         _line({"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}),  # 5
-        _line(_turns(("user", "hi"), ("assistant", "   "))),                      # 6 empty content
-        _line(_turns(("system", "s"), ("user", "hi"), ("robot", "beep"))),        # 7 unknown role
-        b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',              # 8 non-UTF-8
-        _line(GOOD),                                                              # 9
-        _line(_turns(("user", "a"), ("assistant", "b"), ("user", "c"))),          # 10 ends with user
-        _line(GOOD),                                                              # 11
-        _line(GOOD),                                                              # 12
+        _line(_turns(("user", "hi"), ("assistant", "   "))),  # 6 empty content
+        _line(_turns(("system", "s"), ("user", "hi"), ("robot", "beep"))),  # 7 unknown role
+        b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',  # 8 non-UTF-8
+        _line(GOOD),  # 9
+        _line(_turns(("user", "a"), ("assistant", "b"), ("user", "c"))),  # 10 ends with user
+        _line(GOOD),  # 11
+        _line(GOOD),  # 12
     ]
     path = tmp_path / "broken.jsonl"
     path.write_bytes(b"".join(lines))
@@ -84,7 +84,12 @@ def test_report_is_json_and_capped(tmp_path):
     assert json.loads(json.dumps(report)) == report
     assert report["n_total"] == 60 and report["n_bad"] == 60 and report["bad_fraction"] == 1.0
     assert len(report["errors"]) == 50
-    assert report["errors"][0] == {"file": str(path), "line": 1, "field": "messages[1].content", "message": "empty content"}
+    assert report["errors"][0] == {
+        "file": str(path),
+        "line": 1,
+        "field": "messages[1].content",
+        "message": "empty content",
+    }
 
 
 def test_json_file_syntax_error(tmp_path):
@@ -110,16 +115,32 @@ def test_json_file_non_utf8(tmp_path):
     [
         ("alpaca", {"instruction": "q", "input": "", "output": ""}, "output", "empty content"),
         ("alpaca", {"instruction": "q", "input": 3, "output": "a"}, "input", "expected a string, got number"),
-        ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
-         "conversations[1].from", "unknown role 'bot' (expected one of system, user, assistant, tool)"),
-        ("sharegpt", {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
-         "conversations[1].value", "empty content"),
-        ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "value": "x.png"}]}]},
-         "messages[0].content[0].type", "images are not supported (training is text-only; content part type 'image'): "
-         "remove the part (keep the text parts) or the row, or use a text-only dataset"),
+        (
+            "sharegpt",
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},
+            "conversations[1].from",
+            "unknown role 'bot' (expected one of system, user, assistant, tool)",
+        ),
+        (
+            "sharegpt",
+            {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]},
+            "conversations[1].value",
+            "empty content",
+        ),
+        (
+            "messages",
+            {"messages": [{"role": "user", "content": [{"type": "image", "value": "x.png"}]}]},
+            "messages[0].content[0].type",
+            "images are not supported (training is text-only; content part type 'image'): "
+            "remove the part (keep the text parts) or the row, or use a text-only dataset",
+        ),
         ("kto", {"messages": GOOD["messages"], "label": "yes"}, "label", "expected true or false, got string"),
-        ("seed_tasks", {"instruction": "q", "instances": [{"input": "", "output": " "}]},
-         "instances[0].output", "empty content"),
+        (
+            "seed_tasks",
+            {"instruction": "q", "instances": [{"input": "", "output": " "}]},
+            "instances[0].output",
+            "empty content",
+        ),
         ("gsm8k", {"question": "q", "answer": "no final line"}, "question", None),  # sft uses the full answer
     ],
 )
@@ -137,26 +158,60 @@ def test_sft_adapter_faults_name_source_field(tmp_path, fmt, record, field, mess
     "kind, fmt, record, field, message",
     [
         ("rl", "gsm8k", {"question": "q", "answer": "It is 4."}, "answer", "no '#### <number>' final answer"),
-        ("rl", "gsm8k", {"question": "q", "answer": "#### four"}, "answer",
-         "final answer 'four' after '####' is not a number"),
+        (
+            "rl",
+            "gsm8k",
+            {"question": "q", "answer": "#### four"},
+            "answer",
+            "final answer 'four' after '####' is not a number",
+        ),
         ("rl", "gsm8k", {"question": " ", "answer": "#### 4"}, "question", "empty content"),
         ("rl", "math", {"problem": "p", "answer": " "}, "answer", "empty label"),
         ("rl", "prompt_label", {"prompt": "p", "label": None}, "label", "expected a string or a number, got null"),
-        ("rl", "prompt_label",
-         {"prompt": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}], "label": "x"},
-         "prompt[1].role", "last prompt turn must be 'user', got 'assistant'"),
-        ("preference", "preference", {"prompt": "p", "chosen": "a", "rejected": "a"}, "rejected", "identical to chosen"),
+        (
+            "rl",
+            "prompt_label",
+            {"prompt": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}], "label": "x"},
+            "prompt[1].role",
+            "last prompt turn must be 'user', got 'assistant'",
+        ),
+        (
+            "preference",
+            "preference",
+            {"prompt": "p", "chosen": "a", "rejected": "a"},
+            "rejected",
+            "identical to chosen",
+        ),
         ("preference", "preference", {"prompt": "p", "chosen": "", "rejected": "b"}, "chosen", "empty chosen response"),
-        ("preference", "dpo",
-         {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "human", "value": "a"},
-          "rejected": {"from": "gpt", "value": "b"}},
-         "chosen.from", "expected an assistant turn ('gpt'), got 'human'"),
-        ("preference", "dpo",
-         {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"},
-          "rejected": {"from": "gpt", "value": ""}},
-         "rejected.value", "empty rejected response"),
-        ("preference", "hh_rlhf", {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: c"},
-         "rejected", "chosen and rejected share no prompt ending in '\\n\\nAssistant:'"),
+        (
+            "preference",
+            "dpo",
+            {
+                "conversations": [{"from": "human", "value": "q"}],
+                "chosen": {"from": "human", "value": "a"},
+                "rejected": {"from": "gpt", "value": "b"},
+            },
+            "chosen.from",
+            "expected an assistant turn ('gpt'), got 'human'",
+        ),
+        (
+            "preference",
+            "dpo",
+            {
+                "conversations": [{"from": "human", "value": "q"}],
+                "chosen": {"from": "gpt", "value": "a"},
+                "rejected": {"from": "gpt", "value": ""},
+            },
+            "rejected.value",
+            "empty rejected response",
+        ),
+        (
+            "preference",
+            "hh_rlhf",
+            {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: c"},
+            "rejected",
+            "chosen and rejected share no prompt ending in '\\n\\nAssistant:'",
+        ),
     ],
 )
 def test_other_kind_faults(tmp_path, kind, fmt, record, field, message):
@@ -264,10 +319,17 @@ def test_minified_json_array_counts_records_and_names_their_index(tmp_path):
     assert result.bad_fraction == pytest.approx(0.1)
     assert [(e.line, e.record) for e in result.errors] == [(1, n) for n in range(10, 101, 10)]
     assert str(result.errors[0]) == f"{minified}:1 [record 10]: prompt: empty content"
-    assert result.report()["errors"][0] == {"file": str(minified), "line": 1, "field": "prompt",
-                                            "message": "empty content", "record": 10}
+    assert result.report()["errors"][0] == {
+        "file": str(minified),
+        "line": 1,
+        "field": "prompt",
+        "message": "empty content",
+        "record": 10,
+    }
     check_threshold(result, 0.1)  # 10 of 100 is within 0.1; it was 1 of 100 "lines" before
-    with pytest.raises(DataValidationError, match=r"10 of 100 records bad \(0\.1000 > data\.max_bad_fraction = 0\.05\)"):
+    with pytest.raises(
+        DataValidationError, match=r"10 of 100 records bad \(0\.1000 > data\.max_bad_fraction = 0\.05\)"
+    ):
         check_threshold(result, 0.05)
 
     pretty = tmp_path / "pretty.json"
@@ -331,7 +393,9 @@ def test_lone_surrogate_and_long_integer_are_bad_rows_at_their_line(tmp_path):
         _line(_rl("q1"))
         + b'{"prompt": "bad \\ud800", "label": "1"}\n'
         + b'{"prompt": "emoji \\ud83d\\ude00", "label": "2"}\n'  # a valid surrogate pair
-        + b'{"prompt": "q4", "label": ' + b"7" * 5001 + b"}\n"
+        + b'{"prompt": "q4", "label": '
+        + b"7" * 5001
+        + b"}\n"
         + _line(_rl("q5"))
     )
     result = validate_dataset(path, "rl")
@@ -340,11 +404,13 @@ def test_lone_surrogate_and_long_integer_are_bad_rows_at_their_line(tmp_path):
         (4, "label", "integer of 5001 digits (at most 4300 are read; write it as a string if it is meant as text)"),
     ]
     assert (result.n_total, result.n_bad, result.lines) == (5, 2, [1, 3, 5])
-    assert result.rows[1]["prompt"][0]["content"] == "emoji \U0001F600"
+    assert result.rows[1]["prompt"][0]["content"] == "emoji \U0001f600"
 
     array = tmp_path / "rl.json"
-    array.write_text('[{"prompt": "q1", "label": "1"}, {"prompt": [{"role": "user", "content": "x\\udfff"}], '
-                     '"label": "1"}, {"prompt": "q3", "label": ' + "9" * 4400 + '}]')
+    array.write_text(
+        '[{"prompt": "q1", "label": "1"}, {"prompt": [{"role": "user", "content": "x\\udfff"}], '
+        '"label": "1"}, {"prompt": "q3", "label": ' + "9" * 4400 + "}]"
+    )
     result = validate_dataset(array, "rl")
     assert [(e.line, e.record, e.field) for e in result.errors] == [(1, 2, "prompt[0].content"), (1, 3, "label")]
     assert len(result.rows) == 1

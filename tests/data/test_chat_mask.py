@@ -171,7 +171,9 @@ def test_prompt_without_a_chat_template_is_plain_text(fixtures_dir, tmp_path):
     prompt is the user text after BOS, exactly what the tokenizer itself gives."""
     from conversion.gguf import gguf_to_hf
 
-    tok = AutoTokenizer.from_pretrained(gguf_to_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", tmp_path / "m"))
+    tok = AutoTokenizer.from_pretrained(
+        gguf_to_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", tmp_path / "m")
+    )
     assert tok.chat_template is None
     text = "Once upon a time, there was a little dog named Max."
     ids = encode_prompt(tok, [{"role": "user", "content": text}])

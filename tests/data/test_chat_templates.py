@@ -36,8 +36,13 @@ ANSWERS = ["2+2 is 4.", "That is 6, twice 3.", "10."]
 # Mistral template writes nothing after an answer (the next turn's "\n<extra_id_1>User"
 # follows directly; <extra_id_1> is no token of this tokenizer), so the turn end is EOS,
 # appended after the last answer only.
-MARKER = {"qwen2.5": "<|im_end|>", "qwen3": "<|im_end|>", "gemma": "<end_of_turn>", "phi-4": "<|end|>",
-          "nvidia-mistral": "</s>"}
+MARKER = {
+    "qwen2.5": "<|im_end|>",
+    "qwen3": "<|im_end|>",
+    "gemma": "<end_of_turn>",
+    "phi-4": "<|end|>",
+    "nvidia-mistral": "</s>",
+}
 ACCEPTS_SYSTEM = {"qwen2.5": True, "qwen3": True, "gemma": False, "phi-4": True, "nvidia-mistral": True}
 
 
@@ -110,12 +115,17 @@ def test_turn_end_is_derived_from_the_template(tokenizers, family, base):
 def test_turn_end_ids_are_the_real_ones(tokenizers):
     ids = {case: turn_end_token_id(tok) for case, tok in tokenizers.items()}
     assert ids == {
-        ("qwen2.5", "bpe"): 151645, ("qwen3", "bpe"): 151645,
+        ("qwen2.5", "bpe"): 151645,
+        ("qwen3", "bpe"): 151645,
         # tokens the Qwen vocabulary lacks are appended after its 151665; the Qwen vocabulary
         # holds "</s>" as an ordinary token (128247), made special here
-        ("gemma", "bpe"): 151669, ("phi-4", "bpe"): 151669, ("nvidia-mistral", "bpe"): 128247,
+        ("gemma", "bpe"): 151669,
+        ("phi-4", "bpe"): 151669,
+        ("nvidia-mistral", "bpe"): 128247,
         # stories260K: 512 tokens, </s> = 2
-        ("gemma", "sentencepiece"): 516, ("phi-4", "sentencepiece"): 517, ("nvidia-mistral", "sentencepiece"): 2,
+        ("gemma", "sentencepiece"): 516,
+        ("phi-4", "sentencepiece"): 517,
+        ("nvidia-mistral", "sentencepiece"): 2,
     }
     # the eos of each paired tokenizer is another token than its turn end (but for Mistral's)
     assert tokenizers[("gemma", "sentencepiece")].eos_token_id == 513
@@ -180,7 +190,15 @@ def test_sentencepiece_segments_get_no_word_marker(tokenizers):
     cont = encode_continuation(tok, "2+2 is 4.<end_of_turn>\n<start_of_turn>user\n")
     assert tok.convert_ids_to_tokens(cont)[:2] == ["2", "+"]
     assert cont == [479, 496, 479, 410, 293, 410, 484, 426, 516, 13, 515, 425, 419, 285, 13]
-    assert tok.convert_ids_to_tokens(cont[-7:]) == ["<end_of_turn>", "<0x0A>", "<start_of_turn>", "u", "s", "er", "<0x0A>"]
+    assert tok.convert_ids_to_tokens(cont[-7:]) == [
+        "<end_of_turn>",
+        "<0x0A>",
+        "<start_of_turn>",
+        "u",
+        "s",
+        "er",
+        "<0x0A>",
+    ]
     enc = encode_chat(tok, TURNS[:2])
     assert enc.input_ids[:6] == [514, 515, 425, 419, 285, 13]  # <bos> <start_of_turn> u s er <0x0A>: no "▁"
     start = enc.loss_mask.index(1)
@@ -198,7 +216,7 @@ def test_observation_continues_a_policy_turn_as_the_template_renders_it(tokenize
         prompt = encode_prompt(tok, TURNS[:1])
         policy_turn = encode_continuation(tok, ANSWERS[0] + marker)
         text = tok.apply_chat_template(TURNS[:3], tokenize=False, add_generation_prompt=True)
-        observation = text[text.index(ANSWERS[0] + marker) + len(ANSWERS[0] + marker):]
+        observation = text[text.index(ANSWERS[0] + marker) + len(ANSWERS[0] + marker) :]
         assert prompt + policy_turn + encode_continuation(tok, observation) == encode_prompt(tok, TURNS[:3])
 
 
@@ -226,8 +244,13 @@ def test_boundary_merge_is_confined_to_the_boundary_tokens(tokenizers):
     one "\\n\\n" token (271); the segments keep "\\n" (198) + "\\n" (198), as a rollout
     produces them after the prompt. Everything else is identical and the text is the same."""
     tok = tokenizers[("qwen2.5", "bpe")]
-    messages = [SYSTEM, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "\nHello"},
-                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "Bye"}]
+    messages = [
+        SYSTEM,
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "\nHello"},
+        {"role": "user", "content": "and?"},
+        {"role": "assistant", "content": "Bye"},
+    ]
     enc = encode_chat(tok, messages)
     whole = whole_string_ids(tok, messages)
     prompt = encode_prompt(tok, messages[:2])
@@ -239,15 +262,25 @@ def test_boundary_merge_is_confined_to_the_boundary_tokens(tokenizers):
     assert enc.input_ids[: len(encode_prompt(tok, messages[:4]))] == encode_prompt(tok, messages[:4])
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current temperature of a city in degrees Celsius",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current temperature of a city in degrees Celsius",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 TOOL_CHAT = [
     {"role": "system", "content": "You help with the weather."},
     {"role": "user", "content": "How warm is it in Paris?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "tool", "content": "{\"temp\": 21}"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": '{"temp": 21}'},
     {"role": "assistant", "content": "It is 21 degrees in Paris."},
 ]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
@@ -262,7 +295,7 @@ def test_tool_calls_are_trained_and_tool_results_are_not(tokenizers, family):
     text = tok.decode(enc.input_ids)
     assert '"name": "get_weather", "description"' in text  # the tools reached the system prompt
     unmasked = tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if not m])
-    assert "<tool_response>\n{\"temp\": 21}\n</tool_response>" in unmasked
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in unmasked
     assert enc.input_ids == whole_string_ids(tok, TOOL_CHAT, tools=TOOLS)
     for i in (2, 4):
         prompt = encode_prompt(tok, TOOL_CHAT[:i], tools=TOOLS)
@@ -272,8 +305,11 @@ def test_tool_calls_are_trained_and_tool_results_are_not(tokenizers, family):
 
 def test_gemma_system_turn_is_a_clear_error(tokenizers):
     tok = tokenizers[("gemma", "sentencepiece")]
-    with pytest.raises(ChatTemplateError, match=r"cannot render this conversation \(roles: system, user, assistant.*\): "
-                                                r"System role not supported"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"cannot render this conversation \(roles: system, user, assistant.*\): "
+        r"System role not supported",
+    ):
         encode_chat(tok, [SYSTEM] + TURNS)
     with pytest.raises(ChatTemplateError, match="Conversation roles must alternate"):
         encode_chat(tok, [TURNS[0], TURNS[0], TURNS[1]])
@@ -286,8 +322,11 @@ def test_override_of_a_template_without_turn_end(tokenizers):
     header): on the SentencePiece vocabulary earlier answers are trained through it, the last
     one gets it appended; it is several ordinary tokens, so there is no stop id. On byte-level
     BPE its '>' merges with the header's 'User' ('>User'): not a run of whole tokens, refused."""
-    with pytest.raises(ChatTemplateError, match=r"model.end_of_turn '<extra_id_1>' is not a whole run of tokens.*"
-                                                r"'>User'.*set model.end_of_turn"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"model.end_of_turn '<extra_id_1>' is not a whole run of tokens.*"
+        r"'>User'.*set model.end_of_turn",
+    ):
         end_of_turn(tokenizers[("nvidia-mistral", "bpe")], "<extra_id_1>")
     tok = tokenizers[("nvidia-mistral", "sentencepiece")]
     enc = encode_chat(tok, [SYSTEM] + TURNS, end_of_turn="<extra_id_1>")
@@ -298,8 +337,11 @@ def test_override_of_a_template_without_turn_end(tokenizers):
 
 def test_turn_end_faults(tokenizers, sp_dir):
     qwen = tokenizers[("qwen2.5", "bpe")]
-    with pytest.raises(ChatTemplateError, match=r"model.end_of_turn '<\|eot_id\|>' never follows an assistant turn.*"
-                                                r"ends an assistant turn with '<\|im_end\|>'"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"model.end_of_turn '<\|eot_id\|>' never follows an assistant turn.*"
+        r"ends an assistant turn with '<\|im_end\|>'",
+    ):
         end_of_turn(qwen, "<|eot_id|>")
     with pytest.raises(ChatTemplateError, match="model.end_of_turn: must not be empty"):
         end_of_turn(qwen, "")
@@ -311,13 +353,18 @@ def test_turn_end_faults(tokenizers, sp_dir):
         encode_chat(base, TURNS)
     broken = AutoTokenizer.from_pretrained(sp_dir)
     broken.chat_template = "{{ raise_exception('only tools here') }}"
-    with pytest.raises(ChatTemplateError, match=r"cannot derive the end of an assistant turn.*only tools here.*"
-                                                r"set model.end_of_turn"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"cannot derive the end of an assistant turn.*only tools here.*"
+        r"set model.end_of_turn",
+    ):
         end_of_turn(broken)
     nothing = AutoTokenizer.from_pretrained(sp_dir)
     nothing.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     nothing.eos_token = None
-    with pytest.raises(ChatTemplateError, match="writes nothing after an assistant turn and the tokenizer has no eos_token"):
+    with pytest.raises(
+        ChatTemplateError, match="writes nothing after an assistant turn and the tokenizer has no eos_token"
+    ):
         end_of_turn(nothing)
 
 
@@ -330,7 +377,9 @@ def test_recorded_turn_end_is_used(tokenizers, tmp_path):
     (tmp_path / "ok" / "tokenizer_config.json").write_text(json.dumps({**config, RECORDED_KEY: "<|end|>"}))
     assert end_of_turn(AutoTokenizer.from_pretrained(tmp_path / "ok")) == "<|end|>"
     (tmp_path / "ok" / "tokenizer_config.json").write_text(json.dumps({**config, RECORDED_KEY: "<|im_end|>"}))
-    with pytest.raises(ChatTemplateError, match=f"{RECORDED_KEY} in tokenizer_config.json '<\\|im_end\\|>' never follows"):
+    with pytest.raises(
+        ChatTemplateError, match=f"{RECORDED_KEY} in tokenizer_config.json '<\\|im_end\\|>' never follows"
+    ):
         end_of_turn(AutoTokenizer.from_pretrained(tmp_path / "ok"))
 
 
@@ -359,7 +408,9 @@ def test_mistral_inst_template_ends_turns_with_eos(tokenizers, base):
         for i in (1, 3, 5):
             prompt = encode_prompt(tok, TURNS[:i])
             assert enc.input_ids[: len(prompt)] == prompt and enc.loss_mask[len(prompt)] == 1
-        with pytest.raises(ChatTemplateError, match="cannot render this conversation.*Conversation roles must alternate"):
+        with pytest.raises(
+            ChatTemplateError, match="cannot render this conversation.*Conversation roles must alternate"
+        ):
             encode_chat(tok, [SYSTEM] + TURNS)
     finally:
         tok.chat_template = original
@@ -394,8 +445,11 @@ def test_turn_end_that_is_part_of_a_token_is_refused(tokenizers, override):
     """'im_end' is inside the single token <|im_end|> (151645): splitting it would drop the real
     turn end and train '<|im_end' as plain text; refused, naming model.end_of_turn."""
     tok = tokenizers[("qwen2.5", "bpe")]
-    with pytest.raises(ChatTemplateError, match=rf"model.end_of_turn '{override.replace('|', '[|]')}' is not a whole run "
-                                                r"of tokens.*part of \['<\|im_end\|>'\].*set model.end_of_turn"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=rf"model.end_of_turn '{override.replace('|', '[|]')}' is not a whole run "
+        r"of tokens.*part of \['<\|im_end\|>'\].*set model.end_of_turn",
+    ):
         end_of_turn(tok, override)
     with pytest.raises(ChatTemplateError, match="not a whole run of tokens"):
         encode_chat(tok, TURNS, end_of_turn=override)
@@ -411,8 +465,13 @@ def test_phi4_without_its_end_token_does_not_eat_the_next_header(fixtures_dir):
 
     cfg = template_config(fixtures_dir, "phi-4")
     tok = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
-    tok.add_special_tokens({"additional_special_tokens": [
-        t["content"] for t in cfg["added_tokens_decoder"].values() if t["special"] and t["content"] != "<|end|>"]})
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                t["content"] for t in cfg["added_tokens_decoder"].values() if t["special"] and t["content"] != "<|end|>"
+            ]
+        }
+    )
     tok.eos_token, tok.chat_template = cfg["eos_token"], cfg["chat_template"]
     assert end_of_turn(tok) == "<|end|>"
     assert tok("<|end|>", add_special_tokens=False)["input_ids"] == [27, 91, 408, 91, 29]
@@ -424,11 +483,15 @@ def test_phi4_without_its_end_token_does_not_eat_the_next_header(fixtures_dir):
 
 # a plain-text template whose turn end 'END' is one ordinary vocabulary token (4689), which
 # also ends 'BACKEND' (15839, 4689)
-END_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\nEND\\n' }}{% endfor %}"
-                "{% if add_generation_prompt %}assistant: {% endif %}")
-ANSWER_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] }}"
-                   "{% if m['role'] == 'assistant' %}{{ '</answer>' }}{% endif %}{% endfor %}"
-                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}")
+END_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\nEND\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+ANSWER_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ '</answer>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant:' }}{% endif %}"
+)
 
 
 def test_turn_end_without_a_special_token_has_no_stop_id(tokenizers):
@@ -444,8 +507,30 @@ def test_turn_end_without_a_special_token_has_no_stop_id(tokenizers):
     answer = _copy(qwen, ANSWER_TEMPLATE)
     assert end_of_turn(answer) == "</answer>" and turn_end_token_id(answer) is None
     enc = encode_chat(answer, TURNS[:2])
-    assert enc.input_ids == [151644, 872, 25, 3838, 374, 220, 17, 10, 17, 30,
-                             151644, 77091, 25, 17, 10, 17, 374, 220, 19, 3918, 9217, 29]
+    assert enc.input_ids == [
+        151644,
+        872,
+        25,
+        3838,
+        374,
+        220,
+        17,
+        10,
+        17,
+        30,
+        151644,
+        77091,
+        25,
+        17,
+        10,
+        17,
+        374,
+        220,
+        19,
+        3918,
+        9217,
+        29,
+    ]
     assert enc.loss_mask == [0] * 13 + [1] * 9
 
 
@@ -454,12 +539,18 @@ def test_templates_that_drop_tool_calls_are_refused(tokenizers):
     Mistral template drops calls, results and schemas: each is an error, not an empty turn."""
     for family in ("phi-4", "nvidia-mistral"):
         tok = tokenizers[(family, "bpe")]
-        with pytest.raises(ChatTemplateError, match=r"^messages\[2\]: the chat template of .* does not render tool "
-                                                    r"calls; the call to 'get_weather' is not in what the template "
-                                                    r"renders for the assistant turn \(before its turn end\) ''"):
+        with pytest.raises(
+            ChatTemplateError,
+            match=r"^messages\[2\]: the chat template of .* does not render tool "
+            r"calls; the call to 'get_weather' is not in what the template "
+            r"renders for the assistant turn \(before its turn end\) ''",
+        ):
             encode_chat(tok, TOOL_CHAT, tools=TOOLS)
-        with pytest.raises(ChatTemplateError, match=r"does not render tool calls; the tool definition 'get_weather' "
-                                                    r"\(tools\) is not in the rendered conversation"):
+        with pytest.raises(
+            ChatTemplateError,
+            match=r"does not render tool calls; the tool definition 'get_weather' "
+            r"\(tools\) is not in the rendered conversation",
+        ):
             encode_chat(tok, TURNS, tools=TOOLS)
     phi = tokenizers[("phi-4", "bpe")]  # conversations without tools are unaffected
     assert masked_runs(phi, encode_chat(phi, TURNS)) == [a + "<|end|>" for a in ANSWERS]
@@ -476,4 +567,5 @@ def test_turn_end_inside_tool_call_arguments_is_refused(tokenizers):
         encode_prompt(tok, chat[:4], tools=TOOLS)
     chat[2]["tool_calls"][0]["function"]["arguments"] = {"text": "bye"}  # the same call without it is fine
     assert masked_runs(tok, encode_chat(tok, chat, tools=TOOLS))[0] == (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"text": "bye"}}\n</tool_call><|im_end|>')
+        '<tool_call>\n{"name": "get_weather", "arguments": {"text": "bye"}}\n</tool_call><|im_end|>'
+    )

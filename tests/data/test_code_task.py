@@ -12,8 +12,10 @@ from data.code_task import ALL_EXPRESSIONS, CodeProblem, Expression, make_code_d
 from data.code_verifier import parse_tests
 from data.rewards import get_verifier, score_all
 
-QUESTION = re.compile(r"^Write a Python function (\w+)\((\w+), (\w+)\) that returns (\w+) (plus|minus|times) (\d) "
-                      r"(plus|minus|times) (\w+)\.$")
+QUESTION = re.compile(
+    r"^Write a Python function (\w+)\((\w+), (\w+)\) that returns (\w+) (plus|minus|times) (\d) "
+    r"(plus|minus|times) (\w+)\.$"
+)
 SYMBOL = {"plus": "+", "minus": "-", "times": "*"}
 COUNTS = dict(num_sft=60, num_rl=50, num_eval=40)
 
@@ -44,8 +46,11 @@ def splits(tmp_path_factory):
 
 
 def test_files_rows_and_the_sft_target_is_the_formula_in_python(splits):
-    assert {k: p.name for k, p in splits.items()} == {"sft": "sft.jsonl", "rl_train": "rl_train.jsonl",
-                                                       "rl_eval": "rl_eval.jsonl"}
+    assert {k: p.name for k, p in splits.items()} == {
+        "sft": "sft.jsonl",
+        "rl_train": "rl_train.jsonl",
+        "rl_eval": "rl_eval.jsonl",
+    }
     sft = _rows(splits["sft"])
     assert len(sft) == 60 and len(_rows(splits["rl_train"])) == 50 and len(_rows(splits["rl_eval"])) == 40
     for row in sft:
@@ -72,8 +77,10 @@ def test_every_reference_solution_passes_its_tests_in_the_sandbox_and_a_near_mis
         name, (a, b), (u, o1, c, o2, v) = _parse(row["prompt"][0])
         tests = parse_tests(row["label"]).tests
         assert len(tests) == 1 and tests[0].test.count("assert ") == 3
-        responses += [f"def {name}({a}, {b}): return {u} {o1} {c} {o2} {v}",
-                      f"def {name}({a}, {b}): return {u} {o1} {c + 1} {o2} {v}"]
+        responses += [
+            f"def {name}({a}, {b}): return {u} {o1} {c} {o2} {v}",
+            f"def {name}({a}, {b}): return {u} {o1} {c + 1} {o2} {v}",
+        ]
         labels += [row["label"]] * 2
     responses.append("```python\n" + responses[-2] + "\n```")  # a fenced answer too
     labels.append(labels[-1])

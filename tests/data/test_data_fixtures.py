@@ -57,7 +57,10 @@ def test_counts(fixtures_dir, rel, kind, fmt, n_total, n_valid, n_errors, n_skip
     result = validate_dataset(fixtures_dir / rel, kind)
     assert result.format == fmt
     assert (result.n_total, len(result.rows), len(result.errors), result.n_skipped) == (
-        n_total, n_valid, n_errors, n_skipped,
+        n_total,
+        n_valid,
+        n_errors,
+        n_skipped,
     )
     assert len(result.lines) == len(result.rows)
     report = result.report()
@@ -122,7 +125,8 @@ def test_hh_rlhf(fixtures_dir):
     # Prompt + reply rebuild both transcripts exactly, except where a turn had extra spaces
     # after "Assistant:" (contents are stripped).
     rebuilt = [
-        line for line, row in zip(result.lines, result.rows)
+        line
+        for line, row in zip(result.lines, result.rows)
         if _hh_transcript(row["prompt"], row["chosen"]) == raw[line - 1]["chosen"]
         and _hh_transcript(row["prompt"], row["rejected"]) == raw[line - 1]["rejected"]
     ]
@@ -142,7 +146,10 @@ def test_hh_rlhf(fixtures_dir):
     ]
     assert row["chosen"].startswith("No. Men who impersonate stereotypical women are called drag kings.")
     assert "\n\nAssistant:" in row["chosen"]
-    assert row["rejected"] == "A drag king is the opposite of a drag queen, like a male who acts like a stereotypical woman."
+    assert (
+        row["rejected"]
+        == "A drag king is the opposite of a drag queen, like a male who acts like a stereotypical woman."
+    )
     check_threshold(result, max_bad_fraction=0.002)  # 4 / 2312 = 0.00173
 
 
@@ -174,16 +181,16 @@ def test_v1_typed_parts(fixtures_dir):
     raw = _jsonl(src)
     rows = validate_dataset(src, "sft").rows
     expected = [
-        {"messages": [
-            {"role": m["role"], "content": "".join(p["value"] for p in m["content"])} for m in r["messages"]
-        ]}
+        {"messages": [{"role": m["role"], "content": "".join(p["value"] for p in m["content"])} for m in r["messages"]]}
         for r in raw
     ]
     assert rows == expected
-    assert rows[0] == {"messages": [
-        _user("hi"),
-        _assistant("Hello! I am {{name}}, an AI assistant developed by {{author}}. How can I assist you today?"),
-    ]}
+    assert rows[0] == {
+        "messages": [
+            _user("hi"),
+            _assistant("Hello! I am {{name}}, an AI assistant developed by {{author}}. How can I assist you today?"),
+        ]
+    }
 
 
 def test_kto_keeps_desirable_rows(fixtures_dir):
@@ -192,7 +199,8 @@ def test_kto_keeps_desirable_rows(fixtures_dir):
     result = validate_dataset(src, "sft")
     assert result.rows == [
         {"messages": [{"role": m["role"], "content": m["content"]} for m in r["messages"]]}
-        for r in raw if r["label"] is True
+        for r in raw
+        if r["label"] is True
     ]
     assert sum(len(r["messages"]) > 2 for r in result.rows) > 0  # multi-turn rows survive
 
@@ -202,8 +210,11 @@ def test_kto_unpaired_rows_keep_every_row_and_its_label(fixtures_dir):
     raw = _json(src)
     result = validate_dataset(src, "kto")
     assert result.rows == [
-        {"prompt": [{"role": m["role"], "content": m["content"]} for m in r["messages"][:-1]],
-         "completion": r["messages"][-1]["content"], "label": r["label"]}
+        {
+            "prompt": [{"role": m["role"], "content": m["content"]} for m in r["messages"][:-1]],
+            "completion": r["messages"][-1]["content"],
+            "label": r["label"],
+        }
         for r in raw
     ]
     # counted in the file: 150 rows labelled true, 150 false
@@ -238,7 +249,10 @@ def test_seed_tasks(fixtures_dir):
             query = r["instruction"] + ("\n" + inst["input"] if inst["input"] else "")
             expected.append({"messages": [_user(query), _assistant(inst["output"])]})
     assert rows == expected
-    assert rows[1]["messages"][0]["content"] == "What is the relation between the given pairs?\nNight : Day :: Right : Left"
+    assert (
+        rows[1]["messages"][0]["content"]
+        == "What is the relation between the given pairs?\nNight : Day :: Right : Left"
+    )
 
 
 def test_limit(fixtures_dir):

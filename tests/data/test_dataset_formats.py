@@ -36,8 +36,15 @@ def _user(text: str) -> dict:
 
 def _cfg(**datasets) -> SimpleNamespace:
     """A ``data`` section as validate_data reads it (attribute access, like DataConfig)."""
-    base = {"sft": None, "preference": None, "kto": None, "rl_train": None, "rl_eval": None,
-            "max_bad_fraction": 0.0, "allow_eval_overlap": True}
+    base = {
+        "sft": None,
+        "preference": None,
+        "kto": None,
+        "rl_train": None,
+        "rl_eval": None,
+        "max_bad_fraction": 0.0,
+        "allow_eval_overlap": True,
+    }
     for name, value in datasets.items():
         if name in ("sft", "preference", "kto", "rl_train", "rl_eval") and isinstance(value, (str, Path)):
             value = SimpleNamespace(path=str(value), format="auto", limit=None)
@@ -98,9 +105,21 @@ def test_explicit_format_reason_names_the_key(fixtures_dir):
 
 @pytest.mark.parametrize(
     "value, text",
-    [(204, "204"), (27.0, "27"), (-3.0, "-3"), (0.5, "0.5"), (1e-07, "0.0000001"), (6.72e-05, "0.0000672"),
-     (-0.0, "0"), (1e20, "100000000000000000000"), (1.23e25, "12300000000000000000000000"), (2.5e-3, "0.0025"),
-     (0.1, "0.1"), (1 / 3, "0.3333333333333333"), (10**30, "1" + "0" * 30)],
+    [
+        (204, "204"),
+        (27.0, "27"),
+        (-3.0, "-3"),
+        (0.5, "0.5"),
+        (1e-07, "0.0000001"),
+        (6.72e-05, "0.0000672"),
+        (-0.0, "0"),
+        (1e20, "100000000000000000000"),
+        (1.23e25, "12300000000000000000000000"),
+        (2.5e-3, "0.0025"),
+        (0.1, "0.1"),
+        (1 / 3, "0.3333333333333333"),
+        (10**30, "1" + "0" * 30),
+    ],
 )
 def test_canonical_number(value, text):
     assert canonical_number(value) == text
@@ -217,8 +236,10 @@ def test_a_file_valid_under_no_format_of_the_kind_names_the_format_its_keys_say(
     # the error says what the file is instead of reporting 300 bad rows.
     with pytest.raises(ValueError) as info:
         validate_dataset(fixtures_dir / "llamafactory-demo" / "dpo_en_demo.json", "sft", key="data.sft")
-    assert "format 'dpo' gives kinds preference, not 'sft' (auto-detected: dpo (32 of the first 32 records have " \
-           "its keys; none is a valid sft row under any format)); set data.sft.format to" in str(info.value)
+    assert (
+        "format 'dpo' gives kinds preference, not 'sft' (auto-detected: dpo (32 of the first 32 records have "
+        "its keys; none is a valid sft row under any format)); set data.sft.format to" in str(info.value)
+    )
 
 
 def test_fields_are_listed_in_numeric_order(tmp_path):
@@ -234,7 +255,8 @@ def test_fields_are_listed_in_numeric_order(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "rel, kind, n", [("llamafactory-demo/alpaca_en_demo.json", "sft", 14), ("llamafactory-demo/dpo_en_demo.json", "preference", 5)]
+    "rel, kind, n",
+    [("llamafactory-demo/alpaca_en_demo.json", "sft", 14), ("llamafactory-demo/dpo_en_demo.json", "preference", 5)],
 )
 def test_duplicates_counted_on_real_files(fixtures_dir, rel, kind, n):
     raw = json.loads((fixtures_dir / rel).read_text(encoding="utf-8"))
@@ -252,7 +274,8 @@ def test_duplicates_counted_on_real_files(fixtures_dir, rel, kind, n):
     assert [(by_line[a], by_line[b]) for a, b in result.duplicates] == expected
     report = result.report()
     assert report["n_duplicates"] == n and report["duplicates"][0] == {
-        "line": result.duplicates[0][0], "same_as_line": result.duplicates[0][1]
+        "line": result.duplicates[0][0],
+        "same_as_line": result.duplicates[0][1],
     }
 
 
@@ -271,7 +294,11 @@ def test_rl_eval_prompts_in_rl_train(tmp_path, fixtures_dir):
     [warning] = [w for w in checked.warnings() if "rl_train" in w]
     assert warning.startswith("data.rl_eval: 4 rows (3 distinct prompts) have a prompt that is also in data.rl_train")
     assert "set data.allow_eval_overlap: false" in warning
-    assert checked.report()["rl_eval"]["overlap_with_rl_train"] == {"n_rows": 4, "n_prompts": 3, "lines": [11, 12, 53, 54]}
+    assert checked.report()["rl_eval"]["overlap_with_rl_train"] == {
+        "n_rows": 4,
+        "n_prompts": 3,
+        "lines": [11, 12, 53, 54],
+    }
     assert "duplicate rows" in " ".join(checked.warnings())  # line 54 repeats line 11
 
     strict = validate_data(_cfg(rl_train=train, rl_eval=eval_path, allow_eval_overlap=False))
@@ -287,10 +314,18 @@ def test_rl_eval_prompts_in_rl_train(tmp_path, fixtures_dir):
 def test_validate_data_collects_every_dataset_problem(tmp_path, fixtures_dir):
     odd = _write(tmp_path / "odd.jsonl", [{"text": "hello"}])
     bad = _write(tmp_path / "bad.jsonl", [{"prompt": "p", "label": float("nan")}, {"prompt": "q", "label": 1}])
-    checked = validate_data(_cfg(sft=odd, rl_train=bad, rl_eval=tmp_path / "missing.jsonl",
-                                 preference=fixtures_dir / "llamafactory-demo" / "dpo_en_demo.json"))
+    checked = validate_data(
+        _cfg(
+            sft=odd,
+            rl_train=bad,
+            rl_eval=tmp_path / "missing.jsonl",
+            preference=fixtures_dir / "llamafactory-demo" / "dpo_en_demo.json",
+        )
+    )
     problems = checked.problems()
-    assert problems[0].startswith(f"data.sft: {odd}: cannot detect the dataset format from keys ['text']; set data.sft.format")
+    assert problems[0].startswith(
+        f"data.sft: {odd}: cannot detect the dataset format from keys ['text']; set data.sft.format"
+    )
     assert problems[1].splitlines() == [
         f"data.rl_train: {bad}: 1 of 2 records bad (0.5000 > data.max_bad_fraction = 0.0)",
         f"{bad}:1: label: NaN is not a valid label (expected a string or a finite number)",
@@ -300,8 +335,9 @@ def test_validate_data_collects_every_dataset_problem(tmp_path, fixtures_dir):
     with pytest.raises(DataValidationError) as info:
         checked.raise_for_problems()
     assert [e.line for e in info.value.errors] == [1]
-    only = validate_data(_cfg(sft=odd, preference=fixtures_dir / "llamafactory-demo" / "dpo_en_demo.json"),
-                         names=["preference"])
+    only = validate_data(
+        _cfg(sft=odd, preference=fixtures_dir / "llamafactory-demo" / "dpo_en_demo.json"), names=["preference"]
+    )
     assert list(only.results) == ["preference"] and only.problems() == []
 
 
@@ -313,12 +349,15 @@ def _chat(answer: str) -> list[dict]:
 
 
 def test_kto_with_a_string_label_stays_kto_and_reports_the_row(tmp_path):
-    path = _write(tmp_path / "kto.jsonl", [
-        {"messages": _chat("yes"), "label": True},
-        {"messages": _chat("no"), "label": False},
-        {"messages": _chat("green"), "label": "false"},
-        {"messages": _chat("blue"), "label": True},
-    ])
+    path = _write(
+        tmp_path / "kto.jsonl",
+        [
+            {"messages": _chat("yes"), "label": True},
+            {"messages": _chat("no"), "label": False},
+            {"messages": _chat("green"), "label": "false"},
+            {"messages": _chat("blue"), "label": True},
+        ],
+    )
     result = validate_dataset(path, "sft")
     assert result.format == "kto"
     assert [(e.line, e.field, e.message) for e in result.errors] == [(3, "label", "expected true or false, got string")]
@@ -327,14 +366,17 @@ def test_kto_with_a_string_label_stays_kto_and_reports_the_row(tmp_path):
 
 
 def test_kto_rows_as_unpaired_kind_name_line_and_field(tmp_path):
-    path = _write(tmp_path / "kto.jsonl", [
-        {"messages": [{"role": "system", "content": "Be brief."}, *_chat("yes")], "label": True},
-        {"messages": _chat("no"), "label": False},
-        {"messages": _chat("green"), "label": "false"},
-        {"messages": [_user("Is the sky blue?")], "label": True},
-        {"messages": _chat("  "), "label": False},
-        {"messages": [*_chat("blue"), {"role": "assistant", "content": "indeed"}], "label": True},
-    ])
+    path = _write(
+        tmp_path / "kto.jsonl",
+        [
+            {"messages": [{"role": "system", "content": "Be brief."}, *_chat("yes")], "label": True},
+            {"messages": _chat("no"), "label": False},
+            {"messages": _chat("green"), "label": "false"},
+            {"messages": [_user("Is the sky blue?")], "label": True},
+            {"messages": _chat("  "), "label": False},
+            {"messages": [*_chat("blue"), {"role": "assistant", "content": "indeed"}], "label": True},
+        ],
+    )
     result = validate_dataset(path, "kto")
     assert result.format == "kto"
     assert [(e.line, e.field, e.message) for e in result.errors] == [
@@ -344,8 +386,11 @@ def test_kto_rows_as_unpaired_kind_name_line_and_field(tmp_path):
         (6, "messages[1].role", "last prompt turn must be 'user', got 'assistant'"),
     ]
     assert result.rows == [
-        {"prompt": [{"role": "system", "content": "Be brief."}, _user("Is the sky blue?")], "completion": "yes",
-         "label": True},
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, _user("Is the sky blue?")],
+            "completion": "yes",
+            "label": True,
+        },
         {"prompt": [_user("Is the sky blue?")], "completion": "no", "label": False},
     ]
     assert result.lines == [1, 2] and (result.n_total, result.n_bad, result.n_skipped) == (6, 4, 0)
@@ -362,7 +407,8 @@ def test_gsm8k_rows_read_as_math_are_refused(tmp_path):
         result = validate_dataset(path, "rl", format=fmt)
         assert result.format == "math"
         assert [(e.line, e.field, e.message) for e in result.errors] == [
-            (3, "answer", "a GSM8K answer ('#### <number>' final answer); set the dataset's format: gsm8k")]
+            (3, "answer", "a GSM8K answer ('#### <number>' final answer); set the dataset's format: gsm8k")
+        ]
         assert [r["label"] for r in result.rows] == ["70", "71", "72", "73", "74"]
     # and the other way round, as before: gsm8k refuses an answer without '####'
     result = validate_dataset(path, "rl", format="gsm8k")
@@ -374,31 +420,38 @@ AREA = {"name": "area", "description": "Rectangle area", "parameters": {"type": 
 
 
 def test_rl_prompts_keep_their_tools(tmp_path):
-    path = _write(tmp_path / "rl.jsonl", [
-        {"prompt": "Area of 3 x 5?", "label": "15", "tools": json.dumps([AREA])},        # LLaMA-Factory string
-        {"prompt": "Area of 2 x 2?", "label": "4", "tools": [{"type": "function", "function": AREA}]},
-        {"prompt": "Area of 1 x 2?", "label": "2", "tools": "not json"},
-        {"prompt": "Area of 1 x 1?", "label": "1", "tools": [{"description": "no name"}]},
-        {"prompt": "Plain", "label": "0"},
-        {"prompt": "Plain too", "label": "0", "tools": "[]"},
-    ])
+    path = _write(
+        tmp_path / "rl.jsonl",
+        [
+            {"prompt": "Area of 3 x 5?", "label": "15", "tools": json.dumps([AREA])},  # LLaMA-Factory string
+            {"prompt": "Area of 2 x 2?", "label": "4", "tools": [{"type": "function", "function": AREA}]},
+            {"prompt": "Area of 1 x 2?", "label": "2", "tools": "not json"},
+            {"prompt": "Area of 1 x 1?", "label": "1", "tools": [{"description": "no name"}]},
+            {"prompt": "Plain", "label": "0"},
+            {"prompt": "Plain too", "label": "0", "tools": "[]"},
+        ],
+    )
     result = validate_dataset(path, "rl")
     assert result.format == "prompt_label"
     assert [(e.line, e.field, e.message) for e in result.errors] == [
         (3, "tools", "invalid JSON at column 1: Expecting value"),
-        (4, "tools", "tool [0]: expected a non-empty string \"name\", got null"),
+        (4, "tools", 'tool [0]: expected a non-empty string "name", got null'),
     ]
     want = [{"type": "function", "function": AREA}]
     assert [r.get("tools") for r in result.rows] == [want, want, None, None]
     assert result.rows[0] == {"prompt": [_user("Area of 3 x 5?")], "label": "15", "tools": want}
 
-    math_rows = _write(tmp_path / "math.jsonl", [
-        {"problem": "Area of 3 x 5?", "answer": "15", "tools": [AREA]},
-        {"question": "Area of 2 x 3?", "answer": "6\n#### 6", "tools": [AREA]},
-    ])
+    math_rows = _write(
+        tmp_path / "math.jsonl",
+        [
+            {"problem": "Area of 3 x 5?", "answer": "15", "tools": [AREA]},
+            {"question": "Area of 2 x 3?", "answer": "6\n#### 6", "tools": [AREA]},
+        ],
+    )
     assert validate_dataset(math_rows, "rl", format="math").rows[0]["tools"] == want
     assert validate_dataset(math_rows, "rl", format="gsm8k").rows == [
-        {"prompt": [_user("Area of 2 x 3?")], "label": "6", "tools": want}]
+        {"prompt": [_user("Area of 2 x 3?")], "label": "6", "tools": want}
+    ]
 
 
 def test_parquet_decimal_date_and_bytes_labels(tmp_path):
@@ -407,15 +460,17 @@ def test_parquet_decimal_date_and_bytes_labels(tmp_path):
     import polars as pl
 
     path = tmp_path / "labels.parquet"
-    pl.DataFrame({"prompt": ["a", "b", "c"],
-                  "label": [Decimal("72.00"), Decimal("0.50"), Decimal("-3.10")]}).write_parquet(path)
+    pl.DataFrame(
+        {"prompt": ["a", "b", "c"], "label": [Decimal("72.00"), Decimal("0.50"), Decimal("-3.10")]}
+    ).write_parquet(path)
     assert [r["label"] for r in validate_dataset(path, "rl").rows] == ["72", "0.5", "-3.1"]
     for name, values, shown in (("date", [datetime.date(2024, 1, 2)], "date"), ("bytes", [b"72"], "bytes")):
         path = tmp_path / f"{name}.parquet"
         pl.DataFrame({"prompt": ["a"], "label": values}).write_parquet(path)
         result = validate_dataset(path, "rl", format="prompt_label")
         assert [(e.line, e.field, e.message) for e in result.errors] == [
-            (1, "label", f"expected a string or a number, got {shown}")]
+            (1, "label", f"expected a string or a number, got {shown}")
+        ]
     assert canonical_number(Decimal("1E+2")) == "100" and canonical_number(Decimal("-0.000")) == "0"
 
 

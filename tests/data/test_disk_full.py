@@ -25,27 +25,37 @@ def _short_write() -> RuntimeError:
         return exc
 
 
-@pytest.mark.parametrize("exc", [
-    OSError(errno.ENOSPC, "No space left on device"),
-    OSError(errno.EDQUOT, "Disk quota exceeded"),
-    shutil.Error([("/a/f0", "/b/f0", "[Errno 28] No space left on device: '/a/f0' -> '/b/f0'")]),
-    _short_write(),
-    CheckpointException("write", {0: (RuntimeError("Worker failure: [Errno 28] No space left on device"), [])}),
-    CheckpointException("write", {1: (_short_write(), [])}),
-], ids=["enospc", "edquot", "copytree", "torch-save", "dcp-megatron-worker", "dcp-unexpected-pos"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        OSError(errno.EDQUOT, "Disk quota exceeded"),
+        shutil.Error([("/a/f0", "/b/f0", "[Errno 28] No space left on device: '/a/f0' -> '/b/f0'")]),
+        _short_write(),
+        CheckpointException("write", {0: (RuntimeError("Worker failure: [Errno 28] No space left on device"), [])}),
+        CheckpointException("write", {1: (_short_write(), [])}),
+    ],
+    ids=["enospc", "edquot", "copytree", "torch-save", "dcp-megatron-worker", "dcp-unexpected-pos"],
+)
 def test_each_disguise_is_a_full_disk(exc):
     assert is_disk_full(exc)
 
 
-@pytest.mark.parametrize("exc", [OSError(errno.EACCES, "Permission denied"), ValueError("bad shape"),
-                                 CheckpointException("read", {0: (KeyError("decoder.weight"), [])})])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(errno.EACCES, "Permission denied"),
+        ValueError("bad shape"),
+        CheckpointException("read", {0: (KeyError("decoder.weight"), [])}),
+    ],
+)
 def test_other_errors_are_not(exc):
     assert not is_disk_full(exc)
 
 
 def test_the_translation_is_one_line_keeps_other_errors_and_pickles(tmp_path):
     with pytest.raises(DiskFull) as err:
-        with naming_a_full_disk(tmp_path / "ckpt", "the model", 3 * 1024 ** 3, "free space there"):
+        with naming_a_full_disk(tmp_path / "ckpt", "the model", 3 * 1024**3, "free space there"):
             raise CheckpointException("write", {0: (RuntimeError("Worker failure: [Errno 28] No space"), [])})
     assert str(err.value).startswith(f"disk full: the model at {tmp_path / 'ckpt'} needs about 3.0 GiB, and ")
     assert str(err.value).endswith(" are free there; free space there") and err.value.errno == errno.ENOSPC

@@ -14,7 +14,11 @@ ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 
 
 def _v1(role: str, text: str) -> dict:
-    return {"role": role, "content": [{"type": "text", "value": text}], "loss_weight": 1.0 if role == "assistant" else 0.0}
+    return {
+        "role": role,
+        "content": [{"type": "text", "value": text}],
+        "loss_weight": 1.0 if role == "assistant" else 0.0,
+    }
 
 
 def test_real_dpo_demo_in_the_chosen_messages_layout(tmp_path, fixtures_dir):
@@ -22,8 +26,12 @@ def test_real_dpo_demo_in_the_chosen_messages_layout(tmp_path, fixtures_dir):
     converted = []
     for r in raw:  # the same 300 pairs, rewritten as LLaMA-Factory v1 writes DPO samples
         prompt = [_v1(ROLES[t["from"]], t["value"]) for t in r["conversations"]]
-        converted.append({"chosen_messages": prompt + [_v1("assistant", r["chosen"]["value"])],
-                          "rejected_messages": prompt + [_v1("assistant", r["rejected"]["value"])]})
+        converted.append(
+            {
+                "chosen_messages": prompt + [_v1("assistant", r["chosen"]["value"])],
+                "rejected_messages": prompt + [_v1("assistant", r["rejected"]["value"])],
+            }
+        )
     path = tmp_path / "dpo_v1.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in converted))
     result = validate_dataset(path, "preference")
@@ -42,8 +50,20 @@ def test_prompt_is_the_shared_prefix():
     from data.adapters import ADAPTERS
 
     record = {
-        "chosen_messages": [_m("system", "S"), _m("user", "q1"), _m("assistant", "a1"), _m("user", "q2"), _m("assistant", "good")],
-        "rejected_messages": [_m("system", "S"), _m("user", "q1"), _m("assistant", "a1"), _m("user", "q2"), _m("assistant", "bad")],
+        "chosen_messages": [
+            _m("system", "S"),
+            _m("user", "q1"),
+            _m("assistant", "a1"),
+            _m("user", "q2"),
+            _m("assistant", "good"),
+        ],
+        "rejected_messages": [
+            _m("system", "S"),
+            _m("user", "q1"),
+            _m("assistant", "a1"),
+            _m("user", "q2"),
+            _m("assistant", "bad"),
+        ],
     }
     [ex] = ADAPTERS["dpo_messages"](record, "preference")
     assert ex.row == {"prompt": record["chosen_messages"][:4], "chosen": "good", "rejected": "bad"}
@@ -54,20 +74,38 @@ def test_prompt_is_the_shared_prefix():
 @pytest.mark.parametrize(
     "chosen, rejected, field, message",
     [
-        ([_m("user", "q"), _m("assistant", "a"), _m("user", "more"), _m("assistant", "b")],
-         [_m("user", "q"), _m("assistant", "x")],
-         "chosen_messages[1]", "expected one assistant turn after the 1 turns shared with the other conversation, got 3 turns"),
-        ([_m("user", "q"), _m("user", "a")], [_m("user", "q"), _m("assistant", "b")],
-         "chosen_messages[1].role", "the response must be an 'assistant' turn, got 'user'"),
-        ([_m("user", "q"), _m("assistant", "same")], [_m("user", "q"), _m("assistant", "same")],
-         "rejected_messages[1].content", "identical to chosen"),
-        ([_m("user", "q"), _m("assistant", " ")], [_m("user", "q"), _m("assistant", "b")],
-         "chosen_messages[1].content", "empty chosen response"),
+        (
+            [_m("user", "q"), _m("assistant", "a"), _m("user", "more"), _m("assistant", "b")],
+            [_m("user", "q"), _m("assistant", "x")],
+            "chosen_messages[1]",
+            "expected one assistant turn after the 1 turns shared with the other conversation, got 3 turns",
+        ),
+        (
+            [_m("user", "q"), _m("user", "a")],
+            [_m("user", "q"), _m("assistant", "b")],
+            "chosen_messages[1].role",
+            "the response must be an 'assistant' turn, got 'user'",
+        ),
+        (
+            [_m("user", "q"), _m("assistant", "same")],
+            [_m("user", "q"), _m("assistant", "same")],
+            "rejected_messages[1].content",
+            "identical to chosen",
+        ),
+        (
+            [_m("user", "q"), _m("assistant", " ")],
+            [_m("user", "q"), _m("assistant", "b")],
+            "chosen_messages[1].content",
+            "empty chosen response",
+        ),
         ([], [_m("user", "q"), _m("assistant", "b")], "chosen_messages", "empty conversation"),
-        ([_m("user", "q"), {"role": "assistant", "content": [{"type": "image_url", "value": "x.png"}]}],
-         [_m("user", "q"), _m("assistant", "b")],
-         "chosen_messages[1].content[0].type", "images are not supported (training is text-only; content part type "
-         "'image_url'): remove the part (keep the text parts) or the row, or use a text-only dataset"),
+        (
+            [_m("user", "q"), {"role": "assistant", "content": [{"type": "image_url", "value": "x.png"}]}],
+            [_m("user", "q"), _m("assistant", "b")],
+            "chosen_messages[1].content[0].type",
+            "images are not supported (training is text-only; content part type "
+            "'image_url'): remove the part (keep the text parts) or the row, or use a text-only dataset",
+        ),
     ],
 )
 def test_faults_name_the_source_field(tmp_path, chosen, rejected, field, message):

@@ -45,8 +45,16 @@ def test_case_file_names_every_source_with_its_licence():
         assert source["repo"] and source["file"] and source["licence"], key
     kinds = collections.Counter(c["kind"] for c in _CASES if c["source"] == "posttrain")
     # every kind of issue 33 has true and false cases of its own
-    for kind in ("several_boxes", "named", "inequality", "chain_approx", "set_list", "number_format",
-                 "long_decimal", "sqrt_negative"):
+    for kind in (
+        "several_boxes",
+        "named",
+        "inequality",
+        "chain_approx",
+        "set_list",
+        "number_format",
+        "long_decimal",
+        "sqrt_negative",
+    ):
         verdicts = {c["equal"] for c in _CASES if c["source"] == "posttrain" and c["kind"] == kind}
         assert verdicts == {True, False}, kind
     assert sum(kinds.values()) == 90
@@ -87,8 +95,8 @@ def test_accuracy_per_source():
     [
         ("\\boxed{2} and \\boxed{3}", ["2", "3"]),
         ("\\boxed{(1,2)}, \\fbox{4}, \\boxed 5$", ["(1,2)", "4", "5"]),
-        ("\\boxed{2} and \\boxed{3", None),             # the last box cut off
-        ("\\boxed{2 and \\boxed{3}", ["3"]),             # an unclosed earlier box is skipped
+        ("\\boxed{2} and \\boxed{3", None),  # the last box cut off
+        ("\\boxed{2 and \\boxed{3}", ["3"]),  # an unclosed earlier box is skipped
         ("no box", None),
     ],
 )
@@ -108,7 +116,7 @@ def test_boxed_answers(response, boxes):
         ("x \\lt 3", "x<3"),
         ("x != 3", "x\\ne3"),
         ("14{,}916", "14916"),
-        ("0,111", "0,111"),                 # not 111
+        ("0,111", "0,111"),  # not 111
         ("-12; -11", "-12,-11"),
         ("(1, +\\infty)", "(1,\\infty)"),
         ("6 and 8", "6,8"),
@@ -132,15 +140,15 @@ def test_relations_read_as_intervals():
     between = parse_answer("10 > a \\ge -793")
     assert (between.kind, between.brackets, [i.text for i in between.items]) == ("tuple", "[)", ["-793", "10"])
     assert parse_answer("f(2)<f(1)<f(4)").kind == "atom"  # no name in the middle: not an interval
-    assert parse_answer("x<y").kind == "atom"              # names on both sides
+    assert parse_answer("x<y").kind == "atom"  # names on both sides
     assert parse_answer("\\pm 2").kind == "set"
 
 
 def test_decimals_against_rationals():
     assert answers_equal("0.0833333333333333", "\\frac{1}{12}")  # 16 digits, cut
-    assert answers_equal("0.6666666666666667", "2/3")            # 16 digits, rounded
-    assert not answers_equal("0.6666666666666650", "2/3")        # off by 17 units in the last place
-    assert not answers_equal("0.666666667", "2/3")               # nine digits stay exact
+    assert answers_equal("0.6666666666666667", "2/3")  # 16 digits, rounded
+    assert not answers_equal("0.6666666666666650", "2/3")  # off by 17 units in the last place
+    assert not answers_equal("0.666666667", "2/3")  # nine digits stay exact
     assert answers_equal("1,5", "1.5") and not answers_equal("1,5", "15")
     assert not answers_equal("\\{1,22\\}", "1.22")  # a set in braces is two numbers
 
@@ -178,9 +186,17 @@ def test_time_per_call_on_the_cases_and_on_adversarial_inputs():
     assert statistics.median(times) < 1e-3
     assert times[int(0.99 * len(times))] < 5e-3
     nasty = [
-        "0," * 600 + "1", "\\sqrt{" * 200 + "2" + "}" * 200, "\\text{" * 200 + "}" * 200, "<".join(["x"] * 300),
-        "=".join(["1"] * 400), "\\pm".join(["1"] * 200), "\\boxed{1}" * 300, ",".join(["1\\pm2"] * 200),
-        ",".join(f"({i},{i + 1})" for i in range(120)), "(p,q)=" * 200 + "(1,2)", "\\le" * 500,
+        "0," * 600 + "1",
+        "\\sqrt{" * 200 + "2" + "}" * 200,
+        "\\text{" * 200 + "}" * 200,
+        "<".join(["x"] * 300),
+        "=".join(["1"] * 400),
+        "\\pm".join(["1"] * 200),
+        "\\boxed{1}" * 300,
+        ",".join(["1\\pm2"] * 200),
+        ",".join(f"({i},{i + 1})" for i in range(120)),
+        "(p,q)=" * 200 + "(1,2)",
+        "\\le" * 500,
     ]
     for a in nasty:
         for response, label in ((f"\\boxed{{{a}}}", a + "1"), (a, "1, 2"), (f"\\boxed{{{a}}}", "x")):

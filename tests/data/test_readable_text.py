@@ -20,7 +20,9 @@ CASES = [("qwen2.5", "bpe"), ("qwen3", "bpe")] + [(f, b) for f in FAMILIES for b
 
 @pytest.fixture(scope="module")
 def tokenizers(fixtures_dir, tmp_path_factory):
-    return every_template_tokenizer(fixtures_dir, sentencepiece_dir(fixtures_dir, tmp_path_factory.mktemp("stories-tokenizer")))
+    return every_template_tokenizer(
+        fixtures_dir, sentencepiece_dir(fixtures_dir, tmp_path_factory.mktemp("stories-tokenizer"))
+    )
 
 
 def _first_byte_of_e_acute(tok) -> int:
@@ -34,7 +36,11 @@ def _first_byte_of_e_acute(tok) -> int:
 
 def test_qwen_half_character_is_shown_as_an_escape(fixtures_dir):
     tok = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
-    ids = [_first_byte_of_e_acute(tok), *tok.encode("46", add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
+    ids = [
+        _first_byte_of_e_acute(tok),
+        *tok.encode("46", add_special_tokens=False),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    ]
     assert response_text(tok, ids) == "\ufffd46"  # what the verifier reads: unchanged
     assert readable_text(tok, ids) == "\\xc346"
     whole = tok.encode("é46 中文", add_special_tokens=False)
@@ -59,12 +65,29 @@ def test_every_template_shows_the_byte_and_keeps_the_rest(tokenizers, family, ba
 
 
 def test_the_report_shows_the_readable_text(tmp_path):
-    record = {"index": 0, "prompt_index": 0, "label": "46", "response": "\ufffd46", "response_readable": "\\xc346",
-              "reward": 0.0, "correct": False, "response_length": 3, "finish_reason": "stop",
-              "prompt": [{"role": "user", "content": "What is 21 + 25?"}]}
-    result = {"n": 1, "samples": 1, "accuracy": 0.0, "accuracy_se": float("nan"), "mean_reward": 0.0,
-              "mean_reward_se": float("nan"), "response_length/mean": 3.0, "response_length/clip_ratio": 0.0,
-              "records": [record]}
+    record = {
+        "index": 0,
+        "prompt_index": 0,
+        "label": "46",
+        "response": "\ufffd46",
+        "response_readable": "\\xc346",
+        "reward": 0.0,
+        "correct": False,
+        "response_length": 3,
+        "finish_reason": "stop",
+        "prompt": [{"role": "user", "content": "What is 21 + 25?"}],
+    }
+    result = {
+        "n": 1,
+        "samples": 1,
+        "accuracy": 0.0,
+        "accuracy_se": float("nan"),
+        "mean_reward": 0.0,
+        "mean_reward_se": float("nan"),
+        "response_length/mean": 3.0,
+        "response_length/clip_ratio": 0.0,
+        "records": [record],
+    }
     markdown = write_eval_report({"rl": result}, tmp_path)
     assert "| What is 21 + 25? | 46 | \\xc346 (✗) |" in markdown and "\ufffd" not in markdown
     sample = json.loads((tmp_path / "samples.jsonl").read_text())

@@ -88,7 +88,10 @@ def test_json_syntax_error_is_one_file_error(tmp_path):
     "text, message",
     [
         ('{"a": 1}', "expected a JSON array of objects, got a top-level object"),
-        ("[1, 2,]", "malformed JSON at column 6: trailing comma before ']' (JSON allows no comma after the last item; remove it)"),
+        (
+            "[1, 2,]",
+            "malformed JSON at column 6: trailing comma before ']' (JSON allows no comma after the last item; remove it)",
+        ),
         ("[1] x", "malformed JSON at column 5: Extra data"),
     ],
 )
@@ -110,7 +113,8 @@ def test_trailing_commas_are_named_where_the_comma_is(tmp_path):
     q = tmp_path / "a.json"  # pretty-printed: the comma is on the line before the bracket
     q.write_text('[\n  {"a": 1},\n  {"a": 2},\n]\n')
     assert [str(err) for _, err in read_records(q)] == [
-        f"{q}:3: <file>: malformed JSON at column 11: trailing comma before ']' (JSON allows no comma after the last item; remove it)"]
+        f"{q}:3: <file>: malformed JSON at column 11: trailing comma before ']' (JSON allows no comma after the last item; remove it)"
+    ]
 
 
 @pytest.mark.parametrize("name", ["rows.jsonl", "rows.json"])
@@ -118,7 +122,9 @@ def test_gzip_file_without_gz_suffix_says_rename(tmp_path, name):
     p = tmp_path / name
     body = b'{"a": 1}\n{"a": 2}\n' if name.endswith("l") else b'[{"a": 1}]'
     p.write_bytes(gzip.compress(body))
-    assert list(read_records(p)) == [(1, RowError(str(p), 1, FILE, f"the file is gzip-compressed; rename it to {name}.gz"))]
+    assert list(read_records(p)) == [
+        (1, RowError(str(p), 1, FILE, f"the file is gzip-compressed; rename it to {name}.gz"))
+    ]
     (tmp_path / f"{name}.gz").write_bytes(p.read_bytes())
     assert [r for _, r in read_records(tmp_path / f"{name}.gz")][0] == {"a": 1}
 

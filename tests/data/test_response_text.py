@@ -30,14 +30,21 @@ CASES = [("qwen2.5", "bpe"), ("qwen3", "bpe")] + [(f, b) for f in FAMILIES for b
 # The special tokens a turn of each template ends with: its turn end (the stop id), then the
 # tokenizer's EOS when that is another token (Qwen's EOS is <|im_end|>; <|endoftext|> is the
 # base model's end of text and its pad), which a model may emit too.
-STOPS = {"qwen2.5": ["<|im_end|>", "<|endoftext|>"], "qwen3": ["<|im_end|>", "<|endoftext|>"],
-         "gemma": ["<end_of_turn>", "<eos>"], "phi-4": ["<|end|>", "<|endoftext|>"], "nvidia-mistral": ["</s>"]}
+STOPS = {
+    "qwen2.5": ["<|im_end|>", "<|endoftext|>"],
+    "qwen3": ["<|im_end|>", "<|endoftext|>"],
+    "gemma": ["<end_of_turn>", "<eos>"],
+    "phi-4": ["<|end|>", "<|endoftext|>"],
+    "nvidia-mistral": ["</s>"],
+}
 
 
 @pytest.fixture(scope="module")
 def tokenizers(fixtures_dir, tmp_path_factory):
     """``{(family, base): tokenizer}`` as tests/data/test_chat_templates.py builds them."""
-    return every_template_tokenizer(fixtures_dir, sentencepiece_dir(fixtures_dir, tmp_path_factory.mktemp("stories-tokenizer")))
+    return every_template_tokenizer(
+        fixtures_dir, sentencepiece_dir(fixtures_dir, tmp_path_factory.mktemp("stories-tokenizer"))
+    )
 
 
 def reward_worker(tok, tmp_path, verifier: str = "exact_match") -> RewardWorker:
@@ -54,15 +61,26 @@ def environment_text(tok, ids: list[int], finish_reason: str = "stop") -> str:
         def generate(self, prompts, sampling):
             return [[RolloutOutput(tuple(ids), (0.0,) * len(ids), finish_reason)] for _ in prompts]
 
-    multi_turn_rollout(Scripted(), tok, [[1]], [{"prompt": [], "label": "4"}], lambda: env,
-                       SamplingSpec(max_new_tokens=len(ids)), max_turns=1)
+    multi_turn_rollout(
+        Scripted(),
+        tok,
+        [[1]],
+        [{"prompt": [], "label": "4"}],
+        lambda: env,
+        SamplingSpec(max_new_tokens=len(ids)),
+        max_turns=1,
+    )
     return env.texts[0]
 
 
 def all_paths(tok, worker: RewardWorker, ids: list[int], finish_reason: str) -> list[str]:
     """The text of ``ids`` by the function, RL rewards, a multi-turn environment and evaluation."""
-    return [response_text(tok, ids), worker.decode([ids])[0], environment_text(tok, ids, finish_reason),
-            decode_response(tok, RolloutOutput(tuple(ids), (0.0,) * len(ids), finish_reason))]
+    return [
+        response_text(tok, ids),
+        worker.decode([ids])[0],
+        environment_text(tok, ids, finish_reason),
+        decode_response(tok, RolloutOutput(tuple(ids), (0.0,) * len(ids), finish_reason)),
+    ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -83,7 +101,7 @@ def test_rl_and_evaluation_decode_turn_ends_alike(tokenizers, case, tmp_path):
     cut = encode_continuation(tok, "8") + stops[:1] + encode_continuation(tok, "5")
     assert all_paths(tok, worker, cut, "length") == ["85"] * 4
     # the response ids themselves are not changed by decoding
-    assert worker.decode([answer + stops])[0] == "The answer is 4." and (answer + stops)[-len(stops):] == stops
+    assert worker.decode([answer + stops])[0] == "The answer is 4." and (answer + stops)[-len(stops) :] == stops
 
 
 def test_non_special_added_tokens_stay(tokenizers, tmp_path):
@@ -101,8 +119,13 @@ def test_a_plain_text_turn_end_is_cut_from_the_end(fixtures_dir, tmp_path):
     the text stays."""
     cfg = template_config(fixtures_dir, "phi-4")
     tok = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
-    tok.add_special_tokens({"additional_special_tokens": [
-        t["content"] for t in cfg["added_tokens_decoder"].values() if t["special"] and t["content"] != "<|end|>"]})
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                t["content"] for t in cfg["added_tokens_decoder"].values() if t["special"] and t["content"] != "<|end|>"
+            ]
+        }
+    )
     tok.eos_token, tok.chat_template = cfg["eos_token"], cfg["chat_template"]
     assert end_of_turn(tok) == "<|end|>" and turn_end_token_id(tok) is None
     worker = reward_worker(tok, tmp_path)

@@ -98,16 +98,16 @@ def test_gsm8k_references_rewritten_with_a_box(fixtures_dir):
 @pytest.mark.parametrize(
     "response, label, score",
     [
-        ("so \\boxed{18} dollars for 2 days", "18", 1.0),   # the box beats the last number
+        ("so \\boxed{18} dollars for 2 days", "18", 1.0),  # the box beats the last number
         ("\\boxed{\\$1,250} in 3 weeks", "1250", 1.0),
-        ("#### 7\nor \\boxed{8}", "7", 1.0),                # '####' beats the box
+        ("#### 7\nor \\boxed{8}", "7", 1.0),  # '####' beats the box
         ("10-3 = 7", "7", 1.0),
-        ("It changed by 10-3", "3", 1.0),                   # '-' after a digit is subtraction
+        ("It changed by 10-3", "3", 1.0),  # '-' after a digit is subtraction
         ("It changed by 10-3", "-3", 0.0),
         ("The low was (-3) today", "-3", 1.0),
         ("It fell to -3.", "-3", 1.0),
         ("A total of 1,234,567 people", "1234567", 1.0),
-        ("Pick 1,2 or 3,4", "4", 1.0),                      # not thousands groups: 4 is last
+        ("Pick 1,2 or 3,4", "4", 1.0),  # not thousands groups: 4 is last
         ("Pick 1,2 or 3,4", "34", 0.0),
         ("half is .5", "0.5", 1.0),
         ("18.00", "18", 1.0),
@@ -153,18 +153,18 @@ def test_math_perturbations_cover_every_kind_of_answer():
 # Distinct MATH-500 answer strings that are the same answer under the documented rules;
 # every other pair of the 301 distinct answers must compare unequal.
 _EQUIVALENT_FIXTURE_ANSWERS = {
-    ("-2,1", "1,-2"),                    # solution lists in any order
-    ("10,\\!080", "10080"),              # thousands separator
-    ("120", "120^\\circ"),               # degrees dropped
-    ("15", "15\\mbox{ cm}^2"),           # unit dropped
-    ("2 \\sqrt{5}", "2\\sqrt{5}"),       # spaces
+    ("-2,1", "1,-2"),  # solution lists in any order
+    ("10,\\!080", "10080"),  # thousands separator
+    ("120", "120^\\circ"),  # degrees dropped
+    ("15", "15\\mbox{ cm}^2"),  # unit dropped
+    ("2 \\sqrt{5}", "2\\sqrt{5}"),  # spaces
     ("30", "30^\\circ"),
     ("36", "36^\\circ"),
-    ("36", "\\$36"),                     # dollar sign dropped
+    ("36", "\\$36"),  # dollar sign dropped
     ("36^\\circ", "\\$36"),
-    ("5", "x=5"),                        # leading "x ="
+    ("5", "x=5"),  # leading "x ="
     ("90", "90^\\circ"),
-    ("\\frac14", "\\frac{1}{4}"),        # TeX one-token arguments
+    ("\\frac14", "\\frac{1}{4}"),  # TeX one-token arguments
 }
 
 
@@ -188,7 +188,7 @@ def test_math_distinct_fixture_answers_are_unequal_except_known_equivalents(fixt
         ("-\\frac12", "-0.5"),
         ("\\frac{-1}{2}", "-\\frac{1}{2}"),
         ("\\frac9{19}", "\\frac{9}{19}"),
-        ("1\\frac{4}{5}", "\\frac{9}{5}"),    # mixed number
+        ("1\\frac{4}{5}", "\\frac{9}{5}"),  # mixed number
         ("137 \\frac{1}{2}", "137.5"),
         ("1.2\\times10^{3}", "1200"),
         ("1 \\cdot 10^{3}", "1000"),
@@ -268,19 +268,19 @@ def test_math_equivalent_forms(got, label):
         ("1/2", "2"),
         ("\\frac{1}{2}", "\\frac{2}{1}"),
         ("0.5", "0.05"),
-        ("1/3", "0.333"),                 # rationals compare exactly
-        ("3.1416", "\\pi"),               # not to ten digits
-        ("(1,2)", "(2,1)"),               # tuples in order
-        ("(1,2)", "[1,2]"),               # interval ends differ
+        ("1/3", "0.333"),  # rationals compare exactly
+        ("3.1416", "\\pi"),  # not to ten digits
+        ("(1,2)", "(2,1)"),  # tuples in order
+        ("(1,2)", "[1,2]"),  # interval ends differ
         ("(3,4]", "(3,4)"),
-        ("(1,2)", "1,2"),                 # a point is not a solution list
+        ("(1,2)", "1,2"),  # a point is not a solution list
         ("(1,2,3)", "(1,2)"),
-        ("(12,102)", "(12102)"),          # plain commas inside brackets separate items
-        ("2, 100", "2100"),               # comma + space separates items
+        ("(12,102)", "(12102)"),  # plain commas inside brackets separate items
+        ("2, 100", "2100"),  # comma + space separates items
         ("-3", "3"),
         ("-\\frac{1}{2}", "\\frac{1}{2}"),
-        ("50\\%", "0.5"),                 # percent is dropped, not divided
-        ("52", "52_8"),                   # base subscripts must match
+        ("50\\%", "0.5"),  # percent is dropped, not divided
+        ("52", "52_8"),  # base subscripts must match
         ("3\\sqrt{13}", "3\\sqrt{14}"),
         ("x^2", "x^3"),
         ("p-q", "q-p"),
@@ -304,14 +304,14 @@ def test_math_unequal_forms(got, label):
 @pytest.mark.parametrize(
     "response, label, score",
     [
-        ("The answer is 5.", "5", 0.0),                        # no box, no answer
-        ("\\boxed{4} ... wait, \\boxed{5}", "5", 1.0),          # the last box counts
-        ("\\boxed{5} then \\boxed{6", "5", 0.0),                # unclosed last box: truncated
+        ("The answer is 5.", "5", 0.0),  # no box, no answer
+        ("\\boxed{4} ... wait, \\boxed{5}", "5", 1.0),  # the last box counts
+        ("\\boxed{5} then \\boxed{6", "5", 0.0),  # unclosed last box: truncated
         ("\\fbox{5}", "5", 1.0),
         ("$\\boxed 5$.", "5", 1.0),
-        ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),               # escaped braces inside a box
-        ("\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", 1.0),         # a boxed label is unboxed
-        ("\\boxedx{5}", "5", 0.0),                              # another command
+        ("\\boxed{\\{1,2\\}}", "\\{2,1\\}", 1.0),  # escaped braces inside a box
+        ("\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", 1.0),  # a boxed label is unboxed
+        ("\\boxedx{5}", "5", 0.0),  # another command
     ],
 )
 def test_math_extraction(response, label, score):
@@ -357,9 +357,27 @@ def test_math_is_registered():
 
 def test_math_never_raises_and_stays_fast_on_garbage():
     pieces = list("0123456789+-*/^_{}()[],.=xyi!|&$% ") + [
-        "\\frac", "\\sqrt", "\\pi", "\\left(", "\\right)", "\\text{ cm}", "\\{", "\\}", "\\\\", "\\cup",
-        "\\infty", "\\dfrac", "^\\circ", "\\!", "\\sin", "\\log_", "\\binom", "\\begin{pmatrix}",
-        "\\end{pmatrix}", "\\boxed{", "\\pm",
+        "\\frac",
+        "\\sqrt",
+        "\\pi",
+        "\\left(",
+        "\\right)",
+        "\\text{ cm}",
+        "\\{",
+        "\\}",
+        "\\\\",
+        "\\cup",
+        "\\infty",
+        "\\dfrac",
+        "^\\circ",
+        "\\!",
+        "\\sin",
+        "\\log_",
+        "\\binom",
+        "\\begin{pmatrix}",
+        "\\end{pmatrix}",
+        "\\boxed{",
+        "\\pm",
     ]
     label_pieces = [p for p in pieces if p != "\\boxed{"]  # a label with an empty box is a data error
     rng = random.Random(0)
@@ -369,8 +387,16 @@ def test_math_never_raises_and_stays_fast_on_garbage():
         b = "1" + "".join(rng.choice(label_pieces) for _ in range(rng.randint(0, 40)))
         assert isinstance(normalize(a), str) and isinstance(answers_equal(a, b), bool)
         assert math_boxed(f"\\boxed{{{a}}}", b) in (0.0, 1.0)
-    for nasty in ("(" * 700 + "1" + ")" * 700, "(1," * 500 + "2" + ")" * 500, "2^{" * 100 + "2" + "}" * 100,
-                  "9!!!!", "x^{99999}", "2^{2^{2^{100}}}", "\\sqrt{" * 200 + "2" + "}" * 200, "1" * 5000):
+    for nasty in (
+        "(" * 700 + "1" + ")" * 700,
+        "(1," * 500 + "2" + ")" * 500,
+        "2^{" * 100 + "2" + "}" * 100,
+        "9!!!!",
+        "x^{99999}",
+        "2^{2^{2^{100}}}",
+        "\\sqrt{" * 200 + "2" + "}" * 200,
+        "1" * 5000,
+    ):
         assert answers_equal(nasty, nasty + "1") is False
     assert time.perf_counter() - start < 10
 

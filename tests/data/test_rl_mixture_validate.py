@@ -21,12 +21,28 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _mixture(fixtures_dir: Path, **extra) -> DataConfig:
-    return DataConfig.model_validate({"rl_train": [
-        {"name": "gsm8k", "path": str(fixtures_dir / "gsm8k" / "train_first2000.jsonl"), "format": "gsm8k", "limit": 40,
-         "weight": 3.0},
-        {"name": "math500", "path": str(fixtures_dir / "math500" / "test.jsonl"), "format": "math", "limit": 25,
-         "verifier": "math", "reward_weight": 0.5},
-    ], **extra})
+    return DataConfig.model_validate(
+        {
+            "rl_train": [
+                {
+                    "name": "gsm8k",
+                    "path": str(fixtures_dir / "gsm8k" / "train_first2000.jsonl"),
+                    "format": "gsm8k",
+                    "limit": 40,
+                    "weight": 3.0,
+                },
+                {
+                    "name": "math500",
+                    "path": str(fixtures_dir / "math500" / "test.jsonl"),
+                    "format": "math",
+                    "limit": 25,
+                    "verifier": "math",
+                    "reward_weight": 0.5,
+                },
+            ],
+            **extra,
+        }
+    )
 
 
 def test_sources_share_the_named_dataset_shape_of_benchmarks_and_its_rules(fixtures_dir):
@@ -42,7 +58,10 @@ def test_sources_share_the_named_dataset_shape_of_benchmarks_and_its_rules(fixtu
     path = str(fixtures_dir / "gsm8k" / "test.jsonl")
     for bad, message in (
         ([{"name": "a b", "path": path}], "String should match pattern"),
-        ([{"name": "a", "path": path}, {"name": "a", "path": path}], r"\[1\].name: 'a' is also the name of entry \[0\]"),
+        (
+            [{"name": "a", "path": path}, {"name": "a", "path": path}],
+            r"\[1\].name: 'a' is also the name of entry \[0\]",
+        ),
         ([{"name": "a", "path": path, "weight": 0}], "greater than 0"),
         ([{"name": "a", "path": path, "verifier": "nope"}], "exact_match"),
         ([], "an empty list of sources"),
@@ -59,8 +78,10 @@ def test_a_config_error_names_the_shape_given_and_the_key(tmp_path):
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml").read_text())
     path = tmp_path / "config.yaml"
-    for value, message in (([{"name": "a", "path": "a.jsonl", "wieght": 2}], "data.rl_train.sources[0].wieght: unknown key"),
-                           ({"path": "a.jsonl", "fromat": "gsm8k"}, "data.rl_train.dataset.fromat: unknown key")):
+    for value, message in (
+        ([{"name": "a", "path": "a.jsonl", "wieght": 2}], "data.rl_train.sources[0].wieght: unknown key"),
+        ({"path": "a.jsonl", "fromat": "gsm8k"}, "data.rl_train.dataset.fromat: unknown key"),
+    ):
         path.write_text(yaml.safe_dump({**raw, "data": {**raw["data"], "rl_train": value}}))
         with pytest.raises(ConfigError) as info:
             load_config(path)
@@ -70,7 +91,9 @@ def test_a_config_error_names_the_shape_given_and_the_key(tmp_path):
 def test_each_source_is_validated_counted_and_published_with_its_name(fixtures_dir):
     cfg = _mixture(fixtures_dir)
     assert [(name, key) for name, key, _ in dataset_entries(cfg)] == [
-        ("rl_train/gsm8k", "data.rl_train[0]"), ("rl_train/math500", "data.rl_train[1]")]
+        ("rl_train/gsm8k", "data.rl_train[0]"),
+        ("rl_train/math500", "data.rl_train[1]"),
+    ]
     checked = validate_data(cfg)
     assert checked.problems() == []
     report = checked.report()
@@ -86,8 +109,10 @@ def test_each_source_is_validated_counted_and_published_with_its_name(fixtures_d
 
     metrics = stage_metrics(checked)
     assert (metrics["rows/rl_train"], metrics["rows/rl_train/gsm8k"], metrics["rows/rl_train/math500"]) == (65, 40, 25)
-    assert SPEC.raw_inputs(SimpleNamespace(data=cfg)) == {"rl_train/gsm8k": str(fixtures_dir / "gsm8k" / "train_first2000.jsonl"),
-                                         "rl_train/math500": str(fixtures_dir / "math500" / "test.jsonl")}
+    assert SPEC.raw_inputs(SimpleNamespace(data=cfg)) == {
+        "rl_train/gsm8k": str(fixtures_dir / "gsm8k" / "train_first2000.jsonl"),
+        "rl_train/math500": str(fixtures_dir / "math500" / "test.jsonl"),
+    }
 
 
 def test_overlap_with_rl_eval_covers_every_source(fixtures_dir, tmp_path):
@@ -96,10 +121,12 @@ def test_overlap_with_rl_eval_covers_every_source(fixtures_dir, tmp_path):
     held_out = _rows(fixtures_dir / "gsm8k" / "test.jsonl")[:20]
     # line 21: the 3rd row of the first source; lines 22-23: the 5th and 11th of the second
     eval_path = tmp_path / "eval.jsonl"
-    eval_path.write_text("".join(json.dumps(r) + "\n" for r in held_out)
-                         + json.dumps(gsm_rows[2]) + "\n"
-                         + "".join(json.dumps({"question": math_rows[i]["problem"], "answer": "#### 1"}) + "\n"
-                                   for i in (4, 10)))
+    eval_path.write_text(
+        "".join(json.dumps(r) + "\n" for r in held_out)
+        + json.dumps(gsm_rows[2])
+        + "\n"
+        + "".join(json.dumps({"question": math_rows[i]["problem"], "answer": "#### 1"}) + "\n" for i in (4, 10))
+    )
     cfg = _mixture(fixtures_dir, rl_eval={"path": str(eval_path), "format": "gsm8k"}, allow_eval_overlap=False)
     checked = validate_data(cfg)
     assert (checked.overlap.n_rows, checked.overlap.n_prompts, checked.overlap.lines) == (3, 3, [21, 22, 23])
@@ -110,12 +137,18 @@ def test_overlap_with_rl_eval_covers_every_source(fixtures_dir, tmp_path):
 
 def test_a_bad_source_is_named_by_its_config_key(fixtures_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": "p", "label": "1"}) + "\n" + json.dumps({"prompt": "q", "label": 1.5e400}) + "\n")
-    cfg = DataConfig.model_validate({"rl_train": [
-        {"name": "ok", "path": str(fixtures_dir / "gsm8k" / "test.jsonl"), "limit": 5},
-        {"name": "broken", "path": str(bad), "format": "prompt_label"},
-        {"name": "gone", "path": str(tmp_path / "missing.jsonl")},
-    ]})
+    bad.write_text(
+        json.dumps({"prompt": "p", "label": "1"}) + "\n" + json.dumps({"prompt": "q", "label": 1.5e400}) + "\n"
+    )
+    cfg = DataConfig.model_validate(
+        {
+            "rl_train": [
+                {"name": "ok", "path": str(fixtures_dir / "gsm8k" / "test.jsonl"), "limit": 5},
+                {"name": "broken", "path": str(bad), "format": "prompt_label"},
+                {"name": "gone", "path": str(tmp_path / "missing.jsonl")},
+            ]
+        }
+    )
     checked = validate_data(cfg)
     problems = checked.problems()
     assert problems[0].startswith(f"data.rl_train[1]: {bad}: 1 of 2 records bad")

@@ -75,8 +75,10 @@ def test_fork_bomb_is_contained_and_leaves_no_process():
 
 def test_fork_bomb_hits_the_process_limit():
     # forks until refused, then reports how many it got: RLIMIT_NPROC counts the sandbox alone
-    program = ("import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time\n"
-               "            time.sleep(30)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n")
+    program = (
+        "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time\n"
+        "            time.sleep(30)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)\n"
+    )
     result = run_test(program, stdin="", expected_stdout="7 11", limits=LIMITS)  # 8 processes: runner + 7; EAGAIN
     assert result.status == "passed", result
     assert _none_left() == []
@@ -100,10 +102,12 @@ def test_100_mb_of_output_is_cut_at_the_limit():
 
 def test_write_outside_the_temp_dir(tmp_path):
     target = tmp_path / "owned.txt"
-    program = (f"import os\nprint(os.getcwd() == os.environ['HOME'], os.getcwd().startswith('/'))\n"
-               f"open('inside.txt', 'w').write('ok')\n"
-               f"try:\n    open({str(target)!r}, 'w').write('pwned')\n    print('wrote')\n"
-               f"except OSError as e:\n    print('refused', e.errno)\n")
+    program = (
+        f"import os\nprint(os.getcwd() == os.environ['HOME'], os.getcwd().startswith('/'))\n"
+        f"open('inside.txt', 'w').write('ok')\n"
+        f"try:\n    open({str(target)!r}, 'w').write('pwned')\n    print('wrote')\n"
+        f"except OSError as e:\n    print('refused', e.errno)\n"
+    )
     result = run_test(program, stdin="", expected_stdout="", limits=LIMITS)
     lines = result.stdout.split()
     assert lines[:2] == ["True", "True"]  # cwd and HOME are the fresh temporary directory
@@ -111,8 +115,10 @@ def test_write_outside_the_temp_dir(tmp_path):
         assert lines[2:] == ["refused", "13"]
         assert not target.exists()
     else:
-        pytest.skip(f"sandbox mode {sandbox_support().mode}: the program runs as the product user and can write where "
-                    "it can (docs/algorithms.md, Code sandbox)")
+        pytest.skip(
+            f"sandbox mode {sandbox_support().mode}: the program runs as the product user and can write where "
+            "it can (docs/algorithms.md, Code sandbox)"
+        )
 
 
 def test_socket_to_a_local_server_is_refused():
@@ -122,8 +128,10 @@ def test_socket_to_a_local_server_is_refused():
     port = server.getsockname()[1]
     accepted = []
     threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
-    program = (f"import socket\ns = socket.socket()\ns.settimeout(1)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
-               f"    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    program = (
+        f"import socket\ns = socket.socket()\ns.settimeout(1)\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
+        f"    print('connected')\nexcept OSError as e:\n    print('refused', e.errno)\n"
+    )
     try:
         result = run_test(program, stdin="", expected_stdout="", limits=LIMITS)
         support = sandbox_support()
@@ -137,10 +145,12 @@ def test_socket_to_a_local_server_is_refused():
 
 
 def test_kill_of_the_parent_does_not_reach_the_test_process():
-    program = ("import os, signal\nprint('ppid', os.getppid())\nfor pid in (os.getppid(), {pid}):\n"
-               "    if pid:  # pid 0 would be the sandbox's own process group\n        try:\n"
-               "            os.kill(pid, signal.SIGKILL)\n        except OSError as e:\n"
-               "            print(pid, e.errno)\n").replace("{pid}", str(os.getpid()))
+    program = (
+        "import os, signal\nprint('ppid', os.getppid())\nfor pid in (os.getppid(), {pid}):\n"
+        "    if pid:  # pid 0 would be the sandbox's own process group\n        try:\n"
+        "            os.kill(pid, signal.SIGKILL)\n        except OSError as e:\n"
+        "            print(pid, e.errno)\n"
+    ).replace("{pid}", str(os.getpid()))
     result = run_test(program, stdin="", expected_stdout="", limits=LIMITS)
     assert result.status == "failed"  # it printed what happened, and this process is alive to read it
     if sandbox_support().mode != "process":
@@ -149,7 +159,7 @@ def test_kill_of_the_parent_does_not_reach_the_test_process():
 
 
 def test_child_left_behind_is_killed():
-    program = ("import subprocess\np = subprocess.Popen(['sleep', '61.2345'], start_new_session=True)\nprint(p.pid)\n")
+    program = "import subprocess\np = subprocess.Popen(['sleep', '61.2345'], start_new_session=True)\nprint(p.pid)\n"
     result = run_test(program, stdin="", expected_stdout="", limits=LIMITS)
     assert result.status == "failed" and result.stdout.strip().isdigit()
     # the child (its own session, outside the runner's process group) must be gone
@@ -191,18 +201,36 @@ CASES = [
     # (program, test or (stdin, expected), status, reason)
     (ADD, "assert add(2, 3) == 5", "passed", ""),
     (ADD, "assert add(2, 3) == 6", "failed", "assert add(2, 3) == 6: AssertionError"),
-    (ADD, "assert add(2, 3) == 6, 'off by one'", "failed", "assert add(2, 3) == 6, 'off by one': AssertionError: off by one"),
-    ("def add(a, b):\n    return a - b\n", "assert add(0, 0) == 0\nassert add(1, 1) == 2", "failed",
-     "assert add(1, 1) == 2: AssertionError"),
-    ("def add(a, b)\n    return a + b\n", "assert add(1, 2) == 3", "error",
-     "SyntaxError: expected ':' (<solution>, line 1)"),
+    (
+        ADD,
+        "assert add(2, 3) == 6, 'off by one'",
+        "failed",
+        "assert add(2, 3) == 6, 'off by one': AssertionError: off by one",
+    ),
+    (
+        "def add(a, b):\n    return a - b\n",
+        "assert add(0, 0) == 0\nassert add(1, 1) == 2",
+        "failed",
+        "assert add(1, 1) == 2: AssertionError",
+    ),
+    (
+        "def add(a, b)\n    return a + b\n",
+        "assert add(1, 2) == 3",
+        "error",
+        "SyntaxError: expected ':' (<solution>, line 1)",
+    ),
     (ADD, "assert mul(2, 3) == 6", "error", "NameError: name 'mul' is not defined"),
     ("def f(x):\n    return 1 / x\n", "assert f(0) == 0", "error", "ZeroDivisionError: division by zero"),
     ("def f(x):\n    return [1][x]\n", "assert f(3) == 1", "error", "IndexError: list index out of range"),
     ("def f(n):\n    return f(n + 1)\n", "assert f(0)", "error", "RecursionError: maximum recursion depth exceeded"),
     ("import math\ndef f(x):\n    return math.isqrt(x)\n", "assert f(17) == 4", "passed", ""),
     ("def check(candidate):\n    assert candidate(1) == 2\n", "check(lambda x: x + 1)", "passed", ""),
-    ("def f(x):\n    while x:\n        pass\n", "assert f(0) is None\nassert f(1) is None", "timeout", "CPU time over 1 s"),
+    (
+        "def f(x):\n    while x:\n        pass\n",
+        "assert f(0) is None\nassert f(1) is None",
+        "timeout",
+        "CPU time over 1 s",
+    ),
     ("raise ValueError('bad input')", "assert True", "error", "ValueError: bad input"),
     ("import no_such_module", "assert True", "error", "ModuleNotFoundError: No module named 'no_such_module'"),
     ("a, b = map(int, input().split())\nprint(a + b)", ("2 3\n", "5\n"), "passed", ""),

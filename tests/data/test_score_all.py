@@ -35,7 +35,11 @@ def test_order_threads_and_errors():
         barrier.wait()  # returns only when three scorings run at once
         return len(response) + (label == "x") + (finish_reason == "stop")
 
-    assert score_all(verifier, ["a", "bb", "ccc"], ["x", "y", "x"], ["stop", "length", "length"], threads=3) == [3.0, 2.0, 4.0]
+    assert score_all(verifier, ["a", "bb", "ccc"], ["x", "y", "x"], ["stop", "length", "length"], threads=3) == [
+        3.0,
+        2.0,
+        4.0,
+    ]
     assert len(names) == 3
 
     def failing(response, label, finish_reason):

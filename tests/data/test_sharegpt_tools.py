@@ -18,12 +18,20 @@ from data.validate import validate_dataset, write_jsonl_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 
-AREA = {"name": "calculate_area", "description": "Calculate the area of a given shape",
-        "parameters": {"type": "object", "properties": {"shape": {"type": "string"},
-                                                        "dimensions": {"type": "array", "items": {"type": "number"}}},
-                       "required": ["shape", "dimensions"]}}
-DISCOUNT = {"name": "calculate_discount", "description": "Discounted price",
-            "parameters": {"type": "object", "properties": {"price": {"type": "number"}, "percent": {"type": "number"}}}}
+AREA = {
+    "name": "calculate_area",
+    "description": "Calculate the area of a given shape",
+    "parameters": {
+        "type": "object",
+        "properties": {"shape": {"type": "string"}, "dimensions": {"type": "array", "items": {"type": "number"}}},
+        "required": ["shape", "dimensions"],
+    },
+}
+DISCOUNT = {
+    "name": "calculate_discount",
+    "description": "Discounted price",
+    "parameters": {"type": "object", "properties": {"price": {"type": "number"}, "percent": {"type": "number"}}},
+}
 
 
 def _t(speaker: str, value) -> dict:
@@ -37,10 +45,13 @@ TOOL_ROW = {
         _t("observation", {"area": 15}),
         _t("gpt", "The area of the rectangle is 15 square units."),
         _t("human", "And a circle of radius 4, and 20% off 50 dollars?"),
-        _t("function_call", [  # two calls in one turn (parallel)
-            {"name": "calculate_area", "arguments": {"shape": "circle", "dimensions": [4]}},
-            {"name": "calculate_discount", "arguments": json.dumps({"price": 50, "percent": 20})},
-        ]),
+        _t(
+            "function_call",
+            [  # two calls in one turn (parallel)
+                {"name": "calculate_area", "arguments": {"shape": "circle", "dimensions": [4]}},
+                {"name": "calculate_discount", "arguments": json.dumps({"price": 50, "percent": 20})},
+            ],
+        ),
         _t("observation", [{"area": 50.24}, {"price": 40}]),
         _t("gpt", "About 50.24 square units, and 40 dollars."),
     ],
@@ -58,15 +69,22 @@ EXPECTED_TOOL_ROW = {
     "messages": [
         {"role": "system", "content": "You are a helpful assistant with tools."},
         {"role": "user", "content": "I need the area of a rectangle, 5 by 3 units."},
-        {"role": "assistant", "content": "",
-         "tool_calls": [_fn("calculate_area", {"shape": "rectangle", "dimensions": [5, 3]})]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [_fn("calculate_area", {"shape": "rectangle", "dimensions": [5, 3]})],
+        },
         {"role": "tool", "content": '{"area": 15}'},
         {"role": "assistant", "content": "The area of the rectangle is 15 square units."},
         {"role": "user", "content": "And a circle of radius 4, and 20% off 50 dollars?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            _fn("calculate_area", {"shape": "circle", "dimensions": [4]}),
-            _fn("calculate_discount", {"price": 50, "percent": 20}),
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                _fn("calculate_area", {"shape": "circle", "dimensions": [4]}),
+                _fn("calculate_discount", {"price": 50, "percent": 20}),
+            ],
+        },
         {"role": "tool", "content": '[{"area": 50.24}, {"price": 40}]'},
         {"role": "assistant", "content": "About 50.24 square units, and 40 dollars."},
     ],
@@ -86,8 +104,12 @@ def test_tool_call_rows_are_normalized(tmp_path):
     assert result.format == "sharegpt" and result.errors == []
     assert result.rows[0] == EXPECTED_TOOL_ROW
     # "[]" means no tools: the row keeps the plain shape every other format gives.
-    assert result.rows[1] == {"messages": [{"role": "user", "content": "Define photoshop."},
-                                           {"role": "assistant", "content": "An image editor by Adobe."}]}
+    assert result.rows[1] == {
+        "messages": [
+            {"role": "user", "content": "Define photoshop."},
+            {"role": "assistant", "content": "An image editor by Adobe."},
+        ]
+    }
     assert len(result.rows) == 6 and len(result.duplicates) == 4
 
 
@@ -102,9 +124,17 @@ def test_openai_style_messages_with_tool_calls(tmp_path):
     record = {
         "messages": [
             {"role": "user", "content": "Weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
             {"role": "assistant", "content": "18 C and sunny.", "tool_calls": []},  # [] is no calls
         ],
@@ -113,7 +143,11 @@ def test_openai_style_messages_with_tool_calls(tmp_path):
     path = tmp_path / "oai.jsonl"
     path.write_text(json.dumps(record) + "\n")
     [row] = validate_dataset(path, "sft").rows
-    assert row["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [_fn("get_weather", {"city": "Paris"})]}
+    assert row["messages"][1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [_fn("get_weather", {"city": "Paris"})],
+    }
     assert row["messages"][2] == {"role": "tool", "content": "18 C, sunny"}
     assert row["messages"][3] == {"role": "assistant", "content": "18 C and sunny."}
     assert row["tools"] == record["tools"]
@@ -126,26 +160,61 @@ def _conv(*turns, **extra) -> dict:
 @pytest.mark.parametrize(
     "record, field, message",
     [
-        (_conv(_t("human", "q"), _t("function_call", '{"name": "f", "arguments": {"x": 1}'), _t("observation", "r"),
-               _t("gpt", "a")),
-         "conversations[1].value", "invalid JSON at column 36: Expecting ',' delimiter"),
-        (_conv(_t("human", "q"), _t("gpt", "a"), tools='[{"name": "f", }]'),
-         "tools", "invalid JSON at column 16: Expecting property name enclosed in double quotes"),
-        (_conv(_t("human", "q"), _t("function_call", {"arguments": {}}), _t("observation", "r"), _t("gpt", "a")),
-         "conversations[1].value", 'tool call [0]: expected a non-empty string "name", got null'),
-        (_conv(_t("human", "q"), _t("function_call", {"name": "f", "arguments": "[1, 2]"}), _t("observation", "r"),
-               _t("gpt", "a")),
-         "conversations[1].value", 'tool call [0]: "arguments" must be a JSON object, got array'),
-        (_conv(_t("human", "q"), _t("function_call", []), _t("observation", "r"), _t("gpt", "a")),
-         "conversations[1].value",
-         'expected a tool call {"name", "arguments"} or a non-empty list of them, got an empty list'),
-        (_conv(_t("human", "q"), _t("gpt", "a"), tools='{"type": "object"}'),
-         "tools", 'tool [0]: expected a non-empty string "name", got null'),
-        (_conv(_t("human", "q"), _t("observation", "r"), _t("gpt", "a")),
-         "conversations[1].from", "a tool result must follow an assistant turn with tool calls"),
-        (_conv(_t("human", "q"), _t("function_call", {"name": "f", "arguments": {}}), _t("observation", " "),
-               _t("gpt", "a")),
-         "conversations[2].value", "empty content"),
+        (
+            _conv(
+                _t("human", "q"),
+                _t("function_call", '{"name": "f", "arguments": {"x": 1}'),
+                _t("observation", "r"),
+                _t("gpt", "a"),
+            ),
+            "conversations[1].value",
+            "invalid JSON at column 36: Expecting ',' delimiter",
+        ),
+        (
+            _conv(_t("human", "q"), _t("gpt", "a"), tools='[{"name": "f", }]'),
+            "tools",
+            "invalid JSON at column 16: Expecting property name enclosed in double quotes",
+        ),
+        (
+            _conv(_t("human", "q"), _t("function_call", {"arguments": {}}), _t("observation", "r"), _t("gpt", "a")),
+            "conversations[1].value",
+            'tool call [0]: expected a non-empty string "name", got null',
+        ),
+        (
+            _conv(
+                _t("human", "q"),
+                _t("function_call", {"name": "f", "arguments": "[1, 2]"}),
+                _t("observation", "r"),
+                _t("gpt", "a"),
+            ),
+            "conversations[1].value",
+            'tool call [0]: "arguments" must be a JSON object, got array',
+        ),
+        (
+            _conv(_t("human", "q"), _t("function_call", []), _t("observation", "r"), _t("gpt", "a")),
+            "conversations[1].value",
+            'expected a tool call {"name", "arguments"} or a non-empty list of them, got an empty list',
+        ),
+        (
+            _conv(_t("human", "q"), _t("gpt", "a"), tools='{"type": "object"}'),
+            "tools",
+            'tool [0]: expected a non-empty string "name", got null',
+        ),
+        (
+            _conv(_t("human", "q"), _t("observation", "r"), _t("gpt", "a")),
+            "conversations[1].from",
+            "a tool result must follow an assistant turn with tool calls",
+        ),
+        (
+            _conv(
+                _t("human", "q"),
+                _t("function_call", {"name": "f", "arguments": {}}),
+                _t("observation", " "),
+                _t("gpt", "a"),
+            ),
+            "conversations[2].value",
+            "empty content",
+        ),
     ],
 )
 def test_tool_faults_name_file_line_and_field(tmp_path, record, field, message):
@@ -158,15 +227,21 @@ def test_tool_faults_name_file_line_and_field(tmp_path, record, field, message):
 
 
 def test_schema_faults_inside_a_tool_call_map_to_the_source_turn(tmp_path):
-    record = {"messages": [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "retrieval", "function": {"name": "f"}}]},
-    ]}
+    record = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "retrieval", "function": {"name": "f"}}]},
+        ]
+    }
     path = tmp_path / "m.jsonl"
     path.write_text(json.dumps(record) + "\n")
     # The adapter rewrites "type"; a tool call on a user turn is the schema's to catch.
-    record2 = {"messages": [{"role": "user", "content": "q", "tool_calls": [{"name": "f"}]},
-                            {"role": "assistant", "content": "a"}]}
+    record2 = {
+        "messages": [
+            {"role": "user", "content": "q", "tool_calls": [{"name": "f"}]},
+            {"role": "assistant", "content": "a"},
+        ]
+    }
     path.write_text(json.dumps(record) + "\n" + json.dumps(record2) + "\n")
     result = validate_dataset(path, "sft")
     assert result.rows[0]["messages"][1]["tool_calls"] == [_fn("f", {})]
@@ -180,10 +255,17 @@ def test_tool_turns_are_not_prompts(tmp_path):
     # tools on a preference pair are an error rather than silently dropped.
     path = tmp_path / "p.jsonl"
     rows = [
-        {"conversations": [_t("human", "q"), _t("function_call", {"name": "f", "arguments": {}})],
-         "chosen": _t("gpt", "a"), "rejected": _t("gpt", "b")},
-        {"conversations": [_t("human", "q")], "chosen": _t("gpt", "a"), "rejected": _t("gpt", "b"),
-         "tools": json.dumps([AREA])},
+        {
+            "conversations": [_t("human", "q"), _t("function_call", {"name": "f", "arguments": {}})],
+            "chosen": _t("gpt", "a"),
+            "rejected": _t("gpt", "b"),
+        },
+        {
+            "conversations": [_t("human", "q")],
+            "chosen": _t("gpt", "a"),
+            "rejected": _t("gpt", "b"),
+            "tools": json.dumps([AREA]),
+        },
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = validate_dataset(path, "preference", format="dpo")
@@ -196,13 +278,12 @@ def test_tool_turns_are_not_prompts(tmp_path):
 def test_the_docs_example_is_what_validation_gives(tmp_path):
     """docs/configuration.md shows a ShareGPT tool-call record and what it becomes."""
     doc = (REPO / "docs" / "configuration.md").read_text()
-    section = doc[doc.index("**Tool calls.**"):doc.index("**`limit`**")]
+    section = doc[doc.index("**Tool calls.**") : doc.index("**`limit`**")]
     record = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
     path = tmp_path / "doc.jsonl"
     path.write_text(json.dumps(record) + "\n")
     [row] = validate_dataset(path, "sft").rows
-    assert row["messages"][1] == {"role": "assistant", "content": "",
-                                  "tool_calls": [_fn("area", {"w": 5, "h": 3})]}
+    assert row["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [_fn("area", {"w": 5, "h": 3})]}
     assert row["messages"][2] == {"role": "tool", "content": '{"area": 15}'}
     assert row["messages"][3] == {"role": "assistant", "content": "It is 15."}
     assert row["tools"][0]["type"] == "function" and row["tools"][0]["function"]["name"] == "area"

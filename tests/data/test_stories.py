@@ -18,7 +18,10 @@ def test_story_datasets_hold_out_pairs_and_are_reproducible(tmp_path):
     held = [json.loads(line) for line in paths["rl_eval"].open()]
     assert len(train) == 500 and len(held) == 100 == len({r["prompt"] for r in held})
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    assert held[0]["prompt"] == story_opening(*_pair(held[0]["prompt"])) and held[0]["label"] == _pair(held[0]["prompt"])[1]
+    assert (
+        held[0]["prompt"] == story_opening(*_pair(held[0]["prompt"]))
+        and held[0]["label"] == _pair(held[0]["prompt"])[1]
+    )
     with pytest.raises(ValueError, match="num_eval=640 leaves none of the 640 openings"):
         make_story_datasets(tmp_path / "c", num_rl=1, num_eval=len(CHARACTERS) * len(NAMES), seed=0)
     with pytest.raises(ValueError, match="num_rl must be a positive int"):
@@ -39,7 +42,7 @@ def _pair(prompt: str) -> tuple[str, str]:
         ("Maxi and Maxwell played.", "stop", 0.0),  # whole words only
         ("max played.", "stop", 0.0),  # names are case-sensitive
         ("Max's ball was red.", "stop", 1.0),  # a possessive is the name
-        ("\"Max!\" said mom.", "stop", 1.0),
+        ('"Max!" said mom.', "stop", 1.0),
     ],
 )
 def test_story_reward(response, finish_reason, reward):

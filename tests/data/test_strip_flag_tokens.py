@@ -22,12 +22,33 @@ from tests.data.chat_tokenizers import BASES, paired_tokenizer, sentencepiece_di
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 # Qwen2.5 vocabulary ids (checked against the vocabulary by test_qwen_ids_are_its_vocabulary).
-QWEN = {"<|im_start|>": 151644, "<|im_end|>": 151645, "system": 8948, "user": 872, "assistant": 77091,
-        "Ċ": 198, "Be": 3430, "Ġbrief": 9814, ".": 13, "Hi": 13048, "Hello": 9707, "Ġthere": 1052,
-        "By": 1359, "e": 68, "Good": 15216, "bye": 28374, "Ġ": 220, ".Ċ": 624}
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Bye"},
-        {"role": "assistant", "content": "Goodbye."}]
+QWEN = {
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "system": 8948,
+    "user": 872,
+    "assistant": 77091,
+    "Ċ": 198,
+    "Be": 3430,
+    "Ġbrief": 9814,
+    ".": 13,
+    "Hi": 13048,
+    "Hello": 9707,
+    "Ġthere": 1052,
+    "By": 1359,
+    "e": 68,
+    "Good": 15216,
+    "bye": 28374,
+    "Ġ": 220,
+    ".Ċ": 624,
+}
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello there."},
+    {"role": "user", "content": "Bye"},
+    {"role": "assistant", "content": "Goodbye."},
+]
 
 
 def _ids(*tokens: str) -> list[int]:
@@ -63,11 +84,36 @@ def test_rstrip_turn_end_is_found_and_trained(qwen_dir, tmp_path):
     assert end_of_turn(tok) == "<|im_end|>" and turn_end_token_id(tok) == 151645
     enc = encode_chat(tok, CHAT)
     header = ("<|im_start|>", "assistant", "Ċ")
-    expected = _ids("<|im_start|>", "system", "Ċ", "Be", "Ġbrief", ".", "<|im_end|>",
-                    "<|im_start|>", "user", "Ċ", "Hi", "<|im_end|>", *header,
-                    "Hello", "Ġthere", ".", "<|im_end|>",
-                    "<|im_start|>", "user", "Ċ", "By", "e", "<|im_end|>", *header,
-                    "Good", "bye", ".", "<|im_end|>")
+    expected = _ids(
+        "<|im_start|>",
+        "system",
+        "Ċ",
+        "Be",
+        "Ġbrief",
+        ".",
+        "<|im_end|>",
+        "<|im_start|>",
+        "user",
+        "Ċ",
+        "Hi",
+        "<|im_end|>",
+        *header,
+        "Hello",
+        "Ġthere",
+        ".",
+        "<|im_end|>",
+        "<|im_start|>",
+        "user",
+        "Ċ",
+        "By",
+        "e",
+        "<|im_end|>",
+        *header,
+        "Good",
+        "bye",
+        ".",
+        "<|im_end|>",
+    )
     assert enc.input_ids == expected == _whole(tok, CHAT)
     assert enc.loss_mask == [0] * 15 + [1] * 4 + [0] * 9 + [1] * 4
     for i in (2, 4):  # RL's prompt ids are the prefix, and the answer follows them
@@ -78,16 +124,51 @@ def test_rstrip_turn_end_is_found_and_trained(qwen_dir, tmp_path):
 def test_lstrip_turn_end_takes_the_whitespace_before_it(qwen_dir, tmp_path):
     """Answers ending in whitespace: the space or newline before ``<|im_end|>`` is part of it."""
     tok = _flagged_qwen(qwen_dir, tmp_path, "lstrip")
-    chat = [CHAT[0], {"role": "user", "content": "Hi "}, {"role": "assistant", "content": "Hello there. "},
-            CHAT[3], {"role": "assistant", "content": "Goodbye.\n"}]
+    chat = [
+        CHAT[0],
+        {"role": "user", "content": "Hi "},
+        {"role": "assistant", "content": "Hello there. "},
+        CHAT[3],
+        {"role": "assistant", "content": "Goodbye.\n"},
+    ]
     assert end_of_turn(tok) == "<|im_end|>" and turn_end_token_id(tok) == 151645
     enc = encode_chat(tok, chat)
     header = ("<|im_start|>", "assistant", "Ċ")
-    expected = _ids("<|im_start|>", "system", "Ċ", "Be", "Ġbrief", ".", "<|im_end|>", "Ċ",
-                    "<|im_start|>", "user", "Ċ", "Hi", "<|im_end|>", "Ċ", *header,
-                    "Hello", "Ġthere", ".", "<|im_end|>", "Ċ",
-                    "<|im_start|>", "user", "Ċ", "By", "e", "<|im_end|>", "Ċ", *header,
-                    "Good", "bye", ".", "<|im_end|>", "Ċ")
+    expected = _ids(
+        "<|im_start|>",
+        "system",
+        "Ċ",
+        "Be",
+        "Ġbrief",
+        ".",
+        "<|im_end|>",
+        "Ċ",
+        "<|im_start|>",
+        "user",
+        "Ċ",
+        "Hi",
+        "<|im_end|>",
+        "Ċ",
+        *header,
+        "Hello",
+        "Ġthere",
+        ".",
+        "<|im_end|>",
+        "Ċ",
+        "<|im_start|>",
+        "user",
+        "Ċ",
+        "By",
+        "e",
+        "<|im_end|>",
+        "Ċ",
+        *header,
+        "Good",
+        "bye",
+        ".",
+        "<|im_end|>",
+        "Ċ",
+    )
     assert enc.input_ids == expected == _whole(tok, chat)
     assert enc.loss_mask == [0] * 17 + [1] * 4 + [0] * 11 + [1] * 4 + [0]
     # Without the flag the same text has a space token (220) and ".\n" (624) before <|im_end|>.

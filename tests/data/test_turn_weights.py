@@ -22,9 +22,13 @@ CHAT = [
 # The Qwen2.5 ids of CHAT (with this vocabulary: "Ċ" 198, "Be" 3430, "Ġbrief" 9814, "." 13,
 # "Hi" 13048, "Hello" 9707, "Ġthere" 1052, "By" 1359, "e" 68, "Good" 15216, "bye" 28374).
 START, END, NL, SYSTEM, USER, ASSISTANT = 151644, 151645, 198, 8948, 872, 77091
-IDS = ([START, SYSTEM, NL, 3430, 9814, 13, END, NL, START, USER, NL, 13048, END, NL, START, ASSISTANT, NL]
-       + [9707, 1052, 13, END] + [NL, START, USER, NL, 1359, 68, END, NL, START, ASSISTANT, NL]
-       + [15216, 28374, 13, END] + [NL])
+IDS = (
+    [START, SYSTEM, NL, 3430, 9814, 13, END, NL, START, USER, NL, 13048, END, NL, START, ASSISTANT, NL]
+    + [9707, 1052, 13, END]
+    + [NL, START, USER, NL, 1359, 68, END, NL, START, ASSISTANT, NL]
+    + [15216, 28374, 13, END]
+    + [NL]
+)
 FIRST, SECOND = range(17, 21), range(32, 36)  # each answer's tokens and its <|im_end|>
 
 # The Qwen2.5 chat format with {% generation %} around the turns of weight other than 0, so
@@ -50,8 +54,9 @@ def _mask(*trained: range) -> list[int]:
 
 
 def _reference(tok, messages) -> list[int]:
-    ref = tok.apply_chat_template(messages, chat_template=WEIGHTED_TEMPLATE, tokenize=True, return_dict=True,
-                                  return_assistant_tokens_mask=True)
+    ref = tok.apply_chat_template(
+        messages, chat_template=WEIGHTED_TEMPLATE, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     assert list(ref["input_ids"]) == IDS
     return list(ref["assistant_masks"])
 
@@ -92,10 +97,14 @@ def test_llamafactory_v1_loss_weight_through_validation(qwen, fixtures_dir, tmp_
     result = validate_dataset(src, "sft")
     assert result.format == "messages" and result.errors == []
     text = ["".join(p["value"] for p in m["content"]) for m in joined]
-    assert result.rows[0] == {"messages": [
-        {"role": "user", "content": text[0]}, {"role": "assistant", "content": text[1], "weight": 0},
-        {"role": "user", "content": text[2]}, {"role": "assistant", "content": text[3]},
-    ]}
+    assert result.rows[0] == {
+        "messages": [
+            {"role": "user", "content": text[0]},
+            {"role": "assistant", "content": text[1], "weight": 0},
+            {"role": "user", "content": text[2]},
+            {"role": "assistant", "content": text[3]},
+        ]
+    }
     assert "weight" not in json.dumps(result.rows[1])  # loss_weight 1.0 (and 0.0 on a user turn): the default
     enc = encode_chat(qwen, result.rows[0]["messages"])
     plain = encode_chat(qwen, [{k: v for k, v in m.items() if k != "weight"} for m in result.rows[0]["messages"]])
@@ -122,21 +131,51 @@ def test_openai_weight_reaches_the_sft_dataset(qwen, tmp_path):
     assert encode_sft_dataset(published, qwen, max_seq_len=64) == [(IDS, _mask(SECOND))]
 
 
-@pytest.mark.parametrize("turn, field, message", [
-    (2, {"weight": 0.5}, ("messages[2].weight", "expected 0 (not trained) or 1 (trained), got 0.5; a turn is either "
-                          "in the SFT loss or not: set 0 or 1, or remove it")),
-    (2, {"loss_weight": "yes"}, ("messages[2].loss_weight", 'expected 0 (not trained) or 1 (trained), got "yes"; a '
-                                  "turn is either in the SFT loss or not: set 0 or 1, or remove it")),
-    (2, {"weight": True}, ("messages[2].weight", "expected 0 (not trained) or 1 (trained), got true; a turn is "
-                           "either in the SFT loss or not: set 0 or 1, or remove it")),
-    (1, {"loss_weight": 1.0}, ("messages[1].loss_weight", "only assistant turns are trained, not 'user' turns; set 0 "
-                               "or remove it")),
-    (2, {"weight": 0, "loss_weight": 1}, ("messages[2].loss_weight", "1 disagrees with weight = 0; keep one of the "
-                                          "two")),
-])
+@pytest.mark.parametrize(
+    "turn, field, message",
+    [
+        (
+            2,
+            {"weight": 0.5},
+            (
+                "messages[2].weight",
+                "expected 0 (not trained) or 1 (trained), got 0.5; a turn is either "
+                "in the SFT loss or not: set 0 or 1, or remove it",
+            ),
+        ),
+        (
+            2,
+            {"loss_weight": "yes"},
+            (
+                "messages[2].loss_weight",
+                'expected 0 (not trained) or 1 (trained), got "yes"; a '
+                "turn is either in the SFT loss or not: set 0 or 1, or remove it",
+            ),
+        ),
+        (
+            2,
+            {"weight": True},
+            (
+                "messages[2].weight",
+                "expected 0 (not trained) or 1 (trained), got true; a turn is "
+                "either in the SFT loss or not: set 0 or 1, or remove it",
+            ),
+        ),
+        (
+            1,
+            {"loss_weight": 1.0},
+            ("messages[1].loss_weight", "only assistant turns are trained, not 'user' turns; set 0 or remove it"),
+        ),
+        (
+            2,
+            {"weight": 0, "loss_weight": 1},
+            ("messages[2].loss_weight", "1 disagrees with weight = 0; keep one of the two"),
+        ),
+    ],
+)
 def test_bad_weights_name_file_line_and_field(tmp_path, turn, field, message):
     good = {"messages": CHAT}
-    bad = {"messages": [*CHAT[:turn], {**CHAT[turn], **field}, *CHAT[turn + 1:]]}
+    bad = {"messages": [*CHAT[:turn], {**CHAT[turn], **field}, *CHAT[turn + 1 :]]}
     src = tmp_path / "w.jsonl"
     src.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     result = validate_dataset(src, "sft")
@@ -151,9 +190,18 @@ def test_every_answer_weight_zero_is_refused(tmp_path):
     src = tmp_path / "zero.jsonl"
     src.write_text(json.dumps({"messages": zero}) + "\n")
     assert [(e.line, e.field, e.message) for e in validate_dataset(src, "sft").errors] == [
-        (1, "messages[4].loss_weight", "every assistant turn has weight 0, so the conversation has nothing to train "
-                                       "on; give a turn weight 1 or remove the row")]
+        (
+            1,
+            "messages[4].loss_weight",
+            "every assistant turn has weight 0, so the conversation has nothing to train "
+            "on; give a turn weight 1 or remove the row",
+        )
+    ]
     src.write_text(json.dumps(sharegpt) + "\n")
     assert [(e.field, e.message) for e in validate_dataset(src, "sft").errors] == [
-        ("conversations[1].weight", "every assistant turn has weight 0, so the conversation has nothing to train on; "
-                                    "give a turn weight 1 or remove the row")]
+        (
+            "conversations[1].weight",
+            "every assistant turn has weight 0, so the conversation has nothing to train on; "
+            "give a turn weight 1 or remove the row",
+        )
+    ]

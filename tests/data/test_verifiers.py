@@ -51,7 +51,7 @@ def test_gsm8k_last_number_fallback_on_real_solutions(fixtures_dir):
         ("The answer is $1,000.00.", "1000", 1.0),
         ("#### 1,000", "1000", 1.0),
         ("It is 7, not 8.\n#### 8", "8", 1.0),  # '####' wins over the last number
-        ("#### 8\nThen 5 more.", "8", 1.0),     # first number after the last '####'
+        ("#### 8\nThen 5 more.", "8", 1.0),  # first number after the last '####'
         ("The temperature fell to -3 degrees.", "-3", 1.0),
         ("0.5 of 10 is 5", "5.0", 1.0),
         ("I got 17.", "18", 0.0),

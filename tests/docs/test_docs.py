@@ -26,7 +26,9 @@ def test_readme_opens_with_the_two_commands():
 
 
 def test_every_posttrain_command_in_the_docs_exists():
-    help_text = subprocess.run([sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, cwd=REPO).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "--help"], capture_output=True, text=True, cwd=REPO
+    ).stdout
     commands = set(re.findall(r"\{([a-z,-]+)\}", help_text)[0].split(","))
     docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     used = {m for d in docs for m in re.findall(r"posttrain ([a-z]+) (?:[a-z]+ )?\S*(?:\.yaml|CONFIG)", d.read_text())}

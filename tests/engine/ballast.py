@@ -46,8 +46,13 @@ def memory_report(ballast: torch.Tensor) -> dict[str, int | float]:
     (``gpu_memory_utilization=0.1``) would compute now: ``0.1 x node total - RSS`` (bytes)."""
     total, available = node_memory()
     rss = psutil.Process(os.getpid()).memory_info().rss
-    return {"rss": rss, "node_total": total, "node_available": available, "ballast": ballast.numel() * 4,
-            "old_default_kv_budget": 0.1 * total - rss}
+    return {
+        "rss": rss,
+        "node_total": total,
+        "node_available": available,
+        "ballast": ballast.numel() * 4,
+        "old_default_kv_budget": 0.1 * total - rss,
+    }
 
 
 class BallastRolloutWorker(RolloutWorker):
@@ -63,7 +68,9 @@ class BallastRolloutWorker(RolloutWorker):
         report = memory_report(self._ballast)
         super().__init__(policy_dir, cfg, scratch_dir, *args, **kwargs)
         vllm_config = self.engine.llm.llm_engine.vllm_config
-        report.update(kv_cache_memory_bytes=self.engine.kv_cache_memory_bytes,
-                      max_model_len=vllm_config.model_config.max_model_len,
-                      max_num_seqs=vllm_config.scheduler_config.max_num_seqs)
+        report.update(
+            kv_cache_memory_bytes=self.engine.kv_cache_memory_bytes,
+            max_model_len=vllm_config.model_config.max_model_len,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+        )
         (Path(scratch_dir).parent / self.REPORT).write_text(json.dumps(report))

@@ -54,10 +54,17 @@ class FaultyRolloutWorker(RolloutWorker):
 
         def logged(prompt_token_ids, sampling):
             out = generate(prompt_token_ids, sampling)
-            self._write({"call": self.calls, "step_seed": self.step_seed, "seed": sampling.seed, "n": sampling.n,
-                         "prompt_index": None if sampling.prompt_index is None else list(sampling.prompt_index),
-                         "prompts": [list(map(int, p)) for p in prompt_token_ids],
-                         "outputs": [[list(o.token_ids) for o in group] for group in out]})
+            self._write(
+                {
+                    "call": self.calls,
+                    "step_seed": self.step_seed,
+                    "seed": sampling.seed,
+                    "n": sampling.n,
+                    "prompt_index": None if sampling.prompt_index is None else list(sampling.prompt_index),
+                    "prompts": [list(map(int, p)) for p in prompt_token_ids],
+                    "outputs": [[list(o.token_ids) for o in group] for group in out],
+                }
+            )
             return out
 
         self.engine.generate = logged
@@ -83,17 +90,38 @@ class FaultyRolloutWorker(RolloutWorker):
                 deadline = time.monotonic() + HOLD_LIMIT_S
                 while time.monotonic() < deadline:  # until the test kills this process
                     time.sleep(0.1)
-                raise RuntimeError(f"held call {self.calls} of engine {self.index} was never signalled "
-                                   f"in {HOLD_LIMIT_S} s: the test's saboteur is not watching")
+                raise RuntimeError(
+                    f"held call {self.calls} of engine {self.index} was never signalled "
+                    f"in {HOLD_LIMIT_S} s: the test's saboteur is not watching"
+                )
         return result
 
     def generate_versioned(self, prompt_token_ids, sampling, chunk_tokens=None):
         return self._run("generate_versioned", sampling, prompt_token_ids, sampling, chunk_tokens)
 
-    def generate_multi_turn(self, prompt_token_ids, rows, environment, sampling, max_turns, chunk_tokens=None,
-                            step_wait_s=math.inf, turn_tokens=None):
-        return self._run("generate_multi_turn", sampling, prompt_token_ids, rows, environment, sampling, max_turns,
-                         chunk_tokens, step_wait_s, turn_tokens)
+    def generate_multi_turn(
+        self,
+        prompt_token_ids,
+        rows,
+        environment,
+        sampling,
+        max_turns,
+        chunk_tokens=None,
+        step_wait_s=math.inf,
+        turn_tokens=None,
+    ):
+        return self._run(
+            "generate_multi_turn",
+            sampling,
+            prompt_token_ids,
+            rows,
+            environment,
+            sampling,
+            max_turns,
+            chunk_tokens,
+            step_wait_s,
+            turn_tokens,
+        )
 
 
 def read_logs(run_dir: Path) -> dict[tuple[int, int], list[dict]]:

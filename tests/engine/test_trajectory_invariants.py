@@ -16,7 +16,9 @@ def test_truncated_response_keeps_its_last_sampled_token():
     outs = [[RolloutOutput((5, 6, 7), (-0.1, -0.2, -0.3), "length"), RolloutOutput((5, EOS), (-0.1, -0.4), "stop")]]
     traj = Trajectory.from_rollout([[1, 4]], outs, pad_id=PAD)
     assert traj.response_ids[0].tolist() == [5, 6, 7] and traj.response_mask[0].tolist() == [1, 1, 1]
-    assert traj.rollout_logprobs[0].tolist() == torch.tensor([-0.1, -0.2, -0.3]).tolist() and traj.truncated.tolist() == [True, False]
+    assert traj.rollout_logprobs[0].tolist() == torch.tensor(
+        [-0.1, -0.2, -0.3]
+    ).tolist() and traj.truncated.tolist() == [True, False]
     assert traj.input_ids[0].tolist() == [1, 4, 5, 6, 7]
     mb = traj.micro_batches(1)[0]
     assert mb.response_ids[0, -1].item() == 7 and mb.response_mask.sum().item() == 3

@@ -65,7 +65,10 @@ def _make_workdir(path: Path, seed: int) -> dict[str, bytes]:
 
 
 def _expected_table(files: dict[str, bytes]) -> list[dict]:
-    return [{"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for rel, data in sorted(files.items())]
+    return [
+        {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for rel, data in sorted(files.items())
+    ]
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -124,9 +127,14 @@ def test_publish_writes_full_manifest_and_files(store, tmp_path):
     assert ref.stage == "sft"
     assert ref.artifact_id == "sft-" + FP_A[:16]
     assert ref.fingerprint == FP_A
-    assert ref.content_hash == hashlib.sha256(
-        json.dumps([[rel, hashlib.sha256(data).hexdigest()] for rel, data in sorted(files.items())], separators=(",", ":")).encode()
-    ).hexdigest()
+    assert (
+        ref.content_hash
+        == hashlib.sha256(
+            json.dumps(
+                [[rel, hashlib.sha256(data).hexdigest()] for rel, data in sorted(files.items())], separators=(",", ":")
+            ).encode()
+        ).hexdigest()
+    )
     assert store.find("sft", FP_A) == ref
     assert store.find("sft", FP_B) is None
 
@@ -161,7 +169,11 @@ def test_memory_ref_uri_names_the_protocol(tmp_path):
     work, _ = _workdir(tmp_path, "work", seed=1)
     try:
         ref = store.publish("rm", FP_C, work, {})
-        assert ref.uri == f"memory://{store.base}/rm/rm-{FP_C[:16]}" == f"{root.replace('memory://', 'memory:///')}/rm/rm-{FP_C[:16]}"
+        assert (
+            ref.uri
+            == f"memory://{store.base}/rm/rm-{FP_C[:16]}"
+            == f"{root.replace('memory://', 'memory:///')}/rm/rm-{FP_C[:16]}"
+        )
         assert store.find("rm", FP_C).uri == ref.uri
     finally:
         store.fs.rm(store.base, recursive=True)
@@ -240,13 +252,23 @@ def test_verify_names_the_changed_file(store, tmp_path):
     data = bytearray(files["model/weights.bin"])
     data[1234] ^= 0x01  # one bit of one byte; the size stays the same
     _write(store, target, bytes(data))
-    with pytest.raises(CorruptArtifact, match=r"checksum mismatch for model/weights\.bin while verifying convert-") as info:
+    with pytest.raises(
+        CorruptArtifact, match=r"checksum mismatch for model/weights\.bin while verifying convert-"
+    ) as info:
         store.verify(ref)
-    assert (info.value.stage, info.value.artifact_id, info.value.file) == ("convert", ref.artifact_id, "model/weights.bin")
+    assert (info.value.stage, info.value.artifact_id, info.value.file) == (
+        "convert",
+        ref.artifact_id,
+        "model/weights.bin",
+    )
     store.fs.rm(target)
     with pytest.raises(CorruptArtifact, match=r"model/weights\.bin is missing") as info:
         store.verify(ref)
-    assert (info.value.stage, info.value.artifact_id, info.value.file) == ("convert", ref.artifact_id, "model/weights.bin")
+    assert (info.value.stage, info.value.artifact_id, info.value.file) == (
+        "convert",
+        ref.artifact_id,
+        "model/weights.bin",
+    )
 
 
 def test_local_path_of_missing_artifact_names_it(store):
@@ -313,6 +335,7 @@ def test_crash_during_remote_move_is_never_seen_as_published(tmp_path, monkeypat
     work, files = _workdir(tmp_path, "work", seed=1)
     mem_cls = type(store.fs)
     real_cp = mem_cls.cp_file
+
     # Test double: the connection drops while the last data file is copied into place
     # (object stores move a directory file by file).
     def drop_on_report(self, path1, path2, **kw):
@@ -667,8 +690,14 @@ def _big_workdir(path: Path, mib: int) -> Path:
 
 def _start_publisher(root: str, stage: str, fp: str, work: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", _PUBLISHER, root, stage, fp, str(work)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _PUBLISHER, root, stage, fp, str(work)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_tmp(proc: subprocess.Popen, stage_dir: Path, aid: str, timeout: float = 120) -> Path | None:
@@ -687,7 +716,9 @@ def _wait_for_tmp(proc: subprocess.Popen, stage_dir: Path, aid: str, timeout: fl
     raise AssertionError("no temporary copy appeared")
 
 
-def _interrupted_publisher(store: ArtifactStore, stage: str, fp: str, work: Path, sig: int) -> tuple[subprocess.Popen, Path]:
+def _interrupted_publisher(
+    store: ArtifactStore, stage: str, fp: str, work: Path, sig: int
+) -> tuple[subprocess.Popen, Path]:
     """A real publisher process sent ``sig`` (SIGKILL, or SIGSTOP to pause a live one) while its
     temporary copy exists. Tries again if the publish completed before the signal landed."""
     stage_dir, aid = Path(store.base) / stage, store.artifact_id(stage, fp)

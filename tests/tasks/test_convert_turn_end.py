@@ -39,9 +39,18 @@ def tiny_model(vocab_size: int, eos: int):
     # llama, as the stories260K vocabulary's own model: AutoTokenizer reads a qwen2 config.json
     # beside it as a Qwen2 tokenizer, which drops the SentencePiece byte tokens ("\n").
     hf_config = GPTSpec(
-        architecture="llama", vocab_size=vocab_size, hidden_size=32, num_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=False, tie_word_embeddings=True,
+        architecture="llama",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=False,
+        tie_word_embeddings=True,
     ).to_hf_config() | {"eos_token_id": eos}
     return build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config
 
@@ -55,8 +64,9 @@ def test_gemma_turn_end_stops_generation_and_is_recorded(tokenizer_dirs, tmp_pat
     stop, record = _turn_end(tok_dir, None, LOG)
     assert stop == [516] and record == {RECORDED_KEY: "<end_of_turn>"}  # <eos> is 513
     model, hf_config = tiny_model(517, eos=513)
-    base = save_model_dir(tmp_path / "base", model, hf_config, tok_dir, stop_token_ids=stop,
-                          tokenizer_config_updates=record)
+    base = save_model_dir(
+        tmp_path / "base", model, hf_config, tok_dir, stop_token_ids=stop, tokenizer_config_updates=record
+    )
     assert json.loads((base / "hf" / "generation_config.json").read_text())["eos_token_id"] == [513, 516]
     assert eos_token_ids(base / "hf") == [513, 516]  # what VLLMRollout passes as stop_token_ids
     tok = load_tokenizer(base)
@@ -68,7 +78,9 @@ def test_gemma_turn_end_stops_generation_and_is_recorded(tokenizer_dirs, tmp_pat
     exported = export_model_dir(later, tmp_path / "export")
     assert HFRollout(exported).eos_token_ids == (513, 516)
     assert eos_token_ids(exported) == [513, 516]
-    enc = encode_chat(load_tokenizer(later), [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    enc = encode_chat(
+        load_tokenizer(later), [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    )
     assert enc.input_ids[-2:] == [516, 13] and enc.loss_mask[-2:] == [1, 0]  # trained turn end, then "\n"
 
 
@@ -76,8 +88,15 @@ def test_configured_eos_ids_keep_the_turn_end(tokenizer_dirs, tmp_path):
     """model.eos_token_ids replaces the EOS ids; the turn end is still added to them."""
     stop, record = _turn_end(tokenizer_dirs["gemma"], "<end_of_turn>", LOG)
     model, hf_config = tiny_model(517, eos=513)
-    out = save_model_dir(tmp_path / "m", model, hf_config, tokenizer_dirs["gemma"],
-                         generation_overrides={"eos_token_id": [1]}, stop_token_ids=stop, tokenizer_config_updates=record)
+    out = save_model_dir(
+        tmp_path / "m",
+        model,
+        hf_config,
+        tokenizer_dirs["gemma"],
+        generation_overrides={"eos_token_id": [1]},
+        stop_token_ids=stop,
+        tokenizer_config_updates=record,
+    )
     assert json.loads((out / "hf" / "generation_config.json").read_text())["eos_token_id"] == [1, 516]
 
 
@@ -107,8 +126,9 @@ def test_rstrip_turn_end_is_found_and_kept_in_the_model_dir(tokenizer_dirs, tmp_
     stop, record = _turn_end(flagged, None, LOG)
     assert stop == [516] and record == {RECORDED_KEY: "<end_of_turn>"}
     model, hf_config = tiny_model(517, eos=513)
-    base = save_model_dir(tmp_path / "base", model, hf_config, flagged, stop_token_ids=stop,
-                          tokenizer_config_updates=record)
+    base = save_model_dir(
+        tmp_path / "base", model, hf_config, flagged, stop_token_ids=stop, tokenizer_config_updates=record
+    )
     tok = load_tokenizer(base)
     assert tok.added_tokens_decoder[516].rstrip is True
     enc = encode_chat(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])

@@ -25,12 +25,19 @@ HOUR_NS = 3600 * 10**9
 
 
 def test_fingerprint_is_deterministic_and_sensitive_to_each_part():
-    base = dict(stage="sft", inputs={"validate": "a" * 64, "convert": "b" * 64}, config={"sft": {"lr": 1e-3, "steps": 60}}, code="c" * 64)
+    base = dict(
+        stage="sft",
+        inputs={"validate": "a" * 64, "convert": "b" * 64},
+        config={"sft": {"lr": 1e-3, "steps": 60}},
+        code="c" * 64,
+    )
     f0 = fingerprint(**base)
     assert len(f0) == 64 and int(f0, 16) >= 0
     assert fingerprint(**base) == f0
     # Key order is not identity: the same dicts built in another order give the same fingerprint.
-    reordered = dict(base, inputs={"convert": "b" * 64, "validate": "a" * 64}, config={"sft": {"steps": 60, "lr": 0.001}})
+    reordered = dict(
+        base, inputs={"convert": "b" * 64, "validate": "a" * 64}, config={"sft": {"steps": 60, "lr": 0.001}}
+    )
     assert fingerprint(**reordered) == f0
     variants = [
         dict(base, stage="rm"),
@@ -191,7 +198,9 @@ def test_function_body_edit_in_a_transitive_helper(project_copy):
     assert "engine.training.optimizer_step" in covered and "engine.training.optimizer_step" not in direct
     path = fp_mod._module_file("engine.training.optimizer_step")
     src = path.read_text()
-    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and isinstance(n.body[-1], ast.Return))
+    fn = next(
+        n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and isinstance(n.body[-1], ast.Return)
+    )
     ret = fn.body[-1]
     lines = src.splitlines(keepends=True)
     lines.insert(ret.lineno - 1, " " * ret.col_offset + "_probe = 0  # one statement added to a function body\n")
@@ -232,10 +241,19 @@ def test_relative_and_lazy_imports_are_followed(project_copy):
     for rel, text in files.items():
         (project_copy / rel).parent.mkdir(parents=True, exist_ok=True)
         (project_copy / rel).write_text(text)
-    expected = {
-        "tasks._probe_stage", "tasks._probe_helper", "engine._probe", "engine._probe.a",
-        "engine._probe.b", "engine._probe_top", "engine._probe_lazy",
-    } | set(modules_of("tasks")) | set(modules_of("engine"))
+    expected = (
+        {
+            "tasks._probe_stage",
+            "tasks._probe_helper",
+            "engine._probe",
+            "engine._probe.a",
+            "engine._probe.b",
+            "engine._probe_top",
+            "engine._probe_lazy",
+        }
+        | set(modules_of("tasks"))
+        | set(modules_of("engine"))
+    )
     assert set(modules_of("tasks._probe_stage")) == expected
     v0 = _version("tasks._probe_stage")
     (project_copy / "engine/_probe_top.py").write_text("VALUE = 2\n")
@@ -269,9 +287,16 @@ def test_sft_code_version_covers_the_sft_engine_and_no_other_stages():
     DeepSpeed backend (RL and the reward model only) or evaluation, except the curves module
     that draws the artifact's curves.png: editing the rest reruns nothing of sft."""
     mods = modules_of("tasks.sft")
-    assert "engine.training.sft" in mods and "engine.training.optimizer_step" in mods and "engine.evaluation.curves" in mods
-    outside = [m for m in _under(mods, "engine.rl", "engine.backends.deepspeed", "engine.evaluation")
-               if m not in ("engine.evaluation", "engine.evaluation.curves")]
+    assert (
+        "engine.training.sft" in mods
+        and "engine.training.optimizer_step" in mods
+        and "engine.evaluation.curves" in mods
+    )
+    outside = [
+        m
+        for m in _under(mods, "engine.rl", "engine.backends.deepspeed", "engine.evaluation")
+        if m not in ("engine.evaluation", "engine.evaluation.curves")
+    ]
     assert not outside, mods
 
 
@@ -291,13 +316,26 @@ def test_rm_code_version_covers_the_reward_trainers_and_no_rl_code():
     (``rm.backend`` picks one at run time), and nothing of RL: not the actor or critic
     workers, the actor loss, the RL algorithms, trajectories or rollout engines."""
     mods = modules_of("tasks.rm")
-    assert {"engine.training.reward_model", "engine.backends.megatron.reward_model",
-            "engine.backends.deepspeed.reward_model"} <= set(mods)
-    assert not _under(mods, "engine.rl", "engine.rollout", "engine.algorithms", "engine.trajectory",
-                      "engine.training.actor", "engine.training.critic", "engine.backends.megatron.actor",
-                      "engine.backends.deepspeed.actor"), mods
+    assert {
+        "engine.training.reward_model",
+        "engine.backends.megatron.reward_model",
+        "engine.backends.deepspeed.reward_model",
+    } <= set(mods)
+    assert not _under(
+        mods,
+        "engine.rl",
+        "engine.rollout",
+        "engine.algorithms",
+        "engine.trajectory",
+        "engine.training.actor",
+        "engine.training.critic",
+        "engine.backends.megatron.actor",
+        "engine.backends.deepspeed.actor",
+    ), mods
     # of evaluation only the curves module (the artifact's curves.png)
-    assert [m for m in _under(mods, "engine.evaluation") if m != "engine.evaluation"] == ["engine.evaluation.curves"], mods
+    assert [m for m in _under(mods, "engine.evaluation") if m != "engine.evaluation"] == ["engine.evaluation.curves"], (
+        mods
+    )
 
 
 def test_stages_after_sft_do_not_cover_the_sft_training_step():

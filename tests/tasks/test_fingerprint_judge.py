@@ -15,8 +15,9 @@ UPS = {"validate": "v" * 64, "sft": "s" * 64}
 
 
 def _cfg(**reward) -> PipelineConfig:
-    return PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
-                                          "rl": {"reward": reward}})
+    return PipelineConfig.model_validate(
+        {"run": {"name": "t"}, "data": {}, "model": {"source": "m"}, "rl": {"reward": reward}}
+    )
 
 
 def _fp(**reward) -> str:
@@ -28,14 +29,24 @@ def test_endpoint_judge_and_service_settings_that_decide_scores_are_fingerprinte
     remote = {"url": "http://svc:9000/score"}
     base = _fp(judge=judge, remote=remote)
     assert base != _fp(judge=judge) != _fp()
-    for changed in ({"model": "qwen-72b"}, {"base_url": "http://judge2:8000/v1"}, {"template": "Grade {response}"},
-                    {"temperature": 0.5}, {"max_new_tokens": 8}, {"score_pattern": None}, {"max_score": 5},
-                    {"fallback": 0.5}, {"weight": 2.0}):
+    for changed in (
+        {"model": "qwen-72b"},
+        {"base_url": "http://judge2:8000/v1"},
+        {"template": "Grade {response}"},
+        {"temperature": 0.5},
+        {"max_new_tokens": 8},
+        {"score_pattern": None},
+        {"max_score": 5},
+        {"fallback": 0.5},
+        {"weight": 2.0},
+    ):
         assert _fp(judge=judge | changed, remote=remote) != base, changed
     for changed in ({"url": "http://svc:9001/score"}, {"on_failure": "fail"}, {"fallback": 1.0}):
         assert _fp(judge=judge, remote=remote | changed) != base, changed
-    same = _fp(judge=judge | {"timeout_s": 5, "max_retries": 0, "max_concurrency": 1, "api_key_env": "K"},
-               remote=remote | {"timeout_s": 1, "max_retries": 9, "backoff_s": 2, "batch_size": 16, "max_concurrency": 2})
+    same = _fp(
+        judge=judge | {"timeout_s": 5, "max_retries": 0, "max_concurrency": 1, "api_key_env": "K"},
+        remote=remote | {"timeout_s": 1, "max_retries": 9, "backoff_s": 2, "batch_size": 16, "max_concurrency": 2},
+    )
     assert same == base
 
 
@@ -44,13 +55,16 @@ def test_a_local_judges_content_is_fingerprinted_and_validate_checks_its_directo
     judge.mkdir()
     assert check_judge(_cfg(judge={"model_dir": str(tmp_path / "nope")})) == [
         f"rl.reward.judge.model_dir: directory not found: {tmp_path / 'nope'}; give an HF model directory (config.json, "
-        "SafeTensors, tokenizer), or serve the judge elsewhere and set rl.reward.judge.base_url"]
+        "SafeTensors, tokenizer), or serve the judge elsewhere and set rl.reward.judge.base_url"
+    ]
     (judge / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
     assert check_judge(_cfg(judge={"model_dir": str(judge)}))[0].startswith(
-        f"rl.reward.judge.model_dir: {judge} has no tokenizer")
+        f"rl.reward.judge.model_dir: {judge} has no tokenizer"
+    )
     (judge / "tokenizer.json").write_text("{}")
     assert check_judge(_cfg(judge={"model_dir": str(judge)}))[0].startswith(
-        f"rl.reward.judge.model_dir: {judge} has config.json but no weights")
+        f"rl.reward.judge.model_dir: {judge} has config.json but no weights"
+    )
     (judge / "model.safetensors").write_bytes(b"\x00" * 16)
     assert check_judge(_cfg(judge={"model_dir": str(judge)})) == []
 
@@ -65,6 +79,7 @@ def test_a_local_judges_content_is_fingerprinted_and_validate_checks_its_directo
     monkeypatch.delenv("JUDGE_KEY_UNSET", raising=False)
     assert check_judge(_cfg(judge={"base_url": "http://j/v1", "model": "m", "api_key_env": "JUDGE_KEY_UNSET"})) == [
         "rl.reward.judge.api_key_env: environment variable JUDGE_KEY_UNSET is not set; export it where the run starts "
-        "(the reward worker reads it), or set api_key_env: null for an endpoint without a key"]
+        "(the reward worker reads it), or set api_key_env: null for an endpoint without a key"
+    ]
     monkeypatch.setenv("JUDGE_KEY_UNSET", "x")
     assert check_judge(_cfg(judge={"base_url": "http://j/v1", "model": "m", "api_key_env": "JUDGE_KEY_UNSET"})) == []

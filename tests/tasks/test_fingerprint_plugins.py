@@ -12,10 +12,14 @@ from tasks import rl
 
 
 def _cfg(path: str) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "run": {"name": "t"}, "data": {}, "model": {"source": "m"},
-        "rl": {"reward": {"functions": [{"path": path}]}},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "run": {"name": "t"},
+            "data": {},
+            "model": {"source": "m"},
+            "rl": {"reward": {"functions": [{"path": path}]}},
+        }
+    )
 
 
 def test_editing_a_plugin_changes_the_rl_fingerprint(tmp_path, monkeypatch):
@@ -38,8 +42,14 @@ def test_a_missing_plugin_module_is_left_to_the_reward_worker():
 def test_editing_the_environment_changes_the_rl_fingerprint(tmp_path, monkeypatch):
     (tmp_path / "my_env_fp.py").write_text("def make():\n    return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
-                                         "rl": {"environment": "my_env_fp:make", "max_turns": 2}})
+    cfg = PipelineConfig.model_validate(
+        {
+            "run": {"name": "t"},
+            "data": {},
+            "model": {"source": "m"},
+            "rl": {"environment": "my_env_fp:make", "max_turns": 2},
+        }
+    )
     ups = {"validate": "v" * 64, "sft": "s" * 64}
     assert rl._reward_plugin_files(cfg) == {"environment": str(tmp_path / "my_env_fp.py")}
     before = rl.SPEC.fingerprint(cfg, ups)
@@ -54,7 +64,9 @@ def test_editing_a_helper_the_plugin_imports_changes_the_rl_fingerprint(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "myplug").mkdir()
     (tmp_path / "myplug" / "__init__.py").write_text("")
-    (tmp_path / "myplug" / "rewards.py").write_text("from myplug.helper import bonus\n\ndef score(response, label):\n    return bonus()\n")
+    (tmp_path / "myplug" / "rewards.py").write_text(
+        "from myplug.helper import bonus\n\ndef score(response, label):\n    return bonus()\n"
+    )
     helper = tmp_path / "myplug" / "helper.py"
     helper.write_text("def bonus():\n    return 1.0\n")
     cfg = _cfg("myplug.rewards:score")
@@ -76,9 +88,11 @@ def test_logging_and_checkpoint_cadence_are_not_fingerprinted():
 
     base = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"}})
     ups = {"validate": "v" * 64, "convert": "c" * 64}
-    for stage, spec, keys in (("sft", sft.SPEC, {"log_every": 1, "checkpoint_every": 1}),
-                              ("rm", rm.SPEC, {"log_every": 1, "checkpoint_every": 1}),
-                              ("rl", rl.SPEC, {"checkpoint_every": 1, "engine": base.rl.engine.model_copy(update={"num_cpus": 1})})):
+    for stage, spec, keys in (
+        ("sft", sft.SPEC, {"log_every": 1, "checkpoint_every": 1}),
+        ("rm", rm.SPEC, {"log_every": 1, "checkpoint_every": 1}),
+        ("rl", rl.SPEC, {"checkpoint_every": 1, "engine": base.rl.engine.model_copy(update={"num_cpus": 1})}),
+    ):
         changed = base.model_copy(update={stage: getattr(base, stage).model_copy(update=keys)})
         assert spec.fingerprint(changed, ups) == spec.fingerprint(base, ups), stage
         steps = base.model_copy(update={stage: getattr(base, stage).model_copy(update={"steps": 7})})
@@ -97,8 +111,9 @@ def test_editing_an_algorithm_plugin_changes_the_rl_fingerprint_an_unrelated_fil
     helper.write_text("SCALE = 1.0\n")
     unrelated = tmp_path / "unrelated_fp.py"
     unrelated.write_text("X = 1\n")
-    cfg = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
-                                         "rl": {key: f"my_{key}_fp:fn"}})
+    cfg = PipelineConfig.model_validate(
+        {"run": {"name": "t"}, "data": {}, "model": {"source": "m"}, "rl": {key: f"my_{key}_fp:fn"}}
+    )
     ups = {"validate": "v" * 64, "sft": "s" * 64}
     assert rl._reward_plugin_files(cfg) == {key: str(plugin), f"{key}/my_{key}_helper_fp": str(helper)}
     before = rl.SPEC.fingerprint(cfg, ups)
@@ -112,8 +127,9 @@ def test_editing_an_algorithm_plugin_changes_the_rl_fingerprint_an_unrelated_fil
 
 
 def test_built_in_algorithm_names_add_no_raw_inputs():
-    cfg = PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"},
-                                         "rl": {"algorithm": "rloo", "policy_loss": "gspo"}})
+    cfg = PipelineConfig.model_validate(
+        {"run": {"name": "t"}, "data": {}, "model": {"source": "m"}, "rl": {"algorithm": "rloo", "policy_loss": "gspo"}}
+    )
     assert rl._reward_plugin_files(cfg) == {}
 
 
@@ -128,13 +144,17 @@ def test_editing_a_helper_in_another_pythonpath_directory_changes_the_rl_fingerp
     monkeypatch.chdir(cwd)
     monkeypatch.syspath_prepend(str(shared))
     monkeypatch.syspath_prepend(str(plugins))
-    (plugins / "far_rewards_fp.py").write_text("from far_helper_fp import bonus\n\ndef score(response, label):\n    return bonus()\n")
+    (plugins / "far_rewards_fp.py").write_text(
+        "from far_helper_fp import bonus\n\ndef score(response, label):\n    return bonus()\n"
+    )
     helper = shared / "far_helper_fp.py"
     helper.write_text("def bonus():\n    return 1.0\n")
     cfg = _cfg("far_rewards_fp:score")
     ups = {"validate": "v" * 64, "sft": "s" * 64}
-    assert rl._reward_plugin_files(cfg) == {"reward_function_0": str(plugins / "far_rewards_fp.py"),
-                                            "reward_function_0/far_helper_fp": str(helper)}
+    assert rl._reward_plugin_files(cfg) == {
+        "reward_function_0": str(plugins / "far_rewards_fp.py"),
+        "reward_function_0/far_helper_fp": str(helper),
+    }
     before = rl.SPEC.fingerprint(cfg, ups)
     assert rl.SPEC.fingerprint(cfg, ups) == before  # untouched: the same
     helper.write_text("def bonus():\n    return 2.0\n")
@@ -156,13 +176,17 @@ def test_a_declared_data_file_is_part_of_the_rl_fingerprint_an_undeclared_one_is
     table.write_text("a,1\n")
     undeclared.write_text("x\n")
     plugin = tmp_path / "data_rewards_fp.py"
-    plugin.write_text('DATA_FILES = ["lexicon.txt", "tables"]\n\ndef score(response, label):\n'
-                      '    return float(open(__file__.rsplit("/", 1)[0] + "/lexicon.txt").read().count("good"))\n')
+    plugin.write_text(
+        'DATA_FILES = ["lexicon.txt", "tables"]\n\ndef score(response, label):\n'
+        '    return float(open(__file__.rsplit("/", 1)[0] + "/lexicon.txt").read().count("good"))\n'
+    )
     cfg = _cfg("data_rewards_fp:score")
     ups = {"validate": "v" * 64, "sft": "s" * 64}
-    assert rl._reward_plugin_files(cfg) == {"reward_function_0": str(plugin),
-                                            "reward_function_0:lexicon.txt": str(lexicon),
-                                            "reward_function_0:tables": str(tmp_path / "tables")}
+    assert rl._reward_plugin_files(cfg) == {
+        "reward_function_0": str(plugin),
+        "reward_function_0:lexicon.txt": str(lexicon),
+        "reward_function_0:tables": str(tmp_path / "tables"),
+    }
     before = rl.SPEC.fingerprint(cfg, ups)
     undeclared.write_text("y\n")
     assert rl.SPEC.fingerprint(cfg, ups) == before  # untouched declared files: the same

@@ -10,10 +10,14 @@ from tasks import rl
 
 
 def _cfg(teacher_dir) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "run": {"name": "t"}, "data": {}, "model": {"source": "m"},
-        "rl": {"algorithm": "on_policy_distill", "teacher": {"model_dir": str(teacher_dir)}},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "run": {"name": "t"},
+            "data": {},
+            "model": {"source": "m"},
+            "rl": {"algorithm": "on_policy_distill", "teacher": {"model_dir": str(teacher_dir)}},
+        }
+    )
 
 
 def test_the_teachers_content_is_in_the_rl_fingerprint_and_its_place_is_not(tmp_path):
@@ -31,6 +35,7 @@ def test_the_teachers_content_is_in_the_rl_fingerprint_and_its_place_is_not(tmp_
     assert rl.SPEC.fingerprint(_cfg(moved), ups) == before  # by content, not by path
     (teacher / "megatron" / "weights.distcp").write_bytes(b"\x01" * 16)  # a retrained teacher
     assert rl.SPEC.fingerprint(cfg, ups) != before
-    kl = PipelineConfig.model_validate({**cfg.model_dump(), "rl": {**cfg.rl.model_dump(),
-                                                                   "teacher": {"model_dir": str(moved), "kl_coef": 2.0}}})
+    kl = PipelineConfig.model_validate(
+        {**cfg.model_dump(), "rl": {**cfg.rl.model_dump(), "teacher": {"model_dir": str(moved), "kl_coef": 2.0}}}
+    )
     assert rl.SPEC.fingerprint(kl, ups) != rl.SPEC.fingerprint(_cfg(moved), ups)  # its settings too

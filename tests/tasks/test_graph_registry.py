@@ -27,8 +27,11 @@ def test_each_registry_stage_is_paired_with_its_module_spec_and_task():
 
 
 def test_a_stage_module_without_spec_or_with_another_name_is_refused(monkeypatch):
-    with pytest.raises(ImportError, match=r"tasks/artifacts.py: stage 'artifacts' \(config/stages.py\) needs a "
-                                          r"StageSpec `SPEC` and its Prefect task `artifacts`"):
+    with pytest.raises(
+        ImportError,
+        match=r"tasks/artifacts.py: stage 'artifacts' \(config/stages.py\) needs a "
+        r"StageSpec `SPEC` and its Prefect task `artifacts`",
+    ):
         graph._implementation(stages.Stage("artifacts"))
     # A module whose SPEC names another stage cannot be made from the real ones without editing
     # them, so a stand-in module is registered for the duration of the test.
@@ -43,15 +46,19 @@ def test_each_spec_reads_only_the_upstream_stages_the_registry_declares():
     cfg = load_config(QUICKSTART)
     seen: dict[str, set[str]] = {name: set() for name in stages.stage_names()}
     for sft, rm, po, weight in itertools.product((True, False), (True, False), (True, False), (0.0, 0.5)):
-        update = {k: getattr(cfg, k).model_copy(update={"enabled": v}) for k, v in (("sft", sft), ("rm", rm), ("po", po))}
-        update["rl"] = cfg.rl.model_copy(update={"reward": cfg.rl.reward.model_copy(update={"reward_model_weight": weight})})
+        update = {
+            k: getattr(cfg, k).model_copy(update={"enabled": v}) for k, v in (("sft", sft), ("rm", rm), ("po", po))
+        }
+        update["rl"] = cfg.rl.model_copy(
+            update={"reward": cfg.rl.reward.model_copy(update={"reward_model_weight": weight})}
+        )
         variant = cfg.model_copy(update=update)
         enabled = [s.name for s in stages.enabled(variant)]
         assert [spec.name for spec, _ in graph.enabled_stages(variant)] == enabled
         for spec, _ in graph.enabled_stages(variant):
             ups = spec.inputs(variant)
             assert set(ups) <= set(stages.get(spec.name).inputs), (spec.name, ups)
-            assert set(ups) <= set(enabled[:enabled.index(spec.name)]), (spec.name, ups)  # an enabled earlier stage
+            assert set(ups) <= set(enabled[: enabled.index(spec.name)]), (spec.name, ups)  # an enabled earlier stage
             seen[spec.name].update(ups)
     # and the registry declares no input that no setting reads
     assert seen == {s.name: set(s.inputs) for s in stages.STAGES}

@@ -9,17 +9,31 @@ from tasks.model_card import build_model_card
 MANIFESTS = {
     "rl": {"artifact_id": "rl-aaa111", "config": {"algorithm": "grpo", "lr": 1e-6}, "code_version": "c-rl"},
     "sft": {"artifact_id": "sft-bbb222", "config": {"epochs": 2}, "code_version": "c-sft"},
-    "validate": {"artifact_id": "validate-ccc333", "config": {}, "code_version": "c-val",
-                 "raw_inputs": {"sft": {"path": "data/sft.jsonl", "sha256": "ab" * 32},
-                                "rl_train": {"path": "data/gsm8k.jsonl", "sha256": "cd" * 32}}},
+    "validate": {
+        "artifact_id": "validate-ccc333",
+        "config": {},
+        "code_version": "c-val",
+        "raw_inputs": {
+            "sft": {"path": "data/sft.jsonl", "sha256": "ab" * 32},
+            "rl_train": {"path": "data/gsm8k.jsonl", "sha256": "cd" * 32},
+        },
+    },
 }
-METRICS = {"sft": {"accuracy": 0.25, "accuracy_se": 0.05, "n": 64},
-           "rl": {"accuracy": 0.375, "accuracy_se": 0.0605, "n": 64, "math500/accuracy": 0.1, "math500/accuracy_se": 0.03}}
+METRICS = {
+    "sft": {"accuracy": 0.25, "accuracy_se": 0.05, "n": 64},
+    "rl": {"accuracy": 0.375, "accuracy_se": 0.0605, "n": 64, "math500/accuracy": 0.1, "math500/accuracy_se": 0.03},
+}
 
 
 def test_card_round_trips_its_metadata_and_lineage(tmp_path):
-    card = build_model_card(MANIFESTS, METRICS, base_model="Qwen/Qwen2.5-0.5B", license="apache-2.0",
-                            software={"python": "3.11.9", "torch": "2.13.0"}, model_name="quickstart policy")
+    card = build_model_card(
+        MANIFESTS,
+        METRICS,
+        base_model="Qwen/Qwen2.5-0.5B",
+        license="apache-2.0",
+        software={"python": "3.11.9", "torch": "2.13.0"},
+        model_name="quickstart policy",
+    )
     card.save(tmp_path / "README.md")
     loaded = ModelCard.load(tmp_path / "README.md")
     data = loaded.data.to_dict()

@@ -24,8 +24,16 @@ DENSE_PREPARE_CONFIG_HASH = "dd5d5b8441c59f0138f96e676fedbe3e6b45d8c263810d9713b
 def _moe_cfg(out: Path) -> PipelineConfig:
     cfg = load_config(REPO / "configs" / "quickstart-moe.yaml")
     raw = cfg.model_dump()
-    raw["prepare"].update(output_dir=str(out), num_sft=40, num_preference=8, num_rl=16, num_eval=8, hidden_size=64,
-                          num_attention_heads=2, num_key_value_heads=1)
+    raw["prepare"].update(
+        output_dir=str(out),
+        num_sft=40,
+        num_preference=8,
+        num_rl=16,
+        num_eval=8,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     raw["prepare"]["moe"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
     return PipelineConfig.model_validate(raw)
 
@@ -37,8 +45,11 @@ def test_dense_quickstart_prepare_config_hashes_as_before_prepare_moe(monkeypatc
     assert "moe" not in _fingerprint_config(dense)["prepare"]
     assert fingerprint("prepare", {}, _fingerprint_config(dense), "") == DENSE_PREPARE_CONFIG_HASH
     moe = load_config(REPO / "configs" / "quickstart-moe.yaml")
-    assert _fingerprint_config(moe)["prepare"]["moe"] == {"num_experts": 4, "num_experts_per_tok": 2,
-                                                         "moe_intermediate_size": 128}
+    assert _fingerprint_config(moe)["prepare"]["moe"] == {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+    }
 
 
 def test_moe_prepare_builds_a_qwen3_moe_model_that_transformers_and_conversion_read(tmp_path):
@@ -58,17 +69,31 @@ def test_moe_prepare_builds_a_qwen3_moe_model_that_transformers_and_conversion_r
         assert layer.mlp.gate.weight.shape == (4, 64)
         assert layer.mlp.experts.gate_up_proj.shape == (4, 2 * 24, 64)
     spec = moe_fields_from_hf("qwen3_moe", c.to_dict())
-    assert spec == {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_norm_topk_prob": True,
-                    "moe_dense_layers": ()}
+    assert spec == {
+        "num_experts": 4,
+        "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 24,
+        "moe_norm_topk_prob": True,
+        "moe_dense_layers": (),
+    }
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     assert model(ids).logits.shape == (1, 5, c.vocab_size)
 
 
-@pytest.mark.parametrize("shape, message", [
-    ({"num_experts": 4, "num_experts_per_tok": 5}, r"prepare.moe.num_experts_per_tok: 5 is more than prepare.moe.num_experts 4"),
-    ({"num_experts": 1}, r"prepare.addition.moe.num_experts: Input should be greater than or equal to 2 \(got 1\)"),
-    ({"moe_intermediate_size": 0}, r"prepare.addition.moe.moe_intermediate_size: Input should be greater than 0 \(got 0\)"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        (
+            {"num_experts": 4, "num_experts_per_tok": 5},
+            r"prepare.moe.num_experts_per_tok: 5 is more than prepare.moe.num_experts 4",
+        ),
+        ({"num_experts": 1}, r"prepare.addition.moe.num_experts: Input should be greater than or equal to 2 \(got 1\)"),
+        (
+            {"moe_intermediate_size": 0},
+            r"prepare.addition.moe.moe_intermediate_size: Input should be greater than 0 \(got 0\)",
+        ),
+    ],
+)
 def test_bad_moe_shapes_are_refused_naming_the_key(shape, message):
     overrides = [f"prepare.moe.{k}={v}" for k, v in shape.items()]
     with pytest.raises(ValueError, match=message):

@@ -28,10 +28,12 @@ def test_a_full_disk_at_publish_is_one_line_and_publishes_nothing(tmp_path, smal
         store.publish("sft", fp, workdir, {"metrics": {}})
     message = str(err.value)
     aid = f"sft-{fp[:16]}"
-    assert re.fullmatch(rf"disk full: publishing {aid} at {re.escape(str(disk))}/artifacts/sft/\.tmp-{aid}-[0-9a-f]{{8}} "
-                        r"needs about 400\.\d KiB, and [\d.]+ (bytes|KiB) are free there; free space there or set "
-                        r"run\.artifact_root elsewhere; nothing was published and the stage's checkpoint is kept",
-                        message), message
+    assert re.fullmatch(
+        rf"disk full: publishing {aid} at {re.escape(str(disk))}/artifacts/sft/\.tmp-{aid}-[0-9a-f]{{8}} "
+        r"needs about 400\.\d KiB, and [\d.]+ (bytes|KiB) are free there; free space there or set "
+        r"run\.artifact_root elsewhere; nothing was published and the stage's checkpoint is kept",
+        message,
+    ), message
     assert len(message) < 400 and "\n" not in message
     assert store.find("sft", fp) is None
     assert sorted(p.name for p in (disk / "artifacts" / "sft").iterdir()) == []  # no partial copy, no lock left

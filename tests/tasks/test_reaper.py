@@ -98,7 +98,9 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
         line = ""
     if not line:
         proc.kill()
-        raise AssertionError(f"driver printed nothing within {timeout} s (exit {proc.wait()}): {proc.stderr.read()[-3000:]}")
+        raise AssertionError(
+            f"driver printed nothing within {timeout} s (exit {proc.wait()}): {proc.stderr.read()[-3000:]}"
+        )
     return line.strip()
 
 
@@ -108,8 +110,16 @@ def start_driver(tmp_path: Path, source: str, *args: str) -> subprocess.Popen:
     script.write_text(textwrap.dedent(source))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("POSTTRAIN_REAPER_TOKEN", None)
-    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=tmp_path, env=env, text=True, start_new_session=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     lines = _lines[proc.pid] = queue.Queue()
 
     def pump():  # a thread, not select(): lines already in the pipe's read buffer are never missed
@@ -468,7 +478,11 @@ def test_exec_closes_the_pipe_but_the_living_process_keeps_its_children(tmp_path
 @pytest.mark.parametrize(
     "name, cmdline, expected",
     [
-        ("wandb-core", ["/venv/lib/python3.11/site-packages/wandb/bin/wandb-core", "--port-filename", "/tmp/p.txt", "--pid", "7"], True),
+        (
+            "wandb-core",
+            ["/venv/lib/python3.11/site-packages/wandb/bin/wandb-core", "--port-filename", "/tmp/p.txt", "--pid", "7"],
+            True,
+        ),
         ("wandb-symon", ["/venv/lib/python3.11/site-packages/wandb/bin/wandb-symon", "--portfile", "/tmp/x"], True),
         ("python", ["wandb-core", "writer.py"], True),  # exec -a wandb-core
         ("python3", ["/usr/bin/python3", "-m", "wandb", "sync", "run-1"], True),
@@ -496,7 +510,9 @@ def is_prefect_server(cmd: str) -> bool:
     return "prefect.server.api.server:create_app" in cmd
 
 
-def kill_while_running(command: list[str], cwd: Path, env: dict, log: Path, timeout: float = 900) -> tuple[list[Record], float, list[Record]]:
+def kill_while_running(
+    command: list[str], cwd: Path, env: dict, log: Path, timeout: float = 900
+) -> tuple[list[Record], float, list[Record]]:
     """Start ``command`` (a ``posttrain stage convert``), record its descendants every 0.1 s,
     SIGKILL it (the process alone) 0.5 s after its stage task is under way, and wait up to
     20 s for the recorded descendants to go. Returns (recorded, seconds, alive).
@@ -511,7 +527,9 @@ def kill_while_running(command: list[str], cwd: Path, env: dict, log: Path, time
     try:
         while running_since is None or time.monotonic() - running_since < 0.5:
             if proc.poll() is not None:
-                raise AssertionError(f"convert exited ({proc.returncode}) before it was killed\n{log.read_text()[-6000:]}")
+                raise AssertionError(
+                    f"convert exited ({proc.returncode}) before it was killed\n{log.read_text()[-6000:]}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"no W&B writer within {timeout} s\n{log.read_text()[-6000:]}")
             try:
@@ -552,8 +570,9 @@ def test_sigkilled_convert_leaves_nothing_running(prepared):
     work, config, env = prepared
     """The killed stage had started the reaper, W&B's writer and Prefect's temporary server
     (and, its torch_dist saves writing in process, no multiprocessing child); none outlives it."""
-    recorded, took, left = kill_while_running([str(BIN / "posttrain"), "stage", "convert", str(config)], work, env,
-                                              work / "convert.log")
+    recorded, took, left = kill_while_running(
+        [str(BIN / "posttrain"), "stage", "convert", str(config)], work, env, work / "convert.log"
+    )
     assert kinds(recorded) == {"reaper": 1, "tracker": 0, "spawn": 0}, recorded
     assert sum(is_wandb_core(cmd) for _, _, cmd in recorded) == 1, recorded
     assert sum(is_prefect_server(cmd) for _, _, cmd in recorded) == 1, recorded

@@ -53,13 +53,18 @@ def data(tmp_path, fixtures_dir) -> Path:
 
 
 def config(tmp_path: Path, sft_path: Path, root: str | None = None, **data) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "run": {"name": "t", "artifact_root": root or str(tmp_path / "artifacts"),
-                "checkpoint_root": str(tmp_path / "checkpoints")},
-        "wandb": {"enabled": False},
-        "data": {"sft": {"path": str(sft_path), "format": "alpaca"}, **data},
-        "model": {"source": "m"},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "run": {
+                "name": "t",
+                "artifact_root": root or str(tmp_path / "artifacts"),
+                "checkpoint_root": str(tmp_path / "checkpoints"),
+            },
+            "wandb": {"enabled": False},
+            "data": {"sft": {"path": str(sft_path), "format": "alpaca"}, **data},
+            "model": {"source": "m"},
+        }
+    )
 
 
 @flow
@@ -95,8 +100,10 @@ def test_a_file_changed_while_the_stage_reads_it_publishes_nothing(tmp_path, dat
 
     with pytest.raises(InputChanged, match=rf"{data}.*changed while the stage was running; nothing was published"):
         one_stage()
-    assert not (tmp_path / "artifacts" / "validate").exists() or \
-        [p.name for p in (tmp_path / "artifacts" / "validate").iterdir()] == []
+    assert (
+        not (tmp_path / "artifacts" / "validate").exists()
+        or [p.name for p in (tmp_path / "artifacts" / "validate").iterdir()] == []
+    )
     data.write_bytes(original)  # the old file is back: the stage builds the old rows
     out = validate_flow(cfg)
     store = ArtifactStore(cfg.run.artifact_root)
@@ -132,8 +139,9 @@ def test_a_byte_identical_rebuild_leaves_downstream_fingerprints_unchanged(tmp_p
     assert one["ref"].content_hash == two["ref"].content_hash
     sft_spec, _ = stage("sft")
     convert = {"convert": "c" * 64}
-    assert sft_spec.fingerprint(cfg, {**input_hashes({"validate": one["ref"]}), **convert}) == \
-        sft_spec.fingerprint(relaxed, {**input_hashes({"validate": two["ref"]}), **convert})
+    assert sft_spec.fingerprint(cfg, {**input_hashes({"validate": one["ref"]}), **convert}) == sft_spec.fingerprint(
+        relaxed, {**input_hashes({"validate": two["ref"]}), **convert}
+    )
     # The content hash is the files' (hand-computed from the manifest's table), not the times.
     manifest = ArtifactStore(cfg.run.artifact_root).manifest(two["ref"])
     assert manifest["content_hash"] == content_hash(manifest["files"]) == two["ref"].content_hash
@@ -210,9 +218,17 @@ def test_a_cache_hit_removes_what_a_killed_attempt_left(tmp_path, data):
     (parent / f"{work.name}.lock").write_text("")
     live = parent / f".work-{ref.fingerprint[:16]}-1iveaaaa"  # a live attempt's: kept
     live.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-                               str(parent / f"{live.name}.lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(parent / f"{live.name}.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert validate_flow(cfg)["state"] == "Cached"
@@ -227,10 +243,12 @@ def test_a_cache_hit_removes_what_a_killed_attempt_left(tmp_path, data):
 
 def test_a_second_run_of_a_fingerprint_waits_for_the_first(tmp_path):
     parent = tmp_path / "checkpoints" / "sft"
-    script = (f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
-              "from pathlib import Path\nfrom tasks.runner import fingerprint_lock\n"
-              f"with fingerprint_lock(Path({str(parent)!r}), 'abcdabcdabcdabcd', 'sft', print):\n"
-              "    print('owner', flush=True)\n    time.sleep(3)\n")
+    script = (
+        f"import sys, time; sys.path.insert(0, {str(REPO)!r})\n"
+        "from pathlib import Path\nfrom tasks.runner import fingerprint_lock\n"
+        f"with fingerprint_lock(Path({str(parent)!r}), 'abcdabcdabcdabcd', 'sft', print):\n"
+        "    print('owner', flush=True)\n    time.sleep(3)\n"
+    )
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert owner.stdout.readline().strip() == "owner"
     said: list[str] = []
@@ -240,8 +258,10 @@ def test_a_second_run_of_a_fingerprint_waits_for_the_first(tmp_path):
         assert (parent / "abcdabcdabcdabcd.lock").read_text() == f"pid {os.getpid()} on {os.uname().nodename}\n"
     owner.wait()
     assert waited > 2.0  # the owner held it for 3 s after saying so
-    assert said == [f"sft sft-abcdabcdabcdabcd is being built by another run (pid {owner.pid} on {os.uname().nodename}); "
-                    "waiting for it to finish"]
+    assert said == [
+        f"sft sft-abcdabcdabcdabcd is being built by another run (pid {owner.pid} on {os.uname().nodename}); "
+        "waiting for it to finish"
+    ]
     assert not (parent / "abcdabcdabcdabcd.lock").exists()  # nothing left behind
     # A killed owner's lock dies with it: no wait.
     killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)

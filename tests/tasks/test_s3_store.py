@@ -132,7 +132,9 @@ def test_publish_find_list_and_download(s3, root, tmp_path):
     assert store.find("sft", FP_A) == ref
     assert ArtifactStore(root).find("sft", FP_A) == ref  # another store instance sees it
     prefix = _prefix(root)
-    assert s3.keys(prefix) == sorted([f"{prefix}/sft/{aid}/{rel}" for rel in files] + [f"{prefix}/sft/{aid}/{MANIFEST}"])
+    assert s3.keys(prefix) == sorted(
+        [f"{prefix}/sft/{aid}/{rel}" for rel in files] + [f"{prefix}/sft/{aid}/{MANIFEST}"]
+    )
     manifest = json.loads(s3.get(f"{prefix}/sft/{aid}/{MANIFEST}"))
     assert manifest["files"] == _table(files) and manifest["content_hash"] == ref.content_hash
     assert manifest["metrics"] == {"loss": 0.5}
@@ -163,13 +165,23 @@ def test_corrupt_object_is_caught_on_download_and_verify(s3, root, tmp_path):
     s3.put(key, bytes(data))
     assert store.find("convert", FP_A) == ref
     assert store.check("convert", FP_A, verify=True) == ArtifactCheck(
-        "broken", None, "checksum mismatch for model/weights.bin", store.manifest(ref))
-    with pytest.raises(CorruptArtifact, match=r"checksum mismatch for model/weights\.bin while downloading convert-") as info:
+        "broken", None, "checksum mismatch for model/weights.bin", store.manifest(ref)
+    )
+    with pytest.raises(
+        CorruptArtifact, match=r"checksum mismatch for model/weights\.bin while downloading convert-"
+    ) as info:
         store.local_path(ref)
-    assert (info.value.stage, info.value.artifact_id, info.value.file) == ("convert", ref.artifact_id, "model/weights.bin")
+    assert (info.value.stage, info.value.artifact_id, info.value.file) == (
+        "convert",
+        ref.artifact_id,
+        "model/weights.bin",
+    )
     assert list((tmp_path / "cache").rglob("weights.bin")) == []  # nothing half-downloaded is kept
-    with pytest.raises(CorruptArtifact, match=rf"checksum mismatch for model/weights\.bin while verifying {ref.artifact_id} "
-                                              rf"\({s3.bucket}/"):
+    with pytest.raises(
+        CorruptArtifact,
+        match=rf"checksum mismatch for model/weights\.bin while verifying {ref.artifact_id} "
+        rf"\({s3.bucket}/",
+    ):
         store.verify(ref)
 
 
@@ -191,14 +203,23 @@ def test_check_states_and_repair_on_s3(s3, root, tmp_path, caplog):
 
     good = s3.get(f"{prefix}/{MANIFEST}")
     s3.put(f"{prefix}/{MANIFEST}", b'{"stage": "rm", "files": [{"path"')
-    assert store.check("rm", FP_A) == ArtifactCheck("broken", None, "manifest.json is not valid JSON (line 1 column 34)", None)
+    assert store.check("rm", FP_A) == ArtifactCheck(
+        "broken", None, "manifest.json is not valid JSON (line 1 column 34)", None
+    )
     assert store.find("rm", FP_A) is None
     with pytest.raises(ArtifactError) as info:
         store.manifest(ref)
-    assert str(info.value) == f"s3://{s3.bucket}/{prefix}/{MANIFEST} is not valid JSON (line 1 column 34) (artifact {ref.artifact_id})"
+    assert (
+        str(info.value)
+        == f"s3://{s3.bucket}/{prefix}/{MANIFEST} is not valid JSON (line 1 column 34) (artifact {ref.artifact_id})"
+    )
     with caplog.at_level(logging.WARNING, logger="posttrain.artifacts"):
         assert [m["artifact_id"] for m in store.list("rm")] == [newer.artifact_id]
-    assert any(f"s3://{s3.bucket}/{prefix}/{MANIFEST}" in r.getMessage() for r in caplog.records if r.name == "posttrain.artifacts")
+    assert any(
+        f"s3://{s3.bucket}/{prefix}/{MANIFEST}" in r.getMessage()
+        for r in caplog.records
+        if r.name == "posttrain.artifacts"
+    )
     assert store.latest("rm")["artifact_id"] == newer.artifact_id
 
     # publish replaces the broken artifact (stray objects of the old one go with it).
@@ -233,11 +254,18 @@ def test_killed_publish_leaves_a_tmp_prefix_removed_by_age(s3, root, tmp_path):
     (work / "config.json").write_text('{"n": 24}')
     stage_prefix = f"{_prefix(root)}/rl/"
     tmp_prefix = f"{stage_prefix}.tmp-{ArtifactStore.artifact_id('rl', FP_A)}-"
-    proc = subprocess.Popen([sys.executable, "-c", _PUBLISHER, root, "rl", FP_A, str(work)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PUBLISHER, root, "rl", FP_A, str(work)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while not s3.keys(tmp_prefix):
-        assert proc.poll() is None, f"publisher ended ({proc.returncode}) before its .tmp prefix was seen: {proc.stderr.read()}"
+        assert proc.poll() is None, (
+            f"publisher ended ({proc.returncode}) before its .tmp prefix was seen: {proc.stderr.read()}"
+        )
         assert time.monotonic() < deadline, "no .tmp prefix appeared"
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)

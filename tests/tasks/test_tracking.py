@@ -61,21 +61,34 @@ def publish(store: ArtifactStore, work: Path, stage: str, fp_char: str, inputs: 
     src = work / f"src-{stage}"
     src.mkdir()
     (src / "out.txt").write_text(stage)
-    return store.publish(stage, fp_char * 64, src, {"inputs": {k: v.model_dump() for k, v in inputs.items()},
-                                                     "metrics": metrics, **fields})
+    return store.publish(
+        stage,
+        fp_char * 64,
+        src,
+        {"inputs": {k: v.model_dump() for k, v in inputs.items()}, "metrics": metrics, **fields},
+    )
 
 
 @pytest.fixture
 def store_with_chain(tmp_path):
     """A real store holding validate and convert, sft built from both, rl from validate + sft."""
     store = ArtifactStore(str(tmp_path / "artifacts"))
-    refs = {"validate": publish(store, tmp_path, "validate", "a", {}, {"rows/sft": 256}),
-            "convert": publish(store, tmp_path, "convert", "b", {}, {"model/parameters": 1000})}
-    refs["sft"] = publish(store, tmp_path, "sft", "c", {"validate": refs["validate"], "convert": refs["convert"]},
-                          {"train/loss": 0.5})
-    refs["rl"] = publish(store, tmp_path, "rl", "d", {"validate": refs["validate"], "sft": refs["sft"]},
-                         {"critic/score/mean": 0.25, "rl/steps": 3.0},
-                         wandb={"project": "posttrain", "run_id": "rl-dddddddddddddddd-0badcafe"})
+    refs = {
+        "validate": publish(store, tmp_path, "validate", "a", {}, {"rows/sft": 256}),
+        "convert": publish(store, tmp_path, "convert", "b", {}, {"model/parameters": 1000}),
+    }
+    refs["sft"] = publish(
+        store, tmp_path, "sft", "c", {"validate": refs["validate"], "convert": refs["convert"]}, {"train/loss": 0.5}
+    )
+    refs["rl"] = publish(
+        store,
+        tmp_path,
+        "rl",
+        "d",
+        {"validate": refs["validate"], "sft": refs["sft"]},
+        {"critic/score/mean": 0.25, "rl/steps": 3.0},
+        wandb={"project": "posttrain", "run_id": "rl-dddddddddddddddd-0badcafe"},
+    )
     return store, refs
 
 
@@ -85,15 +98,29 @@ def test_pipeline_identity_changes_with_a_parameter_not_with_cadence_keys_or_pat
     base = pipeline_identity(cfg_of(tmp_path))
     assert len(base) == 64 and int(base, 16) >= 0
     same = {
-        "sft.log_every": 1, "sft.checkpoint_every": 2, "rm.log_every": 1, "rl.checkpoint_every": 2,
-        "rl.engine": {"num_cpus": 1}, "wandb.mode": "online", "wandb.dir": str(tmp_path / "elsewhere"),
-        "run.name": "renamed", "run.artifact_root": str(tmp_path / "other_store"),
-        "data.sft.path": "inputs/sft.jsonl", "model.source": "./inputs/base_model",
+        "sft.log_every": 1,
+        "sft.checkpoint_every": 2,
+        "rm.log_every": 1,
+        "rl.checkpoint_every": 2,
+        "rl.engine": {"num_cpus": 1},
+        "wandb.mode": "online",
+        "wandb.dir": str(tmp_path / "elsewhere"),
+        "run.name": "renamed",
+        "run.artifact_root": str(tmp_path / "other_store"),
+        "data.sft.path": "inputs/sft.jsonl",
+        "model.source": "./inputs/base_model",
     }
     for key, value in same.items():
         assert pipeline_identity(cfg_of(tmp_path, **{key: value})) == base, key
-    changed = {"rl.steps": 4, "rl.optim.lr": 1.0e-3, "sft.steps": 7, "evaluate.num_prompts": 12, "run.seed": 1,
-               "rm.enabled": False, "sft.enabled": False}
+    changed = {
+        "rl.steps": 4,
+        "rl.optim.lr": 1.0e-3,
+        "sft.steps": 7,
+        "evaluate.num_prompts": 12,
+        "run.seed": 1,
+        "rm.enabled": False,
+        "sft.enabled": False,
+    }
     identities = {key: pipeline_identity(cfg_of(tmp_path, **{key: value})) for key, value in changed.items()}
     assert base not in identities.values()
     assert len(set(identities.values())) == len(changed)  # each change its own pipeline
@@ -101,31 +128,55 @@ def test_pipeline_identity_changes_with_a_parameter_not_with_cadence_keys_or_pat
     assert pipeline_identity(cfg_of(tmp_path)) not in {base, *identities.values()}  # a dataset's content counts
 
 
-def test_stage_run_has_the_pipeline_group_tags_and_flat_config_of_every_upstream_stage(tmp_path, store_with_chain, monkeypatch):
+def test_stage_run_has_the_pipeline_group_tags_and_flat_config_of_every_upstream_stage(
+    tmp_path, store_with_chain, monkeypatch
+):
     store, refs = store_with_chain
     monkeypatch.setenv("DVC_EXP_NAME", "exp-lr3")  # what `dvc exp run` sets for stage commands
     cfg = cfg_of(tmp_path)
     inputs = {k: refs[k] for k in ("validate", "sft", "rl")}
-    tracker = StageTracker(cfg, "evaluate", "evaluate-" + "e" * 16, LOG, fingerprint="e" * 64, inputs=inputs,
-                           resume_dir=tmp_path / "checkpoints" / "evaluate" / ("e" * 16), store=store)
+    tracker = StageTracker(
+        cfg,
+        "evaluate",
+        "evaluate-" + "e" * 16,
+        LOG,
+        fingerprint="e" * 64,
+        inputs=inputs,
+        resume_dir=tmp_path / "checkpoints" / "evaluate" / ("e" * 16),
+        store=store,
+    )
     group = f"quickstart-{pipeline_identity(cfg)[:12]}"
     assert tracker.group == group and tracker.pipeline_run["group"] == group
     assert tracker.pipeline_run["dvc_experiment"] == "exp-lr3" and tracker.pipeline_run["flow_run_id"] is None
     tracker.finish({"rl/accuracy": 0.5, "sft/accuracy": 0.25}, ok=True)
 
     [run] = finished_runs(tmp_path / "wandb", 1)
-    assert (run["group"], run["job_type"], run["name"], run["tags"]) == (group, "evaluate", "evaluate-" + "e" * 16, ["dvc-exp:exp-lr3"])
+    assert (run["group"], run["job_type"], run["name"], run["tags"]) == (
+        group,
+        "evaluate",
+        "evaluate-" + "e" * 16,
+        ["dvc-exp:exp-lr3"],
+    )
     assert run["id"] == tracker.wandb["run_id"] and run["id"].startswith("evaluate-" + "e" * 16 + "-")
     assert run["exit_code"] == 0 and run["history"] == []
     assert {k: run["summary"][k] for k in ("rl/accuracy", "sft/accuracy")} == {"rl/accuracy": 0.5, "sft/accuracy": 0.25}
     config = run["config"]
     assert not any(isinstance(v, dict) for v in config.values())  # flat: keys named as in the YAML
     assert (config["rl.steps"], config["rl.optim.lr"], config["rl.rollout.gpu_memory_utilization"]) == (
-        cfg.rl.steps, cfg.rl.optim.lr, cfg.rl.rollout.gpu_memory_utilization)
-    assert (config["sft.steps"], config["evaluate.num_prompts"], config["run.seed"], config["run.name"]) == (6, 24, 0, "quickstart")
+        cfg.rl.steps,
+        cfg.rl.optim.lr,
+        cfg.rl.rollout.gpu_memory_utilization,
+    )
+    assert (config["sft.steps"], config["evaluate.num_prompts"], config["run.seed"], config["run.name"]) == (
+        6,
+        24,
+        0,
+        "quickstart",
+    )
     assert config["data.sft.path"] == cfg.data.sft.path and config["model.source"] == cfg.model.source
     assert {k: v for k, v in config.items() if k.startswith("upstream/")} == {
-        f"upstream/{s}/artifact_id": refs[s].artifact_id for s in ("validate", "convert", "sft", "rl")}  # convert: through sft
+        f"upstream/{s}/artifact_id": refs[s].artifact_id for s in ("validate", "convert", "sft", "rl")
+    }  # convert: through sft
     assert (config["artifact_id"], config["fingerprint"]) == ("evaluate-" + "e" * 16, "e" * 64)
     assert not any(k.startswith(("rm.", "export.", "prepare.", "wandb.")) for k in config)  # not upstream of evaluate
 
@@ -142,9 +193,15 @@ def test_a_cached_stage_is_a_short_run_in_the_same_group(tmp_path, store_with_ch
     rl = refs["rl"]
     reported = log_cached_stage(cfg, rl, store.manifest(rl))
     [run] = finished_runs(tmp_path / "wandb", 1)
-    assert reported["run_id"] == run["id"] and reported["group"] == run["group"] == f"quickstart-{pipeline_identity(cfg)[:12]}"
+    assert (
+        reported["run_id"] == run["id"]
+        and reported["group"] == run["group"] == f"quickstart-{pipeline_identity(cfg)[:12]}"
+    )
     assert (run["job_type"], run["name"], run["tags"], run["exit_code"]) == ("rl", rl.artifact_id, ["cached"], 0)
-    assert {k: run["summary"][k] for k in ("critic/score/mean", "rl/steps")} == {"critic/score/mean": 0.25, "rl/steps": 3.0}
+    assert {k: run["summary"][k] for k in ("critic/score/mean", "rl/steps")} == {
+        "critic/score/mean": 0.25,
+        "rl/steps": 3.0,
+    }
     assert run["history"] == []
     assert run["config"]["rl.steps"] == cfg.rl.steps and run["config"]["sft.steps"] == cfg.sft.steps
     assert run["config"]["upstream/sft/artifact_id"] == refs["sft"].artifact_id
@@ -169,7 +226,11 @@ def test_wandb_mode_env_overrides_the_config_and_disabled_writes_nothing(tmp_pat
     assert [row["_step"] for row in run["history"]] == [1, 2, 3]  # the image: one row after the last step
     image = run["history"][-1]
     assert (image["curves._type"], image["curves.format"], image["curves.width"], image["curves.height"]) == (
-        "image-file", "png", 1200, 400)
+        "image-file",
+        "png",
+        1200,
+        400,
+    )
     media = run["dir"] / "files" / image["curves.path"]
     assert media.read_bytes() == png.read_bytes() and image["curves.size"] == png.stat().st_size
 
@@ -189,7 +250,9 @@ def test_wandb_mode_env_overrides_the_config_and_disabled_writes_nothing(tmp_pat
         assert log_cached_stage(cfg, refs["rl"], store.manifest(refs["rl"])) is None
         assert not (tmp_path / f"wandb-{env}").exists()
         # no W&B file; the step history (what the stage publishes as metrics.jsonl) is still kept
-        assert [p.name for p in off.iterdir()] == [HISTORY_FILE] and tracker.history() == [{"step": 1, "train/loss": 1.0}]
+        assert [p.name for p in off.iterdir()] == [HISTORY_FILE] and tracker.history() == [
+            {"step": 1, "train/loss": 1.0}
+        ]
 
 
 def test_history_without_wandb_keeps_the_earlier_attempts_steps_before_the_resumed_one(tmp_path, monkeypatch):
@@ -237,8 +300,13 @@ def test_sigkill_loses_at_most_a_second_and_the_resumed_attempt_relogs_the_histo
     resume.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
     env.pop("WANDB_SERVICE", None)  # its own wandb-core, not this process's (which a kill would not end)
-    child = subprocess.Popen([str(BIN / "python"), "-c", KILLED_ATTEMPT, cfg.model_dump_json(), artifact_id, str(resume)],
-                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [str(BIN / "python"), "-c", KILLED_ATTEMPT, cfg.model_dump_json(), artifact_id, str(resume)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         first_logged = None
         for line in child.stdout:
@@ -260,7 +328,9 @@ def test_sigkill_loses_at_most_a_second_and_the_resumed_attempt_relogs_the_histo
     assert in_wandb == list(range(1, len(in_wandb) + 1))
     old = [row["step"] for row in logged if row["t"] < killed_at - 3 * FLUSH_INTERVAL_S]
     assert len(old) >= 10, logged
-    assert set(old) <= set(in_wandb), f"logged more than {3 * FLUSH_INTERVAL_S} s before the SIGKILL but lost: {sorted(set(old) - set(in_wandb))}"
+    assert set(old) <= set(in_wandb), (
+        f"logged more than {3 * FLUSH_INTERVAL_S} s before the SIGKILL but lost: {sorted(set(old) - set(in_wandb))}"
+    )
     assert json.loads((resume / RUN_FILE).read_text())["run_id"] == killed["id"]
 
     # The resumed attempt restored its checkpoint at step 20 (< what was logged): it redoes 21..
@@ -281,8 +351,19 @@ def test_sigkill_loses_at_most_a_second_and_the_resumed_attempt_relogs_the_histo
     history = [json.loads(line) for line in (resume / HISTORY_FILE).read_text().splitlines()]
     assert [row["step"] for row in history] == list(range(1, total + 1))
     # `wandb sync` would upload only the complete attempt
-    dry = subprocess.run([str(BIN / "wandb"), "sync", "--dry-run", *map(str, sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*")))],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    dry = subprocess.run(
+        [
+            str(BIN / "wandb"),
+            "sync",
+            "--dry-run",
+            *map(str, sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = dry.stdout + dry.stderr
     assert dry.returncode == 0, out
     assert "Would sync 1 run(s)" in out and resumed["dir"].name in out and first["dir"].name not in out, out
@@ -326,8 +407,14 @@ def test_a_kill_between_publish_and_wandb_finish_is_finished_by_the_next_cache_h
     cfg = cfg_of(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
     env.pop("WANDB_SERVICE", None)  # its own wandb-core, which dies with it
-    child = subprocess.run([str(BIN / "python"), "-c", KILLED_AFTER_PUBLISH, cfg.model_dump_json()],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    child = subprocess.run(
+        [str(BIN / "python"), "-c", KILLED_AFTER_PUBLISH, cfg.model_dump_json()],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr[-3000:]
     time.sleep(2.0)  # wandb-core notices its parent's death
     store = ArtifactStore(cfg.run.artifact_root)

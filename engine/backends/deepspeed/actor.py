@@ -39,7 +39,12 @@ STATE_TAG_KEY = "actor_backend"
 class DeepSpeedActorWorker(HFBucketSource):
     # In a data-parallel group (engine.distributed.group.WorkerGroup) every rank takes part in
     # weight sync: under ZeRO-3 gathering a weight is a collective of all the ranks.
-    GROUP_DISPATCH = {"hf_bucket_plan": "all", "hf_bucket": "all", "weight_sync_send": "all", "weight_sync_share": "all"}
+    GROUP_DISPATCH = {
+        "hf_bucket_plan": "all",
+        "hf_bucket": "all",
+        "weight_sync_send": "all",
+        "weight_sync_share": "all",
+    }
 
     """The trainable policy as an HF causal LM under a DeepSpeed engine (:class:`DeepSpeedTrainer`).
 
@@ -83,8 +88,14 @@ class DeepSpeedActorWorker(HFBucketSource):
         self.cfg = cfg
         self.seed = seed
         self.temperature = logit_temperature(cfg.rollout.temperature)
-        self.trainer = DeepSpeedTrainer(loaded.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.deepspeed,
-                                        cfg.micro_batch_size, cfg.precision)
+        self.trainer = DeepSpeedTrainer(
+            loaded.model,
+            cfg.optim,
+            cfg.policy_updates(cfg.steps) * cfg.ppo_epochs,
+            cfg.deepspeed,
+            cfg.micro_batch_size,
+            cfg.precision,
+        )
         self.engine, self.module = self.trainer.engine, self.trainer.module
         self.optimizer, self.scheduler = self.trainer.optimizer, self.trainer.scheduler
         self.zero_stage = cfg.deepspeed.zero_stage
@@ -107,8 +118,9 @@ class DeepSpeedActorWorker(HFBucketSource):
         ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch`` tokens)."""
         rows = micro_batch_rows(traj, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch)
         padding = self.trainer.forward_padding(len(rows))  # ZeRO-3 at DP > 1: as many forwards as the other ranks
-        out = compute_logprobs(self.engine, traj, self.temperature, self.cfg.micro_batch_size,
-                               self.cfg.max_tokens_per_micro_batch)
+        out = compute_logprobs(
+            self.engine, traj, self.temperature, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch
+        )
         for _ in range(padding):
             compute_logprobs(self.engine, traj.select(rows[-1]), self.temperature, self.cfg.micro_batch_size)
         return out
@@ -152,8 +164,9 @@ class DeepSpeedActorWorker(HFBucketSource):
         ``rl.lora.save_adapter`` the adapters alone go to ``adapter/`` in PEFT's format
         (``engine.models.lora.write_peft_adapter``), as the megatron backend writes them."""
         weights = dict(self._weights(full_precision=True))
-        out = save_hf_as_model_dir(out_dir, weights, self.spec, self.hf_config, self.tokenizer_dir,
-                                   iteration=iteration, seed=self.seed)
+        out = save_hf_as_model_dir(
+            out_dir, weights, self.spec, self.hf_config, self.tokenizer_dir, iteration=iteration, seed=self.seed
+        )
         if self.cfg.lora.enabled and self.cfg.lora.save_adapter:
             adapters = peft_adapter_tensors(self.module, partial(self.trainer.full_tensor, full_precision=True))
             write_peft_adapter(adapters, self.cfg.lora, out / "adapter")
@@ -164,8 +177,11 @@ class DeepSpeedActorWorker(HFBucketSource):
         fp32 when ``full_precision``."""
         if not self.cfg.lora.enabled:
             return self.trainer.named_tensors(full_precision)
-        return merged_hf_tensors(self.module, partial(self.trainer.full_tensor, full_precision=True),
-                                 torch.float32 if full_precision else None)
+        return merged_hf_tensors(
+            self.module,
+            partial(self.trainer.full_tensor, full_precision=True),
+            torch.float32 if full_precision else None,
+        )
 
     # ------------------------------------------------------------------ resumable state
 

@@ -73,8 +73,9 @@ class DeepSpeedCriticWorker:
         loaded = load_hf_causal_lm(policy_dir, seed=seed)
         self.cfg = cfg
         model = HFValueModel(loaded.model, int(loaded.hf_config["hidden_size"]), seed)
-        self.trainer = DeepSpeedTrainer(model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.deepspeed,
-                                        cfg.micro_batch_size, cfg.precision)
+        self.trainer = DeepSpeedTrainer(
+            model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.deepspeed, cfg.micro_batch_size, cfg.precision
+        )
         self.engine, self.model = self.trainer.engine, self.trainer.module
 
     def offload(self) -> None:

@@ -76,16 +76,26 @@ class DeepSpeedRewardTrainer:
         import_deepspeed()
         init_process_group()
         loaded = load_hf_causal_lm(base_model_dir, seed=seed)
-        self.spec, self.hf_config, self.tokenizer_dir, self.seed = loaded.spec, loaded.hf_config, loaded.tokenizer_dir, seed
+        self.spec, self.hf_config, self.tokenizer_dir, self.seed = (
+            loaded.spec,
+            loaded.hf_config,
+            loaded.tokenizer_dir,
+            seed,
+        )
         causal_lm = loaded.model
         self.body_prefix = f"{causal_lm.base_model_prefix}."
         # Weights outside the body (an untied output layer, e.g. lm_head.weight): not trained,
         # as in the megatron reward model, and written back unchanged. A tied output layer is
         # the embedding, which named_parameters lists once, under the body.
-        self.untrained = {name: p.detach().clone() for name, p in causal_lm.named_parameters()
-                          if not name.startswith(self.body_prefix)}
+        self.untrained = {
+            name: p.detach().clone()
+            for name, p in causal_lm.named_parameters()
+            if not name.startswith(self.body_prefix)
+        }
         module = HFRewardModel(causal_lm, self.spec.hidden_size, seed)
-        self.trainer = DeepSpeedTrainer(module, cfg.optim, cfg.steps, cfg.deepspeed, cfg.micro_batch_size, cfg.precision)
+        self.trainer = DeepSpeedTrainer(
+            module, cfg.optim, cfg.steps, cfg.deepspeed, cfg.micro_batch_size, cfg.precision
+        )
         self.model = self.trainer.engine
         # ZeRO-3 at DP > 1: a forward gathers parameters from every rank, so all ranks evaluate
         self.collective_forward = self.trainer.collective_forward
@@ -120,15 +130,18 @@ class DeepSpeedRewardTrainer:
         state = dict(self.untrained)
         for name, tensor in self.trainer.named_tensors(full_precision=True):
             if name.startswith(BODY_PREFIX):
-                state[self.body_prefix + name[len(BODY_PREFIX):]] = tensor
+                state[self.body_prefix + name[len(BODY_PREFIX) :]] = tensor
         return state
 
     def heads(self) -> dict[str, torch.Tensor]:
         """``reward_head.weight`` ``[1, H]`` and ``reward_head.bias`` ``[1]`` (copies), the names
         ``engine.training.reward_scoring.load_reward_model`` reads from ``heads.safetensors``; fp32
         masters under bf16, as :meth:`hf_state`."""
-        return {name: tensor.clone() for name, tensor in self.trainer.named_tensors(full_precision=True)
-                if name.startswith("reward_head.")}
+        return {
+            name: tensor.clone()
+            for name, tensor in self.trainer.named_tensors(full_precision=True)
+            if name.startswith("reward_head.")
+        }
 
     def save_state(self, directory: str | Path, step: int, data_position: DataPosition, extra: dict[str, Any]) -> None:
         """``engine.training.reward_contract.RewardTrainer.save_state``: ``directory/train_state.pt`` with the

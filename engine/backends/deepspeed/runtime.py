@@ -139,8 +139,15 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
             ``precision``.
     """
 
-    def __init__(self, module: torch.nn.Module, optim: OptimConfig, total_steps: int, ds: DeepSpeedConfig,
-                 micro_batch_size: int, precision: str | None = "fp32"):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optim: OptimConfig,
+        total_steps: int,
+        ds: DeepSpeedConfig,
+        micro_batch_size: int,
+        precision: str | None = "fp32",
+    ):
         self.deepspeed = import_deepspeed()
         self.world = init_process_group()
         self.zero_stage = ds.zero_stage
@@ -150,9 +157,11 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         self.grad_clip = optim.grad_clip
         if self.world > 1 and self.scheme == MASTER_WEIGHTS:
             # the repository's bf16 masters sit outside DeepSpeed: its ZeRO-0 reduction would miss them
-            raise ValueError(f"bf16 at DeepSpeed ZeRO stage 0 runs on one rank only (this group has {self.world}); "
-                             "set rl.deepspeed.zero_stage / rm.deepspeed.zero_stage to 1, 2 or 3, or the precision "
-                             "to fp32")
+            raise ValueError(
+                f"bf16 at DeepSpeed ZeRO stage 0 runs on one rank only (this group has {self.world}); "
+                "set rl.deepspeed.zero_stage / rm.deepspeed.zero_stage to 1, 2 or 3, or the precision "
+                "to fp32"
+            )
         params: Any = module.parameters()
         fp32_weights: dict[str, torch.Tensor] = {}
         if self.scheme == MASTER_WEIGHTS:
@@ -163,13 +172,23 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
             fp32_weights = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
             wrong = [name for name, w in fp32_weights.items() if w.dtype != torch.float32]
             if wrong:
-                raise ValueError(f"DeepSpeedTrainer: parameter {wrong[0]!r} is {fp32_weights[wrong[0]].dtype}, "
-                                 "expected the fp32 weights")
+                raise ValueError(
+                    f"DeepSpeedTrainer: parameter {wrong[0]!r} is {fp32_weights[wrong[0]].dtype}, "
+                    "expected the fp32 weights"
+                )
         self.optimizer, self.scheduler = build_optimizer(params, optim, total_steps)
         self.engine, _, _, _ = self.deepspeed.initialize(
-            model=module, optimizer=self.optimizer, lr_scheduler=self.scheduler,
-            config=engine_config(ds, micro_batch_size, optim.grad_clip, self.precision,
-                                 num_params=sum(p.numel() for p in module.parameters())))
+            model=module,
+            optimizer=self.optimizer,
+            lr_scheduler=self.scheduler,
+            config=engine_config(
+                ds,
+                micro_batch_size,
+                optim.grad_clip,
+                self.precision,
+                num_params=sum(p.numel() for p in module.parameters()),
+            ),
+        )
         self.module = self.engine.module
         if self.world > 1 and self.zero_stage == 0:
             # ZeRO-0 would average the gradients inside step(), after the norm is read: the
@@ -240,22 +259,32 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
             return (loss, units, metrics) if real else (loss * 0.0, 0, {})
 
         loss_total, total_units, metrics = accumulate_gradients(
-            self.engine, items, item_loss, normalized=True, engine_reduces=engine_reduces,
-            backward=lambda loss: self.engine.backward(loss * scale if scale != 1.0 else loss, scale_wrt_gas=False))
+            self.engine,
+            items,
+            item_loss,
+            normalized=True,
+            engine_reduces=engine_reduces,
+            backward=lambda loss: self.engine.backward(loss * scale if scale != 1.0 else loss, scale_wrt_gas=False),
+        )
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.scheme == MASTER_WEIGHTS:  # the fp32 masters' gradients, clipped here (DeepSpeed's clip is 0)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in masters if p.grad is not None],
-                                                             self.grad_clip))
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_([p for p in masters if p.grad is not None], self.grad_clip)
+            )
             if not math.isfinite(grad_norm):
                 for p in masters:
                     p.grad = None
-                raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken")
+                raise FloatingPointError(
+                    f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken"
+                )
         elif self.zero_stage == 0:  # DeepSpeed clips but does not report the norm below ZeRO
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             grad_norm = float(torch.nn.utils.get_total_norm(grads))
             if not math.isfinite(grad_norm):
                 self.engine.zero_grad()
-                raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken")
+                raise FloatingPointError(
+                    f"train step: gradient norm is {grad_norm} (loss {loss_total}); step not taken"
+                )
         self.held_gradient_numel = self._held_gradient_numel()
         self.engine.step()
         if self.scheme == MASTER_WEIGHTS:
@@ -265,8 +294,9 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         if self.zero_stage > 0:
             grad_norm = float(self.engine.get_global_grad_norm())
             if not math.isfinite(grad_norm):
-                raise FloatingPointError(f"train step: gradient norm is {grad_norm} (loss {loss_total}); "
-                                         "DeepSpeed skipped the step")
+                raise FloatingPointError(
+                    f"train step: gradient norm is {grad_norm} (loss {loss_total}); DeepSpeed skipped the step"
+                )
         return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, "num_units": float(total_units), **metrics}
 
     def _held_gradient_numel(self) -> int:
@@ -298,7 +328,9 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
         """
         opt = self.engine.optimizer
         if self.zero_stage == 3:
-            params = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters())
+            params = sum(
+                p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in self.module.parameters()
+            )
             master = sum(t.numel() for t in opt.fp32_partitioned_groups_flat)
         else:
             params = sum(p.numel() for p in self.module.parameters())
@@ -306,8 +338,13 @@ class DeepSpeedTrainer(DeepSpeedTrainState):
             master = sum(t.numel() for t in partitions) if partitions is not None else params
         total = sum(getattr(p, "ds_numel", p.numel()) for p in self.module.parameters())
         exp_avg = sum(s["exp_avg"].numel() for s in self.optimizer.state.values() if "exp_avg" in s)
-        return {"params": params, "gradients": getattr(self, "held_gradient_numel", 0), "master": master,
-                "exp_avg": exp_avg, "total": total}
+        return {
+            "params": params,
+            "gradients": getattr(self, "held_gradient_numel", 0),
+            "master": master,
+            "exp_avg": exp_avg,
+            "total": total,
+        }
 
     def gathered(self, params, modifier_rank: int | None = None):
         """ZeRO-3: a context in which ``params`` hold their full data (``modifier_rank=0``:

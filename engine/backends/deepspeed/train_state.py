@@ -48,7 +48,8 @@ class DeepSpeedTrainState:
         if all(p.requires_grad for p in self.module.parameters()):
             return self.module
         trained = self._repository_masters_by_name() or {
-            name: p for name, p in self.module.named_parameters() if p.requires_grad}
+            name: p for name, p in self.module.named_parameters() if p.requires_grad
+        }
         return _parameter_tree(trained)
 
     def state_tag(self) -> dict[str, Any]:
@@ -78,13 +79,25 @@ class DeepSpeedTrainState:
         if self.zero_stage > 0:
             with self.gathered(saved.parameters()), self._deepspeed_masters_in_params():
                 optimizer = _SavedOptimizer(self._consolidated_optimizer_state(saved))
-                save_train_state(directory, step=step, model=saved, optimizer=optimizer, scheduler=self.scheduler,
-                                 data_position=data_position, extra={**extra, tag_key: self.state_tag()})
+                save_train_state(
+                    directory,
+                    step=step,
+                    model=saved,
+                    optimizer=optimizer,
+                    scheduler=self.scheduler,
+                    data_position=data_position,
+                    extra={**extra, tag_key: self.state_tag()},
+                )
             return
         with self.gathered(saved.parameters()), self._deepspeed_masters_in_params():
             save_train_state(
-                directory, step=step, model=saved, optimizer=self.optimizer, scheduler=self.scheduler,
-                data_position=data_position, extra={**extra, tag_key: self.state_tag()},
+                directory,
+                step=step,
+                model=saved,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                data_position=data_position,
+                extra={**extra, tag_key: self.state_tag()},
             )
 
     def _template_groups(self, module: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
@@ -113,9 +126,13 @@ class DeepSpeedTrainState:
             ids = []
             for p in group:
                 if stepped:
-                    state[index] = {"step": torch.as_tensor(step).clone(),
-                                    **{m: safe_get_full_optimizer_state(p, m).detach().clone().view(p.shape)
-                                       for m in ("exp_avg", "exp_avg_sq")}}
+                    state[index] = {
+                        "step": torch.as_tensor(step).clone(),
+                        **{
+                            m: safe_get_full_optimizer_state(p, m).detach().clone().view(p.shape)
+                            for m in ("exp_avg", "exp_avg_sq")
+                        },
+                    }
                 ids.append(index)
                 index += 1
             param_groups.append({**{k: v for k, v in live.items() if k != "params"}, "params": ids})
@@ -141,17 +158,21 @@ class DeepSpeedTrainState:
         state = load_train_state(directory)
         written_by = state.extra.pop(tag_key, {"backend": "megatron"})
         if written_by != self.state_tag():
-            raise ValueError(f"{directory}: train state was written with {written_by}, this worker runs "
-                             f"{self.state_tag()}; resume with the same {config_keys}")
+            raise ValueError(
+                f"{directory}: train state was written with {written_by}, this worker runs "
+                f"{self.state_tag()}; resume with the same {config_keys}"
+            )
         restored = self._state_module()
         if state.format_version == 1 and state.optimizer.get("consolidated") == self.CONSOLIDATED:
             self._restore_consolidated(state, restored)
             return state
         if self.world > 1 and self.zero_stage > 0:
-            raise ValueError(f"{directory}: this train state holds one rank's flat ZeRO partitions (written at "
-                             f"data_parallel_size 1 by an earlier version) and loads at data_parallel_size 1 only; "
-                             f"resume it at data_parallel_size 1 until its next checkpoint, which is written in the "
-                             f"format that loads at any data_parallel_size")
+            raise ValueError(
+                f"{directory}: this train state holds one rank's flat ZeRO partitions (written at "
+                f"data_parallel_size 1 by an earlier version) and loads at data_parallel_size 1 only; "
+                f"resume it at data_parallel_size 1 until its next checkpoint, which is written in the "
+                f"format that loads at any data_parallel_size"
+            )
         with self.gathered(restored.parameters(), modifier_rank=0), self._optimizer_param_groups():
             state.restore(restored, self.optimizer, self.scheduler)
         if self.scheme == MASTER_WEIGHTS:  # the bf16 weights: the restored masters' rounding
@@ -174,8 +195,10 @@ class DeepSpeedTrainState:
         with self.gathered(restored.parameters(), modifier_rank=0):
             result = restored.load_state_dict(state.model, strict=False)
             if result.missing_keys or result.unexpected_keys:
-                raise ValueError(f"{state.path}: train state does not match the model: mismatched keys "
-                                 f"{(result.missing_keys + result.unexpected_keys)[:5]}")
+                raise ValueError(
+                    f"{state.path}: train state does not match the model: mismatched keys "
+                    f"{(result.missing_keys + result.unexpected_keys)[:5]}"
+                )
             groups = self._template_groups(restored)
         if [len(g) for g in groups] != [len(g["params"]) for g in opt["param_groups"]]:
             raise ValueError(f"{state.path}: train state has other optimizer parameter groups than the model's")
@@ -206,8 +229,9 @@ class DeepSpeedTrainState:
                 for flat in group["params"]:
                     entry = self.optimizer.state[flat]
                     if "exp_avg" not in entry:
-                        entry.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat),
-                                     exp_avg_sq=torch.zeros_like(flat))
+                        entry.update(
+                            step=torch.tensor(0.0), exp_avg=torch.zeros_like(flat), exp_avg_sq=torch.zeros_like(flat)
+                        )
         self._link_optimizer_state()
         for index, p in enumerate(params):
             for moment in ("exp_avg", "exp_avg_sq"):
@@ -215,7 +239,6 @@ class DeepSpeedTrainState:
         step = saved[0]["step"]
         for entry in self.optimizer.state.values():
             entry["step"] = torch.as_tensor(step).clone()
-
 
     def _link_optimizer_state(self) -> None:
         """ZeRO 1-2 (DeepSpeed's bf16 optimizer at ZeRO-1 too): point each parameter's views of the

@@ -65,8 +65,10 @@ def import_deepspeed():
     """
     accelerator = os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if accelerator != "cpu":
-        raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DS_ACCELERATOR "
-                           f"is {accelerator!r} (unset it or set 'cpu')")
+        raise RuntimeError(
+            f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DS_ACCELERATOR "
+            f"is {accelerator!r} (unset it or set 'cpu')"
+        )
     # deepspeed: seconds to import; only the DeepSpeed backend needs it
     import deepspeed
     from deepspeed.utils import logger as ds_logger
@@ -74,8 +76,10 @@ def import_deepspeed():
     ds_logger.setLevel(logging.WARNING)
     name = deepspeed.get_accelerator().device_name()
     if name != "cpu":
-        raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DeepSpeed's "
-                           f"accelerator is {name!r}")
+        raise RuntimeError(
+            f"the deepspeed backend (rl.backend / rm.backend: deepspeed) runs on CPU; DeepSpeed's "
+            f"accelerator is {name!r}"
+        )
     return deepspeed
 
 
@@ -106,8 +110,10 @@ def init_process_group() -> int:
     else:
         rank, world = 0, int(os.environ.get("WORLD_SIZE", "1"))
         if world != 1:
-            raise RuntimeError(f"the deepspeed backend (rl.backend / rm.backend: deepspeed) joins the process group of "
-                               f"its Ray actor group; WORLD_SIZE is {world} but no process group is running")
+            raise RuntimeError(
+                f"the deepspeed backend (rl.backend / rm.backend: deepspeed) joins the process group of "
+                f"its Ray actor group; WORLD_SIZE is {world} but no process group is running"
+            )
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import_deepspeed().init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
@@ -150,8 +156,13 @@ def zero_buffer_sizes(num_params: int) -> dict[str, int]:
     return {k: min(v, n) for k, v in ZERO_BUFFER_DEFAULTS.items()}
 
 
-def engine_config(ds: DeepSpeedConfig, micro_batch_size: int, grad_clip: float,
-                  precision: str | None = "fp32", num_params: int | None = None) -> dict[str, Any]:
+def engine_config(
+    ds: DeepSpeedConfig,
+    micro_batch_size: int,
+    grad_clip: float,
+    precision: str | None = "fp32",
+    num_params: int | None = None,
+) -> dict[str, Any]:
     """The DeepSpeed config dict of a trainer: ZeRO stage ``ds.zero_stage``, gradient
     clipping to ``grad_clip`` (global L2 norm, as ``torch.nn.utils.clip_grad_norm_``), the
     caller's gradient accumulation (one ``engine.step()`` per batch, losses not divided by

@@ -57,7 +57,8 @@ class ActorWorker(HFBucketSource):
         if cfg.lora.enabled:  # before the optimizer: it (and the fp32 masters) hold the adapters only
             apply_lora(self.model, cfg.lora, seed=seed)
         self.optimizer, self.scheduler = build_model_optimizer(
-            self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision)
+            self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision
+        )
         self.routing = None  # rl.moe_routing_replay: the old-log-prob pass records, the update replays
         if cfg.moe_routing_replay:
             self.routing = RoutingReplay(self.model)
@@ -77,8 +78,15 @@ class ActorWorker(HFBucketSource):
         in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
         tokens, packed when ``cfg.packing``. Under ``cfg.moe_routing_replay`` it records each
         micro-batch's routing for the next :meth:`update` (replacing any earlier recording)."""
-        return compute_logprobs(self.model, traj, self.temperature, self.cfg.micro_batch_size,
-                                self.cfg.max_tokens_per_micro_batch, self.cfg.packing, self.routing)
+        return compute_logprobs(
+            self.model,
+            traj,
+            self.temperature,
+            self.cfg.micro_batch_size,
+            self.cfg.max_tokens_per_micro_batch,
+            self.cfg.packing,
+            self.routing,
+        )
 
     def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> ActorUpdate:
         """``cfg.ppo_epochs`` optimizer steps on the whole batch
@@ -95,9 +103,11 @@ class ActorWorker(HFBucketSource):
 
         Returns: :class:`engine.training.actor.ActorUpdate`: the ``actor/*`` metrics and the old log-probs used.
         """
+
         def step(micro, loss_fn):
-            return train_step(self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip,
-                              normalized=True)
+            return train_step(
+                self.model, self.optimizer, self.scheduler, micro, loss_fn, self.cfg.optim.grad_clip, normalized=True
+            )
 
         try:
             return actor_update(traj, self.cfg, self.temperature, step, norm, self.routing)
@@ -118,8 +128,13 @@ class ActorWorker(HFBucketSource):
         torch_dist checkpoint to which every rank of a data/tensor-parallel group writes its shards
         (``engine.storage.train_state``), so it resumes at any layout."""
         save_train_state(
-            resume_dir, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            data_position=data_position, extra=extra,
+            resume_dir,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data_position=data_position,
+            extra=extra,
         )
 
     def load_state(self, resume_dir: str | Path):

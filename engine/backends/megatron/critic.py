@@ -46,7 +46,8 @@ class CriticWorker:
         self.cfg = cfg
         # body and value head together: under bf16 both compute in bf16 with fp32 masters
         self.optimizer, self.scheduler = build_model_optimizer(
-            self.model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.precision)
+            self.model, cfg.critic.optim, cfg.steps * cfg.ppo_epochs, cfg.precision
+        )
 
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
@@ -79,16 +80,29 @@ class CriticWorker:
         Raises: ValueError when ``values`` or ``returns`` is missing.
         """
         clip = self.cfg.critic.optim.grad_clip
-        return critic_update(traj, self.cfg, lambda micro, loss_fn: train_step(
-            self.model, self.optimizer, self.scheduler, micro, loss_fn, clip, normalized=True), norm)
+        return critic_update(
+            traj,
+            self.cfg,
+            lambda micro, loss_fn: train_step(
+                self.model, self.optimizer, self.scheduler, micro, loss_fn, clip, normalized=True
+            ),
+            norm,
+        )
 
     def save_state(self, resume_dir: str | Path, step: int, data_position, extra: dict[str, Any]) -> None:
         """Write the critic's train state (weights with the head, AdamW, schedule) atomically
         under ``resume_dir/critic/step_<step>`` (sharded: every rank writes its shards, and it
         resumes at any layout, ``engine.storage.train_state``); earlier steps' states stay until
         :meth:`prune_states` (so a crash before the actor's checkpoint leaves a matching pair)."""
-        save_train_state(critic_state_dir(resume_dir, step), step=step, model=self.model, optimizer=self.optimizer,
-                         scheduler=self.scheduler, data_position=data_position, extra=extra)
+        save_train_state(
+            critic_state_dir(resume_dir, step),
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            data_position=data_position,
+            extra=extra,
+        )
 
     def prune_states(self, resume_dir: str | Path, keep_step: int) -> None:
         """Delete the critic states of every step except ``keep_step``."""

@@ -48,5 +48,11 @@ class MegatronRewardTrainer(ModelTrainer):
         model = self.model
         assert isinstance(model, RewardModel)  # built in __init__
         with full_precision_weights(model):
-            return save_model_dir(out_dir, model.gpt, self.loaded.hf_config, self.loaded.tokenizer_dir,
-                                  iteration=iteration, heads=model.heads())
+            return save_model_dir(
+                out_dir,
+                model.gpt,
+                self.loaded.hf_config,
+                self.loaded.tokenizer_dir,
+                iteration=iteration,
+                heads=model.heads(),
+            )

@@ -34,8 +34,20 @@ def grpo_by_hand(rewards, group_index, mask=None, **options):
     return out if mask is None else out[:, None] * mask.double()  # float64: the caller casts
 
 
-def ppo_clip_by_hand(logprobs, old_logprobs, advantages, mask, clip_ratio, num_tokens=None, *,
-                     clip_ratio_low=None, clip_ratio_high=None, loss_agg_mode="token-mean", norm=None, **options):
+def ppo_clip_by_hand(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_ratio,
+    num_tokens=None,
+    *,
+    clip_ratio_low=None,
+    clip_ratio_high=None,
+    loss_agg_mode="token-mean",
+    norm=None,
+    **options,
+):
     """The PPO clipped surrogate in the paper's form ``-min(rho A, clip(rho) A)`` (the
     built-in takes ``max(-rho A, -clip(rho) A)``); dual-clip and TIS are not supported."""
     if options.get("clip_ratio_c") is not None or options.get("tis_cap") is not None:

@@ -39,15 +39,21 @@ def test_the_config_and_the_plan_follow_the_built_in_needs(name):
     assert cfg.policy_updates(10) == (6 if needs.critic else 10)  # the critic's warm-up updates no policy
     assert cfg.precomputes_old_logprobs is needs.teacher  # distillation needs the student's log-probs first
     if needs.group:  # one response per prompt: a zero advantage, refused with the message it always had
-        with pytest.raises(ValidationError, match=f"rl.n_samples: 1 gives every response a zero {name} advantage .*"
-                                                  "use n_samples >= 2 or algorithm reinforce_plus_plus, gae or "
-                                                  "on_policy_distill"):
+        with pytest.raises(
+            ValidationError,
+            match=f"rl.n_samples: 1 gives every response a zero {name} advantage .*"
+            "use n_samples >= 2 or algorithm reinforce_plus_plus, gae or "
+            "on_policy_distill",
+        ):
             _cfg(name, n_samples=1)
         assert _cfg(name, dynamic_sampling=DynamicSamplingConfig(enabled=True)).dynamic_sampling.enabled
     else:
         assert _cfg(name, n_samples=1).n_samples == 1
-        with pytest.raises(ValidationError, match=r"only group-baseline estimators \(grpo, dr_grpo, rloo, "
-                                                  r"reinforce_plus_plus_baseline, plug-ins\)"):
+        with pytest.raises(
+            ValidationError,
+            match=r"only group-baseline estimators \(grpo, dr_grpo, rloo, "
+            r"reinforce_plus_plus_baseline, plug-ins\)",
+        ):
             _cfg(name, dynamic_sampling=DynamicSamplingConfig(enabled=True))
     if needs.critic:
         with pytest.raises(ValidationError, match=r"rl.critic.warmup_steps \(3\) must be below rl.steps \(3\)"):
@@ -60,7 +66,7 @@ def test_the_config_and_the_plan_follow_the_built_in_needs(name):
             RLConfig(algorithm=name, teacher={"model_dir": "t"})
 
 
-PLUGIN_MODULE = '''
+PLUGIN_MODULE = """
 import torch
 
 raise RuntimeError("imported")  # the config reads the declaration without importing the module
@@ -74,7 +80,7 @@ def with_critic(rewards, group_index, mask=None, *, values=None, **options):
 
 def plain(rewards, group_index, mask=None, **options):
     return rewards[:, None] * mask
-'''
+"""
 
 
 _MODULES = itertools.count()
@@ -103,8 +109,11 @@ def test_a_plugin_declares_its_needs_without_being_imported(plugin_dir):
     # a function the declaration does not name behaves as every plug-in did before: groups, no critic
     plain = RLConfig(algorithm=f"{mod}:plain")
     assert plain.algorithm_needs == PLUGIN_NEEDS and "critic" not in training_roles(plain)
-    with pytest.raises(ValidationError, match=r"rl.n_samples: 1 with the plug-in estimator needs_.*:plain: a plug-in "
-                                              r"is treated as a group-baseline estimator"):
+    with pytest.raises(
+        ValidationError,
+        match=r"rl.n_samples: 1 with the plug-in estimator needs_.*:plain: a plug-in "
+        r"is treated as a group-baseline estimator",
+    ):
         RLConfig(algorithm=f"{mod}:plain", n_samples=1)
     assert mod not in __import__("sys").modules
 
@@ -119,13 +128,17 @@ def test_a_module_without_a_declaration_or_not_found_gets_the_default(plugin_dir
     assert "critic" not in training_roles(RLConfig(algorithm=f"{mod}:plain"))
 
 
-@pytest.mark.parametrize("declaration", ['{"f": {"critic": 1}}', '{"f": {"citric": True}}', 'dict(f={})',
-                                         '{"f": True}'])
+@pytest.mark.parametrize(
+    "declaration", ['{"f": {"critic": 1}}', '{"f": {"citric": True}}', "dict(f={})", '{"f": True}']
+)
 def test_a_malformed_declaration_names_the_file_and_line(plugin_dir, declaration):
     root, mod = plugin_dir
     (root / f"{mod}.py").write_text(f"import os\n\nALGORITHM_NEEDS = {declaration}\n")
-    with pytest.raises(ValidationError, match=rf"{mod}.py:3: ALGORITHM_NEEDS must be a literal dict of function "
-                                              r"names to dicts of needs \(critic, teacher, group: True or False\)"):
+    with pytest.raises(
+        ValidationError,
+        match=rf"{mod}.py:3: ALGORITHM_NEEDS must be a literal dict of function "
+        r"names to dicts of needs \(critic, teacher, group: True or False\)",
+    ):
         RLConfig(algorithm=f"{mod}:f")
 
 
@@ -137,10 +150,17 @@ def test_the_rl_step_passes_a_critic_plugin_the_values_and_trains_the_critic_on_
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     values = torch.tensor([[0.25, 0.5, 9.0], [0.5, 0.0, 1.0]])
     traj = Trajectory(
-        input_ids=torch.ones(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([2, 2]),
-        response_ids=torch.ones(2, 3, dtype=torch.long), response_mask=mask, rollout_logprobs=torch.zeros(2, 3),
-        group_index=torch.tensor([0, 0]), rewards=torch.tensor([1.0, 0.0]), advantages=torch.zeros(2, 3),
-        truncated=torch.tensor([False, False]), values=values)
+        input_ids=torch.ones(2, 5, dtype=torch.long),
+        prompt_lengths=torch.tensor([2, 2]),
+        response_ids=torch.ones(2, 3, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(2, 3),
+        group_index=torch.tensor([0, 0]),
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.zeros(2, 3),
+        truncated=torch.tensor([False, False]),
+        values=values,
+    )
     out = compute_advantages(traj, RLConfig(algorithm=f"{mod}:with_critic"))
     # A = (r - V) * mask; returns = (A + V) * mask = r on every mask token
     assert out.advantages.tolist() == [[0.75, 0.5, 0.0], [-0.5, 0.0, -1.0]]
@@ -153,11 +173,15 @@ def test_the_rl_step_passes_a_critic_plugin_the_values_and_trains_the_critic_on_
 
 def test_a_critic_plugin_that_cannot_take_the_values_fails_at_load(plugin_dir):
     root, mod = plugin_dir
-    (root / f"{mod}.py").write_text('ALGORITHM_NEEDS = {"f": {"critic": True}}\n\n\n'
-                                    "def f(rewards, group_index, mask=None):\n    return rewards\n")
-    with pytest.raises(ImportError, match=rf"rl.algorithm: cannot load the advantage estimator plug-in '{mod}:f': "
-                                          r"f\(rewards, group_index, mask=None\) cannot be called as "
-                                          r"\(rewards, group_index, mask, values=...\)"):
+    (root / f"{mod}.py").write_text(
+        'ALGORITHM_NEEDS = {"f": {"critic": True}}\n\n\ndef f(rewards, group_index, mask=None):\n    return rewards\n'
+    )
+    with pytest.raises(
+        ImportError,
+        match=rf"rl.algorithm: cannot load the advantage estimator plug-in '{mod}:f': "
+        r"f\(rewards, group_index, mask=None\) cannot be called as "
+        r"\(rewards, group_index, mask, values=...\)",
+    ):
         get_advantage_estimator(f"{mod}:f")
 
 
@@ -168,16 +192,35 @@ def test_the_rl_step_gives_a_teacher_estimator_the_log_probs_and_the_teachers_we
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     teacher, student = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -3.0]]), torch.full((2, 3), -1.0)
     traj = Trajectory(
-        input_ids=torch.ones(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([2, 2]),
-        response_ids=torch.ones(2, 3, dtype=torch.long), response_mask=mask, rollout_logprobs=torch.zeros(2, 3),
-        group_index=torch.tensor([0, 1]), rewards=torch.tensor([1.0, 0.0]), advantages=torch.zeros(2, 3),
-        truncated=torch.tensor([False, False]), teacher_logprobs=teacher, old_logprobs=student)
-    cfg = RLConfig(algorithm="on_policy_distill", n_samples=1,
-                   teacher={"model_dir": "t", "kl_coef": 0.5, "reward_weight": 2.0})
+        input_ids=torch.ones(2, 5, dtype=torch.long),
+        prompt_lengths=torch.tensor([2, 2]),
+        response_ids=torch.ones(2, 3, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(2, 3),
+        group_index=torch.tensor([0, 1]),
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.zeros(2, 3),
+        truncated=torch.tensor([False, False]),
+        teacher_logprobs=teacher,
+        old_logprobs=student,
+    )
+    cfg = RLConfig(
+        algorithm="on_policy_distill", n_samples=1, teacher={"model_dir": "t", "kl_coef": 0.5, "reward_weight": 2.0}
+    )
     out = compute_advantages(traj, cfg).advantages
     # 0.5 * (teacher - student) + 2.0 * score on every mask token
     assert out.tolist() == [[2.0, 1.5, 0.0], [0.25, -0.25, -1.0]]
-    assert torch.equal(out, on_policy_distill_advantages(traj.rewards, traj.group_index, mask, teacher_logprobs=teacher,
-                                                         student_logprobs=student, kl_coef=0.5, reward_weight=2.0))
+    assert torch.equal(
+        out,
+        on_policy_distill_advantages(
+            traj.rewards,
+            traj.group_index,
+            mask,
+            teacher_logprobs=teacher,
+            student_logprobs=student,
+            kl_coef=0.5,
+            reward_weight=2.0,
+        ),
+    )
     with pytest.raises(ValueError, match="rl.algorithm on_policy_distill needs the teacher's and the old log-probs"):
         compute_advantages(traj.with_(teacher_logprobs=None), cfg)

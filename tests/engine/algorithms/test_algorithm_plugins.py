@@ -41,22 +41,40 @@ def test_config_accepts_a_built_in_or_an_import_path():
     assert RLConfig(algorithm="rloo", policy_loss="gspo").algorithm == "rloo"
     # a plug-in is a group-baseline estimator without a critic: dynamic sampling may be on, n_samples 1 may not
     assert RLConfig(algorithm=GRPO, dynamic_sampling=DynamicSamplingConfig(enabled=True)).policy_updates(5) == 5
-    with pytest.raises(ValidationError, match=r"rl.n_samples: 1 with the plug-in estimator .*grpo_by_hand: a plug-in "
-                                              r"is treated as a group-baseline estimator"):
+    with pytest.raises(
+        ValidationError,
+        match=r"rl.n_samples: 1 with the plug-in estimator .*grpo_by_hand: a plug-in "
+        r"is treated as a group-baseline estimator",
+    ):
         RLConfig(algorithm=GRPO, n_samples=1)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("algorithm", "ppo", "rl.algorithm: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_plus_plus', "
-                         "'reinforce_plus_plus_baseline', 'gae' or 'on_policy_distill', or a plug-in's import path "
-                         "'package.module:function' (got 'ppo')"),
-    ("policy_loss", "dpo", "rl.policy_loss: Input should be 'ppo_clip' or 'gspo', or a plug-in's import path "
-                           "'package.module:function' (got 'dpo')"),
-    ("algorithm", "my_algos:", "rl.algorithm: expected an import path 'package.module:function' (module dotted, "
-                               "one colon, then the function's name) (got 'my_algos:')"),
-    ("policy_loss", "my-losses:ppo", "rl.policy_loss: expected an import path 'package.module:function'"),
-    ("algorithm", 3, "rl.algorithm: Input should be 'grpo'"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "algorithm",
+            "ppo",
+            "rl.algorithm: Input should be 'grpo', 'dr_grpo', 'rloo', 'reinforce_plus_plus', "
+            "'reinforce_plus_plus_baseline', 'gae' or 'on_policy_distill', or a plug-in's import path "
+            "'package.module:function' (got 'ppo')",
+        ),
+        (
+            "policy_loss",
+            "dpo",
+            "rl.policy_loss: Input should be 'ppo_clip' or 'gspo', or a plug-in's import path "
+            "'package.module:function' (got 'dpo')",
+        ),
+        (
+            "algorithm",
+            "my_algos:",
+            "rl.algorithm: expected an import path 'package.module:function' (module dotted, "
+            "one colon, then the function's name) (got 'my_algos:')",
+        ),
+        ("policy_loss", "my-losses:ppo", "rl.policy_loss: expected an import path 'package.module:function'"),
+        ("algorithm", 3, "rl.algorithm: Input should be 'grpo'"),
+    ],
+)
 def test_config_errors_name_the_key(key, value, message):
     with pytest.raises(ValidationError) as err:
         PipelineConfig.model_validate({"run": {"name": "t"}, "data": {}, "model": {"source": "m"}, "rl": {key: value}})
@@ -72,9 +90,13 @@ def _reward_cases():
     groups = torch.tensor([7, 7, 7, 2, 9])  # a group of 3, one of 1 (advantage 0), one of 1
     scores = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0])
     token = torch.tensor([[0.0, 1.0, 9.0], [0.1, -0.1, 0.3], [0.2, 5.0, 5.0], [1.0, 0.0, 3.0], [0.0, 0.0, 1.0]])
-    return [(scores, groups, None), (scores, groups, mask), (token, groups, mask),
-            (torch.tensor([0.35, 0.35 + 1e-7, 0.35, 0.35]), torch.tensor([0, 0, 1, 1]), None),  # near-equal, equal
-            (torch.tensor([1, 0, 0, 1]), torch.tensor([0, 0, 0, 0]), None)]  # int rewards: float32 out
+    return [
+        (scores, groups, None),
+        (scores, groups, mask),
+        (token, groups, mask),
+        (torch.tensor([0.35, 0.35 + 1e-7, 0.35, 0.35]), torch.tensor([0, 0, 1, 1]), None),  # near-equal, equal
+        (torch.tensor([1, 0, 0, 1]), torch.tensor([0, 0, 0, 0]), None),
+    ]  # int rewards: float32 out
 
 
 @pytest.mark.parametrize("case", range(5))
@@ -102,7 +124,9 @@ def test_compute_advantages_of_the_rl_step_uses_the_plugin():
 def test_a_plugin_estimator_result_is_checked():
     fn = get_advantage_estimator(f"{EXAMPLE}:wrong_shape")
     mask = torch.ones(2, 3)
-    with pytest.raises(ValueError, match=r"rl.algorithm plug-in .*:wrong_shape returned shape \[2\]; expected \[2, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"rl.algorithm plug-in .*:wrong_shape returned shape \[2\]; expected \[2, 3\]"
+    ):
         fn(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), mask)
     assert fn(torch.tensor([1.0, 0.0]), torch.tensor([0, 0])).tolist() == [0.0, 0.0]  # [B] without a mask is right
 
@@ -127,9 +151,20 @@ def test_plugin_policy_loss_resolved_through_the_config_equals_the_built_in(mode
     for fn in (get_policy_loss(cfg.policy_loss), ppo_clip_loss):
         logprobs, old, adv, mask = _loss_inputs()
         norm = global_norm(mask, max_response_length=6)
-        out = fn(logprobs, old, adv, mask, cfg.clip_ratio, clip_ratio_low=cfg.clip_ratio_low,
-                 clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=None, tis_cap=None, rollout_logprobs=None,
-                 loss_agg_mode=mode, norm=norm)
+        out = fn(
+            logprobs,
+            old,
+            adv,
+            mask,
+            cfg.clip_ratio,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=None,
+            tis_cap=None,
+            rollout_logprobs=None,
+            loss_agg_mode=mode,
+            norm=norm,
+        )
         out.pg_loss.backward()
         results.append((out, logprobs.grad))
     (got, got_grad), (want, want_grad) = results
@@ -142,8 +177,11 @@ def test_plugin_policy_loss_resolved_through_the_config_equals_the_built_in(mode
 def test_a_plugin_policy_loss_result_is_checked():
     logprobs, old, adv, mask = _loss_inputs()
     fn = get_policy_loss(f"{EXAMPLE}:returns_a_float")
-    with pytest.raises(TypeError, match=r"rl.policy_loss plug-in .*:returns_a_float returned float; expected "
-                                        r"engine.algorithms.policy_loss.PolicyLossOutput"):
+    with pytest.raises(
+        TypeError,
+        match=r"rl.policy_loss plug-in .*:returns_a_float returned float; expected "
+        r"engine.algorithms.policy_loss.PolicyLossOutput",
+    ):
         fn(logprobs, old, adv, mask, 0.2)
 
 
@@ -157,8 +195,10 @@ def _trajectory():
     gen = torch.Generator().manual_seed(3)
     prompts = [[1, 5, 9], [2, 2]]
     lengths = [[3, 1, 4], [2, 4, 3]]
-    outs = [[RolloutOutput(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (-2.5,) * n, "stop")
-             for n in ns] for ns in lengths]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (-2.5,) * n, "stop") for n in ns]
+        for ns in lengths
+    ]
     traj = Trajectory.from_rollout(prompts, outs, pad_id=0)
     mask = traj.response_mask
     adv = torch.randn(len(traj), 1, generator=gen) * mask
@@ -194,14 +234,22 @@ def test_the_actor_loss_uses_the_plugin(monkeypatch):
 # ----------------------------------------------------------------------------- bad paths
 
 
-@pytest.mark.parametrize("getter, key", [(get_advantage_estimator, "rl.algorithm"), (get_policy_loss, "rl.policy_loss")])
-@pytest.mark.parametrize("path, why", [
-    ("no_such_module_xyz:fn", r"cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
-    (f"{EXAMPLE}:missing", r"has no attribute 'missing'"),
-    (f"{EXAMPLE}:NOT_A_FUNCTION", r"is not callable \(type int\)"),
-    (f"{EXAMPLE}:takes_nothing", r"takes_nothing\(\) cannot be called as \((rewards, group_index, mask\)|"
-                                     r"logprobs, old_logprobs, advantages, mask, clip_ratio, clip_ratio_low=\.\.\.)"),
-])
+@pytest.mark.parametrize(
+    "getter, key", [(get_advantage_estimator, "rl.algorithm"), (get_policy_loss, "rl.policy_loss")]
+)
+@pytest.mark.parametrize(
+    "path, why",
+    [
+        ("no_such_module_xyz:fn", r"cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
+        (f"{EXAMPLE}:missing", r"has no attribute 'missing'"),
+        (f"{EXAMPLE}:NOT_A_FUNCTION", r"is not callable \(type int\)"),
+        (
+            f"{EXAMPLE}:takes_nothing",
+            r"takes_nothing\(\) cannot be called as \((rewards, group_index, mask\)|"
+            r"logprobs, old_logprobs, advantages, mask, clip_ratio, clip_ratio_low=\.\.\.)",
+        ),
+    ],
+)
 def test_a_bad_path_names_the_key_and_the_path(getter, key, path, why):
     with pytest.raises(ImportError, match=rf"^{key}: cannot load the .* plug-in '{re.escape(path)}': .*{why}"):
         getter(path)

@@ -80,7 +80,10 @@ def test_ppo_micro_batches_sum_to_global_token_mean():
     new, old, adv, mask = _ppo_case()
     full = ppo_clip_loss(new, old, adv, mask).pg_loss
     total = mask.sum()
-    parts = sum(ppo_clip_loss(new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], num_tokens=total).pg_loss for i in range(2))
+    parts = sum(
+        ppo_clip_loss(new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], num_tokens=total).pg_loss
+        for i in range(2)
+    )
     assert parts.item() == pytest.approx(full.item(), abs=1e-7)
 
 

@@ -64,7 +64,9 @@ def _global_batch():
         lp = logprobs_from_logits(model(x), ids)
     old = lp + 0.7 * torch.randn(b, C, generator=g, dtype=torch.float64)
     batch = {
-        "x": x, "ids": ids, "mask": mask,
+        "x": x,
+        "ids": ids,
+        "mask": mask,
         "old": old,
         "ref": lp + 0.3 * torch.randn(b, C, generator=g, dtype=torch.float64),
         "rollout": old + 0.3 * torch.randn(b, C, generator=g, dtype=torch.float64),
@@ -78,8 +80,14 @@ def _loss(model, batch, loss_name, options, mode, norm):
     logits = model(batch["x"])
     logprobs = logprobs_from_logits(logits, batch["ids"])
     out = get_policy_loss(loss_name)(
-        logprobs, batch["old"], batch["adv"], batch["mask"],
-        rollout_logprobs=batch["rollout"], loss_agg_mode=mode, norm=norm, **options,
+        logprobs,
+        batch["old"],
+        batch["adv"],
+        batch["mask"],
+        rollout_logprobs=batch["rollout"],
+        loss_agg_mode=mode,
+        norm=norm,
+        **options,
     )
     kl = kl_loss(logprobs, batch["ref"], batch["mask"], "k3", mode, norm)
     ent = entropy_bonus(entropy_from_logits(logits), batch["mask"], 0.01, mode, norm)

@@ -49,10 +49,16 @@ def test_gae_advantages_and_returns_in_the_rl_step():
 
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     traj = Trajectory(
-        input_ids=torch.ones(2, 5, dtype=torch.long), prompt_lengths=torch.tensor([2, 2]),
-        response_ids=torch.ones(2, 3, dtype=torch.long), response_mask=mask, rollout_logprobs=torch.zeros(2, 3),
-        group_index=torch.tensor([0, 1]), rewards=torch.tensor([1.0, 0.0]), advantages=torch.zeros(2, 3),
-        truncated=torch.tensor([False, False]), values=torch.tensor([[0.2, 0.4, 0.6], [0.5, 0.1, 0.0]]),
+        input_ids=torch.ones(2, 5, dtype=torch.long),
+        prompt_lengths=torch.tensor([2, 2]),
+        response_ids=torch.ones(2, 3, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(2, 3),
+        group_index=torch.tensor([0, 1]),
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.zeros(2, 3),
+        truncated=torch.tensor([False, False]),
+        values=torch.tensor([[0.2, 0.4, 0.6], [0.5, 0.1, 0.0]]),
     )
     cfg = RLConfig(algorithm="gae", n_samples=1, critic=CriticConfig(gamma=1.0, lam=0.5))
     out = compute_advantages(traj, cfg)

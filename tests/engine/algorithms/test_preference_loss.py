@@ -97,7 +97,9 @@ def test_ipo_hand_values():
     out = ipo_loss(t(-2.0, -1.0), t(-2.0, -4.0), t(-2.0, -2.0), t(-2.0, -2.0), beta=0.1)
     assert out.losses[0].item() == pytest.approx(25.0, abs=1e-12)
     assert ipo_loss(t(-1.0), t(-4.0), t(-2.0), t(-2.0), beta=0.25).losses.item() == pytest.approx(1.0, abs=1e-15)
-    assert out.chosen_rewards.tolist() == pytest.approx([0.0, 0.1]) and out.rejected_rewards.tolist() == pytest.approx([0.0, -0.2])
+    assert out.chosen_rewards.tolist() == pytest.approx([0.0, 0.1]) and out.rejected_rewards.tolist() == pytest.approx(
+        [0.0, -0.2]
+    )
 
 
 def test_simpo_hand_values():
@@ -120,8 +122,16 @@ def test_kto_reference_point_is_clamped_mean_and_detached():
 
 def test_kto_hand_values():
     # desirable r = 1, undesirable r = -1, z0 = 0.5, beta 1
-    out = kto_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), torch.tensor(0.5, dtype=torch.float64), beta=1.0,
-                   desirable_weight=2.0, undesirable_weight=3.0)
+    out = kto_loss(
+        t(-1.0),
+        t(-3.0),
+        t(-2.0),
+        t(-2.0),
+        torch.tensor(0.5, dtype=torch.float64),
+        beta=1.0,
+        desirable_weight=2.0,
+        undesirable_weight=3.0,
+    )
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     assert out.losses.tolist() == pytest.approx([2 * (1 - sig(0.5)), 3 * (1 - sig(1.5))], abs=1e-15)
     assert out.losses.tolist() == pytest.approx([0.7550813375962908, 0.547276571419069], abs=1e-15)
@@ -148,8 +158,14 @@ def cpo_loss():
 
 
 def _trl_self(loss_type: str, beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.0):
-    return SimpleNamespace(alpha=0.0, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
-                           simpo_gamma=simpo_gamma, accelerator=SimpleNamespace(device="cpu"))
+    return SimpleNamespace(
+        alpha=0.0,
+        loss_type=loss_type,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        simpo_gamma=simpo_gamma,
+        accelerator=SimpleNamespace(device="cpu"),
+    )
 
 
 def test_equal_to_trl_on_random_log_probs(cpo_loss):

@@ -46,8 +46,16 @@ pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engin
 
 BACKENDS = ("megatron", "deepspeed")
 
-ACTOR_METRICS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-                 "actor/grad_norm", "actor/lr", "actor/kl_loss"}  # kl_loss: the batch has reference log-probs
+ACTOR_METRICS = {
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+    "actor/kl_loss",
+}  # kl_loss: the batch has reference log-probs
 CRITIC_METRICS = {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr"}
 RM_METRICS = {"loss", "accuracy", "margin", "grad_norm", "lr", "num_units"}
 
@@ -87,9 +95,11 @@ def reward_trainer_class(backend: str) -> type:
 def implementations(backend: str) -> list[tuple[type, type, typing.Callable]]:
     """``(protocol, class, reference constructor)`` of each role on ``backend``."""
     cfg = RLConfig(backend=backend)
-    return [(ActorTrainer, actor_worker_class(cfg), _rl_worker_init),
-            (CriticTrainer, critic_worker_class(cfg), _rl_worker_init),
-            (RewardTrainer, reward_trainer_class(backend), _reward_trainer_init)]
+    return [
+        (ActorTrainer, actor_worker_class(cfg), _rl_worker_init),
+        (CriticTrainer, critic_worker_class(cfg), _rl_worker_init),
+        (RewardTrainer, reward_trainer_class(backend), _reward_trainer_init),
+    ]
 
 
 def protocol_methods(protocol: type) -> list[str]:
@@ -118,10 +128,22 @@ def parameters(sig: inspect.Signature) -> list[tuple[str, inspect._ParameterKind
 
 def test_protocols_hold_the_methods_the_rl_loop_calls():
     """The method sets, so an added call in engine.rl, or a removed one, is a visible change here."""
-    assert set(protocol_methods(ActorTrainer)) == {"compute_logprobs", "update", "hf_bucket_plan", "hf_bucket",
-                                                   "save_state", "load_state", "save_model"}
-    assert set(protocol_methods(CriticTrainer)) == {"compute_values", "update", "save_state", "prune_states",
-                                                    "load_state"}
+    assert set(protocol_methods(ActorTrainer)) == {
+        "compute_logprobs",
+        "update",
+        "hf_bucket_plan",
+        "hf_bucket",
+        "save_state",
+        "load_state",
+        "save_model",
+    }
+    assert set(protocol_methods(CriticTrainer)) == {
+        "compute_values",
+        "update",
+        "save_state",
+        "prune_states",
+        "load_state",
+    }
     assert set(protocol_methods(RewardTrainer)) == {"step", "save", "save_state", "load_state"}
     assert typing.get_type_hints(RewardTrainer)["model"] is typing.Any
 
@@ -146,15 +168,21 @@ def signature_problems(protocol: type, cls: type, init: typing.Callable) -> list
         if parameters(got) != parameters(want):
             problems.append(f"{cls.__name__}.{name}{got}: the protocol has {want}")
             continue
-        problems += [f"{cls.__name__}.{name}: {p.name}={got.parameters[p.name].default!r}, the protocol has {p.default!r}"
-                     for p in want.parameters.values()
-                     if p.default is not p.empty and got.parameters[p.name].default != p.default]
+        problems += [
+            f"{cls.__name__}.{name}: {p.name}={got.parameters[p.name].default!r}, the protocol has {p.default!r}"
+            for p in want.parameters.values()
+            if p.default is not p.empty and got.parameters[p.name].default != p.default
+        ]
         want_types, got_types = typing.get_type_hints(getattr(protocol, name)), typing.get_type_hints(impl)
-        problems += [f"{cls.__name__}.{name}: {key} is {got_types[key]}, the protocol has {want_types[key]}"
-                     for key in sorted(want_types.keys() & got_types.keys()) if got_types[key] != want_types[key]]
+        problems += [
+            f"{cls.__name__}.{name}: {key} is {got_types[key]}, the protocol has {want_types[key]}"
+            for key in sorted(want_types.keys() & got_types.keys())
+            if got_types[key] != want_types[key]
+        ]
     want, got = inspect.signature(init), own_signature(cls.__init__)
     if parameters(got) != parameters(want) or [p.default for p in got.parameters.values()] != [
-            p.default for p in want.parameters.values()]:
+        p.default for p in want.parameters.values()
+    ]:
         problems.append(f"{cls.__name__}{got}: its callers pass {want}")
     return problems
 
@@ -187,18 +215,17 @@ def test_the_signature_check_finds_departures():
             ...
 
     class Departs(CriticWorker):
-        def __init__(self, policy_dir, cfg, seed=1, num_threads=None):
-            ...
+        def __init__(self, policy_dir, cfg, seed=1, num_threads=None): ...
 
-        def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> float:
-            ...
+        def update(self, traj: Trajectory, norm: GlobalNorm | None = None) -> float: ...
 
         prune_states = None
 
     assert signature_problems(CriticTrainer, CriticWorker, _rl_worker_init) == []
     assert signature_problems(CriticTrainer, Renamed, _rl_worker_init) == [
         "Renamed.load_state(self, directory, step): the protocol has "
-        "(self, resume_dir: 'str | Path', step: 'int') -> 'None'"]
+        "(self, resume_dir: 'str | Path', step: 'int') -> 'None'"
+    ]
     problems = signature_problems(CriticTrainer, Departs, _rl_worker_init)
     assert len(problems) == 3 and problems[0].startswith("Departs.update: return is <class 'float'>")
     assert problems[1] == "Departs.prune_states: missing or not a plain method"
@@ -213,8 +240,10 @@ def trajectory() -> Trajectory:
     shape, token ids below the model's 300): six rows, micro-batches of 4 + 2."""
     gen = torch.Generator().manual_seed(0)
     prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
-    outs = [[RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
-            for row in ([1, 4, 2], [6, 3, 5])]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
+        for row in ([1, 4, 2], [6, 3, 5])
+    ]
     return Trajectory.from_rollout(prompts, outs, pad_id=0)
 
 
@@ -255,14 +284,27 @@ def tiny(tmp_path_factory, fixtures_dir) -> dict:
 
     root = tmp_path_factory.mktemp("contracts")
     spec = GPTSpec(
-        architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=2048, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=2048,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
     zero_vocab_padding(model, spec.vocab_size)
-    policy_dir = save_model_dir(root / "policy", model, spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0},
-                                fixtures_dir / "qwen2.5-tokenizer")
+    policy_dir = save_model_dir(
+        root / "policy",
+        model,
+        spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0},
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
     traj = trajectory()
     out: dict = {"dir": policy_dir, "traj": traj, "actor": {}, "critic": {}, "rm": {}, "logprobs": {}, "values": {}}
     for backend in BACKENDS:
@@ -325,11 +367,19 @@ def test_actor_results(tiny, backend, tmp_path):
     live = {p.untyped_storage().data_ptr() for p in module.parameters()}
     for index, bucket in enumerate(buckets):
         assert isinstance(bucket, list)
-        assert [(n, tuple(t.shape), t.dtype) for n, t in bucket] == [(m.name, m.shape, m.dtype) for m in plan.bucket(index)]
-        assert all(isinstance(n, str) and isinstance(t, torch.Tensor) and t.is_contiguous() and t.device.type == "cpu"
-                   and t.untyped_storage().data_ptr() not in live for n, t in bucket)
+        assert [(n, tuple(t.shape), t.dtype) for n, t in bucket] == [
+            (m.name, m.shape, m.dtype) for m in plan.bucket(index)
+        ]
+        assert all(
+            isinstance(n, str)
+            and isinstance(t, torch.Tensor)
+            and t.is_contiguous()
+            and t.device.type == "cpu"
+            and t.untyped_storage().data_ptr() not in live
+            for n, t in bucket
+        )
     groups = [{load_group(n) for n, _ in b} for b in buckets]
-    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])  # no load group split
+    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :])  # no load group split
     # the names and shapes the HF model (the rollout engine's) has: every parameter, the tied lm_head once
     hf = tiny["actor"]["deepspeed"].module
     synced = {n: t for b in buckets for n, t in b}
@@ -392,8 +442,10 @@ def test_reward_trainer_results(tiny, backend, tmp_path):
     assert (state.step, state.data_position, state.extra) == (5, DataPosition(2, 8, 1), {"note": "kept"})
     assert trainer.step(micro)["loss"] == metrics["loss"]  # the same weights again
     trainer.load_state(tmp_path / "state")  # back to the start, for test_reward_trainers_start_alike
-    pairs = [(batch.input_ids[i, : batch.lengths[i]].tolist(), batch.input_ids[i + 2, : batch.lengths[i + 2]].tolist())
-             for i in range(2)]
+    pairs = [
+        (batch.input_ids[i, : batch.lengths[i]].tolist(), batch.input_ids[i + 2, : batch.lengths[i + 2]].tolist())
+        for i in range(2)
+    ]
     assert set(evaluate_pairs(trainer.model, pairs, 0, 2)) == {"rm/accuracy", "rm/loss"}
 
     saved = trainer.save(tmp_path / "rm", iteration=1)
@@ -427,14 +479,26 @@ def test_the_loop_resumes_bit_identical_on_each_backend(tiny, backend, tmp_path)
     assert isinstance(trainer, StepTrainer)
     trainer.save_state(tmp_path / "start", 0, DataPosition(0, 0, 0), {})
     gen = torch.Generator().manual_seed(2)
-    pairs = [(torch.randint(3, 300, (n,), generator=gen).tolist(), torch.randint(3, 300, (n + 1,), generator=gen).tolist())
-             for n in range(3, 11)]
+    pairs = [
+        (torch.randint(3, 300, (n,), generator=gen).tolist(), torch.randint(3, 300, (n + 1,), generator=gen).tolist())
+        for n in range(3, 11)
+    ]
     cfg = rm_config(backend, steps=3, global_batch_size=4, micro_batch_size=2, log_every=1, checkpoint_every=2)
     batch = preference_micro_batches()[0]
 
     def run(resume_dir, log=None):
-        result = run_loop(trainer, RMStage(pairs[:6], pairs[6:], cfg, 0), cfg, num_examples=6, seed=1,
-                          identity={"backend": backend}, resume_dir=resume_dir, log_metrics=log, desc="rm", label="rm")
+        result = run_loop(
+            trainer,
+            RMStage(pairs[:6], pairs[6:], cfg, 0),
+            cfg,
+            num_examples=6,
+            seed=1,
+            identity={"backend": backend},
+            resume_dir=resume_dir,
+            log_metrics=log,
+            desc="rm",
+            label="rm",
+        )
         with torch.no_grad():
             trainer.model.eval()
             rewards = trainer.model(batch.input_ids, batch.lengths)
@@ -457,5 +521,6 @@ def test_the_loop_resumes_bit_identical_on_each_backend(tiny, backend, tmp_path)
     assert seen == [3] and resumed.start == 2
     assert {"rm/accuracy", "rm/loss", "train/loss"} <= set(straight.metrics)
     assert {k: v for k, v in resumed.metrics.items() if not k.startswith("perf/")} == {
-        k: v for k, v in straight.metrics.items() if not k.startswith("perf/")}
+        k: v for k, v in straight.metrics.items() if not k.startswith("perf/")
+    }
     assert torch.equal(resumed_rewards, rewards)

@@ -69,13 +69,24 @@ def _build_policy(root: Path) -> None:
     from engine.training.sft import train_sft
 
     pairs = [(a, b) for a in range(5) for b in range(5)]
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs
+    ]
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     spec = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     )
     hf_config = spec.to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
@@ -95,11 +106,18 @@ def rl_config(backend: str = "deepspeed", stage: int = 2, **overrides) -> RLConf
     """A 3-step schedule with warm-up and cosine decay, weight decay, clipping, KL loss and an
     entropy bonus: every part of the optimizer step and the loss is exercised."""
     fields = dict(
-        steps=3, prompts_per_step=2, n_samples=3, micro_batch_size=4, ppo_epochs=1, entropy_coef=0.01,
+        steps=3,
+        prompts_per_step=2,
+        n_samples=3,
+        micro_batch_size=4,
+        ppo_epochs=1,
+        entropy_coef=0.01,
         kl=KLConfig(coef=0.1, estimator="k2"),
         optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.1, grad_clip=0.5),
         rollout=RolloutConfig(backend="hf", temperature=0.9, max_new_tokens=6),
-        engine=EngineConfig(weight_sync_bucket_mb=1), backend=backend, deepspeed={"zero_stage": stage},
+        engine=EngineConfig(weight_sync_bucket_mb=1),
+        backend=backend,
+        deepspeed={"zero_stage": stage},
         precision="fp32",  # the comparisons here are fp32 claims (auto would be bf16 on AMX machines)
     )
     fields.update(overrides)
@@ -114,8 +132,10 @@ def batch(tokenizer, seed: int) -> Trajectory:
     gen = torch.Generator().manual_seed(seed)
     prompts = [encode_prompt(tokenizer, question(2, 2)), encode_prompt(tokenizer, question(4, 1))]
     lengths = [[1, 4, 2], [6, 3, 5]]
-    outs = [[RolloutOutput(tuple(torch.randint(3, 250, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
-            for row in lengths]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(3, 250, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
+        for row in lengths
+    ]
     return Trajectory.from_rollout(prompts, outs, pad_id=tokenizer.pad_token_id)
 
 
@@ -206,8 +226,9 @@ def test_one_update_equals_the_megatron_actor(policy, megatron_reference, stage)
     in another order (this CPU's fp32 rounding), whichever is larger."""
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
 
-    ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
-                                                                               "param_persistence_threshold": 0}))
+    ds = DeepSpeedActorWorker(
+        policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
+    )
     metrics = ds.update(with_targets(megatron_reference["traj"], megatron_reference["old"])).metrics
     ref = megatron_reference["metrics"]
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/pg_clipfrac", "actor/ppo_kl"):
@@ -224,8 +245,10 @@ def test_one_update_equals_the_megatron_actor(policy, megatron_reference, stage)
         r = diff / step_tolerance(gain, torch.maximum(before[k].abs(), expected[k].abs()), lr=1e-3, clip=0.5)
         worst_ratio = max(worst_ratio, r.max().item())
         worst_dw = max(worst_dw, diff.max().item())
-    print(f"ZeRO-{stage}: max |dw| {worst_dw:.3g}, at most {worst_ratio:.3f} of the fp32 tolerance "
-          f"({sensitive} of {total} elements with |g| near eps)")
+    print(
+        f"ZeRO-{stage}: max |dw| {worst_dw:.3g}, at most {worst_ratio:.3f} of the fp32 tolerance "
+        f"({sensitive} of {total} elements with |g| near eps)"
+    )
     assert sensitive / total < 0.05
     assert worst_ratio <= 1.0
 
@@ -253,8 +276,9 @@ def test_weight_sync_buckets_equal_the_megatron_actor(policy, stage):
     from engine.backends.megatron.actor import ActorWorker
     from engine.models.weight_buckets import BucketServer, load_group
 
-    ds = DeepSpeedActorWorker(policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage,
-                                                                               "param_persistence_threshold": 0}))
+    ds = DeepSpeedActorWorker(
+        policy["dir"], rl_config(stage=stage, deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
+    )
     plan = ds.hf_bucket_plan()
     assert plan.num_buckets == 1 and plan.bucket_bytes == 2**20
     synced = dict(ds.hf_bucket(0))
@@ -270,7 +294,7 @@ def test_weight_sync_buckets_equal_the_megatron_actor(policy, stage):
     buckets = [server.bucket(i) for i in range(server.plan.num_buckets)]
     assert len(buckets) >= 4
     groups = [{load_group(n) for n, _ in b} for b in buckets]
-    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :])
     joined = {n: t for b in buckets for n, t in b}
     assert joined.keys() == before.keys() and all(torch.equal(joined[k], before[k]) for k in before)
 
@@ -350,23 +374,36 @@ def test_untied_llama_matches_and_round_trips(fixtures_dir, tmp_path):
     from engine.storage.model_dir import load_model_dir, save_model_dir
 
     spec = GPTSpec(
-        architecture="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, ffn_hidden_size=96, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-5, add_qkv_bias=False, tie_word_embeddings=False,
+        architecture="llama",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-5,
+        add_qkv_bias=False,
+        tie_word_embeddings=False,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=3)
     zero_vocab_padding(model, spec.vocab_size)
     tok_dir = fixtures_dir / "qwen2.5-tokenizer"
     save_model_dir(tmp_path / "base", model, spec.to_hf_config() | {"eos_token_id": 2}, tok_dir)
     gen = torch.Generator().manual_seed(4)
-    outs = [[RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in (3, 5)]]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in (3, 5)]
+    ]
     traj = Trajectory.from_rollout([[7, 8, 9, 10]], outs, pad_id=0)
     ds = DeepSpeedActorWorker(tmp_path / "base", rl_config(stage=2, micro_batch_size=1))
     old = ActorWorker(tmp_path / "base", rl_config("megatron")).compute_logprobs(traj)
     assert (ds.compute_logprobs(traj) - old).abs().max().item() <= 1e-5
     ds.update(traj.with_(advantages=torch.tensor([1.0, -1.0])[:, None] * traj.response_mask, old_logprobs=old))
     trained = hf_weights(ds)
-    assert "lm_head.weight" in trained and not torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"])
+    assert "lm_head.weight" in trained and not torch.equal(
+        trained["lm_head.weight"], trained["model.embed_tokens.weight"]
+    )
     loaded = load_model_dir(ds.save_model(tmp_path / "out", None))
     assert not loaded.model.output_layer.weight[300:].any()
     back = dict(megatron_to_hf(loaded.hf_config, mcore_state(loaded.model)))
@@ -404,14 +441,24 @@ def test_grpo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     and the final model directory loads and differs from the start."""
     from engine.storage.model_dir import load_model_dir
 
-    cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=8, micro_batch_size=16, checkpoint_every=1,
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
-                    engine=EngineConfig(num_cpus=2))
+    cfg = rl_config(
+        stage=2,
+        steps=2,
+        prompts_per_step=8,
+        n_samples=8,
+        micro_batch_size=16,
+        checkpoint_every=1,
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
+        engine=EngineConfig(num_cpus=2),
+    )
     rows, state = _two_grpo_steps(policy, cfg, tmp_path)
     assert max(r["critic/score/max"] for r in rows) == 1.0
     assert state.extra["actor_backend"] == {"backend": "deepspeed", "zero_stage": 2}
     assert "model.embed_tokens.weight" in state.model  # HF-named weights: the DeepSpeed actor wrote it
-    start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
+    start, final = (
+        mcore_state(load_model_dir(policy["dir"]).model),
+        mcore_state(load_model_dir(tmp_path / "out" / "model").model),
+    )
     assert any(not torch.equal(start[k], final[k]) for k in start)
 
 
@@ -424,13 +471,23 @@ def test_grpo_run_on_ray_with_a_zero3_actor_at_dp2(policy, tmp_path):
     from config.rl import RLParallelConfig
     from engine.storage.model_dir import load_model_dir
 
-    cfg = rl_config(stage=3, steps=2, prompts_per_step=8, n_samples=4, micro_batch_size=8, checkpoint_every=1,
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
-                    parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2)),
-                    engine=EngineConfig(num_cpus=2, weight_sync_timeout_s=120.0))
+    cfg = rl_config(
+        stage=3,
+        steps=2,
+        prompts_per_step=8,
+        n_samples=4,
+        micro_batch_size=8,
+        checkpoint_every=1,
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
+        parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2)),
+        engine=EngineConfig(num_cpus=2, weight_sync_timeout_s=120.0),
+    )
     _, state = _two_grpo_steps(policy, cfg, tmp_path)
     assert state.extra["actor_backend"]["zero_stage"] == 3
-    start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
+    start, final = (
+        mcore_state(load_model_dir(policy["dir"]).model),
+        mcore_state(load_model_dir(tmp_path / "out" / "model").model),
+    )
     assert any(not torch.equal(start[k], final[k]) for k in start)
 
 

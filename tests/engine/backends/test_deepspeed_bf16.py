@@ -42,9 +42,16 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     """fp32 Qwen2 causal LM, hidden 32, 1 layer, 2 heads (1 KV head), tied embeddings."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config).float().train()
@@ -66,8 +73,14 @@ def loss_fn(model, ids: torch.Tensor):
 def trainer(stage: int, precision: str, seed: int = 0):
     from engine.backends.deepspeed.runtime import DeepSpeedTrainer
 
-    return DeepSpeedTrainer(tiny_qwen2(seed), OPTIM, TOTAL_STEPS,
-                            DeepSpeedConfig(zero_stage=stage, param_persistence_threshold=0), 2, precision)
+    return DeepSpeedTrainer(
+        tiny_qwen2(seed),
+        OPTIM,
+        TOTAL_STEPS,
+        DeepSpeedConfig(zero_stage=stage, param_persistence_threshold=0),
+        2,
+        precision,
+    )
 
 
 def masters(tr) -> dict[str, torch.Tensor]:
@@ -113,8 +126,14 @@ def reference_step(start: dict[str, torch.Tensor], batches: list[torch.Tensor]) 
     clipped = {n: m.grad.clone() for n, m in fp32_masters.items()}
     optimizer.step()
     scheduler.step()
-    return {"fp32_sum": fp32_sum, "bf16_sum": bf16_sum, "clipped": clipped, "loss": loss, "grad_norm": grad_norm,
-            "after": {n: m.detach().clone() for n, m in fp32_masters.items()}}
+    return {
+        "fp32_sum": fp32_sum,
+        "bf16_sum": bf16_sum,
+        "clipped": clipped,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "after": {n: m.detach().clone() for n, m in fp32_masters.items()},
+    }
 
 
 def capture_step_gradients(tr) -> dict:
@@ -148,15 +167,23 @@ def test_engine_config_by_precision():
 
     ds = DeepSpeedConfig(zero_stage=2, param_persistence_threshold=7)
     fp32 = {
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "managed_gradient_accumulation": False,
-        "gradient_clipping": 0.5, "zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 7},
-        "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": False},
-        "steps_per_print": None, "wall_clock_breakdown": False,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 2, "stage3_param_persistence_threshold": 7},
+        "zero_allow_untested_optimizer": True,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": None,
+        "wall_clock_breakdown": False,
     }
     assert engine_config(ds, 4, 0.5) == engine_config(ds, 4, 0.5, "fp32") == fp32
     assert engine_config(ds, 4, 0.5, "bf16") == fp32 | {
-        "bf16": {"enabled": True, "check_grad_overflow": True}, "data_types": {"grad_accum_dtype": "fp32"},
-        "communication_data_type": "fp32"}
+        "bf16": {"enabled": True, "check_grad_overflow": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "communication_data_type": "fp32",
+    }
     zero0 = DeepSpeedConfig(zero_stage=0)
     assert engine_config(zero0, 4, 0.5, "bf16") == engine_config(zero0, 4, 0.5, "fp32") | {"gradient_clipping": 0.0}
     assert [precision_scheme(s, "bf16") for s in STAGES] == ["master_weights"] + ["deepspeed_bf16"] * 3
@@ -275,19 +302,43 @@ def test_actor_model_directory_holds_the_fp32_masters(fixtures_dir, tmp_path):
     from engine.trajectory import Trajectory
     from tests.engine.backends.test_deepspeed_backend import zero_vocab_padding
 
-    spec = GPTSpec(architecture="qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=32, rope_theta=10000.0,
-                   norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True)
+    spec = GPTSpec(
+        architecture="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=64,
+        max_position_embeddings=32,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
+    )
     gpt = build_gpt_model(spec.with_vocab_padding(128), seed=0)
     zero_vocab_padding(gpt, VOCAB)
-    save_model_dir(tmp_path / "base", gpt, spec.to_hf_config() | {"eos_token_id": 2}, fixtures_dir / "qwen2.5-tokenizer")
-    cfg = RLConfig(steps=1, prompts_per_step=1, n_samples=2, micro_batch_size=1, precision="bf16",
-                   optim=OptimConfig(lr=LR, warmup_steps=1, grad_clip=CLIP), deepspeed={"zero_stage": 2},
-                   rollout=RolloutConfig(backend="hf", max_new_tokens=6))
+    save_model_dir(
+        tmp_path / "base", gpt, spec.to_hf_config() | {"eos_token_id": 2}, fixtures_dir / "qwen2.5-tokenizer"
+    )
+    cfg = RLConfig(
+        steps=1,
+        prompts_per_step=1,
+        n_samples=2,
+        micro_batch_size=1,
+        precision="bf16",
+        optim=OptimConfig(lr=LR, warmup_steps=1, grad_clip=CLIP),
+        deepspeed={"zero_stage": 2},
+        rollout=RolloutConfig(backend="hf", max_new_tokens=6),
+    )
     actor = DeepSpeedActorWorker(tmp_path / "base", cfg)
     gen = torch.Generator().manual_seed(4)
-    outs = [[RolloutOutput(tuple(torch.randint(3, VOCAB, (n,), generator=gen).tolist()), (-1.0,) * n, "stop")
-             for n in (3, 5)]]
+    outs = [
+        [
+            RolloutOutput(tuple(torch.randint(3, VOCAB, (n,), generator=gen).tolist()), (-1.0,) * n, "stop")
+            for n in (3, 5)
+        ]
+    ]
     traj = Trajectory.from_rollout([[7, 8, 9, 10]], outs, pad_id=0)
     old = actor.compute_logprobs(traj)
     assert old.dtype == torch.float32
@@ -303,7 +354,8 @@ def test_actor_model_directory_holds_the_fp32_masters(fixtures_dir, tmp_path):
 
     critic = DeepSpeedCriticWorker(tmp_path / "base", cfg.model_copy(update={"algorithm": "gae"}))
     assert critic.trainer.scheme == "deepspeed_bf16" and critic.compute_values(traj).dtype == torch.float32
-    rm = DeepSpeedRewardTrainer(tmp_path / "base", RMConfig(steps=1, precision="bf16", backend="deepspeed",
-                                                             optim=OptimConfig(warmup_steps=1)))
+    rm = DeepSpeedRewardTrainer(
+        tmp_path / "base", RMConfig(steps=1, precision="bf16", backend="deepspeed", optim=OptimConfig(warmup_steps=1))
+    )
     assert rm.trainer.scheme == "deepspeed_bf16"
     assert {v.dtype for v in rm.hf_state().values()} == {v.dtype for v in rm.heads().values()} == {torch.float32}

@@ -42,9 +42,14 @@ CRITIC_LR, CRITIC_WD = 1e-3, 0.1
 def rl_config(backend: str = "deepspeed", stage: int = 2, **overrides) -> RLConfig:
     """PPO (gae) with a critic schedule that has warm-up, cosine decay, weight decay and
     clipping (0.5, below the first gradient norm) and a value clip range of 0.2."""
-    fields = dict(algorithm="gae", critic=CriticConfig(
-        optim=OptimConfig(lr=CRITIC_LR, min_lr=1e-4, warmup_steps=1, weight_decay=CRITIC_WD, grad_clip=0.5),
-        cliprange_value=0.2), deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
+    fields = dict(
+        algorithm="gae",
+        critic=CriticConfig(
+            optim=OptimConfig(lr=CRITIC_LR, min_lr=1e-4, warmup_steps=1, weight_decay=CRITIC_WD, grad_clip=0.5),
+            cliprange_value=0.2,
+        ),
+        deepspeed={"zero_stage": stage, "param_persistence_threshold": 0},
+    )
     fields.update(overrides)
     return actor_rl_config(backend, stage, **fields)
 
@@ -67,8 +72,9 @@ def megatron_critic_weights(critic, hf_config: dict) -> dict[str, torch.Tensor]:
 
 def deepspeed_weights(trainer, body_prefix: str = "model.") -> dict[str, torch.Tensor]:
     """HF-named body weights and the head of a DeepSpeedTrainer's module (copies)."""
-    return {(body_prefix + k[len("body."):] if k.startswith("body.") else k): v.clone()
-            for k, v in trainer.named_tensors()}
+    return {
+        (body_prefix + k[len("body.") :] if k.startswith("body.") else k): v.clone() for k, v in trainer.named_tensors()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +92,13 @@ def megatron_critic(policy, hf_config) -> dict:
     values = critic.compute_values(traj)
     before = megatron_critic_weights(critic, hf_config)
     metrics = critic.update(targets(traj, values))
-    return {"traj": traj, "values": values, "before": before, "metrics": metrics,
-            "after": megatron_critic_weights(critic, hf_config)}
+    return {
+        "traj": traj,
+        "values": values,
+        "before": before,
+        "metrics": metrics,
+        "after": megatron_critic_weights(critic, hf_config),
+    }
 
 
 # ----------------------------------------------------------------------------- critic
@@ -162,9 +173,11 @@ def test_critic_update_equals_the_megatron_critic(policy, megatron_critic, stage
         sensitive_worst = max(sensitive_worst, diff[~stable].max().item() if (~stable).any() else 0.0)
     dloss = max(abs(metrics[k] - ref[k]) for k in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"))
     dnorm = abs(metrics["critic/grad_norm"] / ref["critic/grad_norm"] - 1)
-    print(f"critic ZeRO-{stage}: max |d loss metrics| {dloss:.3g}, grad norm rel. diff {dnorm:.3g}; max |dw| "
-          f"{stable_worst:.3g} on {total - sensitive} stable elements, {sensitive_worst:.3g} on {sensitive} with "
-          f"|g| near eps (of {total})")
+    print(
+        f"critic ZeRO-{stage}: max |d loss metrics| {dloss:.3g}, grad norm rel. diff {dnorm:.3g}; max |dw| "
+        f"{stable_worst:.3g} on {total - sensitive} stable elements, {sensitive_worst:.3g} on {sensitive} with "
+        f"|g| near eps (of {total})"
+    )
     assert sensitive / total < 0.05
     assert stable_worst <= 1e-6 and sensitive_worst <= 5e-2 * CRITIC_LR
 
@@ -212,8 +225,12 @@ def preferences(policy, tmp_path_factory) -> Path:
     """50 pairs on the policy's task: the correct sum of two digits is chosen, a sum 1-3 off
     is rejected."""
     path = tmp_path_factory.mktemp("ds_rm") / "prefs.jsonl"
-    rows = [{"prompt": question(a, b), "chosen": str(a + b), "rejected": str(a + b + 1 + (a * 5 + b + k) % 3)}
-            for a in range(5) for b in range(5) for k in range(2)]
+    rows = [
+        {"prompt": question(a, b), "chosen": str(a + b), "rejected": str(a + b + 1 + (a * 5 + b + k) % 3)}
+        for a in range(5)
+        for b in range(5)
+        for k in range(2)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -224,10 +241,18 @@ RM_OPTIM = OptimConfig(lr=3e-3, warmup_steps=3, weight_decay=0.1, grad_clip=0.5)
 def rm_config(backend: str, **overrides) -> RMConfig:
     """test_reward_model's schedule (12 steps, warm-up, held-out quarter) plus weight decay
     and a clip below the early gradient norms."""
-    fields = dict(steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25, log_every=4,
-                  optim=RM_OPTIM,
-                  backend=backend, deepspeed={"zero_stage": 2},
-                  precision="fp32")  # fp32 claims (auto would be bf16 on AMX machines)
+    fields = dict(
+        steps=12,
+        global_batch_size=16,
+        micro_batch_size=8,
+        max_seq_len=96,
+        eval_fraction=0.25,
+        log_every=4,
+        optim=RM_OPTIM,
+        backend=backend,
+        deepspeed={"zero_stage": 2},
+        precision="fp32",
+    )  # fp32 claims (auto would be bf16 on AMX machines)
     fields.update(overrides)
     return RMConfig(**fields)
 
@@ -242,8 +267,15 @@ def megatron_rm(setup, tmp_path_factory) -> dict:
     root, data, _ = setup
     out = tmp_path_factory.mktemp("megatron_rm") / "rm"
     logged: list[tuple[int, dict]] = []
-    metrics = train_reward_model(reward_trainer, root / "base", data, rm_config("megatron"), out, seed=0,
-                                 log_metrics=lambda m, s: logged.append((s, dict(m))))
+    metrics = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        rm_config("megatron"),
+        out,
+        seed=0,
+        log_metrics=lambda m, s: logged.append((s, dict(m))),
+    )
     return {"dir": out, "metrics": metrics, "logged": logged}
 
 
@@ -261,8 +293,15 @@ def test_reward_model_trains_like_the_megatron_one(setup, megatron_rm, tmp_path,
     root, data, rows = setup
     cfg = rm_config("deepspeed", deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
     logged: list[tuple[int, dict]] = []
-    metrics = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "rm", seed=0,
-                                 log_metrics=lambda m, s: logged.append((s, dict(m))))
+    metrics = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        cfg,
+        tmp_path / "rm",
+        seed=0,
+        log_metrics=lambda m, s: logged.append((s, dict(m))),
+    )
     ref = megatron_rm["metrics"]
     assert [s for s, _ in logged] == [s for s, _ in megatron_rm["logged"]] == [4, 8, 12]
     assert (metrics["rm/num_train_pairs"], metrics["rm/num_eval_pairs"]) == (60.0, 20.0)
@@ -273,9 +312,11 @@ def test_reward_model_trains_like_the_megatron_one(setup, megatron_rm, tmp_path,
         assert got["train/lr"] == pytest.approx(want["train/lr"], rel=1e-12)
         for key in ("rm/loss", "train/loss", "train/margin", "train/grad_norm"):
             worst[key] = max(worst.get(key, 0.0), abs(got[key] - want[key]))
-    print(f"RM ZeRO-{stage} vs megatron, max |diff| over logged steps: "
-          + ", ".join(f"{k} {v:.3g}" for k, v in worst.items())
-          + f"; rm/accuracy {metrics['rm/accuracy']}, rm/loss {metrics['rm/loss']:.6g} vs {ref['rm/loss']:.6g}")
+    print(
+        f"RM ZeRO-{stage} vs megatron, max |diff| over logged steps: "
+        + ", ".join(f"{k} {v:.3g}" for k, v in worst.items())
+        + f"; rm/accuracy {metrics['rm/accuracy']}, rm/loss {metrics['rm/loss']:.6g} vs {ref['rm/loss']:.6g}"
+    )
     assert ref["rm/accuracy"] >= 0.9 and ref["rm/loss"] < math.log(2) - 0.2  # it learned the preference
     assert worst["rm/loss"] <= 2e-5 and worst["train/loss"] <= 2e-5
     assert worst["train/margin"] <= 1e-4 and worst["train/grad_norm"] <= 5e-4
@@ -347,13 +388,24 @@ def test_reward_model_keeps_an_untied_output_layer(fixtures_dir, tmp_path):
     from tests.engine.backends.test_deepspeed_backend import zero_vocab_padding
 
     spec = GPTSpec(
-        architecture="llama", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, ffn_hidden_size=96, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-5, add_qkv_bias=False, tie_word_embeddings=False,
+        architecture="llama",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-5,
+        add_qkv_bias=False,
+        tie_word_embeddings=False,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=3)
     zero_vocab_padding(model, spec.vocab_size)
-    save_model_dir(tmp_path / "base", model, spec.to_hf_config() | {"eos_token_id": 2}, fixtures_dir / "qwen2.5-tokenizer")
+    save_model_dir(
+        tmp_path / "base", model, spec.to_hf_config() | {"eos_token_id": 2}, fixtures_dir / "qwen2.5-tokenizer"
+    )
     start = mcore_state(load_model_dir(tmp_path / "base").model)
     # One step, so a one-step warm-up (the schema refuses a warm-up longer than the run);
     # the step runs at the full lr, so the body moves.
@@ -380,23 +432,52 @@ def test_reward_model_resumes_to_identical_weights_and_head(setup, tmp_path, sta
     from tests.engine.training.test_reward_model import Crash, crash_after, model_dir_tensors, untimed
 
     root, data, _ = setup
-    cfg = rm_config("deepspeed", steps=6, checkpoint_every=2, log_every=1,
-                    deepspeed={"zero_stage": stage, "param_persistence_threshold": 0})
+    cfg = rm_config(
+        "deepspeed",
+        steps=6,
+        checkpoint_every=2,
+        log_every=1,
+        deepspeed={"zero_stage": stage, "param_persistence_threshold": 0},
+    )
     straight_log: list[tuple[int, dict]] = []
-    straight = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "straight", None, seed=0,
-                                  log_metrics=lambda m, s: straight_log.append((s, dict(m))))
+    straight = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        cfg,
+        tmp_path / "straight",
+        None,
+        seed=0,
+        log_metrics=lambda m, s: straight_log.append((s, dict(m))),
+    )
 
     resume = tmp_path / "resume"
     with pytest.raises(Crash):
-        train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
-                           log_metrics=crash_after(5, []))
+        train_reward_model(
+            reward_trainer,
+            root / "base",
+            data,
+            cfg,
+            tmp_path / "resumed",
+            resume,
+            seed=0,
+            log_metrics=crash_after(5, []),
+        )
     state = load_train_state(resume)
     assert state.step == 4 and state.data_position == DataPosition(1, 4, 0)
     assert state.extra["rm_backend"] == {"backend": "deepspeed", "zero_stage": stage}
 
     resumed_log: list[tuple[int, dict]] = []
-    resumed = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
-                                 log_metrics=lambda m, s: resumed_log.append((s, dict(m))))
+    resumed = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        cfg,
+        tmp_path / "resumed",
+        resume,
+        seed=0,
+        log_metrics=lambda m, s: resumed_log.append((s, dict(m))),
+    )
     assert [s for s, _ in resumed_log] == [5, 6]
     assert (resumed["train/resumed_from_step"], resumed["train/steps_run"]) == (4.0, 2.0)
     assert [untimed(m) for _, m in resumed_log] == [untimed(m) for _, m in straight_log[4:]]
@@ -416,10 +497,14 @@ def test_reward_model_state_of_the_other_backend_is_refused(setup, tmp_path):
     from engine.backends.megatron.reward_model import MegatronRewardTrainer
 
     root, _, _ = setup
-    MegatronRewardTrainer(root / "base", rm_config("megatron")).save_state(tmp_path / "megatron", 1, DataPosition(0, 0, 0), {})
+    MegatronRewardTrainer(root / "base", rm_config("megatron")).save_state(
+        tmp_path / "megatron", 1, DataPosition(0, 0, 0), {}
+    )
     ds = DeepSpeedRewardTrainer(root / "base", rm_config("deepspeed"))
     ds.save_state(tmp_path / "deepspeed", 1, DataPosition(0, 0, 0), {})
-    with pytest.raises(ValueError, match=r"written with \{'backend': 'megatron'\}.*rm.backend and rm.deepspeed.zero_stage"):
+    with pytest.raises(
+        ValueError, match=r"written with \{'backend': 'megatron'\}.*rm.backend and rm.deepspeed.zero_stage"
+    ):
         ds.load_state(tmp_path / "megatron")
     with pytest.raises(ValueError, match=r"does not match the model: mismatched keys \['gpt\."):
         MegatronRewardTrainer(root / "base", rm_config("megatron")).load_state(tmp_path / "deepspeed")
@@ -437,18 +522,35 @@ def test_ppo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     from engine.rl.loop import run_rl
     from engine.storage.train_state import load_train_state
 
-    cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=4, micro_batch_size=16, checkpoint_every=1,
-                    kl=KLConfig(coef=0.05, in_reward=True), deepspeed={"zero_stage": 2},
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
-                    engine=EngineConfig(num_cpus=2))
-    result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)  # the cluster stays up
+    cfg = rl_config(
+        stage=2,
+        steps=2,
+        prompts_per_step=8,
+        n_samples=4,
+        micro_batch_size=16,
+        checkpoint_every=1,
+        kl=KLConfig(coef=0.05, in_reward=True),
+        deepspeed={"zero_stage": 2},
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
+        engine=EngineConfig(num_cpus=2),
+    )
+    result = run_rl(
+        policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0
+    )  # the cluster stays up
     assert (result["rl/steps"], result["rl/steps_run"]) == (2.0, 2.0)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
-        for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "critic/values/mean",
-                    "critic/returns/mean", "actor/pg_loss", "actor/grad_norm"):
+        for key in (
+            "critic/vf_loss",
+            "critic/vpred_mean",
+            "critic/grad_norm",
+            "critic/values/mean",
+            "critic/returns/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+        ):
             assert math.isfinite(r[key]), (r["step"], key)
         assert r["critic/vf_clipfrac"] == 0.0 and r["critic/vf_loss"] > 0
         assert r["critic/advantages/mean"] == pytest.approx(0.0, abs=1e-5)  # whitened GAE advantages
@@ -459,5 +561,6 @@ def test_ppo_run_on_ray_with_the_deepspeed_backend(policy, tmp_path):
     assert critic.step == 2
     assert critic.extra.get("critic_backend") == {"backend": "deepspeed", "zero_stage": 2}, (
         "the megatron CriticWorker wrote the critic state: engine.rl.workers.start_workers must spawn "
-        "engine.backends.select.critic_worker_class(cfg)")
+        "engine.backends.select.critic_worker_class(cfg)"
+    )
     assert "value_head.weight" in critic.model and "body.embed_tokens.weight" in critic.model

@@ -33,8 +33,9 @@ HF_TARGETS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
 def lora_worker(policy_dir, stage: int = 2, precision: str = "fp32"):
     from engine.backends.deepspeed.actor import DeepSpeedActorWorker
 
-    cfg = rl_config(stage=stage, deepspeed={"zero_stage": stage, "param_persistence_threshold": 0}, lora=LORA,
-                    precision=precision)
+    cfg = rl_config(
+        stage=stage, deepspeed={"zero_stage": stage, "param_persistence_threshold": 0}, lora=LORA, precision=precision
+    )
     return DeepSpeedActorWorker(policy_dir, cfg)
 
 
@@ -53,9 +54,14 @@ def independent_merge(worker) -> dict[str, torch.Tensor]:
     """``W + scale * B @ A`` of every adapted layer, from the PEFT modules' own tensors (fp32),
     under the layer's plain HF weight name."""
     with worker.trainer.gathered(worker.module.parameters()):
-        return {f"{name}.weight": (m.base_layer.weight + m.scaling[ADAPTER] * m.lora_B[ADAPTER].weight
-                                   @ m.lora_A[ADAPTER].weight).detach().clone()
-                for name, m in lora_layers(worker.module).items()}
+        return {
+            f"{name}.weight": (
+                m.base_layer.weight + m.scaling[ADAPTER] * m.lora_B[ADAPTER].weight @ m.lora_A[ADAPTER].weight
+            )
+            .detach()
+            .clone()
+            for name, m in lora_layers(worker.module).items()
+        }
 
 
 def test_config_accepts_lora_on_the_deepspeed_backend():
@@ -116,8 +122,9 @@ def test_weight_sync_sends_the_merged_weights(policy, stage):
     assert len(expected) == 14 and not any(s in k for k in merged for s in ("lora", "base_layer", "base_model"))
     worst = max(float((merged[k] - expected[k]).abs().max()) for k in expected)
     update_size = max(float((expected[k] - base[k]).abs().max()) for k in expected)
-    print(f"ZeRO-{stage}: merged sync vs W + s B A: max |diff| {worst:.3g}; "
-          f"the update moved W by up to {update_size:.3g}")
+    print(
+        f"ZeRO-{stage}: merged sync vs W + s B A: max |diff| {worst:.3g}; the update moved W by up to {update_size:.3g}"
+    )
     assert worst <= 1e-6 and update_size > 1e-3
     with w.trainer.gathered(w.module.parameters()):
         peft_delta = {f"{n}.weight": m.get_delta_weight(ADAPTER) for n, m in lora_layers(w.module).items()}
@@ -133,8 +140,9 @@ def test_weight_sync_sends_the_merged_weights(policy, stage):
     with torch.no_grad():
         w.engine.eval()
         err = float((hf_logits(model, ids) - hf_logits(w.engine, ids)).abs().max())
-    print(f"ZeRO-{stage}: plain transformers model on the synced weights vs the LoRA model: "
-          f"logits max |diff| {err:.3g}")
+    print(
+        f"ZeRO-{stage}: plain transformers model on the synced weights vs the LoRA model: logits max |diff| {err:.3g}"
+    )
     assert err <= 1e-5
 
 
@@ -259,19 +267,34 @@ def test_grpo_run_on_ray_samples_from_the_merged_weights(policy, tmp_path):
     from engine.rl.loop import run_rl
     from engine.storage.model_dir import load_model_dir
 
-    cfg = rl_config(stage=2, steps=2, prompts_per_step=8, n_samples=8, micro_batch_size=16, checkpoint_every=1,
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
-                    engine=EngineConfig(num_cpus=2), lora=LORA, optim={"lr": 1e-2, "min_lr": 1e-2})
+    cfg = rl_config(
+        stage=2,
+        steps=2,
+        prompts_per_step=8,
+        n_samples=8,
+        micro_batch_size=16,
+        checkpoint_every=1,
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6),
+        engine=EngineConfig(num_cpus=2),
+        lora=LORA,
+        optim={"lr": 1e-2, "min_lr": 1e-2},
+    )
     run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", tmp_path / "resume", seed=0)  # the cluster stays up
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["rollout_vs_trainer/logprob_diff_max"] < 1e-4 for r in rows), [r["rollout_vs_trainer/logprob_diff_max"] for r in rows]
+    assert all(r["rollout_vs_trainer/logprob_diff_max"] < 1e-4 for r in rows), [
+        r["rollout_vs_trainer/logprob_diff_max"] for r in rows
+    ]
     state = load_train_state(tmp_path / "resume")
     assert state.step == 2 and state.model and all(is_adapter(k) for k in state.model)
-    start, final = mcore_state(load_model_dir(policy["dir"]).model), mcore_state(load_model_dir(tmp_path / "out" / "model").model)
+    start, final = (
+        mcore_state(load_model_dir(policy["dir"]).model),
+        mcore_state(load_model_dir(tmp_path / "out" / "model").model),
+    )
     moved = {k for k in start if not torch.equal(start[k], final[k])}
-    assert moved and all(k.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight"))
-                         for k in moved), sorted(moved)
+    assert moved and all(
+        k.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")) for k in moved
+    ), sorted(moved)
     ranks = {k: int(torch.linalg.matrix_rank((final[k] - start[k]).double(), rtol=1e-6)) for k in moved}
     print("rank of W' - W per adapted weight:", ranks)
     # rank 4 each; megatron's linear_qkv stacks PEFT's q, k, v updates (3 x 4), linear_fc1 gate and up (2 x 4)

@@ -42,10 +42,15 @@ def rl_config(stage: int) -> RLConfig:
     """DeepSpeed actor and critic at ZeRO ``stage``, fp32, every parameter partitioned under
     ZeRO-3 (persistence threshold 0), GRPO-style token-mean loss with a KL term, clipping below
     the first gradient norm; a PPO critic with a warm-up step and clipping below its first norm."""
-    return RLConfig(backend="deepspeed", deepspeed={"zero_stage": stage, "param_persistence_threshold": 0},
-                    micro_batch_size=3, kl={"coef": 0.1}, precision="fp32",
-                    optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
-                    critic=CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=1, grad_clip=0.5), cliprange_value=0.2))
+    return RLConfig(
+        backend="deepspeed",
+        deepspeed={"zero_stage": stage, "param_persistence_threshold": 0},
+        micro_batch_size=3,
+        kl={"coef": 0.1},
+        precision="fp32",
+        optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
+        critic=CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=1, grad_clip=0.5), cliprange_value=0.2),
+    )
 
 
 def trajectory() -> Trajectory:
@@ -53,8 +58,10 @@ def trajectory() -> Trajectory:
     gen = torch.Generator().manual_seed(0)
     prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
     lengths = [[1, 4, 2, 7], [6, 3, 5, 2]]
-    outs = [[RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
-            for row in lengths]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
+        for row in lengths
+    ]
     traj = Trajectory.from_rollout(prompts, outs, pad_id=0)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.75])[:, None] * traj.response_mask
     return traj.with_(advantages=adv)
@@ -67,15 +74,28 @@ def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
     from engine.storage.model_dir import save_model_dir
 
     spec = GPTSpec(
-        architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
     with torch.no_grad():  # megatron's padding rows are zero, as the convert stage writes them
-        model.embedding.word_embeddings.weight[spec.vocab_size:] = 0
-    return save_model_dir(tmp_path_factory.mktemp("zero_dp") / "policy", model,
-                          spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0}, fixtures_dir / "qwen2.5-tokenizer")
+        model.embedding.word_embeddings.weight[spec.vocab_size :] = 0
+    return save_model_dir(
+        tmp_path_factory.mktemp("zero_dp") / "policy",
+        model,
+        spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0},
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +115,14 @@ def _group(policy_dir: Path, cfg: RLConfig, worker_cls=None, seed: int = 0, norm
     from engine.distributed.group import WorkerGroup
     from engine.training.actor import actor_norm
 
-    return WorkerGroup(worker_cls or DeepSpeedActorWorker, DP2, {"num_cpus": 0}, (str(policy_dir), cfg, seed, 1),
-                       seed=seed, norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)))
+    return WorkerGroup(
+        worker_cls or DeepSpeedActorWorker,
+        DP2,
+        {"num_cpus": 0},
+        (str(policy_dir), cfg, seed, 1),
+        seed=seed,
+        norm_fn=norm_fn or (lambda t: actor_norm(t, cfg)),
+    )
 
 
 def _weights(worker) -> dict[str, torch.Tensor]:
@@ -107,10 +133,16 @@ def _moments(worker) -> dict[str, dict[str, torch.Tensor]]:
     """Whole AdamW moments of every parameter (DeepSpeed's safe_get_full_optimizer_state)."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    return {name: {m: safe_get_full_optimizer_state(p, m).detach().clone().view(p.ds_shape if hasattr(p, "ds_shape")
-                                                                             else p.shape)
-                   for m in ("exp_avg", "exp_avg_sq")}
-            for name, p in worker.module.named_parameters()}
+    return {
+        name: {
+            m: safe_get_full_optimizer_state(p, m)
+            .detach()
+            .clone()
+            .view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+            for m in ("exp_avg", "exp_avg_sq")
+        }
+        for name, p in worker.module.named_parameters()
+    }
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -154,16 +186,21 @@ def test_zero3_at_dp2_equals_dp1_and_states_resume_both_ways(policy_dir, ray_clu
                 assert _close(got[key], want[key]), (step, key, got[key], want[key])
             if step == 0:
                 assert want["actor/grad_norm"] > cfg.optim.grad_clip  # clipping over the whole gradient is exercised
-                _assert_halved(3, ray.get([rank.call.remote("partition_numels") for rank in group.ranks]),
-                               ("params", "gradients", "master", "exp_avg"))
+                _assert_halved(
+                    3,
+                    ray.get([rank.call.remote("partition_numels") for rank in group.ranks]),
+                    ("params", "gradients", "master", "exp_avg"),
+                )
         ray.get(group.save_state.remote(str(tmp_path / "dp2"), STEPS, DataPosition(0, 0, 0), {"run": "zero3"}))
         saved = load_train_state(tmp_path / "dp2")
         dp1 = _weights(single)
         assert dp1.keys() <= saved.model.keys()  # the state dict also names the tied lm_head.weight
         assert max(float((dp1[k] - start[k]).abs().max()) for k in dp1) > 1e-3  # three steps moved the weights
         diff = torch.cat([(saved.model[k] - dp1[k]).abs().flatten() for k in dp1])
-        print(f"ZeRO-3 DP=2 vs DP=1 after {STEPS} steps: max |dw| {float(diff.max()):.3g}, "
-              f"{int((diff > 1e-6).sum())} of {diff.numel()} beyond 1e-6")
+        print(
+            f"ZeRO-3 DP=2 vs DP=1 after {STEPS} steps: max |dw| {float(diff.max()):.3g}, "
+            f"{int((diff > 1e-6).sum())} of {diff.numel()} beyond 1e-6"
+        )
         assert float(diff.max()) < 1e-2 * cfg.optim.lr
         assert int((diff > 1e-6).sum()) <= 1e-4 * diff.numel()
         # weight sync: every rank gathers its ZeRO-3 partitions (GROUP_DISPATCH), rank 0's buckets are sent
@@ -172,7 +209,9 @@ def test_zero3_at_dp2_equals_dp1_and_states_resume_both_ways(policy_dir, ray_clu
         for index in range(plan.num_buckets):
             got_bucket, want_bucket = ray.get(group.hf_bucket.remote(index)), single.hf_bucket(index)
             assert [n for n, _ in got_bucket] == [n for n, _ in want_bucket]
-            assert all(float((a - b).abs().max()) < 1e-2 * cfg.optim.lr for (_, a), (_, b) in zip(got_bucket, want_bucket))
+            assert all(
+                float((a - b).abs().max()) < 1e-2 * cfg.optim.lr for (_, a), (_, b) in zip(got_bucket, want_bucket)
+            )
 
         # The DP=2 state (consolidated: whole moments per parameter) resumes in a fresh DP=1 worker.
         resumed = DeepSpeedActorWorker(policy_dir, cfg, 0, 1)
@@ -242,8 +281,15 @@ def _write_partition_state(worker, directory: Path, step: int) -> None:
     tr = worker.trainer
     saved = tr._state_module()
     with tr.gathered(saved.parameters()), tr._optimizer_param_groups():
-        save_train_state(directory, step=step, model=saved, optimizer=tr.optimizer, scheduler=tr.scheduler,
-                         data_position=DataPosition(0, 0, 0), extra={STATE_TAG_KEY: tr.state_tag()})
+        save_train_state(
+            directory,
+            step=step,
+            model=saved,
+            optimizer=tr.optimizer,
+            scheduler=tr.scheduler,
+            data_position=DataPosition(0, 0, 0),
+            extra={STATE_TAG_KEY: tr.state_tag()},
+        )
 
 
 def _assert_halved(stage: int, sizes: list[dict[str, int]], halved: tuple[str, ...]) -> None:

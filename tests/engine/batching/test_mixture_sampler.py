@@ -30,8 +30,9 @@ def test_drawn_fraction_per_source_matches_the_weights_within_three_standard_err
         p = w / sum(weights)
         expected, se = n * p, math.sqrt(n * p * (1 - p))  # Binomial(n, p) mean and standard deviation
         # e.g. weights [3, 1]: n 480, expected 360 +- 9.5 from source 0 (observed: counts[0])
-        assert abs(counts[i] - expected) <= 3 * se, (f"source {i}: n {n}, expected {expected:.1f} +- {se:.2f}, "
-                                                     f"observed {counts[i]}")
+        assert abs(counts[i] - expected) <= 3 * se, (
+            f"source {i}: n {n}, expected {expected:.1f} +- {se:.2f}, observed {counts[i]}"
+        )
     assert sampler.draws == n
 
 
@@ -52,7 +53,9 @@ def test_draws_depend_on_seed_and_count_only_not_on_how_they_were_batched():
     a = MixtureSampler([5, 9], [1.0, 3.0], seed=3)
     b = MixtureSampler([5, 9], [1.0, 3.0], seed=3)
     assert a.next_indices(2500) == [i for size in [1, 1023, 7, 1469] for i in b.next_indices(size)]  # across blocks
-    assert MixtureSampler([5, 9], [1.0, 3.0], seed=4).next_indices(50) != MixtureSampler([5, 9], [1.0, 3.0], seed=3).next_indices(50)
+    assert MixtureSampler([5, 9], [1.0, 3.0], seed=4).next_indices(50) != MixtureSampler(
+        [5, 9], [1.0, 3.0], seed=3
+    ).next_indices(50)
 
 
 def test_a_resumed_sampler_continues_every_sources_order_exactly():
@@ -64,8 +67,9 @@ def test_a_resumed_sampler_continues_every_sources_order_exactly():
     got = [first.next_indices(PROMPTS_PER_STEP) for _ in range(23)]
     position = DataPosition(0, 0, seed, first.draws, first.sources)
     # a checkpoint stores the position as plain data (lists, ints) and reads it back
-    restored = DataPosition(**{k: [list(s) for s in v] if k == "sources" else v
-                               for k, v in dataclasses.asdict(position).items()})
+    restored = DataPosition(
+        **{k: [list(s) for s in v] if k == "sources" else v for k, v in dataclasses.asdict(position).items()}
+    )
     assert restored == position and restored.sources == first.sources
     assert any(epoch > 0 for epoch, _ in restored.sources)  # the small source is past its first epoch
     resumed = MixtureSampler(sizes, weights, seed, restored.draws, restored.sources)

@@ -40,10 +40,21 @@ VOCAB = 101
 def tiny_spec(architecture: str) -> GPTSpec:
     """qwen2: QKV bias, GQA 4/2, tied; qwen3: per-head q/k RMSNorm, head_dim 16 != 64 / 4."""
     extra = {"head_dim": 16} if architecture == "qwen3" else {}
-    return GPTSpec(architecture=architecture, vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, ffn_hidden_size=96, max_position_embeddings=64, rope_theta=10000.0,
-                   norm_epsilon=1e-6, add_qkv_bias=architecture == "qwen2", tie_word_embeddings=architecture == "qwen2",
-                   **extra)
+    return GPTSpec(
+        architecture=architecture,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=architecture == "qwen2",
+        tie_word_embeddings=architecture == "qwen2",
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +66,10 @@ def random_trajectory(prompt_lengths, response_lengths, seed: int = 0) -> Trajec
     """One group per prompt; random tokens, advantages, old/ref log-probs near the truth."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (p,), generator=gen).tolist() for p in prompt_lengths]
-    outs = [[RolloutOutput(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (-4.0,) * n, "stop")
-             for n in ns] for ns in response_lengths]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (-4.0,) * n, "stop") for n in ns]
+        for ns in response_lengths
+    ]
     traj = Trajectory.from_rollout(prompts, outs, pad_id=0)
     mask = traj.response_mask
     adv = torch.randn(len(traj), 1, generator=gen) * mask
@@ -205,8 +218,15 @@ def test_actor_loss_and_gradients_do_not_depend_on_packing_or_split(models, mode
     Dual-clip, TIS, a KL loss and an entropy bonus are on, so every term is compared."""
     model = models["qwen3"]
     traj = random_trajectory([4, 2, 7], [[1, 6, 3], [9, 2], [5, 11, 1]], seed=5)
-    common = dict(loss_agg_mode=mode, policy_loss=policy_loss, clip_ratio_c=3.0, tis_cap=2.0, entropy_coef=0.01,
-                  kl=KLConfig(coef=0.1, estimator="k2"), rollout=RolloutConfig(max_new_tokens=12))
+    common = dict(
+        loss_agg_mode=mode,
+        policy_loss=policy_loss,
+        clip_ratio_c=3.0,
+        tis_cap=2.0,
+        entropy_coef=0.01,
+        kl=KLConfig(coef=0.1, estimator="k2"),
+        rollout=RolloutConfig(max_new_tokens=12),
+    )
     if policy_loss == "gspo":
         common.update(clip_ratio_low=0.05, clip_ratio_high=0.05)
     runs = {
@@ -383,15 +403,34 @@ def test_actor_worker_update_with_and_without_packing(policy_dir):
 
     traj = random_trajectory([5, 3], [[2, 8, 4, 1], [6, 3, 10, 2]], seed=9)
     results = {}
-    for name, extra in {"padded": {}, "packed": {"packing": True},
-                        "packed_budget": {"packing": True, "max_tokens_per_micro_batch": 24}}.items():
-        cfg = RLConfig(precision="fp32", micro_batch_size=3, ppo_epochs=2, steps=1, clip_ratio_c=3.0, entropy_coef=0.01,
-                       kl=KLConfig(coef=0.1), optim=OptimConfig(lr=5e-5, min_lr=5e-5),
-                       rollout=RolloutConfig(temperature=0.9, max_new_tokens=10), **extra)
+    for name, extra in {
+        "padded": {},
+        "packed": {"packing": True},
+        "packed_budget": {"packing": True, "max_tokens_per_micro_batch": 24},
+    }.items():
+        cfg = RLConfig(
+            precision="fp32",
+            micro_batch_size=3,
+            ppo_epochs=2,
+            steps=1,
+            clip_ratio_c=3.0,
+            entropy_coef=0.01,
+            kl=KLConfig(coef=0.1),
+            optim=OptimConfig(lr=5e-5, min_lr=5e-5),
+            rollout=RolloutConfig(temperature=0.9, max_new_tokens=10),
+            **extra,
+        )
         actor = ActorWorker(policy_dir, cfg, num_threads=1)
         old = actor.compute_logprobs(traj)
-        ref = ReferenceWorker(policy_dir, 0.9, 3, num_threads=1, packing=cfg.packing, precision=cfg.precision,
-                              max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch).compute_logprobs(traj)
+        ref = ReferenceWorker(
+            policy_dir,
+            0.9,
+            3,
+            num_threads=1,
+            packing=cfg.packing,
+            precision=cfg.precision,
+            max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+        ).compute_logprobs(traj)
         metrics = actor.update(traj.with_(old_logprobs=old, ref_logprobs=ref - 0.05 * traj.response_mask)).metrics
         results[name] = (old, ref, metrics, mcore_state(actor.model))
     old, ref, metrics, weights = results.pop("padded")

@@ -13,8 +13,10 @@ def expert_flags(spec_config: dict) -> list[dict[str, tuple[list[int], bool, flo
     from engine.models.megatron import build_gpt_model
 
     model = build_gpt_model(GPTSpec.from_hf_config(spec_config), seed=0, core_attention="sdpa")
-    mine = {n: (list(p.shape), bool(getattr(p, "allreduce", True)), float(p.detach().double().sum()))
-            for n, p in model.named_parameters()}
+    mine = {
+        n: (list(p.shape), bool(getattr(p, "allreduce", True)), float(p.detach().double().sum()))
+        for n, p in model.named_parameters()
+    }
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
     return out

@@ -34,9 +34,14 @@ DP2 = ParallelConfig(data_parallel_size=2)
 def rl_config(**overrides) -> RLConfig:
     """GRPO-style actor update (token-mean), KL loss term, micro-batches of 3, and a PPO critic
     whose schedule has a warm-up step and clipping below the first gradient norm."""
-    fields = dict(algorithm="gae", micro_batch_size=3, kl={"coef": 0.1}, precision="fp32",
-                  optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
-                  critic=CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=1, grad_clip=0.5), cliprange_value=0.2))
+    fields = dict(
+        algorithm="gae",
+        micro_batch_size=3,
+        kl={"coef": 0.1},
+        precision="fp32",
+        optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
+        critic=CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=1, grad_clip=0.5), cliprange_value=0.2),
+    )
     fields.update(overrides)
     return RLConfig(**fields)
 
@@ -47,8 +52,10 @@ def trajectory() -> Trajectory:
     gen = torch.Generator().manual_seed(0)
     prompts = [[7, 8, 9, 10, 11], [12, 13, 14]]
     lengths = [[1, 4, 2, 7], [6, 3, 5, 2]]
-    outs = [[RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
-            for row in lengths]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(3, 300, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in row]
+        for row in lengths
+    ]
     traj = Trajectory.from_rollout(prompts, outs, pad_id=0)
     mask = traj.response_mask
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25, -0.75])[:, None] * mask
@@ -63,13 +70,26 @@ def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
     from engine.storage.model_dir import save_model_dir
 
     spec = GPTSpec(
-        architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
-    return save_model_dir(tmp_path_factory.mktemp("dp") / "policy", model,
-                          spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0}, fixtures_dir / "qwen2.5-tokenizer")
+    return save_model_dir(
+        tmp_path_factory.mktemp("dp") / "policy",
+        model,
+        spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0},
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +113,11 @@ def _group(cls, policy_dir, cfg, seed=0, norm_fn=None):
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     from engine.storage.model_dir import load_model_dir
 
-    return {k: v.detach().clone() for k, v in load_model_dir(model_dir).model.state_dict().items()
-            if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    return {
+        k: v.detach().clone()
+        for k, v in load_model_dir(model_dir).model.state_dict().items()
+        if isinstance(v, torch.Tensor) and "_extra_state" not in k
+    }
 
 
 def _close(a: float, b: float, rel: float = 1e-6) -> bool:
@@ -186,8 +209,9 @@ BF16_REL = 2.0**-8  # losses, entropy, KL, grad_norm: relative to max(|value|, 1
 BF16_FLIPPED = 5e-3  # fraction of weights whose AdamW step differs by more than lr / 2
 
 
-def _step_disagreement(before: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-                       lr: float) -> tuple[float, int]:
+def _step_disagreement(
+    before: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], lr: float
+) -> tuple[float, int]:
     """The fraction of weights whose steps from ``before`` in the runs ``a`` and ``b`` differ by
     more than ``lr / 2`` (AdamW's first step moves a weight by about ``lr`` whatever its
     gradient's size: such a weight was stepped the other way, or not at all), and the number
@@ -251,8 +275,9 @@ def test_actor_update_at_dp2_equals_dp1_in_bf16(policy_dir, ray_cluster, tmp_pat
         assert torch.equal(got.old_logprobs, want.old_logprobs)
         single.save_model(tmp_path / "dp1", 1)  # the fp32 masters
         ray.get(group.save_model.remote(str(tmp_path / "dp2"), 1))
-        flipped, n = _step_disagreement(_weights(policy_dir), _weights(tmp_path / "dp1"), _weights(tmp_path / "dp2"),
-                                        cfg.optim.lr)
+        flipped, n = _step_disagreement(
+            _weights(policy_dir), _weights(tmp_path / "dp1"), _weights(tmp_path / "dp2"), cfg.optim.lr
+        )
         print(f"bf16 actor weights, DP=2 vs DP=1: {flipped:.3g} of {n} stepped differently (by > lr/2)")
         assert flipped <= BF16_FLIPPED
     finally:
@@ -290,16 +315,21 @@ def test_critic_update_at_dp2_equals_dp1_in_bf16(policy_dir, ray_cluster):
         want = single.update(traj)
         got = ray.get(group.update.remote(traj))
         for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm"):
-            print(f"bf16 critic {key}: dp1 {want[key]!r} dp2 {got[key]!r} "
-                  f"rel {abs(got[key] - want[key]) / max(abs(got[key]), abs(want[key]), 1.0):.3g}")
+            print(
+                f"bf16 critic {key}: dp1 {want[key]!r} dp2 {got[key]!r} "
+                f"rel {abs(got[key] - want[key]) / max(abs(got[key]), abs(want[key]), 1.0):.3g}"
+            )
             assert _close(got[key], want[key], rel=BF16_REL), (key, got[key], want[key])
         after, after1 = ray.get(group.compute_values.remote(traj)), single.compute_values(traj)
-        print(f"bf16 critic values after, DP=2 vs DP=1: max |diff| {float((after - after1).abs().max()):.3g}, "
-              f"max |value| {float(after1.abs().max()):.3g}")
+        print(
+            f"bf16 critic values after, DP=2 vs DP=1: max |diff| {float((after - after1).abs().max()):.3g}, "
+            f"max |value| {float(after1.abs().max()):.3g}"
+        )
         assert float((after - after1).abs().max()) <= 2.0**-6 * float(after1.abs().max())
         assert float((after1 - values).abs().max()) > 0.1  # the update changed the values
     finally:
         group.kill()
+
 
 def test_dp2_checkpoint_resumes_at_dp1_and_dp2(policy_dir, ray_cluster, tmp_path):
     """A DP=2 train state resumed at DP=2 continues bit-identically to the uninterrupted DP=2
@@ -389,16 +419,35 @@ def test_parallel_config_errors_name_the_key():
 
     assert ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=3).world_size == 6
     # the deepspeed backend runs data parallelism (ZeRO over the ranks), not tensor parallelism
-    assert RLConfig(backend="deepspeed", algorithm="gae", parallel={"critic": {"data_parallel_size": 2}}
-                    ).parallel.critic.data_parallel_size == 2
-    with pytest.raises(ValidationError, match=r"rl\.parallel\.critic\.tensor_model_parallel_size=2: the deepspeed backend"):
+    assert (
+        RLConfig(
+            backend="deepspeed", algorithm="gae", parallel={"critic": {"data_parallel_size": 2}}
+        ).parallel.critic.data_parallel_size
+        == 2
+    )
+    with pytest.raises(
+        ValidationError, match=r"rl\.parallel\.critic\.tensor_model_parallel_size=2: the deepspeed backend"
+    ):
         RLConfig(backend="deepspeed", algorithm="gae", parallel={"critic": {"tensor_model_parallel_size": 2}})
-    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor\.tensor_model_parallel_size=2: the deepspeed backend"):
+    with pytest.raises(
+        ValidationError, match=r"rl\.parallel\.actor\.tensor_model_parallel_size=2: the deepspeed backend"
+    ):
         RLConfig(backend="deepspeed", parallel={"actor": {"tensor_model_parallel_size": 2}})
-    with pytest.raises(ValidationError, match=r"rl\.parallel\.actor\.data_parallel_size=2 with rl\.precision bf16 needs "
-                                              r"rl\.deepspeed\.zero_stage >= 1"):
-        RLConfig(backend="deepspeed", precision="bf16", deepspeed={"zero_stage": 0}, parallel={"actor": {"data_parallel_size": 2}})
+    with pytest.raises(
+        ValidationError,
+        match=r"rl\.parallel\.actor\.data_parallel_size=2 with rl\.precision bf16 needs "
+        r"rl\.deepspeed\.zero_stage >= 1",
+    ):
+        RLConfig(
+            backend="deepspeed",
+            precision="bf16",
+            deepspeed={"zero_stage": 0},
+            parallel={"actor": {"data_parallel_size": 2}},
+        )
     tp2 = {"tensor_model_parallel_size": 2}  # the train state reshards and weight sync gathers TP shards
-    assert RLConfig(algorithm="gae", parallel={"actor": tp2, "critic": tp2, "reference": tp2}).parallel.actor.world_size == 2
+    assert (
+        RLConfig(algorithm="gae", parallel={"actor": tp2, "critic": tp2, "reference": tp2}).parallel.actor.world_size
+        == 2
+    )
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         ParallelConfig(data_parallel_size=0)

@@ -100,22 +100,33 @@ def _no_ranks_left() -> None:
 
 
 def test_config_refuses_layouts_the_stages_cannot_run():
-    with pytest.raises(ValueError, match=r"sft.parallel.data_parallel_size=4 needs at least 4 micro-batches per step "
-                                         r"\(one per rank\), but sft.global_batch_size / sft.micro_batch_size = 8 / 4 = 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"sft.parallel.data_parallel_size=4 needs at least 4 micro-batches per step "
+        r"\(one per rank\), but sft.global_batch_size / sft.micro_batch_size = 8 / 4 = 2",
+    ):
         SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 4})
     with pytest.raises(ValueError, match="rm.parallel.data_parallel_size=3 needs at least 3 rows per step"):
         RMConfig(global_batch_size=2, max_tokens_per_micro_batch=64, parallel={"data_parallel_size": 3})
-    with pytest.raises(ValueError, match=r"po.parallel.data_parallel_size=3 needs at least 3 micro-batches per step "
-                                         r"\(one per rank\), but po.global_batch_size / po.micro_batch_size = 4 / 2 = 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"po.parallel.data_parallel_size=3 needs at least 3 micro-batches per step "
+        r"\(one per rank\), but po.global_batch_size / po.micro_batch_size = 4 / 2 = 2",
+    ):
         PoConfig(global_batch_size=4, micro_batch_size=2, parallel={"data_parallel_size": 3})
     # the deepspeed backend runs data parallelism (ZeRO over the ranks), not tensor parallelism
     assert RMConfig(backend="deepspeed", parallel={"data_parallel_size": 2}).parallel.data_parallel_size == 2
-    with pytest.raises(ValueError, match=r"rm.parallel.data_parallel_size=2 with rm.precision bf16 needs "
-                                         r"rm.deepspeed.zero_stage >= 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"rm.parallel.data_parallel_size=2 with rm.precision bf16 needs "
+        r"rm.deepspeed.zero_stage >= 1",
+    ):
         RMConfig(backend="deepspeed", precision="bf16", deepspeed={"zero_stage": 0}, parallel={"data_parallel_size": 2})
     with pytest.raises(ValueError, match="rm.parallel.tensor_model_parallel_size=2 needs rm.backend: megatron"):
         RMConfig(backend="deepspeed", parallel={"tensor_model_parallel_size": 2})
-    assert SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 2}).parallel.world_size == 2
+    assert (
+        SFTConfig(global_batch_size=8, micro_batch_size=4, parallel={"data_parallel_size": 2}).parallel.world_size == 2
+    )
     # tensor parallelism: the ranks of a group share their micro-batches, so one micro-batch per step is enough
     tp = {"tensor_model_parallel_size": 2}
     assert SFTConfig(global_batch_size=4, micro_batch_size=4, parallel=tp).parallel.world_size == 2
@@ -123,8 +134,9 @@ def test_config_refuses_layouts_the_stages_cannot_run():
     assert PoConfig(global_batch_size=4, micro_batch_size=4, parallel=tp).parallel.world_size == 2
 
 
-def _killed_at_dp2_and_resumed_at_dp1(train, section: str, cfg, data: dict, tmp_path: Path,
-                                     layout: ParallelConfig = DP2):
+def _killed_at_dp2_and_resumed_at_dp1(
+    train, section: str, cfg, data: dict, tmp_path: Path, layout: ParallelConfig = DP2
+):
     """Three steps of ``train`` (a stage's trainer; ``data``: its input arguments) with ``cfg``
     (``steps=3, checkpoint_every=2, log_every=1``) at DP=1 in this process (``dp1/model``, resume
     directory ``resume1``) and at ``layout`` (DP=2; tests/engine/distributed/test_expert_parallel.py:
@@ -147,8 +159,14 @@ def _killed_at_dp2_and_resumed_at_dp1(train, section: str, cfg, data: dict, tmp_
         if step == 3:  # the step-2 state, before step 3's checkpoint replaces it
             shutil.copytree(tmp_path / "resume1", tmp_path / "resume1_at2")
 
-    final = train(**data, cfg=cfg, out_dir=tmp_path / "dp1" / "model", resume_dir=tmp_path / "resume1", seed=0,
-                  log_metrics=log_one)
+    final = train(
+        **data,
+        cfg=cfg,
+        out_dir=tmp_path / "dp1" / "model",
+        resume_dir=tmp_path / "resume1",
+        seed=0,
+        log_metrics=log_one,
+    )
     two: dict[int, dict] = {}
 
     def log_two(metrics, step):
@@ -170,9 +188,11 @@ def _killed_at_dp2_and_resumed_at_dp1(train, section: str, cfg, data: dict, tmp_
 
     resumed = train(**data, cfg=cfg, out_dir=tmp_path / "resumed" / "model", resume_dir=tmp_path / "resume2", seed=0)
     assert (resumed["train/resumed_from_step"], resumed["train/steps_run"]) == (2.0, 1.0)
-    _assert_weights_close(_model_dir_tensors(tmp_path / "dp1" / "model"),
-                          _model_dir_tensors(tmp_path / "resumed" / "model"),
-                          f"{section} weights after 3 steps, DP=2 state resumed at DP=1 vs DP=1")
+    _assert_weights_close(
+        _model_dir_tensors(tmp_path / "dp1" / "model"),
+        _model_dir_tensors(tmp_path / "resumed" / "model"),
+        f"{section} weights after 3 steps, DP=2 state resumed at DP=1 vs DP=1",
+    )
     return one, two, final, resumed
 
 
@@ -182,11 +202,19 @@ def test_sft_at_dp2_equals_dp1_and_its_checkpoint_resumes_at_dp1(inputs, ray_clu
     do the resumed step 3's."""
     from engine.training.sft import train_sft
 
-    cfg = SFTConfig(precision="fp32", steps=3, global_batch_size=8, micro_batch_size=2, max_seq_len=64,
-                    optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
-                    checkpoint_every=2, log_every=1)
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=3,
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_seq_len=64,
+        optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+        checkpoint_every=2,
+        log_every=1,
+    )
     one, two, final, resumed = _killed_at_dp2_and_resumed_at_dp1(
-        train_sft, "sft", cfg, dict(base_model_dir=inputs["base"], dataset_path=inputs["sft"]), tmp_path)
+        train_sft, "sft", cfg, dict(base_model_dir=inputs["base"], dataset_path=inputs["sft"]), tmp_path
+    )
     for step in (1, 2, 3):
         for key in ("train/loss", "train/grad_norm"):
             print(f"sft step {step} {key}: dp1 {one[step][key]!r} dp2 {two[step][key]!r}")
@@ -210,18 +238,43 @@ def test_reward_model_at_dp2_equals_dp1(inputs, ray_cluster, tmp_path, backend):
     from engine.distributed.stage_group import run_stage
     from engine.training.reward_model import train_reward_model
 
-    cfg = RMConfig(precision="fp32", steps=2, global_batch_size=8, max_tokens_per_micro_batch=120, max_seq_len=64,
-                   eval_fraction=0.2, optim=OptimConfig(lr=LR, warmup_steps=1, grad_clip=1.0), log_every=1,
-                   backend=backend, deepspeed={"zero_stage": 3, "param_persistence_threshold": 0})
+    cfg = RMConfig(
+        precision="fp32",
+        steps=2,
+        global_batch_size=8,
+        max_tokens_per_micro_batch=120,
+        max_seq_len=64,
+        eval_fraction=0.2,
+        optim=OptimConfig(lr=LR, warmup_steps=1, grad_clip=1.0),
+        log_every=1,
+        backend=backend,
+        deepspeed={"zero_stage": 3, "param_persistence_threshold": 0},
+    )
     dp2_cfg = cfg.model_copy(update={"parallel": DP2})
     one: dict[int, dict] = {}
-    train_reward_model(reward_trainer, inputs["base"], inputs["preference"], cfg, tmp_path / "out1", None, seed=0,
-                       log_metrics=lambda m, s: one.__setitem__(s, dict(m)))
+    train_reward_model(
+        reward_trainer,
+        inputs["base"],
+        inputs["preference"],
+        cfg,
+        tmp_path / "out1",
+        None,
+        seed=0,
+        log_metrics=lambda m, s: one.__setitem__(s, dict(m)),
+    )
     two: dict[int, dict] = {}
-    args = dict(make_trainer=reward_trainer, base_model_dir=inputs["base"], dataset_path=inputs["preference"],
-                cfg=dp2_cfg, out_dir=tmp_path / "out2", resume_dir=None, seed=0)
-    final2 = run_stage(train_reward_model, args, dp2_cfg.parallel, "rm",
-                       log_metrics=lambda m, s: two.__setitem__(s, dict(m)))
+    args = dict(
+        make_trainer=reward_trainer,
+        base_model_dir=inputs["base"],
+        dataset_path=inputs["preference"],
+        cfg=dp2_cfg,
+        out_dir=tmp_path / "out2",
+        resume_dir=None,
+        seed=0,
+    )
+    final2 = run_stage(
+        train_reward_model, args, dp2_cfg.parallel, "rm", log_metrics=lambda m, s: two.__setitem__(s, dict(m))
+    )
     _no_ranks_left()
     assert sorted(two) == sorted(one) == [1, 2]
     for step in (1, 2):
@@ -259,15 +312,35 @@ def test_sft_at_dp2_equals_dp1_in_bf16(inputs, ray_cluster, tmp_path):
     from engine.training.sft import train_sft
 
     rel, flipped_max = 2.0**-8, 5e-3
-    cfg = SFTConfig(precision="bf16", steps=2, global_batch_size=8, micro_batch_size=2, max_seq_len=64,
-                    optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0), log_every=1)
+    cfg = SFTConfig(
+        precision="bf16",
+        steps=2,
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_seq_len=64,
+        optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+        log_every=1,
+    )
     dp2_cfg = cfg.model_copy(update={"parallel": DP2})
     one: dict[int, dict] = {}
-    train_sft(inputs["base"], inputs["sft"], cfg, tmp_path / "out1", None, seed=0,
-              log_metrics=lambda m, s: one.__setitem__(s, dict(m)))
+    train_sft(
+        inputs["base"],
+        inputs["sft"],
+        cfg,
+        tmp_path / "out1",
+        None,
+        seed=0,
+        log_metrics=lambda m, s: one.__setitem__(s, dict(m)),
+    )
     two: dict[int, dict] = {}
-    args = dict(base_model_dir=inputs["base"], dataset_path=inputs["sft"], cfg=dp2_cfg, out_dir=tmp_path / "out2",
-                resume_dir=None, seed=0)
+    args = dict(
+        base_model_dir=inputs["base"],
+        dataset_path=inputs["sft"],
+        cfg=dp2_cfg,
+        out_dir=tmp_path / "out2",
+        resume_dir=None,
+        seed=0,
+    )
     run_stage(train_sft, args, dp2_cfg.parallel, "sft", log_metrics=lambda m, s: two.__setitem__(s, dict(m)))
     _no_ranks_left()
     assert sorted(two) == sorted(one) == [1, 2]
@@ -282,8 +355,10 @@ def test_sft_at_dp2_equals_dp1_in_bf16(inputs, ray_cluster, tmp_path):
     diff = _weight_diff(_model_dir_tensors(tmp_path / "out1"), _model_dir_tensors(tmp_path / "out2"))
     moved = _weight_diff(_model_dir_tensors(tmp_path / "out1"), _model_dir_tensors(inputs["base"]))
     flipped = int((diff > LR / 2).sum()) / diff.numel()
-    print(f"bf16 sft weights after 2 steps, DP=2 vs DP=1: {flipped:.3g} of {diff.numel()} more than LR/2 apart, "
-          f"max |dW| {float(diff.max()):.3g}, median step {float(moved.median()):.3g}")
+    print(
+        f"bf16 sft weights after 2 steps, DP=2 vs DP=1: {flipped:.3g} of {diff.numel()} more than LR/2 apart, "
+        f"max |dW| {float(diff.max()):.3g}, median step {float(moved.median()):.3g}"
+    )
     assert float(moved.median()) > LR / 2  # the steps moved most weights by about LR each
     assert flipped <= flipped_max
 
@@ -295,25 +370,51 @@ def test_a_step_with_fewer_micro_batches_than_ranks_fails_naming_the_keys(inputs
     from engine.distributed.stage_group import run_stage
     from engine.training.sft import train_sft
 
-    cfg = SFTConfig(precision="fp32", steps=1, global_batch_size=2, max_tokens_per_micro_batch=4096, max_seq_len=64,
-                    parallel=DP2)
-    args = dict(base_model_dir=inputs["base"], dataset_path=inputs["sft"], cfg=cfg, out_dir=tmp_path / "out",
-                resume_dir=None, seed=0)
-    with pytest.raises(ValueError, match=r"sft.parallel.data_parallel_size=2: this step formed only 1 micro-batches "
-                                         r"\(sft.max_tokens_per_micro_batch\), fewer than the ranks"):
+    cfg = SFTConfig(
+        precision="fp32", steps=1, global_batch_size=2, max_tokens_per_micro_batch=4096, max_seq_len=64, parallel=DP2
+    )
+    args = dict(
+        base_model_dir=inputs["base"],
+        dataset_path=inputs["sft"],
+        cfg=cfg,
+        out_dir=tmp_path / "out",
+        resume_dir=None,
+        seed=0,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sft.parallel.data_parallel_size=2: this step formed only 1 micro-batches "
+        r"\(sft.max_tokens_per_micro_batch\), fewer than the ranks",
+    ):
         run_stage(train_sft, args, cfg.parallel, "sft")
     _no_ranks_left()
 
 
-PO_KEYS = ("po/loss", "po/accuracy", "po/rewards/chosen", "po/rewards/rejected", "po/rewards/margin", "po/grad_norm",
-           "po/eval_loss", "po/eval_accuracy", "po/eval_margin")
+PO_KEYS = (
+    "po/loss",
+    "po/accuracy",
+    "po/rewards/chosen",
+    "po/rewards/rejected",
+    "po/rewards/margin",
+    "po/grad_norm",
+    "po/eval_loss",
+    "po/eval_accuracy",
+    "po/eval_margin",
+)
 
 
 def _po_config(**kw) -> PoConfig:
     # clipping to 0.05: the gradient norms here are 0.24-0.33 (DPO) and 0.06-0.07 (KTO), beta 0.1
-    base = dict(enabled=True, precision="fp32", global_batch_size=8, micro_batch_size=2, max_seq_len=64,
-                eval_fraction=0.2, optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=0.05),
-                log_every=1)
+    base = dict(
+        enabled=True,
+        precision="fp32",
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_seq_len=64,
+        eval_fraction=0.2,
+        optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=0.05),
+        log_every=1,
+    )
     return PoConfig(**{**base, **kw})
 
 
@@ -321,8 +422,10 @@ def _assert_po_steps_close(one: dict[int, dict], two: dict[int, dict], keys: tup
     assert sorted(two) == sorted(one)
     for step in sorted(one):
         for key in keys:
-            print(f"{what} step {step} {key}: dp1 {one[step][key]!r} dp2 {two[step][key]!r} "
-                  f"(|diff| {abs(two[step][key] - one[step][key]):.3g})")
+            print(
+                f"{what} step {step} {key}: dp1 {one[step][key]!r} dp2 {two[step][key]!r} "
+                f"(|diff| {abs(two[step][key] - one[step][key]):.3g})"
+            )
             assert _close(two[step][key], one[step][key]), (what, step, key)
         assert two[step]["po/lr"] == one[step]["po/lr"]
 
@@ -339,8 +442,12 @@ def test_po_dpo_at_dp2_equals_dp1_and_its_checkpoint_resumes_at_dp1(inputs, ray_
 
     cfg = _po_config(loss="dpo", steps=3, checkpoint_every=2)
     one, two, final, resumed = _killed_at_dp2_and_resumed_at_dp1(
-        train_preference_optimization, "po", cfg, dict(base_model_dir=inputs["base"], dataset_path=inputs["preference"]),
-        tmp_path)
+        train_preference_optimization,
+        "po",
+        cfg,
+        dict(base_model_dir=inputs["base"], dataset_path=inputs["preference"]),
+        tmp_path,
+    )
     _assert_po_steps_close(one, two, PO_KEYS, "dpo")
     assert one[1]["po/grad_norm"] > cfg.optim.grad_clip  # clipping is exercised (by the norm over both ranks)
     assert one[3]["po/accuracy"] > 0  # the steps moved the rewards apart (step 1's are all 0: ties)
@@ -369,13 +476,31 @@ def test_po_kto_at_dp2_equals_dp1(inputs, ray_cluster, tmp_path):
     cfg = _po_config(loss="kto", steps=2)
     dp2_cfg = cfg.model_copy(update={"parallel": DP2})
     one: dict[int, dict] = {}
-    train_preference_optimization(inputs["base"], inputs["preference"], cfg, tmp_path / "a" / "model", None, seed=0,
-                                  log_metrics=lambda m, s: one.__setitem__(s, dict(m)))
+    train_preference_optimization(
+        inputs["base"],
+        inputs["preference"],
+        cfg,
+        tmp_path / "a" / "model",
+        None,
+        seed=0,
+        log_metrics=lambda m, s: one.__setitem__(s, dict(m)),
+    )
     two: dict[int, dict] = {}
-    args = dict(base_model_dir=inputs["base"], dataset_path=inputs["preference"], cfg=dp2_cfg,
-                out_dir=tmp_path / "b" / "model", resume_dir=None, seed=0)
-    run_stage(train_preference_optimization, args, dp2_cfg.parallel, "po",
-              log_metrics=lambda m, s: two.__setitem__(s, dict(m)))
+    args = dict(
+        base_model_dir=inputs["base"],
+        dataset_path=inputs["preference"],
+        cfg=dp2_cfg,
+        out_dir=tmp_path / "b" / "model",
+        resume_dir=None,
+        seed=0,
+    )
+    run_stage(
+        train_preference_optimization,
+        args,
+        dp2_cfg.parallel,
+        "po",
+        log_metrics=lambda m, s: two.__setitem__(s, dict(m)),
+    )
     _no_ranks_left()
     assert sorted(one) == [1, 2]
     _assert_po_steps_close(one, two, PO_KEYS, "kto")
@@ -384,5 +509,8 @@ def test_po_kto_at_dp2_equals_dp1(inputs, ray_cluster, tmp_path):
         assert _close(two[step]["po/kl"], one[step]["po/kl"], rel=1e-5), step
     assert one[2]["po/kl"] > 0  # step 1 moved the policy from the reference: z0 is not the clamp's 0
     assert one[1]["po/grad_norm"] > cfg.optim.grad_clip  # clipping is exercised (by the norm over both ranks)
-    _assert_weights_close(_model_dir_tensors(tmp_path / "a" / "model"), _model_dir_tensors(tmp_path / "b" / "model"),
-                          "kto weights after 2 steps, DP=2 vs DP=1")
+    _assert_weights_close(
+        _model_dir_tensors(tmp_path / "a" / "model"),
+        _model_dir_tensors(tmp_path / "b" / "model"),
+        "kto weights after 2 steps, DP=2 vs DP=1",
+    )

@@ -33,12 +33,18 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     from config.po import PoConfig
     from config.rm import RMConfig
 
-    with pytest.raises(ValueError, match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism runs "
-                                         r"in the sft stage only"):
+    with pytest.raises(
+        ValueError,
+        match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism runs "
+        r"in the sft stage only",
+    ):
         RLParallelConfig(actor={"data_parallel_size": 2, "expert_model_parallel_size": 2})
     for cls, section in ((RMConfig, "rm"), (PoConfig, "po")):
-        with pytest.raises(ValueError, match=rf"{section}.parallel.expert_model_parallel_size=2: expert parallelism "
-                                             r"runs in the sft stage only"):
+        with pytest.raises(
+            ValueError,
+            match=rf"{section}.parallel.expert_model_parallel_size=2: expert parallelism "
+            r"runs in the sft stage only",
+        ):
             cls(global_batch_size=8, micro_batch_size=2, parallel=EP2)
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
 
@@ -86,12 +92,24 @@ def test_sft_at_dp2_ep2_equals_dp1_and_its_checkpoint_resumes_at_dp1(moe_inputs,
     """
     from engine.training.sft import train_sft
 
-    cfg = SFTConfig(precision="fp32", steps=3, global_batch_size=8, micro_batch_size=2, max_seq_len=64,
-                    optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
-                    checkpoint_every=2, log_every=1)
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=3,
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_seq_len=64,
+        optim=OptimConfig(lr=LR, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+        checkpoint_every=2,
+        log_every=1,
+    )
     one, two, final, resumed = _killed_at_dp2_and_resumed_at_dp1(
-        train_sft, "sft", cfg, dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"]), tmp_path,
-        layout=EP2)
+        train_sft,
+        "sft",
+        cfg,
+        dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"]),
+        tmp_path,
+        layout=EP2,
+    )
     for step in (1, 2, 3):
         for key in ("train/loss", "train/grad_norm"):
             print(f"sft step {step} {key}: dp1 {one[step][key]!r} dp2 x ep2 {two[step][key]!r}")
@@ -138,10 +156,19 @@ def test_expert_weights_are_sharded_and_an_uneven_step_is_refused(moe_inputs, ra
         # micro-batches for 2 ranks); the step's own check is the one a token budget reaches
         cfg = SFTConfig(precision="fp32", steps=1, global_batch_size=6, micro_batch_size=2, max_seq_len=64)
         cfg = cfg.model_copy(update={"parallel": EP2})
-        args = dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"], cfg=cfg,
-                    out_dir=tmp_path / "out", resume_dir=None, seed=0)
-        with pytest.raises(Exception, match=r"sft.parallel.expert_model_parallel_size > 1: every rank must run as "
-                                            r"many micro-batches .* this step formed 3 for 2 data-parallel ranks"):
+        args = dict(
+            base_model_dir=moe_inputs["base"],
+            dataset_path=moe_inputs["sft"],
+            cfg=cfg,
+            out_dir=tmp_path / "out",
+            resume_dir=None,
+            seed=0,
+        )
+        with pytest.raises(
+            Exception,
+            match=r"sft.parallel.expert_model_parallel_size > 1: every rank must run as "
+            r"many micro-batches .* this step formed 3 for 2 data-parallel ranks",
+        ):
             ray.get(group.run.remote(train_sft, args))
     finally:
         group.kill()

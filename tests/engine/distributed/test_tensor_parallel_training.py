@@ -56,15 +56,29 @@ def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
     from engine.storage.model_dir import save_model_dir
 
     spec = GPTSpec(  # Qwen3: per-head q/k norms, whose gradients are partial on each TP rank
-        architecture="qwen3", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=False, qk_layernorm=True, tie_word_embeddings=True,
+        architecture="qwen3",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        tie_word_embeddings=True,
     )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
     with torch.no_grad():  # megatron's vocabulary padding rows are zero (as on import), so weight sync accepts them
-        model.embedding.word_embeddings.weight[spec.vocab_size:] = 0.0
-    return save_model_dir(tmp_path_factory.mktemp("tp") / "policy", model,
-                          spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0}, fixtures_dir / "qwen2.5-tokenizer")
+        model.embedding.word_embeddings.weight[spec.vocab_size :] = 0.0
+    return save_model_dir(
+        tmp_path_factory.mktemp("tp") / "policy",
+        model,
+        spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0},
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +94,9 @@ def tp2_actor(policy_dir):
 
     init_ray(num_cpus=2)
     cfg = rl_config()
-    group = WorkerGroup(ActorWorker, TP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1),
-                        norm_fn=lambda t: actor_norm(t, cfg))
+    group = WorkerGroup(
+        ActorWorker, TP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1), norm_fn=lambda t: actor_norm(t, cfg)
+    )
     try:
         ray.get(group.__ray_ready__.remote())
         yield group
@@ -177,7 +192,9 @@ def test_train_state_reshards_from_tp1_to_tp2_and_back(policy_dir, tp2_actor, tm
     assert ray.get(group.hf_bucket_plan.remote()) == plan
     got_buckets = _buckets(plan, lambda i: ray.get(group.hf_bucket.remote(i)))
     assert [n for n, _ in got_buckets] == [n for n, _ in want_buckets]
-    assert [n for (n, a), (_, b) in zip(got_buckets, want_buckets) if not (a.dtype == b.dtype and torch.equal(a, b))] == []
+    assert [
+        n for (n, a), (_, b) in zip(got_buckets, want_buckets) if not (a.dtype == b.dtype and torch.equal(a, b))
+    ] == []
     tp2_step2 = ray.get(group.update.remote(batch)).metrics
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         print(f"step 2 {key}: tp1 {tp1_step2[key]!r} tp2 (resumed from tp1) {tp2_step2[key]!r}")
@@ -197,7 +214,9 @@ def test_train_state_reshards_from_tp1_to_tp2_and_back(policy_dir, tp2_actor, tm
     assert [n for n, t in masters.items() if not torch.equal(t.detach(), saved.model[n])] == []
     moments = back.optimizer.state_dict()["state"]
     assert moments.keys() == saved.optimizer["state"].keys()
-    assert [i for i, s in moments.items() if not all(torch.equal(s[k], saved.optimizer["state"][i][k]) for k in s)] == []
+    assert [
+        i for i, s in moments.items() if not all(torch.equal(s[k], saved.optimizer["state"][i][k]) for k in s)
+    ] == []
     tp1_step3 = back.update(batch).metrics
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
         print(f"step 3 {key}: tp2 {tp2_step3[key]!r} tp1 (resumed from tp2) {tp1_step3[key]!r}")
@@ -241,8 +260,14 @@ def test_critic_update_at_tp2_equals_tp1(policy_dir, tmp_path):
     cfg, traj = rl_config(), trajectory()
     single = CriticWorker(policy_dir, cfg, 3, 1)
     values = single.compute_values(traj)
-    group = WorkerGroup(CriticWorker, TP2, {"num_cpus": 0}, (str(policy_dir), cfg, 3, 1), seed=3,
-                        norm_fn=lambda t: global_norm(t.response_mask))
+    group = WorkerGroup(
+        CriticWorker,
+        TP2,
+        {"num_cpus": 0},
+        (str(policy_dir), cfg, 3, 1),
+        seed=3,
+        norm_fn=lambda t: global_norm(t.response_mask),
+    )
     try:
         ray.get(group.__ray_ready__.remote())
         before = ray.get(group.compute_values.remote(traj))
@@ -265,13 +290,17 @@ def test_critic_update_at_tp2_equals_tp1(policy_dir, tmp_path):
         assert "value_head.weight" in a
         diff = _weight_diff(a, b)
         beyond = int((diff > 1e-6).sum())
-        print(f"critic weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
-              f"{beyond} of {diff.numel()} beyond 1e-6")
+        print(
+            f"critic weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
+            f"{beyond} of {diff.numel()} beyond 1e-6"
+        )
         assert float(diff.max()) < 1e-2 * cfg.critic.optim.lr
         assert beyond <= 1e-4 * diff.numel()
         after, after1 = ray.get(group.compute_values.remote(traj)), single.compute_values(traj)
-        print(f"critic values after the step, TP=2 vs TP=1: max |diff| {float((after - after1).abs().max()):.3g}, "
-              f"moved by up to {float((after1 - values).abs().max()):.3g}")
+        print(
+            f"critic values after the step, TP=2 vs TP=1: max |diff| {float((after - after1).abs().max()):.3g}, "
+            f"moved by up to {float((after1 - values).abs().max()):.3g}"
+        )
         assert torch.allclose(after, after1, atol=1e-6, rtol=0)
         assert float((after1 - values).abs().max()) > 1e-4  # the step changed the values
     finally:
@@ -315,8 +344,13 @@ def test_dp2_actor_state_resumes_at_tp2(policy_dir, tp2_actor, tmp_path):
     old = single.compute_logprobs(base)
     batch = base.with_(old_logprobs=old, ref_logprobs=old - 0.05 * base.response_mask)
     pos = DataPosition(0, 8, 0)
-    dp2 = WorkerGroup(ActorWorker, ParallelConfig(data_parallel_size=2), {"num_cpus": 0},
-                      (str(policy_dir), cfg, 0, 1), norm_fn=lambda t: actor_norm(t, cfg))
+    dp2 = WorkerGroup(
+        ActorWorker,
+        ParallelConfig(data_parallel_size=2),
+        {"num_cpus": 0},
+        (str(policy_dir), cfg, 0, 1),
+        norm_fn=lambda t: actor_norm(t, cfg),
+    )
     try:
         ray.get(dp2.__ray_ready__.remote())
         ray.get(dp2.update.remote(batch))
@@ -333,16 +367,20 @@ def test_dp2_actor_state_resumes_at_tp2(policy_dir, tp2_actor, tmp_path):
     assert single.load_state(tmp_path / "dp2")[0] == 1
     tp1_step2 = single.update(batch).metrics
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
-        print(f"step 2 {key}: dp2 {dp2_step2[key]!r} tp2 (resumed from dp2) {tp2_step2[key]!r} "
-              f"tp1 (resumed from dp2) {tp1_step2[key]!r}")
+        print(
+            f"step 2 {key}: dp2 {dp2_step2[key]!r} tp2 (resumed from dp2) {tp2_step2[key]!r} "
+            f"tp1 (resumed from dp2) {tp1_step2[key]!r}"
+        )
         assert _close(tp2_step2[key], dp2_step2[key]), (key, tp2_step2[key], dp2_step2[key])
         assert _close(tp2_step2[key], tp1_step2[key]), (key, tp2_step2[key], tp1_step2[key])
     single.save_model(tmp_path / "tp1", 2)
     ray.get(group.save_model.remote(str(tmp_path / "tp2"), 2))
     diff = _weight_diff(_weights(tmp_path / "tp1"), _weights(tmp_path / "tp2"))
     beyond = int((diff > 1e-6).sum())
-    print(f"actor weights after step 2, TP=2 vs TP=1 (both resumed from DP=2): max |dW| {float(diff.max()):.3g}, "
-          f"{beyond} of {diff.numel()} beyond 1e-6")
+    print(
+        f"actor weights after step 2, TP=2 vs TP=1 (both resumed from DP=2): max |dW| {float(diff.max()):.3g}, "
+        f"{beyond} of {diff.numel()} beyond 1e-6"
+    )
     assert float(diff.max()) < 1e-2 * cfg.optim.lr
     assert beyond <= 1e-4 * diff.numel()
     moved = _weight_diff(_weights(tmp_path / "tp1"), load_train_state(tmp_path / "dp2").model)
@@ -373,8 +411,10 @@ def _assert_step_weights_close(tp1: Path, tp2: Path, start: Path, lr: float, wha
     assert a.keys() == b.keys()
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     beyond = int((diff > 1e-6).sum())
-    print(f"{what} weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
-          f"{beyond} of {diff.numel()} beyond 1e-6")
+    print(
+        f"{what} weights after one step, TP=2 vs TP=1: max |dW| {float(diff.max()):.3g}, "
+        f"{beyond} of {diff.numel()} beyond 1e-6"
+    )
     assert float(diff.max()) < 1e-2 * lr
     assert beyond <= 1e-4 * diff.numel()
     initial = _weights(start)
@@ -418,19 +458,40 @@ def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
 
     init_ray(num_cpus=2)
     lr = 1e-3
-    cfg = SFTConfig(precision="fp32", steps=1, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
-                    optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0))
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=1,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+    )
     args = dict(base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["sft"], cfg=cfg, seed=0)
     want = train_sft(**args, out_dir=tmp_path / "tp1", resume_dir=None)
-    rm_cfg = RMConfig(precision="fp32", steps=1, global_batch_size=6, micro_batch_size=2, max_seq_len=64,
-                      eval_fraction=0.25, optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0))
-    rm_args = dict(make_trainer=reward_trainer, base_model_dir=sft_inputs["base"],
-                   dataset_path=sft_inputs["preference"], cfg=rm_cfg, resume_dir=None, seed=0)
+    rm_cfg = RMConfig(
+        precision="fp32",
+        steps=1,
+        global_batch_size=6,
+        micro_batch_size=2,
+        max_seq_len=64,
+        eval_fraction=0.25,
+        optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+    )
+    rm_args = dict(
+        make_trainer=reward_trainer,
+        base_model_dir=sft_inputs["base"],
+        dataset_path=sft_inputs["preference"],
+        cfg=rm_cfg,
+        resume_dir=None,
+        seed=0,
+    )
     rm_want = train_reward_model(**rm_args, out_dir=tmp_path / "rm1")
     group = WorkerGroup(StageRank, TP2, {"num_cpus": 0}, (1,))  # one torch thread per rank
     try:
         ray.get(group.__ray_ready__.remote())
-        got = ray.get(group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2", "resume_dir": tmp_path / "resume"}))
+        got = ray.get(
+            group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2", "resume_dir": tmp_path / "resume"})
+        )
         rm_got = ray.get(group.run.remote(train_reward_model, {**rm_args, "out_dir": tmp_path / "rm2"}))
     finally:
         group.kill()
@@ -484,11 +545,20 @@ def test_po_dpo_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
 
     init_ray(num_cpus=2)
     lr = 1e-3
-    cfg = PoConfig(enabled=True, loss="dpo", precision="fp32", steps=1, global_batch_size=6, micro_batch_size=2,
-                   max_seq_len=64, eval_fraction=0.25,
-                   optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=0.01))
-    args = dict(base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["preference"], cfg=cfg, resume_dir=None,
-                 seed=0)
+    cfg = PoConfig(
+        enabled=True,
+        loss="dpo",
+        precision="fp32",
+        steps=1,
+        global_batch_size=6,
+        micro_batch_size=2,
+        max_seq_len=64,
+        eval_fraction=0.25,
+        optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=0.01),
+    )
+    args = dict(
+        base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["preference"], cfg=cfg, resume_dir=None, seed=0
+    )
     want = train_preference_optimization(**args, out_dir=tmp_path / "tp1" / "model")
     group = WorkerGroup(StageRank, TP2, {"num_cpus": 0}, (1,))  # one torch thread per rank
     try:
@@ -499,11 +569,20 @@ def test_po_dpo_step_at_tp2_equals_tp1(sft_inputs, tmp_path):
     ref1, ref2 = load_file(str(tmp_path / "tp1" / REFERENCE_FILE)), load_file(str(tmp_path / "tp2" / REFERENCE_FILE))
     for key in ("chosen", "rejected"):
         diff = float((ref1[key] - ref2[key]).abs().max())
-        print(f"dpo reference log-probs ({key}), TP=2 vs TP=1: max |diff| {diff:.3g} nats "
-              f"(values {float(ref1[key].min()):.4g} to {float(ref1[key].max()):.4g})")
+        print(
+            f"dpo reference log-probs ({key}), TP=2 vs TP=1: max |diff| {diff:.3g} nats "
+            f"(values {float(ref1[key].min()):.4g} to {float(ref1[key].max()):.4g})"
+        )
         assert all(_close(float(a), float(b)) for a, b in zip(ref1[key], ref2[key])), key
-    for key in ("po/loss", "po/accuracy", "po/rewards/margin", "po/grad_norm", "po/eval_loss", "po/eval_accuracy",
-                "po/eval_margin"):
+    for key in (
+        "po/loss",
+        "po/accuracy",
+        "po/rewards/margin",
+        "po/grad_norm",
+        "po/eval_loss",
+        "po/eval_accuracy",
+        "po/eval_margin",
+    ):
         print(f"dpo step {key}: tp1 {want[key]!r} tp2 {got[key]!r} (|diff| {abs(got[key] - want[key]):.3g})")
         assert _close(got[key], want[key], rel=1e-5 if key == "po/grad_norm" else 1e-6), (key, got[key], want[key])
     assert want["po/grad_norm"] > cfg.optim.grad_clip and got["po/lr"] == want["po/lr"] == lr
@@ -533,14 +612,20 @@ def test_reward_model_role_scores_at_dp2_and_tp2_as_one_rank(sft_inputs, tmp_pat
 
     init_ray(num_cpus=2)
     loaded = load_model_dir(sft_inputs["base"])
-    rm_dir = save_model_dir(tmp_path / "rm", loaded.model, loaded.hf_config, loaded.tokenizer_dir,
-                            heads=RewardModel(loaded.model, loaded.spec.hidden_size, seed=3).heads())
+    rm_dir = save_model_dir(
+        tmp_path / "rm",
+        loaded.model,
+        loaded.hf_config,
+        loaded.tokenizer_dir,
+        heads=RewardModel(loaded.model, loaded.spec.hidden_size, seed=3).heads(),
+    )
     rows = [json.loads(line)["messages"] for line in sft_inputs["sft"].read_text().splitlines()[:5]]
     prompts, texts = [m[:-1] for m in rows], [m[-1]["content"] for m in rows]
     tok = load_tokenizer(rm_dir)
     ids = [tok(t + " " * i, add_special_tokens=False)["input_ids"] + [1] * i for i, t in enumerate(texts)]
-    traj = Trajectory.from_rollout([[5] * (1 + i) for i in range(5)],
-                                   [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop")] for r in ids], pad_id=0)
+    traj = Trajectory.from_rollout(
+        [[5] * (1 + i) for i in range(5)], [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop")] for r in ids], pad_id=0
+    )
     want = RewardModelWorker(rm_dir, 1, precision="fp32").score_responses(traj, prompts, texts)
     assert want.shape == (5,) and float(want.max() - want.min()) > 1e-3
     for layout in (ParallelConfig(data_parallel_size=2), TP2):
@@ -551,6 +636,8 @@ def test_reward_model_role_scores_at_dp2_and_tp2_as_one_rank(sft_inputs, tmp_pat
         finally:
             group.kill()
         diff = float((got - want).abs().max())
-        print(f"reward model at DP={layout.data_parallel_size} TP={layout.tensor_model_parallel_size}: "
-              f"scores {got.tolist()} vs {want.tolist()}, max |diff| {diff:.3g}")
+        print(
+            f"reward model at DP={layout.data_parallel_size} TP={layout.tensor_model_parallel_size}: "
+            f"scores {got.tolist()} vs {want.tolist()}, max |diff| {diff:.3g}"
+        )
         assert got.dtype == torch.float32 and got.shape == want.shape and diff < 1e-5

@@ -96,7 +96,9 @@ def test_answer_voting_uses_each_verifiers_extraction():
     maths = answer_voting("math")
     assert maths.extract("\\boxed{\\frac{1}{2}}") == "\\frac{1}{2}" and maths.extract("no box") is None
     assert maths.same("\\frac{1}{2}", "0.5") and not maths.same("0.5", "0.05")
-    assert answer_voting("exact_match").extract("a\n\n 85 ") == "85" and answer_voting("exact_match").extract(" ") is None
+    assert (
+        answer_voting("exact_match").extract("a\n\n 85 ") == "85" and answer_voting("exact_match").extract(" ") is None
+    )
     assert answer_voting("story") is None
 
 
@@ -111,19 +113,33 @@ def test_pass_maj_and_breakdown_through_evaluate_generations_by_hand():
     labels = ["12"] * 4 + ["7"] * 4 + ["3"] * 4
     lengths = [4, 2, 1, 3, 1, 2, 1, 8, 1, 1, 1, 3]
     reasons = ["stop"] * 7 + ["length"] + ["stop"] * 4
-    result = evaluate_generations(responses, labels, get_verifier("gsm8k"), lengths, reasons,
-                                  prompt_index=[p for p in range(3) for _ in range(4)], ks=[1, 2, 4],
-                                  voting=answer_voting("gsm8k"), breakdown={"subject": ["Algebra", "Geometry", "Algebra"]})
-    per_prompt = {"accuracy": [0.5, 0.25, 1.0],
-                  "pass@1": [0.5, 0.25, 1.0],
-                  # 1 - C(n-c, 2)/C(4, 2): 1 - 1/6, 1 - 3/6, 1
-                  "pass@2": [5 / 6, 0.5, 1.0],
-                  "pass@4": [1.0, 1.0, 1.0],
-                  "maj@1": [1.0, 0.0, 1.0], "maj@2": [1.0, 0.0, 1.0], "maj@4": [1.0, 0.0, 1.0]}
+    result = evaluate_generations(
+        responses,
+        labels,
+        get_verifier("gsm8k"),
+        lengths,
+        reasons,
+        prompt_index=[p for p in range(3) for _ in range(4)],
+        ks=[1, 2, 4],
+        voting=answer_voting("gsm8k"),
+        breakdown={"subject": ["Algebra", "Geometry", "Algebra"]},
+    )
+    per_prompt = {
+        "accuracy": [0.5, 0.25, 1.0],
+        "pass@1": [0.5, 0.25, 1.0],
+        # 1 - C(n-c, 2)/C(4, 2): 1 - 1/6, 1 - 3/6, 1
+        "pass@2": [5 / 6, 0.5, 1.0],
+        "pass@4": [1.0, 1.0, 1.0],
+        "maj@1": [1.0, 0.0, 1.0],
+        "maj@2": [1.0, 0.0, 1.0],
+        "maj@4": [1.0, 0.0, 1.0],
+    }
     for metric, values in per_prompt.items():
         assert result["per_prompt"][metric] == pytest.approx(values, abs=1e-15), metric
         mean, se = accuracy_with_se(values)
-        assert result[metric] == pytest.approx(mean, abs=1e-15) and result[f"{metric}_se"] == pytest.approx(se, abs=1e-15)
+        assert result[metric] == pytest.approx(mean, abs=1e-15) and result[f"{metric}_se"] == pytest.approx(
+            se, abs=1e-15
+        )
     assert result["pass@1"] == result["accuracy"] == pytest.approx(1.75 / 3)  # pass@1 = mean@1 of every sample
     assert (result["n"], result["samples"]) == (3, 12)
     assert [r["answer"] for r in result["records"][4:8]] == ["8", "7", "8", None]
@@ -141,9 +157,16 @@ def test_pass_maj_and_breakdown_through_evaluate_generations_by_hand():
     assert "by_subject/Algebra/pass@2_se" not in result  # only accuracy has an SE per group
 
     # paired over prompts against a policy that answers everything right: d = 1 - per-prompt value
-    right = evaluate_generations(labels, labels, get_verifier("gsm8k"), lengths, reasons,
-                                 prompt_index=[p for p in range(3) for _ in range(4)], ks=[1, 2, 4],
-                                 voting=answer_voting("gsm8k"))
+    right = evaluate_generations(
+        labels,
+        labels,
+        get_verifier("gsm8k"),
+        lengths,
+        reasons,
+        prompt_index=[p for p in range(3) for _ in range(4)],
+        ks=[1, 2, 4],
+        voting=answer_voting("gsm8k"),
+    )
     for metric in ("accuracy", "pass@2", "maj@1"):
         delta, se = paired_metric(result, right, metric)
         expected = accuracy_with_se([1 - v for v in per_prompt[metric]])
@@ -151,8 +174,9 @@ def test_pass_maj_and_breakdown_through_evaluate_generations_by_hand():
 
 
 def test_levels_sort_as_numbers_and_the_default_ks():
-    result = evaluate_generations(["1"] * 4, ["1"] * 4, exact_match, [1] * 4, ["stop"] * 4,
-                                  breakdown={"level": [10, 2, 1, 2]})
+    result = evaluate_generations(
+        ["1"] * 4, ["1"] * 4, exact_match, [1] * 4, ["stop"] * 4, breakdown={"level": [10, 2, 1, 2]}
+    )
     assert [k for k in result if k.endswith("/n")] == ["by_level/1/n", "by_level/2/n", "by_level/10/n"]
     assert [k for k in result if k.startswith(("pass@", "maj@"))] == ["pass@1", "pass@1_se"]  # no voting: no maj@k
     two = evaluate_generations(["1"] * 4, ["1"] * 4, exact_match, [1] * 4, ["stop"] * 4, prompt_index=[0, 0, 1, 1])
@@ -165,24 +189,62 @@ def test_levels_sort_as_numbers_and_the_default_ks():
 def test_evaluate_datasets_config():
     from config.schema import PipelineConfig
 
-    cfg = EvaluateConfig(samples_per_prompt=4, temperature=1.0, max_new_tokens=8, datasets=[
-        {"name": "gsm8k", "path": "g.jsonl", "format": "gsm8k", "verifier": "gsm8k", "num_prompts": 5},
-        {"name": "math500", "path": "m.jsonl", "format": "math", "samples_per_prompt": 2, "k": [2],
-         "breakdown": ["subject", "level"], "temperature": 0.5}])
+    cfg = EvaluateConfig(
+        samples_per_prompt=4,
+        temperature=1.0,
+        max_new_tokens=8,
+        datasets=[
+            {"name": "gsm8k", "path": "g.jsonl", "format": "gsm8k", "verifier": "gsm8k", "num_prompts": 5},
+            {
+                "name": "math500",
+                "path": "m.jsonl",
+                "format": "math",
+                "samples_per_prompt": 2,
+                "k": [2],
+                "breakdown": ["subject", "level"],
+                "temperature": 0.5,
+            },
+        ],
+    )
     rl_eval, gsm, maths = cfg.benchmarks("exact_match", rl_eval=True)
     assert (rl_eval.name, rl_eval.path, rl_eval.verifier, rl_eval.k, rl_eval.samples_per_prompt) == (
-        "rl_eval", None, "exact_match", (1, 4), 4)
+        "rl_eval",
+        None,
+        "exact_match",
+        (1, 4),
+        4,
+    )
     assert (gsm.key, gsm.verifier, gsm.k, gsm.num_prompts, gsm.max_new_tokens, gsm.temperature) == (
-        "evaluate.datasets[0]", "gsm8k", (1, 4), 5, 8, 1.0)
+        "evaluate.datasets[0]",
+        "gsm8k",
+        (1, 4),
+        5,
+        8,
+        1.0,
+    )
     assert (maths.verifier, maths.k, maths.samples_per_prompt, maths.breakdown, maths.temperature) == (
-        "exact_match", (2,), 2, ("subject", "level"), 0.5)
+        "exact_match",
+        (2,),
+        2,
+        ("subject", "level"),
+        0.5,
+    )
     assert [b.name for b in cfg.benchmarks("math", rl_eval=False)] == ["gsm8k", "math500"]
 
     for bad, message in [
-        ({"datasets": [{"name": "rl_eval", "path": "x.jsonl"}]}, r"datasets\[0\].name: 'rl_eval' is data.rl_eval's name"),
+        (
+            {"datasets": [{"name": "rl_eval", "path": "x.jsonl"}]},
+            r"datasets\[0\].name: 'rl_eval' is data.rl_eval's name",
+        ),
         ({"datasets": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}, r"datasets\[1\].name: 'a' is used"),
-        ({"samples_per_prompt": 2, "temperature": 1.0, "k": [4]}, r"evaluate.k: \[4\] outside 1 .. samples_per_prompt \(2\)"),
-        ({"datasets": [{"name": "a", "path": "x", "samples_per_prompt": 2}]}, r"datasets\[0\].samples_per_prompt > 1 needs"),
+        (
+            {"samples_per_prompt": 2, "temperature": 1.0, "k": [4]},
+            r"evaluate.k: \[4\] outside 1 .. samples_per_prompt \(2\)",
+        ),
+        (
+            {"datasets": [{"name": "a", "path": "x", "samples_per_prompt": 2}]},
+            r"datasets\[0\].samples_per_prompt > 1 needs",
+        ),
         ({"datasets": [{"name": "a b", "path": "x"}]}, "should match pattern"),
     ]:
         with pytest.raises(ValueError, match=message):
@@ -191,11 +253,14 @@ def test_evaluate_datasets_config():
     base = {"run": {"name": "t"}, "data": {"rl_eval": {"path": "e.jsonl"}}, "model": {"source": "m"}}
     ok = PipelineConfig.model_validate({**base, "rl": {"eval_every": 2}})
     assert ok.rl.eval_benchmark == "rl_eval"
-    with pytest.raises(ValueError, match=r"rl.eval_benchmark: 'gsm8k' is not a benchmark of the evaluate stage \(rl_eval\)"):
+    with pytest.raises(
+        ValueError, match=r"rl.eval_benchmark: 'gsm8k' is not a benchmark of the evaluate stage \(rl_eval\)"
+    ):
         PipelineConfig.model_validate({**base, "rl": {"eval_every": 2, "eval_benchmark": "gsm8k"}})
     with pytest.raises(ValueError, match="rl.eval_every needs rl.engine.off_policy_steps: 0"):
-        PipelineConfig.model_validate({**base, "rl": {"eval_every": 1, "engine": {
-            "placement": "disaggregated", "off_policy_steps": 1}}})
+        PipelineConfig.model_validate(
+            {**base, "rl": {"eval_every": 1, "engine": {"placement": "disaggregated", "off_policy_steps": 1}}}
+        )
 
 
 # ----------------------------------------------------------------------------- benchmark files
@@ -209,27 +274,42 @@ def _settings(path, **kw):
 def test_load_benchmark_validates_the_file(fixtures_dir, tmp_path):
     from engine.evaluation.benchmarks import load_benchmark
 
-    maths = load_benchmark(_settings(fixtures_dir / "math500" / "test.jsonl", format="math", verifier="math",
-                                     num_prompts=3, breakdown=["subject", "level"]))
+    maths = load_benchmark(
+        _settings(
+            fixtures_dir / "math500" / "test.jsonl",
+            format="math",
+            verifier="math",
+            num_prompts=3,
+            breakdown=["subject", "level"],
+        )
+    )
     source = [json.loads(line) for line in (fixtures_dir / "math500" / "test.jsonl").read_text().splitlines()[:3]]
     assert [r["label"] for r in maths.rows] == [s["answer"] for s in source]
     assert [r["fields"] for r in maths.rows] == [{"subject": s["subject"], "level": s["level"]} for s in source]
     assert maths.rows[0]["prompt"] == [{"role": "user", "content": source[0]["problem"]}] and maths.verifier == "math"
 
     bad = tmp_path / "bad.jsonl"
-    rows = [{"question": "1 + 1?", "answer": "#### 2", "subject": "a"}, {"question": "2 + 2?", "answer": "4"},
-            {"question": "3 + 3?", "answer": "#### 6"}]
+    rows = [
+        {"question": "1 + 1?", "answer": "#### 2", "subject": "a"},
+        {"question": "2 + 2?", "answer": "4"},
+        {"question": "3 + 3?", "answer": "#### 6"},
+    ]
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataValidationError, match=r"(?s)evaluate.datasets\[0\] \(b\): .*2 of 3 records bad .*"
-                                                  r"evaluate.datasets\[0\].max_bad_fraction = 0.0.*"
-                                                  r"bad.jsonl:2: answer: no '#### <number>'.*bad.jsonl:3: subject: missing"):
+    with pytest.raises(
+        DataValidationError,
+        match=r"(?s)evaluate.datasets\[0\] \(b\): .*2 of 3 records bad .*"
+        r"evaluate.datasets\[0\].max_bad_fraction = 0.0.*"
+        r"bad.jsonl:2: answer: no '#### <number>'.*bad.jsonl:3: subject: missing",
+    ):
         load_benchmark(_settings(bad, format="gsm8k", breakdown=["subject"]))
     # tolerated: the rows left, with their labels checked against the verifier
     kept = load_benchmark(_settings(bad, format="gsm8k", max_bad_fraction=0.5, verifier="gsm8k"))
     assert [r["label"] for r in kept.rows] == ["2", "6"]
     words = tmp_path / "words.jsonl"
     words.write_text(json.dumps({"prompt": "Name it", "label": "blue"}) + "\n")
-    with pytest.raises(ValueError, match=r"evaluate.datasets\[0\] \(b\): .*words.jsonl:1: label: gsm8k label 'blue' is not a number"):
+    with pytest.raises(
+        ValueError, match=r"evaluate.datasets\[0\] \(b\): .*words.jsonl:1: label: gsm8k label 'blue' is not a number"
+    ):
         load_benchmark(_settings(words, format="prompt_label", verifier="gsm8k"))
     with pytest.raises(FileNotFoundError, match=r"evaluate.datasets\[0\].path: file not found"):
         load_benchmark(_settings(tmp_path / "missing.jsonl"))
@@ -256,17 +336,36 @@ def policies(fixtures_dir, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("benchmark_policies")
     turn = "<|im_start|>{}\n{}<|im_end|>\n"
-    texts = [turn.format("user", r["question"]) + turn.format("assistant", r["answer"]) for r in _head(fixtures_dir / "gsm8k")]
-    texts += [turn.format("user", r["problem"]) + turn.format("assistant", r["solution"]) for r in _head(fixtures_dir / "math500")]
+    texts = [
+        turn.format("user", r["question"]) + turn.format("assistant", r["answer"])
+        for r in _head(fixtures_dir / "gsm8k")
+    ]
+    texts += [
+        turn.format("user", r["problem"]) + turn.format("assistant", r["solution"])
+        for r in _head(fixtures_dir / "math500")
+    ]
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=1000)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=1024, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=128,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    return {name: save_model_dir(root / name, build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=seed), hf_config,
-                                 tok_dir) for name, seed in (("sft", 1), ("rl", 2))}
+    return {
+        name: save_model_dir(
+            root / name, build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=seed), hf_config, tok_dir
+        )
+        for name, seed in (("sft", 1), ("rl", 2))
+    }
 
 
 def _head(folder, n: int = 50) -> list[dict]:
@@ -281,15 +380,34 @@ def two_benchmarks(fixtures_dir, policies):
     from engine.evaluation.benchmarks import load_benchmark
     from engine.evaluation.scoring import evaluate_benchmarks
 
-    cfg = EvaluateConfig(samples_per_prompt=4, temperature=1.0, max_new_tokens=MAX_NEW, k=[1, 2, 4], precision="fp32",
-                         datasets=[
-        {"name": "gsm8k", "path": str(fixtures_dir / "gsm8k" / "test.jsonl"), "format": "gsm8k", "verifier": "gsm8k",
-         "num_prompts": 5},
-        {"name": "math500", "path": str(fixtures_dir / "math500" / "test.jsonl"), "format": "math", "verifier": "math",
-         "num_prompts": 6, "breakdown": ["subject", "level"]}])
+    cfg = EvaluateConfig(
+        samples_per_prompt=4,
+        temperature=1.0,
+        max_new_tokens=MAX_NEW,
+        k=[1, 2, 4],
+        precision="fp32",
+        datasets=[
+            {
+                "name": "gsm8k",
+                "path": str(fixtures_dir / "gsm8k" / "test.jsonl"),
+                "format": "gsm8k",
+                "verifier": "gsm8k",
+                "num_prompts": 5,
+            },
+            {
+                "name": "math500",
+                "path": str(fixtures_dir / "math500" / "test.jsonl"),
+                "format": "math",
+                "verifier": "math",
+                "num_prompts": 6,
+                "breakdown": ["subject", "level"],
+            },
+        ],
+    )
     benchmarks = [load_benchmark(b) for b in cfg.benchmarks("exact_match", rl_eval=False)]
-    results = evaluate_benchmarks(policies, benchmarks, backend="vllm", precision="fp32",
-                                  engine_cfg=EngineConfig(num_cpus=2), seed=0)
+    results = evaluate_benchmarks(
+        policies, benchmarks, backend="vllm", precision="fp32", engine_cfg=EngineConfig(num_cpus=2), seed=0
+    )
     return benchmarks, results
 
 
@@ -300,9 +418,13 @@ def _rates_from_records(records, ks, voting):
         by_prompt.setdefault(r["prompt_index"], []).append(r)
     out = {}
     for k in ks:
-        out[f"pass@{k}"] = [float(_pass_at_k_by_subsets(len(rs), sum(r["correct"] for r in rs), k)) for rs in by_prompt.values()]
+        out[f"pass@{k}"] = [
+            float(_pass_at_k_by_subsets(len(rs), sum(r["correct"] for r in rs), k)) for rs in by_prompt.values()
+        ]
         answers = [[voting.extract(r["response"]) for r in rs] for rs in by_prompt.values()]
-        out[f"maj@{k}"] = [maj_at_k(a, [r["correct"] for r in rs], k, voting.same) for a, rs in zip(answers, by_prompt.values())]
+        out[f"maj@{k}"] = [
+            maj_at_k(a, [r["correct"] for r in rs], k, voting.same) for a, rs in zip(answers, by_prompt.values())
+        ]
     return out
 
 
@@ -315,17 +437,26 @@ def test_gsm8k_and_math500_through_the_evaluation_code(two_benchmarks, tmp_path)
     for bench in benchmarks:
         for policy, result in results[bench.name].items():
             records = result["records"]
-            assert (result["n"], result["samples"], len(records)) == (len(bench.rows), 4 * len(bench.rows), 4 * len(bench.rows))
+            assert (result["n"], result["samples"], len(records)) == (
+                len(bench.rows),
+                4 * len(bench.rows),
+                4 * len(bench.rows),
+            )
             assert [r["prompt_index"] for r in records] == [p for p in range(len(bench.rows)) for _ in range(4)]
             lengths = [r["response_length"] for r in records]
             assert all(1 <= n <= MAX_NEW for n in lengths)
             assert result["response_length/mean"] == pytest.approx(np.mean(lengths), abs=1e-12)
             assert (result["response_length/p50"], result["response_length/p90"]) == pytest.approx(
-                tuple(np.percentile(lengths, [50, 90])), abs=1e-12)
+                tuple(np.percentile(lengths, [50, 90])), abs=1e-12
+            )
             assert result["response_length/max"] == max(lengths)
-            assert result["response_length/clip_ratio"] == sum(r["finish_reason"] == "length" for r in records) / len(records)
+            assert result["response_length/clip_ratio"] == sum(r["finish_reason"] == "length" for r in records) / len(
+                records
+            )
             verify = get_verifier(bench.verifier)
-            assert [r["reward"] for r in records] == [verify(r["response"], r["label"], r["finish_reason"]) for r in records]
+            assert [r["reward"] for r in records] == [
+                verify(r["response"], r["label"], r["finish_reason"]) for r in records
+            ]
             # every sample's answer, re-extracted, is the record's; pass@k and maj@k from the records
             voting = answer_voting(bench.verifier)
             extracted = [voting.extract(r["response"]) for r in records]
@@ -354,7 +485,9 @@ def test_gsm8k_and_math500_through_the_evaluation_code(two_benchmarks, tmp_path)
                 assert metrics[f"{policy}/{bench}/{metric}"] == results[bench][policy][metric]
         delta, se = paired_metric(results[bench]["sft"], results[bench]["rl"], "pass@2")
         assert (metrics[f"rl_minus_sft/{bench}/pass@2"], metrics[f"rl_minus_sft/{bench}/pass@2_se"]) == (delta, se)
-    assert metrics["rl/math500/by_subject/Precalculus/n"] == sum(r["fields"]["subject"] == "Precalculus" for r in math_rows)
+    assert metrics["rl/math500/by_subject/Precalculus/n"] == sum(
+        r["fields"]["subject"] == "Precalculus" for r in math_rows
+    )
     assert "sft/accuracy" not in metrics  # no rl_eval here: only per-benchmark keys
 
     markdown = write_benchmark_report(results, tmp_path)
@@ -365,5 +498,5 @@ def test_gsm8k_and_math500_through_the_evaluation_code(two_benchmarks, tmp_path)
     assert saved["rl"]["math500/pass@2"] == results["math500"]["rl"]["pass@2"]
     lines = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 4 * (5 + 6) and {(s["benchmark"], s["policy"]) for s in lines} == {
-        (b, p) for b in ("gsm8k", "math500") for p in ("sft", "rl")}
-
+        (b, p) for b in ("gsm8k", "math500") for p in ("sft", "rl")
+    }

@@ -27,11 +27,25 @@ from engine.evaluation.curves import (
 # Two RM runs' worth of rows: the held-out rm/* metrics only every second step, wall times on every step.
 RM_HISTORY = [
     {"step": 1, "train/loss": 0.70, "train/accuracy": 0.50, "perf/pairs_per_s": 81.2, "timing_s/step": 0.39},
-    {"step": 2, "train/loss": 0.61, "train/accuracy": 0.625, "rm/loss": 0.66, "rm/accuracy": 0.55,
-     "perf/pairs_per_s": 77.0, "timing_s/step": 0.41},
+    {
+        "step": 2,
+        "train/loss": 0.61,
+        "train/accuracy": 0.625,
+        "rm/loss": 0.66,
+        "rm/accuracy": 0.55,
+        "perf/pairs_per_s": 77.0,
+        "timing_s/step": 0.41,
+    },
     {"step": 3, "train/loss": 0.64, "train/accuracy": 0.5625, "perf/pairs_per_s": 90.1, "timing_s/step": 0.35},
-    {"step": 4, "train/loss": 0.52, "train/accuracy": 0.75, "rm/loss": 0.58, "rm/accuracy": 0.65,
-     "perf/pairs_per_s": 70.3, "timing_s/step": 0.45},
+    {
+        "step": 4,
+        "train/loss": 0.52,
+        "train/accuracy": 0.75,
+        "rm/loss": 0.58,
+        "rm/accuracy": 0.65,
+        "perf/pairs_per_s": 70.3,
+        "timing_s/step": 0.45,
+    },
 ]
 
 
@@ -70,8 +84,17 @@ def test_metrics_jsonl_from_a_history_leaves_out_wall_clock_metrics(tmp_path):
 
 def test_rl_curves_read_the_stage_metrics_and_mark_a_panel_without_data(tmp_path):
     metrics = tmp_path / METRICS_FILE
-    rows = [{"step": s, "critic/score/mean": 0.25 * s, "actor/ppo_kl": 0.0, "actor/entropy": 0.5 - 0.01 * s,
-             "response_length/mean": 3.5, "timing_s/gen": 1.0 + s} for s in (1, 2, 3)]
+    rows = [
+        {
+            "step": s,
+            "critic/score/mean": 0.25 * s,
+            "actor/ppo_kl": 0.0,
+            "actor/entropy": 0.5 - 0.01 * s,
+            "response_length/mean": 3.5,
+            "timing_s/gen": 1.0 + s,
+        }
+        for s in (1, 2, 3)
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     png, series = write_stage_curves("rl", tmp_path)  # no history: the file is read as it is
     assert list(series) == ["critic/score/mean", "actor/ppo_kl", "actor/entropy", "response_length/mean"]  # panel order
@@ -99,13 +122,22 @@ def test_read_series_errors_name_the_file_and_line(tmp_path):
 
 def test_key_numbers_and_the_report_section_by_hand():
     points = np.array([[2, 0.5], [4, 0.25], [6, float("nan")], [8, 0.75], [10, 0.375]])
-    assert key_numbers(points) == {"first": 0.5, "last": 0.375, "min": 0.25, "max": 0.75, "first_step": 2.0,
-                                   "last_step": 10.0, "points": 5.0}
+    assert key_numbers(points) == {
+        "first": 0.5,
+        "last": 0.375,
+        "min": 0.25,
+        "max": 0.75,
+        "first_step": 2.0,
+        "last_step": 10.0,
+        "points": 5.0,
+    }
     assert math.isnan(key_numbers(np.array([[1, float("nan")]]))["min"])
-    section = curves_markdown({
-        "sft": ("/store/sft/sft-0a/curves.png", {"train/loss": np.array([[1, 2.302585093], [2, 1.1], [3, 1.25]])}),
-        "rl": ("s3://bucket/rl/rl-0b/curves.png", {"critic/score/mean": points}),
-    })
+    section = curves_markdown(
+        {
+            "sft": ("/store/sft/sft-0a/curves.png", {"train/loss": np.array([[1, 2.302585093], [2, 1.1], [3, 1.25]])}),
+            "rl": ("s3://bucket/rl/rl-0b/curves.png", {"critic/score/mean": points}),
+        }
+    )
     lines = section.splitlines()
     assert lines[0] == "## Training curves"
     assert "**sft**: `/store/sft/sft-0a/curves.png`" in lines and "**rl**: `s3://bucket/rl/rl-0b/curves.png`" in lines

@@ -41,7 +41,9 @@ def test_standard_error_by_hand():
     # [0.2, 0.4, 0.9]: mean 0.5; squared deviations 0.09 + 0.01 + 0.16 = 0.26; s^2 = 0.13;
     # SE = sqrt(0.13 / 3) = 0.2081666...
     mean, se = accuracy_with_se([0.2, 0.4, 0.9])
-    assert math.isclose(mean, 0.5) and math.isclose(se, math.sqrt(0.13 / 3)) and math.isclose(se, 0.2081666, rel_tol=1e-6)
+    assert (
+        math.isclose(mean, 0.5) and math.isclose(se, math.sqrt(0.13 / 3)) and math.isclose(se, 0.2081666, rel_tol=1e-6)
+    )
     assert accuracy_with_se([1.0, 1.0, 1.0]) == (1.0, 0.0)
     mean, se = accuracy_with_se([0.5])
     assert mean == 0.5 and math.isnan(se)
@@ -115,7 +117,9 @@ def test_reward_curve_png(tmp_path):
     # Another key; no "step" field: x is the 1-based line number.
     plain = tmp_path / "plain.jsonl"
     plain.write_text('{"actor/pg_loss": 1.5}\n{"actor/pg_loss": 0.5}\n')
-    np.testing.assert_array_equal(plot_reward_curve(plain, tmp_path / "loss.png", key="actor/pg_loss"), [[1, 1.5], [2, 0.5]])
+    np.testing.assert_array_equal(
+        plot_reward_curve(plain, tmp_path / "loss.png", key="actor/pg_loss"), [[1, 1.5], [2, 0.5]]
+    )
 
 
 def test_reward_curve_errors(tmp_path):
@@ -157,15 +161,27 @@ def test_write_eval_report(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     # one sample per prompt: pass@1 = accuracy; lengths [2, 3]: p50 2.5, p90 2 + 0.9 * (3 - 2) = 2.9
     assert metrics["sft"] == {
-        "n": 2, "samples": 2, "accuracy": 0.5, "accuracy_se": 0.5, "mean_reward": 0.5, "mean_reward_se": 0.5,
-        "pass@1": 0.5, "pass@1_se": 0.5, "response_length/mean": 2.5, "response_length/p50": 2.5,
-        "response_length/p90": 2.9, "response_length/max": 3.0, "response_length/clip_ratio": 0.0,
+        "n": 2,
+        "samples": 2,
+        "accuracy": 0.5,
+        "accuracy_se": 0.5,
+        "mean_reward": 0.5,
+        "mean_reward_se": 0.5,
+        "pass@1": 0.5,
+        "pass@1_se": 0.5,
+        "response_length/mean": 2.5,
+        "response_length/p50": 2.5,
+        "response_length/p90": 2.9,
+        "response_length/max": 3.0,
+        "response_length/clip_ratio": 0.0,
     }
     assert metrics["rl"]["accuracy"] == 1.0 and metrics["rl"]["accuracy_se"] == 0.0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [(s["benchmark"], s["policy"], s["response"], s["correct"]) for s in samples] == [
-        ("rl_eval", "sft", "84", False), ("rl_eval", "sft", "12", True), ("rl_eval", "rl", "85", True),
-        ("rl_eval", "rl", "12", True)
+        ("rl_eval", "sft", "84", False),
+        ("rl_eval", "sft", "12", True),
+        ("rl_eval", "rl", "85", True),
+        ("rl_eval", "rl", "12", True),
     ]
     assert (out / "report.md").read_text() == markdown
     assert "| metric | sft | rl |" in markdown
@@ -211,16 +227,30 @@ def policy_dir(quickstart_inputs, tmp_path_factory):
     eos = tok.eos_token_id
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=128, max_position_embeddings=128, initializer_range=0.3, tie_word_embeddings=False,
-        eos_token_id=eos, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_token_id,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     # Make EOS win wherever the token greedy picks 3rd for row 0 would (with a positive
     # logit), so some responses stop early and the EOS stripping is exercised.
     ids = torch.tensor([_prompt_ids(tok, rows[0])])
-    free = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3,
-                          eos_token_id=len(tok) + 1, pad_token_id=tok.pad_token_id)
+    free = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=3,
+        eos_token_id=len(tok) + 1,
+        pad_token_id=tok.pad_token_id,
+    )
     with torch.no_grad():
         model.lm_head.weight[eos] = 1.2 * model.lm_head.weight[int(free[0, -1])]
     out = tmp_path_factory.mktemp("policy")
@@ -249,15 +279,23 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
     manual = []
     for row in rows:
         ids = torch.tensor([_prompt_ids(tok, row)])
-        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                                 eos_token_id=eos, pad_token_id=tok.pad_token_id)
-        gen = out[0, ids.shape[1]:].tolist()
+        out = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+        )
+        gen = out[0, ids.shape[1] :].tolist()
         stopped = gen[-1] == eos
         manual.append((tok.decode(gen, skip_special_tokens=True), len(gen), "stop" if stopped else "length", gen))
     assert any(m[2] == "stop" for m in manual)
     # A random model never adds correctly; make every other label the manual loop's own final
     # answer, so both outcomes occur and the expected accuracy is known from the manual loop.
-    rows = [dict(r, label=final_answer(m[0]) if i % 2 == 0 else r["label"]) for i, (r, m) in enumerate(zip(rows, manual))]
+    rows = [
+        dict(r, label=final_answer(m[0]) if i % 2 == 0 else r["label"]) for i, (r, m) in enumerate(zip(rows, manual))
+    ]
     expected_rewards = [exact_match(m[0], r["label"], m[2]) for r, m in zip(rows, manual)]
     assert 0 < sum(expected_rewards) < len(rows)
 
@@ -266,7 +304,9 @@ def test_evaluate_policy_equals_a_manual_generate_loop(quickstart_inputs, policy
     assert [(r["response_length"], r["finish_reason"]) for r in result["records"]] == [m[1:3] for m in manual]
     # The report's text: the sampled bytes, escaped where they are not whole characters
     # (the random byte-level model emits such bytes), never U+FFFD.
-    assert [r.get("response_readable", r["response"]) for r in result["records"]] == [readable_text(tok, m[3]) for m in manual]
+    assert [r.get("response_readable", r["response"]) for r in result["records"]] == [
+        readable_text(tok, m[3]) for m in manual
+    ]
     assert not any("\ufffd" in r.get("response_readable", r["response"]) for r in result["records"])
     assert [r["reward"] for r in result["records"]] == expected_rewards
     assert result["n"] == len(rows) == 10
@@ -295,7 +335,7 @@ def _megatron_greedy(model, prompt: list[int], max_new: int, eos: int) -> tuple[
             ids.append(nxt)
             if nxt == eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -310,10 +350,21 @@ def two_policies(quickstart_inputs, tmp_path_factory):
     tok_dir, rows, _ = quickstart_inputs
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
-        "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-        "hidden_act": "silu", "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
     }
     root = tmp_path_factory.mktemp("two_policies")
     dirs, expected = {}, {}
@@ -366,8 +417,9 @@ def test_evaluate_model_dirs_vllm_starts_beside_a_2gib_ballast(quickstart_inputs
         assert before["ballast"] >= 2 * 2**30 and before["old_default_kv_budget"] < 0, before
         cfg = EvaluateConfig(num_prompts=6, max_new_tokens=MAX_NEW, temperature=0.0, backend="vllm", precision="fp32")
         with caplog.at_level(logging.INFO, logger="engine.rollout.vllm_rollout"):
-            results = evaluate_model_dirs(dirs, eval_path, cfg, verifier="exact_match", seed=0,
-                                          engine_cfg=EngineConfig(num_cpus=2))
+            results = evaluate_model_dirs(
+                dirs, eval_path, cfg, verifier="exact_match", seed=0, engine_cfg=EngineConfig(num_cpus=2)
+            )
     finally:
         del ballast
     for name in dirs:

@@ -77,9 +77,21 @@ def test_megatron_vocab_embedding_under_mixed_precision(deterministic):
     from engine.models.master_weights import master_params, to_mixed_precision
     from engine.models.megatron import build_gpt_model, gpt_logits
 
-    spec = GPTSpec(architecture="qwen2", vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=1e4,
-                   norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=False, head_dim=16)
+    spec = GPTSpec(
+        architecture="qwen2",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=False,
+        head_dim=16,
+    )
     model = build_gpt_model(spec, seed=0, core_attention="sdpa")
     to_mixed_precision(model)
     embedding = model.embedding.word_embeddings
@@ -95,7 +107,11 @@ def test_megatron_vocab_embedding_under_mixed_precision(deterministic):
     F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").backward()
     grad_out = captured["g"]  # [B, T, H] or megatron's [T, B, H]
     flat_ids = ids.t() if grad_out.shape[0] == ids.shape[1] else ids
-    expected = torch.zeros(embedding.weight.shape, dtype=torch.float32).index_add_(
-        0, flat_ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]).float()).to(torch.bfloat16).float()
+    expected = (
+        torch.zeros(embedding.weight.shape, dtype=torch.float32)
+        .index_add_(0, flat_ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]).float())
+        .to(torch.bfloat16)
+        .float()
+    )
     master = master_params(model)["embedding.word_embeddings.weight"]
     assert torch.equal(master.grad, expected)

@@ -26,9 +26,21 @@ from engine.models.megatron import build_gpt_model, gpt_logits, mcore_state
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
-SPEC = GPTSpec(architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-               norm_epsilon=1e-6, add_qkv_bias=True, qk_layernorm=False, tie_word_embeddings=True)
+SPEC = GPTSpec(
+    architecture="qwen2",
+    vocab_size=300,
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    ffn_hidden_size=128,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    norm_epsilon=1e-6,
+    add_qkv_bias=True,
+    qk_layernorm=False,
+    tie_word_embeddings=True,
+)
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
 
@@ -90,19 +102,23 @@ def test_merged_weights_give_the_adapted_forward_and_load_in_transformers(tmp_pa
         adapted, merged = gpt_logits(model, ids), gpt_logits(plain, ids)
         base = gpt_logits(build_gpt_model(SPEC, seed=0, core_attention="sdpa").eval(), ids)
     err = float((adapted - merged).abs().max())
-    print(f"adapted vs merged logits: max |diff| {err:.3g}; the adapters moved them by {float((adapted - base).abs().max()):.3g}")
+    print(
+        f"adapted vs merged logits: max |diff| {err:.3g}; the adapters moved them by {float((adapted - base).abs().max()):.3g}"
+    )
     assert err < 1e-6
     assert float((adapted - base).abs().max()) > 1e-2
 
     with merged_for_saving(model):
-        save_model_dir(tmp_path / "merged", model, SPEC.to_hf_config() | {"eos_token_id": 2},
-                       fixtures_dir / "qwen2.5-tokenizer")
+        save_model_dir(
+            tmp_path / "merged", model, SPEC.to_hf_config() | {"eos_token_id": 2}, fixtures_dir / "qwen2.5-tokenizer"
+        )
     assert sorted(n for n, _ in model.named_parameters() if "lora" in n) == sorted(adapter_names(model))  # put back
     loaded = load_model_dir(tmp_path / "merged", core_attention="sdpa").model.eval()
     with torch.no_grad():
         assert float((gpt_logits(loaded, ids) - merged).abs().max()) == 0.0  # the same merged tensors, saved in fp32
-    hf = AutoModelForCausalLM.from_pretrained(export_model_dir(tmp_path / "merged", tmp_path / "hf"),
-                                              attn_implementation="sdpa").eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        export_model_dir(tmp_path / "merged", tmp_path / "hf"), attn_implementation="sdpa"
+    ).eval()
     hf_logits_reference(hf, ids).check(merged[..., : SPEC.vocab_size], 1e-5, "merged LoRA model vs transformers")
 
 
@@ -124,12 +140,24 @@ def test_peft_format_adapter_on_the_hf_base_gives_the_adapted_logits(tmp_path, f
 
     model = _adapted().eval()
     _randomize_b(model)
-    base = save_model_dir(tmp_path / "base", build_gpt_model(SPEC, seed=0), SPEC.to_hf_config() | {"eos_token_id": 2},
-                          fixtures_dir / "qwen2.5-tokenizer")
+    base = save_model_dir(
+        tmp_path / "base",
+        build_gpt_model(SPEC, seed=0),
+        SPEC.to_hf_config() | {"eos_token_id": 2},
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
     adapter = save_peft_adapter(model, LORA, tmp_path / "adapter")
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
-    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(config["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     hf = AutoModelForCausalLM.from_pretrained(export_model_dir(base, tmp_path / "hf"), attn_implementation="sdpa")
     peft_model = PeftModel.from_pretrained(hf, str(adapter)).eval()
     ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -142,8 +170,12 @@ def test_peft_format_adapter_on_the_hf_base_gives_the_adapted_logits(tmp_path, f
 
 
 def _optimizer_state_and_grad_bytes(model, optimizer) -> tuple[int, int]:
-    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
+    state = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     return state, grads
 
@@ -187,17 +219,20 @@ def test_lora_steps_train_the_adapters_only_and_use_a_fraction_of_the_memory(fix
             assert p.grad is None and torch.equal(p, base_state[name]), name
     assert any(bool(m.lora_B.abs().max() > 0) for m in lora_layers(model).values())
     n_adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    moments = sum(t.numel() for s in optimizer.state.values() for t in s.values()
-                  if isinstance(t, torch.Tensor) and t.dim() > 0)
+    moments = sum(
+        t.numel() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
     assert moments == 2 * n_adapter
     lora_bytes = _optimizer_state_and_grad_bytes(model, optimizer)
 
     full, full_opt, _ = run(lora=False)
     n_full = sum(p.numel() for p in full.parameters())
     full_bytes = _optimizer_state_and_grad_bytes(full, full_opt)
-    print(f"parameters: {n_full} (base), {n_adapter} adapter (rank 4, 4 layer kinds x 2 layers); "
-          f"optimizer state + gradients in bytes: LoRA {lora_bytes[0]} + {lora_bytes[1]} = {sum(lora_bytes)}, "
-          f"full fine-tuning {full_bytes[0]} + {full_bytes[1]} = {sum(full_bytes)}")
+    print(
+        f"parameters: {n_full} (base), {n_adapter} adapter (rank 4, 4 layer kinds x 2 layers); "
+        f"optimizer state + gradients in bytes: LoRA {lora_bytes[0]} + {lora_bytes[1]} = {sum(lora_bytes)}, "
+        f"full fine-tuning {full_bytes[0]} + {full_bytes[1]} = {sum(full_bytes)}"
+    )
     assert lora_bytes == (8 * n_adapter, 4 * n_adapter)  # fp32: two AdamW moments and one gradient per element
     assert full_bytes == (8 * n_full, 4 * n_full)
 
@@ -223,21 +258,37 @@ def test_lora_sft_publishes_merged_weights_and_resumes_bit_identically(sft_base,
     from engine.storage.train_state import load_train_state
     from engine.training.sft import train_sft
 
-    cfg = SFTConfig(precision="fp32", steps=6, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
-                    optim=OptimConfig(lr=5e-2, warmup_steps=1), checkpoint_every=4, log_every=1,
-                    lora=LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["linear_qkv", "linear_fc2"],
-                                    save_adapter=True))
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=6,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        optim=OptimConfig(lr=5e-2, warmup_steps=1),
+        checkpoint_every=4,
+        log_every=1,
+        lora=LoraConfig(
+            enabled=True, rank=4, alpha=8.0, target_modules=["linear_qkv", "linear_fc2"], save_adapter=True
+        ),
+    )
     args = dict(base_model_dir=sft_base["base"], dataset_path=sft_base["sft"], cfg=cfg, seed=0)
     logged: list[float] = []
-    train_sft(**args, out_dir=tmp_path / "straight", resume_dir=tmp_path / "resume_a",
-              log_metrics=lambda m, s: logged.append(m["train/loss"]))
+    train_sft(
+        **args,
+        out_dir=tmp_path / "straight",
+        resume_dir=tmp_path / "resume_a",
+        log_metrics=lambda m, s: logged.append(m["train/loss"]),
+    )
     print("LoRA SFT losses:", [round(x, 4) for x in logged])
     assert logged[-1] < logged[0] - 0.1, logged
 
     state = load_train_state(tmp_path / "resume_a")
     saved = state.model
-    assert sorted(saved) == sorted(f"decoder.layers.0.{m}.{p}"
-                                   for m in ("self_attention.linear_qkv", "mlp.linear_fc2") for p in ("lora_A", "lora_B"))
+    assert sorted(saved) == sorted(
+        f"decoder.layers.0.{m}.{p}"
+        for m in ("self_attention.linear_qkv", "mlp.linear_fc2")
+        for p in ("lora_A", "lora_B")
+    )
 
     def crash_at_5(metrics, step):
         if step == 5:
@@ -246,8 +297,9 @@ def test_lora_sft_publishes_merged_weights_and_resumes_bit_identically(sft_base,
     with pytest.raises(Crash):
         train_sft(**args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b", log_metrics=crash_at_5)
     steps: list[int] = []
-    train_sft(**args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b",
-              log_metrics=lambda m, s: steps.append(s))
+    train_sft(
+        **args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b", log_metrics=lambda m, s: steps.append(s)
+    )
     assert steps == [5, 6]
     a = load_model_dir(tmp_path / "straight").model
     b = load_model_dir(tmp_path / "resumed").model
@@ -281,9 +333,17 @@ def test_bf16_lora_sft_keeps_fp32_adapters_and_resumes_bit_identically(sft_base,
     from engine.storage.train_state import load_train_state
     from engine.training.sft import train_sft
 
-    cfg = SFTConfig(precision="bf16", steps=4, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
-                    optim=OptimConfig(lr=2e-2), checkpoint_every=2, log_every=1,
-                    lora=LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["linear_fc1"]))
+    cfg = SFTConfig(
+        precision="bf16",
+        steps=4,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        optim=OptimConfig(lr=2e-2),
+        checkpoint_every=2,
+        log_every=1,
+        lora=LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["linear_fc1"]),
+    )
     args = dict(base_model_dir=sft_base["base"], dataset_path=sft_base["sft"], cfg=cfg, seed=0)
     train_sft(**args, out_dir=tmp_path / "straight", resume_dir=tmp_path / "resume_a")
     saved = load_train_state(tmp_path / "resume_a").model
@@ -297,7 +357,10 @@ def test_bf16_lora_sft_keeps_fp32_adapters_and_resumes_bit_identically(sft_base,
     with pytest.raises(Crash):
         train_sft(**args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b", log_metrics=crash_at_3)
     train_sft(**args, out_dir=tmp_path / "resumed", resume_dir=tmp_path / "resume_b")
-    a, b = mcore_state(load_model_dir(tmp_path / "straight").model), mcore_state(load_model_dir(tmp_path / "resumed").model)
+    a, b = (
+        mcore_state(load_model_dir(tmp_path / "straight").model),
+        mcore_state(load_model_dir(tmp_path / "resumed").model),
+    )
     assert all(torch.equal(a[k], b[k]) for k in a)
     base = mcore_state(load_model_dir(sft_base["base"]).model)
     for k, v in base.items():
@@ -315,15 +378,32 @@ def test_lora_dpo_starts_at_ln2_and_moves_only_the_adapted_layers(sft_base, tmp_
     from engine.storage.model_dir import load_model_dir
     from engine.training.preference_optimization import train_preference_optimization
 
-    cfg = PoConfig(enabled=True, precision="fp32", steps=4, global_batch_size=16, micro_batch_size=8, max_seq_len=64,
-                   optim=OptimConfig(lr=5e-2), log_every=1,
-                   lora=LoraConfig(enabled=True, rank=4, alpha=16.0, target_modules=["linear_proj", "linear_fc1"]))
+    cfg = PoConfig(
+        enabled=True,
+        precision="fp32",
+        steps=4,
+        global_batch_size=16,
+        micro_batch_size=8,
+        max_seq_len=64,
+        optim=OptimConfig(lr=5e-2),
+        log_every=1,
+        lora=LoraConfig(enabled=True, rank=4, alpha=16.0, target_modules=["linear_proj", "linear_fc1"]),
+    )
     losses: list[float] = []
-    train_preference_optimization(sft_base["base"], sft_base["preference"], cfg, tmp_path / "po" / "model", None,
-                                  log_metrics=lambda m, s: losses.append(m["po/loss"]))
+    train_preference_optimization(
+        sft_base["base"],
+        sft_base["preference"],
+        cfg,
+        tmp_path / "po" / "model",
+        None,
+        log_metrics=lambda m, s: losses.append(m["po/loss"]),
+    )
     print("LoRA DPO losses:", [round(x, 4) for x in losses])
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[-1] < losses[0] - 0.01, losses
-    before, after = mcore_state(load_model_dir(sft_base["base"]).model), mcore_state(load_model_dir(tmp_path / "po" / "model").model)
+    before, after = (
+        mcore_state(load_model_dir(sft_base["base"]).model),
+        mcore_state(load_model_dir(tmp_path / "po" / "model").model),
+    )
     changed = sorted({k.split(".", 3)[-1] for k in before if not torch.equal(before[k], after[k])})
     assert changed == ["mlp.linear_fc1.weight", "self_attention.linear_proj.weight"]
 
@@ -338,8 +418,9 @@ def test_actor_weight_sync_sends_the_merged_weights(tmp_path, fixtures_dir):
     from tests.engine.distributed.test_data_parallel import _weights, rl_config, trajectory
 
     hf_config = SPEC.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0}
-    policy = save_model_dir(tmp_path / "policy", build_gpt_model(SPEC, seed=0), hf_config,
-                            fixtures_dir / "qwen2.5-tokenizer")
+    policy = save_model_dir(
+        tmp_path / "policy", build_gpt_model(SPEC, seed=0), hf_config, fixtures_dir / "qwen2.5-tokenizer"
+    )
     cfg = rl_config(algorithm="grpo", lora={"enabled": True, "rank": 4, "alpha": 8.0}, optim={"lr": 1e-2})
     actor = ActorWorker(policy, cfg, 0, 1)
     base = {k: v.clone() for k, v in mcore_state(actor.model).items() if "lora" not in k}
@@ -354,8 +435,20 @@ def test_actor_weight_sync_sends_the_merged_weights(tmp_path, fixtures_dir):
     assert [n for n, _ in synced] == [n for n, _ in want]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(synced, want))
     moved = [n for (n, a), (_, b) in zip(synced, megatron_to_hf(hf_config, base)) if not torch.equal(a, b)]
-    assert moved and all(n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                                     "gate_proj.weight", "up_proj.weight", "down_proj.weight")) for n in moved)
+    assert moved and all(
+        n.endswith(
+            (
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "o_proj.weight",
+                "gate_proj.weight",
+                "up_proj.weight",
+                "down_proj.weight",
+            )
+        )
+        for n in moved
+    )
     actor.save_model(tmp_path / "out", 1)
     saved = _weights(tmp_path / "out")
     merged = merged_mcore_state(actor.model)
@@ -388,14 +481,23 @@ def test_lora_sft_at_tp2_equals_tp1_and_its_adapter_state_reshards(tp_sft_inputs
     from tests.engine.distributed.test_tensor_parallel_training import TP2
 
     init_ray(num_cpus=2)
-    cfg = SFTConfig(precision="fp32", steps=2, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
-                    optim=OptimConfig(lr=2e-2, warmup_steps=1), lora=LoraConfig(enabled=True, rank=4, alpha=8.0))
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=2,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        optim=OptimConfig(lr=2e-2, warmup_steps=1),
+        lora=LoraConfig(enabled=True, rank=4, alpha=8.0),
+    )
     args = dict(base_model_dir=tp_sft_inputs["base"], dataset_path=tp_sft_inputs["sft"], cfg=cfg, seed=0)
     want = train_sft(**args, out_dir=tmp_path / "tp1", resume_dir=tmp_path / "resume1")
     group = WorkerGroup(StageRank, TP2, {"num_cpus": 0}, (1,))
     try:
         ray.get(group.__ray_ready__.remote())
-        got = ray.get(group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2", "resume_dir": tmp_path / "resume2"}))
+        got = ray.get(
+            group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2", "resume_dir": tmp_path / "resume2"})
+        )
     finally:
         group.kill()
     for key in ("train/loss", "train/grad_norm"):
@@ -411,8 +513,10 @@ def test_lora_sft_at_tp2_equals_tp1_and_its_adapter_state_reshards(tp_sft_inputs
     assert s1.keys() == s2.keys() and len(s1) == 2 * 4 * 2
     adapter_diff = torch.cat([(s1[k] - s2[k]).abs().flatten() for k in s1])
     beyond = int((adapter_diff > 1e-6).sum())
-    print(f"adapters TP=2 vs TP=1: max |diff| {float(adapter_diff.max()):.3g}, {beyond} of {adapter_diff.numel()} "
-          "beyond 1e-6")
+    print(
+        f"adapters TP=2 vs TP=1: max |diff| {float(adapter_diff.max()):.3g}, {beyond} of {adapter_diff.numel()} "
+        "beyond 1e-6"
+    )
     assert float(adapter_diff.max()) < 1e-2 * cfg.optim.lr and beyond <= 1e-3 * adapter_diff.numel()
     assert all(float(s1[k].abs().max()) > 0 for k in s1)  # B moved in step 1, A in step 2
     ids = torch.randint(3, 200, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -448,16 +552,27 @@ def test_grpo_with_lora_samples_from_the_merged_weights_in_vllm(tmp_path_factory
     policy = random_tiny_policy(tmp_path_factory.mktemp("rl_lora_policy"))
     out = tmp_path_factory.mktemp("rl_lora")
     # the random policy earns no reward: the entropy bonus gives the update its gradient
-    cfg = rl_config("vllm", 2, lora={"enabled": True, "rank": 4, "alpha": 16.0}, optim={"lr": 2e-2, "min_lr": 2e-2},
-                    entropy_coef=0.1)
+    cfg = rl_config(
+        "vllm",
+        2,
+        lora={"enabled": True, "rank": 4, "alpha": 16.0},
+        optim={"lr": 2e-2, "min_lr": 2e-2},
+        entropy_coef=0.1,
+    )
     run_rl(policy["dir"], policy["prompts"], cfg, out, None, seed=0)
     rows = read_metrics(out)
     for r in rows:
-        print(f"step {r['step']}: logprob_diff_max {r['rollout_vs_trainer/logprob_diff_max']:.3g}, "
-              f"kl_loss {r['actor/kl_loss']:.3g}")
+        print(
+            f"step {r['step']}: logprob_diff_max {r['rollout_vs_trainer/logprob_diff_max']:.3g}, "
+            f"kl_loss {r['actor/kl_loss']:.3g}"
+        )
         assert r["rollout_vs_trainer/logprob_diff_max"] < 1e-4
     assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7) and rows[1]["actor/kl_loss"] > 0
     before, after = policy_weights(policy["dir"]), policy_weights(out / "model")
     changed = sorted({k.split(".", 3)[-1] for k in before if not torch.equal(before[k], after[k])})
-    assert changed == ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "self_attention.linear_proj.weight",
-                       "self_attention.linear_qkv.weight"]
+    assert changed == [
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.weight",
+    ]

@@ -108,9 +108,21 @@ def bf16_gpt():
     from conversion.spec import GPTSpec
     from engine.models.megatron import build_gpt_model
 
-    spec = GPTSpec(architecture="qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=2,
-                   num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=1e4,
-                   norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True, head_dim=16)
+    spec = GPTSpec(
+        architecture="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=64,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
+        head_dim=16,
+    )
     model = build_gpt_model(spec, seed=0, core_attention="sdpa")
     build_model_optimizer(model, OptimConfig(lr=1e-3), 10, "bf16")
     return model

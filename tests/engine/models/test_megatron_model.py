@@ -23,9 +23,17 @@ ATTENTION_PAIRS = [("local", "eager"), ("sdpa", "sdpa")]
 
 def qwen2_quickstart_like(attn_implementation: str = "sdpa") -> tuple[dict, Qwen2ForCausalLM]:
     """A random Qwen2 shaped like the quickstart's base model (head_dim 32, QKV bias, tied)."""
-    cfg = Qwen2Config(vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = Qwen2Config(
+        vocab_size=400,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
     model.set_attn_implementation(attn_implementation)
@@ -36,14 +44,25 @@ def qwen2_quickstart_like(attn_implementation: str = "sdpa") -> tuple[dict, Qwen
     return {**cfg.to_dict(), "architectures": ["Qwen2ForCausalLM"]}, model
 
 
-def qwen3_tiny(tied: bool, kv_heads: int, attn_implementation: str = "eager",
-               attention_bias: bool = False) -> tuple[dict, Qwen3ForCausalLM]:
+def qwen3_tiny(
+    tied: bool, kv_heads: int, attn_implementation: str = "eager", attention_bias: bool = False
+) -> tuple[dict, Qwen3ForCausalLM]:
     """A random tiny Qwen3 (transformers ``modeling_qwen3.py``): hidden 64, 4 query heads of
     head_dim 32 (not 64 / 4), kv_heads 4 (MHA) or 2 (GQA), Qwen3's rope_theta 1e6."""
-    cfg = Qwen3Config(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=32, max_position_embeddings=64,
-                      tie_word_embeddings=tied, attention_bias=attention_bias, initializer_range=0.1,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    cfg = Qwen3Config(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        attention_bias=attention_bias,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).eval()
     model.set_attn_implementation(attn_implementation)
@@ -66,7 +85,9 @@ def megatron_copy(hf_config: dict, hf_state: dict, core_attention: str = "local"
 def stories(fixtures_dir, tmp_path_factory):
     """The real pretrained stories260K (Llama, untied, head_dim 8), imported from GGUF."""
     out = gguf_to_hf(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf", tmp_path_factory.mktemp("s") / "m")
-    hf = {impl: AutoModelForCausalLM.from_pretrained(out, attn_implementation=impl).eval() for impl in ("eager", "sdpa")}
+    hf = {
+        impl: AutoModelForCausalLM.from_pretrained(out, attn_implementation=impl).eval() for impl in ("eager", "sdpa")
+    }
     return load_hf_source(out), hf
 
 
@@ -113,8 +134,10 @@ def test_qwen3_logits_and_hidden_states_match_hf(tied, kv_heads, core_attention,
         logits, hidden = gpt_logits(mc, ids), gpt_hidden_states(mc, ids)
     assert logits.shape == (3, 41, 160) and hidden.shape == (3, 41, 64)
     err = (logits - ref.logits).abs().max().item()
-    print(f"qwen3 {'tied' if tied else 'untied'} kv_heads={kv_heads} {core_attention} vs HF {hf_attention}: "
-          f"max |logit diff| = {err:.3e} (logits up to {ref.logits.abs().max():.2f})")
+    print(
+        f"qwen3 {'tied' if tied else 'untied'} kv_heads={kv_heads} {core_attention} vs HF {hf_attention}: "
+        f"max |logit diff| = {err:.3e} (logits up to {ref.logits.abs().max():.2f})"
+    )
     assert err < TOL
     assert (hidden - ref.hidden_states[-1]).abs().max().item() < TOL
 
@@ -166,25 +189,50 @@ def test_qwen3_trained_weights_go_back_to_hf(tied):
 def test_qwen3_hub_config_json():
     """A Qwen3-0.6B-style config.json (transformers 4.51 keys): head_dim 128 != 1024 / 16,
     top-level rope_theta 1e6, rope_scaling null, tied embeddings, no attention bias."""
-    cfg = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-           "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
-           "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
-           "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_scaling": None,
-           "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "use_sliding_window": False,
-           "vocab_size": 151936}
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    }
     spec = GPTSpec.from_hf_config(cfg)
     assert (spec.architecture, spec.kv_channels, spec.rope_theta, spec.qk_layernorm) == ("qwen3", 128, 1e6, True)
     assert (spec.add_qkv_bias, spec.add_proj_bias, spec.tie_word_embeddings) == (False, False, True)
     assert GPTSpec.from_hf_config(spec.to_hf_config()) == spec
     with pytest.raises(ValueError, match=r"config key 'rope_scaling'=\{'rope_type': 'yarn'"):
-        GPTSpec.from_hf_config(cfg | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                       "original_max_position_embeddings": 32768}})
+        GPTSpec.from_hf_config(
+            cfg | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+        )
 
 
 def test_spec_flags_must_fit_the_architecture():
-    base = dict(vocab_size=32, hidden_size=64, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                ffn_hidden_size=96, max_position_embeddings=64, rope_theta=1e4, norm_epsilon=1e-6,
-                tie_word_embeddings=True)
+    base = dict(
+        vocab_size=32,
+        hidden_size=64,
+        num_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=64,
+        rope_theta=1e4,
+        norm_epsilon=1e-6,
+        tie_word_embeddings=True,
+    )
     q3 = GPTSpec(architecture="qwen3", add_qkv_bias=True, head_dim=32, **base)
     assert (q3.qk_layernorm, q3.add_proj_bias) == (True, True)  # filled in from the architecture
     with pytest.raises(ValueError, match="qk_layernorm=True does not fit architecture 'llama'"):
@@ -208,8 +256,10 @@ def test_stories260k_logits_match_hf(stories, core_attention, hf_attention):
     with torch.no_grad():
         logits = gpt_logits(megatron_copy(cfg, state, core_attention), ids)
     err = (logits - ref.fp32).abs().max().item()
-    print(f"stories260K {core_attention} vs HF {hf_attention} fp32: max |logit diff| = {err:.3e} "
-          f"(logits up to {ref.fp32.abs().max():.1f})")
+    print(
+        f"stories260K {core_attention} vs HF {hf_attention} fp32: max |logit diff| = {err:.3e} "
+        f"(logits up to {ref.fp32.abs().max():.1f})"
+    )
     ref.check(logits, TOL, f"stories260K {core_attention} vs HF {hf_attention}")
 
 
@@ -250,7 +300,12 @@ def test_build_is_seeded_and_leaves_global_rng_alone():
 def test_spec_round_trips_through_hf_config():
     cfg, _ = qwen2_quickstart_like()
     spec = GPTSpec.from_hf_config(cfg)
-    assert (spec.architecture, spec.kv_channels, spec.add_qkv_bias, spec.tie_word_embeddings) == ("qwen2", 32, True, True)
+    assert (spec.architecture, spec.kv_channels, spec.add_qkv_bias, spec.tie_word_embeddings) == (
+        "qwen2",
+        32,
+        True,
+        True,
+    )
     assert GPTSpec.from_hf_config(spec.to_hf_config()) == spec
     legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"} | {"rope_theta": 500.0}
     assert GPTSpec.from_hf_config(legacy).rope_theta == 500.0

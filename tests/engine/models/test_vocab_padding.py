@@ -19,9 +19,17 @@ VOCAB, PADDED = 300, 384  # 300 rounded up to a multiple of 128
 
 
 def tiny_qwen2(tied: bool) -> tuple[dict, Qwen2ForCausalLM]:
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=tied, initializer_range=0.2)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     return {**cfg.to_dict(), "architectures": ["Qwen2ForCausalLM"]}, Qwen2ForCausalLM(cfg).eval()
 
@@ -55,8 +63,10 @@ def test_padded_model_has_zero_rows_hf_logits_and_strips_on_export(tied):
     for name in names:
         assert tuple(state[name].shape) == (PADDED, 64)
         assert torch.count_nonzero(state[name][VOCAB:]) == 0
-        assert torch.equal(state[name][:VOCAB], hf.state_dict()["model.embed_tokens.weight" if "embedding" in name
-                                                                  else "lm_head.weight"])
+        assert torch.equal(
+            state[name][:VOCAB],
+            hf.state_dict()["model.embed_tokens.weight" if "embedding" in name else "lm_head.weight"],
+        )
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = gpt_logits(model, ids)

@@ -29,10 +29,21 @@ IDS = torch.tensor([[3, 17, 42, 5, 88, 1, 60, 9], [70, 71, 2, 2, 40, 33, 12, 95]
 def hf_config(arch: str, intermediate_size: int = 128) -> dict:
     name, tied = ARCHS[arch]
     return {
-        "architectures": [name], "model_type": arch, "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": intermediate_size,
-        "max_position_embeddings": 64, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": tied,
-        "hidden_act": "silu", "eos_token_id": 1, "pad_token_id": 0,
+        "architectures": [name],
+        "model_type": arch,
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "eos_token_id": 1,
+        "pad_token_id": 0,
     }
 
 
@@ -77,11 +88,20 @@ def test_load_groups_follow_vllm_modules():
 
 def test_plan_packs_greedily_and_isolates_oversized_tensors():
     f32 = torch.float32
-    stream = [("a.weight", (10,), f32), ("b.weight", (10,), f32), ("big.weight", (100,), f32),
-              ("c.weight", (5,), f32), ("d.weight", (20,), torch.bfloat16), ("e.weight", (3,), f32)]
+    stream = [
+        ("a.weight", (10,), f32),
+        ("b.weight", (10,), f32),
+        ("big.weight", (100,), f32),
+        ("c.weight", (5,), f32),
+        ("d.weight", (20,), torch.bfloat16),
+        ("e.weight", (3,), f32),
+    ]
     plan = plan_buckets(stream, bucket_bytes=80)
     assert [[t.name for t in plan.bucket(i)] for i in range(plan.num_buckets)] == [
-        ["a.weight", "b.weight"], ["big.weight"], ["c.weight", "d.weight", "e.weight"]]
+        ["a.weight", "b.weight"],
+        ["big.weight"],
+        ["c.weight", "d.weight", "e.weight"],
+    ]
     assert [plan.bucket_nbytes(i) for i in range(plan.num_buckets)] == [80, 400, 72]
     assert plan.total_bytes == 552 and plan.tensors[3].nbytes == 20
     with pytest.raises(IndexError, match="3 buckets"):
@@ -92,16 +112,23 @@ def test_plan_never_splits_a_module_even_when_its_tensors_are_apart():
     f32 = torch.float32
     # o_proj's weight and bias are not adjacent (Qwen3's map streams the bias last in the
     # layer): everything between them has to stay in their bucket.
-    stream = [("l.self_attn.o_proj.weight", (16,), f32), ("l.norm.weight", (16,), f32),
-              ("l.mlp.down_proj.weight", (16,), f32), ("l.self_attn.o_proj.bias", (4,), f32),
-              ("l.self_attn.q_proj.weight", (16,), f32), ("l.self_attn.k_proj.weight", (16,), f32),
-              ("l.self_attn.v_proj.weight", (16,), f32), ("l.mlp.gate_proj.weight", (8,), f32),
-              ("l.mlp.up_proj.weight", (8,), f32)]
+    stream = [
+        ("l.self_attn.o_proj.weight", (16,), f32),
+        ("l.norm.weight", (16,), f32),
+        ("l.mlp.down_proj.weight", (16,), f32),
+        ("l.self_attn.o_proj.bias", (4,), f32),
+        ("l.self_attn.q_proj.weight", (16,), f32),
+        ("l.self_attn.k_proj.weight", (16,), f32),
+        ("l.self_attn.v_proj.weight", (16,), f32),
+        ("l.mlp.gate_proj.weight", (8,), f32),
+        ("l.mlp.up_proj.weight", (8,), f32),
+    ]
     plan = plan_buckets(stream, bucket_bytes=64)
     assert [[t.name.split(".", 1)[1] for t in plan.bucket(i)] for i in range(plan.num_buckets)] == [
         ["self_attn.o_proj.weight", "norm.weight", "mlp.down_proj.weight", "self_attn.o_proj.bias"],
         ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-        ["mlp.gate_proj.weight", "mlp.up_proj.weight"]]
+        ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    ]
 
 
 def test_plan_rejects_bad_input():
@@ -249,7 +276,9 @@ def actor_worker(tmp_path_factory, fixtures_dir):
     del cfg["eos_token_id"], cfg["pad_token_id"]
     root = tmp_path_factory.mktemp("actor")
     policy_dir = save_model_dir(root / "policy", policy(cfg, seed=3), cfg, fixtures_dir / "qwen2.5-tokenizer")
-    yield ActorWorker(policy_dir, RLConfig(precision="fp32", engine=EngineConfig(weight_sync_bucket_mb=1)), num_threads=1)
+    yield ActorWorker(
+        policy_dir, RLConfig(precision="fp32", engine=EngineConfig(weight_sync_bucket_mb=1)), num_threads=1
+    )
     torch.set_num_threads(threads)
 
 
@@ -285,8 +314,9 @@ def test_rl_update_weights_sends_every_bucket_in_order(actor_worker, monkeypatch
             received.append([name for name, _ in named_tensors])
 
     monkeypatch.setattr(rl.ray, "get", lambda value, timeout=None: value)
-    workers = Workers(placement=None, actor=_Handle(actor_worker), reference=None, rollout=_Handle(Rollout()),
-                         reward=None)
+    workers = Workers(
+        placement=None, actor=_Handle(actor_worker), reference=None, rollout=_Handle(Rollout()), reward=None
+    )
     seconds = rl.update_weights(workers)
     plan = actor_worker.hf_bucket_plan()
     assert seconds > 0 and len(received) == plan.num_buckets

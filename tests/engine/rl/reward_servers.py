@@ -55,13 +55,23 @@ def serve(handler: Handler) -> Iterator[tuple[str, list]]:
 
 def chat_completion(text: str, model: str = "judge") -> dict:
     """An OpenAI ``/v1/chat/completions`` reply whose one choice says ``text``."""
-    return {"id": "chatcmpl-test", "object": "chat.completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    return {
+        "id": "chatcmpl-test",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
 
 
 def completion(text: str, model: str = "judge") -> dict:
     """An OpenAI ``/v1/completions`` reply whose one choice says ``text``."""
-    return {"id": "cmpl-test", "object": "text_completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    return {
+        "id": "cmpl-test",
+        "object": "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }

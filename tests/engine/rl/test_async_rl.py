@@ -47,8 +47,9 @@ def test_disaggregated_placement_splits_the_cpus(ray_address):
 
     with pytest.raises(ValueError, match="rl.engine.rollout_cpus=2 leaves no CPU of the run's 2"):
         make_placement(RLConfig(engine=EngineConfig(placement="disaggregated", rollout_cpus=2)))  # the cluster's 2
-    cfg = RLConfig(algorithm="gae", kl={"coef": 0.1},
-                   engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=0.5))
+    cfg = RLConfig(
+        algorithm="gae", kl={"coef": 0.1}, engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=0.5)
+    )
     placement = make_placement(cfg)
     try:
         train, rollout = placement.actor_options("actor"), placement.actor_options("rollout")
@@ -70,8 +71,13 @@ def test_disaggregated_synchronous_run_is_on_policy(policy, ray_address, tmp_pat
     reaches both (a stale engine would give log-prob differences far above 1e-4)."""
     from engine.rl.loop import run_rl
 
-    cfg = rl_config("vllm", 2, engine=engine_config(), kl=KLConfig(coef=0.0),
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2))
+    cfg = rl_config(
+        "vllm",
+        2,
+        engine=engine_config(),
+        kl=KLConfig(coef=0.0),
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2),
+    )
     assert not cfg.uses_reference and not cfg.precomputes_old_logprobs
     run_rl(policy["dir"], policy["prompts"], cfg, tmp_path, None, seed=0)
     for r in read_metrics(tmp_path):
@@ -136,9 +142,15 @@ def test_async_run_resumes_from_its_checkpoint(async_run, policy, tmp_path):
 def env_config(steps: int, ray_address: str) -> RLConfig:
     """Asynchronous (one step ahead, no partial rollouts: pinned) GRPO against the counter
     environment, two turns, HF rollout, every step's batch dumped."""
-    return rl_config("hf", steps, environment=ENV, max_turns=2, dump_rollouts=True,
-                     rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
-                     engine=engine_config(off_policy_steps=1, ray_address=ray_address))
+    return rl_config(
+        "hf",
+        steps,
+        environment=ENV,
+        max_turns=2,
+        dump_rollouts=True,
+        rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
+        engine=engine_config(off_policy_steps=1, ray_address=ray_address),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +172,10 @@ def test_async_run_with_an_environment(async_env_run, policy):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and result["rl/steps_run"] == 3.0
     assert [(r["async/staleness_mean"], r["async/staleness_max"], r["async/partial_fraction"]) for r in rows] == [
-        (0.0, 0.0, 0.0), (1.0, 1.0, 0.0), (1.0, 1.0, 0.0)]
+        (0.0, 0.0, 0.0),
+        (1.0, 1.0, 0.0),
+        (1.0, 1.0, 0.0),
+    ]
     assert rows[0]["rollout_vs_trainer/logprob_diff_max"] < 1e-4  # step 1 is on-policy: the sync reached the engine
     for step, r in zip((1, 2, 3), rows):
         assert all(math.isfinite(r[k]) for k in REQUIRED) and ("timing_s/rollout_wait_sync" in r) == (step < 3)
@@ -169,7 +184,9 @@ def test_async_run_with_an_environment(async_env_run, policy):
         observations, obs_tokens = [], 0
         for b in range(len(traj)):
             valid, mask, ids = traj.response_valid[b], traj.response_mask[b], traj.response_ids[b]
-            a, c = re.search(r"What is (\d) \+ (\d)\?", tok.decode(traj.input_ids[b, : int(traj.prompt_lengths[b])])).groups()
+            a, c = re.search(
+                r"What is (\d) \+ (\d)\?", tok.decode(traj.input_ids[b, : int(traj.prompt_lengths[b])])
+            ).groups()
             env_tokens = ids[(valid == 1) & (mask == 0)].tolist()
             if env_tokens:  # the one observation, between turn 1 and turn 2: the environment's verdict on turn 1
                 turn1 = tok.decode(ids[: int((mask[: int(valid.sum())] == 0).nonzero()[0])], skip_special_tokens=True)
@@ -179,7 +196,9 @@ def test_async_run_with_an_environment(async_env_run, policy):
             obs_tokens += len(env_tokens)
         assert r["env/observation_token_fraction"] == pytest.approx(obs_tokens / float(traj.response_valid.sum()))
         assert 1.0 + r["env/done_fraction"] <= r["env/turns_mean"] <= 2.0 and observations
-        assert r["critic/score/mean"] == pytest.approx(r["reward/env_mean"]) == pytest.approx(float(traj.rewards.mean()))
+        assert (
+            r["critic/score/mean"] == pytest.approx(r["reward/env_mean"]) == pytest.approx(float(traj.rewards.mean()))
+        )
 
 
 def test_killed_async_run_with_an_environment_resumes_bit_identically(async_env_run, policy, ray_address, tmp_path):

@@ -20,8 +20,13 @@ pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engin
 
 # one step of a colocated run with a reference (KL term), in order; "generate", "update_actor"
 # and "weight_sync" are the loop's own markers around the hand-off calls
-TO_ROLLOUT = ["actor.offload", "reference.offload", "rollout.wake_up(weights)", "weight_sync",
-              "rollout.wake_up(kv_cache)"]
+TO_ROLLOUT = [
+    "actor.offload",
+    "reference.offload",
+    "rollout.wake_up(weights)",
+    "weight_sync",
+    "rollout.wake_up(kv_cache)",
+]
 STEP = ["generate", "rollout.sleep(1)", "actor.reload", "reference.reload", "update_actor", *TO_ROLLOUT]
 
 
@@ -56,7 +61,12 @@ def test_platform_handoff_calls_are_recorded_no_ops_on_cpu(tmp_path, monkeypatch
     assert [v.data_ptr() for s in optimizer.state.values() for v in s.values() if v.dim() > 0] == state_ptrs
     assert platform.sleep_mode_kwargs(True) == {} == platform.sleep_mode_kwargs(False)
     assert platform.read_handoff_trace(trace) == [
-        "actor.offload", "rollout.wake_up(weights)", "rollout.wake_up(kv_cache)", "rollout.sleep(2)", "actor.reload"]
+        "actor.offload",
+        "rollout.wake_up(weights)",
+        "rollout.wake_up(kv_cache)",
+        "rollout.sleep(2)",
+        "actor.reload",
+    ]
     with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
         platform.rollout_sleep(None, 3)
     with pytest.raises(ValueError, match="wake_up tag"):
@@ -91,8 +101,13 @@ def handoff_runs(tmp_path_factory):
         try:
             for name, offload in (("on", True), ("off", False)):
                 (root / "trace").unlink(missing_ok=True)
-                cfg = rl_config("vllm", 2, prompts_per_step=4, n_samples=4,
-                                engine=EngineConfig(num_cpus=2, colocated_offload=offload))
+                cfg = rl_config(
+                    "vllm",
+                    2,
+                    prompts_per_step=4,
+                    n_samples=4,
+                    engine=EngineConfig(num_cpus=2, colocated_offload=offload),
+                )
                 result = run_rl(policy["dir"], policy["prompts"], cfg, root / name, None, seed=0)
                 runs[name] = (result, read_metrics(root / name), platform.read_handoff_trace(root / "trace"))
         finally:

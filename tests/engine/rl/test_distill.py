@@ -70,7 +70,9 @@ def models(tmp_path_factory) -> dict:
             for a, b in PAIRS * 4:
                 reply = answer.format(s=a + b)
                 f.write(json.dumps({"messages": question(a, b) + [{"role": "assistant", "content": reply}]}) + "\n")
-        sft = SFTConfig(steps=steps, global_batch_size=32, micro_batch_size=32, max_seq_len=64, optim=OptimConfig(lr=3e-3))
+        sft = SFTConfig(
+            steps=steps, global_batch_size=32, micro_batch_size=32, max_seq_len=64, optim=OptimConfig(lr=3e-3)
+        )
         train_sft(start, root / f"{name}.jsonl", sft, root / name, None)
         start = root / name
     with open(root / "distill.jsonl", "w") as f:
@@ -90,9 +92,16 @@ def ray_cluster():
 def distill_config(teacher: Path, steps: int) -> RLConfig:
     """Every distillation prompt each step (16 x 8 responses), constant learning rate, fp32."""
     return RLConfig(
-        algorithm="on_policy_distill", teacher=TeacherConfig(model_dir=str(teacher)), steps=steps, prompts_per_step=16,
-        n_samples=8, micro_batch_size=64, optim=OptimConfig(lr=3e-3, min_lr=3e-3), checkpoint_every=steps,
-        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=4), engine=EngineConfig(num_cpus=2),
+        algorithm="on_policy_distill",
+        teacher=TeacherConfig(model_dir=str(teacher)),
+        steps=steps,
+        prompts_per_step=16,
+        n_samples=8,
+        micro_batch_size=64,
+        optim=OptimConfig(lr=3e-3, min_lr=3e-3),
+        checkpoint_every=steps,
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=4),
+        engine=EngineConfig(num_cpus=2),
         precision="fp32",
     )
 
@@ -104,20 +113,32 @@ def test_distillation_closes_most_of_the_gap_to_the_teacher_and_lowers_the_rever
     teacher = greedy_accuracy(models["teacher"], HELD_OUT)
     assert teacher - before >= 0.3, (before, teacher)  # a gap worth closing
     t0 = time.perf_counter()
-    run_rl(models["student"], models["prompts"], distill_config(models["teacher"], DISTILL_STEPS), tmp_path / "out",
-           None, seed=0)
+    run_rl(
+        models["student"],
+        models["prompts"],
+        distill_config(models["teacher"], DISTILL_STEPS),
+        tmp_path / "out",
+        None,
+        seed=0,
+    )
     seconds = time.perf_counter() - t0
     after = greedy_accuracy(tmp_path / "out" / "model", HELD_OUT)
     history = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     kl = [m["distill/reverse_kl"] for m in history]
-    print(f"held-out greedy accuracy: student {before:.3f} -> {after:.3f}, teacher {teacher:.3f}; "
-          f"{DISTILL_STEPS} steps in {seconds:.1f} s; reverse KL per token {[round(k, 4) for k in kl]}; "
-          f"reward/verifier_mean {[round(m['reward/verifier_mean'], 3) for m in history]}")
+    print(
+        f"held-out greedy accuracy: student {before:.3f} -> {after:.3f}, teacher {teacher:.3f}; "
+        f"{DISTILL_STEPS} steps in {seconds:.1f} s; reverse KL per token {[round(k, 4) for k in kl]}; "
+        f"reward/verifier_mean {[round(m['reward/verifier_mean'], 3) for m in history]}"
+    )
     assert after - before > 0.5 * (teacher - before), (before, after, teacher)
     assert len(history) == DISTILL_STEPS
     for m in history:  # the verifier still scores every step; the teacher pass is timed
-        assert {"reward/verifier_mean", "distill/teacher_logprob_mean", "timing_s/teacher",
-                "timing_s/old_log_prob"} <= m.keys()
+        assert {
+            "reward/verifier_mean",
+            "distill/teacher_logprob_mean",
+            "timing_s/teacher",
+            "timing_s/old_log_prob",
+        } <= m.keys()
         assert m["distill/teacher_logprob_mean"] <= 0.0
         # A_t = log p_teacher - log p_student, so the token-mean advantage is minus the reverse KL
         assert m["critic/advantages/mean"] == pytest.approx(-m["distill/reverse_kl"], rel=1e-5, abs=1e-5)

@@ -43,20 +43,23 @@ def test_render_fills_prompt_response_and_label():
     assert render("{prompt}|{response}", "plain", "r", "") == "plain|r"
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"model_dir": "/x", "template": "{prompt} {answer} {response}"}, "unknown field {answer}"),
-    ({"model_dir": "/x", "template": "{prompt} {label}"}, "the template has no {response} field"),
-    ({"model_dir": "/x", "template": "{response:>5}"}, "is not a plain {name}"),
-    ({"model_dir": "/x", "template": "{response} {"}, "Single '{' encountered"),
-    ({"model_dir": "/x", "base_url": "http://h:1/v1", "model": "m"}, "set exactly one of model_dir"),
-    ({}, "set exactly one of model_dir"),
-    ({"base_url": "localhost:8000/v1", "model": "m"}, "is not an http(s) URL with a host"),
-    ({"base_url": "http://h:99999/v1", "model": "m"}, "Port out of range"),
-    ({"base_url": "http://h:8000/v1"}, "base_url needs model"),
-    ({"model_dir": "/x", "score_pattern": r"Score: \d+"}, "exactly one group capturing the score, found 0"),
-    ({"model_dir": "/x", "score_pattern": "(("}, "not a regular expression"),
-    ({"model_dir": "/x", "min_score": 5, "max_score": 5}, "max_score 5.0 must be greater than min_score 5.0"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"model_dir": "/x", "template": "{prompt} {answer} {response}"}, "unknown field {answer}"),
+        ({"model_dir": "/x", "template": "{prompt} {label}"}, "the template has no {response} field"),
+        ({"model_dir": "/x", "template": "{response:>5}"}, "is not a plain {name}"),
+        ({"model_dir": "/x", "template": "{response} {"}, "Single '{' encountered"),
+        ({"model_dir": "/x", "base_url": "http://h:1/v1", "model": "m"}, "set exactly one of model_dir"),
+        ({}, "set exactly one of model_dir"),
+        ({"base_url": "localhost:8000/v1", "model": "m"}, "is not an http(s) URL with a host"),
+        ({"base_url": "http://h:99999/v1", "model": "m"}, "Port out of range"),
+        ({"base_url": "http://h:8000/v1"}, "base_url needs model"),
+        ({"model_dir": "/x", "score_pattern": r"Score: \d+"}, "exactly one group capturing the score, found 0"),
+        ({"model_dir": "/x", "score_pattern": "(("}, "not a regular expression"),
+        ({"model_dir": "/x", "min_score": 5, "max_score": 5}, "max_score 5.0 must be greater than min_score 5.0"),
+    ],
+)
 def test_judge_config_refuses(settings, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
         JudgeConfig(**settings)
@@ -78,14 +81,26 @@ def judge_dir(tmp_path_factory) -> Path:
     from data.tokenizer_train import train_chat_tokenizer
 
     root = tmp_path_factory.mktemp("judge") / "judge"
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\nScore: {a + b}<|im_end|>\n"
-             for a in range(5) for b in range(5)]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\nScore: {a + b}<|im_end|>\n"
+        for a in range(5)
+        for b in range(5)
+    ]
     tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root, vocab_size=280))
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         initializer_range=0.5)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.5,
+    )
     Qwen2ForCausalLM(config).eval().save_pretrained(root)
     return root
 
@@ -102,9 +117,15 @@ def _hf_greedy_answers(model_dir: Path, texts: list[str], max_new_tokens: int) -
         chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         ids = tok(chat, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        answers.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        answers.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     return answers
 
 
@@ -121,8 +142,17 @@ def test_vllm_judge_scores_as_hf_greedy_answers_parse_and_counts_garbage(judge_d
     rendered prompts (some answers hold a number in [0, 10], some do not and get the fallback);
     with the default ``Score: N`` pattern none of this random model's answers parses, and all
     are counted, not raised."""
-    cfg = JudgeConfig(model_dir=str(judge_dir), template=TEMPLATE, score_pattern=None, min_score=0, max_score=10,
-                      fallback=0.5, max_new_tokens=12, precision="fp32", max_model_len=256)
+    cfg = JudgeConfig(
+        model_dir=str(judge_dir),
+        template=TEMPLATE,
+        score_pattern=None,
+        min_score=0,
+        max_score=10,
+        fallback=0.5,
+        max_new_tokens=12,
+        precision="fp32",
+        max_model_len=256,
+    )
     judge = JudgeReward(cfg)
     prompts, labels = [q(a, b) for a, b, _ in SAMPLES], [str(a + b) for a, b, _ in SAMPLES]
     responses = [f"It is {r}." for _, _, r in SAMPLES]
@@ -165,8 +195,15 @@ def test_openai_chat_judge_scores_over_http_and_counts_failures():
     """Responses "ok" (2 chars), "abcdefgh" (8), "garbage" (no score), "error" (HTTP 500 twice:
     one retry), "12345678901" (11, past max 10): scores [0.2, 0.8, fb, fb, fb], 3 failures."""
     with serve(_judge_server) as (url, requests):
-        cfg = JudgeConfig(base_url=f"{url}/v1", model="judge-7b", template=TEMPLATE, fallback=-1.0,
-                          max_new_tokens=16, max_retries=1, max_concurrency=3)
+        cfg = JudgeConfig(
+            base_url=f"{url}/v1",
+            model="judge-7b",
+            template=TEMPLATE,
+            fallback=-1.0,
+            max_new_tokens=16,
+            max_retries=1,
+            max_concurrency=3,
+        )
         judge = JudgeReward(cfg)
         responses = ["ok", "abcdefgh", "garbage", "error", "12345678901"]
         scores, failures = judge.score([q(1, 2)] * 5, responses, ["3"] * 5)
@@ -181,8 +218,17 @@ def test_openai_chat_judge_scores_over_http_and_counts_failures():
 def test_openai_completions_judge_and_a_server_that_is_down(monkeypatch):
     with serve(_judge_server) as (url, requests):
         monkeypatch.setenv("JUDGE_TEST_KEY", "sk-test")
-        judge = JudgeReward(JudgeConfig(base_url=f"{url}/v1", model="m", api="completions", template=TEMPLATE,
-                                        api_key_env="JUDGE_TEST_KEY", temperature=0.7, seed=5))
+        judge = JudgeReward(
+            JudgeConfig(
+                base_url=f"{url}/v1",
+                model="m",
+                api="completions",
+                template=TEMPLATE,
+                api_key_env="JUDGE_TEST_KEY",
+                temperature=0.7,
+                seed=5,
+            )
+        )
         scores, failures = judge.score([q(2, 2)], ["four"], ["4"])
     assert scores.tolist() == [pytest.approx(0.4)] and failures == 0
     assert requests[0][0] == "/v1/completions" and requests[0][1]["prompt"].endswith("A: four\nRef: 4\nScore:")
@@ -194,7 +240,9 @@ def test_openai_completions_judge_and_a_server_that_is_down(monkeypatch):
     assert failures == 2 and scores.tolist() == pytest.approx([0.1, 0.1])
 
     monkeypatch.delenv("JUDGE_TEST_KEY")
-    with pytest.raises(ValueError, match="^rl.reward.judge.api_key_env: environment variable JUDGE_TEST_KEY is not set"):
+    with pytest.raises(
+        ValueError, match="^rl.reward.judge.api_key_env: environment variable JUDGE_TEST_KEY is not set"
+    ):
         JudgeReward(JudgeConfig(base_url=f"{url}/v1", model="m", api_key_env="JUDGE_TEST_KEY"))
 
 

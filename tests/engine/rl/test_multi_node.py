@@ -48,8 +48,9 @@ def cluster():
     from engine.rl.placement import init_ray, shutdown_ray
 
     shutdown_ray()
-    nodes = Cluster(initialize_head=True, connect=False,
-                    head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False})
+    nodes = Cluster(
+        initialize_head=True, connect=False, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False}
+    )
     try:
         for _ in range(2):
             nodes.add_node(num_cpus=NODE_CPUS)
@@ -71,12 +72,27 @@ def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import save_model_dir
 
-    spec = GPTSpec(architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-                   norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True)
+    spec = GPTSpec(
+        architecture="qwen2",
+        vocab_size=300,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
+    )
     model = build_gpt_model(spec.with_vocab_padding(128), seed=0)
-    return save_model_dir(tmp_path_factory.mktemp("multi_node") / "policy", model,
-                          spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0}, fixtures_dir / "qwen2.5-tokenizer")
+    return save_model_dir(
+        tmp_path_factory.mktemp("multi_node") / "policy",
+        model,
+        spec.to_hf_config() | {"eos_token_id": 2, "pad_token_id": 0},
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +119,19 @@ def _update_across_nodes(policy_dir: Path, layout: ParallelConfig, tmp_path: Pat
     placement = make_placement(cfg.model_copy(update={"kl": KLConfig(coef=0.0)}))  # the actor's bundles only
     try:
         print(placement.table())
-        group = spawn_role(ActorWorker, layout, placement.rank_options("actor", layout),
-                           (str(policy_dir), cfg, 0, placement.threads("actor")), norm_fn=lambda t: actor_norm(t, cfg))
+        group = spawn_role(
+            ActorWorker,
+            layout,
+            placement.rank_options("actor", layout),
+            (str(policy_dir), cfg, 0, placement.threads("actor")),
+            norm_fn=lambda t: actor_norm(t, cfg),
+        )
         try:
             ray.get(group.__ray_ready__.remote())
             nodes = ray.get([r.node_id.remote() for r in group.ranks])
-            assert nodes == [placement.bundle_nodes()[placement.plan.seat("actor", r).bundle]
-                             for r in range(layout.world_size)]  # each rank in its own bundle
+            assert nodes == [
+                placement.bundle_nodes()[placement.plan.seat("actor", r).bundle] for r in range(layout.world_size)
+            ]  # each rank in its own bundle
             assert torch.allclose(ray.get(group.compute_logprobs.remote(traj)), old, atol=1e-6, rtol=0)
             want, got = single.update(traj), ray.get(group.update.remote(traj))
             for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
@@ -135,8 +157,9 @@ def test_actor_at_dp2_on_two_nodes_equals_dp1(cluster, policy_dir, tmp_path):
 
 
 def test_actor_at_tp2_dp2_across_two_nodes_equals_one_rank(cluster, policy_dir, tmp_path):
-    nodes = _update_across_nodes(policy_dir, ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2),
-                                 tmp_path)
+    nodes = _update_across_nodes(
+        policy_dir, ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2), tmp_path
+    )
     assert len(set(nodes)) == 2 and sorted(nodes.count(n) for n in set(nodes)) == [2, 2]  # PACK: two per node
 
 
@@ -165,9 +188,14 @@ def test_colocated_grpo_with_an_actor_rank_and_an_engine_per_node(cluster, tiny_
     from engine.rl.loop import run_rl
 
     bundles = BundlesOfTheRun()
-    cfg = rl_config("vllm", 2, kl=KLConfig(coef=0.0), engine=EngineConfig(num_cpus=4),
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2),
-                    parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2)))
+    cfg = rl_config(
+        "vllm",
+        2,
+        kl=KLConfig(coef=0.0),
+        engine=EngineConfig(num_cpus=4),
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2),
+        parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2)),
+    )
     run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=bundles)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
@@ -204,10 +232,19 @@ def test_a_removed_node_restarts_its_engine_elsewhere(cluster, tiny_policy, tmp_
         removed.append(node_id)
 
     bundles = BundlesOfTheRun(remove_an_engines_node)
-    cfg = rl_config("vllm", 2, kl=KLConfig(coef=0.0),
-                    engine=EngineConfig(num_cpus=3, placement="disaggregated", rollout_cpus=2,
-                                        placement_strategy="SPREAD", health_check_timeout_s=20),
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2))
+    cfg = rl_config(
+        "vllm",
+        2,
+        kl=KLConfig(coef=0.0),
+        engine=EngineConfig(
+            num_cpus=3,
+            placement="disaggregated",
+            rollout_cpus=2,
+            placement_strategy="SPREAD",
+            health_check_timeout_s=20,
+        ),
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, num_engines=2),
+    )
     run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=bundles)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]

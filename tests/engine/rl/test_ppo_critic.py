@@ -19,13 +19,25 @@ from tests.engine.rl.test_rl import REQUIRED, policy, question, ray_address, rea
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
-PPO_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
-            "critic/values/mean", "critic/returns/mean", "timing_s/update_critic")
+PPO_KEYS = (
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/grad_norm",
+    "critic/lr",
+    "critic/values/mean",
+    "critic/returns/mean",
+    "timing_s/update_critic",
+)
 
 
 def ppo_config(steps: int, **overrides):
-    fields = dict(algorithm="gae", n_samples=4, kl=KLConfig(coef=0.05, in_reward=True),
-                  critic=CriticConfig(optim=OptimConfig(lr=2e-3, min_lr=2e-3), lam=0.95))
+    fields = dict(
+        algorithm="gae",
+        n_samples=4,
+        kl=KLConfig(coef=0.05, in_reward=True),
+        critic=CriticConfig(optim=OptimConfig(lr=2e-3, min_lr=2e-3), lam=0.95),
+    )
     fields.update(overrides)
     return rl_config("vllm", steps, **fields)
 
@@ -36,8 +48,13 @@ def batch(policy) -> Trajectory:
     tok = policy["tokenizer"]
     prompts = [encode_prompt(tok, question(2, 3)), encode_prompt(tok, question(4, 4))]
     gen = torch.Generator().manual_seed(1)
-    outs = [[RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in lengths]
-            for lengths in ([1, 4, 2], [6, 3, 5])]
+    outs = [
+        [
+            RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-1.0,) * n, "stop")
+            for n in lengths
+        ]
+        for lengths in ([1, 4, 2], [6, 3, 5])
+    ]
     return Trajectory.from_rollout(prompts, outs, pad_id=tok.pad_token_id)
 
 
@@ -74,8 +91,12 @@ def test_critic_update_fits_the_returns_and_ignores_the_split(policy):
         critic = CriticWorker(policy["dir"], ppo_config(1, micro_batch_size=micro))
         values = critic.compute_values(traj)
         metrics = critic.update(traj.with_(values=values, returns=returns))
-        results.append((metrics, {k: v.detach().clone() for k, v in critic.model.state_dict().items()
-                                  if isinstance(v, torch.Tensor)}))
+        results.append(
+            (
+                metrics,
+                {k: v.detach().clone() for k, v in critic.model.state_dict().items() if isinstance(v, torch.Tensor)},
+            )
+        )
     (one, w_one), (split, w_split) = results
     mask = traj.response_mask
     mse = float((((values - returns) ** 2) * mask).sum() / mask.sum())

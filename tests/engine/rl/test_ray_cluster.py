@@ -74,12 +74,26 @@ def ray_head(tmp_path_factory):
         for attempt in range(1, _HEAD_ATTEMPTS + 1):
             port = _free_port()
             log = tmp_path_factory.mktemp("ray_head") / "head.log"
-            cmd = [RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--disable-usage-stats",
-                   "--include-dashboard=false", f"--ray-client-server-port={_free_port()}",
-                   f"--dashboard-agent-listen-port={_free_port()}"]
+            cmd = [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                f"--port={port}",
+                "--num-cpus=2",
+                "--disable-usage-stats",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={_free_port()}",
+                f"--dashboard-agent-listen-port={_free_port()}",
+            ]
             with open(log, "w") as out:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+                )
             address = f"127.0.0.1:{port}"
             try:
                 _wait_for_head(address, proc, log)
@@ -169,31 +183,41 @@ def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeyp
     from engine.rl.loop import run_rl
     from engine.rl.placement import init_ray, make_placement, shutdown_ray
 
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, connect=False, head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False}
+    )
     try:
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
         init_ray(None, num_cpus=2)
-        gpu_layout = dict(kl=KLConfig(coef=0.0),
-                          rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, gpus_per_engine=1),
-                          parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2, gpus_per_rank=1)))
+        gpu_layout = dict(
+            kl=KLConfig(coef=0.0),
+            rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=6, gpus_per_engine=1),
+            parallel=RLParallelConfig(actor=ParallelConfig(data_parallel_size=2, gpus_per_rank=1)),
+        )
 
         colocated = make_placement(rl_config("vllm", 1, engine=EngineConfig(num_cpus=2), **gpu_layout))
         try:
             bundles = ray.util.placement_group_table(colocated.group)["bundles"]
             assert bundles == {0: {"CPU": 1.0, "GPU": 1.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
-            assert [colocated.actor_options(r, i).get("num_gpus") for r, i in
-                    (("actor", 0), ("rollout", 0), ("reward", 0), ("actor", 1))] == [0.5, 0.5, None, 1.0]
+            assert [
+                colocated.actor_options(r, i).get("num_gpus")
+                for r, i in (("actor", 0), ("rollout", 0), ("reward", 0), ("actor", 1))
+            ] == [0.5, 0.5, None, 1.0]
             devices = ray.remote(lambda: ray.get_gpu_ids())
-            got = ray.get([devices.options(**colocated.actor_options(r, i)).remote()
-                           for r, i in (("actor", 0), ("rollout", 0), ("actor", 1))])
+            got = ray.get(
+                [
+                    devices.options(**colocated.actor_options(r, i)).remote()
+                    for r, i in (("actor", 0), ("rollout", 0), ("actor", 1))
+                ]
+            )
             assert [len(g) for g in got] == [1, 1, 1] and got[0] == got[1] != got[2]
         finally:
             colocated.remove()
 
         gpus = GPUsOfTheRun()
-        cfg = rl_config("vllm", 1, engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1),
-                        **gpu_layout)
+        cfg = rl_config(
+            "vllm", 1, engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1), **gpu_layout
+        )
         run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, tmp_path, None, seed=0, log_metrics=gpus)
         (row,) = read_metrics(tmp_path)
         (bundles,) = gpus.bundles

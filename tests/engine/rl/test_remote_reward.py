@@ -38,7 +38,12 @@ def test_scores_come_back_in_order_one_per_request_and_batched():
         assert len(requests) == 5
         assert sorted(r[1]["response"] for r in requests) == sorted(responses)
         path, body = next(r for r in requests if r[1]["response"] == "bbbbb")
-        assert path == "/score" and body == {"prompt": PROMPT, "response": "bbbbb", "label": "7", "finish_reason": "length"}
+        assert path == "/score" and body == {
+            "prompt": PROMPT,
+            "response": "bbbbb",
+            "label": "7",
+            "finish_reason": "length",
+        }
 
         requests.clear()
         batched = RemoteReward(RemoteRewardConfig(url=f"{url}/score", batch_size=2))
@@ -49,6 +54,7 @@ def test_scores_come_back_in_order_one_per_request_and_batched():
 
 def test_a_timeout_is_retried_after_backoff():
     """The first request sleeps past timeout_s (0.3 s); the retry 0.05 s later answers."""
+
     def slow_once(path, body, number):
         if number == 0:
             time.sleep(1.0)
@@ -70,19 +76,24 @@ def test_a_service_that_always_fails_is_counted_or_fails_the_run():
 
         with pytest.raises(RemoteRewardError) as info:
             RemoteReward(cfg.model_copy(update={"on_failure": "fail"})).score([PROMPT], ["7"], ["7"], ["stop"])
-    assert str(info.value) == (f"rl.reward.remote: {url}/score failed: HTTP 503: "
-                               "'{\"error\": \"down for maintenance\"}' (after 3 tries)")
+    assert str(info.value) == (
+        f'rl.reward.remote: {url}/score failed: HTTP 503: \'{{"error": "down for maintenance"}}\' (after 3 tries)'
+    )
     assert "\n" not in str(info.value)
 
     def bad(path, body, number):
-        return {"4": (400, {"error": "bad sample"}), "n": (200, {"score": "NaN"}), "x": (200, {"value": 1})}[body["response"]]
+        return {"4": (400, {"error": "bad sample"}), "n": (200, {"score": "NaN"}), "x": (200, {"value": 1})}[
+            body["response"]
+        ]
 
     with serve(bad) as (url, requests):
         cfg = RemoteRewardConfig(url=url, max_retries=3, backoff_s=0.01, fallback=0.0)
         scores, failures = RemoteReward(cfg).score([PROMPT] * 3, ["4", "n", "x"], ["7"] * 3, ["stop"] * 3)
         assert scores.tolist() == [0.0, 0.0, 0.0] and failures == 3 and len(requests) == 3  # none retried
-        with pytest.raises(RemoteRewardError, match=re.escape("expected a JSON object with 'score', got "
-                                                              "'{\"value\": 1}' (after 1 try)")):
+        with pytest.raises(
+            RemoteRewardError,
+            match=re.escape("expected a JSON object with 'score', got '{\"value\": 1}' (after 1 try)"),
+        ):
             RemoteReward(cfg.model_copy(update={"on_failure": "fail"})).score([PROMPT], ["x"], ["7"], ["stop"])
 
 
@@ -90,8 +101,10 @@ def test_remote_config_refuses_a_url_that_is_not_http():
     with pytest.raises(ValidationError, match=re.escape("url 'ftp://host/score' is not an http(s) URL with a host")):
         RemoteRewardConfig(url="ftp://host/score")
     with pytest.raises(ValidationError, match="metric name 'judge' is already used by rl.reward.judge"):
-        RewardConfig(judge={"base_url": "http://h/v1", "model": "m"},
-                     functions=[{"path": "tests.data.reward_plugins_example:stopped", "name": "judge"}])
+        RewardConfig(
+            judge={"base_url": "http://h/v1", "model": "m"},
+            functions=[{"path": "tests.data.reward_plugins_example:stopped", "name": "judge"}],
+        )
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +113,11 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     from data.tokenizer_train import train_chat_tokenizer
 
     root = tmp_path_factory.mktemp("judge_worker")
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
-             for a in range(5) for b in range(5)]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
+        for a in range(5)
+        for b in range(5)
+    ]
     train_chat_tokenizer(texts, root / "policy" / "hf", vocab_size=280)
     return root / "policy"
 
@@ -118,18 +134,35 @@ def test_reward_worker_adds_the_weighted_judge_and_remote_scores(tokenizer_dir):
         return 200, chat_completion("no idea" if response == "garbage" else f"Score: {len(response)}")
 
     with serve(judge) as (judge_url, _), serve(_length_score) as (remote_url, _):
-        cfg = RewardConfig(verifier="exact_match", verifier_weight=2.0,
-                           judge={"base_url": f"{judge_url}/v1", "model": "m", "weight": 3.0,
-                                  "template": "Q: {prompt}\nA: {response}\nRef: {label}"},
-                           remote={"url": remote_url, "weight": -1.0})
+        cfg = RewardConfig(
+            verifier="exact_match",
+            verifier_weight=2.0,
+            judge={
+                "base_url": f"{judge_url}/v1",
+                "model": "m",
+                "weight": 3.0,
+                "template": "Q: {prompt}\nA: {response}\nRef: {label}",
+            },
+            remote={"url": remote_url, "weight": -1.0},
+        )
         worker = RewardWorker(tokenizer_dir, cfg)
         tok = worker.tokenizer
-        ids = [tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if s else [])
-               for t, s in zip(["7", "12", "garbage"], [True, False, True])]
+        ids = [
+            tok(t, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if s else [])
+            for t, s in zip(["7", "12", "garbage"], [True, False, True])
+        ]
         rewards, metrics = worker.score([PROMPT] * 3, ["7"] * 3, ids, ["stop", "length", "stop"])
     assert rewards.tolist() == pytest.approx([2.2, 0.4, -0.7], abs=1e-6)
-    assert metrics == pytest.approx({"reward/verifier_mean": 1 / 3, "reward/judge_mean": 0.1, "reward/judge_failures": 1.0,
-                                     "reward/remote_mean": 1.0 / 3, "reward/remote_failures": 0.0}, abs=1e-6)
+    assert metrics == pytest.approx(
+        {
+            "reward/verifier_mean": 1 / 3,
+            "reward/judge_mean": 0.1,
+            "reward/judge_failures": 1.0,
+            "reward/remote_mean": 1.0 / 3,
+            "reward/remote_failures": 0.0,
+        },
+        abs=1e-6,
+    )
 
     with pytest.raises(ValueError, match="judge and remote are unset and functions is empty: nothing gives a reward"):
         RewardWorker(tokenizer_dir, RewardConfig(verifier="none"))

@@ -31,10 +31,16 @@ pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engin
 
 
 def dump_config(steps: int = 2, **overrides):
-    fields = dict(algorithm="gae", prompts_per_step=4, n_samples=4, checkpoint_every=2, dump_rollouts=True,
-                  kl=KLConfig(coef=0.05, in_reward=True, target=0.01, horizon=200),
-                  critic=CriticConfig(optim=OptimConfig(lr=2e-3, min_lr=2e-3)),
-                  precision="fp32")  # bit-identical replay is an fp32 claim (this CPU runs bf16 by default)
+    fields = dict(
+        algorithm="gae",
+        prompts_per_step=4,
+        n_samples=4,
+        checkpoint_every=2,
+        dump_rollouts=True,
+        kl=KLConfig(coef=0.05, in_reward=True, target=0.01, horizon=200),
+        critic=CriticConfig(optim=OptimConfig(lr=2e-3, min_lr=2e-3)),
+        precision="fp32",
+    )  # bit-identical replay is an fp32 claim (this CPU runs bf16 by default)
     fields.update(overrides)
     return rl_config("vllm", steps, **fields)
 
@@ -42,15 +48,25 @@ def dump_config(steps: int = 2, **overrides):
 def full_trajectory() -> Trajectory:
     """Two prompts x two responses with every optional field set, values that are not round
     in binary (1/3, 0.1), and a valid mask of its own (not the loss mask's storage)."""
-    outs = [[RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
-            [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")]]
+    outs = [
+        [RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
+        [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")],
+    ]
     traj = Trajectory.from_rollout([[1, 2, 3], [4]], outs, pad_id=0)
     gen = torch.Generator().manual_seed(3)
     rand = lambda: torch.randn(traj.response_mask.shape, generator=gen) * traj.response_mask  # noqa: E731
-    return traj.with_(rewards=torch.tensor([1 / 3, 0.1, -0.0, 2.0]), advantages=rand(), old_logprobs=rand(),
-                      ref_logprobs=rand(), token_rewards=rand(), values=rand(), returns=rand(),
-                      response_valid=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
-                      rollout_version=torch.tensor([3, 3, 2, 3]), rollout_version_end=torch.tensor([3, 3, 3, 3]))
+    return traj.with_(
+        rewards=torch.tensor([1 / 3, 0.1, -0.0, 2.0]),
+        advantages=rand(),
+        old_logprobs=rand(),
+        ref_logprobs=rand(),
+        token_rewards=rand(),
+        values=rand(),
+        returns=rand(),
+        response_valid=torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        rollout_version=torch.tensor([3, 3, 2, 3]),
+        rollout_version_end=torch.tensor([3, 3, 3, 3]),
+    )
 
 
 def assert_same_trajectory(a: Trajectory, b: Trajectory) -> None:
@@ -68,8 +84,16 @@ def assert_same_trajectory(a: Trajectory, b: Trajectory) -> None:
 
 def test_step_dump_round_trips_exactly_and_writes_atomically(tmp_path, monkeypatch):
     traj = full_trajectory()
-    meta = {"step": 7, "policy_version": 6, "train_policy": True, "kl_coef": 0.1 + 0.2, "reward_metrics": {"r": 1 / 3},
-            "kl_metrics": {}, "old_logprobs": "precomputed", "metrics": None}
+    meta = {
+        "step": 7,
+        "policy_version": 6,
+        "train_policy": True,
+        "kl_coef": 0.1 + 0.2,
+        "reward_metrics": {"r": 1 / 3},
+        "kl_metrics": {},
+        "old_logprobs": "precomputed",
+        "metrics": None,
+    }
     path = write_step(tmp_path, traj, meta)
     assert path == step_path(tmp_path, 7) == tmp_path / "step_00000007.safetensors"
     back = read_step(path)
@@ -139,7 +163,9 @@ def test_resume_rolls_back_dumps_rewrites_after_the_update_and_publishes(tmp_pat
     published = tmp_path / "out" / "rollouts"
     assert dumped_steps(published) == [1, 2, 3] and state_steps(published) == [0, 2]
     assert os.path.samefile(step_path(published, 3), step_path(dumps_dir, 3))  # hard link, no copy
-    assert RolloutDumps.for_run(dump_config(dump_rollouts=False), tmp_path / "resume", tmp_path / "out").directory is None
+    assert (
+        RolloutDumps.for_run(dump_config(dump_rollouts=False), tmp_path / "resume", tmp_path / "out").directory is None
+    )
 
 
 def test_which_steps_can_be_replayed(tmp_path):
@@ -153,26 +179,48 @@ def test_which_steps_can_be_replayed(tmp_path):
     assert replayable_steps(tmp_path) == [1, 2, 3, 4, 6]
     assert [replay_start(tmp_path, s) for s in (1, 2, 3, 4)] == [0, 0, 2, 2]
     assert replay_start(tmp_path, 6) == 5  # step 5 has no dump, and needs none from the state after it
-    with pytest.raises(ValueError, match=r"cannot replay step 5 from .*: no dump of it; steps that can be replayed: 1-4, 6$"):
+    with pytest.raises(
+        ValueError, match=r"cannot replay step 5 from .*: no dump of it; steps that can be replayed: 1-4, 6$"
+    ):
         replay_start(tmp_path, 5)
     with pytest.raises(ValueError, match=r"cannot replay step 0 .*: no dump of it"):
         replay_start(tmp_path, 0)
     step_path(tmp_path, 3).unlink()  # step 4 from state 2 needs step 3's update first
-    with pytest.raises(ValueError, match=r"cannot replay step 4 .*: step 3 has no dump; steps that can be replayed: 1-2, 6$"):
+    with pytest.raises(
+        ValueError, match=r"cannot replay step 4 .*: step 3 has no dump; steps that can be replayed: 1-2, 6$"
+    ):
         replay_start(tmp_path, 4)
-    with pytest.raises(FileNotFoundError, match=r"no rollout dumps at .*missing \(the run needs rl.dump_rollouts: true\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no rollout dumps at .*missing \(the run needs rl.dump_rollouts: true\)"
+    ):
         replay_start(tmp_path / "missing", 1)
 
 
 def test_metric_differences_ignore_wall_times_and_evaluation():
     """Timings, throughput and rl.eval_every's val/* are not compared; NaN equals NaN; a key
     on one side only is a difference."""
-    logged = {"step": 2, "actor/pg_loss": 0.1, "actor/ppo_kl": float("nan"), "timing_s/step": 3.0,
-              "perf/throughput": 10.0, "val/rl_eval/mean@1": 0.5, "critic/vf_loss": 1.0}
-    replayed = {"step": 2, "actor/pg_loss": 0.1, "actor/ppo_kl": float("nan"), "timing_s/step": 0.4,
-                "perf/throughput": 99.0, "actor/grad_norm": 2.0, "critic/vf_loss": 1.0000000000000002}
-    assert metric_differences(replayed, logged) == [("actor/grad_norm", None, 2.0),
-                                                    ("critic/vf_loss", 1.0, 1.0000000000000002)]
+    logged = {
+        "step": 2,
+        "actor/pg_loss": 0.1,
+        "actor/ppo_kl": float("nan"),
+        "timing_s/step": 3.0,
+        "perf/throughput": 10.0,
+        "val/rl_eval/mean@1": 0.5,
+        "critic/vf_loss": 1.0,
+    }
+    replayed = {
+        "step": 2,
+        "actor/pg_loss": 0.1,
+        "actor/ppo_kl": float("nan"),
+        "timing_s/step": 0.4,
+        "perf/throughput": 99.0,
+        "actor/grad_norm": 2.0,
+        "critic/vf_loss": 1.0000000000000002,
+    }
+    assert metric_differences(replayed, logged) == [
+        ("actor/grad_norm", None, 2.0),
+        ("critic/vf_loss", 1.0, 1.0000000000000002),
+    ]
     assert metric_differences(logged, logged) == []
 
 
@@ -204,7 +252,9 @@ def test_a_run_dumps_every_step_before_its_update(dumped_run):
         assert dump.meta["kl_coef"] == row["actor/reward_kl_coef"]  # the adaptive controller's value in the step
         assert dump.meta["old_logprobs"] == "precomputed"  # the KL reward penalty needs them before the update
         traj = dump.traj
-        assert len(traj) == 16 and traj.values is not None and traj.returns is not None and traj.token_rewards is not None
+        assert (
+            len(traj) == 16 and traj.values is not None and traj.returns is not None and traj.token_rewards is not None
+        )
         mask = traj.response_mask
         assert float((traj.advantages * mask).sum() / mask.sum()) == row["critic/advantages/mean"]
         assert float(traj.rewards.mean()) == row["critic/score/mean"]
@@ -224,12 +274,24 @@ def test_posttrain_replay_reproduces_the_logged_metrics_bit_for_bit(dumped_run, 
     shutil.copytree(dumped_run["policy"], tmp_path / "sft" / "model")
     shutil.copytree(dumped_run["out"], tmp_path / "rl")
     sft = store.publish("sft", "a" * 64, tmp_path / "sft", {})
-    rl = store.publish("rl", "b" * 64, tmp_path / "rl", {"inputs": {"sft": sft.model_dump()},
-                                                       "config": {"rl": dumped_run["cfg"].model_dump(mode="json")}})
-    config = {"run": {"name": "replay", "artifact_root": str(tmp_path / "artifacts"),
-                      "checkpoint_root": str(tmp_path / "checkpoints"), "precision": "fp32"},
-              "wandb": {"enabled": False}, "data": {}, "model": {"source": str(dumped_run["policy"])},
-              "rl": dumped_run["cfg"].model_dump(mode="json")}
+    rl = store.publish(
+        "rl",
+        "b" * 64,
+        tmp_path / "rl",
+        {"inputs": {"sft": sft.model_dump()}, "config": {"rl": dumped_run["cfg"].model_dump(mode="json")}},
+    )
+    config = {
+        "run": {
+            "name": "replay",
+            "artifact_root": str(tmp_path / "artifacts"),
+            "checkpoint_root": str(tmp_path / "checkpoints"),
+            "precision": "fp32",
+        },
+        "wandb": {"enabled": False},
+        "data": {},
+        "model": {"source": str(dumped_run["policy"])},
+        "rl": dumped_run["cfg"].model_dump(mode="json"),
+    }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
     command = ["replay", str(tmp_path / "cfg.yaml"), "--artifact", rl.artifact_id]
 

@@ -32,10 +32,26 @@ pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engin
 
 REPO = Path(__file__).resolve().parents[3]
 REQUIRED = (
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss",
-    "critic/score/mean", "critic/advantages/mean", "response_length/mean", "response_length/clip_ratio", "timing_s/gen",
-    "timing_s/reward", "timing_s/ref", "timing_s/old_log_prob", "timing_s/adv", "timing_s/update_actor",
-    "timing_s/update_weights", "timing_s/step", "perf/throughput", "rollout_vs_trainer/logprob_diff_max",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/kl_loss",
+    "critic/score/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/ref",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "perf/throughput",
+    "rollout_vs_trainer/logprob_diff_max",
 )
 
 
@@ -64,15 +80,27 @@ def _build_random_tiny_policy(root: Path) -> None:
     from engine.storage.model_dir import save_model_dir
 
     pairs = [(a, b) for a in range(5) for b in range(5)]
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs
+    ]
     tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
     hf_config = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
-                   root / "tokenizer")
+    save_model_dir(
+        root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config, root / "tokenizer"
+    )
     with open(root / "rl.jsonl", "w") as f:
         for a, b in pairs:
             f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
@@ -97,15 +125,26 @@ def _build_sft_policy(root: Path) -> None:
     from engine.training.sft import train_sft
 
     pairs = [(a, b) for a in range(5) for b in range(5)]
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs
+    ]
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=64, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=128, max_position_embeddings=64, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0)
     save_model_dir(root / "base", model, hf_config, tok_dir)
@@ -137,9 +176,16 @@ def ray_address():
 def rl_config(backend: str, steps: int, **overrides) -> RLConfig:
     # min_lr == lr: a constant schedule, so a run continued to more steps equals a longer one.
     fields = dict(
-        steps=steps, prompts_per_step=8, n_samples=8, micro_batch_size=16, ppo_epochs=1, kl=KLConfig(coef=0.05),
-        optim=OptimConfig(lr=2e-3, min_lr=2e-3), checkpoint_every=1,
-        rollout=RolloutConfig(backend=backend, temperature=1.0, max_new_tokens=6), engine=EngineConfig(num_cpus=2),
+        steps=steps,
+        prompts_per_step=8,
+        n_samples=8,
+        micro_batch_size=16,
+        ppo_epochs=1,
+        kl=KLConfig(coef=0.05),
+        optim=OptimConfig(lr=2e-3, min_lr=2e-3),
+        checkpoint_every=1,
+        rollout=RolloutConfig(backend=backend, temperature=1.0, max_new_tokens=6),
+        engine=EngineConfig(num_cpus=2),
         precision="fp32",  # the assertions on these runs (logprob_diff_max < 1e-4, KV cache bytes) are fp32 claims
     )
     fields.update(overrides)
@@ -171,8 +217,10 @@ def untimed(m: dict) -> dict:
 
 
 def test_trajectory_from_rollout_and_micro_batches():
-    outs = [[RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
-            [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")]]
+    outs = [
+        [RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
+        [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")],
+    ]
     traj = Trajectory.from_rollout([[1, 2, 3], [4]], outs, pad_id=0)
     assert traj.input_ids.tolist() == [[1, 2, 3, 7, 2, 0], [1, 2, 3, 9, 9, 9], [4, 4, 0, 0, 0, 0], [4, 5, 2, 0, 0, 0]]
     assert traj.response_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]]
@@ -183,12 +231,16 @@ def test_trajectory_from_rollout_and_micro_batches():
     second = traj.micro_batches(2)[1]  # rows 2-3 trimmed to their own widths
     assert second.input_ids.tolist() == [[4, 4, 0], [4, 5, 2]] and second.response_ids.tolist() == [[4, 0], [5, 2]]
     with pytest.raises(ValueError, match="prompt 0 sample 1: 2 tokens, 1 logprobs"):
-        Trajectory.from_rollout([[1]], [[RolloutOutput((3,), (0.0,), "stop"), RolloutOutput((3, 4), (0.0,), "stop")]], 0)
+        Trajectory.from_rollout(
+            [[1]], [[RolloutOutput((3,), (0.0,), "stop"), RolloutOutput((3, 4), (0.0,), "stop")]], 0
+        )
 
 
 def test_trajectory_select_and_cat():
-    outs = [[RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
-            [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")]]
+    outs = [
+        [RolloutOutput((7, 2), (-0.5, -0.1), "stop"), RolloutOutput((9, 9, 9), (-1.0, -2.0, -3.0), "length")],
+        [RolloutOutput((4,), (-0.25,), "length"), RolloutOutput((5, 2), (-0.2, -0.3), "stop")],
+    ]
     traj = Trajectory.from_rollout([[1, 2, 3], [4]], outs, pad_id=0).with_(rewards=torch.tensor([1.0, 2.0, 3.0, 4.0]))
     second = traj.select(torch.tensor([3, 2]))  # group 1, reordered, trimmed to its own widths
     assert second.input_ids.tolist() == [[4, 5, 2], [4, 4, 0]] and second.response_mask.tolist() == [[1, 1], [1, 0]]
@@ -198,14 +250,24 @@ def test_trajectory_select_and_cat():
     assert both.response_ids.tolist() == [[5, 2, 0], [4, 0, 0], [7, 2, 0], [9, 9, 9]]
     assert both.group_index.tolist() == [0, 0, 1, 1]  # renumbered: the parts' groups stay apart
     assert both.rewards.tolist() == [4.0, 3.0, 1.0, 2.0] and both.old_logprobs is None
-    assert both.rollout_logprobs[3].tolist() == [-1.0, -2.0, -3.0] and both.truncated.tolist() == [False, True, False, True]
+    assert both.rollout_logprobs[3].tolist() == [-1.0, -2.0, -3.0] and both.truncated.tolist() == [
+        False,
+        True,
+        False,
+        True,
+    ]
 
 
 def test_load_rl_prompts_errors_name_file_and_line(policy, tmp_path):
     from engine.rl.prompts import load_rl_prompts
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": question(1, 2), "label": "3"}) + "\n" + json.dumps({"prompt": question(1, 2), "label": 3}) + "\n")
+    bad.write_text(
+        json.dumps({"prompt": question(1, 2), "label": "3"})
+        + "\n"
+        + json.dumps({"prompt": question(1, 2), "label": 3})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl:2: label: expected a string"):
         load_rl_prompts(bad, policy["tokenizer"], 50)
     with pytest.raises(ValueError, match=r"rl.jsonl: 25 prompts leave no room .* lines 1 \(\d+ tokens\), 2 "):
@@ -243,7 +305,9 @@ def test_actor_logprobs_and_grpo_update_by_hand(policy):
     assert old[0, 2].item() == 0.0  # padding
 
     adv = grpo_advantages(torch.tensor([1.0, 0.0]), traj.group_index, traj.response_mask)
-    metrics = actor.update(traj.with_(rewards=torch.tensor([1.0, 0.0]), advantages=adv, old_logprobs=old, ref_logprobs=old)).metrics
+    metrics = actor.update(
+        traj.with_(rewards=torch.tensor([1.0, 0.0]), advantages=adv, old_logprobs=old, ref_logprobs=old)
+    ).metrics
     # ratio 1 everywhere: pg_loss = -(A_right * 2 + A_wrong * 3) / 5 tokens, A = +-1/sqrt(2)
     assert torch.equal(adv[:, :2], adv[:, :1].expand(2, 2)) and adv[0, 2].item() == 0.0  # per token; 0 on padding
     assert metrics["actor/pg_loss"] == pytest.approx(-(adv[0, 0].item() * 2 + adv[1, 0].item() * 3) / 5, abs=1e-6)
@@ -269,12 +333,26 @@ def test_actor_update_does_not_depend_on_the_micro_batch_split(policy, mode):
     prompt = encode_prompt(tok, question(2, 2))
     lengths = [1, 4, 2, 6, 3, 5]
     gen = torch.Generator().manual_seed(0)
-    outs = [[RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-1.0,) * n, "stop") for n in lengths]]
+    outs = [
+        [
+            RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-1.0,) * n, "stop")
+            for n in lengths
+        ]
+    ]
     traj = Trajectory.from_rollout([prompt], outs, pad_id=tok.pad_token_id)
     results = []
     for micro in (6, 4):
-        cfg = rl_config("hf", 1, micro_batch_size=micro, loss_agg_mode=mode, clip_ratio_c=3.0, tis_cap=2.0,
-                        entropy_coef=0.01, kl=KLConfig(coef=0.1, estimator="k2"), optim=OptimConfig(lr=1e-3, min_lr=1e-3))
+        cfg = rl_config(
+            "hf",
+            1,
+            micro_batch_size=micro,
+            loss_agg_mode=mode,
+            clip_ratio_c=3.0,
+            tis_cap=2.0,
+            entropy_coef=0.01,
+            kl=KLConfig(coef=0.1, estimator="k2"),
+            optim=OptimConfig(lr=1e-3, min_lr=1e-3),
+        )
         actor = ActorWorker(policy["dir"], cfg)
         old = actor.compute_logprobs(traj)
         adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * traj.response_mask
@@ -302,11 +380,23 @@ def test_on_policy_update_takes_old_logprobs_from_its_own_forward(policy, epochs
     prompt = encode_prompt(tok, question(3, 4))
     lengths = [2, 5, 1, 4, 3]
     gen = torch.Generator().manual_seed(1)
-    outs = [[RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-2.0,) * n, "stop") for n in lengths]]
+    outs = [
+        [
+            RolloutOutput(tuple(torch.randint(3, 200, (n,), generator=gen).tolist()), (-2.0,) * n, "stop")
+            for n in lengths
+        ]
+    ]
     traj = Trajectory.from_rollout([prompt], outs, pad_id=tok.pad_token_id)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.5])[:, None] * traj.response_mask
-    cfg = rl_config("hf", 1, micro_batch_size=3, ppo_epochs=epochs, tis_cap=2.0, kl=KLConfig(coef=0.0),
-                    optim=OptimConfig(lr=5e-3, min_lr=5e-3))
+    cfg = rl_config(
+        "hf",
+        1,
+        micro_batch_size=3,
+        ppo_epochs=epochs,
+        tis_cap=2.0,
+        kl=KLConfig(coef=0.0),
+        optim=OptimConfig(lr=5e-3, min_lr=5e-3),
+    )
     precomputed, on_policy = ActorWorker(policy["dir"], cfg), ActorWorker(policy["dir"], cfg)
     old = precomputed.compute_logprobs(traj)
     given = precomputed.update(traj.with_(advantages=adv, old_logprobs=old))
@@ -337,20 +427,30 @@ def test_reward_worker_combines_verifier_and_reward_model(policy, tmp_path):
     head = RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads()
     rm_dir = save_model_dir(tmp_path / "rm", loaded.model, loaded.hf_config, loaded.tokenizer_dir, heads=head)
     tok = policy["tokenizer"]
-    responses = [tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], tok("12", add_special_tokens=False)["input_ids"]]
+    responses = [
+        tok("7", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+        tok("12", add_special_tokens=False)["input_ids"],
+    ]
     prompts, labels = [question(3, 4), question(3, 4)], ["7", "7"]
 
-    worker = RewardWorker(policy["dir"], RewardConfig(verifier="exact_match", verifier_weight=2.0, reward_model_weight=0.5))
+    worker = RewardWorker(
+        policy["dir"], RewardConfig(verifier="exact_match", verifier_weight=2.0, reward_model_weight=0.5)
+    )
     texts = worker.decode(responses)
     assert texts == ["7", "12"]  # the final EOS is not part of the text
-    traj = Trajectory.from_rollout([tok("3+4=", add_special_tokens=False)["input_ids"]],
-                                   [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop") for r in responses]], pad_id=0)
+    traj = Trajectory.from_rollout(
+        [tok("3+4=", add_special_tokens=False)["input_ids"]],
+        [[RolloutOutput(tuple(r), (0.0,) * len(r), "stop") for r in responses]],
+        pad_id=0,
+    )
     model_scores = RewardModelWorker(rm_dir).score_responses(traj, prompts, texts)
     rm = score(load_reward_model(rm_dir), tok, prompts, ["7", "12"])
     assert model_scores.dtype == torch.float32 and torch.equal(model_scores, rm)
     rewards, metrics = worker.score(prompts, labels, responses, ["stop", "length"], model_scores=model_scores)
     torch.testing.assert_close(rewards, torch.tensor([2.0, 0.0]) + 0.5 * rm, rtol=0, atol=1e-6)
-    assert metrics["reward/verifier_mean"] == 0.5 and metrics["reward/model_mean"] == pytest.approx(rm.mean().item(), abs=1e-6)
+    assert metrics["reward/verifier_mean"] == 0.5 and metrics["reward/model_mean"] == pytest.approx(
+        rm.mean().item(), abs=1e-6
+    )
 
     with pytest.raises(ValueError, match="nothing gives a reward"):
         RewardWorker(policy["dir"], RewardConfig(verifier="none", reward_model_weight=0.0))
@@ -387,8 +487,15 @@ def vllm_run(policy, ray_address, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_vllm")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(engine.rl.workers, "RolloutWorker", BallastRolloutWorker)
-        result = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, eval_every=2), out, None, seed=0,
-                        evaluator=sums_evaluator(policy))
+        result = run_rl(
+            policy["dir"],
+            policy["prompts"],
+            rl_config("vllm", 3, eval_every=2),
+            out,
+            None,
+            seed=0,
+            evaluator=sums_evaluator(policy),
+        )
     return out, result
 
 
@@ -409,7 +516,9 @@ def test_rollout_actor_starts_vllm_beside_a_2gib_ballast(vllm_run, policy):
     assert (report["max_model_len"], report["max_num_seqs"]) == (longest + 6, 64)
     # per token: 2 layers x 2 (K and V) x 1 KV head x 32 dims x 4 bytes = 512; a block 65,536 bytes
     # 64 sequences x 1 block + 1 null block = 65 blocks = 4,259,840 bytes; +10% = 4,685,824
-    assert report["kv_cache_memory_bytes"] == 4_685_824 == kv_cache_bytes(read_hf_config(policy["dir"]), 64, longest + 6)
+    assert (
+        report["kv_cache_memory_bytes"] == 4_685_824 == kv_cache_bytes(read_hf_config(policy["dir"]), 64, longest + 6)
+    )
     assert result["response_length/mean"] >= 1
 
 
@@ -473,13 +582,23 @@ def test_reward_model_at_dp2_scores_the_step_as_dp1(policy, tmp_path):
     from engine.storage.model_dir import load_model_dir, save_model_dir
 
     loaded = load_model_dir(policy["dir"])
-    rm_dir = save_model_dir(tmp_path / "rm", loaded.model, loaded.hf_config, loaded.tokenizer_dir,
-                            heads=RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads())
+    rm_dir = save_model_dir(
+        tmp_path / "rm",
+        loaded.model,
+        loaded.hf_config,
+        loaded.tokenizer_dir,
+        heads=RewardModel(loaded.model, loaded.spec.hidden_size, seed=5).heads(),
+    )
     reward = RewardConfig(verifier="exact_match", reward_model_weight=1.0)
     runs = {}
     for dp in (1, 2):
-        cfg = rl_config("vllm", 1, kl=KLConfig(coef=0.0), reward=reward,
-                        parallel=RLParallelConfig(reward_model=ParallelConfig(data_parallel_size=dp)))
+        cfg = rl_config(
+            "vllm",
+            1,
+            kl=KLConfig(coef=0.0),
+            reward=reward,
+            parallel=RLParallelConfig(reward_model=ParallelConfig(data_parallel_size=dp)),
+        )
         run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / f"dp{dp}", None, seed=0, reward_model_dir=rm_dir)
         [runs[dp]] = read_metrics(tmp_path / f"dp{dp}")
     one, two = runs[1], runs[2]
@@ -499,12 +618,26 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path, caplog
     from engine.storage.train_state import load_train_state
 
     resume, evaluator = tmp_path / "resume", sums_evaluator(policy)
-    first = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 2, eval_every=2), tmp_path / "a", resume, seed=0,
-                   evaluator=evaluator)
+    first = run_rl(
+        policy["dir"],
+        policy["prompts"],
+        rl_config("vllm", 2, eval_every=2),
+        tmp_path / "a",
+        resume,
+        seed=0,
+        evaluator=evaluator,
+    )
     assert first["rl/steps_run"] == 2.0 and load_train_state(resume).step == 2
     with caplog.at_level(logging.INFO, logger="engine.rl.loop"):
-        second = run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, eval_every=2), tmp_path / "b", resume,
-                        seed=0, evaluator=evaluator)
+        second = run_rl(
+            policy["dir"],
+            policy["prompts"],
+            rl_config("vllm", 3, eval_every=2),
+            tmp_path / "b",
+            resume,
+            seed=0,
+            evaluator=evaluator,
+        )
     assert (second["rl/resumed_from_step"], second["rl/steps_run"]) == (2.0, 1.0)
     assert f"resuming RL from step 2 ({resume})" in [r.getMessage() for r in caplog.records]
     full_out, _ = vllm_run
@@ -512,9 +645,18 @@ def test_resume_continues_to_the_same_weights(vllm_run, policy, tmp_path, caplog
     assert [r["step"] for r in resumed] == [1, 2, 3]  # history restored from the checkpoint
     assert [untimed(r) for r in resumed] == [untimed(r) for r in full]
     assert_same_weights(policy_weights(tmp_path / "b" / "model"), policy_weights(full_out / "model"))
-    with pytest.raises(ValueError, match=r"train state was written by a different RL run \(config.kl.coef: 0.05 -> 0.1\)"):
-        run_rl(policy["dir"], policy["prompts"], rl_config("vllm", 3, kl=KLConfig(coef=0.1), eval_every=2), tmp_path / "c",
-               resume, seed=0, evaluator=evaluator)
+    with pytest.raises(
+        ValueError, match=r"train state was written by a different RL run \(config.kl.coef: 0.05 -> 0.1\)"
+    ):
+        run_rl(
+            policy["dir"],
+            policy["prompts"],
+            rl_config("vllm", 3, kl=KLConfig(coef=0.1), eval_every=2),
+            tmp_path / "c",
+            resume,
+            seed=0,
+            evaluator=evaluator,
+        )
 
 
 def test_eval_every_logs_val_points_equal_to_the_evaluate_stage_code(vllm_run, policy):
@@ -531,8 +673,9 @@ def test_eval_every_logs_val_points_equal_to_the_evaluate_stage_code(vllm_run, p
     assert [r["step"] for r, v in zip(rows, val) if v] == [2, 3] and not val[0]
     assert [("timing_s/eval" in r) for r in rows] == [False, True, True] and rows[2]["timing_s/eval"] > 0
     bench = sums_evaluator(policy).benchmark
-    staged = evaluate_benchmarks({"rl": out / "model"}, [bench], backend="vllm", precision="fp32",
-                                 engine_cfg=EngineConfig(num_cpus=2), seed=0)["rl_eval"]["rl"]
+    staged = evaluate_benchmarks(
+        {"rl": out / "model"}, [bench], backend="vllm", precision="fp32", engine_cfg=EngineConfig(num_cpus=2), seed=0
+    )["rl_eval"]["rl"]
     expected = {k: float(v) for k, v in scalar_metrics(staged).items() if math.isfinite(v)}
     assert val[2] == expected
     assert val[2]["n"] == 25 and {"accuracy", "pass@1", "maj@1", "response_length/p90"} <= set(val[2])
@@ -566,9 +709,14 @@ def test_dynamic_sampling_and_adaptive_kl_penalty(policy, ray_address, tmp_path)
     from engine.rl.loop import run_rl
 
     target, horizon, coef = 0.01, 200, 0.05
-    cfg = rl_config("hf", 3, algorithm="rloo", kl=KLConfig(coef=coef, in_reward=True, target=target, horizon=horizon),
-                    dynamic_sampling={"enabled": True, "max_rounds": 3},
-                    engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    cfg = rl_config(
+        "hf",
+        3,
+        algorithm="rloo",
+        kl=KLConfig(coef=coef, in_reward=True, target=target, horizon=horizon),
+        dynamic_sampling={"enabled": True, "max_rounds": 3},
+        engine=EngineConfig(ray_address=ray_address, num_cpus=2),
+    )
     run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
     rows = read_metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -587,7 +735,9 @@ def test_dynamic_sampling_and_adaptive_kl_penalty(policy, ray_address, tmp_path)
         error = min(max(prev["actor/reward_kl_penalty"] / target - 1.0, -0.2), 0.2)
         responses = prev["batch/responses"]
         assert responses == prev["dynamic_sampling/kept_groups"] * 8
-        assert cur["actor/reward_kl_coef"] == pytest.approx(prev["actor/reward_kl_coef"] * (1 + error * responses / horizon), rel=1e-12)
+        assert cur["actor/reward_kl_coef"] == pytest.approx(
+            prev["actor/reward_kl_coef"] * (1 + error * responses / horizon), rel=1e-12
+        )
 
 
 def test_multi_turn_environment_run_on_ray(policy, ray_address, tmp_path):
@@ -595,9 +745,14 @@ def test_multi_turn_environment_run_on_ray(policy, ray_address, tmp_path):
     environment's rewards are the scores (no reward worker), and the update trains."""
     from engine.rl.loop import run_rl
 
-    cfg = rl_config("hf", 2, environment="tests.engine.multi_turn_env_example:make_counter_env", max_turns=2,
-                    rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
-                    engine=EngineConfig(ray_address=ray_address, num_cpus=2))
+    cfg = rl_config(
+        "hf",
+        2,
+        environment="tests.engine.multi_turn_env_example:make_counter_env",
+        max_turns=2,
+        rollout=RolloutConfig(backend="hf", temperature=1.0, max_new_tokens=10),
+        engine=EngineConfig(ray_address=ray_address, num_cpus=2),
+    )
     run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
     rows = read_metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2]
@@ -626,8 +781,13 @@ def kill_after_first_checkpoint(policy: dict, cfg, out: Path, resume: Path, tmp_
         f" {str(out)!r}, {str(resume)!r}, seed=0)\n"
     )
     with open(tmp_path / "driver.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 300
         while not has_train_state(resume):
             assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
@@ -662,8 +822,10 @@ def test_killed_run_resumes_from_last_checkpoint(hf_run, policy, ray_address, tm
 # two-source GRPO run logging reward/<source>/mean and /count and checkpointing every source's
 # data position.
 
-SOURCES = [RLSourceConfig(name="low", path="unused.jsonl"),  # exact_match (rl.reward.verifier), reward x 1
-           RLSourceConfig(name="high", path="unused.jsonl", weight=3.0, verifier="gsm8k", reward_weight=2.0)]
+SOURCES = [
+    RLSourceConfig(name="low", path="unused.jsonl"),  # exact_match (rl.reward.verifier), reward x 1
+    RLSourceConfig(name="high", path="unused.jsonl", weight=3.0, verifier="gsm8k", reward_weight=2.0),
+]
 
 
 def _write_jsonl(path, rows):
@@ -684,30 +846,43 @@ def test_long_prompts_are_filtered_and_counted_per_source_or_named_in_one_error(
     short, long_ = question(1, 2), [{"role": "user", "content": "What is 1 + 2? " * 6}]
     limit = 30
     assert _prompt_tokens(tok, short) <= limit < _prompt_tokens(tok, long_)
-    rows = [{"prompt": short, "label": "3", "source": "low"}, {"prompt": long_, "label": "3", "source": "high"},
-            {"prompt": long_, "label": "3", "source": "low"}, {"prompt": short, "label": "3", "source": "high"},
-            {"prompt": long_, "label": "3", "source": "high"}, {"prompt": short, "label": "3", "source": "high"}]
+    rows = [
+        {"prompt": short, "label": "3", "source": "low"},
+        {"prompt": long_, "label": "3", "source": "high"},
+        {"prompt": long_, "label": "3", "source": "low"},
+        {"prompt": short, "label": "3", "source": "high"},
+        {"prompt": long_, "label": "3", "source": "high"},
+        {"prompt": short, "label": "3", "source": "high"},
+    ]
     path = _write_jsonl(tmp_path / "rl_train.jsonl", rows)
     prompts = load_rl_prompts(path, tok, limit, SOURCES)
     assert prompts.sizes == [1, 2] and prompts.weights == [1.0, 3.0]
     assert [p.source for p in prompts] == ["low", "high", "high"]  # grouped by source in config order
     assert [(p.verifier, p.reward_weight) for p in prompts] == [(None, 1.0), ("gsm8k", 2.0), ("gsm8k", 2.0)]
-    assert prompts.filtered_metrics() == {"rl/long_prompts_filtered": 3.0, "rl/long_prompts_filtered/low": 1.0,
-                                          "rl/long_prompts_filtered/high": 2.0}
+    assert prompts.filtered_metrics() == {
+        "rl/long_prompts_filtered": 3.0,
+        "rl/long_prompts_filtered/low": 1.0,
+        "rl/long_prompts_filtered/high": 2.0,
+    }
     n = _prompt_tokens(tok, long_)
     with pytest.raises(ValueError) as info:
         load_rl_prompts(path, tok, limit, SOURCES, long_prompts="fail")
     assert str(info.value) == (
         f"{path}: 3 prompts leave no room for rl.rollout.max_new_tokens within the model's max_position_embeddings "
         f"(at most {limit} prompt tokens): lines 2 ({n} tokens), 3 ({n} tokens), 5 ({n} tokens); shorten them, or set "
-        "rl.long_prompts: filter to leave them out")
+        "rl.long_prompts: filter to leave them out"
+    )
     one = load_rl_prompts(path, tok, limit)  # one dataset: the source field is not read
     assert len(one) == 3 and one.filtered_metrics() == {"rl/long_prompts_filtered": 3.0}
     only_long = _write_jsonl(tmp_path / "only_long.jsonl", [rows[0], rows[1], rows[4]])
-    with pytest.raises(ValueError, match=r"no prompts in source 'high' of data.rl_train \(2 longer than 30 tokens left out\)"):
+    with pytest.raises(
+        ValueError, match=r"no prompts in source 'high' of data.rl_train \(2 longer than 30 tokens left out\)"
+    ):
         load_rl_prompts(only_long, tok, limit, SOURCES)
     stray = _write_jsonl(tmp_path / "stray.jsonl", [rows[0], {**rows[3], "source": "mid"}])
-    with pytest.raises(ValueError, match=r"stray.jsonl:2: source: 'mid' is not a source of data.rl_train \(low, high\)"):
+    with pytest.raises(
+        ValueError, match=r"stray.jsonl:2: source: 'mid' is not a source of data.rl_train \(low, high\)"
+    ):
         load_rl_prompts(stray, tok, limit, SOURCES)
 
 
@@ -716,8 +891,11 @@ def test_each_source_is_scored_by_its_verifier_and_reward_weight(policy):
     from config.rl import RewardConfig
     from engine.rl.reward_workers import RewardWorker
 
-    cfg = RewardConfig(verifier="exact_match", verifier_weight=0.5,
-                       functions=[{"path": "tests.data.reward_plugins_example:length_penalty"}])  # -0.25/char over the label
+    cfg = RewardConfig(
+        verifier="exact_match",
+        verifier_weight=0.5,
+        functions=[{"path": "tests.data.reward_plugins_example:length_penalty"}],
+    )  # -0.25/char over the label
     worker = RewardWorker(policy["dir"], cfg)
     tok = policy["tokenizer"]
     texts = ["7", "#### 12", "7", "\\boxed{3}", "8"]
@@ -741,8 +919,10 @@ def test_two_source_grpo_run_logs_per_source_rewards_and_resumes_every_sources_p
     from engine.storage.train_state import DataPosition, load_train_state
 
     pairs = [(a, b) for a in range(5) for b in range(5)]  # "low": a <= 2 (15 prompts), "high": a >= 3 (10)
-    path = _write_jsonl(tmp_path / "rl_train.jsonl", [{"prompt": question(a, b), "label": str(a + b),
-                                                 "source": "low" if a <= 2 else "high"} for a, b in pairs])
+    path = _write_jsonl(
+        tmp_path / "rl_train.jsonl",
+        [{"prompt": question(a, b), "label": str(a + b), "source": "low" if a <= 2 else "high"} for a, b in pairs],
+    )
     cfg = rl_config("hf", 2, engine=EngineConfig(ray_address=ray_address, num_cpus=2))
     result = run_rl(policy["dir"], path, cfg, tmp_path / "out", tmp_path / "resume", seed=0, sources=SOURCES)
     rows = read_metrics(tmp_path / "out")
@@ -762,14 +942,23 @@ def test_two_source_grpo_run_logs_per_source_rewards_and_resumes_every_sources_p
     assert result["rl/long_prompts_filtered"] == 0.0 and result["rl/long_prompts_filtered/high"] == 0.0
     # the checkpoint of the last step holds the draws and every source's (epoch, offset)
     assert load_train_state(tmp_path / "resume").data_position == DataPosition(
-        0, 0, 0, 2 * cfg.prompts_per_step, reference.sources)
+        0, 0, 0, 2 * cfg.prompts_per_step, reference.sources
+    )
     # continued for a 3rd step from that checkpoint: it draws what an uninterrupted run's 3rd step
     # would (the high source, 10 prompts, is past its first epoch by now)
     assert reference.sources[1][0] >= 1
-    resumed = run_rl(policy["dir"], path, rl_config("hf", 3, engine=EngineConfig(ray_address=ray_address, num_cpus=2)),
-                     tmp_path / "out3", tmp_path / "resume", seed=0, sources=SOURCES)
+    resumed = run_rl(
+        policy["dir"],
+        path,
+        rl_config("hf", 3, engine=EngineConfig(ray_address=ray_address, num_cpus=2)),
+        tmp_path / "out3",
+        tmp_path / "resume",
+        seed=0,
+        sources=SOURCES,
+    )
     assert resumed["rl/resumed_from_step"] == 2.0
     drawn = [0 if i < 15 else 1 for i in reference.next_indices(cfg.prompts_per_step)]
     assert (resumed["reward/low/count"], resumed["reward/high/count"]) == (drawn.count(0), drawn.count(1))
     assert load_train_state(tmp_path / "resume").data_position == DataPosition(
-        0, 0, 0, 3 * cfg.prompts_per_step, reference.sources)
+        0, 0, 0, 3 * cfg.prompts_per_step, reference.sources
+    )

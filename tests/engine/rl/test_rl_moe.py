@@ -30,16 +30,34 @@ def random_tiny_moe_policy(root: Path) -> dict:
     from engine.storage.model_dir import save_model_dir
 
     pairs = [(a, b) for a in range(5) for b in range(5)]
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n" for a, b in pairs
+    ]
     tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
-    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=32, max_position_embeddings=64, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96, norm_topk_prob=True,
-                         tie_word_embeddings=True)
-    hf_config = {**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"], "eos_token_id": tok.eos_token_id,
-                 "pad_token_id": tok.pad_token_id}
-    save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
-                   root / "tokenizer")
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        intermediate_size=96,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+    )
+    hf_config = {
+        **cfg.to_dict(),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    save_model_dir(
+        root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config, root / "tokenizer"
+    )
     with open(root / "rl.jsonl", "w") as f:
         for a, b in pairs:
             f.write(json.dumps({"prompt": question(a, b), "label": str(a + b)}) + "\n")
@@ -51,8 +69,16 @@ def test_moe_policy_trains_with_grpo_hf_rollout_and_routing_replay(ray_address, 
 
     policy = random_tiny_moe_policy(tmp_path)
     # entropy_coef: a gradient even when every reward of a random policy is 0
-    cfg = rl_config("hf", 2, prompts_per_step=4, n_samples=4, ppo_epochs=2, kl=KLConfig(coef=0.0),
-                    entropy_coef=0.01, moe_routing_replay=True)
+    cfg = rl_config(
+        "hf",
+        2,
+        prompts_per_step=4,
+        n_samples=4,
+        ppo_epochs=2,
+        kl=KLConfig(coef=0.0),
+        entropy_coef=0.01,
+        moe_routing_replay=True,
+    )
     result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
     rows = read_metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2] and result["rl/steps_run"] == 2.0

@@ -115,15 +115,19 @@ def accepted_requests(logs: dict, step_seed: int) -> list[tuple[int, dict]]:
     out = []
     for (engine, _), records in logs.items():
         held = {r["held"] for r in records if "held" in r}
-        out += [(engine, r) for r in records if "held" not in r and r["step_seed"] == step_seed and r["call"] not in held]
+        out += [
+            (engine, r) for r in records if "held" not in r and r["step_seed"] == step_seed and r["call"] not in held
+        ]
     return out
 
 
 def requests(record: dict) -> dict:
     """A logged request batch by request: ``{(context, batch seed, place in the batch): outputs}``
     (the place seeds the request, ``SamplingSpec.prompt_index``)."""
-    return {(tuple(p), record["seed"], place): outs
-            for place, p, outs in zip(record["prompt_index"], record["prompts"], record["outputs"])}
+    return {
+        (tuple(p), record["seed"], place): outs
+        for place, p, outs in zip(record["prompt_index"], record["prompts"], record["outputs"])
+    }
 
 
 def held_vs_reissued(logs: dict, names: set[str]) -> tuple[int, int]:
@@ -148,12 +152,16 @@ def held_vs_reissued(logs: dict, names: set[str]) -> tuple[int, int]:
 
 def tree_digest(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root``, by relative path."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
-def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_address, faulty_workers, tmp_path,
-                                                               caplog, monkeypatch):
+def test_failed_engines_are_replaced_until_max_engine_restarts(
+    tiny_policy, ray_address, faulty_workers, tmp_path, caplog, monkeypatch
+):
     """Two vLLM engines in the disaggregated rollout bundle, multi-turn, ``max_engine_restarts: 1``,
     each failure in the middle of a generate call:
 
@@ -179,27 +187,47 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
     out, resume = tmp_path / "run", tmp_path / "resume"
     out.mkdir()
     budget = 10
-    cfg = rl_config("vllm", 4, kl=KLConfig(coef=0.0), environment=ENV, max_turns=2,
-                    rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=budget, num_engines=2),
-                    engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1,
-                                        health_check_timeout_s=5.0, max_engine_restarts=1))
+    cfg = rl_config(
+        "vllm",
+        4,
+        kl=KLConfig(coef=0.0),
+        environment=ENV,
+        max_turns=2,
+        rollout=RolloutConfig(backend="vllm", temperature=1.0, max_new_tokens=budget, num_engines=2),
+        engine=EngineConfig(
+            num_cpus=2, placement="disaggregated", rollout_cpus=1, health_check_timeout_s=5.0, max_engine_restarts=1
+        ),
+    )
     at_step_4: dict[str, str] = {}
     # calls per engine process: the first engines serve steps 1, 2, ...; engine 1's replacement
     # starts at step 2 (its call 3 is step 4), engine 0's at step 3 (its call 2 is step 4)
-    plan = [{"engine": 1, "call": 2, "name": "kill"}, {"engine": 0, "call": 3, "name": "stop"},
-            {"engine": 0, "call": 2, "name": "kill0", "after": "stop"},
-            {"engine": 1, "call": 3, "name": "kill1", "after": "stop"}]
+    plan = [
+        {"engine": 1, "call": 2, "name": "kill"},
+        {"engine": 0, "call": 3, "name": "stop"},
+        {"engine": 0, "call": 2, "name": "kill0", "after": "stop"},
+        {"engine": 1, "call": 3, "name": "kill1", "after": "stop"},
+    ]
     snapshot = lambda: at_step_4 or at_step_4.update(tree_digest(resume))  # noqa: E731 - before step 4's failures
-    saboteur = Saboteur(out, plan, {"kill": (signal.SIGKILL, None, ()), "stop": (signal.SIGSTOP, None, ()),
-                                    "kill0": (signal.SIGKILL, snapshot, ("kill1",)),
-                                    "kill1": (signal.SIGKILL, snapshot, ("kill0",))})
+    saboteur = Saboteur(
+        out,
+        plan,
+        {
+            "kill": (signal.SIGKILL, None, ()),
+            "stop": (signal.SIGSTOP, None, ()),
+            "kill0": (signal.SIGKILL, snapshot, ("kill1",)),
+            "kill1": (signal.SIGKILL, snapshot, ("kill0",)),
+        },
+    )
     t0 = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.rollout.router"):
-            with pytest.raises(RuntimeError, match=r"rollout engine 0 failed: (its actor died|it did not answer).*; "
-                                                   r"rollout engine 1 failed: (its actor died|it did not answer).*; "
-                                                   r"replacing them would make 2 engine restarts in this step, over "
-                                                   r"rl.engine.max_engine_restarts=1"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"rollout engine 0 failed: (its actor died|it did not answer).*; "
+                r"rollout engine 1 failed: (its actor died|it did not answer).*; "
+                r"replacing them would make 2 engine restarts in this step, over "
+                r"rl.engine.max_engine_restarts=1",
+            ):
                 run_rl(tiny_policy["dir"], tiny_policy["prompts"], cfg, out, resume, seed=0)
     finally:
         saboteur.close()
@@ -216,8 +244,9 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
     replaced = [float(m) for m in re.findall(r"rollout engine \d replaced in ([\d.]+) s", caplog.text)]
     assert len(replaced) == 2  # steps 2 and 3; step 4's failures are over the budget
     assert "rollout engine 1 failed: its actor died" in caplog.text
-    assert ("rollout engine 0 failed: it did not answer its health check within "
-            "rl.engine.health_check_timeout_s=5 s (hung)") in caplog.text
+    assert (
+        "rollout engine 0 failed: it did not answer its health check within rl.engine.health_check_timeout_s=5 s (hung)"
+    ) in caplog.text
 
     logs = read_logs(out)
     for step, prompts in enumerate(step_prompts(tiny_policy, 3, budget), start=1):
@@ -238,11 +267,16 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(tiny_policy, ray_
         assert first_turns == {g: 1 for g in range(PROMPTS * SAMPLES)}, step  # every episode, exactly once
         assert engines_of == {g: {engine_of_prompt[g // SAMPLES]} for g in range(PROMPTS * SAMPLES)}, step
     equal, compared = held_vs_reissued(logs, {"kill", "stop"})
-    seen = {name: next(r.created for r in caplog.records if r.getMessage().startswith(f"rollout engine {e} failed"))
-            - saboteur.at[name] for name, e in (("kill", 1), ("stop", 0))}
-    print(f"\nfault run: {wall:.1f} s; failure seen after {seen} s; replacements {replaced} s; "
-          f"timing_s/gen {[round(r['timing_s/gen'], 2) for r in rows]}; "
-          f"re-issued requests with the lost call's tokens: {equal} of {compared}")
+    seen = {
+        name: next(r.created for r in caplog.records if r.getMessage().startswith(f"rollout engine {e} failed"))
+        - saboteur.at[name]
+        for name, e in (("kill", 1), ("stop", 0))
+    }
+    print(
+        f"\nfault run: {wall:.1f} s; failure seen after {seen} s; replacements {replaced} s; "
+        f"timing_s/gen {[round(r['timing_s/gen'], 2) for r in rows]}; "
+        f"re-issued requests with the lost call's tokens: {equal} of {compared}"
+    )
     assert compared > 0 and equal == compared
 
     # Rerun after the failed step: it resumes from step 3's checkpoint and does step 4. Then a
@@ -270,11 +304,18 @@ def test_several_engines_share_the_rollout_cpus(ray_address):
     from config.rl import RLConfig
     from engine.rl.placement import make_placement
 
-    placement = make_placement(RLConfig(rollout=RolloutConfig(num_engines=2),
-                                        engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1)))
+    placement = make_placement(
+        RLConfig(
+            rollout=RolloutConfig(num_engines=2),
+            engine=EngineConfig(num_cpus=2, placement="disaggregated", rollout_cpus=1),
+        )
+    )
     try:
         assert [b.resources for b in placement.plan.bundles] == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
-        assert placement.actor_options("rollout", 1)["num_cpus"] == 0.5 and placement.actor_options("actor")["num_cpus"] == 0.5
+        assert (
+            placement.actor_options("rollout", 1)["num_cpus"] == 0.5
+            and placement.actor_options("actor")["num_cpus"] == 0.5
+        )
         assert placement.threads("rollout", 1) == 1
     finally:
         placement.remove()

@@ -45,9 +45,19 @@ def router(tmp_path_factory, ray_address):  # noqa: F811
     gen_path.write_text(json.dumps({**gen, "eos_token_id": [policy["tokenizer"].eos_token_id, *range(140, 280)]}))
 
     def spawn_engine(i: int):
-        return ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=2).remote(
-            str(policy["dir"]), RolloutConfig(backend="vllm"), str(root / f"engine{i}"), 64, 1, num_sequences=8,
-            precision="fp32")
+        return (
+            ray.remote(RolloutWorker)
+            .options(num_cpus=1, max_concurrency=2)
+            .remote(
+                str(policy["dir"]),
+                RolloutConfig(backend="vllm"),
+                str(root / f"engine{i}"),
+                64,
+                1,
+                num_sequences=8,
+                precision="fp32",
+            )
+        )
 
     routed = RolloutRouter(spawn_engine, 2, actor=None)
     prompt_ids = [encode_prompt(policy["tokenizer"], p) for p in PROMPTS]

@@ -40,7 +40,12 @@ def _tiny_qwen2(seed: int, eos: int = 2) -> Qwen2ForCausalLM:
 def _hf_greedy(model, prompt: list[int], max_new: int, eos: int) -> tuple[int, ...]:
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=PAD
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        pad_token_id=PAD,
     )
     return tuple(out[0, len(prompt) :].tolist())
 
@@ -129,8 +134,10 @@ def test_logprobs_equal_teacher_forced_forward(rollout, model_dir, temperature):
     # the teacher-forced pass's token by token; over all samples it must be within
     # max(1e-5, 2 x the worst fp32 error transformers itself makes on them here).
     bound = max(1e-5, ROUNDING_FACTOR * max(roundings))
-    print(f"T={temperature}: rollout logprobs vs exact (fp64) = {max(errs):.3e}; teacher-forced fp32 vs exact = "
-          f"{max(roundings):.3e}; bound {bound:.3e}")
+    print(
+        f"T={temperature}: rollout logprobs vs exact (fp64) = {max(errs):.3e}; teacher-forced fp32 vs exact = "
+        f"{max(roundings):.3e}; bound {bound:.3e}"
+    )
     assert max(errs) <= bound
 
 
@@ -192,7 +199,9 @@ def test_top_p_samples_only_from_the_nucleus(model_dir):
 def test_chunking_does_not_change_greedy_outputs(model_dir, rollout):
     spec = SamplingSpec(n=2, temperature=0.0, max_new_tokens=MAX_NEW)
     small = HFRollout(model_dir, max_batch_size=3).generate(PROMPTS, spec)
-    assert [[s.token_ids for s in g] for g in small] == [[s.token_ids for s in g] for g in rollout.generate(PROMPTS, spec)]
+    assert [[s.token_ids for s in g] for g in small] == [
+        [s.token_ids for s in g] for g in rollout.generate(PROMPTS, spec)
+    ]
 
 
 def test_update_weights_matches_a_fresh_load(model_dir, tmp_path):

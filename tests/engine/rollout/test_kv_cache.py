@@ -12,11 +12,21 @@ import torch
 from engine.rollout.kv_cache import VLLM_CPU_BLOCK_SIZE, VLLM_MAX_NUM_SEQS, attention_shape, kv_cache_bytes
 
 # configs/quickstart.yaml's model: hidden 128, 4 heads (head_dim 32), 2 KV heads, 2 layers
-QUICKSTART = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 128}
+QUICKSTART = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 # Qwen/Qwen3-0.6B's config.json: head_dim 128 given explicitly (hidden / heads would be 64)
-QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-              "head_dim": 128}
+QWEN3_0_6B = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
 
 
 def test_vllm_cpu_defaults_are_the_installed_vllm_ones():
@@ -35,7 +45,9 @@ def test_attention_shape_reads_explicit_or_derived_head_dim():
     assert attention_shape(QUICKSTART) == (2, 2, 32)  # 128 / 4
     assert attention_shape(QWEN3_0_6B) == (28, 8, 128)  # explicit, not 1024 / 16
     # no num_key_value_heads: multi-head attention; head_dim null: derived
-    assert attention_shape({"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8, "head_dim": None}) == (3, 8, 32)
+    assert attention_shape(
+        {"hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8, "head_dim": None}
+    ) == (3, 8, 32)
     assert attention_shape({"text_config": QWEN3_0_6B}) == (28, 8, 128)
     with pytest.raises(ValueError, match="no 'num_attention_heads'"):
         attention_shape({"hidden_size": 64, "num_hidden_layers": 2})
@@ -68,14 +80,17 @@ def test_explicit_head_dim_and_bf16_by_hand():
     assert kv_cache_bytes(QWEN3_0_6B, 3, 300, "bfloat16", block_size=16) == 117_073_511
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_sequences": 0}, "num_sequences must be a positive integer"),
-    ({"tokens_per_sequence": -1}, "tokens_per_sequence must be a positive integer"),
-    ({"tokens_per_sequence": 2.5}, "tokens_per_sequence must be a positive integer"),
-    ({"dtype": "float33"}, "unknown dtype 'float33'"),
-    ({"headroom": -0.1}, "headroom must be >= 0"),
-    ({"max_num_seqs": 0}, "max_num_seqs must be positive"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_sequences": 0}, "num_sequences must be a positive integer"),
+        ({"tokens_per_sequence": -1}, "tokens_per_sequence must be a positive integer"),
+        ({"tokens_per_sequence": 2.5}, "tokens_per_sequence must be a positive integer"),
+        ({"dtype": "float33"}, "unknown dtype 'float33'"),
+        ({"headroom": -0.1}, "headroom must be >= 0"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be positive"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, message):
     args = {"num_sequences": 4, "tokens_per_sequence": 64, **kwargs}
     with pytest.raises(ValueError, match=message):

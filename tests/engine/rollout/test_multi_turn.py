@@ -49,30 +49,52 @@ def policy(tmp_path_factory) -> dict:
     from engine.storage.model_dir import save_model_dir
 
     root = tmp_path_factory.mktemp("multi_turn")
-    texts = [f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
-             for a in range(5) for b in range(5)]
+    texts = [
+        f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
+        for a in range(5)
+        for b in range(5)
+    ]
     tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
     assert len(tok) == 280 and tok.eos_token_id < STOP_IDS[0]
     hf_config = GPTSpec(
-        architecture="qwen2", vocab_size=len(tok), hidden_size=32, num_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=128, rope_theta=10000.0,
-        norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True,
+        architecture="qwen2",
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        ffn_hidden_size=64,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
     ).to_hf_config() | {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    save_model_dir(root / "policy", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0), hf_config,
-                   root / "tokenizer", generation_overrides={"eos_token_id": [tok.eos_token_id, *STOP_IDS]})
+    save_model_dir(
+        root / "policy",
+        build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0),
+        hf_config,
+        root / "tokenizer",
+        generation_overrides={"eos_token_id": [tok.eos_token_id, *STOP_IDS]},
+    )
     worker = RolloutWorker(root / "policy", RolloutConfig(backend="hf"), root / "scratch", precision="fp32")
     assert worker.engine.eos_token_ids == (tok.eos_token_id, *STOP_IDS)
     prompts = [question(1, 2), question(3, 4)]
-    return {"dir": root / "policy", "tokenizer": tok, "worker": worker,
-            "prompt_ids": [encode_prompt(tok, p) for p in prompts],
-            "rows": [{"prompt": p, "label": "e"} for p in prompts]}
+    return {
+        "dir": root / "policy",
+        "tokenizer": tok,
+        "worker": worker,
+        "prompt_ids": [encode_prompt(tok, p) for p in prompts],
+        "rows": [{"prompt": p, "label": "e"} for p in prompts],
+    }
 
 
 def rollout(policy, make_env, max_turns: int, budget: int, seed: int = 0, n: int = 3):
     example.CREATED.clear()
     spec = SamplingSpec(n=n, temperature=1.0, max_new_tokens=budget, seed=seed)
-    samples = multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
-                                 make_env, spec, max_turns)
+    samples = multi_turn_rollout(
+        policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"], make_env, spec, max_turns
+    )
     return samples, list(example.CREATED)
 
 
@@ -127,8 +149,9 @@ def test_turns_interleave_policy_and_observation_tokens(policy):
         mask = torch.tensor(smp.loss_mask, dtype=torch.bool)
         lp = torch.tensor(smp.logprobs)
         assert torch.all(lp[~mask] == 0) and torch.all(lp[mask] < 0)
-        torch.testing.assert_close(lp[mask], teacher_forced_logprobs(policy, prompt, smp.token_ids)[mask],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            lp[mask], teacher_forced_logprobs(policy, prompt, smp.token_ids)[mask], rtol=0, atol=1e-5
+        )
         multi += len(policy_runs) >= 2
     assert multi >= 2, "the rollout should contain samples with observations between policy turns"
     assert sum(s.reward for s in flat) > 0  # the label does occur: rewards are not all zero
@@ -171,8 +194,9 @@ def test_rollout_is_deterministic_and_the_worker_loads_the_environment_by_path(p
     samples as calling the loop directly; a bad path names rl.environment."""
     spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
     direct, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
-    via_worker = policy["worker"].generate_multi_turn(policy["prompt_ids"], policy["rows"],
-                                                      f"{EX}:make_counter_env", spec, 3)
+    via_worker = policy["worker"].generate_multi_turn(
+        policy["prompt_ids"], policy["rows"], f"{EX}:make_counter_env", spec, 3
+    )
     assert via_worker == direct
     with pytest.raises(ImportError, match=rf"rl.environment: cannot load '{EX}:missing': .* no attribute 'missing'"):
         policy["worker"].generate_multi_turn(policy["prompt_ids"], policy["rows"], f"{EX}:missing", spec, 3)
@@ -202,12 +226,14 @@ def test_a_weight_update_lands_between_turns_and_is_recorded(policy):
         return env
 
     spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
-    samples = multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
-                                 make_env, spec, 3, gate=gate)
+    samples = multi_turn_rollout(
+        policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"], make_env, spec, 3, gate=gate
+    )
     plain, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
     flat = [s for g in samples for s in g]
     assert [(s.token_ids, s.logprobs, s.loss_mask) for s in flat] == [
-        (s.token_ids, s.logprobs, s.loss_mask) for g in plain for s in g]
+        (s.token_ids, s.logprobs, s.loss_mask) for g in plain for s in g
+    ]
     assert [(s.version_start, s.version_end) for s in flat] == [(5, 5 if s.num_turns == 1 else 11) for s in flat]
     assert any(s.num_turns == 2 for s in flat) and gate.version == 5 + sum(s.num_turns for s in flat)
 
@@ -231,7 +257,6 @@ def test_loop_rejects_bad_steps_and_arguments(policy):
     assert load_environment_factory(f"{EX}:make_counter_env") is example.make_counter_env
 
 
-
 def test_steps_within_the_wait_keep_the_turn_synchronous_samples(policy):
     """Steps that end at once, with the product's rl.environment_step_wait_s (and with 0), give
     exactly the turn-synchronous loop's samples (every turn's call holds the same samples)."""
@@ -240,12 +265,28 @@ def test_steps_within_the_wait_keep_the_turn_synchronous_samples(policy):
     spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
     synced, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
     for wait_s in (RLConfig().environment_step_wait_s, 0.5):
-        free = multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
-                                  example.make_counter_env, spec, 3, step_wait_s=wait_s)
+        free = multi_turn_rollout(
+            policy["worker"].engine,
+            policy["tokenizer"],
+            policy["prompt_ids"],
+            policy["rows"],
+            example.make_counter_env,
+            spec,
+            3,
+            step_wait_s=wait_s,
+        )
         assert free == synced and any(s.num_turns == 2 for g in free for s in g)
     with pytest.raises(ValueError, match="step_wait_s must be >= 0"):
-        multi_turn_rollout(policy["worker"].engine, policy["tokenizer"], policy["prompt_ids"], policy["rows"],
-                           example.make_counter_env, spec, 3, step_wait_s=-1.0)
+        multi_turn_rollout(
+            policy["worker"].engine,
+            policy["tokenizer"],
+            policy["prompt_ids"],
+            policy["rows"],
+            example.make_counter_env,
+            spec,
+            3,
+            step_wait_s=-1.0,
+        )
 
 
 def test_a_failing_step_fails_the_rollout_without_waiting_for_slow_ones(policy):
@@ -267,6 +308,7 @@ def test_a_failing_step_fails_the_rollout_without_waiting_for_slow_ones(policy):
     with pytest.raises(RuntimeError, match="tool crashed"):
         rollout(policy, Flaky, max_turns=2, budget=8, n=1)
     assert time.monotonic() - t0 < 4.0
+
 
 # ----------------------------------------------------------------------------- the batch
 
@@ -316,8 +358,12 @@ def test_logprob_diff_metric_ignores_environment_tokens():
 
 def test_multi_turn_metrics():
     m = multi_turn_metrics([[sample([5, 40, 6], [1, 0, 1], reward=1.0), sample([5], [1], reward=0.0)]])
-    assert m == {"reward/env_mean": 0.5, "env/turns_mean": 1.0, "env/done_fraction": 0.0,
-                 "env/observation_token_fraction": 0.25}
+    assert m == {
+        "reward/env_mean": 0.5,
+        "env/turns_mean": 1.0,
+        "env/done_fraction": 0.0,
+        "env/observation_token_fraction": 0.25,
+    }
 
 
 # ----------------------------------------------------------------------------- the key invariant
@@ -376,8 +422,12 @@ def test_environment_tokens_get_no_gradient(policy, monkeypatch):
                 assert g.abs().sum() > 0, (b, j)
 
     junk = torch.randn(traj.response_mask.shape, generator=gen) * env
-    perturbed = traj.with_(advantages=traj.advantages + junk, old_logprobs=traj.old_logprobs + junk,
-                           ref_logprobs=traj.ref_logprobs - junk, rollout_logprobs=traj.rollout_logprobs + junk)
+    perturbed = traj.with_(
+        advantages=traj.advantages + junk,
+        old_logprobs=traj.old_logprobs + junk,
+        ref_logprobs=traj.ref_logprobs - junk,
+        rollout_logprobs=traj.rollout_logprobs + junk,
+    )
     loss2, grads2 = loss_and_grads(perturbed)
     assert torch.equal(loss2, loss) and len(grads2) == len(grads)
     for g1, g2 in zip(grads, grads2):
@@ -398,8 +448,12 @@ def test_config_validates_environment_and_turns():
         RLConfig(max_turns=2)
     with pytest.raises(pydantic.ValidationError, match="greater than or equal to 1"):
         RLConfig(max_turns=0)
-    with pytest.raises(pydantic.ValidationError, match="rl.reward.functions and rl.reward.reward_model_weight would be ignored"):
-        RLConfig(environment=f"{EX}:make_counter_env", reward=RewardConfig(functions=[RewardFunctionConfig(path="m:f")]))
+    with pytest.raises(
+        pydantic.ValidationError, match="rl.reward.functions and rl.reward.reward_model_weight would be ignored"
+    ):
+        RLConfig(
+            environment=f"{EX}:make_counter_env", reward=RewardConfig(functions=[RewardFunctionConfig(path="m:f")])
+        )
 
 
 class _Remote:
@@ -421,14 +475,25 @@ def test_rollout_batch_uses_the_environment_and_no_reward_worker(policy, monkeyp
 
     monkeypatch.setattr(rollout_phase.ray, "get", lambda x: x)  # in-process: handles return values directly
     prompts = [RLPrompt(r["prompt"], r["label"], ids) for r, ids in zip(policy["rows"], policy["prompt_ids"])]
-    cfg = RLConfig(prompts_per_step=2, n_samples=3, environment=f"{EX}:make_counter_env", max_turns=3,
-                   rollout=RolloutConfig(backend="hf", max_new_tokens=24))
+    cfg = RLConfig(
+        prompts_per_step=2,
+        n_samples=3,
+        environment=f"{EX}:make_counter_env",
+        max_turns=3,
+        rollout=RolloutConfig(backend="hf", max_new_tokens=24),
+    )
     workers = Workers(None, None, None, _Remote(policy["worker"]), reward=None)
-    traj, metrics, t_gen, t_reward = rollout_phase.rollout_batch(workers, prompts, EpochSampler(2, 0), cfg, 0, 1,
-                                                           pad_id=policy["tokenizer"].pad_token_id)
+    traj, metrics, t_gen, t_reward = rollout_phase.rollout_batch(
+        workers, prompts, EpochSampler(2, 0), cfg, 0, 1, pad_id=policy["tokenizer"].pad_token_id
+    )
     assert len(traj) == 6 and t_reward == 0.0 and t_gen > 0
-    assert set(metrics) == {"reward/env_mean", "env/turns_mean", "env/done_fraction", "env/observation_token_fraction",
-                            "rollout/engine_restarts"}
+    assert set(metrics) == {
+        "reward/env_mean",
+        "env/turns_mean",
+        "env/done_fraction",
+        "env/observation_token_fraction",
+        "rollout/engine_restarts",
+    }
     assert metrics["rollout/engine_restarts"] == 0.0
     assert metrics["reward/env_mean"] == pytest.approx(float(traj.rewards.mean()))
     assert (traj.response_valid - traj.response_mask).sum() > 0
@@ -443,8 +508,9 @@ def test_a_turn_cap_cuts_each_policy_turn_and_ends_the_sample(policy):
     spec = SamplingSpec(n=3, temperature=1.0, max_new_tokens=24, seed=0)
     engine, tok = policy["worker"].engine, policy["tokenizer"]
     stops = set(engine.eos_token_ids)
-    capped = multi_turn_rollout(engine, tok, policy["prompt_ids"], policy["rows"], example.make_counter_env, spec, 3,
-                                turn_tokens=2)
+    capped = multi_turn_rollout(
+        engine, tok, policy["prompt_ids"], policy["rows"], example.make_counter_env, spec, 3, turn_tokens=2
+    )
     free, _ = rollout(policy, example.make_counter_env, max_turns=3, budget=24)
     cut = 0
     for s, f in zip([s for g in capped for s in g], [s for g in free for s in g]):
@@ -456,5 +522,6 @@ def test_a_turn_cap_cuts_each_policy_turn_and_ends_the_sample(policy):
             assert (s.finish_reason, len(turns[-1]), len(s.turn_rewards)) == ("length", 2, len(turns))
     assert cut > 0
     with pytest.raises(ValueError, match="turn_tokens must be >= 1"):
-        multi_turn_rollout(engine, tok, policy["prompt_ids"], policy["rows"], example.make_counter_env, spec, 3,
-                           turn_tokens=0)
+        multi_turn_rollout(
+            engine, tok, policy["prompt_ids"], policy["rows"], example.make_counter_env, spec, 3, turn_tokens=0
+        )

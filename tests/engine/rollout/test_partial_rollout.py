@@ -75,8 +75,9 @@ def test_a_weight_update_between_chunks_continues_under_the_new_weights(engine, 
         if first.finish_reason == "stop":  # finished in chunk 0: nothing continued
             assert got.outputs[i][0].token_ids == first.token_ids and got.version_end[i] == [0]
             continue
-        (tail,) = fresh_new.generate([prompt + list(first.token_ids)],
-                                     SamplingSpec(n=1, temperature=0.0, max_new_tokens=MAX_NEW - 3))
+        (tail,) = fresh_new.generate(
+            [prompt + list(first.token_ids)], SamplingSpec(n=1, temperature=0.0, max_new_tokens=MAX_NEW - 3)
+        )
         assert got.outputs[i][0].token_ids == first.token_ids + tail[0].token_ids
         assert (got.version_start[i], got.version_end[i]) == ([0], [1])
     assert any(v == [1] for v in got.version_end)

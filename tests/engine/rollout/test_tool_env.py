@@ -27,7 +27,8 @@ LLAMA31_STYLE = (
     "{% if m.tool_calls %}{% for c in m.tool_calls %}"
     "{{ '{\"name\": \"' + c.function.name + '\", \"parameters\": ' + (c.function.arguments | tojson) + '}' }}"
     "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +57,11 @@ def test_the_call_format_comes_from_each_fixture_template(tokenizers):
 
 def test_calls_parse_in_order_and_malformed_ones_are_reported():
     qwen = ToolCallFormat("<tool_call>", "</tool_call>", "name", "arguments")
-    text = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3}"}\n</tool_call>\n<tool_call>\n{oops}\n</tool_call>'
-            '<tool_call>{"arguments": {}}</tool_call><tool_call>\n{"name": "mul", "arguments": {"a": 5}}')
+    text = (
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3}"}\n</tool_call>\n<tool_call>\n{oops}\n</tool_call>'
+        '<tool_call>{"arguments": {}}</tool_call><tool_call>\n{"name": "mul", "arguments": {"a": 5}}'
+    )
     got = qwen.parse(text)
     assert got[:2] == [ToolCall("add", {"a": 1, "b": 2}), ToolCall("add", {"a": 3})]
     assert isinstance(got[2], MalformedCall) and got[2].text == "{oops}" and got[2].reason.startswith("not JSON")
@@ -74,8 +77,14 @@ def test_observations_are_what_the_template_writes_after_the_turn_end(tokenizers
     # Qwen3 drops the calling turn's empty think block once it is not the last turn: not part of it
     assert tool_observation(tokenizers["qwen3"], ["42"]) == QWEN_OBS.format("42")
     two = tool_observation(tokenizers["qwen2.5"], ["3", "x y"])
-    assert two == "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\nx y\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-    assert tool_observation(tokenizers["llama3.1-style"], ["42"]) == "\n<|im_start|>ipython\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        two
+        == "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\nx y\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        tool_observation(tokenizers["llama3.1-style"], ["42"])
+        == "\n<|im_start|>ipython\n42<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 class ScriptedPolicy:
@@ -114,22 +123,34 @@ def test_a_five_turn_tool_trajectory_trains_exactly_the_sampled_and_observation_
     from data.chat import encode_prompt
 
     tok = tokenizers["qwen2.5"]
-    turns = [call("add", '{"a": 2, "b": 3}'),
-             "Now the second part.\n" + call("add", '{"a": 5, "b": 5}') + "\n" + call("mul", '{"a": 1}'),
-             call("slow", '{"seconds": 5}'),
-             call("boom", "{}") + "\n<tool_call>\n{not json}\n</tool_call>",
-             "The total is 10.\n#### 10"]
-    results = [["5"], ["10", "error: unknown tool 'mul' (available: add, boom, slow)"],
-               ["error: tool 'slow' timed out after 0.5 s"],
-               ["error: RuntimeError: tool failed", "error: malformed tool call: not JSON: Expecting property name "
-                                                    "enclosed in double quotes: line 2 column 2 (char 2)"]]
-    row = {"prompt": [{"role": "user", "content": "What is 2 + 3 + 5?"}], "label": "10",
-           "tools": [{"type": "function", "function": {"name": n}} for n in ("add", "slow", "boom")]}
+    turns = [
+        call("add", '{"a": 2, "b": 3}'),
+        "Now the second part.\n" + call("add", '{"a": 5, "b": 5}') + "\n" + call("mul", '{"a": 1}'),
+        call("slow", '{"seconds": 5}'),
+        call("boom", "{}") + "\n<tool_call>\n{not json}\n</tool_call>",
+        "The total is 10.\n#### 10",
+    ]
+    results = [
+        ["5"],
+        ["10", "error: unknown tool 'mul' (available: add, boom, slow)"],
+        ["error: tool 'slow' timed out after 0.5 s"],
+        [
+            "error: RuntimeError: tool failed",
+            "error: malformed tool call: not JSON: Expecting property name "
+            "enclosed in double quotes: line 2 column 2 (char 2)",
+        ],
+    ]
+    row = {
+        "prompt": [{"role": "user", "content": "What is 2 + 3 + 5?"}],
+        "label": "10",
+        "tools": [{"type": "function", "function": {"name": n}} for n in ("add", "slow", "boom")],
+    }
     envs = []
 
     def make_env(tokenizer):
-        envs.append(ToolEnvironment({"add": add, "slow": slow, "boom": boom}, tokenizer, verifier="gsm8k",
-                                    tool_timeout_s=0.5))
+        envs.append(
+            ToolEnvironment({"add": add, "slow": slow, "boom": boom}, tokenizer, verifier="gsm8k", tool_timeout_s=0.5)
+        )
         return envs[-1]
 
     policy = ScriptedPolicy(tok, turns)

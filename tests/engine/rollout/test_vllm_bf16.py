@@ -33,15 +33,25 @@ def setup(tmp_path_factory):
     for name, seed, eos_from in (("one", 3, 0), ("two", 5, 1)):
         model, tok, prompts, hf_config, tok_dir = tiny_policy(root, seed=seed, eos_from=eos_from)
         model_dir = save_model_dir(root / name, model, hf_config, tok_dir)
-        out[name] = {"model": model, "dir": model_dir,
-                     "hf": export_model_dir(model_dir, root / f"{name}_hf", dtype="bfloat16")}
+        out[name] = {
+            "model": model,
+            "dir": model_dir,
+            "hf": export_model_dir(model_dir, root / f"{name}_hf", dtype="bfloat16"),
+        }
     # policy 2 as a mixed-precision trainer holds it: bfloat16 compute weights (fp32 masters aside)
     out["two"]["bf16"] = load_model_dir(root / "two").model
     to_mixed_precision(out["two"]["bf16"])
     out.update(tok=tok, prompts=prompts, hf_config=hf_config)
     # 3 prompts, each at most one 128-token block long
-    out["engine"] = build_rollout_engine("vllm", out["one"]["hf"], what="rl.rollout.backend", tokenizer=tok,
-                                         precision="bf16", num_sequences=3, max_model_len=64)
+    out["engine"] = build_rollout_engine(
+        "vllm",
+        out["one"]["hf"],
+        what="rl.rollout.backend",
+        tokenizer=tok,
+        precision="bf16",
+        num_sequences=3,
+        max_model_len=64,
+    )
     out["first"] = out["engine"].generate(prompts, GREEDY)
     return out
 
@@ -58,8 +68,10 @@ def test_engine_runs_bfloat16_with_a_bfloat16_kv_cache(setup):
 
     def dtypes(worker):
         runner = worker.model_runner
-        return ({str(p.dtype) for p in runner.model.parameters() if p.numel() > 0},
-                {str(c.dtype) for c in runner.kv_caches})
+        return (
+            {str(p.dtype) for p in runner.model.parameters() if p.numel() > 0},
+            {str(c.dtype) for c in runner.kv_caches},
+        )
 
     assert engine.llm.collective_rpc(dtypes) == [({"torch.bfloat16"}, {"torch.bfloat16"})]
 

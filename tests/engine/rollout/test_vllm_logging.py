@@ -59,8 +59,14 @@ print("RESPONSES", [len(o[0].token_ids) for o in out])
 def test_vllm_start_neither_flushes_nor_closes_the_process_handlers(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_LOGGING_LEVEL", None)  # the default level, whatever the suite's process was given
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = proc.stdout[-3000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, output
     assert "CALLS []" in proc.stdout, output  # vLLM's dictConfig would flush and close it

@@ -23,18 +23,34 @@ GREEDY = SamplingSpec(n=1, temperature=0.0, max_new_tokens=8)
 def megatron_qwen3_moe(seed: int):
     """A random Qwen3-MoE (2 layers, hidden 64, head_dim 32, 4 experts, top-2, vocab 300) as a
     megatron model; weights x8 so greedy choices are not near-ties. Returns (HF config, model)."""
-    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=32, max_position_embeddings=64, num_experts=4,
-                         num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96, norm_topk_prob=True,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    cfg = Qwen3MoeConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        intermediate_size=96,
+        norm_topk_prob=True,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     hf = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():
         for p in hf.parameters():
             if p.dim() >= 2:
                 p.mul_(8.0)
-    hf_config = {**GPTSpec.from_hf_config({**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}).to_hf_config(),
-                 "eos_token_id": 1, "pad_token_id": 0}
+    hf_config = {
+        **GPTSpec.from_hf_config({**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}).to_hf_config(),
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    }
     model = build_gpt_model(GPTSpec.from_hf_config(hf_config))
     load_mcore_state(model, hf_to_megatron(hf_config, revert_weight_conversion(hf, hf.state_dict())))
     return hf_config, model.eval()
@@ -47,9 +63,10 @@ def export(hf_config, model, out):
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
-                         eos_token_id=1, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, eos_token_id=1, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,18 @@ def tiny_qwen2(seed: int, eos_id: int = 1) -> Qwen2ForCausalLM:
     next-token logits are well separated (greedy choices are not near-ties)."""
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True,
-        eos_token_id=eos_id, pad_token_id=0, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=eos_id,
+        pad_token_id=0,
+        bos_token_id=None,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -49,9 +58,15 @@ def save_tiny(model: Qwen2ForCausalLM, out: Path) -> Path:
 
 def hf_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                         eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -116,7 +131,9 @@ def test_greedy_matches_hf_and_stops_at_eos(setup):
         expected = hf_greedy(model_a, prompt, 12, eos)
         assert list(o.token_ids) == expected
         assert o.finish_reason == ("stop" if expected[-1] == eos else "length")
-        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_a, prompt, expected), rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_a, prompt, expected), rtol=0, atol=1e-4
+        )
     first = outs[0][0]
     assert len(first.token_ids) == 4 and first.token_ids[-1] == eos and first.finish_reason == "stop"
 
@@ -150,7 +167,9 @@ def test_update_weights_switches_policy(setup):
     for prompt, (o,) in zip(PROMPTS, after):
         expected = hf_greedy(model_b, prompt, 12, eos)
         assert list(o.token_ids) == expected
-        torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4
+        )
     engine.update_weights(synced_weights(model_a))
     assert engine.generate(PROMPTS, spec) == before
 
@@ -172,8 +191,9 @@ def test_update_weights_bucket_by_bucket(setup):
         for prompt, (o,) in zip(PROMPTS, engine.generate(PROMPTS, spec)):
             expected = hf_greedy(model_b, prompt, 12, eos)
             assert list(o.token_ids) == expected
-            torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64),
-                                       hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model_b, prompt, expected), rtol=0, atol=1e-4
+            )
     finally:
         engine.update_weights(synced_weights(model_a))
 
@@ -253,5 +273,6 @@ def test_a_compiled_engine_follows_weight_updates(setup, tmp_path):
         for prompt, (o,) in zip(PROMPTS, outs):
             expected = hf_greedy(model, prompt, 12, eos)
             assert list(o.token_ids) == expected
-            torch.testing.assert_close(torch.tensor(o.logprobs, dtype=torch.float64),
-                                       hf_logprobs(model, prompt, expected), rtol=0, atol=1e-4)
+            torch.testing.assert_close(
+                torch.tensor(o.logprobs, dtype=torch.float64), hf_logprobs(model, prompt, expected), rtol=0, atol=1e-4
+            )

@@ -48,7 +48,15 @@ print("RESPONSES", [len(o[0].token_ids) for o in out[0]] if out else None)
 
 def test_generate_on_another_thread_with_fewer_openmp_threads(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "tiny")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "ERRORS []" in proc.stdout and "RESPONSES [4, 4, 4]" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ERRORS []" in proc.stdout and "RESPONSES [4, 4, 4]" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    )

@@ -17,9 +17,11 @@ from engine.models.weight_buckets import plan_buckets
 
 def _named(seed: int, scale: int = 1):
     gen = torch.Generator().manual_seed(seed)
-    return [("a.weight", torch.randn(3 * scale, 5, generator=gen)),
-            ("b.bias", torch.randn(7, generator=gen).to(torch.bfloat16)),
-            ("c.weight", torch.randn(4, 4, generator=gen).t())]  # not contiguous: packed as its values
+    return [
+        ("a.weight", torch.randn(3 * scale, 5, generator=gen)),
+        ("b.bias", torch.randn(7, generator=gen).to(torch.bfloat16)),
+        ("c.weight", torch.randn(4, 4, generator=gen).t()),
+    ]  # not contiguous: packed as its values
 
 
 def _read_in_child(handle, metas, conn) -> None:
@@ -104,9 +106,11 @@ def test_auto_resolves_to_ipc_only_for_a_colocated_gpu_layout():
     from config.rl import EngineConfig, RLConfig, RLParallelConfig, RolloutConfig
 
     def mode(placement="colocated", gpus=0.0, backend="vllm", key="auto"):
-        return RLConfig(engine=EngineConfig(placement=placement, weight_sync=key),
-                        parallel=RLParallelConfig(actor=ParallelConfig(gpus_per_rank=gpus)),
-                        rollout=RolloutConfig(backend=backend, gpus_per_engine=gpus)).weight_sync_mode
+        return RLConfig(
+            engine=EngineConfig(placement=placement, weight_sync=key),
+            parallel=RLParallelConfig(actor=ParallelConfig(gpus_per_rank=gpus)),
+            rollout=RolloutConfig(backend=backend, gpus_per_engine=gpus),
+        ).weight_sync_mode
 
     assert RLConfig().engine.weight_sync == "auto" and RLConfig().weight_sync_mode == "collective"  # CPU
     assert mode(gpus=0.5) == "ipc"

@@ -26,8 +26,11 @@ BUCKET_BYTES = 20_000  # the tiny policy's ~0.3 MB of HF tensors in a dozen buck
 
 
 def test_pack_and_unpack_round_trip_mixed_dtypes():
-    named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5, dtype=torch.bfloat16)),
-             ("c.weight", torch.randn(2, 2, 2).transpose(0, 1))]  # not contiguous: packed as its values
+    named = [
+        ("a.weight", torch.randn(3, 4)),
+        ("b.bias", torch.arange(5, dtype=torch.bfloat16)),
+        ("c.weight", torch.randn(2, 2, 2).transpose(0, 1)),
+    ]  # not contiguous: packed as its values
     plan = plan_buckets(((n, t.shape, t.dtype) for n, t in named), 1 << 20)
     flat = pack(named)
     assert plan.bucket_nbytes(0) == 48 + 10 + 32
@@ -91,12 +94,29 @@ def test_collective_and_ipc_syncs_equal_object_store_with_two_engines_and_restar
 
     def spawn(index: int):
         spawned.append(index)
-        return ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=2).remote(
-            str(policy["dir"]), RolloutConfig(backend="vllm"), str(scratch / f"e{len(spawned)}"), 64, 1,
-            num_sequences=4, precision="fp32")
+        return (
+            ray.remote(RolloutWorker)
+            .options(num_cpus=0, max_concurrency=2)
+            .remote(
+                str(policy["dir"]),
+                RolloutConfig(backend="vllm"),
+                str(scratch / f"e{len(spawned)}"),
+                64,
+                1,
+                num_sequences=4,
+                precision="fp32",
+            )
+        )
 
-    router = RolloutRouter(spawn, 2, sources["p"], health_check_timeout_s=30.0, max_engine_restarts=2,
-                           weight_sync_timeout_s=120.0, weight_sync="object_store")
+    router = RolloutRouter(
+        spawn,
+        2,
+        sources["p"],
+        health_check_timeout_s=30.0,
+        max_engine_restarts=2,
+        weight_sync_timeout_s=120.0,
+        weight_sync="object_store",
+    )
     try:
         plan = ray.get(sources["p"].hf_bucket_plan.remote())
         assert plan.num_buckets >= 8

@@ -24,13 +24,31 @@ pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engin
 def random_hf(arch: str):
     torch.manual_seed(0)
     if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=400, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=400,
+                hidden_size=128,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
+        )
     else:
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, tie_word_embeddings=False))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=300,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                tie_word_embeddings=False,
+            )
+        )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("bias", "norm.weight")):  # HF initialises these to constants
@@ -107,7 +125,11 @@ def test_megatron_lm_layout_and_latest_iteration(tmp_path):
             p.add_(1.0)
     save_model_checkpoint(model, root, iteration=123)
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "123"
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000005", "iter_0000123", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000005",
+        "iter_0000123",
+        "latest_checkpointed_iteration.txt",
+    ]
     assert {"metadata.json", "common.pt"} <= {p.name for p in (root / "iter_0000123").iterdir()}
     assert latest_checkpoint(root) == (root / "iter_0000123", 123)
 
@@ -119,7 +141,11 @@ def test_megatron_lm_layout_and_latest_iteration(tmp_path):
     # Overwriting an iteration replaces it atomically; the tracker follows the newest save.
     save_model_checkpoint(build_gpt_model(spec, seed=4), root, iteration=5)
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000005", "iter_0000123", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000005",
+        "iter_0000123",
+        "latest_checkpointed_iteration.txt",
+    ]
     with pytest.raises(FileNotFoundError, match="no HF config"):
         load_checkpoint_hf_config(root)
 
@@ -218,11 +244,18 @@ def test_two_saves_of_the_same_weights_are_byte_identical(tmp_path):
     script.write_text(_SAVE_SCRIPT.format(repo=str(repo)))
     digests = []
     for name in ("a", "b"):  # separate processes: other temp names, other uuids, other hash seeds
-        proc = subprocess.run([sys.executable, str(script), str(tmp_path / name)], capture_output=True, text=True, cwd=repo)
+        proc = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / name)], capture_output=True, text=True, cwd=repo
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         root = tmp_path / name
-        digests.append({p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                        for p in sorted(root.rglob("*")) if p.is_file()})
+        digests.append(
+            {
+                p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*"))
+                if p.is_file()
+            }
+        )
     assert digests[0] == digests[1]
     assert ".metadata" in {Path(k).name for k in digests[0]}
     with open(tmp_path / "a" / "iter_0000003" / ".metadata", "rb") as f:

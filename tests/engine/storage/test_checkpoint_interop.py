@@ -38,18 +38,37 @@ def _megatron_core_only_load(megatron_dir: Path, vocab_size: int):
     ckpt = megatron_dir / ("release" if tracker == "release" else f"iter_{int(tracker):07d}")
     hf = json.loads((ckpt / "hf_config.json").read_text())
     config = TransformerConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf["num_key_value_heads"], ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf["hidden_size"] // hf["num_attention_heads"], normalization="RMSNorm",
-        layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"],
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=hf["hidden_size"] // hf["num_attention_heads"],
+        normalization="RMSNorm",
+        layernorm_epsilon=hf["rms_norm_eps"],
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=vocab_size, max_sequence_length=hf["max_position_embeddings"],
-                     share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
-                     position_embedding_type="rope", rotary_base=hf["rope_parameters"]["rope_theta"])
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=vocab_size,
+        max_sequence_length=hf["max_position_embeddings"],
+        share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
+        position_embedding_type="rope",
+        rotary_base=hf["rope_parameters"]["rope_theta"],
+    )
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
     model.load_state_dict(state["model"], strict=False)  # _extra_state entries are TE bookkeeping
     return model.eval(), ckpt
@@ -66,7 +85,9 @@ def test_stories260k_checkpoint_loads_with_dist_checkpointing_alone(fixtures_dir
 
     model, ckpt = _megatron_core_only_load(out / "megatron", spec.megatron_vocab_size)
     assert ckpt.name == "release" and sorted(p.name for p in (out / "megatron").iterdir()) == [
-        "latest_checkpointed_iteration.txt", "release"]
+        "latest_checkpointed_iteration.txt",
+        "release",
+    ]
     loaded = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     saved = {k: v for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
     assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)

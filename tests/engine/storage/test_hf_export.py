@@ -39,10 +39,21 @@ def exported(tmp_path_factory):
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=300)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
-        "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-        "hidden_act": "silu", "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
     }
     model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=3).eval()
     with torch.no_grad():  # sharper logits: greedy choices far from ties
@@ -51,8 +62,10 @@ def exported(tmp_path_factory):
                 p.mul_(8.0)
         # Make EOS the greedy choice wherever token 3 of the first prompt's free decoding
         # would be, so some responses stop early and stopping is compared too.
-        texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-                 for q in QUESTIONS]
+        texts = [
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in QUESTIONS
+        ]
         prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
         free = megatron_greedy(model, prompts[0], 3, eos=-1)
         head = model.output_layer.weight
@@ -70,7 +83,7 @@ def megatron_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[in
             ids.append(int(gpt_logits(model, torch.tensor([ids]))[0, -1].argmax()))
             if ids[-1] == eos:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_export_decodes_like_the_policy_in_transformers(exported):
@@ -81,9 +94,15 @@ def test_export_decodes_like_the_policy_in_transformers(exported):
     assert any(e[-1] == tok.eos_token_id for e in expected) and any(len(e) > 3 for e in expected), expected
     for prompt, want in zip(prompts, expected):
         ids = torch.tensor([prompt])
-        got = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        assert got[0, len(prompt):].tolist() == want
+        got = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        assert got[0, len(prompt) :].tolist() == want
 
 
 VLLM_SCRIPT = textwrap.dedent("""
@@ -102,8 +121,13 @@ def test_export_decodes_like_the_policy_in_vllm(exported):
     comes from there), in a process of its own as a serving user would run it."""
     model, tok, prompts, out = exported
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, str(out), json.dumps(prompts), str(MAX_NEW)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, str(out), json.dumps(prompts), str(MAX_NEW)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS=")]
     assert proc.returncode == 0 and lines, proc.stderr[-6000:]
     got = json.loads(lines[-1].removeprefix("TOKENS="))

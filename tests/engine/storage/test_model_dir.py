@@ -43,12 +43,17 @@ def test_layout_and_round_trip(saved):
     assert (out / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "7"
     assert (out / "megatron" / "iter_0000007" / "metadata.json").is_file()
     assert sorted(p.name for p in (out / "hf").iterdir()) == [
-        "config.json", "generation_config.json", "merges.txt", "tokenizer_config.json", "vocab.json"
+        "config.json",
+        "generation_config.json",
+        "merges.txt",
+        "tokenizer_config.json",
+        "vocab.json",
     ]
     assert json.loads((out / "hf" / "config.json").read_text()) == HF_CONFIG
     # Chat generation stops at <|im_end|> (151645); <|endoftext|> (151643) pads.
     assert json.loads((out / "hf" / "generation_config.json").read_text()) == {
-        "eos_token_id": 151645, "pad_token_id": 151643
+        "eos_token_id": 151645,
+        "pad_token_id": 151643,
     }
 
     loaded = load_model_dir(out, seed=11)  # a different init seed: every weight must come from disk

@@ -41,4 +41,6 @@ def test_stories260k_round_trip_is_byte_identical(fixtures_dir, tmp_path):
     cfg_before, cfg_after = (json.loads((d / "config.json").read_text()) for d in (original, back))
     assert GPTSpec.from_hf_config(cfg_after) == GPTSpec.from_hf_config(cfg_before)
     assert {k: v for k, v in cfg_after.items() if k != "dtype"} == {k: v for k, v in cfg_before.items() if k != "dtype"}
-    assert json.loads((back / "generation_config.json").read_text()) == json.loads((original / "generation_config.json").read_text())
+    assert json.loads((back / "generation_config.json").read_text()) == json.loads(
+        (original / "generation_config.json").read_text()
+    )

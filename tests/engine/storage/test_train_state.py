@@ -27,9 +27,21 @@ from engine.storage.train_state import (
 from engine.training.optimizer_step import build_model_optimizer, train_step
 
 VOCAB = 64
-SPEC = GPTSpec(architecture="qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=1e4,
-               norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True, head_dim=16)
+SPEC = GPTSpec(
+    architecture="qwen2",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=1e4,
+    norm_epsilon=1e-6,
+    add_qkv_bias=True,
+    tie_word_embeddings=True,
+    head_dim=16,
+)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0)
 POS = DataPosition(1, 5, 7)
 
@@ -47,8 +59,9 @@ def trained(seed: int, precision: str, steps: int = 2):
     optimizer, scheduler = build_model_optimizer(model, OPTIM, 6, precision)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        train_step(model, optimizer, scheduler, [torch.randint(0, VOCAB, (2, 8), generator=gen)], value_loss,
-                   OPTIM.grad_clip)
+        train_step(
+            model, optimizer, scheduler, [torch.randint(0, VOCAB, (2, 8), generator=gen)], value_loss, OPTIM.grad_clip
+        )
     return model, optimizer, scheduler
 
 
@@ -78,8 +91,9 @@ def test_sharded_state_round_trips_weights_moments_schedule_and_rng(tmp_path, pr
     position and ``extra``; the whole-tensor views equal what was saved."""
     model, opt, sched = trained(0, precision)
     torch.manual_seed(11)
-    save_train_state(tmp_path, step=2, model=model, optimizer=opt, scheduler=sched, data_position=POS,
-                     extra={"note": "kept"})
+    save_train_state(
+        tmp_path, step=2, model=model, optimizer=opt, scheduler=sched, data_position=POS, extra={"note": "kept"}
+    )
     after_save = torch.rand(3)
     entries = sorted(p.name for p in tmp_path.iterdir())
     assert entries[0] == CHECKSUMS and entries[2] == STATE_FILE and len(entries) == 3
@@ -144,8 +158,9 @@ def test_a_save_replaces_the_previous_state_and_a_failed_one_leaves_it(tmp_path,
     (tmp_path / ".train_state-00000005-deadbeef").mkdir()  # a save killed mid-write
     (tmp_path / "train_state-00000005-feedface").mkdir()  # killed between its rename and the index
     save_train_state(tmp_path, step=5, model=model, optimizer=opt, scheduler=sched, data_position=POS)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([load_train_state(tmp_path).checkpoint.name, STATE_FILE,
-                                                                 CHECKSUMS])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [load_train_state(tmp_path).checkpoint.name, STATE_FILE, CHECKSUMS]
+    )
 
 
 def test_single_file_states_still_load_at_their_layout_and_name_the_file_elsewhere(tmp_path):
@@ -157,9 +172,16 @@ def test_single_file_states_still_load_at_their_layout_and_name_the_file_elsewhe
     from engine.storage.train_state import _model_state, capture_rng_state
 
     model, opt, sched = trained(0, "fp32")
-    old = {"format_version": 1, "step": 2, "data_position": {"epoch": 1, "offset": 5, "shuffle_seed": 7},
-           "model": _model_state(model), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-           "rng": capture_rng_state(), "extra": {"note": "old"}}
+    old = {
+        "format_version": 1,
+        "step": 2,
+        "data_position": {"epoch": 1, "offset": 5, "shuffle_seed": 7},
+        "model": _model_state(model),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": capture_rng_state(),
+        "extra": {"note": "old"},
+    }
     torch.save(old, tmp_path / STATE_FILE)
     state = load_train_state(tmp_path)
     assert (state.format_version, state.step, state.data_position, state.checkpoint) == (1, 2, POS, None)
@@ -171,14 +193,18 @@ def test_single_file_states_still_load_at_their_layout_and_name_the_file_elsewhe
 
     other = ValueModel(build_gpt_model(SPEC.model_copy(update={"ffn_hidden_size": 32}), seed=0), SPEC.hidden_size)
     other_opt, other_sched = build_model_optimizer(other, OPTIM, 6, "fp32")
-    with pytest.raises(ValueError, match=rf"{tmp_path / STATE_FILE}: a single-file train state \(format 1.*loads only "
-                                         r"at the layout that wrote it.*size mismatch"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{tmp_path / STATE_FILE}: a single-file train state \(format 1.*loads only "
+        r"at the layout that wrote it.*size mismatch",
+    ):
         state.restore(other, other_opt, other_sched)
 
     plain = torch.nn.Linear(3, 2)
     plain_opt, plain_sched = build_model_optimizer(plain, OPTIM, 6, "fp32")
-    save_train_state(tmp_path / "plain", step=1, model=plain, optimizer=plain_opt, scheduler=plain_sched,
-                     data_position=POS)
+    save_train_state(
+        tmp_path / "plain", step=1, model=plain, optimizer=plain_opt, scheduler=plain_sched, data_position=POS
+    )
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [CHECKSUMS, STATE_FILE]
     assert load_train_state(tmp_path / "plain").format_version == 1
 
@@ -188,8 +214,11 @@ def test_a_missing_or_corrupt_sharded_state_names_the_file(tmp_path):
     save_train_state(tmp_path, step=1, model=model, optimizer=opt, scheduler=sched, data_position=POS)
     checkpoint = load_train_state(tmp_path).checkpoint
     (checkpoint / "common.pt").write_bytes(b"not a torch file")
-    with pytest.raises(ValueError, match=rf"{checkpoint / 'common.pt'}: size 16 bytes, checksums.json records size "
-                                         rf"\d+ bytes; .*delete {tmp_path} and rerun"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{checkpoint / 'common.pt'}: size 16 bytes, checksums.json records size "
+        rf"\d+ bytes; .*delete {tmp_path} and rerun",
+    ):
         load_train_state(tmp_path)
     # A state written before checksums existed (no manifests, no "checksums" in its index) loads
     # unchecked: torch's own error, still naming the directory.
@@ -201,8 +230,11 @@ def test_a_missing_or_corrupt_sharded_state_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=rf"(?s){checkpoint}: unreadable train state .*delete {tmp_path} to start"):
         load_train_state(tmp_path)
     shutil.rmtree(checkpoint)
-    with pytest.raises(FileNotFoundError, match=rf"{checkpoint}: the sharded train state named by "
-                                                rf"{tmp_path / STATE_FILE} is missing"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"{checkpoint}: the sharded train state named by "
+        rf"{tmp_path / STATE_FILE} is missing",
+    ):
         load_train_state(tmp_path)
 
 

@@ -30,9 +30,21 @@ from engine.storage.train_state import (
 from engine.training.optimizer_step import build_model_optimizer, train_step
 
 VOCAB = 64
-SPEC = GPTSpec(architecture="qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=1e4,
-               norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True, head_dim=16)
+SPEC = GPTSpec(
+    architecture="qwen2",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=1e4,
+    norm_epsilon=1e-6,
+    add_qkv_bias=True,
+    tie_word_embeddings=True,
+    head_dim=16,
+)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.1, grad_clip=1.0)
 POS = DataPosition(0, 4, 7)
 
@@ -50,14 +62,22 @@ def trained(seed: int = 0, steps: int = 1):
     optimizer, scheduler = build_model_optimizer(model, OPTIM, 6, "fp32")
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        train_step(model, optimizer, scheduler, [torch.randint(0, VOCAB, (2, 8), generator=gen)], logit_loss,
-                   OPTIM.grad_clip)
+        train_step(
+            model, optimizer, scheduler, [torch.randint(0, VOCAB, (2, 8), generator=gen)], logit_loss, OPTIM.grad_clip
+        )
     return model, optimizer, scheduler
 
 
 def save(directory, step: int, model, optimizer, scheduler):
-    return save_train_state(directory, step=step, model=model, optimizer=optimizer, scheduler=scheduler,
-                            data_position=POS, extra={"config": "c"})
+    return save_train_state(
+        directory,
+        step=step,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data_position=POS,
+        extra={"config": "c"},
+    )
 
 
 def sha256(path) -> str:
@@ -85,9 +105,11 @@ def test_flipped_bits_in_a_shard_refuse_the_resume_naming_the_file_and_both_sha2
     with pytest.raises(CorruptCheckpoint) as err:
         load_train_state(tmp_path)
     message = str(err.value)
-    assert message == (f"refusing to resume from a corrupt train state: {shard}: sha256 {actual}, {CHECKSUMS} records "
-                       f"sha256 {expected}; no earlier state is kept: delete {tmp_path} and rerun the same command to "
-                       "start this stage over")
+    assert message == (
+        f"refusing to resume from a corrupt train state: {shard}: sha256 {actual}, {CHECKSUMS} records "
+        f"sha256 {expected}; no earlier state is kept: delete {tmp_path} and rerun the same command to "
+        "start this stage over"
+    )
     assert "\n" not in message
 
 
@@ -97,9 +119,12 @@ def test_a_truncated_shard_is_named_with_both_sizes_not_as_a_model_mismatch(tmp_
     shard = largest_shard(tmp_path)
     size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[: size // 2])
-    with pytest.raises(CorruptCheckpoint, match=rf"^refusing to resume from a corrupt train state: {re.escape(str(shard))}: "
-                                                rf"size {size // 2} bytes, {CHECKSUMS} records size {size} bytes; "
-                                                rf"no earlier state is kept: delete {re.escape(str(tmp_path))}"):
+    with pytest.raises(
+        CorruptCheckpoint,
+        match=rf"^refusing to resume from a corrupt train state: {re.escape(str(shard))}: "
+        rf"size {size // 2} bytes, {CHECKSUMS} records size {size} bytes; "
+        rf"no earlier state is kept: delete {re.escape(str(tmp_path))}",
+    ):
         load_train_state(tmp_path)
     assert "does not fit the model" not in str(pytest.raises(CorruptCheckpoint, load_train_state, tmp_path).value)
 
@@ -113,15 +138,20 @@ def test_a_changed_index_or_manifest_is_refused(tmp_path):
     manifest = checkpoint / CHECKSUMS
     pinned = sha256(manifest)
     manifest.write_text(manifest.read_text().replace('"sha256": "', '"sha256": "0', 1))
-    with pytest.raises(CorruptCheckpoint, match=rf"{re.escape(str(manifest))}: sha256 {sha256(manifest)}, "
-                                                rf"{re.escape(str(tmp_path / STATE_FILE))} records sha256 {pinned}"):
+    with pytest.raises(
+        CorruptCheckpoint,
+        match=rf"{re.escape(str(manifest))}: sha256 {sha256(manifest)}, "
+        rf"{re.escape(str(tmp_path / STATE_FILE))} records sha256 {pinned}",
+    ):
         load_train_state(tmp_path)
 
     index = tmp_path / STATE_FILE
     data = bytearray(index.read_bytes())
     data[len(data) // 2] ^= 1
     index.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpoint, match=rf"{re.escape(str(index))}: sha256 [0-9a-f]{{64}}, {CHECKSUMS} records"):
+    with pytest.raises(
+        CorruptCheckpoint, match=rf"{re.escape(str(index))}: sha256 [0-9a-f]{{64}}, {CHECKSUMS} records"
+    ):
         check_run_identity(tmp_path, {"config": "c"})  # the first read of a resume
 
 
@@ -136,8 +166,11 @@ def test_a_flipped_bit_in_a_single_file_state_is_refused(tmp_path):
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0x04
     state.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpoint, match=rf"{re.escape(str(state))}: sha256 {sha256(state)}, {CHECKSUMS} records "
-                                                rf"sha256 {expected}"):
+    with pytest.raises(
+        CorruptCheckpoint,
+        match=rf"{re.escape(str(state))}: sha256 {sha256(state)}, {CHECKSUMS} records "
+        rf"sha256 {expected}",
+    ):
         load_train_state(tmp_path)
 
 
@@ -158,8 +191,10 @@ def test_a_full_disk_during_a_sharded_save_is_one_line_and_keeps_the_previous_st
         save(disk, 2, model, opt, sched)
     message = str(err.value)
     assert message.startswith(f"disk full: the train state of step 2 at {disk} needs about ")
-    assert message.endswith("; free space there or set run.checkpoint_root to a directory on a file system with room; "
-                            "the last checkpoint is kept, so a rerun resumes from it")
+    assert message.endswith(
+        "; free space there or set run.checkpoint_root to a directory on a file system with room; "
+        "the last checkpoint is kept, so a rerun resumes from it"
+    )
     needed, free = _free_line(message)
     on_disk = sum(p.stat().st_size for p in disk.rglob("*") if p.is_file())  # one state, as the first save wrote it
     assert needed.endswith("KiB") and 0.5 * on_disk < float(needed.split()[0]) * 1024 <= on_disk, (needed, on_disk)

@@ -22,10 +22,19 @@ from engine.storage.model_dir import save_model_dir
 def tiny_qwen2_config(vocab_size: int, hidden: int = 32, layers: int = 1) -> dict:
     """HF ``config.json`` of a Qwen2 decoder: 2 query heads of 16, 1 KV head (GQA), SwiGLU 2 x hidden."""
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size,
-        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "intermediate_size": 2 * hidden, "max_position_embeddings": 128, "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 2 * hidden,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
     }
 
 
@@ -37,8 +46,9 @@ def make_quickstart_inputs(root: Path, num_sft: int = 256, num_preference: int =
     """
     from transformers import AutoTokenizer
 
-    files = make_addition_datasets(root / "data", num_sft=num_sft, num_preference=num_preference, num_rl=1,
-                                   num_eval=1, seed=seed)
+    files = make_addition_datasets(
+        root / "data", num_sft=num_sft, num_preference=num_preference, num_rl=1, num_eval=1, seed=seed
+    )
     texts: list[str] = []
     for name in ("sft", "preference"):
         for line in files[name].read_text().splitlines():

@@ -31,9 +31,20 @@ class Crash(RuntimeError):
 
 
 def kto_config(**kw) -> PoConfig:
-    base = dict(enabled=True, loss="kto", beta=0.1, precision="fp32", steps=6, global_batch_size=16,
-                micro_batch_size=8, max_seq_len=256, optim=OptimConfig(lr=3e-3), eval_fraction=0.25,
-                checkpoint_every=2, log_every=1)
+    base = dict(
+        enabled=True,
+        loss="kto",
+        beta=0.1,
+        precision="fp32",
+        steps=6,
+        global_batch_size=16,
+        micro_batch_size=8,
+        max_seq_len=256,
+        optim=OptimConfig(lr=3e-3),
+        eval_fraction=0.25,
+        checkpoint_every=2,
+        log_every=1,
+    )
     return PoConfig(**{**base, **kw})
 
 
@@ -56,8 +67,12 @@ def kto_inputs(fixtures_dir, tmp_path_factory) -> dict[str, Path]:
     texts = [m["content"] for r in rows for m in r["prompt"]] + [r["completion"] for r in rows]
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=1000)
     hf_config = {**tiny_qwen2_config(len(AutoTokenizer.from_pretrained(str(tok_dir)))), "max_position_embeddings": 256}
-    save_model_dir(root / "base", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0, core_attention="sdpa"),
-                   hf_config, tok_dir)
+    save_model_dir(
+        root / "base",
+        build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0, core_attention="sdpa"),
+        hf_config,
+        tok_dir,
+    )
     return {"data": data, "base": root / "base"}
 
 
@@ -77,13 +92,23 @@ def test_unpaired_kto_loss_equals_trl_formula():
     kl = (policy_kl - ref_kl).mean().clamp(min=0)
     chosen_logratios = policy[labels] - ref[labels]
     rejected_logratios = policy[~labels] - ref[~labels]
-    trl = torch.cat((1.2 * (1 - torch.sigmoid(0.5 * (chosen_logratios - kl))),
-                     0.8 * (1 - torch.sigmoid(0.5 * (kl - rejected_logratios)))), 0)
+    trl = torch.cat(
+        (
+            1.2 * (1 - torch.sigmoid(0.5 * (chosen_logratios - kl))),
+            0.8 * (1 - torch.sigmoid(0.5 * (kl - rejected_logratios))),
+        ),
+        0,
+    )
     torch.testing.assert_close(out.losses, trl, rtol=0, atol=1e-15)
     # by hand: desirable log-ratios 1, 0, 1 and undesirable -1, -0.5 against z0 = 0.1
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    hand = [1.2 * (1 - sig(0.5 * 0.9)), 1.2 * (1 - sig(0.5 * -0.1)), 1.2 * (1 - sig(0.5 * 0.9)),
-            0.8 * (1 - sig(0.5 * 1.1)), 0.8 * (1 - sig(0.5 * 0.6))]
+    hand = [
+        1.2 * (1 - sig(0.5 * 0.9)),
+        1.2 * (1 - sig(0.5 * -0.1)),
+        1.2 * (1 - sig(0.5 * 0.9)),
+        0.8 * (1 - sig(0.5 * 1.1)),
+        0.8 * (1 - sig(0.5 * 0.6)),
+    ]
     assert out.losses.tolist() == pytest.approx(hand, abs=1e-12)
     assert out.chosen_rewards.tolist() == pytest.approx([0.5, 0.0, 0.5])
     assert out.rejected_rewards.tolist() == pytest.approx([-0.5, -0.25])
@@ -102,7 +127,7 @@ def test_encoding_pairs_each_prompt_with_the_next_rows_completion(kto_inputs):
     assert tok.decode([t for t, m in zip(ids, mask) if m]).startswith(rows[1]["completion"][:20])
     assert tok.decode([t for t, m in zip(own_ids, own_mask) if m]).startswith(rows[0]["completion"][:20])
     # the prompt part is row 0's in both
-    assert ids[:own_mask.index(1)] == own_ids[:own_mask.index(1)]
+    assert ids[: own_mask.index(1)] == own_ids[: own_mask.index(1)]
 
 
 def test_kto_on_unpaired_rows_lowers_the_loss_and_resumes_bit_identical(kto_inputs, tmp_path, caplog):
@@ -110,8 +135,15 @@ def test_kto_on_unpaired_rows_lowers_the_loss_and_resumes_bit_identical(kto_inpu
     cfg = kto_config()
     logged: dict[int, dict] = {}
     with caplog.at_level("INFO", logger="engine.training.preference_optimization"):
-        straight = train_preference_optimization(base, data, cfg, tmp_path / "a" / "model", tmp_path / "resume_a",
-                                                 seed=0, log_metrics=lambda m, s: logged.setdefault(s, dict(m)))
+        straight = train_preference_optimization(
+            base,
+            data,
+            cfg,
+            tmp_path / "a" / "model",
+            tmp_path / "resume_a",
+            seed=0,
+            log_metrics=lambda m, s: logged.setdefault(s, dict(m)),
+        )
     tok = load_tokenizer(base)
     examples = encode_unpaired(data, tok, 256)
     n_d = sum(e.label for e in examples)
@@ -148,8 +180,9 @@ def test_kto_on_unpaired_rows_lowers_the_loss_and_resumes_bit_identical(kto_inpu
             raise Crash()
 
     with pytest.raises(Crash):
-        train_preference_optimization(base, data, cfg, tmp_path / "b" / "model", tmp_path / "resume_b", seed=0,
-                                      log_metrics=crash_at_5)
+        train_preference_optimization(
+            base, data, cfg, tmp_path / "b" / "model", tmp_path / "resume_b", seed=0, log_metrics=crash_at_5
+        )
     resumed = train_preference_optimization(base, data, cfg, tmp_path / "b" / "model", tmp_path / "resume_b", seed=0)
     assert resumed["train/resumed_from_step"] == 4.0
     a = load_model_dir(tmp_path / "a" / "model").model.state_dict()
@@ -161,15 +194,21 @@ def test_kto_on_unpaired_rows_lowers_the_loss_and_resumes_bit_identical(kto_inpu
 
 
 def test_other_losses_refuse_unpaired_rows(kto_inputs, tmp_path):
-    with pytest.raises(ValueError, match=r"kto\.jsonl: unpaired desirable/undesirable rows \(data\.kto\) train only "
-                                         r"po\.loss: kto, not 'dpo'"):
-        train_preference_optimization(kto_inputs["base"], kto_inputs["data"], kto_config(loss="dpo"),
-                                      tmp_path / "o" / "model", None)
+    with pytest.raises(
+        ValueError,
+        match=r"kto\.jsonl: unpaired desirable/undesirable rows \(data\.kto\) train only "
+        r"po\.loss: kto, not 'dpo'",
+    ):
+        train_preference_optimization(
+            kto_inputs["base"], kto_inputs["data"], kto_config(loss="dpo"), tmp_path / "o" / "model", None
+        )
 
 
 def test_bad_unpaired_row_names_file_line_and_field(kto_inputs, tmp_path):
     bad = tmp_path / "kto.jsonl"
-    bad.write_text('{"prompt": [{"role": "user", "content": "hi"}], "completion": "hello", "label": true}\n'
-                   '{"prompt": [{"role": "user", "content": "hi"}], "completion": "go away", "label": "no"}\n')
+    bad.write_text(
+        '{"prompt": [{"role": "user", "content": "hi"}], "completion": "hello", "label": true}\n'
+        '{"prompt": [{"role": "user", "content": "hi"}], "completion": "go away", "label": "no"}\n'
+    )
     with pytest.raises(ValueError, match=rf"{bad}:2: label: expected true or false"):
         train_preference_optimization(kto_inputs["base"], bad, kto_config(), tmp_path / "o" / "model", None)

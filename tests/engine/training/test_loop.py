@@ -27,7 +27,12 @@ class Cfg:
     """The loop's part of a stage config."""
 
     def __init__(self, steps: int = 5, log_every: int = 2, checkpoint_every: int = 2):
-        self.steps, self.log_every, self.checkpoint_every, self.global_batch_size = steps, log_every, checkpoint_every, BATCH
+        self.steps, self.log_every, self.checkpoint_every, self.global_batch_size = (
+            steps,
+            log_every,
+            checkpoint_every,
+            BATCH,
+        )
 
 
 def squared_error(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]):
@@ -80,8 +85,18 @@ def make_trainer(steps: int) -> ModelTrainer:
 
 def run(cfg: Cfg, resume_dir, log=None, identity=None) -> tuple[LoopResult, Regression, ModelTrainer]:
     stage, trainer = Regression(), make_trainer(cfg.steps)
-    result = run_loop(trainer, stage, cfg, num_examples=NUM_EXAMPLES, seed=7, identity=identity or {"run": "a"},
-                      resume_dir=resume_dir, log_metrics=log, desc="test", label="the test run")
+    result = run_loop(
+        trainer,
+        stage,
+        cfg,
+        num_examples=NUM_EXAMPLES,
+        seed=7,
+        identity=identity or {"run": "a"},
+        resume_dir=resume_dir,
+        log_metrics=log,
+        desc="test",
+        label="the test run",
+    )
     return result, stage, trainer
 
 

@@ -21,9 +21,21 @@ from engine.rollout.base import RolloutOutput
 from engine.trajectory import Trajectory
 
 VOCAB = 64
-SPEC = GPTSpec(architecture="qwen2", vocab_size=VOCAB, hidden_size=32, num_layers=1, num_attention_heads=2,
-               num_key_value_heads=1, ffn_hidden_size=64, max_position_embeddings=64, rope_theta=1e4,
-               norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True, head_dim=16)
+SPEC = GPTSpec(
+    architecture="qwen2",
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    ffn_hidden_size=64,
+    max_position_embeddings=64,
+    rope_theta=1e4,
+    norm_epsilon=1e-6,
+    add_qkv_bias=True,
+    tie_word_embeddings=True,
+    head_dim=16,
+)
 
 
 def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,7 +56,7 @@ def assert_masters_are_fp32_state(model: torch.nn.Module, state: dict[str, torch
     """``state`` (read back from disk) holds, for every master of ``model`` under ``prefix``,
     exactly its fp32 values; and the masters are not all bf16-representable (so fp32 storage
     is what kept them, not a bf16 round trip)."""
-    masters = {k[len(prefix):]: m for k, m in master_params(model).items() if k.startswith(prefix)}
+    masters = {k[len(prefix) :]: m for k, m in master_params(model).items() if k.startswith(prefix)}
     assert masters and set(masters) <= set(state)
     for k, m in masters.items():
         assert state[k].dtype == torch.float32 and torch.equal(state[k], m.detach()), k
@@ -85,8 +97,9 @@ def test_bf16_resume_is_bit_identical_and_checkpoints_hold_the_masters(tmp_path,
     a = build_gpt_model(SPEC, seed=0, core_attention="sdpa")
     opt_a, sch_a = build_model_optimizer(a, optim, 4, "bf16")
     run(a, opt_a, sch_a, [0, 1])
-    save_train_state(tmp_path / "state", step=2, model=a, optimizer=opt_a, scheduler=sch_a,
-                     data_position=DataPosition(0, 2, 0))
+    save_train_state(
+        tmp_path / "state", step=2, model=a, optimizer=opt_a, scheduler=sch_a, data_position=DataPosition(0, 2, 0)
+    )
     at_k = masters_of(a)
     run(a, opt_a, sch_a, [2, 3])
 
@@ -104,7 +117,10 @@ def test_bf16_resume_is_bit_identical_and_checkpoints_hold_the_masters(tmp_path,
     assert state_a["param_groups"] == state_b["param_groups"] and state_a["state"].keys() == state_b["state"].keys()
     for i, s in state_a["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert s[key].dtype == state_b["state"][i][key].dtype and torch.equal(s[key], state_b["state"][i][key]), (i, key)
+            assert s[key].dtype == state_b["state"][i][key].dtype and torch.equal(s[key], state_b["state"][i][key]), (
+                i,
+                key,
+            )
         assert s["exp_avg"].dtype == torch.float32  # the moments are fp32 (they belong to the masters)
     assert sch_a.state_dict() == sch_b.state_dict()
 
@@ -122,26 +138,40 @@ def policy_dir(tmp_path_factory, fixtures_dir):
     from engine.models.megatron import build_gpt_model
     from engine.storage.model_dir import save_model_dir
 
-    return save_model_dir(tmp_path_factory.mktemp("mp") / "policy", build_gpt_model(SPEC, seed=4),
-                          SPEC.to_hf_config(), fixtures_dir / "qwen2.5-tokenizer")
+    return save_model_dir(
+        tmp_path_factory.mktemp("mp") / "policy",
+        build_gpt_model(SPEC, seed=4),
+        SPEC.to_hf_config(),
+        fixtures_dir / "qwen2.5-tokenizer",
+    )
 
 
 def trajectory() -> Trajectory:
     """2 prompts x 2 responses of random tokens, with advantages and old/ref log-probs."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (5, 3)]
-    outs = [[RolloutOutput(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (-4.0,) * n, "stop")
-             for n in ns] for ns in ([4, 2], [3, 5])]
+    outs = [
+        [RolloutOutput(tuple(torch.randint(1, VOCAB, (n,), generator=gen).tolist()), (-4.0,) * n, "stop") for n in ns]
+        for ns in ([4, 2], [3, 5])
+    ]
     traj = Trajectory.from_rollout(prompts, outs, pad_id=0)
     mask = traj.response_mask
     old = (-4.2 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask
-    return traj.with_(advantages=torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]) * mask, old_logprobs=old,
-                      ref_logprobs=old - 0.05 * mask)
+    return traj.with_(
+        advantages=torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]) * mask, old_logprobs=old, ref_logprobs=old - 0.05 * mask
+    )
 
 
 def rl_config(**overrides) -> RLConfig:
-    fields = dict(precision="bf16", micro_batch_size=2, ppo_epochs=1, steps=1, kl=KLConfig(coef=0.1),
-                  optim=OptimConfig(lr=1e-3, min_lr=1e-3), rollout=RolloutConfig(temperature=1.0, max_new_tokens=8))
+    fields = dict(
+        precision="bf16",
+        micro_batch_size=2,
+        ppo_epochs=1,
+        steps=1,
+        kl=KLConfig(coef=0.1),
+        optim=OptimConfig(lr=1e-3, min_lr=1e-3),
+        rollout=RolloutConfig(temperature=1.0, max_new_tokens=8),
+    )
     return RLConfig(**{**fields, **overrides})
 
 
@@ -170,7 +200,9 @@ def test_actor_and_reference_under_bf16(policy_dir, tmp_path):
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert all(p.dtype == torch.bfloat16 for p in actor.model.parameters())
     moved = masters_of(actor.model)
-    assert all(m.dtype == torch.float32 for m in moved.values()) and any(not torch.equal(moved[k], masters[k]) for k in moved)
+    assert all(m.dtype == torch.float32 for m in moved.values()) and any(
+        not torch.equal(moved[k], masters[k]) for k in moved
+    )
 
     plan = actor.hf_bucket_plan()
     streamed = [pair for i in range(plan.num_buckets) for pair in actor.hf_bucket(i)]
@@ -230,7 +262,9 @@ def test_reward_trainer_under_bf16_saves_fp32_and_scores_in_bf16(policy_dir, tmp
     out = trainer.save(tmp_path / "rm", iteration=1)
     heads = load_file(str(out / "heads.safetensors"))
     for name in ("reward_head.weight", "reward_head.bias"):
-        assert heads[name].dtype == torch.float32 and torch.equal(heads[name], master_params(trainer.model)[name].detach())
+        assert heads[name].dtype == torch.float32 and torch.equal(
+            heads[name], master_params(trainer.model)[name].detach()
+        )
     assert_masters_are_fp32_state(trainer.model, tensors(load_model_dir(out).model), prefix="gpt.")
     assert trainer.model.reward_head.weight.dtype == torch.bfloat16  # compute weights back after saving
 

@@ -26,15 +26,25 @@ E, TOPK, HIDDEN = 4, 2, 64
 
 
 def moe_config(vocab_size: int = 300) -> dict:
-    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, num_experts=E,
-                         num_experts_per_tok=TOPK, moe_intermediate_size=48, intermediate_size=96, norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        num_experts=E,
+        num_experts_per_tok=TOPK,
+        moe_intermediate_size=48,
+        intermediate_size=96,
+        norm_topk_prob=True,
+    )
     return {**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
 
 
 def build(router: MoERouterConfig | None, vocab_size: int = 300):
-    return build_gpt_model(GPTSpec.from_hf_config(moe_config(vocab_size)), seed=0, core_attention="sdpa",
-                           router=router)
+    return build_gpt_model(GPTSpec.from_hf_config(moe_config(vocab_size)), seed=0, core_attention="sdpa", router=router)
 
 
 # Router logits of 4 tokens over 4 experts; top-2 sends token 0 to {0, 1}, 1 to {0, 2}, 2 to {1, 2}, 3 to {3, 2}.
@@ -111,8 +121,9 @@ def test_router_settings_travel_with_the_model_dir_and_sft_logs_expert_loads(tmp
     from data.tokenizer_train import train_chat_tokenizer
 
     rows = alpaca_messages(fixtures_dir, 8)
-    tok_dir = train_chat_tokenizer([m["content"] for r in rows for m in r["messages"]], tmp_path / "tok",
-                                   vocab_size=400)
+    tok_dir = train_chat_tokenizer(
+        [m["content"] for r in rows for m in r["messages"]], tmp_path / "tok", vocab_size=400
+    )
     vocab = len(load_tokenizer_dir(tok_dir))
     router = MoERouterConfig(load_balancing="aux_loss", aux_loss_coeff=0.01, z_loss_coeff=0.001)
     save_model_dir(tmp_path / "base", build(router, vocab), moe_config(vocab), tok_dir)

@@ -39,15 +39,30 @@ class Crash(RuntimeError):
 def sft_policy(quickstart_inputs, tmp_path_factory) -> Path:
     """A short SFT of the tiny quickstart model: the starting policy and reference."""
     out = tmp_path_factory.mktemp("po_sft") / "sft"
-    cfg = SFTConfig(precision="fp32", steps=20, global_batch_size=32, micro_batch_size=32, max_seq_len=64,
-                    optim=OptimConfig(lr=3e-3, warmup_steps=2))
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=20,
+        global_batch_size=32,
+        micro_batch_size=32,
+        max_seq_len=64,
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+    )
     train_sft(quickstart_inputs["base"], quickstart_inputs["sft"], cfg, out, None, seed=0)
     return out
 
 
 def po_config(**kw) -> PoConfig:
-    base = dict(enabled=True, precision="fp32", steps=4, global_batch_size=8, micro_batch_size=4, max_seq_len=64,
-                optim=OptimConfig(lr=1e-3), checkpoint_every=2, log_every=1)
+    base = dict(
+        enabled=True,
+        precision="fp32",
+        steps=4,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=64,
+        optim=OptimConfig(lr=1e-3),
+        checkpoint_every=2,
+        log_every=1,
+    )
     return PoConfig(**{**base, **kw})
 
 
@@ -56,8 +71,11 @@ def test_response_logps_equal_a_per_token_loop(sft_policy, quickstart_inputs):
     pairs = encode_pairs(quickstart_inputs["preference"], tok, 64, mismatched=True)[:5]
     model = load_model_dir(sft_policy).model
     got = pair_logps(model, pairs, pad_token_id(tok), micro_batch_size=3)  # padded, two micro-batches
-    for key, side in (("chosen", lambda p: p.chosen), ("rejected", lambda p: p.rejected),
-                      ("mismatched_chosen", lambda p: p.mismatched[0])):
+    for key, side in (
+        ("chosen", lambda p: p.chosen),
+        ("rejected", lambda p: p.rejected),
+        ("mismatched_chosen", lambda p: p.mismatched[0]),
+    ):
         for i, p in enumerate(pairs):
             ids, mask = side(p)
             with torch.no_grad():
@@ -70,8 +88,17 @@ def test_response_logps_equal_a_per_token_loop(sft_policy, quickstart_inputs):
     assert 2 <= sum(mask) < len(ids) // 2
 
 
-@pytest.mark.parametrize("loss,rpo_alpha,dpop_lambda", [("dpo", 0.0, 0.0), ("ipo", 0.0, 0.0), ("simpo", 0.0, 0.0),
-                                                       ("kto", 0.0, 0.0), ("dpo", 1.0, 0.0), ("dpo", 0.0, 50.0)])
+@pytest.mark.parametrize(
+    "loss,rpo_alpha,dpop_lambda",
+    [
+        ("dpo", 0.0, 0.0),
+        ("ipo", 0.0, 0.0),
+        ("simpo", 0.0, 0.0),
+        ("kto", 0.0, 0.0),
+        ("dpo", 1.0, 0.0),
+        ("dpo", 0.0, 50.0),
+    ],
+)
 def test_one_or_four_micro_batches_give_the_same_gradient(sft_policy, quickstart_inputs, loss, rpo_alpha, dpop_lambda):
     tok = load_tokenizer(sft_policy)
     pad = pad_token_id(tok)
@@ -88,10 +115,13 @@ def test_one_or_four_micro_batches_give_the_same_gradient(sft_policy, quickstart
 
         micro = []
         for start in range(0, 8, size):
-            rows = [p.chosen for p in pairs[start:start + size]] + [p.rejected for p in pairs[start:start + size]]
+            rows = [p.chosen for p in pairs[start : start + size]] + [p.rejected for p in pairs[start : start + size]]
             tokens = collate_tokens([r[0] for r in rows], [r[1] for r in rows], pad)
-            micro.append(PreferenceMicroBatch(tokens, reference["chosen"][start:start + size],
-                                              reference["rejected"][start:start + size]))
+            micro.append(
+                PreferenceMicroBatch(
+                    tokens, reference["chosen"][start : start + size], reference["rejected"][start : start + size]
+                )
+            )
         loss_value, units, metrics = accumulate_gradients(model, micro, fn)
         return loss_value, units, metrics, [p.grad.clone() for p in model.parameters()]
 
@@ -108,21 +138,30 @@ def test_one_or_four_micro_batches_give_the_same_gradient(sft_policy, quickstart
 def test_resume_reuses_the_reference_and_ends_bit_identical(sft_policy, quickstart_inputs, tmp_path):
     data = quickstart_inputs["preference"]
     cfg = po_config(loss="dpo")
-    straight = train_preference_optimization(sft_policy, data, cfg, tmp_path / "a" / "model", tmp_path / "resume_a",
-                                             seed=3)
+    straight = train_preference_optimization(
+        sft_policy, data, cfg, tmp_path / "a" / "model", tmp_path / "resume_a", seed=3
+    )
 
     def crash_at_3(metrics, step):
         if step == 3:  # done but not checkpointed: the resumed run redoes it
             raise Crash()
 
     with pytest.raises(Crash):
-        train_preference_optimization(sft_policy, data, cfg, tmp_path / "b" / "model", tmp_path / "resume_b", seed=3,
-                                      log_metrics=crash_at_3)
+        train_preference_optimization(
+            sft_policy, data, cfg, tmp_path / "b" / "model", tmp_path / "resume_b", seed=3, log_metrics=crash_at_3
+        )
     cached = tmp_path / "resume_b" / REFERENCE_FILE
     written = cached.stat().st_mtime_ns
     steps: list[int] = []
-    resumed = train_preference_optimization(sft_policy, data, cfg, tmp_path / "b" / "model", tmp_path / "resume_b",
-                                            seed=3, log_metrics=lambda m, s: steps.append(s))
+    resumed = train_preference_optimization(
+        sft_policy,
+        data,
+        cfg,
+        tmp_path / "b" / "model",
+        tmp_path / "resume_b",
+        seed=3,
+        log_metrics=lambda m, s: steps.append(s),
+    )
     assert steps == [3, 4] and resumed["train/resumed_from_step"] == 2.0
     assert cached.stat().st_mtime_ns == written  # read back, not computed again
 
@@ -152,27 +191,44 @@ def test_resume_reuses_the_reference_and_ends_bit_identical(sft_policy, quicksta
 def test_kto_logs_its_reference_point_and_simpo_writes_no_reference(sft_policy, quickstart_inputs, tmp_path):
     data = quickstart_inputs["preference"]
     logged: dict[int, dict] = {}
-    kto = train_preference_optimization(sft_policy, data, po_config(loss="kto", steps=2), tmp_path / "k" / "model",
-                                        tmp_path / "rk", seed=0, log_metrics=lambda m, s: logged.setdefault(s, m))
+    kto = train_preference_optimization(
+        sft_policy,
+        data,
+        po_config(loss="kto", steps=2),
+        tmp_path / "k" / "model",
+        tmp_path / "rk",
+        seed=0,
+        log_metrics=lambda m, s: logged.setdefault(s, m),
+    )
     # at step 1 the policy is the reference: z0 = max(0, mean of zero log-ratios) = 0 (up to padding's rounding),
     # and every KTO loss is 1 - sigmoid(0) = 0.5
     assert logged[1]["po/kl"] == pytest.approx(0.0, abs=1e-5)
-    assert logged[1]["po/loss"] == pytest.approx(0.5, abs=1e-5) and logged[1]["po/rewards/margin"] == pytest.approx(0, abs=1e-5)
+    assert logged[1]["po/loss"] == pytest.approx(0.5, abs=1e-5) and logged[1]["po/rewards/margin"] == pytest.approx(
+        0, abs=1e-5
+    )
     assert math.isfinite(kto["po/loss"]) and kto["po/kl"] >= 0.0
     from safetensors.torch import load_file
 
     assert set(load_file(str(tmp_path / "k" / REFERENCE_FILE))) == {
-        "chosen", "rejected", "mismatched_chosen", "mismatched_rejected", "line"}
-    simpo = train_preference_optimization(sft_policy, data, po_config(loss="simpo", beta=2.0, steps=2),
-                                          tmp_path / "s" / "model", tmp_path / "rs", seed=0)
+        "chosen",
+        "rejected",
+        "mismatched_chosen",
+        "mismatched_rejected",
+        "line",
+    }
+    simpo = train_preference_optimization(
+        sft_policy, data, po_config(loss="simpo", beta=2.0, steps=2), tmp_path / "s" / "model", tmp_path / "rs", seed=0
+    )
     assert not (tmp_path / "s" / REFERENCE_FILE).exists() and not (tmp_path / "rs" / REFERENCE_FILE).exists()
     assert math.isfinite(simpo["po/loss"])
 
 
 def test_bad_row_names_file_line_and_field(sft_policy, tmp_path):
     bad = tmp_path / "prefs.jsonl"
-    bad.write_text('{"prompt": "What is 1 + 2?", "chosen": "3", "rejected": "4"}\n'
-                   '{"prompt": "What is 2 + 2?", "chosen": 4, "rejected": "5"}\n')
+    bad.write_text(
+        '{"prompt": "What is 1 + 2?", "chosen": "3", "rejected": "4"}\n'
+        '{"prompt": "What is 2 + 2?", "chosen": 4, "rejected": "5"}\n'
+    )
     with pytest.raises(ValueError, match=rf"{bad}:2: chosen: expected a string"):
         train_preference_optimization(sft_policy, bad, po_config(), tmp_path / "o" / "model", None)
 
@@ -195,15 +251,30 @@ def test_dpo_raises_held_out_pairwise_accuracy_above_the_starting_policy(tmp_pat
     from tests.engine.training.test_reward_model import BAD, GOOD, preference_rows
 
     rows = preference_rows(fixtures_dir, 400)
-    tok_dir = train_chat_tokenizer([r["prompt"][0]["content"] for r in rows] + [" ".join(GOOD + BAD)] * 4,
-                                   tmp_path / "tokenizer", vocab_size=320)
+    tok_dir = train_chat_tokenizer(
+        [r["prompt"][0]["content"] for r in rows] + [" ".join(GOOD + BAD)] * 4, tmp_path / "tokenizer", vocab_size=320
+    )
     hf_config = tiny_qwen2_config(len(AutoTokenizer.from_pretrained(str(tok_dir))))
-    save_model_dir(tmp_path / "base", build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0, core_attention="sdpa"),
-                   hf_config, tok_dir)
+    save_model_dir(
+        tmp_path / "base",
+        build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=0, core_attention="sdpa"),
+        hf_config,
+        tok_dir,
+    )
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = po_config(loss="dpo", beta=0.1, steps=40, global_batch_size=32, micro_batch_size=32, max_seq_len=96,
-                    optim=OptimConfig(lr=3e-3), eval_fraction=0.3, log_every=40, checkpoint_every=40)
+    cfg = po_config(
+        loss="dpo",
+        beta=0.1,
+        steps=40,
+        global_batch_size=32,
+        micro_batch_size=32,
+        max_seq_len=96,
+        optim=OptimConfig(lr=3e-3),
+        eval_fraction=0.3,
+        log_every=40,
+        checkpoint_every=40,
+    )
     out = train_preference_optimization(tmp_path / "base", data, cfg, tmp_path / "po" / "model", None, seed=0)
 
     tok = load_tokenizer(tmp_path / "base")

@@ -41,16 +41,20 @@ def preference_rows(fixtures_dir: Path, n: int) -> list[dict]:
     """Real alpaca instructions as prompts; the chosen answer uses only approving words, the
     rejected one only disapproving words (an easy, learnable preference)."""
     rng = random.Random(0)
-    instructions = [r["instruction"] for r in json.loads(
-        (fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json").read_text())[:n]]
+    instructions = [
+        r["instruction"]
+        for r in json.loads((fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json").read_text())[:n]
+    ]
     rows = []
     for text in instructions:
         k = rng.randint(2, 5)
-        rows.append({
-            "prompt": [{"role": "user", "content": text}],
-            "chosen": " ".join(rng.choice(GOOD) for _ in range(k)),
-            "rejected": " ".join(rng.choice(BAD) for _ in range(rng.randint(2, 5))),
-        })
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": text}],
+                "chosen": " ".join(rng.choice(GOOD) for _ in range(k)),
+                "rejected": " ".join(rng.choice(BAD) for _ in range(rng.randint(2, 5))),
+            }
+        )
     return rows
 
 
@@ -63,11 +67,19 @@ def setup(tmp_path_factory, fixtures_dir):
     from transformers import AutoTokenizer
 
     cfg = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
         "vocab_size": len(AutoTokenizer.from_pretrained(str(tok_dir))),
-        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128, "max_position_embeddings": 128, "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
     }
     model = build_gpt_model(GPTSpec.from_hf_config(cfg), seed=0, core_attention="sdpa")
     save_model_dir(root / "base", model, cfg, tok_dir)
@@ -90,11 +102,20 @@ def test_reward_is_read_at_the_last_real_token(setup):
 
 def test_training_reaches_high_held_out_accuracy_and_round_trips(setup):
     root, data, rows = setup
-    cfg = RMConfig(precision="fp32", steps=12, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
-                   optim=OptimConfig(lr=3e-3, warmup_steps=3), log_every=4)
+    cfg = RMConfig(
+        precision="fp32",
+        steps=12,
+        global_batch_size=16,
+        micro_batch_size=8,
+        max_seq_len=96,
+        eval_fraction=0.25,
+        optim=OptimConfig(lr=3e-3, warmup_steps=3),
+        log_every=4,
+    )
     logged: list[int] = []
-    metrics = train_reward_model(reward_trainer, root / "base", data, cfg, root / "rm", seed=0,
-                                 log_metrics=lambda m, s: logged.append(s))
+    metrics = train_reward_model(
+        reward_trainer, root / "base", data, cfg, root / "rm", seed=0, log_metrics=lambda m, s: logged.append(s)
+    )
     assert logged == [4, 8, 12]
     assert metrics["rm/num_eval_pairs"] == 20 and metrics["rm/num_train_pairs"] == 60
     assert metrics["rm/accuracy"] >= 0.9, metrics
@@ -121,8 +142,12 @@ def test_bad_inputs_raise_clear_errors(setup, tmp_path):
     root, _, _ = setup
     tok = load_tokenizer(root / "base")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"}) + "\n"
-                   + json.dumps({"prompt": [{"role": "user", "content": "q"}], "chosen": "a"}) + "\n")
+    bad.write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "q"}], "chosen": "a", "rejected": "b"})
+        + "\n"
+        + json.dumps({"prompt": [{"role": "user", "content": "q"}], "chosen": "a"})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl:2: rejected: expected a string"):
         encode_preference_dataset(bad, tok, 64)
     with pytest.raises(ValueError, match="lacks"):
@@ -167,19 +192,43 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
     from engine.storage.train_state import DataPosition, load_train_state
 
     root, data, _ = setup
-    cfg = RMConfig(precision="fp32", steps=6, global_batch_size=16, micro_batch_size=8, max_seq_len=96, eval_fraction=0.25,
-                   optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5),
-                   checkpoint_every=2, log_every=1)
+    cfg = RMConfig(
+        precision="fp32",
+        steps=6,
+        global_batch_size=16,
+        micro_batch_size=8,
+        max_seq_len=96,
+        eval_fraction=0.25,
+        optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.1, grad_clip=0.5),
+        checkpoint_every=2,
+        log_every=1,
+    )
     straight_log: list[tuple[int, dict]] = []
-    straight = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "straight", None, seed=0,
-                                  log_metrics=lambda m, s: straight_log.append((s, dict(m))))
+    straight = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        cfg,
+        tmp_path / "straight",
+        None,
+        seed=0,
+        log_metrics=lambda m, s: straight_log.append((s, dict(m))),
+    )
     assert (straight["train/resumed_from_step"], straight["train/steps_run"]) == (0.0, 6.0)
 
     resume = tmp_path / "resume"
     first_log: list[tuple[int, dict]] = []
     with pytest.raises(Crash):
-        train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "resumed", resume, seed=0,
-                           log_metrics=crash_after(5, first_log))
+        train_reward_model(
+            reward_trainer,
+            root / "base",
+            data,
+            cfg,
+            tmp_path / "resumed",
+            resume,
+            seed=0,
+            log_metrics=crash_after(5, first_log),
+        )
     assert not (tmp_path / "resumed").exists()
     state = load_train_state(resume)
     assert state.step == 4 and state.data_position == DataPosition(1, 4, 0)  # 64 pairs drawn of 60
@@ -187,8 +236,16 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
 
     later = cfg.model_copy(update={"log_every": 2, "checkpoint_every": 5})  # neither changes the result
     resumed_log: list[tuple[int, dict]] = []
-    resumed = train_reward_model(reward_trainer, root / "base", data, later, tmp_path / "resumed", resume, seed=0,
-                                 log_metrics=lambda m, s: resumed_log.append((s, dict(m))))
+    resumed = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        later,
+        tmp_path / "resumed",
+        resume,
+        seed=0,
+        log_metrics=lambda m, s: resumed_log.append((s, dict(m))),
+    )
     assert [s for s, _ in resumed_log] == [6]  # steps 5 and 6 ran; step 6 is logged (log_every 2)
     assert (resumed["train/resumed_from_step"], resumed["train/steps_run"], resumed["train/steps"]) == (4.0, 2.0, 6.0)
     assert untimed(resumed_log[0][1]) == untimed(straight_log[5][1])
@@ -203,14 +260,24 @@ def test_resume_after_a_crash_ends_with_identical_weights_and_head(setup, tmp_pa
 
     # A finished state: no step runs, the same weights and metrics are written again.
     again_log: list[int] = []
-    again = train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "again", resume, seed=0,
-                               log_metrics=lambda m, s: again_log.append(s))
+    again = train_reward_model(
+        reward_trainer,
+        root / "base",
+        data,
+        cfg,
+        tmp_path / "again",
+        resume,
+        seed=0,
+        log_metrics=lambda m, s: again_log.append(s),
+    )
     assert again_log == [] and (again["train/resumed_from_step"], again["train/steps_run"]) == (6.0, 0.0)
     assert untimed(again) == untimed(resumed) | {"train/resumed_from_step": 6.0, "train/steps_run": 0.0}
     c = model_dir_tensors(tmp_path / "again")
     assert [k for k in a if not torch.equal(a[k], c[k])] == []
 
     with pytest.raises(ValueError, match="train state was written by a different run"):
-        train_reward_model(reward_trainer, root / "base", data, cfg.model_copy(update={"steps": 7}), tmp_path / "x", resume, seed=0)
+        train_reward_model(
+            reward_trainer, root / "base", data, cfg.model_copy(update={"steps": 7}), tmp_path / "x", resume, seed=0
+        )
     with pytest.raises(ValueError, match="different run"):
         train_reward_model(reward_trainer, root / "base", data, cfg, tmp_path / "x", resume, seed=1)

@@ -32,8 +32,13 @@ def trajectory() -> Trajectory:
 
 
 def rl_cfg(**overrides) -> RLConfig:
-    fields = dict(micro_batch_size=1, kl=KLConfig(coef=0.0), rollout=RolloutConfig(backend="hf", temperature=1.0),
-                  precision="fp32", moe_routing_replay=True)
+    fields = dict(
+        micro_batch_size=1,
+        kl=KLConfig(coef=0.0),
+        rollout=RolloutConfig(backend="hf", temperature=1.0),
+        precision="fp32",
+        moe_routing_replay=True,
+    )
     return RLConfig(**(fields | overrides))
 
 
@@ -45,9 +50,11 @@ def router_hooks(model) -> tuple[list, list, list]:
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     inputs, maps = [[] for _ in routers], [[] for _ in routers]
     for router, x_store, map_store in zip(routers, inputs, maps):
+
         def keep(mod, args, out, x_store=x_store, map_store=map_store):
             x_store.append(args[0].detach())
             map_store.append(out[1].detach())
+
         router.register_forward_hook(keep)
     return routers, inputs, maps
 
@@ -154,8 +161,10 @@ def test_replay_under_a_random_router_move_routes_as_recorded(monkeypatch):
         ratio, _ = first_micro_batch_ratio(model, traj, cfg, routing if replay else None, old, monkeypatch)
         spreads[replay] = float((ratio - 1).abs().max())
         flips[replay] = sum(int((maps[layer][before] != recorded[layer]).any(-1).sum()) for layer in range(2))
-    print(f"random router move: max |ratio - 1| replay {spreads[True]:.4g} (tokens flipped {flips[True]}), "
-          f"no replay {spreads[False]:.4g} (tokens flipped {flips[False]} of {2 * recorded[0].size(0)})")
+    print(
+        f"random router move: max |ratio - 1| replay {spreads[True]:.4g} (tokens flipped {flips[True]}), "
+        f"no replay {spreads[False]:.4g} (tokens flipped {flips[False]} of {2 * recorded[0].size(0)})"
+    )
     assert flips[True] == 0 and flips[False] > 0
 
 
@@ -178,10 +187,23 @@ def test_replay_refuses_other_micro_batches_a_missing_recording_and_a_dense_mode
     with pytest.raises(ValueError, match="MoE layer 0 routes 5 tokens, the recorded routing has 9"):
         with routing.replaying([torch.zeros(9, 2, dtype=torch.long)] * 2):
             compute_logprobs(model, traj.select(torch.tensor([2])), 1.0, micro_batch_size=1)
-    dense = build_gpt_model(GPTSpec(architecture="qwen2", vocab_size=300, hidden_size=64, num_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, ffn_hidden_size=64,
-                                    max_position_embeddings=64, rope_theta=1e4, norm_epsilon=1e-6, add_qkv_bias=True,
-                                    tie_word_embeddings=True), seed=0)
+    dense = build_gpt_model(
+        GPTSpec(
+            architecture="qwen2",
+            vocab_size=300,
+            hidden_size=64,
+            num_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            ffn_hidden_size=64,
+            max_position_embeddings=64,
+            rope_theta=1e4,
+            norm_epsilon=1e-6,
+            add_qkv_bias=True,
+            tie_word_embeddings=True,
+        ),
+        seed=0,
+    )
     with pytest.raises(ValueError, match="no MoE layer"):
         RoutingReplay(dense)
     with pytest.raises(ValueError, match="rl.moe_routing_replay needs rl.backend: megatron"):

@@ -44,10 +44,12 @@ def alpaca_messages(fixtures_dir: Path, n: int) -> list[dict]:
     """The first n LLaMA-Factory alpaca demo rows as user/assistant conversations."""
     rows = json.loads((fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json").read_text())[:n]
     return [
-        {"messages": [
-            {"role": "user", "content": (r["instruction"] + "\n\n" + r["input"]).strip()},
-            {"role": "assistant", "content": r["output"]},
-        ]}
+        {
+            "messages": [
+                {"role": "user", "content": (r["instruction"] + "\n\n" + r["input"]).strip()},
+                {"role": "assistant", "content": r["output"]},
+            ]
+        }
         for r in rows
     ]
 
@@ -110,7 +112,9 @@ def test_sft_loss_equals_hf_transformers(tmp_path, fixtures_dir):
     ours.backward()
 
     logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), batch.input_ids[:, 1:].reshape(-1), reduction="none")
+    ce = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)), batch.input_ids[:, 1:].reshape(-1), reduction="none"
+    )
     mask = batch.loss_mask[:, 1:].reshape(-1).float()
     ref = (ce * mask).sum() / mask.sum()
     ref.backward()
@@ -124,11 +128,26 @@ def test_sft_loss_equals_hf_transformers(tmp_path, fixtures_dir):
 
 def test_sft_loss_decreases_on_real_data(base):
     base_dir, dataset, root = base
-    cfg = SFTConfig(precision="fp32", steps=24, global_batch_size=8, micro_batch_size=4, max_seq_len=128,
-                    optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=4), checkpoint_every=10, log_every=1)
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=24,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_seq_len=128,
+        optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=4),
+        checkpoint_every=10,
+        log_every=1,
+    )
     logged: list[tuple[int, dict]] = []
-    final = train_sft(base_dir, dataset, cfg, root / "sft_out", root / "sft_resume", seed=0,
-                      log_metrics=lambda m, s: logged.append((s, m)))
+    final = train_sft(
+        base_dir,
+        dataset,
+        cfg,
+        root / "sft_out",
+        root / "sft_resume",
+        seed=0,
+        log_metrics=lambda m, s: logged.append((s, m)),
+    )
 
     assert [s for s, _ in logged] == list(range(1, 25))
     # From ln(400) = 6.0 nats (uniform) to below the ~5 nats of the token unigram distribution.
@@ -152,8 +171,16 @@ class Crash(RuntimeError):
 
 def test_sft_resumes_after_a_crash_to_identical_weights(base):
     base_dir, dataset, root = base
-    cfg = SFTConfig(precision="fp32", steps=4, global_batch_size=12, micro_batch_size=4, max_seq_len=64,
-                    optim=OptimConfig(lr=2e-3, warmup_steps=1, weight_decay=0.01), checkpoint_every=2, log_every=1)
+    cfg = SFTConfig(
+        precision="fp32",
+        steps=4,
+        global_batch_size=12,
+        micro_batch_size=4,
+        max_seq_len=64,
+        optim=OptimConfig(lr=2e-3, warmup_steps=1, weight_decay=0.01),
+        checkpoint_every=2,
+        log_every=1,
+    )
     train_sft(base_dir, dataset, cfg, root / "straight", root / "resume_a", seed=3)
 
     def crash_at_3(metrics, step):
@@ -164,8 +191,15 @@ def test_sft_resumes_after_a_crash_to_identical_weights(base):
         train_sft(base_dir, dataset, cfg, root / "resumed", root / "resume_b", seed=3, log_metrics=crash_at_3)
     assert not (root / "resumed").exists()
     steps_seen: list[int] = []
-    train_sft(base_dir, dataset, cfg, root / "resumed", root / "resume_b", seed=3,
-              log_metrics=lambda m, s: steps_seen.append(s))
+    train_sft(
+        base_dir,
+        dataset,
+        cfg,
+        root / "resumed",
+        root / "resume_b",
+        seed=3,
+        log_metrics=lambda m, s: steps_seen.append(s),
+    )
     assert steps_seen == [3, 4]
 
     a = load_model_dir(root / "straight").model.state_dict()
@@ -176,8 +210,15 @@ def test_sft_resumes_after_a_crash_to_identical_weights(base):
 
     # A finished state only re-publishes the model dir: no step runs, same weights.
     again_steps: list[int] = []
-    again = train_sft(base_dir, dataset, cfg, root / "again", root / "resume_b", seed=3,
-                      log_metrics=lambda m, s: again_steps.append(s))
+    again = train_sft(
+        base_dir,
+        dataset,
+        cfg,
+        root / "again",
+        root / "resume_b",
+        seed=3,
+        log_metrics=lambda m, s: again_steps.append(s),
+    )
     n_rows = len(encode_sft_dataset(dataset, load_tokenizer(base_dir), 64))  # rows with a target in 64 tokens
     assert again_steps == [] and again["train/steps"] == 4.0 and again["train/epoch"] == 4 * 12 / n_rows
     c = load_model_dir(root / "again").model.state_dict()
@@ -190,10 +231,13 @@ def test_sft_resumes_after_a_crash_to_identical_weights(base):
 
 def test_bad_row_names_file_and_line(base, tmp_path):
     base_dir, _, _ = base
-    bad = write_jsonl(tmp_path / "bad.jsonl", [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        {"messages": "not a list"},
-    ])
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {"messages": "not a list"},
+        ],
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl:2: messages"):
         encode_sft_dataset(bad, load_tokenizer(base_dir), 64)
     no_answer = write_jsonl(tmp_path / "user_only.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
@@ -209,13 +253,24 @@ def test_template_errors_name_the_row(fixtures_dir, tmp_path):
     from tests.data.chat_tokenizers import paired_tokenizer
 
     gemma = paired_tokenizer(fixtures_dir, "gemma", fixtures_dir / "qwen2.5-tokenizer")
-    rows = write_jsonl(tmp_path / "chat.jsonl", [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
-                      {"role": "assistant", "content": "hello"}]},
-    ])
-    with pytest.raises(ValueError, match=r"chat.jsonl:2: messages: the chat template of .* cannot render this "
-                                         r"conversation \(roles: system, user, assistant\): System role not supported"):
+    rows = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello"},
+                ]
+            },
+        ],
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"chat.jsonl:2: messages: the chat template of .* cannot render this "
+        r"conversation \(roles: system, user, assistant\): System role not supported",
+    ):
         encode_sft_dataset(rows, gemma, 64)
     first = write_jsonl(tmp_path / "one.jsonl", [json.loads(rows.read_text().splitlines()[0])])
     [(ids, mask)] = encode_sft_dataset(first, gemma, 64)
@@ -232,17 +287,37 @@ def test_tool_call_rows_train_on_the_calls(fixtures_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(fixtures_dir / "qwen2.5-tokenizer")
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
-    record = {"messages": [
-        {"role": "user", "content": "What is 2+3?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
-        {"role": "tool", "content": "5"},
-        {"role": "assistant", "content": "2+3 is 5."},
-    ], "tools": tools}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
+    record = {
+        "messages": [
+            {"role": "user", "content": "What is 2+3?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
+            },
+            {"role": "tool", "content": "5"},
+            {"role": "assistant", "content": "2+3 is 5."},
+        ],
+        "tools": tools,
+    }
     [(ids, mask)] = encode_sft_dataset(write_jsonl(tmp_path / "tools.jsonl", [record]), tok, 512)
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == (
-        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>2+3 is 5.<|im_end|>')
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>2+3 is 5.<|im_end|>'
+    )
     assert "# Tools" in tok.decode(ids)
     assert "<tool_response>\n5\n</tool_response>" in tok.decode([t for t, m in zip(ids, mask) if not m])
     with pytest.raises(ValueError, match=r"bad_tools.jsonl:1: tools: expected a list of JSON-schema objects"):

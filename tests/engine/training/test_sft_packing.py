@@ -40,9 +40,20 @@ REL = 1e-6  # fp32 rounding of a reordered computation (module docstring)
 
 def tiny_gpt(seed: int = 3):
     """Qwen2-shaped GPTModel (QKV bias, GQA 4/2, tied), hidden 64, 2 layers, fp32, sdpa."""
-    spec = GPTSpec(architecture="qwen2", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, ffn_hidden_size=96, max_position_embeddings=64, rope_theta=10000.0,
-                   norm_epsilon=1e-6, add_qkv_bias=True, tie_word_embeddings=True)
+    spec = GPTSpec(
+        architecture="qwen2",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        norm_epsilon=1e-6,
+        add_qkv_bias=True,
+        tie_word_embeddings=True,
+    )
     return build_gpt_model(spec, seed=seed, core_attention="sdpa")
 
 
@@ -93,7 +104,9 @@ def data_loss(model_dir, dataset) -> float:
 
     rows = encode_sft_dataset(dataset, load_tokenizer(model_dir), 64)
     with torch.no_grad():
-        total, units, _ = sft_loss(load_model_dir(model_dir).model, collate_tokens([r[0] for r in rows], [r[1] for r in rows]))
+        total, units, _ = sft_loss(
+            load_model_dir(model_dir).model, collate_tokens([r[0] for r in rows], [r[1] for r in rows])
+        )
     return float(total) / units
 
 
@@ -137,8 +150,10 @@ def test_reward_model_loss_and_gradients_do_not_depend_on_packing_or_split():
     pin_fp32(model)
     gen = torch.Generator().manual_seed(4)
     lengths = [(5, 9), (14, 3), (1, 2), (21, 20), (7, 7), (2, 16), (11, 4), (9, 13)]
-    pairs = [(torch.randint(1, VOCAB, (c,), generator=gen).tolist(), torch.randint(1, VOCAB, (r,), generator=gen).tolist())
-             for c, r in lengths]
+    pairs = [
+        (torch.randint(1, VOCAB, (c,), generator=gen).tolist(), torch.randint(1, VOCAB, (r,), generator=gen).tolist())
+        for c, r in lengths
+    ]
     n = len(pairs)
     runs = {
         "padded": RMConfig(global_batch_size=n, micro_batch_size=n, precision="fp32"),
@@ -185,12 +200,31 @@ def test_trainers_give_the_same_run_packed_or_padded(quickstart_inputs):
     optim = OptimConfig(lr=3e-3, warmup_steps=1)
     runs = {}
     for name, extra in {"padded": {}, "packed": {"packing": True, "max_tokens_per_micro_batch": 300}}.items():
-        cfg = SFTConfig(steps=3, global_batch_size=32, micro_batch_size=8, max_seq_len=64, optim=optim,
-                        precision="fp32", log_every=1, **extra)
+        cfg = SFTConfig(
+            steps=3,
+            global_batch_size=32,
+            micro_batch_size=8,
+            max_seq_len=64,
+            optim=optim,
+            precision="fp32",
+            log_every=1,
+            **extra,
+        )
         logged: list[dict] = []
-        final = train_sft(base, quickstart_inputs["sft"], cfg, root / f"sft_{name}", None, seed=0,
-                          log_metrics=lambda m, s: logged.append(m))
-        runs[name] = (final, [m["train/loss"] for m in logged], data_loss(root / f"sft_{name}", quickstart_inputs["sft"]))
+        final = train_sft(
+            base,
+            quickstart_inputs["sft"],
+            cfg,
+            root / f"sft_{name}",
+            None,
+            seed=0,
+            log_metrics=lambda m, s: logged.append(m),
+        )
+        runs[name] = (
+            final,
+            [m["train/loss"] for m in logged],
+            data_loss(root / f"sft_{name}", quickstart_inputs["sft"]),
+        )
     (final_a, losses_a, after_a), (final_b, losses_b, after_b) = runs["padded"], runs["packed"]
     assert final_b["train/tokens"] == final_a["train/tokens"] > 0
     assert abs(losses_b[0] - losses_a[0]) <= REL * losses_a[0]
@@ -199,16 +233,33 @@ def test_trainers_give_the_same_run_packed_or_padded(quickstart_inputs):
 
     rm = {}
     for name, extra in {"padded": {}, "packed": {"packing": True, "max_tokens_per_micro_batch": 200}}.items():
-        cfg = RMConfig(steps=2, global_batch_size=16, micro_batch_size=8, max_seq_len=64, optim=optim,
-                       precision="fp32", log_every=1, **extra)
+        cfg = RMConfig(
+            steps=2,
+            global_batch_size=16,
+            micro_batch_size=8,
+            max_seq_len=64,
+            optim=optim,
+            precision="fp32",
+            log_every=1,
+            **extra,
+        )
         logged = []
-        train_reward_model(reward_trainer, base, quickstart_inputs["preference"], cfg, root / f"rm_{name}", seed=0,
-                           log_metrics=lambda m, s: logged.append(m))
+        train_reward_model(
+            reward_trainer,
+            base,
+            quickstart_inputs["preference"],
+            cfg,
+            root / f"rm_{name}",
+            seed=0,
+            log_metrics=lambda m, s: logged.append(m),
+        )
         rm[name] = logged
     for a, b in zip(rm["padded"], rm["packed"]):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
         # train/accuracy is a pair-weighted mean over the micro-batches (float rounding); the
         # held-out accuracy is a count of pairs, exact
-        assert b["train/accuracy"] == pytest.approx(a["train/accuracy"], abs=1e-6) and b["rm/accuracy"] == a["rm/accuracy"]
+        assert (
+            b["train/accuracy"] == pytest.approx(a["train/accuracy"], abs=1e-6) and b["rm/accuracy"] == a["rm/accuracy"]
+        )
         assert b["rm/loss"] == pytest.approx(a["rm/loss"], rel=1e-5)
     assert abs(rm["packed"][0]["train/loss"] - rm["padded"][0]["train/loss"]) <= REL * rm["padded"][0]["train/loss"]

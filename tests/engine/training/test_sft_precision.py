@@ -27,8 +27,16 @@ QUICKSTART_OPTIM = OptimConfig(lr=3e-3, warmup_steps=5, weight_decay=0.0)
 
 
 def sft_config(precision: str, **kw) -> SFTConfig:
-    base = dict(steps=20, global_batch_size=64, micro_batch_size=64, max_seq_len=64, optim=QUICKSTART_OPTIM,
-                log_every=1, checkpoint_every=50, precision=precision)
+    base = dict(
+        steps=20,
+        global_batch_size=64,
+        micro_batch_size=64,
+        max_seq_len=64,
+        optim=QUICKSTART_OPTIM,
+        log_every=1,
+        checkpoint_every=50,
+        precision=precision,
+    )
     return SFTConfig(**{**base, **kw})
 
 
@@ -67,8 +75,15 @@ def test_bf16_sft_follows_the_fp32_loss_curve(quickstart_inputs):
     curves = {}
     for precision in ("fp32", "bf16"):
         logged: list[float] = []
-        train_sft(base, quickstart_inputs["sft"], sft_config(precision), root / f"prec_{precision}", None, seed=0,
-                  log_metrics=lambda m, s: logged.append(m["train/loss"]))
+        train_sft(
+            base,
+            quickstart_inputs["sft"],
+            sft_config(precision),
+            root / f"prec_{precision}",
+            None,
+            seed=0,
+            log_metrics=lambda m, s: logged.append(m["train/loss"]),
+        )
         curves[precision] = logged
     fp32, bf16 = curves["fp32"], curves["bf16"]
     assert len(fp32) == len(bf16) == 20
@@ -94,21 +109,43 @@ def test_bf16_sft_resumes_after_a_crash_to_identical_weights(quickstart_inputs):
     """As tests/engine/training/test_sft.py's resume test, in bf16: the train state holds the
     fp32 masters and AdamW's fp32 moments, so the resumed run recomputes step 3 and 4 exactly."""
     base, root = quickstart_inputs["base"], quickstart_inputs["base"].parent / "resume_bf16"
-    cfg = sft_config("bf16", steps=4, global_batch_size=16, micro_batch_size=8, checkpoint_every=2,
-                     optim=OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.01))
+    cfg = sft_config(
+        "bf16",
+        steps=4,
+        global_batch_size=16,
+        micro_batch_size=8,
+        checkpoint_every=2,
+        optim=OptimConfig(lr=3e-3, warmup_steps=1, weight_decay=0.01),
+    )
     straight: dict[int, float] = {}
-    train_sft(base, quickstart_inputs["sft"], cfg, root / "straight", root / "state_a", seed=3,
-              log_metrics=lambda m, s: straight.__setitem__(s, m["train/loss"]))
+    train_sft(
+        base,
+        quickstart_inputs["sft"],
+        cfg,
+        root / "straight",
+        root / "state_a",
+        seed=3,
+        log_metrics=lambda m, s: straight.__setitem__(s, m["train/loss"]),
+    )
 
     def crash_at_3(metrics, step):
         if step == 3:  # done but not checkpointed: the resumed run redoes it
             raise Crash()
 
     with pytest.raises(Crash):
-        train_sft(base, quickstart_inputs["sft"], cfg, root / "resumed", root / "state_b", seed=3, log_metrics=crash_at_3)
+        train_sft(
+            base, quickstart_inputs["sft"], cfg, root / "resumed", root / "state_b", seed=3, log_metrics=crash_at_3
+        )
     resumed: dict[int, float] = {}
-    final = train_sft(base, quickstart_inputs["sft"], cfg, root / "resumed", root / "state_b", seed=3,
-                      log_metrics=lambda m, s: resumed.__setitem__(s, m["train/loss"]))
+    final = train_sft(
+        base,
+        quickstart_inputs["sft"],
+        cfg,
+        root / "resumed",
+        root / "state_b",
+        seed=3,
+        log_metrics=lambda m, s: resumed.__setitem__(s, m["train/loss"]),
+    )
     assert final["train/resumed_from_step"] == 2.0 and list(resumed) == [3, 4]
     assert resumed == {3: straight[3], 4: straight[4]}  # bit-identical losses
 

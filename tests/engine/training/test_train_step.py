@@ -136,8 +136,15 @@ def test_train_step_clips_to_grad_clip_and_reports_lr():
 
 def test_warmup_cosine_schedule_values():
     f = [warmup_cosine_factor(s, warmup_steps=2, total_steps=6, min_ratio=0.1) for s in range(7)]
-    expected = [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)), 0.55,
-                0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.1]
+    expected = [
+        0.5,
+        1.0,
+        1.0,
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)),
+        0.55,
+        0.1 + 0.9 * 0.5 * (1 + math.cos(3 * math.pi / 4)),
+        0.1,
+    ]
     assert f == pytest.approx(expected, abs=1e-12)
     model = torch.nn.Linear(2, 2)
     opt, sched = build_optimizer(model.parameters(), OptimConfig(lr=0.01, min_lr=0.001, warmup_steps=2), 6)
@@ -187,8 +194,15 @@ def test_resume_from_train_state_gives_identical_weights(tmp_path):
     opt, sched = build_optimizer(first.parameters(), cfg, total_steps=4)
     sampler = EpochSampler(len(rows), seed=5)
     _run_steps(first, opt, sched, sampler, rows, 2)
-    save_train_state(tmp_path, step=2, model=first, optimizer=opt, scheduler=sched,
-                     data_position=DataPosition(sampler.epoch, sampler.offset, 5), extra={"note": "half"})
+    save_train_state(
+        tmp_path,
+        step=2,
+        model=first,
+        optimizer=opt,
+        scheduler=sched,
+        data_position=DataPosition(sampler.epoch, sampler.offset, 5),
+        extra={"note": "half"},
+    )
     del first, opt, sched, sampler
 
     # Fresh state: different initial weights, new optimizer, scrambled RNGs.
