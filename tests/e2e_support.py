@@ -3,11 +3,14 @@ Prefect's task-run states and W&B's offline run files."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -58,6 +61,35 @@ def env_for(workdir: Path) -> dict:
     # outlive a killed command, as they never do for a user.
     env.pop("WANDB_SERVICE", None)
     return env
+
+
+_MIGRATED_DB: list[Path] = []  # this process's migrated template database, once made
+
+
+def migrated_prefect_home(home: Path) -> Path:
+    """Make ``home`` (created if missing) a PREFECT_HOME whose SQLite database already has
+    Prefect's schema: a copy of a database migrated once per test process by ``prefect server
+    database upgrade -y``. A ``prefect server start`` on a fresh home first runs every
+    migration (23 s to healthy here under load, 12 s with the schema in place). Returns ``home``.
+
+    Raises:
+        AssertionError: the upgrade command failed (with its output).
+    """
+    if not _MIGRATED_DB:
+        template = Path(tempfile.mkdtemp(prefix="prefect-migrated-"))
+        atexit.register(shutil.rmtree, template, True)
+        env = {**os.environ, "PREFECT_HOME": str(template), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+        env.pop("PREFECT_API_URL", None)
+        env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
+        env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)
+        proc = subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and (template / "prefect.db").is_file(), \
+            f"prefect server database upgrade exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        _MIGRATED_DB.append(template / "prefect.db")
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_MIGRATED_DB[0], home / "prefect.db")
+    return home
 
 
 def posttrain(args: list[str], cwd: Path, env: dict, timeout: float = 1500) -> subprocess.CompletedProcess:

@@ -36,7 +36,7 @@ import httpx
 import psutil
 import pytest
 import yaml
-from e2e_support import BIN, REPO, env_for, posttrain, tiny_config, write_config
+from e2e_support import BIN, REPO, env_for, migrated_prefect_home, posttrain, tiny_config, write_config
 
 from config import load_config
 from config.schema import PipelineConfig
@@ -151,12 +151,14 @@ class Service:
 
 
 def start_prefect_server(env: dict, log: Path, timeout_s: float = 180) -> tuple[Service, str]:
-    """``prefect server start`` on a free local port (PREFECT_HOME etc. from ``env``);
-    returns (service, API URL) once /api/health answers. The caller stops the service.
+    """``prefect server start`` on a free local port (PREFECT_HOME, its database migrated
+    beforehand by :func:`e2e_support.migrated_prefect_home`, etc. from ``env``); returns
+    (service, API URL) once /api/health answers. The caller stops the service.
 
     Raises:
         AssertionError: the server exited or was not healthy within ``timeout_s``.
     """
+    migrated_prefect_home(Path(env["PREFECT_HOME"]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -172,7 +174,7 @@ def start_prefect_server(env: dict, log: Path, timeout_s: float = 180) -> tuple[
                 pass
             assert server.proc.poll() is None, f"prefect server exited {server.proc.returncode}:\n{server.tail()}"
             assert time.time() < deadline, f"prefect server not healthy after {timeout_s:.0f} s:\n{server.tail()}"
-            time.sleep(1)
+            time.sleep(0.5)
     except BaseException:
         server.stop()
         raise

@@ -27,7 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from e2e_support import BIN, env_for, offline_runs, posttrain, read_summary, tiny_config, wandb_records, write_config
+from e2e_support import (
+    BIN,
+    env_for,
+    migrated_prefect_home,
+    offline_runs,
+    posttrain,
+    read_summary,
+    tiny_config,
+    wandb_records,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
@@ -253,6 +263,14 @@ def _free_port() -> int:
 
 
 def start_prefect_server(home: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``prefect server start`` on a free local port with PREFECT_HOME ``home`` (its database
+    migrated beforehand: :func:`e2e_support.migrated_prefect_home`); returns (the server's
+    process, a session leader; the API URL) once /api/health answers.
+
+    Raises:
+        RuntimeError: the server exited or was not healthy within 180 s.
+    """
+    migrated_prefect_home(home)
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
            "PREFECT_UI_ENABLED": "false"}
@@ -273,6 +291,17 @@ def start_prefect_server(home: Path, log: Path) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     raise RuntimeError(f"prefect server not healthy after 180 s: {log.read_text()[-3000:]}")
+
+
+def stop_prefect_server(server: subprocess.Popen) -> None:
+    """Stop a server of :func:`start_prefect_server` (its whole session): SIGTERM, then SIGKILL
+    after 20 s."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 # ----------------------------------------------------------------------------- the working directory
@@ -309,12 +338,7 @@ def started_project(work: Path, overrides: dict):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_prefect_server(server)
 
 
 # ----------------------------------------------------------------------------- bad configs
@@ -551,34 +575,27 @@ def test_ctrl_c_during_sft_exits_promptly_and_keeps_the_checkpoint(project):
 
 
 @pytest.mark.slow
-def test_temporary_server_exits_when_the_command_is_sigkilled(project):
-    """SIGKILL leaves no chance to clean up: the server goes because the kernel signals it
-    when its parent dies (PR_SET_PDEATHSIG)."""
-    proc = start(project, ["stage", "sft", project.config], "sft-kill-cli", env=project.ephemeral_env)
-    wait_for_checkpoints(proc, _sft_resume_dir(project), 1, 600, "sft-kill-cli", project)
-    server = temporary_server_pids(project, "sft-kill-cli")
-    assert len(server) == 1
-    os.kill(proc.pid, signal.SIGKILL)  # the command only, not its session
-    proc.wait(timeout=30)
-    deadline = time.time() + 20
-    while temporary_server_pids(project, "sft-kill-cli") and time.time() < deadline:
-        time.sleep(0.5)
-    assert temporary_server_pids(project, "sft-kill-cli") == []
-    assert session_processes(proc.pid) == []  # the SFT stage runs in the command's own process
-    assert published(project, "sft") == []
-    assert session_processes(proc.pid) == []
-
-
-@pytest.mark.slow
 def test_sft_killed_with_sigkill_resumes_from_its_checkpoint(project):
+    """The command alone is SIGKILLed mid-run (started with Prefect's temporary server): no
+    chance to clean up, yet the server goes, because the kernel signals it when its parent
+    dies (PR_SET_PDEATHSIG), and nothing of the command's session is left (the SFT stage runs
+    in the command's own process). The rerun resumes from the checkpoint."""
     resume_dir = _sft_resume_dir(project)
     start_step = checkpoint_step(resume_dir)  # a checkpoint the Ctrl-C test may have left
     tmp = project.work / "tmp_sft"  # the stage's temporary work dirs land here: leaks are visible
     tmp.mkdir()
     env = {**project.env, "TMPDIR": str(tmp)}
-    proc = start(project, ["stage", "sft", project.config], "sft-kill", env=env)
+    proc = start(project, ["stage", "sft", project.config], "sft-kill", env={**project.ephemeral_env, "TMPDIR": str(tmp)})
     wait_for_checkpoints(proc, resume_dir, 1, 600, "sft-kill", project)
-    left = kill_session(proc)
+    server = temporary_server_pids(project, "sft-kill")
+    assert len(server) == 1
+    os.kill(proc.pid, signal.SIGKILL)  # the command only, not its session
+    proc.wait(timeout=30)
+    deadline = time.time() + 20
+    while temporary_server_pids(project, "sft-kill") and time.time() < deadline:
+        time.sleep(0.5)
+    assert temporary_server_pids(project, "sft-kill") == []
+    left = session_processes(proc.pid)
     assert left == [], f"processes of the killed stage still alive: {left}"
     assert published(project, "sft") == []
     killed_at = checkpoint_step(resume_dir)
