@@ -30,6 +30,7 @@ test: $(STAMP)
 # ruff's lint (pyproject.toml [tool.ruff]); CI runs it before the tests.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # mypy with the pydantic plugin over the product packages (pyproject.toml [tool.mypy]); CI runs
 # it before the tests and fails on a finding.

@@ -55,7 +55,11 @@ def fixtures_dir() -> Path:
 # attention check (`thread_num` 2 vs 1) in the rollout worker. Until the rollout engines are
 # isolated from the driver's state, the suite runs them first (as their place in the old flat
 # tests/engine/ order did).
-RUN_FIRST = ("tests/engine/rl/test_async_rl.py", "tests/engine/rl/test_ray_cluster.py", "tests/engine/rl/test_multi_node.py")
+RUN_FIRST = (
+    "tests/engine/rl/test_async_rl.py",
+    "tests/engine/rl/test_ray_cluster.py",
+    "tests/engine/rl/test_multi_node.py",
+)
 # The longest files next (minutes each: whole pipelines, DVC, servers), so that with two
 # workers taking files in this order (`make test`) neither is left with a long file at the end.
 LONGEST = (
@@ -96,7 +100,9 @@ def pytest_collection_modifyitems(session, config, items):
             marker = item.get_closest_marker("gpu")
             need = marker.args[0] if marker.args else 1
             if have < need:
-                item.add_marker(pytest.mark.skip(reason=f"GPU-only path: needs {need} CUDA device(s), this machine has {have}"))
+                item.add_marker(
+                    pytest.mark.skip(reason=f"GPU-only path: needs {need} CUDA device(s), this machine has {have}")
+                )
 
     def rank(item) -> int:
         for i, name in enumerate(RUN_FIRST + LONGEST):
@@ -121,7 +127,9 @@ def small_filesystem(tmp_path):
     def mount(size: str) -> Path:
         path = tmp_path / f"small-fs-{uuid.uuid4().hex[:6]}"
         path.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+        )
         if r.returncode != 0:
             pytest.skip(f"a small real file system needs mount rights (tmpfs): {r.stderr.strip()}")
         mounted.append(path)

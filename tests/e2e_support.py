@@ -78,14 +78,25 @@ def migrated_prefect_home(home: Path) -> Path:
     if not _MIGRATED_DB:
         template = Path(tempfile.mkdtemp(prefix="prefect-migrated-"))
         atexit.register(shutil.rmtree, template, True)
-        env = {**os.environ, "PREFECT_HOME": str(template), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+        env = {
+            **os.environ,
+            "PREFECT_HOME": str(template),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+        }
         env.pop("PREFECT_API_URL", None)
         env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)
         env.pop("PREFECT_SERVER_DATABASE_CONNECTION_URL", None)
-        proc = subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0 and (template / "prefect.db").is_file(), \
+        proc = subprocess.run(
+            [str(BIN / "prefect"), "server", "database", "upgrade", "-y"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0 and (template / "prefect.db").is_file(), (
             f"prefect server database upgrade exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
         _MIGRATED_DB.append(template / "prefect.db")
     home.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_MIGRATED_DB[0], home / "prefect.db")
@@ -94,9 +105,13 @@ def migrated_prefect_home(home: Path) -> Path:
 
 def posttrain(args: list[str], cwd: Path, env: dict, timeout: float = 1500) -> subprocess.CompletedProcess:
     """Run the real ``posttrain`` console script; raise with its output if it fails."""
-    proc = subprocess.run([str(BIN / "posttrain"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(BIN / "posttrain"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"posttrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"posttrain {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -162,9 +177,20 @@ def offline_run(run_file: Path) -> dict:
     assert run is not None, f"{run_file} has no run record"
     config.pop("_wandb", None)
     summary = {k: v for k, v in summary.items() if not k.startswith("_wandb")}
-    return {"id": run.run_id, "name": run.display_name, "group": run.run_group, "job_type": run.job_type,
-            "tags": list(run.tags), "config": config, "history": history, "summary": summary, "exit_code": exit_code,
-            "superseded": run_file.with_suffix(".wandb.synced").exists(), "file": run_file, "dir": run_file.parent}
+    return {
+        "id": run.run_id,
+        "name": run.display_name,
+        "group": run.run_group,
+        "job_type": run.job_type,
+        "tags": list(run.tags),
+        "config": config,
+        "history": history,
+        "summary": summary,
+        "exit_code": exit_code,
+        "superseded": run_file.with_suffix(".wandb.synced").exists(),
+        "file": run_file,
+        "dir": run_file.parent,
+    }
 
 
 def offline_runs(wandb_dir: Path) -> list[dict]:

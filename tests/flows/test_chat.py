@@ -32,9 +32,15 @@ def _greedy_replies(hf_dir: Path) -> list[str]:
         history.append({"role": "user", "content": turn})
         text = tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         ids = torch.tensor([tok(text, add_special_tokens=False).input_ids])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+        reply = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         replies.append(reply)
         history.append({"role": "assistant", "content": reply})
     return replies
@@ -45,8 +51,9 @@ class Terminal:
 
     def __init__(self, argv: list[str], env: dict, cwd: Path):
         self.master, slave = os.openpty()
-        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
-                                     start_new_session=True, close_fds=True)
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd, start_new_session=True, close_fds=True
+        )
         os.close(slave)
         self.output = ""
 
@@ -56,7 +63,9 @@ class Terminal:
         while needle not in self.output[start:]:
             left = deadline - time.monotonic()
             if left <= 0 or self.proc.poll() is not None and not select.select([self.master], [], [], 0)[0]:
-                raise AssertionError(f"no {needle!r} after {timeout} s (exit {self.proc.poll()}):\n{self.output[-3000:]}")
+                raise AssertionError(
+                    f"no {needle!r} after {timeout} s (exit {self.proc.poll()}):\n{self.output[-3000:]}"
+                )
             if select.select([self.master], [], [], min(left, 1.0))[0]:
                 try:
                     self.output += os.read(self.master, 65536).decode("utf-8", "replace").replace("\r\n", "\n")
@@ -75,12 +84,29 @@ class Terminal:
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm"])
-def test_chat_streams_the_greedy_replies_of_the_chat_template_and_keeps_the_history(backend, tiny_chat_artifacts, tmp_path):
+def test_chat_streams_the_greedy_replies_of_the_chat_template_and_keeps_the_history(
+    backend, tiny_chat_artifacts, tmp_path
+):
     expected = _greedy_replies(tiny_chat_artifacts["export"]["dir"] / "hf_model")
     assert expected[0] and expected[0] != expected[1]
     env = dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(tmp_path))  # the conversion cache under tmp_path
-    term = Terminal([sys.executable, "-m", "flows.cli", "chat", str(tiny_chat_artifacts["rl"]["dir"]), "--backend", backend,
-                     "--precision", "fp32", "--max-new-tokens", str(MAX_NEW)], env, tmp_path)
+    term = Terminal(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "chat",
+            str(tiny_chat_artifacts["rl"]["dir"]),
+            "--backend",
+            backend,
+            "--precision",
+            "fp32",
+            "--max-new-tokens",
+            str(MAX_NEW),
+        ],
+        env,
+        tmp_path,
+    )
     try:
         at = term.read_until("you> ", 0, timeout=240)
         assert f"chatting with {tiny_chat_artifacts['rl']['id']}" in term.output

@@ -28,8 +28,10 @@ def test_a_full_disk_wrapped_by_torch_or_ray_gives_its_own_line():
     assert str(err.value) == str(full)
 
     ray = pytest.importorskip("ray")
-    corrupt = CorruptCheckpoint("refusing to resume from a corrupt train state: /c/x: size 1 bytes, checksums.json "
-                                "records size 2 bytes; delete /c")
+    corrupt = CorruptCheckpoint(
+        "refusing to resume from a corrupt train state: /c/x: size 1 bytes, checksums.json "
+        "records size 2 bytes; delete /c"
+    )
     try:
         raise corrupt
     except CorruptCheckpoint as exc:  # what ray.get raises for an actor's exception

@@ -40,8 +40,9 @@ def test_validate_quickstart_ok():
 
     p, why = auto_precision()
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[p]
-    assert (f"note: precision: sft {p}, rm {p}, rl {p}, evaluate {p}; export {dtype} "
-            f"(run.precision auto; {why})") in out
+    assert (
+        f"note: precision: sft {p}, rm {p}, rl {p}, evaluate {p}; export {dtype} (run.precision auto; {why})"
+    ) in out
 
 
 def test_validate_missing_data_file_exits_1(tmp_path):
@@ -81,7 +82,10 @@ def test_validate_unknown_key_exits_2(tmp_path):
     out = _out(proc)
     assert proc.returncode == 2, out
     assert f"error: invalid config {cfg}:" in out
-    assert "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p)" in out
+    assert (
+        "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p)"
+        in out
+    )
     assert "Traceback" not in out
 
 
@@ -106,7 +110,9 @@ def test_plugins_in_the_working_directory_are_importable(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {}  # not importable yet
     main(["validate", str(tmp_path / "c.yaml")])
-    assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {"reward_function_0": str(tmp_path / "cwd_rewards.py")}
+    assert rl._reward_plugin_files(load_config(tmp_path / "c.yaml")) == {
+        "reward_function_0": str(tmp_path / "cwd_rewards.py")
+    }
 
 
 # ----------------------------------------------------------------------------- what validate reads
@@ -117,9 +123,14 @@ def test_validate_tinystories_reads_the_gguf_metadata():
     out = _out(proc)
     assert proc.returncode == 0, out
     gguf = "../shared/fixtures/tiny-model-stories260K/stories260K.gguf"
-    assert (f"note: model.source: {gguf}: head_dim 8, context 2048 tokens, vocab_size 512; tokenizer of {gguf}: "
-            "512 tokens, no chat template") in out
-    assert "config configs/tinystories.yaml is valid (tinystories: prepare, validate, convert, rl, evaluate, export)" in out
+    assert (
+        f"note: model.source: {gguf}: head_dim 8, context 2048 tokens, vocab_size 512; tokenizer of {gguf}: "
+        "512 tokens, no chat template"
+    ) in out
+    assert (
+        "config configs/tinystories.yaml is valid (tinystories: prepare, validate, convert, rl, evaluate, export)"
+        in out
+    )
 
 
 def test_validate_after_prepare_checks_the_prepared_prompts(tmp_path, fixtures_dir):
@@ -144,7 +155,9 @@ def test_validate_after_prepare_checks_the_prepared_prompts(tmp_path, fixtures_d
     out = _out(proc)
     assert proc.returncode == 0, out
     assert "note: prepare.output_dir: work/tinystories holds this config's prepare output: checked" in out
-    assert "note: data.rl_train: 4000 valid rows of 4000 in work/tinystories/rl_train.jsonl (format prompt_label)" in out
+    assert (
+        "note: data.rl_train: 4000 valid rows of 4000 in work/tinystories/rl_train.jsonl (format prompt_label)" in out
+    )
     assert "note: data.rl_eval: 200 valid rows of 200 in work/tinystories/rl_eval.jsonl (format prompt_label)" in out
     assert "(at most 1792 fit)" in out  # 2048 - rl.rollout.max_new_tokens 256
 
@@ -152,11 +165,14 @@ def test_validate_after_prepare_checks_the_prepared_prompts(tmp_path, fixtures_d
 def test_validate_names_each_bad_value(tmp_path):
     """Values that passed validate before and failed (or misbehaved) later, all in one message."""
     text = QUICKSTART.read_text()
-    for old, new in (("name: quickstart", "name: ../.."), ("seed: 0", "seed: 4294967296"),
-                     ("  steps: 300", "  steps: true"), ("{lr: 3.0e-3, warmup_steps: 5, weight_decay: 0.0}",
-                                                         "{lr: .inf, adam_beta1: 1.5}"),
-                     ("optim: {lr: 1.0e-3}", "optim: {lr: 1.0e-3, min_lr: 1.0e-2}"),
-                     ("{lr: 2.0e-4, warmup_steps: 10}", "{lr: 2.0e-4, warmup_steps: 1e3}")):
+    for old, new in (
+        ("name: quickstart", "name: ../.."),
+        ("seed: 0", "seed: 4294967296"),
+        ("  steps: 300", "  steps: true"),
+        ("{lr: 3.0e-3, warmup_steps: 5, weight_decay: 0.0}", "{lr: .inf, adam_beta1: 1.5}"),
+        ("optim: {lr: 1.0e-3}", "optim: {lr: 1.0e-3, min_lr: 1.0e-2}"),
+        ("{lr: 2.0e-4, warmup_steps: 10}", "{lr: 2.0e-4, warmup_steps: 1e3}"),
+    ):
         assert old in text, old
         text = text.replace(old, new)
     cfg = tmp_path / "bad_values.yaml"
@@ -185,12 +201,19 @@ def test_validate_model_problems_of_a_gguf_model(tmp_path, fixtures_dir):
     math500 = str(fixtures_dir / "math500" / "test.jsonl")
     raw = {
         "run": {"name": "stories-sft"},
-        "data": {"sft": {"path": str(fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json"), "limit": 20},
-                 "rl_train": {"path": math500}, "rl_eval": {"path": math500}},
+        "data": {
+            "sft": {"path": str(fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json"), "limit": 20},
+            "rl_train": {"path": math500},
+            "rl_eval": {"path": math500},
+        },
         "model": {"source": str(gguf)},
-        "sft": {"max_seq_len": 4096}, "rm": {"enabled": False},
-        "rl": {"rollout": {"backend": "vllm"}, "reward": {"verifier": "math", "functions": [{"path": "absent_rewards:brevity"}]},
-               "micro_batch_size": 1},  # a layout whose memory fits (config/memory_plan.py)
+        "sft": {"max_seq_len": 4096},
+        "rm": {"enabled": False},
+        "rl": {
+            "rollout": {"backend": "vllm"},
+            "reward": {"verifier": "math", "functions": [{"path": "absent_rewards:brevity"}]},
+            "micro_batch_size": 1,
+        },  # a layout whose memory fits (config/memory_plan.py)
         "evaluate": {"backend": "hf"},
     }
     cfg = tmp_path / "stories_sft.yaml"
@@ -219,11 +242,24 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
 
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151643, "hidden_size": 64,
-        "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 2, "intermediate_size": 128,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
-    }))  # narrow, so that its RL layout fits any test machine (memory plan)
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "vocab_size": 151643,
+                "hidden_size": 64,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "max_position_embeddings": 512,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1e6,
+                "tie_word_embeddings": True,
+            }
+        )
+    )  # narrow, so that its RL layout fits any test machine (memory plan)
     write_stand_in_weights(model, 64)
     lines = (fixtures_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:50]
     lines[6] = lines[6].replace("####", "so")
@@ -232,11 +268,19 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
     math500 = fixtures_dir / "math500" / "test.jsonl"
     raw = {
         "run": {"name": "qwen-math"},
-        "data": {"rl_train": {"path": str(math500), "format": "math"}, "rl_eval": {"path": str(gsm8k), "format": "gsm8k"}},
+        "data": {
+            "rl_train": {"path": str(math500), "format": "math"},
+            "rl_eval": {"path": str(gsm8k), "format": "gsm8k"},
+        },
         "model": {"source": str(model), "tokenizer": str(fixtures_dir / "qwen2.5-tokenizer")},
-        "sft": {"enabled": False}, "rm": {"enabled": False},
-        "rl": {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "math"}, "micro_batch_size": 1,
-               "long_prompts": "fail"},  # (filter, the default, makes the long rl_train prompts a note)
+        "sft": {"enabled": False},
+        "rm": {"enabled": False},
+        "rl": {
+            "rollout": {"max_new_tokens": 384},
+            "reward": {"verifier": "math"},
+            "micro_batch_size": 1,
+            "long_prompts": "fail",
+        },  # (filter, the default, makes the long rl_train prompts a note)
     }
     cfg = tmp_path / "qwen_math.yaml"
     cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -254,13 +298,17 @@ def test_validate_data_tokenizer_and_prompt_length_problems(tmp_path, fixtures_d
     ]
 
 
-def test_validate_says_what_of_a_plugin_is_tracked_and_that_undeclared_data_files_are_not(tmp_path, monkeypatch, capsys):
+def test_validate_says_what_of_a_plugin_is_tracked_and_that_undeclared_data_files_are_not(
+    tmp_path, monkeypatch, capsys
+):
     """With a plug-in configured, validate names its tracked source and data files and warns
     that a data file it reads without declaring it is not tracked; a declared file that does
     not exist is a problem naming the config key."""
     from flows.run_checks import check_plugin_tracking
 
-    (tmp_path / "tracked_rewards.py").write_text('DATA_FILES = ["words.txt", "gone.txt"]\n\ndef score(response, label):\n    return 1.0\n')
+    (tmp_path / "tracked_rewards.py").write_text(
+        'DATA_FILES = ["words.txt", "gone.txt"]\n\ndef score(response, label):\n    return 1.0\n'
+    )
     (tmp_path / "words.txt").write_text("yes\n")
     cfg = yaml.safe_load(QUICKSTART.read_text())
     cfg["rl"]["reward"]["functions"] = [{"path": "tracked_rewards:score"}]
@@ -270,10 +318,14 @@ def test_validate_says_what_of_a_plugin_is_tracked_and_that_undeclared_data_file
     from config import load_config
 
     problems, notes = check_plugin_tracking(load_config(tmp_path / "c.yaml"))
-    assert problems == [f"rl.reward.functions[0].path: {tmp_path / 'tracked_rewards.py'} declares DATA_FILES entry "
-                        f"'gone.txt', which does not exist ({tmp_path / 'gone.txt'})"]
-    assert len(notes) == 1 and notes[0].startswith("rl.reward.functions[0].path (tracked_rewards:score): the rl fingerprint "
-                                                   "tracks 1 source file(s) and 2 declared data file(s)")
+    assert problems == [
+        f"rl.reward.functions[0].path: {tmp_path / 'tracked_rewards.py'} declares DATA_FILES entry "
+        f"'gone.txt', which does not exist ({tmp_path / 'gone.txt'})"
+    ]
+    assert len(notes) == 1 and notes[0].startswith(
+        "rl.reward.functions[0].path (tracked_rewards:score): the rl fingerprint "
+        "tracks 1 source file(s) and 2 declared data file(s)"
+    )
     assert "NOT listed in a DATA_FILES of its modules is NOT tracked" in notes[0]
     (tmp_path / "gone.txt").write_text("back\n")
     from flows.cli import main

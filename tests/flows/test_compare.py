@@ -41,9 +41,20 @@ def _samples(correct: dict[str, list[list[int]]], labels: list[str]) -> str:
     for policy, per_prompt in correct.items():
         for p, samples in enumerate(per_prompt):
             for c in samples:
-                lines.append(json.dumps({"benchmark": "rl_eval", "policy": policy, "index": len(lines), "prompt_index": p, "label": labels[p],
-                                         "prompt": [{"role": "user", "content": f"q{p}"}], "correct": bool(c),
-                                         "reward": float(c)}))
+                lines.append(
+                    json.dumps(
+                        {
+                            "benchmark": "rl_eval",
+                            "policy": policy,
+                            "index": len(lines),
+                            "prompt_index": p,
+                            "label": labels[p],
+                            "prompt": [{"role": "user", "content": f"q{p}"}],
+                            "correct": bool(c),
+                            "reward": float(c),
+                        }
+                    )
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -58,27 +69,84 @@ def store(tmp_path_factory):
     evaluate scored other prompts (other labels)."""
     tmp = tmp_path_factory.mktemp("compare")
     store = ArtifactStore(str(tmp / "artifacts"))
-    validate = _publish(store, tmp, "validate", "1", {"sft.jsonl": "{}\n"}, config={"sft": {"path": "d/sft.jsonl"}},
-                        raw_inputs={"sft": {"path": "d/sft.jsonl", "sha256": "e" * 64}}, metrics={"rows/sft": 10})
-    sft = _publish(store, tmp, "sft", "2", {"model.txt": "sft"}, inputs={"validate": validate},
-                   config={"sft": {"steps": 6}, "seed": 0}, metrics={"train/loss": 1.25})
+    validate = _publish(
+        store,
+        tmp,
+        "validate",
+        "1",
+        {"sft.jsonl": "{}\n"},
+        config={"sft": {"path": "d/sft.jsonl"}},
+        raw_inputs={"sft": {"path": "d/sft.jsonl", "sha256": "e" * 64}},
+        metrics={"rows/sft": 10},
+    )
+    sft = _publish(
+        store,
+        tmp,
+        "sft",
+        "2",
+        {"model.txt": "sft"},
+        inputs={"validate": validate},
+        config={"sft": {"steps": 6}, "seed": 0},
+        metrics={"train/loss": 1.25},
+    )
     refs = {}
-    for run, fp, ev_fp, labels in (("a", "3", "6", ["1", "2", "3", "4"]), ("b", "4", "7", ["1", "2", "3", "4"]),
-                                   ("c", "5", "8", ["5", "6", "7", "8"])):
+    for run, fp, ev_fp, labels in (
+        ("a", "3", "6", ["1", "2", "3", "4"]),
+        ("b", "4", "7", ["1", "2", "3", "4"]),
+        ("c", "5", "8", ["5", "6", "7", "8"]),
+    ):
         scores = SCORES.get(run, [0.0, 0.0, 0.0])
-        curve = "".join(json.dumps({"step": i + 1, "critic/score/mean": s, "actor/entropy": 2.0 - s, "actor/ppo_kl": s / 10,
-                                    "response_length/mean": 4 + i}) + "\n" for i, s in enumerate(scores))
-        rl = _publish(store, tmp, "rl", fp, {"metrics.jsonl": curve}, inputs={"validate": validate, "sft": sft},
-                      config={"rl": {"optim": {"lr": LR.get(run, 1e-3)}, "steps": 3}, "seed": 0},
-                      metrics={"critic/score/mean": scores[-1], "step": 3})
+        curve = "".join(
+            json.dumps(
+                {
+                    "step": i + 1,
+                    "critic/score/mean": s,
+                    "actor/entropy": 2.0 - s,
+                    "actor/ppo_kl": s / 10,
+                    "response_length/mean": 4 + i,
+                }
+            )
+            + "\n"
+            for i, s in enumerate(scores)
+        )
+        rl = _publish(
+            store,
+            tmp,
+            "rl",
+            fp,
+            {"metrics.jsonl": curve},
+            inputs={"validate": validate, "sft": sft},
+            config={"rl": {"optim": {"lr": LR.get(run, 1e-3)}, "steps": 3}, "seed": 0},
+            metrics={"critic/score/mean": scores[-1], "step": 3},
+        )
         rl_correct = RL.get(run, RL["a"])
-        ev = _publish(store, tmp, "evaluate", ev_fp, {"samples.jsonl": _samples({"sft": SFT, "rl": rl_correct}, labels)},
-                      inputs={"validate": validate, "sft": sft, "rl": rl}, config={"evaluate": {"num_prompts": 4}, "seed": 0},
-                      metrics={"sft/accuracy": _accuracy(SFT), "rl/accuracy": _accuracy(rl_correct), "rl/n": 4})
+        ev = _publish(
+            store,
+            tmp,
+            "evaluate",
+            ev_fp,
+            {"samples.jsonl": _samples({"sft": SFT, "rl": rl_correct}, labels)},
+            inputs={"validate": validate, "sft": sft, "rl": rl},
+            config={"evaluate": {"num_prompts": 4}, "seed": 0},
+            metrics={"sft/accuracy": _accuracy(SFT), "rl/accuracy": _accuracy(rl_correct), "rl/n": 4},
+        )
         refs[run] = (rl, ev)
-    _publish(store, tmp, "export", "a", {"bytes.txt": "x"}, inputs={"rl": refs["a"][0]}, config={"dtype": "float32"},
-             metrics={"export/bytes": 1234})
-    return {"tmp": tmp, "store": store, "rl": {k: v[0] for k, v in refs.items()}, "evaluate": {k: v[1] for k, v in refs.items()}}
+    _publish(
+        store,
+        tmp,
+        "export",
+        "a",
+        {"bytes.txt": "x"},
+        inputs={"rl": refs["a"][0]},
+        config={"dtype": "float32"},
+        metrics={"export/bytes": 1234},
+    )
+    return {
+        "tmp": tmp,
+        "store": store,
+        "rl": {k: v[0] for k, v in refs.items()},
+        "evaluate": {k: v[1] for k, v in refs.items()},
+    }
 
 
 def _row(doc: dict, stage: str, metric: str) -> dict:
@@ -88,11 +156,18 @@ def _row(doc: dict, stage: str, metric: str) -> dict:
 def test_an_rl_artifact_resolves_to_what_it_was_built_from_and_what_was_built_from_it(store):
     run = from_artifact("a", store["store"], store["rl"]["a"].artifact_id)
     ids = {s: m["artifact_id"] for s, m in run.manifests.items()}
-    assert ids == {"validate": "validate-" + "1" * 16, "sft": "sft-" + "2" * 16, "rl": store["rl"]["a"].artifact_id,
-                   "evaluate": store["evaluate"]["a"].artifact_id, "export": "export-" + "a" * 16}
+    assert ids == {
+        "validate": "validate-" + "1" * 16,
+        "sft": "sft-" + "2" * 16,
+        "rl": store["rl"]["a"].artifact_id,
+        "evaluate": store["evaluate"]["a"].artifact_id,
+        "export": "export-" + "a" * 16,
+    }
     assert run.notes == []
     evaluate = from_artifact("b", store["store"], store["evaluate"]["b"].artifact_id)  # upstream from evaluate
-    assert evaluate.manifests["rl"]["artifact_id"] == store["rl"]["b"].artifact_id and "export" not in evaluate.manifests
+    assert (
+        evaluate.manifests["rl"]["artifact_id"] == store["rl"]["b"].artifact_id and "export" not in evaluate.manifests
+    )
 
 
 def test_compare_gives_deltas_paired_errors_and_the_changed_key(store, tmp_path):
@@ -102,8 +177,12 @@ def test_compare_gives_deltas_paired_errors_and_the_changed_key(store, tmp_path)
     assert score["values"] == [0.5, 0.75] and score["delta"] == [None, 0.25]
     acc = _row(doc, "evaluate", "rl/accuracy")
     assert acc["values"] == [0.5, 0.625] and acc["delta"] == [None, 0.125]
-    assert _row(doc, "export", "export/bytes") == {"stage": "export", "metric": "export/bytes", "values": [1234, None],
-                                                  "delta": [None, None]}
+    assert _row(doc, "export", "export/bytes") == {
+        "stage": "export",
+        "metric": "export/bytes",
+        "values": [1234, None],
+        "delta": [None, None],
+    }
     # Paired over prompts: d = per-prompt mean@2 of b minus a = [0, 0.5, 0.5, -0.5]; mean 0.125,
     # sample variance (0.125^2 + 0.375^2 + 0.375^2 + 0.625^2) / 3 = 0.6875 / 3, SE = sqrt(0.6875 / 3 / 4).
     paired = {p["policy"]: p for p in doc["paired"]}
@@ -136,8 +215,21 @@ def test_the_command_prints_a_table_or_one_json_document(store, tmp_path, capsys
     assert "+0.125 ± 0.24 (paired, n=4)" in out  # the rl/accuracy delta with its paired SE
     rl_lr = next(line for line in out.splitlines() if "rl.optim.lr" in line)
     assert "0.001" in rl_lr and "0.0005" in rl_lr
-    assert main(["compare", a, str(Path(root) / "rl" / b), "--artifact-root", root, "--json", "--out",
-                 str(tmp_path / "y.png")]) == 0  # an artifact directory works too
+    assert (
+        main(
+            [
+                "compare",
+                a,
+                str(Path(root) / "rl" / b),
+                "--artifact-root",
+                root,
+                "--json",
+                "--out",
+                str(tmp_path / "y.png"),
+            ]
+        )
+        == 0
+    )  # an artifact directory works too
     doc = json.loads(capsys.readouterr().out)
     assert doc["changed_keys"] == ["rl.optim.lr"] and doc["curves_png"] == str(tmp_path / "y.png")
     assert main(["compare", a, "no-such-run", "--artifact-root", root]) == 2
@@ -145,14 +237,21 @@ def test_the_command_prints_a_table_or_one_json_document(store, tmp_path, capsys
 
 
 def test_stage_inputs_are_what_enters_the_fingerprint():
-    manifest = {"config": {"sft": {"path": "d/x.jsonl", "format": "alpaca"}, "max_bad_fraction": 0.0},
-                "raw_inputs": {"sft": {"path": "d/x.jsonl", "sha256": "f" * 64}},
-                "inputs": {"convert": {"artifact_id": "convert-" + "0" * 16, "content_hash": "9" * 64}},
-                "code_version": "c" * 64}
+    manifest = {
+        "config": {"sft": {"path": "d/x.jsonl", "format": "alpaca"}, "max_bad_fraction": 0.0},
+        "raw_inputs": {"sft": {"path": "d/x.jsonl", "sha256": "f" * 64}},
+        "inputs": {"convert": {"artifact_id": "convert-" + "0" * 16, "content_hash": "9" * 64}},
+        "code_version": "c" * 64,
+    }
     assert stage_inputs("validate", manifest) == {
-        "data.sft.path": "(file sft)", "data.sft.format": "alpaca", "data.max_bad_fraction": 0.0,  # by content, not path
-        "input convert": "convert-" + "0" * 16, "input convert content": "9" * 64,
-        "file sft": "f" * 64, "code version": "c" * 64}
+        "data.sft.path": "(file sft)",
+        "data.sft.format": "alpaca",
+        "data.max_bad_fraction": 0.0,  # by content, not path
+        "input convert": "convert-" + "0" * 16,
+        "input convert content": "9" * 64,
+        "file sft": "f" * 64,
+        "code version": "c" * 64,
+    }
     assert stage_inputs("rl", {"config": {"rl": {"steps": 3}, "seed": 1}})["run.seed"] == 1
 
 
@@ -161,11 +260,15 @@ def test_overrides_on_the_command_line_belong_to_the_config_before_them(tmp_path
     from flows.compare_runs import CompareError
 
     assert group_runs(["a.yaml", "rl.steps=5", "~prepare", "rl-0123456789abcdef", "b.yaml", "x=[1, 2]"]) == [
-        ("a.yaml", ["rl.steps=5", "~prepare"]), ("rl-0123456789abcdef", []), ("b.yaml", ["x=[1, 2]"])]
+        ("a.yaml", ["rl.steps=5", "~prepare"]),
+        ("rl-0123456789abcdef", []),
+        ("b.yaml", ["x=[1, 2]"]),
+    ]
     with pytest.raises(CompareError, match="rl.steps=5: an override follows the config file it changes"):
         group_runs(["rl.steps=5", "a.yaml"])
-    assert default_png(["configs/quickstart.yaml", "configs/quickstart.yaml rl.optim.lr=5e-4", "x/rl/rl-0123456789abcdef"]) \
-        == Path("outputs/compare/quickstart_vs_quickstart-rl.optim.lr-5e-4_vs_rl-0123456789abcdef.png")
+    assert default_png(
+        ["configs/quickstart.yaml", "configs/quickstart.yaml rl.optim.lr=5e-4", "x/rl/rl-0123456789abcdef"]
+    ) == Path("outputs/compare/quickstart_vs_quickstart-rl.optim.lr-5e-4_vs_rl-0123456789abcdef.png")
 
 
 def test_the_stage_list_is_the_graphs():

@@ -159,8 +159,11 @@ def _wait(what: str, check, timeout_s: float, tail, every_s: float = 1.0):
 
 
 def _flow_runs(api: str, deployment_id: str) -> list[dict]:
-    return httpx.post(f"{api}/flow_runs/filter", json={"deployments": {"id": {"any_": [deployment_id]}},
-                                                        "sort": "EXPECTED_START_TIME_ASC", "limit": 200}, timeout=10).json()
+    return httpx.post(
+        f"{api}/flow_runs/filter",
+        json={"deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200},
+        timeout=10,
+    ).json()
 
 
 def _deployment(api: str) -> dict:
@@ -191,6 +194,7 @@ def _task_runs(api: str, run_id: str) -> list[dict]:
 def _finished_task_runs(api: str, run_id: str, tail) -> list[dict]:
     """The run's task runs once each stage's has a terminal state (task-run states reach the
     database through the server's event pipeline, a moment after the flow run ends)."""
+
     def done():
         runs = _task_runs(api, run_id)
         return runs if len(runs) >= 1 + len(STAGES) and all(t["state_type"] in TERMINAL for t in runs) else None
@@ -242,13 +246,21 @@ def scheduled(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    steps = doc_steps({"4200": str(port), "configs/my_run.yaml": str(config), "--interval 21600": f"--interval {INTERVAL_S}"})
+    steps = doc_steps(
+        {"4200": str(port), "configs/my_run.yaml": str(config), "--interval 21600": f"--interval {INTERVAL_S}"}
+    )
     assert [s.argv[:3] for s in steps] == [
-        [".", ".venv/bin/activate"], ["export", f"PREFECT_API_URL=http://127.0.0.1:{port}/api"],
-        ["prefect", "server", "start"], ["prefect", "work-pool", "create"], ["prefect", "work-pool", "set-concurrency-limit"],
-        ["prefect", "deploy", "--name"], ["prefect", "worker", "start"],
-        ["prefect", "deploy", "--name"], ["prefect", "deployment", "schedule"],
-        ["prefect", "flow-run", "ls"], ["prefect", "deployment", "run"],
+        [".", ".venv/bin/activate"],
+        ["export", f"PREFECT_API_URL=http://127.0.0.1:{port}/api"],
+        ["prefect", "server", "start"],
+        ["prefect", "work-pool", "create"],
+        ["prefect", "work-pool", "set-concurrency-limit"],
+        ["prefect", "deploy", "--name"],
+        ["prefect", "worker", "start"],
+        ["prefect", "deploy", "--name"],
+        ["prefect", "deployment", "schedule"],
+        ["prefect", "flow-run", "ls"],
+        ["prefect", "deployment", "run"],
     ], "the docs' commands changed: update the test's hooks below"
     runner = DocRunner(root, env, tmp)
     times: dict[str, float] = {}
@@ -327,17 +339,34 @@ def scheduled(tmp_path_factory):
 
         listed = runner.run(steps[9])  # prefect flow-run ls
         manual_out = runner.run(steps[10])  # prefect deployment run: the pool is paused, so it only waits
-        manual = httpx.get(f"{api}/flow_runs/{re.search(r'UUID: ([0-9a-f-]{36})', manual_out).group(1)}", timeout=10).json()
+        manual = httpx.get(
+            f"{api}/flow_runs/{re.search(r'UUID: ([0-9a-f-]{36})', manual_out).group(1)}", timeout=10
+        ).json()
         deployment_now = httpx.get(f"{api}/deployments/{deployed['id']}", timeout=10).json()
         times["fixture total"] = time.time() - t_fixture
         print("\nwall times: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
         times_printed = True
         yield {
-            "root": root, "work": work, "config": config, "home": home, "api": api, "shipped": shipped, "pool": pool,
-            "deployed": deployed, "schedule_id": schedule_id, "runs": (first, second),
-            "scheduled_run_ids": (first["id"], second["id"]), "task_runs": (first_tasks, second_tasks),
-            "first_pointers": first_pointers, "listed": listed, "manual": manual, "deployment_now": deployment_now,
-            "server": server, "worker": worker, "tail": tail, "times": times,
+            "root": root,
+            "work": work,
+            "config": config,
+            "home": home,
+            "api": api,
+            "shipped": shipped,
+            "pool": pool,
+            "deployed": deployed,
+            "schedule_id": schedule_id,
+            "runs": (first, second),
+            "scheduled_run_ids": (first["id"], second["id"]),
+            "task_runs": (first_tasks, second_tasks),
+            "first_pointers": first_pointers,
+            "listed": listed,
+            "manual": manual,
+            "deployment_now": deployment_now,
+            "server": server,
+            "worker": worker,
+            "tail": tail,
+            "times": times,
         }
     finally:
         if not times_printed:  # set up failed: what took how long so far
@@ -360,7 +389,9 @@ def test_server_logging_settings_are_prefects_own_plus_the_sqlite_retry_filter()
     assert ours.pop("filters") == {"retried_sqlite_lock": {"()": "flows.prefect_server.RetriedSQLiteLockFilter"}}
     assert ours["loggers"].pop("docket.dependencies") == {"level": "NOTSET", "filters": ["retried_sqlite_lock"]}
     assert ours["loggers"].pop("prefect.server.utilities.worker_channel") == {
-        "level": "NOTSET", "filters": ["retried_sqlite_lock"]}
+        "level": "NOTSET",
+        "filters": ["retried_sqlite_lock"],
+    }
     assert ours["loggers"]["prefect.server"].pop("filters") == ["retried_sqlite_lock"]
     assert ours == default
 
@@ -371,7 +402,8 @@ def test_docs_commands_are_plain_prefect_commands():
     steps = doc_steps({})
     assert [s.line for s in steps if s.background] == [
         "PREFECT_LOGGING_SETTINGS_PATH=$PWD/prefect-server-logging.yml prefect server start --host 127.0.0.1 --port 4200 &",
-        "prefect worker start --pool posttrain-process &"]
+        "prefect worker start --pool posttrain-process &",
+    ]
     section = DOC.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
     assert section.count("--interval 21600") == 1 and section.count("--port 4200") == 1
     assert "POSTTRAIN_HOME=$PWD prefect deploy --name quickstart-nightly\n" in section
@@ -382,16 +414,25 @@ def test_docs_commands_are_plain_prefect_commands():
 
 @pytest.mark.slow
 def test_deploy_registers_the_prefect_yaml_deployment_with_its_cron_schedule(scheduled):
-    spec = next(d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"] if d["name"] == DEPLOYMENT)
+    spec = next(
+        d for d in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"] if d["name"] == DEPLOYMENT
+    )
     got = scheduled["shipped"]
     assert (got["name"], got["entrypoint"], got["work_pool_name"], got["work_queue_name"]) == (
-        DEPLOYMENT, spec["entrypoint"], spec["work_pool"]["name"], spec["work_pool"]["work_queue_name"])
+        DEPLOYMENT,
+        spec["entrypoint"],
+        spec["work_pool"]["name"],
+        spec["work_pool"]["work_queue_name"],
+    )
     assert got["parameters"] == spec["parameters"] == {"config_path": "configs/quickstart.yaml"}
     assert [(s["schedule"]["cron"], s["schedule"]["timezone"], s["active"]) for s in got["schedules"]] == [
-        (s["cron"], s["timezone"], s["active"]) for s in spec["schedules"]]
+        (s["cron"], s["timezone"], s["active"]) for s in spec["schedules"]
+    ]
     assert got["schedules"][0]["schedule"]["cron"] == "0 3 * * *"  # 03:00 UTC, as the docs say
     # the pull step's {{ $POSTTRAIN_HOME }} was resolved at deploy time to the project root
-    assert got["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(scheduled["root"])}}]
+    assert got["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(scheduled["root"])}}
+    ]
     assert scheduled["pool"]["type"] == "process" and scheduled["pool"]["concurrency_limit"] == 1
 
 
@@ -409,7 +450,9 @@ def test_docs_commands_point_the_deployment_at_the_config_and_the_interval(sched
 @pytest.mark.slow
 def test_scheduler_created_both_runs_and_each_completed(scheduled):
     for run in scheduled["runs"]:
-        assert run["state_type"] == "COMPLETED", f"{run['name']}: {run['state_name']}: {run['state'].get('message')}\n{scheduled['tail']()}"
+        assert run["state_type"] == "COMPLETED", (
+            f"{run['name']}: {run['state_name']}: {run['state'].get('message')}\n{scheduled['tail']()}"
+        )
         assert run["auto_scheduled"] is True
         assert run["created_by"]["type"] == "SCHEDULE" and run["created_by"]["id"] == scheduled["schedule_id"]
         assert run["deployment_id"] == scheduled["deployed"]["id"]
@@ -435,8 +478,10 @@ def test_second_scheduled_run_reran_only_rl_evaluate_export(scheduled):
     """rl.steps 3 -> 4 between the runs: validate, convert, sft, rm (and prepare) are Cached,
     rl, evaluate and export ran again and published new artifacts."""
     states = _states(scheduled["task_runs"][1])
-    assert states == {**{name: "Cached" for name in ["prepare", "validate", "convert", "sft", "rm"]},
-                      **{name: "Completed" for name in RERUN}}
+    assert states == {
+        **{name: "Cached" for name in ["prepare", "validate", "convert", "sft", "rm"]},
+        **{name: "Completed" for name in RERUN},
+    }
     before, after = scheduled["first_pointers"], _pointers(scheduled["root"])
     first_id, second_id = scheduled["scheduled_run_ids"]
     for name in STAGES:
@@ -460,7 +505,11 @@ def test_runs_published_every_artifact_from_the_project_root(scheduled):
         uri = Path(pointer["uri"])
         assert uri.parent == scheduled["work"] / "artifacts" / name
         manifest = json.loads((uri / "manifest.json").read_text())
-        assert (manifest["stage"], manifest["artifact_id"], manifest["fingerprint"]) == (name, pointer["artifact_id"], pointer["fingerprint"])
+        assert (manifest["stage"], manifest["artifact_id"], manifest["fingerprint"]) == (
+            name,
+            pointer["artifact_id"],
+            pointer["fingerprint"],
+        )
         for f in manifest["files"]:
             assert (uri / f["path"]).stat().st_size == f["size"]
     metrics = json.loads((scheduled["root"] / "outputs" / "quickstart" / "evaluate.metrics.json").read_text())
@@ -498,8 +547,9 @@ def test_server_log_is_clean_and_the_deployment_ready(scheduled):
 
 def _artifacts(api: str, run_id: str) -> dict[str, dict]:
     """Key -> the Prefect artifact of that key created in flow run ``run_id``."""
-    found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}, "limit": 200},
-                       timeout=10).json()
+    found = httpx.post(
+        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10
+    ).json()
     return {a["key"]: a for a in found if a["key"]}
 
 
@@ -514,27 +564,39 @@ def test_prefect_shows_every_stage_the_config_diff_and_the_summary(scheduled):
     headline metrics; the config used with its diff against the previous run; the summary the
     CLI prints, naming each stage's W&B run."""
     api, (first_id, second_id) = scheduled["api"], scheduled["scheduled_run_ids"]
-    for run_id, pointers, cached in ((first_id, scheduled["first_pointers"], set()),
-                                     (second_id, _pointers(scheduled["root"]), {"validate", "convert", "sft", "rm"})):
+    for run_id, pointers, cached in (
+        (first_id, scheduled["first_pointers"], set()),
+        (second_id, _pointers(scheduled["root"]), {"validate", "convert", "sft", "rm"}),
+    ):
         shown = _artifacts(api, run_id)
         for name in STAGES:
             table = _table(shown[f"quickstart-{name}"])
             assert table["state"] == ("Cached" if name in cached else "Completed"), (run_id, name, table)
             assert (table["artifact_id"], table["uri"], table["fingerprint"]) == (
-                pointers[name]["artifact_id"], pointers[name]["uri"], pointers[name]["fingerprint"])
+                pointers[name]["artifact_id"],
+                pointers[name]["uri"],
+                pointers[name]["fingerprint"],
+            )
             assert table["wandb run"].startswith(pointers[name]["artifact_id"] + "-")  # its W&B run (offline: the dir)
         evaluate = _table(shown["quickstart-evaluate"])
-        assert float(evaluate["metric: rl/accuracy"]) == pytest.approx(pointers["evaluate"]["metrics"]["rl/accuracy"], rel=1e-5)
+        assert float(evaluate["metric: rl/accuracy"]) == pytest.approx(
+            pointers["evaluate"]["metrics"]["rl/accuracy"], rel=1e-5
+        )
         summary = shown["quickstart-summary"]["data"]
         for name in STAGES:
             state = "Cached" if name in cached else "Completed"
             assert f"| {name} | {state} | " in summary and pointers[name]["artifact_id"] in summary
         assert "RL accuracy:" in summary and "/hf_model" in summary
-    first_config, second_config = _artifacts(api, first_id)["quickstart-config"], _artifacts(api, second_id)["quickstart-config"]
+    first_config, second_config = (
+        _artifacts(api, first_id)["quickstart-config"],
+        _artifacts(api, second_id)["quickstart-config"],
+    )
     assert "No earlier run" in first_config["data"] and f"steps: {RL_STEPS[0]}" in first_config["data"]
     diff = second_config["data"].split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
     assert [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [
-        f"-  steps: {RL_STEPS[0]}", f"+  steps: {RL_STEPS[1]}"]
+        f"-  steps: {RL_STEPS[0]}",
+        f"+  steps: {RL_STEPS[1]}",
+    ]
 
 
 @pytest.mark.slow
@@ -546,7 +608,9 @@ def test_wandb_has_one_complete_group_per_scheduled_run(scheduled):
 
     runs = offline_runs(scheduled["work"] / "wandb")
     groups = []
-    for run_id, steps, cached in zip(scheduled["scheduled_run_ids"], RL_STEPS, (set(), {"validate", "convert", "sft", "rm"})):
+    for run_id, steps, cached in zip(
+        scheduled["scheduled_run_ids"], RL_STEPS, (set(), {"validate", "convert", "sft", "rm"})
+    ):
         mine = [r for r in runs if f"flow-run:{run_id}" in r["tags"]]
         assert sorted(r["job_type"] for r in mine) == sorted(STAGES), [(r["job_type"], r["tags"]) for r in mine]
         assert all(f"deployment:{DEPLOYMENT}" in r["tags"] for r in mine)

@@ -58,8 +58,16 @@ HEADLINE = {
     "rm": ["rm/accuracy"],
     "po": ["po/eval_accuracy", "po/eval_margin"],
     "rl": ["critic/score/mean", "actor/pg_loss"],
-    "evaluate": ["sft/accuracy", "sft/accuracy_se", "sft/n", "rl/accuracy", "rl/accuracy_se", "rl/n",
-                 "rl_minus_sft/accuracy", "rl_minus_sft/accuracy_se"],
+    "evaluate": [
+        "sft/accuracy",
+        "sft/accuracy_se",
+        "sft/n",
+        "rl/accuracy",
+        "rl/accuracy_se",
+        "rl/n",
+        "rl_minus_sft/accuracy",
+        "rl_minus_sft/accuracy_se",
+    ],
     "export": ["export/bytes"],
 }
 
@@ -73,16 +81,30 @@ ACTIVATE = ". .venv/bin/activate"
 REPRO = "dvc repro"
 COMMIT_BASELINE = f'git add dvc.lock {OUT} && git commit -m "baseline"'
 EXPERIMENTS = {"rm-0.5": 0.5, "rm-1.0": 1.0}  # name -> rl.reward.reward_model_weight
-EXP_RUNS = {name: f"dvc exp run -n {name} -S '{PARAMS_FILE}:++rl.reward.reward_model_weight={w}'" for name, w in EXPERIMENTS.items()}
+EXP_RUNS = {
+    name: f"dvc exp run -n {name} -S '{PARAMS_FILE}:++rl.reward.reward_model_weight={w}'"
+    for name, w in EXPERIMENTS.items()
+}
 SHOW = "dvc exp show --only-changed --drop 'outputs/' --keep '.*accuracy$'"
 DIFF = "dvc metrics diff rm-0.5 rm-1.0"
 KEPT_BRANCH = "reward-model-1.0"
 BRANCH = f"dvc exp branch rm-1.0 {KEPT_BRANCH}"
 APPLY = "dvc exp apply rm-0.5"
 COMMIT_KEPT = f'git add dvc.lock {PARAMS_FILE} {OUT} && git commit -m "rl: reward model weight 0.5"'
-NO_RM = (f"dvc exp run -n no-rm -S {PARAMS_FILE}:rm.enabled=false "
-         f"-S {PARAMS_FILE}:rl.reward.reward_model_weight=0")
-WALKTHROUGH = [ACTIVATE, INIT, REPRO, COMMIT_BASELINE, *EXP_RUNS.values(), SHOW, DIFF, BRANCH, APPLY, COMMIT_KEPT, NO_RM]
+NO_RM = f"dvc exp run -n no-rm -S {PARAMS_FILE}:rm.enabled=false -S {PARAMS_FILE}:rl.reward.reward_model_weight=0"
+WALKTHROUGH = [
+    ACTIVATE,
+    INIT,
+    REPRO,
+    COMMIT_BASELINE,
+    *EXP_RUNS.values(),
+    SHOW,
+    DIFF,
+    BRANCH,
+    APPLY,
+    COMMIT_KEPT,
+    NO_RM,
+]
 OWN_VARS = {"config": "configs/my_run.yaml", "run": "my_run"}
 OWN_STATUS = "dvc status"
 # Never copied into a project copy: the venv and everything a run produces.
@@ -95,10 +117,15 @@ COPY_MARKER = "\n_PROJECT_COPY_USED_BY_TEST_DVC = True\n"
 def copy_project(dest: Path) -> Path:
     """Copy the checkout's tracked and untracked-but-not-ignored files (working-tree
     versions) to ``dest``; returns ``dest``. Raises CalledProcessError if git fails."""
-    listed = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        check=True, capture_output=True,
-    ).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = REPO / rel
         if rel.split("/", 1)[0] in NOT_COPIED or not src.is_file():  # deleted in the working tree
@@ -106,7 +133,6 @@ def copy_project(dest: Path) -> Path:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dest / rel)
     return dest
-
 
 
 def _tail(path: Path, n: int = 6000) -> str:
@@ -119,7 +145,9 @@ class Service:
     def __init__(self, args: list[str], cwd: Path, env: dict, log: Path):
         self.log = log
         self._out = log.open("w")
-        self.proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, cwd=cwd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def tail(self) -> str:
         return _tail(self.log)
@@ -163,7 +191,9 @@ def start_prefect_server(env: dict, log: Path, timeout_s: float = 180) -> tuple[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     api = f"http://127.0.0.1:{port}/api"
-    server = Service([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], log.parent, env, log)
+    server = Service(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], log.parent, env, log
+    )
     deadline = time.time() + timeout_s
     try:
         while True:
@@ -181,6 +211,7 @@ def start_prefect_server(env: dict, log: Path, timeout_s: float = 180) -> tuple[
 
 
 # ---------------------------------------------------------------- fast: dvc.yaml vs fingerprints
+
 
 def resolve_stages(dvc_yaml: Path) -> dict[str, dict]:
     """The stages of ``dvc_yaml`` with its ``vars`` interpolated, by DVC's own resolver (what
@@ -203,7 +234,9 @@ DVC = resolve_stages(REPO / "dvc.yaml")
 def _params(name: str) -> list[str]:
     keys = []
     for entry in DVC[name].get("params", []):
-        assert isinstance(entry, dict) and list(entry) == [PARAMS_FILE], f"dvc.yaml {name}.params: {entry!r} is not in {PARAMS_FILE}"
+        assert isinstance(entry, dict) and list(entry) == [PARAMS_FILE], (
+            f"dvc.yaml {name}.params: {entry!r} is not in {PARAMS_FILE}"
+        )
         keys += entry[PARAMS_FILE]
     return keys
 
@@ -244,9 +277,10 @@ def test_dvc_stages_are_the_registrys_in_its_order_with_its_inputs():
         deps = RAW_DVC["stages"][entry.name]["deps"]
         pointers = [re.fullmatch(r"outputs/\$\{run\}/(\w+)\.json", d) for d in deps]
         read = [m.group(1) for m in pointers if m]
-        assert sorted(read) == sorted(entry.inputs), f"dvc.yaml {entry.name}.deps read the pointers of {read}, " \
-                                                     f"config/stages.py declares {list(entry.inputs)}"
-        earlier = list(RAW_DVC["stages"])[:list(RAW_DVC["stages"]).index(entry.name)]
+        assert sorted(read) == sorted(entry.inputs), (
+            f"dvc.yaml {entry.name}.deps read the pointers of {read}, config/stages.py declares {list(entry.inputs)}"
+        )
+        earlier = list(RAW_DVC["stages"])[: list(RAW_DVC["stages"]).index(entry.name)]
         assert set(read) <= set(earlier), (entry.name, read)
         assert all(out in deps for out in prepared) == (not entry.inputs), (entry.name, prepared)
 
@@ -258,7 +292,7 @@ def test_dvc_yaml_names_the_config_and_run_only_in_its_vars():
     assert list(RAW_DVC) == ["vars", "stages"]
     assert RAW_DVC["vars"] == [{"config": PARAMS_FILE, "run": cfg.run.name}]
     text = (REPO / "dvc.yaml").read_text()
-    body = text[text.index("\nstages:\n"):]
+    body = text[text.index("\nstages:\n") :]
     assert PARAMS_FILE not in body and OUT not in body
     for name, st in RAW_DVC["stages"].items():
         assert st["cmd"] == f"posttrain stage {name} ${{config}}"
@@ -275,7 +309,10 @@ def _doc_blocks(lang: str) -> list[list[str]]:
     text = (REPO / "docs" / "quickstart.md").read_text()
     assert f"\n## {DOCS_SECTION}\n" in text, f"docs/quickstart.md has no section {DOCS_SECTION!r}"
     body = text.split(f"\n## {DOCS_SECTION}\n", 1)[1].split("\n## ", 1)[0]
-    return [[line for line in block.splitlines() if line.strip()] for block in re.findall(rf"```{lang}\n(.*?)```", body, re.S)]
+    return [
+        [line for line in block.splitlines() if line.strip()]
+        for block in re.findall(rf"```{lang}\n(.*?)```", body, re.S)
+    ]
 
 
 def test_the_quickstart_walkthrough_is_what_these_tests_run():
@@ -293,16 +330,33 @@ def test_dvc_deps_cover_the_code_inputs_and_raw_files_each_fingerprint_hashes():
     from tasks.graph import stage
 
     cfg = load_config(REPO / PARAMS_FILE)
-    with_rm_reward = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"reward": cfg.rl.reward.model_copy(update={"reward_model_weight": 0.5})})})
+    with_rm_reward = cfg.model_copy(
+        update={
+            "rl": cfg.rl.model_copy(update={"reward": cfg.rl.reward.model_copy(update={"reward_model_weight": 0.5})})
+        }
+    )
     without_sft = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"enabled": False})})
     without_rm = cfg.model_copy(update={"rm": cfg.rm.model_copy(update={"enabled": False})})
     with_po = cfg.model_copy(update={"po": cfg.po.model_copy(update={"enabled": True})})
-    variants = (cfg, with_rm_reward, without_sft, without_rm,
-                without_sft.model_copy(update={"rl": with_rm_reward.rl}), without_sft.model_copy(update={"rm": without_rm.rm}),
-                with_po, with_po.model_copy(update={"rl": with_rm_reward.rl}), with_po.model_copy(update={"sft": without_sft.sft}))
+    variants = (
+        cfg,
+        with_rm_reward,
+        without_sft,
+        without_rm,
+        without_sft.model_copy(update={"rl": with_rm_reward.rl}),
+        without_sft.model_copy(update={"rm": without_rm.rm}),
+        with_po,
+        with_po.model_copy(update={"rl": with_rm_reward.rl}),
+        with_po.model_copy(update={"sft": without_sft.sft}),
+    )
     assert {spec_inputs for spec_inputs in (stage("rl")[0].inputs(v) for v in variants)} == {
-        ("validate", "sft"), ("validate", "sft", "rm"), ("validate", "convert"), ("validate", "convert", "rm"),
-        ("validate", "po"), ("validate", "po", "rm")}
+        ("validate", "sft"),
+        ("validate", "sft", "rm"),
+        ("validate", "convert"),
+        ("validate", "convert", "rm"),
+        ("validate", "po"),
+        ("validate", "po", "rm"),
+    }
     assert {stage("po")[0].inputs(v) for v in variants} == {("validate", "sft"), ("validate", "convert")}
     for name in STAGES:
         deps = _deps(name)
@@ -370,35 +424,48 @@ def _alternatives(value, ann) -> list:
         shorter = [value[1:]] if isinstance(value, list) and len(value) > 1 else []
         item = typing.get_args(_unwrap_optional(ann))  # a list of choices (export.gguf: [q8_0])
         choice = [[typing.get_args(item[0])[0]]] if item and typing.get_origin(item[0]) is typing.Literal else []
-        return shorter + choice + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}],
-                          [{"cpus": 8}]]
+        return (
+            shorter
+            + choice
+            + [[1], [{"path": "my_rewards:score"}], [{"name": "extra", "path": "work/extra.jsonl"}], [{"cpus": 8}]]
+        )
     # an unset optional (an import path, then a section: rl.teacher, rl.reward.judge, a dataset: data.kto)
-    return [1, 0.5, 2, "changed", "my_module:factory", {"model_dir": "work/teacher"}, {"path": "work/data.jsonl"},
-            {"url": "http://127.0.0.1:8000/score"},  # a reward service (rl.reward.remote)
-            {"num_experts": 4}]  # an MoE shape (prepare.moe)
+    return [
+        1,
+        0.5,
+        2,
+        "changed",
+        "my_module:factory",
+        {"model_dir": "work/teacher"},
+        {"path": "work/data.jsonl"},
+        {"url": "http://127.0.0.1:8000/score"},  # a reward service (rl.reward.remote)
+        {"num_experts": 4},
+    ]  # an MoE shape (prepare.moe)
 
 
 # Keys valid only together with others (cross-key checks of the schema).
-COMPANIONS = {("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
-              # an MoE router's loss type and its coefficient are set together
-              ("model", "moe", "load_balancing"): {"aux_loss_coeff": 0.001},
-              ("model", "moe", "aux_loss_coeff"): {"load_balancing": "aux_loss"},
-              ("rl", "max_turns"): {"environment": "my_module:factory"},
-              # multi-turn settings: read (and fingerprinted) only with an environment
-              ("rl", "max_turn_tokens"): {"environment": "my_module:factory"},
-              ("rl", "environment_step_wait_s"): {"environment": "my_module:factory"},
-              ("rl", "teacher"): {"algorithm": "on_policy_distill"},
-              # the quickstart's DPO-Positive penalty is a dpo term against the reference
-              ("po", "loss"): {"dpop_lambda": 0.0},
-              ("po", "reference_free"): {"dpop_lambda": 0.0},
-              ("rl", "engine", "off_policy_steps"): {"placement": "disaggregated"},
-              ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1},
-              # dotted keys are set from the config's root: DP=k needs k micro-batches per step
-              ("sft", "parallel", "data_parallel_size"): {"sft.micro_batch_size": 256},
-              # expert parallelism is carved out of the data-parallel ranks
-              ("sft", "parallel", "expert_model_parallel_size"): {"data_parallel_size": 2, "sft.micro_batch_size": 256},
-              ("rm", "parallel", "data_parallel_size"): {"rm.micro_batch_size": 16},
-              ("po", "parallel", "data_parallel_size"): {"po.micro_batch_size": 16}}
+COMPANIONS = {
+    ("rl", "kl", "target"): {"in_reward": True, "coef": 0.1},
+    # an MoE router's loss type and its coefficient are set together
+    ("model", "moe", "load_balancing"): {"aux_loss_coeff": 0.001},
+    ("model", "moe", "aux_loss_coeff"): {"load_balancing": "aux_loss"},
+    ("rl", "max_turns"): {"environment": "my_module:factory"},
+    # multi-turn settings: read (and fingerprinted) only with an environment
+    ("rl", "max_turn_tokens"): {"environment": "my_module:factory"},
+    ("rl", "environment_step_wait_s"): {"environment": "my_module:factory"},
+    ("rl", "teacher"): {"algorithm": "on_policy_distill"},
+    # the quickstart's DPO-Positive penalty is a dpo term against the reference
+    ("po", "loss"): {"dpop_lambda": 0.0},
+    ("po", "reference_free"): {"dpop_lambda": 0.0},
+    ("rl", "engine", "off_policy_steps"): {"placement": "disaggregated"},
+    ("rl", "engine", "partial_rollout_chunk_tokens"): {"placement": "disaggregated", "off_policy_steps": 1},
+    # dotted keys are set from the config's root: DP=k needs k micro-batches per step
+    ("sft", "parallel", "data_parallel_size"): {"sft.micro_batch_size": 256},
+    # expert parallelism is carved out of the data-parallel ranks
+    ("sft", "parallel", "expert_model_parallel_size"): {"data_parallel_size": 2, "sft.micro_batch_size": 256},
+    ("rm", "parallel", "data_parallel_size"): {"rm.micro_batch_size": 16},
+    ("po", "parallel", "data_parallel_size"): {"po.micro_batch_size": 16},
+}
 
 
 def _with(raw: dict, path: tuple[str, ...], value) -> PipelineConfig | None:
@@ -438,19 +505,25 @@ def test_dvc_params_cover_the_config_each_fingerprint_reads():
     checked, fixed = 0, []
     for path, value in _leaves(raw):
         ann = _annotation(path)
-        changed = next((c for c in map(lambda v: _with(raw, path, v), _alternatives(value, ann)) if c is not None), None)
+        changed = next(
+            (c for c in map(lambda v: _with(raw, path, v), _alternatives(value, ann)) if c is not None), None
+        )
         if changed is None:
             fixed.append(".".join(path))
             if path[-1] == "tensor_model_parallel_size":  # the schema refuses TP > 1 in these stages yet
                 continue
             if path[-1] == "expert_model_parallel_size" and path[0] != "sft":  # EP runs in sft only yet
                 continue
-            assert typing.get_origin(ann) is typing.Literal and len(typing.get_args(ann)) == 1, f"could not change {'.'.join(path)}"
+            assert typing.get_origin(ann) is typing.Literal and len(typing.get_args(ann)) == 1, (
+                f"could not change {'.'.join(path)}"
+            )
             continue
         checked += 1
         for name, fn in slices.items():
             if fn(changed) != reference[name]:
-                assert _covered(".".join(path), _params(name), "."), f"{'.'.join(path)} changes the {name} fingerprint but dvc.yaml {name}.params miss it"
+                assert _covered(".".join(path), _params(name), "."), (
+                    f"{'.'.join(path)} changes the {name} fingerprint but dvc.yaml {name}.params miss it"
+                )
     assert checked > 60, (checked, fixed)  # the schema has ~100 leaves; only single-value Literals stay fixed
     # run.precision reaches the stages through the config's resolution (the dump above holds the
     # resolved per-stage values), so change it in the user's YAML itself.
@@ -458,7 +531,9 @@ def test_dvc_params_cover_the_config_each_fingerprint_reads():
         changed = PipelineConfig.model_validate({**raw_yaml, "run": {**raw_yaml["run"], "precision": setting}})
         for name, fn in slices.items():
             if fn(changed) != fn(PipelineConfig.model_validate(raw_yaml)):
-                assert _covered("run.precision", _params(name), "."), f"run.precision changes the {name} fingerprint but dvc.yaml {name}.params miss it"
+                assert _covered("run.precision", _params(name), "."), (
+                    f"run.precision changes the {name} fingerprint but dvc.yaml {name}.params miss it"
+                )
 
 
 def test_an_rl_mixtures_sources_are_in_the_validate_and_rl_fingerprints_and_params():
@@ -468,8 +543,10 @@ def test_an_rl_mixtures_sources_are_in_the_validate_and_rl_fingerprints_and_para
     from tasks.graph import stage
 
     raw = load_config(REPO / PARAMS_FILE).model_dump()
-    raw["data"]["rl_train"] = [{"name": "gsm8k", "path": "work/gsm8k.jsonl", "format": "gsm8k"},
-                               {"name": "math", "path": "work/math.jsonl", "format": "math", "weight": 2.0}]
+    raw["data"]["rl_train"] = [
+        {"name": "gsm8k", "path": "work/gsm8k.jsonl", "format": "gsm8k"},
+        {"name": "math", "path": "work/math.jsonl", "format": "math", "weight": 2.0},
+    ]
     mixture = PipelineConfig.model_validate(raw)
     validate, rl = stage("validate")[0], stage("rl")[0]
     inputs = validate.raw_inputs(mixture)
@@ -485,6 +562,7 @@ def test_an_rl_mixtures_sources_are_in_the_validate_and_rl_fingerprints_and_para
 
 
 # ---------------------------------------------------------------- fast: a stage ends with dvc
+
 
 def _alive(proc: psutil.Process) -> bool:
     """Running and not a zombie (a process that exited but was not reaped yet)."""
@@ -507,12 +585,15 @@ def _kill_all(proc: subprocess.Popen, family: list) -> None:
 
 
 # A stand-in for `posttrain stage`: what cmd_stage does first, then a long "stage".
-WATCHED = ("import time; from flows.parent_watch import owners, watch_parent; "
-           "watch_parent(); print(' '.join(p.name() for p in owners()), flush=True); time.sleep(60)")
+WATCHED = (
+    "import time; from flows.parent_watch import owners, watch_parent; "
+    "watch_parent(); print(' '.join(p.name() for p in owners()), flush=True); time.sleep(60)"
+)
 
 
-@pytest.mark.parametrize("shell, watch", [("/bin/sh", "1"), ("/bin/bash", "1"), ("/bin/bash", "0")],
-                         ids=["dash", "bash", "bash-watch-off"])
+@pytest.mark.parametrize(
+    "shell, watch", [("/bin/sh", "1"), ("/bin/bash", "1"), ("/bin/bash", "0")], ids=["dash", "bash", "bash-watch-off"]
+)
 def test_a_command_started_the_way_dvc_starts_it_ends_when_dvc_is_killed(tmp_path, shell, watch):
     """DVC runs ``[$SHELL, (flags,) "-c", cmd]`` (dvc.stage.run._make_cmd); dash stays as the
     command's parent, bash execs it. Either way the watch sees the driver (standing in for
@@ -525,8 +606,15 @@ def test_a_command_started_the_way_dvc_starts_it_ends_when_dvc_is_killed(tmp_pat
     err = tmp_path / "stderr"
     family: list[psutil.Process] = []
     with err.open("w") as f:
-        proc = subprocess.Popen([str(BIN / "python"), "-c", driver], cwd=REPO, env={**env_for(tmp_path), "POSTTRAIN_PARENT_WATCH": watch},
-                                stdout=subprocess.PIPE, stderr=f, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / "python"), "-c", driver],
+            cwd=REPO,
+            env={**env_for(tmp_path), "POSTTRAIN_PARENT_WATCH": watch},
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+            start_new_session=True,
+        )
     try:
         chain = proc.stdout.readline().split()
         driver_name = psutil.Process(proc.pid).name()
@@ -561,17 +649,32 @@ def test_a_switched_off_stage_completes_at_once_with_a_pointer_saying_so(tmp_pat
         assert done.stdout.strip() == f"{name}: disabled ({name}.enabled is false in this config); nothing to run"
         out = tmp_path / "outputs" / cfg["run"]["name"]
         assert json.loads((out / f"{name}.json").read_text()) == {
-            "stage": name, "disabled": True, "reason": f"{name}.enabled is false", "metrics": {}}
+            "stage": name,
+            "disabled": True,
+            "reason": f"{name}.enabled is false",
+            "metrics": {},
+        }
         assert json.loads((out / f"{name}.metrics.json").read_text()) == {}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["outputs", "pipeline.yaml"]  # no store, checkpoints or W&B files
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "outputs",
+        "pipeline.yaml",
+    ]  # no store, checkpoints or W&B files
     cfg["rl"]["reward"]["reward_model_weight"] = 0.5
     write_config(config, cfg)
-    refused = subprocess.run([str(BIN / "posttrain"), "stage", "rl", str(config)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [str(BIN / "posttrain"), "stage", "rl", str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 2, refused
     assert "rl.reward.reward_model_weight is 0.5, which needs rm.enabled: true" in " ".join(refused.stdout.split())
 
 
 # ---------------------------------------------------------------- slow: the real dvc repro
+
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -589,7 +692,9 @@ def _quickstart_tiny() -> dict:
     for name in ("sft", "preference", "rl_train", "rl_eval"):
         cfg["data"][name]["path"] = quick["data"][name]["path"]
     cfg["model"]["source"] = quick["model"]["source"]
-    assert not any(Path(p).is_absolute() for p in (cfg["run"]["artifact_root"], cfg["run"]["checkpoint_root"], cfg["wandb"]["dir"]))
+    assert not any(
+        Path(p).is_absolute() for p in (cfg["run"]["artifact_root"], cfg["run"]["checkpoint_root"], cfg["wandb"]["dir"])
+    )
     return cfg
 
 
@@ -622,8 +727,10 @@ def dvc_project(tmp_path_factory):
         DVC_SITE_CACHE_DIR=str(tmp / "dvc-site"),
         GIT_CONFIG_NOSYSTEM="1",
         GIT_CONFIG_GLOBAL=str(tmp / "gitconfig"),
-        GIT_AUTHOR_NAME="posttrain", GIT_AUTHOR_EMAIL="posttrain@localhost",
-        GIT_COMMITTER_NAME="posttrain", GIT_COMMITTER_EMAIL="posttrain@localhost",
+        GIT_AUTHOR_NAME="posttrain",
+        GIT_AUTHOR_EMAIL="posttrain@localhost",
+        GIT_COMMITTER_NAME="posttrain",
+        GIT_COMMITTER_EMAIL="posttrain@localhost",
     )
     env.pop("PREFECT_API_URL", None)
     server, env["PREFECT_API_URL"] = start_prefect_server(env, tmp / "prefect_server.log")
@@ -635,8 +742,15 @@ def dvc_project(tmp_path_factory):
         print(f"dvc repro (all stages): {wall:.1f} s")
         untracked = _git(root, env, "status", "--porcelain", "--untracked-files=all").splitlines()
         _user(COMMIT_BASELINE, root, env)
-        yield {"root": root, "env": env, "dvc": str(BIN / "dvc"), "first": first, "untracked": untracked,
-               "baseline": _git(root, env, "rev-parse", "HEAD").strip(), "tmp": tmp}
+        yield {
+            "root": root,
+            "env": env,
+            "dvc": str(BIN / "dvc"),
+            "first": first,
+            "untracked": untracked,
+            "baseline": _git(root, env, "rev-parse", "HEAD").strip(),
+            "tmp": tmp,
+        }
     finally:
         server.stop()
 
@@ -655,7 +769,11 @@ def _pointer(root: Path, name: str, rev: str | None = None) -> dict:
     """The pointer file of stage ``name``: in the workspace, or as commit ``rev`` holds it."""
     if rev is None:
         return json.loads((root / OUT / f"{name}.json").read_text())
-    return json.loads(subprocess.run(["git", "show", f"{rev}:{OUT}/{name}.json"], cwd=root, check=True, capture_output=True, text=True).stdout)
+    return json.loads(
+        subprocess.run(
+            ["git", "show", f"{rev}:{OUT}/{name}.json"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
+    )
 
 
 def _manifest(root: Path, pointer: dict) -> tuple[Path, dict]:
@@ -703,7 +821,11 @@ def test_dvc_repro_runs_every_stage_with_the_copys_code(dvc_project):
         pointer = _pointer(root, name)
         uri, manifest = _manifest(root, pointer)
         assert uri.parent == root / "artifacts" / name
-        assert (manifest["stage"], manifest["artifact_id"], manifest["fingerprint"]) == (name, pointer["artifact_id"], pointer["fingerprint"])
+        assert (manifest["stage"], manifest["artifact_id"], manifest["fingerprint"]) == (
+            name,
+            pointer["artifact_id"],
+            pointer["fingerprint"],
+        )
         # the stage ran the copy's modules: its code version hashes the copy's marked sources
         assert manifest["code_version"] == versions[name] != code_version(f"tasks.{name}")
         assert pointer["metrics"] == manifest["metrics"]  # every metric stays in the pointer
@@ -777,10 +899,19 @@ def test_changing_an_rl_parameter_flags_rl_and_reruns_only_rl_evaluate_export(dv
         assert status == {"rl": [{"changed deps": {PARAMS_FILE: {"rl": "modified"}}}]}
         dry = _run([dvc, "repro", "--dry", "--force-downstream"], root, env).stdout
         assert sorted(_ran(dry)) == ["evaluate", "export", "rl"]
-        assert sorted(re.findall(r"Stage '(\w+)' didn't change", dry)) == ["convert", "po", "prepare", "rm", "sft", "validate"]
+        assert sorted(re.findall(r"Stage '(\w+)' didn't change", dry)) == [
+            "convert",
+            "po",
+            "prepare",
+            "rm",
+            "sft",
+            "validate",
+        ]
         # the project's own fingerprints agree on what is stale
         rows = json.loads(_run([str(BIN / "posttrain"), "status", PARAMS_FILE, "--json"], root, env).stdout)
-        assert {r["stage"]: r["up_to_date"] for r in rows} == {s: s not in ("rl", "evaluate", "export") for s in PUBLISHED}
+        assert {r["stage"]: r["up_to_date"] for r in rows} == {
+            s: s not in ("rl", "evaluate", "export") for s in PUBLISHED
+        }
         assert (root / "dvc.lock").read_bytes() == lock  # nothing ran
         assert sorted(p.name for p in (root / "artifacts").glob("*/*")) == artifacts
     finally:
@@ -826,8 +957,14 @@ def _kill_dvc_while_rl_runs(root: Path, env: dict, sig: signal.Signals, shell: s
     Ray, W&B) takes to go. Whatever is left after a minute is killed."""
     log = root.parent / f"repro-killed-{sig.name}.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=root, env={**env, "SHELL": shell},
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / "dvc"), "repro"],
+            cwd=root,
+            env={**env, "SHELL": shell},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     family: list[psutil.Process] = []
     try:
         deadline = time.time() + 600
@@ -855,9 +992,15 @@ def _kill_dvc_while_rl_runs(root: Path, env: dict, sig: signal.Signals, shell: s
             if not any(map(_alive, family)):
                 break
             time.sleep(0.1)
-        return {"dvc_exit": proc.returncode, "between": between, "family": names,
-                "stage_s": stage_s, "family_s": time.time() - killed, "left": [(p.pid, _name(p)) for p in family if _alive(p)],
-                "log": log.read_text(errors="replace")}
+        return {
+            "dvc_exit": proc.returncode,
+            "between": between,
+            "family": names,
+            "stage_s": stage_s,
+            "family_s": time.time() - killed,
+            "left": [(p.pid, _name(p)) for p in family if _alive(p)],
+            "log": log.read_text(errors="replace"),
+        }
     finally:
         _kill_all(proc, [*family, *_family(proc.pid)])
 
@@ -883,12 +1026,20 @@ def killed_repros(dvc_project):
         kills = [_kill_dvc_while_rl_runs(root, env, sig, shell) for sig, shell in KILLS]
         after, artifacts_after = rl_row(), sorted(p.name for p in (root / "artifacts").glob("*/*"))
         for k, (sig, shell) in zip(kills, KILLS):
-            print(f"dvc repro killed with {sig.name} ({shell}): stage gone in {k['stage_s']:.1f} s, all in {k['family_s']:.1f} s")
+            print(
+                f"dvc repro killed with {sig.name} ({shell}): stage gone in {k['stage_s']:.1f} s, all in {k['family_s']:.1f} s"
+            )
     finally:
         _git(root, env, "checkout", "--", PARAMS_FILE, "dvc.lock", OUT)
     status = json.loads(_run([str(BIN / "dvc"), "status", "--json"], root, env).stdout)
-    return {"before": before, "after": after, "artifacts": artifacts, "artifacts_after": artifacts_after,
-            "kills": kills, "status_restored": status}
+    return {
+        "before": before,
+        "after": after,
+        "artifacts": artifacts,
+        "artifacts_after": artifacts_after,
+        "kills": kills,
+        "status_restored": status,
+    }
 
 
 @pytest.mark.slow
@@ -917,6 +1068,7 @@ def test_a_killed_stage_publishes_nothing_and_git_restores_the_workspace(killed_
 
 # ---------------------------------------------------------------- slow: experiments
 
+
 @pytest.fixture(scope="module")
 def walkthrough(dvc_project, killed_repros):
     """The rest of the docs' walkthrough, line by line in order, after the baseline commit and
@@ -940,13 +1092,23 @@ def walkthrough(dvc_project, killed_repros):
     diff_json = json.loads(_run([dvc, "metrics", "diff", "--json", "rm-0.5", "rm-1.0"], root, env).stdout)
     user(BRANCH)
     user(APPLY)
-    applied = {"status": json.loads(_run([dvc, "status", "--json"], root, env).stdout),
-               "porcelain": _git(root, env, "status", "--porcelain")}
+    applied = {
+        "status": json.loads(_run([dvc, "status", "--json"], root, env).stdout),
+        "porcelain": _git(root, env, "status", "--porcelain"),
+    }
     user(COMMIT_KEPT)
     kept = _git(root, env, "rev-parse", "HEAD").strip()
     user(NO_RM)
     shown_after = json.loads(_run([dvc, "exp", "show", "--json"], root, env).stdout)
-    return {"ran": ran, "wall": wall, "shown": shown, "diff": diff_json, "applied": applied, "kept": kept, "shown_after": shown_after}
+    return {
+        "ran": ran,
+        "wall": wall,
+        "shown": shown,
+        "diff": diff_json,
+        "applied": applied,
+        "kept": kept,
+        "shown_after": shown_after,
+    }
 
 
 def _experiments(row: dict) -> dict[str, dict]:
@@ -978,7 +1140,10 @@ def test_exp_show_has_the_metrics_of_the_baseline_and_both_experiments(dvc_proje
         assert data["metrics"], label
         assert sorted(data["metrics"]) == sorted(f"{OUT}/{name}.metrics.json" for name in ARTIFACT_STAGES), label
         for name in PUBLISHED:  # the numbers of the artifacts the commit's pointers name
-            assert data["metrics"][f"{OUT}/{name}.metrics.json"]["data"] == _headline(root, name, revs[label]), (label, name)
+            assert data["metrics"][f"{OUT}/{name}.metrics.json"]["data"] == _headline(root, name, revs[label]), (
+                label,
+                name,
+            )
         assert data["params"][PARAMS_FILE]["data"]["rl"]["reward"].get("reward_model_weight", 0.0) == weights[label]
         assert data["params"][PARAMS_FILE]["data"]["rl"]["steps"] == 3
     # the workspace holds the last experiment
@@ -990,7 +1155,12 @@ def test_exp_show_has_the_metrics_of_the_baseline_and_both_experiments(dvc_proje
         assert len({_pointer(root, name, rev)["artifact_id"] for rev in revs.values()}) == 1, name
     # the reward model's score is the reward now: the RL figures differ between the weights
     rl = {label: datas[label]["metrics"][f"{OUT}/rl.metrics.json"]["data"] for label in datas}
-    assert rl["baseline"]["critic/score/mean"] == 0.0 != rl["rm-0.5"]["critic/score/mean"] != rl["rm-1.0"]["critic/score/mean"]
+    assert (
+        rl["baseline"]["critic/score/mean"]
+        == 0.0
+        != rl["rm-0.5"]["critic/score/mean"]
+        != rl["rm-1.0"]["critic/score/mean"]
+    )
 
 
 @pytest.mark.slow
@@ -1001,7 +1171,9 @@ def test_the_second_experiment_finishes_the_stage_the_kills_left(dvc_project, ki
     pointer = _pointer(root, "rl", rev)
     assert pointer["fingerprint"] == fp and pointer["artifact_id"] == f"rl-{fp[:16]}"
     uri, manifest = _manifest(root, pointer)
-    assert manifest["fingerprint"] == fp and all((uri / f["path"]).stat().st_size == f["size"] for f in manifest["files"])
+    assert manifest["fingerprint"] == fp and all(
+        (uri / f["path"]).stat().st_size == f["size"] for f in manifest["files"]
+    )
     # the killed attempts left nothing behind once the fingerprint was published
     assert sorted(p.name for p in (root / "checkpoints" / "rl").glob(f"*{fp[:16]}*")) == []
 
@@ -1029,7 +1201,7 @@ def test_compact_exp_show_has_only_the_columns_that_differ_and_the_accuracies(dv
     columns = header.split()
     assert columns[:2] == ["Experiment", "Created"] and sorted(columns[2:]) == sorted(differ | accuracies), columns
     lines = out.splitlines()
-    body = [line for line in lines[lines.index(header) + 1:] if re.search(r"\w", line)]
+    body = [line for line in lines[lines.index(header) + 1 :] if re.search(r"\w", line)]
     names = ["workspace", rows[1]["name"], *(f"{e['rev'][:7]} [{n}]" for n, e in exps.items())]
     assert len(body) == len(names) and all(any(n in line for line in body) for n in names), body
     unfiltered = sum(map(len, metrics[:1])) + len(params[0]) + len(rows[1]["data"]["deps"])
@@ -1042,18 +1214,32 @@ def test_metrics_diff_prints_the_real_deltas_between_the_experiments(dvc_project
     exps = _experiments(walkthrough["shown"][1])
     old = {name: _headline(root, name, exps["rm-0.5"]["rev"]) for name in PUBLISHED}
     new = {name: _headline(root, name, exps["rm-1.0"]["rev"]) for name in PUBLISHED}
-    expected = {f"{OUT}/{name}.metrics.json": {k: {"old": old[name][k], "new": new[name][k], "diff": new[name][k] - old[name][k]}
-                                               for k in HEADLINE[name] if old[name][k] != new[name][k]} for name in PUBLISHED}
+    expected = {
+        f"{OUT}/{name}.metrics.json": {
+            k: {"old": old[name][k], "new": new[name][k], "diff": new[name][k] - old[name][k]}
+            for k in HEADLINE[name]
+            if old[name][k] != new[name][k]
+        }
+        for name in PUBLISHED
+    }
     expected = {path: changed for path, changed in expected.items() if changed}
     assert walkthrough["diff"] == expected
-    assert set(expected) >= {f"{OUT}/rl.metrics.json"} and set(expected) <= {f"{OUT}/{n}.metrics.json" for n in ("rl", "evaluate", "export")}
+    assert set(expected) >= {f"{OUT}/rl.metrics.json"} and set(expected) <= {
+        f"{OUT}/{n}.metrics.json" for n in ("rl", "evaluate", "export")
+    }
     table = walkthrough["ran"][DIFF].splitlines()
     assert table[0].split() == ["Path", "Metric", "rm-0.5", "rm-1.0", "Change"]
     rows = [line.split() for line in table[1:] if line.strip()]
-    assert sorted((r[0], r[1]) for r in rows) == sorted((path, key) for path, changed in expected.items() for key in changed)
-    for (path, key, *values) in rows:
+    assert sorted((r[0], r[1]) for r in rows) == sorted(
+        (path, key) for path, changed in expected.items() for key in changed
+    )
+    for path, key, *values in rows:
         d = expected[path][key]
-        assert [float(v) for v in values] == pytest.approx([d["old"], d["new"], d["diff"]], abs=1e-5), (path, key, values)
+        assert [float(v) for v in values] == pytest.approx([d["old"], d["new"], d["diff"]], abs=1e-5), (
+            path,
+            key,
+            values,
+        )
 
 
 @pytest.mark.slow
@@ -1065,13 +1251,17 @@ def test_compare_takes_the_experiments_by_name(dvc_project, walkthrough, tmp_pat
 
     root, env = dvc_project["root"], dvc_project["env"]
     png = tmp_path / "experiments.png"
-    doc = json.loads(_run([str(BIN / "posttrain"), "compare", *EXPERIMENTS, "--json", "--out", str(png)], root, env,
-                          timeout=600).stdout)
+    doc = json.loads(
+        _run(
+            [str(BIN / "posttrain"), "compare", *EXPERIMENTS, "--json", "--out", str(png)], root, env, timeout=600
+        ).stdout
+    )
     exps = _experiments(walkthrough["shown"][1])
     revs = [exps[name]["rev"] for name in EXPERIMENTS]
     assert [(r["label"], r["kind"]) for r in doc["runs"]] == [(name, "experiment") for name in EXPERIMENTS]
-    assert [r["artifacts"] for r in doc["runs"]] == [{s: _pointer(root, s, rev)["artifact_id"] for s in PUBLISHED}
-                                                    for rev in revs]
+    assert [r["artifacts"] for r in doc["runs"]] == [
+        {s: _pointer(root, s, rev)["artifact_id"] for s in PUBLISHED} for rev in revs
+    ]
     assert doc["changed_keys"] == ["rl.reward.reward_model_weight"]
     changed = {(c["stage"], c["key"]): c["values"] for c in doc["changed"]}
     assert changed[("rl", "rl.reward.reward_model_weight")] == list(EXPERIMENTS.values())
@@ -1094,7 +1284,10 @@ def test_exp_branch_and_apply_keep_an_experiment(dvc_project, walkthrough):
     assert walkthrough["applied"]["status"] == {}
     tracked = ["dvc.lock", PARAMS_FILE, *(f"{OUT}/{n}{s}" for n in ARTIFACT_STAGES for s in (".json", ".metrics.json"))]
     assert sorted(line[3:] for line in walkthrough["applied"]["porcelain"].splitlines()) == sorted(
-        f for f in tracked if _git(root, env, "diff", "--name-only", dvc_project["baseline"], exps["rm-0.5"]["rev"], "--", f))
+        f
+        for f in tracked
+        if _git(root, env, "diff", "--name-only", dvc_project["baseline"], exps["rm-0.5"]["rev"], "--", f)
+    )
     kept = walkthrough["kept"]
     assert _git(root, env, "rev-parse", f"{kept}^").strip() == dvc_project["baseline"]
     assert _git(root, env, "diff", "--name-only", kept, exps["rm-0.5"]["rev"]) == ""  # the commit is the experiment
@@ -1111,7 +1304,12 @@ def test_an_experiment_can_switch_the_rm_stage_off(dvc_project, walkthrough):
     rows = walkthrough["shown_after"]
     assert [r["rev"] for r in rows] == ["workspace", walkthrough["kept"]]
     (no_rm,) = _experiments(rows[1]).values()
-    assert _pointer(root, "rm", no_rm["rev"]) == {"stage": "rm", "disabled": True, "reason": "rm.enabled is false", "metrics": {}}
+    assert _pointer(root, "rm", no_rm["rev"]) == {
+        "stage": "rm",
+        "disabled": True,
+        "reason": "rm.enabled is false",
+        "metrics": {},
+    }
     metrics = no_rm["data"]["metrics"]
     assert metrics[f"{OUT}/rm.metrics.json"]["data"] == {}
     baseline = dvc_project["baseline"]
@@ -1124,6 +1322,7 @@ def test_an_experiment_can_switch_the_rm_stage_off(dvc_project, walkthrough):
 
 
 # ---------------------------------------------------------------- slow: another config
+
 
 @pytest.mark.slow
 def test_dvc_yaml_vars_point_the_pipeline_at_another_config_and_run(dvc_project, tmp_path):
@@ -1148,25 +1347,51 @@ def test_dvc_yaml_vars_point_the_pipeline_at_another_config_and_run(dvc_project,
     for name in ARTIFACT_STAGES:
         changes = {k: v for entry in status[name] for k, v in entry.items()}
         assert changes["changed deps"][OWN_VARS["config"]] == "new", name
-        assert changes["changed outs"] == {f"{own}/{name}.json": "deleted", f"{own}/{name}.metrics.json": "deleted"}, name
+        assert changes["changed outs"] == {f"{own}/{name}.json": "deleted", f"{own}/{name}.metrics.json": "deleted"}, (
+            name
+        )
     text = _user(OWN_STATUS, root, env).stdout  # what the docs tell the user to look at
     assert sorted(re.findall(r"^(\w+):$", text, re.M)) == sorted(STAGES)
     assert len(re.findall(rf"^\s+new:\s+{re.escape(OWN_VARS['config'])}$", text, re.M)) == len(STAGES)
     for name in ARTIFACT_STAGES:
         assert re.search(rf"^\s+deleted:\s+{own}/{name}\.json$", text, re.M), name
     # a real run of the first two stages against the file, as an experiment that edits it
-    exp = _run([str(BIN / "dvc"), "exp", "run", "-n", "bad-rows", "-S", f"{OWN_VARS['config']}:data.max_bad_fraction=0.25", "validate"],
-               root, env, timeout=600)
+    exp = _run(
+        [
+            str(BIN / "dvc"),
+            "exp",
+            "run",
+            "-n",
+            "bad-rows",
+            "-S",
+            f"{OWN_VARS['config']}:data.max_bad_fraction=0.25",
+            "validate",
+        ],
+        root,
+        env,
+        timeout=600,
+    )
     assert _ran(exp.stdout) == ["prepare", "validate"]
     lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
-    assert [lock[name]["cmd"] for name in ("prepare", "validate")] == [f"posttrain stage {n} {OWN_VARS['config']}" for n in ("prepare", "validate")]
+    assert [lock[name]["cmd"] for name in ("prepare", "validate")] == [
+        f"posttrain stage {n} {OWN_VARS['config']}" for n in ("prepare", "validate")
+    ]
     assert list(lock["validate"]["params"]) == [OWN_VARS["config"]]
     assert lock["validate"]["params"][OWN_VARS["config"]]["data"]["max_bad_fraction"] == 0.25
     pointer = json.loads((root / own / "validate.json").read_text())
     assert pointer["stage"] == "validate" and not (root / OUT).exists()
-    (row,) = [r for r in json.loads(_run([str(BIN / "dvc"), "exp", "show", "--json"], root, env).stdout) if r["rev"] != "workspace"]
+    (row,) = [
+        r
+        for r in json.loads(_run([str(BIN / "dvc"), "exp", "show", "--json"], root, env).stdout)
+        if r["rev"] != "workspace"
+    ]
     entry = _experiments(row)["bad-rows"]
     assert entry["data"]["params"][OWN_VARS["config"]]["data"]["data"]["max_bad_fraction"] == 0.25
     assert entry["data"]["metrics"][f"{own}/validate.metrics.json"]["data"] == {
-        "rows/sft": 256, "rows/rl_train": 256, "rows/rl_eval": 48}  # tiny_config's prepare sizes
-    assert yaml.safe_load((root / PARAMS_FILE).read_text()) == yaml.safe_load((REPO / PARAMS_FILE).read_text())  # untouched
+        "rows/sft": 256,
+        "rows/rl_train": 256,
+        "rows/rl_eval": 48,
+    }  # tiny_config's prepare sizes
+    assert yaml.safe_load((root / PARAMS_FILE).read_text()) == yaml.safe_load(
+        (REPO / PARAMS_FILE).read_text()
+    )  # untouched

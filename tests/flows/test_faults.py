@@ -46,9 +46,14 @@ SFT_STEPS, SFT_EVERY = 40, 5
 RL_STEPS = 6
 OVERRIDES = {
     # Small SFT batches keep a step short, so the 40 steps leave time to kill mid-run.
-    "sft.steps": SFT_STEPS, "sft.checkpoint_every": SFT_EVERY, "sft.global_batch_size": 8, "sft.micro_batch_size": 8,
-    "rl.steps": RL_STEPS, "rl.checkpoint_every": 1,
-    "rm.enabled": False, "evaluate.num_prompts": 8,
+    "sft.steps": SFT_STEPS,
+    "sft.checkpoint_every": SFT_EVERY,
+    "sft.global_batch_size": 8,
+    "sft.micro_batch_size": 8,
+    "rl.steps": RL_STEPS,
+    "rl.checkpoint_every": 1,
+    "rm.enabled": False,
+    "evaluate.num_prompts": 8,
 }
 BAD_LINE = 7
 BAD_RECORD = '{"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant"}]}'
@@ -61,10 +66,10 @@ BAD_RECORD = '{"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"rol
 class Project:
     work: Path
     config: Path
-    env: dict            # CLI environment using the module's Prefect server
+    env: dict  # CLI environment using the module's Prefect server
     ephemeral_env: dict  # same, but Prefect starts its own temporary server per command
     sessions: list[int] = field(default_factory=list)  # session ids of commands we started
-    state: dict = field(default_factory=dict)          # what earlier tests leave for later ones
+    state: dict = field(default_factory=dict)  # what earlier tests leave for later ones
     overrides: dict = field(default_factory=lambda: dict(OVERRIDES))  # of tiny_config, for variants
 
     @property
@@ -92,15 +97,24 @@ class Result:
 
 def cli(project: Project, args: list, env: dict | None = None, cwd: Path | None = None, timeout: float = 900) -> Result:
     """Run ``posttrain ARGS`` in its own session; a timeout kills the whole session."""
-    proc = subprocess.Popen([str(BIN / "posttrain"), *map(str, args)], cwd=cwd or project.work, env=env or project.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "posttrain"), *map(str, args)],
+        cwd=cwd or project.work,
+        env=env or project.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     project.sessions.append(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"posttrain {' '.join(map(str, args))} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}") from exc
+        raise AssertionError(
+            f"posttrain {' '.join(map(str, args))} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}"
+        ) from exc
     return Result(proc.returncode, out, err)
 
 
@@ -110,8 +124,14 @@ def start(project: Project, args: list, tag: str, env: dict | None = None) -> su
     logs = project.work / "logs"
     logs.mkdir(exist_ok=True)
     with open(logs / f"{tag}.out", "w") as out, open(logs / f"{tag}.err", "w") as err:
-        proc = subprocess.Popen([str(BIN / "posttrain"), *map(str, args)], cwd=project.work, env=env or project.env,
-                                stdout=out, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / "posttrain"), *map(str, args)],
+            cwd=project.work,
+            env=env or project.env,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     project.sessions.append(proc.pid)
     return proc
 
@@ -169,7 +189,9 @@ def _stamp(path: Path):
     return st.st_ino, st.st_mtime_ns
 
 
-def wait_for_checkpoints(proc: subprocess.Popen, resume_dir: Path, count: int, timeout: float, tag: str, project: Project) -> None:
+def wait_for_checkpoints(
+    proc: subprocess.Popen, resume_dir: Path, count: int, timeout: float, tag: str, project: Project
+) -> None:
     """Return as soon as ``proc`` has written ``count`` new train states to ``resume_dir``.
 
     Every save replaces ``train_state.pt`` by rename (a new inode), so a changed (inode,
@@ -180,7 +202,9 @@ def wait_for_checkpoints(proc: subprocess.Popen, resume_dir: Path, count: int, t
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"{tag} exited ({proc.returncode}) before {count} new checkpoint(s)\n{logs_of(project, tag)[-6000:]}")
+            raise AssertionError(
+                f"{tag} exited ({proc.returncode}) before {count} new checkpoint(s)\n{logs_of(project, tag)[-6000:]}"
+            )
         stamp = _stamp(path)
         if stamp is not None and stamp not in seen:
             seen.add(stamp)
@@ -272,11 +296,21 @@ def start_prefect_server(home: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """
     migrated_prefect_home(home)
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
-           "PREFECT_UI_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_UI_ENABLED": "false",
+    }
     with open(log, "w") as f:
-        proc = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -325,8 +359,13 @@ def started_project(work: Path, overrides: dict):
     server, url = start_prefect_server(home, work / "prefect_server.log")
     base = {**env_for(work), "PREFECT_HOME": str(home), "COLUMNS": "500", "NO_COLOR": "1"}
     base.pop("PREFECT_API_URL", None)
-    p = Project(work=work, config=write_config(work / "pipeline.yaml", tiny_config(work, **overrides)),
-                env={**base, "PREFECT_API_URL": url}, ephemeral_env=base, overrides=dict(overrides))
+    p = Project(
+        work=work,
+        config=write_config(work / "pipeline.yaml", tiny_config(work, **overrides)),
+        env={**base, "PREFECT_API_URL": url},
+        ephemeral_env=base,
+        overrides=dict(overrides),
+    )
     try:
         for name in ("prepare", "validate", "convert"):
             posttrain(["stage", name, str(p.config)], cwd=work, env=p.env)
@@ -353,10 +392,16 @@ def _bad_config(tmp_path: Path, edit) -> Path:
 @pytest.mark.parametrize(
     "edit, key, message",
     [
-        (lambda c: c["rl"]["rollout"].update(max_tokens=8), "rl.rollout.max_tokens",
-         "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p)"),
-        (lambda c: c["rl"]["rollout"].update(backend="vlm"), "rl.rollout.backend",
-         "rl.rollout.backend: Input should be 'vllm' or 'hf' (got 'vlm')"),
+        (
+            lambda c: c["rl"]["rollout"].update(max_tokens=8),
+            "rl.rollout.max_tokens",
+            "rl.rollout.max_tokens: unknown key, did you mean 'max_new_tokens'? (allowed keys here: backend, enforce_eager, gpu_memory_utilization, gpus_per_engine, max_new_tokens, num_engines, sleep_level, temperature, top_p)",
+        ),
+        (
+            lambda c: c["rl"]["rollout"].update(backend="vlm"),
+            "rl.rollout.backend",
+            "rl.rollout.backend: Input should be 'vllm' or 'hf' (got 'vlm')",
+        ),
     ],
     ids=["unknown-key", "wrong-enum"],
 )
@@ -364,8 +409,14 @@ def _bad_config(tmp_path: Path, edit) -> Path:
 def test_bad_config_exits_2_with_one_message_naming_the_key(tmp_path, edit, key, message, command):
     config = _bad_config(tmp_path, edit)
     env = {**env_for(tmp_path), "COLUMNS": "500", "NO_COLOR": "1"}
-    proc = subprocess.run([str(BIN / "posttrain"), *command, str(config)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(BIN / "posttrain"), *command, str(config)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert f"error: invalid config {config}:" in out
@@ -380,8 +431,10 @@ def test_stage_before_its_upstream_exits_3_naming_it(project):
     assert fp["sft"] is None or not (project.artifacts / "sft" / f"sft-{fp['sft'][:16]}").exists()
     r = cli(project, ["stage", "rl", project.config])
     assert r.returncode == 3, r.tail()
-    assert (f"error: stage rl reads the sft artifact(s) of this config, which are not published (or out of date); "
-            f"run `posttrain stage sft {project.config}` first") in r.out, r.tail()
+    assert (
+        f"error: stage rl reads the sft artifact(s) of this config, which are not published (or out of date); "
+        f"run `posttrain stage sft {project.config}` first"
+    ) in r.out, r.tail()
     assert "Traceback" not in r.out and "flow run" not in r.out.lower(), r.tail()  # failed before Prefect started
     assert not (project.work / "checkpoints" / "rl").exists()
 
@@ -433,7 +486,9 @@ def test_bad_fraction_under_the_threshold_passes_and_the_report_lists_the_line(p
     art = project.artifacts / "validate" / artifact_id
     report = json.loads((art / "report.json").read_text())["sft"]
     assert (report["n_total"], report["n_valid"], report["n_bad"]) == (256, 255, 1)
-    assert report["errors"] == [{"file": str(bad), "line": BAD_LINE, "field": "messages[1].content", "message": "missing field"}]
+    assert report["errors"] == [
+        {"file": str(bad), "line": BAD_LINE, "field": "messages[1].content", "message": "missing field"}
+    ]
     assert len((art / "sft.jsonl").read_text().splitlines()) == 255
     assert manifest(project, "validate", artifact_id)["metrics"]["bad_rows/sft"] == 1
 
@@ -473,7 +528,9 @@ def test_two_commands_at_once_on_one_artifact_root_publish_one_artifact(project)
 
     config = project.variant("concurrent", **{"data.max_bad_fraction": 0.02})
     artifact_id = f"validate-{fingerprints(config)['validate'][:16]}"
-    procs = [start(project, ["stage", "validate", config], f"concurrent-{i}", env=project.ephemeral_env) for i in (0, 1)]
+    procs = [
+        start(project, ["stage", "validate", config], f"concurrent-{i}", env=project.ephemeral_env) for i in (0, 1)
+    ]
     for proc in procs:
         try:
             proc.wait(timeout=600)
@@ -494,7 +551,14 @@ def test_two_commands_at_once_on_one_artifact_root_publish_one_artifact(project)
     ref = store.find("validate", fingerprints(config)["validate"])
     store.verify(ref)
     published = sorted(p.name for p in (project.artifacts / "validate" / artifact_id).iterdir())
-    assert published == ["manifest.json", "preference.jsonl", "report.json", "rl_eval.jsonl", "rl_train.jsonl", "sft.jsonl"]
+    assert published == [
+        "manifest.json",
+        "preference.jsonl",
+        "report.json",
+        "rl_eval.jsonl",
+        "rl_train.jsonl",
+        "sft.jsonl",
+    ]
     assert list((project.work / "checkpoints" / "validate").glob(".work-*")) == []  # both attempts cleaned up
 
 
@@ -547,7 +611,9 @@ def temporary_server_pids(project: Project, tag: str) -> list[int]:
     found = re.search(r"Starting temporary server on http://127\.0\.0\.1:(\d+)", logs_of(project, tag))
     assert found, f"{tag} did not start a temporary Prefect server"
     wanted = f"--port {found.group(1)} "
-    return [pid for pid, cmd in session_processes(None) if "prefect.server.api.server:create_app" in cmd and wanted in cmd]
+    return [
+        pid for pid, cmd in session_processes(None) if "prefect.server.api.server:create_app" in cmd and wanted in cmd
+    ]
 
 
 @pytest.mark.slow
@@ -585,7 +651,9 @@ def test_sft_killed_with_sigkill_resumes_from_its_checkpoint(project):
     tmp = project.work / "tmp_sft"  # the stage's temporary work dirs land here: leaks are visible
     tmp.mkdir()
     env = {**project.env, "TMPDIR": str(tmp)}
-    proc = start(project, ["stage", "sft", project.config], "sft-kill", env={**project.ephemeral_env, "TMPDIR": str(tmp)})
+    proc = start(
+        project, ["stage", "sft", project.config], "sft-kill", env={**project.ephemeral_env, "TMPDIR": str(tmp)}
+    )
     wait_for_checkpoints(proc, resume_dir, 1, 600, "sft-kill", project)
     server = temporary_server_pids(project, "sft-kill")
     assert len(server) == 1
@@ -611,7 +679,9 @@ def test_sft_killed_with_sigkill_resumes_from_its_checkpoint(project):
     from config import load_config
 
     every = load_config(project.config).sft.log_every
-    assert_one_complete_wandb_run(project, artifact_id, [s for s in range(1, SFT_STEPS + 1) if s % every == 0 or s == SFT_STEPS])
+    assert_one_complete_wandb_run(
+        project, artifact_id, [s for s in range(1, SFT_STEPS + 1) if s % every == 0 or s == SFT_STEPS]
+    )
 
 
 @pytest.mark.slow
@@ -663,8 +733,9 @@ def test_flipped_bits_in_a_killed_sfts_shard_refuse_the_resume_in_one_line(proje
         r = cli(project, ["stage", "sft", config])
         assert r.returncode == 1, r.tail()
         last = [line for line in r.stdout.splitlines() if line.startswith("error:")]
-        assert len(last) == 1 and last[0].startswith(f"error: refusing to resume from a corrupt train state: {shard}: "
-                                                     "sha256 "), r.tail()
+        assert len(last) == 1 and last[0].startswith(
+            f"error: refusing to resume from a corrupt train state: {shard}: sha256 "
+        ), r.tail()
         assert f"delete {resume_dir} and rerun" in last[0]
         assert published(project, "sft") == [project.state["sft_id"]]  # only the earlier test's
     finally:
@@ -697,7 +768,9 @@ def test_rl_killed_with_sigkill_resumes_and_publishes_each_step_once(project):
     assert killed["exit_code"] is None  # never finished: the process was killed
     in_wandb = {row["_step"] for row in killed["history"]}
     ages = {row["step"]: round(kill_time - row["t"], 2) for row in logged}
-    assert {s for s, age in ages.items() if age > 3.0} <= in_wandb, f"seconds before the kill: {ages}; in W&B: {sorted(in_wandb)}"
+    assert {s for s, age in ages.items() if age > 3.0} <= in_wandb, (
+        f"seconds before the kill: {ages}; in W&B: {sorted(in_wandb)}"
+    )
 
     rerun = posttrain(["stage", "rl", str(project.config)], cwd=project.work, env=project.env)
     artifact_id = f"rl-{fp[:16]}"
@@ -734,24 +807,42 @@ def test_deleted_artifact_is_rebuilt_while_the_rest_stays_cached(project):
     sft_id = project.state.get("sft_id") or f"sft-{fingerprints(project.config)['sft'][:16]}"
     resumed_copy = project.work / "sft_resumed"
     shutil.move(project.artifacts / "sft" / sft_id, resumed_copy)  # deleted from the store
-    status = {r["stage"]: r for r in json.loads(
-        posttrain(["status", str(project.config), "--json"], cwd=project.work, env=project.env).stdout)}
+    status = {
+        r["stage"]: r
+        for r in json.loads(
+            posttrain(["status", str(project.config), "--json"], cwd=project.work, env=project.env).stdout
+        )
+    }
     assert status["sft"]["up_to_date"] is False
     # Downstream fingerprints use sft's content hash: until sft has run again, whether rl
     # reruns is not known (a byte-identical sft leaves it cached, as happens below).
     assert {name: (r["state"], r["waiting_on"]) for name, r in status.items()} == {
-        "validate": ("published", None), "convert": ("published", None), "sft": ("missing", None),
-        "rl": ("waiting", "sft"), "evaluate": ("waiting", "sft"), "export": ("waiting", "rl")}
+        "validate": ("published", None),
+        "convert": ("published", None),
+        "sft": ("missing", None),
+        "rl": ("waiting", "sft"),
+        "evaluate": ("waiting", "sft"),
+        "export": ("waiting", "rl"),
+    }
 
     posttrain(["run", str(project.config)], cwd=project.work, env=project.env)
     second = stage_states(read_summary(project.work, RUN))
     # sft reruns although Prefect holds a Cached record for its key: the stale record is bypassed.
-    assert second == {"validate": "Cached", "convert": "Cached", "sft": "Completed", "rl": "Cached",
-                      "evaluate": "Cached", "export": "Cached"}
+    assert second == {
+        "validate": "Cached",
+        "convert": "Cached",
+        "sft": "Completed",
+        "rl": "Cached",
+        "evaluate": "Cached",
+        "export": "Cached",
+    }
     assert (project.artifacts / "sft" / sft_id / "manifest.json").is_file()
     if "sft_killed_at" in project.state:
         # The rebuilt sft ran uninterrupted; the one moved away was killed and resumed.
-        resumed, straight = model_tensors(resumed_copy / "model"), model_tensors(project.artifacts / "sft" / sft_id / "model")
+        resumed, straight = (
+            model_tensors(resumed_copy / "model"),
+            model_tensors(project.artifacts / "sft" / sft_id / "model"),
+        )
         assert resumed.keys() == straight.keys()
         diff = {k: float((resumed[k] - straight[k]).abs().max()) for k in resumed if not resumed[k].equal(straight[k])}
         assert diff == {}, f"the killed-and-resumed SFT differs from an uninterrupted one: {diff}"
@@ -810,7 +901,7 @@ def test_corrupted_input_artifact_is_never_consumed_silently(project):
     target = max((rl_dir / "model" / "megatron").rglob("*.distcp"), key=lambda p: p.stat().st_size)
     original = target.read_bytes()
     offset = len(original) // 2
-    target.write_bytes(original[:offset] + bytes([original[offset] ^ 0x40]) + original[offset + 1:])
+    target.write_bytes(original[:offset] + bytes([original[offset] ^ 0x40]) + original[offset + 1 :])
     export_dir = project.artifacts / "export" / f"export-{fps['export'][:16]}"
     shutil.move(export_dir, project.work / "export_before_corruption")
     rel = target.relative_to(rl_dir).as_posix()

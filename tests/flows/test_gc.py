@@ -31,6 +31,7 @@ def interrupted_attempt(cfg) -> Path:
     """Run the validate stage the product's way (tasks.runner.run_stage) with a build that
     writes a train state into its resume directory and is then interrupted (Ctrl-C): the
     runner keeps the resume directory, as for any interrupted training stage."""
+
     def build(ctx):
         (ctx.resume_dir / "train_state.pt").write_bytes(b"\0" * 50_000)
         ctx.log_metrics({"train/loss": 1.0}, 1)
@@ -46,7 +47,9 @@ def test_status_reports_and_gc_removes_an_old_fingerprints_leftovers_only(tmp_pa
     monkeypatch.setattr(runner, "get_run_logger", lambda: LOG)  # no Prefect run here
     make_inputs(tmp_path)
     old_yaml = write_config(tmp_path / "old.yaml", tiny_config(tmp_path, **{"wandb.enabled": False}))
-    new_yaml = write_config(tmp_path / "new.yaml", tiny_config(tmp_path, **{"wandb.enabled": False, "data.max_bad_fraction": 0.1}))
+    new_yaml = write_config(
+        tmp_path / "new.yaml", tiny_config(tmp_path, **{"wandb.enabled": False, "data.max_bad_fraction": 0.1})
+    )
     old_cfg, new_cfg = load_config(old_yaml), load_config(new_yaml)
     old_resume = interrupted_attempt(old_cfg)
     assert (old_resume / "train_state.pt").stat().st_size == 50_000 and (old_resume / "history.jsonl").exists()
@@ -62,9 +65,17 @@ def test_status_reports_and_gc_removes_an_old_fingerprints_leftovers_only(tmp_pa
     live = parent / ("ab" * 8)
     live.mkdir()
     (live / "train_state.pt").write_bytes(b"y" * 100)
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
-                               str(parent / f"{live.name}.lock")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(120)",
+            str(parent / f"{live.name}.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     # sft waits on validate (no artifact yet): its fingerprint, and so whether this is current, is unknown
     waiting = Path(new_cfg.run.checkpoint_root) / "sft" / ("cd" * 8)
     waiting.mkdir(parents=True)
@@ -83,7 +94,8 @@ def test_status_reports_and_gc_removes_an_old_fingerprints_leftovers_only(tmp_pa
         assert left[old_resume.name]["bytes"] == 50_000 + (old_resume / "history.jsonl").stat().st_size
         assert left[dead_work.name]["bytes"] == 3000 and 0 <= left[old_resume.name]["age_s"] < 600
         assert [(i["state"], i["reason"]) for i in rows["sft"]["leftovers"]] == [
-            ("undetermined", "the stage's fingerprint is known once validate has run")]
+            ("undetermined", "the stage's fingerprint is known once validate has run")
+        ]
         assert main(["status", str(new_yaml)]) == 0
         out = " ".join(capsys.readouterr().out.split())
         assert "abandoned" in out and "2 of them no run will use again" in out

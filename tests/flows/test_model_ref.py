@@ -35,13 +35,17 @@ def test_an_artifact_id_is_looked_up_in_the_artifact_root(tiny_chat_artifacts):
     found = find_model_artifact(export["id"], artifact_root=str(tiny_chat_artifacts["store"]))
     assert (found.name, found.stage, found.path) == (export["id"], "export", export["dir"])
     assert hf_model_dir(found) == export["dir"] / "hf_model"  # used in place, no copy
-    with pytest.raises(ConfigError, match=r"is an artifact of stage export; this needs one of stage rl \(check --stage\)"):
+    with pytest.raises(
+        ConfigError, match=r"is an artifact of stage export; this needs one of stage rl \(check --stage\)"
+    ):
         find_model_artifact(export["id"], artifact_root=str(tiny_chat_artifacts["store"]), stage="rl")
 
 
 def test_an_unknown_id_a_missing_path_and_a_stage_without_a_policy_are_one_clear_error(tiny_chat_artifacts, tmp_path):
     store = str(tiny_chat_artifacts["store"])
-    with pytest.raises(ConfigError, match=rf"artifact rl-{'9' * 16} is not published under {store}; give --artifact-root"):
+    with pytest.raises(
+        ConfigError, match=rf"artifact rl-{'9' * 16} is not published under {store}; give --artifact-root"
+    ):
         find_model_artifact(f"rl-{'9' * 16}", artifact_root=store)
     with pytest.raises(ConfigError, match=r"nowhere/model: no such artifact directory, config file or artifact id"):
         find_model_artifact("nowhere/model")
@@ -49,7 +53,9 @@ def test_an_unknown_id_a_missing_path_and_a_stage_without_a_policy_are_one_clear
     shutil.copytree(tiny_chat_artifacts["rl"]["dir"], rm)
     manifest = json.loads((rm / "manifest.json").read_text())
     (rm / "manifest.json").write_text(json.dumps({**manifest, "stage": "rm", "artifact_id": "rm-" + "1" * 16}))
-    with pytest.raises(ConfigError, match=r"is an artifact of stage rm, which holds no policy model; give one of export, rl"):
+    with pytest.raises(
+        ConfigError, match=r"is an artifact of stage rm, which holds no policy model; give one of export, rl"
+    ):
         find_model_artifact(str(rm))
 
 
@@ -58,9 +64,13 @@ def test_a_config_whose_stages_never_ran_says_which_command_to_run(tmp_path, mon
     config = write_config(tmp_path / "pipeline.yaml", tiny_config(tmp_path))
     with pytest.raises(ConfigError) as err:
         find_model_artifact(str(config), ["rl.steps=4"])
-    assert str(err.value) == (f"{config}: no stage of export, rl, po, sft has a current artifact for this config; run "
-                              f"`posttrain run {config} rl.steps=4` first (`posttrain status {config} rl.steps=4` shows each stage)")
-    with pytest.raises(ConfigError, match=rf"stage sft has no current artifact for this config; run `posttrain run {config}`"):
+    assert str(err.value) == (
+        f"{config}: no stage of export, rl, po, sft has a current artifact for this config; run "
+        f"`posttrain run {config} rl.steps=4` first (`posttrain status {config} rl.steps=4` shows each stage)"
+    )
+    with pytest.raises(
+        ConfigError, match=rf"stage sft has no current artifact for this config; run `posttrain run {config}`"
+    ):
         find_model_artifact(str(config), stage="sft")
     with pytest.raises(ConfigError, match=r"stage po is switched off in this config \(po.enabled is false\)"):
         find_model_artifact(str(config), stage="po")

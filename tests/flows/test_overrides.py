@@ -26,35 +26,46 @@ def _error(path: Path, overrides: list[str] = ()) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("text, path, value, op", [
-    ("rl.steps=60", ("rl", "steps"), 60, "set"),
-    ("rl.optim.lr=0.0003", ("rl", "optim", "lr"), 0.0003, "set"),
-    ("rl.optim.lr=3e-4", ("rl", "optim", "lr"), "3e-4", "set"),  # YAML 1.1, as in the file: the schema makes it a float
-    ("model.eos_token_ids=[1, 2]", ("model", "eos_token_ids"), [1, 2], "set"),
-    ("model.eos_token_ids=null", ("model", "eos_token_ids"), None, "set"),
-    ("rl.optim={lr: 0.1}", ("rl", "optim"), {"lr": 0.1}, "set"),
-    ("wandb.enabled=false", ("wandb", "enabled"), False, "set"),
-    ("run.name=a=b", ("run", "name"), "a=b", "set"),  # the first '=' splits
-    ("model.source=", ("model", "source"), "", "set"),  # empty: the empty string, as in Hydra
-    ("rl.reward.functions[1].weight=2", ("rl", "reward", "functions", 1, "weight"), 2, "set"),
-    ("rl.reward.functions.1.weight=2", ("rl", "reward", "functions", 1, "weight"), 2, "set"),
-    ("++rl.kl.coef=0.1", ("rl", "kl", "coef"), 0.1, "set"),  # dvc exp run -S spelling
-    ("+rl.kl.target=6", ("rl", "kl", "target"), 6, "add"),
-    ("~prepare", ("prepare",), None, "delete"),
-])
+@pytest.mark.parametrize(
+    "text, path, value, op",
+    [
+        ("rl.steps=60", ("rl", "steps"), 60, "set"),
+        ("rl.optim.lr=0.0003", ("rl", "optim", "lr"), 0.0003, "set"),
+        (
+            "rl.optim.lr=3e-4",
+            ("rl", "optim", "lr"),
+            "3e-4",
+            "set",
+        ),  # YAML 1.1, as in the file: the schema makes it a float
+        ("model.eos_token_ids=[1, 2]", ("model", "eos_token_ids"), [1, 2], "set"),
+        ("model.eos_token_ids=null", ("model", "eos_token_ids"), None, "set"),
+        ("rl.optim={lr: 0.1}", ("rl", "optim"), {"lr": 0.1}, "set"),
+        ("wandb.enabled=false", ("wandb", "enabled"), False, "set"),
+        ("run.name=a=b", ("run", "name"), "a=b", "set"),  # the first '=' splits
+        ("model.source=", ("model", "source"), "", "set"),  # empty: the empty string, as in Hydra
+        ("rl.reward.functions[1].weight=2", ("rl", "reward", "functions", 1, "weight"), 2, "set"),
+        ("rl.reward.functions.1.weight=2", ("rl", "reward", "functions", 1, "weight"), 2, "set"),
+        ("++rl.kl.coef=0.1", ("rl", "kl", "coef"), 0.1, "set"),  # dvc exp run -S spelling
+        ("+rl.kl.target=6", ("rl", "kl", "target"), 6, "add"),
+        ("~prepare", ("prepare",), None, "delete"),
+    ],
+)
 def test_overrides_parse_as_dotted_keys_and_yaml_values(text, path, value, op):
     o = parse_override(text)
     assert (o.text, o.path, o.value, o.op) == (text, path, value, op)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("rl.steps", "override 'rl.steps' is not KEY=VALUE: write a dotted key, '=' and a YAML value"),
-    ("foo", "override 'foo' is not KEY=VALUE"),
-    ("rl..steps=3", "override 'rl..steps=3': 'rl..steps' is not a dotted key"),
-    ("=3", "override '=3': '' is not a dotted key"),
-    ("rl.steps=[1, 2", "override 'rl.steps=[1, 2': the value is not valid YAML"),
-    ("~rl.steps=3", "override '~rl.steps=3': ~KEY removes a key and takes no value"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("rl.steps", "override 'rl.steps' is not KEY=VALUE: write a dotted key, '=' and a YAML value"),
+        ("foo", "override 'foo' is not KEY=VALUE"),
+        ("rl..steps=3", "override 'rl..steps=3': 'rl..steps' is not a dotted key"),
+        ("=3", "override '=3': '' is not a dotted key"),
+        ("rl.steps=[1, 2", "override 'rl.steps=[1, 2': the value is not valid YAML"),
+        ("~rl.steps=3", "override '~rl.steps=3': ~KEY removes a key and takes no value"),
+    ],
+)
 def test_a_malformed_override_is_one_clear_error(text, message):
     with pytest.raises(ConfigError) as info:
         parse_override(text)
@@ -62,23 +73,48 @@ def test_a_malformed_override_is_one_clear_error(text, message):
 
 
 def test_overrides_apply_in_order_creating_sections_and_leave_the_input_alone():
-    raw = {"rl": {"steps": 3, "optim": {"lr": 0.1}}, "prepare": None, "rm": {"enabled": True}, "l": [{"a": 1}, {"a": 2}]}
+    raw = {
+        "rl": {"steps": 3, "optim": {"lr": 0.1}},
+        "prepare": None,
+        "rm": {"enabled": True},
+        "l": [{"a": 1}, {"a": 2}],
+    }
     before = yaml.safe_dump(raw)
-    out = apply_overrides(raw, [parse_override(t) for t in (
-        "rl.steps=5", "rl.steps=7", "rl.kl.coef=0.5", "prepare.kind=addition", "~rm.enabled", "l[1].a=9", "+rl.new=1")])
-    assert out == {"rl": {"steps": 7, "optim": {"lr": 0.1}, "kl": {"coef": 0.5}, "new": 1}, "prepare": {"kind": "addition"},
-                   "rm": {}, "l": [{"a": 1}, {"a": 9}]}
+    out = apply_overrides(
+        raw,
+        [
+            parse_override(t)
+            for t in (
+                "rl.steps=5",
+                "rl.steps=7",
+                "rl.kl.coef=0.5",
+                "prepare.kind=addition",
+                "~rm.enabled",
+                "l[1].a=9",
+                "+rl.new=1",
+            )
+        ],
+    )
+    assert out == {
+        "rl": {"steps": 7, "optim": {"lr": 0.1}, "kl": {"coef": 0.5}, "new": 1},
+        "prepare": {"kind": "addition"},
+        "rm": {},
+        "l": [{"a": 1}, {"a": 9}],
+    }
     assert yaml.safe_dump(raw) == before
 
 
-@pytest.mark.parametrize("text, message", [
-    ("rl.steps.x=1", "override 'rl.steps.x=1': rl.steps is 3 in the config, not a section, so it has no key 'x'"),
-    ("l[2].a=1", "override 'l[2].a=1': l is a list of 2; give an index 0..1"),
-    ("rl[0]=1", "override 'rl[0]=1': rl is not a list"),
-    ("+rl.steps=4", "override '+rl.steps=4': rl.steps is already in the config (set it with rl.steps=4)"),
-    ("~rl.kl", "override '~rl.kl': the config has no key rl.kl to remove"),
-    ("~sft.steps", "override '~sft.steps': the config has no key sft.steps to remove"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("rl.steps.x=1", "override 'rl.steps.x=1': rl.steps is 3 in the config, not a section, so it has no key 'x'"),
+        ("l[2].a=1", "override 'l[2].a=1': l is a list of 2; give an index 0..1"),
+        ("rl[0]=1", "override 'rl[0]=1': rl is not a list"),
+        ("+rl.steps=4", "override '+rl.steps=4': rl.steps is already in the config (set it with rl.steps=4)"),
+        ("~rl.kl", "override '~rl.kl': the config has no key rl.kl to remove"),
+        ("~sft.steps", "override '~sft.steps': the config has no key sft.steps to remove"),
+    ],
+)
 def test_an_override_that_cannot_apply_names_itself_and_why(text, message):
     with pytest.raises(ConfigError) as info:
         apply_overrides({"rl": {"steps": 3}, "l": [{}, {}]}, [parse_override(text)])
@@ -105,18 +141,42 @@ def _with_line(tmp_path: Path, old: str, new: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("old, new, override, line", [
-    ("  steps: 100\n", "  steps: abc\n", "rl.steps=abc",
-     "  rl.steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')"),
-    ("  steps: 100\n", "  steps: true\n", "rl.steps=true", "  rl.steps: expected an integer, not a boolean (got True)"),
-    ("  steps: 100\n", "  steps: 2\n", "rl.steps=2",  # a check across the keys of the rl section
-     "  rl: rl.optim.warmup_steps (10) is longer than the run (rl.steps = 2 optimizer steps): the learning rate would "
-     "never reach rl.optim.lr"),
-    ("model:\n", "model:\n  eos_token_ids: [1, x]\n", "model.eos_token_ids=[1, x]",
-     "  model.eos_token_ids[1]: Input should be a valid integer, unable to parse string as an integer (got 'x')"),
-    ("  num_sft: 7000\n", "  num_sft: -1\n", "prepare.num_sft=-1",  # a tagged section: pydantic names the tag too
-     "  prepare.addition.num_sft: Input should be greater than 0 (got -1)"),
-])
+@pytest.mark.parametrize(
+    "old, new, override, line",
+    [
+        (
+            "  steps: 100\n",
+            "  steps: abc\n",
+            "rl.steps=abc",
+            "  rl.steps: Input should be a valid integer, unable to parse string as an integer (got 'abc')",
+        ),
+        (
+            "  steps: 100\n",
+            "  steps: true\n",
+            "rl.steps=true",
+            "  rl.steps: expected an integer, not a boolean (got True)",
+        ),
+        (
+            "  steps: 100\n",
+            "  steps: 2\n",
+            "rl.steps=2",  # a check across the keys of the rl section
+            "  rl: rl.optim.warmup_steps (10) is longer than the run (rl.steps = 2 optimizer steps): the learning rate would "
+            "never reach rl.optim.lr",
+        ),
+        (
+            "model:\n",
+            "model:\n  eos_token_ids: [1, x]\n",
+            "model.eos_token_ids=[1, x]",
+            "  model.eos_token_ids[1]: Input should be a valid integer, unable to parse string as an integer (got 'x')",
+        ),
+        (
+            "  num_sft: 7000\n",
+            "  num_sft: -1\n",
+            "prepare.num_sft=-1",  # a tagged section: pydantic names the tag too
+            "  prepare.addition.num_sft: Input should be greater than 0 (got -1)",
+        ),
+    ],
+)
 def test_a_bad_value_gives_the_files_error_and_says_the_command_line_set_it(tmp_path, old, new, override, line):
     from_file = _error(_with_line(tmp_path, old, new))
     from_cli = _error(QUICKSTART, [override])
@@ -133,20 +193,38 @@ def test_an_unknown_key_lists_the_valid_keys_and_names_the_override():
 
 
 def test_fingerprints_change_only_through_the_values_overrides_change():
-    fake_inputs = {"validate": "v" * 64, "convert": "c" * 64, "sft": "s" * 64, "rm": "r" * 64, "rl": "l" * 64,
-                   "evaluate": "e" * 64}  # export reads evaluate (the model card's results)
+    fake_inputs = {
+        "validate": "v" * 64,
+        "convert": "c" * 64,
+        "sft": "s" * 64,
+        "rm": "r" * 64,
+        "rl": "l" * 64,
+        "evaluate": "e" * 64,
+    }  # export reads evaluate (the model card's results)
 
     def fingerprints(cfg):
-        return {spec.name: spec.fingerprint(cfg, {u: fake_inputs[u] for u in spec.inputs(cfg)}, raw={})
-                for spec, _ in enabled_stages(cfg)}  # po is switched off in the quickstart
+        return {
+            spec.name: spec.fingerprint(cfg, {u: fake_inputs[u] for u in spec.inputs(cfg)}, raw={})
+            for spec, _ in enabled_stages(cfg)
+        }  # po is switched off in the quickstart
 
     base = fingerprints(load_config(QUICKSTART))
     # the file's own values, spelled differently: every fingerprint stays (a cache hit)
     assert fingerprints(load_config(QUICKSTART, ["rl.steps=100", "rl.optim.lr=2e-4", "sft.optim.lr=0.003"])) == base
     # fault-handling limits change no result: no retrain
-    assert fingerprints(load_config(QUICKSTART, ["rl.engine.health_check_timeout_s=5",
-                                                 "rl.engine.max_engine_restarts=0",
-                                                 "rl.engine.weight_sync=object_store"])) == base
+    assert (
+        fingerprints(
+            load_config(
+                QUICKSTART,
+                [
+                    "rl.engine.health_check_timeout_s=5",
+                    "rl.engine.max_engine_restarts=0",
+                    "rl.engine.weight_sync=object_store",
+                ],
+            )
+        )
+        == base
+    )
     # multi-turn settings without an environment: read by nothing, no retrain
     assert fingerprints(load_config(QUICKSTART, ["rl.environment_step_wait_s=0"])) == base
     # with one they decide which samples share a turn's call, and how long a turn may be

@@ -39,8 +39,15 @@ def project(tmp_path_factory):
     home = tmp_path_factory.mktemp("pipeline_prefect")
     server, url = start_prefect_server(home, home / "server.log")
     try:
-        yield {"work": work, "cfg": cfg, "config": config, "env": {**env, "PREFECT_HOME": str(home), "PREFECT_API_URL": url},
-               "first": first, "first_stdout": proc.stdout, "first_stderr": proc.stderr}
+        yield {
+            "work": work,
+            "cfg": cfg,
+            "config": config,
+            "env": {**env, "PREFECT_HOME": str(home), "PREFECT_API_URL": url},
+            "first": first,
+            "first_stdout": proc.stdout,
+            "first_stderr": proc.stderr,
+        }
     finally:
         stop_prefect_server(server)
 
@@ -106,10 +113,15 @@ def test_first_run_prints_the_engines_progress_and_no_library_internal_deprecati
     megatron's torch_dist and vLLM's dispatcher warned on every stage; they no longer print
     (engine/library_warnings.py)."""
     printed = project["first_stdout"] + project["first_stderr"]
-    assert re.search(r"\| INFO    \| engine\.training\.sft - SFT on \d+ conversations: precision", printed), printed[-3000:]
-    assert re.search(r"\| INFO    \| engine\.evaluation\.scoring - policy 'rl' on rl_eval: accuracy", printed), printed[-3000:]
-    assert "FutureWarning" not in printed and "full scope is deprecated" not in printed, \
-        [line for line in printed.splitlines() if "Warning" in line]
+    assert re.search(r"\| INFO    \| engine\.training\.sft - SFT on \d+ conversations: precision", printed), printed[
+        -3000:
+    ]
+    assert re.search(r"\| INFO    \| engine\.evaluation\.scoring - policy 'rl' on rl_eval: accuracy", printed), printed[
+        -3000:
+    ]
+    assert "FutureWarning" not in printed and "full scope is deprecated" not in printed, [
+        line for line in printed.splitlines() if "Warning" in line
+    ]
 
 
 def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project):
@@ -127,7 +139,9 @@ def test_exported_model_loads_in_transformers_and_matches_the_rl_policy(project)
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert model.dtype == dtype and config["torch_dtype"] == config["dtype"]
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 47 + 38?"}], add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 47 + 38?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     init_model_parallel()
     policy = load_model_dir(Path(summary["stages"]["rl"]["uri"]) / "model").model.eval().to(dtype)
@@ -149,12 +163,23 @@ def test_wandb_has_one_run_per_stage_grouped_by_pipeline_run(project):
     assert set(first_runs) == set(first_ids)
     assert {r["job_type"] for r in first_runs.values()} == set(STAGES)  # job_type = stage, one run each
     assert len(first_runs) == len(STAGES)
-    assert {r["group"] for r in first_runs.values()} == {_group_of(project["work"], project["config"])}  # one group: the pipeline
+    assert {r["group"] for r in first_runs.values()} == {
+        _group_of(project["work"], project["config"])
+    }  # one group: the pipeline
     assert all("cached" not in r["tags"] and r["exit_code"] == 0 for r in first_runs.values())
     keys = {name: {k for row in r["history"] for k in row} for name, r in first_runs.items()}
     rl_keys = keys[summary["stages"]["rl"]["artifact_id"]]
-    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
-                "critic/score/mean", "response_length/mean", "timing_s/gen", "perf/throughput"):
+    for key in (
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/score/mean",
+        "response_length/mean",
+        "timing_s/gen",
+        "perf/throughput",
+    ):
         assert key in rl_keys, key
     assert "train/loss" in keys[summary["stages"]["sft"]["artifact_id"]]
     rl_run = first_runs[summary["stages"]["rl"]["artifact_id"]]
@@ -164,15 +189,22 @@ def test_wandb_has_one_run_per_stage_grouped_by_pipeline_run(project):
     # The run with the accuracies carries the RL settings and the artifacts it evaluated.
     ev = first_runs[summary["stages"]["evaluate"]["artifact_id"]]
     assert (ev["config"]["rl.steps"], ev["config"]["rl.optim.lr"], ev["config"]["sft.steps"]) == (
-        project["cfg"]["rl"]["steps"], project["cfg"]["rl"]["optim"]["lr"], project["cfg"]["sft"]["steps"])
+        project["cfg"]["rl"]["steps"],
+        project["cfg"]["rl"]["optim"]["lr"],
+        project["cfg"]["sft"]["steps"],
+    )
     assert {s: ev["config"][f"upstream/{s}/artifact_id"] for s in ("validate", "convert", "sft", "rl")} == {
-        s: summary["stages"][s]["artifact_id"] for s in ("validate", "convert", "sft", "rl")}
+        s: summary["stages"][s]["artifact_id"] for s in ("validate", "convert", "sft", "rl")
+    }
     assert ev["summary"]["rl/accuracy"] == summary["stages"]["evaluate"]["metrics"]["rl/accuracy"]
     # Each artifact's manifest names the pipeline run and the W&B run that built it.
     for name in STAGES:
         manifest = json.loads((Path(summary["stages"][name]["uri"]) / "manifest.json").read_text())
         run = first_runs[summary["stages"][name]["artifact_id"]]
-        assert manifest["pipeline_run"]["group"] == run["group"] and manifest["pipeline_run"]["flow_run_id"] == summary["flow_run_id"]
+        assert (
+            manifest["pipeline_run"]["group"] == run["group"]
+            and manifest["pipeline_run"]["flow_run_id"] == summary["flow_run_id"]
+        )
         assert manifest["wandb"]["run_id"] == run["id"]
 
 
@@ -181,14 +213,27 @@ def test_the_documented_offline_run_commands_list_the_real_run_files(project):
     from the project directory (``wandb.dir`` is ``wandb`` there, as in the quickstart)."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text()
     section = doc.split("## Compare runs (W&B)", 1)[1].split("\n## ", 1)[0]
-    commands = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", section, re.S)
-                for line in block.splitlines() if line.startswith(("ls ", "wandb sync --dry-run"))]
+    commands = [
+        line.split("  #")[0].strip()
+        for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+        for line in block.splitlines()
+        if line.startswith(("ls ", "wandb sync --dry-run"))
+    ]
     assert [c.split()[0] for c in commands] == ["ls", "wandb"], commands
     runs = offline_runs(project["work"] / "wandb")
-    listed = subprocess.run(["bash", "-c", commands[0]], cwd=project["work"], env=project["env"], capture_output=True, text=True)
+    listed = subprocess.run(
+        ["bash", "-c", commands[0]], cwd=project["work"], env=project["env"], capture_output=True, text=True
+    )
     assert listed.returncode == 0, listed.stderr
     assert sorted(listed.stdout.split()) == sorted(str(r["dir"].relative_to(project["work"])) for r in runs)
-    dry = subprocess.run(["bash", "-c", commands[1]], cwd=project["work"], env=project["env"], capture_output=True, text=True, timeout=300)
+    dry = subprocess.run(
+        ["bash", "-c", commands[1]],
+        cwd=project["work"],
+        env=project["env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = dry.stdout + dry.stderr
     assert dry.returncode == 0, out
     assert f"Would sync {len([r for r in runs if not r['superseded']])} run(s)" in out, out
@@ -218,7 +263,9 @@ def test_training_artifacts_hold_their_curves_and_the_evaluate_report_lists_them
     cfg = project["cfg"]
     for stage in ("sft", "rm"):  # every logged step (log_every and the last), without wall-clock metrics
         every = cfg[stage].get("log_every", 10)
-        assert [r["step"] for r in rows[stage]] == [s for s in range(1, cfg[stage]["steps"] + 1) if s % every == 0 or s == cfg[stage]["steps"]]
+        assert [r["step"] for r in rows[stage]] == [
+            s for s in range(1, cfg[stage]["steps"] + 1) if s % every == 0 or s == cfg[stage]["steps"]
+        ]
         assert not any(k.startswith(("timing_s/", "perf/")) for r in rows[stage] for k in r), stage
     assert rows["sft"][-1]["train/loss"] == summary["stages"]["sft"]["metrics"]["train/loss"]
     assert rows["rm"][-1]["rm/accuracy"] == summary["stages"]["rm"]["metrics"]["rm/accuracy"]
@@ -228,8 +275,15 @@ def test_training_artifacts_hold_their_curves_and_the_evaluate_report_lists_them
     section = report.split("## Training curves", 1)[1]
     # the quickstart's rl does not use the reward model: rm is not upstream of evaluate
     assert [line for line in section.splitlines() if line.startswith("**")] == [
-        f"**sft**: `{uri['sft']}/curves.png`", f"**rl**: `{uri['rl']}/curves.png`"]
-    for stage, key in (("sft", "train/loss"), ("sft", "train/lr"), ("rl", "critic/score/mean"), ("rl", "actor/entropy")):
+        f"**sft**: `{uri['sft']}/curves.png`",
+        f"**rl**: `{uri['rl']}/curves.png`",
+    ]
+    for stage, key in (
+        ("sft", "train/loss"),
+        ("sft", "train/lr"),
+        ("rl", "critic/score/mean"),
+        ("rl", "actor/entropy"),
+    ):
         values = [r[key] for r in rows[stage] if key in r]
         steps = [r["step"] for r in rows[stage] if key in r]
         cells = [number(v) for v in (values[0], values[-1], min(values), max(values))]
@@ -237,7 +291,8 @@ def test_training_artifacts_hold_their_curves_and_the_evaluate_report_lists_them
     ev_image = runs["evaluate"]["history"][-1]
     assert ev_image["reward_curve._type"] == "image-file"
     assert (runs["evaluate"]["dir"] / "files" / ev_image["reward_curve.path"]).read_bytes() == (
-        Path(uri["evaluate"]) / "reward_curve.png").read_bytes()
+        Path(uri["evaluate"]) / "reward_curve.png"
+    ).read_bytes()
 
 
 def _rerun_with(project, name: str, **overrides) -> dict:
@@ -282,17 +337,36 @@ def test_compare_puts_the_two_runs_side_by_side(project):
     from PIL import Image
 
     work, png = project["work"], project["work"] / "compare" / "curves.png"
-    out = posttrain(["compare", str(project["config"]), str(work / "rl_change.yaml"), str(project["config"]),
-                     "rl.optim.lr=5e-4", "--json", "--out", str(png)], cwd=work, env=project["env"]).stdout
+    out = posttrain(
+        [
+            "compare",
+            str(project["config"]),
+            str(work / "rl_change.yaml"),
+            str(project["config"]),
+            "rl.optim.lr=5e-4",
+            "--json",
+            "--out",
+            str(png),
+        ],
+        cwd=work,
+        env=project["env"],
+    ).stdout
     doc = json.loads(out)
     runs = [project["first"]["stages"], project["rl_change"]["stages"]]
-    assert [r["artifacts"] for r in doc["runs"]] == [{s: run[s]["artifact_id"] for s in STAGES} for run in [*runs, runs[1]]]
+    assert [r["artifacts"] for r in doc["runs"]] == [
+        {s: run[s]["artifact_id"] for s in STAGES} for run in [*runs, runs[1]]
+    ]
     assert doc["runs"][2]["label"] == f"{project['config']} rl.optim.lr=5e-4"
     assert doc["changed_keys"] == ["rl.optim.lr"]
     changed = {(c["stage"], c["key"]): c["values"] for c in doc["changed"]}
     assert changed[("rl", "rl.optim.lr")] == [project["cfg"]["rl"]["optim"]["lr"], 5.0e-4, 5.0e-4]
     assert changed[("evaluate", "input rl")] == [run["rl"]["artifact_id"] for run in [*runs, runs[1]]]
-    numeric = {(s, k) for s in STAGES for k, v in runs[0][s]["metrics"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    numeric = {
+        (s, k)
+        for s in STAGES
+        for k, v in runs[0][s]["metrics"].items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     rows = {(r["stage"], r["metric"]): r for r in doc["metrics"]}
     assert set(rows) == numeric
     for (stage, metric), row in rows.items():
@@ -327,8 +401,12 @@ def test_overrides_on_the_command_line_find_and_record_the_runs_config(project):
     rebuilds validate only (byte-identical: the rest is Cached) and records both in the summary
     and in the new artifact's manifest."""
     work, env = project["work"], project["env"]
-    rows = json.loads(posttrain(["status", str(project["config"]), "--json", "rl.optim.lr=5e-4"], cwd=work, env=env).stdout)
-    assert {r["stage"]: r["artifact_id"] for r in rows} == {s: project["rl_change"]["stages"][s]["artifact_id"] for s in STAGES}
+    rows = json.loads(
+        posttrain(["status", str(project["config"]), "--json", "rl.optim.lr=5e-4"], cwd=work, env=env).stdout
+    )
+    assert {r["stage"]: r["artifact_id"] for r in rows} == {
+        s: project["rl_change"]["stages"][s]["artifact_id"] for s in STAGES
+    }
     overrides, summary = _override_run(project)
     assert summary["overrides"] == overrides
     assert _states(summary) == {s: "Completed" if s == "validate" else "Cached" for s in STAGES}
@@ -386,8 +464,12 @@ def _rerun_of_the_first_config(project) -> dict:
         artifacts_before = sorted(p.name for p in (work / "artifacts").glob("*/*"))
         wandb_before = {r["file"] for r in offline_runs(work / "wandb")}
         proc = posttrain(["run", str(project["config"])], cwd=work, env=project["env"])
-        project["rerun"] = {"summary": read_summary(work, "quickstart"), "stdout": proc.stdout,
-                            "artifacts_before": artifacts_before, "wandb_before": wandb_before}
+        project["rerun"] = {
+            "summary": read_summary(work, "quickstart"),
+            "stdout": proc.stdout,
+            "artifacts_before": artifacts_before,
+            "wandb_before": wandb_before,
+        }
     return project["rerun"]
 
 
@@ -399,7 +481,9 @@ def test_second_run_is_all_cache_hits(project):
     rerun = _rerun_of_the_first_config(project)
     summary = rerun["summary"]
     assert _states(summary) == {s: "Cached" for s in STAGES}
-    assert sorted(p.name for p in (work / "artifacts").glob("*/*")) == rerun["artifacts_before"]  # nothing new published
+    assert (
+        sorted(p.name for p in (work / "artifacts").glob("*/*")) == rerun["artifacts_before"]
+    )  # nothing new published
     # nothing trained or logged: each stage is a short run tagged `cached` in the first run's group
     new = [r for r in offline_runs(work / "wandb") if r["file"] not in rerun["wandb_before"]]
     first = project["first"]
@@ -410,7 +494,11 @@ def test_second_run_is_all_cache_hits(project):
         assert run["tags"] == ["cached", f"flow-run:{summary['flow_run_id']}"], run["tags"]
         assert run["group"] == _group_of(work, project["config"]), name
         assert run["history"] == [] and run["exit_code"] == 0
-        metrics = {k: v for k, v in summary["stages"][name]["metrics"].items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+        metrics = {
+            k: v
+            for k, v in summary["stages"][name]["metrics"].items()
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+        }
         assert {k: run["summary"][k] for k in metrics} == metrics, name
 
 
@@ -418,18 +506,32 @@ def test_switching_po_on_runs_dpo_and_rl_starts_from_its_policy(project):
     """po.enabled: the po stage trains DPO from the SFT policy (cached validate, convert, sft, rm);
     rl starts from po's model and evaluate compares RL with it; the report lists po's curves."""
     work = project["work"]
-    summary = _rerun_with(project, "po_on", **{"po.enabled": True, "po.steps": 4, "po.global_batch_size": 16,
-                                               "po.micro_batch_size": 8, "po.log_every": 2,
-                                               "po.optim.warmup_steps": 2})
+    summary = _rerun_with(
+        project,
+        "po_on",
+        **{
+            "po.enabled": True,
+            "po.steps": 4,
+            "po.global_batch_size": 16,
+            "po.micro_batch_size": 8,
+            "po.log_every": 2,
+            "po.optim.warmup_steps": 2,
+        },
+    )
     states = {name: s.get("state") for name, s in summary["stages"].items() if name != "prepare"}
-    assert states == {**{s: "Cached" for s in ("validate", "convert", "sft", "rm")},
-                      **{s: "Completed" for s in ("po", "rl", "evaluate", "export")}}
+    assert states == {
+        **{s: "Cached" for s in ("validate", "convert", "sft", "rm")},
+        **{s: "Completed" for s in ("po", "rl", "evaluate", "export")},
+    }
     stages = summary["stages"]
     po = json.loads((Path(stages["po"]["uri"]) / "manifest.json").read_text())
     assert po["inputs"]["sft"]["artifact_id"] == project["first"]["stages"]["sft"]["artifact_id"]
     assert {"model/hf/config.json", "reference_logps.safetensors", "curves.png", "metrics.jsonl"} <= {
-        f["path"] for f in po["files"]}
-    assert [json.loads(line)["step"] for line in (Path(stages["po"]["uri"]) / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+        f["path"] for f in po["files"]
+    }
+    assert [
+        json.loads(line)["step"] for line in (Path(stages["po"]["uri"]) / "metrics.jsonl").read_text().splitlines()
+    ] == [2, 4]
     assert 0.0 <= stages["po"]["metrics"]["po/eval_accuracy"] <= 1.0
     rl = json.loads((Path(stages["rl"]["uri"]) / "manifest.json").read_text())
     assert set(rl["inputs"]) == {"validate", "po"} and rl["inputs"]["po"]["artifact_id"] == stages["po"]["artifact_id"]
@@ -437,9 +539,14 @@ def test_switching_po_on_runs_dpo_and_rl_starts_from_its_policy(project):
     assert ev["po/n"] == ev["rl/n"] == 24 and "rl_minus_po/accuracy" in ev and "sft/accuracy" not in ev
     report = (Path(stages["evaluate"]["uri"]) / "report.md").read_text().split("## Training curves", 1)[1]
     assert [line for line in report.splitlines() if line.startswith("**")] == [
-        f"**{s}**: `{stages[s]['uri']}/curves.png`" for s in ("sft", "po", "rl")]
-    rows = {r["stage"]: r for r in json.loads(posttrain(["status", str(work / "po_on.yaml"), "--json"], cwd=work,
-                                                          env=project["env"]).stdout)}
+        f"**{s}**: `{stages[s]['uri']}/curves.png`" for s in ("sft", "po", "rl")
+    ]
+    rows = {
+        r["stage"]: r
+        for r in json.loads(
+            posttrain(["status", str(work / "po_on.yaml"), "--json"], cwd=work, env=project["env"]).stdout
+        )
+    }
     assert list(rows) == ["validate", "convert", "sft", "rm", "po", "rl", "evaluate", "export"]
     assert all(r["up_to_date"] for r in rows.values())
 
@@ -457,25 +564,49 @@ def test_kto_po_and_an_rl_mixture_run_through_the_flow(project):
     with open(work / "kto.jsonl", "w") as f:
         for p in pairs:
             for answer, label in ((p["chosen"], True), (p["rejected"], False)):
-                f.write(json.dumps({"messages": p["prompt"] + [{"role": "assistant", "content": answer}],
-                                    "label": label}) + "\n")
+                f.write(
+                    json.dumps({"messages": p["prompt"] + [{"role": "assistant", "content": answer}], "label": label})
+                    + "\n"
+                )
     prompts = (inputs / "rl_train.jsonl").read_text().splitlines()
     (work / "sums_a.jsonl").write_text("\n".join(prompts[: len(prompts) // 2]) + "\n")
-    (work / "sums_b.jsonl").write_text("\n".join(prompts[len(prompts) // 2:]) + "\n")
-    sources = [{"name": "sums_a", "path": str(work / "sums_a.jsonl"), "format": "prompt_label", "weight": 3.0},
-               {"name": "sums_b", "path": str(work / "sums_b.jsonl"), "format": "prompt_label", "weight": 1.0,
-                "reward_weight": 0.5}]
-    summary = _rerun_with(project, "kto_mix", **{
-        "data.kto": {"path": str(work / "kto.jsonl"), "format": "kto"}, "data.rl_train": sources,
-        "po.enabled": True, "po.loss": "kto", "po.dpop_lambda": 0.0, "po.steps": 4, "po.global_batch_size": 16, "po.micro_batch_size": 8,
-        "po.log_every": 2, "po.optim.warmup_steps": 2})
+    (work / "sums_b.jsonl").write_text("\n".join(prompts[len(prompts) // 2 :]) + "\n")
+    sources = [
+        {"name": "sums_a", "path": str(work / "sums_a.jsonl"), "format": "prompt_label", "weight": 3.0},
+        {
+            "name": "sums_b",
+            "path": str(work / "sums_b.jsonl"),
+            "format": "prompt_label",
+            "weight": 1.0,
+            "reward_weight": 0.5,
+        },
+    ]
+    summary = _rerun_with(
+        project,
+        "kto_mix",
+        **{
+            "data.kto": {"path": str(work / "kto.jsonl"), "format": "kto"},
+            "data.rl_train": sources,
+            "po.enabled": True,
+            "po.loss": "kto",
+            "po.dpop_lambda": 0.0,
+            "po.steps": 4,
+            "po.global_batch_size": 16,
+            "po.micro_batch_size": 8,
+            "po.log_every": 2,
+            "po.optim.warmup_steps": 2,
+        },
+    )
     stages = summary["stages"]
     assert {s: stages[s]["state"] for s in ("validate", "po", "rl", "evaluate", "export")} == dict.fromkeys(
-        ("validate", "po", "rl", "evaluate", "export"), "Completed")
+        ("validate", "po", "rl", "evaluate", "export"), "Completed"
+    )
     report = json.loads((Path(stages["validate"]["uri"]) / "report.json").read_text())
     assert (report["kto"]["format"], report["kto"]["n_valid"]) == ("kto", 2 * len(pairs))
     assert [report[f"rl_train/{s}"]["n_valid"] for s in ("sums_a", "sums_b")] == [
-        len(prompts) // 2, len(prompts) - len(prompts) // 2]
+        len(prompts) // 2,
+        len(prompts) - len(prompts) // 2,
+    ]
     kto_rows = [json.loads(line) for line in (Path(stages["validate"]["uri"]) / "kto.jsonl").read_text().splitlines()]
     assert sum(r["label"] for r in kto_rows) == len(pairs) == len(kto_rows) - len(pairs)
     po = json.loads((Path(stages["po"]["uri"]) / "manifest.json").read_text())
@@ -508,11 +639,14 @@ def test_push_dry_run_of_the_config_lists_its_current_export_and_card(project):
     rows = json.loads(posttrain(["status", str(project["config"]), "--json"], cwd=work, env=env).stdout)
     current = next(r["artifact_id"] for r in rows if r["stage"] == "export")
     export = work / "artifacts" / "export" / current
-    proc = posttrain(["push", str(project["config"]), "--repo", "my-org/quickstart-policy", "--dry-run"], cwd=work, env=env)
+    proc = posttrain(
+        ["push", str(project["config"]), "--repo", "my-org/quickstart-policy", "--dry-run"], cwd=work, env=env
+    )
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("would upload ") and f"hf_model ({current}) to my-org/quickstart-policy:" in lines[0]
     header = lines.index("model card header (README.md):")
     listed = [line.split()[0] for line in lines[1:header]]  # the card's YAML below is indented too
-    assert listed == sorted(p.relative_to(export / "hf_model").as_posix()
-                            for p in (export / "hf_model").rglob("*") if p.is_file())
+    assert listed == sorted(
+        p.relative_to(export / "hf_model").as_posix() for p in (export / "hf_model").rglob("*") if p.is_file()
+    )
     assert "README.md" in listed and "base_model:" in "\n".join(lines[header:])

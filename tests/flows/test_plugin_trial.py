@@ -35,9 +35,14 @@ def gsm8k(fixtures_dir, tmp_path, monkeypatch) -> dict:
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "trial_plugins", raising=False)  # this test's copy, not an earlier one
     path = str(fixtures_dir / "gsm8k" / "train_first2000.jsonl")
-    return {"run": {"name": "trial"}, "sft": {"enabled": False}, "rm": {"enabled": False},
-            "data": {"rl_train": {"path": path, "format": "gsm8k"}, "rl_eval": {"path": path, "format": "gsm8k"}},
-            "model": {"source": str(tmp_path)}, "rl": {"reward": {"verifier": "gsm8k"}}}
+    return {
+        "run": {"name": "trial"},
+        "sft": {"enabled": False},
+        "rm": {"enabled": False},
+        "data": {"rl_train": {"path": path, "format": "gsm8k"}, "rl_eval": {"path": path, "format": "gsm8k"}},
+        "model": {"source": str(tmp_path)},
+        "rl": {"reward": {"verifier": "gsm8k"}},
+    }
 
 
 def _problems(raw: dict) -> list[str]:
@@ -48,8 +53,11 @@ def _problems(raw: dict) -> list[str]:
 def test_each_reward_function_is_called_once_on_real_rows(gsm8k, fixtures_dir):
     where = f"{fixtures_dir / 'gsm8k' / 'train_first2000.jsonl'} lines 1, 2"
     gsm8k["rl"]["reward"]["functions"] = [
-        {"path": "trial_plugins:fine"}, {"path": "trial_plugins:boom"}, {"path": "trial_plugins:nan"},
-        {"path": "trial_plugins:text"}, {"path": "trial_plugins:one_for_all", "batched": True},
+        {"path": "trial_plugins:fine"},
+        {"path": "trial_plugins:boom"},
+        {"path": "trial_plugins:nan"},
+        {"path": "trial_plugins:text"},
+        {"path": "trial_plugins:one_for_all", "batched": True},
         {"path": "trial_plugins:async_boom", "name": "judge"},
     ]
     head = f"a trial call on the rl_train rows at {where} (each label as the response) failed: reward function"
@@ -69,8 +77,10 @@ def test_each_reward_function_is_called_once_on_real_rows(gsm8k, fixtures_dir):
 def test_without_readable_rows_the_functions_are_only_imported(gsm8k, tmp_path):
     gsm8k["data"]["rl_train"]["path"] = str(tmp_path / "absent.jsonl")
     gsm8k["rl"]["reward"]["functions"] = [{"path": "trial_plugins:boom"}, {"path": "trial_plugins:absent"}]
-    assert _problems(gsm8k) == [f"rl.reward.functions[1].path: cannot load 'trial_plugins:absent': module "
-                                f"'trial_plugins' ({tmp_path / 'trial_plugins.py'}) has no attribute 'absent'"]
+    assert _problems(gsm8k) == [
+        f"rl.reward.functions[1].path: cannot load 'trial_plugins:absent': module "
+        f"'trial_plugins' ({tmp_path / 'trial_plugins.py'}) has no attribute 'absent'"
+    ]
 
 
 def test_a_one_row_mixture_source_is_tried_twice(gsm8k, tmp_path):
@@ -118,10 +128,24 @@ def test_gpt2_original_tokenizer_files_are_named_with_the_fix(gsm8k, fixtures_di
     tok = _gpt2_original(tmp_path / "gpt2-tok", fixtures_dir)
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 128, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "vocab_size": 151936, "tie_word_embeddings": True}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "model_type": "qwen2",
+                "hidden_size": 64,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 1,
+                "intermediate_size": 128,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 10000.0,
+                "max_position_embeddings": 512,
+                "vocab_size": 151936,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     gsm8k["model"] = {"source": str(model), "tokenizer": str(tok)}
     gsm8k["data"]["rl_train"]["limit"] = gsm8k["data"]["rl_eval"]["limit"] = 4
     gsm8k["data"]["allow_eval_overlap"] = True
@@ -130,7 +154,8 @@ def test_gpt2_original_tokenizer_files_are_named_with_the_fix(gsm8k, fixtures_di
         f"model.tokenizer: {tok} holds encoder.json, tokenizer_config.json, vocab.bpe but no tokenizer vocabulary: "
         "a tokenizer needs tokenizer.json, or vocab.json and merges.txt, or tokenizer.model; encoder.json and "
         "vocab.bpe are GPT-2's original files: rename them to vocab.json and merges.txt, or load the tokenizer with "
-        "transformers and save_pretrained() it into this folder"]
+        "transformers and save_pretrained() it into this folder"
+    ]
     (tok / "encoder.json").rename(tok / "vocab.json")
     (tok / "vocab.bpe").rename(tok / "merges.txt")
     assert check_contents(PipelineConfig.model_validate(gsm8k))[0] == []  # the fix it names works

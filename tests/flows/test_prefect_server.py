@@ -78,7 +78,8 @@ def test_a_server_too_slow_to_start_names_the_setting_and_leaves_nothing_running
     assert str(failed.value).startswith(
         "the temporary Prefect server did not answer within 1 s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): "
         "on a busy machine set it higher, or start a server once (`prefect server start`) and set "
-        "PREFECT_API_URL=http://127.0.0.1:4200/api. Prefect said: Timed out while attempting to connect")
+        "PREFECT_API_URL=http://127.0.0.1:4200/api. Prefect said: Timed out while attempting to connect"
+    )
     assert {pid for pid in _server_pids()} - before == set()  # the server that came up late was stopped
 
 
@@ -167,13 +168,16 @@ def test_filter_matches_what_docket_and_prefect_log_for_a_retry():
         assert 'logger = logging.getLogger("docket.dependencies")' in source and '"↩ [%s] %s",' in source
     source = Path(rules.__file__).read_text()
     assert 'logger: "Logger" = get_logger("server")' in source and rules.logger.name == "prefect.server"
-    assert """logger.exception("Encountered error during state validation")
+    assert (
+        """logger.exception("Encountered error during state validation")
             self.proposed_state: states.State[Any] | None = None
 
             if is_client_retryable_exception(exc):
                 # Do not capture retryable database exceptions, this exception will be
                 # raised as a 503 in the API layer
-                raise""" in source
+                raise"""
+        in source
+    )
 
 
 def test_filter_matches_what_the_worker_channel_logs_for_a_heartbeat_it_retries():
@@ -185,10 +189,15 @@ def test_filter_matches_what_the_worker_channel_logs_for_a_heartbeat_it_retries(
 
     source = Path(channel.__file__).read_text()
     assert channel.logger.name == "prefect.server.utilities.worker_channel"
-    assert """logger.exception(
+    assert (
+        """logger.exception(
                         "Worker channel heartbeat persistence failed: "
-""" in source
-    assert "WorkerChannelCloseReason.HEARTBEAT_PERSISTENCE_FAILED" in source.split("heartbeat persistence failed")[1][:600]
+"""
+        in source
+    )
+    assert (
+        "WorkerChannelCloseReason.HEARTBEAT_PERSISTENCE_FAILED" in source.split("heartbeat persistence failed")[1][:600]
+    )
     policy = WORKER_CHANNEL_CLOSE_POLICIES[WorkerChannelCloseReason.HEARTBEAT_PERSISTENCE_FAILED]
     assert policy.retryable and not policy.terminal
 

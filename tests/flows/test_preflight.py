@@ -66,8 +66,10 @@ def test_a_directory_for_a_data_file_is_named_as_one(real_inputs, tmp_path):
     raw = copy.deepcopy(real_inputs)
     raw["data"]["rl_eval"]["path"] = str(tmp_path)
     problems, _ = check_inputs(_cfg(raw))
-    assert problems == [f"data.rl_eval.path: {tmp_path} is a directory; give the data file in it "
-                        "(.jsonl, .json, .parquet, optionally .gz)"]
+    assert problems == [
+        f"data.rl_eval.path: {tmp_path} is a directory; give the data file in it "
+        "(.jsonl, .json, .parquet, optionally .gz)"
+    ]
 
 
 def test_data_path_under_prepare_dir_is_a_note_only_with_prepare(tmp_path, monkeypatch):
@@ -101,7 +103,10 @@ def test_required_datasets_and_reward_model_consistency(real_inputs):
 def test_model_source_kinds(real_inputs, tmp_path, fixtures_dir):
     raw = copy.deepcopy(real_inputs)
     raw["model"] = {"source": "Qwen/Qwen2.5-0.5B-Instruct"}
-    assert check_inputs(_cfg(raw)) == ([], ["model.source: Qwen/Qwen2.5-0.5B-Instruct will be downloaded from the Hugging Face hub"])
+    assert check_inputs(_cfg(raw)) == (
+        [],
+        ["model.source: Qwen/Qwen2.5-0.5B-Instruct will be downloaded from the Hugging Face hub"],
+    )
 
     gguf = fixtures_dir / "tiny-model-stories260K"
     gguf_file = next(gguf.glob("*.gguf"))
@@ -127,8 +132,10 @@ def test_no_verifier_is_refused_because_evaluate_scores_with_it(real_inputs):
     raw = copy.deepcopy(real_inputs)
     raw["rl"] = {"reward": {"verifier": "none", "functions": [{"path": "my_rewards:score"}]}}
     problems, _ = check_inputs(_cfg(raw))
-    assert problems == ["rl.reward.verifier: 'none' leaves the evaluate stage nothing to score with; set a verifier "
-                        "(it is also the rl reward unless rl.reward.verifier_weight is 0)"]
+    assert problems == [
+        "rl.reward.verifier: 'none' leaves the evaluate stage nothing to score with; set a verifier "
+        "(it is also the rl reward unless rl.reward.verifier_weight is 0)"
+    ]
 
 
 # ----------------------------------------------------------------------------- check_contents
@@ -138,11 +145,25 @@ def test_no_verifier_is_refused_because_evaluate_scores_with_it(real_inputs):
 
 # Qwen2.5-0.5B-Instruct's config.json (the public file's values).
 QWEN_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "bos_token_id": 151643, "eos_token_id": 151645,
-    "hidden_act": "silu", "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,
-    "max_window_layers": 21, "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "num_attention_heads": 14,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -165,7 +186,11 @@ def qwen(fixtures_dir, tmp_path) -> dict:
     return {
         "run": {"name": "qwen"},
         "data": {
-            "sft": {"path": str(fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json"), "format": "alpaca", "limit": 60},
+            "sft": {
+                "path": str(fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json"),
+                "format": "alpaca",
+                "limit": 60,
+            },
             "preference": {"path": str(fixtures_dir / "hh-rlhf" / "test.jsonl.gz"), "format": "hh_rlhf", "limit": 60},
             "rl_train": {"path": str(fixtures_dir / "gsm8k" / "train_first2000.jsonl"), "format": "gsm8k"},
             "rl_eval": {"path": str(fixtures_dir / "gsm8k" / "test.jsonl"), "format": "gsm8k"},
@@ -183,8 +208,10 @@ def stories(fixtures_dir) -> dict:
         "run": {"name": "stories"},
         "data": {"rl_train": {"path": math500, "format": "math"}, "rl_eval": {"path": math500, "format": "math"}},
         "model": {"source": str(fixtures_dir / "tiny-model-stories260K" / "stories260K.gguf")},
-        "sft": {"enabled": False}, "rm": {"enabled": False},
-        "rl": {"rollout": {"backend": "hf"}, "reward": {"verifier": "math"}}, "evaluate": {"backend": "hf"},
+        "sft": {"enabled": False},
+        "rm": {"enabled": False},
+        "rl": {"rollout": {"backend": "hf"}, "reward": {"verifier": "math"}},
+        "evaluate": {"backend": "hf"},
     }
 
 
@@ -207,17 +234,22 @@ def test_vllm_cpu_head_sizes_are_vllms_own():
 
 def test_quickstart_before_prepare_checks_what_its_section_says(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # prepare has not run here
-    assert _contents(yaml.safe_load(QUICKSTART.read_text())) == ([], [
-        "prepare.output_dir: work/quickstart does not hold this config's prepare output yet: the files it makes are "
-        "checked once it does (run `posttrain stage prepare CONFIG`, then validate again)",
-        "model.source: work/quickstart/base_model: head_dim 32, context 128 tokens (no tokenizer to check)",
-    ])
+    assert _contents(yaml.safe_load(QUICKSTART.read_text())) == (
+        [],
+        [
+            "prepare.output_dir: work/quickstart does not hold this config's prepare output yet: the files it makes are "
+            "checked once it does (run `posttrain stage prepare CONFIG`, then validate again)",
+            "model.source: work/quickstart/base_model: head_dim 32, context 128 tokens (no tokenizer to check)",
+        ],
+    )
     raw = yaml.safe_load(QUICKSTART.read_text())
     raw["prepare"]["num_attention_heads"] = 8  # 128 / 8: head_dim 16
     problems, _ = _contents(raw)
     assert problems == [
         f"{key}: vllm on CPU supports head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; "
-        f"work/quickstart/base_model has head_dim 16: set {key}: hf" for key in ("rl.rollout.backend", "evaluate.backend")]
+        f"work/quickstart/base_model has head_dim 16: set {key}: hf"
+        for key in ("rl.rollout.backend", "evaluate.backend")
+    ]
 
 
 def test_quickstart_after_prepare_passes_every_check(tmp_path, monkeypatch):
@@ -240,7 +272,9 @@ def test_quickstart_after_prepare_passes_every_check(tmp_path, monkeypatch):
     ]
     assert notes[5].startswith("model.source: work/quickstart/base_model: head_dim 32, context 128 tokens, vocab_size ")
     assert notes[5].endswith(", a chat template")
-    assert notes[6].startswith("data.rl_train: the longest of 4000 prompts has ") and notes[6].endswith("(at most 122 fit)")
+    assert notes[6].startswith("data.rl_train: the longest of 4000 prompts has ") and notes[6].endswith(
+        "(at most 122 fit)"
+    )
 
 
 def test_real_model_tokenizer_and_data_pass(qwen, fixtures_dir, tmp_path):
@@ -287,38 +321,48 @@ def test_prompts_longer_than_the_context_are_counted_with_their_lines(qwen, fixt
     assert filtered_problems == [problems[0], problems[2]]
     assert f"{problems[1]}; the rl stage leaves them out (rl.long_prompts: filter)" in filtered_notes
     qwen["rl"]["rollout"]["max_new_tokens"] = 512
-    assert _contents(qwen)[0][1] == (f"rl.rollout.max_new_tokens: 512 leaves no room for a prompt in the context of "
-                                     f"{model} (max_position_embeddings 512)")
+    assert _contents(qwen)[0][1] == (
+        f"rl.rollout.max_new_tokens: 512 leaves no room for a prompt in the context of "
+        f"{model} (max_position_embeddings 512)"
+    )
 
 
 def test_a_mixtures_sources_are_checked_each_with_its_key_and_verifier(qwen, fixtures_dir, tmp_path):
     gsm8k, math500 = fixtures_dir / "gsm8k" / "train_first2000.jsonl", fixtures_dir / "math500" / "test.jsonl"
     qwen["model"]["source"] = str(_qwen_dir(tmp_path, max_position_embeddings=512))
-    qwen["data"]["rl_train"] = [{"name": "gsm8k", "path": str(gsm8k), "format": "gsm8k", "limit": 100},
-                                {"name": "math", "path": str(math500), "format": "math"}]
+    qwen["data"]["rl_train"] = [
+        {"name": "gsm8k", "path": str(gsm8k), "format": "gsm8k", "limit": 100},
+        {"name": "math", "path": str(math500), "format": "math"},
+    ]
     qwen["rl"] = {"rollout": {"max_new_tokens": 384}, "reward": {"verifier": "gsm8k"}}
     problems, notes = _contents(qwen)
     mixture = [p for p in problems if "rl_train" in p]
     assert [p.split("\n")[0] for p in mixture] == [  # MATH-500 answers scored as GSM8K numbers
         "data.rl_train[1]: 175 of 500 labels cannot be scored by rl.reward.verifier: gsm8k (a wrong verifier for "
-        "this data, or bad labels):"]
+        "this data, or bad labels):"
+    ]
     assert f"data.rl_train[0]: 100 valid rows of 100 in {gsm8k} (format gsm8k)" in notes
     model = tmp_path / "qwen2.5-0.5b"
     # each source's long prompts, with its own lines (MATH-500's 83 as for one dataset), are notes: the rl stage
     # leaves them out
-    assert (f"data.rl_train[1]: 83 of 500 prompts are longer than 128 tokens (the context of {model}, "
-            "max_position_embeddings 512, minus rl.rollout.max_new_tokens 384; the longest has 820): lines 2, 5, 10, "
-            f"14, 15, ... of {math500}; the rl stage leaves them out (rl.long_prompts: filter)") in notes
-    assert (f"data.rl_train[0]: 5 of 100 prompts are longer than 128 tokens (the context of {model}, "
-            "max_position_embeddings 512, minus rl.rollout.max_new_tokens 384; the longest has 144): lines 8, 9, 33, 62, "
-            f"98 of {gsm8k}; the rl stage leaves them out (rl.long_prompts: filter)") in notes
+    assert (
+        f"data.rl_train[1]: 83 of 500 prompts are longer than 128 tokens (the context of {model}, "
+        "max_position_embeddings 512, minus rl.rollout.max_new_tokens 384; the longest has 820): lines 2, 5, 10, "
+        f"14, 15, ... of {math500}; the rl stage leaves them out (rl.long_prompts: filter)"
+    ) in notes
+    assert (
+        f"data.rl_train[0]: 5 of 100 prompts are longer than 128 tokens (the context of {model}, "
+        "max_position_embeddings 512, minus rl.rollout.max_new_tokens 384; the longest has 144): lines 8, 9, 33, 62, "
+        f"98 of {gsm8k}; the rl stage leaves them out (rl.long_prompts: filter)"
+    ) in notes
     qwen["data"]["rl_train"][1]["verifier"] = "math"  # the source's own verifier reads its labels
     problems, _ = _contents(qwen)
     assert [p for p in problems if "rl_train" in p] == []
     qwen["data"]["rl_train"][1]["verifier"] = "gsm8k"
     assert [p.split("\n")[0] for p in _contents(qwen)[0] if "rl_train" in p] == [
         "data.rl_train[1]: 175 of 500 labels cannot be scored by data.rl_train[1].verifier: gsm8k (a wrong verifier "
-        "for this data, or bad labels):"]
+        "for this data, or bad labels):"
+    ]
 
 
 def test_tokenizer_must_fit_the_embedding_and_special_ids_the_vocabulary(qwen, fixtures_dir, tmp_path):
@@ -340,9 +384,11 @@ def test_model_directory_without_tokenizer_files(qwen, tmp_path):
     del qwen["model"]["tokenizer"]
     problems, _ = _contents(qwen)
     model = tmp_path / "qwen2.5-0.5b"
-    assert problems == [f"model.source: {model} has no tokenizer files (expected some of tokenizer.json, "
-                        "tokenizer_config.json, special_tokens_map.json, added_tokens.json, tokenizer.model, vocab.json, "
-                        "merges.txt, chat_template.jinja, chat_template.json); set model.tokenizer"]
+    assert problems == [
+        f"model.source: {model} has no tokenizer files (expected some of tokenizer.json, "
+        "tokenizer_config.json, special_tokens_map.json, added_tokens.json, tokenizer.model, vocab.json, "
+        "merges.txt, chat_template.jinja, chat_template.json); set model.tokenizer"
+    ]
 
 
 def test_gguf_model_is_checked_from_its_metadata(stories, fixtures_dir, monkeypatch):
@@ -374,7 +420,9 @@ def test_head_dim_outside_vllm_cpu_set(stories, fixtures_dir):
     stories["evaluate"]["backend"] = "vllm"
     assert _contents(stories)[0] == [
         f"{key}: vllm on CPU supports head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; {gguf} has "
-        f"head_dim 8: set {key}: hf" for key in ("rl.rollout.backend", "evaluate.backend")]
+        f"head_dim 8: set {key}: hf"
+        for key in ("rl.rollout.backend", "evaluate.backend")
+    ]
 
 
 def test_no_chat_template_with_sft_or_rm_enabled(stories, fixtures_dir):
@@ -412,7 +460,9 @@ def test_template_errors_name_file_line_and_field(qwen, fixtures_dir, tmp_path):
 
     tok = _template_tokenizer(fixtures_dir, "gemma", tmp_path / "gemma")
     alpaca = json.loads((fixtures_dir / "llamafactory-demo" / "alpaca_en_demo.json").read_text())[:4]
-    rows = [[{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}] for r in alpaca]
+    rows = [
+        [{"role": "user", "content": r["instruction"]}, {"role": "assistant", "content": r["output"]}] for r in alpaca
+    ]
     rows[2].insert(0, {"role": "system", "content": "You are a helpful assistant."})
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
@@ -422,7 +472,8 @@ def test_template_errors_name_file_line_and_field(qwen, fixtures_dir, tmp_path):
     assert _contents(qwen)[0] == [
         f"data.sft: 1 of 4 rows cannot be rendered with the chat template of {tok} (turn end '<end_of_turn>'):\n"
         f"    {sft}:3: messages: the chat template of {tok} cannot render this conversation (roles: system, user, "
-        "assistant): System role not supported"]
+        "assistant): System role not supported"
+    ]
 
 
 def test_rstrip_turn_end_passes(qwen, fixtures_dir, tmp_path):
@@ -476,8 +527,11 @@ def test_plugins_are_imported_by_their_paths(qwen, tmp_path, monkeypatch):
     qwen["data"]["preference"]["limit"] = qwen["data"]["sft"]["limit"] = 5
     assert _contents(qwen)[0] == []
     qwen["rl"]["reward"]["functions"] = [
-        {"path": "my_plugins:score"}, {"path": "no_such_plugins:score", "name": "other"}, {"path": "my_plugins:missing"},
-        {"path": "my_plugins:THRESHOLD"}, {"path": "my_plugins:needs_three"},
+        {"path": "my_plugins:score"},
+        {"path": "no_such_plugins:score", "name": "other"},
+        {"path": "my_plugins:missing"},
+        {"path": "my_plugins:THRESHOLD"},
+        {"path": "my_plugins:needs_three"},
     ]
     file = tmp_path / "my_plugins.py"
     assert _contents(qwen)[0] == [
@@ -492,16 +546,18 @@ def test_plugins_are_imported_by_their_paths(qwen, tmp_path, monkeypatch):
     qwen["rl"] = {"reward": {"verifier": "gsm8k"}, "environment": "my_plugins:Env"}
     assert _contents(qwen)[0] == []
     qwen["rl"]["environment"] = "my_plugins:NoEnv"
-    assert _contents(qwen)[0] == [f"rl.environment: cannot load 'my_plugins:NoEnv': module 'my_plugins' ({file}) has "
-                                  "no attribute 'NoEnv'"]
+    assert _contents(qwen)[0] == [
+        f"rl.environment: cannot load 'my_plugins:NoEnv': module 'my_plugins' ({file}) has no attribute 'NoEnv'"
+    ]
 
 
 def test_eval_overlap_is_a_problem_when_not_allowed(stories):
     stories["data"]["allow_eval_overlap"] = False  # rl_eval is the rl_train file here
     problems, _ = _contents(stories)
     assert len(problems) == 1
-    assert problems[0].startswith("data.rl_eval: 500 rows (500 distinct prompts) have a prompt that is also in "
-                                  "data.rl_train")
+    assert problems[0].startswith(
+        "data.rl_eval: 500 rows (500 distinct prompts) have a prompt that is also in data.rl_train"
+    )
     assert "data.allow_eval_overlap: true" in problems[0]
 
 
@@ -513,8 +569,10 @@ def test_labels_the_verifier_cannot_read_are_reported(stories, fixtures_dir):
     assert len(labels) == 2
     for name, text in zip(("rl_train", "rl_eval"), labels):
         first, *rest = text.split("\n    ")
-        assert first == (f"data.{name}: 175 of 500 labels cannot be scored by rl.reward.verifier: gsm8k "
-                         "(a wrong verifier for this data, or bad labels):")
+        assert first == (
+            f"data.{name}: 175 of 500 labels cannot be scored by rl.reward.verifier: gsm8k "
+            "(a wrong verifier for this data, or bad labels):"
+        )
         assert rest[:3] == [
             f"{math500}:1: label: gsm8k label '\\\\left( 3, \\\\frac{{\\\\pi}}{{2}} \\\\right)' is not a number",
             f"{math500}:2: label: gsm8k label 'p - q' is not a number",
@@ -534,7 +592,8 @@ def test_turn_end_without_stop_id_is_a_problem_when_rl_generates(qwen):
         f"model.end_of_turn: the turn end '<|im_end|>\\n' of the chat template of {tok} has no stop id (2 tokens, not "
         "a single special token), so rl and evaluate, which generate with this chat template, would not stop at the "
         "end of an assistant turn (only at the EOS ids); set model.end_of_turn to a single special token the template "
-        "writes after an assistant turn"]
+        "writes after an assistant turn"
+    ]
 
 
 def test_precision_notes_name_each_stage_and_warn_on_emulated_bf16(real_inputs):
@@ -546,13 +605,16 @@ def test_precision_notes_name_each_stage_and_warn_on_emulated_bf16(real_inputs):
     raw["run"]["precision"] = "fp32"
     raw["rl"] = {"precision": "bf16"}
     notes = precision_notes(_cfg(raw))
-    assert notes[0] == f"precision: sft fp32, rm fp32, rl bf16, evaluate fp32; export bfloat16 (run.precision fp32; {why})"
+    assert (
+        notes[0] == f"precision: sft fp32, rm fp32, rl bf16, evaluate fp32; export bfloat16 (run.precision fp32; {why})"
+    )
     warned = [n for n in notes[1:] if "bf16 is set but this machine has no native bf16" in n]
     assert len(warned) == (0 if has_bf16 else 1)
 
     raw["rl"] = {"precision": "fp32"}
     assert precision_notes(_cfg(raw)) == [
-        f"precision: sft fp32, rm fp32, rl fp32, evaluate fp32; export float32 (run.precision fp32; {why})"]
+        f"precision: sft fp32, rm fp32, rl fp32, evaluate fp32; export float32 (run.precision fp32; {why})"
+    ]
 
 
 def test_vllm_rollout_of_an_moe_policy_is_refused_on_cpu(tmp_path, monkeypatch):
@@ -563,9 +625,11 @@ def test_vllm_rollout_of_an_moe_policy_is_refused_on_cpu(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)  # the planned model: work/... is not there yet
     moe = REPO / "configs" / "quickstart-moe.yaml"
-    problem = ("rl.rollout.backend: vllm on CPU cannot reload the weights of work/quickstart-moe/base_model, a mixture "
-               "of experts (qwen3_moe), in place after each RL update (its CPU MoE backend repacks the experts; a "
-               "reload fails or serves wrong experts): set rl.rollout.backend: hf")
+    problem = (
+        "rl.rollout.backend: vllm on CPU cannot reload the weights of work/quickstart-moe/base_model, a mixture "
+        "of experts (qwen3_moe), in place after each RL update (its CPU MoE backend repacks the experts; a "
+        "reload fails or serves wrong experts): set rl.rollout.backend: hf"
+    )
     assert problem in check_contents(load_config(moe, ["rl.rollout.backend=vllm"]))[0]
     assert not [p for p in check_contents(load_config(moe))[0] if "mixture of experts" in p]
     assert not [p for p in check_contents(load_config(QUICKSTART))[0] if "mixture of experts" in p]

@@ -33,7 +33,9 @@ def test_tiny_moe_quickstart_runs_every_stage_and_exports_a_qwen3_moe_model(tmp_
     assert {s: summary["stages"][s]["state"] for s in STAGES} == {s: "Completed" for s in STAGES}, proc.stdout[-3000:]
     # the router's load-balancing loss is on in sft (model.moe), over the 4 experts
     sft = summary["stages"]["sft"]["metrics"]
-    assert sorted(k for k in sft if k.startswith("moe/tokens_per_expert/")) == [f"moe/tokens_per_expert/e{i}" for i in range(4)]
+    assert sorted(k for k in sft if k.startswith("moe/tokens_per_expert/")) == [
+        f"moe/tokens_per_expert/e{i}" for i in range(4)
+    ]
     assert math.isfinite(sft["moe/load_balancing_loss"]) and sft["moe/load_balancing_loss"] > 0
     # the HF rollout's log-probs are the trainer's: its weight sync took every expert
     rl = summary["stages"]["rl"]["metrics"]
@@ -42,4 +44,8 @@ def test_tiny_moe_quickstart_runs_every_stage_and_exports_a_qwen3_moe_model(tmp_
     assert ev["sft/n"] == ev["rl/n"] == 24
     model = AutoModelForCausalLM.from_pretrained(Path(summary["stages"]["export"]["uri"]) / "hf_model")
     assert isinstance(model, Qwen3MoeForCausalLM)
-    assert (model.config.num_experts, model.config.num_experts_per_tok, model.config.moe_intermediate_size) == (4, 2, 32)
+    assert (model.config.num_experts, model.config.num_experts_per_tok, model.config.moe_intermediate_size) == (
+        4,
+        2,
+        32,
+    )

@@ -18,16 +18,49 @@ from flows.prefect_server import prefect_api
 REPO = Path(__file__).resolve().parents[2]
 SUMMARY = {
     "stages": {
-        "rl": {"state": "Completed", "wall_s": 61.25, "artifact_id": "rl-0123456789ab", "uri": "/a/rl/rl-0123456789ab",
-               "fingerprint": "f" * 64, "metrics": {"actor/pg_loss": -0.5, "critic/score/mean": 0.75, "timing_s/stage": 61.0},
-               "wandb": {"run_id": "rl-abc", "mode": "offline", "url": None, "dir": "wandb/wandb/offline-run-20261201_120000-rl-abc"}},
-        "evaluate": {"state": "Cached", "wall_s": 0.25, "artifact_id": "evaluate-0a", "uri": "/a/evaluate/evaluate-0a",
-                     "fingerprint": "e" * 64,
-                     "metrics": {"sft/accuracy": 0.25, "sft/accuracy_se": 0.05, "sft/n": 24, "rl/accuracy": 0.5,
-                                 "rl/accuracy_se": 0.1, "rl/n": 24, "rl_minus_sft/accuracy": 0.25,
-                                 "rl_minus_sft/accuracy_se": 0.125},
-                     "wandb": {"run_id": "ev-1", "mode": "online", "url": "https://wandb.ai/me/posttrain/runs/ev-1", "dir": "wandb/wandb/run-1-ev-1"}},
-        "export": {"state": "Cached", "wall_s": 0.5, "artifact_id": "export-0b", "uri": "s3://bucket/export/export-0b/"},
+        "rl": {
+            "state": "Completed",
+            "wall_s": 61.25,
+            "artifact_id": "rl-0123456789ab",
+            "uri": "/a/rl/rl-0123456789ab",
+            "fingerprint": "f" * 64,
+            "metrics": {"actor/pg_loss": -0.5, "critic/score/mean": 0.75, "timing_s/stage": 61.0},
+            "wandb": {
+                "run_id": "rl-abc",
+                "mode": "offline",
+                "url": None,
+                "dir": "wandb/wandb/offline-run-20261201_120000-rl-abc",
+            },
+        },
+        "evaluate": {
+            "state": "Cached",
+            "wall_s": 0.25,
+            "artifact_id": "evaluate-0a",
+            "uri": "/a/evaluate/evaluate-0a",
+            "fingerprint": "e" * 64,
+            "metrics": {
+                "sft/accuracy": 0.25,
+                "sft/accuracy_se": 0.05,
+                "sft/n": 24,
+                "rl/accuracy": 0.5,
+                "rl/accuracy_se": 0.1,
+                "rl/n": 24,
+                "rl_minus_sft/accuracy": 0.25,
+                "rl_minus_sft/accuracy_se": 0.125,
+            },
+            "wandb": {
+                "run_id": "ev-1",
+                "mode": "online",
+                "url": "https://wandb.ai/me/posttrain/runs/ev-1",
+                "dir": "wandb/wandb/run-1-ev-1",
+            },
+        },
+        "export": {
+            "state": "Cached",
+            "wall_s": 0.5,
+            "artifact_id": "export-0b",
+            "uri": "s3://bucket/export/export-0b/",
+        },
     }
 }
 
@@ -65,12 +98,17 @@ def test_result_lines_are_the_cli_summary():
         "Total wall time: 62.0 s",
     ]
     markdown = reports.summary_markdown(SUMMARY)
-    assert "| rl | Completed | 61.2 | rl-0123456789ab | rl-abc (offline: wandb/wandb/offline-run-20261201_120000-rl-abc) |" in markdown
+    assert (
+        "| rl | Completed | 61.2 | rl-0123456789ab | rl-abc (offline: wandb/wandb/offline-run-20261201_120000-rl-abc) |"
+        in markdown
+    )
     assert "| evaluate | Cached | 0.2 | evaluate-0a | https://wandb.ai/me/posttrain/runs/ev-1 |" in markdown
     assert "| export | Cached | 0.5 | export-0b | - |" in markdown
     assert all(f"    {line}" in markdown for line in lines)
     assert "W&B group" not in markdown
-    assert "W&B group: `quickstart-0123456789ab`" in reports.summary_markdown({**SUMMARY, "wandb_group": "quickstart-0123456789ab"})
+    assert "W&B group: `quickstart-0123456789ab`" in reports.summary_markdown(
+        {**SUMMARY, "wandb_group": "quickstart-0123456789ab"}
+    )
 
 
 def test_config_markdown_diffs_against_the_previous_run():
@@ -79,11 +117,17 @@ def test_config_markdown_diffs_against_the_previous_run():
     assert "No earlier run" in first
     assert reports.previous_config(first) == reports.config_yaml(cfg)
     changed = cfg.model_copy(update={"rl": cfg.rl.model_copy(update={"steps": cfg.rl.steps + 7})})
-    second = reports.config_markdown("configs/quickstart.yaml", reports.config_yaml(changed), reports.previous_config(first))
+    second = reports.config_markdown(
+        "configs/quickstart.yaml", reports.config_yaml(changed), reports.previous_config(first)
+    )
     diff = second.split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
     assert [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [
-        f"-  steps: {cfg.rl.steps}", f"+  steps: {cfg.rl.steps + 7}"]
-    assert "Unchanged since the previous run." in reports.config_markdown("c.yaml", reports.config_yaml(cfg), reports.config_yaml(cfg))
+        f"-  steps: {cfg.rl.steps}",
+        f"+  steps: {cfg.rl.steps + 7}",
+    ]
+    assert "Unchanged since the previous run." in reports.config_markdown(
+        "c.yaml", reports.config_yaml(cfg), reports.config_yaml(cfg)
+    )
 
 
 @flow
@@ -105,6 +149,7 @@ def test_artifacts_reach_the_prefect_api():
         # may be there too, so the first run's config diff is against whatever came before.
         runs = [_report_run(config, 5), _report_run(config, 9)]
         with get_client(sync_client=True) as client:
+
             def latest(key):
                 found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
                 return sorted((a for a in found if str(a.flow_run_id) in runs), key=lambda a: a.created)
@@ -120,4 +165,6 @@ def test_artifacts_reach_the_prefect_api():
             summary = latest("quickstart-summary")[-1]
             assert summary.type == "markdown" and "| evaluate | Cached |" in summary.data
             link = latest("quickstart-evaluate-wandb")[-1]
-            assert link.data == "[W&B: evaluate](https://wandb.ai/me/posttrain/runs/ev-1)"  # Prefect stores links as markdown
+            assert (
+                link.data == "[W&B: evaluate](https://wandb.ai/me/posttrain/runs/ev-1)"
+            )  # Prefect stores links as markdown

@@ -30,8 +30,13 @@ pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engin
 RM_STEPS, RM_EVERY = 30, 5
 OVERRIDES = {
     # Small batches keep a step short, so the 30 steps leave time to kill mid-run.
-    "sft.enabled": False, "rm.steps": RM_STEPS, "rm.checkpoint_every": RM_EVERY, "rm.log_every": 10,
-    "rm.global_batch_size": 8, "rm.micro_batch_size": 8, "rm.backend": "megatron",
+    "sft.enabled": False,
+    "rm.steps": RM_STEPS,
+    "rm.checkpoint_every": RM_EVERY,
+    "rm.log_every": 10,
+    "rm.global_batch_size": 8,
+    "rm.micro_batch_size": 8,
+    "rm.backend": "megatron",
 }
 
 
@@ -93,8 +98,10 @@ def test_resumed_rm_equals_an_uninterrupted_run(project):
     artifact_id = project.state["rm_id"]
     resumed_copy = project.work / "rm_resumed"
     shutil.move(project.artifacts / "rm" / artifact_id, resumed_copy)
-    straight_config = write_config(project.work / "rm_straight.yaml", tiny_config(
-        project.work, **{**OVERRIDES, "rm.checkpoint_every": 1000, "rm.log_every": 7}))
+    straight_config = write_config(
+        project.work / "rm_straight.yaml",
+        tiny_config(project.work, **{**OVERRIDES, "rm.checkpoint_every": 1000, "rm.log_every": 7}),
+    )
     assert rm_fingerprint(straight_config) == rm_fingerprint(project.config)
 
     run = posttrain(["stage", "rm", str(straight_config)], cwd=project.work, env=project.env)

@@ -20,9 +20,11 @@ def test_run_refuses_before_the_first_stage_what_a_later_stage_would_fail_on(qwe
     qwen["model"]["source"] = str(model)
     qwen["sft"] = {"max_seq_len": 1024}
     qwen["rl"]["rollout"] = {"max_new_tokens": 600}
-    expected = [f"sft.max_seq_len: 1024 is above the context of {model} (max_position_embeddings 512)",
-                f"rl.rollout.max_new_tokens: 600 leaves no room for a prompt in the context of {model} "
-                "(max_position_embeddings 512)"]
+    expected = [
+        f"sft.max_seq_len: 1024 is above the context of {model} (max_position_embeddings 512)",
+        f"rl.rollout.max_new_tokens: 600 leaves no room for a prompt in the context of {model} "
+        "(max_position_embeddings 512)",
+    ]
     assert check_model_fit(_cfg(qwen)) == expected
     assert [p for p in _contents(qwen)[0] if p in expected] == expected  # the same lines validate prints
     config = tmp_path / "qwen.yaml"
@@ -47,9 +49,11 @@ def test_wandb_online_without_an_api_key_is_refused_up_front(real_inputs, tmp_pa
     monkeypatch.setenv("WANDB_MODE", "online")
     raw = {**real_inputs, "wandb": {"enabled": True, "mode": "offline"}}
     problems = check_wandb_key(_cfg(raw))
-    assert problems == ["wandb.mode: WANDB_MODE=online needs a W&B API key and none was found (WANDB_API_KEY, or "
-                        "api.wandb.ai in ~/.netrc): run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline "
-                        "and `wandb sync` later"]
+    assert problems == [
+        "wandb.mode: WANDB_MODE=online needs a W&B API key and none was found (WANDB_API_KEY, or "
+        "api.wandb.ai in ~/.netrc): run `wandb login`, set WANDB_API_KEY, or use wandb.mode: offline "
+        "and `wandb sync` later"
+    ]
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
     (tmp_path / "netrc").chmod(0o600)
     assert check_wandb_key(_cfg(raw)) == []  # `wandb login`'s entry

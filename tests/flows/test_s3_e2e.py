@@ -25,9 +25,14 @@ def test_summary_prints_the_export_url_as_given(capsys):
     ``s3:/bucket/...`` and ``memory:/pt/...``."""
     from flows.cli import _print_summary
 
-    for uri in ("s3://bucket/a/export/export-0123456789abcdef", "/abs/artifacts/export/export-0123456789abcdef",
-                "gs://b/x/export/export-0123456789abcdef/"):
-        _print_summary({"stages": {"export": {"state": "Completed", "wall_s": 1.0, "artifact_id": "export-0123", "uri": uri}}})
+    for uri in (
+        "s3://bucket/a/export/export-0123456789abcdef",
+        "/abs/artifacts/export/export-0123456789abcdef",
+        "gs://b/x/export/export-0123456789abcdef/",
+    ):
+        _print_summary(
+            {"stages": {"export": {"state": "Completed", "wall_s": 1.0, "artifact_id": "export-0123", "uri": uri}}}
+        )
         out = capsys.readouterr().out
         assert f"Exported model (HF SafeTensors): {uri.rstrip('/')}/hf_model\n" in out
 
@@ -51,8 +56,13 @@ def s3_project(tmp_path_factory):
             "AWS_CONFIG_FILE": os.devnull,
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
         }
-        client = boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
-                              aws_secret_access_key="testing", region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=aws["AWS_ENDPOINT_URL"],
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
         bucket = f"posttrain-e2e-{uuid.uuid4().hex[:12]}"
         client.create_bucket(Bucket=bucket)
         work = tmp_path_factory.mktemp("s3-pipeline")
@@ -63,8 +73,15 @@ def s3_project(tmp_path_factory):
             env.pop(key, None)
         env.update(aws)
         proc = posttrain(["run", str(config)], cwd=work, env=env)
-        yield {"work": work, "config": config, "env": env, "bucket": bucket, "client": client,
-               "first": read_summary(work, "quickstart"), "first_stdout": proc.stdout}
+        yield {
+            "work": work,
+            "config": config,
+            "env": env,
+            "bucket": bucket,
+            "client": client,
+            "first": read_summary(work, "quickstart"),
+            "first_stdout": proc.stdout,
+        }
     finally:
         server.stop()
 
@@ -88,12 +105,16 @@ def test_every_stage_publishes_into_the_bucket(s3_project):
     for name in STAGES:
         aid = summary["stages"][name]["artifact_id"]
         assert summary["stages"][name]["uri"] == f"s3://{bucket}/artifacts/{name}/{aid}"
-        manifest = json.loads(s3_project["client"].get_object(Bucket=bucket, Key=f"artifacts/{name}/{aid}/manifest.json")["Body"].read())
+        manifest = json.loads(
+            s3_project["client"].get_object(Bucket=bucket, Key=f"artifacts/{name}/{aid}/manifest.json")["Body"].read()
+        )
         assert manifest["stage"] == name and manifest["artifact_id"] == aid and manifest["files"]
         for f in manifest["files"]:
             assert objects[f"artifacts/{name}/{aid}/{f['path']}"] == f["size"]
         listed = {k for k in objects if k.startswith(f"artifacts/{name}/")}
-        assert listed == {f"artifacts/{name}/{aid}/{f['path']}" for f in manifest["files"]} | {f"artifacts/{name}/{aid}/manifest.json"}
+        assert listed == {f"artifacts/{name}/{aid}/{f['path']}" for f in manifest["files"]} | {
+            f"artifacts/{name}/{aid}/manifest.json"
+        }
     # Nothing went to a local directory that a collapsed URL would name (s3:/bucket/...).
     work = s3_project["work"]
     assert not (work / "s3:").exists() and not (work / "artifacts").exists()
@@ -107,8 +128,12 @@ def test_export_uri_is_printed_and_recorded_as_an_s3_url(s3_project):
     assert f"Exported model (HF SafeTensors): {uri}/hf_model" in s3_project["first_stdout"]
     pointer = json.loads((work / "outputs" / "quickstart" / "export.json").read_text())
     assert pointer["uri"] == uri and pointer["artifact_id"] == aid
-    assert pointer["content_hash"] == json.loads(
-        s3_project["client"].get_object(Bucket=bucket, Key=f"artifacts/export/{aid}/manifest.json")["Body"].read())["content_hash"]
+    assert (
+        pointer["content_hash"]
+        == json.loads(
+            s3_project["client"].get_object(Bucket=bucket, Key=f"artifacts/export/{aid}/manifest.json")["Body"].read()
+        )["content_hash"]
+    )
     assert json.loads((work / "outputs" / "quickstart" / "summary.json").read_text())["stages"]["export"]["uri"] == uri
     hf_keys = [k for k in _objects(s3_project) if k.startswith(f"artifacts/export/{aid}/hf_model/")]
     assert f"artifacts/export/{aid}/hf_model/config.json" in hf_keys
@@ -123,4 +148,5 @@ def test_second_run_on_s3_is_all_cached(s3_project):
     assert _states(summary) == {s: "Cached" for s in STAGES}
     assert _objects(s3_project) == before  # nothing new published
     assert {s: summary["stages"][s]["artifact_id"] for s in STAGES} == {
-        s: s3_project["first"]["stages"][s]["artifact_id"] for s in STAGES}
+        s: s3_project["first"]["stages"][s]["artifact_id"] for s in STAGES
+    }

@@ -32,8 +32,9 @@ def _evaluate_engines_reply(hf_dir: Path) -> str:
     from engine.rollout.factory import build_rollout_engine
 
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    engine = build_rollout_engine("vllm", hf_dir, what="evaluate.backend", tokenizer=tok, num_sequences=1,
-                                  max_model_len=128, precision="fp32")
+    engine = build_rollout_engine(
+        "vllm", hf_dir, what="evaluate.backend", tokenizer=tok, num_sequences=1, max_model_len=128, precision="fp32"
+    )
     spec = SamplingSpec(n=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=0)
     output = engine.generate([encode_prompt(tok, MESSAGES)], spec)[0][0]
     return decode_response(tok, output)
@@ -50,10 +51,28 @@ def test_serve_answers_as_the_evaluate_engine_under_the_artifact_id(tiny_chat_ar
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", export["id"], "--artifact-root",
-                             str(tiny_chat_artifacts["store"]), "--port", str(port), "--precision", "fp32",
-                             "--max-num-seqs", "2"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "serve",
+            export["id"],
+            "--artifact-root",
+            str(tiny_chat_artifacts["store"]),
+            "--port",
+            str(port),
+            "--precision",
+            "fp32",
+            "--max-num-seqs",
+            "2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 300
@@ -68,8 +87,11 @@ def test_serve_answers_as_the_evaluate_engine_under_the_artifact_id(tiny_chat_ar
                 pass
             time.sleep(1)
         assert [m["id"] for m in models.json()["data"]] == [export["id"]]
-        reply = httpx.post(f"{base}/chat/completions", timeout=120, json={
-            "model": export["id"], "messages": MESSAGES, "temperature": 0, "max_tokens": MAX_NEW}).json()
+        reply = httpx.post(
+            f"{base}/chat/completions",
+            timeout=120,
+            json={"model": export["id"], "messages": MESSAGES, "temperature": 0, "max_tokens": MAX_NEW},
+        ).json()
         assert reply["model"] == export["id"]
         expected = _evaluate_engines_reply(export["dir"] / "hf_model")
         assert expected and reply["choices"][0]["message"]["content"] == expected

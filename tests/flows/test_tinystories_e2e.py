@@ -90,7 +90,7 @@ def test_rl_trains_toward_the_reward_and_the_export_tells_stories(project):
     torch.manual_seed(0)
     with torch.no_grad():
         out = model.generate(ids, do_sample=False, max_new_tokens=256)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     print("exported model:", text)
     assert int(out[0, -1]) in (1, 2)  # generation_config's eos ids end it
     assert "Lily" in text and len(text.split()) >= 10

@@ -19,8 +19,9 @@ from tests.flows.test_preflight import _cfg, _qwen_dir, qwen  # noqa: F401  (qwe
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
-SUPPORTED = ("LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, "
-             "Qwen3MoeForCausalLM")
+SUPPORTED = (
+    "LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"
+)
 
 
 def _contents(raw: dict) -> tuple[list[str], list[str], list[str]]:
@@ -47,10 +48,19 @@ def test_evaluate_datasets_of_the_wrong_kind_are_refused(qwen, fixtures_dir, tmp
     lines[3] = lines[3].replace("####", "answer:")
     broken = tmp_path / "gsm8k_10.jsonl"
     broken.write_text("\n".join(lines) + "\n")
-    _small(qwen)["evaluate"] = {"datasets": [
-        {"name": "prefs", "path": str(hh)}, {"name": "chat", "path": str(alpaca), "format": "alpaca"},
-        {"name": "math500", "path": str(fixtures_dir / "math500" / "test.jsonl"), "format": "math", "verifier": "math"},
-        {"name": "gsm8k", "path": str(broken), "format": "gsm8k"}]}
+    _small(qwen)["evaluate"] = {
+        "datasets": [
+            {"name": "prefs", "path": str(hh)},
+            {"name": "chat", "path": str(alpaca), "format": "alpaca"},
+            {
+                "name": "math500",
+                "path": str(fixtures_dir / "math500" / "test.jsonl"),
+                "format": "math",
+                "verifier": "math",
+            },
+            {"name": "gsm8k", "path": str(broken), "format": "gsm8k"},
+        ]
+    }
     problems, _, _ = _contents(qwen)
     assert problems[:2] == [
         f"evaluate.datasets[0] (prefs): {hh}: format 'hh_rlhf' gives kinds preference, not 'rl' (auto-detected: "
@@ -60,8 +70,10 @@ def test_evaluate_datasets_of_the_wrong_kind_are_refused(qwen, fixtures_dir, tmp
         "evaluate.datasets[1].format to a format that gives rl: gsm8k, math, prompt_label, mbpp, humaneval, apps",
     ]
     first, *rest = problems[2].split("\n    ")  # math500 passes; the broken GSM8K row is named
-    assert first == (f"evaluate.datasets[3] (gsm8k): {broken}: 1 of 10 records bad (0.1000 > "
-                     "evaluate.datasets[3].max_bad_fraction = 0.0)")
+    assert first == (
+        f"evaluate.datasets[3] (gsm8k): {broken}: 1 of 10 records bad (0.1000 > "
+        "evaluate.datasets[3].max_bad_fraction = 0.0)"
+    )
     assert len(rest) == 1 and rest[0].startswith(f"{broken}:4: answer:")
     assert len(problems) == 3
 
@@ -71,35 +83,51 @@ def test_evaluate_datasets_of_the_wrong_kind_are_refused(qwen, fixtures_dir, tmp
 
 def test_an_architecture_convert_cannot_map_is_refused_by_validate_and_run(qwen, tmp_path):
     model = _qwen_dir(tmp_path, architectures=["MistralForCausalLM"], model_type="mistral")
-    expected = (f"model.source: {model} is a MistralForCausalLM (config.json 'architectures'), which the convert stage "
-                f"has no parameter map for; supported architectures: {SUPPORTED}")
+    expected = (
+        f"model.source: {model} is a MistralForCausalLM (config.json 'architectures'), which the convert stage "
+        f"has no parameter map for; supported architectures: {SUPPORTED}"
+    )
     assert _contents(_small(qwen))[0] == [expected]
     assert check_model_fit(_cfg(qwen)) == [expected]
     _qwen_dir(tmp_path, use_sliding_window=True)  # a supported family with a feature megatron-core does not build
     assert check_model_fit(_cfg(qwen)) == [
         f"model.source: {model}: the convert stage cannot map this model: config key 'use_sliding_window'=True is not "
-        "supported (sliding-window attention)"]
+        "supported (sliding-window attention)"
+    ]
 
 
 def test_a_model_directory_without_weights_is_refused(qwen, tmp_path):
     model = _qwen_dir(tmp_path)
     (model / "model.safetensors").unlink()
-    fix = (f"model.source: {model} has config.json but no weights (no *.safetensors or pytorch_model*.bin file), which "
-           f"the convert stage loads: copy the weight files into it (huggingface-cli download ORG/NAME --local-dir "
-           f"{model}), or set model.source to a hub id or a .gguf file")
+    fix = (
+        f"model.source: {model} has config.json but no weights (no *.safetensors or pytorch_model*.bin file), which "
+        f"the convert stage loads: copy the weight files into it (huggingface-cli download ORG/NAME --local-dir "
+        f"{model}), or set model.source to a hub id or a .gguf file"
+    )
     assert check_inputs(_cfg(qwen))[0] == [fix]
     # an index whose shards are not all there
     write_stand_in_weights(model, 896).rename(model / "model-00001-of-00002.safetensors")
-    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "model.norm.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.norm.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     assert check_inputs(_cfg(qwen))[0] == [
         f"model.source: {model / 'model.safetensors.index.json'} lists 2 weight files and 1 of them are missing from "
-        f"{model} (model-00002-of-00002.safetensors): copy every shard into the directory"]
+        f"{model} (model-00002-of-00002.safetensors): copy every shard into the directory"
+    ]
     (model / "model-00002-of-00002.safetensors").write_bytes(b"")
     assert check_inputs(_cfg(qwen))[0] == []
     qwen["model"] = {"source": "Qwen/Qwen2.5-0.5B-Instruct"}  # a hub id: no network, a note
-    assert check_inputs(_cfg(qwen)) == ([], ["model.source: Qwen/Qwen2.5-0.5B-Instruct will be downloaded from the "
-                                             "Hugging Face hub"])
+    assert check_inputs(_cfg(qwen)) == (
+        [],
+        ["model.source: Qwen/Qwen2.5-0.5B-Instruct will be downloaded from the Hugging Face hub"],
+    )
 
 
 # ----------------------------------------------------------------------------- sft lengths
@@ -121,21 +149,28 @@ def test_sft_rows_cut_at_max_seq_len_are_counted(qwen, fixtures_dir):
         "data.sft: 34 of 40 rows do not fit sft.max_seq_len 64 (tokens, chat template applied): 1 dropped (no "
         "assistant token within it), 33 cut inside an answer, losing its turn end (the model does not learn to stop "
         f"there); lines 2, 12, 17, 22, 27, ... of {alpaca}; the longest, line 62, has 498 tokens: raise "
-        "sft.max_seq_len (at most the context, 32768) or filter out the long rows"]
+        "sft.max_seq_len (at most the context, 32768) or filter out the long rows"
+    ]
     qwen["sft"] = {"max_seq_len": 512}
     assert _contents(qwen)[2] == []
     qwen["sft"] = {"max_seq_len": 16}  # shorter than Qwen2.5's default system turn: sft would fail on no rows
-    assert _contents(qwen)[:3:2] == ([
-        f"sft.max_seq_len: 16 tokens hold no assistant token of any of the 40 rows of {alpaca} (data.sft), so the "
-        "sft stage has nothing to train on; the longest row, line 62, has 498 tokens: raise sft.max_seq_len"], [])
+    assert _contents(qwen)[:3:2] == (
+        [
+            f"sft.max_seq_len: 16 tokens hold no assistant token of any of the 40 rows of {alpaca} (data.sft), so the "
+            "sft stage has nothing to train on; the longest row, line 62, has 498 tokens: raise sft.max_seq_len"
+        ],
+        [],
+    )
 
 
 def test_a_row_of_200000_characters_is_not_valid_silently(qwen, tmp_path):
     """One pasted-in row among short ones: its 40,000 words are 40,000 tokens (Qwen2.5's
     tokenizer: ' word' is one token), 40,032 with the template's default system turn and
     markers (transformers' apply_chat_template), past the model's context of 32,768."""
-    rows = [[{"role": "user", "content": f"What is {a} + {a}?"}, {"role": "assistant", "content": str(2 * a)}]
-            for a in range(4)]
+    rows = [
+        [{"role": "user", "content": f"What is {a} + {a}?"}, {"role": "assistant", "content": str(2 * a)}]
+        for a in range(4)
+    ]
     rows[2][0]["content"] = "word" + " word" * 39_999
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
@@ -162,8 +197,12 @@ def test_a_row_of_200000_characters_is_not_valid_silently(qwen, tmp_path):
 def _aime(tmp_path: Path) -> Path:
     """AIME-style rows: answers 0-999 written with three digits, as AIME's answer sheets do."""
     path = tmp_path / "aime.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Problem {i}: find the answer.", "label": label}) + "\n"
-                            for i, label in enumerate(["025", "204", "033", "1,000"])))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"Problem {i}: find the answer.", "label": label}) + "\n"
+            for i, label in enumerate(["025", "204", "033", "1,000"])
+        )
+    )
     return path
 
 
@@ -188,8 +227,9 @@ def test_zero_padded_numeric_labels_under_exact_match_are_warned(qwen, tmp_path)
 
 def test_validate_prints_warnings_and_still_exits_0(qwen, tmp_path):
     aime = _aime(tmp_path)
-    _small(qwen)["evaluate"] = {"datasets": [{"name": "aime", "path": str(aime), "format": "prompt_label",
-                                              "verifier": "exact_match"}]}
+    _small(qwen)["evaluate"] = {
+        "datasets": [{"name": "aime", "path": str(aime), "format": "prompt_label", "verifier": "exact_match"}]
+    }
     qwen["run"].update(artifact_root=str(tmp_path / "artifacts"), checkpoint_root=str(tmp_path / "checkpoints"))
     qwen["rl"].update(micro_batch_size=1, engine={"num_cpus": 2})
     config = tmp_path / "aime.yaml"
@@ -197,6 +237,11 @@ def test_validate_prints_warnings_and_still_exits_0(qwen, tmp_path):
     proc = _posttrain("validate", str(config))
     out = _out(proc)
     assert proc.returncode == 0, out
-    assert (f"warning: evaluate.datasets[0] (aime): 3 of 4 labels are numbers written other than plainly (e.g. "
-            f"{aime}:1: label '025', the number 25)") in out
-    assert f"config {config} is valid (qwen: validate, convert, sft, rm, rl, evaluate, export), with 1 warning(s) above" in out
+    assert (
+        f"warning: evaluate.datasets[0] (aime): 3 of 4 labels are numbers written other than plainly (e.g. "
+        f"{aime}:1: label '025', the number 25)"
+    ) in out
+    assert (
+        f"config {config} is valid (qwen: validate, convert, sft, rm, rl, evaluate, export), with 1 warning(s) above"
+        in out
+    )

@@ -30,12 +30,20 @@ def _config(tmp_path, fixtures_dir, model: dict, **rl) -> str:
     write_stand_in_weights(model_dir, model["hidden_size"])
     gsm8k = fixtures_dir / "gsm8k"
     raw = {
-        "run": {"name": "layouts", "artifact_root": str(tmp_path / "artifacts"),
-                "checkpoint_root": str(tmp_path / "checkpoints"), "precision": "fp32", "device_memory_gib": 8},
-        "data": {"rl_train": {"path": str(gsm8k / "train_first2000.jsonl"), "format": "gsm8k"},
-                 "rl_eval": {"path": str(gsm8k / "test.jsonl"), "format": "gsm8k", "limit": 50}},
+        "run": {
+            "name": "layouts",
+            "artifact_root": str(tmp_path / "artifacts"),
+            "checkpoint_root": str(tmp_path / "checkpoints"),
+            "precision": "fp32",
+            "device_memory_gib": 8,
+        },
+        "data": {
+            "rl_train": {"path": str(gsm8k / "train_first2000.jsonl"), "format": "gsm8k"},
+            "rl_eval": {"path": str(gsm8k / "test.jsonl"), "format": "gsm8k", "limit": 50},
+        },
         "model": {"source": str(model_dir), "tokenizer": str(fixtures_dir / "qwen2.5-tokenizer")},
-        "sft": {"enabled": False}, "rm": {"enabled": False},
+        "sft": {"enabled": False},
+        "rm": {"enabled": False},
         "rl": {"reward": {"verifier": "gsm8k"}, "micro_batch_size": 4, "engine": {"num_cpus": 2}, **rl},
     }
     path = tmp_path / "layouts.yaml"
@@ -57,15 +65,24 @@ def test_validate_refuses_an_actor_rank_larger_than_its_gpu(tmp_path, fixtures_d
     act = math.ceil(Fraction(s * b * h) * (34 + Fraction(5 * a * s, h)) * 24 * 2) + 8 * s * b * v
     total = 16 * p + act
     parts = f"weights {4 * p / GIB:.2f}, gradients {4 * p / GIB:.2f}, optimizer {8 * p / GIB:.2f}, activations {act / GIB:.2f}"
-    assert (f"rl.parallel.actor: a rank needs about {total / GIB:.2f} GiB (actor 1 x {total / GIB:.2f} GiB ({parts})) but "
-            "has 8.00 GiB (rl.parallel.actor.gpus_per_rank 1 x run.device_memory_gib 8); raise rl.parallel.actor."
-            "tensor_model_parallel_size or gpus_per_rank, or lower the micro-batch (estimates: docs/scaling.md)") in out
+    assert (
+        f"rl.parallel.actor: a rank needs about {total / GIB:.2f} GiB (actor 1 x {total / GIB:.2f} GiB ({parts})) but "
+        "has 8.00 GiB (rl.parallel.actor.gpus_per_rank 1 x run.device_memory_gib 8); raise rl.parallel.actor."
+        "tensor_model_parallel_size or gpus_per_rank, or lower the micro-batch (estimates: docs/scaling.md)"
+    ) in out
     assert f"config {cfg} has 1 problem(s):" in out
-    assert f"note: memory plan (rl, sequences of 255 tokens): actor 1 x {total / GIB:.2f} GiB ({parts}); rollout 1 x " in out
-    assert ("note: RAY_ADDRESS: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at "
-            "10.0.0.1:6379; this process is its driver") in out
-    assert (f"note: run.artifact_root: {tmp_path / 'artifacts'} is a local path: on a Ray cluster of several nodes every "
-            "node must see it at the same path") in out
+    assert (
+        f"note: memory plan (rl, sequences of 255 tokens): actor 1 x {total / GIB:.2f} GiB ({parts}); rollout 1 x "
+        in out
+    )
+    assert (
+        "note: RAY_ADDRESS: the rl stage (and sft, rm, po with data_parallel_size > 1) joins the Ray cluster at "
+        "10.0.0.1:6379; this process is its driver"
+    ) in out
+    assert (
+        f"note: run.artifact_root: {tmp_path / 'artifacts'} is a local path: on a Ray cluster of several nodes every "
+        "node must see it at the same path"
+    ) in out
     assert "or use an object store URL such as s3://bucket/prefix (docs/concepts.md, Object stores)" in out
     assert f"note: run.checkpoint_root: {tmp_path / 'checkpoints'}: the workers write" in out
     assert "Traceback" not in out
@@ -77,18 +94,29 @@ def test_validate_places_the_rl_bundles_on_the_declared_nodes(tmp_path, fixtures
     16 devices (the placement note lists 16 bundles of 8 CPUs and 1 GPU); disaggregated they
     need 32 GPUs and validate names the placement key."""
     nodes = [{"cpus": 64, "gpus": 8}, {"cpus": 64, "gpus": 8}]
-    layout = dict(parallel={"actor": {"data_parallel_size": 16, "gpus_per_rank": 1}},
-                  rollout={"num_engines": 16, "gpus_per_engine": 1})
+    layout = dict(
+        parallel={"actor": {"data_parallel_size": 16, "gpus_per_rank": 1}},
+        rollout={"num_engines": 16, "gpus_per_engine": 1},
+    )
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    cfg = _config(tmp_path, fixtures_dir, QWEN_CONFIG, micro_batch_size=1, prompts_per_step=16, **layout,
-                  engine={"num_cpus": 128, "cluster_nodes": nodes, "placement": "disaggregated", "rollout_cpus": 16})
+    cfg = _config(
+        tmp_path,
+        fixtures_dir,
+        QWEN_CONFIG,
+        micro_batch_size=1,
+        prompts_per_step=16,
+        **layout,
+        engine={"num_cpus": 128, "cluster_nodes": nodes, "placement": "disaggregated", "rollout_cpus": 16},
+    )
     raw = yaml.safe_load(open(cfg))
     raw["run"]["device_memory_gib"] = 141
     open(cfg, "w").write(yaml.safe_dump(raw, sort_keys=False))
     out = _out(_posttrain("validate", cfg))
-    assert ("rl.engine.placement: disaggregated: the run's 32 bundles (128 CPUs, 32 GPUs) do not fit the cluster's "
-            "nodes (64 CPUs + 8 GPUs, 64 CPUs + 8 GPUs) together; lower rl.engine.num_cpus, the ranks or the engines, "
-            "or add nodes") in out
+    assert (
+        "rl.engine.placement: disaggregated: the run's 32 bundles (128 CPUs, 32 GPUs) do not fit the cluster's "
+        "nodes (64 CPUs + 8 GPUs, 64 CPUs + 8 GPUs) together; lower rl.engine.num_cpus, the ranks or the engines, "
+        "or add nodes"
+    ) in out
     out = _out(_posttrain("validate", cfg, "rl.engine.placement=colocated"))
     assert "note: placement (colocated, PACK): bundle 0 = 8 CPUs + 1 GPUs (actor 0, reward 0, rollout 0); " in out
     assert "bundle 15 = 8 CPUs + 1 GPUs (actor 15, rollout 15)" in out and "placement: disaggregated" not in out

@@ -36,10 +36,21 @@ def tiny_chat(root: Path) -> dict:
     tok_dir = train_chat_tokenizer(texts, root / "tokenizer", vocab_size=300)
     tok = AutoTokenizer.from_pretrained(tok_dir)
     hf_config = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 128,
-        "max_position_embeddings": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
-        "hidden_act": "silu", "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": len(tok),
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
     }
     model = build_gpt_model(GPTSpec.from_hf_config(hf_config), seed=3).eval()
     with torch.no_grad():  # sharper logits: greedy choices far from ties, in every engine
@@ -52,6 +63,12 @@ def tiny_chat(root: Path) -> dict:
     rl = store.publish("rl", FINGERPRINTS["rl"], rl_work, {"inputs": {}, "metrics": {}})
     export_work = root / "work-export"
     export_model_dir(Path(rl.uri) / "model", export_work / "hf_model", dtype="float32")
-    export = store.publish("export", FINGERPRINTS["export"], export_work, {"inputs": {"rl": rl.model_dump()}, "metrics": {}})
-    return {"store": root / "artifacts", "tokenizer": tok_dir,
-            "rl": {"id": rl.artifact_id, "dir": Path(rl.uri)}, "export": {"id": export.artifact_id, "dir": Path(export.uri)}}
+    export = store.publish(
+        "export", FINGERPRINTS["export"], export_work, {"inputs": {"rl": rl.model_dump()}, "metrics": {}}
+    )
+    return {
+        "store": root / "artifacts",
+        "tokenizer": tok_dir,
+        "rl": {"id": rl.artifact_id, "dir": Path(rl.uri)},
+        "export": {"id": export.artifact_id, "dir": Path(export.uri)},
+    }
