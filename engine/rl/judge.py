@@ -179,6 +179,7 @@ class JudgeReward:
             return list(pool.map(self._request, texts))
 
     def _request(self, text: str) -> str | None:
+        # openai: ~2 s to import; only a remote judge needs it
         from openai import omit
 
         cfg = self.cfg

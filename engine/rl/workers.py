@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import torch
@@ -26,12 +26,10 @@ from engine.rollout.factory import build_rollout_engine
 from engine.rollout.multi_turn import load_environment_factory, multi_turn_rollout
 from engine.rollout.partial import WeightGate, generate_in_chunks
 from engine.rollout.router import RolloutRouter
+from engine.rollout.vllm_rollout import VLLMRollout
 from engine.storage.model_dir import HF_SUBDIR, load_model_dir, load_tokenizer
 from engine.training.actor import actor_norm, compute_logprobs, logit_temperature
 from engine.trajectory import Trajectory
-
-if TYPE_CHECKING:
-    from engine.rollout.vllm_rollout import VLLMRollout
 
 logger = logging.getLogger(__name__)
 
@@ -418,8 +416,6 @@ class RolloutWorker:
 
     def _vllm(self) -> VLLMRollout:
         """The engine, which the collective and IPC weight syncs need to be vLLM."""
-        from engine.rollout.vllm_rollout import VLLMRollout
-
         if not isinstance(self.engine, VLLMRollout):
             raise RuntimeError(
                 f"weight sync over a collective group or IPC needs the vLLM rollout engine, "
