@@ -1,5 +1,6 @@
 """What each advantage estimator (``rl.algorithm``) needs from the run: a critic, a teacher,
-groups of responses per prompt. The one declaration every check asks (the config's
+the reference policy, groups of responses per prompt, and the loss aggregation it pairs
+with. The one declaration every check asks (the config's
 validation, the memory and placement plans, the workers that start, the RL step's inputs)
 instead of testing names.
 
@@ -22,8 +23,14 @@ import sys
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal, get_args
 
 from config.module_literal import module_literal
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+"""The values of ``rl.loss_agg_mode`` (docs/algorithms.md, Loss aggregation)."""
+
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 
 @dataclass(frozen=True)
@@ -40,16 +47,25 @@ class AlgorithmNeeds:
         group: the advantage compares the ``rl.n_samples`` responses of one prompt, so
             ``n_samples`` must be >= 2; DAPO dynamic sampling (which drops groups of equal
             rewards) is allowed only with this need.
+        reference: the reference role (the frozen starting policy, ``rl.parallel.reference``)
+            runs even without a KL term (``rl.kl.coef: 0``), and its log-probs ``[B, L]`` are
+            passed as ``ref_logprobs=``.
+        loss_agg_mode: the ``rl.loss_agg_mode`` the estimator's source pairs it with, or None
+            (any). Not enforced (an ablation may want another): ``posttrain validate`` notes
+            a config that differs.
     """
 
     critic: bool = False
     teacher: bool = False
     group: bool = False
+    reference: bool = False
+    loss_agg_mode: LossAggMode | None = None
 
 
 BUILTIN_NEEDS: dict[str, AlgorithmNeeds] = {
     "grpo": AlgorithmNeeds(group=True),
-    "dr_grpo": AlgorithmNeeds(group=True),
+    # Liu et al. 2025 (arXiv:2503.20783, section 3.2): a constant normaliser, no per-response length one
+    "dr_grpo": AlgorithmNeeds(group=True, loss_agg_mode="seq-mean-token-sum-norm"),
     "rloo": AlgorithmNeeds(group=True),
     "reinforce_plus_plus": AlgorithmNeeds(),  # a batch baseline, not a group's
     "reinforce_plus_plus_baseline": AlgorithmNeeds(group=True),
@@ -68,6 +84,19 @@ ALGORITHM_NEEDS = "ALGORITHM_NEEDS"
 def names_with(need: str, value: bool = True) -> list[str]:
     """The built-in names whose ``need`` (a field of :class:`AlgorithmNeeds`) is ``value``, in table order."""
     return [name for name, needs in BUILTIN_NEEDS.items() if getattr(needs, need) == value]
+
+
+def loss_pairing_note(algorithm: str, loss_agg_mode: str) -> str | None:
+    """A note for ``posttrain validate`` when ``rl.loss_agg_mode`` differs from the aggregation
+    ``rl.algorithm``'s needs pair it with (:attr:`AlgorithmNeeds.loss_agg_mode`); None when
+    they agree or the estimator pairs with any."""
+    paired = algorithm_needs(algorithm).loss_agg_mode
+    if paired is None or paired == loss_agg_mode:
+        return None
+    return (
+        f"rl.algorithm {algorithm} is paired with rl.loss_agg_mode: {paired} (its source's loss); "
+        f"this config aggregates with {loss_agg_mode}"
+    )
 
 
 def algorithm_needs(algorithm: str) -> AlgorithmNeeds:
@@ -122,15 +151,16 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
         ALGORITHM_NEEDS = {"my_estimator": {"critic": True, "group": False}}
 
     one entry per function name, each a literal dict of :class:`AlgorithmNeeds` fields
-    (``critic``, ``teacher``, ``group``: bools; a field left out takes its value from
+    (``critic``, ``teacher``, ``group``, ``reference``: bools; ``loss_agg_mode``: one of
+    :data:`LOSS_AGG_MODES` or None; a field left out takes its value from
     :data:`PLUGIN_NEEDS`, so ``{"critic": True}`` still needs groups). Read from the syntax
     tree (module docstring): the value must be a literal.
 
     Returns: function name -> needs; empty when the module declares none.
 
     Raises:
-        ValueError: not a literal dict of function names to dicts of known fields with bool
-            values (names the file, the line and the fix).
+        ValueError: not a literal dict of function names to dicts of known fields with
+            values of their types (names the file, the line and the fix).
         SyntaxError: the file does not parse.
     """
     known = [f.name for f in fields(AlgorithmNeeds)]
@@ -138,16 +168,22 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
     if found is None:
         return {}
     lineno, value = found
+
+    def valid(key, v) -> bool:
+        if key == "loss_agg_mode":
+            return v is None or v in LOSS_AGG_MODES
+        return key in known and isinstance(v, bool)
+
     ok = isinstance(value, dict) and all(
-        isinstance(fn, str)
-        and isinstance(needs, dict)
-        and all(k in known and isinstance(v, bool) for k, v in needs.items())
+        isinstance(fn, str) and isinstance(needs, dict) and all(valid(k, v) for k, v in needs.items())
         for fn, needs in value.items()
     )
     if not ok or not isinstance(value, dict):
+        flags = ", ".join(k for k in known if k != "loss_agg_mode")
         raise ValueError(
             f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
-            f"dicts of needs ({', '.join(known)}: True or False), e.g. "
+            f"dicts of needs ({flags}: True or False; loss_agg_mode: None or one of "
+            f"{', '.join(LOSS_AGG_MODES)}), e.g. "
             f'{ALGORITHM_NEEDS} = {{"my_estimator": {{"critic": True}}}}; it is read without '
             "importing the module, so it cannot be computed"
         )

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from config.algorithms import BUILTIN_NEEDS, AlgorithmNeeds, algorithm_needs, names_with
+from config.algorithms import BUILTIN_NEEDS, AlgorithmNeeds, LossAggMode, algorithm_needs, names_with
 from config.base import Strict
 from config.lora import LoraConfig
 from config.parallel import RLParallelConfig
@@ -239,8 +239,8 @@ class RLConfig(Strict):
     clip_ratio_c: float | None = Field(
         None, gt=1, description="Dual-clip bound c for negative advantages (e.g. 3.0); None turns it off."
     )
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        Field("token-mean", description="How per-token losses become one number (docs/algorithms.md).")
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description="How per-token losses become one number (docs/algorithms.md)."
     )
     tis_cap: float | None = Field(
         None,
@@ -423,10 +423,11 @@ class RLConfig(Strict):
 
     @property
     def uses_reference(self) -> bool:
-        """Whether the run needs the frozen reference policy: only for a KL term
-        (``kl.coef > 0``, loss or reward). Without one no reference model is loaded and
-        ``actor/kl_loss`` is not logged (verl starts no reference worker then either)."""
-        return self.kl.coef > 0
+        """Whether the run needs the frozen reference policy: for a KL term (``kl.coef > 0``,
+        loss or reward) or an estimator whose needs ask for it (``reference``: it takes the
+        reference log-probs). Otherwise no reference model is loaded and ``actor/kl_loss`` is
+        not logged (verl starts no reference worker then either)."""
+        return self.kl.coef > 0 or self.algorithm_needs.reference
 
     @property
     def uses_reward_model(self) -> bool:

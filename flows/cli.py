@@ -42,7 +42,7 @@ from config import ConfigError, load_config  # noqa: E402
 from config.stages import is_enabled, stage_names  # noqa: E402
 from flows.cluster_checks import check_layouts, check_rl_placement, check_stage_cpus, cluster_notes  # noqa: E402
 from flows.plugin_checks import check_plugins, read_trial_rows  # noqa: E402
-from flows.preflight import check_contents, check_inputs, precision_notes  # noqa: E402
+from flows.preflight import algorithm_notes, check_contents, check_inputs, precision_notes  # noqa: E402
 from flows.run_checks import check_code_sandbox, check_model_fit, check_plugin_tracking, check_wandb_key  # noqa: E402
 
 # Piped output (CI logs, `| tee`) gets a wide console: rich's 80-column default would cut
@@ -67,7 +67,15 @@ def cmd_validate(args) -> int:
     layout_problems, layout_notes = check_layouts(cfg, seen)  # memory per rank, from what check_contents read
     placement_problems, placement_notes = check_rl_placement(cfg)
     problems = problems + deep_problems + layout_problems + placement_problems
-    notes = precision_notes(cfg) + cluster_notes(cfg) + notes + deep_notes + layout_notes + placement_notes
+    notes = (
+        precision_notes(cfg)
+        + algorithm_notes(cfg)
+        + cluster_notes(cfg)
+        + notes
+        + deep_notes
+        + layout_notes
+        + placement_notes
+    )
     for n in notes:
         console.print(f"[dim]note:[/] {escape(n)}", highlight=False, soft_wrap=True)
     for w in warnings:

@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from config.algorithms import loss_pairing_note
 from config.precision import auto_precision, bf16_hardware
 from config.schema import PRECISION_STAGES, PipelineConfig
-from config.stages import chat_trainers
+from config.stages import chat_trainers, is_enabled
 from data import chat, chat_template
 from data.chat import encode_prompt
 from flows.content_checks import (
@@ -57,6 +58,13 @@ def precision_notes(cfg: PipelineConfig) -> list[str]:
             "than fp32 here); run.precision: auto picks fp32 on it"
         )
     return notes
+
+
+def algorithm_notes(cfg: PipelineConfig) -> list[str]:
+    """A note when ``rl.loss_agg_mode`` differs from the aggregation ``rl.algorithm`` is paired
+    with (:func:`config.algorithms.loss_pairing_note`); none when the rl stage is off."""
+    note = loss_pairing_note(cfg.rl.algorithm, cfg.rl.loss_agg_mode) if is_enabled(cfg, "rl") else None
+    return [note] if note else []
 
 
 def _not_a_file(path: str | Path) -> str:

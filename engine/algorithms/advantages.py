@@ -31,8 +31,9 @@ which are cast to the dtype of ``rewards``. A wrong shape or a non-finite value 
 ValueError naming the plug-in. The configuration treats a plug-in as a group-baseline
 estimator without a critic (like ``grpo``): ``rl.n_samples`` must be >= 2, DAPO dynamic
 sampling may be on, and no critic is trained, unless its module declares other needs in
-``ALGORITHM_NEEDS`` (:mod:`config.algorithms`); then it is also passed ``values=`` (critic)
-or ``teacher_logprobs=``, ``student_logprobs=``, ``kl_coef=``, ``reward_weight=`` (teacher).
+``ALGORITHM_NEEDS`` (:mod:`config.algorithms`); then it is also passed ``values=`` (critic),
+``teacher_logprobs=``, ``student_logprobs=``, ``kl_coef=``, ``reward_weight=`` (teacher) or
+``ref_logprobs=`` (reference: the frozen starting policy's ``[B, L]`` log-probs).
 
 Needs: what each built-in needs from the run (critic, teacher, groups) is declared once, in
 :data:`config.algorithms.BUILTIN_NEEDS` under the same names as :data:`ADVANTAGE_ESTIMATORS`
@@ -322,6 +323,30 @@ def gae_advantages(
     return compute_gae(_token_rewards(rewards, mask), values, mask, gamma, lam)[0].to(_out_dtype(rewards))
 
 
+def gae_advantages_and_returns(
+    rewards: torch.Tensor, mask: torch.Tensor, values: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's update inputs: :func:`compute_gae`'s advantages whitened over the batch's mask
+    tokens (:func:`masked_whiten`, as verl and OpenAI baselines do), and the critic's targets
+    ``returns = A + V`` before whitening.
+
+    Args:
+        rewards: ``[B]`` outcome scores (put on each response's last mask token) or ``[B, L]``
+            token rewards (e.g. KL-penalised).
+        mask, values: ``[B, L]`` response mask and the critic's values.
+        gamma, lam: ``rl.critic.gamma`` / ``lam``.
+
+    Returns: ``(advantages, returns)``, both float32 ``[B, L]``.
+
+    Raises: ValueError if the shapes differ (:func:`compute_gae`).
+    """
+    if rewards.dim() == 1:
+        last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
+        rewards = rewards[:, None] * last
+    advantages, returns = compute_gae(rewards.float(), values, mask, gamma, lam)
+    return masked_whiten(advantages, mask).float(), returns
+
+
 def on_policy_distill_advantages(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
@@ -392,6 +417,15 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 }
 
 
+AdvantagesAndReturns = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+ADVANTAGES_WITH_RETURNS: dict[str, AdvantagesAndReturns] = {"gae": gae_advantages_and_returns}
+"""Estimators (with a critic) that give their critic's targets and whiten themselves, called as
+``fn(rewards, mask, values, gamma, lam) -> (advantages, returns)`` by the RL step instead of
+their :data:`ADVANTAGE_ESTIMATORS` form; any other estimator with a critic has its critic
+learn ``(A + V) * mask``."""
+
+
 # the keywords an estimator that needs a teacher is passed (engine.rl.phases.compute_advantages)
 _TEACHER_OPTIONS = ("teacher_logprobs", "student_logprobs", "kl_coef", "reward_weight")
 
@@ -438,7 +472,11 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """
     if is_import_path(name):
         needs = algorithm_needs(name)
-        keywords = (("values",) if needs.critic else ()) + (_TEACHER_OPTIONS if needs.teacher else ())
+        keywords = (
+            (("values",) if needs.critic else ())
+            + (_TEACHER_OPTIONS if needs.teacher else ())
+            + (("ref_logprobs",) if needs.reference else ())
+        )
         fn = load_plugin(
             name,
             "rl.algorithm",

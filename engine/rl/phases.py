@@ -33,7 +33,7 @@ from collections.abc import Iterator
 import ray
 
 from config.schema import RLConfig
-from engine.algorithms.advantages import compute_gae, get_advantage_estimator, masked_whiten
+from engine.algorithms.advantages import ADVANTAGES_WITH_RETURNS, get_advantage_estimator
 from engine.algorithms.kl import KL_CONTROLLERS, apply_kl_penalty
 from engine.models.platform import record_handoff
 from engine.rl.metrics import StepTimer
@@ -132,18 +132,16 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
     """Token-level ``[B, L]`` advantages from the outcome rewards (or the KL-penalised token
     rewards) by ``cfg.algorithm``, given the inputs its needs ask for (``cfg.algorithm_needs``).
 
-    ``gae`` (PPO): :func:`engine.algorithms.advantages.compute_gae` with the critic's
-    ``traj.values`` and ``rl.critic.gamma``/``lam`` (the score sits on each response's last
-    loss-mask token), then whitened over the batch's loss-mask tokens
-    (:func:`engine.algorithms.advantages.masked_whiten`, as verl and OpenAI baselines do); the
-    critic's targets ``returns = A + V`` (before whitening) are set too. Any other estimator:
+    An estimator of :data:`engine.algorithms.advantages.ADVANTAGES_WITH_RETURNS` (``gae``,
+    PPO) gives the advantages and its critic's ``returns`` itself, from the critic's
+    ``traj.values`` and ``rl.critic.gamma``/``lam``. Any other estimator:
     ``fn(rewards, group_index, mask, **options)``; with a teacher (``on_policy_distill``) the
     options are ``teacher_logprobs``, ``student_logprobs`` (the old log-probs) and
-    ``rl.teacher``'s ``kl_coef``, ``reward_weight``; with a critic (a plug-in) ``values`` and
-    the critic's targets are ``returns = (A + V) * mask``.
+    ``rl.teacher``'s ``kl_coef``, ``reward_weight``; with a reference ``ref_logprobs``; with a
+    critic (a plug-in) ``values``, and the critic's targets are ``returns = (A + V) * mask``.
 
     Raises: ValueError for an estimator with a critic without values, one with a teacher
-        without the teacher's or the old log-probs.
+        without the teacher's or the old log-probs, one with a reference without its log-probs.
     """
     rewards = traj.rewards if traj.token_rewards is None else traj.token_rewards
     mask, needs, options = traj.response_mask, cfg.algorithm_needs, {}
@@ -158,22 +156,23 @@ def compute_advantages(traj: Trajectory, cfg: RLConfig) -> Trajectory:
             kl_coef=cfg.teacher.kl_coef,
             reward_weight=cfg.teacher.reward_weight,
         )
+    if needs.reference:
+        if traj.ref_logprobs is None:
+            raise ValueError(f"rl.algorithm {cfg.algorithm} needs the reference log-probs")
+        options["ref_logprobs"] = traj.ref_logprobs
     values = traj.values
     if needs.critic and values is None:
         raise ValueError(f"rl.algorithm {cfg.algorithm} needs the critic's values")
-    if cfg.algorithm != "gae":  # gae's own formula (below) also gives the returns and whitens
-        advantages = get_advantage_estimator(cfg.algorithm)(
-            rewards, traj.group_index, mask, **options, **({"values": traj.values} if needs.critic else {})
-        )
-        if not needs.critic or values is None:  # (values is set when the critic is needed: checked above)
-            return traj.with_(advantages=advantages)
-        return traj.with_(advantages=advantages, returns=(advantages.float() + values.float()) * mask)
-    if rewards.dim() == 1:  # the outcome score on the last loss-mask token
-        last = mask * (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
-        rewards = rewards[:, None] * last
-    assert values is not None  # gae needs the critic: checked above
-    advantages, returns = compute_gae(rewards.float(), values, mask, cfg.critic.gamma, cfg.critic.lam)
-    return traj.with_(advantages=masked_whiten(advantages, mask).float(), returns=returns)
+    with_returns = ADVANTAGES_WITH_RETURNS.get(cfg.algorithm)
+    if with_returns is not None and values is not None:  # (values is set when the critic is needed: checked above)
+        advantages, returns = with_returns(rewards, mask, values, cfg.critic.gamma, cfg.critic.lam)
+        return traj.with_(advantages=advantages, returns=returns)
+    advantages = get_advantage_estimator(cfg.algorithm)(
+        rewards, traj.group_index, mask, **options, **({"values": values} if needs.critic else {})
+    )
+    if not needs.critic or values is None:
+        return traj.with_(advantages=advantages)
+    return traj.with_(advantages=advantages, returns=(advantages.float() + values.float()) * mask)
 
 
 def add_advantages(

@@ -43,6 +43,16 @@ def test_validate_quickstart_ok():
     assert (
         f"note: precision: sft {p}, rm {p}, rl {p}, evaluate {p}; export {dtype} (run.precision auto; {why})"
     ) in out
+    assert "is paired with rl.loss_agg_mode" not in out  # grpo pairs with any aggregation
+
+
+def test_validate_notes_an_aggregation_other_than_the_estimators_pairing():
+    proc = _posttrain("validate", "configs/quickstart.yaml", "rl.algorithm=dr_grpo")
+    assert proc.returncode == 0, _out(proc)
+    assert (
+        "note: rl.algorithm dr_grpo is paired with rl.loss_agg_mode: seq-mean-token-sum-norm (its source's loss); "
+        "this config aggregates with token-mean"
+    ) in _out(proc)
 
 
 def test_validate_missing_data_file_exits_1(tmp_path):

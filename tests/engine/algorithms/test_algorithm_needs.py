@@ -11,10 +11,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from config.algorithms import BUILTIN_NEEDS, PLUGIN_NEEDS, AlgorithmNeeds, algorithm_needs
+from config.algorithms import BUILTIN_NEEDS, PLUGIN_NEEDS, AlgorithmNeeds, algorithm_needs, loss_pairing_note
 from config.placement_plan import training_roles
 from config.rl import BuiltinAdvantage, CriticConfig, DynamicSamplingConfig, RLConfig
-from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
+from engine.algorithms.advantages import ADVANTAGE_ESTIMATORS, ADVANTAGES_WITH_RETURNS, get_advantage_estimator
 from engine.trajectory import Trajectory
 
 
@@ -23,11 +23,42 @@ def _cfg(name: str, **kw) -> RLConfig:
     return RLConfig(algorithm=name, **teacher, **kw)
 
 
+def _two_responses(mask: torch.Tensor, groups: list[int], **fields) -> Trajectory:
+    """Two responses of 3 tokens (prompts of 2) with scores 1 and 0, in ``groups``, and ``fields``."""
+    return Trajectory(
+        input_ids=torch.ones(2, 5, dtype=torch.long),
+        prompt_lengths=torch.tensor([2, 2]),
+        response_ids=torch.ones(2, 3, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(2, 3),
+        group_index=torch.tensor(groups),
+        rewards=torch.tensor([1.0, 0.0]),
+        advantages=torch.zeros(2, 3),
+        truncated=torch.tensor([False, False]),
+        **fields,
+    )
+
+
 def test_every_built_in_estimator_has_needs_and_they_are_the_ones_known():
     assert list(BUILTIN_NEEDS) == list(typing.get_args(BuiltinAdvantage)) == list(ADVANTAGE_ESTIMATORS)
     assert {n for n, x in BUILTIN_NEEDS.items() if x.critic} == {"gae"}
     assert {n for n, x in BUILTIN_NEEDS.items() if x.teacher} == {"on_policy_distill"}
     assert {n for n, x in BUILTIN_NEEDS.items() if not x.group} == {"reinforce_plus_plus", "gae", "on_policy_distill"}
+    assert not any(x.reference for x in BUILTIN_NEEDS.values())  # the built-ins use the reference only for a KL
+    assert {n: x.loss_agg_mode for n, x in BUILTIN_NEEDS.items() if x.loss_agg_mode} == {
+        "dr_grpo": "seq-mean-token-sum-norm"
+    }
+    # an estimator that makes its critic's targets itself needs a critic
+    assert all(BUILTIN_NEEDS[n].critic for n in ADVANTAGES_WITH_RETURNS)
+
+
+def test_the_validate_note_names_the_pairing_only_when_the_aggregation_differs():
+    assert loss_pairing_note("dr_grpo", "seq-mean-token-sum-norm") is None
+    assert loss_pairing_note("grpo", "seq-mean-token-sum") is None  # paired with any
+    assert loss_pairing_note("dr_grpo", "token-mean") == (
+        "rl.algorithm dr_grpo is paired with rl.loss_agg_mode: seq-mean-token-sum-norm (its source's loss); "
+        "this config aggregates with token-mean"
+    )
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_NEEDS))
@@ -129,7 +160,15 @@ def test_a_module_without_a_declaration_or_not_found_gets_the_default(plugin_dir
 
 
 @pytest.mark.parametrize(
-    "declaration", ['{"f": {"critic": 1}}', '{"f": {"citric": True}}', "dict(f={})", '{"f": True}']
+    "declaration",
+    [
+        '{"f": {"critic": 1}}',
+        '{"f": {"citric": True}}',
+        "dict(f={})",
+        '{"f": True}',
+        '{"f": {"loss_agg_mode": "sum"}}',
+        '{"f": {"reference": "yes"}}',
+    ],
 )
 def test_a_malformed_declaration_names_the_file_and_line(plugin_dir, declaration):
     root, mod = plugin_dir
@@ -137,7 +176,8 @@ def test_a_malformed_declaration_names_the_file_and_line(plugin_dir, declaration
     with pytest.raises(
         ValidationError,
         match=rf"{mod}.py:3: ALGORITHM_NEEDS must be a literal dict of function "
-        r"names to dicts of needs \(critic, teacher, group: True or False\)",
+        r"names to dicts of needs \(critic, teacher, group, reference: True or False; loss_agg_mode: "
+        r"None or one of token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm\)",
     ):
         RLConfig(algorithm=f"{mod}:f")
 
@@ -149,18 +189,7 @@ def test_the_rl_step_passes_a_critic_plugin_the_values_and_trains_the_critic_on_
     (root / f"{mod}.py").write_text(PLUGIN_MODULE.replace('raise RuntimeError("imported")', ""))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     values = torch.tensor([[0.25, 0.5, 9.0], [0.5, 0.0, 1.0]])
-    traj = Trajectory(
-        input_ids=torch.ones(2, 5, dtype=torch.long),
-        prompt_lengths=torch.tensor([2, 2]),
-        response_ids=torch.ones(2, 3, dtype=torch.long),
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(2, 3),
-        group_index=torch.tensor([0, 0]),
-        rewards=torch.tensor([1.0, 0.0]),
-        advantages=torch.zeros(2, 3),
-        truncated=torch.tensor([False, False]),
-        values=values,
-    )
+    traj = _two_responses(mask, [0, 0], values=values)
     out = compute_advantages(traj, RLConfig(algorithm=f"{mod}:with_critic"))
     # A = (r - V) * mask; returns = (A + V) * mask = r on every mask token
     assert out.advantages.tolist() == [[0.75, 0.5, 0.0], [-0.5, 0.0, -1.0]]
@@ -191,19 +220,7 @@ def test_the_rl_step_gives_a_teacher_estimator_the_log_probs_and_the_teachers_we
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     teacher, student = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -3.0]]), torch.full((2, 3), -1.0)
-    traj = Trajectory(
-        input_ids=torch.ones(2, 5, dtype=torch.long),
-        prompt_lengths=torch.tensor([2, 2]),
-        response_ids=torch.ones(2, 3, dtype=torch.long),
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(2, 3),
-        group_index=torch.tensor([0, 1]),
-        rewards=torch.tensor([1.0, 0.0]),
-        advantages=torch.zeros(2, 3),
-        truncated=torch.tensor([False, False]),
-        teacher_logprobs=teacher,
-        old_logprobs=student,
-    )
+    traj = _two_responses(mask, [0, 1], teacher_logprobs=teacher, old_logprobs=student)
     cfg = RLConfig(
         algorithm="on_policy_distill", n_samples=1, teacher={"model_dir": "t", "kl_coef": 0.5, "reward_weight": 2.0}
     )
@@ -224,3 +241,42 @@ def test_the_rl_step_gives_a_teacher_estimator_the_log_probs_and_the_teachers_we
     )
     with pytest.raises(ValueError, match="rl.algorithm on_policy_distill needs the teacher's and the old log-probs"):
         compute_advantages(traj.with_(teacher_logprobs=None), cfg)
+
+
+REFERENCE_MODULE = """
+ALGORITHM_NEEDS = {"kl_shaped": {"reference": True, "group": False, "loss_agg_mode": "seq-mean-token-mean"}}
+
+
+def kl_shaped(rewards, group_index, mask=None, *, ref_logprobs=None, **options):
+    return (rewards[:, None] + ref_logprobs) * mask
+
+
+def no_keyword(rewards, group_index, mask=None):
+    return rewards
+"""
+
+
+def test_a_plugin_that_needs_the_reference_starts_it_without_a_kl_term_and_gets_its_log_probs(plugin_dir):
+    from engine.rl.phases import compute_advantages
+
+    root, mod = plugin_dir
+    (root / f"{mod}.py").write_text(
+        REFERENCE_MODULE.replace('"kl_shaped": {', '"no_keyword": {"reference": True}, "kl_shaped": {')
+    )
+    cfg = RLConfig(algorithm=f"{mod}:kl_shaped", n_samples=1)  # rl.kl.coef is 0: no KL term
+    assert cfg.algorithm_needs == AlgorithmNeeds(reference=True, loss_agg_mode="seq-mean-token-mean")
+    assert cfg.kl.coef == 0 and cfg.uses_reference and "reference" in training_roles(cfg)
+    assert not RLConfig(algorithm="grpo").uses_reference  # without the need, only a KL term starts it
+    assert loss_pairing_note(cfg.algorithm, cfg.loss_agg_mode) == (
+        f"rl.algorithm {mod}:kl_shaped is paired with rl.loss_agg_mode: seq-mean-token-mean (its source's loss); "
+        "this config aggregates with token-mean"
+    )
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    ref = torch.tensor([[-0.5, -1.0, 0.0], [-0.25, -2.0, -4.0]])
+    traj = _two_responses(mask, [0, 1], ref_logprobs=ref)
+    out = compute_advantages(traj, cfg)
+    assert out.advantages.tolist() == [[0.5, 0.0, 0.0], [-0.25, -2.0, -4.0]]  # (r + ref) * mask
+    with pytest.raises(ValueError, match=f"rl.algorithm {mod}:kl_shaped needs the reference log-probs"):
+        compute_advantages(traj.with_(ref_logprobs=None), cfg)
+    with pytest.raises(ImportError, match=r"cannot be called as \(rewards, group_index, mask, ref_logprobs=...\)"):
+        get_advantage_estimator(f"{mod}:no_keyword")
