@@ -69,7 +69,9 @@ class PipelineConfig(Strict):
             if section.precision != resolved:
                 object.__setattr__(self, stage, section.model_copy(update={"precision": resolved}))
         if self.export.dtype is None:
-            object.__setattr__(self, "export", self.export.model_copy(update={"dtype": DTYPE_NAMES[self.rl.precision]}))
+            rl_precision = self.rl.precision
+            assert rl_precision is not None  # resolved in the loop above
+            object.__setattr__(self, "export", self.export.model_copy(update={"dtype": DTYPE_NAMES[rl_precision]}))
         return self
 
     @model_validator(mode="after")

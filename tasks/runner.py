@@ -334,9 +334,9 @@ def _build_and_publish(spec, build, cfg, inputs, store, fp, raw, parent, logger)
         store=store,
     )
     ctx = StageContext(cfg, spec, store, inputs, workdir, resume_dir, tracker)
-    section = getattr(cfg, spec.name, None)
-    if getattr(section, "precision", None) is not None:  # resolved when the config was loaded
-        logger.info("%s: %s", spec.name, describe_precision(section.precision, cfg.run.precision))
+    precision = getattr(getattr(cfg, spec.name, None), "precision", None)
+    if precision is not None:  # resolved when the config was loaded
+        logger.info("%s: %s", spec.name, describe_precision(precision, cfg.run.precision))
     started = time.time()
     try:
         metrics = build(ctx) or {}

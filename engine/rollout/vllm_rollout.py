@@ -463,7 +463,7 @@ def _vllm_logging():
         handler.setFormatter(
             logging.Formatter("%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s", "%m-%d %H:%M:%S")
         )
-        handler._posttrain_vllm = True
+        handler._posttrain_vllm = True  # type: ignore[attr-defined]  # a mark on our handler: add it once
         vllm_logger.addHandler(handler)
         vllm_logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
         vllm_logger.propagate = False
