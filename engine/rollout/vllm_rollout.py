@@ -36,13 +36,9 @@ WEIGHT_SYNC_EXTENSION = "engine.rollout.vllm_weight_sync.WeightSyncExtension"
 
 
 def _raises_on_dict(value) -> bool:
-    """Whether ``hasattr(value, "__dict__")`` raises (an unbound context proxy) instead of answering.
-    (Deprecation warnings of module attributes, such as ``torch.distributed.reduce_op``'s, are
-    not answers and stay unprinted.)"""
+    """Whether ``hasattr(value, "__dict__")`` raises (an unbound context proxy) instead of answering."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            hasattr(value, "__dict__")
+        hasattr(value, "__dict__")
     except Exception:
         return True
     return False
@@ -61,10 +57,14 @@ def _modules_hidden_from_vllm_kernel_scan():
     kernels, so they are hidden during the scan and put back afterwards (same objects).
     """
     hidden = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None) or {}
-        if any(_raises_on_dict(v) for v in list(namespace.values())):
-            hidden[name] = module
+    # Deprecation warnings of module attributes (e.g. torch.distributed.reduce_op's) are not
+    # answers and stay unprinted; one filter context for the whole scan (one per value: ~1 s).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None) or {}
+            if any(_raises_on_dict(v) for v in list(namespace.values())):
+                hidden[name] = module
     for name in hidden:
         sys.modules.pop(name, None)
     try:
