@@ -60,8 +60,8 @@ class ActorWorker(HFBucketSource):
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision
         )
         self.routing = None  # rl.moe_routing_replay: the old-log-prob pass records, the update replays
-        if cfg.moe_routing_replay:
-            self.routing = RoutingReplay(self.model)
+        if cfg.moe_routing_replay:  # rollout (R3): the old-log-prob pass replays the rollout's routing
+            self.routing = RoutingReplay(self.model, "rollout" if cfg.replays_rollout_routing else "old_logprob")
 
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
