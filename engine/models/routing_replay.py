@@ -38,17 +38,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.trajectory import Trajectory
 
-
-def rollout_indices(mb: Trajectory, packed: bool) -> list[torch.Tensor]:
-    """A micro-batch's rollout routing (``Trajectory.routed_experts [b, T, moe_layers, k]``) in
-    megatron's token order: one LongTensor ``[tokens, k]`` per MoE layer.
+def rollout_indices(routed: torch.Tensor | None, lengths: torch.Tensor, packed: bool) -> list[torch.Tensor]:
+    """A micro-batch's rollout routing (``routed``: its ``Trajectory.routed_experts [b, T,
+    moe_layers, k]``; ``lengths [b]``: each row's prompt + response tokens) in megatron's token
+    order: one LongTensor ``[tokens, k]`` per MoE layer.
 
     Padded (``packed`` false): megatron's ``[T, b]`` sequence-major order, ``T * b`` tokens
     (token ``t * b + r`` is row ``r``'s position ``t``); the positions past a row's real tokens get
@@ -56,16 +54,15 @@ def rollout_indices(mb: Trajectory, packed: bool) -> list[torch.Tensor]:
     tokens' outputs, and the loss masks its own). Packed: the rows' real tokens end to end
     (``engine.batching.packing.pack_sequences``).
 
-    Raises: ValueError when ``mb`` has no ``routed_experts`` (the rollout engine did not return them).
+    Raises: ValueError when ``routed`` is None (the rollout engine did not return the experts).
     """
-    if mb.routed_experts is None:
+    if routed is None:
         raise ValueError(
             "rl.moe_routing_replay: rollout: the trajectory has no routed_experts; the rollout engine must "
             "return them (rl.rollout.backend: hf; the rollout's SamplingSpec.return_routed_experts)"
         )
-    routed = mb.routed_experts.long()  # [b, T, layers, k]
+    routed = routed.long()  # [b, T, layers, k]
     b, t, layers, k = routed.shape
-    lengths = mb.prompt_lengths + mb.response_lengths
     valid = torch.arange(t, device=routed.device)[None, :] < lengths.to(routed.device)[:, None]  # [b, T]
     routed = torch.where(valid[:, :, None, None], routed, torch.arange(k, device=routed.device))
     flat = routed[valid] if packed else routed.transpose(0, 1).reshape(t * b, layers, k)
@@ -143,10 +140,13 @@ class RoutingReplay:
             self._reset()
 
     @contextmanager
-    def old_logprob_pass(self, rows: Sequence[int] | torch.Tensor, mb: Trajectory, packed: bool) -> Iterator[None]:
+    def old_logprob_pass(
+        self, rows: Sequence[int] | torch.Tensor, routed: torch.Tensor | None, lengths: torch.Tensor, packed: bool
+    ) -> Iterator[None]:
         """The routing of one micro-batch's forward in the old-log-prob pass, kept for the update:
         :meth:`recording` (source ``"old_logprob"``), or :meth:`replaying` the rollout's
-        (:func:`rollout_indices` of ``mb``, source ``"rollout"``), then appended to :attr:`recorded`.
+        (:func:`rollout_indices` of ``routed``, ``lengths``, source ``"rollout"``), then appended to
+        :attr:`recorded`.
 
         Raises: ValueError from :func:`rollout_indices`, or when the rollout's routing has another
             number of MoE layers than the policy or an expert index outside ``[0, num_experts)``.
@@ -155,7 +155,7 @@ class RoutingReplay:
             with self.recording(rows):
                 yield
             return
-        indices = rollout_indices(mb, packed)
+        indices = rollout_indices(routed, lengths, packed)
         experts = self.routers[0].config.num_moe_experts
         if len(indices) != len(self.routers) or any(int(i.min()) < 0 or int(i.max()) >= experts for i in indices):
             raise ValueError(

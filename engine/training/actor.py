@@ -156,7 +156,11 @@ def compute_logprobs(
     try:
         for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
             mb = traj.select(rows)
-            with routing.old_logprob_pass(rows, mb, packed) if routing is not None else nullcontext():
+            lengths = mb.prompt_lengths + mb.response_lengths
+            pass_routing = (
+                routing.old_logprob_pass(rows, mb.routed_experts, lengths, packed) if routing is not None else None
+            )
+            with pass_routing or nullcontext():
                 lp, _ = response_logprobs(model, mb, temperature, packed)
             out[rows, : lp.size(1)] = lp * mb.response_valid
     finally:
