@@ -77,7 +77,8 @@ class ActorWorker(HFBucketSource):
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
         in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
         tokens, packed when ``cfg.packing``. Under ``cfg.moe_routing_replay`` it records each
-        micro-batch's routing for the next :meth:`update` (replacing any earlier recording)."""
+        micro-batch's routing for the next :meth:`update` (replacing any earlier recording); under
+        ``rollout`` that routing is the trajectory's ``routed_experts``, replayed in this pass too."""
         return compute_logprobs(
             self.model,
             traj,
