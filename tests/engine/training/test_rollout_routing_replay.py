@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from config.rl import RLConfig, RolloutConfig
+from config.rl_engine import EngineConfig
 from conversion import megatron_to_hf
 from conversion.export import write_hf_safetensors
 from conversion.spec import GPTSpec
@@ -57,7 +58,7 @@ def test_hf_rollout_experts_equal_a_full_forward_top_k(rollout):
             expected = torch.stack([torch.topk(torch.softmax(x.float(), -1), TOPK).indices for x in logits], dim=1)
             routed = out.routed_experts
             assert routed is not None and routed.dtype == torch.int16 and routed.shape == (ids.size(1), 2, TOPK)
-            assert torch.equal(routed.long().sort(-1).values, expected.sort(-1).values)
+            assert torch.equal(routed.long(), expected)  # the same experts in torch.topk's order
     plain = engine.generate(PROMPTS, SamplingSpec(n=2, temperature=1.0, max_new_tokens=6, seed=3))
     assert plain == outputs and all(o.routed_experts is None for g in plain for o in g)  # same samples
 
@@ -156,6 +157,11 @@ def test_refusals(tmp_path):
         RLConfig(moe_routing_replay="rollout")
     with pytest.raises(ValueError, match=r"rollout needs single-turn, whole rollouts"):
         rl_cfg(moe_routing_replay="rollout", environment="tests.engine.rollout.test_multi_turn:make_env")
+    with pytest.raises(ValueError, match=r"rollout needs single-turn, whole rollouts"):
+        rl_cfg(
+            moe_routing_replay="rollout",
+            engine=EngineConfig(placement="disaggregated", off_policy_steps=1, partial_rollout_chunk_tokens=2),
+        )
     with pytest.raises(ValueError, match="rl.moe_routing_replay needs rl.backend: megatron"):
         rl_cfg(moe_routing_replay="rollout", backend="deepspeed")
     cfg = rl_cfg(moe_routing_replay="rollout")
@@ -171,3 +177,6 @@ def test_refusals(tmp_path):
     bare = Trajectory.from_rollout(PROMPTS[:1], [[RolloutOutput((3, 4), (-1.0, -1.0), "length")]], 0)
     with pytest.raises(ValueError, match="the trajectory has no routed_experts"):
         compute_logprobs(model, bare, 1.0, 4, routing=RoutingReplay(model, "rollout"))
+    three_layers = bare.with_(routed_experts=torch.zeros(1, 5, 3, TOPK, dtype=torch.int16))
+    with pytest.raises(ValueError, match="have 3 MoE layers .* the policy has 2 MoE layers of 4 experts"):
+        compute_logprobs(model, three_layers, 1.0, 4, routing=RoutingReplay(model, "rollout"))
