@@ -83,6 +83,14 @@ def test_trajectory_keeps_the_experts_through_select_cat_and_the_dump(rollout, t
     assert back.routed_experts.dtype == torch.int16 and torch.equal(back.routed_experts, routed)
 
 
+def real_tokens(mb: Trajectory, packed: bool) -> torch.Tensor:
+    """BoolTensor ``[tokens]``: which of a micro-batch's routed tokens (megatron's order) are real."""
+    lengths = mb.prompt_lengths + mb.response_lengths
+    if packed:
+        return torch.ones(int(lengths.sum()), dtype=torch.bool)
+    return (torch.arange(mb.input_ids.size(1))[None, :] < lengths[:, None]).T.reshape(-1)
+
+
 def flip_expert(router, x: torch.Tensor, replayed: torch.Tensor, real: torch.Tensor) -> int:
     """Move one expert ``e``'s router row by ``v`` solving ``x_t . v = 0`` on the real tokens that
     were sent to ``e`` and ``x_t . v = (their lowest chosen logit - e's logit) + 1`` on the others
@@ -128,16 +136,14 @@ def test_trainer_routes_as_the_rollout_in_both_passes(rollout, packed, monkeypat
         for layer in range(2):
             replayed = maps[layer][n_maps + mb]
             assert torch.equal(replayed, as_map(expected[mb][layer])), (mb, layer)
-            flips += int((maps[layer][mb] != replayed).any(-1).sum())  # the pass without replay above
+            own_map = maps[layer][mb]  # the pass without replay above
+            flips += int((own_map != replayed).any(-1)[real_tokens(micro[mb], packed)].sum())
     mask = traj.response_mask > 0
     mismatch = {name: float((lp - traj.rollout_logprobs)[mask].abs().max()) for name, lp in (("r3", old), ("own", own))}
     print(f"trainer vs rollout log-probs, max |diff|: {mismatch} ({flips} (token, layer) routings flipped)")
     assert flips > 0 and mismatch["r3"] < mismatch["own"]
 
-    mb0 = traj.select(torch.arange(4))
-    lengths = mb0.prompt_lengths + mb0.response_lengths
-    valid = torch.arange(mb0.input_ids.size(1))[None, :] < lengths[:, None]
-    real = torch.ones(int(lengths.sum()), dtype=torch.bool) if packed else valid.T.reshape(-1)
+    real = real_tokens(micro[0], packed)
     e = flip_expert(routers[0], inputs[0][n_maps], expected[0][0], real)
     before = len(maps[0])
     ratio, metrics = first_micro_batch_ratio(model, traj, cfg, routing, old, monkeypatch)
