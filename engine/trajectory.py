@@ -29,6 +29,7 @@ class _Row(NamedTuple):
     group: int
     finish_reason: str
     reward: float
+    routed: torch.Tensor | None = None  # [len(prompt) + len(token_ids), moe_layers, k] (rollout routing replay)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class Trajectory:
         rollout_version, rollout_version_end: LongTensor ``[B]`` or None: the policy version
             (steps whose update the rollout engine had loaded) of each response's first and
             last token; they differ for a partial rollout (``engine.rollout.partial``).
+        routed_experts: int16 tensor ``[B, T, moe_layers, k]`` or None: the experts every MoE
+            layer of the rollout engine routed each prompt and response token to (position ``t``
+            of ``input_ids``; ``rl.moe_routing_replay: rollout``, R3;
+            ``RolloutOutput.routed_experts``); 0 past a row's real tokens.
     """
 
     input_ids: torch.Tensor
@@ -91,6 +96,7 @@ class Trajectory:
     rollout_version: torch.Tensor | None = None
     rollout_version_end: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_valid is None:
@@ -113,11 +119,13 @@ class Trajectory:
     def from_rollout(
         cls, prompt_token_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[RolloutOutput]], pad_id: int
     ) -> Trajectory:
-        """Build a batch from a rollout: prompt ``i``'s ``n`` responses get group index ``i``.
+        """Build a batch from a rollout: prompt ``i``'s ``n`` responses get group index ``i``;
+        ``routed_experts`` when the outputs carry them (all or none).
 
         Raises:
-            ValueError: prompts and outputs differ in count, a prompt is empty, or a response
-                is empty or has as many log-probs as tokens.
+            ValueError: prompts and outputs differ in count, a prompt is empty, a response
+                is empty or has not as many log-probs as tokens, or its routed experts do not
+                cover its prompt and response tokens, or only some outputs have them.
         """
         if len(prompt_token_ids) != len(outputs):
             raise ValueError(f"{len(prompt_token_ids)} prompts but {len(outputs)} rollout output groups")
@@ -130,7 +138,13 @@ class Trajectory:
                     raise ValueError(
                         f"prompt {i} sample {j}: {len(out.token_ids)} tokens, {len(out.logprobs)} logprobs (need equal, >= 1)"
                     )
-                rows.append(_Row(list(prompt), out.token_ids, out.logprobs, None, i, out.finish_reason, 0.0))
+                routed = out.routed_experts
+                if routed is not None and (routed.dim() != 3 or routed.size(0) != len(prompt) + len(out.token_ids)):
+                    raise ValueError(
+                        f"prompt {i} sample {j}: routed_experts of shape {tuple(routed.shape)}, need "
+                        f"[{len(prompt) + len(out.token_ids)} prompt + response tokens, moe_layers, k]"
+                    )
+                rows.append(_Row(list(prompt), out.token_ids, out.logprobs, None, i, out.finish_reason, 0.0, routed))
         return cls._build(rows, pad_id)
 
     @classmethod
@@ -191,7 +205,17 @@ class Trajectory:
         valid = torch.zeros((b, length))
         mask = torch.zeros((b, length))
         logprobs = torch.zeros((b, length))
+        routed = None
+        if any(r.routed is not None for r in rows):
+            shapes = {None if r.routed is None else tuple(r.routed.shape[1:]) for r in rows}
+            if len(shapes) != 1:
+                raise ValueError(
+                    f"rollout outputs' routed_experts differ: [moe_layers, k] of {sorted(map(str, shapes))}"
+                )
+            routed = torch.zeros((b, t, *next(iter(shapes))), dtype=torch.int16)  # type: ignore[misc]
         for k, r in enumerate(rows):
+            if routed is not None and r.routed is not None:
+                routed[k, : r.routed.size(0)] = r.routed
             n = len(r.token_ids)
             input_ids[k, : len(r.prompt) + n] = torch.tensor(r.prompt + list(r.token_ids))
             response_ids[k, :n] = torch.tensor(list(r.token_ids))
@@ -211,6 +235,7 @@ class Trajectory:
             truncated=torch.tensor([r.finish_reason == "length" for r in rows]),
             pad_id=pad_id,
             response_valid=mask if single_turn else valid,
+            routed_experts=routed,
         )
 
     def with_(self, **fields) -> Trajectory:
@@ -241,6 +266,7 @@ class Trajectory:
             rollout_version=None if self.rollout_version is None else self.rollout_version[start:stop],
             rollout_version_end=None if self.rollout_version_end is None else self.rollout_version_end[start:stop],
             teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[start:stop, :length],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[start:stop, :t],
         )
 
     def select(self, index: torch.Tensor) -> Trajectory:
@@ -267,8 +293,9 @@ class Trajectory:
                 return None
             if values[0].dim() == 1:
                 return torch.cat(values)
-            width = max(v.size(1) for v in values)
-            return torch.cat([torch.nn.functional.pad(v, (0, width - v.size(1)), value=fill) for v in values])
+            width = max(v.size(1) for v in values)  # dim 1 is the padded one ([B, L], [B, T, layers, k])
+            pads = [(0, 0) * (v.dim() - 2) + (0, width - v.size(1)) for v in values]
+            return torch.cat([torch.nn.functional.pad(v, pad, value=fill) for v, pad in zip(values, pads)])
 
         offsets, groups = 0, []
         for p in parts:
@@ -295,6 +322,7 @@ class Trajectory:
                 "rollout_version",
                 "rollout_version_end",
                 "teacher_logprobs",
+                "routed_experts",
             )
         }
         return cls(**fields, group_index=torch.cat(groups), pad_id=pad)

@@ -6,8 +6,11 @@ routing flip: a small change of the router logits swaps an expert in or out, and
 MLP output changes discretely). Routing replay (slime; the Routing Replay of GSPO, Zheng et al.
 2025, arXiv:2507.18071) records the experts each token was sent to in the old-log-prob
 forward and makes the update's forwards use those experts, so the ratio measures the change of
-everything but the expert choice. (R3, Ma et al. 2025, arXiv:2510.11370, replays the rollout
-engine's routing instead; not done here.)
+everything but the expert choice. R3 (rollout routing replay, Ma et al. 2025,
+arXiv:2510.11370; slime's ``--use-rollout-routing-replay``) replays the rollout engine's routing
+instead, in the old-log-prob pass too, so the trainer routes every token as the sampler did
+(``source="rollout"``: :func:`rollout_indices` turns ``Trajectory.routed_experts`` into each
+micro-batch's token order).
 
 This uses megatron-core's mechanism (0.16, ``megatron.core.transformer.moe.router_replay``):
 every ``TopKRouter`` with a ``router_replay`` (a :class:`RouterReplay`) routes through
@@ -35,8 +38,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
+
+
+def rollout_indices(routed: torch.Tensor | None, lengths: torch.Tensor, packed: bool) -> list[torch.Tensor]:
+    """A micro-batch's rollout routing (``routed``: its ``Trajectory.routed_experts [b, T,
+    moe_layers, k]``; ``lengths [b]``: each row's prompt + response tokens) in megatron's token
+    order: one LongTensor ``[tokens, k]`` per MoE layer.
+
+    Padded (``packed`` false): megatron's ``[T, b]`` sequence-major order, ``T * b`` tokens
+    (token ``t * b + r`` is row ``r``'s position ``t``); the positions past a row's real tokens get
+    experts ``0 .. k-1`` (any distinct experts: the causal mask keeps padding out of the real
+    tokens' outputs, and the loss masks its own). Packed: the rows' real tokens end to end
+    (``engine.batching.packing.pack_sequences``).
+
+    Raises: ValueError when ``routed`` is None (the rollout engine did not return the experts).
+    """
+    if routed is None:
+        raise ValueError(
+            "rl.moe_routing_replay: rollout: the trajectory has no routed_experts; the rollout engine must "
+            "return them (rl.rollout.backend: hf; the rollout's SamplingSpec.return_routed_experts)"
+        )
+    routed = routed.long()  # [b, T, layers, k]
+    b, t, layers, k = routed.shape
+    valid = torch.arange(t, device=routed.device)[None, :] < lengths.to(routed.device)[:, None]  # [b, T]
+    routed = torch.where(valid[:, :, None, None], routed, torch.arange(k, device=routed.device))
+    flat = routed[valid] if packed else routed.transpose(0, 1).reshape(t * b, layers, k)
+    return [flat[:, layer].contiguous() for layer in range(layers)]
 
 
 class RoutingReplay:
@@ -44,13 +74,17 @@ class RoutingReplay:
 
     Args:
         model: a megatron-core GPTModel with at least one MoE layer (``TopKRouter``).
+        source: where the old-log-prob pass's routing comes from (:meth:`old_logprob_pass`):
+            ``"old_logprob"`` records the pass's own top-k (``rl.moe_routing_replay: true``),
+            ``"rollout"`` replays the trajectory's ``routed_experts`` (``rollout``, R3) and keeps
+            them for the update.
 
     Raises: ValueError when ``model`` has no MoE router (a dense policy: nothing to replay),
         or a router routes with a fused kernel (megatron's replay path covers only the unfused
         top-k) or with Sinkhorn.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, source: Literal["old_logprob", "rollout"] = "old_logprob"):
         # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -67,6 +101,7 @@ class RoutingReplay:
                 router.router_replay = RouterReplay()
                 RouterReplay.global_router_replay_instances.remove(router.router_replay)
         self.routers = routers
+        self.source = source
         self.replays = [router.router_replay for router in routers]
         self.recorded: list[list[torch.Tensor]] = []  # per micro-batch, per MoE layer: [num_tokens, k]
         self.rows: list[list[int]] = []  # the trajectory rows of each recorded micro-batch
@@ -103,6 +138,36 @@ class RoutingReplay:
             self.rows.append([int(r) for r in rows])
         finally:
             self._reset()
+
+    @contextmanager
+    def old_logprob_pass(
+        self, rows: Sequence[int] | torch.Tensor, routed: torch.Tensor | None, lengths: torch.Tensor, packed: bool
+    ) -> Iterator[None]:
+        """The routing of one micro-batch's forward in the old-log-prob pass, kept for the update:
+        :meth:`recording` (source ``"old_logprob"``), or :meth:`replaying` the rollout's
+        (:func:`rollout_indices` of ``routed``, ``lengths``, source ``"rollout"``), then appended to
+        :attr:`recorded`.
+
+        Raises: ValueError from :func:`rollout_indices`, or when the rollout's routing has another
+            number of MoE layers than the policy or an expert index outside ``[0, num_experts)``.
+        """
+        if self.source == "old_logprob":
+            with self.recording(rows):
+                yield
+            return
+        indices = rollout_indices(routed, lengths, packed)
+        experts = self.routers[0].config.num_moe_experts
+        if len(indices) != len(self.routers) or any(int(i.min()) < 0 or int(i.max()) >= experts for i in indices):
+            raise ValueError(
+                f"rl.moe_routing_replay: rollout: the rollout's routed experts have {len(indices)} MoE layers "
+                f"and indices in [{min(int(i.min()) for i in indices)}, {max(int(i.max()) for i in indices)}]; "
+                f"the policy has {len(self.routers)} MoE layers of {experts} experts: the rollout engine must "
+                "serve the policy being trained"
+            )
+        with self.replaying(indices):
+            yield
+        self.recorded.append(indices)
+        self.rows.append([int(r) for r in rows])
 
     @contextmanager
     def replaying(self, indices: list[torch.Tensor]) -> Iterator[None]:

@@ -149,7 +149,7 @@ def replay_update(workers: Workers, dump: StepDump, cfg: RLConfig) -> dict[str, 
     :func:`engine.rl.phases.update_actor`, as ``engine.rl.loop.run_rl`` runs them; old
     log-probs the run took from the update's first forward are left to the update again. Under
     ``rl.moe_routing_replay`` the old-log-prob pass runs again first, to record the routing the
-    update replays.
+    update replays (under ``rollout``: to replay the dumped ``routed_experts`` again).
 
     Returns: :func:`engine.rl.metrics.step_metrics` of the step (the logged metrics' keys).
     """

@@ -329,13 +329,15 @@ def rollout_call(workers: Workers, method: str, args: tuple, restarts_before: in
 
 def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> SamplingSpec:
     """The rollout's sampling: ``n_samples`` per prompt, ``rl.rollout``'s temperature, top-p and
-    budget, the seed of :func:`sampling_seed`."""
+    budget, the seed of :func:`sampling_seed`; each token's routed experts under
+    ``rl.moe_routing_replay: rollout``."""
     return SamplingSpec(
         n=cfg.n_samples,
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
         seed=sampling_seed(seed, step, round_index),
+        return_routed_experts=cfg.replays_rollout_routing,
     )
 
 

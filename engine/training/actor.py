@@ -140,7 +140,8 @@ def compute_logprobs(
     ``max_tokens`` real tokens), padded or ``packed`` (see :func:`response_logprobs`); the
     result does not depend on either choice (up to float rounding). With ``routing`` (an MoE
     policy under ``rl.moe_routing_replay``) its recordings are replaced by this pass's, one per
-    micro-batch (:class:`engine.models.routing_replay.RoutingReplay`), for the update to replay.
+    micro-batch (:class:`engine.models.routing_replay.RoutingReplay`), for the update to replay;
+    under ``rollout`` the pass itself replays the trajectory's ``routed_experts``.
 
     Returns: FloatTensor ``[B, L]`` (0 on padding), ``L = traj.response_ids.size(1)``, rows
         in ``traj``'s order.
@@ -155,7 +156,11 @@ def compute_logprobs(
     try:
         for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
             mb = traj.select(rows)
-            with routing.recording(rows) if routing is not None else nullcontext():
+            lengths = mb.prompt_lengths + mb.response_lengths
+            pass_routing = (
+                routing.old_logprob_pass(rows, mb.routed_experts, lengths, packed) if routing is not None else None
+            )
+            with pass_routing or nullcontext():
                 lp, _ = response_logprobs(model, mb, temperature, packed)
             out[rows, : lp.size(1)] = lp * mb.response_valid
     finally:

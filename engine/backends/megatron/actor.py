@@ -60,8 +60,8 @@ class ActorWorker(HFBucketSource):
             self.model, cfg.optim, cfg.policy_updates(cfg.steps) * cfg.ppo_epochs, cfg.precision
         )
         self.routing = None  # rl.moe_routing_replay: the old-log-prob pass records, the update replays
-        if cfg.moe_routing_replay:
-            self.routing = RoutingReplay(self.model)
+        if cfg.moe_routing_replay:  # rollout (R3): the old-log-prob pass replays the rollout's routing
+            self.routing = RoutingReplay(self.model, "rollout" if cfg.replays_rollout_routing else "old_logprob")
 
     def offload(self) -> None:
         """Colocated hand-off: parameters, gradients and optimizer state to host memory while the
@@ -77,7 +77,8 @@ class ActorWorker(HFBucketSource):
         """``[B, L]`` log-probs of the response tokens under the current policy (see :func:`compute_logprobs`),
         in micro-batches of ``cfg.micro_batch_size`` rows or ``cfg.max_tokens_per_micro_batch``
         tokens, packed when ``cfg.packing``. Under ``cfg.moe_routing_replay`` it records each
-        micro-batch's routing for the next :meth:`update` (replacing any earlier recording)."""
+        micro-batch's routing for the next :meth:`update` (replacing any earlier recording); under
+        ``rollout`` that routing is the trajectory's ``routed_experts``, replayed in this pass too."""
         return compute_logprobs(
             self.model,
             traj,

