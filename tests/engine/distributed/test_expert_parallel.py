@@ -33,12 +33,12 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     from config.po import PoConfig
     from config.rm import RMConfig
 
-    with pytest.raises(
+    with pytest.raises(  # the actor and reference take it (tests/engine/distributed/test_expert_parallel_rl.py)
         ValueError,
-        match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism runs "
-        r"in the sft stage only",
+        match=r"rl.parallel.critic.expert_model_parallel_size=2: expert parallelism runs "
+        r"in the sft stage and the RL actor and reference only",
     ):
-        RLParallelConfig(actor={"data_parallel_size": 2, "expert_model_parallel_size": 2})
+        RLParallelConfig(critic={"data_parallel_size": 2, "expert_model_parallel_size": 2})
     for cls, section in ((RMConfig, "rm"), (PoConfig, "po")):
         with pytest.raises(
             ValueError,
