@@ -35,8 +35,8 @@ class ParallelConfig(Strict):
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
         "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
         "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft "
-        "stage and rl.parallel.actor/reference (megatron backend); rl.parallel.critic/reward_model and "
-        "rm/po refuse it (docs/conversion.md, Expert parallelism).",
+        "and po stages and rl.parallel.actor/reference (megatron backend); rl.parallel.critic/reward_model "
+        "and rm refuse it (docs/conversion.md, Expert parallelism).",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -109,11 +109,12 @@ def check_stage_layout(
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
     dp = layout.data_parallel_size
-    if layout.expert_model_parallel_size > 1 and section != "sft":  # rank 0 alone evaluates: a hang under EP
+    if layout.expert_model_parallel_size > 1 and section == "rm":  # its score forwards are not lock-stepped
         raise ValueError(
             f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
-            f"parallelism runs in the sft stage only ({section}'s held-out evaluation runs on one rank, "
-            "and every MoE forward is a collective of the expert group); set it to 1"
+            "parallelism runs in the sft and po stages and the RL actor and reference (the reward model's "
+            "score forwards are not padded to the expert group's shape, and every MoE forward is a "
+            "collective of the expert group); set it to 1"
         )
     if dp == 1:
         return
