@@ -34,8 +34,9 @@ class ParallelConfig(Strict):
         description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
         "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
-        "Every rank of the group must run the same number of micro-batches per step. The sft "
-        "stage only: rl.parallel.* and rm/po refuse it (docs/conversion.md, Expert parallelism).",
+        "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft "
+        "and po stages and rl.parallel.actor/reference (megatron backend); rl.parallel.critic/reward_model "
+        "and rm refuse it (docs/conversion.md, Expert parallelism).",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -67,13 +68,13 @@ class RLParallelConfig(Strict):
 
     @model_validator(mode="after")
     def _no_expert_parallel(self):
-        for role in ("actor", "critic", "reference", "reward_model"):
+        for role in ("critic", "reward_model"):
             ep = getattr(self, role).expert_model_parallel_size
-            if ep > 1:  # their no-grad forwards are not lock-stepped over the EP ranks: one would wait forever
+            if ep > 1:  # their value/score forwards are not lock-stepped over the EP ranks: one would wait forever
                 raise ValueError(
-                    f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the "
-                    "sft stage only (every MoE forward is a collective of the expert group, and the RL "
-                    f"roles' ranks run different numbers of forwards); set it to 1"
+                    f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the sft "
+                    "stage and the RL actor and reference only (every MoE forward is a collective of the expert "
+                    f"group, and the {role}'s forwards are not lock-stepped over its ranks); set it to 1"
                 )
         return self
 
@@ -108,11 +109,12 @@ def check_stage_layout(
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
     dp = layout.data_parallel_size
-    if layout.expert_model_parallel_size > 1 and section != "sft":  # rank 0 alone evaluates: a hang under EP
+    if layout.expert_model_parallel_size > 1 and section == "rm":  # its score forwards are not lock-stepped
         raise ValueError(
             f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
-            f"parallelism runs in the sft stage only ({section}'s held-out evaluation runs on one rank, "
-            "and every MoE forward is a collective of the expert group); set it to 1"
+            "parallelism runs in the sft and po stages and the RL actor and reference (the reward model's "
+            "score forwards are not padded to the expert group's shape, and every MoE forward is a "
+            "collective of the expert group); set it to 1"
         )
     if dp == 1:
         return

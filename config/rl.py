@@ -369,6 +369,11 @@ class RLConfig(Strict):
                     "backend runs data parallelism only (ZeRO partitions over the data-parallel ranks, "
                     f"rl.deepspeed.zero_stage); set {key}.tensor_model_parallel_size: 1 or rl.backend: megatron"
                 )
+            if layout.expert_model_parallel_size > 1:  # megatron-core shards the experts; an HF model does not
+                raise ValueError(
+                    f"{key}.expert_model_parallel_size={layout.expert_model_parallel_size}: expert parallelism "
+                    f"needs rl.backend: megatron; set {key}.expert_model_parallel_size: 1 or rl.backend: megatron"
+                )
             if layout.data_parallel_size > 1 and self.deepspeed.zero_stage == 0 and self.precision == "bf16":
                 raise ValueError(
                     f"{key}.data_parallel_size={layout.data_parallel_size} with rl.precision bf16 needs "
@@ -514,6 +519,13 @@ class RLConfig(Strict):
             raise ValueError(
                 "rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
                 "set rl.moe_routing_replay: false or rl.backend: megatron"
+            )
+        ep = self.parallel.actor.expert_model_parallel_size
+        if self.moe_routing_replay and ep > 1:  # a replay is one micro-batch's token layout; EP pads layouts
+            raise ValueError(
+                f"rl.moe_routing_replay with rl.parallel.actor.expert_model_parallel_size={ep} is not built (the "
+                "expert-parallel lock-step pads each forward to the expert group's shape, which the recorded "
+                "routing does not follow); set rl.moe_routing_replay: false or the expert_model_parallel_size to 1"
             )
         return self
 

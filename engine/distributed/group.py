@@ -15,9 +15,10 @@ method's call is spread over the ranks and its results combined is its *dispatch
   update also gets the whole batch's loss normalisers (``norm``), so the ranks' gradients
   sum to the DP=1 gradient (``engine.distributed.collectives``);
 - ``rank0``: only global rank 0 is called;
-- ``tp0``: the ranks of the first tensor-parallel group (global ranks ``0 .. tp - 1``) are
-  called and rank 0's result is returned (weight-sync buckets: the group gathers its shards
-  into full tensors; with TP=1 this is ``rank0``);
+- ``tp0``: the ranks of the first tensor-parallel group (global ranks ``0 .. tp - 1``; under
+  expert parallelism, at TP=1, the first expert group, ``0 .. ep - 1``) are called and rank 0's
+  result is returned (weight-sync buckets: the group gathers its shards into full tensors;
+  with TP=1 and EP=1 this is ``rank0``);
 - ``all``: every rank is called (collectives such as a torch_dist save, where each rank
   writes its own shards) and rank 0's result is returned.
 
@@ -319,8 +320,9 @@ class WorkerGroup:
         mode = self.dispatch_modes.get(name, "all")
         if mode == "rank0":
             return self.ranks[0].call.remote(name, *args, **kwargs)
-        if mode == "tp0":  # rank 0 answers only once its tensor-parallel peers took part in the gather
-            return [r.call.remote(name, *args, **kwargs) for r in self.ranks[: self.tp]][0]
+        if mode == "tp0":  # rank 0 answers only once its tensor- (or expert-) parallel peers took part in the gather
+            peers = self.ranks[: self.tp * self.layout.expert_model_parallel_size]  # TP 1 under EP: ranks 0..ep-1
+            return [r.call.remote(name, *args, **kwargs) for r in peers][0]
         if mode == "all":
             return self._combine.remote(
                 "first", None, (0, 0), *[r.call.remote(name, *args, **kwargs) for r in self.ranks]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from engine.distributed.weight_ipc import SLOTS, SharedSlots, location
 from engine.distributed.weight_sync import TrainerEnd
+from engine.models.expert_lockstep import expert_group
 from engine.models.weight_buckets import BucketPlan, BucketServer, NamedTensors, _tensor_parallel_group
 
 if TYPE_CHECKING:
@@ -57,11 +58,11 @@ class HFBucketSource:
 
         Under tensor parallelism every rank of the group is asked (the shards are gathered,
         :func:`gather_tensor_parallel`) and only its rank 0 returns the bucket; the others
-        return an empty list, which nobody reads."""
+        return an empty list, which nobody reads. Under expert parallelism the ranks of the
+        expert group likewise gather the experts (``gather_expert_parallel``)."""
         bucket = self._weight_buckets().bucket(index)
-        group = _tensor_parallel_group()
-        if group is not None:
-            if dist.get_rank(group) != 0:
+        for group in (_tensor_parallel_group(), expert_group()):
+            if group is not None and dist.get_rank(group) != 0:
                 return []
         return bucket
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from conversion.spec import GPTSpec
+from engine.models.expert_lockstep import pad_ids, pad_packed
 from engine.models.moe_router import router_config_fields
 from engine.models.platform import ensure_model_parallel, patch_moe_without_transformer_engine
 
@@ -368,6 +369,9 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     positions' logits. Runs under the caller's grad mode. At tensor-parallel size > 1 it
     is a collective: every rank of the group calls it with the same ``input_ids`` and gets
     the full (gathered) logits.
+    Under expert parallelism it is a collective of the expert group: the ids are padded to
+    the group's largest ``[B, T]`` (``engine.models.expert_lockstep.pad_ids``) and the logits
+    cut back.
 
     Args:
         model: a GPTModel from :func:`build_gpt_model`.
@@ -381,11 +385,14 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         loss or a sample.
     """
     ids = _check_ids(input_ids)
+    b, t = ids.shape
+    ids = pad_ids(ids)  # expert parallelism: as many tokens as the expert group's other ranks
     # Under tensor parallelism the output layer leaves each rank its vocabulary slice;
     # megatron's all-gather (differentiable: its backward keeps the rank's slice of the
     # gradient) gives every rank the full logits. None: the constructor's default (TP=1).
     gather = True if model.config.tensor_model_parallel_size > 1 else None
     logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None, runtime_gather_output=gather)
+    logits = logits[:b, :t]
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]
@@ -430,7 +437,9 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
     :class:`SDPACoreAttention` keeps attention inside each sequence, so sequence ``b``'s
     logits equal row ``b`` of :func:`gpt_logits` on the right-padded batch (up to float
     rounding, ~1e-7 in fp32). Runs under the caller's grad mode; a collective under
-    tensor parallelism, like :func:`gpt_logits`.
+    tensor parallelism, like :func:`gpt_logits`, and under expert parallelism (the packed row
+    padded to the group's largest ``N`` by one extra sequence,
+    ``engine.models.expert_lockstep.pad_packed``).
 
     Args:
         model: a GPTModel from :func:`build_gpt_model` with ``core_attention="sdpa"`` (the
@@ -448,6 +457,8 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
             (``core_attention="local"``), which refuses packed sequences: set ``rl.packing``
             false or build the model with ``core_attention="sdpa"``.
     """
+    n = packed.num_tokens
+    packed = pad_packed(packed)  # expert parallelism: as many tokens as the expert group's other ranks
     ids, params = _packed_inputs(model, packed, "gpt_logits_packed")
     gather = True if model.config.tensor_model_parallel_size > 1 else None
     logits = model(
@@ -456,7 +467,7 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
         attention_mask=None,
         packed_seq_params=params,
         runtime_gather_output=gather,
-    )[0]
+    )[0][:n]
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]

@@ -16,6 +16,8 @@ extra memory is about one bucket, not the model.
   ``hf_bucket``) serves them over a lazily built :class:`BucketServer` (both RL backends).
   Under tensor parallelism the ranks of the group take part together: each split tensor is gathered from their shards into the full
   megatron tensor first (:func:`gather_tensor_parallel`), so the buckets hold full HF tensors.
+  Under expert parallelism the ranks of the expert group likewise gather every MoE layer's
+  experts (:func:`gather_expert_parallel`).
 
 Bucket boundaries never split a *load group* (:func:`load_group`): the tensors vLLM loads
 into one module (``q/k/v_proj`` into ``qkv_proj``, ``gate/up_proj`` into ``gate_up_proj``,
@@ -42,6 +44,7 @@ import torch.distributed as dist
 
 from conversion.registry import megatron_to_hf
 from conversion.tensor_parallel import split_of
+from engine.models.expert_lockstep import expert_group
 from engine.models.megatron import mcore_state
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -200,7 +203,7 @@ def _hf_stream(hf_config: Mapping[str, Any], model) -> tuple[Iterator[tuple[str,
         return iter(hf_tensors()), None
     state = mcore_state(model)
     aliased = {t.untyped_storage().data_ptr() for t in state.values()}
-    return iter(megatron_to_hf(hf_config, gather_tensor_parallel(state))), aliased
+    return iter(megatron_to_hf(hf_config, gather_expert_parallel(gather_tensor_parallel(state)))), aliased
 
 
 def _tensor_parallel_group():
@@ -245,6 +248,41 @@ def gather_tensor_parallel(state: Mapping[str, torch.Tensor]) -> Mapping[str, to
         dist.all_gather(parts, t.contiguous(), group=group)
         pieces = [p.chunk(split.stride, dim=split.dim) for p in parts]
         out[name] = torch.cat([pieces[r][s] for s in range(split.stride) for r in range(size)], dim=split.dim)
+    return out
+
+
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def gather_expert_parallel(state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The full megatron state of an expert-parallel model: every routed expert of every MoE layer,
+    named by its global index, from every rank's shard (a collective: every rank of the
+    expert-model-parallel group calls it with its own ``mcore_state``, in the same order);
+    ``state`` itself without expert parallelism.
+
+    At expert-parallel size N a rank holds ``n = num_experts / N`` experts of each layer,
+    ``...local_experts.{j}...``; expert ``j`` of expert-parallel rank ``r`` is global expert
+    ``r * n + j`` (megatron's ``SequentialMLP``: ``local_expert_indices``). Each local expert
+    tensor is all-gathered over the group and stored under the global index; every other tensor
+    is this rank's own (replicated). Like :func:`gather_tensor_parallel`, it holds a full copy of
+    the experts while a sync pass runs.
+    """
+    group = expert_group()
+    if group is None:
+        return state
+    size = dist.get_world_size(group)
+    local = 1 + max((int(m.group(1)) for n in state if (m := _LOCAL_EXPERT.search(n))), default=-1)
+    out = {}
+    for name, t in state.items():
+        m = _LOCAL_EXPERT.search(name)
+        if m is None:
+            out[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        j = int(m.group(1))
+        for r, part in enumerate(parts):
+            out[f"{name[: m.start(1)]}{r * local + j}{name[m.end(1) :]}"] = part
     return out
 
 

@@ -23,6 +23,7 @@ from engine.algorithms.kl import get_kl_estimator
 from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
 from engine.batching.packing import pack_sequences, packed_response_index
+from engine.models.expert_lockstep import lockstep_padding
 from engine.models.megatron import gpt_logits_packed
 from engine.trajectory import Trajectory, micro_batch_rows
 
@@ -138,7 +139,9 @@ def compute_logprobs(
     multi-turn sample included (harmless: the loss masks them out). The rows are run in the
     micro-batches of :func:`micro_batch_rows` (``micro_batch_size`` rows, or
     ``max_tokens`` real tokens), padded or ``packed`` (see :func:`response_logprobs`); the
-    result does not depend on either choice (up to float rounding). With ``routing`` (an MoE
+    result does not depend on either choice (up to float rounding). Under expert parallelism
+    every rank of the expert group runs as many forwards: a rank with fewer micro-batches runs
+    padding forwards of its first one, discarded (``engine.models.expert_lockstep``). With ``routing`` (an MoE
     policy under ``rl.moe_routing_replay``) its recordings are replaced by this pass's, one per
     micro-batch (:class:`engine.models.routing_replay.RoutingReplay`), for the update to replay;
     under ``rollout`` the pass itself replays the trajectory's ``routed_experts``.
@@ -154,7 +157,9 @@ def compute_logprobs(
     if routing is not None:
         routing.clear()
     try:
-        for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
+        micro = micro_batch_rows(traj, micro_batch_size, max_tokens)
+        padding = lockstep_padding(len(micro))  # expert parallelism: as many forwards as the peers
+        for rows in micro:
             mb = traj.select(rows)
             lengths = mb.prompt_lengths + mb.response_lengths
             pass_routing = (
@@ -163,6 +168,8 @@ def compute_logprobs(
             with pass_routing or nullcontext():
                 lp, _ = response_logprobs(model, mb, temperature, packed)
             out[rows, : lp.size(1)] = lp * mb.response_valid
+        for _ in range(padding):
+            response_logprobs(model, traj.select(micro[0]), temperature, packed)  # discarded
     finally:
         model.train(was_training)
     return out

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from engine.batching.sampler import EpochSampler
 from engine.distributed.collectives import data_parallel_rank, global_rank
+from engine.models.expert_lockstep import expert_group
 from engine.storage.train_state import DataPosition, TrainState, check_run_identity, has_train_state
 
 logger = logging.getLogger(__name__)
@@ -180,8 +181,9 @@ def run_loop(
     lead = global_rank() == 0  # data (and tensor) parallelism: rank 0 logs and shows progress
     # the evaluation's forward is a collective of rank 0's tensor-parallel group (all of it evaluates);
     # a DeepSpeed ZeRO-3 forward gathers parameters from every rank (all of them evaluate)
+    # and under expert parallelism every MoE forward is a collective of the expert group (all evaluate)
     evaluates = hasattr(stage, "evaluate") and (
-        data_parallel_rank() == 0 or getattr(trainer, "collective_forward", False)
+        data_parallel_rank() == 0 or getattr(trainer, "collective_forward", False) or expert_group() is not None
     )
     for step in tqdm(
         range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, dynamic_ncols=True, disable=not lead

@@ -30,6 +30,7 @@ from engine.distributed.collectives import (
     data_parallel_group,
     sum_across_ranks,
 )
+from engine.models.expert_lockstep import expert_group, lockstep_padding
 from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
 from engine.models.moe_router import RouterStats, has_router_losses, set_router_loss_scale
 
@@ -135,6 +136,13 @@ def accumulate_gradients(
     metric sums) is the global total, so every rank ends with the gradient DP=1 computes on
     the whole batch (within fp32 rounding of the sums' order).
 
+    Expert parallelism (``engine.models.expert_lockstep``): every rank of the expert group runs
+    as many forwards and backwards, since the MoE layers exchange tokens in both. A rank with
+    fewer micro-batches than its peers runs padding passes of its first micro-batch, and a
+    micro-batch without loss units is back-propagated too; both back-propagate ``loss * 0``
+    with the router losses weighted 0, so they add exactly 0 to every gradient and nothing to
+    the loss, units or metrics (their routing still counts in :class:`RouterStats`' ``moe/*``).
+
     Args:
         model: the module whose parameters receive gradients (put in train mode).
         micro_batches: anything ``loss_fn`` understands, one entry per micro-batch.
@@ -171,16 +179,22 @@ def accumulate_gradients(
     total_units, loss_total = 0, 0.0
     metric_sums: dict[str, float] = {}
     router_losses = has_router_losses(model)
+    count = len(micro_batches)
     if router_losses and normalized:
-        count = len(micro_batches)
         if data_parallel_group() is not None:
             count = int(sum_across_ranks({"__micro_batches": count})["__micro_batches"])
         set_router_loss_scale(1.0 / count)
+    padding = lockstep_padding(len(micro_batches))  # expert parallelism: as many forwards as the peers
+    lockstep = expert_group() is not None
     for mb in micro_batches:
         loss_sum, units, metrics = loss_fn(model, mb)
         units = int(units)
         if units == 0:
-            if engine_reduces and backward is not None and loss_sum.requires_grad:  # an engine's backward
+            if lockstep and loss_sum.requires_grad:  # the MoE layers' backward collectives
+                _zero_backward(loss_sum, backward, router_losses)
+                if router_losses and normalized:
+                    set_router_loss_scale(1.0 / count)  # back to the step's weight for the next ones
+            elif engine_reduces and backward is not None and loss_sum.requires_grad:  # an engine's backward
                 backward(loss_sum * 0.0)  # keeps this rank's backward collectives in step with the others'
             continue  # nothing to learn from (e.g. every target truncated away)
         if router_losses and not normalized:
@@ -190,6 +204,9 @@ def accumulate_gradients(
         loss_total += float(loss_sum.detach())
         for k, v in metrics.items():
             metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
+    for _ in range(padding):  # the first micro-batch again, weighted 0: no loss, gradient or metric
+        loss_sum, _, _ = loss_fn(model, micro_batches[0])
+        _zero_backward(loss_sum, backward, router_losses)
     all_reduce_tensor_parallel_partial_grads(model)  # Qwen3's q/k norms under TP (nothing otherwise)
     if data_parallel_group() is not None:  # the other data-parallel ranks' shares of the global batch
         if not engine_reduces:
@@ -205,6 +222,19 @@ def accumulate_gradients(
                 p.grad.div_(total_units)
     loss = loss_total if normalized else loss_total / total_units
     return loss, total_units, {k: v / total_units for k, v in metric_sums.items()}
+
+
+def _zero_backward(
+    loss_sum: torch.Tensor, backward: Callable[[torch.Tensor], None] | None, router_losses: bool
+) -> None:
+    """Back-propagate ``loss_sum * 0`` with the router losses weighted 0 too: every gradient it
+    adds is exactly 0, but the backward's collectives (megatron's expert-parallel token
+    dispatcher) run as on the other ranks. The router-loss scale is left at 0 (the caller sets
+    it again before a real micro-batch's backward)."""
+    if router_losses:
+        set_router_loss_scale(0.0)
+    zero = loss_sum * 0.0
+    zero.backward() if backward is None else backward(zero)
 
 
 def train_step(

@@ -33,19 +33,18 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     from config.po import PoConfig
     from config.rm import RMConfig
 
+    with pytest.raises(  # the actor and reference take it (tests/engine/distributed/test_expert_parallel_rl.py)
+        ValueError,
+        match=r"rl.parallel.critic.expert_model_parallel_size=2: expert parallelism runs "
+        r"in the sft stage and the RL actor and reference only",
+    ):
+        RLParallelConfig(critic={"data_parallel_size": 2, "expert_model_parallel_size": 2})
     with pytest.raises(
         ValueError,
-        match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism runs "
-        r"in the sft stage only",
+        match=r"rm.parallel.expert_model_parallel_size=2: expert parallelism runs in the sft and po stages",
     ):
-        RLParallelConfig(actor={"data_parallel_size": 2, "expert_model_parallel_size": 2})
-    for cls, section in ((RMConfig, "rm"), (PoConfig, "po")):
-        with pytest.raises(
-            ValueError,
-            match=rf"{section}.parallel.expert_model_parallel_size=2: expert parallelism "
-            r"runs in the sft stage only",
-        ):
-            cls(global_batch_size=8, micro_batch_size=2, parallel=EP2)
+        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2)
+    assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
 
 
@@ -173,3 +172,47 @@ def test_expert_weights_are_sharded_and_an_uneven_step_is_refused(moe_inputs, ra
     finally:
         group.kill()
     assert not (tmp_path / "out").exists()
+
+
+def test_po_dpo_at_dp2_ep2_equals_dp1_with_held_out_evaluation_on_every_rank(ray_cluster, tmp_path):
+    """Two DPO steps of the tiny Qwen3-MoE on the quickstart pairs (20% held out, evaluated at
+    every step) at DP=1 and at DP=2 x EP=2 (``run_stage``): every rank evaluates the held-out
+    pairs (the same rows, so as many forwards of the same shapes; rank 0 alone would leave its
+    expert peer waiting), and each step's loss, accuracy, rewards, gradient norm and held-out
+    metrics match DP=1's within the bounds. The rm stage still refuses EP."""
+    from config.po import PoConfig
+    from config.rm import RMConfig
+    from engine.distributed.stage_group import run_stage
+    from engine.storage.model_dir import load_tokenizer, save_model_dir
+    from engine.training.preference_optimization import train_preference_optimization
+    from tests.engine.distributed.test_data_parallel_stages import PO_KEYS, _po_config
+    from tests.engine.training.quickstart_data import make_quickstart_inputs
+    from tests.engine.training.test_moe_router import build, moe_config
+
+    with pytest.raises(ValueError, match=r"rm.parallel.expert_model_parallel_size=2: expert parallelism runs in"):
+        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2)
+    assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
+    inputs = make_quickstart_inputs(tmp_path / "data", num_sft=8, num_preference=20)
+    vocab = len(load_tokenizer(inputs["base"]))
+    base = save_model_dir(tmp_path / "moe", build(None, vocab), moe_config(vocab), inputs["base"] / "hf")
+    cfg = _po_config(loss="dpo", steps=2)
+    data = dict(base_model_dir=base, dataset_path=inputs["preference"], seed=0, resume_dir=None)
+    one: dict[int, dict] = {}
+    train_preference_optimization(
+        **data, cfg=cfg, out_dir=tmp_path / "dp1", log_metrics=lambda m, s: one.setdefault(s, m)
+    )
+    two: dict[int, dict] = {}
+    ep_cfg = cfg.model_copy(update={"parallel": EP2})
+    run_stage(
+        train_preference_optimization,
+        dict(**data, cfg=ep_cfg, out_dir=tmp_path / "ep2"),
+        EP2,
+        "po",
+        log_metrics=lambda m, s: two.setdefault(s, dict(m)),
+    )
+    assert sorted(one) == sorted(two) == [1, 2]
+    assert "po/eval_loss" in PO_KEYS and "po/eval_loss" in two[1]  # the held-out evaluation ran at EP
+    for step in (1, 2):
+        for key in PO_KEYS:
+            print(f"po EP step {step} {key}: dp1 {one[step][key]!r} dp2 x ep2 {two[step][key]!r}")
+            assert _close(two[step][key], one[step][key]), (step, key)

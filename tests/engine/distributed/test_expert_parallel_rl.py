@@ -1,0 +1,167 @@
+"""Expert parallelism in the RL actor (``rl.parallel.actor.expert_model_parallel_size``): the
+megatron actor at DP=2 x EP=2 (a :class:`engine.distributed.group.WorkerGroup` of two Ray actors,
+gloo, each rank holding 2 of every MoE layer's 4 experts) against the plain DP=1 worker in this
+process, on the same fixed trajectories.
+
+The model is tests/engine/training/test_moe_router.py's tiny Qwen3-MoE (2 layers, hidden 64, 4
+experts, top-2, vocabulary 300); the trajectories are tests/engine/distributed/test_data_parallel.py's
+(8 responses of lengths 1-7 with advantages of both signs) and their first 5 rows. GRPO-style
+token-mean PPO loss with a KL term, micro-batches of 2 rows. Batch B's 5 rows split 3 + 2 over
+the ranks (by tokens), so rank 0 has 2 micro-batches and rank 1 one: rank 1 runs a
+padding forward (and, in the update, a zero-weighted backward) to keep the all-gather token
+dispatcher in lock-step; every forward's ids are also padded to the group's widest
+(``engine.models.expert_lockstep``), since the dispatcher's all-gather needs equal token counts.
+
+Bounds: test_expert_parallel.py's (losses and gradient norms within 1e-6 of max(|value|, 1);
+weights within 1e-2 x lr with at most 1e-4 of them beyond 1e-6); log-probs within 1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from config.parallel import ParallelConfig, RLParallelConfig
+from config.rl import RLConfig
+from tests.engine.distributed.test_data_parallel import _close, _weights, trajectory
+
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
+
+EP2 = ParallelConfig(data_parallel_size=2, expert_model_parallel_size=2)
+VOCAB = 300
+
+
+def grpo_config() -> RLConfig:
+    """Token-mean PPO-clip loss (GRPO's, with a KL loss term), micro-batches of 2 rows, clipping
+    below the first gradient norm."""
+    return RLConfig(
+        micro_batch_size=2,
+        kl={"coef": 0.1},
+        precision="fp32",
+        optim={"lr": 1e-3, "warmup_steps": 1, "grad_clip": 0.5},
+        parallel={"actor": EP2},
+    )
+
+
+def test_config_accepts_the_actor_and_reference_and_refuses_the_rest():
+    par = RLParallelConfig(actor=EP2, reference=EP2)
+    assert par.actor.expert_model_parallel_size == par.reference.expert_model_parallel_size == 2
+    for role in ("critic", "reward_model"):
+        with pytest.raises(
+            ValueError,
+            match=rf"rl.parallel.{role}.expert_model_parallel_size=2: expert parallelism runs in the sft "
+            r"stage and the RL actor and reference only",
+        ):
+            RLParallelConfig(**{role: EP2})
+    assert grpo_config().parallel.actor.expert_model_parallel_size == 2
+    with pytest.raises(
+        ValueError,
+        match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism needs rl.backend: megatron",
+    ):
+        RLConfig(backend="deepspeed", parallel={"actor": EP2})
+    with pytest.raises(ValueError, match=r"rl.moe_routing_replay with rl.parallel.actor.expert_model_parallel_size=2"):
+        RLConfig(moe_routing_replay=True, parallel={"actor": EP2})
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, fixtures_dir) -> Path:
+    from engine.storage.model_dir import save_model_dir
+    from tests.engine.training.test_moe_router import build, moe_config
+
+    cfg = moe_config(VOCAB) | {"eos_token_id": 2, "pad_token_id": 0}
+    return save_model_dir(
+        tmp_path_factory.mktemp("eprl") / "policy", build(None, VOCAB), cfg, fixtures_dir / "qwen2.5-tokenizer"
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from engine.distributed.cluster import init_ray
+
+    init_ray(num_cpus=2)  # idempotent: the cluster of the other distributed tests when it runs already
+    yield
+
+
+def _buckets(handle, remote: bool) -> dict[str, torch.Tensor]:
+    import ray
+
+    plan = ray.get(handle.hf_bucket_plan.remote()) if remote else handle.hf_bucket_plan()
+    out = {}
+    for i in range(plan.num_buckets):
+        out.update(ray.get(handle.hf_bucket.remote(i)) if remote else handle.hf_bucket(i))
+    return out
+
+
+def test_actor_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(policy_dir, ray_cluster, tmp_path):
+    """Old log-probs, two updates (batch A: 2 micro-batches per rank; batch B: 2 and 1), the
+    weights after them, weight sync's HF tensors (every expert gathered from the expert group)
+    and the train state resumed at DP=1, all against DP=1 x EP=1.
+
+    Measured (fp32, CPU): see docs/conversion.md, Expert parallelism (RL actor)."""
+    import ray
+
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.distributed.group import WorkerGroup, shard_rows
+    from engine.storage.train_state import DataPosition
+    from engine.trajectory import micro_batch_rows
+
+    cfg = grpo_config()
+    single = ActorWorker(policy_dir, cfg.model_copy(update={"parallel": RLParallelConfig()}), 0, 1)
+    group = WorkerGroup(
+        ActorWorker, EP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1), seed=0, norm_fn=single_norm(cfg)
+    )
+    try:
+        ray.get(group.__ray_ready__.remote())
+        base = trajectory()
+        for name, traj in (("A", base), ("B", base.select(torch.arange(5)))):
+            shards = shard_rows((traj.prompt_lengths + traj.response_lengths).tolist(), 2)
+            counts = [len(micro_batch_rows(traj.select(torch.tensor(s)), cfg.micro_batch_size)) for s in shards]
+            assert counts == ([2, 2] if name == "A" else [2, 1]), (name, shards, counts)  # B: a padding forward
+            old = single.compute_logprobs(traj)
+            got = ray.get(group.compute_logprobs.remote(traj))
+            diff = float((got - old).abs().max())
+            print(f"batch {name}: old log-probs EP=2 vs EP=1 max |diff| {diff:.3g}")
+            assert diff <= 1e-6 and float(old.abs().max()) > 1.0  # real log-probs, not zeros
+            traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+            want = single.update(traj)
+            have = ray.get(group.update.remote(traj))
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "actor/ppo_kl"):
+                print(f"batch {name} {key}: dp1 {want.metrics[key]!r} dp2 x ep2 {have.metrics[key]!r}")
+                assert _close(have.metrics[key], want.metrics[key]), (name, key)
+            assert want.metrics["actor/grad_norm"] > cfg.optim.grad_clip  # clipping by the EP-aware norm
+            assert torch.equal(have.old_logprobs, want.old_logprobs)
+
+        single.save_model(tmp_path / "dp1", 2)
+        ray.get(group.save_model.remote(str(tmp_path / "ep2"), 2))  # every rank writes its experts
+        a, b, start = _weights(tmp_path / "dp1"), _weights(tmp_path / "ep2"), _weights(policy_dir)
+        assert a.keys() == b.keys() and sum(".local_experts." in k for k in a) == 2 * 4 * 2  # all 4 experts
+        experts = [k for k in a if ".local_experts." in k]
+        assert all(float((a[k] - start[k]).abs().max()) > 1e-5 for k in experts)  # every expert moved
+        diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
+        print(f"weights after 2 updates: max |diff| {float(diff.max()):.3g}, {int((diff > 1e-6).sum())} > 1e-6")
+        assert float(diff.max()) < 1e-2 * cfg.optim.lr
+        assert int((diff > 1e-6).sum()) <= 1e-4 * diff.numel()
+
+        # weight sync: the group's buckets hold every expert (gathered over the expert group)
+        want_hf, have_hf = _buckets(single, False), _buckets(group, True)
+        assert list(have_hf) == list(want_hf) and any(".experts.3." in k for k in have_hf)
+        sync = max(float((have_hf[k] - want_hf[k]).abs().max()) for k in want_hf)
+        assert sync < 1e-2 * cfg.optim.lr, sync
+
+        # the EP train state resumes at DP=1 with the group's weights, every expert at its index
+        ray.get(group.save_state.remote(str(tmp_path / "resume"), 2, DataPosition(0, 8, 0), {}))
+    finally:
+        group.kill()
+    resumed = ActorWorker(policy_dir, cfg.model_copy(update={"parallel": RLParallelConfig()}), 0, 1)
+    assert resumed.load_state(tmp_path / "resume")[0] == 2
+    mine = {k: v for k, v in resumed.model.state_dict().items() if isinstance(v, torch.Tensor) and k in b}
+    assert mine.keys() == b.keys() and all(torch.equal(mine[k], b[k]) for k in b)
+
+
+def single_norm(cfg: RLConfig):
+    """The group's ``norm_fn``: the whole batch's loss normalisers (every rank's share sums to it)."""
+    from engine.training.actor import actor_norm
+
+    return lambda traj: actor_norm(traj, cfg)
