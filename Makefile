@@ -24,8 +24,9 @@ demo: $(STAMP)
 # the suite's wall time is process start-up and servers, which leaves a second core idle.
 TEST_WORKERS ?= 2
 
+# --durations: the slowest tests in every log, where the suite's time goes.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not acceptance"
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not acceptance" --durations=30
 
 # ruff's lint (pyproject.toml [tool.ruff]); CI runs it before the tests.
 lint: $(STAMP)
