@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal, get_args
 
-from config.module_literal import module_literal
+from config.module_literal import NOT_A_LITERAL, module_literal
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 """The values of ``rl.loss_agg_mode`` (docs/algorithms.md, Loss aggregation)."""
@@ -160,7 +160,7 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
 
     Raises:
         ValueError: not a literal dict of function names to dicts of known fields with
-            values of their types (names the file, the line and the fix).
+            values of their types (names the file, the line, the entry and field, and the fix).
         SyntaxError: the file does not parse.
     """
     known = [f.name for f in fields(AlgorithmNeeds)]
@@ -168,23 +168,30 @@ def declared_needs(path: Path) -> dict[str, AlgorithmNeeds]:
     if found is None:
         return {}
     lineno, value = found
-
-    def valid(key, v) -> bool:
-        if key == "loss_agg_mode":
-            return v is None or v in LOSS_AGG_MODES
-        return key in known and isinstance(v, bool)
-
-    ok = isinstance(value, dict) and all(
-        isinstance(fn, str) and isinstance(needs, dict) and all(valid(k, v) for k, v in needs.items())
-        for fn, needs in value.items()
+    flags = ", ".join(k for k in known if k != "loss_agg_mode")
+    shape = (
+        f"a literal dict of function names to dicts of needs ({flags}: True or False; loss_agg_mode: "
+        f"None or one of {', '.join(LOSS_AGG_MODES)}), e.g. "
+        f'{ALGORITHM_NEEDS} = {{"my_estimator": {{"critic": True}}}}'
     )
-    if not ok or not isinstance(value, dict):
-        flags = ", ".join(k for k in known if k != "loss_agg_mode")
+    if value is NOT_A_LITERAL:
         raise ValueError(
-            f"{path}:{lineno}: {ALGORITHM_NEEDS} must be a literal dict of function names to "
-            f"dicts of needs ({flags}: True or False; loss_agg_mode: None or one of "
-            f"{', '.join(LOSS_AGG_MODES)}), e.g. "
-            f'{ALGORITHM_NEEDS} = {{"my_estimator": {{"critic": True}}}}; it is read without '
-            "importing the module, so it cannot be computed"
+            f"{path}:{lineno}: {ALGORITHM_NEEDS} must be {shape}; it is read without importing the "
+            "module, so it cannot be computed"
         )
+    where = f"{path}:{lineno}: {ALGORITHM_NEEDS}"
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} is a {type(value).__name__}; it must be {shape}")
+    for fn, needs in value.items():
+        if not isinstance(fn, str) or not isinstance(needs, dict):
+            raise ValueError(f"{where}[{fn!r}]: must be a function name mapped to a dict of needs; {shape}")
+        for key, v in needs.items():
+            if key not in known:
+                raise ValueError(f"{where}[{fn!r}]: unknown need {key!r} (known: {', '.join(known)})")
+            if key == "loss_agg_mode" and not (v is None or v in LOSS_AGG_MODES):
+                raise ValueError(
+                    f"{where}[{fn!r}]['loss_agg_mode']: {v!r} is not None or one of {', '.join(LOSS_AGG_MODES)}"
+                )
+            if key != "loss_agg_mode" and not isinstance(v, bool):
+                raise ValueError(f"{where}[{fn!r}][{key!r}]: {v!r} must be True or False")
     return {fn: AlgorithmNeeds(**{**PLUGIN_NEEDS.__dict__, **needs}) for fn, needs in value.items()}

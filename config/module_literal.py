@@ -17,7 +17,8 @@ NOT_A_LITERAL = object()
 
 
 def module_literal(path: Path, name: str) -> tuple[int, object] | None:
-    """The first module-level ``name = <literal>`` (or ``name: T = <literal>``) in ``path``.
+    """The last module-level ``name = <literal>`` (or ``name: T = <literal>``) in ``path``: the
+    one Python leaves bound when it runs the module.
 
     Returns:
         ``(line number, value)``; the value is :data:`NOT_A_LITERAL` when the right-hand
@@ -29,7 +30,7 @@ def module_literal(path: Path, name: str) -> tuple[int, object] | None:
         OSError: the file cannot be read.
     """
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    for node in tree.body:
+    for node in reversed(tree.body):
         if isinstance(node, ast.Assign):
             targets = node.targets
         elif isinstance(node, ast.AnnAssign):

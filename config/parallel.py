@@ -49,11 +49,16 @@ class ParallelConfig(Strict):
     @model_validator(mode="after")
     def _expert_parallel(self):
         ep = self.expert_model_parallel_size
-        if ep > 1 and (self.data_parallel_size % ep or self.tensor_model_parallel_size > 1):
+        if ep > 1 and self.tensor_model_parallel_size > 1:
             raise ValueError(
-                f"expert_model_parallel_size={ep} must divide data_parallel_size="
-                f"{self.data_parallel_size} at tensor_model_parallel_size 1 (got "
-                f"{self.tensor_model_parallel_size}): the experts are sharded over data-parallel ranks"
+                f"expert_model_parallel_size={ep} needs tensor_model_parallel_size 1 (got "
+                f"{self.tensor_model_parallel_size}): tensor-parallel shards of MoE layers are not built "
+                "(megatron trains them only with sequence parallelism); set one of them to 1"
+            )
+        if ep > 1 and self.data_parallel_size % ep:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} must divide data_parallel_size={self.data_parallel_size}: "
+                "the experts are sharded over data-parallel ranks"
             )
         return self
 

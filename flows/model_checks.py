@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from config.schema import PipelineConfig
-from config.stages import chat_trainers
+from config.stages import chat_trainers, is_enabled
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # vLLM's CPU attention backend: vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
@@ -58,9 +58,10 @@ def planned_config(p) -> dict[str, Any]:
     """The config.json sizes of the model an addition ``prepare`` section will build, as
     ``tasks.prepare`` writes them, but for ``vocab_size``: the trained tokenizer's, known once
     it is trained (the section's ``vocab_size`` is only its target). With ``prepare.moe`` the
-    model type is Qwen3-MoE (what the vLLM checks read)."""
-    moe = getattr(p, "moe", None) is not None
-    return {
+    model type is Qwen3-MoE with its expert count, top-k and expert width (what the vLLM and
+    expert checks read)."""
+    moe = getattr(p, "moe", None)
+    planned = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"],
         "model_type": "qwen3_moe" if moe else "qwen2",
         "hidden_size": p.hidden_size,
@@ -71,6 +72,13 @@ def planned_config(p) -> dict[str, Any]:
         "max_position_embeddings": p.max_position_embeddings,
         "tie_word_embeddings": True,
     }
+    if moe is not None:
+        planned.update(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.num_experts_per_tok,
+            moe_intermediate_size=moe.moe_intermediate_size,
+        )
+    return planned
 
 
 def read_model(cfg: PipelineConfig, prepared: bool, problems: list[str], notes: list[str]) -> ModelFacts | None:
@@ -167,10 +175,55 @@ def _reloads_in_place(config: dict[str, Any]) -> bool:
     return reloads_in_place("vllm", config)
 
 
+def _expert_layouts(cfg: PipelineConfig) -> list[tuple[str, int]]:
+    """``(key, expert_model_parallel_size)`` of every layout of the stages the config runs."""
+    layouts = [
+        (f"{stage}.parallel", getattr(cfg, stage).parallel) for stage in chat_trainers() if getattr(cfg, stage).enabled
+    ]
+    if is_enabled(cfg, "rl"):
+        par = cfg.rl.parallel
+        layouts += [(f"rl.parallel.{role}", getattr(par, role)) for role in ("actor", "reference", "critic")]
+        layouts += [("rl.parallel.reward_model", par.reward_model)]
+    return [(f"{key}.expert_model_parallel_size", p.expert_model_parallel_size) for key, p in layouts]
+
+
+def check_experts(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
+    """The MoE settings against the model: expert parallelism must divide each MoE layer's
+    experts (megatron asserts it when the layer is built), and a dense model takes neither
+    expert parallelism nor routing replay."""
+    # conversion (its package imports torch): not paid by `posttrain --help`
+    from conversion.moe_config import moe_fields_from_hf
+
+    model_type = str(m.config.get("model_type"))
+    try:
+        experts = moe_fields_from_hf(model_type, m.config).get("num_experts")
+    except ValueError:  # the conversion check names the key
+        return []
+    problems = []
+    for key, ep in _expert_layouts(cfg):
+        if ep == 1:
+            continue
+        if experts is None:
+            problems.append(
+                f"{key}={ep}: {m.name} is a dense model ({model_type}), it has no experts to shard: set it to 1"
+            )
+        elif experts % ep:
+            problems.append(
+                f"{key}={ep} must divide the {experts} experts of each MoE layer of {m.name} (each rank "
+                f"holds experts / {ep}): use a divisor of {experts}"
+            )
+    if cfg.rl.moe_routing_replay and experts is None and is_enabled(cfg, "rl"):
+        problems.append(
+            f"rl.moe_routing_replay: {str(cfg.rl.moe_routing_replay).lower()} replays the expert choice of a mixture of "
+            f"experts; {m.name} is a dense model ({model_type}): set rl.moe_routing_replay: false"
+        )
+    return problems
+
+
 def check_model(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
     """head_dim against the rollout backend, the context against max_seq_len, the tokenizer
-    against the embedding rows."""
-    problems = []
+    against the embedding rows, the MoE settings against the experts (:func:`check_experts`)."""
+    problems = check_experts(cfg, m)
     hd = m.head_dim
     vllm_keys = [
         k

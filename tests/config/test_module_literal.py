@@ -8,7 +8,7 @@ def test_reads_plain_and_annotated_assignments_without_importing(tmp_path):
     # the raise proves the module is never executed
     path.write_text('raise SystemExit("imported")\nX = 1\nNAMES: list[str] = ["a", "b/"]\nX = 2\n')
     assert module_literal(path, "NAMES") == (3, ["a", "b/"])
-    assert module_literal(path, "X") == (2, 1)  # the first assignment is the declaration
+    assert module_literal(path, "X") == (4, 2)  # the last assignment: the value Python leaves bound
     assert module_literal(path, "ABSENT") is None
 
 

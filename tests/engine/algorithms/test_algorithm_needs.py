@@ -159,27 +159,44 @@ def test_a_module_without_a_declaration_or_not_found_gets_the_default(plugin_dir
     assert "critic" not in training_roles(RLConfig(algorithm=f"{mod}:plain"))
 
 
+SHAPE = (
+    r"a literal dict of function names to dicts of needs \(critic, teacher, group, reference: True or False; "
+    r"loss_agg_mode: None or one of token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm\)"
+)
+
+
 @pytest.mark.parametrize(
-    "declaration",
+    ("declaration", "message"),
     [
-        '{"f": {"critic": 1}}',
-        '{"f": {"citric": True}}',
-        "dict(f={})",
-        '{"f": True}',
-        '{"f": {"loss_agg_mode": "sum"}}',
-        '{"f": {"reference": "yes"}}',
+        ('{"f": {"critic": 1}}', r"ALGORITHM_NEEDS\['f'\]\['critic'\]: 1 must be True or False"),
+        ('{"f": {"reference": "yes"}}', r"ALGORITHM_NEEDS\['f'\]\['reference'\]: 'yes' must be True or False"),
+        (
+            '{"f": {"citric": True}}',
+            r"ALGORITHM_NEEDS\['f'\]: unknown need 'citric' \(known: critic, teacher, group, reference, "
+            r"loss_agg_mode\)",
+        ),
+        (
+            '{"f": {"loss_agg_mode": "token_mean"}}',
+            r"ALGORITHM_NEEDS\['f'\]\['loss_agg_mode'\]: 'token_mean' is not None or one of token-mean, ",
+        ),
+        ('{"f": True}', r"ALGORITHM_NEEDS\['f'\]: must be a function name mapped to a dict of needs; " + SHAPE),
+        ("[1, 2]", r"ALGORITHM_NEEDS is a list; it must be " + SHAPE),
+        ("dict(f={})", r"ALGORITHM_NEEDS must be " + SHAPE + r".*; it is read without importing the module"),
     ],
 )
-def test_a_malformed_declaration_names_the_file_and_line(plugin_dir, declaration):
+def test_a_malformed_declaration_names_the_file_line_entry_and_field(plugin_dir, declaration, message):
     root, mod = plugin_dir
     (root / f"{mod}.py").write_text(f"import os\n\nALGORITHM_NEEDS = {declaration}\n")
-    with pytest.raises(
-        ValidationError,
-        match=rf"{mod}.py:3: ALGORITHM_NEEDS must be a literal dict of function "
-        r"names to dicts of needs \(critic, teacher, group, reference: True or False; loss_agg_mode: "
-        r"None or one of token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm\)",
-    ):
+    with pytest.raises(ValidationError, match=rf"{mod}.py:3: " + message):
         RLConfig(algorithm=f"{mod}:f")
+
+
+def test_the_last_declaration_is_the_one_read_as_python_binds_it(plugin_dir):
+    root, mod = plugin_dir
+    (root / f"{mod}.py").write_text(
+        'ALGORITHM_NEEDS = {"f": {"critic": True}}\nALGORITHM_NEEDS = {"f": {"critic": False, "group": False}}\n'
+    )
+    assert algorithm_needs(f"{mod}:f") == AlgorithmNeeds()
 
 
 def test_the_rl_step_passes_a_critic_plugin_the_values_and_trains_the_critic_on_a_plus_v(plugin_dir):

@@ -29,6 +29,10 @@ EP2 = ParallelConfig(data_parallel_size=2, expert_model_parallel_size=2)
 def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parallel_ranks():
     with pytest.raises(ValueError, match="expert_model_parallel_size=2 must divide data_parallel_size=3"):
         ParallelConfig(data_parallel_size=3, expert_model_parallel_size=2)
+    with pytest.raises(
+        ValueError, match=r"expert_model_parallel_size=2 needs tensor_model_parallel_size 1 \(got 2\)"
+    ):  # named for what is wrong, although 2 divides 2
+        ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2, expert_model_parallel_size=2)
     from config.parallel import RLParallelConfig
     from config.po import PoConfig
     from config.rm import RMConfig
