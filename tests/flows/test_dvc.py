@@ -406,12 +406,12 @@ def _annotation(path: tuple[str, ...]):
 
 
 def _alternatives(value, ann) -> list:
+    if isinstance(value, bool):  # a switch, or a switch with a named mode too (rl.moe_routing_replay: rollout)
+        return [not value]
     if typing.get_origin(ann) in (typing.Union, types.UnionType):  # a built-in's name or a plug-in's import path
         ann = next((a for a in typing.get_args(ann) if typing.get_origin(a) is typing.Literal), ann)
     if typing.get_origin(ann) is typing.Literal:
         return [a for a in typing.get_args(ann) if a != value]
-    if isinstance(value, bool):
-        return [not value]
     if isinstance(value, int):
         return [value + 1, value * 2, value // 2]  # // 2 keeps a micro-batch a divisor of its global batch
     if isinstance(value, float):
