@@ -183,8 +183,16 @@ def _work_pool(api: str) -> dict:
 
 
 def _pause_pool(api: str, paused: bool) -> None:
-    """What ``prefect work-pool pause|resume`` does: one update of the pool's ``is_paused``."""
-    httpx.patch(f"{api}/work_pools/{POOL}", json={"is_paused": paused}, timeout=10).raise_for_status()
+    """What ``prefect work-pool pause|resume`` does: one update of the pool's ``is_paused``,
+    retried on 429/502/503 for up to 60 s as Prefect's own client retries them (a busy server's
+    SQLite database answers 503 for a moment)."""
+    deadline = time.time() + 60
+    while True:
+        response = httpx.patch(f"{api}/work_pools/{POOL}", json={"is_paused": paused}, timeout=10)
+        if response.status_code not in (429, 502, 503) or time.time() > deadline:
+            response.raise_for_status()
+            return
+        time.sleep(2)
 
 
 def _task_runs(api: str, run_id: str) -> list[dict]:
