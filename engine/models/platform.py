@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import threading
 import warnings
 
@@ -105,12 +104,6 @@ def patch_moe_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _seed_rng_tracker(seed: int) -> None:
     """CPU equivalent of megatron's ``model_parallel_cuda_manual_seed`` for this rank.
 
@@ -142,8 +135,8 @@ def _seed_rng_tracker(seed: int) -> None:
 def ensure_process_group() -> None:
     """Make sure a default torch.distributed process group exists in this process.
 
-    Creates a single-process group (gloo on CPU, NCCL on CUDA) on 127.0.0.1 at a free port
-    when there is none. A process whose group was destroyed after megatron's
+    Creates a single-process group (gloo on CPU, NCCL on CUDA) on an in-process store when
+    there is none. A process whose group was destroyed after megatron's
     ``parallel_state`` was built (vLLM's in-process engine tears down the distributed
     environment when it shuts down) would keep megatron's groups pointing at the dead one,
     so that stale state is dropped first; the next :func:`init_model_parallel` rebuilds it.
@@ -157,14 +150,15 @@ def ensure_process_group() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # one rank needs no rendezvous: an in-process store, no port to pick (and race for)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> None:
     """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
 
-    In a process with no process group yet, creates a single-process gloo group on
-    127.0.0.1 at a free port (works in the main process, under pytest and inside a Ray
+    In a process with no process group yet, creates a single-process gloo group on an
+    in-process store (works in the main process, under pytest and inside a Ray
     actor). Then initialises ``parallel_state`` with the given tensor/pipeline sizes and
     seeds megatron's RNG tracker (CPU equivalent of ``model_parallel_cuda_manual_seed``).
     A second call with the same sizes is a no-op.
