@@ -38,6 +38,15 @@ class ParallelConfig(Strict):
         "and po stages and rl.parallel.actor/reference (megatron backend); rl.parallel.critic/reward_model "
         "and rm refuse it (docs/conversion.md, Expert parallelism).",
     )
+    sequence_parallel: bool = Field(
+        False,
+        description="Megatron-core sequence parallelism at tensor_model_parallel_size > 1: the activations "
+        "outside attention and the MLP (norms, residuals) are split along the sequence over the tensor-parallel "
+        "ranks, so each holds 1/TP of them (each forward's length is padded to a multiple of TP; the replicated "
+        "norm gains' gradients are summed over the group). Same update as without it, up to float rounding. "
+        "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it). megatron "
+        "backend only.",
+    )
     cpus_per_rank: float | None = Field(
         None,
         gt=0,
@@ -45,6 +54,15 @@ class ParallelConfig(Strict):
         "engine's CPUs, divided among its ranks.",
     )
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs Ray reserves for each rank (0 on CPU machines).")
+
+    @model_validator(mode="after")
+    def _sequence_parallel(self):
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel: true needs tensor_model_parallel_size > 1 (it splits the sequence over the "
+                "tensor-parallel ranks); set tensor_model_parallel_size >= 2 or sequence_parallel: false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _expert_parallel(self):

@@ -154,19 +154,33 @@ def sum_across_ranks(values: dict[str, float], group=None) -> dict[str, float]:
 TP_PARTIAL_GRAD_NAMES = (".q_layernorm.", ".k_layernorm.")
 
 
+def tensor_parallel_partial(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` (named ``name`` in its model) is replicated over the tensor-parallel
+    group with a gradient that is partial on each rank: :data:`TP_PARTIAL_GRAD_NAMES`, and under
+    sequence parallelism every parameter megatron marks ``sequence_parallel=True`` (the norms,
+    ``linear_proj``'s bias, an MoE router and a shared expert's gate: each rank's gradient covers
+    its own slice of the sequence; ``engine.models.sequence_parallel``)."""
+    return getattr(param, "sequence_parallel", False) or any(key in f".{name}" for key in TP_PARTIAL_GRAD_NAMES)
+
+
 def all_reduce_tensor_parallel_partial_grads(model: torch.nn.Module) -> None:
-    """Sum the gradients of :data:`TP_PARTIAL_GRAD_NAMES` parameters over the tensor-parallel
-    group (their fp32 masters' under mixed precision); nothing without TP."""
+    """Sum the gradients of the :func:`tensor_parallel_partial` parameters over the
+    tensor-parallel group, in one flat fp32 all-reduce (their fp32 masters' under mixed
+    precision); nothing without TP. As megatron's ``_allreduce_non_tensor_model_parallel_grads``,
+    each parameter is summed once, whichever of the two reasons holds."""
     group = tensor_parallel_group()
     if group is None:
         return
     masters = master_params(model)
+    targets = []
     for name, p in model.named_parameters():
-        if any(key in f".{name}" for key in TP_PARTIAL_GRAD_NAMES):
+        if p.requires_grad and tensor_parallel_partial(name, p):
             target = masters[name] if masters is not None and name in masters else p
             if target.grad is None:
                 target.grad = torch.zeros_like(target)
-            dist.all_reduce(target.grad, op=dist.ReduceOp.SUM, group=group)
+            targets.append(target)
+    if targets:
+        all_reduce_gradients(targets, group)
 
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
