@@ -191,36 +191,49 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> flo
     attribute) holds only this rank's slice: the squared norms of the shards are summed over
     the tensor-parallel group, those of replicated parameters (norms, row-parallel biases,
     identical on every rank) are counted once, as megatron's ``clip_grad_norm_fp32`` does.
-    Under expert parallelism (tensor parallelism 1) the expert shards (megatron's
-    ``allreduce=False``) are summed likewise over the expert-model-parallel group.
-    Without TP it is ``torch.nn.utils.clip_grad_norm_``.
+    Under expert parallelism the expert shards (megatron's ``allreduce=False``) are summed
+    likewise over the group their pieces are spread over: the expert-model-parallel group at
+    tensor-parallel size 1, the expert tensor-and-model-parallel group (``TP x EP`` ranks,
+    megatron's expert tensor parallelism) above it.
+    Without TP and EP it is ``torch.nn.utils.clip_grad_norm_``.
     """
     params = [p for p in params if p.grad is not None]
     tp, ep = tensor_parallel_group(), expert_model_parallel_group()
-    if ep is not None:  # expert shards: megatron's allreduce=False
-        return _clip_shards_over(params, max_norm, lambda p: not getattr(p, "allreduce", True), ep)
-    if tp is None:
+    if tp is None and ep is None:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return _clip_shards_over(params, max_norm, lambda p: getattr(p, "tensor_model_parallel", False), tp)
+    buckets: list[tuple[Callable[[torch.nn.Parameter], bool], Any]] = []
+    if ep is not None:  # expert shards: megatron's allreduce=False
+        # megatron: seconds to import; only megatron-core models need it
+        from megatron.core import parallel_state
+
+        group = ep if tp is None else parallel_state.get_expert_tensor_and_model_parallel_group()
+        buckets.append((lambda p: not getattr(p, "allreduce", True), group))
+    if tp is not None:
+        buckets.append((lambda p: getattr(p, "tensor_model_parallel", False), tp))
+    return _clip_shards_over(params, max_norm, buckets)
 
 
 def _clip_shards_over(
-    params: Sequence[torch.nn.Parameter], max_norm: float, is_shard: Callable[[torch.nn.Parameter], bool], group
+    params: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    buckets: Sequence[tuple[Callable[[torch.nn.Parameter], bool], Any]],
 ) -> float:
-    """:func:`clip_grad_norm` where the ``params`` for which ``is_shard`` holds are slices held
-    by the ranks of ``group`` (their squared norms summed over it) and the rest are replicated
-    (counted once)."""
-    shards = torch.zeros((), dtype=torch.float32)
+    """:func:`clip_grad_norm` where a parameter for which a bucket's predicate holds (the first
+    that does) is a slice held by the ranks of that bucket's group (its squared norm summed
+    over the group) and the rest are replicated (counted once)."""
+    sums = [torch.zeros((), dtype=torch.float32) for _ in buckets]
     replicated = torch.zeros((), dtype=torch.float32)
     grads = [(p, p.grad) for p in params if p.grad is not None]  # as clip_grad_norm_, one without a gradient is skipped
     for p, g in grads:
         sq = g.detach().float().pow(2).sum()
-        if is_shard(p):
-            shards += sq
-        else:
+        index = next((i for i, (is_shard, _) in enumerate(buckets) if is_shard(p)), None)
+        if index is None:
             replicated += sq
-    dist.all_reduce(shards, op=dist.ReduceOp.SUM, group=group)
-    total = float((shards + replicated).sqrt())
+        else:
+            sums[index] += sq
+    for total_of_bucket, (_, group) in zip(sums, buckets):
+        dist.all_reduce(total_of_bucket, op=dist.ReduceOp.SUM, group=group)
+    total = float((sum(sums, torch.zeros((), dtype=torch.float32)) + replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for _, g in grads:

@@ -12,6 +12,7 @@ max(|value|, 1) for losses and norms; weights within 1e-2 x lr, at most 1e-4 of 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from config.parallel import ParallelConfig
 from tests.engine.distributed.test_data_parallel import _close
@@ -122,14 +123,36 @@ def test_moe_sft_step_at_tp2_with_sequence_parallelism_equals_tp1(moe_inputs, tm
 
     Measured (printed with -s): the loss bit-identical (5.9917417), grad_norm 1.2045107 vs
     1.2045108 (1.2e-7), weights at most 5.6e-6 apart (7 of 175,040 beyond 1e-6), the routed
-    positions equal (1,024 per layer); 38 s here.
+    positions equal (1,024 per layer); 16-38 s here.
     """
     _moe_sft_step_against_tp1(moe_inputs, tmp_path, TP2_SP)
 
 
+def test_moe_sft_step_at_dp2_tp2_ep2_equals_tp1(moe_inputs, tmp_path):  # noqa: F811
+    """The same step on 4 ranks: DP=2 x TP=2 x EP=2 with SP. Each rank holds 2 of the 4 experts
+    of each layer, half of each one's width; the dispatcher exchanges the tokens over the
+    expert tensor-and-model-parallel group (all 4 ranks); the data-parallel ranks each take
+    every other micro-batch; the gradient norm sums the expert shards' squares over that group.
+    Same bounds as at TP=2.
+
+    Measured (printed with -s): loss 1.7e-7 apart (the data-parallel sum's order), grad_norm
+    1.2e-7, weights at most 4.4e-6 apart (4 of 175,040 beyond 1e-6), routed positions equal;
+    22 s here on a quiet machine, 47 s with another test run beside it (21 and 31 s of it the 4
+    ranks' start, step and train-state write), so it stays in `make test`."""
+    _moe_sft_step_against_tp1(
+        moe_inputs,
+        tmp_path,
+        ParallelConfig(
+            data_parallel_size=2, tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True
+        ),
+    )
+
+
 def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> None:  # noqa: F811
     """One SFT step of the tiny Qwen3-MoE at TP=1 in this process and at ``layout`` on Ray
-    ranks (``StageRank``), compared as the MoE tests' docstrings say."""
+    ranks (``StageRank``), compared as the MoE tests' docstrings say; the train state the ranks
+    write (each its expert and tensor shards), read back whole, is the model directory's weights
+    bit for bit."""
     import time
 
     import ray
@@ -137,6 +160,7 @@ def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> N
     from engine.distributed.group import WorkerGroup
     from engine.distributed.stage_group import StageRank
     from engine.rl.placement import init_ray
+    from engine.storage.train_state import load_train_state
     from engine.training.sft import train_sft
 
     init_ray(num_cpus=2)
@@ -148,7 +172,9 @@ def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> N
     group = WorkerGroup(StageRank, layout, {"num_cpus": 0}, (1,))  # one torch thread per rank
     try:
         ray.get(group.__ray_ready__.remote())
-        got = ray.get(group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2"}))
+        got = ray.get(
+            group.run.remote(train_sft, {**args, "out_dir": tmp_path / "tp2", "resume_dir": tmp_path / "resume"})
+        )
     finally:
         group.kill()
     what = (
@@ -160,7 +186,9 @@ def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> N
         assert _close(got[key], want[key]), key
     assert got["train/tokens"] == want["train/tokens"] > 0
     assert want["train/grad_norm"] > cfg.optim.grad_clip  # the TP-aware clipping is exercised
-    _assert_step_weights_close(tmp_path / "tp1", tmp_path / "tp2", moe_inputs["base"], lr, f"moe sft {what}")
+    b = _assert_step_weights_close(tmp_path / "tp1", tmp_path / "tp2", moe_inputs["base"], lr, f"moe sft {what}")
+    state = load_train_state(tmp_path / "resume").model  # every rank's expert and tensor shards, gathered
+    assert state.keys() == b.keys() and [k for k in b if not torch.equal(state[k], b[k])] == []
     experts = [k for k in want if k.startswith("moe/tokens_per_expert/")]
     assert len(experts) == 4
     tp1, tp2 = sum(want[k] for k in experts), sum(got[k] for k in experts)
