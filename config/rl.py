@@ -527,6 +527,14 @@ class RLConfig(Strict):
                 "expert-parallel lock-step pads each forward to the expert group's shape, which the recorded "
                 "routing does not follow); set rl.moe_routing_replay: false or the expert_model_parallel_size to 1"
             )
+        tp = self.parallel.actor.tensor_model_parallel_size
+        if self.moe_routing_replay and tp > 1:  # an MoE model at TP > 1 runs sequence-parallel: each rank routes half
+            raise ValueError(
+                f"rl.moe_routing_replay with rl.parallel.actor.tensor_model_parallel_size={tp} is not built (an MoE "
+                "model at TP > 1 runs sequence-parallel: each rank routes its slice of each forward, padded to a "
+                "multiple of TP, which the recorded routing does not follow); set rl.moe_routing_replay: false or "
+                "the tensor_model_parallel_size to 1"
+            )
         return self
 
     @property

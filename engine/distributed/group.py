@@ -131,10 +131,11 @@ class RankActor:
         args: tuple,
         kwargs: dict,
         expert_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         """Join the process group at ``master``, start megatron's parallel state with
-        ``tensor_model_parallel_size`` (the data-parallel size is the rest of the world), then
-        build ``worker_cls(*args, **kwargs)``.
+        ``tensor_model_parallel_size``, ``expert_model_parallel_size`` and ``sequence_parallel``
+        (the data-parallel size is the rest of the world), then build ``worker_cls(*args, **kwargs)``.
 
         Raises: what ``torch.distributed.init_process_group`` (e.g. a rendezvous timeout) or
         the worker's constructor raises.
@@ -147,7 +148,9 @@ class RankActor:
         dist.init_process_group(
             backend=backend, store=self.store, rank=self.rank, world_size=self.world_size, timeout=RENDEZVOUS_TIMEOUT
         )
-        init_model_parallel(tp=tensor_model_parallel_size, seed=seed, ep=expert_model_parallel_size)
+        init_model_parallel(
+            tp=tensor_model_parallel_size, seed=seed, ep=expert_model_parallel_size, sequence_parallel=sequence_parallel
+        )
         self.worker = worker_cls(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs):
@@ -271,7 +274,14 @@ class WorkerGroup:
         master = ray.get(self.ranks[0].address.remote())
         self._ready = [
             r.setup.remote(
-                master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}), layout.expert_model_parallel_size
+                master,
+                self.tp,
+                seed,
+                worker_cls,
+                tuple(args),
+                dict(kwargs or {}),
+                layout.expert_model_parallel_size,
+                layout.sequence_parallel,
             )
             for r in self.ranks
         ]

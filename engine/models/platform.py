@@ -31,6 +31,7 @@ _LOCK = threading.Lock()
 
 
 _CPU_PLATFORM_READY = False
+_SEQUENCE_PARALLEL = False  # of the model-parallel state init_model_parallel started
 
 
 def _cpu_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -154,7 +155,7 @@ def ensure_process_group() -> None:
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1, sequence_parallel: bool = False) -> None:
     """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
 
     In a process with no process group yet, creates a single-process gloo group on an
@@ -170,11 +171,16 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) ->
         seed: seed for the tracker's named RNG states.
         ep: expert-model-parallel size (an MoE model's experts sharded over ``ep`` ranks of the
             data-parallel group; megatron's ``expert_model_parallel_size``).
+        sequence_parallel: build models with megatron's sequence parallelism
+            (``engine.models.sequence_parallel``; read by ``engine.models.megatron.build_gpt_model``
+            through :func:`sequence_parallel_enabled`); needs ``tp > 1``.
 
     Raises:
-        ValueError: the model-parallel state already exists with different sizes, or
-            ``tp * pp`` does not divide the world size.
+        ValueError: the model-parallel state already exists with different sizes (or another
+            ``sequence_parallel``), ``tp * pp`` does not divide the world size, or
+            ``sequence_parallel`` at ``tp`` 1.
     """
+    global _SEQUENCE_PARALLEL
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
@@ -187,18 +193,31 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) ->
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size(),
             )
-            if have != (tp, pp, ep):
+            if have + (_SEQUENCE_PARALLEL,) != (tp, pp, ep, sequence_parallel):
                 raise ValueError(
-                    f"model parallel already initialised with (tp, pp, ep)={have}, asked for {(tp, pp, ep)}"
+                    f"model parallel already initialised with (tp, pp, ep, sequence_parallel)="
+                    f"{have + (_SEQUENCE_PARALLEL,)}, asked for {(tp, pp, ep, sequence_parallel)}"
                 )
             return
         world = dist.get_world_size()
         if tp < 1 or pp < 1 or world % (tp * pp):
             raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
+        if sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel needs a tensor-parallel size above 1 (got tp=1)")
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
         )
+        _SEQUENCE_PARALLEL = bool(sequence_parallel)
         _seed_rng_tracker(seed)
+
+
+def sequence_parallel_enabled() -> bool:
+    """Whether :func:`init_model_parallel` started this process's model-parallel state with
+    ``sequence_parallel`` (False when there is no state)."""
+    # megatron: seconds to import; only megatron-core models need it
+    from megatron.core import parallel_state
+
+    return _SEQUENCE_PARALLEL and parallel_state.model_parallel_is_initialized()
 
 
 def ensure_model_parallel() -> int:
