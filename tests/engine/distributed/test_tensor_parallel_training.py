@@ -129,7 +129,13 @@ def test_actor_update_at_tp2_equals_tp1_and_its_checkpoint_reshards(policy_dir, 
     a, b = _weights(tmp_path / "tp1"), _weights(tmp_path / "tp2")  # loaded at TP=1: resharded
     assert a.keys() == b.keys()
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
-    assert float(diff.max()) < 1e-2 * cfg.optim.lr
+    # AdamW's first step moves a weight by lr * g / (|g| + eps): about lr for any gradient well above
+    # eps (1e-8), so a wrong shard moves whole rows by ~lr. A gradient that cancels to ~eps (rounding
+    # noise of fp32 sums, which a TP=2 sum orders differently) moves by a fraction of lr that
+    # depends on that noise: 1.07e-2 * lr on an Intel Xeon without AVX512-BF16, under 1e-2 on a
+    # Zen 4. Hence the bound on the largest difference is lr / 10, and nearly all weights must
+    # agree to 1e-6.
+    assert float(diff.max()) < 0.1 * cfg.optim.lr
     assert int((diff > 1e-6).sum()) <= 1e-4 * diff.numel()
     start = _weights(policy_dir)
     assert float(max((a[k] - start[k]).abs().max() for k in a)) > 1e-4  # the step moved the weights
