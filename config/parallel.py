@@ -34,9 +34,9 @@ class ParallelConfig(Strict):
         description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
         "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
-        "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft "
-        "and po stages and rl.parallel.actor/reference (megatron backend); rl.parallel.critic/reward_model "
-        "and rm refuse it (docs/conversion.md, Expert parallelism).",
+        "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft, rm "
+        "and po stages (rm.backend megatron) and every RL role (rl.backend megatron for the actor and "
+        "critic) take it (docs/conversion.md, Expert parallelism).",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -71,18 +71,6 @@ class ParallelConfig(Strict):
 class RLParallelConfig(Strict):
     """Layouts of the RL stage's training roles (rl.parallel)."""
 
-    @model_validator(mode="after")
-    def _no_expert_parallel(self):
-        for role in ("critic", "reward_model"):
-            ep = getattr(self, role).expert_model_parallel_size
-            if ep > 1:  # their value/score forwards are not lock-stepped over the EP ranks: one would wait forever
-                raise ValueError(
-                    f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the sft "
-                    "stage and the RL actor and reference only (every MoE forward is a collective of the expert "
-                    f"group, and the {role}'s forwards are not lock-stepped over its ranks); set it to 1"
-                )
-        return self
-
     actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
     critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
     reference: ParallelConfig = Field(
@@ -114,13 +102,6 @@ def check_stage_layout(
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
     dp = layout.data_parallel_size
-    if layout.expert_model_parallel_size > 1 and section == "rm":  # its score forwards are not lock-stepped
-        raise ValueError(
-            f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
-            "parallelism runs in the sft and po stages and the RL actor and reference (the reward model's "
-            "score forwards are not padded to the expert group's shape, and every MoE forward is a "
-            "collective of the expert group); set it to 1"
-        )
     if dp == 1:
         return
     if token_budget is None and global_batch_size // micro_batch_size < dp:

@@ -23,7 +23,7 @@ from engine.algorithms.kl import get_kl_estimator
 from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
 from engine.batching.packing import pack_sequences, packed_response_index
-from engine.models.expert_lockstep import lockstep_padding
+from engine.models.expert_lockstep import lockstep_passes
 from engine.models.megatron import gpt_logits_packed
 from engine.trajectory import Trajectory, micro_batch_rows
 
@@ -157,10 +157,12 @@ def compute_logprobs(
     if routing is not None:
         routing.clear()
     try:
-        micro = micro_batch_rows(traj, micro_batch_size, max_tokens)
-        padding = lockstep_padding(len(micro))  # expert parallelism: as many forwards as the peers
-        for rows in micro:
+        # expert parallelism: as many forwards as the peers (padding passes of the first, discarded)
+        for rows, real in lockstep_passes(micro_batch_rows(traj, micro_batch_size, max_tokens)):
             mb = traj.select(rows)
+            if not real:
+                response_logprobs(model, mb, temperature, packed)
+                continue
             lengths = mb.prompt_lengths + mb.response_lengths
             pass_routing = (
                 routing.old_logprob_pass(rows, mb.routed_experts, lengths, packed) if routing is not None else None
@@ -168,8 +170,6 @@ def compute_logprobs(
             with pass_routing or nullcontext():
                 lp, _ = response_logprobs(model, mb, temperature, packed)
             out[rows, : lp.size(1)] = lp * mb.response_valid
-        for _ in range(padding):
-            response_logprobs(model, traj.select(micro[0]), temperature, packed)  # discarded
     finally:
         model.train(was_training)
     return out
