@@ -520,13 +520,6 @@ class RLConfig(Strict):
                 "rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
                 "set rl.moe_routing_replay: false or rl.backend: megatron"
             )
-        ep = self.parallel.actor.expert_model_parallel_size
-        if self.moe_routing_replay and ep > 1:  # a replay is one micro-batch's token layout; EP pads layouts
-            raise ValueError(
-                f"rl.moe_routing_replay with rl.parallel.actor.expert_model_parallel_size={ep} is not built (the "
-                "expert-parallel lock-step pads each forward to the expert group's shape, which the recorded "
-                "routing does not follow); set rl.moe_routing_replay: false or the expert_model_parallel_size to 1"
-            )
         return self
 
     @property

@@ -180,7 +180,7 @@ def actor_loss_fn(
     temperature: float,
     norm: GlobalNorm,
     captured: dict[int, torch.Tensor] | None = None,
-    replay: tuple[RoutingReplay, dict[int, list[torch.Tensor]]] | None = None,
+    replay: tuple[RoutingReplay, dict[int, int]] | None = None,
 ):
     """The per-micro-batch actor loss for :func:`engine.training.optimizer_step.train_step` (``normalized=True``).
 
@@ -189,10 +189,10 @@ def actor_loss_fn(
     policy-gradient estimator; TRL's ``GRPOTrainer`` does the same when each batch is used for
     one optimizer step). They are stored in ``captured`` under ``id(micro_batch)``.
 
-    With ``replay = (routing, indices)`` (``rl.moe_routing_replay``) the forward of micro-batch
-    ``mb`` sends every token to the experts ``indices[id(mb)]`` recorded in the old-log-prob pass
-    (:meth:`engine.models.routing_replay.RoutingReplay.replaying`); its backward uses the same
-    routing.
+    With ``replay = (routing, positions)`` (``rl.moe_routing_replay``) the forward of micro-batch
+    ``mb`` sends every token to the experts ``routing`` recorded for micro-batch ``positions[id(mb)]``
+    in the old-log-prob pass (:meth:`engine.models.routing_replay.RoutingReplay.replaying`, laid
+    out for the forward's expert-parallel padding); its backward uses the same routing.
 
     Per micro-batch: ``pg_loss`` of ``cfg.policy_loss`` (PPO clip or GSPO, with clip-higher,
     dual-clip and TIS as configured) ``+ kl.coef * aggregate(KL_t)`` when the KL is a loss
@@ -225,7 +225,9 @@ def actor_loss_fn(
         if mb.old_logprobs is None and captured is None:
             raise ValueError("actor loss: the trajectory has no old_logprobs")
         mask = mb.response_mask
-        with replay[0].replaying(replay[1][id(mb)]) if replay is not None else nullcontext():
+        with (
+            replay[0].replaying(*replay[0].recorded_routing(replay[1][id(mb)])) if replay is not None else nullcontext()
+        ):
             logprobs, entropy = response_logprobs(
                 model, mb, temperature, cfg.packing, entropy=True, entropy_grad=cfg.entropy_coef > 0
             )
@@ -345,7 +347,7 @@ def actor_update(
                 "the routing (compute_logprobs before update)"
             )
         routing.check(rows)
-        replay = (routing, {id(mb): indices for mb, indices in zip(micro, routing.recorded)})
+        replay = (routing, {id(mb): i for i, mb in enumerate(micro)})  # micro-batch -> its recording
     loss_fn = actor_loss_fn(cfg, temperature, norm, captured, replay)
     epochs = []
     for _ in range(cfg.ppo_epochs):
