@@ -33,10 +33,20 @@ class ParallelConfig(Strict):
         ge=1,
         description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
-        "data-parallel ranks, so it must divide data_parallel_size (tensor_model_parallel_size 1). "
+        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 only in "
+        "the sft stage, with sequence_parallel; each expert is then also split over the tensor-parallel ranks). "
         "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft, rm "
         "and po stages (rm.backend megatron) and every RL role (rl.backend megatron for the actor and "
         "critic) take it (docs/conversion.md, Expert parallelism).",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="Megatron-core sequence parallelism at tensor_model_parallel_size > 1: the activations "
+        "outside attention and the MLP (norms, residuals) are split along the sequence over the tensor-parallel "
+        "ranks, so each holds 1/TP of them (each forward's length is padded to a multiple of TP; the replicated "
+        "norm gains' gradients are summed over the group). Same update as without it, up to float rounding. "
+        "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it; with "
+        "expert_model_parallel_size > 1 too, the sft stage only). megatron backend only.",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -47,13 +57,22 @@ class ParallelConfig(Strict):
     gpus_per_rank: float = Field(0.0, ge=0, description="GPUs Ray reserves for each rank (0 on CPU machines).")
 
     @model_validator(mode="after")
+    def _sequence_parallel(self):
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "sequence_parallel: true needs tensor_model_parallel_size > 1 (it splits the sequence over the "
+                "tensor-parallel ranks); set tensor_model_parallel_size >= 2 or sequence_parallel: false"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _expert_parallel(self):
         ep = self.expert_model_parallel_size
-        if ep > 1 and self.tensor_model_parallel_size > 1:
+        if ep > 1 and self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ValueError(
-                f"expert_model_parallel_size={ep} needs tensor_model_parallel_size 1 (got "
-                f"{self.tensor_model_parallel_size}): tensor-parallel shards of MoE layers are not built "
-                "(megatron trains them only with sequence parallelism); set one of them to 1"
+                f"expert_model_parallel_size={ep} with tensor_model_parallel_size={self.tensor_model_parallel_size} "
+                "needs sequence_parallel: true (megatron-core trains MoE layers at tensor-parallel size > 1 only "
+                "with sequence parallelism); set sequence_parallel: true or one of the sizes to 1"
             )
         if ep > 1 and self.data_parallel_size % ep:
             raise ValueError(
@@ -71,6 +90,14 @@ class ParallelConfig(Strict):
 class RLParallelConfig(Strict):
     """Layouts of the RL stage's training roles (rl.parallel)."""
 
+    @model_validator(mode="after")
+    def _no_expert_times_tensor_parallel(self):
+        for role in ("actor", "reference", "critic", "reward_model"):
+            layout = getattr(self, role)
+            if layout.expert_model_parallel_size > 1 and layout.tensor_model_parallel_size > 1:
+                raise ValueError(_EP_TIMES_TP.format(key=f"rl.parallel.{role}"))
+        return self
+
     actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
     critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
     reference: ParallelConfig = Field(
@@ -82,6 +109,13 @@ class RLParallelConfig(Strict):
         "rl.reward.reward_model_weight != 0; frozen, scores only): data parallelism "
         "splits the responses, tensor parallelism the model.",
     )
+
+
+_EP_TIMES_TP = (
+    "{key}: expert_model_parallel_size > 1 together with tensor_model_parallel_size > 1 runs in the sft stage "
+    "only (the rm and po stages' and the RL roles' score, value and reference passes and weight sync are not "
+    "tested at that layout); set one of them to 1"
+)
 
 
 def check_stage_layout(
@@ -102,6 +136,8 @@ def check_stage_layout(
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
     dp = layout.data_parallel_size
+    if layout.expert_model_parallel_size > 1 and layout.tensor_model_parallel_size > 1 and section != "sft":
+        raise ValueError(_EP_TIMES_TP.format(key=f"{section}.parallel"))
     if dp == 1:
         return
     if token_budget is None and global_batch_size // micro_batch_size < dp:

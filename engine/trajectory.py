@@ -73,7 +73,9 @@ class Trajectory:
         routed_experts: int16 tensor ``[B, T, moe_layers, k]`` or None: the experts every MoE
             layer of the rollout engine routed each prompt and response token to (position ``t``
             of ``input_ids``; ``rl.moe_routing_replay: rollout``, R3;
-            ``RolloutOutput.routed_experts``); 0 past a row's real tokens.
+            ``RolloutOutput.routed_experts``, ``MultiTurnSample.routed_experts``); 0 past the
+            tokens the rollout routed (padding; a multi-turn row's last observation tokens when
+            the budget closed it after them).
     """
 
     input_ids: torch.Tensor
@@ -157,12 +159,14 @@ class Trajectory:
         the prompt (policy and environment), ``response_mask`` is the samples' loss mask (1 on
         policy tokens, 0 on environment tokens), ``response_valid`` is 1 on all of them,
         ``rollout_logprobs`` are 0 on environment tokens, ``rewards`` are the environments'
-        (``MultiTurnSample.reward``) and ``truncated`` marks ``finish_reason == "length"``.
+        (``MultiTurnSample.reward``) and ``truncated`` marks ``finish_reason == "length"``;
+        ``routed_experts`` when the samples carry them (rollout routing replay).
 
         Raises:
             ValueError: prompts and sample groups differ in count, a prompt is empty, or a
                 sample is empty, has a log-prob or loss-mask entry count different from its
-                token count, or a loss-mask value other than 0/1.
+                token count, a loss-mask value other than 0/1, or routed experts that are not
+                ``[<= prompt + response tokens, moe_layers, k]``.
         """
         if len(prompt_token_ids) != len(samples):
             raise ValueError(f"{len(prompt_token_ids)} prompts but {len(samples)} multi-turn sample groups")
@@ -179,6 +183,12 @@ class Trajectory:
                     )
                 if any(m not in (0, 1) for m in smp.loss_mask):
                     raise ValueError(f"prompt {i} sample {j}: loss mask values must be 0 or 1")
+                routed = smp.routed_experts
+                if routed is not None and (routed.dim() != 3 or routed.size(0) > len(prompt) + n):
+                    raise ValueError(
+                        f"prompt {i} sample {j}: routed_experts of shape {tuple(routed.shape)}, need "
+                        f"[at most {len(prompt) + n} (prompt + response tokens), moe_layers, k]"
+                    )
                 rows.append(
                     _Row(
                         list(prompt),
@@ -188,6 +198,7 @@ class Trajectory:
                         i,
                         smp.finish_reason,
                         float(smp.reward),
+                        routed,
                     )
                 )
         return cls._build(rows, pad_id)

@@ -16,6 +16,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 from typing import Any
 
+from config.parallel import ParallelConfig
 from config.schema import PipelineConfig
 from config.stages import chat_trainers, is_enabled
 
@@ -175,8 +176,8 @@ def _reloads_in_place(config: dict[str, Any]) -> bool:
     return reloads_in_place("vllm", config)
 
 
-def _expert_layouts(cfg: PipelineConfig) -> list[tuple[str, int]]:
-    """``(key, expert_model_parallel_size)`` of every layout of the stages the config runs."""
+def _expert_layouts(cfg: PipelineConfig) -> list[tuple[str, ParallelConfig]]:
+    """``(key, layout)`` of every layout of the stages the config runs (key: ``<section>.parallel``)."""
     layouts = [
         (f"{stage}.parallel", getattr(cfg, stage).parallel) for stage in chat_trainers() if getattr(cfg, stage).enabled
     ]
@@ -184,13 +185,14 @@ def _expert_layouts(cfg: PipelineConfig) -> list[tuple[str, int]]:
         par = cfg.rl.parallel
         layouts += [(f"rl.parallel.{role}", getattr(par, role)) for role in ("actor", "reference", "critic")]
         layouts += [("rl.parallel.reward_model", par.reward_model)]
-    return [(f"{key}.expert_model_parallel_size", p.expert_model_parallel_size) for key, p in layouts]
+    return layouts
 
 
 def check_experts(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
     """The MoE settings against the model: expert parallelism must divide each MoE layer's
-    experts (megatron asserts it when the layer is built), and a dense model takes neither
-    expert parallelism nor routing replay."""
+    experts (megatron asserts it when the layer is built), an MoE model at tensor-parallel size
+    > 1 needs sequence parallelism (megatron's MoELayer refuses to train without it), and a
+    dense model takes neither expert parallelism nor routing replay."""
     # conversion (its package imports torch): not paid by `posttrain --help`
     from conversion.moe_config import moe_fields_from_hf
 
@@ -200,7 +202,14 @@ def check_experts(cfg: PipelineConfig, m: ModelFacts) -> list[str]:
     except ValueError:  # the conversion check names the key
         return []
     problems = []
-    for key, ep in _expert_layouts(cfg):
+    for section, layout in _expert_layouts(cfg):
+        tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
+        if experts is not None and tp > 1 and not layout.sequence_parallel:
+            problems.append(
+                f"{section}.tensor_model_parallel_size={tp}: {m.name} is a mixture of experts, which megatron-core "
+                f"trains at tensor-parallel size > 1 only with sequence parallelism: set {section}.sequence_parallel: true"
+            )
+        key = f"{section}.expert_model_parallel_size"
         if ep == 1:
             continue
         if experts is None:

@@ -1,7 +1,8 @@
 """The plug-ins of a config, checked before any stage runs: each reward function
-(``rl.reward.functions``) and the multi-turn environment (``rl.environment``) imported by its
-path, as the rl stage will, and each reward function called once on real rl_train rows, so
-that one which raises, returns NaN, a non-number or the wrong count is refused by
+(``rl.reward.functions``), the multi-turn environment (``rl.environment``) and an advantage
+estimator or policy-loss plug-in (``rl.algorithm`` with the keywords its declared needs add,
+``rl.policy_loss``) imported by its path, as the rl stage will, and each reward function
+called once on real rl_train rows, so that one which raises, returns NaN, a non-number or the wrong count is refused by
 ``posttrain validate`` and ``posttrain run`` instead of failing the first RL step. Each
 problem is one string naming the config key first."""
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from config.schema import PipelineConfig
+from engine.algorithms.plugins import is_import_path
 from flows.content_checks import WEIGHT_GLOBS
 
 TRIAL_ROWS = 2  # two, so that a batched function returning one value for the batch shows
@@ -47,6 +49,30 @@ def check_plugins(cfg: PipelineConfig, rows: dict[str, Any] | None = None) -> li
             load_environment_factory(cfg.rl.environment)
         except ImportError as exc:
             problems.append(f"rl.environment: cannot load {cfg.rl.environment!r}: {exc}")
+    problems += check_algorithm_plugins(cfg)
+    return problems
+
+
+def check_algorithm_plugins(cfg: PipelineConfig) -> list[str]:
+    """The algorithm plug-ins (``package.module:function``) loaded as the rl stage loads them:
+    ``rl.algorithm``'s module imports, its function exists and takes ``(rewards, group_index,
+    mask)`` and the keywords of its declared ``ALGORITHM_NEEDS`` (``values=`` for a critic,
+    ``ref_logprobs=`` for a reference, the teacher's); ``rl.policy_loss``'s takes the policy
+    loss's arguments. A registered name is the schema's to check. Returns problems (the
+    loader's message names the key, the path and the reason)."""
+    if not (is_import_path(cfg.rl.algorithm) or is_import_path(cfg.rl.policy_loss)):
+        return []
+    # torch (via engine.algorithms): seconds to import, not paid unless a plug-in is named
+    from engine.algorithms.advantages import get_advantage_estimator
+    from engine.algorithms.policy_loss import get_policy_loss
+
+    problems = []
+    for name, load in ((cfg.rl.algorithm, get_advantage_estimator), (cfg.rl.policy_loss, get_policy_loss)):
+        if is_import_path(name):
+            try:
+                load(name)
+            except ImportError as exc:
+                problems.append(str(exc))
     return problems
 
 

@@ -160,19 +160,33 @@ def sum_across_ranks(values: dict[str, float], group=None) -> dict[str, float]:
 TP_PARTIAL_GRAD_NAMES = (".q_layernorm.", ".k_layernorm.")
 
 
+def tensor_parallel_partial(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` (named ``name`` in its model) is replicated over the tensor-parallel
+    group with a gradient that is partial on each rank: :data:`TP_PARTIAL_GRAD_NAMES`, and under
+    sequence parallelism every parameter megatron marks ``sequence_parallel=True`` (the norms,
+    ``linear_proj``'s bias, an MoE router and a shared expert's gate: each rank's gradient covers
+    its own slice of the sequence; ``engine.models.sequence_parallel``)."""
+    return getattr(param, "sequence_parallel", False) or any(key in f".{name}" for key in TP_PARTIAL_GRAD_NAMES)
+
+
 def all_reduce_tensor_parallel_partial_grads(model: torch.nn.Module) -> None:
-    """Sum the gradients of :data:`TP_PARTIAL_GRAD_NAMES` parameters over the tensor-parallel
-    group (their fp32 masters' under mixed precision); nothing without TP."""
+    """Sum the gradients of the :func:`tensor_parallel_partial` parameters over the
+    tensor-parallel group, in one flat fp32 all-reduce (their fp32 masters' under mixed
+    precision); nothing without TP. As megatron's ``_allreduce_non_tensor_model_parallel_grads``,
+    each parameter is summed once, whichever of the two reasons holds."""
     group = tensor_parallel_group()
     if group is None:
         return
     masters = master_params(model)
+    targets = []
     for name, p in model.named_parameters():
-        if any(key in f".{name}" for key in TP_PARTIAL_GRAD_NAMES):
+        if p.requires_grad and tensor_parallel_partial(name, p):
             target = masters[name] if masters is not None and name in masters else p
             if target.grad is None:
                 target.grad = torch.zeros_like(target)
-            dist.all_reduce(target.grad, op=dist.ReduceOp.SUM, group=group)
+            targets.append(target)
+    if targets:
+        all_reduce_gradients(targets, group)
 
 
 def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
@@ -183,36 +197,49 @@ def clip_grad_norm(params: Sequence[torch.nn.Parameter], max_norm: float) -> flo
     attribute) holds only this rank's slice: the squared norms of the shards are summed over
     the tensor-parallel group, those of replicated parameters (norms, row-parallel biases,
     identical on every rank) are counted once, as megatron's ``clip_grad_norm_fp32`` does.
-    Under expert parallelism (tensor parallelism 1) the expert shards (megatron's
-    ``allreduce=False``) are summed likewise over the expert-model-parallel group.
-    Without TP it is ``torch.nn.utils.clip_grad_norm_``.
+    Under expert parallelism the expert shards (megatron's ``allreduce=False``) are summed
+    likewise over the group their pieces are spread over: the expert-model-parallel group at
+    tensor-parallel size 1, the expert tensor-and-model-parallel group (``TP x EP`` ranks,
+    megatron's expert tensor parallelism) above it.
+    Without TP and EP it is ``torch.nn.utils.clip_grad_norm_``.
     """
     params = [p for p in params if p.grad is not None]
     tp, ep = tensor_parallel_group(), expert_model_parallel_group()
-    if ep is not None:  # expert shards: megatron's allreduce=False
-        return _clip_shards_over(params, max_norm, lambda p: not getattr(p, "allreduce", True), ep)
-    if tp is None:
+    if tp is None and ep is None:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return _clip_shards_over(params, max_norm, lambda p: getattr(p, "tensor_model_parallel", False), tp)
+    buckets: list[tuple[Callable[[torch.nn.Parameter], bool], Any]] = []
+    if ep is not None:  # expert shards: megatron's allreduce=False
+        # megatron: seconds to import; only megatron-core models need it
+        from megatron.core import parallel_state
+
+        group = ep if tp is None else parallel_state.get_expert_tensor_and_model_parallel_group()
+        buckets.append((lambda p: not getattr(p, "allreduce", True), group))
+    if tp is not None:
+        buckets.append((lambda p: getattr(p, "tensor_model_parallel", False), tp))
+    return _clip_shards_over(params, max_norm, buckets)
 
 
 def _clip_shards_over(
-    params: Sequence[torch.nn.Parameter], max_norm: float, is_shard: Callable[[torch.nn.Parameter], bool], group
+    params: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    buckets: Sequence[tuple[Callable[[torch.nn.Parameter], bool], Any]],
 ) -> float:
-    """:func:`clip_grad_norm` where the ``params`` for which ``is_shard`` holds are slices held
-    by the ranks of ``group`` (their squared norms summed over it) and the rest are replicated
-    (counted once)."""
-    shards = torch.zeros((), dtype=torch.float32)
+    """:func:`clip_grad_norm` where a parameter for which a bucket's predicate holds (the first
+    that does) is a slice held by the ranks of that bucket's group (its squared norm summed
+    over the group) and the rest are replicated (counted once)."""
+    sums = [torch.zeros((), dtype=torch.float32) for _ in buckets]
     replicated = torch.zeros((), dtype=torch.float32)
     grads = [(p, p.grad) for p in params if p.grad is not None]  # as clip_grad_norm_, one without a gradient is skipped
     for p, g in grads:
         sq = g.detach().float().pow(2).sum()
-        if is_shard(p):
-            shards += sq
-        else:
+        index = next((i for i, (is_shard, _) in enumerate(buckets) if is_shard(p)), None)
+        if index is None:
             replicated += sq
-    dist.all_reduce(shards, op=dist.ReduceOp.SUM, group=group)
-    total = float((shards + replicated).sqrt())
+        else:
+            sums[index] += sq
+    for total_of_bucket, (_, group) in zip(sums, buckets):
+        dist.all_reduce(total_of_bucket, op=dist.ReduceOp.SUM, group=group)
+    total = float((sum(sums, torch.zeros((), dtype=torch.float32)) + replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for _, g in grads:

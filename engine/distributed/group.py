@@ -23,7 +23,7 @@ method's call is spread over the ranks and its results combined is its *dispatch
   writes its own shards) and rank 0's result is returned.
 
 Rank side, :class:`RankActor` joins the process group (gloo on CPU, NCCL on CUDA: the
-rendezvous is rank 0's node address and a free port) before it builds the worker, so the
+rendezvous is a store that rank 0 opens on a port of its node) before it builds the worker, so the
 worker's model is built into the data x tensor-parallel state.
 
 A group of one rank is not built at all (:func:`spawn_role` spawns the worker class alone),
@@ -37,7 +37,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import socket
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -51,7 +50,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from config.parallel import ParallelConfig
 from engine.batching.balancing import karmarkar_karp
 from engine.distributed.collectives import COMM_SECONDS
+from engine.distributed.weight_sync import open_store
 from engine.models.platform import init_model_parallel, setup_cpu_platform
+
+# How long a rank waits for the others at the rendezvous and in a collective.
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=600)
 
 # How each worker method is spread over the ranks (see the module docstring).
 DISPATCH: dict[str, str] = {
@@ -99,12 +102,6 @@ def shard_rows(lengths: Sequence[int], k: int) -> list[list[int]]:
     return sorted(parts, key=lambda p: p[0])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class RankActor:
     """One rank of a :class:`WorkerGroup` (runs as a Ray actor).
 
@@ -116,10 +113,14 @@ class RankActor:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.worker = None
+        self.store: dist.TCPStore | None = None
 
     def address(self) -> tuple[str, int]:
-        """This rank's node address and a free port on it (rank 0's is the rendezvous)."""
-        return ray.util.get_node_ip_address(), _free_port()
+        """Open the group's rendezvous store on this rank (rank 0) and return its node address and
+        port. The store binds port 0 itself: a port picked free and released first could be
+        taken by another process before the rendezvous binds it."""
+        self.store, host, port = open_store(RENDEZVOUS_TIMEOUT.total_seconds())
+        return host, port
 
     def setup(
         self,
@@ -130,10 +131,11 @@ class RankActor:
         args: tuple,
         kwargs: dict,
         expert_model_parallel_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         """Join the process group at ``master``, start megatron's parallel state with
-        ``tensor_model_parallel_size`` (the data-parallel size is the rest of the world), then
-        build ``worker_cls(*args, **kwargs)``.
+        ``tensor_model_parallel_size``, ``expert_model_parallel_size`` and ``sequence_parallel``
+        (the data-parallel size is the rest of the world), then build ``worker_cls(*args, **kwargs)``.
 
         Raises: what ``torch.distributed.init_process_group`` (e.g. a rendezvous timeout) or
         the worker's constructor raises.
@@ -141,14 +143,14 @@ class RankActor:
         setup_cpu_platform()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         addr, port = master
+        if self.store is None:
+            self.store = dist.TCPStore(addr, port, None, False, timeout=RENDEZVOUS_TIMEOUT)
         dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=600),
+            backend=backend, store=self.store, rank=self.rank, world_size=self.world_size, timeout=RENDEZVOUS_TIMEOUT
         )
-        init_model_parallel(tp=tensor_model_parallel_size, seed=seed, ep=expert_model_parallel_size)
+        init_model_parallel(
+            tp=tensor_model_parallel_size, seed=seed, ep=expert_model_parallel_size, sequence_parallel=sequence_parallel
+        )
         self.worker = worker_cls(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs):
@@ -272,7 +274,14 @@ class WorkerGroup:
         master = ray.get(self.ranks[0].address.remote())
         self._ready = [
             r.setup.remote(
-                master, self.tp, seed, worker_cls, tuple(args), dict(kwargs or {}), layout.expert_model_parallel_size
+                master,
+                self.tp,
+                seed,
+                worker_cls,
+                tuple(args),
+                dict(kwargs or {}),
+                layout.expert_model_parallel_size,
+                layout.sequence_parallel,
             )
             for r in self.ranks
         ]

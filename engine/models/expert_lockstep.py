@@ -89,24 +89,33 @@ def lockstep_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(_max_over_group(shape))
 
 
-def pad_ids(input_ids: torch.Tensor) -> torch.Tensor:
-    """``input_ids`` ``[B, T]`` right- and bottom-padded with token 0 to :func:`lockstep_shape`
-    (itself when already that shape). Causal attention: the real positions' logits do not change
-    (up to float rounding); cut the result back with ``[:B, :T]``."""
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pad_ids(input_ids: torch.Tensor, multiple: int = 1) -> torch.Tensor:
+    """``input_ids`` ``[B, T]`` right- and bottom-padded with token 0 to :func:`lockstep_shape`,
+    its ``T`` rounded up to a multiple of ``multiple`` (sequence parallelism: the tensor-parallel
+    size, ``engine.models.sequence_parallel``); itself when already that shape. Causal attention:
+    the real positions' logits do not change (up to float rounding); cut the result back with
+    ``[:B, :T]``."""
     b, t = input_ids.shape
     mb, mt = lockstep_shape((b, t))
+    mt = _round_up(mt, multiple)
     if (mb, mt) == (b, t):
         return input_ids
     return torch.nn.functional.pad(input_ids, (0, mt - t, 0, mb - b), value=0)
 
 
-def pad_packed(packed: PackedSequences) -> PackedSequences:
+def pad_packed(packed: PackedSequences, multiple: int = 1) -> PackedSequences:
     """``packed`` (``input_ids [1, N]``) with one more sequence of token 0 appended so that its
-    ``N`` is :func:`lockstep_shape`'s (itself when already that length). The appended sequence
-    attends only to itself (its own ``cu_seqlens`` segment), so the real sequences' logits do not
-    change; cut the result back with ``[:N]``."""
+    ``N`` is :func:`lockstep_shape`'s rounded up to a multiple of ``multiple`` (as in
+    :func:`pad_ids`); itself when already that length. The appended sequence attends only to
+    itself (its own ``cu_seqlens`` segment), so the real sequences' logits do not change; cut the
+    result back with ``[:N]``."""
     n = packed.num_tokens
     (m,) = lockstep_shape((n,))
+    m = _round_up(m, multiple)
     if m == n:
         return packed
     extra = m - n

@@ -27,7 +27,12 @@ import torch.nn.functional as F
 from conversion.spec import GPTSpec
 from engine.models.expert_lockstep import pad_ids, pad_packed
 from engine.models.moe_router import router_config_fields
-from engine.models.platform import ensure_model_parallel, patch_moe_without_transformer_engine
+from engine.models.platform import (
+    ensure_model_parallel,
+    patch_moe_without_transformer_engine,
+    sequence_parallel_enabled,
+)
+from engine.models.sequence_parallel import SequenceParallelRMSNorm, gather_sequence, sequence_multiple
 
 if TYPE_CHECKING:
     from config.moe import MoERouterConfig
@@ -154,11 +159,12 @@ def _row_parallel_linear_with_bias() -> type:
     return RowParallelLinearWithBias
 
 
-def _layer_spec(spec: GPTSpec, core_attention: CoreAttention, moe: bool = False):
+def _layer_spec(spec: GPTSpec, core_attention: CoreAttention, moe: bool = False, sequence_parallel: bool = False):
     """megatron's local layer spec (RMSNorm) for ``spec``: q/k layernorms when
     ``spec.qk_layernorm``, a ``linear_proj`` bias when ``spec.add_proj_bias``; with ``moe``,
     an ``MoELayer`` MLP (``TopKRouter``, ``SequentialMLP`` experts, no grouped GEMM, plus
-    ``SharedExpertMLP`` when the config has shared experts)."""
+    ``SharedExpertMLP`` when the config has shared experts); with ``sequence_parallel``, every
+    norm a :class:`engine.models.sequence_parallel.SequenceParallelRMSNorm`."""
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -170,27 +176,35 @@ def _layer_spec(spec: GPTSpec, core_attention: CoreAttention, moe: bool = False)
         normalization="RMSNorm",
         qk_layernorm=spec.qk_layernorm,
     )
-    if core_attention == "sdpa" or spec.add_proj_bias:
+    if core_attention == "sdpa" or spec.add_proj_bias or sequence_parallel:
         layer = copy.deepcopy(layer)
         attention = layer.submodules.self_attention.submodules
         if core_attention == "sdpa":
             attention.core_attention = SDPACoreAttention
         if spec.add_proj_bias:
             attention.linear_proj = _row_parallel_linear_with_bias()
+        if sequence_parallel:  # megatron's torch norm refuses SP (engine.models.sequence_parallel)
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if spec.qk_layernorm:
+                attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return layer
 
 
-def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention):
+def _decoder_spec(spec: GPTSpec, core_attention: CoreAttention, sequence_parallel: bool = False):
     """One layer spec for every layer, or, when an MoE model has dense layers
-    (``spec.moe_dense_layers``), megatron's ``TransformerBlockSubmodules`` listing each layer's."""
-    if spec.num_experts is None or not spec.moe_dense_layers:
-        return _layer_spec(spec, core_attention, moe=spec.num_experts is not None)
+    (``spec.moe_dense_layers``) or runs sequence-parallel (its final norm marked too),
+    megatron's ``TransformerBlockSubmodules`` listing each layer's."""
+    moe_model = spec.num_experts is not None
+    if not sequence_parallel and (not moe_model or not spec.moe_dense_layers):
+        return _layer_spec(spec, core_attention, moe=moe_model)
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
 
-    dense, moe = _layer_spec(spec, core_attention), _layer_spec(spec, core_attention, moe=True)
+    dense = _layer_spec(spec, core_attention, sequence_parallel=sequence_parallel)
+    moe = _layer_spec(spec, core_attention, moe=True, sequence_parallel=sequence_parallel) if moe_model else dense
     return TransformerBlockSubmodules(
-        layer_specs=[moe if spec.is_moe_layer(i) else dense for i in range(spec.num_layers)], layer_norm=LayerNormImpl
+        layer_specs=[moe if moe_model and spec.is_moe_layer(i) else dense for i in range(spec.num_layers)],
+        layer_norm=SequenceParallelRMSNorm if sequence_parallel else LayerNormImpl,
     )
 
 
@@ -242,6 +256,7 @@ def transformer_config(
     tensor_model_parallel_size: int = 1,
     router: MoERouterConfig | None = None,
     expert_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
 ):
     """megatron-core ``TransformerConfig`` for ``spec``: fp32, CPU init, no fusions, no dropout.
 
@@ -251,6 +266,8 @@ def transformer_config(
     ``allreduce=False``, the expert shards the data-parallel all-reduce must leave out, only
     when the config's expert size is above 1).
     ``router``: an MoE model's router settings (``model.moe``; see :func:`_moe_config`).
+    ``sequence_parallel``: megatron's sequence parallelism (``engine.models.sequence_parallel``;
+    needs ``tensor_model_parallel_size`` > 1).
     """
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -258,6 +275,7 @@ def transformer_config(
     return TransformerConfig(
         tensor_model_parallel_size=tensor_model_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        sequence_parallel=sequence_parallel,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -294,12 +312,16 @@ def build_gpt_model(
 
     Initialises the platform and model-parallel state if needed (single process, tp=pp=1).
     MoE specs (``spec.num_experts``) get megatron's ``MoELayer`` in their expert layers
-    (:func:`_moe_config`), at tensor-parallel size 1 only.
+    (:func:`_moe_config`).
     In a rank of a tensor-parallel group (``engine.models.platform.init_model_parallel(tp=N)`` called
     first) it builds that rank's shard: megatron's layers hold 1/N of the vocabulary, heads
-    and FFN width (layouts: ``conversion.tensor_parallel``); every rank initialises the same
-    full weights from ``seed`` and keeps its part. The global torch RNG state is left as it
-    was. The returned model carries ``gpt_spec``.
+    and FFN width, and of every expert's FFN width (megatron's expert tensor parallelism,
+    ``expert_tensor_parallel_size`` = N; the router is replicated; layouts:
+    ``conversion.tensor_parallel``); every rank initialises the same full weights from ``seed``
+    and keeps its part. With ``init_model_parallel(..., sequence_parallel=True)`` the model runs
+    sequence-parallel (``engine.models.sequence_parallel``), which megatron's MoE layers need to
+    train at N > 1. The global torch RNG state is left as it was. The returned model carries
+    ``gpt_spec``.
 
     Args:
         spec: architecture.
@@ -311,30 +333,37 @@ def build_gpt_model(
 
     Returns:
         ``megatron.core.models.gpt.GPTModel`` in train mode, fp32, on CPU.
+
+    Raises:
+        ValueError: an MoE ``spec`` at tensor-parallel size > 1 without sequence parallelism
+            (megatron's ``MoELayer`` refuses to train so; the message names
+            ``<section>.parallel.sequence_parallel``).
     """
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core.models.gpt import GPTModel
 
     tp = ensure_model_parallel()
+    sp = sequence_parallel_enabled()
     ep = 1
     if spec.num_experts is not None:
         # megatron: seconds to import; only megatron-core models need it
         from megatron.core import parallel_state
 
         ep = parallel_state.get_expert_model_parallel_world_size()
-        if tp > 1:
+        if tp > 1 and not sp:
             raise ValueError(
-                f"{spec.architecture}: MoE models build at tensor-parallel size 1 only (got {tp}); "
-                "tensor and expert parallelism of the experts are not implemented yet"
+                f"{spec.architecture}: an MoE model at tensor_model_parallel_size={tp} needs sequence "
+                "parallelism (megatron-core's MoELayer refuses to train at TP > 1 without it); set "
+                "<section>.parallel.sequence_parallel: true (sft, rm, po, rl.parallel.<role>)"
             )
         patch_moe_without_transformer_engine()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPTModel(
             config=transformer_config(
-                spec, tensor_model_parallel_size=tp, router=router, expert_model_parallel_size=ep
+                spec, tensor_model_parallel_size=tp, router=router, expert_model_parallel_size=ep, sequence_parallel=sp
             ),
-            transformer_layer_spec=_decoder_spec(spec, core_attention),
+            transformer_layer_spec=_decoder_spec(spec, core_attention, sequence_parallel=sp),
             vocab_size=spec.megatron_vocab_size,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=True,
@@ -371,7 +400,8 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     the full (gathered) logits.
     Under expert parallelism it is a collective of the expert group: the ids are padded to
     the group's largest ``[B, T]`` (``engine.models.expert_lockstep.pad_ids``) and the logits
-    cut back.
+    cut back; under sequence parallelism ``T`` is padded likewise to a multiple of the
+    tensor-parallel size.
 
     Args:
         model: a GPTModel from :func:`build_gpt_model`.
@@ -389,16 +419,18 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 def _run(model, hidden_states: bool, **inputs) -> torch.Tensor:
     """``model(**inputs)``: its logits (``[B, T, V]``, gathered under tensor parallelism) or, with
-    ``hidden_states``, its final-normed hidden states (sequence-first ``[T, B, H]``)."""
+    ``hidden_states``, its final-normed hidden states (sequence-first ``[T, B, H]``; under sequence
+    parallelism gathered over the tensor-parallel group, ``engine.models.sequence_parallel``)."""
     if hidden_states:
         # GPTModel returns the decoder output (which ends in final_layernorm) when post_process is
         # off; toggling the flag skips the vocab projection without touching the decoder.
         saved = model.post_process
         model.post_process = False
         try:
-            return model(**inputs)
+            hidden = model(**inputs)
         finally:
             model.post_process = saved
+        return gather_sequence(model, hidden)  # sequence parallelism: each rank holds [T/N, B, H]
     # Under tensor parallelism the output layer leaves each rank its vocabulary slice;
     # megatron's all-gather (differentiable: its backward keeps the rank's slice of the
     # gradient) gives every rank the full logits. None: the constructor's default (TP=1).
@@ -409,10 +441,11 @@ def _run(model, hidden_states: bool, **inputs) -> torch.Tensor:
 def _causal_forward(model, input_ids: torch.Tensor, hidden_states: bool) -> torch.Tensor:
     """:func:`_run` on ``input_ids [B, T]`` batch-first: ``[B, T, V]`` or ``[B, T, H]``. Under
     expert parallelism the ids are padded to the expert group's largest ``[B, T]`` first (a
-    collective; causal attention keeps the real positions' outputs) and the result cut back."""
+    collective; causal attention keeps the real positions' outputs), under sequence parallelism
+    ``T`` to a multiple of the tensor-parallel size, and the result cut back."""
     ids = _check_ids(input_ids)
     b, t = ids.shape
-    ids = pad_ids(ids)  # expert parallelism: as many tokens as the expert group's other ranks
+    ids = pad_ids(ids, sequence_multiple(model))  # EP: the group's largest [B, T]; SP: T divisible by TP
     out = _run(model, hidden_states, input_ids=ids, position_ids=_positions(ids), attention_mask=None)
     return (out.transpose(0, 1) if hidden_states else out)[:b, :t]
 
@@ -465,7 +498,8 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
     rounding, ~1e-7 in fp32). Runs under the caller's grad mode; a collective under
     tensor parallelism, like :func:`gpt_logits`, and under expert parallelism (the packed row
     padded to the group's largest ``N`` by one extra sequence,
-    ``engine.models.expert_lockstep.pad_packed``).
+    ``engine.models.expert_lockstep.pad_packed``; under sequence parallelism to a multiple of
+    the tensor-parallel size likewise).
 
     Args:
         model: a GPTModel from :func:`build_gpt_model` with ``core_attention="sdpa"`` (the
@@ -487,11 +521,10 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
 
 
 def _packed_forward(model, packed: PackedSequences, hidden_states: bool, caller: str) -> torch.Tensor:
-    """:func:`_run` on the packed row: ``[N, V]`` or ``[N, H]``. Under expert parallelism the row
-    is padded to the expert group's largest ``N`` first by one extra sequence (a collective) and
-    the result cut back."""
+    """:func:`_run` on the packed row: ``[N, V]`` or ``[N, H]``. The row is padded by one extra
+    sequence (as :func:`_causal_forward` pads ``T``; a collective) and the result cut back."""
     n = packed.num_tokens
-    packed = pad_packed(packed)  # expert parallelism: as many tokens as the expert group's other ranks
+    packed = pad_packed(packed, sequence_multiple(model))  # EP: the group's largest N; SP: N divisible by TP
     ids, params = _packed_inputs(model, packed, caller)
     out = _run(
         model,
@@ -511,7 +544,8 @@ def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     Same causal semantics as :func:`gpt_logits`; the output projection is skipped, so a
     scalar reward/value head can read ``[B, T, H]`` directly (equals HF's last entry of
     ``hidden_states`` with ``output_hidden_states=True``). Under expert parallelism a
-    collective of the expert group, padded and cut back as :func:`gpt_logits`.
+    collective of the expert group, padded and cut back as :func:`gpt_logits`; under sequence
+    parallelism ``T`` is padded likewise and the states gathered over the tensor-parallel group.
 
     Returns:
         FloatTensor ``[B, T, H]``.
@@ -527,7 +561,8 @@ def gpt_hidden_states_packed(model, packed: PackedSequences) -> torch.Tensor:
     sequence): sequence ``b``'s states equal row ``b`` of :func:`gpt_hidden_states` on the
     right-padded batch up to float rounding. A reward head reads sequence ``b``'s last token
     at packed position ``cu_seqlens[b + 1] - 1``. Under expert parallelism a collective of the
-    expert group, padded and cut back as :func:`gpt_logits_packed`.
+    expert group, padded and cut back as :func:`gpt_logits_packed`; under sequence parallelism
+    the row is padded likewise and the states gathered over the tensor-parallel group.
 
     Args:
         model: a GPTModel built with ``core_attention="sdpa"``.

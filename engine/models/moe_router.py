@@ -75,7 +75,9 @@ class RouterStats:
     counts sum to ``tokens * top_k``); megatron's layer-wise tracker
     (``moe_utils.get_moe_layer_wise_logging_tracker``) is cleared on entry and holds, per
     layer, the sum over micro-batches of the unweighted ``load_balancing_loss`` and
-    ``z_loss`` when they are on.
+    ``z_loss`` when they are on. Under sequence parallelism each rank of a tensor-parallel group
+    routes its slice of every forward (padded to a multiple of the group's size), so
+    :meth:`metrics` sums the counts over the group.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -131,10 +133,17 @@ class RouterStats:
             for c in self.counts
         ]
         n_layers, n_experts = len(layers), layers[0].numel()
+        config = self.routers[0].config
+        if config.sequence_parallel:  # each tensor-parallel rank routed its slice of the sequence
+            # megatron: seconds to import; only megatron-core models need it
+            from megatron.core import parallel_state
+
+            stacked = torch.stack(layers)
+            torch.distributed.all_reduce(stacked, group=parallel_state.get_tensor_model_parallel_group())
+            layers = list(stacked)
         sums = {f"l{j}_e{i}": float(v) for j, c in enumerate(layers) for i, v in enumerate(c)}
         sums["forwards"] = float(self.forwards)
         tracker = get_moe_layer_wise_logging_tracker()
-        config = self.routers[0].config
         on = {
             "load_balancing_loss": config.moe_router_load_balancing_type == "aux_loss"
             and config.moe_aux_loss_coeff > 0,

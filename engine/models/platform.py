@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import threading
 import warnings
 
@@ -32,6 +31,7 @@ _LOCK = threading.Lock()
 
 
 _CPU_PLATFORM_READY = False
+_SEQUENCE_PARALLEL = False  # of the model-parallel state init_model_parallel started
 
 
 def _cpu_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -105,12 +105,6 @@ def patch_moe_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _seed_rng_tracker(seed: int) -> None:
     """CPU equivalent of megatron's ``model_parallel_cuda_manual_seed`` for this rank.
 
@@ -142,8 +136,8 @@ def _seed_rng_tracker(seed: int) -> None:
 def ensure_process_group() -> None:
     """Make sure a default torch.distributed process group exists in this process.
 
-    Creates a single-process group (gloo on CPU, NCCL on CUDA) on 127.0.0.1 at a free port
-    when there is none. A process whose group was destroyed after megatron's
+    Creates a single-process group (gloo on CPU, NCCL on CUDA) on an in-process store when
+    there is none. A process whose group was destroyed after megatron's
     ``parallel_state`` was built (vLLM's in-process engine tears down the distributed
     environment when it shuts down) would keep megatron's groups pointing at the dead one,
     so that stale state is dropped first; the next :func:`init_model_parallel` rebuilds it.
@@ -157,14 +151,15 @@ def ensure_process_group() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    # one rank needs no rendezvous: an in-process store, no port to pick (and race for)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> None:
+def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1, sequence_parallel: bool = False) -> None:
     """Start torch.distributed (gloo) and megatron's model-parallel state, idempotently.
 
-    In a process with no process group yet, creates a single-process gloo group on
-    127.0.0.1 at a free port (works in the main process, under pytest and inside a Ray
+    In a process with no process group yet, creates a single-process gloo group on an
+    in-process store (works in the main process, under pytest and inside a Ray
     actor). Then initialises ``parallel_state`` with the given tensor/pipeline sizes and
     seeds megatron's RNG tracker (CPU equivalent of ``model_parallel_cuda_manual_seed``).
     A second call with the same sizes is a no-op.
@@ -176,11 +171,16 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) ->
         seed: seed for the tracker's named RNG states.
         ep: expert-model-parallel size (an MoE model's experts sharded over ``ep`` ranks of the
             data-parallel group; megatron's ``expert_model_parallel_size``).
+        sequence_parallel: build models with megatron's sequence parallelism
+            (``engine.models.sequence_parallel``; read by ``engine.models.megatron.build_gpt_model``
+            through :func:`sequence_parallel_enabled`); needs ``tp > 1``.
 
     Raises:
-        ValueError: the model-parallel state already exists with different sizes, or
-            ``tp * pp`` does not divide the world size.
+        ValueError: the model-parallel state already exists with different sizes (or another
+            ``sequence_parallel``), ``tp * pp`` does not divide the world size, or
+            ``sequence_parallel`` at ``tp`` 1.
     """
+    global _SEQUENCE_PARALLEL
     # megatron: seconds to import; only megatron-core models need it
     from megatron.core import parallel_state
 
@@ -193,18 +193,31 @@ def init_model_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) ->
                 parallel_state.get_pipeline_model_parallel_world_size(),
                 parallel_state.get_expert_model_parallel_world_size(),
             )
-            if have != (tp, pp, ep):
+            if have + (_SEQUENCE_PARALLEL,) != (tp, pp, ep, sequence_parallel):
                 raise ValueError(
-                    f"model parallel already initialised with (tp, pp, ep)={have}, asked for {(tp, pp, ep)}"
+                    f"model parallel already initialised with (tp, pp, ep, sequence_parallel)="
+                    f"{have + (_SEQUENCE_PARALLEL,)}, asked for {(tp, pp, ep, sequence_parallel)}"
                 )
             return
         world = dist.get_world_size()
         if tp < 1 or pp < 1 or world % (tp * pp):
             raise ValueError(f"tp={tp} x pp={pp} must divide the world size {world}")
+        if sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel needs a tensor-parallel size above 1 (got tp=1)")
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
         )
+        _SEQUENCE_PARALLEL = bool(sequence_parallel)
         _seed_rng_tracker(seed)
+
+
+def sequence_parallel_enabled() -> bool:
+    """Whether :func:`init_model_parallel` started this process's model-parallel state with
+    ``sequence_parallel`` (False when there is no state)."""
+    # megatron: seconds to import; only megatron-core models need it
+    from megatron.core import parallel_state
+
+    return _SEQUENCE_PARALLEL and parallel_state.model_parallel_is_initialized()
 
 
 def ensure_model_parallel() -> int:

@@ -74,6 +74,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
+import torch
 
 from data.chat_response import response_text
 from data.chat_template import encode_continuation
@@ -129,6 +130,13 @@ class MultiTurnSample:
         first and last policy token; equal unless a weight update landed inside the episode.
     elapsed_s: seconds from the start of the rollout call to the episode's end (its timeline;
         not compared: two equal samples may take different times).
+    routed_experts: with ``SamplingSpec.return_routed_experts`` (rollout routing replay), int16
+        ``[len(prompt) + r, moe_layers, k]``, ``r <= R``: the experts the rollout engine routed
+        each token to. A policy token keeps the routing of the turn that sampled it (that
+        turn's decode step), the prompt that of turn 0's prefill, and an observation that of
+        the next turn's prefill, its first forward. An episode the budget closed right after an
+        observation has none for those last observation tokens (``r < R``): no trained token
+        follows them. None otherwise.
     """
 
     token_ids: tuple[int, ...]
@@ -141,6 +149,7 @@ class MultiTurnSample:
     version_start: int = 0
     version_end: int = 0
     elapsed_s: float = field(default=0.0, compare=False)
+    routed_experts: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def num_turns(self) -> int:
@@ -166,6 +175,7 @@ class _Episode:
     version_end: int = 0
     cut: bool = False  # the latest policy turn was cut by the budget
     elapsed_s: float = 0.0
+    routed: torch.Tensor | None = None  # [len(prompt) + r, moe_layers, k]: MultiTurnSample.routed_experts
 
     @property
     def turns(self) -> int:
@@ -192,7 +202,18 @@ class _Episode:
             self.version_end if self.version_start is None else self.version_start,
             self.version_end,
             self.elapsed_s,
+            self.routed,
         )
+
+    def route(self, turn_routing: torch.Tensor, kept: int) -> None:
+        """Extend the routing with that of a turn's forwards (``[len(context) + n, layers, k]``
+        for the context it was given and its ``n`` sampled tokens), before the turn's ``kept``
+        tokens are appended: the tokens routed already keep their earlier routing, the rest
+        (the observation since the last turn, then the new tokens) take this turn's."""
+        stop = len(self.prompt) + len(self.tokens) + kept
+        start = 0 if self.routed is None else self.routed.size(0)
+        new = turn_routing[start:stop]
+        self.routed = new if self.routed is None else torch.cat([self.routed, new])
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -311,6 +332,8 @@ def _generate_turn(
         ep.version_end = end
         tokens = o.token_ids[:left]
         ep.cut = o.finish_reason == "length" or len(tokens) < len(o.token_ids)
+        if o.routed_experts is not None:
+            ep.route(o.routed_experts, len(tokens))
         ep.extend(tokens, o.logprobs[:left], loss=1)
         pending[pool.submit(ep.env.step, response_text(tokenizer, tokens))] = ep
 

@@ -216,11 +216,17 @@ def test_decoder_sparse_step_makes_every_other_layer_dense():
     ]
 
 
-def test_tensor_parallel_refuses_moe_and_says_so():
-    cfg, _, state = tiny_moe("mixtral")
+def test_tensor_parallel_names_an_expert_width_it_cannot_split():
+    """MoE layers shard at TP > 1 (tests/conversion/test_moe_tensor_parallel.py); an expert or
+    shared-expert FFN width that the size does not divide is named."""
+    cfg, _, state = tiny_moe("qwen2_moe")
     spec = GPTSpec.from_hf_config(cfg)
-    with pytest.raises(ConversionError, match="tensor-parallel shards of MoE layers .* not implemented"):
-        shard_state(spec, hf_to_megatron(cfg, state), 2)
+    full = hf_to_megatron(cfg, state)
+    assert len(shard_state(spec, full, 2)) == 2
+    with pytest.raises(ConversionError, match="moe_ffn_hidden_size=49 is not divisible by tensor-parallel size 2"):
+        shard_state(spec.model_copy(update={"moe_ffn_hidden_size": 49}), full, 2)
+    with pytest.raises(ConversionError, match="moe_shared_expert_ffn_hidden_size=81 is not divisible"):
+        shard_state(spec.model_copy(update={"moe_shared_expert_ffn_hidden_size": 81}), full, 2)
 
 
 def test_weight_sync_load_groups_keep_a_layers_experts_together():

@@ -187,8 +187,11 @@ def test_bad_states_and_shards_are_named():
         merge_shards(spec, [shards[0], short])
     with pytest.raises(ConversionError, match="no shards"):
         merge_shards(spec, [])
-    with pytest.raises(ConversionError, match=r"unknown megatron tensor 'decoder\.layers\.0\.mlp\.router\.weight'"):
-        split_of("decoder.layers.0.mlp.router.weight")
+    # the grouped-GEMM experts' name (megatron's TEGroupedMLP), which the local spec does not build
+    with pytest.raises(
+        ConversionError, match=r"unknown megatron tensor 'decoder\.layers\.0\.mlp\.experts\.linear_fc1\.weight0'"
+    ):
+        split_of("decoder.layers.0.mlp.experts.linear_fc1.weight0")
 
 
 @pytest.mark.parametrize(
@@ -206,6 +209,12 @@ def test_table_matches_megatrons_parameter_attributes(arch, tied, extra):
     model = build_gpt_model(GPTSpec.from_hf_config(cfg))
     params = dict(model.named_parameters())
     assert params.keys() == hf_to_megatron(cfg, hf.state_dict()).keys()  # every tensor we shard is checked
+    assert_table_matches(params)
+
+
+def assert_table_matches(params: dict[str, torch.nn.Parameter]) -> None:
+    """Each parameter split as megatron marks it (``partition_dim``, ``partition_stride``), or
+    replicated where megatron marks nothing."""
     for name, p in params.items():
         split = split_of(name)
         if getattr(p, "tensor_model_parallel", False):
@@ -273,9 +282,11 @@ def _tp_rank(rank: int, world: int, port: int, workdir: str, names: list[str]) -
         dist.destroy_process_group()
 
 
-def _run_ranks(world: int, workdir: str, names: list[str]) -> None:
+def _run_ranks(world: int, workdir: str, names: list[str], target=None) -> None:
+    """Spawn ``world`` processes of ``target(rank, world, port, workdir, names)`` (default
+    :func:`_tp_rank`) and wait for them, at most ``TP_TIMEOUT_S``."""
     ctx = mp.start_processes(
-        _tp_rank, args=(world, _free_port(), workdir, names), nprocs=world, join=False, start_method="spawn"
+        target or _tp_rank, args=(world, _free_port(), workdir, names), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TP_TIMEOUT_S
     try:
@@ -317,12 +328,18 @@ def tp2_runs(tmp_path_factory, fixtures_dir):
         payload = {"spec": spec.model_dump(), "ids": ids, "shards": shard_state(spec, full, 2)}
         torch.save(payload, workdir / f"{name}.pt")
         cases[name] = (cfg, hf, spec, ids, full)
+    return run_cases(workdir, cases)
+
+
+def run_cases(workdir, cases: dict[str, tuple], target=None) -> dict[str, tuple]:
+    """Run 2 ranks of ``target`` (default :func:`_tp_rank`) over the cases saved in ``workdir``
+    and return each case's tuple with both ranks' outputs appended."""
     start = time.monotonic()
-    _run_ranks(2, str(workdir), list(TP_CASES))
-    print(f"2 TP ranks, {len(TP_CASES)} cases: {time.monotonic() - start:.1f} s")
+    _run_ranks(2, str(workdir), list(cases), target)
+    print(f"2 TP ranks, {len(cases)} cases: {time.monotonic() - start:.1f} s")
     return {
-        name: (*cases[name], [torch.load(workdir / f"{name}.rank{r}.pt", weights_only=True) for r in range(2)])
-        for name in TP_CASES
+        name: (*case, [torch.load(workdir / f"{name}.rank{r}.pt", weights_only=True) for r in range(2)])
+        for name, case in cases.items()
     }
 
 

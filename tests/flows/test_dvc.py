@@ -466,6 +466,12 @@ COMPANIONS = {
     ("po", "parallel", "expert_model_parallel_size"): {"data_parallel_size": 2, "po.micro_batch_size": 16},
     ("rl", "parallel", "actor", "expert_model_parallel_size"): {"data_parallel_size": 2},
     ("rl", "parallel", "reference", "expert_model_parallel_size"): {"data_parallel_size": 2},
+    # sequence parallelism splits the sequence over the tensor-parallel ranks
+    **{
+        (*section, "sequence_parallel"): {"tensor_model_parallel_size": 2}
+        for section in [("sft", "parallel"), ("rm", "parallel"), ("po", "parallel")]
+        + [("rl", "parallel", role) for role in ("actor", "critic", "reference", "reward_model")]
+    },
     ("rm", "parallel", "data_parallel_size"): {"rm.micro_batch_size": 16},
     ("po", "parallel", "data_parallel_size"): {"po.micro_batch_size": 16},
 }
@@ -513,7 +519,8 @@ def test_dvc_params_cover_the_config_each_fingerprint_reads():
         )
         if changed is None:
             fixed.append(".".join(path))
-            if path[-1] == "tensor_model_parallel_size":  # the schema refuses TP > 1 in these stages yet
+            # the schema refuses TP > 1 (and so sequence parallelism) in these stages yet
+            if path[-1] in ("tensor_model_parallel_size", "sequence_parallel"):
                 continue
             # rm, the critic and the reward model refuse EP (docs/conversion.md, Expert parallelism)
             if path[-1] == "expert_model_parallel_size" and (path[0] == "rm" or path[-2] in ("critic", "reward_model")):

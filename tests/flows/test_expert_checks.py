@@ -48,3 +48,21 @@ def test_a_dense_model_takes_neither_expert_parallelism_nor_routing_replay():
             f"rl.moe_routing_replay: {value} replays the expert choice of a "
             "mixture of experts; work/model is a dense model (qwen2): set rl.moe_routing_replay: false"
         ]
+
+
+def test_an_moe_model_at_tensor_parallel_size_2_needs_sequence_parallelism():
+    """megatron-core's MoELayer refuses to train at TP > 1 without sequence parallelism: validate
+    says so with the key and the fix; with it (and for a dense model without it) nothing."""
+    assert _problems(MOE, "sft.parallel.tensor_model_parallel_size=2") == [
+        "sft.parallel.tensor_model_parallel_size=2: work/model is a mixture of experts, which megatron-core "
+        "trains at tensor-parallel size > 1 only with sequence parallelism: set sft.parallel.sequence_parallel: true"
+    ]
+    assert _problems(MOE, "sft.parallel.tensor_model_parallel_size=2", "sft.parallel.sequence_parallel=true") == []
+    assert _problems(DENSE, "sft.parallel.tensor_model_parallel_size=2") == []
+
+
+def test_routing_replay_is_refused_with_a_tensor_parallel_actor():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"rl.moe_routing_replay with rl.parallel.actor.tensor_model_parallel_size=2"):
+        load_config(MOE, [*ROOM, "rl.moe_routing_replay=true", "rl.parallel.actor.tensor_model_parallel_size=2"])

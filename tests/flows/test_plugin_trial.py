@@ -108,6 +108,53 @@ def test_validate_and_run_refuse_a_failing_plugin_before_any_stage(gsm8k, tmp_pa
     assert not (tmp_path / "artifacts").exists()  # no stage started
 
 
+ESTIMATORS = (
+    "ALGORITHM_NEEDS = {'with_ref': {'reference': True}, 'without_ref': {'reference': True}, 'gone': {}}\n\n"
+    "def with_ref(rewards, group_index, mask, *, ref_logprobs):\n    return rewards[:, None] * mask\n\n"
+    "def without_ref(rewards, group_index, mask):\n    return rewards[:, None] * mask\n\n"
+    "def two_args(logprobs, old_logprobs):\n    return logprobs.sum()\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("function", "problem"),
+    [
+        ("with_ref", None),
+        (
+            "without_ref",
+            "without_ref(rewards, group_index, mask) cannot be called as (rewards, group_index, mask, "
+            "ref_logprobs=...)",
+        ),
+        ("gone", "cannot load the advantage estimator plug-in 'trial_estimators:gone'"),
+    ],
+)
+def test_an_estimator_plugin_is_loaded_with_the_keywords_of_its_declared_needs(gsm8k, tmp_path, function, problem):
+    """rl.algorithm as a plug-in is loaded as the rl stage loads it: a declared reference need
+    the function cannot take (ref_logprobs=), or a declared entry the module does not define, is
+    one problem naming rl.algorithm before any stage runs."""
+    (tmp_path / "trial_estimators.py").write_text(ESTIMATORS)
+    sys.modules.pop("trial_estimators", None)
+    gsm8k["rl"]["algorithm"] = f"trial_estimators:{function}"
+    problems = _problems(gsm8k)
+    if problem is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith("rl.algorithm: cannot load") and problem in problems[0], (
+            problems
+        )
+
+
+def test_a_policy_loss_plugin_that_cannot_take_the_loss_arguments_is_refused(gsm8k, tmp_path):
+    (tmp_path / "trial_estimators.py").write_text(ESTIMATORS)
+    sys.modules.pop("trial_estimators", None)
+    gsm8k["rl"]["policy_loss"] = "trial_estimators:two_args"
+    (problem,) = _problems(gsm8k)
+    assert problem.startswith(
+        "rl.policy_loss: cannot load the policy loss plug-in 'trial_estimators:two_args': "
+        "two_args(logprobs, old_logprobs) cannot be called as (logprobs, old_logprobs, advantages"
+    ), problem
+
+
 # ----------------------------------------------------------------------------- tokenizer files
 
 

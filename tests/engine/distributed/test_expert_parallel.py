@@ -30,7 +30,8 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     with pytest.raises(ValueError, match="expert_model_parallel_size=2 must divide data_parallel_size=3"):
         ParallelConfig(data_parallel_size=3, expert_model_parallel_size=2)
     with pytest.raises(
-        ValueError, match=r"expert_model_parallel_size=2 needs tensor_model_parallel_size 1 \(got 2\)"
+        ValueError,
+        match=r"expert_model_parallel_size=2 with tensor_model_parallel_size=2 needs sequence_parallel: true",
     ):  # named for what is wrong, although 2 divides 2
         ParallelConfig(data_parallel_size=2, tensor_model_parallel_size=2, expert_model_parallel_size=2)
     from config.parallel import RLParallelConfig
@@ -47,6 +48,18 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     ):
         RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2, backend="deepspeed")
     assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
+    # EP x TP (with sequence parallelism): the sft stage only (tests/engine/distributed/test_sequence_parallel.py)
+    ep_tp = dict(
+        data_parallel_size=2, tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True
+    )
+    assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp).parallel.world_size == 4
+    with pytest.raises(ValueError, match=r"po.parallel: expert_model_parallel_size > 1 together with tensor_model"):
+        PoConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp)
+    with pytest.raises(ValueError, match=r"rm.parallel: expert_model_parallel_size > 1 together with tensor_model"):
+        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp)
+    for role in ("actor", "reference", "critic", "reward_model"):  # every RL role takes EP, none EP x TP
+        with pytest.raises(ValueError, match=rf"rl.parallel.{role}: expert_model_parallel_size > 1 together with"):
+            RLParallelConfig(**{role: ep_tp})
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
 
 

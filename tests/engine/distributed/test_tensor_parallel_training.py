@@ -422,6 +422,39 @@ def _assert_step_weights_close(tp1: Path, tp2: Path, start: Path, lr: float, wha
     return b
 
 
+def sft_step_config(lr: float, **update) -> SFTConfig:
+    """One fp32 SFT step of 8 conversations in micro-batches of 4 (``update`` overrides), AdamW
+    with weight decay 0.01 and clipping to 1.0."""
+    optim = OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0)
+    fields = dict(precision="fp32", steps=1, global_batch_size=8, micro_batch_size=4, max_seq_len=64, optim=optim)
+    return SFTConfig(**{**fields, **update})
+
+
+def rm_step_args(sft_inputs: dict[str, Path], lr: float) -> dict:
+    """``train_reward_model``'s arguments (all but ``out_dir``) for one megatron reward-model step
+    on the addition pairs: 6 training pairs in micro-batches of 2, 2 held out, clipping to 1.0."""
+    from config.rm import RMConfig
+    from engine.backends.select_rm import reward_trainer
+
+    cfg = RMConfig(
+        precision="fp32",
+        steps=1,
+        global_batch_size=6,
+        micro_batch_size=2,
+        max_seq_len=64,
+        eval_fraction=0.25,
+        optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
+    )
+    return dict(
+        make_trainer=reward_trainer,
+        base_model_dir=sft_inputs["base"],
+        dataset_path=sft_inputs["preference"],
+        cfg=cfg,
+        resume_dir=None,
+        seed=0,
+    )
+
+
 def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
     """One SFT step (8 conversations in two micro-batches of 4, AdamW with weight decay,
     clipping to 1.0) by ``train_sft`` in this process (TP=1) and on every rank of a TP=2 group
@@ -447,8 +480,6 @@ def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
     gradients, as above)."""
     import ray
 
-    from config.rm import RMConfig
-    from engine.backends.select_rm import reward_trainer
     from engine.distributed.group import WorkerGroup
     from engine.distributed.stage_group import StageRank
     from engine.rl.placement import init_ray
@@ -458,33 +489,10 @@ def test_sft_and_rm_steps_at_tp2_equal_tp1(sft_inputs, tmp_path):
 
     init_ray(num_cpus=2)
     lr = 1e-3
-    cfg = SFTConfig(
-        precision="fp32",
-        steps=1,
-        global_batch_size=8,
-        micro_batch_size=4,
-        max_seq_len=64,
-        optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
-    )
+    cfg = sft_step_config(lr)
     args = dict(base_model_dir=sft_inputs["base"], dataset_path=sft_inputs["sft"], cfg=cfg, seed=0)
     want = train_sft(**args, out_dir=tmp_path / "tp1", resume_dir=None)
-    rm_cfg = RMConfig(
-        precision="fp32",
-        steps=1,
-        global_batch_size=6,
-        micro_batch_size=2,
-        max_seq_len=64,
-        eval_fraction=0.25,
-        optim=OptimConfig(lr=lr, warmup_steps=1, weight_decay=0.01, grad_clip=1.0),
-    )
-    rm_args = dict(
-        make_trainer=reward_trainer,
-        base_model_dir=sft_inputs["base"],
-        dataset_path=sft_inputs["preference"],
-        cfg=rm_cfg,
-        resume_dir=None,
-        seed=0,
-    )
+    rm_args = rm_step_args(sft_inputs, lr)
     rm_want = train_reward_model(**rm_args, out_dir=tmp_path / "rm1")
     group = WorkerGroup(StageRank, TP2, {"num_cpus": 0}, (1,))  # one torch thread per rank
     try:

@@ -36,26 +36,33 @@ def question(a: int, b: int) -> list[dict]:
     return [{"role": "user", "content": f"What is {a} + {b}?"}]
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory) -> dict:
-    """A random 1-layer Qwen2 model directory with a chat tokenizer, and a RolloutWorker (HF backend) on it."""
+def chat_tokenizer(folder):
+    """A 280-token ChatML tokenizer trained on the addition questions, saved to ``folder``."""
     from transformers import AutoTokenizer
 
-    from conversion.spec import GPTSpec
-    from data.chat import encode_prompt
     from data.tokenizer_train import train_chat_tokenizer
-    from engine.models.megatron import build_gpt_model
-    from engine.rl.workers import RolloutWorker
-    from engine.storage.model_dir import save_model_dir
 
-    root = tmp_path_factory.mktemp("multi_turn")
     texts = [
         f"<|im_start|>user\nWhat is {a} + {b}?<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
         for a in range(5)
         for b in range(5)
     ]
-    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, root / "tokenizer", vocab_size=280))
+    tok = AutoTokenizer.from_pretrained(train_chat_tokenizer(texts, folder, vocab_size=280))
     assert len(tok) == 280 and tok.eos_token_id < STOP_IDS[0]
+    return tok
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory) -> dict:
+    """A random 1-layer Qwen2 model directory with a chat tokenizer, and a RolloutWorker (HF backend) on it."""
+    from conversion.spec import GPTSpec
+    from data.chat import encode_prompt
+    from engine.models.megatron import build_gpt_model
+    from engine.rl.workers import RolloutWorker
+    from engine.storage.model_dir import save_model_dir
+
+    root = tmp_path_factory.mktemp("multi_turn")
+    tok = chat_tokenizer(root / "tokenizer")
     hf_config = GPTSpec(
         architecture="qwen2",
         vocab_size=len(tok),

@@ -158,12 +158,104 @@ def test_trainer_routes_as_the_rollout_in_both_passes(rollout, packed, monkeypat
     assert spread < 1e-5 < 1e-3 < spread_off and abs(metrics["ppo_kl"]) < 1e-6
 
 
+@pytest.fixture(scope="module")
+def multi_turn(tmp_path_factory):
+    """The seed-0 tiny Qwen3-MoE over a 280-token chat tokenizer, served by the HF engine that
+    stops a turn at half the vocabulary (turns of ~2 tokens), and a 3-turn rollout of 2 prompts ×
+    2 samples against the counter environment, with routed experts."""
+    from data.chat import encode_prompt
+    from engine.rollout.multi_turn import multi_turn_rollout
+    from tests.engine import multi_turn_env_example as example
+    from tests.engine.rollout.test_multi_turn import STOP_IDS, chat_tokenizer
+
+    root = tmp_path_factory.mktemp("r3_multi_turn")
+    tok = chat_tokenizer(root / "tokenizer")
+    hf_config = {
+        **GPTSpec.from_hf_config(moe_config(len(tok))).to_hf_config(),
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    write_hf_safetensors(root / "hf", hf_config, megatron_to_hf(hf_config, mcore_state(build(None, len(tok)))), None)
+    engine = HFRollout(root / "hf", eos_token_ids=(tok.eos_token_id, *STOP_IDS), max_batch_size=4)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}], "label": "e"} for a, b in ((1, 2), (3, 4))]
+    prompts = [encode_prompt(tok, r["prompt"]) for r in rows]
+
+    def run(make_env, budget: int, routed: bool):
+        spec = SamplingSpec(n=2, temperature=1.0, max_new_tokens=budget, seed=5, return_routed_experts=routed)
+        return multi_turn_rollout(engine, tok, prompts, rows, make_env, spec, max_turns=3)
+
+    return {
+        "engine": engine,
+        "prompts": prompts,
+        "pad": tok.pad_token_id,
+        "run": run,
+        "samples": run(example.make_counter_env, 24, True),
+        "cut": run(example.make_long_observation_env, 5, True),
+    }
+
+
+def test_multi_turn_experts_are_each_tokens_first_routing(multi_turn):
+    """Each policy token keeps the experts of the turn that sampled it, each observation token those
+    of the next turn's prefill: every routed token's experts equal the top-k of a full transformers
+    forward over the final sequence. An episode the budget closes right after an observation has no
+    routing for those last tokens; the batch holds 0 there, as on padding."""
+    from tests.engine import multi_turn_env_example as example
+
+    engine, prompts = multi_turn["engine"], multi_turn["prompts"]
+    tails = 0
+    for name in ("samples", "cut"):
+        for prompt, group in zip(prompts, multi_turn[name]):
+            for smp in group:
+                ids = torch.tensor([prompt + list(smp.token_ids)])
+                with torch.no_grad():
+                    logits = engine.model(ids, output_router_logits=True).router_logits
+                expected = torch.stack([torch.topk(torch.softmax(x.float(), -1), TOPK).indices for x in logits], dim=1)
+                routed = smp.routed_experts
+                assert routed is not None and routed.dtype == torch.int16 and routed.shape[1:] == (2, TOPK)
+                tail = ids.size(1) - routed.size(0)  # the last observation tokens no turn saw
+                assert tail == 0 or (smp.finish_reason == "length" and not any(smp.loss_mask[-tail:])), (name, tail)
+                tails += tail > 0
+                assert torch.equal(routed.long(), expected[: routed.size(0)])
+    turns = [s.num_turns for g in multi_turn["samples"] for s in g]
+    assert max(turns) >= 2 and tails > 0  # observations inside the context, and a cut one at the end
+    plain = multi_turn["run"](example.make_counter_env, 24, False)
+    assert plain == multi_turn["samples"] and all(s.routed_experts is None for g in plain for s in g)
+    traj = Trajectory.from_multi_turn(prompts, multi_turn["cut"], multi_turn["pad"])
+    for b, smp in enumerate(s for g in multi_turn["cut"] for s in g):
+        n = smp.routed_experts.size(0)
+        assert torch.equal(traj.routed_experts[b, :n], smp.routed_experts) and not traj.routed_experts[b, n:].any()
+
+
+def test_trainer_replays_a_multi_turn_rollouts_routing(multi_turn):
+    """The old-log-prob pass over a multi-turn batch (policy and observation tokens) replays the
+    rollout's experts for every routed token; with the trainer's routers moved, its log-probs on the
+    policy tokens stay nearer the rollout's than with its own routing."""
+    traj = Trajectory.from_multi_turn(multi_turn["prompts"], multi_turn["samples"], multi_turn["pad"])
+    model = build(None, 280)
+    routers, _, maps = router_hooks(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for r in routers:
+            r.weight.add_(0.2 * r.weight.std() * torch.randn(r.weight.shape, generator=gen))
+    own = compute_logprobs(model, traj, 1.0, 4)
+    n_maps = len(maps[0])
+    old = compute_logprobs(model, traj, 1.0, 4, routing=RoutingReplay(model, "rollout"))
+    lengths = traj.prompt_lengths + traj.response_lengths
+    expected = rollout_indices(traj.routed_experts, lengths, False)
+    for layer in range(2):
+        assert torch.equal(maps[layer][n_maps], as_map(expected[layer])), layer
+    mask = traj.response_mask > 0
+    diff = {k: float((lp - traj.rollout_logprobs)[mask].abs().max()) for k, lp in (("r3", old), ("own", own))}
+    print(f"multi-turn, trainer vs rollout log-probs on policy tokens, max |diff|: {diff}")
+    assert diff["r3"] < 1e-3 and diff["r3"] < diff["own"]
+
+
 def test_refusals(tmp_path):
     with pytest.raises(ValueError, match=r"rl.moe_routing_replay: rollout needs rl.rollout.backend: hf"):
         RLConfig(moe_routing_replay="rollout")
-    with pytest.raises(ValueError, match=r"rollout needs single-turn, whole rollouts"):
-        rl_cfg(moe_routing_replay="rollout", environment="tests.engine.rollout.test_multi_turn:make_env")
-    with pytest.raises(ValueError, match=r"rollout needs single-turn, whole rollouts"):
+    multi = rl_cfg(moe_routing_replay="rollout", environment="tests.engine.multi_turn_env_example:make_counter_env")
+    assert multi.replays_rollout_routing
+    with pytest.raises(ValueError, match=r"rollout needs whole rollouts"):
         rl_cfg(
             moe_routing_replay="rollout",
             engine=EngineConfig(placement="disaggregated", off_policy_steps=1, partial_rollout_chunk_tokens=2),
