@@ -33,11 +33,11 @@ class ParallelConfig(Strict):
         ge=1,
         description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
-        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 with "
-        "sequence_parallel; each expert is then also split over the tensor-parallel ranks). "
-        "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft "
-        "and po stages and rl.parallel.actor/reference (megatron backend); rl.parallel.critic/reward_model "
-        "and rm refuse it (docs/conversion.md, Expert parallelism).",
+        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 only in "
+        "the sft stage, with sequence_parallel; each expert is then also split over the tensor-parallel ranks). "
+        "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft, rm "
+        "and po stages (rm.backend megatron) and every RL role (rl.backend megatron for the actor and "
+        "critic) take it (docs/conversion.md, Expert parallelism).",
     )
     sequence_parallel: bool = Field(
         False,
@@ -45,8 +45,8 @@ class ParallelConfig(Strict):
         "outside attention and the MLP (norms, residuals) are split along the sequence over the tensor-parallel "
         "ranks, so each holds 1/TP of them (each forward's length is padded to a multiple of TP; the replicated "
         "norm gains' gradients are summed over the group). Same update as without it, up to float rounding. "
-        "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it). megatron "
-        "backend only.",
+        "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it; with "
+        "expert_model_parallel_size > 1 too, the sft stage only). megatron backend only.",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -91,19 +91,11 @@ class RLParallelConfig(Strict):
     """Layouts of the RL stage's training roles (rl.parallel)."""
 
     @model_validator(mode="after")
-    def _no_expert_parallel(self):
-        for role in ("actor", "reference"):
+    def _no_expert_times_tensor_parallel(self):
+        for role in ("actor", "reference", "critic", "reward_model"):
             layout = getattr(self, role)
             if layout.expert_model_parallel_size > 1 and layout.tensor_model_parallel_size > 1:
                 raise ValueError(_EP_TIMES_TP.format(key=f"rl.parallel.{role}"))
-        for role in ("critic", "reward_model"):
-            ep = getattr(self, role).expert_model_parallel_size
-            if ep > 1:  # their value/score forwards are not lock-stepped over the EP ranks: one would wait forever
-                raise ValueError(
-                    f"rl.parallel.{role}.expert_model_parallel_size={ep}: expert parallelism runs in the sft "
-                    "stage and the RL actor and reference only (every MoE forward is a collective of the expert "
-                    f"group, and the {role}'s forwards are not lock-stepped over its ranks); set it to 1"
-                )
         return self
 
     actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
@@ -121,8 +113,8 @@ class RLParallelConfig(Strict):
 
 _EP_TIMES_TP = (
     "{key}: expert_model_parallel_size > 1 together with tensor_model_parallel_size > 1 runs in the sft stage "
-    "only (the po stage's and the RL roles' reference passes and weight sync are not tested at that layout); "
-    "set one of them to 1"
+    "only (the rm and po stages' and the RL roles' score, value and reference passes and weight sync are not "
+    "tested at that layout); set one of them to 1"
 )
 
 
@@ -146,13 +138,6 @@ def check_stage_layout(
     dp = layout.data_parallel_size
     if layout.expert_model_parallel_size > 1 and layout.tensor_model_parallel_size > 1 and section != "sft":
         raise ValueError(_EP_TIMES_TP.format(key=f"{section}.parallel"))
-    if layout.expert_model_parallel_size > 1 and section == "rm":  # its score forwards are not lock-stepped
-        raise ValueError(
-            f"{section}.parallel.expert_model_parallel_size={layout.expert_model_parallel_size}: expert "
-            "parallelism runs in the sft and po stages and the RL actor and reference (the reward model's "
-            "score forwards are not padded to the expert group's shape, and every MoE forward is a "
-            "collective of the expert group); set it to 1"
-        )
     if dp == 1:
         return
     if token_budget is None and global_batch_size // micro_batch_size < dp:

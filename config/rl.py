@@ -205,7 +205,8 @@ class RLConfig(Strict):
         "not move the PPO ratio (docs/algorithms.md, Mixture of experts). true: the experts the old-log-prob pass "
         "chose (recorded there); rollout: the experts the rollout engine chose for every prompt and response "
         "token (R3), replayed in the old-log-prob pass and the update. Either way the old-log-prob pass always "
-        "runs. Needs backend megatron; rollout also needs rollout.backend hf and no partial rollouts.",
+        "runs. Needs backend megatron and rl.parallel.actor.tensor_model_parallel_size 1 (any "
+        "expert_model_parallel_size); rollout also needs rollout.backend hf and no partial rollouts.",
     )
     micro_batch_size: int = Field(
         32,
@@ -519,13 +520,6 @@ class RLConfig(Strict):
             raise ValueError(
                 "rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
                 "set rl.moe_routing_replay: false or rl.backend: megatron"
-            )
-        ep = self.parallel.actor.expert_model_parallel_size
-        if self.moe_routing_replay and ep > 1:  # a replay is one micro-batch's token layout; EP pads layouts
-            raise ValueError(
-                f"rl.moe_routing_replay with rl.parallel.actor.expert_model_parallel_size={ep} is not built (the "
-                "expert-parallel lock-step pads each forward to the expert group's shape, which the recorded "
-                "routing does not follow); set rl.moe_routing_replay: false or the expert_model_parallel_size to 1"
             )
         tp = self.parallel.actor.tensor_model_parallel_size
         if self.moe_routing_replay and tp > 1:  # an MoE model at TP > 1 runs sequence-parallel: each rank routes half

@@ -59,7 +59,8 @@ class RMConfig(Strict):
         "data-parallel rank back-propagating every k-th micro-batch of a step, with the "
         "gradients summed (the update of DP=1 up to float rounding); "
         "tensor_model_parallel_size (rm.backend: megatron) splits the model's heads and MLP "
-        "columns across ranks; with rm.backend deepspeed ZeRO (rm.deepspeed.zero_stage) "
+        "columns across ranks; expert_model_parallel_size (rm.backend: megatron, an MoE model) "
+        "shards its experts; with rm.backend deepspeed ZeRO (rm.deepspeed.zero_stage) "
         "partitions over the data-parallel ranks. "
         "Its train state resumes at any layout (docs/scaling.md).",
     )
@@ -70,12 +71,14 @@ class RMConfig(Strict):
             "rm", self.parallel, self.global_batch_size, self.micro_batch_size, self.max_tokens_per_micro_batch
         )
         tp, dp = self.parallel.tensor_model_parallel_size, self.parallel.data_parallel_size
-        if tp > 1 and self.backend != "megatron":  # the deepspeed backend partitions over data-parallel ranks (ZeRO)
-            raise ValueError(
-                f"rm.parallel.tensor_model_parallel_size={tp} needs rm.backend: megatron (the "
-                f"{self.backend} backend runs data parallelism only); set rm.backend: megatron or "
-                "rm.parallel.tensor_model_parallel_size: 1"
-            )
+        ep = self.parallel.expert_model_parallel_size
+        for key, size in (("tensor_model_parallel_size", tp), ("expert_model_parallel_size", ep)):
+            if size > 1 and self.backend != "megatron":  # deepspeed partitions over data-parallel ranks (ZeRO)
+                raise ValueError(
+                    f"rm.parallel.{key}={size} needs rm.backend: megatron (the {self.backend} backend "
+                    f"runs data parallelism only: an HF model has no tensor or expert shards); set "
+                    f"rm.backend: megatron or rm.parallel.{key}: 1"
+                )
         if dp > 1 and self.backend == "deepspeed" and self.deepspeed.zero_stage == 0 and self.precision == "bf16":
             raise ValueError(
                 f"rm.parallel.data_parallel_size={dp} with rm.precision bf16 needs rm.deepspeed.zero_stage "

@@ -90,9 +90,11 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
     """Sum ``params``' gradients across the data-parallel ranks, in fp32, in place.
 
     Every rank must call it with the same parameters in the same order. A parameter
-    without a gradient on this rank takes part as zeros (and gets the summed gradient). The
-    gradients are flattened into one fp32 buffer per dtype and reduced in one call (the
-    bucketing of megatron's DDP, with one bucket).
+    without a gradient on this rank takes part as zeros (and gets the summed gradient); one
+    without a gradient on every rank keeps none, as in a single process (AdamW skips it: no
+    weight decay of a weight the loss does not reach, e.g. a reward model's unused output
+    layer). The gradients are flattened into one fp32 buffer, with one "has a gradient" flag
+    per parameter, and reduced in one call (the bucketing of megatron's DDP, with one bucket).
 
     Args:
         params: the parameters whose ``.grad`` the optimizer reads (the fp32 masters under
@@ -115,18 +117,22 @@ def all_reduce_gradients(params: Sequence[torch.nn.Parameter], group=None) -> fl
     group = data_parallel_group() if group is None else group
     if group is None or not params:
         return 0.0
+    has_grad = torch.tensor([float(p.grad is not None) for p in params])
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p, dtype=torch.float32 if p.dtype == torch.float32 else p.dtype)
     t0 = time.perf_counter()
     grads = [p.grad for p in params if p.grad is not None]  # every one, given a zero gradient above
-    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
+    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [has_grad.to(grads[0].device)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for g in grads:
         n = g.numel()
         g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
+    for p, ranks_with_grad in zip(params, flat[offset:].tolist()):
+        if ranks_with_grad == 0:
+            p.grad = None
     seconds = time.perf_counter() - t0
     COMM_SECONDS["all_reduce_s"] += seconds
     return seconds

@@ -6,10 +6,11 @@ all-gather token dispatcher (``MoEAllGatherTokenDispatcher.token_dispatch``) gat
 layer's forward, and reduce-scatters them in its backward. So every rank of the group must run
 
 * the same number of forwards (and backwards) in a pass: a rank short of micro-batches runs
-  padding forwards whose outputs are discarded (:func:`lockstep_padding`);
+  padding forwards whose outputs are discarded (:func:`lockstep_padding`, :func:`lockstep_passes`);
 * forwards of the same number of tokens: each forward's input is padded to the group's largest
   shape (:func:`lockstep_shape`; causal attention keeps the real positions' outputs unchanged,
-  and the extra rows and columns are cut off the logits).
+  and the extra rows and columns are cut off the logits or hidden states; every forward of
+  ``engine.models.megatron`` does it).
 
 Megatron-LM keeps both equal by construction (a fixed ``[micro_batch_size, seq_length]`` and the
 same ``num_microbatches`` on every data-parallel rank); verl's dynamic batching all-reduces the
@@ -24,11 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from engine.batching.packing import PackedSequences
+
+T = TypeVar("T")
 
 
 def expert_group():
@@ -61,6 +65,21 @@ def lockstep_padding(count: int) -> int:
     expert parallelism). A collective of the expert group: every rank calls it once per pass,
     before the pass's first forward."""
     return _max_over_group([count])[0] - int(count)
+
+
+def lockstep_passes(micro_batches: Sequence[T]) -> list[tuple[T, bool]]:
+    """The passes this rank runs over ``micro_batches`` so that every rank of its expert group
+    runs as many: ``(micro_batch, True)`` for each micro-batch, then :func:`lockstep_padding`'s
+    padding passes as ``(micro_batches[0], False)``, whose results the caller discards (and, in
+    an update, back-propagates times 0). Without expert parallelism: every micro-batch, real.
+    A collective of the expert group, run when called: call it before the pass's first forward.
+
+    Raises: ValueError for an empty ``micro_batches`` (a padding pass needs a micro-batch to repeat).
+    """
+    if len(micro_batches) == 0:
+        raise ValueError("lockstep_passes: no micro-batches (every rank of a pass needs at least one)")
+    padding = lockstep_padding(len(micro_batches))
+    return [(mb, True) for mb in micro_batches] + [(micro_batches[0], False)] * padding
 
 
 def lockstep_shape(shape: Sequence[int]) -> tuple[int, ...]:

@@ -414,17 +414,44 @@ def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         (``GPTSpec.padded_vocab_size``) are dropped, so they never enter a softmax, a
         loss or a sample.
     """
-    ids = _check_ids(input_ids)
-    b, t = ids.shape
-    # expert parallelism: as many tokens as the expert group's other ranks; sequence
-    # parallelism: a length divisible by the tensor-parallel size
-    ids = pad_ids(ids, sequence_multiple(model))
+    return _hf_vocabulary(model, _causal_forward(model, input_ids, hidden_states=False))
+
+
+def _run(model, hidden_states: bool, **inputs) -> torch.Tensor:
+    """``model(**inputs)``: its logits (``[B, T, V]``, gathered under tensor parallelism) or, with
+    ``hidden_states``, its final-normed hidden states (sequence-first ``[T, B, H]``; under sequence
+    parallelism gathered over the tensor-parallel group, ``engine.models.sequence_parallel``)."""
+    if hidden_states:
+        # GPTModel returns the decoder output (which ends in final_layernorm) when post_process is
+        # off; toggling the flag skips the vocab projection without touching the decoder.
+        saved = model.post_process
+        model.post_process = False
+        try:
+            hidden = model(**inputs)
+        finally:
+            model.post_process = saved
+        return gather_sequence(model, hidden)  # sequence parallelism: each rank holds [T/N, B, H]
     # Under tensor parallelism the output layer leaves each rank its vocabulary slice;
     # megatron's all-gather (differentiable: its backward keeps the rank's slice of the
     # gradient) gives every rank the full logits. None: the constructor's default (TP=1).
     gather = True if model.config.tensor_model_parallel_size > 1 else None
-    logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None, runtime_gather_output=gather)
-    logits = logits[:b, :t]
+    return model(**inputs, runtime_gather_output=gather)
+
+
+def _causal_forward(model, input_ids: torch.Tensor, hidden_states: bool) -> torch.Tensor:
+    """:func:`_run` on ``input_ids [B, T]`` batch-first: ``[B, T, V]`` or ``[B, T, H]``. Under
+    expert parallelism the ids are padded to the expert group's largest ``[B, T]`` first (a
+    collective; causal attention keeps the real positions' outputs), under sequence parallelism
+    ``T`` to a multiple of the tensor-parallel size, and the result cut back."""
+    ids = _check_ids(input_ids)
+    b, t = ids.shape
+    ids = pad_ids(ids, sequence_multiple(model))  # EP: the group's largest [B, T]; SP: T divisible by TP
+    out = _run(model, hidden_states, input_ids=ids, position_ids=_positions(ids), attention_mask=None)
+    return (out.transpose(0, 1) if hidden_states else out)[:b, :t]
+
+
+def _hf_vocabulary(model, logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V_padded]`` without megatron's vocabulary padding rows, in fp32."""
     spec = getattr(model, "gpt_spec", None)
     if spec is not None and logits.shape[-1] > spec.vocab_size:
         logits = logits[..., : spec.vocab_size]
@@ -490,23 +517,25 @@ def gpt_logits_packed(model, packed: PackedSequences) -> torch.Tensor:
             (``core_attention="local"``), which refuses packed sequences: set ``rl.packing``
             false or build the model with ``core_attention="sdpa"``.
     """
+    return _hf_vocabulary(model, _packed_forward(model, packed, hidden_states=False, caller="gpt_logits_packed"))
+
+
+def _packed_forward(model, packed: PackedSequences, hidden_states: bool, caller: str) -> torch.Tensor:
+    """:func:`_run` on the packed row: ``[N, V]`` or ``[N, H]``. The row is padded by one extra
+    sequence (as :func:`_causal_forward` pads ``T``; a collective) and the result cut back."""
     n = packed.num_tokens
-    # expert parallelism: as many tokens as the expert group's other ranks; sequence parallelism:
-    # a number of tokens divisible by the tensor-parallel size
-    packed = pad_packed(packed, sequence_multiple(model))
-    ids, params = _packed_inputs(model, packed, "gpt_logits_packed")
-    gather = True if model.config.tensor_model_parallel_size > 1 else None
-    logits = model(
+    packed = pad_packed(packed, sequence_multiple(model))  # EP: the group's largest N; SP: N divisible by TP
+    ids, params = _packed_inputs(model, packed, caller)
+    out = _run(
+        model,
+        hidden_states,
         input_ids=ids,
         position_ids=packed.position_ids,
         attention_mask=None,
         packed_seq_params=params,
-        runtime_gather_output=gather,
-    )[0][:n]
-    spec = getattr(model, "gpt_spec", None)
-    if spec is not None and logits.shape[-1] > spec.vocab_size:
-        logits = logits[..., : spec.vocab_size]
-    return logits.float()  # bf16 models too: log-probs, entropy, KL and losses are computed in fp32
+    )
+    # logits [1, N, V] (batch-first); hidden states [N, 1, H] (sequence-first)
+    return (out[:, 0] if hidden_states else out[0])[:n]
 
 
 def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -514,23 +543,14 @@ def gpt_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
 
     Same causal semantics as :func:`gpt_logits`; the output projection is skipped, so a
     scalar reward/value head can read ``[B, T, H]`` directly (equals HF's last entry of
-    ``hidden_states`` with ``output_hidden_states=True``).
+    ``hidden_states`` with ``output_hidden_states=True``). Under expert parallelism a
+    collective of the expert group, padded and cut back as :func:`gpt_logits`; under sequence
+    parallelism ``T`` is padded likewise and the states gathered over the tensor-parallel group.
 
     Returns:
         FloatTensor ``[B, T, H]``.
     """
-    ids = _check_ids(input_ids)
-    t = ids.size(1)
-    ids = pad_ids(ids, sequence_multiple(model))  # sequence parallelism: T divisible by the TP size
-    # GPTModel returns the decoder output (which ends in final_layernorm) when post_process is
-    # off; toggling the flag skips the vocab projection without touching the decoder.
-    saved = model.post_process
-    model.post_process = False
-    try:
-        hidden = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None)
-    finally:
-        model.post_process = saved
-    return gather_sequence(model, hidden)[:t].transpose(0, 1)
+    return _causal_forward(model, input_ids, hidden_states=True)
 
 
 def gpt_hidden_states_packed(model, packed: PackedSequences) -> torch.Tensor:
@@ -540,8 +560,9 @@ def gpt_hidden_states_packed(model, packed: PackedSequences) -> torch.Tensor:
     ``PackedSeqParams``, attention kept inside each sequence, rotary positions restarting per
     sequence): sequence ``b``'s states equal row ``b`` of :func:`gpt_hidden_states` on the
     right-padded batch up to float rounding. A reward head reads sequence ``b``'s last token
-    at packed position ``cu_seqlens[b + 1] - 1``. Under sequence parallelism the row is padded
-    as in :func:`gpt_logits_packed` and the states gathered over the tensor-parallel group.
+    at packed position ``cu_seqlens[b + 1] - 1``. Under expert parallelism a collective of the
+    expert group, padded and cut back as :func:`gpt_logits_packed`; under sequence parallelism
+    the row is padded likewise and the states gathered over the tensor-parallel group.
 
     Args:
         model: a GPTModel built with ``core_attention="sdpa"``.
@@ -554,16 +575,7 @@ def gpt_hidden_states_packed(model, packed: PackedSequences) -> torch.Tensor:
     Raises:
         ValueError: as :func:`gpt_logits_packed`.
     """
-    n = packed.num_tokens
-    packed = pad_packed(packed, sequence_multiple(model))  # sequence parallelism: N divisible by the TP size
-    ids, params = _packed_inputs(model, packed, "gpt_hidden_states_packed")
-    saved = model.post_process  # as in gpt_hidden_states: skip the vocabulary projection
-    model.post_process = False
-    try:
-        hidden = model(input_ids=ids, position_ids=packed.position_ids, attention_mask=None, packed_seq_params=params)
-    finally:
-        model.post_process = saved
-    return gather_sequence(model, hidden)[:n, 0]  # [N, 1, H] (sequence-first, one packed row) -> [N, H]
+    return _packed_forward(model, packed, hidden_states=True, caller="gpt_hidden_states_packed")
 
 
 def mcore_state(model) -> dict[str, torch.Tensor]:

@@ -32,6 +32,14 @@ routing as a list of ``[num_tokens, k]`` LongTensors, one per MoE layer in model
 micro-batch's token order is megatron's: ``[seq, batch]`` flattened sequence-major for a
 right-padded batch, the packed order for a packed one; so a recording is valid only for
 the same rows in the same micro-batch layout (:meth:`RoutingReplay.check`).
+
+Under expert parallelism every forward is padded to the expert group's shape
+(``engine.models.expert_lockstep``), which depends on the peers' micro-batches: each recording
+therefore keeps its layout (the router input's ``[T, B]``; packed ``[N, 1]``), and a replay into
+a forward of another padded shape (the rollout's unpadded routing, or the update's padding
+passes, which repeat the first micro-batch) lays the indices out again (:func:`relayout`). The
+real tokens lie in the top-left ``[T, b]`` block of every padded layout of their micro-batch, so
+they keep their experts; padding positions take experts ``0 .. k-1``.
 """
 
 from __future__ import annotations
@@ -69,6 +77,19 @@ def rollout_indices(routed: torch.Tensor | None, lengths: torch.Tensor, packed: 
     return [flat[:, layer].contiguous() for layer in range(layers)]
 
 
+def relayout(indices: torch.Tensor, layout: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """``indices [T * B, k]`` of a forward of token layout ``layout = (T, B)`` (megatron's
+    sequence-major order; packed ``(N, 1)``) laid out for a forward of ``shape = (T', B')``: the
+    overlapping ``[min(T, T'), min(B, B')]`` block keeps its experts, every other position gets
+    experts ``0 .. k-1``. Returns LongTensor ``[T' * B', k]``."""
+    t, b = layout
+    k = indices.size(-1)
+    out = torch.arange(k, device=indices.device).expand(*shape, k).clone()
+    rows, cols = min(t, shape[0]), min(b, shape[1])
+    out[:rows, :cols] = indices.view(t, b, k)[:rows, :cols]
+    return out.reshape(-1, k)
+
+
 class RoutingReplay:
     """Record and replay the top-k expert choice of every MoE router of ``model``.
 
@@ -104,6 +125,7 @@ class RoutingReplay:
         self.source = source
         self.replays = [router.router_replay for router in routers]
         self.recorded: list[list[torch.Tensor]] = []  # per micro-batch, per MoE layer: [num_tokens, k]
+        self.layouts: list[tuple[int, int]] = []  # per micro-batch: its token layout [T, B] (packed [N, 1])
         self.rows: list[list[int]] = []  # the trajectory rows of each recorded micro-batch
 
     def _set(self, action) -> None:
@@ -118,7 +140,7 @@ class RoutingReplay:
 
     def clear(self) -> None:
         """Forget every recorded micro-batch."""
-        self.recorded, self.rows = [], []
+        self.recorded, self.layouts, self.rows = [], [], []
 
     @contextmanager
     def recording(self, rows: Sequence[int] | torch.Tensor) -> Iterator[None]:
@@ -129,14 +151,18 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         self._set(RouterReplayAction.RECORD)
+        layout: list[tuple[int, int]] = []
+        hook = self.routers[0].register_forward_pre_hook(lambda _m, args: layout.append(_token_layout(args[0])))
         try:
             yield
             indices = [replay.get_recorded_indices() for replay in self.replays]
-            if any(i is None for i in indices):
+            if any(i is None for i in indices) or not layout:
                 raise RuntimeError("RoutingReplay.recording: a MoE layer routed no tokens inside the block")
             self.recorded.append([i.detach().clone() for i in indices])
+            self.layouts.append(layout[-1])
             self.rows.append([int(r) for r in rows])
         finally:
+            hook.remove()
             self._reset()
 
     @contextmanager
@@ -164,24 +190,36 @@ class RoutingReplay:
                 f"the policy has {len(self.routers)} MoE layers of {experts} experts: the rollout engine must "
                 "serve the policy being trained"
             )
-        with self.replaying(indices):
+        layout = (int(lengths.sum()), 1) if packed else (routed.size(1), routed.size(0))  # type: ignore[union-attr]
+        with self.replaying(indices, layout):
             yield
         self.recorded.append(indices)
+        self.layouts.append(layout)
         self.rows.append([int(r) for r in rows])
 
+    def recorded_routing(self, micro_batch: int) -> tuple[list[torch.Tensor], tuple[int, int]]:
+        """``(indices, layout)`` recorded for micro-batch ``micro_batch``: the arguments of
+        :meth:`replaying`."""
+        return self.recorded[micro_batch], self.layouts[micro_batch]
+
     @contextmanager
-    def replaying(self, indices: list[torch.Tensor]) -> Iterator[None]:
+    def replaying(self, indices: list[torch.Tensor], layout: tuple[int, int] | None = None) -> Iterator[None]:
         """Inside: every MoE layer sends each token to the experts in ``indices`` (one
         ``[num_tokens, k]`` LongTensor per MoE layer, as :meth:`recording` keeps them) instead of
-        its own top-k. One forward (and its backward) per block.
+        its own top-k. One forward (and its backward) per block. Under expert parallelism, with
+        the ``layout`` (``[T, B]``) of ``indices``, a forward of another padded shape gets them
+        laid out for its own (:func:`relayout`).
 
         Raises: ValueError when the number of tensors is not the number of MoE layers, or (from
             the forward) when a layer routes another number of tokens than its tensor has rows
-            (megatron would gather a part of the scores silently).
+            and they cannot be laid out again (megatron would gather a part of the scores silently).
         """
         # megatron: seconds to import; only megatron-core models need it
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+        from engine.models.expert_lockstep import expert_group
+
+        lockstep = layout is not None and expert_group() is not None
         if len(indices) != len(self.replays):
             raise ValueError(
                 f"RoutingReplay.replaying: {len(indices)} index tensors for {len(self.replays)} MoE layers"
@@ -191,9 +229,13 @@ class RoutingReplay:
         for layer, (router, replay, idx) in enumerate(zip(self.routers, self.replays, indices)):
             replay.set_target_indices(idx)
 
-            def check_tokens(module, args, layer=layer, expected=idx.size(0)):  # noqa: B008 - binds this layer's values
+            def check_tokens(module, args, layer=layer, replay=replay, idx=idx):  # noqa: B008 - binds this layer's
                 tokens = args[0].numel() // args[0].size(-1)  # [seq, batch, hidden] or packed [tokens, 1, hidden]
-                if tokens != expected:
+                expected = idx.size(0)
+                shape = _token_layout(args[0])
+                if lockstep and layout is not None and shape != layout:  # another expert-parallel padding
+                    replay.set_target_indices(relayout(idx, layout, shape))
+                elif tokens != expected:
                     raise ValueError(
                         f"RoutingReplay.replaying: MoE layer {layer} routes {tokens} tokens, the "
                         f"recorded routing has {expected}: replay into the same micro-batch layout"
@@ -229,3 +271,8 @@ class RoutingReplay:
             f"(first at micro-batch {first}; {len(rows)} vs {len(self.rows)} micro-batches): both must "
             "run on the same trajectory with the same micro-batch settings"
         )
+
+
+def _token_layout(hidden: torch.Tensor) -> tuple[int, int]:
+    """``(T, B)`` of a router's input ``[T, B, H]`` (packed ``[N, 1, H]``)."""
+    return int(hidden.size(0)), (int(hidden.size(1)) if hidden.dim() == 3 else 1)

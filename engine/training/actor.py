@@ -23,7 +23,7 @@ from engine.algorithms.kl import get_kl_estimator
 from engine.algorithms.logits import entropy_from_logits, logprobs_from_logits
 from engine.algorithms.policy_loss import entropy_bonus, get_policy_loss
 from engine.batching.packing import pack_sequences, packed_response_index
-from engine.models.expert_lockstep import lockstep_padding
+from engine.models.expert_lockstep import lockstep_passes
 from engine.models.megatron import gpt_logits_packed
 from engine.trajectory import Trajectory, micro_batch_rows
 
@@ -157,10 +157,12 @@ def compute_logprobs(
     if routing is not None:
         routing.clear()
     try:
-        micro = micro_batch_rows(traj, micro_batch_size, max_tokens)
-        padding = lockstep_padding(len(micro))  # expert parallelism: as many forwards as the peers
-        for rows in micro:
+        # expert parallelism: as many forwards as the peers (padding passes of the first, discarded)
+        for rows, real in lockstep_passes(micro_batch_rows(traj, micro_batch_size, max_tokens)):
             mb = traj.select(rows)
+            if not real:
+                response_logprobs(model, mb, temperature, packed)
+                continue
             lengths = mb.prompt_lengths + mb.response_lengths
             pass_routing = (
                 routing.old_logprob_pass(rows, mb.routed_experts, lengths, packed) if routing is not None else None
@@ -168,8 +170,6 @@ def compute_logprobs(
             with pass_routing or nullcontext():
                 lp, _ = response_logprobs(model, mb, temperature, packed)
             out[rows, : lp.size(1)] = lp * mb.response_valid
-        for _ in range(padding):
-            response_logprobs(model, traj.select(micro[0]), temperature, packed)  # discarded
     finally:
         model.train(was_training)
     return out
@@ -180,7 +180,7 @@ def actor_loss_fn(
     temperature: float,
     norm: GlobalNorm,
     captured: dict[int, torch.Tensor] | None = None,
-    replay: tuple[RoutingReplay, dict[int, list[torch.Tensor]]] | None = None,
+    replay: tuple[RoutingReplay, dict[int, int]] | None = None,
 ):
     """The per-micro-batch actor loss for :func:`engine.training.optimizer_step.train_step` (``normalized=True``).
 
@@ -189,10 +189,10 @@ def actor_loss_fn(
     policy-gradient estimator; TRL's ``GRPOTrainer`` does the same when each batch is used for
     one optimizer step). They are stored in ``captured`` under ``id(micro_batch)``.
 
-    With ``replay = (routing, indices)`` (``rl.moe_routing_replay``) the forward of micro-batch
-    ``mb`` sends every token to the experts ``indices[id(mb)]`` recorded in the old-log-prob pass
-    (:meth:`engine.models.routing_replay.RoutingReplay.replaying`); its backward uses the same
-    routing.
+    With ``replay = (routing, positions)`` (``rl.moe_routing_replay``) the forward of micro-batch
+    ``mb`` sends every token to the experts ``routing`` recorded for micro-batch ``positions[id(mb)]``
+    in the old-log-prob pass (:meth:`engine.models.routing_replay.RoutingReplay.replaying`, laid
+    out for the forward's expert-parallel padding); its backward uses the same routing.
 
     Per micro-batch: ``pg_loss`` of ``cfg.policy_loss`` (PPO clip or GSPO, with clip-higher,
     dual-clip and TIS as configured) ``+ kl.coef * aggregate(KL_t)`` when the KL is a loss
@@ -225,7 +225,9 @@ def actor_loss_fn(
         if mb.old_logprobs is None and captured is None:
             raise ValueError("actor loss: the trajectory has no old_logprobs")
         mask = mb.response_mask
-        with replay[0].replaying(replay[1][id(mb)]) if replay is not None else nullcontext():
+        with (
+            replay[0].replaying(*replay[0].recorded_routing(replay[1][id(mb)])) if replay is not None else nullcontext()
+        ):
             logprobs, entropy = response_logprobs(
                 model, mb, temperature, cfg.packing, entropy=True, entropy_grad=cfg.entropy_coef > 0
             )
@@ -345,7 +347,7 @@ def actor_update(
                 "the routing (compute_logprobs before update)"
             )
         routing.check(rows)
-        replay = (routing, {id(mb): indices for mb, indices in zip(micro, routing.recorded)})
+        replay = (routing, {id(mb): i for i, mb in enumerate(micro)})  # micro-batch -> its recording
     loss_fn = actor_loss_fn(cfg, temperature, norm, captured, replay)
     epochs = []
     for _ in range(cfg.ppo_epochs):

@@ -25,6 +25,7 @@ import torch
 from config.schema import RLConfig
 from engine.algorithms.aggregation import GlobalNorm, global_norm, masked_sum
 from engine.algorithms.value_loss import clipped_value_loss
+from engine.models.expert_lockstep import lockstep_passes
 from engine.trajectory import Trajectory, actor_micro_batches, micro_batch_rows
 
 CRITIC_STATE_SUBDIR = "critic"
@@ -56,13 +57,17 @@ def compute_response_values(
     """``[B, L]`` values (:func:`response_values`) of ``traj`` in the actor's micro-batches
     (``micro_batch_size`` rows, or ``max_tokens`` real tokens each:
     :func:`engine.trajectory.micro_batch_rows`), with ``model`` in eval mode (its mode is
-    restored), 0 on padding."""
+    restored), 0 on padding. Under expert parallelism every rank of the expert group runs as many
+    forwards: a rank with fewer micro-batches runs padding forwards of its first one, discarded
+    (``engine.models.expert_lockstep.lockstep_passes``)."""
     was_training = model.training
     model.eval()
     out = torch.zeros(traj.response_ids.shape)
-    for rows in micro_batch_rows(traj, micro_batch_size, max_tokens):
+    for rows, real in lockstep_passes(micro_batch_rows(traj, micro_batch_size, max_tokens)):
         mb = traj.select(rows)
-        out[rows, : mb.response_ids.size(1)] = response_values(model, mb) * mb.response_valid
+        values = response_values(model, mb)
+        if real:
+            out[rows, : mb.response_ids.size(1)] = values * mb.response_valid
     model.train(was_training)
     return out
 

@@ -30,7 +30,7 @@ from engine.distributed.collectives import (
     data_parallel_group,
     sum_across_ranks,
 )
-from engine.models.expert_lockstep import expert_group, lockstep_padding
+from engine.models.expert_lockstep import expert_group, lockstep_passes
 from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
 from engine.models.moe_router import RouterStats, has_router_losses, set_router_loss_scale
 
@@ -184,10 +184,14 @@ def accumulate_gradients(
         if data_parallel_group() is not None:
             count = int(sum_across_ranks({"__micro_batches": count})["__micro_batches"])
         set_router_loss_scale(1.0 / count)
-    padding = lockstep_padding(len(micro_batches))  # expert parallelism: as many forwards as the peers
     lockstep = expert_group() is not None
-    for mb in micro_batches:
+    # expert parallelism: as many forwards as the peers; a padding pass (the first micro-batch
+    # again) is weighted 0: no loss, gradient or metric
+    for mb, real in lockstep_passes(micro_batches):
         loss_sum, units, metrics = loss_fn(model, mb)
+        if not real:
+            _zero_backward(loss_sum, backward, router_losses)
+            continue
         units = int(units)
         if units == 0:
             if lockstep and loss_sum.requires_grad:  # the MoE layers' backward collectives
@@ -204,9 +208,6 @@ def accumulate_gradients(
         loss_total += float(loss_sum.detach())
         for k, v in metrics.items():
             metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * units
-    for _ in range(padding):  # the first micro-batch again, weighted 0: no loss, gradient or metric
-        loss_sum, _, _ = loss_fn(model, micro_batches[0])
-        _zero_backward(loss_sum, backward, router_losses)
     all_reduce_tensor_parallel_partial_grads(model)  # Qwen3's q/k norms under TP (nothing otherwise)
     if data_parallel_group() is not None:  # the other data-parallel ranks' shares of the global batch
         if not engine_reduces:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from engine.batching.collate import collate_tokens, pad_token_id, split_micro_batches
+from engine.models.expert_lockstep import lockstep_passes
 from engine.models.heads import HEAD_BIAS, HEAD_WEIGHT, RewardModel
 from engine.models.master_weights import compute_dtype
 from engine.storage.model_dir import load_model_dir
@@ -66,6 +67,10 @@ def score(
         max_len: cut each conversation to this many tokens (None: no cut).
         micro_batch_size: conversations per forward pass.
 
+    Under expert parallelism (the RL reward model at ``rl.parallel.reward_model.expert_model_parallel_size``
+    > 1) a collective of the expert group: every rank runs as many forwards of as many tokens
+    (``engine.models.expert_lockstep``), so every rank of the group must call it, with ``N >= 1``.
+
     Returns:
         FloatTensor ``[N]`` of rewards.
 
@@ -80,8 +85,11 @@ def score(
     model.eval()
     seqs = [encode_response(tokenizer, p, r, max_len)[0] for p, r in zip(prompts, responses)]
     out = []
-    for chunk in split_micro_batches(seqs, micro_batch_size):
+    # expert parallelism: as many forwards as the expert group's other ranks (padding ones discarded)
+    for chunk, real in lockstep_passes(split_micro_batches(seqs, micro_batch_size)):
         batch = collate_tokens(chunk, None, pad_token_id(tokenizer))
-        out.append(model(batch.input_ids, batch.lengths))
+        rewards = model(batch.input_ids, batch.lengths)
+        if real:
+            out.append(rewards)
     model.train(was_training)
     return torch.cat(out)

@@ -135,7 +135,7 @@ def test_config_refuses_layouts_the_stages_cannot_run():
 
 
 def _killed_at_dp2_and_resumed_at_dp1(
-    train, section: str, cfg, data: dict, tmp_path: Path, layout: ParallelConfig = DP2
+    train, section: str, cfg, data: dict, tmp_path: Path, layout: ParallelConfig = DP2, weights_close=None
 ):
     """Three steps of ``train`` (a stage's trainer; ``data``: its input arguments) with ``cfg``
     (``steps=3, checkpoint_every=2, log_every=1``) at DP=1 in this process (``dp1/model``, resume
@@ -144,7 +144,8 @@ def _killed_at_dp2_and_resumed_at_dp1(
     ``log_metrics`` raises at step 3 (after step 3, before its checkpoint): the ranks are gone
     and no model directory was written; the step-2 train states hold the same step and data
     position and weights within the bounds. DP=1 then resumes the DP=2 state at step 2
-    (``resumed/model``) and ends with DP=1's weights within the bounds.
+    (``resumed/model``) and ends with DP=1's weights within the bounds (``weights_close(a, b, what)``
+    asserts them; default :func:`_assert_weights_close`).
 
     Returns: ``(one, two, final, resumed)``: the DP=1 and DP=2 runs' metrics by step, the DP=1
         run's result and the resumed run's.
@@ -152,6 +153,7 @@ def _killed_at_dp2_and_resumed_at_dp1(
     from engine.distributed.stage_group import run_stage
     from engine.storage.train_state import load_train_state
 
+    weights_close = weights_close or _assert_weights_close
     one: dict[int, dict] = {}
 
     def log_one(metrics, step):
@@ -184,11 +186,11 @@ def _killed_at_dp2_and_resumed_at_dp1(
 
     at2_one, at2_two = load_train_state(tmp_path / "resume1_at2"), load_train_state(tmp_path / "resume2")
     assert at2_one.step == at2_two.step == 2 and at2_one.data_position == at2_two.data_position
-    _assert_weights_close(at2_one.model, at2_two.model, f"{section} weights after 2 steps, DP=2 vs DP=1")
+    weights_close(at2_one.model, at2_two.model, f"{section} weights after 2 steps, DP=2 vs DP=1")
 
     resumed = train(**data, cfg=cfg, out_dir=tmp_path / "resumed" / "model", resume_dir=tmp_path / "resume2", seed=0)
     assert (resumed["train/resumed_from_step"], resumed["train/steps_run"]) == (2.0, 1.0)
-    _assert_weights_close(
+    weights_close(
         _model_dir_tensors(tmp_path / "dp1" / "model"),
         _model_dir_tensors(tmp_path / "resumed" / "model"),
         f"{section} weights after 3 steps, DP=2 state resumed at DP=1 vs DP=1",

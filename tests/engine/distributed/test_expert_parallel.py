@@ -38,17 +38,15 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     from config.po import PoConfig
     from config.rm import RMConfig
 
-    with pytest.raises(  # the actor and reference take it (tests/engine/distributed/test_expert_parallel_rl.py)
-        ValueError,
-        match=r"rl.parallel.critic.expert_model_parallel_size=2: expert parallelism runs "
-        r"in the sft stage and the RL actor and reference only",
-    ):
-        RLParallelConfig(critic={"data_parallel_size": 2, "expert_model_parallel_size": 2})
+    # every RL role takes it (tests/engine/distributed/test_expert_parallel_rl.py, test_expert_parallel_scores.py)
+    assert RLParallelConfig(critic=EP2).critic.expert_model_parallel_size == 2
+    assert RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
     with pytest.raises(
         ValueError,
-        match=r"rm.parallel.expert_model_parallel_size=2: expert parallelism runs in the sft and po stages",
+        match=r"rm.parallel.expert_model_parallel_size=2 needs rm.backend: megatron \(the deepspeed backend "
+        r"runs data parallelism only: an HF model has no tensor or expert shards\)",
     ):
-        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2)
+        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2, backend="deepspeed")
     assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
     # EP x TP (with sequence parallelism): the sft stage only (tests/engine/distributed/test_sequence_parallel.py)
     ep_tp = dict(
@@ -57,8 +55,11 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp).parallel.world_size == 4
     with pytest.raises(ValueError, match=r"po.parallel: expert_model_parallel_size > 1 together with tensor_model"):
         PoConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp)
-    with pytest.raises(ValueError, match=r"rl.parallel.actor: expert_model_parallel_size > 1 together with tensor"):
-        RLParallelConfig(actor=ep_tp)
+    with pytest.raises(ValueError, match=r"rm.parallel: expert_model_parallel_size > 1 together with tensor_model"):
+        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp)
+    for role in ("actor", "reference", "critic", "reward_model"):  # every RL role takes EP, none EP x TP
+        with pytest.raises(ValueError, match=rf"rl.parallel.{role}: expert_model_parallel_size > 1 together with"):
+            RLParallelConfig(**{role: ep_tp})
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
 
 
@@ -193,9 +194,8 @@ def test_po_dpo_at_dp2_ep2_equals_dp1_with_held_out_evaluation_on_every_rank(ray
     every step) at DP=1 and at DP=2 x EP=2 (``run_stage``): every rank evaluates the held-out
     pairs (the same rows, so as many forwards of the same shapes; rank 0 alone would leave its
     expert peer waiting), and each step's loss, accuracy, rewards, gradient norm and held-out
-    metrics match DP=1's within the bounds. The rm stage still refuses EP."""
+    metrics match DP=1's within the bounds."""
     from config.po import PoConfig
-    from config.rm import RMConfig
     from engine.distributed.stage_group import run_stage
     from engine.storage.model_dir import load_tokenizer, save_model_dir
     from engine.training.preference_optimization import train_preference_optimization
@@ -203,8 +203,6 @@ def test_po_dpo_at_dp2_ep2_equals_dp1_with_held_out_evaluation_on_every_rank(ray
     from tests.engine.training.quickstart_data import make_quickstart_inputs
     from tests.engine.training.test_moe_router import build, moe_config
 
-    with pytest.raises(ValueError, match=r"rm.parallel.expert_model_parallel_size=2: expert parallelism runs in"):
-        RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2)
     assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
     inputs = make_quickstart_inputs(tmp_path / "data", num_sft=8, num_preference=20)
     vocab = len(load_tokenizer(inputs["base"]))

@@ -25,6 +25,7 @@ import torch
 
 from config.parallel import ParallelConfig, RLParallelConfig
 from config.rl import RLConfig
+from engine.trajectory import Trajectory
 from tests.engine.distributed.test_data_parallel import _close, _weights, trajectory
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
@@ -45,24 +46,18 @@ def grpo_config() -> RLConfig:
     )
 
 
-def test_config_accepts_the_actor_and_reference_and_refuses_the_rest():
-    par = RLParallelConfig(actor=EP2, reference=EP2)
-    assert par.actor.expert_model_parallel_size == par.reference.expert_model_parallel_size == 2
-    for role in ("critic", "reward_model"):
+def test_config_accepts_every_role_and_refuses_the_deepspeed_backend():
+    par = RLParallelConfig(actor=EP2, reference=EP2, critic=EP2, reward_model=EP2)
+    assert [par.actor, par.reference, par.critic, par.reward_model] == [EP2] * 4
+    assert grpo_config().parallel.actor.expert_model_parallel_size == 2
+    for role in ("actor", "critic"):  # the deepspeed backend trains HF models: no expert shards
         with pytest.raises(
             ValueError,
-            match=rf"rl.parallel.{role}.expert_model_parallel_size=2: expert parallelism runs in the sft "
-            r"stage and the RL actor and reference only",
+            match=rf"rl.parallel.{role}.expert_model_parallel_size=2: expert parallelism needs rl.backend: megatron",
         ):
-            RLParallelConfig(**{role: EP2})
-    assert grpo_config().parallel.actor.expert_model_parallel_size == 2
-    with pytest.raises(
-        ValueError,
-        match=r"rl.parallel.actor.expert_model_parallel_size=2: expert parallelism needs rl.backend: megatron",
-    ):
-        RLConfig(backend="deepspeed", parallel={"actor": EP2})
-    with pytest.raises(ValueError, match=r"rl.moe_routing_replay with rl.parallel.actor.expert_model_parallel_size=2"):
-        RLConfig(moe_routing_replay=True, parallel={"actor": EP2})
+            RLConfig(backend="deepspeed", algorithm="gae", parallel={role: EP2})
+    for mode in (True, "rollout"):  # routing replay at EP: test_routing_replay_at_dp2_ep2_equals_dp1
+        assert RLConfig(moe_routing_replay=mode, rollout={"backend": "hf"}, parallel={"actor": EP2}).moe_routing_replay
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +98,8 @@ def test_actor_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(policy_dir, r
     import ray
 
     from engine.backends.megatron.actor import ActorWorker
-    from engine.distributed.group import WorkerGroup, shard_rows
+    from engine.distributed.group import WorkerGroup
     from engine.storage.train_state import DataPosition
-    from engine.trajectory import micro_batch_rows
 
     cfg = grpo_config()
     single = ActorWorker(policy_dir, cfg.model_copy(update={"parallel": RLParallelConfig()}), 0, 1)
@@ -114,11 +108,7 @@ def test_actor_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(policy_dir, r
     )
     try:
         ray.get(group.__ray_ready__.remote())
-        base = trajectory()
-        for name, traj in (("A", base), ("B", base.select(torch.arange(5)))):
-            shards = shard_rows((traj.prompt_lengths + traj.response_lengths).tolist(), 2)
-            counts = [len(micro_batch_rows(traj.select(torch.tensor(s)), cfg.micro_batch_size)) for s in shards]
-            assert counts == ([2, 2] if name == "A" else [2, 1]), (name, shards, counts)  # B: a padding forward
+        for name, traj in even_and_uneven_batches(cfg.micro_batch_size):
             old = single.compute_logprobs(traj)
             got = ray.get(group.compute_logprobs.remote(traj))
             diff = float((got - old).abs().max())
@@ -158,6 +148,71 @@ def test_actor_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(policy_dir, r
     assert resumed.load_state(tmp_path / "resume")[0] == 2
     mine = {k: v for k, v in resumed.model.state_dict().items() if isinstance(v, torch.Tensor) and k in b}
     assert mine.keys() == b.keys() and all(torch.equal(mine[k], b[k]) for k in b)
+
+
+@pytest.mark.parametrize("mode", [True, "rollout"])
+def test_routing_replay_at_dp2_ep2_equals_dp1(policy_dir, ray_cluster, mode):
+    """``rl.moe_routing_replay`` (``true``: the old-log-prob pass's experts; ``rollout``, R3:
+    random experts standing in for the rollout engine's, every token sent to 2 distinct ones) on
+    batches A and B at DP=2 x EP=2 against DP=1. Every forward of the group is padded to the
+    group's shape, and batch B's rank 1 runs a padding pass, which replays its first micro-batch's
+    routing in another padded shape: the routing is laid out again for each
+    (``engine.models.routing_replay.relayout``). Old log-probs within 1e-6 of max |log-prob| of DP=1's (under R3 a
+    misplaced expert would move them by far more: the experts are not the router's top-k); each
+    side's update, on its own old log-probs, has the ratio exactly 1 (``actor/ppo_kl`` and
+    ``actor/pg_clipfrac`` exactly 0: the update routes as the old pass did, padding and all), and
+    their losses and gradient norms agree within the bounds."""
+    import ray
+
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.distributed.group import WorkerGroup
+    from tests.engine.training.test_moe_router import TOPK, E
+
+    cfg = grpo_config().model_copy(update={"moe_routing_replay": mode})
+    cfg = RLConfig.model_validate(cfg.model_dump() | {"rollout": {"backend": "hf"}})
+    single = ActorWorker(policy_dir, cfg.model_copy(update={"parallel": RLParallelConfig()}), 0, 1)
+    group = WorkerGroup(
+        ActorWorker, EP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1), seed=0, norm_fn=single_norm(cfg)
+    )
+    gen = torch.Generator().manual_seed(1)
+    try:
+        ray.get(group.__ray_ready__.remote())
+        for name, traj in even_and_uneven_batches(cfg.micro_batch_size):
+            if mode == "rollout":
+                b, t = traj.input_ids.shape
+                experts = torch.rand(b, t, 2, E, generator=gen).argsort(-1)[..., :TOPK].to(torch.int16)
+                traj = traj.with_(routed_experts=experts)
+            old = single.compute_logprobs(traj)
+            got = ray.get(group.compute_logprobs.remote(traj))
+            diff = float((got - old).abs().max())
+            print(f"replay {mode} batch {name}: old log-probs EP=2 vs EP=1 max |diff| {diff:.3g}")
+            assert diff <= 1e-6 * float(old.abs().max()) and float(old.abs().max()) > 1.0  # _close's bound
+            ref = old - 0.05 * traj.response_mask
+            want = single.update(traj.with_(old_logprobs=old, ref_logprobs=ref))
+            have = ray.get(group.update.remote(traj.with_(old_logprobs=got, ref_logprobs=ref)))
+            for side in (want, have):
+                assert side.metrics["actor/ppo_kl"] == 0.0 and side.metrics["actor/pg_clipfrac"] == 0.0, name
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
+                print(f"replay {mode} batch {name} {key}: dp1 {want.metrics[key]!r} dp2 x ep2 {have.metrics[key]!r}")
+                assert _close(have.metrics[key], want.metrics[key]), (name, key)
+    finally:
+        group.kill()
+
+
+def even_and_uneven_batches(micro_batch_size: int) -> list[tuple[str, Trajectory]]:
+    """Batch ``A`` (tests/engine/distributed/test_data_parallel.py's 8 rows: 2 micro-batches of
+    ``micro_batch_size`` 2 per rank at DP=2) and ``B`` (its first 5 rows: 2 on rank 0 and 1 on
+    rank 1, which runs a padding pass), their split checked."""
+    from engine.distributed.group import shard_rows
+    from engine.trajectory import micro_batch_rows
+
+    base = trajectory()
+    batches = [("A", base), ("B", base.select(torch.arange(5)))]
+    for name, traj in batches:
+        shards = shard_rows((traj.prompt_lengths + traj.response_lengths).tolist(), 2)
+        counts = [len(micro_batch_rows(traj.select(torch.tensor(s)), micro_batch_size)) for s in shards]
+        assert counts == ([2, 2] if name == "A" else [2, 1]), (name, shards, counts)  # B: a padding pass
+    return batches
 
 
 def single_norm(cfg: RLConfig):
