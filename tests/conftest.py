@@ -80,6 +80,7 @@ LONGEST = (
     "tests/engine/distributed/test_data_parallel.py",
     "tests/engine/backends/test_deepspeed_critic_rm.py",
     "tests/engine/distributed/test_expert_parallel.py",
+    "tests/engine/distributed/test_expert_parallel_scores.py",
 )
 
 
