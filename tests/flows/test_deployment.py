@@ -158,11 +158,38 @@ def _wait(what: str, check, timeout_s: float, tail, every_s: float = 1.0):
         time.sleep(every_s)
 
 
+RETRY_STATUS = (429, 502, 503)
+
+
+def _api(method: str, url: str, **kwargs) -> httpx.Response:
+    """One request to the Prefect API, retried as Prefect's own client retries one
+    (``prefect.client.base``): on 429, 502 or 503 and on a timeout or a dropped connection, for up
+    to 60 s. A server whose SQLite database is busy on two loaded cores answers late or 503 for
+    a moment; a user's ``prefect`` command would wait it out.
+
+    Raises:
+        httpx.HTTPStatusError: any other error status, or a retried one after 60 s.
+        httpx.TransportError: a timeout or connection error after 60 s.
+    """
+    deadline = time.time() + 60
+    while True:
+        try:
+            response = httpx.request(method, url, timeout=30, **kwargs)
+        except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError):
+            if time.time() > deadline:
+                raise
+        else:
+            if response.status_code not in RETRY_STATUS or time.time() > deadline:
+                response.raise_for_status()
+                return response
+        time.sleep(2)
+
+
 def _flow_runs(api: str, deployment_id: str) -> list[dict]:
-    return httpx.post(
+    return _api(
+        "POST",
         f"{api}/flow_runs/filter",
         json={"deployments": {"id": {"any_": [deployment_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200},
-        timeout=10,
     ).json()
 
 
@@ -170,33 +197,21 @@ def _deployment(api: str) -> dict:
     """The deployment as ``prefect deployment inspect -o json`` prints it (the same API read; a
     ``prefect`` process costs seconds to start)."""
     flow, name = FULL_NAME.split("/")
-    got = httpx.get(f"{api}/deployments/name/{flow}/{name}", timeout=10)
-    got.raise_for_status()
-    return got.json()
+    return _api("GET", f"{api}/deployments/name/{flow}/{name}").json()
 
 
 def _work_pool(api: str) -> dict:
     """The work pool as ``prefect work-pool inspect -o json`` prints it."""
-    got = httpx.get(f"{api}/work_pools/{POOL}", timeout=10)
-    got.raise_for_status()
-    return got.json()
+    return _api("GET", f"{api}/work_pools/{POOL}").json()
 
 
 def _pause_pool(api: str, paused: bool) -> None:
-    """What ``prefect work-pool pause|resume`` does: one update of the pool's ``is_paused``,
-    retried on 429/502/503 for up to 60 s as Prefect's own client retries them (a busy server's
-    SQLite database answers 503 for a moment)."""
-    deadline = time.time() + 60
-    while True:
-        response = httpx.patch(f"{api}/work_pools/{POOL}", json={"is_paused": paused}, timeout=10)
-        if response.status_code not in (429, 502, 503) or time.time() > deadline:
-            response.raise_for_status()
-            return
-        time.sleep(2)
+    """What ``prefect work-pool pause|resume`` does: one update of the pool's ``is_paused``."""
+    _api("PATCH", f"{api}/work_pools/{POOL}", json={"is_paused": paused})
 
 
 def _task_runs(api: str, run_id: str) -> list[dict]:
-    return httpx.post(f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}, timeout=10).json()
+    return _api("POST", f"{api}/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}).json()
 
 
 def _finished_task_runs(api: str, run_id: str, tail) -> list[dict]:
@@ -321,7 +336,7 @@ def scheduled(tmp_path_factory):
 
         def finished(run_id):
             assert worker.proc.poll() is None, f"worker exited {worker.proc.returncode}"
-            run = httpx.get(f"{api}/flow_runs/{run_id}", timeout=10).json()
+            run = _api("GET", f"{api}/flow_runs/{run_id}").json()
             return run if run["state_type"] in TERMINAL else None
 
         t0 = time.time()
@@ -347,10 +362,8 @@ def scheduled(tmp_path_factory):
 
         listed = runner.run(steps[9])  # prefect flow-run ls
         manual_out = runner.run(steps[10])  # prefect deployment run: the pool is paused, so it only waits
-        manual = httpx.get(
-            f"{api}/flow_runs/{re.search(r'UUID: ([0-9a-f-]{36})', manual_out).group(1)}", timeout=10
-        ).json()
-        deployment_now = httpx.get(f"{api}/deployments/{deployed['id']}", timeout=10).json()
+        manual = _api("GET", f"{api}/flow_runs/{re.search(r'UUID: ([0-9a-f-]{36})', manual_out).group(1)}").json()
+        deployment_now = _api("GET", f"{api}/deployments/{deployed['id']}").json()
         times["fixture total"] = time.time() - t_fixture
         print("\nwall times: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
         times_printed = True
@@ -555,8 +568,8 @@ def test_server_log_is_clean_and_the_deployment_ready(scheduled):
 
 def _artifacts(api: str, run_id: str) -> dict[str, dict]:
     """Key -> the Prefect artifact of that key created in flow run ``run_id``."""
-    found = httpx.post(
-        f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10
+    found = _api(
+        "POST", f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}
     ).json()
     return {a["key"]: a for a in found if a["key"]}
 
