@@ -1037,9 +1037,9 @@ def killed_repros(dvc_project):
         kills = [_kill_dvc_while_rl_runs(root, env, sig, shell) for sig, shell in KILLS]
         after, artifacts_after = rl_row(), sorted(p.name for p in (root / "artifacts").glob("*/*"))
         for k, (sig, shell) in zip(kills, KILLS):
-            print(
-                f"dvc repro killed with {sig.name} ({shell}): stage gone in {k['stage_s']:.1f} s, all in {k['family_s']:.1f} s"
-            )
+            # stage_s is None when the stage outlived the minute: the test of this kill says so
+            gone = "not within 60 s" if k["stage_s"] is None else f"in {k['stage_s']:.1f} s"
+            print(f"dvc repro killed with {sig.name} ({shell}): stage gone {gone}, all in {k['family_s']:.1f} s")
     finally:
         _git(root, env, "checkout", "--", PARAMS_FILE, "dvc.lock", OUT)
     status = json.loads(_run([str(BIN / "dvc"), "status", "--json"], root, env).stdout)
@@ -1062,7 +1062,8 @@ def test_killing_dvc_repro_ends_the_stage_it_started(killed_repros, index):
     assert k["between"] == ([] if shell == "/bin/bash" else ["sh"])  # dash stays as the stage's parent
     assert {"posttrain", "raylet", "gcs_server"} <= set(k["family"]), k["family"]
     assert k["left"] == [], f"still alive {k['family_s']:.1f} s after {sig.name} of dvc: {k['left']}"
-    assert k["family_s"] < GONE_WITHIN_S and k["stage_s"] is not None
+    assert k["stage_s"] is not None, f"the rl stage was still running 60 s after {sig.name} of dvc:\n{k['log'][-3000:]}"
+    assert k["family_s"] < GONE_WITHIN_S
     assert WATCH_MESSAGE in k["log"]  # the stage noticed its parent's death (flows/parent_watch.py)
     assert "rl: rl-" not in k["log"]  # it never got to report a result
 

@@ -96,9 +96,10 @@ def test_platform_setup_is_idempotent():
     init_model_parallel()
     init_model_parallel()
     assert torch.distributed.get_world_size() == 1 and torch.distributed.get_backend() == "gloo"
-    with pytest.raises(ValueError, match=r"\(tp, pp, ep\)=\(1, 1, 1\), asked for \(2, 1, 1\)"):
+    already = r"\(tp, pp, ep, sequence_parallel\)=\(1, 1, 1, False\), asked for "
+    with pytest.raises(ValueError, match=already + r"\(2, 1, 1, False\)"):
         init_model_parallel(tp=2)
-    with pytest.raises(ValueError, match=r"\(tp, pp, ep\)=\(1, 1, 1\), asked for \(1, 1, 2\)"):
+    with pytest.raises(ValueError, match=already + r"\(1, 1, 2, False\)"):
         init_model_parallel(ep=2)
 
 
