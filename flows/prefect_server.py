@@ -17,6 +17,7 @@ configuration while ``import prefect`` is still running.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -24,6 +25,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -97,17 +99,61 @@ def _detach_from_parent_signals(parent_pid: int) -> None:
 
 
 def _session_server():
-    """A :class:`SubprocessASGIServer` whose uvicorn process starts in a new session.
+    """A :class:`SubprocessASGIServer` whose uvicorn process starts in a new session, and
+    whose start waits out a slow health check.
 
     Built on first use: importing Prefect's server module takes seconds, and commands that
     use a configured API never need it.
     """
     # prefect: 1-2 s to import; only flows and stage runs need it
+    import httpx
     import prefect
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import get_current_settings
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
 
     class SessionServer(SubprocessASGIServer):
+        def start(self, timeout: int | None = None) -> None:
+            """Prefect's ``start`` (3.7.7), except that a health check whose answer times out
+            counts as "not up yet", as a refused connection does, and the limit is wall time.
+
+            Prefect's loop gives up on the first read time-out (httpx's 5 s): on a busy machine
+            uvicorn accepts the connection before the app answers, and the start failed with
+            ``httpx.ReadTimeout`` well inside ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
+
+            Raises:
+                RuntimeError: no healthy answer within the limit, or the server exited
+                    (its exit code in the message).
+            """
+            if self.running:
+                return
+            self.port = self.port or self.find_available_port()
+            self.running = True
+            self.server_process = self._run_uvicorn_command()
+            atexit.register(self.stop)
+            limit = timeout or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+            deadline = time.monotonic() + limit
+            with httpx.Client() as client:
+                while (left := deadline - time.monotonic()) > 0:
+                    code = self.server_process.poll()
+                    if code == 3:  # uvicorn's exit code when the port was taken meanwhile
+                        self.port = self.find_available_port()
+                        self.server_process = self._run_uvicorn_command()
+                        continue
+                    if code is not None:
+                        break
+                    try:
+                        if client.get(f"{self.api_url}/health", timeout=min(5.0, left)).status_code == 200:
+                            return
+                    except (httpx.ConnectError, httpx.TimeoutException):
+                        pass
+                    time.sleep(0.1)
+            self.running = False
+            exited = self.server_process.poll()
+            raise RuntimeError(
+                "Timed out while attempting to connect to ephemeral Prefect API server."
+                + (f" Ephemeral server process exited with code {exited}." if exited is not None else "")
+            )
+
         def _run_uvicorn_command(self) -> subprocess.Popen:
             env = {
                 **os.environ,

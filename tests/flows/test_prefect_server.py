@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import sqlalchemy
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_LOG_RETRYABLE_ERRORS, temporary_settings
 
-from flows.prefect_server import RetriedSQLiteLockFilter, prefect_api
+from flows.prefect_server import RetriedSQLiteLockFilter, _session_server, prefect_api
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
@@ -81,6 +84,45 @@ def test_a_server_too_slow_to_start_names_the_setting_and_leaves_nothing_running
         "PREFECT_API_URL=http://127.0.0.1:4200/api. Prefect said: Timed out while attempting to connect"
     )
     assert {pid for pid in _server_pids()} - before == set()  # the server that came up late was stopped
+
+
+def _listening(port: int) -> bool:
+    """Whether a socket listens on 127.0.0.1:``port`` (/proc/net/tcp: state 0A is LISTEN)."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if local == f"0100007F:{port:04X}" and state == "0A":
+            return True
+    return False
+
+
+def test_a_health_check_that_times_out_is_waited_out():
+    """The server's process is stopped (SIGSTOP) for 7 s the moment it listens: the kernel
+    accepts the health check's connection and nothing answers, so the check times out (httpx's
+    5 s), as it does on a busy machine. The start waits, and returns once the server answers."""
+    server = _session_server()
+    stall: dict[str, float] = {}
+
+    def stop_once_listening() -> None:
+        while server.server_process is None:
+            time.sleep(0.001)
+        pid = server.server_process.pid
+        while not _listening(server.port):
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGSTOP)
+        stall["from"] = time.monotonic()
+        time.sleep(7)
+        os.kill(pid, signal.SIGCONT)
+
+    staller = threading.Thread(target=stop_once_listening, daemon=True)
+    staller.start()
+    try:
+        server.start(timeout=120)
+        returned = time.monotonic()
+        assert urllib.request.urlopen(f"{server.api_url}/health", timeout=10).status == 200
+    finally:
+        staller.join(timeout=30)
+        server.stop()
+    assert returned - stall["from"] >= 7  # it waited through the stall instead of failing after 5 s
 
 
 def test_configured_api_is_used_as_is():

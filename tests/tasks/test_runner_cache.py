@@ -15,11 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_support import migrated_prefect_home
 from prefect import flow
-from prefect.testing.utilities import prefect_test_harness
+from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL, PREFECT_API_URL, temporary_settings
 
 from config.schema import PipelineConfig
 from flows.pipeline import run_stage_task
+from flows.prefect_server import prefect_api
 from flows.status import stage_status
 from tasks import validate
 from tasks.artifacts import ArtifactStore, content_hash
@@ -32,9 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def prefect_server(tmp_path_factory):
+    """The temporary server a CLI command starts (``prefect_api``), on a database of its own."""
+    db = migrated_prefect_home(tmp_path_factory.mktemp("prefect-home")) / "prefect.db"
+    with temporary_settings(
+        updates={PREFECT_API_DATABASE_CONNECTION_URL: f"sqlite+aiosqlite:///{db}"}, restore_defaults={PREFECT_API_URL}
+    ):
+        with prefect_api():
+            yield
 
 
 @pytest.fixture(autouse=True)

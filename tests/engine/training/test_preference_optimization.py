@@ -131,8 +131,10 @@ def test_one_or_four_micro_batches_give_the_same_gradient(sft_policy, quickstart
     for key in ("accuracy", "rewards/margin") + (("chosen_nll",) if loss != "kto" else ()):
         assert one[2][key] == pytest.approx(four[2][key], rel=1e-6, abs=1e-9)
     assert max(float(g.abs().max()) for g in one[3]) > 1e-4
+    # fp32 sums in another order: the error scales with the tensor's largest entries, not with
+    # the element (1.5e-6 of a tensor's max at most, measured on two CPUs and thread counts)
     for a, b in zip(one[3], four[3]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
 
 
 def test_resume_reuses_the_reference_and_ends_bit_identical(sft_policy, quickstart_inputs, tmp_path):
