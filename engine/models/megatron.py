@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from conversion.spec import GPTSpec
 from engine.models.expert_lockstep import pad_ids, pad_packed
-from engine.models.moe_router import router_config_fields
+from engine.models.moe_router import padding_mask, router_config_fields
 from engine.models.platform import (
     ensure_model_parallel,
     patch_moe_without_transformer_engine,
@@ -446,7 +446,8 @@ def _causal_forward(model, input_ids: torch.Tensor, hidden_states: bool) -> torc
     ids = _check_ids(input_ids)
     b, t = ids.shape
     ids = pad_ids(ids, sequence_multiple(model))  # EP: the group's largest [B, T]; SP: T divisible by TP
-    out = _run(model, hidden_states, input_ids=ids, position_ids=_positions(ids), attention_mask=None)
+    pads = padding_mask(model, ids, (b, t))  # MoE: the routers leave the added positions out
+    out = _run(model, hidden_states, input_ids=ids, position_ids=_positions(ids), attention_mask=None, **pads)
     return (out.transpose(0, 1) if hidden_states else out)[:b, :t]
 
 
@@ -526,6 +527,7 @@ def _packed_forward(model, packed: PackedSequences, hidden_states: bool, caller:
     n = packed.num_tokens
     packed = pad_packed(packed, sequence_multiple(model))  # EP: the group's largest N; SP: N divisible by TP
     ids, params = _packed_inputs(model, packed, caller)
+    pads = padding_mask(model, ids, (1, n))  # MoE: the routers leave the added sequence out
     out = _run(
         model,
         hidden_states,
@@ -533,6 +535,7 @@ def _packed_forward(model, packed: PackedSequences, hidden_states: bool, caller:
         position_ids=packed.position_ids,
         attention_mask=None,
         packed_seq_params=params,
+        **pads,
     )
     # logits [1, N, V] (batch-first); hidden states [N, 1, H] (sequence-first)
     return (out[:, 0] if hidden_states else out[0])[:n]

@@ -46,6 +46,22 @@ def has_router_losses(model: torch.nn.Module) -> bool:
     )
 
 
+def padding_mask(model: torch.nn.Module, ids: torch.Tensor, real: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """``{"padding_mask": mask}`` for a forward of an MoE ``model`` on ``ids`` ``[B', T']``, padded
+    from ``real`` ``(B, T)`` by the engine (``engine.models.expert_lockstep.pad_ids`` /
+    ``pad_packed``: expert-parallel lock-step and sequence parallelism); ``{}`` for a dense model
+    or unpadded ids. ``mask`` is bool ``[B', T']``, True on the added positions (megatron's
+    ``GPTModel.forward(padding_mask=...)``, True = padding in ``moe_utils``): the routers leave
+    them out of the load-balancing loss, the z-loss and :class:`RouterStats`' counts, so a
+    parallel layout's router losses are those of one process on the same batch.
+    """
+    if getattr(getattr(model, "config", None), "num_moe_experts", None) is None or tuple(ids.shape) == real:
+        return {}
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[: real[0], : real[1]] = False
+    return {"padding_mask": mask}
+
+
 def set_router_loss_scale(scale: float) -> None:
     """Weight of the router losses in the next backward passes (megatron's
     ``MoEAuxLossAutoScaler.set_loss_scale``; process-wide, kept until set again).
@@ -71,13 +87,14 @@ class RouterStats:
 
     Use as ``with RouterStats(model) as stats: ...``, then :meth:`metrics`. A forward hook on
     every ``TopKRouter`` adds ``routing_map.sum(0)`` (``[E]``, tokens sent to each expert:
-    every routed position, padding included, counts once per chosen expert, so a layer's
-    counts sum to ``tokens * top_k``); megatron's layer-wise tracker
+    every routed position, the batch's own padding included, counts once per chosen expert, so a
+    layer's counts sum to ``tokens * top_k``; the positions the engine pads on for expert or
+    sequence parallelism, :func:`padding_mask`, are left out); megatron's layer-wise tracker
     (``moe_utils.get_moe_layer_wise_logging_tracker``) is cleared on entry and holds, per
     layer, the sum over micro-batches of the unweighted ``load_balancing_loss`` and
     ``z_loss`` when they are on. Under sequence parallelism each rank of a tensor-parallel group
     routes its slice of every forward (padded to a multiple of the group's size), so
-    :meth:`metrics` sums the counts over the group.
+    :meth:`metrics` sums the counts (and the load-balancing loss) over the group.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -97,7 +114,10 @@ class RouterStats:
 
     def _hook(self, index: int):
         def hook(module, args, output):
-            counts = output[1].sum(0).detach().to(torch.float64)  # routing_map [tokens, E] -> [E]
+            routing_map = output[1].detach()  # [tokens, E]
+            if len(args) > 1 and args[1] is not None:  # padding_mask [T, B], True on added positions
+                routing_map = routing_map[~args[1].reshape(-1)]
+            counts = routing_map.sum(0).to(torch.float64)  # [E]
             self.counts[index] = counts if self.counts[index] is None else self.counts[index] + counts
             if index == 0:
                 self.forwards += 1
@@ -151,7 +171,7 @@ class RouterStats:
         }
         for name in ("load_balancing_loss", "z_loss"):
             if on[name] and name in tracker:
-                sums[name] = float(tracker[name]["values"].sum())
+                sums[name] = float(_over_tensor_parallel_ranks(tracker[name], config).sum())
         if reduce is not None:
             sums = reduce(sums)
         if sums["forwards"] == 0:
@@ -164,3 +184,26 @@ class RouterStats:
             if name in sums:
                 out[f"moe/{name}"] = sums[name] / n_layers / sums["forwards"]
         return out
+
+
+def _over_tensor_parallel_ranks(entry: dict, config) -> torch.Tensor:
+    """A router loss of megatron's layer-wise tracker (``[layers]``) as one process on the whole
+    sequence would log it. Under sequence parallelism each rank of a tensor-parallel group routes
+    its slice: its load-balancing loss is its part of the group's sum (the tracker names the group,
+    ``reduce_group``, which megatron's ``reduce_aux_losses_tracker_across_ranks`` sums over), its
+    z-loss the mean over its own slice (averaged over the group here: the whole sequence's mean
+    when the slices hold as many unpadded tokens). A collective of that group; the values as
+    they are otherwise."""
+    values = entry["values"].detach().clone()
+    if not (config.sequence_parallel and torch.distributed.is_initialized()):
+        return values
+    # megatron: seconds to import; only megatron-core models need it
+    from megatron.core import parallel_state
+
+    group = entry.get("reduce_group")
+    if group is not None:
+        torch.distributed.all_reduce(values, group=group)
+        return values
+    tp = parallel_state.get_tensor_model_parallel_group()
+    torch.distributed.all_reduce(values, group=tp)
+    return values / torch.distributed.get_world_size(tp)

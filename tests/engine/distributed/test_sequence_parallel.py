@@ -118,14 +118,52 @@ def test_moe_sft_step_at_tp2_with_sequence_parallelism_equals_tp1(moe_inputs, tm
 
     Loss and gradient norm within 1e-6 of max(|value|, 1), the weights written by both ranks
     (loaded at TP=1) within the weight bounds; tokens per expert summed over the two ranks'
-    routers, which also route the pad columns sequence parallelism adds (at most one per row of
-    a micro-batch): the TP=2 totals are the TP=1 ones plus at most 2 x 8 routed pad positions.
+    routers, which leave out the pad columns sequence parallelism adds (at most one per row of a
+    micro-batch; ``padding_mask``): the TP=2 totals are the TP=1 ones.
 
     Measured (printed with -s): the loss bit-identical (5.9917417), grad_norm 1.2045107 vs
     1.2045108 (1.2e-7), weights at most 5.6e-6 apart (7 of 175,040 beyond 1e-6), the routed
     positions equal (1,024 per layer); 16-38 s here.
     """
     _moe_sft_step_against_tp1(moe_inputs, tmp_path, TP2_SP)
+
+
+@pytest.mark.parametrize(
+    "z_loss_coeff,max_seq_len",
+    [(0.0, 63), (1e-3, 64)],
+    ids=["load-balancing-loss-sp-padded", "both-losses-unpadded"],
+)
+def test_moe_sft_step_with_router_losses_at_tp2_with_sequence_parallelism_equals_tp1(
+    moe_inputs,  # noqa: F811
+    tmp_path,
+    z_loss_coeff,
+    max_seq_len,
+):
+    """The TP=2 + SP step with router losses on (``model.moe``, recorded in the model directory as
+    the convert stage does): the load-balancing loss (coefficient 0.01), and the z-loss (1e-3).
+
+    Each rank routes half of every forward's tokens. Megatron sums the tokens per expert over the
+    group for the load-balancing loss, so with rows cut at 63 tokens (every micro-batch 63 wide,
+    one column padded on by sequence parallelism) the step is TP=1's only because that column is
+    masked out (``engine.models.moe_router.padding_mask``). Each rank adds the mean z-loss of its
+    own half at half the coefficient: TP=1's mean when both halves hold as many unpadded tokens,
+    hence the second case at width 64 (a padded column would weigh the halves 1/32 and 1/31).
+    Same bounds as without router losses; the logged router losses equal TP=1's within 1e-6.
+    """
+    import shutil
+
+    from config.moe import MoERouterConfig
+    from engine.storage.model_dir import MOE_ROUTER_FILE
+
+    base = tmp_path / "base"
+    shutil.copytree(moe_inputs["base"], base)
+    router = MoERouterConfig(load_balancing="aux_loss", aux_loss_coeff=0.01, z_loss_coeff=z_loss_coeff)
+    (base / MOE_ROUTER_FILE).write_text(router.model_dump_json())
+    layout = {**moe_inputs, "base": base}
+    want, got = _moe_sft_step_against_tp1(layout, tmp_path, TP2_SP, max_seq_len=max_seq_len)
+    for key in ("moe/load_balancing_loss",) + (("moe/z_loss",) if z_loss_coeff else ()):
+        print(f"moe sft {key}: tp1 {want[key]!r} tp2+sp {got[key]!r}")
+        assert _close(got[key], want[key]), key
 
 
 def test_moe_sft_step_at_dp2_tp2_ep2_equals_tp1(moe_inputs, tmp_path):  # noqa: F811
@@ -148,11 +186,12 @@ def test_moe_sft_step_at_dp2_tp2_ep2_equals_tp1(moe_inputs, tmp_path):  # noqa: 
     )
 
 
-def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> None:  # noqa: F811
+def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig, **cfg) -> tuple[dict, dict]:  # noqa: F811
     """One SFT step of the tiny Qwen3-MoE at TP=1 in this process and at ``layout`` on Ray
     ranks (``StageRank``), compared as the MoE tests' docstrings say; the train state the ranks
     write (each its expert and tensor shards), read back whole, is the model directory's weights
-    bit for bit."""
+    bit for bit. ``cfg`` overrides :func:`sft_step_config`'s fields. Returns both steps' metrics
+    (TP=1's first)."""
     import time
 
     import ray
@@ -165,7 +204,7 @@ def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> N
 
     init_ray(num_cpus=2)
     lr = 1e-3
-    cfg = sft_step_config(lr, micro_batch_size=2)
+    cfg = sft_step_config(lr, **{"micro_batch_size": 2, **cfg})
     args = dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"], cfg=cfg, seed=0, resume_dir=None)
     want = train_sft(**args, out_dir=tmp_path / "tp1")
     start = time.monotonic()
@@ -193,4 +232,5 @@ def _moe_sft_step_against_tp1(moe_inputs, tmp_path, layout: ParallelConfig) -> N
     assert len(experts) == 4
     tp1, tp2 = sum(want[k] for k in experts), sum(got[k] for k in experts)
     print(f"moe sft routed positions x top-k per layer: tp1 {tp1} {what} {tp2}")
-    assert tp1 <= tp2 <= tp1 + 2 * 8
+    assert tp2 == tp1  # the positions sequence parallelism pads on are not counted
+    return want, got
