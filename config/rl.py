@@ -205,8 +205,7 @@ class RLConfig(Strict):
         "not move the PPO ratio (docs/algorithms.md, Mixture of experts). true: the experts the old-log-prob pass "
         "chose (recorded there); rollout: the experts the rollout engine chose for every prompt and response "
         "token (R3), replayed in the old-log-prob pass and the update. Either way the old-log-prob pass always "
-        "runs. Needs backend megatron and rl.parallel.actor.tensor_model_parallel_size 1 (any "
-        "expert_model_parallel_size); rollout also needs rollout.backend hf and no partial rollouts.",
+        "runs. Needs backend megatron; rollout also needs rollout.backend hf and no partial rollouts.",
     )
     micro_batch_size: int = Field(
         32,
@@ -520,14 +519,6 @@ class RLConfig(Strict):
             raise ValueError(
                 "rl.moe_routing_replay needs rl.backend: megatron (megatron-core's router replay); "
                 "set rl.moe_routing_replay: false or rl.backend: megatron"
-            )
-        tp = self.parallel.actor.tensor_model_parallel_size
-        if self.moe_routing_replay and tp > 1:  # an MoE model at TP > 1 runs sequence-parallel: each rank routes half
-            raise ValueError(
-                f"rl.moe_routing_replay with rl.parallel.actor.tensor_model_parallel_size={tp} is not built (an MoE "
-                "model at TP > 1 runs sequence-parallel: each rank routes its slice of each forward, padded to a "
-                "multiple of TP, which the recorded routing does not follow); set rl.moe_routing_replay: false or "
-                "the tensor_model_parallel_size to 1"
             )
         return self
 

@@ -40,6 +40,13 @@ a forward of another padded shape (the rollout's unpadded routing, or the update
 passes, which repeat the first micro-batch) lays the indices out again (:func:`relayout`). The
 real tokens lie in the top-left ``[T, b]`` block of every padded layout of their micro-batch, so
 they keep their experts; padding positions take experts ``0 .. k-1``.
+
+Under sequence parallelism (an MoE actor at tensor-parallel size N > 1) each rank of a
+tensor-parallel group routes one of N equal slices of the forward's sequence, padded to a
+multiple of N (``engine.models.sequence_parallel``). A recording is kept whole: the ranks'
+slices are gathered over the group, in rank order (each slice is a contiguous block of the
+sequence-major order), with the padded forward's layout ``[N * T/N, B]``. A replay lays the
+indices out for the padded forward (:func:`relayout`) and gives each rank its own slice.
 """
 
 from __future__ import annotations
@@ -158,8 +165,10 @@ class RoutingReplay:
             indices = [replay.get_recorded_indices() for replay in self.replays]
             if any(i is None for i in indices) or not layout:
                 raise RuntimeError("RoutingReplay.recording: a MoE layer routed no tokens inside the block")
-            self.recorded.append([i.detach().clone() for i in indices])
-            self.layouts.append(layout[-1])
+            group = _sequence_parallel_group(self.routers[0])
+            self.recorded.append([_gather_slices(i.detach().clone(), group) for i in indices])
+            tp = 1 if group is None else torch.distributed.get_world_size(group)
+            self.layouts.append((layout[-1][0] * tp, layout[-1][1]))
             self.rows.append([int(r) for r in rows])
         finally:
             hook.remove()
@@ -220,6 +229,7 @@ class RoutingReplay:
         from engine.models.expert_lockstep import expert_group
 
         lockstep = layout is not None and expert_group() is not None
+        group = _sequence_parallel_group(self.routers[0])
         if len(indices) != len(self.replays):
             raise ValueError(
                 f"RoutingReplay.replaying: {len(indices)} index tensors for {len(self.replays)} MoE layers"
@@ -233,7 +243,9 @@ class RoutingReplay:
                 tokens = args[0].numel() // args[0].size(-1)  # [seq, batch, hidden] or packed [tokens, 1, hidden]
                 expected = idx.size(0)
                 shape = _token_layout(args[0])
-                if lockstep and layout is not None and shape != layout:  # another expert-parallel padding
+                if group is not None and layout is not None:  # this rank routes one slice of the padded sequence
+                    replay.set_target_indices(_rank_slice(idx, layout, shape, group))
+                elif lockstep and layout is not None and shape != layout:  # another expert-parallel padding
                     replay.set_target_indices(relayout(idx, layout, shape))
                 elif tokens != expected:
                     raise ValueError(
@@ -276,3 +288,37 @@ class RoutingReplay:
 def _token_layout(hidden: torch.Tensor) -> tuple[int, int]:
     """``(T, B)`` of a router's input ``[T, B, H]`` (packed ``[N, 1, H]``)."""
     return int(hidden.size(0)), (int(hidden.size(1)) if hidden.dim() == 3 else 1)
+
+
+def _sequence_parallel_group(router: torch.nn.Module):
+    """The tensor-parallel process group whose ranks each route one slice of the sequence (an
+    MoE model built with sequence parallelism at TP > 1), else None."""
+    if not (getattr(router.config, "sequence_parallel", False) and torch.distributed.is_initialized()):
+        return None
+    # megatron: seconds to import; only megatron-core models need it
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group if torch.distributed.get_world_size(group) > 1 else None
+
+
+def _gather_slices(indices: torch.Tensor, group) -> torch.Tensor:
+    """This rank's recorded ``[T/N * B, k]`` and its tensor-parallel peers', in rank order:
+    ``[T * B, k]`` of the whole (padded) sequence; ``indices`` itself without a group."""
+    if group is None:
+        return indices
+    parts = [torch.empty_like(indices) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, indices.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _rank_slice(indices: torch.Tensor, layout: tuple[int, int], local: tuple[int, int], group) -> torch.Tensor:
+    """``indices [T * B, k]`` of a forward of layout ``(T, B)`` laid out for the padded forward
+    whose slice ``local = (T/N, B')`` this rank routes (:func:`relayout` onto ``(N * T/N, B')``),
+    then cut to that slice: ``[T/N * B', k]``."""
+    n, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    whole = (local[0] * n, local[1])
+    if layout != whole:
+        indices = relayout(indices, layout, whole)
+    k = indices.size(-1)
+    return indices.view(*whole, k)[rank * local[0] : (rank + 1) * local[0]].reshape(-1, k)

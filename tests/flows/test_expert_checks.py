@@ -61,8 +61,11 @@ def test_an_moe_model_at_tensor_parallel_size_2_needs_sequence_parallelism():
     assert _problems(DENSE, "sft.parallel.tensor_model_parallel_size=2") == []
 
 
-def test_routing_replay_is_refused_with_a_tensor_parallel_actor():
-    import pytest
-
-    with pytest.raises(ValueError, match=r"rl.moe_routing_replay with rl.parallel.actor.tensor_model_parallel_size=2"):
-        load_config(MOE, [*ROOM, "rl.moe_routing_replay=true", "rl.parallel.actor.tensor_model_parallel_size=2"])
+def test_routing_replay_with_a_tensor_parallel_actor_needs_only_sequence_parallelism():
+    tp2 = ("rl.moe_routing_replay=true", "rl.parallel.actor.tensor_model_parallel_size=2")
+    assert _problems(MOE, *tp2, "rl.parallel.actor.sequence_parallel=true") == []
+    assert _problems(MOE, *tp2) == [
+        "rl.parallel.actor.tensor_model_parallel_size=2: work/model is a mixture of experts, which megatron-core "
+        "trains at tensor-parallel size > 1 only with sequence parallelism: set rl.parallel.actor.sequence_parallel: "
+        "true"
+    ]

@@ -162,6 +162,29 @@ def test_routing_replay_at_dp2_ep2_equals_dp1(policy_dir, ray_cluster, mode):
     side's update, on its own old log-probs, has the ratio exactly 1 (``actor/ppo_kl`` and
     ``actor/pg_clipfrac`` exactly 0: the update routes as the old pass did, padding and all), and
     their losses and gradient norms agree within the bounds."""
+    _replay_against_dp1(policy_dir, mode, EP2, even_and_uneven_batches(2))
+
+
+@pytest.mark.parametrize("mode", [True, "rollout"])
+def test_routing_replay_at_tp2_with_sequence_parallelism_equals_dp1(policy_dir, ray_cluster, mode):
+    """The same at TP=2 + SP: each rank holds half of every expert's width and routes half of
+    each forward's sequence, padded to an even length (the rows are 2-12 tokens: odd widths
+    occur). The old-log-prob pass's recording is gathered over the two ranks and each replay
+    gives every rank its half of the padded sequence (``engine.models.routing_replay``); R3's
+    rollout routing is laid out for the padded forward first. Same assertions as at EP=2."""
+    base = trajectory()
+    _replay_against_dp1(
+        policy_dir,
+        mode,
+        ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+        [("A", base), ("B", base.select(torch.arange(5)))],
+    )
+
+
+def _replay_against_dp1(policy_dir, mode, layout: ParallelConfig, batches: list[tuple[str, Trajectory]]) -> None:
+    """Old log-probs and one update of each batch with ``rl.moe_routing_replay: mode`` on a
+    ``layout`` group of :class:`ActorWorker` against one worker in this process, as the replay
+    tests' docstrings say."""
     import ray
 
     from engine.backends.megatron.actor import ActorWorker
@@ -169,15 +192,19 @@ def test_routing_replay_at_dp2_ep2_equals_dp1(policy_dir, ray_cluster, mode):
     from tests.engine.training.test_moe_router import TOPK, E
 
     cfg = grpo_config().model_copy(update={"moe_routing_replay": mode})
+    cfg = cfg.model_copy(update={"parallel": RLParallelConfig(actor=layout)})
     cfg = RLConfig.model_validate(cfg.model_dump() | {"rollout": {"backend": "hf"}})
     single = ActorWorker(policy_dir, cfg.model_copy(update={"parallel": RLParallelConfig()}), 0, 1)
     group = WorkerGroup(
-        ActorWorker, EP2, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1), seed=0, norm_fn=single_norm(cfg)
+        ActorWorker, layout, {"num_cpus": 0}, (str(policy_dir), cfg, 0, 1), seed=0, norm_fn=single_norm(cfg)
     )
     gen = torch.Generator().manual_seed(1)
+    what = (
+        f"DP={layout.data_parallel_size} TP={layout.tensor_model_parallel_size} EP={layout.expert_model_parallel_size}"
+    )
     try:
         ray.get(group.__ray_ready__.remote())
-        for name, traj in even_and_uneven_batches(cfg.micro_batch_size):
+        for name, traj in batches:
             if mode == "rollout":
                 b, t = traj.input_ids.shape
                 experts = torch.rand(b, t, 2, E, generator=gen).argsort(-1)[..., :TOPK].to(torch.int16)
@@ -185,7 +212,7 @@ def test_routing_replay_at_dp2_ep2_equals_dp1(policy_dir, ray_cluster, mode):
             old = single.compute_logprobs(traj)
             got = ray.get(group.compute_logprobs.remote(traj))
             diff = float((got - old).abs().max())
-            print(f"replay {mode} batch {name}: old log-probs EP=2 vs EP=1 max |diff| {diff:.3g}")
+            print(f"replay {mode} batch {name}: old log-probs {what} vs one process max |diff| {diff:.3g}")
             assert diff <= 1e-6 * float(old.abs().max()) and float(old.abs().max()) > 1.0  # _close's bound
             ref = old - 0.05 * traj.response_mask
             want = single.update(traj.with_(old_logprobs=old, ref_logprobs=ref))
@@ -193,7 +220,9 @@ def test_routing_replay_at_dp2_ep2_equals_dp1(policy_dir, ray_cluster, mode):
             for side in (want, have):
                 assert side.metrics["actor/ppo_kl"] == 0.0 and side.metrics["actor/pg_clipfrac"] == 0.0, name
             for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss"):
-                print(f"replay {mode} batch {name} {key}: dp1 {want.metrics[key]!r} dp2 x ep2 {have.metrics[key]!r}")
+                print(
+                    f"replay {mode} batch {name} {key}: one process {want.metrics[key]!r} {what} {have.metrics[key]!r}"
+                )
                 assert _close(have.metrics[key], want.metrics[key]), (name, key)
     finally:
         group.kill()
