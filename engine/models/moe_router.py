@@ -14,6 +14,9 @@ tracker, for the ``moe/*`` metrics of a training step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch.utils.hooks import RemovableHandle
 
@@ -82,6 +85,37 @@ def _routers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
 
 
+_OPEN: list[RouterStats] = []  # the RouterStats blocks open in this process, innermost last
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Inside: forwards count in no open :class:`RouterStats`, neither their routing nor their
+    router losses (megatron's tracker is put back as it was on entry). For the expert-parallel
+    padding passes (``engine.models.expert_lockstep.lockstep_passes``), which repeat a
+    micro-batch only to keep the ranks' collectives in step."""
+    if not _OPEN:
+        yield
+        return
+    # megatron: seconds to import; only megatron-core models need it
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    saved = {name: entry["values"].clone() for name, entry in tracker.items()}
+    for stats in _OPEN:
+        stats.paused += 1
+    try:
+        yield
+    finally:
+        for stats in _OPEN:
+            stats.paused -= 1
+        for name, entry in tracker.items():
+            if name in saved:
+                entry["values"].copy_(saved[name])
+            else:
+                entry["values"].zero_()
+
+
 class RouterStats:
     """Per-expert token counts and router losses of the forwards run while it is open.
 
@@ -101,6 +135,7 @@ class RouterStats:
         self.routers = _routers(model)
         self.counts = [None] * len(self.routers)
         self.forwards = 0
+        self.paused = 0  # > 0 inside uncounted()
         self._hooks: list[RemovableHandle] = []
 
     def __enter__(self) -> RouterStats:
@@ -110,10 +145,13 @@ class RouterStats:
         clear_aux_losses_tracker()
         for i, router in enumerate(self.routers):
             self._hooks.append(router.register_forward_hook(self._hook(i)))
+        _OPEN.append(self)
         return self
 
     def _hook(self, index: int):
         def hook(module, args, output):
+            if self.paused:
+                return
             routing_map = output[1].detach()  # [tokens, E]
             if len(args) > 1 and args[1] is not None:  # padding_mask [T, B], True on added positions
                 routing_map = routing_map[~args[1].reshape(-1)]
@@ -128,6 +166,7 @@ class RouterStats:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        _OPEN.remove(self)
 
     def metrics(self, reduce=None) -> dict[str, float]:
         """``moe/*`` metrics (empty for a model without routers or no forward).

@@ -287,7 +287,9 @@ class ActorUpdate:
     Attributes:
         metrics: ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``,
             ``actor/ppo_kl``, ``actor/entropy``, ``actor/grad_norm``, ``actor/lr`` (means over
-            the epochs), and ``actor/kl_loss`` when the batch has reference log-probs.
+            the epochs), ``actor/kl_loss`` when the batch has reference log-probs, and for an
+            MoE policy ``actor/moe/*`` (tokens per expert, load imbalance, router losses:
+            ``engine.models.moe_router.RouterStats.metrics``).
         old_logprobs: FloatTensor ``[B, L]`` (0 on padding): the old log-probs the loss used,
             the batch's own or, for an on-policy batch, those of the first epoch's forward.
     """
@@ -360,5 +362,5 @@ def actor_update(
         for r, mb in zip(rows, micro):
             assert mb.old_logprobs is not None  # captured by the first epoch's loss_fn
             old[r, : mb.old_logprobs.size(1)] = mb.old_logprobs
-    keys = [k for k in ACTOR_METRICS if k in epochs[0]]
+    keys = [k for k in ACTOR_METRICS if k in epochs[0]] + [k for k in epochs[0] if k.startswith("moe/")]
     return ActorUpdate({f"actor/{k}": sum(e[k] for e in epochs) / len(epochs) for k in keys}, old)

@@ -32,7 +32,7 @@ from engine.distributed.collectives import (
 )
 from engine.models.expert_lockstep import expert_group, lockstep_passes
 from engine.models.master_weights import compute_dtype, copy_masters_to_model, gradient_params, to_mixed_precision
-from engine.models.moe_router import RouterStats, has_router_losses, set_router_loss_scale
+from engine.models.moe_router import RouterStats, has_router_losses, set_router_loss_scale, uncounted
 
 # loss_fn(model, micro_batch) -> (loss_sum: scalar tensor with grad, num_units, metrics).
 LossFn = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, "int | torch.Tensor", dict[str, float]]]
@@ -141,7 +141,7 @@ def accumulate_gradients(
     fewer micro-batches than its peers runs padding passes of its first micro-batch, and a
     micro-batch without loss units is back-propagated too; both back-propagate ``loss * 0``
     with the router losses weighted 0, so they add exactly 0 to every gradient and nothing to
-    the loss, units or metrics (their routing still counts in :class:`RouterStats`' ``moe/*``).
+    the loss, units or metrics (the padding passes not in :class:`RouterStats`' ``moe/*`` either).
 
     Args:
         model: the module whose parameters receive gradients (put in train mode).
@@ -188,10 +188,11 @@ def accumulate_gradients(
     # expert parallelism: as many forwards as the peers; a padding pass (the first micro-batch
     # again) is weighted 0: no loss, gradient or metric
     for mb, real in lockstep_passes(micro_batches):
-        loss_sum, units, metrics = loss_fn(model, mb)
         if not real:
-            _zero_backward(loss_sum, backward, router_losses)
+            with uncounted():  # nor in the moe/* metrics
+                _zero_backward(loss_fn(model, mb)[0], backward, router_losses)
             continue
+        loss_sum, units, metrics = loss_fn(model, mb)
         units = int(units)
         if units == 0:
             if lockstep and loss_sum.requires_grad:  # the MoE layers' backward collectives

@@ -150,6 +150,49 @@ def test_actor_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(policy_dir, r
     assert mine.keys() == b.keys() and all(torch.equal(mine[k], b[k]) for k in b)
 
 
+def test_router_losses_at_dp2_ep2_equal_dp2(policy_dir, ray_cluster, tmp_path):
+    """Updates of batches A and B with both router losses on (``model.moe`` in the policy's
+    directory: load-balancing 0.01, z-loss 1e-3) at DP=2 x EP=2 against DP=2 without expert
+    parallelism: the same micro-batches on each rank (a router loss depends on which tokens share
+    a micro-batch, so DP=1, which groups the rows otherwise, is no reference). Expert parallelism
+    pads every forward of the group to its widest, and batch B's rank 1 runs a padding pass: the
+    pad positions are masked out of the router losses (``engine.models.moe_router.padding_mask``)
+    and the padding pass counts in no ``moe/*`` metric (``uncounted``), so losses, gradient norms,
+    tokens per expert and the logged router losses agree within the bounds."""
+    import shutil
+
+    import ray
+
+    from config.moe import MoERouterConfig
+    from engine.backends.megatron.actor import ActorWorker
+    from engine.distributed.group import WorkerGroup
+    from engine.storage.model_dir import MOE_ROUTER_FILE
+
+    policy = tmp_path / "policy"
+    shutil.copytree(policy_dir, policy)
+    router = MoERouterConfig(load_balancing="aux_loss", aux_loss_coeff=0.01, z_loss_coeff=1e-3)
+    (policy / MOE_ROUTER_FILE).write_text(router.model_dump_json())
+    cfg, dp2 = grpo_config(), ParallelConfig(data_parallel_size=2)
+    groups = [
+        WorkerGroup(ActorWorker, layout, {"num_cpus": 0}, (str(policy), c, 0, 1), seed=0, norm_fn=single_norm(c))
+        for layout, c in ((dp2, cfg.model_copy(update={"parallel": RLParallelConfig(actor=dp2)})), (EP2, cfg))
+    ]
+    try:
+        ray.get([g.__ray_ready__.remote() for g in groups])
+        for name, traj in even_and_uneven_batches(cfg.micro_batch_size):
+            old = ray.get(groups[0].compute_logprobs.remote(traj))
+            traj = traj.with_(old_logprobs=old, ref_logprobs=old - 0.05 * traj.response_mask)
+            want, have = (ray.get(g.update.remote(traj)) for g in groups)
+            keys = [k for k in want.metrics if k.startswith("actor/moe/")]
+            assert {"actor/moe/load_balancing_loss", "actor/moe/z_loss", "actor/moe/tokens_per_expert/e3"} <= set(keys)
+            for key in ("actor/pg_loss", "actor/grad_norm", *keys):
+                print(f"router losses batch {name} {key}: dp2 {want.metrics[key]!r} dp2 x ep2 {have.metrics[key]!r}")
+                assert _close(have.metrics[key], want.metrics[key]), (name, key)
+    finally:
+        for g in groups:
+            g.kill()
+
+
 @pytest.mark.parametrize("mode", [True, "rollout"])
 def test_routing_replay_at_dp2_ep2_equals_dp1(policy_dir, ray_cluster, mode):
     """``rl.moe_routing_replay`` (``true``: the old-log-prob pass's experts; ``rollout``, R3:
