@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from engine.distributed.collectives import data_parallel_group, data_parallel_rank, expert_model_parallel_group
+from engine.distributed.collectives import data_parallel_group, data_parallel_rank
 
 T = TypeVar("T")
 
@@ -38,9 +38,13 @@ def micro_batch_share(micro_batches: Sequence[T], section: str) -> Sequence[T]:
     Raises:
         ValueError: fewer micro-batches than ranks (a token budget can form fewer micro-batches
             than ``<section>.parallel.data_parallel_size``; a rank without one would have
-            nothing to back-propagate), or, under expert parallelism, a count that the ranks
-            cannot share evenly (their MoE layers exchange tokens in every forward). Every rank
-            raises it for the same step, so none is left waiting in a collective.
+            nothing to back-propagate). Every rank raises it for the same step, so none is left
+            waiting in a collective.
+
+    A count the ranks cannot share evenly is fine, also under expert parallelism, where the MoE
+    layers exchange tokens in every forward: a rank with fewer micro-batches runs padding passes
+    (``engine.models.expert_lockstep.lockstep_passes`` in
+    ``engine.training.optimizer_step.accumulate_gradients``).
     """
     k = data_parallel_size()
     if k == 1:
@@ -50,12 +54,5 @@ def micro_batch_share(micro_batches: Sequence[T], section: str) -> Sequence[T]:
             f"{section}.parallel.data_parallel_size={k}: this step formed only {len(micro_batches)} micro-batches "
             f"({section}.max_tokens_per_micro_batch), fewer than the ranks (every rank needs at least one); lower "
             f"{section}.max_tokens_per_micro_batch, raise {section}.global_batch_size or use fewer ranks"
-        )
-    if len(micro_batches) % k and expert_model_parallel_group() is not None:
-        raise ValueError(
-            f"{section}.parallel.expert_model_parallel_size > 1: every rank must run as many micro-batches (the "
-            f"ranks exchange tokens in every MoE layer), but this step formed {len(micro_batches)} for {k} "
-            f"data-parallel ranks; make {section}.global_batch_size / {section}.micro_batch_size a multiple of "
-            f"{section}.parallel.data_parallel_size (or unset {section}.max_tokens_per_micro_batch)"
         )
     return micro_batches[data_parallel_rank() :: k]
