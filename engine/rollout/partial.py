@@ -85,7 +85,7 @@ class _Sample:
     finish: Literal["stop", "length"] | None = None
     version_start: int = -1
     version_end: int = -1
-    routed: torch.Tensor | None = None  # the first chunk's routed experts (one-chunk rollouts only)
+    routed: torch.Tensor | None = None  # R3: routed experts of the prompt and the tokens so far
 
     def output(self) -> RolloutOutput:
         """The finished sample as one rollout output."""
@@ -179,9 +179,7 @@ def generate_in_chunks(
 
 def _extend(sample: _Sample, out: RolloutOutput, budget: int) -> None:
     room = budget - len(sample.tokens)
-    # routed experts pass through a rollout of one chunk (whose tokens are all kept); a continued
-    # sample has none (rl.moe_routing_replay: rollout refuses partial rollouts)
-    sample.routed = out.routed_experts if not sample.tokens and room >= len(out.token_ids) else None
+    sample.routed = _routed_so_far(sample, out, min(room, len(out.token_ids)))
     tokens, logprobs = list(out.token_ids)[:room], list(out.logprobs)[:room]
     sample.tokens += tokens
     sample.logprobs += logprobs
@@ -189,3 +187,25 @@ def _extend(sample: _Sample, out: RolloutOutput, budget: int) -> None:
         sample.finish = "stop"
     elif len(sample.tokens) >= budget:
         sample.finish = "length"
+
+
+def _routed_so_far(sample: _Sample, out: RolloutOutput, kept: int) -> torch.Tensor | None:
+    """The routed experts (R3, ``SamplingSpec.return_routed_experts``) of ``sample``'s prompt, its
+    tokens so far and the first ``kept`` tokens of ``out``, its next chunk: ``[P + L, layers, k]``.
+
+    A continued chunk's request is the prompt plus the tokens so far, which the engine routes
+    again, under the weights of that chunk. Each token keeps the routing of the chunk that routed
+    it first (the rows up to the tokens so far come from the earlier chunks), as a multi-turn
+    episode keeps each token's first routing (``engine.rollout.multi_turn``): the routing the
+    token's sampling saw. None when the engine returns no routing.
+    """
+    if out.routed_experts is None:
+        return None
+    start = len(sample.prompt) + len(sample.tokens)  # rows already routed by the earlier chunks
+    if not sample.tokens:  # the first chunk: the prompt's rows too
+        return out.routed_experts[: start + kept]
+    assert sample.routed is not None, "every chunk of a generation asks for the routing, or none does"
+    # torch: seconds to import; needed only when the engine returned routing
+    import torch
+
+    return torch.cat([sample.routed[:start], out.routed_experts[start : start + kept]])

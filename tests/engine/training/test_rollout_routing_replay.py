@@ -63,6 +63,71 @@ def test_hf_rollout_experts_equal_a_full_forward_top_k(rollout):
     assert plain == outputs and all(o.routed_experts is None for g in plain for o in g)  # same samples
 
 
+def _full_forward_top_k(model, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), moe_layers, k]``: each token's top-k experts in a full forward of ``ids``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits  # per MoE layer [T, E]
+    return torch.stack([torch.topk(torch.softmax(x.float(), -1), TOPK).indices for x in logits], dim=1)
+
+
+def test_partial_rollouts_keep_each_tokens_first_routing(rollout):
+    """R3 with partial rollouts (``generate_in_chunks``, 2 tokens per chunk, up to 6): a weight
+    update (noise on every gate, through the engine's ``update_weights``) lands after each chunk.
+    A continued chunk routes the prompt and the tokens so far again under the new weights; each
+    token keeps the routing of the chunk that routed it first. So the rows of the prompt and of
+    chunk 0's tokens are the top-k of a full forward under the first weights, chunk 1's under the
+    second, chunk 2's under the third; the updates move enough routing that any other choice of
+    rows would differ."""
+    from engine.rollout.partial import WeightGate, generate_in_chunks
+
+    engine, _ = rollout
+    gates = [name for name, _ in engine.model.named_parameters() if name.endswith("mlp.gate.weight")]
+    original = {name: p.detach().clone() for name, p in engine.model.named_parameters() if name in gates}
+    noise = torch.Generator().manual_seed(7)
+    versions = [original]  # the gate weights each chunk runs under
+    for _ in range(2):
+        versions.append({n: w + 0.5 * torch.randn(w.shape, generator=noise) for n, w in original.items()})
+
+    class UpdateAfterEachChunk:
+        """The engine itself; after each chunk's generate, the next version's gates go in."""
+
+        def __init__(self):
+            self.chunks = 0
+
+        def generate(self, prompts, sampling):
+            outputs = engine.generate(prompts, sampling)
+            self.chunks += 1
+            if self.chunks < len(versions):
+                engine.update_weights(versions[self.chunks].items())
+            return outputs
+
+    wrapped = UpdateAfterEachChunk()
+    try:
+        got = generate_in_chunks(wrapped, PROMPTS, SPEC, chunk_tokens=2, gate=WeightGate())
+        expected = []  # per version, per sample: the full forward's top-k
+        for version in versions:
+            engine.update_weights(version.items())
+            expected.append(
+                [
+                    [_full_forward_top_k(engine.model, p + list(o.token_ids)) for o in g]
+                    for p, g in zip(PROMPTS, got.outputs)
+                ]
+            )
+    finally:
+        engine.update_weights(original.items())
+    assert wrapped.chunks == 3
+    rows_differ = 0
+    for i, (prompt, group) in enumerate(zip(PROMPTS, got.outputs)):
+        for j, out in enumerate(group):
+            routed = out.routed_experts
+            assert routed is not None and routed.shape == (len(prompt) + len(out.token_ids), 2, TOPK)
+            for row in range(routed.size(0)):
+                chunk = max(0, row - len(prompt)) // 2  # the chunk that routed it first
+                assert torch.equal(routed[row].long(), expected[chunk][i][j][row]), (i, j, row)
+                rows_differ += any(not torch.equal(routed[row].long(), e[i][j][row]) for e in expected)
+    assert rows_differ > 10  # the versions route many tokens differently
+
+
 def test_trajectory_keeps_the_experts_through_select_cat_and_the_dump(rollout, tmp_path):
     traj = trajectory(rollout[1])
     routed = traj.routed_experts
@@ -255,11 +320,8 @@ def test_refusals(tmp_path):
         RLConfig(moe_routing_replay="rollout")
     multi = rl_cfg(moe_routing_replay="rollout", environment="tests.engine.multi_turn_env_example:make_counter_env")
     assert multi.replays_rollout_routing
-    with pytest.raises(ValueError, match=r"rollout needs whole rollouts"):
-        rl_cfg(
-            moe_routing_replay="rollout",
-            engine=EngineConfig(placement="disaggregated", off_policy_steps=1, partial_rollout_chunk_tokens=2),
-        )
+    partial = EngineConfig(placement="disaggregated", off_policy_steps=1, partial_rollout_chunk_tokens=2)
+    assert rl_cfg(moe_routing_replay="rollout", engine=partial).replays_rollout_routing  # partial rollouts too
     with pytest.raises(ValueError, match="rl.moe_routing_replay needs rl.backend: megatron"):
         rl_cfg(moe_routing_replay="rollout", backend="deepspeed")
     cfg = rl_cfg(moe_routing_replay="rollout")
