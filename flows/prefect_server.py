@@ -108,7 +108,7 @@ def _session_server():
     # prefect: 1-2 s to import; only flows and stage runs need it
     import httpx
     import prefect
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
 
     class SessionServer(SubprocessASGIServer):
@@ -127,6 +127,12 @@ def _session_server():
             if self.running:
                 return
             self.port = self.port or self.find_available_port()
+            # Prefect's own message: commands' logs (and the fault tests) read the port from it
+            subprocess_server_logger.info(
+                f"Starting temporary server on {self.address}\nSee "
+                "https://docs.prefect.io/v3/concepts/server#how-to-guides "
+                "for more information on running a dedicated Prefect server."
+            )
             self.running = True
             self.server_process = self._run_uvicorn_command()
             atexit.register(self.stop)

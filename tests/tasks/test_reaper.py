@@ -331,6 +331,7 @@ def test_ensure_reaper_is_idempotent_and_fork_safe(tmp_path):
         import json
         import os
         import sys
+        import time
 
         import psutil
 
@@ -340,6 +341,11 @@ def test_ensure_reaper_is_idempotent_and_fork_safe(tmp_path):
         first = reaper_pid()
         ensure_reaper()
         ensure_reaper()
+        # a just-exec'd child's /proc cmdline is empty until the kernel has set its arguments up
+        # (after the exec that lets Popen return): wait for every child's to be readable
+        deadline = time.monotonic() + 30
+        while any(not p.cmdline() for p in psutil.Process().children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
         result = {"first": first, "again": reaper_pid(),
                   "reapers": [p.pid for p in psutil.Process().children() if "tasks.reaper" in " ".join(p.cmdline())]}
         read_end, write_end = os.pipe()
