@@ -28,7 +28,6 @@ stage config + code version).
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import json
 import os
@@ -43,6 +42,7 @@ from typing import Any
 
 from config.module_literal import module_literal
 from data.checksums import sha256_file
+from tasks.source_facts import source_facts
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PROJECT_PACKAGES = ("config", "data", "conversion", "engine", "tasks", "flows")
@@ -95,25 +95,26 @@ def _per_file(compute: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@_per_file
+_facts = _per_file(source_facts)
+
+
 def _imported_names(path: Path, module: str) -> frozenset[str]:
     """Every module name the file imports (absolute and relative imports, at any depth of
     the file, with the parent packages an import runs), whether or not it exists."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                prefix = ".".join(base + ([node.module] if node.module else []))
-            else:
-                prefix = node.module or ""
-            found.add(prefix)
-            found.update(f"{prefix}.{alias.name}" for alias in node.names)
+    for level, name, names in _facts(path).imports:
+        if not level and not name:  # import a.b, c
+            found.update(names)
+            continue
+        if level:
+            base = package.split(".")
+            base = base[: len(base) - level + 1]
+            prefix = ".".join(base + ([name] if name else []))
+        else:
+            prefix = name
+        found.add(prefix)
+        found.update(f"{prefix}.{alias}" for alias in names)
     closure = set()
     for name in found:
         parts = name.split(".")
@@ -157,45 +158,16 @@ def _closure(module: str) -> dict[str, Path]:
     return _import_closure(module, lambda m: None if m in ORCHESTRATION and m != module else _module_file(m))
 
 
-def _strip_docstrings(tree: ast.AST) -> ast.AST:
-    """``tree`` without the docstrings of its module, classes and functions (in place)."""
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if (
-                body
-                and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)
-            ):
-                node.body = body[1:] or [ast.Pass()]
-    return tree
-
-
-@_per_file
-def source_digest(path: Path) -> bytes:
-    """What of a Python file can change what it does: its syntax tree without docstrings,
-    line numbers or comments (``ast.dump`` without attributes). Code that reads its own
-    ``__doc__`` at run time would be missed; the stages' code does not use docstrings for
-    anything but help texts and Prefect's task descriptions.
-
-    Raises:
-        SyntaxError: the file does not parse (names the file and line).
-    """
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    return ast.dump(_strip_docstrings(tree), include_attributes=False).encode()
-
-
 @cache
 def code_version(module: str) -> str:
-    """sha256 over :func:`source_digest` of ``module`` and every project module it imports,
-    recursively, outside :data:`ORCHESTRATION` (module names included, so moving code
-    between modules counts)."""
+    """sha256 over :func:`tasks.source_facts.source_digest` of ``module`` and every project
+    module it imports, recursively, outside :data:`ORCHESTRATION` (module names included, so
+    moving code between modules counts)."""
     seen = _closure(module)
     h = hashlib.sha256()
     for mod in sorted(seen):
         h.update(mod.encode())
-        h.update(hashlib.sha256(source_digest(seen[mod])).digest())
+        h.update(bytes.fromhex(_facts(seen[mod]).digest))
     return h.hexdigest()
 
 

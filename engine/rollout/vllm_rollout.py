@@ -9,6 +9,7 @@ and avoids the per-step IPC that makes the multiprocess engine ~20x slower, and 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -270,30 +271,41 @@ class VLLMRollout:
             logging.getLogger(name).addFilter(_not_a_missing_tokenizer_warning)  # once per logger
         drop_dead_vllm_process_groups()
         rebuild_vllm_groups_for_experts(config)
-        with _modules_hidden_from_vllm_kernel_scan():
-            self.llm = LLM(
-                model=str(self.model_dir),
-                dtype=dtype,
-                **memory,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                enforce_eager=self.enforce_eager,
-                distributed_executor_backend="uni",
-                skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs",
-                seed=seed,
-                load_format=load_format,
-                # Per-request seeds make rollouts reproducible (a resumed run samples what an
-                # uninterrupted one would). vLLM rewinds a request's generator when a chunked
-                # prefill discards its sampled token, which CPU generators cannot do
-                # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
-                enable_chunked_prefill=False,
-                max_num_batched_tokens=max(8192, max_model_len),
-                logging_config=_vllm_logging(),
-                # collective weight sync enters vLLM's workers through this (vllm_weight_sync)
-                worker_extension_cls=WEIGHT_SYNC_EXTENSION,
-                **sleep_mode_kwargs(sleep_mode),
-            )
+        # vLLM collects garbage about six times while it builds the engine (model loader, KV-cache
+        # profiling) and freezes the whole heap when done (EngineCore.__init__, freeze_gc_heap).
+        # Each full collection walks every object of this process: ~0.4 s apiece once torch,
+        # megatron and transformers are loaded (~800k objects), 2 s in all. Freezing now, as vLLM
+        # would at the end, lets them walk only what the engine makes; the engine's shutdown
+        # unfreezes (vllm/v1/engine/core.py), and so does a build that fails.
+        gc.freeze()
+        try:
+            with _modules_hidden_from_vllm_kernel_scan():
+                self.llm = LLM(
+                    model=str(self.model_dir),
+                    dtype=dtype,
+                    **memory,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    enforce_eager=self.enforce_eager,
+                    distributed_executor_backend="uni",
+                    skip_tokenizer_init=True,
+                    logprobs_mode="processed_logprobs",
+                    seed=seed,
+                    load_format=load_format,
+                    # Per-request seeds make rollouts reproducible (a resumed run samples what an
+                    # uninterrupted one would). vLLM rewinds a request's generator when a chunked
+                    # prefill discards its sampled token, which CPU generators cannot do
+                    # ("CPU Generator does not use offset"); whole-prompt prefills avoid it.
+                    enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(8192, max_model_len),
+                    logging_config=_vllm_logging(),
+                    # collective weight sync enters vLLM's workers through this (vllm_weight_sync)
+                    worker_extension_cls=WEIGHT_SYNC_EXTENSION,
+                    **sleep_mode_kwargs(sleep_mode),
+                )
+        except BaseException:
+            gc.unfreeze()
+            raise
         self.dtype = _running_dtype(self.llm, dtype)
 
     def _sampling_params(self, spec: SamplingSpec, request_seed: int):

@@ -4,7 +4,8 @@ as they are (a free port for 4200, the tiny config for configs/my_run.yaml, a 10
 for 21600 s) in a copy of the project. A real ``prefect server start`` with its scheduler on,
 the process work pool with a concurrency limit of 1, ``prefect deploy``, a worker; then two
 flow runs *created by the scheduler*: the first runs every stage, the second, after the
-config's ``rl.steps`` went from 3 to 4, reruns rl, evaluate and export only (the rest Cached).
+config's ``evaluate.num_prompts`` went from 24 to 16, reruns evaluate and export only (the rest,
+rl included, Cached; tests/flows/test_pipeline_e2e.py and test_dvc.py rerun rl after an rl edit).
 
 Between the runs the test pauses the work pool (so the runs that came due meanwhile wait) and
 edits the config; nothing is started by hand. HOME points at an empty directory, so a Prefect
@@ -38,11 +39,12 @@ DEPLOYMENT = "quickstart-nightly"
 FULL_NAME = f"posttrain-pipeline/{DEPLOYMENT}"
 POOL = "posttrain-process"
 STAGES = ["validate", "convert", "sft", "rm", "rl", "evaluate", "export"]
-RERUN = ["rl", "evaluate", "export"]  # what a change of rl.steps reruns
+RERUN = ["evaluate", "export"]  # what a change of evaluate.num_prompts reruns
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 STARTED = {"PENDING", "RUNNING", *TERMINAL}
 INTERVAL_S = 10  # the docs say 21600; short, so that the first run comes due soon after the schedule is set
-RL_STEPS = (3, 4)  # tiny_config's, then the edit between the runs (its 3 warm-up steps refuse fewer)
+EVAL_PROMPTS = (24, 16)  # tiny_config's evaluate.num_prompts, then the edit between the runs
+CACHED = {"validate", "convert", "sft", "rm", "rl"}  # the second run's Cached stages (and prepare)
 DOC = REPO / "docs" / "quickstart.md"
 SECTION = "## Run it on a schedule (Prefect)"
 LOGGING_YML = REPO / "prefect-server-logging.yml"
@@ -240,7 +242,7 @@ def _pointers(root: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def scheduled(tmp_path_factory):
     """The docs' commands up to a polling worker, then two runs created by the scheduler
-    (the second after ``rl.steps`` 3 -> 4); yields what the tests inspect, with
+    (the second after ``evaluate.num_prompts`` 24 -> 16); yields what the tests inspect, with
     ``scheduled_run_ids`` (first, second) and ``work`` (the tiny config's work dir, W&B
     under ``work/wandb``). Everything started is stopped at teardown, whatever happened."""
     t_fixture = time.time()
@@ -249,7 +251,7 @@ def scheduled(tmp_path_factory):
     work = tmp / "run"
     work.mkdir()
     config = write_config(work / "tiny.yaml", tiny_config(work))
-    assert tiny_config(work)["rl"]["steps"] == RL_STEPS[0]
+    assert tiny_config(work)["evaluate"]["num_prompts"] == EVAL_PROMPTS[0]
     home = tmp / "home"
     home.mkdir()
     env = env_for(work)
@@ -349,7 +351,9 @@ def scheduled(tmp_path_factory):
         first_tasks = _finished_task_runs(api, first["id"], tail)
         first_pointers = _pointers(root) if first["state_type"] == "COMPLETED" else {}
 
-        write_config(work / "tiny.yaml.new", tiny_config(work, **{"rl.steps": RL_STEPS[1]})).replace(config)
+        write_config(work / "tiny.yaml.new", tiny_config(work, **{"evaluate.num_prompts": EVAL_PROMPTS[1]})).replace(
+            config
+        )
         _pause_pool(api, False)
         t0 = time.time()
         second = _wait("a second scheduled run started", lambda: scheduled_run_started({first["id"]}), 120, tail)
@@ -357,7 +361,7 @@ def scheduled(tmp_path_factory):
         times["resume -> second run picked up"] = time.time() - t0
         t0 = time.time()
         second = _wait(f"run {second['id']} finished", lambda: finished(second["id"]), RUN_TIMEOUT_S, tail, every_s=1)
-        times["second run (rl, evaluate, export)"] = time.time() - t0
+        times["second run (evaluate, export)"] = time.time() - t0
         second_tasks = _finished_task_runs(api, second["id"], tail)
 
         listed = runner.run(steps[9])  # prefect flow-run ls
@@ -495,12 +499,12 @@ def test_first_scheduled_run_completed_every_stage(scheduled):
 
 
 @pytest.mark.slow
-def test_second_scheduled_run_reran_only_rl_evaluate_export(scheduled):
-    """rl.steps 3 -> 4 between the runs: validate, convert, sft, rm (and prepare) are Cached,
-    rl, evaluate and export ran again and published new artifacts."""
+def test_second_scheduled_run_reran_only_evaluate_export(scheduled):
+    """evaluate.num_prompts 24 -> 16 between the runs: validate, convert, sft, rm, rl (and
+    prepare) are Cached, evaluate and export ran again and published new artifacts."""
     states = _states(scheduled["task_runs"][1])
     assert states == {
-        **{name: "Cached" for name in ["prepare", "validate", "convert", "sft", "rm"]},
+        **{name: "Cached" for name in ["prepare", *sorted(CACHED)]},
         **{name: "Completed" for name in RERUN},
     }
     before, after = scheduled["first_pointers"], _pointers(scheduled["root"])
@@ -514,8 +518,8 @@ def test_second_scheduled_run_reran_only_rl_evaluate_export(scheduled):
         else:
             assert after[name] == before[name]
             assert built_by == first_id
-    rl = json.loads((Path(after["rl"]["uri"]) / "manifest.json").read_text())
-    assert rl["config"]["rl"]["steps"] == RL_STEPS[1]
+    evaluate = json.loads((Path(after["evaluate"]["uri"]) / "manifest.json").read_text())
+    assert evaluate["config"]["evaluate"]["num_prompts"] == EVAL_PROMPTS[1]
 
 
 @pytest.mark.slow
@@ -534,7 +538,7 @@ def test_runs_published_every_artifact_from_the_project_root(scheduled):
         for f in manifest["files"]:
             assert (uri / f["path"]).stat().st_size == f["size"]
     metrics = json.loads((scheduled["root"] / "outputs" / "quickstart" / "evaluate.metrics.json").read_text())
-    assert metrics["sft/n"] == metrics["rl/n"] == 24
+    assert metrics["sft/n"] == metrics["rl/n"] == EVAL_PROMPTS[1]
 
 
 @pytest.mark.slow
@@ -587,7 +591,7 @@ def test_prefect_shows_every_stage_the_config_diff_and_the_summary(scheduled):
     api, (first_id, second_id) = scheduled["api"], scheduled["scheduled_run_ids"]
     for run_id, pointers, cached in (
         (first_id, scheduled["first_pointers"], set()),
-        (second_id, _pointers(scheduled["root"]), {"validate", "convert", "sft", "rm"}),
+        (second_id, _pointers(scheduled["root"]), CACHED),
     ):
         shown = _artifacts(api, run_id)
         for name in STAGES:
@@ -612,11 +616,11 @@ def test_prefect_shows_every_stage_the_config_diff_and_the_summary(scheduled):
         _artifacts(api, first_id)["quickstart-config"],
         _artifacts(api, second_id)["quickstart-config"],
     )
-    assert "No earlier run" in first_config["data"] and f"steps: {RL_STEPS[0]}" in first_config["data"]
+    assert "No earlier run" in first_config["data"] and f"num_prompts: {EVAL_PROMPTS[0]}" in first_config["data"]
     diff = second_config["data"].split("```diff\n", 1)[1].split("```", 1)[0].splitlines()
     assert [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")] == [
-        f"-  steps: {RL_STEPS[0]}",
-        f"+  steps: {RL_STEPS[1]}",
+        f"-  num_prompts: {EVAL_PROMPTS[0]}",
+        f"+  num_prompts: {EVAL_PROMPTS[1]}",
     ]
 
 
@@ -624,14 +628,12 @@ def test_prefect_shows_every_stage_the_config_diff_and_the_summary(scheduled):
 def test_wandb_has_one_complete_group_per_scheduled_run(scheduled):
     """Each scheduled run's stages are in one W&B group (the cached ones as short runs tagged
     ``cached``), tagged with the flow run and the deployment; the config change gave the second
-    run a group of its own, and its evaluate run carries the rl setting that produced it."""
+    run a group of its own, and its evaluate run carries the evaluate setting that produced it."""
     from e2e_support import offline_runs
 
     runs = offline_runs(scheduled["work"] / "wandb")
     groups = []
-    for run_id, steps, cached in zip(
-        scheduled["scheduled_run_ids"], RL_STEPS, (set(), {"validate", "convert", "sft", "rm"})
-    ):
+    for run_id, prompts, cached in zip(scheduled["scheduled_run_ids"], EVAL_PROMPTS, (set(), CACHED)):
         mine = [r for r in runs if f"flow-run:{run_id}" in r["tags"]]
         assert sorted(r["job_type"] for r in mine) == sorted(STAGES), [(r["job_type"], r["tags"]) for r in mine]
         assert all(f"deployment:{DEPLOYMENT}" in r["tags"] for r in mine)
@@ -640,5 +642,5 @@ def test_wandb_has_one_complete_group_per_scheduled_run(scheduled):
         groups.append(mine[0]["group"])
         assert f"W&B group: `{mine[0]['group']}`" in _artifacts(scheduled["api"], run_id)["quickstart-summary"]["data"]
         evaluate = next(r for r in mine if r["job_type"] == "evaluate")
-        assert evaluate["config"]["rl.steps"] == steps
+        assert evaluate["config"]["evaluate.num_prompts"] == prompts
     assert groups[0] != groups[1] and all(g.startswith("quickstart-") for g in groups)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -373,16 +374,54 @@ def test_comments_docstrings_and_blank_lines_do_not_change_code_version(project_
 
 
 def test_source_digest_ignores_positions_only(tmp_path):
+    from tasks.source_facts import source_digest
+
     a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
     a.write_text('"""Doc."""\nimport os\n\n\ndef f(x):\n    """Doc of f."""\n    return x + 1  # one\n')
     b.write_text("import os\ndef f(x):\n\n    return x + 1\n")
     c.write_text("import os\ndef f(x):\n    return x + 2\n")
-    assert fp_mod.source_digest(a) == fp_mod.source_digest(b)
-    assert fp_mod.source_digest(a) != fp_mod.source_digest(c)
+    assert source_digest(a) == source_digest(b)
+    assert source_digest(a) != source_digest(c)
     # A function whose only statement was its docstring still has a body.
     (tmp_path / "d.py").write_text('def g():\n    """Only a docstring."""\n')
     (tmp_path / "e.py").write_text("def g():\n    pass\n")
-    assert fp_mod.source_digest(tmp_path / "d.py") == fp_mod.source_digest(tmp_path / "e.py")
+    assert source_digest(tmp_path / "d.py") == source_digest(tmp_path / "e.py")
+
+
+def test_source_facts_are_kept_on_disk_by_content(tmp_path, monkeypatch):
+    """The facts of a file are computed once per content: a second process (here: the same
+    call) reads them from $XDG_CACHE_HOME; an edit is a new entry; a corrupt entry or an
+    unwritable cache gives the facts a fresh parse gives."""
+    from tasks import source_facts as sf
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "m.py"
+    src.write_text(
+        '"""Doc."""\nimport os, a.b\nfrom . import x\nfrom ..p.q import r, s\n\n\ndef f():\n    import json\n'
+    )
+    want = sf.SourceFacts(
+        hashlib.sha256(sf.source_digest(src)).hexdigest(),
+        ((0, "", ("os", "a.b")), (1, "", ("x",)), (2, "p.q", ("r", "s")), (0, "", ("json",))),
+    )
+    assert sf.source_facts(src) == want
+    [entry] = (tmp_path / "cache" / "posttrain" / "source-facts").rglob("*.json")
+    parses = []
+    parse = sf._parse
+    monkeypatch.setattr(sf, "_parse", lambda *a: parses.append(a) or parse(*a))
+    assert sf.source_facts(src) == want and parses == []  # read from the entry
+    src.write_text("import os\n")
+    assert sf.source_facts(src).imports == ((0, "", ("os",)),) and len(parses) == 1  # new content: parsed
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src.write_text(
+        '"""Doc."""\nimport os, a.b\nfrom . import x\nfrom ..p.q import r, s\n\n\ndef f():\n    import json\n'
+    )
+    entry.write_text('{"digest": "0"')  # torn or foreign: parsed again, and rewritten
+    assert sf.source_facts(src) == want and json.loads(entry.read_text())["digest"] == want.digest
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert sf.source_facts(src) == want
 
 
 def test_user_modules_follow_imports_of_the_users_own_code_only(tmp_path, monkeypatch):
