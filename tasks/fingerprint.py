@@ -160,8 +160,8 @@ def _closure(module: str) -> dict[str, Path]:
 
 @cache
 def code_version(module: str) -> str:
-    """sha256 over :func:`tasks.source_facts.source_digest` of ``module`` and every project
-    module it imports, recursively, outside :data:`ORCHESTRATION` (module names included, so
+    """sha256 over the tree digests (:class:`tasks.source_facts.SourceFacts`) of ``module``
+    and every project module it imports, recursively, outside :data:`ORCHESTRATION` (module names included, so
     moving code between modules counts)."""
     seen = _closure(module)
     h = hashlib.sha256()

@@ -33,7 +33,10 @@ class SourceFacts:
     """The facts of one source file.
 
     Attributes:
-        digest: hex sha256 of :func:`source_digest`.
+        digest: hex sha256 of what of the file can change what it does: its syntax tree
+            without docstrings, line numbers or comments (``ast.dump`` without attributes).
+            Code that reads its own ``__doc__`` at run time would be missed; the stages' code
+            uses docstrings only as help texts and Prefect's task descriptions.
         imports: every import statement at any depth of the file, in ``ast.walk`` order.
     """
 
@@ -56,20 +59,8 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
-def _parse(path: Path, text: str | None = None) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8") if text is None else text, filename=str(path))
-
-
-def source_digest(path: Path) -> bytes:
-    """What of a Python file can change what it does: its syntax tree without docstrings,
-    line numbers or comments (``ast.dump`` without attributes). Code that reads its own
-    ``__doc__`` at run time would be missed; the stages' code does not use docstrings for
-    anything but help texts and Prefect's task descriptions.
-
-    Raises:
-        SyntaxError: the file does not parse (names the file and line).
-    """
-    return _dump(_parse(path))
+def _parse(path: Path, text: str) -> ast.Module:
+    return ast.parse(text, filename=str(path))
 
 
 def _dump(tree: ast.Module) -> bytes:
