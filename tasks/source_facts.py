@@ -77,8 +77,15 @@ def _imports(tree: ast.Module) -> tuple[Import, ...]:
     return tuple(found)
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+def _cache_dir() -> Path | None:
+    """The cache's folder; None where neither XDG_CACHE_HOME nor a home directory is known
+    (a process without HOME and without a passwd entry): the facts are then not kept."""
+    root = os.environ.get("XDG_CACHE_HOME")
+    if not root:
+        try:
+            root = str(Path.home() / ".cache")
+        except RuntimeError:
+            return None
     return Path(root) / "posttrain" / "source-facts"
 
 
@@ -124,11 +131,13 @@ def source_facts(path: Path) -> SourceFacts:
     """
     data = path.read_bytes()
     key = hashlib.sha256(_SALT + data).hexdigest()
-    entry = _cache_dir() / key[:2] / f"{key}.json"
-    facts = _read_cached(entry)
+    cache = _cache_dir()
+    entry = None if cache is None else cache / key[:2] / f"{key}.json"
+    facts = None if entry is None else _read_cached(entry)
     if facts is None:
         tree = _parse(path, data.decode("utf-8"))
         imports = _imports(tree)  # before the docstrings are stripped: an import can be a body's only statement
         facts = SourceFacts(hashlib.sha256(_dump(tree)).hexdigest(), imports)
-        _write_cached(entry, facts)
+        if entry is not None:
+            _write_cached(entry, facts)
     return facts

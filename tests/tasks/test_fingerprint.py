@@ -427,6 +427,10 @@ def test_source_facts_are_kept_on_disk_by_content(tmp_path, monkeypatch):
     blocked.write_text("a file where the cache directory would go")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     assert sf.source_facts(src) == want
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("HOME")
+    monkeypatch.setattr("pwd.getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))  # no passwd entry
+    assert sf._cache_dir() is None and sf.source_facts(src) == want
 
 
 def test_user_modules_follow_imports_of_the_users_own_code_only(tmp_path, monkeypatch):
