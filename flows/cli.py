@@ -7,10 +7,13 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import shlex
 import sys
+import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -396,5 +399,43 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
 
 
+def _keep_frozen() -> None:
+    """What ``gc.unfreeze`` does once the process is ending: nothing (see :func:`entry`)."""
+
+
+def entry() -> None:
+    """The ``posttrain`` program: :func:`main`, then the end of the process with its code.
+
+    The process ends as Python ends it, less the interpreter's finalization: non-daemon
+    threads are joined, the exit handlers run (W&B, Prefect, Ray, vLLM, logging), the standard
+    streams are flushed, and ``os._exit`` ends it. Before the handlers run, the heap is frozen
+    (``gc.freeze``) and stays frozen. With torch, megatron-core, transformers and vLLM loaded,
+    about a million objects are alive, and two things walked them all at exit (measured with
+    ``py-spy --native``):
+
+    - the full collection Python runs while it finalizes (``gc_collect_main``), 2.0-2.4 s;
+    - a vLLM engine's shutdown (an exit handler: ``EngineCore.shutdown``), which unfreezes
+      the heap and collects it twice to release the engine's memory, about 4 s.
+
+    A command that evaluated took 5.9-6.3 s from :func:`main`'s return to the end of the
+    process, and takes 0.3-0.7 s this way. Finalization is skipped, not just its collection:
+    a frozen heap left to it makes nanobind (triton's bindings) report its live objects as
+    leaks. An exception out of :func:`main` ends the process the usual way.
+    """
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    gc.freeze()
+    gc.unfreeze = _keep_frozen  # vLLM's shutdown would undo the freeze
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
