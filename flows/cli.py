@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from data.disk_full import DiskFull, wrapped_exceptions
+from engine.process_gc import freeze_import_survivors
 from flows.chat import add_chat_parser
 from flows.compare import add_compare_parser
 from flows.export_gguf import add_export_gguf_parser
@@ -422,10 +423,11 @@ def entry() -> None:
     a frozen heap left to it makes nanobind (triton's bindings) report its live objects as
     leaks. An exception out of :func:`main` ends the process the usual way.
     """
+    freeze_import_survivors()  # the commands import their libraries as they need them
     code = main()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit: threading's exit callbacks (they tell idle
+    # concurrent.futures workers to stop), then the join of every non-daemon thread.
+    threading._shutdown()  # type: ignore[attr-defined]
     gc.freeze()
     gc.unfreeze = _keep_frozen  # vLLM's shutdown would undo the freeze
     atexit._run_exitfuncs()

@@ -74,6 +74,7 @@ ENGINE_LAYERS = {
     "batching": 1,
     "algorithms": 0,
     "library_warnings": 0,
+    "process_gc": 0,
 }
 
 

@@ -20,7 +20,9 @@ def runtime_env() -> dict[str, Any]:
     """Ray runtime environment that lets worker processes ``import engine`` (and the other
     project packages): the project root is prepended to ``PYTHONPATH``. Also keeps the
     workers' tokenizers single-threaded and vLLM in-process, and passes on the colocated
-    hand-off's trace file (``POSTTRAIN_HANDOFF_TRACE``) when the driver has one."""
+    hand-off's trace file (``POSTTRAIN_HANDOFF_TRACE``) when the driver has one. Each worker
+    runs :func:`engine.process_gc.freeze_import_survivors` before its actor or task (Ray's
+    ``worker_process_setup_hook``): its start-up imports torch, megatron-core and vLLM."""
     path = [str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {
         "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
@@ -31,7 +33,7 @@ def runtime_env() -> dict[str, Any]:
     # the workers too (named here as a string: this module does not import torch)
     if os.environ.get("POSTTRAIN_HANDOFF_TRACE"):
         env["POSTTRAIN_HANDOFF_TRACE"] = os.environ["POSTTRAIN_HANDOFF_TRACE"]
-    return {"env_vars": env}
+    return {"env_vars": env, "worker_process_setup_hook": "engine.process_gc.freeze_import_survivors"}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 1024) -> dict[str, Any]:

@@ -11,11 +11,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A user's process as the console script starts it: an exit handler and a non-daemon thread
-# (as a library might leave one) are in place before the command runs.
+# A user's process as the console script starts it: an exit handler, a non-daemon thread and
+# an idle thread pool (as a library might leave them) are in place before the command runs.
 PROGRAM = textwrap.dedent(
     """
     import atexit, gc, sys, threading, time
+    from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
     out = Path(sys.argv[1])
 
@@ -28,6 +29,8 @@ PROGRAM = textwrap.dedent(
 
     atexit.register(handler)
     threading.Thread(target=late_thread).start()
+    pool = ThreadPoolExecutor(1)  # its idle worker is a non-daemon thread until told to stop
+    pool.submit(int).result()
     sys.stdout.write("x" * 200_000)  # more than a pipe holds: it must be flushed, not dropped
     sys.argv = ["posttrain", *sys.argv[2:]]
     from flows.cli import entry
