@@ -5,7 +5,7 @@ objects as they import. Python runs a full collection each time the objects that
 into its oldest generation grow by a quarter (CPython's ``gc`` heuristic, Modules/gcmodule.c),
 so a process that imports them walks a growing heap 8-14 times while it starts, and each walk
 costs more: measured with ``gc.callbacks`` on the tiny pipeline, the CLI's collections took
-4.9 s and each Ray worker's 1.6-3.1 s, a fifth of the run's CPU time.
+4.9 s and each Ray worker's 1.6-3.1 s, a quarter of the run's CPU time (57 s).
 
 :func:`freeze_import_survivors` makes every full collection that ends while modules are being
 imported freeze what survived (``gc.freeze``), so the next one walks only what is newer.
