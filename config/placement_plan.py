@@ -162,7 +162,7 @@ def plan_placement(cfg: RLConfig, total_cpus: float) -> PlacementPlan:
     for role, layout in roles.items():
         for rank in range(layout.world_size):
             occupants[rank].append((role, rank, float(layout.gpus_per_rank)))
-    if cfg.environment is None:  # the verifier worker (an environment gives the rewards itself)
+    if cfg.reward_worker == "worker":  # a judge model's engine (rule rewards run in the driver)
         occupants[0].append(("reward", 0, 0.0))
     rollout_gpus = float(cfg.rollout.gpus_per_engine)
     if not disaggregated:

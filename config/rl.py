@@ -444,6 +444,20 @@ class RLConfig(Strict):
         return self.reward.reward_model_weight != 0 and self.environment is None
 
     @property
+    def reward_worker(self) -> str | None:
+        """Where the rule rewards are computed (``engine.rl.reward_workers.RewardWorker``):
+        ``"worker"``, a Ray actor with a placement seat of its own, only when a judge model is
+        served in its process (``rl.reward.judge.model_dir``: a vLLM engine needs the seat's
+        CPUs and GPUs); ``"driver"``, in the RL stage's own process, otherwise, as verl computes
+        its rule rewards in the trainer's driver (verifiers, plug-ins, a judge or reward service
+        behind an endpoint are light, and a process of their own costs seconds of imports per
+        run); None with ``rl.environment``, which gives the rewards itself."""
+        if self.environment is not None:
+            return None
+        judge = self.reward.judge
+        return "worker" if judge is not None and judge.model_dir is not None else "driver"
+
+    @property
     def precomputes_old_logprobs(self) -> bool:
         """Whether the old log-probs get their own forward pass before the update: for the
         KL reward penalty (``kl.in_reward``) and for on-policy distillation, which need them

@@ -1,4 +1,4 @@
-"""The RL run's reward roles, run as Ray actors (``engine.rl.workers.start_workers``): the
+"""The RL run's reward roles (``engine.rl.workers.start_workers``): the
 reward worker (verifier, plug-ins, judge, remote service) and a trained reward model's ranks."""
 
 from __future__ import annotations
@@ -72,7 +72,13 @@ class RewardWorker:
     engine started here when it has a ``model_dir``) and the reward service (``cfg.remote``:
     :class:`engine.rl.remote_reward.RemoteReward`) too.
     Responses are decoded by ``data.chat_response.response_text`` (special tokens removed, so a final EOS
-    is not part of the text), as evaluation decodes them.
+    is not part of the text), as evaluation decodes them. It runs in the RL driver's process, or
+    as a Ray actor where a judge model needs a seat (``config.rl.RLConfig.reward_worker``).
+
+    Args:
+        tokenizer_model_dir: the policy's model directory (its tokenizer decodes the responses).
+        cfg: ``rl.reward``.
+        num_threads: torch threads of the actor's seat; None leaves the process's count.
 
     Raises:
         ImportError: a plug-in cannot be loaded (the message names ``rl.reward.functions[i].path``
@@ -84,7 +90,8 @@ class RewardWorker:
         # polars (via data.rewards): ~0.5 s to import, not paid until this runs
         from data.rewards import get_verifier
 
-        worker_threads(num_threads)
+        if num_threads is not None:  # a Ray actor's seat; in the driver its threads stay as they are
+            worker_threads(num_threads)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(tokenizer_model_dir)
         self.verifier = None if cfg.verifier == "none" else get_verifier(cfg.verifier, cfg.code)

@@ -344,7 +344,8 @@ def sampling_spec(cfg: RLConfig, seed: int, step: int, round_index: int = 0) -> 
 def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n: int):
     """The rewards of ``traj`` (``B = len(batch) * n`` rows, ``n`` samples per prompt in order)
     by the reward worker (``RewardWorker.score``: verifier, plug-ins, a mixture's per-source
-    verifier and weight); with a reward model, its role (``RewardModelWorker``, one rank or a
+    verifier and weight; in this process, or a Ray actor with a judge model:
+    ``RLConfig.reward_worker``); with a reward model, its role (``RewardModelWorker``, one rank or a
     data/tensor-parallel group) scores the decoded responses and the reward worker takes the
     scores as they come (the ``ObjectRef`` is passed on, not fetched here).
 
@@ -360,10 +361,13 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
         else {"verifiers": [p.verifier for p in rows], "reward_weights": [p.reward_weight for p in rows]}
     )
     prompts = [p.messages for p in rows]
+    actor = isinstance(workers.reward, ray.actor.ActorHandle)  # else this process's (RLConfig.reward_worker)
     if workers.reward_model is not None:  # scored by its own role while the reward worker waits for them
-        texts = ray.get(workers.reward.decode.remote(responses))
-        extra["model_scores"] = workers.reward_model.score_responses.remote(traj, prompts, texts)
-    rewards, metrics = ray.get(
-        workers.reward.score.remote(prompts, [p.label for p in rows], responses, finish_reasons, **extra)
+        texts = ray.get(workers.reward.decode.remote(responses)) if actor else workers.reward.decode(responses)
+        scores = workers.reward_model.score_responses.remote(traj, prompts, texts)
+        extra["model_scores"] = scores if actor else ray.get(scores)
+    args = (prompts, [p.label for p in rows], responses, finish_reasons)
+    rewards, metrics = (
+        ray.get(workers.reward.score.remote(*args, **extra)) if actor else workers.reward.score(*args, **extra)
     )
     return traj.with_(rewards=rewards), metrics, time.perf_counter() - t0

@@ -44,7 +44,8 @@ def start_workers(
     in ``rl.teacher.precision``, laid out as the reference), the rollout engines
     (``rl.rollout.num_engines`` rollout workers behind a
     :class:`engine.rollout.router.RolloutRouter`; see :func:`start_rollout`), the reward worker
-    (not with ``rl.environment``), the reward model (a :class:`RewardModelWorker` on
+    (not with ``rl.environment``; a Ray actor only where ``RLConfig.reward_worker`` says
+    ``"worker"``, else built in this process), the reward model (a :class:`RewardModelWorker` on
     ``reward_model_dir`` laid out as ``rl.parallel.reward_model``, only with
     ``rl.reward.reward_model_weight != 0``) and the critic (``rl.algorithm: gae``).
 
@@ -98,11 +99,9 @@ def start_workers(
     )
     rollout = start_rollout(placement, policy_dir, cfg, out_dir, max_len, actor)
     reward = (
-        None
-        if cfg.environment is not None
-        else spawn(  # an environment gives the rewards
-            RewardWorker, placement, str(policy_dir), cfg.reward, placement.threads("reward"), role="reward"
-        )
+        spawn(RewardWorker, placement, str(policy_dir), cfg.reward, placement.threads("reward"), role="reward")
+        if cfg.reward_worker == "worker"
+        else None
     )
     reward_model = (
         None
@@ -130,6 +129,8 @@ def start_workers(
     )
     workers = Workers(placement, actor, reference, rollout, reward, critic, teacher, reward_model)
     try:  # surface a constructor error here, not at the first call
+        if cfg.reward_worker == "driver":  # built while the actors start
+            workers.reward = RewardWorker(str(policy_dir), cfg.reward)
         ray.get(
             [
                 w.__ray_ready__.remote()
@@ -147,7 +148,7 @@ def stop_workers(workers: Workers) -> None:
     """Kill every worker of the run (every rank of a data/tensor-parallel role), then release
     its placement group."""
     for w in (workers.actor, workers.reference, workers.reward, workers.critic, workers.teacher, workers.reward_model):
-        if w is not None:
+        if w is not None and not isinstance(w, RewardWorker):  # the driver's own reward worker is no process
             kill_role(w)
     workers.rollout.stop()  # every rollout engine
     workers.placement.remove()
@@ -212,7 +213,7 @@ class Workers:
     actor: Any
     reference: Any  # None without a KL term (RLConfig.uses_reference)
     rollout: Any  # the engine.rollout.router.RolloutRouter (a bare engine handle also works in the phases)
-    reward: Any  # None with rl.environment (the environment gives the rewards)
+    reward: Any  # None with rl.environment; a RewardWorker in this process unless RLConfig.reward_worker is "worker"
     critic: Any = None  # PPO (rl.algorithm gae) only
     teacher: Any = None  # on-policy distillation (rl.algorithm on_policy_distill) only
     reward_model: Any = None  # rl.reward.reward_model_weight != 0 only (RLConfig.uses_reward_model)

@@ -9,6 +9,7 @@ import pytest
 
 from config.parallel import ParallelConfig, RLParallelConfig
 from config.placement_plan import Bundle, assign_to_nodes, check_placement, placement_table, plan_placement, unplaceable
+from config.reward import RewardConfig
 from config.rl import EngineConfig, KLConfig, RLConfig, RolloutConfig
 
 
@@ -25,20 +26,25 @@ def rl(dp=1, tp=1, gpus=0.0, engines=1, engine_gpus=0.0, kl=0.0, **engine) -> RL
 
 
 def test_colocated_one_bundle_per_rank_engines_beside_the_ranks():
-    """Actor DP=2, two engines, 4 CPUs: bundle i holds actor rank i and engine i (the verifier
-    in bundle 0), 2 CPUs each; the seats split a bundle equally (2/3 CPU, floored to Ray's
-    1e-4), and every worker runs the bundle's 2 threads (they take turns)."""
+    """Actor DP=2, two engines, 4 CPUs: bundle i holds actor rank i and engine i, 2 CPUs each;
+    the seats split a bundle equally, and every worker runs the bundle's 2 threads (they take
+    turns). The rule rewards run in the driver; a judge model's reward worker takes a seat in
+    bundle 0, which then splits three ways (2/3 CPU, floored to Ray's 1e-4)."""
     plan = plan_placement(rl(dp=2, engines=2), total_cpus=4)
-    assert plan.bundles == (
-        Bundle(2.0, 0.0, ("actor 0", "reward 0", "rollout 0")),
-        Bundle(2.0, 0.0, ("actor 1", "rollout 1")),
-    )
+    assert plan.bundles == (Bundle(2.0, 0.0, ("actor 0", "rollout 0")), Bundle(2.0, 0.0, ("actor 1", "rollout 1")))
     assert {k: (s.bundle, s.cpus, s.threads) for k, s in plan.seats.items()} == {
+        ("actor", 0): (0, 1.0, 2),
+        ("rollout", 0): (0, 1.0, 2),
+        ("actor", 1): (1, 1.0, 2),
+        ("rollout", 1): (1, 1.0, 2),
+    }
+    judged = rl(dp=2, engines=2).model_copy(update={"reward": RewardConfig(judge={"model_dir": "/judge"})})
+    plan = plan_placement(judged, total_cpus=4)
+    assert plan.bundles[0] == Bundle(2.0, 0.0, ("actor 0", "reward 0", "rollout 0"))
+    assert {k: (s.bundle, s.cpus, s.threads) for k, s in plan.seats.items() if s.bundle == 0} == {
         ("actor", 0): (0, 0.6666, 2),
         ("reward", 0): (0, 0.6666, 2),
         ("rollout", 0): (0, 0.6666, 2),
-        ("actor", 1): (1, 1.0, 2),
-        ("rollout", 1): (1, 1.0, 2),
     }
     assert sum(s.cpus for s in plan.seats.values() if s.bundle == 0) <= 2.0  # fits its bundle after rounding
     # one engine per two ranks: it sits in slot 0 (j * N // E); three engines over two slots
@@ -52,12 +58,19 @@ def test_colocated_one_bundle_per_rank_engines_beside_the_ranks():
 
 def test_colocated_gpus_are_shared_in_fractions():
     """Actor and reference at DP=2 with one GPU per rank and one engine of one GPU: each slot is
-    one device; bundle 0's three GPU workers hold 1/3 each (the verifier none), bundle 1's two
-    1/2. An engine of 2 GPUs cannot share: the error names its key."""
+    one device; bundle 0's three GPU workers hold 1/3 each (a judge's reward worker none),
+    bundle 1's two 1/2. An engine of 2 GPUs cannot share: the error names its key."""
     plan = plan_placement(rl(dp=2, gpus=1, engine_gpus=1, kl=0.1), 4)
     assert [b.gpus for b in plan.bundles] == [1.0, 1.0]
-    assert plan.bundles[0].occupants == ("actor 0", "reference 0", "reward 0", "rollout 0")
-    assert [plan.seat(r, 0).gpus for r in ("actor", "reference", "reward", "rollout")] == [0.3333, 0.3333, 0.0, 0.3333]
+    assert plan.bundles[0].occupants == ("actor 0", "reference 0", "rollout 0")
+    assert [plan.seat(r, 0).gpus for r in ("actor", "reference", "rollout")] == [0.3333, 0.3333, 0.3333]
+    judged = rl(dp=2, gpus=1, engine_gpus=1, kl=0.1).model_copy(
+        update={"reward": RewardConfig(judge={"model_dir": "/judge"})}
+    )
+    assert (
+        plan_placement(judged, 4).seat("reward", 0).gpus == 0.0
+        and plan_placement(judged, 4).seat("actor", 0).gpus == 0.3333
+    )
     assert [plan.seat(r, 1).gpus for r in ("actor", "reference")] == [0.5, 0.5]
     with pytest.raises(ValueError, match=r"^rl.rollout.gpus_per_engine=2: colocated workers share"):
         plan_placement(rl(dp=2, gpus=1, engine_gpus=2), 4)
@@ -122,7 +135,7 @@ def test_nodes_fit_exactly_or_name_the_key():
         "together; lower rl.engine.num_cpus, the ranks or the engines, or add nodes"
     ]
     assert unplaceable(plan, [(1, 0)] * 4)[0].startswith(
-        "rl.engine.num_cpus: bundle 0 (actor 0, reward 0, rollout 0) needs 2 CPUs but the largest node of the cluster "
+        "rl.engine.num_cpus: bundle 0 (actor 0, rollout 0) needs 2 CPUs but the largest node of the cluster "
         "has 1 (a bundle sits on one node)"
     )
     disagg = plan_placement(rl(engine_gpus=2, placement="disaggregated"), 4)
@@ -132,7 +145,7 @@ def test_nodes_fit_exactly_or_name_the_key():
     ]
     assert placement_table(plan, ["n1", "n2"]).splitlines() == [
         "placement (colocated, PACK): bundle | node | CPUs | GPUs | workers",
-        "  0 | n1 | 2 | 0 | actor 0, reward 0, rollout 0",
+        "  0 | n1 | 2 | 0 | actor 0, rollout 0",
         "  1 | n2 | 2 | 0 | actor 1, rollout 1",
     ]
 
@@ -146,8 +159,8 @@ def test_validate_checks_the_declared_nodes():
     colocated = rl(dp=2, gpus=1, engines=2, engine_gpus=1, num_cpus=4, cluster_nodes=nodes)
     problems, notes = check_placement(colocated, "10.0.0.1:6379")
     assert problems == [] and notes[0] == (
-        "placement (colocated, PACK): bundle 0 = 2 CPUs + 1 GPUs (actor 0, reward 0, "
-        "rollout 0); bundle 1 = 2 CPUs + 1 GPUs (actor 1, rollout 1)"
+        "placement (colocated, PACK): bundle 0 = 2 CPUs + 1 GPUs (actor 0, rollout 0); "
+        "bundle 1 = 2 CPUs + 1 GPUs (actor 1, rollout 1)"
     )
     disagg = rl(
         dp=2,
@@ -174,6 +187,6 @@ def test_validate_checks_the_declared_nodes():
 
     if not torch.cuda.is_available():
         assert problems == [
-            "rl.rollout.gpus_per_engine: bundle 0 (actor 0, reward 0, rollout 0) needs 1 GPUs "
+            "rl.rollout.gpus_per_engine: bundle 0 (actor 0, rollout 0) needs 1 GPUs "
             "but the largest node of the cluster has 0; lower the GPUs per rank or engine"
         ]

@@ -253,3 +253,42 @@ def test_judge_answers_that_are_not_json_are_counted():
         scores, failures = judge.score([q(1, 1)], ["2"], ["2"])
     assert failures == 1 and scores.tolist() == [0.0]
     assert json.loads(JudgeConfig(base_url=f"{url}/v1", model="m").model_dump_json())["temperature"] == 0.0
+
+
+# ----------------------------------------------------------------------------- the judge's own seat
+
+
+def test_judge_model_gets_a_reward_worker_of_its_own_in_an_rl_run(judge_dir, tmp_path, caplog):
+    """A judge model (``model_dir``) is the one reward that needs a process and a placement seat
+    (its vLLM engine; ``RLConfig.reward_worker``): the run's placement table shows ``reward 0``
+    beside the actor and the engine, and the step's rewards are the verifier's plus the judge's.
+    The random judge never answers ``Score: N``, so every sample gets the fallback (0.25): the
+    judge's mean is exactly 0.25 and all 16 samples are counted as failures."""
+    import logging
+
+    from config.rl import EngineConfig, KLConfig, RewardConfig
+    from engine.rl.loop import run_rl
+    from engine.rl.placement import init_ray
+    from tests.engine.rl.test_rl import random_tiny_policy, read_metrics, rl_config
+
+    init_ray(num_cpus=2)  # the module's shared cluster when test_rl started one, else a new one
+    policy = random_tiny_policy(tmp_path / "policy")
+    judge = JudgeConfig(model_dir=str(judge_dir), template=TEMPLATE, fallback=0.25, precision="fp32", max_new_tokens=4)
+    cfg = rl_config(
+        "hf",
+        1,
+        prompts_per_step=4,
+        n_samples=4,
+        kl=KLConfig(coef=0.0),  # no reference: the bundle holds the actor, the judge's worker and the engine
+        reward=RewardConfig(verifier="exact_match", judge=judge),
+        engine=EngineConfig(num_cpus=2),
+    )
+    assert cfg.reward_worker == "worker" and rl_config("hf", 1).reward_worker == "driver"
+    with caplog.at_level(logging.INFO, logger="engine.rl.placement"):
+        run_rl(policy["dir"], policy["prompts"], cfg, tmp_path / "out", None, seed=0)
+    assert any("actor 0, reward 0, rollout 0" in r.getMessage() for r in caplog.records), (
+        "the judge's reward worker has no seat in the placement"
+    )
+    (row,) = read_metrics(tmp_path / "out")
+    assert row["reward/judge_mean"] == 0.25 and row["reward/judge_failures"] == 16.0
+    assert row["critic/score/mean"] == pytest.approx(row["reward/verifier_mean"] + 0.25, abs=1e-6)

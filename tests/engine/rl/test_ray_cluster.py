@@ -200,9 +200,8 @@ def test_gpu_ranks_and_engines_reserve_their_gpus(tiny_policy, tmp_path, monkeyp
             bundles = ray.util.placement_group_table(colocated.group)["bundles"]
             assert bundles == {0: {"CPU": 1.0, "GPU": 1.0}, 1: {"CPU": 1.0, "GPU": 1.0}}
             assert [
-                colocated.actor_options(r, i).get("num_gpus")
-                for r, i in (("actor", 0), ("rollout", 0), ("reward", 0), ("actor", 1))
-            ] == [0.5, 0.5, None, 1.0]
+                colocated.actor_options(r, i).get("num_gpus") for r, i in (("actor", 0), ("rollout", 0), ("actor", 1))
+            ] == [0.5, 0.5, 1.0]
             devices = ray.remote(lambda: ray.get_gpu_ids())
             got = ray.get(
                 [
