@@ -118,5 +118,5 @@ def test_validate_places_the_rl_bundles_on_the_declared_nodes(tmp_path, fixtures
         "or add nodes"
     ) in out
     out = _out(_posttrain("validate", cfg, "rl.engine.placement=colocated"))
-    assert "note: placement (colocated, PACK): bundle 0 = 8 CPUs + 1 GPUs (actor 0, reward 0, rollout 0); " in out
+    assert "note: placement (colocated, PACK): bundle 0 = 8 CPUs + 1 GPUs (actor 0, rollout 0); " in out
     assert "bundle 15 = 8 CPUs + 1 GPUs (actor 15, rollout 15)" in out and "placement: disaggregated" not in out

@@ -39,9 +39,9 @@ def test_async_config_rules():
 
 
 def test_disaggregated_placement_splits_the_cpus(ray_address):
-    """Actor, reference and critic (one rank each) and the verifier share the training bundle
-    of 1.5 CPUs (a quarter each, floored to Ray's 1e-4); the engine has its own of 0.5; the
-    workers run the bundles' threads (at least one)."""
+    """Actor, reference and critic (one rank each) share the training bundle of 1.5 CPUs (a
+    third each; the rule rewards run in the driver); the engine has its own of 0.5; the workers
+    run the bundles' threads (at least one)."""
     from config.rl import RLConfig
     from engine.rl.placement import make_placement
 
@@ -53,7 +53,7 @@ def test_disaggregated_placement_splits_the_cpus(ray_address):
     placement = make_placement(cfg)
     try:
         train, rollout = placement.actor_options("actor"), placement.actor_options("rollout")
-        assert train["num_cpus"] == pytest.approx(1.5 / 4, abs=1e-4) and rollout["num_cpus"] == 0.5
+        assert train["num_cpus"] == pytest.approx(1.5 / 3, abs=1e-4) and rollout["num_cpus"] == 0.5
         assert train["scheduling_strategy"].placement_group_bundle_index == 0
         assert rollout["scheduling_strategy"].placement_group_bundle_index == 1
         assert (placement.threads("actor"), placement.threads("rollout")) == (1, 1)

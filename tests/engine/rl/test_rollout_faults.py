@@ -299,8 +299,8 @@ def test_failed_engines_are_replaced_until_max_engine_restarts(
 
 def test_several_engines_share_the_rollout_cpus(ray_address):
     """Disaggregated: each engine has a bundle of its share of rl.engine.rollout_cpus;
-    colocated: the engines sit in the actor's bundle beside it and the verifier, a fifth of its
-    CPUs each, and split its threads (they generate together)."""
+    colocated: the engines sit in the actor's bundle beside it, a quarter of its CPUs each (the
+    rule rewards run in the driver), and split its threads (they generate together)."""
     from config.rl import RLConfig
     from engine.rl.placement import make_placement
 
@@ -314,15 +314,15 @@ def test_several_engines_share_the_rollout_cpus(ray_address):
         assert [b.resources for b in placement.plan.bundles] == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}]
         assert (
             placement.actor_options("rollout", 1)["num_cpus"] == 0.5
-            and placement.actor_options("actor")["num_cpus"] == 0.5
+            and placement.actor_options("actor")["num_cpus"] == 1.0  # alone in the training bundle
         )
         assert placement.threads("rollout", 1) == 1
     finally:
         placement.remove()
     placement = make_placement(RLConfig(rollout=RolloutConfig(num_engines=3), engine=EngineConfig(num_cpus=2)))
-    try:  # actor, reward (no KL term: no reference) and three engines
+    try:  # the actor (no KL term: no reference) and three engines
         (bundle,) = placement.plan.bundles
-        assert len(bundle.occupants) == 5 and placement.actor_options("rollout", 2)["num_cpus"] == pytest.approx(2 / 5)
+        assert len(bundle.occupants) == 4 and placement.actor_options("rollout", 2)["num_cpus"] == pytest.approx(2 / 4)
         assert placement.threads("rollout", 2) == 1 and placement.threads("actor") == 2
     finally:
         placement.remove()
