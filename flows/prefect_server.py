@@ -45,6 +45,9 @@ _RETRIED_FAILURES = {
     # closes the worker's channel with HEARTBEAT_PERSISTENCE_FAILED, a close policy marked
     # retryable: the worker reconnects and heartbeats again
     "prefect.server.utilities.worker_channel": "Worker channel heartbeat persistence failed",
+    # prefect/server/events/triggers.py: the triggers service's periodic evaluation (sweeping
+    # closed buckets) logs a failed pass, sleeps and runs the whole pass again
+    "prefect.server.events.triggers": "Error running periodic evaluation",
 }
 
 
@@ -64,7 +67,8 @@ class RetriedSQLiteLockFilter(logging.Filter):
     poll; SQLite then fails at once, without waiting out its busy timeout, and docket retries
     the task (5 attempts, 0.5 s apart). Prefect's worker channel logs a heartbeat that lost the
     lock the same way, then closes the channel with a retryable reason and the worker
-    reconnects. Only those records (``_RETRIED_FAILURES``: logger and
+    reconnects; the triggers service logs a periodic evaluation that lost it, and evaluates
+    again on its next loop. Only those records (``_RETRIED_FAILURES``: logger and
     message) whose exception is SQLite's SQLITE_BUSY / "database is locked" are dropped; every
     other record passes, as does a task's final failure (logged by ``docket.worker``).
     """

@@ -405,18 +405,16 @@ def scheduled(tmp_path_factory):
 
 def test_server_logging_settings_are_prefects_own_plus_the_sqlite_retry_filter():
     """prefect-server-logging.yml loads through Prefect's loader and is Prefect's default
-    logging.yml plus one filter, on docket.dependencies, prefect.server and Prefect's worker
-    channel (a Prefect upgrade
+    logging.yml plus one filter, on docket.dependencies, prefect.server, Prefect's worker
+    channel and its triggers service (a Prefect upgrade
     that changes the default fails here: copy the new default and add the filter again)."""
     from prefect.logging.configuration import DEFAULT_LOGGING_SETTINGS_PATH, load_logging_config
 
     ours, default = load_logging_config(LOGGING_YML), load_logging_config(DEFAULT_LOGGING_SETTINGS_PATH)
     assert ours.pop("filters") == {"retried_sqlite_lock": {"()": "flows.prefect_server.RetriedSQLiteLockFilter"}}
     assert ours["loggers"].pop("docket.dependencies") == {"level": "NOTSET", "filters": ["retried_sqlite_lock"]}
-    assert ours["loggers"].pop("prefect.server.utilities.worker_channel") == {
-        "level": "NOTSET",
-        "filters": ["retried_sqlite_lock"],
-    }
+    for name in ("prefect.server.utilities.worker_channel", "prefect.server.events.triggers"):
+        assert ours["loggers"].pop(name) == {"level": "NOTSET", "filters": ["retried_sqlite_lock"]}, name
     assert ours["loggers"]["prefect.server"].pop("filters") == ["retried_sqlite_lock"]
     assert ours == default
 

@@ -171,10 +171,13 @@ def test_filter_drops_only_retried_sqlite_lock_errors(tmp_path):
     other = sqlalchemy.exc.OperationalError("SELECT 1", {}, sqlite3.OperationalError("no such table: deployment"))
     validation = "Encountered error during state validation"
     heartbeat = "Worker channel heartbeat persistence failed: work_pool=%s worker_name=%s"
+    periodic = "Error running periodic evaluation"
     records = [
         ("docket.dependencies", "↩ [%s] %s", locked),  # dropped: docket retries it
         ("prefect.server", validation, locked),  # dropped: re-raised for a retry
         ("prefect.server.utilities.worker_channel", heartbeat, locked),  # dropped: the worker reconnects
+        ("prefect.server.events.triggers", periodic, locked),  # dropped: evaluated again next loop
+        ("prefect.server.events.triggers", periodic, other),  # another SQLite error
         ("prefect.server.utilities.worker_channel", heartbeat, other),  # another SQLite error
         ("docket.dependencies", "↩ [%s] %s", other),  # another SQLite error
         ("docket.dependencies", "↩ [%s] %s", ValueError("x")),  # not a database error
@@ -183,6 +186,7 @@ def test_filter_drops_only_retried_sqlite_lock_errors(tmp_path):
         ("prefect.server.services", validation, locked),  # another logger
     ]
     assert _kept(records) == [
+        f"prefect.server.events.triggers: {periodic}",
         "prefect.server.utilities.worker_channel: Worker channel heartbeat persistence failed: "
         "work_pool=12ms worker_name=mark_deployments_ready(...)",
         "docket.dependencies: ↩ [12ms] mark_deployments_ready(...)",
@@ -242,6 +246,25 @@ def test_filter_matches_what_the_worker_channel_logs_for_a_heartbeat_it_retries(
     )
     policy = WORKER_CHANNEL_CLOSE_POLICIES[WorkerChannelCloseReason.HEARTBEAT_PERSISTENCE_FAILED]
     assert policy.retryable and not policy.terminal
+
+
+def test_filter_matches_what_the_triggers_service_logs_for_a_pass_it_runs_again():
+    """Prefect's triggers service logs a failed periodic evaluation on its module logger, with
+    the message the filter names, inside a loop that sleeps and evaluates again."""
+    import prefect.server.events.triggers as triggers
+
+    source = Path(triggers.__file__).read_text()
+    assert triggers.logger.name == "prefect.server.events.triggers"
+    assert (
+        """    while True:
+        try:
+            await periodic_evaluation(prefect.types._datetime.now("UTC"))
+        except Exception:
+            logger.exception("Error running periodic evaluation")
+        finally:
+            await asyncio.sleep(periodic_granularity.total_seconds())"""
+        in source
+    )
 
 
 def test_module_imports_without_prefect():
