@@ -347,7 +347,8 @@ def compute_rewards(workers: Workers, traj: Trajectory, batch: list[RLPrompt], n
     verifier and weight; in this process, or a Ray actor with a judge model:
     ``RLConfig.reward_worker``); with a reward model, its role (``RewardModelWorker``, one rank or a
     data/tensor-parallel group) scores the decoded responses and the reward worker takes the
-    scores as they come (the ``ObjectRef`` is passed on, not fetched here).
+    scores as they come (the ``ObjectRef`` is passed on to an actor; the driver's own reward
+    worker gets the fetched scores).
 
     Returns: ``(traj with rewards [B], reward metrics, seconds)``.
     """
