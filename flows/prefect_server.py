@@ -21,7 +21,9 @@ import atexit
 import ctypes
 import logging
 import os
+import random
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -102,89 +104,154 @@ def _detach_from_parent_signals(parent_pid: int) -> None:
             os._exit(1)
 
 
-def _session_server():
-    """A :class:`SubprocessASGIServer` whose uvicorn process starts in a new session, and
-    whose start waits out a slow health check.
+class TemporaryServer:
+    """Prefect's temporary API server (``create_app`` under uvicorn, as Prefect 3.7.7's
+    ``SubprocessASGIServer`` runs it), in a session of its own, whose start waits out a slow
+    health check.
 
-    Built on first use: importing Prefect's server module takes seconds, and commands that
-    use a configured API never need it.
+    Written here rather than subclassed from Prefect's class: importing
+    ``prefect.server.api.server`` (the whole API app) costs 2-3 s of CPU in every command
+    that starts a server, and only the child process serves the app.
+
+    Attributes:
+        port: the local port (chosen on :meth:`start`; None before).
+        server_process: the uvicorn process while it runs, else None.
+        running: whether :meth:`start` succeeded and :meth:`stop` has not run.
     """
-    # prefect: 1-2 s to import; only flows and stage runs need it
-    import httpx
-    import prefect
-    from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
-    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
 
-    class SessionServer(SubprocessASGIServer):
-        def start(self, timeout: int | None = None) -> None:
-            """Prefect's ``start`` (3.7.7), except that a health check whose answer times out
-            counts as "not up yet", as a refused connection does, and the limit is wall time.
+    _PORTS = range(8000, 9000)  # Prefect's own range for its temporary servers
 
-            Prefect's loop gives up on the first read time-out (httpx's 5 s): on a busy machine
-            uvicorn accepts the connection before the app answers, and the start failed with
-            ``httpx.ReadTimeout`` well inside ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
+    def __init__(self) -> None:
+        self.port: int | None = None
+        self.server_process: subprocess.Popen | None = None
+        self.running = False
 
-            Raises:
-                RuntimeError: no healthy answer within the limit, or the server exited
-                    (its exit code in the message).
-            """
-            if self.running:
-                return
-            self.port = self.port or self.find_available_port()
-            # Prefect's own message: commands' logs (and the fault tests) read the port from it
-            subprocess_server_logger.info(
-                f"Starting temporary server on {self.address}\nSee "
-                "https://docs.prefect.io/v3/concepts/server#how-to-guides "
-                "for more information on running a dedicated Prefect server."
-            )
-            self.running = True
-            self.server_process = self._run_uvicorn_command()
-            atexit.register(self.stop)
-            limit = timeout or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
-            deadline = time.monotonic() + limit
-            with httpx.Client() as client:
-                while (left := deadline - time.monotonic()) > 0:
-                    code = self.server_process.poll()
-                    if code == 3:  # uvicorn's exit code when the port was taken meanwhile
-                        self.port = self.find_available_port()
-                        self.server_process = self._run_uvicorn_command()
-                        continue
-                    if code is not None:
-                        break
-                    try:
-                        if client.get(f"{self.api_url}/health", timeout=min(5.0, left)).status_code == 200:
-                            return
-                    except (httpx.ConnectError, httpx.TimeoutException):
-                        pass
-                    time.sleep(0.1)
-            self.running = False
-            exited = self.server_process.poll()
-            raise RuntimeError(
-                "Timed out while attempting to connect to ephemeral Prefect API server."
-                + (f" Ephemeral server process exited with code {exited}." if exited is not None else "")
-            )
+    @property
+    def address(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self.port}"
 
-        def _run_uvicorn_command(self) -> subprocess.Popen:
-            env = {
-                **os.environ,
-                **get_current_settings().to_environment_variables(exclude_unset=True),
-                "PREFECT_UI_ENABLED": "0",
-                "PREFECT__SERVER_EPHEMERAL": "1",
-                "PREFECT__SERVER_FINAL": "1",
-            }
-            command = [
-                sys.executable, "-m", "uvicorn",
-                "--app-dir", str(Path(prefect.__file__).parent.parent),
-                "--factory", "prefect.server.api.server:create_app",
-                "--host", "127.0.0.1", "--port", str(self.port),
-                "--log-level", "error", "--lifespan", "on",
-            ]  # fmt: skip
-            parent = os.getpid()
-            return subprocess.Popen(
-                command, env=env, start_new_session=True, preexec_fn=lambda: _detach_from_parent_signals(parent)
-            )
+    @property
+    def api_url(self) -> str:
+        """The API's URL, what ``PREFECT_API_URL`` is set to."""
+        return f"{self.address}/api"
 
-    return SessionServer()
+    def start(self, timeout: float | None = None) -> None:
+        """Start the server and return once ``/health`` answers 200. A health check whose
+        answer times out counts as "not up yet", as a refused connection does, and the limit
+        is wall time (Prefect's loop gives up on httpx's first 5 s read time-out: on a busy
+        machine uvicorn accepts the connection before the app answers). A port taken
+        meanwhile (uvicorn's exit code 3) is replaced by another.
+
+        Args:
+            timeout: seconds; default ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``.
+
+        Raises:
+            RuntimeError: no healthy answer within the limit, or the server exited
+                (its exit code in the message).
+        """
+        # prefect: 1-2 s to import; only flows and stage runs need it
+        import httpx
+        from prefect.logging import get_logger
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        if self.running:
+            return
+        self.port = self.port or _free_port(self._PORTS)
+        # Prefect's own message and logger: commands' logs (and the fault tests) read the port from it
+        get_logger().info(
+            f"Starting temporary server on {self.address}\nSee "
+            "https://docs.prefect.io/v3/concepts/server#how-to-guides "
+            "for more information on running a dedicated Prefect server."
+        )
+        self.running = True
+        self.server_process = self._run_uvicorn_command()
+        atexit.register(self.stop)
+        limit = timeout or PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        deadline = time.monotonic() + limit
+        with httpx.Client() as client:
+            while (left := deadline - time.monotonic()) > 0:
+                code = self.server_process.poll()
+                if code == 3:  # uvicorn's exit code when the port was taken meanwhile
+                    self.port = _free_port(self._PORTS)
+                    self.server_process = self._run_uvicorn_command()
+                    continue
+                if code is not None:
+                    break
+                try:
+                    if client.get(f"{self.api_url}/health", timeout=min(5.0, left)).status_code == 200:
+                        return
+                except (httpx.ConnectError, httpx.TimeoutException):
+                    pass
+                time.sleep(0.1)
+        self.running = False
+        exited = self.server_process.poll()
+        raise RuntimeError(
+            "Timed out while attempting to connect to ephemeral Prefect API server."
+            + (f" Ephemeral server process exited with code {exited}." if exited is not None else "")
+        )
+
+    def _run_uvicorn_command(self) -> subprocess.Popen:
+        # prefect: 1-2 s to import; only flows and stage runs need it
+        import prefect
+        from prefect.settings import get_current_settings
+
+        env = {
+            **os.environ,
+            **get_current_settings().to_environment_variables(exclude_unset=True),
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+        }
+        command = [
+            sys.executable, "-m", "uvicorn",
+            "--app-dir", str(Path(prefect.__file__).parent.parent),
+            "--factory", "prefect.server.api.server:create_app",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--log-level", "error", "--lifespan", "on",
+        ]  # fmt: skip
+        parent = os.getpid()
+        return subprocess.Popen(
+            command, env=env, start_new_session=True, preexec_fn=lambda: _detach_from_parent_signals(parent)
+        )
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after 5 s, as Prefect does) and reap it; safe
+        to call twice."""
+        # prefect: 1-2 s to import; only flows and stage runs need it
+        from prefect.logging import get_logger
+
+        if self.server_process is not None:
+            get_logger().info(f"Stopping temporary server on {self.address}")
+            self.server_process.terminate()
+            try:
+                self.server_process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.server_process.kill()
+                self.server_process.wait()
+            finally:
+                self.server_process = None
+        self.running = False
+
+
+def _free_port(ports: range) -> int:
+    """A port of ``ports`` that 127.0.0.1 can bind now, tried at random (as Prefect does: two
+    commands starting at once rarely pick the same one, and uvicorn's exit code 3 covers a
+    race).
+
+    Raises:
+        RuntimeError: ten tries found none free.
+    """
+    for _ in range(10):
+        port = random.choice(ports)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                pass
+        time.sleep(random.uniform(0.1, 0.5))
+    raise RuntimeError(f"no free port for the temporary Prefect server in {ports.start}-{ports.stop - 1}")
 
 
 def _start(server) -> None:
@@ -230,7 +297,7 @@ def prefect_api() -> Iterator[str]:
     if configured:
         yield configured
         return
-    server = _session_server()
+    server = TemporaryServer()
     try:
         _start(server)
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):

@@ -20,7 +20,7 @@ import sqlalchemy
 from prefect import flow
 from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_LOG_RETRYABLE_ERRORS, temporary_settings
 
-from flows.prefect_server import RetriedSQLiteLockFilter, _session_server, prefect_api
+from flows.prefect_server import RetriedSQLiteLockFilter, TemporaryServer, prefect_api
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
@@ -99,7 +99,7 @@ def test_a_health_check_that_times_out_is_waited_out():
     """The server's process is stopped (SIGSTOP) for 7 s the moment it listens: the kernel
     accepts the health check's connection and nothing answers, so the check times out (httpx's
     5 s), as it does on a busy machine. The start waits, and returns once the server answers."""
-    server = _session_server()
+    server = TemporaryServer()
     stall: dict[str, float] = {}
 
     def stop_once_listening() -> None:
