@@ -14,6 +14,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `make test` runs two test processes on 2 cores, and each run's engines size their OpenMP pools
+# for the whole machine: waiting threads must sleep instead of spinning (libgomp spins first by
+# default). Two tiny TinyStories pipelines at once: 210 s wall and 412 CPU-s with the default,
+# 91 s and 173 CPU-s with PASSIVE (docs/platforms.md, "CPU facts"). Children and Ray workers
+# inherit it; the product keeps OpenMP's default, which is faster for a run alone.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # A Ray call after ray.shutdown() raises instead of starting a new local cluster with the host's
 # defaults, which the next test's init_ray would join and then wait forever for its resources.
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
