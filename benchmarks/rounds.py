@@ -92,7 +92,7 @@ class RoundGate:
         return True
 
 
-def _busy_cpu_seconds() -> float:
+def busy_cpu_seconds() -> float:
     """CPU seconds all processes have used since boot (``/proc/stat``: user, nice, system,
     irq, softirq; not idle, iowait or steal)."""
     import psutil
@@ -245,11 +245,11 @@ def run_interleaved(
             for side, proc in procs.items():
                 measured = peaks()
                 load = os.getloadavg()[0]
-                busy0, ours0, t0 = _busy_cpu_seconds(), _tree_cpu_seconds([me]), time.perf_counter()
+                busy0, ours0, t0 = busy_cpu_seconds(), _tree_cpu_seconds([me]), time.perf_counter()
                 proc.go()
                 records = proc.read()["records"]
                 wall = time.perf_counter() - t0
-                others = max(0.0, (_busy_cpu_seconds() - busy0) - (_tree_cpu_seconds([me]) - ours0)) / wall
+                others = max(0.0, (busy_cpu_seconds() - busy0) - (_tree_cpu_seconds([me]) - ours0)) / wall
                 waited = wait_idle(proc.proc.pid)
                 out.rounds.append(RoundResult(side, r, records, wall, measured, load, others, waited))
                 progress(

@@ -240,3 +240,32 @@ def test_bf16_sft_table_averages_ten_steps_and_divides_by_the_family_fp32():
     assert table.splitlines()[0] == "| side | step 50 | step 100 |"
     assert "| engine_bf16 | 91.0000 (2.000x) | 191.0000 (2.000x) |" in table
     assert "| hf_autocast | 45.5000 | 95.5000 |" in table  # no hf_fp32 in the run: no ratio
+
+
+def test_shared_cores_copies_write_only_under_their_root_and_keep_other_paths():
+    from pathlib import Path
+
+    from benchmarks.shared_cores import apply_overrides, run_copy
+
+    raw = {
+        "run": {"name": "t", "artifact_root": "artifacts", "checkpoint_root": "checkpoints"},
+        "wandb": {"mode": "offline"},
+        "prepare": {"kind": "stories", "output_dir": "work/tiny", "num_rl": 4000},
+        "data": {"rl_train": {"path": "work/tiny/rl_train.jsonl"}, "other": {"path": "work/tinyer/x.jsonl"}},
+        "model": {"source": "../shared/fixtures/m.gguf"},
+    }
+    shrunk = apply_overrides(raw, ["prepare.num_rl=256", "rl.steps=3"])
+    assert shrunk["prepare"]["num_rl"] == 256 and shrunk["rl"] == {"steps": 3} and raw["prepare"]["num_rl"] == 4000
+    copy = run_copy(shrunk, Path("/scratch/r0"))
+    assert copy["run"] == {
+        "name": "bench-shared-cores-r0",
+        "artifact_root": "/scratch/r0/artifacts",
+        "checkpoint_root": "/scratch/r0/checkpoints",
+    }
+    assert copy["wandb"] == {"mode": "offline", "dir": "/scratch/r0/wandb"}
+    assert copy["prepare"]["output_dir"] == "/scratch/r0/inputs"
+    assert copy["data"]["rl_train"]["path"] == "/scratch/r0/inputs/rl_train.jsonl"
+    assert copy["data"]["other"]["path"] == "work/tinyer/x.jsonl"  # a sibling folder, not under output_dir
+    assert copy["model"]["source"] == "../shared/fixtures/m.gguf"
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        apply_overrides(raw, ["rl.steps"])
