@@ -67,13 +67,29 @@ def test_engine_runs_bfloat16_with_a_bfloat16_kv_cache(setup):
     assert vllm_config.model_config.dtype == torch.bfloat16 and vllm_config.cache_config.num_gpu_blocks == 4
 
     def dtypes(worker):
+        from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
         runner = worker.model_runner
+        # On a CPU with AMX tiles vLLM runs small bfloat16 projections with its packed-weight
+        # kernel (utils.dispatch_cpu_unquantized_gemm), which takes their bias in float32: those
+        # biases are expected in float32, every other parameter in bfloat16.
+        sgl_biases = {
+            f"{name}.bias"
+            for name, module in runner.model.named_modules()
+            if getattr(module, "bias", None) is not None
+            and hasattr(module, "output_size_per_partition")
+            and check_cpu_sgl_kernel(module.output_size_per_partition, module.input_size_per_partition, torch.bfloat16)
+        }
         return (
-            {str(p.dtype) for p in runner.model.parameters() if p.numel() > 0},
+            {n: str(p.dtype) for n, p in runner.model.named_parameters() if p.numel() > 0},
+            sgl_biases,
             {str(c.dtype) for c in runner.kv_caches},
         )
 
-    assert engine.llm.collective_rpc(dtypes) == [({"torch.bfloat16"}, {"torch.bfloat16"})]
+    [(params, sgl_biases, caches)] = engine.llm.collective_rpc(dtypes)
+    assert params and caches == {"torch.bfloat16"}
+    assert {n: d for n, d in params.items() if d != "torch.bfloat16"} == {n: "torch.float32" for n in sgl_biases}
+    assert torch.cpu._is_amx_tile_supported() or not sgl_biases  # the packed kernel needs AMX
 
 
 # vLLM's bfloat16 against transformers' bfloat16 (same weights): two implementations, each
