@@ -33,8 +33,9 @@ class ParallelConfig(Strict):
         ge=1,
         description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
-        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 only in "
-        "the sft stage, with sequence_parallel; each expert is then also split over the tensor-parallel ranks). "
+        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 with "
+        "sequence_parallel, in the sft, rm and po stages, not yet in RL; each expert is then also split over the "
+        "tensor-parallel ranks). "
         "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft, rm "
         "and po stages (rm.backend megatron) and every RL role (rl.backend megatron for the actor and "
         "critic) take it (docs/conversion.md, Expert parallelism).",
@@ -46,7 +47,7 @@ class ParallelConfig(Strict):
         "ranks, so each holds 1/TP of them (each forward's length is padded to a multiple of TP; the replicated "
         "norm gains' gradients are summed over the group). Same update as without it, up to float rounding. "
         "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it; with "
-        "expert_model_parallel_size > 1 too, the sft stage only). megatron backend only.",
+        "expert_model_parallel_size > 1 too, the sft, rm and po stages only). megatron backend only.",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -112,9 +113,9 @@ class RLParallelConfig(Strict):
 
 
 _EP_TIMES_TP = (
-    "{key}: expert_model_parallel_size > 1 together with tensor_model_parallel_size > 1 runs in the sft stage "
-    "only (the rm and po stages' and the RL roles' score, value and reference passes and weight sync are not "
-    "tested at that layout); set one of them to 1"
+    "{key}: expert_model_parallel_size > 1 together with tensor_model_parallel_size > 1 runs in the sft, rm "
+    "and po stages only (the RL roles' log-prob, value and score passes and the weight sync to the rollout "
+    "engines are not tested at that layout); set one of them to 1"
 )
 
 
@@ -136,8 +137,6 @@ def check_stage_layout(
         ValueError: naming the ``<section>.parallel`` key and the fix.
     """
     dp = layout.data_parallel_size
-    if layout.expert_model_parallel_size > 1 and layout.tensor_model_parallel_size > 1 and section != "sft":
-        raise ValueError(_EP_TIMES_TP.format(key=f"{section}.parallel"))
     if dp == 1:
         return
     if token_budget is None and global_batch_size // micro_batch_size < dp:
