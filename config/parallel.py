@@ -33,9 +33,8 @@ class ParallelConfig(Strict):
         ge=1,
         description="Expert-parallel ranks of an MoE model (megatron-core): each holds 1/N of every MoE "
         "layer's experts and the ranks exchange tokens (allgather dispatcher); carved out of the "
-        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 with "
-        "sequence_parallel, in the sft, rm and po stages, not yet in RL; each expert is then also split over the "
-        "tensor-parallel ranks). "
+        "data-parallel ranks, so it must divide data_parallel_size (at tensor_model_parallel_size > 1 it needs "
+        "sequence_parallel; each expert is then also split over the tensor-parallel ranks). "
         "Every rank of the group runs as many forwards of as many tokens (lock-step, padded). The sft, rm "
         "and po stages (rm.backend megatron) and every RL role (rl.backend megatron for the actor and "
         "critic) take it (docs/conversion.md, Expert parallelism).",
@@ -46,8 +45,8 @@ class ParallelConfig(Strict):
         "outside attention and the MLP (norms, residuals) are split along the sequence over the tensor-parallel "
         "ranks, so each holds 1/TP of them (each forward's length is padded to a multiple of TP; the replicated "
         "norm gains' gradients are summed over the group). Same update as without it, up to float rounding. "
-        "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it; with "
-        "expert_model_parallel_size > 1 too, the sft, rm and po stages only). megatron backend only.",
+        "An MoE model needs it at TP > 1 (megatron-core trains MoE layers at TP > 1 only with it, with or "
+        "without expert_model_parallel_size > 1). megatron backend only.",
     )
     cpus_per_rank: float | None = Field(
         None,
@@ -91,14 +90,6 @@ class ParallelConfig(Strict):
 class RLParallelConfig(Strict):
     """Layouts of the RL stage's training roles (rl.parallel)."""
 
-    @model_validator(mode="after")
-    def _no_expert_times_tensor_parallel(self):
-        for role in ("actor", "reference", "critic", "reward_model"):
-            layout = getattr(self, role)
-            if layout.expert_model_parallel_size > 1 and layout.tensor_model_parallel_size > 1:
-                raise ValueError(_EP_TIMES_TP.format(key=f"rl.parallel.{role}"))
-        return self
-
     actor: ParallelConfig = Field(ParallelConfig(), description="The policy being trained (megatron backend).")
     critic: ParallelConfig = Field(ParallelConfig(), description="PPO's value model (algorithm gae; megatron backend).")
     reference: ParallelConfig = Field(
@@ -110,13 +101,6 @@ class RLParallelConfig(Strict):
         "rl.reward.reward_model_weight != 0; frozen, scores only): data parallelism "
         "splits the responses, tensor parallelism the model.",
     )
-
-
-_EP_TIMES_TP = (
-    "{key}: expert_model_parallel_size > 1 together with tensor_model_parallel_size > 1 runs in the sft, rm "
-    "and po stages only (the RL roles' log-prob, value and score passes and the weight sync to the rollout "
-    "engines are not tested at that layout); set one of them to 1"
-)
 
 
 def check_stage_layout(

@@ -61,15 +61,15 @@ def test_config_refuses_expert_parallel_sizes_that_do_not_divide_the_data_parall
     ):
         RMConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2, backend="deepspeed")
     assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
-    # EP x TP (with sequence parallelism): the sft, po and rm stages (test_sequence_parallel.py, the po
-    # test below, test_expert_parallel_scores.py); not yet the RL roles
+    # EP x TP (with sequence parallelism) in every stage and RL role: test_sequence_parallel.py (sft), the po
+    # test below, test_expert_parallel_scores.py (rm, critic, RL reward model), test_expert_parallel_rl.py
     ep_tp = EP2_TP2.model_dump()
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp).parallel.world_size == 4
     assert PoConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp).parallel.world_size == 4
     assert RMConfig(global_batch_size=8, micro_batch_size=2, parallel=ep_tp).parallel.world_size == 4
-    for role in ("actor", "reference", "critic", "reward_model"):  # every RL role takes EP, none EP x TP
-        with pytest.raises(ValueError, match=rf"rl.parallel.{role}: expert_model_parallel_size > 1 together with"):
-            RLParallelConfig(**{role: ep_tp})
+    roles = ("actor", "reference", "critic", "reward_model")
+    rl = RLParallelConfig(**{role: ep_tp for role in roles})
+    assert [getattr(rl, role).world_size for role in roles] == [4] * 4
     assert SFTConfig(global_batch_size=8, micro_batch_size=2, parallel=EP2).parallel.expert_model_parallel_size == 2
 
 

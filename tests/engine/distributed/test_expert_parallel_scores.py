@@ -33,6 +33,9 @@ from tests.engine.distributed.test_expert_parallel_rl import even_and_uneven_bat
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out (clusters, engines, servers or pipelines)
 
 EP2 = ParallelConfig(data_parallel_size=2, expert_model_parallel_size=2)
+EP2_TP2 = ParallelConfig(
+    data_parallel_size=2, tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +194,7 @@ def test_rm_step_at_dp2_tp2_ep2_equals_dp1_and_its_state_reads_back_whole(moe, r
     from engine.storage.model_dir import load_model_dir
     from engine.storage.train_state import load_train_state
     from engine.training.reward_model import train_reward_model
-    from tests.engine.distributed.test_expert_parallel import EP2_TP2, layout_name
+    from tests.engine.distributed.test_expert_parallel import layout_name
 
     cfg = _rm_config(steps=1)
     lr = cfg.optim.lr
@@ -237,7 +240,8 @@ def _state_weights(resume_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in load_train_state(critic_state_dir(resume_dir, step)).model.items()}
 
 
-def test_critic_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(moe, ray_cluster, tmp_path):
+@pytest.mark.parametrize("layout", [EP2, EP2_TP2], ids=["dp2-ep2", "dp2-tp2-ep2-sp"])
+def test_critic_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(moe, ray_cluster, tmp_path, layout):
     """The critic's values before, two value updates (batch A: 8 rows, 2 micro-batches per rank;
     batch B: 5 rows, 2 and 1, so rank 1 runs a padding forward in the value pass and a
     zero-weighted padding backward in the update), the values and every weight after them,
@@ -251,11 +255,11 @@ def test_critic_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(moe, ray_clu
     from engine.distributed.group import WorkerGroup
     from engine.storage.train_state import DataPosition
 
-    cfg = rl_config(micro_batch_size=2, parallel={"critic": EP2})
+    cfg = rl_config(micro_batch_size=2, parallel={"critic": layout})
     single = CriticWorker(moe["model"], cfg.model_copy(update={"parallel": RLParallelConfig()}), 3, 1)
     start = {k: v.detach().clone() for k, v in single.model.state_dict().items() if isinstance(v, torch.Tensor)}
     norm_fn = lambda t: global_norm(t.response_mask)  # noqa: E731
-    group = WorkerGroup(CriticWorker, EP2, {"num_cpus": 0}, (str(moe["model"]), cfg, 3, 1), seed=3, norm_fn=norm_fn)
+    group = WorkerGroup(CriticWorker, layout, {"num_cpus": 0}, (str(moe["model"]), cfg, 3, 1), seed=3, norm_fn=norm_fn)
     offsets = torch.tensor([0.3, -0.1, 0.25, -0.3, 0.05, -0.15, 0.22, -0.05])[:, None]  # none at the 0.2 clip edge
     try:
         ray.get(group.__ray_ready__.remote())
@@ -291,7 +295,8 @@ def test_critic_at_dp2_ep2_equals_dp1_even_and_uneven_micro_batches(moe, ray_clu
     assert int((diff > 1e-6).sum()) <= 1e-4 * diff.numel()
 
 
-def test_reward_model_scores_at_ep2_equal_ep1(moe, ray_cluster):
+@pytest.mark.parametrize("layout", [EP2, EP2_TP2], ids=["dp2-ep2", "dp2-tp2-ep2-sp"])
+def test_reward_model_scores_at_ep2_equal_ep1(moe, ray_cluster, layout):
     """RL's reward-model scores of 21 responses at DP=2 x EP=2 against the plain worker: one
     long row balances twenty short ones (Karmarkar-Karp on tokens), so rank 0 scores 1 row in 1
     forward and rank 1 scores 20 in 2 (``score``'s 16 per forward): rank 0 runs a padding
@@ -312,7 +317,7 @@ def test_reward_model_scores_at_ep2_equal_ep1(moe, ray_cluster):
 
     single = RewardModelWorker(moe["model"], 1, precision="fp32")
     want = single.score_responses(traj, prompts, texts)
-    group = WorkerGroup(RewardModelWorker, EP2, {"num_cpus": 0}, (str(moe["model"]), 1), {"precision": "fp32"})
+    group = WorkerGroup(RewardModelWorker, layout, {"num_cpus": 0}, (str(moe["model"]), 1), {"precision": "fp32"})
     try:
         ray.get(group.__ray_ready__.remote())
         have = ray.get(group.score_responses.remote(traj, prompts, texts))
