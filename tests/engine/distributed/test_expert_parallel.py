@@ -96,7 +96,8 @@ def ray_cluster():
     yield
 
 
-def test_sft_at_dp2_ep2_equals_dp1_and_its_checkpoint_resumes_at_dp1(moe_inputs, ray_cluster, tmp_path):
+@pytest.mark.parametrize("layout", [EP2, EP2_TP2], ids=["dp2-ep2", "dp2-tp2-ep2-sp"])
+def test_sft_at_dp2_ep2_equals_dp1_and_its_checkpoint_resumes_at_dp1(moe_inputs, ray_cluster, tmp_path, layout):
     """Three sft steps at DP=1 and at DP=2 x EP=2, the EP run killed after step 3 and its step-2
     state resumed at DP=1 (``_killed_at_dp2_and_resumed_at_dp1``: weights after 2 steps and after
     the resumed third within the DP bounds; megatron's sharded checkpoint stores each expert at
@@ -113,6 +114,11 @@ def test_sft_at_dp2_ep2_equals_dp1_and_its_checkpoint_resumes_at_dp1(moe_inputs,
     megatron marked the expert weights ``allreduce=True`` and the data-parallel all-reduce added
     rank 0's expert k to rank 1's expert k + 2) the step-1 grad_norm was 1.2045283 against
     1.2045107 (1.5e-5 apart) and step 2's loss 1.1e-4 apart: this test fails on that.
+
+    The same at DP=2 x TP=2 x EP=2 with sequence parallelism (4 ranks, each expert's shards in the
+    train state too), resumed at DP=1: step 1 within 1.7e-7 (the tensor-parallel sums' order, so
+    not bit for bit), steps 2 and 3 within 8.8e-8, weights after 2 steps and after the resumed
+    third at most 8.8e-6 apart (9 of 175,040 beyond 1e-6).
     """
     from engine.training.sft import train_sft
 
@@ -132,13 +138,13 @@ def test_sft_at_dp2_ep2_equals_dp1_and_its_checkpoint_resumes_at_dp1(moe_inputs,
         cfg,
         dict(base_model_dir=moe_inputs["base"], dataset_path=moe_inputs["sft"]),
         tmp_path,
-        layout=EP2,
+        layout=layout,
     )
     for step in (1, 2, 3):
         for key in ("train/loss", "train/grad_norm"):
-            print(f"sft step {step} {key}: dp1 {one[step][key]!r} dp2 x ep2 {two[step][key]!r}")
+            print(f"sft step {step} {key}: dp1 {one[step][key]!r} {layout_name(layout)} {two[step][key]!r}")
             assert _close(two[step][key], one[step][key]), (step, key)
-            if step == 1:  # the same weights and micro-batches: bit for bit
+            if step == 1 and layout == EP2:  # the same weights and micro-batches: bit for bit
                 assert two[step][key] == one[step][key], key
         assert two[step]["train/tokens"] == one[step]["train/tokens"] and two[step]["train/lr"] == one[step]["train/lr"]
         # the routing: every expert's token count is the sum over both ranks' micro-batches
